@@ -1,0 +1,3 @@
+"""planner: profile, plan and run gradient communication for data-parallel PyTorch training."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,121 @@
+"""Cost models: functions from a size to seconds, fitted to or interpolated from measured points."""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.types import SchemaError
+
+__all__ = ["AffineCost", "CostModel", "PiecewiseLinearCost", "fit_affine"]
+
+
+class CostModel(abc.ABC):
+    """Seconds taken by an operation of size `x` (bytes, elements, ...). Must be >= 0 and non-decreasing."""
+
+    @abc.abstractmethod
+    def cost(self, x: float) -> float:
+        """Predicted seconds for size `x`."""
+
+    def __call__(self, x: float) -> float:
+        return self.cost(x)
+
+    def cost_many(self, xs: np.ndarray) -> np.ndarray:
+        """Vectorised `cost` (the solvers call this in their inner loops); override for speed."""
+        return np.array([self.cost(float(x)) for x in np.asarray(xs).ravel()], dtype=float).reshape(np.shape(xs))
+
+
+@dataclass(frozen=True, kw_only=True)
+class AffineCost(CostModel):
+    """T(x) = alpha + beta * x for x > 0, and 0 for x == 0 (nothing is sent)."""
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.alpha) and math.isfinite(self.beta)) or self.alpha < 0 or self.beta < 0:
+            raise SchemaError(f"`alpha >= 0 and beta >= 0` must hold, but got (alpha={self.alpha}, beta={self.beta})")
+
+    def cost(self, x: float) -> float:
+        return 0.0 if x <= 0 else self.alpha + self.beta * x
+
+    def cost_many(self, xs: np.ndarray) -> np.ndarray:
+        xs = np.asarray(xs, dtype=float)
+        return np.where(xs > 0, self.alpha + self.beta * xs, 0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PiecewiseLinearCost(CostModel):
+    """Linear interpolation between measured points (xs ascending).
+
+    Below the first point the first measurement holds (start-up dominates small sizes); beyond the last
+    point the cost grows in proportion to size (no faster, no slower than the last measurement).
+    """
+
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.xs) != len(self.ys) or not self.xs:
+            raise SchemaError(f"need as many sizes as times and at least one, got {len(self.xs)} and {len(self.ys)}")
+        if any(b <= a for a, b in zip(self.xs, self.xs[1:], strict=False)):
+            raise SchemaError(f"sizes must be strictly ascending, got {self.xs}")
+        if any(not math.isfinite(y) or y < 0 for y in self.ys):
+            raise SchemaError(f"times must be finite and >= 0, got {self.ys}")
+        # Monotone envelope: a measured dip (noise) must not make a larger message cheaper.
+        envelope = tuple(max(self.ys[: i + 1]) for i in range(len(self.ys)))
+        object.__setattr__(self, "ys", envelope)
+
+    def cost(self, x: float) -> float:
+        if x <= 0:
+            return 0.0
+        xs, ys = self.xs, self.ys
+        if x <= xs[0]:
+            return ys[0]
+        if x >= xs[-1]:
+            return ys[-1] * x / xs[-1]
+        i = bisect.bisect_right(xs, x)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    def cost_many(self, xs: np.ndarray) -> np.ndarray:
+        xs = np.asarray(xs, dtype=float)
+        inside = np.interp(xs, self.xs, self.ys)
+        beyond = self.ys[-1] * xs / self.xs[-1]
+        return np.where(xs <= 0, 0.0, np.where(xs >= self.xs[-1], beyond, inside))
+
+
+def fit_affine(points: Sequence[tuple[float, float]]) -> tuple[AffineCost, float]:
+    """Least-squares alpha + beta*x over (size, seconds) points, weighted to fit small and large sizes alike.
+
+    Returns the model and its fit error: the median of |predicted - measured| / measured over the points.
+    Residuals are relative (each point weighted by 1/y) because sizes span several decades.
+    """
+    pts = [(float(x), float(y)) for x, y in points if y > 0]
+    if len(pts) < 2:
+        raise SchemaError(f"need at least two measured points with time > 0 to fit alpha + beta*x, got {len(pts)}")
+    # Weighted least squares with weights 1/y^2 (relative error), closed form for two unknowns.
+    sw = sx = sy = sxx = sxy = 0.0
+    for x, y in pts:
+        w = 1.0 / (y * y)
+        sw += w
+        sx += w * x
+        sy += w * y
+        sxx += w * x * x
+        sxy += w * x * y
+    det = sw * sxx - sx * sx
+    beta = (sw * sxy - sx * sy) / det if det > 0 else 0.0
+    alpha = (sy - beta * sx) / sw
+    if beta < 0:  # noise made large messages look cheaper: fall back to a constant
+        beta, alpha = 0.0, sy / sw
+    if alpha < 0:  # start-up cannot be negative: refit the slope through the origin
+        alpha = 0.0
+        beta = sum(x * y / (y * y) for x, y in pts) / sum(x * x / (y * y) for x, y in pts)
+    model = AffineCost(alpha=alpha, beta=beta)
+    errs = sorted(abs(model.cost(x) - y) / y for x, y in pts)
+    return model, errs[len(errs) // 2]

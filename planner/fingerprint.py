@@ -1,0 +1,86 @@
+"""Fingerprints of the model and the cluster a profile or plan was made for."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from planner.jsonio import check_fields, expect
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["ClusterInfo", "ModelInfo", "model_info"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    """Which model: a hash of its trainable parameters' names, shapes and dtypes, plus readable counts."""
+
+    name: str
+    fingerprint: str
+    num_params: int
+    numel: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "model") -> ModelInfo:
+        expect(data, dict, where)
+        check_fields(data, where, ["name", "fingerprint", "num_params", "numel"])
+        return cls(
+            name=expect(data["name"], str, f"{where}.name"),
+            fingerprint=expect(data["fingerprint"], str, f"{where}.fingerprint"),
+            num_params=expect(data["num_params"], int, f"{where}.num_params"),
+            numel=expect(data["numel"], int, f"{where}.numel"),
+        )
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.num_params} parameter tensors, {self.numel:,} elements, fingerprint {self.fingerprint})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterInfo:
+    """Where: world size, backend, device name and number of hosts."""
+
+    world_size: int
+    backend: str
+    device: str
+    host_count: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "cluster") -> ClusterInfo:
+        expect(data, dict, where)
+        check_fields(data, where, ["world_size", "backend", "device", "host_count"])
+        info = cls(
+            world_size=expect(data["world_size"], int, f"{where}.world_size"),
+            backend=expect(data["backend"], str, f"{where}.backend"),
+            device=expect(data["device"], str, f"{where}.device"),
+            host_count=expect(data["host_count"], int, f"{where}.host_count"),
+        )
+        if info.world_size < 1 or info.host_count < 1:
+            from planner.types import SchemaError
+
+            raise SchemaError(f"{where}: `world_size >= 1 and host_count >= 1` must hold, but got {info}")
+        return info
+
+    def describe(self) -> str:
+        return f"world size {self.world_size}, {self.backend} on {self.device}"
+
+
+def model_info(module: nn.Module, name: str) -> ModelInfo:
+    """Fingerprint `module` from its trainable parameters (registration order), identically on every rank."""
+    h = hashlib.sha256()
+    count = numel = 0
+    for pname, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        h.update(f"{pname}:{tuple(p.shape)}:{p.dtype}\n".encode())
+        count += 1
+        numel += p.numel()
+    return ModelInfo(name=name, fingerprint=h.hexdigest()[:16], num_params=count, numel=numel)

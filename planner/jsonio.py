@@ -1,0 +1,89 @@
+"""Reading and writing the planner's JSON documents: clear errors on the way in, atomic on the way out."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from planner.types import PlannerFileError, SchemaError
+
+
+def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
+    """Parse a JSON object from `path`; `what` ("plan", "profile") names the document in errors."""
+    p = Path(path)
+    if not p.is_file():
+        raise PlannerFileError(f"{what} file not found: {p} (check the path)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlannerFileError(f"cannot read {what} file {p}: {exc}") from exc
+    try:
+        # parse_constant turns NaN/Infinity into a schema error instead of a float.
+        data = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise SchemaError(
+            f"{what} file {p} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno});"
+            f" the file may be truncated: produce it again"
+        ) from exc
+    if not isinstance(data, dict):
+        raise SchemaError(f"{what} file {p} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _reject_constant(name: str) -> Any:
+    raise SchemaError(f"non-finite number {name} in JSON document")
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Mapping[str, Any]) -> Path:
+    """Write `data` as JSON to `path` through a temporary file and a rename, so a crash loses nothing."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
+
+
+def check_fields(data: Mapping[str, Any], where: str, required: Iterable[str], optional: Iterable[str] = ()) -> None:
+    """Reject unknown and missing fields, naming them."""
+    req, opt = set(required), set(optional)
+    unknown = sorted(set(data) - req - opt)
+    if unknown:
+        raise SchemaError(f"unknown field(s) {unknown} in {where}; allowed: {sorted(req | opt)}")
+    missing = sorted(req - set(data))
+    if missing:
+        raise SchemaError(f"missing field(s) {missing} in {where}")
+
+
+def expect(value: Any, kind: type | tuple[type, ...], where: str) -> Any:
+    """Return `value` if it has JSON type `kind` (bool is never an int here), else raise naming `where`."""
+    ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in _as_tuple(kind))
+    if not ok:
+        names = "/".join(k.__name__ for k in _as_tuple(kind))
+        raise SchemaError(f"{where} must be {names}, got {value!r}")
+    return value
+
+
+def expect_time(value: Any, where: str, error: type[SchemaError] = SchemaError) -> float:
+    """A duration in seconds: a finite number >= 0 (else `error`)."""
+    v = float(expect(value, (int, float), where))
+    if not math.isfinite(v) or v < 0:
+        raise error(f"{where} must be a finite time >= 0 seconds, got {value!r}")
+    return v
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)

@@ -1,0 +1,69 @@
+"""Layers as the planner sees them: modules that directly own trainable parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from planner.plan import Group
+from planner.problem import Grouping, groups_of, topk_count
+from planner.types import SolverError, Strategy
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["LayerSpec", "gradient_layers", "groups_for"]
+
+ROOT_NAME = "<root>"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerSpec:
+    """A module's own trainable parameters (qualified names) and their total size."""
+
+    name: str
+    params: tuple[str, ...]
+    numel: int
+
+
+def gradient_layers(module: nn.Module) -> list[LayerSpec]:
+    """Every module owning trainable parameters directly, in registration order."""
+    layers = []
+    for mname, mod in module.named_modules():
+        own = [(n, p) for n, p in mod.named_parameters(recurse=False) if p.requires_grad]
+        if own:
+            prefix = f"{mname}." if mname else ""
+            layers.append(
+                LayerSpec(
+                    name=mname or ROOT_NAME,
+                    params=tuple(prefix + n for n, _ in own),
+                    numel=sum(p.numel() for _, p in own),
+                )
+            )
+    return layers
+
+
+def groups_for(
+    layers: Sequence[LayerSpec], grouping: Grouping, strategy: Strategy, density: float | None
+) -> tuple[Group, ...]:
+    """Plan groups for `layers` (in ready order) split at `grouping`'s end indices."""
+    if not grouping or grouping[-1] != len(layers):
+        raise SolverError(f"grouping {grouping} does not cover the {len(layers)} layers")
+    out = []
+    for r in groups_of(grouping):
+        members = [layers[i] for i in r]
+        numel = sum(m.numel for m in members)
+        k = None
+        if strategy is Strategy.TOPK:
+            assert density is not None
+            k = topk_count(numel, density)
+        out.append(
+            Group(
+                layers=tuple(m.name for m in members),
+                params=tuple(p for m in members for p in m.params),
+                numel=numel,
+                k=k,
+            )
+        )
+    return tuple(out)

@@ -1,0 +1,222 @@
+"""The plan: a versioned JSON document of decisions and predictions. Loading one never runs code.
+
+Schema (version 1), all times in seconds, sizes in elements unless the name says bytes:
+
+    {
+      "schema_version": 1,
+      "kind": "planner.plan",
+      "created": "2026-11-22T12:00:00+00:00",
+      "strategy": "dense" | "topk",
+      "density": null | 0.01,                        # top-k fraction, null for dense
+      "model":   {"name", "fingerprint", "num_params", "numel"},
+      "cluster": {"world_size", "backend", "device", "host_count"},
+      "source":  {"profile": "profiles/resnet18.json", "profiled": "<date of the profile>"},
+      "solver":  {"name": "dense-dp", "seconds": 0.004},
+      "groups": [                                    # in the order gradients become ready
+        {"layers": ["fc"], "params": ["fc.weight", "fc.bias"], "numel": 5130, "k": null}, ...
+      ],
+      "predicted": {
+        "plan":      {"iteration_s", "compute_s", "exposed_comm_s", "comm_s", "selection_s", "decode_s", "num_groups"},
+        "baselines": {"wfbp": {...}, "single": {...}, "ddp-25mb": {...}, ...},
+        "lower_bound_s": 0.091
+      }
+    }
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from planner.fingerprint import ClusterInfo, ModelInfo
+from planner.jsonio import check_fields, expect, expect_time, read_json, write_json_atomic
+from planner.problem import Prediction
+from planner.types import PlanMismatchError, SchemaError, Strategy
+
+__all__ = ["PLAN_KIND", "PLAN_SCHEMA_VERSION", "Group", "Plan"]
+
+PLAN_SCHEMA_VERSION = 1
+PLAN_KIND = "planner.plan"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Group:
+    """One collective: contiguous layers (ready order), their parameters, size, and k for top-k."""
+
+    layers: tuple[str, ...]
+    params: tuple[str, ...]
+    numel: int
+    k: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "params": list(self.params), "numel": self.numel, "k": self.k}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> Group:
+        expect(data, dict, where)
+        check_fields(data, where, ["layers", "params", "numel", "k"])
+        layers = tuple(expect(x, str, f"{where}.layers[]") for x in expect(data["layers"], list, f"{where}.layers"))
+        params = tuple(expect(x, str, f"{where}.params[]") for x in expect(data["params"], list, f"{where}.params"))
+        numel = expect(data["numel"], int, f"{where}.numel")
+        k = data["k"] if data["k"] is None else expect(data["k"], int, f"{where}.k")
+        if not params or numel <= 0:
+            raise SchemaError(f"{where} must name at least one parameter and have numel > 0, got {data}")
+        if k is not None and not 0 < k <= numel:
+            raise SchemaError(f"{where}: `0 < k <= numel` must hold, but got (k={k}, numel={numel})")
+        return cls(layers=layers, params=params, numel=numel, k=k)
+
+
+def _prediction_from_dict(data: Any, where: str) -> Prediction:
+    expect(data, dict, where)
+    fields = ["iteration_s", "compute_s", "exposed_comm_s", "comm_s", "selection_s", "decode_s", "num_groups"]
+    check_fields(data, where, fields)
+    times = {f: expect_time(data[f], f"{where}.{f}") for f in fields if f != "num_groups"}
+    return Prediction(**times, num_groups=expect(data["num_groups"], int, f"{where}.num_groups"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Decisions for one model on one cluster, and what they are predicted to cost against the baselines."""
+
+    strategy: Strategy
+    density: float | None
+    model: ModelInfo
+    cluster: ClusterInfo
+    groups: tuple[Group, ...]
+    predicted: Prediction
+    baselines: dict[str, Prediction]
+    lower_bound_s: float
+    solver: str
+    solve_seconds: float
+    source_profile: str
+    profiled: str
+    created: str
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise SchemaError("a plan needs at least one group")
+        if self.strategy is Strategy.TOPK:
+            if self.density is None or not 0 < self.density <= 1:
+                raise SchemaError(f"a top-k plan needs `0 < density <= 1`, but got density={self.density}")
+            if any(g.k is None for g in self.groups):
+                raise SchemaError("every group of a top-k plan needs k")
+        seen: set[str] = set()
+        for g in self.groups:
+            dup = seen.intersection(g.params)
+            if dup:
+                raise SchemaError(f"parameter(s) {sorted(dup)} appear in more than one group")
+            seen.update(g.params)
+
+    # -- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "kind": PLAN_KIND,
+            "created": self.created,
+            "strategy": self.strategy.value,
+            "density": self.density,
+            "model": self.model.to_dict(),
+            "cluster": self.cluster.to_dict(),
+            "source": {"profile": self.source_profile, "profiled": self.profiled},
+            "solver": {"name": self.solver, "seconds": self.solve_seconds},
+            "groups": [g.to_dict() for g in self.groups],
+            "predicted": {
+                "plan": asdict(self.predicted),
+                "baselines": {name: asdict(p) for name, p in self.baselines.items()},
+                "lower_bound_s": self.lower_bound_s,
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        version = data.get("schema_version")
+        if version != PLAN_SCHEMA_VERSION:
+            raise SchemaError(
+                f"unknown plan schema_version {version!r}; this planner reads version {PLAN_SCHEMA_VERSION}:"
+                " re-plan with `planner solve`"
+            )
+        if data.get("kind") != PLAN_KIND:
+            raise SchemaError(f"not a plan: kind is {data.get('kind')!r}, expected {PLAN_KIND!r}")
+        fields = ["schema_version", "kind", "created", "strategy", "density", "model", "cluster", "source", "solver"]
+        check_fields(data, "plan", [*fields, "groups", "predicted"])
+        try:
+            strategy = Strategy(data["strategy"])
+        except ValueError:
+            raise SchemaError(
+                f"plan.strategy must be one of {[s.value for s in Strategy]}, got {data['strategy']!r}"
+            ) from None
+        density = data["density"]
+        if density is not None:
+            density = float(expect(density, (int, float), "plan.density"))
+            if not math.isfinite(density):
+                raise SchemaError(f"plan.density must be finite, got {density}")
+        source = expect(data["source"], dict, "plan.source")
+        check_fields(source, "plan.source", ["profile", "profiled"])
+        solver = expect(data["solver"], dict, "plan.solver")
+        check_fields(solver, "plan.solver", ["name", "seconds"])
+        predicted = expect(data["predicted"], dict, "plan.predicted")
+        check_fields(predicted, "plan.predicted", ["plan", "baselines", "lower_bound_s"])
+        baselines = expect(predicted["baselines"], dict, "plan.predicted.baselines")
+        groups = expect(data["groups"], list, "plan.groups")
+        return cls(
+            schema_version=version,
+            created=expect(data["created"], str, "plan.created"),
+            strategy=strategy,
+            density=density,
+            model=ModelInfo.from_dict(data["model"], "plan.model"),
+            cluster=ClusterInfo.from_dict(data["cluster"], "plan.cluster"),
+            source_profile=expect(source["profile"], str, "plan.source.profile"),
+            profiled=expect(source["profiled"], str, "plan.source.profiled"),
+            solver=expect(solver["name"], str, "plan.solver.name"),
+            solve_seconds=expect_time(solver["seconds"], "plan.solver.seconds"),
+            groups=tuple(Group.from_dict(g, f"plan.groups[{i}]") for i, g in enumerate(groups)),
+            predicted=_prediction_from_dict(predicted["plan"], "plan.predicted.plan"),
+            baselines={
+                expect(k, str, "baseline name"): _prediction_from_dict(v, f"plan.predicted.baselines.{k}")
+                for k, v in baselines.items()
+            },
+            lower_bound_s=expect_time(predicted["lower_bound_s"], "plan.predicted.lower_bound_s"),
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically."""
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read and validate; errors name the file and the field."""
+        data = read_json(path, "plan")
+        try:
+            return cls.from_dict(data)
+        except SchemaError as exc:
+            raise type(exc)(f"plan {path}: {exc}") from None
+
+    # -- use -------------------------------------------------------------------------------------
+    def replan_command(self) -> str:
+        """The commands that make a fresh plan for the current model and cluster."""
+        density = f" --density {self.density}" if self.strategy is Strategy.TOPK else ""
+        return (
+            f"planner profile --model {self.model.name} --nproc <N> -o profile.json && "
+            f"planner solve profile.json --strategy {self.strategy.value}{density} -o plan.json"
+        )
+
+    def check_compatible(self, model: ModelInfo, world_size: int) -> None:
+        """Refuse to run on another model or world size, naming the difference and how to re-plan."""
+        if model.fingerprint != self.model.fingerprint:
+            raise PlanMismatchError(
+                f"this plan was made for model {self.model.describe()}, but the model given is "
+                f"{model.describe()}; re-plan: {self.replan_command()}"
+            )
+        if world_size != self.cluster.world_size:
+            raise PlanMismatchError(
+                f"this plan was made for world size {self.cluster.world_size}, but the process group has "
+                f"world size {world_size}; re-plan: {self.replan_command()}"
+            )
+
+    @property
+    def param_order(self) -> list[str]:
+        """Every planned parameter, group by group."""
+        return [p for g in self.groups for p in g.params]

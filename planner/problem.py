@@ -1,0 +1,112 @@
+"""The instance the gradient solvers work on: one iteration of a model under the timeline model.
+
+Layers are indexed 0..L-1 in the order their gradients become ready in backward (DESIGN.md numbers
+them 1..L). A grouping is the tuple of exclusive end indices of contiguous groups, ascending, last = L:
+(2, 5) on L=5 means groups [0, 1] and [2, 3, 4].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from planner.costs import CostModel
+from planner.types import SolverError, Strategy
+
+__all__ = ["INDEX_BYTES", "GradientProblem", "Grouping", "Prediction", "groups_of", "topk_count"]
+
+Grouping = tuple[int, ...]
+
+#: top-k sends each selected index as int32 next to its value.
+INDEX_BYTES = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradientProblem:
+    """Per-layer times and sizes, and the cost models of communication, selection and decoding.
+
+    Attributes:
+        strategy: dense allreduce or top-k sparsified allgather.
+        forward_s: forward time F. update_s: optimizer update time U.
+        backward_s: b_i, backward time of each layer in ready order.
+        numel: n_i, gradient elements of each layer in ready order.
+        comm: dense: allreduce seconds for a message of x bytes; top-k: allgather seconds for x bytes sent per rank.
+        world_size: P, number of workers.
+        density: top-k fraction rho in (0, 1].
+        select: top-k: seconds to select k = ceil(rho N) of a group of N elements (with its residual update).
+        decode: top-k: seconds to scatter-add x gathered values into the dense gradient.
+    """
+
+    strategy: Strategy
+    forward_s: float
+    update_s: float
+    backward_s: tuple[float, ...]
+    numel: tuple[int, ...]
+    comm: CostModel
+    world_size: int
+    element_bytes: int = 4
+    density: float | None = None
+    select: CostModel | None = None
+    decode: CostModel | None = None
+    names: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.numel:
+            raise SolverError("the problem has no layers with gradients")
+        if len(self.backward_s) != len(self.numel):
+            raise SolverError(
+                f"`len(backward_s) == len(numel)` must hold, but got ({len(self.backward_s)}, {len(self.numel)})"
+            )
+        if self.names and len(self.names) != len(self.numel):
+            raise SolverError(f"`len(names) == len(numel)` must hold, but got ({len(self.names)}, {len(self.numel)})")
+        if self.world_size < 1:
+            raise SolverError(f"`world_size >= 1` must hold, but got world_size={self.world_size}")
+        if self.strategy is Strategy.TOPK:
+            if self.density is None or not 0 < self.density <= 1:
+                raise SolverError(f"top-k needs `0 < density <= 1`, but got density={self.density}")
+            if self.select is None or self.decode is None:
+                raise SolverError("top-k needs selection and decode cost models (profile the top-k costs)")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.numel)
+
+    def k(self, numel: int) -> int:
+        """Values a top-k group of `numel` elements sends: ceil(rho * numel)."""
+        assert self.density is not None
+        return topk_count(numel, self.density)
+
+    def message_bytes(self, numel: int) -> int:
+        """Bytes one rank sends for a group of `numel` elements: the dense gradient, or k values and indices."""
+        if self.strategy is Strategy.DENSE:
+            return numel * self.element_bytes
+        return self.k(numel) * (self.element_bytes + INDEX_BYTES)
+
+
+def topk_count(numel: int, density: float) -> int:
+    """k = ceil(density * numel), at least 1 and at most numel (the tolerance absorbs float error)."""
+    return max(1, min(numel, math.ceil(density * numel - 1e-9)))
+
+
+def groups_of(grouping: Grouping) -> list[range]:
+    """The layer index ranges of a grouping."""
+    starts = (0, *grouping[:-1])
+    return [range(s, e) for s, e in zip(starts, grouping, strict=True)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """Predicted time of one iteration under a grouping, and where it goes (seconds).
+
+    iteration_s = compute_s + exposed_comm_s, where compute_s is the compute path alone
+    (F + backward + selection + decode + U) and exposed_comm_s the communication not hidden behind it.
+    comm_s is the total busy time of the communication channel.
+    """
+
+    iteration_s: float
+    compute_s: float
+    exposed_comm_s: float
+    comm_s: float
+    selection_s: float = 0.0
+    decode_s: float = 0.0
+    num_groups: int = 1

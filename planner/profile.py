@@ -1,0 +1,369 @@
+"""The profile: what was measured on the target devices and process group. Loading one never runs code.
+
+Schema (version 1), times in seconds, sizes in elements unless the name says bytes:
+
+    {
+      "schema_version": 1, "kind": "planner.profile",
+      "created": "<ISO date>", "torch_version": "2.13.0",
+      "model": {"name", "fingerprint", "num_params", "numel"},
+      "cluster": {"world_size", "backend", "device", "host_count"},
+      "batch_size": 16, "element_bytes": 4,
+      "forward_s": ..., "backward_s": ..., "update_s": ...,      # medians of whole-model phases
+      "layers": [                                                 # in the order gradients became ready
+        {"name", "params": [...], "numel", "forward_s", "backward_s", "backward_iqr_s"}, ...
+      ],
+      "collectives": {                                            # bytes = message size per rank
+        "allreduce": {"points": [[bytes, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"}, ...
+      },
+      "topk": {                                                   # null when not measured
+        "select": [[numel, density, seconds], ...],
+        "decode": {"points": [[values, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"}
+      }
+    }
+
+`backward_s` of a layer is the time between the previous layer's gradient becoming ready and its own
+(b_i of the timeline model). `fit_error` is the median relative error of the fitted alpha + beta*x.
+The solvers use the fit where it is good (every point within MAX_FIT_ERROR) and otherwise interpolate
+the measured points (DESIGN.md: fitted where the data is linear, interpolated where it is not).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pandas as pd
+
+from planner.costs import AffineCost, CostModel, PiecewiseLinearCost, fit_affine
+from planner.fingerprint import ClusterInfo, ModelInfo
+from planner.jsonio import check_fields, expect, expect_time, read_json, write_json_atomic
+from planner.problem import GradientProblem
+from planner.types import Collective, InvalidProfileError, SchemaError, Strategy
+
+__all__ = ["PROFILE_KIND", "PROFILE_SCHEMA_VERSION", "FittedCurve", "LayerTiming", "Profile", "TopkTiming"]
+
+PROFILE_SCHEMA_VERSION = 1
+PROFILE_KIND = "planner.profile"
+
+#: Largest relative error of the affine fit at any measured point for the fit to be used as the model.
+MAX_FIT_ERROR = 0.25
+
+
+def _time(value: Any, where: str) -> float:
+    return expect_time(value, where, InvalidProfileError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerTiming:
+    """One layer's measured times (medians over repetitions) and gradient size."""
+
+    name: str
+    params: tuple[str, ...]
+    numel: int
+    forward_s: float
+    backward_s: float
+    backward_iqr_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "params": list(self.params),
+            "numel": self.numel,
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "backward_iqr_s": self.backward_iqr_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> LayerTiming:
+        expect(data, dict, where)
+        check_fields(data, where, ["name", "params", "numel", "forward_s", "backward_s", "backward_iqr_s"])
+        numel = expect(data["numel"], int, f"{where}.numel")
+        if numel <= 0:
+            raise InvalidProfileError(f"{where}.numel must be > 0, got {numel}")
+        return cls(
+            name=expect(data["name"], str, f"{where}.name"),
+            params=tuple(expect(p, str, f"{where}.params[]") for p in expect(data["params"], list, f"{where}.params")),
+            numel=numel,
+            forward_s=_time(data["forward_s"], f"{where}.forward_s"),
+            backward_s=_time(data["backward_s"], f"{where}.backward_s"),
+            backward_iqr_s=_time(data["backward_iqr_s"], f"{where}.backward_iqr_s"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FittedCurve:
+    """Raw (size, seconds) points and their alpha + beta*size fit."""
+
+    points: tuple[tuple[int, float], ...]
+    alpha_s: float
+    beta_s_per_byte: float
+    fit_error: float
+
+    @classmethod
+    def fit(cls, points: list[tuple[int, float]]) -> FittedCurve:
+        model, err = fit_affine(points)
+        return cls(points=tuple(points), alpha_s=model.alpha, beta_s_per_byte=model.beta, fit_error=err)
+
+    @property
+    def affine(self) -> AffineCost:
+        return AffineCost(alpha=self.alpha_s, beta=self.beta_s_per_byte)
+
+    @property
+    def worst_error(self) -> float:
+        """Largest relative error of the affine fit over the measured points."""
+        return max(abs(self.affine.cost(x) - t) / t for x, t in self.points if t > 0)
+
+    @property
+    def model(self) -> CostModel:
+        """The affine fit where it holds at every point, else interpolation of the measured points."""
+        if self.worst_error <= MAX_FIT_ERROR:
+            return self.affine
+        pts = sorted(dict(self.points).items())
+        return PiecewiseLinearCost(xs=tuple(float(x) for x, _ in pts), ys=tuple(t for _, t in pts))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "points": [list(p) for p in self.points],
+            "alpha_s": self.alpha_s,
+            "beta_s_per_byte": self.beta_s_per_byte,
+            "fit_error": self.fit_error,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> FittedCurve:
+        expect(data, dict, where)
+        check_fields(data, where, ["points", "alpha_s", "beta_s_per_byte", "fit_error"])
+        points = []
+        for i, p in enumerate(expect(data["points"], list, f"{where}.points")):
+            if not isinstance(p, list) or len(p) != 2:
+                raise SchemaError(f"{where}.points[{i}] must be [size, seconds], got {p!r}")
+            points.append((expect(p[0], int, f"{where}.points[{i}][0]"), _time(p[1], f"{where}.points[{i}][1]")))
+        if len(points) < 2:
+            raise InvalidProfileError(f"{where} needs at least two measured points, got {len(points)}")
+        return cls(
+            points=tuple(points),
+            alpha_s=_time(data["alpha_s"], f"{where}.alpha_s"),
+            beta_s_per_byte=_time(data["beta_s_per_byte"], f"{where}.beta_s_per_byte"),
+            fit_error=_time(data["fit_error"], f"{where}.fit_error"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopkTiming:
+    """Top-k selection time against (numel, density), and decode time against gathered values."""
+
+    select: tuple[tuple[int, float, float], ...]
+    decode: FittedCurve
+
+    def densities(self) -> list[float]:
+        return sorted({d for _, d, _ in self.select})
+
+    def select_model(self, density: float) -> CostModel:
+        """Selection seconds against numel at `density`, interpolated in log(density) between measured ones."""
+        ds = self.densities()
+        if not ds:
+            raise InvalidProfileError("the profile has no top-k selection points")
+
+        def curve(d: float) -> PiecewiseLinearCost:
+            pts = sorted((n, t) for n, dd, t in self.select if dd == d)
+            return PiecewiseLinearCost(xs=tuple(float(n) for n, _ in pts), ys=tuple(t for _, t in pts))
+
+        if density <= ds[0]:
+            return curve(ds[0])
+        if density >= ds[-1]:
+            return curve(ds[-1])
+        hi = next(i for i, d in enumerate(ds) if d >= density)
+        lo_d, hi_d = ds[hi - 1], ds[hi]
+        if hi_d == density:
+            return curve(hi_d)
+        w = (math.log(density) - math.log(lo_d)) / (math.log(hi_d) - math.log(lo_d))
+        a, b = curve(lo_d), curve(hi_d)
+        xs = tuple(sorted(set(a.xs) | set(b.xs)))
+        return PiecewiseLinearCost(xs=xs, ys=tuple((1 - w) * a.cost(x) + w * b.cost(x) for x in xs))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"select": [list(p) for p in self.select], "decode": self.decode.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> TopkTiming:
+        expect(data, dict, where)
+        check_fields(data, where, ["select", "decode"])
+        select = []
+        for i, p in enumerate(expect(data["select"], list, f"{where}.select")):
+            if not isinstance(p, list) or len(p) != 3:
+                raise SchemaError(f"{where}.select[{i}] must be [numel, density, seconds], got {p!r}")
+            n = expect(p[0], int, f"{where}.select[{i}][0]")
+            d = float(expect(p[1], (int, float), f"{where}.select[{i}][1]"))
+            if n <= 0 or not 0 < d <= 1:
+                raise InvalidProfileError(f"{where}.select[{i}]: `numel > 0 and 0 < density <= 1`, got {p!r}")
+            select.append((n, d, _time(p[2], f"{where}.select[{i}][2]")))
+        return cls(select=tuple(select), decode=FittedCurve.from_dict(data["decode"], f"{where}.decode"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """Everything the solvers need about one model on one cluster."""
+
+    model: ModelInfo
+    cluster: ClusterInfo
+    created: str
+    torch_version: str
+    batch_size: int
+    forward_s: float
+    backward_s: float
+    update_s: float
+    layers: tuple[LayerTiming, ...]
+    collectives: dict[Collective, FittedCurve]
+    topk: TopkTiming | None
+    element_bytes: int = 4
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise InvalidProfileError("the profile has no layers with gradients")
+
+    # -- tables ------------------------------------------------------------------------------------
+    def layers_frame(self) -> pd.DataFrame:
+        """Per-layer table in ready order."""
+        rows = [{**lt.to_dict(), "params": len(lt.params)} for lt in self.layers]
+        df = pd.DataFrame(rows)
+        df["ready_s"] = df["backward_s"].cumsum()
+        return df
+
+    def comm_frame(self) -> pd.DataFrame:
+        """Raw collective points next to the fitted prediction."""
+        rows = []
+        for coll, curve in self.collectives.items():
+            for size, t in curve.points:
+                pred = curve.affine.cost(size)
+                rows.append({"collective": coll.value, "bytes": size, "seconds": t, "fit_s": pred,
+                             "rel_err": abs(pred - t) / t if t > 0 else float("nan")})
+        return pd.DataFrame(rows)
+
+    # -- the solver's instance -----------------------------------------------------------------
+    def problem(self, strategy: Strategy, density: float | None = None) -> GradientProblem:
+        """The gradient-grouping instance this profile describes."""
+        match strategy:
+            case Strategy.DENSE:
+                return GradientProblem(
+                    strategy=strategy,
+                    forward_s=self.forward_s,
+                    update_s=self.update_s,
+                    backward_s=tuple(lt.backward_s for lt in self.layers),
+                    numel=tuple(lt.numel for lt in self.layers),
+                    comm=self.curve(Collective.ALLREDUCE).model,
+                    world_size=self.cluster.world_size,
+                    element_bytes=self.element_bytes,
+                    names=tuple(lt.name for lt in self.layers),
+                )
+            case Strategy.TOPK:
+                if self.topk is None:
+                    raise InvalidProfileError(
+                        "this profile has no top-k measurements; profile again without `--only comm`"
+                    )
+                if density is None:
+                    raise SchemaError("top-k needs a density, e.g. --density 0.01")
+                return GradientProblem(
+                    strategy=strategy,
+                    forward_s=self.forward_s,
+                    update_s=self.update_s,
+                    backward_s=tuple(lt.backward_s for lt in self.layers),
+                    numel=tuple(lt.numel for lt in self.layers),
+                    comm=self.curve(Collective.ALLGATHER).model,
+                    world_size=self.cluster.world_size,
+                    element_bytes=self.element_bytes,
+                    density=density,
+                    select=self.topk.select_model(density),
+                    decode=self.topk.decode.model,
+                    names=tuple(lt.name for lt in self.layers),
+                )
+            case _:
+                raise SchemaError(f"unknown strategy {strategy!r}")
+
+    def curve(self, collective: Collective) -> FittedCurve:
+        if collective not in self.collectives:
+            raise InvalidProfileError(f"the profile has no {collective.value} measurements; run `planner profile`")
+        return self.collectives[collective]
+
+    def with_comm(self, other: Profile) -> Profile:
+        """This profile with the network measurements of `other` (for `--only comm`)."""
+        return replace(self, collectives=other.collectives, cluster=other.cluster, created=other.created)
+
+    # -- serialisation ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "kind": PROFILE_KIND,
+            "created": self.created,
+            "torch_version": self.torch_version,
+            "model": self.model.to_dict(),
+            "cluster": self.cluster.to_dict(),
+            "batch_size": self.batch_size,
+            "element_bytes": self.element_bytes,
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "update_s": self.update_s,
+            "layers": [lt.to_dict() for lt in self.layers],
+            "collectives": {c.value: curve.to_dict() for c, curve in self.collectives.items()},
+            "topk": None if self.topk is None else self.topk.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        version = data.get("schema_version")
+        if version != PROFILE_SCHEMA_VERSION:
+            raise SchemaError(
+                f"unknown profile schema_version {version!r}; this planner reads version "
+                f"{PROFILE_SCHEMA_VERSION}: measure again with `planner profile`"
+            )
+        if data.get("kind") != PROFILE_KIND:
+            raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
+        check_fields(
+            data,
+            "profile",
+            ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
+             "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk"],
+        )
+        collectives = {}
+        for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
+            try:
+                coll = Collective(name)
+            except ValueError:
+                raise SchemaError(
+                    f"unknown collective {name!r} in profile.collectives; known: {[c.value for c in Collective]}"
+                ) from None
+            collectives[coll] = FittedCurve.from_dict(curve, f"profile.collectives.{name}")
+        layers = expect(data["layers"], list, "profile.layers")
+        if not layers:
+            raise InvalidProfileError("profile.layers is empty: the model has no trainable layers")
+        return cls(
+            schema_version=version,
+            created=expect(data["created"], str, "profile.created"),
+            torch_version=expect(data["torch_version"], str, "profile.torch_version"),
+            model=ModelInfo.from_dict(data["model"], "profile.model"),
+            cluster=ClusterInfo.from_dict(data["cluster"], "profile.cluster"),
+            batch_size=expect(data["batch_size"], int, "profile.batch_size"),
+            element_bytes=expect(data["element_bytes"], int, "profile.element_bytes"),
+            forward_s=_time(data["forward_s"], "profile.forward_s"),
+            backward_s=_time(data["backward_s"], "profile.backward_s"),
+            update_s=_time(data["update_s"], "profile.update_s"),
+            layers=tuple(LayerTiming.from_dict(x, f"profile.layers[{i}]") for i, x in enumerate(layers)),
+            collectives=collectives,
+            topk=None if data["topk"] is None else TopkTiming.from_dict(data["topk"], "profile.topk"),
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically."""
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
+        """Read and validate; errors name the file and the field."""
+        data = read_json(path, "profile")
+        try:
+            return cls.from_dict(data)
+        except SchemaError as exc:
+            raise type(exc)(f"profile {path}: {exc}") from None

@@ -1,0 +1,70 @@
+"""Errors, enums and small shared types of the planner (one module, as the style guide asks)."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "Collective",
+    "DistributedError",
+    "InvalidProfileError",
+    "ModelLoadError",
+    "PlanMismatchError",
+    "PlannerError",
+    "PlannerFileError",
+    "SchemaError",
+    "SolverError",
+    "Strategy",
+    "UnknownModelError",
+]
+
+
+class PlannerError(Exception):
+    """Root of every error the planner raises on purpose; the CLI prints it as one line."""
+
+
+class PlannerFileError(PlannerError, OSError):
+    """A file the user named is missing or unreadable."""
+
+
+class SchemaError(PlannerError, ValueError):
+    """A plan or profile document is malformed: bad JSON, unknown version, unknown or missing field."""
+
+
+class InvalidProfileError(SchemaError):
+    """A profile holds values no measurement can produce (NaN, negative times, empty tables)."""
+
+
+class PlanMismatchError(PlannerError, ValueError):
+    """A plan was made for another model, world size or strategy than the one it is applied to."""
+
+
+class UnknownModelError(PlannerError, ValueError):
+    """A built-in model name that does not exist."""
+
+
+class ModelLoadError(PlannerError, ImportError):
+    """A user model given as `package.module:factory` could not be loaded."""
+
+
+class SolverError(PlannerError, RuntimeError):
+    """A solver was given an instance it cannot solve (empty, inconsistent)."""
+
+
+class DistributedError(PlannerError, RuntimeError):
+    """Worker processes failed or the process group is not in the expected state."""
+
+
+class Strategy(enum.StrEnum):
+    """How gradients are communicated."""
+
+    DENSE = "dense"
+    TOPK = "topk"
+
+
+class Collective(enum.StrEnum):
+    """Collectives the profiler measures and the cost model knows."""
+
+    ALLREDUCE = "allreduce"
+    ALLGATHER = "allgather"
+    BROADCAST = "broadcast"
