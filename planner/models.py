@@ -1,0 +1,482 @@
+"""Built-in models with synthetic batches, and loading of user models given as `package.module:factory`."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib
+import itertools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from planner.types import ModelLoadError, PlannerError, UnknownModelError
+
+__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "Batch", "Workload", "build_workload"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""An (inputs, targets) pair."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """A model with a synthetic batch and a loss: everything profiling, benchmarks and training need."""
+
+    name: str
+    module: nn.Module
+    batch_size: int
+    make_batch: Callable[[int, torch.Generator], Batch]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def __post_init__(self) -> None:
+        """Reject values no workload can have."""
+        if not isinstance(self.module, nn.Module):
+            kind = type(self.module).__name__
+            raise PlannerError(f"workload {self.name!r}: module must be a torch.nn.Module, got {kind}")
+        if not _positive_int(self.batch_size):
+            size = self.batch_size
+            raise PlannerError(f"workload {self.name!r}: batch size must be a positive integer, got {size!r}")
+
+    def batch(self, seed: int = 0) -> Batch:
+        """Return the synthetic batch of `batch_size` samples drawn deterministically from `seed`."""
+        return self.make_batch(self.batch_size, torch.Generator().manual_seed(seed))
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Run the module on `inputs` and return the scalar loss against `targets`."""
+        return self.loss_fn(self.module(inputs), targets)
+
+
+def _positive_int(value: object) -> bool:
+    """Whether `value` is an int (not a bool) of at least 1."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Synthetic data and losses (module-level functions, so built-in workloads can be pickled).
+
+
+def _image_batch(batch_size: int, generator: torch.Generator, *, size: int, num_classes: int) -> Batch:
+    """Random normal images [B, 3, size, size] and random class targets [B]."""
+    images = torch.randn((batch_size, 3, size, size), generator=generator)
+    return images, torch.randint(0, num_classes, (batch_size,), generator=generator)
+
+
+def _vector_batch(batch_size: int, generator: torch.Generator, *, features: int, num_classes: int) -> Batch:
+    """Random normal vectors [B, features] and random class targets [B]."""
+    inputs = torch.randn((batch_size, features), generator=generator)
+    return inputs, torch.randint(0, num_classes, (batch_size,), generator=generator)
+
+
+def _token_batch(batch_size: int, generator: torch.Generator, *, seq_len: int, vocab: int, shifted: bool) -> Batch:
+    """Random token ids [B, seq_len]; targets are the next tokens if `shifted`, else independent random ids."""
+    if shifted:
+        tokens = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=generator)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    tokens = torch.randint(0, vocab, (batch_size, seq_len), generator=generator)
+    return tokens, torch.randint(0, vocab, (batch_size, seq_len), generator=generator)
+
+
+def _classification_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of logits [B, C] against class ids [B]."""
+    return F.cross_entropy(output, targets)
+
+
+def _token_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of per-token logits [B, S, V] against token ids [B, S]."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ResNet (torchvision layout, v1.5 bottleneck), with a CIFAR or ImageNet stem.
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with a residual connection (ResNet-18/34)."""
+
+    expansion = 1
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = _shortcut(in_planes, planes * self.expansion, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block."""
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.downsample(x))
+
+
+class Bottleneck(nn.Module):
+    """1x1 reduce, 3x3 (strided), 1x1 expand, with a residual connection (ResNet-50+)."""
+
+    expansion = 4
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_planes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * self.expansion, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+        self.downsample = _shortcut(in_planes, planes * self.expansion, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block."""
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return F.relu(out + self.downsample(x))
+
+
+def _shortcut(in_planes: int, out_planes: int, stride: int) -> nn.Module:
+    """Identity when shapes match, else a strided 1x1 convolution with batch norm."""
+    if stride == 1 and in_planes == out_planes:
+        return nn.Identity()
+    return nn.Sequential(nn.Conv2d(in_planes, out_planes, 1, stride, bias=False), nn.BatchNorm2d(out_planes))
+
+
+class ResNet(nn.Module):
+    """ResNet with a CIFAR stem (3x3 conv, no max-pool) or an ImageNet stem (7x7/2 conv + max-pool)."""
+
+    def __init__(
+        self, block: type[BasicBlock | Bottleneck], depths: list[int], num_classes: int, imagenet: bool
+    ) -> None:
+        super().__init__()
+        if imagenet:
+            self.stem = nn.Sequential(
+                nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+            )
+        else:
+            self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
+        stages: list[nn.Module] = []
+        in_planes = 64
+        for i, (planes, depth) in enumerate(zip((64, 128, 256, 512), depths, strict=True)):
+            blocks: list[nn.Module] = []
+            for j in range(depth):
+                blocks.append(block(in_planes, planes, 2 if i > 0 and j == 0 else 1))
+                in_planes = planes * block.expansion
+            stages.append(nn.Sequential(*blocks))
+        self.layers = nn.Sequential(*stages)
+        self.fc = nn.Linear(in_planes, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return class logits [B, num_classes]."""
+        x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def _resnet(name: str, batch_size: int, *, bottleneck: bool, imagenet: bool) -> Workload:
+    """ResNet-18 or ResNet-50 workload, CIFAR-sized (32x32, 10 classes) or ImageNet-sized (224x224, 1000 classes)."""
+    block, depths = (Bottleneck, [3, 4, 6, 3]) if bottleneck else (BasicBlock, [2, 2, 2, 2])
+    size, classes = (224, 1000) if imagenet else (32, 10)
+    return Workload(
+        name=name,
+        module=ResNet(block, depths, classes, imagenet),
+        batch_size=batch_size,
+        make_batch=functools.partial(_image_batch, size=size, num_classes=classes),
+        loss_fn=_classification_loss,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# VGG-16 with batch norm, CIFAR variant.
+
+_VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+
+
+def _vgg16(name: str, batch_size: int) -> Workload:
+    """VGG-16-BN for 32x32 images with a 512-512-512-10 classifier."""
+    layers: list[nn.Module] = []
+    channels = 3
+    for item in _VGG16:
+        if item == "M":
+            layers.append(nn.MaxPool2d(2))
+        else:
+            layers += [nn.Conv2d(channels, int(item), 3, padding=1), nn.BatchNorm2d(int(item)), nn.ReLU()]
+            channels = int(item)
+    classifier = [nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)]
+    return Workload(
+        name=name,
+        module=nn.Sequential(*layers, nn.Flatten(), *classifier),
+        batch_size=batch_size,
+        make_batch=functools.partial(_image_batch, size=32, num_classes=10),
+        loss_fn=_classification_loss,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# LSTM language model (PTB "medium" shape).
+
+
+class LSTMLanguageModel(nn.Module):
+    """Embedding, multi-layer LSTM and a linear decoder back to the vocabulary."""
+
+    def __init__(self, vocab: int = 10000, dim: int = 650, layers: int = 2) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, dim)
+        self.lstm = nn.LSTM(dim, dim, num_layers=layers, batch_first=True)
+        self.decoder = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Return next-token logits [B, S, vocab] for token ids [B, S]."""
+        hidden, _ = self.lstm(self.embedding(tokens))
+        return self.decoder(hidden)
+
+
+def _lstm(name: str, batch_size: int) -> Workload:
+    """2-layer, 650-wide LSTM language model over a 10k vocabulary, 35-token sequences."""
+    return Workload(
+        name=name,
+        module=LSTMLanguageModel(),
+        batch_size=batch_size,
+        make_batch=functools.partial(_token_batch, seq_len=35, vocab=10000, shifted=True),
+        loss_fn=_token_loss,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# BERT-style encoder; every parameter lives in an nn.Linear, nn.LayerNorm or nn.Embedding.
+
+
+@dataclass(frozen=True)
+class BertShape:
+    """Sizes of a BERT-style encoder."""
+
+    hidden: int
+    layers: int
+    heads: int
+    ffn: int
+    seq_len: int
+    vocab: int = 30522
+    max_positions: int = 512
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with separate q/k/v/out projections."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attend over the whole sequence of x [B, S, H] (no mask)."""
+        b, s, h = x.shape
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+
+        context = F.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)), split(self.value(x)))
+        return self.out(context.transpose(1, 2).reshape(b, s, h))
+
+
+class EncoderLayer(nn.Module):
+    """Post-LayerNorm transformer layer (as in BERT): attention, then a GELU feed-forward."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.attention = SelfAttention(hidden, heads)
+        self.attention_norm = nn.LayerNorm(hidden)
+        self.ffn_in = nn.Linear(hidden, ffn)
+        self.ffn_out = nn.Linear(ffn, hidden)
+        self.ffn_norm = nn.LayerNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer to x [B, S, H]."""
+        x = self.attention_norm(x + self.attention(x))
+        return self.ffn_norm(x + self.ffn_out(F.gelu(self.ffn_in(x))))
+
+
+class Bert(nn.Module):
+    """Token + position embeddings, a stack of encoder layers and a per-token linear head to the vocabulary."""
+
+    def __init__(self, shape: BertShape) -> None:
+        super().__init__()
+        if shape.hidden % shape.heads:
+            raise ValueError(f"hidden size {shape.hidden} is not divisible by {shape.heads} heads")
+        self.token_embedding = nn.Embedding(shape.vocab, shape.hidden)
+        self.position_embedding = nn.Embedding(shape.max_positions, shape.hidden)
+        self.embedding_norm = nn.LayerNorm(shape.hidden)
+        self.encoder = nn.Sequential(*(EncoderLayer(shape.hidden, shape.heads, shape.ffn) for _ in range(shape.layers)))
+        self.head = nn.Linear(shape.hidden, shape.vocab)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear):
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Return per-token logits [B, S, vocab] for token ids [B, S]."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embedding_norm(self.token_embedding(tokens) + self.position_embedding(positions))
+        return self.head(self.encoder(x))
+
+
+def _bert(name: str, batch_size: int, shape: BertShape) -> Workload:
+    """BERT-style encoder with a masked-LM-like token classification head."""
+    return Workload(
+        name=name,
+        module=Bert(shape),
+        batch_size=batch_size,
+        make_batch=functools.partial(_token_batch, seq_len=shape.seq_len, vocab=shape.vocab, shifted=False),
+        loss_fn=_token_loss,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# MLP.
+
+
+def _mlp(name: str, batch_size: int) -> Workload:
+    """MLP 784-1024-1024-1024-10 with ReLU."""
+    widths = (784, 1024, 1024, 1024)
+    layers: list[nn.Module] = []
+    for a, b in itertools.pairwise(widths):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return Workload(
+        name=name,
+        module=nn.Sequential(*layers, nn.Linear(1024, 10)),
+        batch_size=batch_size,
+        make_batch=functools.partial(_vector_batch, features=784, num_classes=10),
+        loss_fn=_classification_loss,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Registry and loading.
+
+
+@dataclass(frozen=True)
+class _Builtin:
+    """A built-in model: its description, default batch size and builder (name, batch_size) -> Workload."""
+
+    description: str
+    default_batch: int
+    build: Callable[[str, int], Workload]
+
+
+_BUILTINS: dict[str, _Builtin] = {
+    "resnet18": _Builtin(
+        "ResNet-18, CIFAR-sized (3x32x32, 10 classes)",
+        16,
+        functools.partial(_resnet, bottleneck=False, imagenet=False),
+    ),
+    "resnet18-imagenet": _Builtin(
+        "ResNet-18, ImageNet layout (3x224x224, 1000 classes)",
+        2,
+        functools.partial(_resnet, bottleneck=False, imagenet=True),
+    ),
+    "resnet50": _Builtin(
+        "ResNet-50, CIFAR-sized (3x32x32, 10 classes)",
+        8,
+        functools.partial(_resnet, bottleneck=True, imagenet=False),
+    ),
+    "resnet50-imagenet": _Builtin(
+        "ResNet-50, ImageNet layout (3x224x224, 1000 classes)",
+        2,
+        functools.partial(_resnet, bottleneck=True, imagenet=True),
+    ),
+    "vgg16": _Builtin("VGG-16 with batch norm, CIFAR-sized (3x32x32, 10 classes)", 16, _vgg16),
+    "lstm": _Builtin("2-layer LSTM language model, PTB medium shape (vocab 10k, 650 wide, 35 tokens)", 8, _lstm),
+    "bert": _Builtin(
+        "BERT-base encoder (768 wide, 12 layers, 12 heads) with a token head, 128 tokens",
+        2,
+        functools.partial(_bert, shape=BertShape(hidden=768, layers=12, heads=12, ffn=3072, seq_len=128)),
+    ),
+    "bert-small": _Builtin(
+        "BERT-style encoder (256 wide, 4 layers, 4 heads) with a token head, 128 tokens",
+        4,
+        functools.partial(_bert, shape=BertShape(hidden=256, layers=4, heads=4, ffn=1024, seq_len=128)),
+    ),
+    "bert-tiny": _Builtin(
+        "BERT-style encoder (128 wide, 2 layers, 2 heads) with a token head, 64 tokens",
+        4,
+        functools.partial(_bert, shape=BertShape(hidden=128, layers=2, heads=2, ffn=512, seq_len=64)),
+    ),
+    "mlp": _Builtin("MLP 784-1024-1024-1024-10 on random vectors", 64, _mlp),
+}
+
+BUILTIN_MODELS: dict[str, str] = {name: spec.description for name, spec in _BUILTINS.items()}
+"""Built-in model names and their one-line descriptions."""
+
+DEFAULT_MODEL = "resnet18"
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def build_workload(name: str, *, batch_size: int | None = None, seed: int = 0) -> Workload:
+    """Build a built-in model by name, or a user model given as `package.module:factory`.
+
+    Parameters are initialised from `seed` without disturbing the global RNG; `batch_size` None keeps the default.
+    """
+    if batch_size is not None and not _positive_int(batch_size):
+        raise PlannerError(f"batch size must be a positive integer, got {batch_size!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if ":" in name:
+            workload = _load_factory(name)
+            return workload if batch_size is None else dataclasses.replace(workload, batch_size=batch_size)
+        builtin = _BUILTINS.get(name)
+        if builtin is None:
+            raise _unknown(name)
+        return builtin.build(name, builtin.default_batch if batch_size is None else batch_size)
+
+
+def _unknown(name: str) -> PlannerError:
+    """Return the error for a name that is neither a built-in model nor a `package.module:factory` spec."""
+    valid = ", ".join(BUILTIN_MODELS)
+    if "." in name or "/" in name:
+        return ModelLoadError(
+            f"invalid --model {name!r}: expected a built-in name ({valid}) or 'package.module:factory'"
+        )
+    close = difflib.get_close_matches(name, BUILTIN_MODELS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return UnknownModelError(f"unknown model {name!r}{hint}; valid names: {valid}, or 'package.module:factory'")
+
+
+def _load_factory(spec: str) -> Workload:
+    """Import `package.module:factory`, call the factory with no arguments and check it returns a Workload."""
+    module_name, _, attr = spec.partition(":")
+    if not _DOTTED.fullmatch(module_name) or not _DOTTED.fullmatch(attr):
+        raise ModelLoadError(
+            f"invalid --model {spec!r}: expected 'package.module:factory' (a dotted module path, a colon, a callable)"
+        )
+    try:
+        target: object = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelLoadError(
+            f"cannot import {module_name!r} for --model {spec}: {exc} (is the package on PYTHONPATH?)"
+        ) from exc
+    except Exception as exc:
+        raise ModelLoadError(
+            f"importing {module_name!r} for --model {spec} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ModelLoadError(f"module {module_name!r} has no attribute {attr!r} (--model {spec}); check the name")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ModelLoadError(f"--model {spec}: {attr!r} is a {type(target).__name__}, not a callable factory")
+    try:
+        workload = target()
+    except Exception as exc:
+        raise ModelLoadError(f"factory --model {spec} raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(workload, Workload):
+        raise ModelLoadError(
+            f"factory --model {spec} returned {type(workload).__name__}, expected a planner.models.Workload "
+            "(wrap the module: Workload(name=..., module=..., batch_size=..., make_batch=..., loss_fn=...))"
+        )
+    return workload
