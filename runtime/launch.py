@@ -1,0 +1,215 @@
+"""Run a function in N real processes joined by a process group (gloo by default) on 127.0.0.1.
+
+Used by `planner profile`, `planner bench` and the distributed tests to run small multi-process jobs
+without `torchrun`. Each worker is a fresh "spawn" process (so `fn` must be importable: a module-level
+function), runs `fn(rank, world_size, *args)`, and sends back its (picklable) return value or its
+exception. A worker that hangs past `timeout` gets every worker killed and the call fails.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from planner.types import DistributedError
+
+__all__ = ["RemoteTraceback", "free_port", "run_distributed"]
+
+#: After one worker fails, how long the others get to finish before they are killed (they are likely
+#: blocked in a collective that will never complete).
+FAILURE_GRACE_S = 5.0
+
+
+class RemoteTraceback(Exception):
+    """The traceback text of an exception raised in a worker; set as `__cause__` of the re-raised error."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.text}"""'
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    args: tuple[Any, ...],
+    conn: Connection,
+) -> None:
+    """Body of one spawned worker: join the group, run `fn`, send its outcome, leave the group.
+
+    The outcome is ("ok", value) or ("error", exception, traceback text, wall time of the failure). It
+    is sent before the group is destroyed, so a worker's own error reaches the parent before its peers
+    fail on the vanished group; the parent reports the earliest failure.
+    """
+    torch.set_num_threads(1)
+    joined = False
+    message: tuple[Any, ...]
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        joined = True
+        message = ("ok", fn(rank, world_size, *args))
+    except BaseException as exc:
+        message = ("error", exc, traceback.format_exc(), time.time())
+    try:
+        conn.send(message)
+    except Exception as exc:  # the value or the exception did not pickle
+        text = message[2] if len(message) == 4 else ""
+        conn.send(("error", None, f"{text}could not send the worker's result to the parent: {exc!r}\n", time.time()))
+    finally:
+        conn.close()
+        if joined:
+            dist.destroy_process_group()
+
+
+def _raise_worker_error(rank: int, exc: BaseException | None, text: str) -> None:
+    """Re-raise a worker's exception in the parent, its traceback text attached as the cause."""
+    remote = RemoteTraceback(f"worker rank {rank} failed:\n{text}")
+    if exc is None:
+        raise DistributedError(f"worker rank {rank} failed; its traceback follows") from remote
+    raise exc from remote
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120, backend: str = "gloo"
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` in `world_size` spawned processes, return results by rank.
+
+    Args:
+        fn: a module-level function (it is pickled by name into each worker).
+        world_size: number of processes.
+        *args: picklable arguments passed to every worker.
+        timeout: seconds after which a worker that has not finished is killed with all the others;
+            also the process group's collective timeout.
+        backend: "gloo" (default) or "nccl" (each rank then uses GPU `rank % device_count`).
+
+    Returns:
+        The return values of `fn`, indexed by rank.
+
+    Raises:
+        The first failing worker's exception (its traceback text as `__cause__`), or `DistributedError`
+        if a worker died without a result, its exception did not pickle, or a worker hung past `timeout`.
+    """
+    if world_size < 1:
+        raise ValueError(f"`world_size >= 1` must hold, but got world_size={world_size}")
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise ValueError(f"fn must be a module-level function so spawned workers can import it: {exc}") from None
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs: list[Any] = []
+    readers: dict[int, Connection] = {}
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_worker,
+                args=(fn, rank, world_size, port, backend, timeout, args, writer),
+                name=f"run_distributed-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            writer.close()
+            procs.append(proc)
+            readers[rank] = reader
+        return _collect(procs, readers, timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(timeout=10)
+        for reader in readers.values():
+            reader.close()
+
+
+def _collect(procs: list[Any], readers: dict[int, Connection], timeout: float) -> list[Any]:
+    """Wait for every worker's outcome (or death) until `timeout`; after a failure, wait only a grace period."""
+    results: dict[int, Any] = {}
+    failures: list[tuple[float, int, BaseException | None, str]] = []
+    deadline = time.monotonic() + timeout
+    pending = dict(readers)
+    sentinel_rank = {procs[r].sentinel: r for r in pending}
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        ready = wait([*pending.values(), *(procs[r].sentinel for r in pending)], timeout=remaining)
+        for obj in ready:
+            rank = sentinel_rank[obj] if isinstance(obj, int) else _rank_of(pending, obj)
+            if rank is None or rank not in pending:
+                continue
+            message = _receive(pending[rank], procs[rank], died=isinstance(obj, int))
+            if message is None:
+                continue
+            del pending[rank]
+            if message[0] == "ok":
+                results[rank] = message[1]
+            else:
+                _, exc, text, when = message
+                failures.append((when, rank, exc, text))
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    if failures:
+        _, rank, exc, text = min(failures, key=lambda f: (f[0], f[1]))
+        _raise_worker_error(rank, exc, text)
+    if pending:
+        raise DistributedError(
+            f"worker rank(s) {sorted(pending)} of {len(procs)} did not finish within {timeout:g} s; "
+            "all workers were killed"
+        )
+    return [results[r] for r in range(len(procs))]
+
+
+def _receive(reader: Connection, proc: Any, died: bool) -> tuple[Any, ...] | None:
+    """The worker's outcome if it sent one; an error if it died without; None if there is nothing yet."""
+    if reader.poll():
+        try:
+            message: tuple[Any, ...] = reader.recv()
+        except (EOFError, OSError):
+            pass
+        except Exception as exc:  # the result pickled in the worker but does not unpickle here
+            return ("error", None, f"could not read the worker's result: {exc!r}\n", time.time())
+        else:
+            return message
+    elif not died:
+        return None
+    proc.join(timeout=1)
+    return ("error", None, f"worker exited with code {proc.exitcode} without a result\n", time.time())
+
+
+def _rank_of(pending: dict[int, Connection], conn: object) -> int | None:
+    for rank, reader in pending.items():
+        if reader is conn:
+            return rank
+    return None

@@ -1,0 +1,564 @@
+"""Tests of the gradient exchange and the DDP top-k hook: differential against DDP, in real gloo processes.
+
+Worker functions are module-level (the spawned processes import this module); each distributed test
+runs several configurations in one `run_distributed` call to keep process start-up cheap.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from planner.fingerprint import ClusterInfo, model_info
+from planner.layers import gradient_layers, groups_for
+from planner.plan import Group, Plan
+from planner.problem import Prediction
+from planner.types import DistributedError, PlanMismatchError, Strategy
+from runtime import GradientExchange, TopkHookState, topk_hook
+from runtime.launch import run_distributed
+
+WORLD_SIZE = 2
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# -- models, data and plans ----------------------------------------------------------------------
+
+
+class TinyCNN(nn.Module):
+    """Two convolutions and a classifier on 3x8x8 inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 6, 3, stride=2)
+        self.fc = nn.Linear(6 * 3 * 3, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv1(x))
+        x = torch.relu(self.conv2(x))
+        return self.fc(x.flatten(1))
+
+
+class Branchy(nn.Module):
+    """`b` is used only when asked, `unused` never: gradients missing on some or all ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        y = self.a(x)
+        return y + self.b(x) if use_b else y
+
+
+def tiny_mlp(din: int = 8, hidden: int = 16, dout: int = 4) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(din, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+        nn.ReLU(), nn.Linear(hidden, dout),
+    )  # fmt: skip
+
+
+def build_model(kind: str) -> nn.Module:
+    """Same weights on every rank (fixed seed)."""
+    torch.manual_seed(0)
+    return tiny_mlp() if kind == "mlp" else TinyCNN()
+
+
+def make_batch(kind: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Different data on every rank and step."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    if kind == "mlp":
+        return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+    return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g)
+
+
+def loss_of(kind: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target) if kind == "mlp" else nn.functional.cross_entropy(out, target)
+
+
+def grouping_for(name: str, num_layers: int) -> tuple[int, ...]:
+    """Exclusive end indices: one group per layer, one group, or a mix of sizes."""
+    if name == "per-layer":
+        return tuple(range(1, num_layers + 1))
+    if name == "single":
+        return (num_layers,)
+    assert name == "mixed" and num_layers >= 3
+    return (1, num_layers) if num_layers == 3 else (1, num_layers - 1, num_layers)
+
+
+def make_plan(
+    model: nn.Module,
+    grouping: str,
+    strategy: Strategy = Strategy.DENSE,
+    density: float | None = None,
+    *,
+    world_size: int = WORLD_SIZE,
+    ready_order: bool = True,
+    name: str = "tiny",
+) -> Plan:
+    """A plan for `model` with dummy predictions; layers in ready order (reversed registration) by default."""
+    layers = gradient_layers(model)
+    if ready_order:
+        layers = layers[::-1]
+    groups = groups_for(layers, grouping_for(grouping, len(layers)), strategy, density)
+    return plan_with_groups(model, groups, strategy, density, world_size=world_size, name=name)
+
+
+def plan_with_groups(
+    model: nn.Module,
+    groups: tuple[Group, ...],
+    strategy: Strategy = Strategy.DENSE,
+    density: float | None = None,
+    *,
+    world_size: int = WORLD_SIZE,
+    name: str = "tiny",
+) -> Plan:
+    zero = Prediction(iteration_s=0, compute_s=0, exposed_comm_s=0, comm_s=0)
+    return Plan(
+        strategy=strategy,
+        density=density,
+        model=model_info(model, name),
+        cluster=ClusterInfo(world_size=world_size, backend="gloo", device="cpu"),
+        groups=groups,
+        predicted=zero,
+        baselines={},
+        lower_bound_s=0.0,
+        solver="test",
+        solve_seconds=0.0,
+        source_profile="test",
+        profiled="test",
+        created="test",
+    )
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None
+    return p.grad
+
+
+def assert_grads_close(got: nn.Module, want: nn.Module, what: str) -> None:
+    for (name, p), q in zip(got.named_parameters(), want.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, f"{what}: {name} has no gradient"
+        assert torch.allclose(p.grad, q.grad, rtol=RTOL, atol=ATOL), (
+            f"{what}: gradient of {name} differs by {(p.grad - q.grad).abs().max().item():.3g}"
+        )
+
+
+# -- distributed workers -------------------------------------------------------------------------
+
+
+def _matches_ddp_worker(rank: int, world_size: int, strategy: str, density: float | None) -> int:
+    """Exchange (dense, or top-k) vs DDP on the same weights and per-rank batches, over a few SGD steps."""
+    compared = 0
+    for kind in ("mlp", "cnn"):
+        for grouping in ("per-layer", "single", "mixed"):
+            model = build_model(kind)
+            ref = DistributedDataParallel(copy.deepcopy(model))
+            plan = make_plan(model, grouping, Strategy(strategy), density)
+            exchange = GradientExchange(model, plan)
+            models = [model]
+            exchanges = [exchange]
+            if plan.strategy is Strategy.TOPK:  # density 1.0 must also equal a dense exchange directly
+                dense_model = copy.deepcopy(model)
+                exchanges.append(GradientExchange(dense_model, make_plan(dense_model, grouping)))
+                models.append(dense_model)
+            opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in [ref, *models]]
+            for step in range(3):
+                x, y = make_batch(kind, rank, step)
+                for opt in opts:  # alternate: fresh .grad tensors, and grads kept (views accumulated into)
+                    opt.zero_grad(set_to_none=step % 2 == 0)
+                loss_of(kind, ref(x), y).backward()
+                for m, ex in zip(models, exchanges, strict=True):
+                    loss_of(kind, m(x), y).backward()
+                    ex.synchronize()
+                    assert_grads_close(m, ref.module, f"{kind} {grouping} {strategy} step {step}")
+                    compared += 1
+                if len(models) > 1:
+                    assert_grads_close(models[0], models[1], f"{kind} {grouping} top-k vs dense step {step}")
+                for opt in opts:
+                    opt.step()
+            for ex in exchanges:
+                ex.close()
+    return compared
+
+
+def _missing_grads_worker(rank: int, world_size: int, strategy: str, density: float | None) -> None:
+    """A parameter unused on one rank gets the average with zeros; one unused everywhere gets zeros."""
+    torch.manual_seed(0)
+    model = Branchy()
+    ref = copy.deepcopy(model)
+    exchange = GradientExchange(model, make_plan(model, "per-layer", Strategy(strategy), density))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    use_b = rank == 0
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        model(x, use_b).pow(2).sum().backward()
+        exchange.synchronize()
+        ref(x, use_b).pow(2).sum().backward()
+        for name, p in ref.named_parameters():
+            expected = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+            dist.all_reduce(expected)
+            expected /= world_size
+            got = dict(model.named_parameters())[name].grad
+            assert got is not None, f"step {step}: {name} has no gradient after synchronize"
+            assert torch.allclose(got, expected, rtol=RTOL, atol=ATOL), f"step {step}: {name} differs"
+        assert torch.count_nonzero(grad_of(model.unused.weight)) == 0
+        exchange.synchronize()  # a second call without backward: no collectives, nothing changes
+    exchange.close()
+
+
+def _ddp_hook_worker(rank: int, world_size: int) -> dict[str, int]:
+    """The DDP top-k hook at density 1.0 equals plain DDP, before and after top-k starts (start_iter)."""
+    model = build_model("mlp")
+    plain = DistributedDataParallel(copy.deepcopy(model))
+    hooked = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.001)  # several buckets
+    state = TopkHookState(density=1.0)
+    hooked.register_comm_hook(state, topk_hook)
+    sparse = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.001)
+    sparse_state = TopkHookState(density=0.05)
+    sparse.register_comm_hook(sparse_state, topk_hook)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, hooked, sparse)]
+    for step in range(5):
+        x, y = make_batch("mlp", rank, step)
+        for m, opt in zip((plain, hooked, sparse), opts, strict=True):
+            opt.zero_grad()
+            loss_of("mlp", m(x), y).backward()
+        assert_grads_close(hooked.module, plain.module, f"DDP top-k hook density 1.0 step {step}")
+        for opt in opts:
+            opt.step()
+    saved = sparse_state.state_dict()
+    restored = TopkHookState(density=0.5)
+    restored.load_state_dict(saved)
+    assert restored.density == 0.05 and restored.iteration == 0  # a new DDP module warms up again
+    assert all(torch.equal(restored.residuals[i], r) for i, r in sparse_state.residuals.items())
+    return {
+        "iterations": state.iteration,
+        "buckets": len(state.residuals),
+        "sparse_buckets": len(sparse_state.residuals),
+        "sparse_nonzero": sum(int(torch.count_nonzero(r)) for r in sparse_state.residuals.values()),
+        "dense_nonzero": sum(int(torch.count_nonzero(r)) for r in state.residuals.values()),
+    }
+
+
+def _regression_task(rank: int, world_size: int, n_per_rank: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-student regression: a fixed random tanh network plus label noise; a shard per rank."""
+    g = torch.Generator().manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+        x = torch.randn(world_size * n_per_rank, 16, generator=g)
+        y = teacher(x) + 0.1 * torch.randn(x.shape[0], 1, generator=g)
+    shard = slice(rank * n_per_rank, (rank + 1) * n_per_rank)
+    return x[shard], y[shard]
+
+
+def _train(rank: int, world_size: int, strategy: Strategy, density: float | None, grouping: str, steps: int) -> float:
+    """Full-batch SGD on this rank's shard; returns the loss over all shards after `steps` steps."""
+    x, y = _regression_task(rank, world_size)
+    torch.manual_seed(100)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    exchange = GradientExchange(model, make_plan(model, grouping, strategy, density))
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        exchange.synchronize()
+        opt.step()
+    exchange.close()
+    with torch.no_grad():
+        loss = nn.functional.mse_loss(model(x), y).reshape(1)
+    dist.all_reduce(loss)
+    return loss.item() / world_size
+
+
+def _training_worker(rank: int, world_size: int, steps: int) -> dict[str, float]:
+    _, y = _regression_task(rank, world_size)
+    initial = torch.tensor([y.pow(2).mean().item()])  # the loss of predicting zero, for scale
+    dist.all_reduce(initial)
+    return {
+        "initial": initial.item() / world_size,
+        "dense": _train(rank, world_size, Strategy.DENSE, None, "per-layer", steps),
+        "topk per-layer": _train(rank, world_size, Strategy.TOPK, 0.01, "per-layer", steps),
+        "topk single": _train(rank, world_size, Strategy.TOPK, 0.01, "single", steps),
+    }
+
+
+def _state_round_trip_worker(rank: int, world_size: int) -> None:
+    """A fresh exchange loaded with the residuals continues exactly like the one that saved them."""
+    model = build_model("mlp")
+    plan = make_plan(model, "mixed", Strategy.TOPK, 0.05)
+    exchange = GradientExchange(model, plan)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(3):
+        x, y = make_batch("mlp", rank, step)
+        opt.zero_grad()
+        loss_of("mlp", model(x), y).backward()
+        exchange.synchronize()
+        opt.step()
+    buf = io.BytesIO()
+    torch.save(exchange.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf)
+    assert any(torch.count_nonzero(r) for r in state["residuals"].values()), "residuals should hold something"
+
+    resumed_model = copy.deepcopy(model)
+    resumed = GradientExchange(resumed_model, make_plan(resumed_model, "mixed", Strategy.TOPK, 0.05))
+    resumed.load_state_dict(state)
+    forgetful_model = copy.deepcopy(model)
+    forgetful = GradientExchange(forgetful_model, make_plan(forgetful_model, "mixed", Strategy.TOPK, 0.05))
+
+    x, y = make_batch("mlp", rank, 3)
+    for m, ex in ((model, exchange), (resumed_model, resumed), (forgetful_model, forgetful)):
+        m.zero_grad()
+        loss_of("mlp", m(x), y).backward()
+        ex.synchronize()
+    for p, q in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(grad_of(p), grad_of(q)), "the resumed exchange must give the same gradients"
+    assert any(
+        not torch.equal(grad_of(p), grad_of(q))
+        for p, q in zip(model.parameters(), forgetful_model.parameters(), strict=True)
+    ), "without the residuals the gradients should differ (else the test proves nothing)"
+
+    other = make_plan(resumed_model, "per-layer", Strategy.TOPK, 0.05)
+    with pytest.raises(PlanMismatchError, match="other plan groups"):
+        GradientExchange(copy.deepcopy(resumed_model), other).load_state_dict(state)
+
+
+def _failing_worker(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise PlanMismatchError("rank 1 refuses")
+    dist.barrier()  # rank 0 waits for a peer that is gone: it must not keep the call waiting
+
+
+def _hanging_worker(rank: int, world_size: int) -> None:
+    if rank == 0:
+        time.sleep(600)
+
+
+# -- distributed tests ---------------------------------------------------------------------------
+
+
+def test_run_distributed_reraises_a_worker_error_and_kills_hung_workers() -> None:
+    with pytest.raises(PlanMismatchError, match="rank 1 refuses") as info:
+        run_distributed(_failing_worker, WORLD_SIZE)
+    assert "_failing_worker" in str(info.value.__cause__)  # the worker's traceback text
+    start = time.monotonic()
+    with pytest.raises(DistributedError, match=r"rank\(s\) \[0(, 1)?\] of 2 did not finish within 3 s"):
+        run_distributed(_hanging_worker, WORLD_SIZE, timeout=3)
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize(("strategy", "density"), [("dense", None), ("topk", 1.0)])
+def test_exchange_matches_ddp(strategy: str, density: float | None) -> None:
+    """Dense plans (and top-k at density 1.0) give DDP's gradients for every grouping, MLP and CNN."""
+    compared = run_distributed(_matches_ddp_worker, WORLD_SIZE, strategy, density)
+    assert compared[0] == (2 if strategy == "topk" else 1) * 2 * 3 * 3
+
+
+@pytest.mark.parametrize(("strategy", "density"), [("dense", None), ("topk", 1.0)])
+def test_missing_gradients_count_as_zeros(strategy: str, density: float | None) -> None:
+    run_distributed(_missing_grads_worker, WORLD_SIZE, strategy, density)
+
+
+def test_ddp_topk_hook() -> None:
+    """The DDP hook at density 1.0 equals plain DDP; at 0.05 it keeps a residual per bucket."""
+    results = run_distributed(_ddp_hook_worker, WORLD_SIZE)
+    for r in results:
+        assert r["iterations"] == 5
+        assert r["buckets"] >= 2 and r["dense_nonzero"] == 0
+        assert r["sparse_buckets"] == r["buckets"] and r["sparse_nonzero"] > 0
+
+
+def test_topk_with_error_feedback_trains_like_dense() -> None:
+    """Top-k at density 0.01 with error feedback ends within 5% of the dense loss after the same steps."""
+    results = run_distributed(_training_worker, WORLD_SIZE, 200)
+    r = results[0]
+    assert results[1] == r
+    assert r["dense"] < 0.2 * r["initial"], f"dense training should learn the task: {r}"
+    for name in ("topk per-layer", "topk single"):
+        assert r[name] <= 1.05 * r["dense"], f"{name} loss {r[name]:.4g} vs dense {r['dense']:.4g}: {r}"
+
+
+def test_state_dict_round_trip() -> None:
+    run_distributed(_state_round_trip_worker, WORLD_SIZE)
+
+
+# -- single-process tests ------------------------------------------------------------------------
+
+
+def _record_events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Record ("prepare", group) and ("launch", group) as the exchange does them."""
+    events: list[tuple[str, int]] = []
+    prepare = GradientExchange._prepare
+
+    def recording_prepare(self: GradientExchange, st: object) -> None:
+        events.append(("prepare", st.index))  # type: ignore[attr-defined]
+        prepare(self, st)  # type: ignore[arg-type]
+
+    def recording_start(self: GradientExchange, st: object) -> None:
+        events.append(("launch", st.index))  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(GradientExchange, "_prepare", recording_prepare)
+    monkeypatch.setattr(GradientExchange, "_start_collective", recording_start)
+    return events
+
+
+def _linear_chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3))
+
+
+def _groups_in_order(model: nn.Module, order: list[int]) -> tuple[Group, ...]:
+    """One group per layer, listed in the given layer order."""
+    layers = gradient_layers(model)
+    return tuple(Group(layers=(layers[i].name,), params=layers[i].params, numel=layers[i].numel) for i in order)
+
+
+@pytest.mark.parametrize(
+    ("order", "expected"),
+    [
+        # plan order = ready order (last layer first): each group launches as soon as it is complete
+        ([2, 1, 0], [("prepare", 0), ("launch", 0), ("prepare", 1), ("launch", 1), ("prepare", 2), ("launch", 2)]),
+        # plan order = registration order: groups 2 and 1 complete first and wait for group 0
+        ([0, 1, 2], [("prepare", 2), ("prepare", 1), ("prepare", 0), ("launch", 0), ("launch", 1), ("launch", 2)]),
+        # mixed: group 0 (layer 2) goes at once; group 2 (layer 1) waits for group 1 (layer 0)
+        ([2, 0, 1], [("prepare", 0), ("launch", 0), ("prepare", 2), ("prepare", 1), ("launch", 1), ("launch", 2)]),
+    ],
+)
+def test_groups_launch_in_plan_order(
+    monkeypatch: pytest.MonkeyPatch, order: list[int], expected: list[tuple[str, int]]
+) -> None:
+    events = _record_events(monkeypatch)
+    model = _linear_chain()
+    exchange = GradientExchange(model, plan_with_groups(model, _groups_in_order(model, order), world_size=1))
+    model(torch.randn(2, 3)).sum().backward()
+    assert events == expected  # all launched during backward, in plan order
+    exchange.synchronize()
+    exchange.synchronize()
+    assert events == expected  # nothing left for synchronize, and a second call does nothing
+
+
+def test_synchronize_launches_groups_without_gradients_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group whose parameters got no gradient is prepared by synchronize(), and launched in its turn."""
+    events = _record_events(monkeypatch)
+    torch.manual_seed(0)
+    model = Branchy()
+    # plan order a, unused, b: `unused` never completes, so b (complete during backward) must wait for it
+    layers = {spec.name: spec for spec in gradient_layers(model)}
+    groups = tuple(Group(layers=(n,), params=layers[n].params, numel=layers[n].numel) for n in ("a", "unused", "b"))
+    exchange = GradientExchange(model, plan_with_groups(model, groups, world_size=1))
+    model(torch.randn(2, 4), use_b=True).sum().backward()
+    assert sorted(events[:3]) == [("launch", 0), ("prepare", 0), ("prepare", 2)]
+    assert [e for e in events if e[0] == "launch"] == [("launch", 0)]
+    exchange.synchronize()
+    assert events[3:] == [("prepare", 1), ("launch", 1), ("launch", 2)]
+    assert model.unused.weight.grad is None  # dense on world size 1 leaves gradients as they are
+
+
+def test_world_size_one_dense_keeps_gradients_and_topk_applies_selection() -> None:
+    model = build_model("mlp")
+    dense_model, topk_model = copy.deepcopy(model), copy.deepcopy(model)
+    dense = GradientExchange(dense_model, make_plan(dense_model, "mixed", world_size=1))
+    topk = GradientExchange(topk_model, make_plan(topk_model, "single", Strategy.TOPK, 0.1, world_size=1))
+    x, y = make_batch("mlp", 0, 0)
+    for m in (model, dense_model, topk_model):
+        loss_of("mlp", m(x), y).backward()
+    dense.synchronize()
+    topk.synchronize()
+    local = torch.cat([grad_of(p).flatten() for p in model.parameters()])
+    assert torch.equal(torch.cat([grad_of(p).flatten() for p in dense_model.parameters()]), local)
+    sent = torch.cat([grad_of(p).flatten() for p in topk_model.parameters()])
+    k = topk.plan.groups[0].k
+    assert k is not None and torch.count_nonzero(sent) == k
+    residual = topk.state_dict()["residuals"][0]  # the flat group buffer follows the plan's parameter order
+    local_grads, sent_grads = dict(model.named_parameters()), dict(topk_model.named_parameters())
+    local_flat = torch.cat([grad_of(local_grads[n]).flatten() for n in topk.plan.param_order])
+    sent_flat = torch.cat([grad_of(sent_grads[n]).flatten() for n in topk.plan.param_order])
+    torch.testing.assert_close(sent_flat + residual, local_flat, rtol=0, atol=0)
+
+
+def test_no_sync_accumulates_and_double_backward_is_refused() -> None:
+    model = _linear_chain()
+    ref = copy.deepcopy(model)
+    exchange = GradientExchange(model, make_plan(model, "single", Strategy.TOPK, 1.0, world_size=1))
+    xs = [torch.randn(2, 3) for _ in range(3)]
+    with exchange.no_sync():
+        for x in xs[:2]:
+            model(x).sum().backward()
+    model(xs[2]).sum().backward()
+    exchange.synchronize()
+    for x in xs:
+        ref(x).sum().backward()
+    assert_grads_close(model, ref, "accumulated with no_sync")
+    model(xs[0]).sum().backward()
+    with pytest.raises(DistributedError, match="synchronize"):
+        model(xs[1]).sum().backward()
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda m: make_plan(tiny_mlp(din=9), "single", world_size=1, name="other"), "model other .* re-plan"),
+        (lambda m: make_plan(m, "single", world_size=2), "world size 2, but .* world size 1"),
+    ],
+)
+def test_plan_for_another_model_or_world_size_is_refused(make: Callable[[nn.Module], Plan], match: str) -> None:
+    model = tiny_mlp()
+    with pytest.raises(PlanMismatchError, match=match) as info:
+        GradientExchange(model, make(model))
+    message = str(info.value)
+    assert "planner solve" in message and "\n" not in message
+
+
+def test_plan_parameters_must_match_the_model() -> None:
+    model = tiny_mlp()
+    layers = gradient_layers(model)
+    missing = tuple(Group(layers=(s.name,), params=s.params, numel=s.numel) for s in layers[1:])
+    with pytest.raises(PlanMismatchError, match=r"missing from the plan: 0\.weight, 0\.bias; .*planner solve"):
+        GradientExchange(model, plan_with_groups(model, missing, world_size=1))
+    extra = (Group(layers=("ghost",), params=("ghost.weight",), numel=3), *missing)
+    with pytest.raises(PlanMismatchError, match=r"does not have: ghost\.weight"):
+        GradientExchange(model, plan_with_groups(model, extra, world_size=1))
+    all_layers = tuple(Group(layers=(s.name,), params=s.params, numel=s.numel) for s in layers)
+    model[0].bias.requires_grad_(False)  # frozen, but a plan with this fingerprint still names it
+    with pytest.raises(PlanMismatchError, match=r"frozen parameter\(s\) \(requires_grad=False\): 0\.bias"):
+        GradientExchange(model, plan_with_groups(model, all_layers, world_size=1))
+
+
+def test_state_dict_refuses_another_plan() -> None:
+    model = tiny_mlp()
+    exchange = GradientExchange(model, make_plan(model, "mixed", Strategy.TOPK, 0.1, world_size=1))
+    state = exchange.state_dict()
+    assert sorted(state["residuals"]) == [0, 1, 2]
+    other_model = tiny_mlp(hidden=12)
+    other = GradientExchange(other_model, make_plan(other_model, "mixed", Strategy.TOPK, 0.1, world_size=1))
+    with pytest.raises(PlanMismatchError, match="fingerprint"):
+        other.load_state_dict(state)
+    with pytest.raises(PlanMismatchError, match="not a GradientExchange state"):
+        exchange.load_state_dict({"residuals": {}})
+    exchange.load_state_dict(state)
+
+
+def test_from_file_and_close(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    model = _linear_chain()
+    make_plan(model, "per-layer", world_size=1).save(path)
+    with GradientExchange.from_file(model, path) as exchange:
+        assert len(exchange.plan.groups) == 3
+    # hooks are gone: a second backward without synchronize is no longer an error
+    model(torch.randn(2, 3)).sum().backward()
+    model(torch.randn(2, 3)).sum().backward()
