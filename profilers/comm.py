@@ -1,0 +1,86 @@
+"""Collective time against message size on the live process group, fitted to alpha + beta * bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from planner.profile import FittedCurve
+from planner.types import Collective
+from profilers.timing import median
+
+__all__ = ["log_sizes", "measure_collectives"]
+
+
+def log_sizes(smallest: int, largest: int, factor: int = 4) -> list[int]:
+    """Message sizes in bytes from `smallest` to at least `largest`, multiplying by `factor` (multiples of 4)."""
+    sizes, s = [], max(4, smallest)
+    while True:
+        sizes.append(s)
+        if s >= largest:
+            return sizes
+        s *= factor
+
+
+def _op(coll: Collective, nbytes: int, device: torch.device) -> Callable[[], object]:
+    n = max(1, nbytes // 4)
+    x = torch.ones(n, device=device)
+    match coll:
+        case Collective.ALLREDUCE:
+            return lambda: dist.all_reduce(x)
+        case Collective.ALLGATHER:
+            out = torch.empty(n * dist.get_world_size(), device=device)
+            return lambda: dist.all_gather_into_tensor(out, x)
+        case Collective.BROADCAST:
+            return lambda: dist.broadcast(x, src=0)
+        case _:
+            raise ValueError(f"unknown collective {coll!r}")
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    import time
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def measure_collectives(
+    collectives: Sequence[Collective],
+    sizes: Sequence[int],
+    device: torch.device,
+    *,
+    repeats: int,
+    warmup: int,
+    on_point: Callable[[], object] = lambda: None,
+) -> dict[Collective, FittedCurve]:
+    """Median seconds of each collective at each size (slowest rank per repetition), with the affine fit.
+
+    A barrier precedes every repetition so that ranks start together; the time of a repetition is the
+    largest over ranks, since a collective is over only when it is over everywhere.
+    """
+    out = {}
+    for coll in collectives:
+        points = []
+        for nbytes in sizes:
+            op = _op(coll, nbytes, device)
+            samples = []
+            # Large messages: fewer repetitions, they are slow and stable.
+            reps = repeats if nbytes < (16 << 20) else max(3, repeats // 2)
+            for i in range(warmup + reps):
+                dist.barrier()
+                t = _timed(op, device)
+                if i >= warmup:
+                    samples.append(t)
+            times = torch.tensor(samples, dtype=torch.float64)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            points.append((int(max(4, nbytes // 4 * 4)), median(times.tolist())))
+            on_point()
+        out[coll] = FittedCurve.fit(points)
+    return out

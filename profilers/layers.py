@@ -1,0 +1,155 @@
+"""Per-layer forward and backward time, gradient sizes, and the measured gradient-ready order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from planner.layers import gradient_layers
+from planner.models import Workload
+from planner.profile import LayerTiming
+from profilers.timing import Marks, iqr, median, time_call
+
+__all__ = ["LayerRun", "combine_ranks", "measure_layers"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerRun:
+    """One rank's measurements: per-layer samples in measured ready order, and whole-phase samples."""
+
+    order: tuple[str, ...]
+    params: dict[str, tuple[str, ...]]
+    numel: dict[str, int]
+    forward: dict[str, list[float]]
+    backward: dict[str, list[float]]
+    forward_total: list[float]
+    backward_total: list[float]
+    update: list[float]
+
+
+def measure_layers(
+    workload: Workload,
+    device: torch.device,
+    *,
+    repeats: int,
+    warmup: int,
+    barrier: Callable[[], object] = lambda: None,
+    on_step: Callable[[], object] = lambda: None,
+) -> LayerRun:
+    """Run forward/backward/update `warmup + repeats` times, timing each layer from module and grad hooks.
+
+    A layer's backward time is the gap between the previous layer's gradient becoming ready (or the start
+    of backward) and its own: b_i of the timeline model. The ready order is read from the hooks, not assumed.
+    """
+    model = workload.module.to(device)
+    specs = gradient_layers(model)
+    modules = dict(model.named_modules())
+    layer_of = {p: s.name for s in specs for p in s.params}
+    counts = {s.name: len(s.params) for s in specs}
+    remaining = dict(counts)
+    fmarks, bmarks = Marks(device), Marks(device)
+
+    def on_ready(pname: str) -> None:
+        layer = layer_of[pname]
+        remaining[layer] -= 1
+        if remaining[layer] == 0:
+            bmarks.mark(layer)
+
+    handles = []
+    for pname, p in model.named_parameters():
+        if pname in layer_of:
+            handles.append(p.register_post_accumulate_grad_hook(lambda _t, n=pname: on_ready(n)))
+    for s in specs:
+        mod = modules["" if s.name == "<root>" else s.name]
+        handles.append(mod.register_forward_pre_hook(lambda _m, _i, n=s.name: fmarks.mark(">" + n)))
+        handles.append(mod.register_forward_hook(lambda _m, _i, _o, n=s.name: fmarks.mark("<" + n)))
+
+    inputs, targets = (t.to(device) for t in workload.batch(seed=1234))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    forward: dict[str, list[float]] = {s.name: [] for s in specs}
+    backward: dict[str, list[float]] = {s.name: [] for s in specs}
+    forward_total, backward_total, update = [], [], []
+    order: tuple[str, ...] = ()
+    try:
+        for rep in range(warmup + repeats):
+            barrier()
+            optimizer.zero_grad(set_to_none=True)
+            remaining.update(counts)
+            fmarks.clear()
+            bmarks.clear()
+            fmarks.mark("start")
+            loss = workload.loss_fn(model(inputs), targets)
+            fmarks.mark("end")
+            bmarks.mark("start")
+            loss.backward()
+            bmarks.mark("end")
+            step = time_call(optimizer.step, device, repeats=1, warmup=0)
+            on_step()
+            if rep < warmup:
+                continue
+            f = fmarks.seconds()
+            b = bmarks.seconds()
+            forward_total.append(f[-1][1])
+            backward_total.append(b[-1][1])
+            update.extend(step)
+            opened: dict[str, float] = {}
+            for label, t in f[1:-1]:
+                if label[0] == ">":
+                    opened[label[1:]] = t
+                elif label[1:] in opened:
+                    forward[label[1:]].append(t - opened.pop(label[1:]))
+            ready = [(label, t) for label, t in b[1:-1]]
+            this_order = tuple(label for label, _ in ready)
+            if not order:
+                order = this_order
+            prev = 0.0
+            for label, t in ready:
+                backward[label].append(t - prev)
+                prev = t
+    finally:
+        for h in handles:
+            h.remove()
+    # Layers whose gradients never arrived (unused parameters) go last with zero backward time.
+    missing = tuple(s.name for s in specs if s.name not in order)
+    for name in missing:
+        backward[name] = [0.0]
+    return LayerRun(
+        order=order + missing,
+        params={s.name: s.params for s in specs},
+        numel={s.name: s.numel for s in specs},
+        forward={k: v or [0.0] for k, v in forward.items()},
+        backward=backward,
+        forward_total=forward_total,
+        backward_total=backward_total,
+        update=update,
+    )
+
+
+def combine_ranks(runs: list[LayerRun]) -> tuple[list[LayerTiming], float, float, float]:
+    """Layer timings in rank 0's ready order (medians over every rank's samples) and F, B, U medians."""
+    first = runs[0]
+
+    def pooled(get: Callable[[LayerRun], list[float]]) -> list[float]:
+        return [x for r in runs for x in get(r)]
+
+    layers = []
+    for name in first.order:
+        b = pooled(lambda r, n=name: r.backward[n])
+        layers.append(
+            LayerTiming(
+                name=name,
+                params=first.params[name],
+                numel=first.numel[name],
+                forward_s=median(pooled(lambda r, n=name: r.forward[n])),
+                backward_s=median(b),
+                backward_iqr_s=iqr(b),
+            )
+        )
+    return (
+        layers,
+        median(pooled(lambda r: r.forward_total)),
+        median(pooled(lambda r: r.backward_total)),
+        median(pooled(lambda r: r.update)),
+    )

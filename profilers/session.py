@@ -1,0 +1,175 @@
+"""`planner profile`: measure a model and the network on N workers and write one profile file."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from planner.console import progress
+from planner.fingerprint import ClusterInfo, model_info
+from planner.models import build_workload
+from planner.profile import Profile
+from planner.types import Collective, DistributedError, PlannerError
+from profilers.comm import log_sizes, measure_collectives
+from profilers.layers import combine_ranks, measure_layers
+from profilers.topk import measure_topk
+
+__all__ = ["DEFAULT_DENSITIES", "ProfileConfig", "profile_worker", "run_profile"]
+
+DEFAULT_DENSITIES = (0.001, 0.01, 0.1, 1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    """What to measure and how hard. `only_comm` re-measures the network of an existing profile."""
+
+    model: str
+    output: Path
+    batch_size: int | None = None
+    nproc: int = 2
+    backend: str = "auto"
+    repeats: int = 10
+    warmup: int = 3
+    comm_repeats: int = 7
+    densities: tuple[float, ...] = DEFAULT_DENSITIES
+    only_comm: bool = False
+    base: Profile | None = field(default=None, repr=False)
+    show_progress: bool = True
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise PlannerError(f"unknown backend {backend!r}: use gloo, nccl or auto")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise PlannerError("backend nccl needs CUDA, and no GPU is visible: use --backend gloo")
+    return backend
+
+
+def _device(backend: str) -> torch.device:
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % max(1, torch.cuda.device_count())))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads/worker)"
+
+
+def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile | None:
+    """Body run on every rank of an initialised process group; rank 0 returns the profile."""
+    backend = dist.get_backend()
+    device = _device(backend)
+    show = config.show_progress and rank == 0
+    base = config.base
+    name = base.model.name if (config.only_comm and base is not None) else config.model
+
+    layer_results = None
+    if not config.only_comm:
+        workload = build_workload(config.model, batch_size=config.batch_size)
+        info = model_info(workload.module, config.model)
+        numel_total = info.numel
+        max_layer = max(p.numel() for p in workload.module.parameters())
+    else:
+        assert base is not None
+        numel_total = base.model.numel
+        max_layer = max(lt.numel for lt in base.layers)
+
+    # Message sizes from 1 KiB to the whole gradient, and top-k sizes up to the whole model.
+    sizes = log_sizes(1 << 10, max(numel_total * 4, 1 << 20))
+    topk_sizes = log_sizes(1 << 10, max(numel_total, max_layer), factor=4)
+    colls = [Collective.ALLREDUCE, Collective.ALLGATHER, Collective.BROADCAST]
+    with progress(enabled=show) as bar:
+        if not config.only_comm:
+            task = bar.add_task(f"layers of {config.model}", total=config.warmup + config.repeats)
+            run = measure_layers(
+                workload, device, repeats=config.repeats, warmup=config.warmup,
+                barrier=dist.barrier, on_step=lambda: bar.advance(task),
+            )
+            gathered: list[object] = [None] * world_size
+            dist.all_gather_object(gathered, run)
+            layer_results = combine_ranks(gathered)  # type: ignore[arg-type]
+        task = bar.add_task("collectives", total=len(colls) * len(sizes))
+        curves = measure_collectives(
+            colls, sizes, device, repeats=config.comm_repeats, warmup=2, on_point=lambda: bar.advance(task)
+        )
+        topk = None
+        if not config.only_comm:
+            task = bar.add_task("top-k selection and decode", total=(len(config.densities) + 1) * len(topk_sizes))
+            topk = measure_topk(
+                topk_sizes, config.densities, world_size, device, repeats=5, warmup=1,
+                on_point=lambda: bar.advance(task),
+            )
+    if rank != 0:
+        return None
+    cluster = ClusterInfo(
+        world_size=world_size,
+        backend=backend,
+        device=_device_name(device),
+        host_count=int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("PLANNER_HOSTS", "1"))),
+    )
+    created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    if config.only_comm:
+        assert base is not None
+        new = Profile(
+            model=base.model, cluster=cluster, created=created, torch_version=torch.__version__,
+            batch_size=base.batch_size, forward_s=base.forward_s, backward_s=base.backward_s,
+            update_s=base.update_s, layers=base.layers, collectives=curves, topk=None,
+        )
+        return base.with_comm(new)
+    assert layer_results is not None
+    layers, fwd, bwd, upd = layer_results
+    return Profile(
+        model=info.__class__(name=name, fingerprint=info.fingerprint, num_params=info.num_params, numel=info.numel),
+        cluster=cluster,
+        created=created,
+        torch_version=torch.__version__,
+        batch_size=workload.batch_size,
+        forward_s=fwd,
+        backward_s=bwd,
+        update_s=upd,
+        layers=tuple(layers),
+        collectives=curves,
+        topk=topk,
+    )
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def run_profile(config: ProfileConfig) -> Profile:
+    """Profile under torchrun (this process is one rank) or by starting `config.nproc` local workers."""
+    from runtime.launch import run_distributed
+
+    if config.only_comm and config.base is None:
+        raise PlannerError(f"--only comm updates an existing profile, but {config.output} does not exist")
+    if _under_torchrun():
+        backend = resolve_backend(config.backend)
+        dist.init_process_group(backend)
+        try:
+            profile = profile_worker(dist.get_rank(), dist.get_world_size(), config)
+        finally:
+            dist.destroy_process_group()
+        if profile is None:  # not rank 0: nothing to write
+            raise SystemExit(0)
+        return profile
+    if config.nproc < 1:
+        raise PlannerError(f"`--nproc >= 1` must hold, but got --nproc {config.nproc}")
+    backend = resolve_backend(config.backend)
+    results = run_distributed(profile_worker, config.nproc, config, backend=backend, timeout=3600)
+    profile = results[0]
+    if not isinstance(profile, Profile):
+        raise DistributedError("rank 0 returned no profile")
+    return profile

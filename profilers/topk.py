@@ -1,0 +1,64 @@
+"""Top-k selection time against size and density, and decode time against gathered values.
+
+Times the runtime's own functions (runtime.compress), so the profile measures what the runtime does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from planner.problem import topk_count
+from planner.profile import FittedCurve, TopkTiming
+from profilers.timing import median, time_call
+from runtime.compress import decode, pack, select_topk
+
+__all__ = ["measure_topk"]
+
+
+def measure_topk(
+    sizes: Sequence[int],
+    densities: Sequence[float],
+    world_size: int,
+    device: torch.device,
+    *,
+    repeats: int,
+    warmup: int,
+    on_point: Callable[[], object] = lambda: None,
+) -> TopkTiming:
+    """Median seconds of `select_topk` for each (size, density) and of `decode` for P*k gathered values."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    select = []
+    decode_points = []
+    for n in sizes:
+        grad = torch.randn(n, generator=gen).to(device)
+        residual = torch.zeros(n, device=device)
+        for d in densities:
+            k = topk_count(n, d)
+            samples = time_call(lambda k=k: select_topk(grad, residual, k), device, repeats=repeats, warmup=warmup,
+                                before=residual.zero_)
+            select.append((n, float(d), median(samples)))
+            on_point()
+        # Decode of what P ranks sent at density 1%: P*k values scattered into n elements.
+        k = topk_count(n, 0.01)
+        msgs = []
+        for _ in range(world_size):
+            values, idx = select_topk(torch.randn(n, generator=gen).to(device), None, k)
+            msgs.append(pack(values, idx))
+        gathered = torch.cat(msgs)
+        out = torch.empty(n, device=device)
+        samples = time_call(lambda k=k, n=n: decode(gathered, k, n, world_size, out=out), device,
+                            repeats=repeats, warmup=warmup)
+        decode_points.append((world_size * k, median(samples)))
+        on_point()
+    # decode(out=...) zeroes the dense output before scattering: its cost grows with n too, but the model
+    # is d(P k); measuring at one density keeps n and P k proportional, which is what a 1% plan sees.
+    return TopkTiming(select=tuple(select), decode=FittedCurve.fit(_dedupe(decode_points)))
+
+
+def _dedupe(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    best: dict[int, float] = {}
+    for x, t in points:
+        best[x] = min(t, best.get(x, t))
+    return sorted(best.items())
