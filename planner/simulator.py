@@ -1,0 +1,142 @@
+"""Event walk of one iteration under the timeline model (DESIGN.md "The timeline model").
+
+The simulator is the reference the solvers are checked against: it walks the groups of a grouping in
+ready order with scalar `CostModel.cost` calls and no shortcuts, so that it stays independent of the
+vectorised dynamic programs in `planner.solvers`.
+
+Clocks (seconds from the start of backward; the forward pass is not on them):
+
+- compute stream: C_g = C_{g-1} + (backward of g's layers) + s(N_g) (s = 0 for dense), C_0 = 0;
+- communication channel: E_g = max(C_g, E_{g-1}) + T(N_g), E_0 = 0;
+- top-k decoding runs after the last collective: D = sum over g of d(P * k_g).
+
+iteration = F + max(C_G, E_G) + D + U.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import SupportsIndex
+
+from planner.problem import GradientProblem, Grouping, Prediction, groups_of
+from planner.types import SolverError, Strategy
+
+__all__ = ["GroupEvent", "simulate", "timeline", "validate_grouping"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupEvent:
+    """When one group's gradients are ready, selected and communicated (seconds from the start of backward).
+
+    Attributes:
+        index: position of the group in ready order (0-based).
+        layers: the layer indices of the group.
+        ready_s: when its last gradient is ready (top-k: when its selection starts).
+        select_start_s: start of top-k selection on the compute stream (= ready_s).
+        select_end_s: end of selection (= ready_s for dense, which selects nothing).
+        comm_start_s: start of its collective: max(select_end_s, end of the previous collective).
+        comm_end_s: end of its collective.
+        numel: gradient elements of the group, N_g.
+        bytes: bytes one rank sends for the group, `problem.message_bytes(N_g)`.
+    """
+
+    index: int
+    layers: range
+    ready_s: float
+    select_start_s: float
+    select_end_s: float
+    comm_start_s: float
+    comm_end_s: float
+    numel: int
+    bytes: int
+
+
+def validate_grouping(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> Grouping:
+    """Check that `grouping` holds exclusive group ends of `problem`; return it as a tuple of ints.
+
+    Raises:
+        SolverError: the grouping is empty, not strictly ascending, does not start after 0 or end at L.
+    """
+    raw = tuple(grouping)
+    num_layers = problem.num_layers
+    if not raw:
+        raise SolverError(f"a grouping needs at least one group, but got grouping={raw} for L={num_layers}")
+    try:
+        if any(isinstance(e, bool) for e in raw):
+            raise TypeError
+        ends = tuple(operator.index(e) for e in raw)  # ints, numpy integers
+    except TypeError:
+        raise SolverError(f"group ends must be ints, but got grouping={raw}") from None
+    if ends[0] <= 0:
+        raise SolverError(f"`grouping[0] > 0` must hold (no empty group), but got grouping[0]={ends[0]}")
+    bad = [(a, b) for a, b in itertools.pairwise(ends) if b <= a]
+    if bad:
+        raise SolverError(f"group ends must be strictly ascending, but got {bad[0][0]} then {bad[0][1]} in {ends}")
+    if ends[-1] != num_layers:
+        raise SolverError(f"`grouping[-1] == L` must hold, but got (grouping[-1]={ends[-1]}, L={num_layers})")
+    return ends
+
+
+def timeline(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> list[GroupEvent]:
+    """The events of every group of `grouping`, in ready order (see the module docstring for the clocks)."""
+    ends = validate_grouping(problem, grouping)
+    topk = problem.strategy is Strategy.TOPK
+    events: list[GroupEvent] = []
+    compute = 0.0  # C: the compute stream clock
+    channel = 0.0  # E: the communication channel clock
+    for index, layers in enumerate(groups_of(ends)):
+        numel = sum(problem.numel[i] for i in layers)
+        nbytes = problem.message_bytes(numel)
+        ready = compute + sum(problem.backward_s[i] for i in layers)
+        if topk:
+            assert problem.select is not None
+            select_end = ready + problem.select.cost(numel)
+        else:
+            select_end = ready
+        comm_start = max(select_end, channel)
+        comm_end = comm_start + problem.comm.cost(nbytes)
+        events.append(
+            GroupEvent(
+                index=index,
+                layers=layers,
+                ready_s=ready,
+                select_start_s=ready,
+                select_end_s=select_end,
+                comm_start_s=comm_start,
+                comm_end_s=comm_end,
+                numel=numel,
+                bytes=nbytes,
+            )
+        )
+        compute, channel = select_end, comm_end
+    return events
+
+
+def simulate(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> Prediction:
+    """Predicted iteration time of `grouping` and its breakdown.
+
+    Raises:
+        SolverError: the grouping is not valid for `problem` (see `validate_grouping`).
+    """
+    events = timeline(problem, grouping)
+    compute_end = events[-1].select_end_s  # C_G (= R_{L-1} for dense)
+    channel_end = events[-1].comm_end_s  # E_G
+    decode = selection = 0.0
+    if problem.strategy is Strategy.TOPK:
+        assert problem.select is not None and problem.decode is not None
+        selection = sum(problem.select.cost(e.numel) for e in events)
+        decode = sum(problem.decode.cost(problem.world_size * problem.k(e.numel)) for e in events)
+    iteration = problem.forward_s + max(compute_end, channel_end) + decode + problem.update_s
+    compute = problem.forward_s + compute_end + decode + problem.update_s
+    return Prediction(
+        iteration_s=iteration,
+        compute_s=compute,
+        exposed_comm_s=iteration - compute,
+        comm_s=sum(problem.comm.cost(e.bytes) for e in events),
+        selection_s=selection,
+        decode_s=decode,
+        num_groups=len(events),
+    )

@@ -1,0 +1,666 @@
+"""Solvers that choose how to merge per-layer gradients into groups (one collective per group).
+
+Exact solvers (dynamic programs over prefixes of the ready order):
+
+- `DenseDP`: MG-WFBP's problem, E*(j) = min over i of max(E*(i-1), R_j) + T(n_i..n_j), O(L^2).
+- `TopkParetoDP`: MGS's problem, a Pareto front of two clocks per prefix (exact, see its docstring).
+
+Baselines (`exact = False`, evaluated with the same model so that comparisons are fair): one collective
+per layer (WFBP), one bucket for everything, fixed-size buckets (PyTorch DDP, Horovod), and the greedy
+merge rules published with MG-WFBP and MGS.
+
+`lower_bound` is a bound no grouping can beat under the timeline model. Every solver answers with a
+`Grouping` (tuple of exclusive group ends); `planner.simulator.simulate` evaluates it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from planner.costs import AffineCost, CostModel
+from planner.problem import INDEX_BYTES, GradientProblem, Grouping
+from planner.simulator import simulate
+from planner.types import SolverError, Strategy
+
+__all__ = [
+    "BASELINES",
+    "DenseDP",
+    "FixedBuckets",
+    "GroupingSolver",
+    "MGSGreedy",
+    "MGWFBPGreedy",
+    "PerLayer",
+    "SingleBucket",
+    "TopkParetoDP",
+    "lower_bound",
+    "solve_exact",
+]
+
+#: PyTorch DDP's first bucket (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`, 1 MiB).
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+#: PyTorch DDP's `bucket_cap_mb=25` default, in bytes.
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+#: Horovod's default tensor fusion threshold (`HOROVOD_FUSION_THRESHOLD`, 64 MiB).
+HOROVOD_FUSION_BYTES = 64 * 1024 * 1024
+
+# Relative slack of the exact pruning in TopkParetoDP: rounding must never prune an optimal state.
+_PRUNE_RTOL = 1e-9
+# TopkParetoDP pre-filters the states of a prefix against a sample's Pareto front above this many states.
+_PREFILTER_MIN_STATES = 256
+
+
+class GroupingSolver(abc.ABC):
+    """A way to merge the layers of a `GradientProblem` into contiguous groups.
+
+    Call order: construct once (stateless afterwards), then `solve(problem)` or `solve_with_value(problem)`
+    any number of times.
+
+    Attributes:
+        name: short identifier used in plans and reports ("wfbp", "ddp-25mb", ...).
+        exact: whether the grouping is optimal under the timeline model.
+        description: one line for reports.
+    """
+
+    name: ClassVar[str]
+    exact: ClassVar[bool]
+    description: ClassVar[str]
+
+    @abc.abstractmethod
+    def solve(self, problem: GradientProblem) -> Grouping:
+        """The grouping chosen for `problem` (tuple of exclusive group ends, last = L)."""
+
+    def solve_with_value(self, problem: GradientProblem) -> tuple[Grouping, float]:
+        """The grouping and its predicted iteration time (seconds); solvers that know it override this."""
+        grouping = self.solve(problem)
+        return grouping, simulate(problem, grouping).iteration_s
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Vectorised pieces of the model (they must agree with GradientProblem's scalar methods exactly).
+
+
+def _prefix_numel(problem: GradientProblem) -> np.ndarray:
+    """S with S[i] = n_0 + ... + n_{i-1} (S[0] = 0), int64."""
+    return np.concatenate(([0], np.cumsum(np.asarray(problem.numel, dtype=np.int64))))
+
+
+def _prefix_backward(problem: GradientProblem) -> np.ndarray:
+    """Q with Q[i] = b_0 + ... + b_{i-1} (Q[0] = 0)."""
+    return np.concatenate(([0.0], np.cumsum(np.asarray(problem.backward_s, dtype=float))))
+
+
+def _k_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
+    """Vectorised `problem.k` (`topk_count`): max(1, min(N, ceil(rho * N))) as floats."""
+    assert problem.density is not None
+    numel = np.asarray(numel, dtype=float)
+    return np.maximum(1.0, np.minimum(numel, np.ceil(problem.density * numel - 1e-9)))
+
+
+def _message_bytes_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
+    """Vectorised `problem.message_bytes` as floats."""
+    numel = np.asarray(numel, dtype=float)
+    if problem.strategy is Strategy.DENSE:
+        return numel * problem.element_bytes
+    return _k_many(problem, numel) * (problem.element_bytes + INDEX_BYTES)
+
+
+def _comm_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
+    """T(N) for an array of group sizes."""
+    return problem.comm.cost_many(_message_bytes_many(problem, numel))
+
+
+def _select_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
+    """s(N) for an array of group sizes (0 for dense)."""
+    if problem.strategy is Strategy.DENSE:
+        return np.zeros(np.shape(numel))
+    assert problem.select is not None
+    return problem.select.cost_many(np.asarray(numel, dtype=float))
+
+
+def _decode_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
+    """d(P * k(N)) for an array of group sizes (0 for dense)."""
+    if problem.strategy is Strategy.DENSE:
+        return np.zeros(np.shape(numel))
+    assert problem.decode is not None
+    return problem.decode.cost_many(problem.world_size * _k_many(problem, numel))
+
+
+def _suffix_min_partition(prefix_numel: np.ndarray, group_cost: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """best[i] = min over groupings of layers i..L-1 of the sum of `group_cost(N_g)`; best[L] = 0.
+
+    O(L^2) time, vectorised over the end of the first group.
+    """
+    num_layers = len(prefix_numel) - 1
+    best = np.zeros(num_layers + 1)
+    for i in range(num_layers - 1, -1, -1):
+        sizes = prefix_numel[i + 1 :] - prefix_numel[i]  # group i..j for j = i..L-1
+        best[i] = np.min(group_cost(sizes) + best[i + 1 :])
+    return best
+
+
+#: Weights w of the Lagrangian bounds of TopkParetoDP (w = 1: compute path, w = 0: channel path).
+_BOUND_WEIGHTS = np.linspace(0.0, 1.0, 11)
+
+
+def _lagrangian_suffixes(
+    problem: GradientProblem, prefix_numel: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, list[Grouping]]:
+    """Suffix bounds of the top-k problem: for each weight w and prefix length m, the minimum over groupings
+    of layers m..L-1 of w * X + (1 - w) * Y, where X = sum of (s + d) plus T of the last group and
+    Y = sum of (T + d).
+
+    Any completion of a state (C', E') of prefix m ends at or after both C' + rest of backward + X and
+    max(E', C' + b_m + s(n_m)) + Y, hence after any convex combination of the two, hence after
+    w * (C' + rest of backward) + (1 - w) * max(E', C' + b_m + s(n_m)) + rest[w, m].
+
+    Returns (weights, rest with shape (weights, L + 1), the grouping minimising each weight's sum over all
+    layers; those are good groupings in their own right and serve as heuristics).
+    """
+    num_layers = len(prefix_numel) - 1
+    weights = _BOUND_WEIGHTS
+    rest = np.zeros((len(weights), num_layers + 1))
+    nexts = np.zeros((len(weights), num_layers), dtype=np.int64)
+    for i in range(num_layers - 1, -1, -1):
+        sizes = prefix_numel[i + 1 :] - prefix_numel[i]  # the group i..j for j = i..L-1
+        decode = _decode_many(problem, sizes)
+        comm = _comm_many(problem, sizes)
+        compute = _select_many(problem, sizes) + decode
+        compute[-1] += comm[-1]  # the last group's collective follows the compute path
+        costs = weights[:, None] * compute + (1 - weights[:, None]) * (comm + decode) + rest[:, i + 1 :]
+        best = np.argmin(costs, axis=1)
+        rest[:, i] = costs[np.arange(len(weights)), best]
+        nexts[:, i] = i + 1 + best
+    groupings: list[Grouping] = []
+    for row in nexts:
+        ends, end = [], 0
+        while end < num_layers:
+            end = int(row[end])
+            ends.append(end)
+        groupings.append(tuple(ends))
+    return weights, rest, groupings
+
+
+def _ends_from_back_pointers(starts: np.ndarray | list[int], num_layers: int) -> Grouping:
+    """Walk back-pointers `starts[j]` (first layer of the last group of the best prefix 0..j) into group ends."""
+    ends: list[int] = []
+    end = num_layers
+    while end > 0:
+        ends.append(end)
+        end = int(starts[end - 1])
+    return tuple(reversed(ends))
+
+
+def _require(problem: GradientProblem, strategy: Strategy, solver: str) -> None:
+    if problem.strategy is not strategy:
+        raise SolverError(
+            f"{solver} solves `strategy == {strategy.value!r}` problems, but got strategy={problem.strategy.value!r}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Exact solvers
+
+
+class DenseDP(GroupingSolver):
+    """Exact grouping for dense allreduce (the MG-WFBP problem).
+
+    A prefix whose last collective ends earlier never hurts what follows (E_g is non-decreasing in
+    E_{g-1}), so the optimal end of the channel for each prefix obeys
+    E*(j) = min over i <= j of max(E*(i-1), R_j) + T(n_i + ... + n_j), E*(-1) = 0,
+    and iteration = F + max(R_{L-1}, E*(L-1)) + U. O(L^2) time, vectorised over i for each j.
+    """
+
+    name = "dense-dp"
+    exact = True
+    description = "exact dynamic program over prefixes (dense allreduce)"
+
+    def solve(self, problem: GradientProblem) -> Grouping:
+        return self.solve_with_value(problem)[0]
+
+    def solve_with_value(self, problem: GradientProblem) -> tuple[Grouping, float]:
+        _require(problem, Strategy.DENSE, type(self).__name__)
+        num_layers = problem.num_layers
+        prefix = _prefix_numel(problem)
+        ready = np.cumsum(np.asarray(problem.backward_s, dtype=float))  # R_j
+        channel = np.zeros(num_layers + 1)  # channel[m] = E* of the prefix of m layers
+        starts = np.zeros(num_layers, dtype=np.int64)
+        for j in range(num_layers):
+            sizes = prefix[j + 1] - prefix[: j + 1]  # group i..j for i = 0..j
+            candidates = np.maximum(channel[: j + 1], ready[j]) + _comm_many(problem, sizes)
+            best = int(np.argmin(candidates))
+            starts[j] = best
+            channel[j + 1] = candidates[best]
+        value = problem.forward_s + max(float(ready[-1]), float(channel[-1])) + problem.update_s
+        return _ends_from_back_pointers(starts, num_layers), value
+
+
+@dataclass(frozen=True)
+class _TopkTables:
+    """Per-problem arrays of TopkParetoDP (see there): prefix sums, lead times and suffix bounds."""
+
+    prefix: np.ndarray  # S[m] = n_0 + ... + n_{m-1}
+    backward: np.ndarray  # Q[m] = b_0 + ... + b_{m-1}
+    lead: np.ndarray  # lead[m] = b_m + s(n_m), lead[L] = 0
+    weights: np.ndarray  # Lagrangian weights w
+    rest: np.ndarray  # rest[w, m]: see _lagrangian_suffixes
+
+
+class TopkParetoDP(GroupingSolver):
+    """Exact grouping for top-k sparsified allgather (the MGS problem).
+
+    With the decode time accumulated so far, D_g, folded into both clocks (C' = C + D, E' = E + D):
+    C'_g = C'_{g-1} + B_g + s(N_g) + d_g and E'_g = max(C'_g, E'_{g-1} + d_g) + T(N_g), and
+    iteration = F + max(C'_G, E'_G) + U. Both transitions are non-decreasing in (C'_{g-1}, E'_{g-1}),
+    so a state dominated in both clocks never leads to a better iteration: keeping, for every prefix,
+    the Pareto front of (C', E') (with back-pointers) is exact. Exact reductions keep it fast:
+
+    - compute-bound states: after a prefix of m < L layers, a state with E' <= C' + b_m + s(n_m) gives
+      E'_{next} = C'_{next} + T whatever its E' (the next selection ends after the channel frees up), so
+      its E' is replaced by C', which makes it dominate every state with a larger C';
+    - valley: extending the states of one front by the same group, E'_{next} = max(C' + a, E' + d) + T
+      falls along the front while E' - C' >= B + s and rises after, so only those states and the first
+      one after them are extended (and B + s only grows as the group grows, so states drop out for good);
+    - pre-filter: large candidate sets are first tested against the Pareto front of a sample of them
+      (dominated states go), so that only the survivors are sorted;
+    - branch and bound: a state cannot finish before a Lagrangian bound (`_lagrangian_suffixes`), which is
+      non-decreasing in (C', E'); states whose bound exceeds the iteration of a good grouping are dropped.
+      That grouping is the best of the baselines, the Lagrangian groupings and a first pass of this search
+      that keeps only the few states with the lowest bounds per prefix (a beam, usually optimal already).
+    """
+
+    name = "topk-pareto-dp"
+    exact = True
+    description = "exact Pareto-front dynamic program over prefixes (top-k allgather)"
+
+    #: States kept per prefix by the beam search that finds the first upper bound.
+    _BEAM: ClassVar[int] = 8
+
+    def __init__(self, *, prune: bool = True) -> None:
+        """Args: prune: branch and bound (exact; off only to test that it is)."""
+        self.prune = prune
+
+    def solve(self, problem: GradientProblem) -> Grouping:
+        return self.solve_with_value(problem)[0]
+
+    def solve_with_value(self, problem: GradientProblem) -> tuple[Grouping, float]:
+        _require(problem, Strategy.TOPK, type(self).__name__)
+        fixed = problem.forward_s + problem.update_s
+        prefix = _prefix_numel(problem)
+        lead = np.asarray(problem.backward_s, dtype=float) + _select_many(problem, np.asarray(problem.numel))
+        weights, rest, relaxed = _lagrangian_suffixes(problem, prefix)
+        tables = _TopkTables(
+            prefix=prefix,
+            backward=_prefix_backward(problem),
+            lead=np.append(lead, 0.0),
+            weights=weights,
+            rest=rest,
+        )
+        if not self.prune:
+            found = self._search(problem, tables, np.inf)
+            assert found is not None
+            return found[0], fixed + found[1]
+
+        # Upper bound: the best of the baselines, the Lagrangian groupings and a narrow beam of this search.
+        candidates = [h.solve_with_value(problem) for h in (*BASELINES[Strategy.TOPK], MGWFBPGreedy())]
+        candidates += [(g, simulate(problem, g).iteration_s) for g in dict.fromkeys(relaxed)]
+        beamed = self._search(problem, tables, np.inf, beam=self._BEAM)
+        if beamed is not None:
+            candidates.append((beamed[0], fixed + beamed[1]))
+        heuristic, upper = min(candidates, key=lambda gv: gv[1])
+        found = self._search(problem, tables, (upper - fixed) * (1 + _PRUNE_RTOL))
+        if found is None:  # only rounding can prune every grouping within the best heuristic's time
+            return heuristic, upper
+        return found[0], fixed + found[1]
+
+    @staticmethod
+    def _search(
+        problem: GradientProblem, tables: _TopkTables, limit: float, beam: int | None = None
+    ) -> tuple[Grouping, float] | None:
+        """The best grouping whose states all have bounds <= `limit`, and max(C'_G, E'_G); None if none.
+
+        With `beam`, only that many states with the lowest bounds are kept per prefix: a heuristic.
+        """
+        num_layers = problem.num_layers
+        prefix, backward, lead = tables.prefix, tables.backward, tables.lead
+        weights, rest = tables.weights[:, None], tables.rest
+        rest_backward = backward[-1] - backward  # b_m + ... + b_{L-1} after a prefix of m layers
+        bounded = bool(np.isfinite(limit)) or beam is not None
+
+        # All states kept so far, flat, in blocks of equal prefix length, each block sorted by C' ascending
+        # (so E' and the lag E' - C' descend): clocks, prefix length (= first layer of the next group),
+        # parent state, and whether the state opens its block.
+        capacity = 4 * num_layers + 16
+        comp = np.zeros(capacity)
+        chan = np.zeros(capacity)
+        length = np.zeros(capacity, dtype=np.int64)
+        parent = np.full(capacity, -1, dtype=np.int64)
+        opens = np.ones(capacity, dtype=bool)
+        count = 1  # state 0: the empty prefix, clocks (0, 0)
+        # States still worth extending: per block, those with lag >= B + s of the group to extend them by
+        # and the first one after them (see the valley in the class docstring).
+        active = np.zeros(1, dtype=np.int64)
+        for j in range(num_layers):
+            sizes = prefix[j + 1] - prefix[: j + 1]  # the group i..j for i = 0..j
+            decode = _decode_many(problem, sizes)
+            work = (backward[j + 1] - backward[: j + 1]) + _select_many(problem, sizes)  # B + s
+            comm = _comm_many(problem, sizes)
+
+            first = length[active]  # the group extending a state starts at its prefix length
+            wide = chan[active] - comp[active] >= work[first]
+            extend = wide | opens[active]
+            extend[1:] |= wide[:-1]
+            active = cand = active[extend]
+            first = first[extend]
+            new_comp = comp[cand] + work[first] + decode[first]
+            new_chan = np.maximum(new_comp, chan[cand] + decode[first]) + comm[first]
+
+            m = j + 1
+            if m < num_layers:
+                new_chan = np.where(new_chan - new_comp <= lead[m], new_comp, new_chan)
+            if cand.size > _PREFILTER_MIN_STATES:
+                # Drop most dominated states cheaply: test them against the front of every 16th state.
+                pivots = np.argsort(new_comp[::16], kind="stable") * 16
+                pivot_chan = new_chan[pivots]
+                pivots = pivots[np.concatenate(([True], pivot_chan[1:] < np.minimum.accumulate(pivot_chan)[:-1]))]
+                pivot_comp, pivot_chan = new_comp[pivots], new_chan[pivots]
+                at = np.searchsorted(pivot_comp, new_comp, side="right") - 1
+                below = np.maximum(at, 0)
+                beaten = (
+                    (at >= 0)
+                    & (pivot_chan[below] <= new_chan)
+                    & ((pivot_comp[below] < new_comp) | (pivot_chan[below] < new_chan))
+                )
+                kept = np.flatnonzero(~beaten)
+                cand, new_comp, new_chan = cand[kept], new_comp[kept], new_chan[kept]
+            # Pareto front: by C' ascending, keep the states whose E' is below every earlier one. (Ties in C'
+            # in the wrong order only keep a dominated state, which costs time, not exactness.)
+            order = np.argsort(new_comp, kind="stable")
+            sorted_chan = new_chan[order]
+            front = order[np.concatenate(([True], sorted_chan[1:] < np.minimum.accumulate(sorted_chan)[:-1]))]
+            if bounded:
+                front_comp, front_chan = new_comp[front], new_chan[front]
+                if m < num_layers:
+                    # max over w of w * (C' + rest of backward) + (1 - w) * max(E', C' + lead) + rest[w, m]
+                    late = np.maximum(front_chan, front_comp + lead[m])
+                    bound = late + np.max(weights * (front_comp + rest_backward[m] - late) + rest[:, m, None], axis=0)
+                else:
+                    bound = np.maximum(front_comp, front_chan)
+                if beam is not None and front.size > beam:
+                    chosen = np.zeros(front.size, dtype=bool)
+                    chosen[np.argpartition(bound, beam)[:beam]] = True
+                    front = front[chosen]  # still by C' ascending
+                else:
+                    front = front[bound <= limit]
+            size = front.size
+            if size == 0:
+                continue
+            if count + size > capacity:
+                capacity = 2 * (count + size)
+                comp, chan = np.resize(comp, capacity), np.resize(chan, capacity)
+                length, parent = np.resize(length, capacity), np.resize(parent, capacity)
+                opens = np.resize(opens, capacity)
+            block = slice(count, count + size)
+            comp[block], chan[block] = new_comp[front], new_chan[front]
+            length[block], parent[block] = m, cand[front]
+            opens[block] = False
+            opens[count] = True
+            active = np.concatenate((active, np.arange(count, count + size)))
+            count += size
+
+        finals = np.flatnonzero(length[:count] == num_layers)
+        if finals.size == 0:
+            return None
+        ends_at = np.maximum(comp[finals], chan[finals])
+        best = int(np.argmin(ends_at))
+        state = int(finals[best])
+        ends: list[int] = []
+        while state > 0:
+            ends.append(int(length[state]))
+            state = int(parent[state])
+        return tuple(reversed(ends)), float(ends_at[best])
+
+
+def solve_exact(problem: GradientProblem) -> Grouping:
+    """The optimal grouping of `problem` under the timeline model, by the exact solver of its strategy."""
+    match problem.strategy:
+        case Strategy.DENSE:
+            return DenseDP().solve(problem)
+        case Strategy.TOPK:
+            return TopkParetoDP().solve(problem)
+        case other:
+            raise SolverError(f"no exact solver for strategy={other!r}; known: {[s.value for s in Strategy]}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Baselines
+
+
+class PerLayer(GroupingSolver):
+    """WFBP: one collective per layer, launched as soon as its gradient is ready."""
+
+    name = "wfbp"
+    exact = False
+    description = "one collective per layer (wait-free backpropagation)"
+
+    def solve(self, problem: GradientProblem) -> Grouping:
+        return tuple(range(1, problem.num_layers + 1))
+
+
+class SingleBucket(GroupingSolver):
+    """One collective for all gradients, after the whole backward pass."""
+
+    name = "single"
+    exact = False
+    description = "one collective for all gradients"
+
+    def solve(self, problem: GradientProblem) -> Grouping:
+        return (problem.num_layers,)
+
+
+class FixedBuckets(GroupingSolver):
+    """Size-capped buckets filled in ready order by dense gradient bytes (numel * element_bytes).
+
+    A bucket closes as soon as its size reaches the cap (>=), as in PyTorch DDP's
+    `_compute_bucket_assignment_by_size`; the first bucket may have its own, smaller cap
+    (DDP's `_DEFAULT_FIRST_BUCKET_BYTES`), later ones use `cap_bytes`. The last bucket holds the rest.
+    """
+
+    name: ClassVar[str] = "fixed"
+    exact = False
+    description: ClassVar[str] = "fixed-size buckets"
+
+    def __init__(self, cap_bytes: int, first_cap_bytes: int | None = None, *, name: str | None = None) -> None:
+        if cap_bytes <= 0 or (first_cap_bytes is not None and first_cap_bytes <= 0):
+            raise SolverError(
+                f"`cap_bytes > 0 and first_cap_bytes > 0` must hold, but got "
+                f"(cap_bytes={cap_bytes}, first_cap_bytes={first_cap_bytes})"
+            )
+        self.cap_bytes = cap_bytes
+        self.first_cap_bytes = first_cap_bytes
+        first = "" if first_cap_bytes is None else f", first bucket {first_cap_bytes} B"
+        # Instances carry their own name and description (one class, several configured baselines).
+        self.name = name or f"fixed-{cap_bytes}b"  # type: ignore[misc]
+        self.description = f"buckets closed at >= {cap_bytes} B{first}"  # type: ignore[misc]
+
+    def solve(self, problem: GradientProblem) -> Grouping:
+        ends: list[int] = []
+        cap = self.cap_bytes if self.first_cap_bytes is None else self.first_cap_bytes
+        size = 0
+        for i, numel in enumerate(problem.numel):
+            size += numel * problem.element_bytes
+            if size >= cap:
+                ends.append(i + 1)
+                size, cap = 0, self.cap_bytes
+        if not ends or ends[-1] != problem.num_layers:
+            ends.append(problem.num_layers)
+        return tuple(ends)
+
+    def __repr__(self) -> str:
+        return f"FixedBuckets(cap_bytes={self.cap_bytes}, first_cap_bytes={self.first_cap_bytes}, name={self.name!r})"
+
+
+def _startup_cost(model: CostModel) -> float:
+    """The start-up (latency) term alpha of a collective: exact for AffineCost, else the cost of 1 byte."""
+    if isinstance(model, AffineCost):
+        return model.alpha
+    return model.cost(1.0)
+
+
+class _GreedyWalk:
+    """Shared state of the greedy merge rules: the clocks after the closed groups, and the open group."""
+
+    def __init__(self, problem: GradientProblem) -> None:
+        self.problem = problem
+        self.topk = problem.strategy is Strategy.TOPK
+        self.compute = 0.0  # C after the closed groups (backward + selection on the compute stream)
+        self.channel = 0.0  # E after the closed groups
+        self.numel = 0  # N of the open group
+        self.backward = 0.0  # backward time of the open group's layers
+        self.ends: list[int] = []
+
+    def select(self, numel: int) -> float:
+        if not self.topk:
+            return 0.0
+        assert self.problem.select is not None
+        return self.problem.select.cost(numel)
+
+    def comm(self, numel: int) -> float:
+        return self.problem.comm.cost(self.problem.message_bytes(numel))
+
+    def add(self, layer: int) -> None:
+        self.numel += self.problem.numel[layer]
+        self.backward += self.problem.backward_s[layer]
+
+    def closed_clocks(self) -> tuple[float, float, float]:
+        """If the open group closed now: (end of its selection, start of its collective, end of it)."""
+        compute = self.compute + self.backward + self.select(self.numel)
+        comm_start = max(compute, self.channel)
+        return compute, comm_start, comm_start + self.comm(self.numel)
+
+    def close(self, end: int) -> None:
+        self.compute, _, self.channel = self.closed_clocks()
+        self.ends.append(end)
+        self.numel, self.backward = 0, 0.0
+
+
+class MGWFBPGreedy(GroupingSolver):
+    """MG-WFBP's merge rule (Shi, Chu, Li, INFOCOM 2019), as in the authors' code.
+
+    Source: HKBU-HPML/MG-WFBP, `distributed_optimizer.py`, `_generate_groups_mgwfbp`. Walking layers in
+    ready order with the open group's collective placed on the timeline as if it closed now
+    (start tau_c = max(ready, end of the previous collective), duration t_c), the next layer is merged
+    into the open group when its gradient is ready before that collective would end and either the
+    collective could not have started before it (tau_c > ready_next) or the wait it adds is below the
+    start-up cost it saves (ready_next - tau_c < alpha). alpha is the cost model's start-up term
+    (AffineCost.alpha; otherwise the cost of a 1-byte message). On top-k problems the same rule runs on
+    the top-k timeline (the next gradient is ready after the open group's selection; t_c is the allgather).
+    """
+
+    name = "mg-wfbp"
+    exact = False
+    description = "MG-WFBP greedy merge (Shi et al., INFOCOM 2019)"
+
+    def solve(self, problem: GradientProblem) -> Grouping:
+        walk = _GreedyWalk(problem)
+        alpha = _startup_cost(problem.comm)
+        for layer in range(problem.num_layers - 1):
+            walk.add(layer)
+            compute, comm_start, comm_end = walk.closed_clocks()
+            ready_next = compute + problem.backward_s[layer + 1]
+            merge = ready_next < comm_end and (comm_start > ready_next or ready_next - comm_start < alpha)
+            if not merge:
+                walk.close(layer + 1)
+        walk.ends.append(problem.num_layers)
+        return tuple(walk.ends)
+
+
+class MGSGreedy(GroupingSolver):
+    """The greedy merge rule published with MGS (Shi et al., INFOCOM 2020), as in the authors' code.
+
+    Source: HKBU-HPML/OMGS-SGD, `hv_distributed_optimizer.py`, `_generate_groups_mgs`. Walking layers in
+    ready order, with the open group (N elements) closed now its collective would wait
+    t_idle = max(0, end of the previous collective - end of its selection). Merging the next layer
+    (n elements, backward b) delays that collective by t_w = b + s(N + n) - s(N) - s(n) - t_idle and saves
+    t_save = T(N) + T(n) - T(N + n) of communication; merge when t_w < t_save. Decoding is not part of
+    the rule (as in the source). Deviation: the source always puts the first two layers in one group
+    (its loop starts one layer late); here the rule also decides that first merge. On dense problems
+    s = 0 and T is the allreduce.
+    """
+
+    name = "mgs-greedy"
+    exact = False
+    description = "MGS greedy merge (Shi et al., INFOCOM 2020)"
+
+    def solve(self, problem: GradientProblem) -> Grouping:
+        walk = _GreedyWalk(problem)
+        for layer in range(problem.num_layers - 1):
+            walk.add(layer)
+            compute, comm_start, _ = walk.closed_clocks()
+            n, big = problem.numel[layer + 1], walk.numel
+            idle = comm_start - compute
+            wait = problem.backward_s[layer + 1] + walk.select(big + n) - walk.select(big) - walk.select(n) - idle
+            save = walk.comm(big) + walk.comm(n) - walk.comm(big + n)
+            merge = wait < save
+            if not merge:
+                walk.close(layer + 1)
+        walk.ends.append(problem.num_layers)
+        return tuple(walk.ends)
+
+
+_COMMON: tuple[GroupingSolver, ...] = (
+    PerLayer(),
+    SingleBucket(),
+    FixedBuckets(DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, name="ddp-25mb"),
+    FixedBuckets(HOROVOD_FUSION_BYTES, name="horovod-64mb"),
+)
+
+#: The baselines each plan is compared with, per strategy.
+BASELINES: dict[Strategy, tuple[GroupingSolver, ...]] = {
+    Strategy.DENSE: (*_COMMON, MGWFBPGreedy()),
+    Strategy.TOPK: (*_COMMON, MGSGreedy()),
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Lower bound
+
+
+def lower_bound(problem: GradientProblem) -> float:
+    """A time no grouping can beat: the larger of the compute path and the communication path.
+
+    Valid for any grouping and any non-decreasing cost models (k(N) and message bytes are non-decreasing
+    in N, so every group's costs are at least those of any of its layers):
+
+    - dense: iteration = F + max(R_{L-1}, E_G) + U >= F + R_{L-1} + U (compute path); the first collective
+      starts no earlier than b_0 (its group holds layer 0) and the channel is then busy for sum T(N_g),
+      so E_G >= b_0 + min over groupings of sum T(N_g) (communication path).
+    - top-k: C_G + D = sum b + sum (s(N_g) + d(P k_g)) (compute path, minimised over groupings);
+      the first collective starts no earlier than C_1 >= b_0 + s(n_0), then the channel is busy for
+      sum T(N_g), and decoding follows it: E_G + D >= b_0 + s(n_0) + min sum (T(N_g) + d(P k_g)).
+
+    Each "min over groupings of a sum of per-group costs" is an O(L^2) dynamic program.
+    """
+    prefix = _prefix_numel(problem)
+    fixed = problem.forward_s + problem.update_s
+    total_backward = float(np.sum(np.asarray(problem.backward_s, dtype=float)))
+    first_backward = problem.backward_s[0]
+    match problem.strategy:
+        case Strategy.DENSE:
+            comm = _suffix_min_partition(prefix, lambda n: _comm_many(problem, n))[0]
+            return fixed + max(total_backward, first_backward + float(comm))
+        case Strategy.TOPK:
+            assert problem.select is not None
+            compute = _suffix_min_partition(prefix, lambda n: _select_many(problem, n) + _decode_many(problem, n))[0]
+            comm = _suffix_min_partition(prefix, lambda n: _comm_many(problem, n) + _decode_many(problem, n))[0]
+            first = first_backward + problem.select.cost(problem.numel[0])
+            return fixed + max(total_backward + float(compute), first + float(comm))
+        case other:
+            raise SolverError(f"no lower bound for strategy={other!r}; known: {[s.value for s in Strategy]}")

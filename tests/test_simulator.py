@@ -1,0 +1,194 @@
+"""Tests of the timeline simulator: hand-worked iterations, invariants of the event walk, bad groupings."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.costs import AffineCost
+from planner.problem import GradientProblem
+from planner.simulator import GroupEvent, simulate, timeline, validate_grouping
+from planner.types import SolverError, Strategy
+
+
+def _three_layers(strategy: Strategy) -> GradientProblem:
+    """F = 1, U = 0.5, b = (2, 1, 3), n = (100, 200, 300), 4-byte elements."""
+    topk = strategy is Strategy.TOPK
+    return GradientProblem(
+        strategy=strategy,
+        forward_s=1.0,
+        update_s=0.5,
+        backward_s=(2.0, 1.0, 3.0),
+        numel=(100, 200, 300),
+        comm=AffineCost(alpha=1.0, beta=0.01 if topk else 0.001),
+        world_size=2,
+        density=0.1 if topk else None,
+        select=AffineCost(alpha=0.5, beta=0.01) if topk else None,
+        decode=AffineCost(alpha=0.2, beta=0.01) if topk else None,
+    )
+
+
+def test_dense_three_layers_by_hand() -> None:
+    """Grouping (1, 3) of a dense 3-layer problem, worked out by hand."""
+    problem = _three_layers(Strategy.DENSE)
+    # Ready times R = (2, 3, 6). T(x bytes) = 1 + 0.001 x.
+    # Group 0 = layer 0: N = 100, 400 bytes, T = 1.4; starts at R_0 = 2, ends E_1 = 3.4.
+    # Group 1 = layers 1, 2: N = 500, 2000 bytes, T = 3.0; starts at max(R_2, E_1) = max(6, 3.4) = 6, ends E_2 = 9.
+    # iteration = F + max(R_2, E_2) + U = 1 + 9 + 0.5 = 10.5; compute = 1 + 6 + 0.5 = 7.5; exposed = 3.0.
+    # comm_s = 1.4 + 3.0 = 4.4.
+    prediction = simulate(problem, (1, 3))
+    assert prediction.iteration_s == pytest.approx(10.5)
+    assert prediction.compute_s == pytest.approx(7.5)
+    assert prediction.exposed_comm_s == pytest.approx(3.0)
+    assert prediction.comm_s == pytest.approx(4.4)
+    assert prediction.selection_s == 0.0 and prediction.decode_s == 0.0
+    assert prediction.num_groups == 2
+
+    first, second = timeline(problem, (1, 3))
+    assert (first.ready_s, first.comm_start_s, first.comm_end_s) == pytest.approx((2.0, 2.0, 3.4))
+    assert first.select_start_s == first.select_end_s == first.ready_s  # dense selects nothing
+    assert (second.ready_s, second.comm_start_s, second.comm_end_s) == pytest.approx((6.0, 6.0, 9.0))
+    assert (first.numel, first.bytes, second.numel, second.bytes) == (100, 400, 500, 2000)
+    assert (first.layers, second.layers) == (range(0, 1), range(1, 3))
+
+    # One group: T(2400 bytes) = 3.4 after R_2 = 6: 1 + 9.4 + 0.5 = 10.9. One per layer:
+    # E = 2 + 1.4 = 3.4; max(3, 3.4) + 1.8 = 5.2; max(6, 5.2) + 2.2 = 8.2 -> 1 + 8.2 + 0.5 = 9.7.
+    assert simulate(problem, (3,)).iteration_s == pytest.approx(10.9)
+    assert simulate(problem, (1, 2, 3)).iteration_s == pytest.approx(9.7)
+
+
+def test_topk_three_layers_by_hand() -> None:
+    """Grouping (1, 3) of a top-k 3-layer problem (density 0.1, P = 2), worked out by hand."""
+    problem = _three_layers(Strategy.TOPK)
+    # k(100) = 10, k(500) = 50; bytes = 8 k (4-byte value + 4-byte index): 80 and 400.
+    # T(x) = 1 + 0.01 x: 1.8 and 5.0. s(N) = 0.5 + 0.01 N: 1.5 and 5.5. d(P k) = 0.2 + 0.01 P k: 0.4 and 1.2.
+    # Group 0: ready at 2, selected until C_1 = 2 + 1.5 = 3.5, sent 3.5 -> E_1 = 5.3.
+    # Group 1: ready at C_1 + b_1 + b_2 = 3.5 + 4 = 7.5, selected until C_2 = 13, sent max(13, 5.3) = 13 -> E_2 = 18.
+    # D = 0.4 + 1.2 = 1.6. iteration = F + max(C_2, E_2) + D + U = 1 + 18 + 1.6 + 0.5 = 21.1.
+    # compute = 1 + 13 + 1.6 + 0.5 = 16.1, exposed = 5.0, comm = 6.8, selection = 7.0.
+    prediction = simulate(problem, (1, 3))
+    assert prediction.iteration_s == pytest.approx(21.1)
+    assert prediction.compute_s == pytest.approx(16.1)
+    assert prediction.exposed_comm_s == pytest.approx(5.0)
+    assert prediction.comm_s == pytest.approx(6.8)
+    assert prediction.selection_s == pytest.approx(7.0)
+    assert prediction.decode_s == pytest.approx(1.6)
+    assert prediction.num_groups == 2
+
+    first, second = timeline(problem, (1, 3))
+    assert (first.ready_s, first.select_end_s, first.comm_start_s, first.comm_end_s) == pytest.approx(
+        (2.0, 3.5, 3.5, 5.3)
+    )
+    assert (second.ready_s, second.select_end_s, second.comm_start_s, second.comm_end_s) == pytest.approx(
+        (7.5, 13.0, 13.0, 18.0)
+    )
+    assert (first.bytes, second.bytes) == (80, 400)
+
+
+def test_comm_bound_topk_by_hand() -> None:
+    """When the channel is behind, a collective waits for the previous one, not for its selection."""
+    problem = GradientProblem(
+        strategy=Strategy.TOPK,
+        forward_s=0.0,
+        update_s=0.0,
+        backward_s=(1.0, 1.0),
+        numel=(10, 10),
+        comm=AffineCost(alpha=5.0, beta=0.0),
+        world_size=1,
+        density=1.0,
+        select=AffineCost(alpha=1.0, beta=0.0),
+        decode=AffineCost(alpha=0.5, beta=0.0),
+    )
+    # C_1 = 1 + 1 = 2, E_1 = 2 + 5 = 7; C_2 = 2 + 1 + 1 = 4, E_2 = max(4, 7) + 5 = 12; D = 0.5 + 0.5 = 1.
+    # iteration = 12 + 1 = 13, compute = 4 + 1 = 5, exposed = 8.
+    prediction = simulate(problem, (1, 2))
+    assert (prediction.iteration_s, prediction.compute_s, prediction.exposed_comm_s) == pytest.approx((13, 5, 8))
+    assert timeline(problem, (1, 2))[1].comm_start_s == pytest.approx(7.0)
+
+
+@pytest.mark.parametrize(
+    ("grouping", "fragment"),
+    [
+        ((), "at least one group"),
+        ((0, 3), "grouping[0] > 0"),
+        ((-1, 3), "grouping[0] > 0"),
+        ((2, 2, 3), "strictly ascending"),
+        ((2, 1, 3), "strictly ascending"),
+        ((1, 2), "grouping[-1] == L"),
+        ((1, 2, 4), "grouping[-1] == L"),
+        ((1.5, 3), "ints"),
+        ((True, 3), "ints"),
+    ],
+)
+def test_bad_grouping_is_rejected(grouping: tuple[int, ...], fragment: str) -> None:
+    """Invalid groupings raise SolverError naming the invariant and the bad values."""
+    problem = _three_layers(Strategy.DENSE)
+    with pytest.raises(SolverError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        simulate(problem, grouping)
+    with pytest.raises(SolverError):
+        timeline(problem, grouping)
+
+
+def test_numpy_group_ends_are_accepted() -> None:
+    problem = _three_layers(Strategy.DENSE)
+    assert validate_grouping(problem, np.array([1, 3])) == (1, 3)
+    assert simulate(problem, np.array([1, 3])) == simulate(problem, (1, 3))
+
+
+@st.composite
+def _problem_and_grouping(draw: st.DrawFn) -> tuple[GradientProblem, tuple[int, ...]]:
+    num_layers = draw(st.integers(1, 8))
+    strategy = draw(st.sampled_from(list(Strategy)))
+    topk = strategy is Strategy.TOPK
+    times = st.floats(0.0, 10.0, allow_nan=False)
+    cuts = draw(st.sets(st.integers(1, num_layers - 1))) if num_layers > 1 else set()
+    problem = GradientProblem(
+        strategy=strategy,
+        forward_s=draw(times),
+        update_s=draw(times),
+        backward_s=tuple(draw(st.lists(times, min_size=num_layers, max_size=num_layers))),
+        numel=tuple(draw(st.lists(st.integers(1, 10**6), min_size=num_layers, max_size=num_layers))),
+        comm=AffineCost(alpha=draw(times), beta=draw(st.floats(0.0, 1e-3))),
+        world_size=draw(st.integers(1, 8)),
+        density=draw(st.sampled_from([0.001, 0.1, 1.0])) if topk else None,
+        select=AffineCost(alpha=draw(times), beta=draw(st.floats(0.0, 1e-4))) if topk else None,
+        decode=AffineCost(alpha=draw(times), beta=draw(st.floats(0.0, 1e-4))) if topk else None,
+    )
+    return problem, (*sorted(cuts), num_layers)
+
+
+@settings(deadline=None, max_examples=150)
+@given(_problem_and_grouping())
+def test_timeline_invariants(case: tuple[GradientProblem, tuple[int, ...]]) -> None:
+    """Events tile the layers in order; one channel, used in order; the breakdown adds up."""
+    problem, grouping = case
+    events = timeline(problem, grouping)
+    assert [e.index for e in events] == list(range(len(grouping)))
+    assert [i for e in events for i in e.layers] == list(range(problem.num_layers))
+    previous: GroupEvent | None = None
+    for event in events:
+        assert event.numel == sum(problem.numel[i] for i in event.layers)
+        assert event.bytes == problem.message_bytes(event.numel)
+        assert event.ready_s <= event.select_end_s <= event.comm_start_s <= event.comm_end_s
+        if previous is not None:
+            assert event.comm_start_s >= previous.comm_end_s
+            assert event.ready_s >= previous.select_end_s
+            assert event.comm_start_s == max(event.select_end_s, previous.comm_end_s)
+        previous = event
+
+    prediction = simulate(problem, grouping)
+    assert prediction.num_groups == len(grouping)
+    assert prediction.exposed_comm_s >= -1e-12
+    assert prediction.iteration_s == pytest.approx(prediction.compute_s + prediction.exposed_comm_s)
+    assert math.isclose(
+        prediction.comm_s, sum(problem.comm.cost(e.bytes) for e in events), rel_tol=1e-12, abs_tol=1e-12
+    )
+    last = events[-1]
+    expected = problem.forward_s + max(last.select_end_s, last.comm_end_s) + prediction.decode_s + problem.update_s
+    assert prediction.iteration_s == pytest.approx(expected)
+    if problem.strategy is Strategy.DENSE:
+        assert prediction.compute_s == pytest.approx(problem.forward_s + sum(problem.backward_s) + problem.update_s)

@@ -1,0 +1,423 @@
+"""Tests of the grouping solvers: exact solvers against brute force, baselines, lower bound, benchmark helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.costs import AffineCost, CostModel, PiecewiseLinearCost
+from planner.problem import GradientProblem, Grouping
+from planner.simulator import simulate, validate_grouping
+from planner.solver_bench import random_problem, time_solvers
+from planner.solvers import (
+    BASELINES,
+    DenseDP,
+    FixedBuckets,
+    GroupingSolver,
+    MGSGreedy,
+    MGWFBPGreedy,
+    PerLayer,
+    SingleBucket,
+    TopkParetoDP,
+    lower_bound,
+    solve_exact,
+)
+from planner.types import SolverError, Strategy
+
+RTOL = 1e-9
+
+
+# ----------------------------------------------------------------------------------------------------
+# Instances and brute force
+
+
+def all_groupings(num_layers: int) -> list[Grouping]:
+    """Every grouping of `num_layers` layers: 2^(L-1) of them."""
+    cuts = range(1, num_layers)
+    return [(*chosen, num_layers) for r in range(num_layers) for chosen in itertools.combinations(cuts, r)]
+
+
+def brute_force(problem: GradientProblem) -> float:
+    """The least simulated iteration over all groupings."""
+    return min(simulate(problem, g).iteration_s for g in all_groupings(problem.num_layers))
+
+
+def exact_solver(problem: GradientProblem) -> DenseDP | TopkParetoDP:
+    return DenseDP() if problem.strategy is Strategy.DENSE else TopkParetoDP()
+
+
+def _piecewise(draw: st.DrawFn, max_x: float, max_y: float) -> PiecewiseLinearCost:
+    """Random measured points; the envelope makes them non-decreasing (concave, convex or neither)."""
+    xs = sorted(draw(st.lists(st.floats(1.0, max_x), min_size=1, max_size=5, unique=True)))
+    ys = draw(st.lists(st.floats(0.0, max_y), min_size=len(xs), max_size=len(xs)))
+    return PiecewiseLinearCost(xs=tuple(xs), ys=tuple(ys))
+
+
+def _cost(draw: st.DrawFn, kind: str, max_x: float, max_y: float) -> CostModel:
+    if kind == "affine":
+        return AffineCost(alpha=draw(st.floats(0.0, max_y / 4)), beta=draw(st.floats(0.0, max_y / max_x)))
+    return _piecewise(draw, max_x, max_y)
+
+
+@st.composite
+def problems(
+    draw: st.DrawFn, strategy: Strategy | None = None, max_layers: int = 9, comm_kind: str | None = None
+) -> GradientProblem:
+    """Small random instances in every regime (compute-bound, communication-bound, in between)."""
+    num_layers = draw(st.integers(1, max_layers))
+    strategy = strategy or draw(st.sampled_from(list(Strategy)))
+    topk = strategy is Strategy.TOPK
+    comm_kind = comm_kind or draw(st.sampled_from(["affine", "piecewise"]))
+    times = st.floats(0.0, 1.0)
+    density = draw(st.sampled_from([0.001, 0.01, 0.3, 1.0])) if topk else None
+    return GradientProblem(
+        strategy=strategy,
+        forward_s=draw(times),
+        update_s=draw(times),
+        backward_s=tuple(draw(st.lists(times, min_size=num_layers, max_size=num_layers))),
+        numel=tuple(draw(st.lists(st.integers(1, 10**6), min_size=num_layers, max_size=num_layers))),
+        comm=_cost(draw, comm_kind, 1e7, draw(st.sampled_from([0.1, 1.0, 5.0]))),
+        world_size=draw(st.integers(1, 8)),
+        density=density,
+        select=_cost(draw, draw(st.sampled_from(["affine", "piecewise"])), 1e7, 2.0) if topk else None,
+        decode=_cost(draw, "affine", 1e8, 0.5) if topk else None,
+    )
+
+
+def _with_piecewise_comm(problem: GradientProblem) -> GradientProblem:
+    """The same instance with a measured-looking (interpolated, slightly concave) collective."""
+    assert isinstance(problem.comm, AffineCost)
+    xs = tuple(float(4**e) for e in range(3, 14))
+    ys = tuple(problem.comm.alpha * (1 + 0.1 * i) + problem.comm.beta * x * 0.9 for i, x in enumerate(xs))
+    return dataclasses.replace(problem, comm=PiecewiseLinearCost(xs=xs, ys=ys))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Exact solvers
+
+
+def _check_exact(problem: GradientProblem) -> None:
+    grouping, value = exact_solver(problem).solve_with_value(problem)
+    validate_grouping(problem, grouping)
+    simulated = simulate(problem, grouping).iteration_s
+    assert math.isclose(value, simulated, rel_tol=RTOL), "the DP's own value differs from the simulator's"
+    assert math.isclose(simulated, brute_force(problem), rel_tol=RTOL)
+    assert solve_exact(problem) == grouping
+
+
+@pytest.mark.parametrize("comm_kind", ["affine", "piecewise"])
+@settings(deadline=None, max_examples=100)
+@given(data=st.data())
+def test_dense_dp_matches_brute_force(comm_kind: str, data: st.DataObject) -> None:
+    """DenseDP's grouping is optimal over all 2^(L-1) groupings, and it reports its simulated time."""
+    _check_exact(data.draw(problems(strategy=Strategy.DENSE, max_layers=10, comm_kind=comm_kind)))
+
+
+@pytest.mark.parametrize("comm_kind", ["affine", "piecewise"])
+@settings(deadline=None, max_examples=150)
+@given(data=st.data())
+def test_topk_dp_matches_brute_force(comm_kind: str, data: st.DataObject) -> None:
+    """TopkParetoDP's grouping is optimal over all 2^(L-1) groupings (densities up to 1.0), with its own value."""
+    _check_exact(data.draw(problems(strategy=Strategy.TOPK, max_layers=10, comm_kind=comm_kind)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(("strategy", "density"), [(Strategy.DENSE, 0.01), (Strategy.TOPK, 0.01), (Strategy.TOPK, 1.0)])
+@pytest.mark.parametrize("piecewise", [False, True])
+def test_exact_matches_brute_force_on_realistic_instances(
+    seed: int, strategy: Strategy, density: float, piecewise: bool
+) -> None:
+    """Twelve realistic layers (solver_bench instances), with affine and interpolated collectives."""
+    problem = random_problem(12, strategy, seed=seed, density=density)
+    _check_exact(_with_piecewise_comm(problem) if piecewise else problem)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("density", [0.01, 1.0])
+def test_topk_pruning_is_exact(seed: int, density: float) -> None:
+    """Branch and bound finds the same optimum as the plain Pareto DP on instances too large for brute force."""
+    problem = random_problem(40 + 5 * seed, Strategy.TOPK, seed=100 + seed, density=density)
+    if seed % 2:
+        problem = _with_piecewise_comm(problem)
+    pruned, value = TopkParetoDP().solve_with_value(problem)
+    plain, plain_value = TopkParetoDP(prune=False).solve_with_value(problem)
+    assert math.isclose(value, plain_value, rel_tol=RTOL)
+    assert math.isclose(simulate(problem, pruned).iteration_s, simulate(problem, plain).iteration_s, rel_tol=RTOL)
+
+
+def reference_topk_optimum(problem: GradientProblem) -> float:
+    """A plain Pareto-front DP over prefixes with scalar costs: no pruning, no shortcuts (the reference)."""
+    assert problem.select is not None and problem.decode is not None
+    fronts: list[list[tuple[float, float]]] = [[(0.0, 0.0)]]  # per prefix length: (C', E')
+    for end in range(1, problem.num_layers + 1):
+        states = []
+        for start in range(end):
+            numel = sum(problem.numel[start:end])
+            backward = sum(problem.backward_s[start:end])
+            decode = problem.decode.cost(problem.world_size * problem.k(numel))
+            comm = problem.comm.cost(problem.message_bytes(numel))
+            for comp, chan in fronts[start]:
+                new_comp = comp + backward + problem.select.cost(numel) + decode
+                states.append((new_comp, max(new_comp, chan + decode) + comm))
+        front: list[tuple[float, float]] = []
+        for comp, chan in sorted(states):
+            if not front or chan < front[-1][1]:
+                front.append((comp, chan))
+        fronts.append(front)
+    return problem.forward_s + min(max(c, e) for c, e in fronts[-1]) + problem.update_s
+
+
+@pytest.mark.parametrize("prefilter", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_topk_dp_matches_a_plain_pareto_dp(seed: int, prefilter: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Canonical states, the valley, pre-filtering and pruning change nothing on 60-layer instances."""
+    from planner import solvers
+
+    monkeypatch.setattr(solvers, "_PREFILTER_MIN_STATES", 0 if prefilter else 10**9)
+    problem = random_problem(60, Strategy.TOPK, seed=200 + seed, density=(0.01, 0.1, 1.0, 1.0)[seed])
+    expected = reference_topk_optimum(problem)
+    for solver in (TopkParetoDP(), TopkParetoDP(prune=False)):
+        grouping, value = solver.solve_with_value(problem)
+        assert math.isclose(value, expected, rel_tol=RTOL)
+        assert math.isclose(simulate(problem, grouping).iteration_s, expected, rel_tol=RTOL)
+
+
+@settings(deadline=None, max_examples=60)
+@given(problems(max_layers=30))
+def test_exact_never_worse_than_baselines(problem: GradientProblem) -> None:
+    """No baseline beats the exact solver, and none beats the lower bound."""
+    _, best = exact_solver(problem).solve_with_value(problem)
+    bound = lower_bound(problem)
+    assert bound <= best * (1 + RTOL)
+    for baseline in (*BASELINES[problem.strategy], MGWFBPGreedy(), MGSGreedy()):
+        value = simulate(problem, baseline.solve(problem)).iteration_s
+        assert best <= value * (1 + RTOL), baseline.name
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_exact_never_worse_than_baselines_at_scale(strategy: Strategy) -> None:
+    """The same on a 300-layer realistic instance."""
+    problem = random_problem(300, strategy, seed=7)
+    _, best = exact_solver(problem).solve_with_value(problem)
+    assert lower_bound(problem) <= best * (1 + RTOL)
+    for baseline in BASELINES[strategy]:
+        grouping, value = baseline.solve_with_value(problem)
+        assert math.isclose(value, simulate(problem, grouping).iteration_s, rel_tol=RTOL)
+        assert best <= value * (1 + RTOL), baseline.name
+
+
+def test_exact_solvers_reject_the_other_strategy() -> None:
+    dense = random_problem(5, Strategy.DENSE, seed=0)
+    topk = random_problem(5, Strategy.TOPK, seed=0)
+    with pytest.raises(SolverError, match="strategy == 'dense'"):
+        DenseDP().solve(topk)
+    with pytest.raises(SolverError, match="strategy == 'topk'"):
+        TopkParetoDP().solve(dense)
+
+
+def test_single_layer() -> None:
+    for strategy in Strategy:
+        problem = random_problem(1, strategy, seed=3)
+        assert solve_exact(problem) == (1,)
+        assert all(b.solve(problem) == (1,) for b in BASELINES[strategy])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Lower bound
+
+
+@settings(deadline=None, max_examples=200)
+@given(problems(max_layers=10))
+def test_lower_bound_is_below_the_optimum(problem: GradientProblem) -> None:
+    """No grouping beats the lower bound (checked against brute force)."""
+    assert lower_bound(problem) <= brute_force(problem) * (1 + RTOL)
+
+
+def _tight_problem(strategy: Strategy, backward: tuple[float, ...], comm: AffineCost) -> GradientProblem:
+    topk = strategy is Strategy.TOPK
+    return GradientProblem(
+        strategy=strategy,
+        forward_s=0.7,
+        update_s=0.2,
+        backward_s=backward,
+        numel=(1000, 30, 5000, 200),
+        comm=comm,
+        world_size=4,
+        density=0.01 if topk else None,
+        select=AffineCost(alpha=0.0, beta=1e-4) if topk else None,  # linear: merging changes nothing
+        decode=AffineCost(alpha=0.0, beta=0.0) if topk else None,
+    )
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_lower_bound_is_tight_when_communication_is_free(strategy: Strategy) -> None:
+    """Free collectives: the compute path is the optimum."""
+    problem = _tight_problem(strategy, (0.1, 0.2, 0.3, 0.4), AffineCost(alpha=0.0, beta=0.0))
+    optimum = brute_force(problem)
+    # Dense: F + sum b + U = 0.7 + 1.0 + 0.2; top-k adds selection 1e-4 * 6230 = 0.623.
+    expected = 1.9 if strategy is Strategy.DENSE else 1.9 + 0.623
+    assert optimum == pytest.approx(expected)
+    assert lower_bound(problem) == pytest.approx(optimum, rel=1e-12)
+
+
+def test_lower_bound_is_tight_when_dense_is_communication_bound() -> None:
+    """All gradients ready at once: one collective after the first gradient is the optimum and the bound."""
+    problem = _tight_problem(Strategy.DENSE, (0.5, 0.0, 0.0, 0.0), AffineCost(alpha=1.0, beta=1e-4))
+    # 0.7 + 0.5 + (1 + 1e-4 * 4 * 6230) + 0.2 = 0.7 + 0.5 + 3.492 + 0.2 = 4.892.
+    assert brute_force(problem) == pytest.approx(4.892)
+    assert lower_bound(problem) == pytest.approx(4.892, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Baselines
+
+
+def _problem_of(numel: tuple[int, ...], alpha: float = 0.5) -> GradientProblem:
+    """Dense, every layer's backward 1 s, free bandwidth: T = alpha."""
+    return GradientProblem(
+        strategy=Strategy.DENSE,
+        forward_s=0.0,
+        update_s=0.0,
+        backward_s=tuple(1.0 for _ in numel),
+        numel=numel,
+        comm=AffineCost(alpha=alpha, beta=0.0),
+        world_size=2,
+    )
+
+
+def test_fixed_buckets_close_at_the_cap() -> None:
+    """A bucket closes as soon as it holds >= cap bytes (PyTorch DDP's rule); the rest forms the last bucket."""
+    problem = _problem_of((100, 200, 300, 50, 400, 10))  # bytes 400, 800, 1200, 200, 1600, 40
+    # 400 + 800 = 1200 >= 1200: close after layer 1; 1200 >= 1200: close after 2; 200 + 1600 >= 1200: after 4.
+    assert FixedBuckets(1200).solve(problem) == (2, 3, 5, 6)
+    # First cap 400: 400 >= 400 closes at once; then 800 + 1200 >= 1200; 200 + 1600 >= 1200; 40 remains.
+    assert FixedBuckets(1200, 400).solve(problem) == (1, 3, 5, 6)
+    assert FixedBuckets(1201).solve(problem) == (3, 5, 6)  # 2400 >= 1201 after layer 2, 1800 after 4
+    assert FixedBuckets(10**9).solve(problem) == (6,)
+    assert FixedBuckets(1).solve(problem) == (1, 2, 3, 4, 5, 6)
+
+
+def test_fixed_buckets_use_dense_bytes_for_topk() -> None:
+    problem = random_problem(50, Strategy.TOPK, seed=1)
+    dense = dataclasses.replace(problem, strategy=Strategy.DENSE, density=None, select=None, decode=None)
+    solver = FixedBuckets(25 * 2**20, 2**20)
+    assert solver.solve(problem) == solver.solve(dense)
+
+
+def test_default_bucket_configurations() -> None:
+    by_name = {b.name: b for b in BASELINES[Strategy.DENSE]}
+    ddp, horovod = by_name["ddp-25mb"], by_name["horovod-64mb"]
+    assert isinstance(ddp, FixedBuckets) and isinstance(horovod, FixedBuckets)
+    assert (ddp.cap_bytes, ddp.first_cap_bytes) == (25 * 1024 * 1024, 1024 * 1024)
+    assert (horovod.cap_bytes, horovod.first_cap_bytes) == (64 * 1024 * 1024, None)
+    with pytest.raises(SolverError, match="cap_bytes > 0"):
+        FixedBuckets(0)
+
+
+def test_baseline_registry() -> None:
+    assert [b.name for b in BASELINES[Strategy.DENSE]] == ["wfbp", "single", "ddp-25mb", "horovod-64mb", "mg-wfbp"]
+    assert [b.name for b in BASELINES[Strategy.TOPK]] == ["wfbp", "single", "ddp-25mb", "horovod-64mb", "mgs-greedy"]
+    solvers: list[GroupingSolver] = [*BASELINES[Strategy.DENSE], *BASELINES[Strategy.TOPK], DenseDP(), TopkParetoDP()]
+    for solver in solvers:
+        assert isinstance(solver, GroupingSolver)
+        assert solver.name and solver.description
+        assert solver.exact is isinstance(solver, DenseDP | TopkParetoDP)
+    with pytest.raises(TypeError):
+        GroupingSolver()  # type: ignore[abstract]
+
+
+@settings(deadline=None, max_examples=80)
+@given(problems(max_layers=20))
+def test_baselines_give_valid_groupings(problem: GradientProblem) -> None:
+    for solver in (*BASELINES[Strategy.DENSE], *BASELINES[Strategy.TOPK], FixedBuckets(10**5, 10**3)):
+        grouping = solver.solve(problem)
+        assert validate_grouping(problem, grouping) == grouping
+    assert PerLayer().solve(problem) == tuple(range(1, problem.num_layers + 1))
+    assert SingleBucket().solve(problem) == (problem.num_layers,)
+
+
+def test_mgwfbp_rule_by_hand() -> None:
+    """Two layers ready at 1 and 2 (dense, T = alpha): merge iff the wait 2 - 1 is below alpha."""
+    # alpha = 0.5: the first collective runs 1 -> 1.5, before the next gradient (2): no merge.
+    assert MGWFBPGreedy().solve(_problem_of((10, 10), alpha=0.5)) == (1, 2)
+    # alpha = 2: the collective would run 1 -> 3, past 2, and waiting 1 < alpha saves a start-up: merge.
+    assert MGWFBPGreedy().solve(_problem_of((10, 10), alpha=2.0)) == (2,)
+    # Channel still busy with layer 0's collective when layer 1 is ready: layer 1 waits for it anyway, so
+    # layer 2 joins it. Ready at 1, 2, 3; alpha = 1.5: 1 -> 2.5 (2 < 2.5 and 2 - 1 = 1 < 1.5: merge 0, 1);
+    # group (0, 1) at 2 -> 3.5; 3 - 2 = 1 < 1.5: merge all.
+    assert MGWFBPGreedy().solve(_problem_of((10, 10, 10), alpha=1.5)) == (3,)
+
+
+def test_mgs_rule_by_hand() -> None:
+    """Merge iff the delay (next backward + extra selection - idle wait) is below the start-up saved."""
+    # Dense (s = 0), T = alpha: delay = b = 1, saving = alpha.
+    assert MGSGreedy().solve(_problem_of((10, 10), alpha=0.5)) == (1, 2)
+    assert MGSGreedy().solve(_problem_of((10, 10), alpha=2.0)) == (2,)
+    # Top-k with selection s(N) = N^2 / 100 (superlinear): merging two layers of 10 adds s(20) - 2 s(10) = 2.
+    select = PiecewiseLinearCost(xs=(10.0, 20.0, 30.0), ys=(1.0, 4.0, 9.0))
+    problem = GradientProblem(
+        strategy=Strategy.TOPK,
+        forward_s=0.0,
+        update_s=0.0,
+        backward_s=(1.0, 1.0),
+        numel=(10, 10),
+        comm=AffineCost(alpha=2.5, beta=0.0),
+        world_size=2,
+        density=1.0,
+        select=select,
+        decode=AffineCost(alpha=0.0, beta=0.0),
+    )
+    assert MGSGreedy().solve(problem) == (1, 2)  # delay 1 + 2 = 3 >= saving 2.5
+    assert MGSGreedy().solve(dataclasses.replace(problem, comm=AffineCost(alpha=3.5, beta=0.0))) == (2,)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Vectorised model pieces and the benchmark helpers
+
+
+@settings(deadline=None, max_examples=60)
+@given(problems(strategy=Strategy.TOPK), st.lists(st.integers(0, 10**9), min_size=1, max_size=20))
+def test_vectorised_costs_match_the_scalar_model(problem: GradientProblem, sizes: list[int]) -> None:
+    """The DPs' vectorised k, bytes and costs agree with GradientProblem and CostModel.cost."""
+    from planner import solvers
+
+    array = np.asarray(sizes, dtype=np.int64)
+    for strategy_problem in (problem, dataclasses.replace(problem, strategy=Strategy.DENSE)):
+        got = solvers._message_bytes_many(strategy_problem, array)
+        assert got.tolist() == [float(strategy_problem.message_bytes(n)) for n in sizes]
+        comm = solvers._comm_many(strategy_problem, array)
+        expected = [strategy_problem.comm.cost(strategy_problem.message_bytes(n)) for n in sizes]
+        assert np.allclose(comm, expected, rtol=1e-12, atol=0)
+    assert problem.decode is not None
+    decode = solvers._decode_many(problem, array)
+    assert np.allclose(decode, [problem.decode.cost(problem.world_size * problem.k(n)) for n in sizes], rtol=1e-12)
+
+
+def test_random_problem_is_reproducible_and_valid() -> None:
+    a = random_problem(30, Strategy.TOPK, seed=5, density=0.05, world_size=4)
+    assert a == random_problem(30, Strategy.TOPK, seed=5, density=0.05, world_size=4)
+    assert a != random_problem(30, Strategy.TOPK, seed=6, density=0.05, world_size=4)
+    assert (a.num_layers, a.density, a.world_size) == (30, 0.05, 4)
+    assert all(100 <= n <= 3_000_000 for n in a.numel)
+    assert a.select is not None and a.select.cost(2e6) > 2 * a.select.cost(1e6)  # superlinear
+    with pytest.raises(SolverError, match="num_layers >= 1"):
+        random_problem(0, Strategy.DENSE, seed=0)
+
+
+def test_time_solvers_rows() -> None:
+    rows = time_solvers(num_layers=40, repeats=1, seed=2)
+    assert {r["strategy"] for r in rows} == {"dense", "topk"}
+    for strategy in Strategy:
+        mine = [r for r in rows if r["strategy"] == strategy.value]
+        assert [r["solver"] for r in mine[1:]] == [b.name for b in BASELINES[strategy]]
+        exact = mine[0]
+        assert exact["exact"] is True
+        assert all(exact["iteration_s"] <= r["iteration_s"] * (1 + RTOL) for r in mine)
+        assert all(r["lower_bound_s"] <= exact["iteration_s"] * (1 + RTOL) for r in mine)
+        assert all(r["median_s"] >= 0 and r["num_groups"] >= 1 for r in mine)
