@@ -38,7 +38,10 @@ class ModelInfo:
         )
 
     def describe(self) -> str:
-        return f"{self.name} ({self.num_params} parameter tensors, {self.numel:,} elements, fingerprint {self.fingerprint})"
+        return (
+            f"{self.name} ({self.num_params} parameter tensors, {self.numel:,} elements, "
+            f"fingerprint {self.fingerprint})"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

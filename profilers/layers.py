@@ -130,26 +130,22 @@ def measure_layers(
 def combine_ranks(runs: list[LayerRun]) -> tuple[list[LayerTiming], float, float, float]:
     """Layer timings in rank 0's ready order (medians over every rank's samples) and F, B, U medians."""
     first = runs[0]
-
-    def pooled(get: Callable[[LayerRun], list[float]]) -> list[float]:
-        return [x for r in runs for x in get(r)]
-
     layers = []
     for name in first.order:
-        b = pooled(lambda r, n=name: r.backward[n])
+        b = [x for r in runs for x in r.backward[name]]
         layers.append(
             LayerTiming(
                 name=name,
                 params=first.params[name],
                 numel=first.numel[name],
-                forward_s=median(pooled(lambda r, n=name: r.forward[n])),
+                forward_s=median([x for r in runs for x in r.forward[name]]),
                 backward_s=median(b),
                 backward_iqr_s=iqr(b),
             )
         )
     return (
         layers,
-        median(pooled(lambda r: r.forward_total)),
-        median(pooled(lambda r: r.backward_total)),
-        median(pooled(lambda r: r.update)),
+        median([x for r in runs for x in r.forward_total]),
+        median([x for r in runs for x in r.backward_total]),
+        median([x for r in runs for x in r.update]),
     )

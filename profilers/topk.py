@@ -6,6 +6,7 @@ Times the runtime's own functions (runtime.compress), so the profile measures wh
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -36,7 +37,7 @@ def measure_topk(
         residual = torch.zeros(n, device=device)
         for d in densities:
             k = topk_count(n, d)
-            samples = time_call(lambda k=k: select_topk(grad, residual, k), device, repeats=repeats, warmup=warmup,
+            samples = time_call(partial(select_topk, grad, residual, k), device, repeats=repeats, warmup=warmup,
                                 before=residual.zero_)
             select.append((n, float(d), median(samples)))
             on_point()
@@ -48,7 +49,7 @@ def measure_topk(
             msgs.append(pack(values, idx))
         gathered = torch.cat(msgs)
         out = torch.empty(n, device=device)
-        samples = time_call(lambda k=k, n=n: decode(gathered, k, n, world_size, out=out), device,
+        samples = time_call(partial(decode, gathered, k, n, world_size, out=out), device,
                             repeats=repeats, warmup=warmup)
         decode_points.append((world_size * k, median(samples)))
         on_point()

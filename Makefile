@@ -1,0 +1,31 @@
+# The two set-up commands of the README: `make demo` (the main job) and `make test` (the tests).
+# Both create .venv and install torch==2.13.0 before the project, so pip never resolves a newer
+# torch with its CUDA packages. A GPU user can pre-install their own torch build into .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: venv demo test lint clean
+
+$(BIN)/planner: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(BIN)/planner
+
+venv: $(BIN)/planner
+
+demo: venv
+	$(BIN)/planner demo
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+lint: venv
+	$(BIN)/ruff check planner profilers runtime tests
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,188 @@
+"""`planner bench`: real training steps on N local workers, DDP against the runtime with and without the plan.
+
+Variants run interleaved in short blocks (round-robin) in the same processes, so that the noise of a
+shared machine falls on all of them alike; each step is timed from a barrier to the end of
+`optimizer.step()`, and a step's time is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from planner.console import progress
+from planner.layers import gradient_layers
+from planner.models import build_workload
+from planner.plan import Group, Plan
+from planner.types import PlanMismatchError, Strategy
+
+__all__ = ["BenchConfig", "BenchResult", "bench_variants", "bench_worker", "per_layer_plan", "run_bench"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """Which plans to run, on which model, and how many steps."""
+
+    plans: tuple[Plan, ...]
+    model: str
+    batch_size: int | None = None
+    nproc: int = 2
+    steps: int = 20
+    warmup: int = 5
+    block: int = 5
+    lr: float = 0.01
+    show_progress: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchResult:
+    """One variant's measured step times (seconds) and its predicted iteration time."""
+
+    name: str
+    strategy: str
+    median_s: float
+    p25_s: float
+    p75_s: float
+    steps: int
+    predicted_s: float | None
+    speedup_vs_ddp: float | None = None
+
+    @property
+    def rel_error(self) -> float | None:
+        if self.predicted_s is None:
+            return None
+        return abs(self.predicted_s - self.median_s) / self.median_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "strategy": self.strategy, "median_s": self.median_s, "p25_s": self.p25_s,
+            "p75_s": self.p75_s, "steps": self.steps, "predicted_s": self.predicted_s,
+            "speedup_vs_ddp": self.speedup_vs_ddp, "rel_error": self.rel_error,
+        }
+
+
+def per_layer_plan(plan: Plan, module: torch.nn.Module) -> Plan:
+    """The same plan with one collective per layer (the WFBP baseline), in the plan's ready order."""
+    spec = {s.name: s for s in gradient_layers(module)}
+    groups = []
+    for name in (lay for g in plan.groups for lay in g.layers):
+        if name not in spec:
+            raise PlanMismatchError(f"layer {name!r} of the plan is not a layer of the model")
+        s = spec[name]
+        k = None
+        if plan.strategy is Strategy.TOPK:
+            from planner.problem import topk_count
+
+            assert plan.density is not None
+            k = topk_count(s.numel, plan.density)
+        groups.append(Group(layers=(name,), params=s.params, numel=s.numel, k=k))
+    wfbp = plan.baselines.get("wfbp", plan.predicted)
+    return replace(plan, groups=tuple(groups), solver="wfbp", predicted=wfbp)
+
+
+def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module) -> list[tuple[str, Plan | None, float | None]]:
+    """(name, plan or None for DDP, predicted seconds) for every variant the bench runs."""
+    dense = next((p for p in plans if p.strategy is Strategy.DENSE), None)
+    ddp_pred = (dense or plans[0]).baselines.get("ddp-25mb") if plans else None
+    out: list[tuple[str, Plan | None, float | None]] = [("ddp", None, ddp_pred.iteration_s if ddp_pred else None)]
+    for plan in plans:
+        tag = plan.strategy.value if plan.strategy is Strategy.DENSE else f"topk@{plan.density:g}"
+        pl = per_layer_plan(plan, module)
+        out.append((f"per-layer {tag}", pl, pl.predicted.iteration_s))
+        out.append((f"plan {tag}", plan, plan.predicted.iteration_s))
+    return out
+
+
+def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchResult] | None:
+    """Run every variant on this rank; rank 0 returns the results."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from runtime import GradientExchange
+
+    torch.manual_seed(0)
+    base = build_workload(config.model, batch_size=config.batch_size)
+    variants = bench_variants(config.plans, base.module)
+    runners = []
+    for _name, plan, _pred in variants:
+        wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank
+        if plan is None:
+            model: torch.nn.Module = DistributedDataParallel(wl.module)
+            exchange = None
+        else:
+            model = wl.module
+            exchange = GradientExchange(model, plan)
+        opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+        runners.append((wl, model, exchange, opt))
+    gen = torch.Generator().manual_seed(1000 + rank)
+    inputs, targets = base.make_batch(base.batch_size, gen)
+
+    def step(i: int) -> float:
+        wl, model, exchange, opt = runners[i]
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = wl.loss_fn(model(inputs), targets)
+        loss.backward()
+        if exchange is not None:
+            exchange.synchronize()
+        opt.step()
+        return time.perf_counter() - t0
+
+    n = len(variants)
+    times: list[list[float]] = [[] for _ in range(n)]
+    show = config.show_progress and rank == 0
+    with progress(enabled=show) as bar:
+        task = bar.add_task("bench steps", total=n * (config.warmup + config.steps))
+        for i in range(n):
+            for _ in range(config.warmup):
+                step(i)
+                bar.advance(task)
+        while any(len(t) < config.steps for t in times):
+            for i in range(n):
+                for _ in range(min(config.block, config.steps - len(times[i]))):
+                    times[i].append(step(i))
+                    bar.advance(task)
+    for _, _, exchange, _ in runners:
+        if exchange is not None:
+            exchange.close()
+    all_times = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(all_times, op=dist.ReduceOp.MAX)
+    if rank != 0:
+        return None
+    results = []
+    for (name, plan, pred), row in zip(variants, all_times.tolist(), strict=True):
+        q = statistics.quantiles(row, n=4, method="inclusive")
+        results.append(
+            BenchResult(
+                name=name,
+                strategy="ddp" if plan is None else plan.strategy.value,
+                median_s=statistics.median(row),
+                p25_s=q[0],
+                p75_s=q[2],
+                steps=len(row),
+                predicted_s=pred,
+            )
+        )
+    ddp = results[0].median_s
+    return [replace(r, speedup_vs_ddp=ddp / r.median_s) for r in results]
+
+
+def run_bench(config: BenchConfig) -> list[BenchResult]:
+    """Start `config.nproc` local gloo workers and bench every variant."""
+    for plan in config.plans:
+        if plan.cluster.world_size != config.nproc:
+            raise PlanMismatchError(
+                f"the plan was made for world size {plan.cluster.world_size}, but --nproc is {config.nproc}; "
+                f"re-plan: {plan.replan_command()}"
+            )
+    from runtime.launch import run_distributed
+
+    results = run_distributed(bench_worker, config.nproc, config, backend="gloo", timeout=3600)
+    out = results[0]
+    assert out is not None
+    return out

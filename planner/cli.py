@@ -1,0 +1,367 @@
+"""The `planner` command line. Each subcommand is a `Command` subclass; defining one registers it.
+
+Errors the planner raises on purpose (PlannerError) become one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+from rich.table import Table
+
+from planner.console import console, err_console
+from planner.types import PlannerError, Strategy
+
+__all__ = ["Command", "main"]
+
+
+class Command(abc.ABC):
+    """A subcommand: `configure` adds its arguments, `run` does the work and returns the exit status."""
+
+    name: ClassVar[str]
+    help: ClassVar[str]
+    registry: ClassVar[dict[str, type[Command]]] = {}
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        Command.registry[cls.name] = cls
+
+    @abc.abstractmethod
+    def configure(self, parser: argparse.ArgumentParser) -> None: ...
+
+    @abc.abstractmethod
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+# -- shared argument types and printing -------------------------------------------------------------
+
+def _density(text: str) -> float:
+    try:
+        d = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"density must be a number in (0, 1], got {text!r}") from None
+    if not 0 < d <= 1:
+        raise argparse.ArgumentTypeError(f"`0 < density <= 1` must hold, but got {d}")
+    return d
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {v}")
+    return v
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f}"
+
+
+def print_plan(plan: object, title: str | None = None) -> None:
+    """The comparison table of a plan: the plan, each baseline and the lower bound, under the same model."""
+    from planner.plan import Plan
+
+    assert isinstance(plan, Plan)
+    ref = plan.baselines.get("ddp-25mb", plan.predicted).iteration_s
+    lb = plan.lower_bound_s
+    tag = plan.strategy.value + (f" (density {plan.density:g})" if plan.strategy is Strategy.TOPK else "")
+    table = Table(title=title or f"{plan.model.name}: {tag} plan, {plan.cluster.describe()}")
+    for col in ("grouping", "groups", "iteration ms", "exposed comm ms", "vs ddp-25mb", "gap to bound"):
+        table.add_column(col, justify="left" if col == "grouping" else "right")
+    rows = [(f"plan ({plan.solver})", plan.predicted), *plan.baselines.items()]
+    for name, p in rows:
+        table.add_row(
+            name, str(p.num_groups), _ms(p.iteration_s), _ms(p.exposed_comm_s),
+            f"{ref / p.iteration_s:.2f}x", f"{(p.iteration_s - lb) / lb:+.1%}" if lb > 0 else "-",
+            style="bold" if name.startswith("plan") else None,
+        )
+    table.add_row("lower bound", "", _ms(lb), "", f"{ref / lb:.2f}x" if lb > 0 else "-", "")
+    console.print(table)
+    console.print(
+        f"solver {plan.solver} took {plan.solve_seconds * 1e3:.1f} ms; "
+        f"profile {plan.source_profile or '?'} measured {plan.profiled}"
+    )
+
+
+def print_bench(results: list, as_json: bool) -> None:
+    if as_json:
+        console.print_json(json.dumps([r.to_dict() for r in results]))
+        return
+    table = Table(title="bench: median step time over measured steps (slowest rank per step)")
+    for col in ("variant", "median ms", "p25-p75 ms", "speedup vs DDP", "predicted ms", "|pred-meas|/meas"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for r in results:
+        table.add_row(
+            r.name, _ms(r.median_s), f"{_ms(r.p25_s)}-{_ms(r.p75_s)}", f"{r.speedup_vs_ddp:.2f}x",
+            _ms(r.predicted_s) if r.predicted_s is not None else "-",
+            f"{r.rel_error:.1%}" if r.rel_error is not None else "-",
+        )
+    console.print(table)
+
+
+# -- commands ----------------------------------------------------------------------------------------
+
+class ModelsCommand(Command):
+    name = "models"
+    help = "list the built-in models"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        pass
+
+    def run(self, args: argparse.Namespace) -> int:
+        from planner.models import BUILTIN_MODELS, DEFAULT_MODEL
+
+        table = Table(title="built-in models (or --model package.module:factory returning a planner.models.Workload)")
+        table.add_column("name")
+        table.add_column("description")
+        for name, desc in BUILTIN_MODELS.items():
+            table.add_row(name + (" (default)" if name == DEFAULT_MODEL else ""), desc)
+        console.print(table)
+        return 0
+
+
+class ProfileCommand(Command):
+    name = "profile"
+    help = "measure per-layer compute, collectives and top-k costs on N workers; write a profile"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        from planner.models import DEFAULT_MODEL
+
+        parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name or package.module:factory")
+        parser.add_argument("--batch-size", type=_positive, default=None, help="per-worker batch (model default)")
+        parser.add_argument("--nproc", type=_positive, default=2,
+                            help="local workers to start (ignored under torchrun)")
+        parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+        parser.add_argument("--repeats", type=_positive, default=10, help="measured iterations per layer")
+        parser.add_argument("--warmup", type=int, default=3, help="unmeasured iterations first")
+        parser.add_argument("--densities", default="0.001,0.01,0.1,1.0", help="top-k densities to measure")
+        parser.add_argument("--only", choices=["comm"], default=None, help="re-measure only the network of -o")
+        parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from planner.profile import Profile
+        from profilers import ProfileConfig, run_profile
+
+        try:
+            densities = tuple(_density(d) for d in args.densities.split(","))
+        except argparse.ArgumentTypeError as exc:
+            raise PlannerError(f"--densities: {exc}") from None
+        base = Profile.load(args.output) if args.only == "comm" and args.output.exists() else None
+        config = ProfileConfig(
+            model=args.model, output=args.output, batch_size=args.batch_size, nproc=args.nproc,
+            backend=args.backend, repeats=args.repeats, warmup=args.warmup, densities=densities,
+            only_comm=args.only == "comm", base=base,
+        )
+        profile = run_profile(config)
+        profile.save(args.output)
+        print_profile(profile)
+        console.print(f"wrote profile {args.output}")
+        return 0
+
+
+def print_profile(profile: object) -> None:
+    from planner.profile import MAX_FIT_ERROR, Profile
+
+    assert isinstance(profile, Profile)
+    console.print(
+        f"[bold]{profile.model.describe()}[/bold]\n{profile.cluster.describe()}, batch {profile.batch_size}/worker, "
+        f"torch {profile.torch_version}, measured {profile.created}\n"
+        f"forward {_ms(profile.forward_s)} ms, backward {_ms(profile.backward_s)} ms, "
+        f"update {_ms(profile.update_s)} ms, {len(profile.layers)} layers"
+    )
+    table = Table(title="collectives: alpha + beta * bytes, fitted (used where it holds at every point) "
+                        "or interpolated")
+    for col in ("collective", "alpha us", "bandwidth GB/s", "median fit error", "worst", "model used", "points"):
+        table.add_column(col, justify="left" if col == "collective" else "right")
+    for coll, curve in profile.collectives.items():
+        bw = 1 / curve.beta_s_per_byte / 1e9 if curve.beta_s_per_byte > 0 else float("inf")
+        used = "fit" if curve.worst_error <= MAX_FIT_ERROR else "interpolated"
+        table.add_row(coll.value, f"{curve.alpha_s * 1e6:.1f}", f"{bw:.2f}", f"{curve.fit_error:.1%}",
+                      f"{curve.worst_error:.1%}", used, str(len(curve.points)))
+    console.print(table)
+
+
+class SolveCommand(Command):
+    name = "solve"
+    help = "turn a profile into an optimal plan and compare it with the baselines"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("profile", type=Path, help="profile file from `planner profile`")
+        parser.add_argument("--strategy", choices=[s.value for s in Strategy], default=Strategy.DENSE.value)
+        parser.add_argument("--density", type=_density, default=None, help="top-k density (default 0.01)")
+        parser.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from planner.planning import make_plan
+        from planner.profile import Profile
+
+        strategy = Strategy(args.strategy)
+        if args.density is not None and strategy is not Strategy.TOPK:
+            raise PlannerError("--density applies to --strategy topk only")
+        density = (args.density or 0.01) if strategy is Strategy.TOPK else None
+        profile = Profile.load(args.profile)
+        plan = make_plan(profile, strategy, density, source=str(args.profile))
+        plan.save(args.output)
+        print_plan(plan)
+        console.print(f"wrote plan {args.output}")
+        return 0
+
+
+class ShowCommand(Command):
+    name = "show"
+    help = "print a plan's comparison table, or a profile's summary"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("file", type=Path, help="a plan or profile file")
+        parser.add_argument("--groups", action="store_true", help="also list a plan's groups")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from planner.jsonio import read_json
+        from planner.plan import PLAN_KIND, Plan
+        from planner.profile import PROFILE_KIND, Profile
+
+        kind = read_json(args.file, "plan or profile").get("kind")
+        if kind == PLAN_KIND:
+            plan = Plan.load(args.file)
+            print_plan(plan)
+            if args.groups:
+                table = Table(title="groups in ready order")
+                for col in ("#", "layers", "elements", "k"):
+                    table.add_column(col)
+                for i, g in enumerate(plan.groups):
+                    layers = ", ".join(g.layers) if len(g.layers) <= 4 else f"{g.layers[0]} ... {g.layers[-1]}"
+                    table.add_row(str(i), f"{len(g.layers)}: {layers}", f"{g.numel:,}", str(g.k or "-"))
+                console.print(table)
+        elif kind == PROFILE_KIND:
+            print_profile(Profile.load(args.file))
+        else:
+            raise PlannerError(f"{args.file} is neither a plan nor a profile (kind {kind!r})")
+        return 0
+
+
+class BenchCommand(Command):
+    name = "bench"
+    help = "measure real training steps: DDP, one group per layer, and the plans"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--plan", type=Path, action="append", required=True,
+                            help="plan file (repeat for a dense and a top-k plan)")
+        parser.add_argument("--model", default=None, help="model (default: the plan's built-in model)")
+        parser.add_argument("--batch-size", type=_positive, default=None)
+        parser.add_argument("--nproc", type=_positive, default=None, help="workers (default: the plan's world size)")
+        parser.add_argument("--steps", type=_positive, default=20, help="measured steps per variant (>= 20)")
+        parser.add_argument("--warmup", type=int, default=5)
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from planner.bench import BenchConfig, run_bench
+        from planner.plan import Plan
+
+        plans = tuple(Plan.load(p) for p in args.plan)
+        config = BenchConfig(
+            plans=plans, model=args.model or plans[0].model.name, batch_size=args.batch_size,
+            nproc=args.nproc or plans[0].cluster.world_size, steps=args.steps, warmup=args.warmup,
+            show_progress=not args.json,
+        )
+        print_bench(run_bench(config), args.json)
+        return 0
+
+
+class BenchSolversCommand(Command):
+    name = "bench-solvers"
+    help = "time the exact solvers on synthetic models with many layers"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--layers", type=_positive, default=1000)
+        parser.add_argument("--repeats", type=_positive, default=5)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from planner.solver_bench import time_solvers
+
+        rows = time_solvers(num_layers=args.layers, repeats=args.repeats)
+        table = Table(title=f"solver time on {args.layers} synthetic layers (median of {args.repeats})")
+        for col in rows[0]:
+            table.add_column(str(col))
+        for r in rows:
+            table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()))
+        console.print(table)
+        return 0
+
+
+class DemoCommand(Command):
+    name = "demo"
+    help = "the main job: profile, solve (dense and top-k), write plans, bench, compare"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        from planner.models import DEFAULT_MODEL
+
+        parser.add_argument("--model", default=DEFAULT_MODEL)
+        parser.add_argument("--nproc", type=_positive, default=2)
+        parser.add_argument("--density", type=_density, default=0.01)
+        parser.add_argument("--steps", type=_positive, default=20)
+        parser.add_argument("--plans-dir", type=Path, default=Path("plans"))
+        parser.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+
+    def run(self, args: argparse.Namespace) -> int:
+        from planner.bench import BenchConfig, run_bench
+        from planner.planning import make_plan
+        from profilers import ProfileConfig, run_profile
+
+        stem = args.model.replace(":", "_").replace("/", "_")
+        prof_path = args.profiles_dir / f"{stem}-{args.nproc}w.json"
+        console.rule(f"1/3 profile {args.model} on {args.nproc} workers")
+        profile = run_profile(ProfileConfig(model=args.model, output=prof_path, nproc=args.nproc))
+        profile.save(prof_path)
+        print_profile(profile)
+        console.print(f"wrote profile {prof_path}")
+        console.rule("2/3 solve")
+        plans = []
+        for strategy, density in ((Strategy.DENSE, None), (Strategy.TOPK, args.density)):
+            plan = make_plan(profile, strategy, density, source=str(prof_path))
+            path = args.plans_dir / f"{stem}-{args.nproc}w-{strategy.value}.json"
+            plan.save(path)
+            print_plan(plan)
+            console.print(f"wrote plan {path}")
+            plans.append(plan)
+        console.rule("3/3 bench")
+        results = run_bench(BenchConfig(plans=tuple(plans), model=args.model, nproc=args.nproc, steps=args.steps))
+        print_bench(results, as_json=False)
+        return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="planner",
+        description="Profile, plan and run gradient communication for data-parallel PyTorch training.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, cls in Command.registry.items():
+        cmd = cls()
+        p = sub.add_parser(name, help=cls.help, description=cls.help)
+        cmd.configure(p)
+        p.set_defaults(_command=cmd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._command.run(args))
+    except PlannerError as exc:
+        err_console.print(f"planner {args.command}: error: {exc}", markup=False, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        err_console.print("planner: interrupted", markup=False)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Synthetic but valid profiles and plans for tests that must not measure anything."""
+
+from __future__ import annotations
+
+from planner.fingerprint import ClusterInfo, model_info
+from planner.layers import gradient_layers
+from planner.models import build_workload
+from planner.plan import Plan
+from planner.planning import make_plan
+from planner.profile import FittedCurve, LayerTiming, Profile, TopkTiming
+from planner.types import Collective, Strategy
+
+
+def synthetic_profile(model: str = "mlp", world_size: int = 2) -> Profile:
+    """A profile of a built-in model with made-up, plausible times (layers ready in reverse order)."""
+    wl = build_workload(model)
+    layers = []
+    for spec in reversed(gradient_layers(wl.module)):
+        layers.append(
+            LayerTiming(name=spec.name, params=spec.params, numel=spec.numel, forward_s=1e-4 + spec.numel * 1e-9,
+                        backward_s=2e-4 + spec.numel * 2e-9, backward_iqr_s=1e-5)
+        )
+    sizes = [1 << s for s in range(10, 27, 2)]
+
+    def curve(alpha: float, beta: float) -> FittedCurve:
+        return FittedCurve.fit([(s, alpha + beta * s) for s in sizes])
+
+    numels = [1 << s for s in range(10, 23, 2)]
+    select = tuple((n, d, 5e-5 + n * 4e-9 * (1 + d)) for n in numels for d in (0.001, 0.01, 0.1, 1.0))
+    decode = FittedCurve.fit([(n // 50, 2e-5 + n * 1e-10) for n in numels])
+    return Profile(
+        model=model_info(wl.module, model),
+        cluster=ClusterInfo(world_size=world_size, backend="gloo", device="cpu (synthetic)"),
+        created="2026-01-01T00:00:00+00:00",
+        torch_version="2.13.0",
+        batch_size=wl.batch_size,
+        forward_s=sum(lt.forward_s for lt in layers),
+        backward_s=sum(lt.backward_s for lt in layers),
+        update_s=1e-3,
+        layers=tuple(layers),
+        collectives={
+            Collective.ALLREDUCE: curve(2e-4, 2e-9),
+            Collective.ALLGATHER: curve(2e-4, 2e-9),
+            Collective.BROADCAST: curve(1e-4, 1e-9),
+        },
+        topk=TopkTiming(select=select, decode=decode),
+    )
+
+
+def synthetic_plan(model: str = "mlp", world_size: int = 2, strategy: Strategy = Strategy.DENSE,
+                   density: float | None = None) -> Plan:
+    return make_plan(synthetic_profile(model, world_size), strategy, density, source="synthetic")

@@ -1,0 +1,151 @@
+"""Plan and profile documents: round trips, validation, and the one-line errors of the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.cli import main
+from planner.fingerprint import model_info
+from planner.models import build_workload
+from planner.plan import Plan
+from planner.profile import Profile
+from planner.types import InvalidProfileError, PlanMismatchError, PlannerFileError, SchemaError, Strategy
+from tests.factories import synthetic_plan, synthetic_profile
+
+
+def test_profile_round_trip(tmp_path: Path) -> None:
+    prof = synthetic_profile("mlp")
+    path = tmp_path / "p.json"
+    prof.save(path)
+    again = Profile.load(path)
+    assert again == prof
+    assert list(again.layers_frame()["name"]) == [lt.name for lt in prof.layers]
+    assert len(again.comm_frame()) == sum(len(c.points) for c in prof.collectives.values())
+
+
+@pytest.mark.parametrize(("strategy", "density"), [(Strategy.DENSE, None), (Strategy.TOPK, 0.01)])
+def test_plan_round_trip(tmp_path: Path, strategy: Strategy, density: float | None) -> None:
+    plan = synthetic_plan("mlp", strategy=strategy, density=density)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+    assert sorted(plan.param_order) == sorted(n for n, _ in build_workload("mlp").module.named_parameters())
+
+
+def test_plan_predictions_are_consistent() -> None:
+    plan = synthetic_plan("resnet18")
+    assert plan.lower_bound_s <= plan.predicted.iteration_s + 1e-12
+    for name, pred in plan.baselines.items():
+        assert plan.predicted.iteration_s <= pred.iteration_s + 1e-12, name
+
+
+def test_write_is_atomic_and_leaves_no_temporaries(tmp_path: Path) -> None:
+    plan = synthetic_plan("mlp")
+    path = tmp_path / "sub" / "plan.json"
+    plan.save(path)
+    plan.save(path)
+    assert [p.name for p in path.parent.iterdir()] == ["plan.json"]
+
+
+def test_plan_refuses_other_model_and_world_size() -> None:
+    plan = synthetic_plan("mlp")
+    other = model_info(build_workload("bert-tiny").module, "bert-tiny")
+    with pytest.raises(PlanMismatchError, match=r"made for model mlp.*bert-tiny.*planner solve"):
+        plan.check_compatible(other, 2)
+    same = model_info(build_workload("mlp").module, "mlp")
+    with pytest.raises(PlanMismatchError, match=r"world size 2.*world size 4.*planner solve"):
+        plan.check_compatible(same, 4)
+    plan.check_compatible(same, 2)
+
+
+def _mutated(tmp_path: Path, doc: dict, name: str) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_loaders_reject_bad_documents(tmp_path: Path) -> None:
+    plan_doc = synthetic_plan("mlp").to_dict()
+    prof_doc = synthetic_profile("mlp").to_dict()
+    with pytest.raises(PlannerFileError, match="not found"):
+        Plan.load(tmp_path / "missing.json")
+    trunc = tmp_path / "trunc.json"
+    trunc.write_text(json.dumps(plan_doc)[:200])
+    with pytest.raises(SchemaError, match=r"not valid JSON.*truncated"):
+        Plan.load(trunc)
+    with pytest.raises(SchemaError, match="schema_version 99"):
+        Plan.load(_mutated(tmp_path, {**plan_doc, "schema_version": 99}, "v.json"))
+    with pytest.raises(SchemaError, match=r"unknown field\(s\) \['surprise'\]"):
+        Plan.load(_mutated(tmp_path, {**plan_doc, "surprise": 1}, "u.json"))
+    bad_layers = [dict(prof_doc["layers"][0], backward_s=-1.0), *prof_doc["layers"][1:]]
+    with pytest.raises(InvalidProfileError, match=r"layers\[0\]\.backward_s must be a finite time >= 0"):
+        Profile.load(_mutated(tmp_path, {**prof_doc, "layers": bad_layers}, "neg.json"))
+    nan = tmp_path / "nan.json"
+    nan.write_text(json.dumps(prof_doc).replace('"update_s": 0.001', '"update_s": NaN'))
+    with pytest.raises(SchemaError, match="NaN"):
+        Profile.load(nan)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=120)
+
+
+def _one_clear_line(proc: subprocess.CompletedProcess[str], pattern: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert pattern in lines[0], lines[0]
+
+
+def test_cli_bad_inputs_give_one_line(tmp_path: Path) -> None:
+    prof = synthetic_profile("mlp")
+    good = tmp_path / "good.json"
+    prof.save(good)
+    doc = prof.to_dict()
+    trunc = tmp_path / "trunc.json"
+    trunc.write_text(good.read_text()[:300])
+    neg = _mutated(tmp_path, {**doc, "forward_s": -0.5}, "neg.json")
+    nan = tmp_path / "nan.json"
+    nan.write_text(good.read_text().replace('"update_s": 0.001', '"update_s": NaN'))
+    version = _mutated(tmp_path, {**doc, "schema_version": 7}, "ver.json")
+    out = str(tmp_path / "plan.json")
+    _one_clear_line(_cli("solve", str(tmp_path / "nope.json"), "-o", out), "profile file not found")
+    _one_clear_line(_cli("solve", str(trunc), "-o", out), "not valid JSON")
+    _one_clear_line(_cli("solve", str(neg), "-o", out), "forward_s must be a finite time >= 0")
+    _one_clear_line(_cli("solve", str(nan), "-o", out), "NaN")
+    _one_clear_line(_cli("solve", str(version), "-o", out), "unknown profile schema_version 7")
+    _one_clear_line(_cli("show", str(trunc)), "not valid JSON")
+    assert not Path(out).exists()
+
+
+def test_cli_solve_and_show(tmp_path: Path) -> None:
+    prof_path = tmp_path / "prof.json"
+    synthetic_profile("resnet18").save(prof_path)
+    plan_path = tmp_path / "plan.json"
+    assert main(["solve", str(prof_path), "--strategy", "topk", "--density", "0.01", "-o", str(plan_path)]) == 0
+    plan = Plan.load(plan_path)
+    assert plan.strategy is Strategy.TOPK and plan.density == 0.01
+    assert all(g.k is not None and g.k >= 1 for g in plan.groups)
+    proc = _cli("show", str(plan_path), "--groups")
+    assert proc.returncode == 0, proc.stderr
+    for name in ("plan (topk-exact)", "wfbp", "ddp-25mb", "horovod-64mb", "mgs-greedy", "lower bound"):
+        assert name in proc.stdout
+    proc = _cli("show", str(prof_path))
+    assert proc.returncode == 0 and "allreduce" in proc.stdout
+
+
+def test_cli_bench_refuses_wrong_world_size(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    synthetic_plan("mlp", world_size=4).save(path)
+    _one_clear_line(_cli("bench", "--plan", str(path), "--nproc", "2"), "made for world size 4")
+
+
+def test_cli_usage_errors_exit_nonzero(tmp_path: Path) -> None:
+    proc = _cli("solve", "x.json", "--strategy", "topk", "--density", "2", "-o", str(tmp_path / "p.json"))
+    assert proc.returncode == 2 and "0 < density <= 1" in proc.stderr
