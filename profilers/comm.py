@@ -10,6 +10,7 @@ import torch.distributed as dist
 from planner.profile import FittedCurve
 from planner.types import Collective
 from profilers.timing import median
+from runtime.compress import all_gather_flat
 
 __all__ = ["log_sizes", "measure_collectives"]
 
@@ -32,7 +33,7 @@ def _op(coll: Collective, nbytes: int, device: torch.device) -> Callable[[], obj
             return lambda: dist.all_reduce(x)
         case Collective.ALLGATHER:
             out = torch.empty(n * dist.get_world_size(), device=device)
-            return lambda: dist.all_gather_into_tensor(out, x)
+            return lambda: all_gather_flat(out, x)
         case Collective.BROADCAST:
             return lambda: dist.broadcast(x, src=0)
         case _:

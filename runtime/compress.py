@@ -10,9 +10,14 @@ bit for bit as fp32 (`indices.view(torch.float32)`), so a single allgather carri
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["MAX_NUMEL", "decode", "pack", "select_topk", "unpack"]
+__all__ = ["MAX_NUMEL", "all_gather_flat", "decode", "pack", "select_topk", "unpack"]
+
+#: Allgather into one flat tensor (every rank's message, rank by rank): `all_gather_single` where it
+#: exists (torch 2.13 deprecates the old name `all_gather_into_tensor`).
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 #: Indices travel as int32, so a sparsified flat gradient can hold at most this many elements.
 MAX_NUMEL = 2**31 - 1

@@ -19,8 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from planner.problem import topk_count
-from runtime.compress import decode, pack, select_topk
-from runtime.exchange import _all_gather_flat
+from runtime.compress import all_gather_flat, decode, pack, select_topk
 
 __all__ = ["TopkHookState", "topk_hook"]
 
@@ -90,7 +89,7 @@ def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     k = topk_count(numel, state.density)
     send = pack(*select_topk(grad, residual, k))
     recv = torch.empty(world_size * 2 * k, dtype=torch.float32, device=grad.device)
-    fut = _all_gather_flat(recv, send, group=pg, async_op=True).get_future()
+    fut = all_gather_flat(recv, send, group=pg, async_op=True).get_future()
 
     def _decode(f: torch.futures.Future[Any]) -> Tensor:
         f.value()  # raises if the allgather failed

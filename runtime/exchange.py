@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from planner.fingerprint import model_info
 from planner.plan import Group, Plan
 from planner.types import DistributedError, PlanMismatchError, Strategy
-from runtime.compress import decode, pack, select_topk
+from runtime.compress import all_gather_flat, decode, pack, select_topk
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -51,8 +51,6 @@ __all__ = ["GradientExchange"]
 
 STATE_KIND = "runtime.gradient_exchange"
 
-#: Allgather into one flat tensor: `all_gather_single` where it exists (torch 2.13 deprecates the old name).
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _world_size(process_group: Any) -> int:
@@ -252,7 +250,7 @@ class GradientExchange:
         if self.world_size == 1:
             return None
         if self._topk:
-            return _all_gather_flat(st.recv, st.send, group=self.process_group, async_op=True)
+            return all_gather_flat(st.recv, st.send, group=self.process_group, async_op=True)
         return dist.all_reduce(st.flat, group=self.process_group, async_op=True)
 
     # -- the step --------------------------------------------------------------------------------
