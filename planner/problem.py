@@ -7,13 +7,14 @@ them 1..L). A grouping is the tuple of exclusive end indices of contiguous group
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from planner.costs import CostModel
 from planner.types import SolverError, Strategy
 
-__all__ = ["INDEX_BYTES", "GradientProblem", "Grouping", "Prediction", "groups_of", "topk_count"]
+__all__ = ["INDEX_BYTES", "GradientProblem", "Grouping", "Prediction", "groups_of", "topk_count", "topk_count_many"]
 
 Grouping = tuple[int, ...]
 
@@ -83,9 +84,15 @@ class GradientProblem:
         return self.k(numel) * (self.element_bytes + INDEX_BYTES)
 
 
+def topk_count_many(numel: np.ndarray, density: float) -> np.ndarray:
+    """k = ceil(density * numel), at least 1 and at most numel (the tolerance absorbs float error), as floats."""
+    numel = np.asarray(numel, dtype=float)
+    return np.maximum(1.0, np.minimum(numel, np.ceil(density * numel - 1e-9)))
+
+
 def topk_count(numel: int, density: float) -> int:
-    """k = ceil(density * numel), at least 1 and at most numel (the tolerance absorbs float error)."""
-    return max(1, min(numel, math.ceil(density * numel - 1e-9)))
+    """`topk_count_many` for one group: the k a top-k group of `numel` elements sends."""
+    return int(topk_count_many(np.asarray(numel), density))
 
 
 def groups_of(grouping: Grouping) -> list[range]:

@@ -246,19 +246,20 @@ class Profile:
     # -- the solver's instance -----------------------------------------------------------------
     def problem(self, strategy: Strategy, density: float | None = None) -> GradientProblem:
         """The gradient-grouping instance this profile describes."""
+        dense = GradientProblem(
+            strategy=Strategy.DENSE,
+            forward_s=self.forward_s,
+            update_s=self.update_s,
+            backward_s=tuple(lt.backward_s for lt in self.layers),
+            numel=tuple(lt.numel for lt in self.layers),
+            comm=self.curve(Collective.ALLREDUCE).model,
+            world_size=self.cluster.world_size,
+            element_bytes=self.element_bytes,
+            names=tuple(lt.name for lt in self.layers),
+        )
         match strategy:
             case Strategy.DENSE:
-                return GradientProblem(
-                    strategy=strategy,
-                    forward_s=self.forward_s,
-                    update_s=self.update_s,
-                    backward_s=tuple(lt.backward_s for lt in self.layers),
-                    numel=tuple(lt.numel for lt in self.layers),
-                    comm=self.curve(Collective.ALLREDUCE).model,
-                    world_size=self.cluster.world_size,
-                    element_bytes=self.element_bytes,
-                    names=tuple(lt.name for lt in self.layers),
-                )
+                return dense
             case Strategy.TOPK:
                 if self.topk is None:
                     raise InvalidProfileError(
@@ -266,19 +267,13 @@ class Profile:
                     )
                 if density is None:
                     raise SchemaError("top-k needs a density, e.g. --density 0.01")
-                return GradientProblem(
+                return replace(
+                    dense,
                     strategy=strategy,
-                    forward_s=self.forward_s,
-                    update_s=self.update_s,
-                    backward_s=tuple(lt.backward_s for lt in self.layers),
-                    numel=tuple(lt.numel for lt in self.layers),
                     comm=self.curve(Collective.ALLGATHER).model,
-                    world_size=self.cluster.world_size,
-                    element_bytes=self.element_bytes,
                     density=density,
                     select=self.topk.select_model(density),
                     decode=self.topk.decode.model,
-                    names=tuple(lt.name for lt in self.layers),
                 )
             case _:
                 raise SchemaError(f"unknown strategy {strategy!r}")

@@ -23,7 +23,7 @@ from typing import ClassVar
 import numpy as np
 
 from planner.costs import AffineCost, CostModel
-from planner.problem import INDEX_BYTES, GradientProblem, Grouping
+from planner.problem import INDEX_BYTES, GradientProblem, Grouping, topk_count_many
 from planner.simulator import simulate
 from planner.types import SolverError, Strategy
 
@@ -98,10 +98,9 @@ def _prefix_backward(problem: GradientProblem) -> np.ndarray:
 
 
 def _k_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
-    """Vectorised `problem.k` (`topk_count`): max(1, min(N, ceil(rho * N))) as floats."""
+    """Vectorised `problem.k` as floats."""
     assert problem.density is not None
-    numel = np.asarray(numel, dtype=float)
-    return np.maximum(1.0, np.minimum(numel, np.ceil(problem.density * numel - 1e-9)))
+    return topk_count_many(numel, problem.density)
 
 
 def _message_bytes_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
