@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from planner.console import progress
+from planner.fingerprint import model_info
 from planner.layers import gradient_layers
 from planner.models import build_workload
 from planner.plan import Group, Plan
@@ -106,6 +107,8 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
 
     torch.manual_seed(0)
     base = build_workload(config.model, batch_size=config.batch_size)
+    for plan in config.plans:
+        plan.check_compatible(model_info(base.module, config.model), world_size)
     variants = bench_variants(config.plans, base.module)
     runners = []
     for _name, plan, _pred in variants:

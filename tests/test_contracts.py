@@ -149,3 +149,11 @@ def test_cli_bench_refuses_wrong_world_size(tmp_path: Path) -> None:
 def test_cli_usage_errors_exit_nonzero(tmp_path: Path) -> None:
     proc = _cli("solve", "x.json", "--strategy", "topk", "--density", "2", "-o", str(tmp_path / "p.json"))
     assert proc.returncode == 2 and "0 < density <= 1" in proc.stderr
+
+
+def test_cli_bench_refuses_plan_for_another_model(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    synthetic_plan("mlp").save(path)
+    proc = _cli("bench", "--plan", str(path), "--model", "bert-tiny", "--steps", "1", "--warmup", "0")
+    _one_clear_line(proc, "this plan was made for model mlp")
+    assert "planner solve" in proc.stderr
