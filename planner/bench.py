@@ -20,6 +20,7 @@ from planner.fingerprint import model_info
 from planner.layers import gradient_layers
 from planner.models import build_workload
 from planner.plan import Group, Plan
+from planner.problem import topk_count
 from planner.types import PlanMismatchError, Strategy
 
 __all__ = ["BenchConfig", "BenchResult", "bench_variants", "bench_worker", "per_layer_plan", "run_bench"]
@@ -77,8 +78,6 @@ def per_layer_plan(plan: Plan, module: torch.nn.Module) -> Plan:
         s = spec[name]
         k = None
         if plan.strategy is Strategy.TOPK:
-            from planner.problem import topk_count
-
             assert plan.density is not None
             k = topk_count(s.numel, plan.density)
         groups.append(Group(layers=(name,), params=s.params, numel=s.numel, k=k))
@@ -107,8 +106,8 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
 
     torch.manual_seed(0)
     base = build_workload(config.model, batch_size=config.batch_size)
-    for plan in config.plans:
-        plan.check_compatible(model_info(base.module, config.model), world_size)
+    for given in config.plans:
+        given.check_compatible(model_info(base.module, config.model), world_size)
     variants = bench_variants(config.plans, base.module)
     runners = []
     for _name, plan, _pred in variants:

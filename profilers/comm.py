@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from planner.profile import FittedCurve
 from planner.types import Collective
-from profilers.timing import median
+from profilers.timing import median, time_call
 from runtime.compress import all_gather_flat
 
 __all__ = ["log_sizes", "measure_collectives"]
@@ -40,18 +40,6 @@ def _op(coll: Collective, nbytes: int, device: torch.device) -> Callable[[], obj
             raise ValueError(f"unknown collective {coll!r}")
 
 
-def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    import time
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 def measure_collectives(
     collectives: Sequence[Collective],
     sizes: Sequence[int],
@@ -76,7 +64,7 @@ def measure_collectives(
             reps = repeats if nbytes < (16 << 20) else max(3, repeats // 2)
             for i in range(warmup + reps):
                 dist.barrier()
-                t = _timed(op, device)
+                t = time_call(op, device, repeats=1, warmup=0)[0]
                 if i >= warmup:
                     samples.append(t)
             times = torch.tensor(samples, dtype=torch.float64)

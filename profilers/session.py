@@ -73,7 +73,6 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
     device = _device(backend)
     show = config.show_progress and rank == 0
     base = config.base
-    name = base.model.name if (config.only_comm and base is not None) else config.model
 
     layer_results = None
     if not config.only_comm:
@@ -131,7 +130,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
     assert layer_results is not None
     layers, fwd, bwd, upd = layer_results
     return Profile(
-        model=info.__class__(name=name, fingerprint=info.fingerprint, num_params=info.num_params, numel=info.numel),
+        model=info,
         cluster=cluster,
         created=created,
         torch_version=torch.__version__,
