@@ -19,8 +19,13 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
         "plan":      {"iteration_s", "compute_s", "exposed_comm_s", "comm_s", "selection_s", "decode_s", "num_groups"},
         "baselines": {"wfbp": {...}, "single": {...}, "ddp-25mb": {...}, ...},
         "lower_bound_s": 0.091
-      }
+      },
+      "kfac": null | {...}                           # K-FAC plans only: see planner/kfac.py
     }
+
+A K-FAC plan (`planner solve --strategy kfac`) has dense gradient groups and a `kfac` section with the
+factor fusion buffers, the owner of every factor's inversion, the update intervals and predictions.
+A document without the `kfac` key reads as a gradient-only plan.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 
 from planner.fingerprint import ClusterInfo, ModelInfo
 from planner.jsonio import check_fields, expect, expect_time, read_json, write_json_atomic
+from planner.kfac import KFACSection
 from planner.problem import Prediction
 from planner.types import PlanMismatchError, SchemaError, Strategy
 
@@ -93,11 +99,19 @@ class Plan:
     source_profile: str
     profiled: str
     created: str
+    kfac: KFACSection | None = None
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         if not self.groups:
             raise SchemaError("a plan needs at least one group")
+        if self.kfac is not None:
+            if self.strategy is not Strategy.DENSE:
+                raise SchemaError("a K-FAC plan exchanges gradients densely: its strategy must be 'dense'")
+            try:
+                self.kfac.check_world_size(self.cluster.world_size)
+            except PlanMismatchError as exc:
+                raise SchemaError(str(exc)) from None
         if self.strategy is Strategy.TOPK:
             if self.density is None or not 0 < self.density <= 1:
                 raise SchemaError(f"a top-k plan needs `0 < density <= 1`, but got density={self.density}")
@@ -128,6 +142,7 @@ class Plan:
                 "baselines": {name: asdict(p) for name, p in self.baselines.items()},
                 "lower_bound_s": self.lower_bound_s,
             },
+            "kfac": None if self.kfac is None else self.kfac.to_dict(),
         }
 
     @classmethod
@@ -141,7 +156,8 @@ class Plan:
         if data.get("kind") != PLAN_KIND:
             raise SchemaError(f"not a plan: kind is {data.get('kind')!r}, expected {PLAN_KIND!r}")
         fields = ["schema_version", "kind", "created", "strategy", "density", "model", "cluster", "source", "solver"]
-        check_fields(data, "plan", [*fields, "groups", "predicted"])
+        data = {"kfac": None, **data}
+        check_fields(data, "plan", [*fields, "groups", "predicted", "kfac"])
         try:
             strategy = Strategy(data["strategy"])
         except ValueError:
@@ -179,6 +195,7 @@ class Plan:
                 for k, v in baselines.items()
             },
             lower_bound_s=expect_time(predicted["lower_bound_s"], "plan.predicted.lower_bound_s"),
+            kfac=None if data["kfac"] is None else KFACSection.from_dict(data["kfac"]),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -198,9 +215,10 @@ class Plan:
     def replan_command(self) -> str:
         """The commands that make a fresh plan for the current model and cluster."""
         density = f" --density {self.density}" if self.strategy is Strategy.TOPK else ""
+        strategy = "kfac" if self.kfac is not None else self.strategy.value
         return (
             f"planner profile --model {self.model.name} --nproc <N> -o profile.json && "
-            f"planner solve profile.json --strategy {self.strategy.value}{density} -o plan.json"
+            f"planner solve profile.json --strategy {strategy}{density} -o plan.json"
         )
 
     def check_compatible(self, model: ModelInfo, world_size: int) -> None:

@@ -7,7 +7,9 @@ import enum
 __all__ = [
     "Collective",
     "DistributedError",
+    "FactorKind",
     "InvalidProfileError",
+    "InverseMethod",
     "ModelLoadError",
     "PlanMismatchError",
     "PlannerError",
@@ -68,3 +70,17 @@ class Collective(enum.StrEnum):
     ALLREDUCE = "allreduce"
     ALLGATHER = "allgather"
     BROADCAST = "broadcast"
+
+
+class FactorKind(enum.StrEnum):
+    """The two Kronecker factors of a layer: A from its inputs (forward), G from its output gradients (backward)."""
+
+    A = "A"
+    G = "G"
+
+
+class InverseMethod(enum.StrEnum):
+    """How K-FAC turns a factor into a preconditioner: a damped inverse, or an eigendecomposition."""
+
+    INVERSE = "inverse"
+    EIGEN = "eigen"

@@ -1,0 +1,323 @@
+"""K-FAC contracts: which layers K-FAC preconditions, and the plan's `kfac` section.
+
+Every Linear and Conv2d layer (ungrouped) has two Kronecker factors: A, of dimension
+inputs * kernel (+1 with a bias), built from the layer's inputs in forward, and G, of dimension
+outputs, built from the gradient of its output in backward. Factors are named "<layer>.A" and
+"<layer>.G".
+
+The `kfac` section of a plan (schema in planner/plan.py):
+
+    "kfac": {
+      "method": "eigen" | "inverse",
+      "factor_update_steps": 10, "inv_update_steps": 100,      # inv a multiple of factor
+      "layers": [{"name": "conv1", "a_dim": 28, "g_dim": 16}, ...],   # forward order
+      "a_buffers": [["conv1", "conv2"], ["fc"]],              # A allreduces, forward order
+      "g_buffers": [["fc"], ["conv2", "conv1"]],              # G allreduces, backward order
+      "owners": {"conv1.A": 0, "conv1.G": "all", ...},         # rank that inverts and broadcasts, or all
+      "solvers": {"fusion": "fusion-dp", "placement": "ilp-cbc", "seconds": 0.2, "gap": 0.0},
+      "predicted": {"plan": {...}, "baselines": {"kfac-pytorch": {...}, ...}, "lower_bound_s": ...}
+    }
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from planner.jsonio import check_fields, expect, expect_time
+from planner.types import FactorKind, InverseMethod, PlanMismatchError, SchemaError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = [
+    "ALL_WORKERS",
+    "KFACLayerSpec",
+    "KFACPrediction",
+    "KFACSection",
+    "factor_name",
+    "kfac_layers",
+]
+
+#: The owner of a factor that every worker inverts for itself (no broadcast).
+ALL_WORKERS = "all"
+
+
+def factor_name(layer: str, kind: FactorKind) -> str:
+    return f"{layer}.{kind.value}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFACLayerSpec:
+    """A layer K-FAC preconditions and the dimensions of its two factors."""
+
+    name: str
+    a_dim: int
+    g_dim: int
+
+    def dim(self, kind: FactorKind) -> int:
+        return self.a_dim if kind is FactorKind.A else self.g_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "a_dim": self.a_dim, "g_dim": self.g_dim}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> KFACLayerSpec:
+        expect(data, dict, where)
+        check_fields(data, where, ["name", "a_dim", "g_dim"])
+        a_dim = expect(data["a_dim"], int, f"{where}.a_dim")
+        g_dim = expect(data["g_dim"], int, f"{where}.g_dim")
+        if a_dim <= 0 or g_dim <= 0:
+            raise SchemaError(f"{where}: `a_dim > 0 and g_dim > 0` must hold, but got (a_dim={a_dim}, g_dim={g_dim})")
+        return cls(name=expect(data["name"], str, f"{where}.name"), a_dim=a_dim, g_dim=g_dim)
+
+
+def kfac_layers(module: nn.Module, skip: str | None = None) -> list[KFACLayerSpec]:
+    """Linear and Conv2d layers with a trainable weight, in registration (forward) order.
+
+    Grouped convolutions are left alone (their factors are not Kronecker-structured per layer), as is
+    every layer whose qualified name matches the regular expression `skip`.
+    """
+    from torch import nn
+
+    from planner.layers import ROOT_NAME
+
+    pattern = re.compile(skip) if skip else None
+    specs = []
+    for name, mod in module.named_modules():
+        name = name or ROOT_NAME
+        if pattern is not None and pattern.search(name):
+            continue
+        weight = getattr(mod, "weight", None)
+        if not isinstance(weight, nn.Parameter) or not weight.requires_grad:
+            continue
+        bias = 1 if getattr(mod, "bias", None) is not None else 0
+        if type(mod) is nn.Linear:
+            specs.append(KFACLayerSpec(name=name, a_dim=mod.in_features + bias, g_dim=mod.out_features))
+        elif type(mod) is nn.Conv2d and mod.groups == 1:
+            kh, kw = mod.kernel_size
+            specs.append(KFACLayerSpec(name=name, a_dim=mod.in_channels * kh * kw + bias, g_dim=mod.out_channels))
+    return specs
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFACPrediction:
+    """Predicted times of one K-FAC configuration (seconds).
+
+    step_s is the average over the update intervals: every step pays plain_step_s, one step in
+    factor_update_steps pays factor_step_s instead, one in inv_update_steps also pays inversion_s.
+    """
+
+    step_s: float
+    plain_step_s: float
+    factor_step_s: float
+    inversion_s: float
+    factor_comm_s: float
+    broadcast_s: float
+    num_buffers: int
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> KFACPrediction:
+        expect(data, dict, where)
+        fields = ["step_s", "plain_step_s", "factor_step_s", "inversion_s", "factor_comm_s", "broadcast_s"]
+        check_fields(data, where, [*fields, "num_buffers"])
+        times = {f: expect_time(data[f], f"{where}.{f}") for f in fields}
+        return cls(**times, num_buffers=expect(data["num_buffers"], int, f"{where}.num_buffers"))
+
+
+def _owner_from_json(value: Any, where: str) -> int | None:
+    if value == ALL_WORKERS:
+        return None
+    rank = expect(value, int, where)
+    if rank < 0:
+        raise SchemaError(f"{where} must be a rank >= 0 or {ALL_WORKERS!r}, got {rank}")
+    return rank
+
+
+def _name_lists(data: Any, where: str) -> tuple[tuple[str, ...], ...]:
+    out = []
+    for i, buf in enumerate(expect(data, list, where)):
+        names = tuple(expect(x, str, f"{where}[{i}][]") for x in expect(buf, list, f"{where}[{i}]"))
+        if not names:
+            raise SchemaError(f"{where}[{i}] is empty: every buffer holds at least one layer's factor")
+        out.append(names)
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFACSection:
+    """K-FAC decisions: factor fusion buffers, inversion owners, update intervals, and predictions.
+
+    owners maps every factor name to the rank that inverts it and broadcasts the result, or None when
+    every worker inverts it itself ("all" in JSON).
+    """
+
+    method: InverseMethod
+    factor_update_steps: int
+    inv_update_steps: int
+    layers: tuple[KFACLayerSpec, ...]
+    a_buffers: tuple[tuple[str, ...], ...]
+    g_buffers: tuple[tuple[str, ...], ...]
+    owners: dict[str, int | None]
+    fusion_solver: str = "none"
+    placement_solver: str = "none"
+    solve_seconds: float = 0.0
+    placement_gap: float | None = None
+    predicted: KFACPrediction | None = None
+    baselines: dict[str, KFACPrediction] | None = None
+    lower_bound_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.factor_update_steps < 1 or self.inv_update_steps < 1:
+            raise SchemaError(
+                "`factor_update_steps >= 1 and inv_update_steps >= 1` must hold, but got "
+                f"(factor_update_steps={self.factor_update_steps}, inv_update_steps={self.inv_update_steps})"
+            )
+        if self.inv_update_steps % self.factor_update_steps:
+            raise SchemaError(
+                "inv_update_steps must be a multiple of factor_update_steps, but got "
+                f"(factor_update_steps={self.factor_update_steps}, inv_update_steps={self.inv_update_steps})"
+            )
+        if not self.layers:
+            raise SchemaError("the kfac section names no layers")
+        names = [lt.name for lt in self.layers]
+        if len(set(names)) != len(names):
+            raise SchemaError("a layer appears twice in kfac.layers")
+        forward = tuple(names)
+        a_order = tuple(n for buf in self.a_buffers for n in buf)
+        g_order = tuple(n for buf in self.g_buffers for n in buf)
+        if a_order != forward:
+            raise SchemaError(f"kfac.a_buffers must hold every layer once in forward order {list(forward)}")
+        if g_order != forward[::-1]:
+            raise SchemaError(f"kfac.g_buffers must hold every layer once in backward order {list(forward[::-1])}")
+        expected = {factor_name(n, k) for n in names for k in FactorKind}
+        if set(self.owners) != expected:
+            missing = sorted(expected - set(self.owners))
+            extra = sorted(set(self.owners) - expected)
+            raise SchemaError(f"kfac.owners must name every factor once: missing {missing[:3]}, unknown {extra[:3]}")
+
+    # -- use ---------------------------------------------------------------------------------------
+    def factor_names(self) -> list[str]:
+        """Every factor, A and G of each layer in forward order."""
+        return [factor_name(lt.name, k) for lt in self.layers for k in FactorKind]
+
+    def check_layers(self, layers: list[KFACLayerSpec]) -> None:
+        """Refuse a model whose K-FAC layers differ from the plan's (names, order or dimensions)."""
+        if tuple(layers) != self.layers:
+            mine = {lt.name: lt for lt in layers}
+            planned = {lt.name: lt for lt in self.layers}
+            diff = sorted(set(mine) ^ set(planned)) or [n for n in planned if mine.get(n) != planned[n]]
+            raise PlanMismatchError(
+                f"the model's K-FAC layers differ from the plan's (first differences: {diff[:3]}); "
+                "profile this model and re-plan with `planner solve --strategy kfac`"
+            )
+
+    def check_world_size(self, world_size: int) -> None:
+        bad = sorted({r for r in self.owners.values() if r is not None and r >= world_size})
+        if bad:
+            raise PlanMismatchError(
+                f"the kfac section names owner ranks {bad} but the world size is {world_size}; re-plan for this cluster"
+            )
+
+    # -- serialisation -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method.value,
+            "factor_update_steps": self.factor_update_steps,
+            "inv_update_steps": self.inv_update_steps,
+            "layers": [lt.to_dict() for lt in self.layers],
+            "a_buffers": [list(b) for b in self.a_buffers],
+            "g_buffers": [list(b) for b in self.g_buffers],
+            "owners": {k: ALL_WORKERS if v is None else v for k, v in self.owners.items()},
+            "solvers": {
+                "fusion": self.fusion_solver,
+                "placement": self.placement_solver,
+                "seconds": self.solve_seconds,
+                "gap": self.placement_gap,
+            },
+            "predicted": None
+            if self.predicted is None
+            else {
+                "plan": asdict(self.predicted),
+                "baselines": {k: asdict(v) for k, v in (self.baselines or {}).items()},
+                "lower_bound_s": self.lower_bound_s,
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "plan.kfac") -> KFACSection:
+        expect(data, dict, where)
+        check_fields(
+            data,
+            where,
+            ["method", "factor_update_steps", "inv_update_steps", "layers", "a_buffers", "g_buffers", "owners",
+             "solvers", "predicted"],
+        )
+        try:
+            method = InverseMethod(data["method"])
+        except ValueError:
+            raise SchemaError(
+                f"{where}.method must be one of {[m.value for m in InverseMethod]}, got {data['method']!r}"
+            ) from None
+        solvers = expect(data["solvers"], dict, f"{where}.solvers")
+        check_fields(solvers, f"{where}.solvers", ["fusion", "placement", "seconds", "gap"])
+        gap = solvers["gap"]
+        owners = {
+            expect(k, str, f"{where}.owners key"): _owner_from_json(v, f"{where}.owners.{k}")
+            for k, v in expect(data["owners"], dict, f"{where}.owners").items()
+        }
+        predicted = baselines = lower = None
+        if data["predicted"] is not None:
+            pred = expect(data["predicted"], dict, f"{where}.predicted")
+            check_fields(pred, f"{where}.predicted", ["plan", "baselines", "lower_bound_s"])
+            predicted = KFACPrediction.from_dict(pred["plan"], f"{where}.predicted.plan")
+            baselines = {
+                expect(k, str, "baseline name"): KFACPrediction.from_dict(v, f"{where}.predicted.baselines.{k}")
+                for k, v in expect(pred["baselines"], dict, f"{where}.predicted.baselines").items()
+            }
+            lower = expect_time(pred["lower_bound_s"], f"{where}.predicted.lower_bound_s")
+        return cls(
+            method=method,
+            factor_update_steps=expect(data["factor_update_steps"], int, f"{where}.factor_update_steps"),
+            inv_update_steps=expect(data["inv_update_steps"], int, f"{where}.inv_update_steps"),
+            layers=tuple(
+                KFACLayerSpec.from_dict(x, f"{where}.layers[{i}]")
+                for i, x in enumerate(expect(data["layers"], list, f"{where}.layers"))
+            ),
+            a_buffers=_name_lists(data["a_buffers"], f"{where}.a_buffers"),
+            g_buffers=_name_lists(data["g_buffers"], f"{where}.g_buffers"),
+            owners=owners,
+            fusion_solver=expect(solvers["fusion"], str, f"{where}.solvers.fusion"),
+            placement_solver=expect(solvers["placement"], str, f"{where}.solvers.placement"),
+            solve_seconds=expect_time(solvers["seconds"], f"{where}.solvers.seconds"),
+            placement_gap=None if gap is None else expect_time(gap, f"{where}.solvers.gap"),
+            predicted=predicted,
+            baselines=baselines,
+            lower_bound_s=lower,
+        )
+
+    @classmethod
+    def simple(
+        cls,
+        layers: list[KFACLayerSpec],
+        *,
+        method: InverseMethod = InverseMethod.EIGEN,
+        factor_update_steps: int = 1,
+        inv_update_steps: int = 1,
+        owners: dict[str, int | None] | None = None,
+        a_buffers: tuple[tuple[str, ...], ...] | None = None,
+        g_buffers: tuple[tuple[str, ...], ...] | None = None,
+    ) -> KFACSection:
+        """A section without predictions: one buffer per factor and every factor inverted everywhere,
+        unless buffers or owners are given (the runtime's default when no plan is passed)."""
+        names = [lt.name for lt in layers]
+        return cls(
+            method=method,
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            layers=tuple(layers),
+            a_buffers=a_buffers if a_buffers is not None else tuple((n,) for n in names),
+            g_buffers=g_buffers if g_buffers is not None else tuple((n,) for n in reversed(names)),
+            owners=owners if owners is not None else {factor_name(n, k): None for n in names for k in FactorKind},
+        )
