@@ -203,11 +203,15 @@ class KFACSection:
         return [factor_name(lt.name, k) for lt in self.layers for k in FactorKind]
 
     def check_layers(self, layers: list[KFACLayerSpec]) -> None:
-        """Refuse a model whose K-FAC layers differ from the plan's (names, order or dimensions)."""
-        if tuple(layers) != self.layers:
-            mine = {lt.name: lt for lt in layers}
-            planned = {lt.name: lt for lt in self.layers}
-            diff = sorted(set(mine) ^ set(planned)) or [n for n in planned if mine.get(n) != planned[n]]
+        """Refuse a model whose K-FAC layers differ from the plan's (names or factor dimensions).
+
+        Order is not compared: the section's order is the measured execution order, which can differ
+        from the order modules were registered in (a residual shortcut, for example).
+        """
+        mine = {lt.name: lt for lt in layers}
+        planned = {lt.name: lt for lt in self.layers}
+        if mine != planned:
+            diff = sorted(set(mine) ^ set(planned)) or sorted(n for n in planned if mine[n] != planned[n])
             raise PlanMismatchError(
                 f"the model's K-FAC layers differ from the plan's (first differences: {diff[:3]}); "
                 "profile this model and re-plan with `planner solve --strategy kfac`"

@@ -355,6 +355,30 @@ def _mlp(name: str, batch_size: int) -> Workload:
     )
 
 
+def _cnn(name: str, batch_size: int) -> Workload:
+    """A small CIFAR-sized CNN (four 3x3 convolutions with batch norm, two Linear layers).
+
+    Its Kronecker factors stay below 1200 x 1200, so K-FAC runs on a CPU in a benchmark's time.
+    """
+
+    def block(cin: int, cout: int) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
+
+    module = nn.Sequential(
+        *block(3, 32), *block(32, 32), nn.MaxPool2d(2),
+        *block(32, 64), *block(64, 128), nn.MaxPool2d(2),
+        nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+        nn.Linear(128 * 4, 256), nn.ReLU(inplace=True), nn.Linear(256, 10),
+    )
+    return Workload(
+        name=name,
+        module=module,
+        batch_size=batch_size,
+        make_batch=functools.partial(_image_batch, size=32, num_classes=10),
+        loss_fn=_classification_loss,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Registry and loading.
 
@@ -406,6 +430,7 @@ _BUILTINS: dict[str, _Builtin] = {
         4,
         functools.partial(_bert, shape=BertShape(hidden=128, layers=2, heads=2, ffn=512, seq_len=64)),
     ),
+    "cnn": _Builtin("Small CNN: 4 convolutions (32-128 channels) and 2 Linear layers, CIFAR-sized", 32, _cnn),
     "mlp": _Builtin("MLP 784-1024-1024-1024-10 on random vectors", 64, _mlp),
 }
 
