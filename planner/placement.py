@@ -1,0 +1,843 @@
+"""K-FAC inversion placement: which worker inverts each Kronecker factor (SPD-KFAC's load-balanced placement).
+
+Every factor f is either inverted by ALL workers (no communication, every worker pays c_f) or by ONE owner
+rank, which then broadcasts the result on the single shared channel (b_f, broadcasts are serialised):
+
+    makespan = max over workers w of (owned load of w) + sum of c_f over "all" factors + sum of b_f over owned ones.
+
+A `Placement` holds each factor's owner rank, or None for "every worker". Workers are identical, so a
+placement is only defined up to a permutation of ranks; solvers answer in the canonical labelling of
+`canonical_placement` (ranks used from 0 upward, rank 0 owning the costliest owned factor).
+
+Exact solvers (`IlpPlacement` with CBC, `CpSatPlacement` with CP-SAT) share one model: binaries x[f, w]
+(f on owner w) and y[f] (f everywhere), sum_w x[f, w] + y[f] = 1, L >= sum_f c_f x[f, w] for every w,
+L >= c_f (1 - y[f]) (a valid cut), minimise L + sum_f c_f y[f] + sum_f b_f (1 - y[f]). Only min(P, n) worker
+columns exist, and with factors sorted by c descending the i-th may only use workers 0..i (relabel workers
+in the order of the first factor they own: any placement has such a twin). Before the model:
+
+- with unlimited workers every owned factor gets a worker of its own, so the optimum enumerates the costliest
+  owned factor k (costlier ones go everywhere, cheaper ones take min(c_f, b_f)); when that placement owns at
+  most P factors (always when P >= n) it is optimal for P too (`_unbounded_optimum`);
+- a start (`_start`): the best of the baselines and of largest-first packings of the owned sets that the
+  lower bound's relaxations pick, improved by local search. The model is warm-started from it, and the answer
+  is the better of the model's incumbent and the start, so it is never worse than any baseline; when the
+  start meets `placement_lower_bound` the model is skipped.
+
+Factors are not aggregated into classes of equal (c, b): measured times are rarely equal, and the model of
+400 factors on 64 workers (24k binaries) builds in ~0.25 s anyway. Above `max_binaries` binaries (default
+60k) the model is not built and the start is returned with its gap to the lower bound.
+"""
+
+from __future__ import annotations
+
+import abc
+import heapq
+import itertools
+import math
+import os
+import re
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from planner.types import SolverError
+
+__all__ = [
+    "PLACEMENT_BASELINES",
+    "PLACEMENT_SOLVERS",
+    "CpSatPlacement",
+    "Everywhere",
+    "IlpPlacement",
+    "LargestFirst",
+    "Placement",
+    "PlacementProblem",
+    "PlacementResult",
+    "PlacementSolver",
+    "SpdKfacRule",
+    "brute_force_placement",
+    "canonical_placement",
+    "makespan",
+    "placement_lower_bound",
+    "random_placement_problem",
+    "time_placement",
+]
+
+#: Owner rank of each factor; None = every worker inverts it.
+Placement = tuple[int | None, ...]
+
+#: A makespan within this relative distance of a lower bound is reported as proven optimal.
+_OPTIMAL_RTOL = 1e-9
+#: Weights lambda of the lower bound's relaxation max(a, b) >= lambda a + (1 - lambda) b.
+_BOUND_WEIGHTS = np.linspace(0.0, 1.0, 33)
+#: Local search runs from this many of the best start candidates.
+_LOCAL_SEARCH_STARTS = 3
+#: brute_force_placement refuses instances with more placements than this.
+_BRUTE_FORCE_LIMIT = 200_000
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementProblem:
+    """The factors of one K-FAC inversion step and the number of workers.
+
+    Attributes:
+        inv_s: c_f, seconds to invert (or eigendecompose) factor f on one worker.
+        bcast_s: b_f, seconds to broadcast factor f's result from its owner on the shared channel.
+        dims: d_f, the factor's dimension (kfac-pytorch's largest-first rule balances d^3).
+        world_size: P, number of workers.
+        names: optional factor names ("<layer>.A"), empty or one per factor.
+    """
+
+    inv_s: tuple[float, ...]
+    bcast_s: tuple[float, ...]
+    dims: tuple[int, ...]
+    world_size: int
+    names: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inv_s", tuple(float(v) for v in self.inv_s))
+        object.__setattr__(self, "bcast_s", tuple(float(v) for v in self.bcast_s))
+        if not all(_is_int(d) for d in self.dims):
+            raise SolverError(f"`dims` must hold integers, but got dims={self.dims!r}")
+        object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
+        object.__setattr__(self, "names", tuple(self.names))
+        n = len(self.inv_s)
+        if n == 0:
+            raise SolverError("the placement problem has no factors")
+        if len(self.bcast_s) != n or len(self.dims) != n:
+            raise SolverError(
+                f"`len(inv_s) == len(bcast_s) == len(dims)` must hold, but got "
+                f"({n}, {len(self.bcast_s)}, {len(self.dims)})"
+            )
+        if self.names and len(self.names) != n:
+            raise SolverError(f"`len(names) in (0, len(inv_s))` must hold, but got ({len(self.names)}, {n})")
+        if not _is_int(self.world_size) or self.world_size < 1:
+            raise SolverError(f"`world_size >= 1` must hold, but got world_size={self.world_size!r}")
+        for label, values in (("inv_s", self.inv_s), ("bcast_s", self.bcast_s)):
+            for f, v in enumerate(values):
+                if not (math.isfinite(v) and v >= 0):
+                    raise SolverError(f"`0 <= {label}[{f}] < inf` must hold, but got {label}[{f}]={v}")
+        for f, d in enumerate(self.dims):
+            if d < 1:
+                raise SolverError(f"`dims[{f}] >= 1` must hold, but got dims[{f}]={d}")
+
+    @property
+    def num_factors(self) -> int:
+        return len(self.inv_s)
+
+    def name(self, factor: int) -> str:
+        """The factor's name, or "factor <f>" when the problem has none."""
+        return self.names[factor] if self.names else f"factor {factor}"
+
+
+def _check_placement(problem: PlacementProblem, placement: Sequence[int | None]) -> None:
+    if len(placement) != problem.num_factors:
+        raise SolverError(
+            f"`len(placement) == num_factors` must hold, but got ({len(placement)}, {problem.num_factors})"
+        )
+    for f, owner in enumerate(placement):
+        if owner is None:
+            continue
+        if not _is_int(owner) or not 0 <= owner < problem.world_size:
+            raise SolverError(
+                f"`placement[{f}] is None or 0 <= placement[{f}] < world_size` must hold, but got "
+                f"(placement[{f}]={owner!r}, world_size={problem.world_size}) for {problem.name(f)}"
+            )
+
+
+def makespan(problem: PlacementProblem, placement: Sequence[int | None]) -> float:
+    """Seconds of the inversion step: the most loaded worker, plus factors inverted everywhere, plus broadcasts."""
+    _check_placement(problem, placement)
+    loads: dict[int, float] = {}
+    everywhere = broadcasts = 0.0
+    for f, owner in enumerate(placement):
+        if owner is None:
+            everywhere += problem.inv_s[f]
+        else:
+            loads[owner] = loads.get(owner, 0.0) + problem.inv_s[f]
+            broadcasts += problem.bcast_s[f]
+    return max(loads.values(), default=0.0) + everywhere + broadcasts
+
+
+def _sorted_order(problem: PlacementProblem) -> np.ndarray:
+    """Factor indices by c descending (ties: lower index first): the order of canonical labels and of the model."""
+    return np.argsort(-np.asarray(problem.inv_s), kind="stable")
+
+
+def canonical_placement(problem: PlacementProblem, placement: Sequence[int | None]) -> Placement:
+    """The same placement with ranks relabelled 0, 1, ... in order of first use, visiting factors by c descending.
+
+    Rank 0 thus owns the costliest owned factor, and the i-th costliest factor uses a rank <= i.
+    """
+    _check_placement(problem, placement)
+    relabel: dict[int, int] = {}
+    for f in _sorted_order(problem):
+        owner = placement[int(f)]
+        if owner is not None and owner not in relabel:
+            relabel[owner] = len(relabel)
+    return tuple(None if owner is None else relabel[owner] for owner in placement)
+
+
+def _unbounded_optimum(problem: PlacementProblem) -> tuple[Placement, float]:
+    """The optimum with unlimited workers (one per owned factor), with the fewest owned factors among ties.
+
+    Enumerates the costliest owned factor k in c-descending order: costlier factors go everywhere, k is owned
+    (max load c_k), every cheaper factor takes min(c_f, b_f) (owned only when b_f < c_f). Option "none owned"
+    costs sum c. It is a lower bound for any P, and optimal for P when it owns at most P factors.
+    """
+    order = _sorted_order(problem)
+    c = np.asarray(problem.inv_s)[order]
+    b = np.asarray(problem.bcast_s)[order]
+    n = len(c)
+    before = np.concatenate(([0.0], np.cumsum(c)))[:n]  # sum of c over the costlier factors
+    cheap = np.minimum(c, b)
+    after = np.concatenate((np.cumsum(cheap[::-1])[::-1][1:], [0.0]))  # sum of min(c, b) over the cheaper ones
+    values = before + c + b + after
+    owned_after = np.concatenate((np.cumsum((b < c)[::-1])[::-1][1:], [0]))
+    best = float(np.min(values))
+    total = float(np.sum(c))
+    if total <= best:
+        return (None,) * n, total
+    ties = np.flatnonzero(values == best)
+    k = int(ties[np.argmin(owned_after[ties])])
+    placement: list[int | None] = [None] * n
+    rank = 0
+    for i in range(k, n):
+        if i == k or b[i] < c[i]:
+            placement[int(order[i])] = rank
+            rank += 1
+    return tuple(placement), best
+
+
+def placement_lower_bound(problem: PlacementProblem) -> float:
+    """A time no placement can beat, for any world size.
+
+    Sort factors by c descending and let k be the costliest owned one (or none owned: sum c). The owned load
+    of the busiest worker is at least max(c_k, (owned c) / P) >= lam c_k + (1 - lam) (owned c) / P for any
+    lam in [0, 1]. So for every lam the makespan is at least sum_{f<k} c_f + b_k + (lam + (1 - lam) / P) c_k
+    + sum_{f>k} min(c_f, b_f + (1 - lam) c_f / P), each cheaper factor paying the less of "everywhere" and
+    "owned". The bound is the minimum over k of the maximum over a grid of lam (lam = 1 is the optimum with
+    unlimited workers, lam = 0 spreads the owned load perfectly).
+    """
+    order = _sorted_order(problem)
+    c = np.asarray(problem.inv_s)[order]
+    b = np.asarray(problem.bcast_s)[order]
+    world = problem.world_size
+    lam = _BOUND_WEIGHTS[:, None]
+    before = np.concatenate(([0.0], np.cumsum(c)))[:-1]
+    share = (1 - lam) * c / world  # (weights, n)
+    cheap = np.minimum(c, b + share)
+    after = np.cumsum(cheap[:, ::-1], axis=1)[:, ::-1]
+    after = np.concatenate((after[:, 1:], np.zeros((len(_BOUND_WEIGHTS), 1))), axis=1)
+    per_k = before + b + lam * c + share + after  # (weights, k)
+    return float(min(np.sum(c), np.min(np.max(per_k, axis=0))))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementResult:
+    """A solver's placement, its makespan and how far from optimal it is proven to be.
+
+    Attributes:
+        placement: owner rank of each factor (None = everywhere), canonically labelled.
+        makespan_s: `makespan(problem, placement)`.
+        lower_bound_s: best proven lower bound on the optimum (== makespan_s when optimal).
+        gap: (makespan_s - lower_bound_s) / makespan_s; 0.0 when proven optimal.
+        optimal: whether the placement is proven optimal (within the solver's tolerance).
+        solver: the solver's name. seconds: wall time of the solve.
+    """
+
+    placement: Placement
+    makespan_s: float
+    lower_bound_s: float
+    gap: float
+    optimal: bool
+    solver: str
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lower_bound_s <= self.makespan_s:
+            raise SolverError(
+                f"`0 <= lower_bound_s <= makespan_s` must hold, but got "
+                f"(lower_bound_s={self.lower_bound_s}, makespan_s={self.makespan_s})"
+            )
+        if not 0 <= self.gap <= 1 or (self.optimal and self.gap != 0):
+            raise SolverError(f"`0 <= gap <= 1`, and gap == 0 when optimal, must hold, but got "
+                              f"(gap={self.gap}, optimal={self.optimal})")
+
+    @property
+    def num_everywhere(self) -> int:
+        return sum(owner is None for owner in self.placement)
+
+
+def _result(
+    problem: PlacementProblem,
+    placement: Sequence[int | None],
+    *,
+    solver: str,
+    started: float,
+    bound: float,
+    optimal: bool = False,
+) -> PlacementResult:
+    """Canonicalise, evaluate and bound a placement; a makespan that meets the bound is proven optimal."""
+    canonical = canonical_placement(problem, placement)
+    value = makespan(problem, canonical)
+    bound = min(max(bound, 0.0), value)
+    if optimal or value - bound <= _OPTIMAL_RTOL * value:
+        optimal, bound = True, value
+    gap = 0.0 if optimal or value <= 0 else (value - bound) / value
+    return PlacementResult(
+        placement=canonical,
+        makespan_s=value,
+        lower_bound_s=bound,
+        gap=gap,
+        optimal=optimal,
+        solver=solver,
+        seconds=time.perf_counter() - started,
+    )
+
+
+class PlacementSolver(abc.ABC):
+    """A way to place the inversions of a `PlacementProblem`; construct once, then `solve` any number of times.
+
+    Attributes:
+        name: short identifier used in plans and reports.
+        description: one line for reports.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+
+    @abc.abstractmethod
+    def solve(self, problem: PlacementProblem) -> PlacementResult:
+        """The placement chosen for `problem`, with its makespan, lower bound and gap."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Baselines
+
+
+def _largest_first(weights: Sequence[float] | Sequence[int], factors: Sequence[int], world_size: int) -> dict[int, int]:
+    """Assign `factors` by weight descending (stable) to the least-loaded worker (ties: lowest rank)."""
+    chosen = sorted(factors, key=lambda f: -weights[f])
+    heap: list[tuple[float, int]] = [(0, rank) for rank in range(min(world_size, len(chosen)))]
+    owners: dict[int, int] = {}
+    for f in chosen:
+        load, rank = heapq.heappop(heap)
+        owners[f] = rank
+        heapq.heappush(heap, (load + weights[f], rank))
+    return owners
+
+
+def _placement_of(num_factors: int, owners: dict[int, int]) -> Placement:
+    return tuple(owners.get(f) for f in range(num_factors))
+
+
+class Everywhere(PlacementSolver):
+    """Every worker inverts every factor: no broadcasts, the sum of all inversions on each worker."""
+
+    name = "everywhere"
+    description = "every factor inverted on every worker"
+
+    def solve(self, problem: PlacementProblem) -> PlacementResult:
+        started = time.perf_counter()
+        return _result(problem, (None,) * problem.num_factors, solver=self.name, started=started,
+                       bound=placement_lower_bound(problem))
+
+
+class LargestFirst(PlacementSolver):
+    """kfac-pytorch's rule: factors by d^3 descending, each to the worker with the least d^3 so far; no "all"."""
+
+    name = "largest-first"
+    description = "largest d^3 first to the least-loaded worker (kfac-pytorch)"
+
+    def solve(self, problem: PlacementProblem) -> PlacementResult:
+        started = time.perf_counter()
+        cubes = [d**3 for d in problem.dims]
+        owners = _largest_first(cubes, range(problem.num_factors), problem.world_size)
+        return _result(problem, _placement_of(problem.num_factors, owners), solver=self.name, started=started,
+                       bound=placement_lower_bound(problem))
+
+
+class SpdKfacRule(PlacementSolver):
+    """SPD-KFAC's rule: factors with c_f <= b_f everywhere, the rest largest c first to the least-loaded worker."""
+
+    name = "spd-kfac"
+    description = "replicate when inverting is no slower than broadcasting, else largest-first by time (SPD-KFAC)"
+
+    def solve(self, problem: PlacementProblem) -> PlacementResult:
+        started = time.perf_counter()
+        owned = [f for f in range(problem.num_factors) if problem.inv_s[f] > problem.bcast_s[f]]
+        owners = _largest_first(problem.inv_s, owned, problem.world_size)
+        return _result(problem, _placement_of(problem.num_factors, owners), solver=self.name, started=started,
+                       bound=placement_lower_bound(problem))
+
+
+#: The baselines each placement is compared with.
+PLACEMENT_BASELINES: tuple[type[PlacementSolver], ...] = (LargestFirst, SpdKfacRule, Everywhere)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Local search (the start of the exact solvers)
+
+
+def _local_search(problem: PlacementProblem, placement: Placement, max_moves: int) -> Placement:
+    """Best-improvement local search from a canonical placement; every accepted move lowers the makespan.
+
+    Moves: an owned factor goes everywhere; a factor done everywhere gets owned by the least-loaded worker;
+    a factor of the busiest worker moves to the least-loaded one, swaps with a factor of another worker,
+    or swaps with a factor done everywhere (which the busiest worker then owns).
+    """
+    c = np.asarray(problem.inv_s)
+    b = np.asarray(problem.bcast_s)
+    n = len(c)
+    workers = min(problem.world_size, n)
+    owner = np.array([-1 if w is None else w for w in placement], dtype=np.int64)
+    for _ in range(max_moves):
+        owned = owner >= 0
+        loads = np.bincount(owner[owned], weights=c[owned], minlength=workers)
+        value = float(loads.max()) + float(c[~owned].sum()) + float(b[owned].sum())
+        by_load = np.argsort(-loads, kind="stable")
+        top = int(by_load[0])
+        padded = np.concatenate((loads[by_load], [0.0, 0.0]))
+        l1, l2, l3 = float(padded[0]), float(padded[1]), float(padded[2])
+        low = int(by_load[-1])
+        lmin = float(loads[low])
+        moves: list[tuple[float, str, int, int]] = []  # (change of makespan, kind, factor, other)
+
+        mine = np.flatnonzero(owned)
+        if mine.size:  # owned -> everywhere
+            rest = np.where(owner[mine] == top, l2, l1)
+            delta = c[mine] - b[mine] + np.maximum(rest, loads[owner[mine]] - c[mine]) - l1
+            i = int(np.argmin(delta))
+            moves.append((float(delta[i]), "all", int(mine[i]), -1))
+        shared = np.flatnonzero(~owned)
+        if shared.size:  # everywhere -> least-loaded worker
+            delta = b[shared] - c[shared] + np.maximum(l1, lmin + c[shared]) - l1
+            i = int(np.argmin(delta))
+            moves.append((float(delta[i]), "own", int(shared[i]), low))
+        busy = np.flatnonzero(owner == top)
+        if workers > 1 and busy.size and low != top:  # busiest -> least loaded
+            delta = np.maximum(np.maximum(l2, l1 - c[busy]), lmin + c[busy]) - l1
+            i = int(np.argmin(delta))
+            moves.append((float(delta[i]), "move", int(busy[i]), low))
+        others = np.flatnonzero(owned & (owner != top))
+        if busy.size and others.size:  # swap with a factor of another worker
+            v = owner[others]
+            rest = np.where(v == by_load[1], l3, l2)
+            swing = c[busy][:, None] - c[others][None, :]
+            delta = np.maximum(rest, np.maximum(l1 - swing, loads[v] + swing)) - l1
+            i, j = (int(k) for k in np.unravel_index(int(np.argmin(delta)), delta.shape))
+            moves.append((float(delta[i, j]), "swap", int(busy[i]), int(others[j])))
+        if busy.size and shared.size:  # the busiest worker's factor goes everywhere, a shared one comes instead
+            swing = c[busy][:, None] - c[shared][None, :]
+            delta = (c[busy] - b[busy])[:, None] + (b[shared] - c[shared])[None, :] + np.maximum(l2, l1 - swing) - l1
+            i, j = (int(k) for k in np.unravel_index(int(np.argmin(delta)), delta.shape))
+            moves.append((float(delta[i, j]), "trade", int(busy[i]), int(shared[j])))
+
+        if not moves:
+            break
+        step, kind, f, g = min(moves, key=lambda m: m[0])
+        if step >= -1e-12 * max(value, 1e-300):
+            break
+        if kind == "all":
+            owner[f] = -1
+        elif kind in ("own", "move"):
+            owner[f] = g
+        elif kind == "swap":
+            owner[f], owner[g] = owner[g], owner[f]
+        else:  # trade
+            owner[f], owner[g] = -1, owner[f]
+    return canonical_placement(problem, [None if w < 0 else int(w) for w in owner])
+
+
+def _start(problem: PlacementProblem) -> Placement:
+    """A good placement to start the models from, never worse than any baseline.
+
+    Candidates: the baselines; the unbounded optimum's owned factors packed largest-first; and, for each
+    lam of the lower bound's relaxation, the factors that bound owns (b_f + (1 - lam) c_f / P < c_f) packed
+    largest-first. The best few are improved by local search.
+    """
+    c, b = np.asarray(problem.inv_s), np.asarray(problem.bcast_s)
+    n, world = problem.num_factors, problem.world_size
+    candidates = [solver().solve(problem).placement for solver in PLACEMENT_BASELINES]
+    unbounded, _ = _unbounded_optimum(problem)
+    owned_sets = [[f for f, w in enumerate(unbounded) if w is not None]]
+    owned_sets += [list(np.flatnonzero(b + (1 - lam) * c / world < c)) for lam in _BOUND_WEIGHTS[::2]]
+    for owned in owned_sets:
+        packed = _placement_of(n, _largest_first(problem.inv_s, [int(f) for f in owned], world))
+        candidates.append(canonical_placement(problem, packed))
+    ranked = sorted(dict.fromkeys(candidates), key=lambda p: makespan(problem, p))
+    improved = [_local_search(problem, p, 20 * n + 100) for p in ranked[:_LOCAL_SEARCH_STARTS]]
+    return min([ranked[0], *improved], key=lambda p: makespan(problem, p))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Exact solvers
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """The model's variables: factor `order[i]` may be owned by workers 0..width[i] - 1."""
+
+    order: np.ndarray
+    width: np.ndarray
+
+    @classmethod
+    def of(cls, problem: PlacementProblem) -> _Columns:
+        workers = min(problem.world_size, problem.num_factors)
+        order = _sorted_order(problem)
+        width = np.minimum(np.arange(1, problem.num_factors + 1), workers)
+        return cls(order=order, width=width)
+
+    @property
+    def workers(self) -> int:
+        return int(self.width[-1])
+
+    @property
+    def binaries(self) -> int:
+        return int(np.sum(self.width)) + len(self.order)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What a model returned: its incumbent (None if none), a lower bound (seconds) and whether it is proven."""
+
+    placement: Placement | None
+    bound: float
+    optimal: bool
+
+
+class _ModelPlacement(PlacementSolver):
+    """Shared flow of the exact solvers: shortcuts, start, model, and the better of model and start."""
+
+    def __init__(self, *, time_limit_s: float = 1.5, max_binaries: int = 60_000, shortcuts: bool = True) -> None:
+        """Args: time_limit_s: wall budget of a solve (approximate); max_binaries: larger models are not built;
+        shortcuts: skip the model when the unbounded optimum fits or the start meets the bound (off for tests).
+        """
+        if not time_limit_s > 0 or max_binaries < 1:
+            raise SolverError(
+                f"`time_limit_s > 0 and max_binaries >= 1` must hold, but got "
+                f"(time_limit_s={time_limit_s}, max_binaries={max_binaries})"
+            )
+        self.time_limit_s = time_limit_s
+        self.max_binaries = max_binaries
+        self.shortcuts = shortcuts
+
+    def solve(self, problem: PlacementProblem) -> PlacementResult:
+        started = time.perf_counter()
+        bound = placement_lower_bound(problem)
+        if self.shortcuts:
+            unbounded, value = _unbounded_optimum(problem)
+            if sum(w is not None for w in unbounded) <= problem.world_size:
+                return _result(problem, unbounded, solver=self.name, started=started, bound=value, optimal=True)
+        start = _start(problem)
+        start_value = makespan(problem, start)
+        columns = _Columns.of(problem)
+        if (self.shortcuts and start_value - bound <= _OPTIMAL_RTOL * start_value) or (
+            columns.binaries > self.max_binaries
+        ):
+            return _result(problem, start, solver=self.name, started=started, bound=bound)
+        outcome = self._solve_model(problem, columns, start, started + self.time_limit_s)
+        best = start
+        if outcome.placement is not None and makespan(problem, outcome.placement) < start_value:
+            best = outcome.placement
+        return _result(problem, best, solver=self.name, started=started, bound=max(bound, outcome.bound),
+                       optimal=outcome.optimal)
+
+    @abc.abstractmethod
+    def _solve_model(self, problem: PlacementProblem, columns: _Columns, start: Placement, deadline: float) -> _Outcome:
+        """Solve the model warm-started from `start` (canonical, so it satisfies the symmetry breaking) and stop
+        at `deadline` (a `time.perf_counter()` value)."""
+
+
+def _remaining(deadline: float) -> float:
+    """Seconds left before `deadline`, at least 0.05 (a solver always gets a moment to read its start)."""
+    return max(0.05, deadline - time.perf_counter())
+
+
+def _decode(problem: PlacementProblem, columns: _Columns, everywhere: Sequence[float],
+            owned: Sequence[Sequence[float]]) -> Placement:
+    """A placement from (rounded) variable values, indexed by position in `columns.order`."""
+    placement: list[int | None] = [None] * problem.num_factors
+    for i, f in enumerate(columns.order):
+        if everywhere[i] < 0.5:
+            placement[int(f)] = int(np.argmax(owned[i]))
+    return tuple(placement)
+
+
+class IlpPlacement(_ModelPlacement):
+    """Exact placement by an integer program solved with CBC through pulp (see the module docstring).
+
+    CBC is warm-started from the start; its best bound is read from its log when it stops at the time limit.
+    If CBC fails or finds nothing, the start is returned with its gap to the best known bound.
+    """
+
+    name = "ilp-cbc"
+    description = "integer program (pulp + CBC), warm-started from the best baseline improved by local search"
+
+    def _solve_model(self, problem: PlacementProblem, columns: _Columns, start: Placement, deadline: float) -> _Outcome:
+        import pulp
+
+        c = [problem.inv_s[int(f)] for f in columns.order]
+        b = [problem.bcast_s[int(f)] for f in columns.order]
+        width = [int(w) for w in columns.width]
+        n, workers = len(c), columns.workers
+        model = pulp.LpProblem("placement", pulp.LpMinimize)
+        # PuLP >= 3.3 creates variables through the model (LpVariable(...) is deprecated there).
+        variable = getattr(model, "add_variable", pulp.LpVariable)
+        y = [variable(f"y{i}", 0, 1, pulp.LpBinary) for i in range(n)]
+        x = [[variable(f"x{i}_{w}", 0, 1, pulp.LpBinary) for w in range(width[i])] for i in range(n)]
+        load = variable("load", 0, None, pulp.LpContinuous)
+        constant = math.fsum(b)
+        model += pulp.LpAffineExpression([(load, 1.0), *((y[i], c[i] - b[i]) for i in range(n))], constant=constant)
+        for i in range(n):
+            model += pulp.LpAffineExpression([*((v, 1.0) for v in x[i]), (y[i], 1.0)]) == 1, f"one{i}"
+            if c[i] > 0:
+                model += pulp.LpAffineExpression([(load, 1.0), (y[i], c[i])]) >= c[i], f"cut{i}"
+        for w in range(workers):
+            terms = [(x[i][w], c[i]) for i in range(n) if w < width[i] and c[i] > 0]
+            model += pulp.LpAffineExpression([*terms, (load, -1.0)]) <= 0, f"load{w}"
+
+        sorted_start = [start[int(f)] for f in columns.order]
+        for i, owner in enumerate(sorted_start):
+            y[i].setInitialValue(1 if owner is None else 0)
+            for w, v in enumerate(x[i]):
+                v.setInitialValue(1 if owner == w else 0)
+        load.setInitialValue(max((sum(c[i] for i in range(n) if sorted_start[i] == w) for w in range(workers)),
+                                 default=0.0))
+
+        with tempfile.TemporaryDirectory(prefix="placement-cbc-") as tmp:
+            log_path = os.path.join(tmp, "cbc.log")
+            with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled CBC for PuLP 4
+                warnings.filterwarnings("ignore", message="PULP_CBC_CMD is deprecated", category=DeprecationWarning)
+                # CBC's clock starts after pulp wrote the model, and pulp reads the solution after it stops.
+                overhead = 0.05 + 8e-6 * columns.binaries
+                cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=_remaining(deadline - overhead), warmStart=True,
+                                        logPath=log_path)
+            try:
+                model.solve(cmd)
+                with open(log_path) as handle:
+                    log = handle.read()
+            except (pulp.PulpSolverError, OSError):
+                return _Outcome(placement=None, bound=0.0, optimal=False)
+        if model.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            return _Outcome(placement=None, bound=0.0, optimal=False)
+        values = [[v.value() or 0.0 for v in row] for row in x]
+        placement = _decode(problem, columns, [v.value() or 0.0 for v in y], values)
+        if model.sol_status == pulp.LpSolutionOptimal:
+            return _Outcome(placement=placement, bound=makespan(problem, placement), optimal=True)
+        return _Outcome(placement=placement, bound=_cbc_bound(log, pulp.value(model.objective), constant),
+                        optimal=False)
+
+
+def _cbc_bound(log: str, objective: float | None, constant: float) -> float:
+    """CBC's best bound in seconds, from the last "best possible" of its log (0.0 when there is none).
+
+    The summary's "Lower bound:" has three decimals and may round up, so it is not used; the 8 significant
+    digits of "best possible" are lowered by 1e-7 (relative). CBC may leave the objective's constant out:
+    whether it did is read off its "Objective value:" against pulp's.
+    """
+    found_bound = re.findall(r"best possible\s+([-+0-9.eE]+)", log)
+    found_value = re.search(r"Objective value:\s+([-+0-9.eE]+)", log)
+    if objective is None or not found_bound or found_value is None:
+        return 0.0
+    try:
+        bound, value = float(found_bound[-1]), float(found_value.group(1))
+    except ValueError:
+        return 0.0
+    if abs(value + constant - objective) < abs(value - objective):
+        bound += constant
+    return bound - 1e-7 * abs(bound)
+
+
+def _largest_time(problem: PlacementProblem) -> float:
+    return max(max(problem.inv_s), max(problem.bcast_s))
+
+
+class CpSatPlacement(_ModelPlacement):
+    """Exact placement by the same model in OR-Tools CP-SAT, with times scaled to integers.
+
+    Times are rounded to units of max(c, b) / `max_units` seconds (`time_unit_s`). Each placement's makespan is
+    then off by at most n units (<= 2n rounded terms of half a unit), so the bound CP-SAT proves is lowered by
+    n units before use, and CP-SAT stops as soon as its own gap is at most n units: "optimal" means within
+    3n units of the optimum (n for the gap, 2n for the rounding of the optimum and of the answer).
+    """
+
+    name = "cp-sat"
+    description = "the integer program in CP-SAT (times scaled to integers), hinted like the ILP"
+
+    def __init__(self, *, time_limit_s: float = 1.5, max_binaries: int = 60_000, shortcuts: bool = True,
+                 num_workers: int | None = None, max_units: int = 2**24) -> None:
+        """Args: as `IlpPlacement`; num_workers: CP-SAT search threads (default: CPUs, at most 8);
+        max_units: the integer the largest time maps to.
+        """
+        super().__init__(time_limit_s=time_limit_s, max_binaries=max_binaries, shortcuts=shortcuts)
+        if max_units < 1 or (num_workers is not None and num_workers < 1):
+            raise SolverError(
+                f"`max_units >= 1 and num_workers >= 1` must hold, but got "
+                f"(max_units={max_units}, num_workers={num_workers})"
+            )
+        self.num_workers = num_workers or min(8, os.cpu_count() or 1)
+        self.max_units = max_units
+
+    def time_unit_s(self, problem: PlacementProblem) -> float:
+        """Seconds per integer unit of the scaled model."""
+        return _largest_time(problem) / self.max_units
+
+    def _units(self, seconds: float, largest: float) -> int:
+        return round(seconds / largest * self.max_units) if largest > 0 else 0
+
+    def _solve_model(self, problem: PlacementProblem, columns: _Columns, start: Placement, deadline: float) -> _Outcome:
+        from ortools.sat.python import cp_model
+
+        unit, largest = self.time_unit_s(problem), _largest_time(problem)
+        c = [self._units(problem.inv_s[int(f)], largest) for f in columns.order]
+        b = [self._units(problem.bcast_s[int(f)], largest) for f in columns.order]
+        width = [int(w) for w in columns.width]
+        n, workers = len(c), columns.workers
+        model = cp_model.CpModel()
+        y = [model.new_bool_var(f"y{i}") for i in range(n)]
+        x = [[model.new_bool_var(f"x{i}_{w}") for w in range(width[i])] for i in range(n)]
+        load = model.new_int_var(0, sum(c), "load")
+        for i in range(n):
+            model.add_exactly_one([*x[i], y[i]])
+            if c[i] > 0:
+                model.add(load + c[i] * y[i] >= c[i])
+        for w in range(workers):
+            members = [i for i in range(n) if w < width[i] and c[i] > 0]
+            if members:
+                model.add(cp_model.LinearExpr.weighted_sum([x[i][w] for i in members], [c[i] for i in members])
+                          <= load)
+        model.minimize(load + cp_model.LinearExpr.weighted_sum(y, [c[i] - b[i] for i in range(n)]))
+
+        sorted_start = [start[int(f)] for f in columns.order]
+        for i, owner in enumerate(sorted_start):
+            model.add_hint(y[i], owner is None)
+            for w, v in enumerate(x[i]):
+                model.add_hint(v, owner == w)
+        model.add_hint(load, max((sum(c[i] for i in range(n) if sorted_start[i] == w) for w in range(workers)),
+                                 default=0))
+
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = _remaining(deadline)
+        solver.parameters.num_workers = self.num_workers
+        solver.parameters.absolute_gap_limit = n  # below the rounding error: stop and report OPTIMAL
+        status = solver.solve(model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return _Outcome(placement=None, bound=0.0, optimal=False)
+        placement = _decode(problem, columns, [float(solver.boolean_value(v)) for v in y],
+                            [[float(solver.boolean_value(v)) for v in row] for row in x])
+        if status == cp_model.OPTIMAL:
+            return _Outcome(placement=placement, bound=makespan(problem, placement), optimal=True)
+        bound = (solver.best_objective_bound + sum(b) - n) * unit
+        return _Outcome(placement=placement, bound=bound, optimal=False)
+
+
+#: The exact solvers by name.
+PLACEMENT_SOLVERS: dict[str, type[_ModelPlacement]] = {"ilp-cbc": IlpPlacement, "cp-sat": CpSatPlacement}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Brute force, instances and timing
+
+
+def brute_force_placement(problem: PlacementProblem) -> tuple[Placement, float]:
+    """The best of all (P + 1)^n placements and its makespan (small instances only: tests)."""
+    n, world = problem.num_factors, problem.world_size
+    count = (world + 1) ** n
+    if count > _BRUTE_FORCE_LIMIT:
+        raise SolverError(
+            f"`(world_size + 1) ** num_factors <= {_BRUTE_FORCE_LIMIT}` must hold for brute force, but got "
+            f"(world_size={world}, num_factors={n}, placements={count})"
+        )
+    best: Placement = (None,) * n
+    best_value = makespan(problem, best)
+    for candidate in itertools.product([None, *range(world)], repeat=n):
+        value = makespan(problem, candidate)
+        if value < best_value:
+            best, best_value = candidate, value
+    return best, best_value
+
+
+def random_placement_problem(n: int, world_size: int, seed: int) -> PlacementProblem:
+    """A random but realistic `PlacementProblem` with `n` factors, reproducible from `seed`.
+
+    Dimensions: 70% small (16..256), 30% large (512..4096), log-uniform. Inversion: c = (alpha + beta d^3)
+    times 10% noise, alpha in [50 us, 500 us], beta in [2e-13, 2e-11] s (a fast GPU to a CPU). Broadcast:
+    b = a (1 + log2 P) + bytes * beta_net with bytes = 4 d (d + 1) / 2 (the packed triangle), a in [10 us, 50 us]
+    and a bandwidth in [1, 25] GB/s. Constants are drawn once per instance, log-uniform.
+    """
+    if n < 1 or world_size < 1:
+        raise SolverError(f"`n >= 1 and world_size >= 1` must hold, but got (n={n}, world_size={world_size})")
+    rng = np.random.default_rng(seed)
+
+    def log_uniform(low: float, high: float, size: int | None = None) -> Any:
+        return np.exp(rng.uniform(math.log(low), math.log(high), size))
+
+    large = rng.random(n) < 0.3
+    dims = np.where(large, np.round(log_uniform(512, 4096, n)), np.round(log_uniform(16, 256, n))).astype(np.int64)
+    cubes = dims.astype(float) ** 3
+    inv = (log_uniform(50e-6, 500e-6) + log_uniform(2e-13, 2e-11) * cubes) * rng.lognormal(0.0, 0.1, n)
+    packed_bytes = 4.0 * dims * (dims + 1) / 2
+    bcast = log_uniform(10e-6, 50e-6) * (1 + math.log2(world_size)) + packed_bytes / log_uniform(1e9, 25e9)
+    return PlacementProblem(
+        inv_s=tuple(float(v) for v in inv),
+        bcast_s=tuple(float(v) for v in bcast),
+        dims=tuple(int(d) for d in dims),
+        world_size=world_size,
+    )
+
+
+def time_placement(
+    n: int, world_size: int, repeats: int = 3, time_limit_s: float = 1.5, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Median wall time and result of every exact solver and baseline on one random instance.
+
+    Returns one row per solver: solver, exact (a model solver), factors, world_size, median_s, makespan_s,
+    lower_bound_s, gap, optimal, num_everywhere, and vs_best_baseline (best baseline makespan / this one).
+    """
+    if repeats < 1:
+        raise SolverError(f"`repeats >= 1` must hold, but got repeats={repeats}")
+    problem = random_placement_problem(n, world_size, seed)
+    solvers: list[tuple[PlacementSolver, bool]] = [
+        *((cls(time_limit_s=time_limit_s), True) for cls in PLACEMENT_SOLVERS.values()),
+        *((cls(), False) for cls in PLACEMENT_BASELINES),
+    ]
+    measured: list[tuple[PlacementSolver, bool, float, PlacementResult]] = []
+    for solver, exact in solvers:
+        times, result = [], None
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            result = solver.solve(problem)
+            times.append(time.perf_counter() - begin)
+        assert result is not None
+        measured.append((solver, exact, statistics.median(times), result))
+    best_baseline = min(r.makespan_s for _, exact, _, r in measured if not exact)
+    return [
+        {
+            "solver": solver.name,
+            "exact": exact,
+            "factors": n,
+            "world_size": world_size,
+            "median_s": median,
+            "makespan_s": result.makespan_s,
+            "lower_bound_s": result.lower_bound_s,
+            "gap": result.gap,
+            "optimal": result.optimal,
+            "num_everywhere": result.num_everywhere,
+            "vs_best_baseline": best_baseline / result.makespan_s if result.makespan_s > 0 else 1.0,
+        }
+        for solver, exact, median, result in measured
+    ]
