@@ -43,7 +43,8 @@ class BenchConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class BenchResult:
-    """One variant's measured step times (seconds) and its predicted iteration time."""
+    """One variant's measured step times (seconds), its predicted time, and its speedup over `reference`
+    (a variant measured in the same run)."""
 
     name: str
     strategy: str
@@ -52,7 +53,8 @@ class BenchResult:
     p75_s: float
     steps: int
     predicted_s: float | None
-    speedup_vs_ddp: float | None = None
+    speedup: float | None = None
+    reference: str = "ddp"
 
     @property
     def rel_error(self) -> float | None:
@@ -64,7 +66,7 @@ class BenchResult:
         return {
             "name": self.name, "strategy": self.strategy, "median_s": self.median_s, "p25_s": self.p25_s,
             "p75_s": self.p75_s, "steps": self.steps, "predicted_s": self.predicted_s,
-            "speedup_vs_ddp": self.speedup_vs_ddp, "rel_error": self.rel_error,
+            "speedup": self.speedup, "reference": self.reference, "rel_error": self.rel_error,
         }
 
 
@@ -171,7 +173,7 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
             )
         )
     ddp = results[0].median_s
-    return [replace(r, speedup_vs_ddp=ddp / r.median_s) for r in results]
+    return [replace(r, speedup=ddp / r.median_s) for r in results]
 
 
 def run_bench(config: BenchConfig) -> list[BenchResult]:

@@ -15,9 +15,12 @@ from typing import ClassVar
 from rich.table import Table
 
 from planner.console import console, err_console
-from planner.types import PlannerError, Strategy
+from planner.types import InverseMethod, PlannerError, Strategy
 
 __all__ = ["Command", "main"]
+
+#: `--strategy kfac`: dense gradient groups plus a K-FAC section.
+KFAC = "kfac"
 
 
 class Command(abc.ABC):
@@ -88,18 +91,58 @@ def print_plan(plan: object, title: str | None = None) -> None:
         f"solver {plan.solver} took {plan.solve_seconds * 1e3:.1f} ms; "
         f"profile {plan.source_profile or '?'} measured {plan.profiled}"
     )
+    if plan.kfac is not None:
+        print_kfac(plan)
 
 
-def print_bench(results: list, as_json: bool) -> None:
+def print_kfac(plan: object) -> None:
+    """The K-FAC comparison: average step time of the plan, each baseline and the lower bound."""
+    from planner.plan import Plan
+
+    assert isinstance(plan, Plan) and plan.kfac is not None
+    k = plan.kfac
+    if k.predicted is None:
+        console.print("the kfac section has no predictions")
+        return
+    baselines = k.baselines or {}
+    ref = baselines.get("kfac-pytorch", k.predicted).step_s
+    lb = k.lower_bound_s or 0.0
+    table = Table(title=f"K-FAC ({k.method.value}, factors every {k.factor_update_steps} step(s), inverses every "
+                        f"{k.inv_update_steps}): predicted average step")
+    for col in ("layout", "buffers", "step ms", "factor step ms", "inversion ms", "broadcast ms",
+                "vs kfac-pytorch", "gap to bound"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for name, p in [("plan", k.predicted), *baselines.items()]:
+        table.add_row(
+            name, str(p.num_buffers), _ms(p.step_s), _ms(p.factor_step_s), _ms(p.inversion_s), _ms(p.broadcast_s),
+            f"{ref / p.step_s:.2f}x", f"{(p.step_s - lb) / lb:+.1%}" if lb > 0 and name != "sgd" else "-",
+            style="bold" if name == "plan" else None,
+        )
+    table.add_row("lower bound", "", _ms(lb), "", "", "", f"{ref / lb:.2f}x" if lb > 0 else "-", "")
+    console.print(table)
+    owners = list(k.owners.values())
+    everywhere = sum(o is None for o in owners)
+    gap = "proven optimal" if not k.placement_gap else f"gap {k.placement_gap:.2%}"
+    console.print(
+        f"{len(k.a_buffers)} A + {len(k.g_buffers)} G buffers ({k.fusion_solver}); {len(owners) - everywhere} "
+        f"factors on one owner, {everywhere} everywhere ({k.placement_solver}, {gap}); "
+        f"K-FAC solve {k.solve_seconds * 1e3:.1f} ms. 'sgd' is the same step without K-FAC."
+    )
+
+
+def print_bench(results: list, as_json: bool, title: str | None = None) -> None:
     if as_json:
         console.print_json(json.dumps([r.to_dict() for r in results]))
         return
-    table = Table(title="bench: median step time over measured steps (slowest rank per step)")
-    for col in ("variant", "median ms", "p25-p75 ms", "speedup vs DDP", "predicted ms", "|pred-meas|/meas"):
+    table = Table(title=title or "bench: median step time over measured steps (slowest rank per step)")
+    reference = results[0].reference if results else "ddp"
+    for col in ("variant", "median ms", "p25-p75 ms", f"speedup vs {reference}", "predicted ms",
+                "|pred-meas|/meas"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for r in results:
         table.add_row(
-            r.name, _ms(r.median_s), f"{_ms(r.p25_s)}-{_ms(r.p75_s)}", f"{r.speedup_vs_ddp:.2f}x",
+            r.name, _ms(r.median_s), f"{_ms(r.p25_s)}-{_ms(r.p75_s)}",
+            f"{r.speedup:.2f}x" if r.speedup is not None else "-",
             _ms(r.predicted_s) if r.predicted_s is not None else "-",
             f"{r.rel_error:.1%}" if r.rel_error is not None else "-",
         )
@@ -194,24 +237,78 @@ class SolveCommand(Command):
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("profile", type=Path, help="profile file from `planner profile`")
-        parser.add_argument("--strategy", choices=[s.value for s in Strategy], default=Strategy.DENSE.value)
+        parser.add_argument("--strategy", choices=[*(s.value for s in Strategy), KFAC], default=Strategy.DENSE.value,
+                            help="gradient exchange (dense, topk), or kfac: dense gradients plus a K-FAC section")
         parser.add_argument("--density", type=_density, default=None, help="top-k density (default 0.01)")
+        kfac = parser.add_argument_group("K-FAC (--strategy kfac)")
+        kfac.add_argument("--method", choices=[m.value for m in InverseMethod], default=InverseMethod.EIGEN.value,
+                          help="eigendecomposition (default) or damped inverse of each factor")
+        kfac.add_argument("--factor-update-steps", type=_positive, default=None,
+                          help="steps between factor updates (default 1)")
+        kfac.add_argument("--inv-update-steps", type=_positive, default=None,
+                          help="steps between inverse updates, a multiple of the factor interval (default 10)")
+        kfac.add_argument("--placement-solver", choices=["ilp-cbc", "cp-sat"], default="ilp-cbc")
+        kfac.add_argument("--time-limit", type=float, default=2.0, help="seconds for the placement solver")
         parser.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.planning import make_plan
         from planner.profile import Profile
 
-        strategy = Strategy(args.strategy)
+        is_kfac = args.strategy == KFAC
+        if not is_kfac:
+            kfac_only = [("--factor-update-steps", args.factor_update_steps),
+                         ("--inv-update-steps", args.inv_update_steps)]
+            given = [flag for flag, value in kfac_only if value is not None]
+            if given:
+                raise PlannerError(f"{given[0]} applies to --strategy kfac only")
+        strategy = Strategy.DENSE if is_kfac else Strategy(args.strategy)
         if args.density is not None and strategy is not Strategy.TOPK:
             raise PlannerError("--density applies to --strategy topk only")
+        if not args.time_limit > 0:
+            raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
         density = (args.density or 0.01) if strategy is Strategy.TOPK else None
         profile = Profile.load(args.profile)
-        plan = make_plan(profile, strategy, density, source=str(args.profile))
+        if is_kfac:
+            from planner.kfac_planning import (
+                DEFAULT_FACTOR_UPDATE_STEPS,
+                DEFAULT_INV_UPDATE_STEPS,
+                make_kfac_plan,
+            )
+
+            plan = make_kfac_plan(
+                profile,
+                method=InverseMethod(args.method),
+                factor_update_steps=args.factor_update_steps or DEFAULT_FACTOR_UPDATE_STEPS,
+                inv_update_steps=args.inv_update_steps or DEFAULT_INV_UPDATE_STEPS,
+                placement_solver=args.placement_solver,
+                time_limit_s=args.time_limit,
+                source=str(args.profile),
+            )
+        else:
+            plan = make_plan(profile, strategy, density, source=str(args.profile))
         plan.save(args.output)
         print_plan(plan)
         console.print(f"wrote plan {args.output}")
         return 0
+
+
+def print_kfac_layout(plan: object) -> None:
+    """Factor buffers and inversion owners of a K-FAC plan."""
+    from planner.kfac import factor_name
+    from planner.plan import Plan
+    from planner.types import FactorKind
+
+    assert isinstance(plan, Plan) and plan.kfac is not None
+    k = plan.kfac
+    for kind, buffers in ((FactorKind.A, k.a_buffers), (FactorKind.G, k.g_buffers)):
+        table = Table(title=f"{kind.value} factor buffers ({'forward' if kind is FactorKind.A else 'backward'} order)")
+        for col in ("#", "layers", "owners"):
+            table.add_column(col)
+        for i, names in enumerate(buffers):
+            owners = [k.owners[factor_name(n, kind)] for n in names]
+            table.add_row(str(i), ", ".join(names), ", ".join("all" if o is None else str(o) for o in owners))
+        console.print(table)
 
 
 class ShowCommand(Command):
@@ -239,6 +336,8 @@ class ShowCommand(Command):
                     layers = ", ".join(g.layers) if len(g.layers) <= 4 else f"{g.layers[0]} ... {g.layers[-1]}"
                     table.add_row(str(i), f"{len(g.layers)}: {layers}", f"{g.numel:,}", str(g.k or "-"))
                 console.print(table)
+                if plan.kfac is not None:
+                    print_kfac_layout(plan)
         elif kind == PROFILE_KIND:
             print_profile(Profile.load(args.file))
         else:
@@ -252,7 +351,10 @@ class BenchCommand(Command):
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--plan", type=Path, action="append", required=True,
-                            help="plan file (repeat for a dense and a top-k plan)")
+                            help="plan file (repeat for a dense and a top-k plan; one plan with --strategy kfac)")
+        parser.add_argument("--strategy", choices=["gradients", KFAC], default="gradients",
+                            help="gradients: DDP against the gradient plans; kfac: SGD and K-FAC layouts against "
+                                 "a K-FAC plan")
         parser.add_argument("--model", default=None, help="model (default: the plan's built-in model)")
         parser.add_argument("--batch-size", type=_positive, default=None)
         parser.add_argument("--nproc", type=_positive, default=None, help="workers (default: the plan's world size)")
@@ -265,12 +367,35 @@ class BenchCommand(Command):
         from planner.plan import Plan
 
         plans = tuple(Plan.load(p) for p in args.plan)
+        if args.strategy == KFAC:
+            return self._run_kfac(args, plans)
         config = BenchConfig(
             plans=plans, model=args.model or plans[0].model.name, batch_size=args.batch_size,
             nproc=args.nproc or plans[0].cluster.world_size, steps=args.steps, warmup=args.warmup,
             show_progress=not args.json,
         )
         print_bench(run_bench(config), args.json)
+        return 0
+
+
+    @staticmethod
+    def _run_kfac(args: argparse.Namespace, plans: tuple) -> int:
+        from planner.bench_kfac import KFACBenchConfig, run_kfac_bench
+
+        if len(plans) != 1:
+            raise PlannerError(f"--strategy kfac benches one K-FAC plan, but {len(plans)} --plan were given")
+        plan = plans[0]
+        if plan.kfac is None:
+            raise PlannerError(
+                f"{args.plan[0]} has no kfac section; make one with `planner solve PROFILE --strategy kfac`"
+            )
+        config = KFACBenchConfig(
+            plan=plan, model=args.model or plan.model.name, batch_size=args.batch_size,
+            nproc=args.nproc or plan.cluster.world_size, steps=args.steps, show_progress=not args.json,
+        )
+        title = (f"K-FAC bench: median over windows of {config.window} steps of the average step time "
+                 "(slowest rank per step)")
+        print_bench(run_kfac_bench(config), args.json, title=title)
         return 0
 
 

@@ -129,10 +129,9 @@ class KFACPrediction:
 def _owner_from_json(value: Any, where: str) -> int | None:
     if value == ALL_WORKERS:
         return None
-    rank = expect(value, int, where)
-    if rank < 0:
-        raise SchemaError(f"{where} must be a rank >= 0 or {ALL_WORKERS!r}, got {rank}")
-    return rank
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise SchemaError(f"{where} must be a rank >= 0 or {ALL_WORKERS!r}, got {value!r}")
+    return value
 
 
 def _name_lists(data: Any, where: str) -> tuple[tuple[str, ...], ...]:

@@ -18,8 +18,20 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
       "topk": {                                                   # null when not measured
         "select": [[numel, density, seconds], ...],
         "decode": {"points": [[values, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"}
+      },
+      "kfac": {                                                   # null or absent when not measured
+        "layers": [                                               # Linear/Conv2d layers, forward order
+          {"name", "a_dim", "g_dim", "a_compute_s", "g_compute_s", "precondition_s"}, ...
+        ],
+        "inverse": {"points": [[dim, seconds], ...], "alpha_s", "beta_s_per_dim3", "fit_error"},
+        "eigen":   {"points": [[dim, seconds], ...], "alpha_s", "beta_s_per_dim3", "fit_error"}
       }
     }
+
+K-FAC: `a_compute_s` is the time to compute a layer's A factor from its input (added to forward on a
+factor-update step), `g_compute_s` the time for G from its output gradient (added to backward),
+`precondition_s` the time to precondition its gradient (every step). Inversion and eigendecomposition
+times are measured against the matrix dimension d and modelled as alpha + beta * d^3.
 
 `backward_s` of a layer is the time between the previous layer's gradient becoming ready and its own
 (b_i of the timeline model). `fit_error` is the median relative error of the fitted alpha + beta*x.
@@ -34,6 +46,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from planner.costs import AffineCost, CostModel, PiecewiseLinearCost, fit_affine
@@ -42,7 +55,17 @@ from planner.jsonio import check_fields, expect, expect_time, read_json, write_j
 from planner.problem import GradientProblem
 from planner.types import Collective, InvalidProfileError, SchemaError, Strategy
 
-__all__ = ["PROFILE_KIND", "PROFILE_SCHEMA_VERSION", "FittedCurve", "LayerTiming", "Profile", "TopkTiming"]
+__all__ = [
+    "PROFILE_KIND",
+    "PROFILE_SCHEMA_VERSION",
+    "DimCurve",
+    "FittedCurve",
+    "KFACLayerTiming",
+    "KFACTiming",
+    "LayerTiming",
+    "Profile",
+    "TopkTiming",
+]
 
 PROFILE_SCHEMA_VERSION = 1
 PROFILE_KIND = "planner.profile"
@@ -204,6 +227,146 @@ class TopkTiming:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DimCurve:
+    """Seconds against a matrix dimension d (raw points) and the fit alpha + beta * d^3."""
+
+    points: tuple[tuple[int, float], ...]
+    alpha_s: float
+    beta_s_per_dim3: float
+    fit_error: float
+
+    @classmethod
+    def fit(cls, points: list[tuple[int, float]]) -> DimCurve:
+        model, err = fit_affine([(d**3, t) for d, t in points])
+        return cls(points=tuple(points), alpha_s=model.alpha, beta_s_per_dim3=model.beta, fit_error=err)
+
+    @property
+    def worst_error(self) -> float:
+        fit = AffineCost(alpha=self.alpha_s, beta=self.beta_s_per_dim3)
+        return max(abs(fit.cost(d**3) - t) / t for d, t in self.points if t > 0)
+
+    @property
+    def model(self) -> CostModel:
+        """Seconds against d: the cubic fit where it holds at every point, else interpolation in d^3."""
+        if self.worst_error <= MAX_FIT_ERROR:
+            return _CubeOf(inner=AffineCost(alpha=self.alpha_s, beta=self.beta_s_per_dim3))
+        pts = sorted(dict(self.points).items())
+        return _CubeOf(inner=PiecewiseLinearCost(xs=tuple(float(d**3) for d, _ in pts), ys=tuple(t for _, t in pts)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "points": [list(p) for p in self.points],
+            "alpha_s": self.alpha_s,
+            "beta_s_per_dim3": self.beta_s_per_dim3,
+            "fit_error": self.fit_error,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> DimCurve:
+        expect(data, dict, where)
+        check_fields(data, where, ["points", "alpha_s", "beta_s_per_dim3", "fit_error"])
+        points = []
+        for i, p in enumerate(expect(data["points"], list, f"{where}.points")):
+            if not isinstance(p, list) or len(p) != 2:
+                raise SchemaError(f"{where}.points[{i}] must be [dim, seconds], got {p!r}")
+            d = expect(p[0], int, f"{where}.points[{i}][0]")
+            if d <= 0:
+                raise InvalidProfileError(f"{where}.points[{i}]: the dimension must be > 0, got {d}")
+            points.append((d, _time(p[1], f"{where}.points[{i}][1]")))
+        if len(points) < 2 or len({d for d, _ in points}) < 2:
+            raise InvalidProfileError(f"{where} needs points at two or more dimensions, got {len(points)} point(s)")
+        return cls(
+            points=tuple(points),
+            alpha_s=_time(data["alpha_s"], f"{where}.alpha_s"),
+            beta_s_per_dim3=_time(data["beta_s_per_dim3"], f"{where}.beta_s_per_dim3"),
+            fit_error=_time(data["fit_error"], f"{where}.fit_error"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _CubeOf(CostModel):
+    """A cost model of d^3 seen as a function of d."""
+
+    inner: CostModel
+
+    def cost(self, x: float) -> float:
+        return self.inner.cost(x**3)
+
+    def cost_many(self, xs: np.ndarray) -> np.ndarray:
+        return self.inner.cost_many(np.asarray(xs, dtype=float) ** 3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFACLayerTiming:
+    """One K-FAC layer: its factor dimensions and the measured cost of its factor and preconditioning work."""
+
+    name: str
+    a_dim: int
+    g_dim: int
+    a_compute_s: float
+    g_compute_s: float
+    precondition_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "a_dim": self.a_dim,
+            "g_dim": self.g_dim,
+            "a_compute_s": self.a_compute_s,
+            "g_compute_s": self.g_compute_s,
+            "precondition_s": self.precondition_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> KFACLayerTiming:
+        expect(data, dict, where)
+        check_fields(data, where, ["name", "a_dim", "g_dim", "a_compute_s", "g_compute_s", "precondition_s"])
+        a_dim = expect(data["a_dim"], int, f"{where}.a_dim")
+        g_dim = expect(data["g_dim"], int, f"{where}.g_dim")
+        if min(a_dim, g_dim) <= 0:
+            raise InvalidProfileError(f"{where}: factor dimensions must be > 0, got (a_dim={a_dim}, g_dim={g_dim})")
+        return cls(
+            name=expect(data["name"], str, f"{where}.name"),
+            a_dim=a_dim,
+            g_dim=g_dim,
+            a_compute_s=_time(data["a_compute_s"], f"{where}.a_compute_s"),
+            g_compute_s=_time(data["g_compute_s"], f"{where}.g_compute_s"),
+            precondition_s=_time(data["precondition_s"], f"{where}.precondition_s"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFACTiming:
+    """What K-FAC costs on this device: per-layer factor work, and inversion / eigendecomposition against d."""
+
+    layers: tuple[KFACLayerTiming, ...]
+    inverse: DimCurve
+    eigen: DimCurve
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise InvalidProfileError("profile.kfac.layers is empty: the model has no Linear or Conv2d layers")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layers": [lt.to_dict() for lt in self.layers],
+            "inverse": self.inverse.to_dict(),
+            "eigen": self.eigen.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> KFACTiming:
+        expect(data, dict, where)
+        check_fields(data, where, ["layers", "inverse", "eigen"])
+        layers = expect(data["layers"], list, f"{where}.layers")
+        return cls(
+            layers=tuple(KFACLayerTiming.from_dict(x, f"{where}.layers[{i}]") for i, x in enumerate(layers)),
+            inverse=DimCurve.from_dict(data["inverse"], f"{where}.inverse"),
+            eigen=DimCurve.from_dict(data["eigen"], f"{where}.eigen"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     """Everything the solvers need about one model on one cluster."""
 
@@ -218,6 +381,7 @@ class Profile:
     layers: tuple[LayerTiming, ...]
     collectives: dict[Collective, FittedCurve]
     topk: TopkTiming | None
+    kfac: KFACTiming | None = None
     element_bytes: int = 4
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -304,6 +468,7 @@ class Profile:
             "layers": [lt.to_dict() for lt in self.layers],
             "collectives": {c.value: curve.to_dict() for c, curve in self.collectives.items()},
             "topk": None if self.topk is None else self.topk.to_dict(),
+            "kfac": None if self.kfac is None else self.kfac.to_dict(),
         }
 
     @classmethod
@@ -316,11 +481,12 @@ class Profile:
             )
         if data.get("kind") != PROFILE_KIND:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
+        data = {"kfac": None, **data}
         check_fields(
             data,
             "profile",
             ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
-             "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk"],
+             "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac"],
         )
         collectives = {}
         for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
@@ -348,6 +514,7 @@ class Profile:
             layers=tuple(LayerTiming.from_dict(x, f"profile.layers[{i}]") for i, x in enumerate(layers)),
             collectives=collectives,
             topk=None if data["topk"] is None else TopkTiming.from_dict(data["topk"], "profile.topk"),
+            kfac=None if data["kfac"] is None else KFACTiming.from_dict(data["kfac"], "profile.kfac"),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

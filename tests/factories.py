@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from planner.fingerprint import ClusterInfo, model_info
+from planner.kfac import kfac_layers
 from planner.layers import gradient_layers
 from planner.models import build_workload
 from planner.plan import Plan
 from planner.planning import make_plan
-from planner.profile import FittedCurve, LayerTiming, Profile, TopkTiming
+from planner.profile import DimCurve, FittedCurve, KFACLayerTiming, KFACTiming, LayerTiming, Profile, TopkTiming
 from planner.types import Collective, Strategy
 
 
@@ -44,7 +45,29 @@ def synthetic_profile(model: str = "mlp", world_size: int = 2) -> Profile:
             Collective.BROADCAST: curve(1e-4, 1e-9),
         },
         topk=TopkTiming(select=select, decode=decode),
+        kfac=synthetic_kfac_timing(wl.module),
     )
+
+
+def synthetic_kfac_timing(module: object) -> KFACTiming:
+    """Made-up K-FAC costs: factor work in proportion to d^2, inversion 1 ms + d^3 * 2e-10 s, eigen 3x that."""
+    layers = tuple(
+        KFACLayerTiming(name=s.name, a_dim=s.a_dim, g_dim=s.g_dim, a_compute_s=1e-5 + s.a_dim**2 * 1e-9,
+                        g_compute_s=1e-5 + s.g_dim**2 * 1e-9, precondition_s=1e-5 + s.a_dim * s.g_dim * 1e-9)
+        for s in kfac_layers(module)  # type: ignore[arg-type]
+    )
+    dims = [16, 64, 256, 1024, 2048]
+    return KFACTiming(
+        layers=layers,
+        inverse=DimCurve.fit([(d, 1e-3 + d**3 * 2e-10) for d in dims]),
+        eigen=DimCurve.fit([(d, 3e-3 + d**3 * 6e-10) for d in dims]),
+    )
+
+
+def synthetic_kfac_plan(model: str = "mlp", world_size: int = 2, **kwargs: object) -> Plan:
+    from planner.kfac_planning import make_kfac_plan
+
+    return make_kfac_plan(synthetic_profile(model, world_size), source="synthetic", **kwargs)  # type: ignore[arg-type]
 
 
 def synthetic_plan(model: str = "mlp", world_size: int = 2, strategy: Strategy = Strategy.DENSE,

@@ -49,4 +49,4 @@ def test_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
                                          "plan topk@0.01"]
     for r in rows:
         assert r["steps"] == 3 and r["median_s"] > 0 and r["predicted_s"] > 0
-    assert rows[0]["speedup_vs_ddp"] == 1.0
+    assert rows[0]["speedup"] == 1.0 and rows[0]["reference"] == "ddp"

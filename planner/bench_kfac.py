@@ -1,0 +1,183 @@
+"""`planner bench --strategy kfac`: real K-FAC steps on N local workers, the plan against reference layouts.
+
+Variants, all with the plan's gradient groups (runtime.GradientExchange) and the same SGD optimizer:
+
+- sgd: no preconditioning (what K-FAC costs on top of plain data-parallel SGD);
+- everywhere: K-FAC, factors in 25 MB buckets, every factor inverted on every worker;
+- kfac-pytorch: K-FAC, 25 MB buckets, owners assigned largest-first on d^3 (kfac-pytorch's defaults);
+- plan: K-FAC with the plan's factor buffers and inversion owners.
+
+A K-FAC step is not like the next (factors every `factor_update_steps`, inverses every `inv_update_steps`),
+so the unit of measurement is a window of `inv_update_steps` steps: its time divided by its steps is one
+sample of the average step time the model predicts. Variants run window by window, round-robin, in the
+same processes; each step is timed from a barrier, and a step's time is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from planner.bench import BenchResult
+from planner.console import progress
+from planner.fingerprint import model_info
+from planner.kfac import KFACSection
+from planner.kfac_planning import reference_sections
+from planner.models import build_workload
+from planner.plan import Plan
+from planner.types import PlanMismatchError
+
+__all__ = ["KFACBenchConfig", "kfac_bench_worker", "kfac_variants", "run_kfac_bench"]
+
+REFERENCE = "kfac-pytorch"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFACBenchConfig:
+    """Which K-FAC plan to run, on which model, and for how many steps."""
+
+    plan: Plan
+    model: str
+    batch_size: int | None = None
+    nproc: int = 2
+    steps: int = 20
+    warmup_windows: int = 1
+    lr: float = 0.01
+    damping: float = 1e-3
+    show_progress: bool = True
+
+    @property
+    def window(self) -> int:
+        assert self.plan.kfac is not None
+        return self.plan.kfac.inv_update_steps
+
+    @property
+    def windows(self) -> int:
+        """Measured windows per variant: enough for `steps` steps, and at least three."""
+        return max(3, math.ceil(self.steps / self.window))
+
+
+def kfac_variants(plan: Plan) -> list[tuple[str, KFACSection | None, float | None]]:
+    """(name, K-FAC section or None for plain SGD, predicted average step seconds) of every variant."""
+    if plan.kfac is None:
+        raise PlanMismatchError("the plan has no kfac section; make one with `planner solve PROFILE --strategy kfac`")
+    refs = reference_sections(plan)
+    baselines = plan.kfac.baselines or {}
+
+    def predicted(name: str) -> float | None:
+        p = baselines.get(name)
+        return None if p is None else p.step_s
+
+    return [
+        ("sgd", None, predicted("sgd")),
+        ("everywhere", refs["everywhere"], predicted("everywhere")),
+        (REFERENCE, refs[REFERENCE], predicted(REFERENCE)),
+        ("plan", plan.kfac, None if plan.kfac.predicted is None else plan.kfac.predicted.step_s),
+    ]
+
+
+def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> list[BenchResult] | None:
+    """Run every variant on this rank; rank 0 returns the results."""
+    from runtime import GradientExchange, KFACPreconditioner
+
+    torch.manual_seed(0)
+    plan = config.plan
+    base = build_workload(config.model, batch_size=config.batch_size)
+    plan.check_compatible(model_info(base.module, config.model), world_size)
+    variants = kfac_variants(plan)
+    runners = []
+    for _name, section, _pred in variants:
+        wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank
+        precond: KFACPreconditioner | None = None
+        exchange: GradientExchange | None = None
+        if section is None:
+            exchange = GradientExchange(wl.module, plan)
+        else:
+            precond = KFACPreconditioner(wl.module, plan=plan, kfac=section, lr=config.lr, damping=config.damping)
+        opt = torch.optim.SGD(wl.module.parameters(), lr=config.lr, momentum=0.9)
+        runners.append((wl, exchange, precond, opt))
+    gen = torch.Generator().manual_seed(1000 + rank)
+    inputs, targets = base.make_batch(base.batch_size, gen)
+
+    def step(i: int) -> float:
+        wl, exchange, precond, opt = runners[i]
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = wl.loss_fn(wl.module(inputs), targets)
+        loss.backward()
+        if exchange is not None:
+            exchange.synchronize()
+        if precond is not None:
+            precond.step()
+        opt.step()
+        return time.perf_counter() - t0
+
+    n, window = len(variants), config.window
+    times: list[list[float]] = [[] for _ in range(n)]
+    show = config.show_progress and rank == 0
+    with progress(enabled=show) as bar:
+        task = bar.add_task("K-FAC bench steps", total=n * window * (config.warmup_windows + config.windows))
+        for i in range(n):
+            for _ in range(window * config.warmup_windows):
+                step(i)
+                bar.advance(task)
+        for _ in range(config.windows):
+            for i in range(n):
+                for _ in range(window):
+                    times[i].append(step(i))
+                    bar.advance(task)
+    for _, exchange, precond, _ in runners:
+        if exchange is not None:
+            exchange.close()
+        if precond is not None:
+            precond.close()
+    all_times = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(all_times, op=dist.ReduceOp.MAX)
+    if rank != 0:
+        return None
+    results = []
+    for (name, section, pred), row in zip(variants, all_times.tolist(), strict=True):
+        per_window = [sum(row[w * window:(w + 1) * window]) / window for w in range(config.windows)]
+        q = statistics.quantiles(per_window, n=4, method="inclusive") if len(per_window) > 1 else [per_window[0]] * 3
+        results.append(
+            BenchResult(
+                name=name,
+                strategy="sgd" if section is None else "kfac",
+                median_s=statistics.median(per_window),
+                p25_s=q[0],
+                p75_s=q[2],
+                steps=len(row),
+                predicted_s=pred,
+                reference=REFERENCE,
+            )
+        )
+    ref = next(r.median_s for r in results if r.name == REFERENCE)
+    return [replace(r, speedup=ref / r.median_s) for r in results]
+
+
+def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult]:
+    """Start `config.nproc` local gloo workers and bench every K-FAC variant."""
+    plan = config.plan
+    if plan.kfac is None:
+        raise PlanMismatchError("the plan has no kfac section; make one with `planner solve PROFILE --strategy kfac`")
+    if plan.cluster.world_size != config.nproc:
+        raise PlanMismatchError(
+            f"the plan was made for world size {plan.cluster.world_size}, but --nproc is {config.nproc}; "
+            f"re-plan: {plan.replan_command()}"
+        )
+    from planner.kfac import kfac_layers
+    from runtime.launch import run_distributed
+
+    module = build_workload(config.model, batch_size=config.batch_size).module
+    plan.check_compatible(model_info(module, config.model), config.nproc)
+    plan.kfac.check_layers(kfac_layers(module))
+    results = run_distributed(kfac_bench_worker, config.nproc, config, backend="gloo", timeout=3600)
+    out = results[0]
+    assert out is not None
+    return out

@@ -1,0 +1,328 @@
+"""From a profile to a K-FAC plan: the timeline of a K-FAC step, the two solvers, baselines, lower bound.
+
+The timeline model (DESIGN.md, "K-FAC"), with gradient layers in ready order and K-FAC layers in forward
+order, on one communication channel shared by gradients and factors (FIFO in ready order):
+
+- plain step (no factor or inverse update): the gradient plan's iteration F + max(R_L, E_last) + U,
+  plus preconditioning every layer's gradient;
+- factor step (one in `factor_update_steps`): A_l is computed right after layer l's forward (forward
+  grows by a_l), G_l right before layer l's backward (backward grows by g_l); each factor's upper
+  triangle is allreduced in its planned buffer (planner.fusion), on the channel with the gradient
+  groups; the step ends at max(backward end, channel end) + preconditioning + U;
+- inversion (one step in `inv_update_steps` also pays it): the placement makespan, the busiest worker's
+  inversion work plus every owner's broadcast (planner.placement).
+
+The average step is plain + (factor - plain) / factor_update_steps + inversion / inv_update_steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from planner.costs import AffineCost
+from planner.fusion import FUSION_BASELINES, FactorBuffers, FixedBytes, FusionDP, FusionProblem, simulate_fusion
+from planner.kfac import KFACLayerSpec, KFACPrediction, KFACSection, factor_name
+from planner.placement import (
+    PLACEMENT_BASELINES,
+    PLACEMENT_SOLVERS,
+    Everywhere,
+    LargestFirst,
+    Placement,
+    PlacementProblem,
+    makespan,
+    placement_lower_bound,
+)
+from planner.plan import Plan
+from planner.planning import make_plan
+from planner.problem import Grouping, groups_of
+from planner.profile import Profile
+from planner.simulator import simulate
+from planner.solvers import DenseDP, lower_bound
+from planner.types import Collective, FactorKind, InvalidProfileError, InverseMethod, SolverError, Strategy
+
+__all__ = [
+    "DEFAULT_FACTOR_UPDATE_STEPS",
+    "DEFAULT_INV_UPDATE_STEPS",
+    "KFACProblem",
+    "kfac_problem",
+    "make_kfac_plan",
+    "predict_kfac",
+    "reference_sections",
+]
+
+DEFAULT_FACTOR_UPDATE_STEPS = 1
+DEFAULT_INV_UPDATE_STEPS = 10
+
+
+def triangle_numel(dim: int) -> int:
+    """Values in the upper triangle (with the diagonal) of a dim x dim matrix."""
+    return dim * (dim + 1) // 2
+
+
+def result_numel(dim: int, method: InverseMethod) -> int:
+    """Values an owner broadcasts: an inverse's upper triangle, or eigenvectors and eigenvalues."""
+    return triangle_numel(dim) if method is InverseMethod.INVERSE else dim * dim + dim
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFACProblem:
+    """A K-FAC step of one model on one cluster, as the solvers see it."""
+
+    layers: tuple[KFACLayerSpec, ...]
+    method: InverseMethod
+    fusion: FusionProblem
+    placement: PlacementProblem
+    grad_grouping: Grouping
+    sgd_step_s: float
+    plain_step_s: float
+    factor_compute_s: float
+    compute_end_s: float
+    tail_s: float
+    gradient_lower_bound_s: float
+
+    @property
+    def factor_names(self) -> list[str]:
+        return [factor_name(lt.name, k) for lt in self.layers for k in FactorKind]
+
+
+def kfac_problem(profile: Profile, method: InverseMethod = InverseMethod.EIGEN) -> KFACProblem:
+    """The K-FAC instance a profile describes (it needs the K-FAC measurements of `planner profile`)."""
+    if profile.kfac is None:
+        raise InvalidProfileError(
+            "this profile has no K-FAC measurements; profile again with `planner profile --kfac`"
+        )
+    kf = profile.kfac
+    by_name = {lt.name: i for i, lt in enumerate(profile.layers)}
+    missing = [lt.name for lt in kf.layers if lt.name not in by_name]
+    if missing:
+        raise InvalidProfileError(f"profile.kfac names layers without gradient timings: {missing[:3]}")
+    grad = profile.problem(Strategy.DENSE)
+    grouping = DenseDP().solve(grad)
+    sgd = simulate(grad, grouping)
+    precondition = sum(lt.precondition_s for lt in kf.layers)
+    a_cost = {lt.name: lt.a_compute_s for lt in kf.layers}
+    g_cost = {lt.name: lt.g_compute_s for lt in kf.layers}
+
+    # Forward: gradient layers run in reverse ready order; scale their own times up to the measured F.
+    forward = np.array([lt.forward_s for lt in reversed(profile.layers)])
+    scale = profile.forward_s / forward.sum() if forward.sum() > 0 else 0.0
+    clock = 0.0
+    a_done: dict[str, float] = {}
+    for lt, f in zip(reversed(profile.layers), forward, strict=True):
+        clock += f * scale + a_cost.get(lt.name, 0.0)
+        a_done[lt.name] = clock
+    forward_end = clock
+    # Backward: G_l needs only the output gradient, so it is computed before layer l's own backward.
+    g_done: dict[str, float] = {}
+    grad_ready = []
+    for lt in profile.layers:
+        clock += g_cost.get(lt.name, 0.0)
+        if lt.name in g_cost:
+            g_done[lt.name] = clock
+        clock += lt.backward_s
+        grad_ready.append(clock)
+    compute_end = clock
+
+    order = [lt.name for lt in kf.layers]
+    a_ready = np.maximum.accumulate([a_done[n] for n in order])
+    g_ready = np.maximum.accumulate([max(g_done[n], forward_end) for n in reversed(order)])
+    elem = profile.element_bytes
+    allreduce = profile.curve(Collective.ALLREDUCE).model
+    fusion = FusionProblem(
+        a_ready_s=tuple(float(x) for x in a_ready),
+        a_bytes=tuple(triangle_numel(lt.a_dim) * elem for lt in kf.layers),
+        g_ready_s=tuple(float(x) for x in g_ready),
+        g_bytes=tuple(triangle_numel(lt.g_dim) * elem for lt in reversed(kf.layers)),
+        grad_ready_s=tuple(grad_ready[r.stop - 1] for r in groups_of(grouping)),
+        grad_bytes=tuple(sum(grad.numel[i] for i in r) * elem for r in groups_of(grouping)),
+        allreduce=allreduce,
+        a_names=tuple(order),
+        g_names=tuple(reversed(order)),
+    )
+    invert = (kf.inverse if method is InverseMethod.INVERSE else kf.eigen).model
+    bcast = profile.curve(Collective.BROADCAST).model
+    dims = [d for lt in kf.layers for d in (lt.a_dim, lt.g_dim)]
+    placement = PlacementProblem(
+        inv_s=tuple(invert.cost(d) for d in dims),
+        bcast_s=tuple(bcast.cost(result_numel(d, method) * elem) for d in dims),
+        dims=tuple(dims),
+        world_size=profile.cluster.world_size,
+        names=tuple(factor_name(lt.name, k) for lt in kf.layers for k in FactorKind),
+    )
+    return KFACProblem(
+        layers=tuple(KFACLayerSpec(name=lt.name, a_dim=lt.a_dim, g_dim=lt.g_dim) for lt in kf.layers),
+        method=method,
+        fusion=fusion,
+        placement=placement,
+        grad_grouping=grouping,
+        sgd_step_s=sgd.iteration_s,
+        plain_step_s=sgd.iteration_s + precondition,
+        factor_compute_s=sum(a_cost.values()) + sum(g_cost.values()),
+        compute_end_s=compute_end,
+        tail_s=precondition + profile.update_s,
+        gradient_lower_bound_s=lower_bound(grad) + precondition,
+    )
+
+
+def predict_kfac(
+    problem: KFACProblem,
+    buffers: FactorBuffers,
+    placement: Placement,
+    *,
+    factor_update_steps: int,
+    inv_update_steps: int,
+) -> KFACPrediction:
+    """Predicted times of one K-FAC configuration under the timeline model."""
+    timeline = simulate_fusion(problem.fusion, buffers)
+    factor_step = max(problem.compute_end_s, timeline.end_s) + problem.tail_s
+    inversion = makespan(problem.placement, placement)
+    broadcast = sum(b for b, owner in zip(problem.placement.bcast_s, placement, strict=True) if owner is not None)
+    plain = problem.plain_step_s
+    return KFACPrediction(
+        step_s=plain + (factor_step - plain) / factor_update_steps + inversion / inv_update_steps,
+        plain_step_s=plain,
+        factor_step_s=factor_step,
+        inversion_s=inversion,
+        factor_comm_s=timeline.factor_comm_s,
+        broadcast_s=broadcast,
+        num_buffers=timeline.num_buffers,
+    )
+
+
+def kfac_lower_bound(problem: KFACProblem, *, factor_update_steps: int, inv_update_steps: int) -> float:
+    """No plan's average step can be shorter: each kind of step bounded by its compute path (or the gradient
+    bound), plus the placement bound (as if there were a worker for every factor)."""
+    plain = problem.gradient_lower_bound_s
+    factor = max(plain, problem.compute_end_s + problem.tail_s)
+    inversion = placement_lower_bound(problem.placement)
+    return plain + (factor - plain) / factor_update_steps + inversion / inv_update_steps
+
+
+def _section(
+    problem: KFACProblem,
+    buffers: FactorBuffers,
+    placement: Placement,
+    *,
+    factor_update_steps: int,
+    inv_update_steps: int,
+) -> KFACSection:
+    a_names, g_names = problem.fusion.a_names, problem.fusion.g_names
+    return KFACSection.simple(
+        list(problem.layers),
+        method=problem.method,
+        factor_update_steps=factor_update_steps,
+        inv_update_steps=inv_update_steps,
+        a_buffers=tuple(tuple(a_names[i] for i in r) for r in groups_of(buffers[0])),
+        g_buffers=tuple(tuple(g_names[i] for i in r) for r in groups_of(buffers[1])),
+        owners=dict(zip(problem.factor_names, placement, strict=True)),
+    )
+
+
+def _sgd_prediction(problem: KFACProblem) -> KFACPrediction:
+    s = problem.sgd_step_s
+    return KFACPrediction(step_s=s, plain_step_s=s, factor_step_s=s, inversion_s=0.0, factor_comm_s=0.0,
+                          broadcast_s=0.0, num_buffers=0)
+
+
+def make_kfac_plan(
+    profile: Profile,
+    *,
+    method: InverseMethod = InverseMethod.EIGEN,
+    factor_update_steps: int = DEFAULT_FACTOR_UPDATE_STEPS,
+    inv_update_steps: int = DEFAULT_INV_UPDATE_STEPS,
+    placement_solver: str = "ilp-cbc",
+    time_limit_s: float = 2.0,
+    source: str = "",
+) -> Plan:
+    """The K-FAC plan for `profile`: gradient groups (dense DP), factor buffers (fusion DP), inversion owners
+    (ILP or CP-SAT), with every baseline and the lower bound predicted by the same model."""
+    if placement_solver not in PLACEMENT_SOLVERS:
+        raise SolverError(f"unknown placement solver {placement_solver!r}; choose from {sorted(PLACEMENT_SOLVERS)}")
+    problem = kfac_problem(profile, method)
+    intervals = {"factor_update_steps": factor_update_steps, "inv_update_steps": inv_update_steps}
+    KFACSection.simple(  # validates the intervals before solving
+        list(problem.layers), factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps
+    )
+    t0 = time.perf_counter()
+    buffers = FusionDP().solve(problem.fusion)
+    placed = PLACEMENT_SOLVERS[placement_solver](time_limit_s=time_limit_s).solve(problem.placement)
+    seconds = time.perf_counter() - t0
+
+    baseline_buffers = {b.name: b.solve(problem.fusion) for b in FUSION_BASELINES}
+    baseline_owners = {cls.name: cls().solve(problem.placement).placement for cls in PLACEMENT_BASELINES}
+    baselines = {"sgd": _sgd_prediction(problem)}
+    for name, bufs in baseline_buffers.items():
+        baselines[f"fusion:{name}"] = predict_kfac(problem, bufs, placed.placement, **intervals)
+    for name, owners in baseline_owners.items():
+        baselines[f"placement:{name}"] = predict_kfac(problem, buffers, owners, **intervals)
+    for name, (bufs, owners) in _reference_layouts(problem).items():
+        baselines[name] = predict_kfac(problem, bufs, owners, **intervals)
+
+    section = replace(
+        _section(problem, buffers, placed.placement, **intervals),
+        fusion_solver=FusionDP.name,
+        placement_solver=placed.solver,
+        solve_seconds=seconds,
+        placement_gap=placed.gap,
+        predicted=predict_kfac(problem, buffers, placed.placement, **intervals),
+        baselines=baselines,
+        lower_bound_s=kfac_lower_bound(problem, **intervals),
+    )
+    gradient_plan = make_plan(profile, Strategy.DENSE, source=source)
+    return replace(gradient_plan, kfac=section)
+
+
+def _reference_layouts(problem: KFACProblem) -> dict[str, tuple[FactorBuffers, Placement]]:
+    """The layouts the benchmark runs against: kfac-pytorch's defaults (25 MB buckets, largest-first owners),
+    and 25 MB buckets with every factor inverted everywhere. Neither depends on measured times."""
+    buckets = FixedBytes().solve(problem.fusion)
+    return {
+        "kfac-pytorch": (buckets, LargestFirst().solve(problem.placement).placement),
+        "everywhere": (buckets, Everywhere().solve(problem.placement).placement),
+    }
+
+
+def reference_sections(plan: Plan) -> dict[str, KFACSection]:
+    """K-FAC sections of the reference layouts for the plan's model and cluster, with its method and intervals.
+
+    Built from the plan alone (factor sizes, world size); their predictions are in the plan's baselines.
+    """
+    section = plan.kfac
+    if section is None:
+        raise SolverError("the plan has no kfac section; make one with `planner solve PROFILE --strategy kfac`")
+    elem = 4
+    layers = section.layers
+    n = len(layers)
+    fusion = FusionProblem(
+        a_ready_s=(0.0,) * n,
+        a_bytes=tuple(triangle_numel(lt.a_dim) * elem for lt in layers),
+        g_ready_s=(0.0,) * n,
+        g_bytes=tuple(triangle_numel(lt.g_dim) * elem for lt in reversed(layers)),
+        grad_ready_s=(),
+        grad_bytes=(),
+        allreduce=AffineCost(alpha=0.0, beta=0.0),
+        a_names=tuple(lt.name for lt in layers),
+        g_names=tuple(lt.name for lt in reversed(layers)),
+    )
+    dims = tuple(d for lt in layers for d in (lt.a_dim, lt.g_dim))
+    placement = PlacementProblem(
+        inv_s=tuple(float(d) ** 3 for d in dims), bcast_s=(0.0,) * len(dims), dims=dims,
+        world_size=plan.cluster.world_size,
+    )
+    stub = KFACProblem(
+        layers=layers, method=section.method, fusion=fusion, placement=placement, grad_grouping=(1,),
+        sgd_step_s=0.0, plain_step_s=0.0, factor_compute_s=0.0, compute_end_s=0.0, tail_s=0.0,
+        gradient_lower_bound_s=0.0,
+    )
+    intervals = {
+        "factor_update_steps": section.factor_update_steps,
+        "inv_update_steps": section.inv_update_steps,
+    }
+    predicted = section.baselines or {}
+    return {
+        name: replace(_section(stub, bufs, owners, **intervals), predicted=predicted.get(name))
+        for name, (bufs, owners) in _reference_layouts(stub).items()
+    }

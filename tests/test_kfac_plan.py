@@ -1,0 +1,175 @@
+"""K-FAC plans: the kfac section and profile measurements as data, the timeline model, and the CLI."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from planner.cli import main
+from planner.fusion import FUSION_BASELINES, simulate_fusion
+from planner.kfac import KFACSection, factor_name, kfac_layers
+from planner.kfac_planning import kfac_lower_bound, kfac_problem, predict_kfac, reference_sections
+from planner.models import build_workload
+from planner.placement import PLACEMENT_BASELINES, makespan
+from planner.plan import Plan
+from planner.profile import DimCurve, Profile
+from planner.types import FactorKind, InvalidProfileError, InverseMethod, PlanMismatchError, SchemaError
+from tests.factories import synthetic_kfac_plan, synthetic_plan, synthetic_profile
+from tests.test_contracts import _cli, _one_clear_line
+
+TOL = 1e-12
+
+
+def test_profile_with_kfac_round_trips(tmp_path: Path) -> None:
+    prof = synthetic_profile("cnn")
+    assert prof.kfac is not None
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert Profile.load(path) == prof
+    doc = json.loads(path.read_text())
+    del doc["kfac"]
+    assert Profile.from_dict(doc).kfac is None  # profiles written before K-FAC still load
+
+
+def test_dim_curve_fits_cubes_and_interpolates_otherwise() -> None:
+    cubic = DimCurve.fit([(d, 1e-3 + 2e-10 * d**3) for d in (16, 128, 1024, 2048)])
+    assert cubic.model.cost(512) == pytest.approx(1e-3 + 2e-10 * 512**3, rel=1e-6)
+    assert cubic.model.cost(4096) == pytest.approx(1e-3 + 2e-10 * 4096**3, rel=1e-6)  # cubic beyond the points
+    bumpy = DimCurve.fit([(16, 1e-3), (128, 5e-3), (1024, 0.01), (2048, 0.5)])
+    assert bumpy.worst_error > 0.25
+    assert bumpy.model.cost(1024) == pytest.approx(0.01)  # measured points are reproduced
+    with pytest.raises(InvalidProfileError, match="two or more dimensions"):
+        DimCurve.from_dict({"points": [[8, 1e-3]], "alpha_s": 0, "beta_s_per_dim3": 0, "fit_error": 0}, "x")
+
+
+def test_kfac_plan_round_trips_and_old_plans_load(tmp_path: Path) -> None:
+    plan = synthetic_kfac_plan("cnn")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+    doc = synthetic_plan("mlp").to_dict()
+    del doc["kfac"]
+    assert Plan.from_dict(doc).kfac is None
+
+
+def test_kfac_section_validation() -> None:
+    layers = kfac_layers(build_workload("cnn").module)
+    names = [lt.name for lt in layers]
+    with pytest.raises(SchemaError, match="forward order"):
+        KFACSection.simple(layers, a_buffers=((names[1], names[0]), tuple(names[2:])))
+    with pytest.raises(SchemaError, match="backward order"):
+        KFACSection.simple(layers, g_buffers=(tuple(names),))
+    with pytest.raises(SchemaError, match="multiple of factor_update_steps"):
+        KFACSection.simple(layers, factor_update_steps=3, inv_update_steps=10)
+    with pytest.raises(SchemaError, match="factor_update_steps >= 1"):
+        KFACSection.simple(layers, factor_update_steps=0)
+    owners = {factor_name(n, k): None for n in names for k in FactorKind}
+    del owners[factor_name(names[0], FactorKind.G)]
+    with pytest.raises(SchemaError, match=r"missing \['0.G'\]"):
+        KFACSection.simple(layers, owners=owners)
+    plan = synthetic_kfac_plan("cnn")
+    assert plan.kfac is not None
+    bad = dict(plan.kfac.owners)
+    bad[factor_name(names[0], FactorKind.A)] = 5
+    with pytest.raises(SchemaError, match=r"owner ranks \[5\].*world size is 2"):
+        replace(plan, kfac=replace(plan.kfac, owners=bad))
+    doc = plan.to_dict()
+    doc["kfac"]["owners"][factor_name(names[0], FactorKind.A)] = "some"
+    with pytest.raises(SchemaError, match="must be a rank >= 0 or 'all', got 'some'"):
+        Plan.from_dict(doc)
+
+
+def test_check_layers_names_the_difference() -> None:
+    plan = synthetic_kfac_plan("cnn")
+    assert plan.kfac is not None
+    plan.kfac.check_layers(kfac_layers(build_workload("cnn").module))
+    with pytest.raises(PlanMismatchError, match=r"K-FAC layers differ.*planner solve --strategy kfac"):
+        plan.kfac.check_layers(kfac_layers(build_workload("mlp").module))
+    with pytest.raises(PlanMismatchError, match=r"\['16'\]"):
+        plan.kfac.check_layers(kfac_layers(build_workload("cnn").module, skip="^16$"))
+
+
+@pytest.mark.parametrize("model", ["cnn", "mlp", "resnet18"])
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_plan_is_never_worse_than_its_baselines(model: str, world_size: int) -> None:
+    plan = synthetic_kfac_plan(model, world_size, factor_update_steps=2, inv_update_steps=10)
+    k = plan.kfac
+    assert k is not None and k.predicted is not None and k.baselines is not None and k.lower_bound_s is not None
+    assert {"kfac-pytorch", "everywhere", "sgd", "fusion:25mb", "fusion:spd-greedy", "placement:largest-first",
+            "placement:spd-kfac", "placement:everywhere"} <= set(k.baselines)
+    for name, pred in k.baselines.items():
+        if name != "sgd":
+            assert k.predicted.step_s <= pred.step_s * (1 + TOL), name
+    assert k.lower_bound_s <= k.predicted.step_s * (1 + TOL)
+    assert k.baselines["sgd"].step_s <= k.predicted.step_s  # preconditioning is not free
+
+
+def test_prediction_follows_the_timeline_model() -> None:
+    """The average step is plain + (factor - plain)/T_f + makespan/T_i, from the fusion and placement models."""
+    profile = synthetic_profile("cnn", world_size=2)
+    problem = kfac_problem(profile, InverseMethod.EIGEN)
+    buffers = FUSION_BASELINES[0].solve(problem.fusion)
+    placement = PLACEMENT_BASELINES[0]().solve(problem.placement).placement
+    pred = predict_kfac(problem, buffers, placement, factor_update_steps=2, inv_update_steps=4)
+    timeline = simulate_fusion(problem.fusion, buffers)
+    factor = max(problem.compute_end_s, timeline.end_s) + problem.tail_s
+    inversion = makespan(problem.placement, placement)
+    assert pred.factor_step_s == pytest.approx(factor, rel=TOL)
+    assert pred.inversion_s == pytest.approx(inversion, rel=TOL)
+    assert pred.step_s == pytest.approx(pred.plain_step_s + (factor - pred.plain_step_s) / 2 + inversion / 4, rel=TOL)
+    kf = profile.kfac
+    assert kf is not None
+    assert pred.plain_step_s == pytest.approx(
+        problem.sgd_step_s + sum(lt.precondition_s for lt in kf.layers), rel=TOL
+    )
+    # A factors ready in forward order, G in backward order, after the forward pass.
+    assert list(problem.fusion.a_names) == [lt.name for lt in kf.layers]
+    assert list(problem.fusion.g_names) == [lt.name for lt in reversed(kf.layers)]
+    assert min(problem.fusion.g_ready_s) >= max(problem.fusion.a_ready_s)
+    assert kfac_lower_bound(problem, factor_update_steps=2, inv_update_steps=4) <= pred.step_s
+
+
+def test_reference_sections_are_kfac_pytorch_defaults() -> None:
+    plan = synthetic_kfac_plan("mlp", 2)
+    refs = reference_sections(plan)
+    assert set(refs) == {"kfac-pytorch", "everywhere"}
+    assert all(o is None for o in refs["everywhere"].owners.values())
+    owners = refs["kfac-pytorch"].owners
+    assert all(o in (0, 1) for o in owners.values()) and set(owners.values()) == {0, 1}
+    # 25 MB buckets: the mlp's factors (about 2 MB each) share buckets, so there are fewer buffers than factors.
+    assert len(refs["kfac-pytorch"].a_buffers) < len(plan.kfac.layers)  # type: ignore[union-attr]
+    assert refs["kfac-pytorch"].predicted == plan.kfac.baselines["kfac-pytorch"]  # type: ignore[union-attr,index]
+
+
+def test_cli_solve_kfac_show_and_bad_inputs(tmp_path: Path) -> None:
+    prof_path = tmp_path / "prof.json"
+    synthetic_profile("cnn").save(prof_path)
+    plan_path = tmp_path / "plan.json"
+    args = ["solve", str(prof_path), "--strategy", "kfac", "--inv-update-steps", "20", "-o", str(plan_path)]
+    assert main(args) == 0
+    plan = Plan.load(plan_path)
+    assert plan.kfac is not None and plan.kfac.inv_update_steps == 20
+    proc = _cli("show", str(plan_path), "--groups")
+    assert proc.returncode == 0, proc.stderr
+    for text in ("kfac-pytorch", "everywhere", "placement:largest-first", "lower bound", "A factor buffers"):
+        assert text in proc.stdout, text
+
+    no_kfac = tmp_path / "nokfac.json"
+    doc = synthetic_profile("cnn").to_dict()
+    doc["kfac"] = None
+    no_kfac.write_text(json.dumps(doc))
+    out = str(tmp_path / "out.json")
+    _one_clear_line(_cli("solve", str(no_kfac), "--strategy", "kfac", "-o", out), "no K-FAC measurements")
+    _one_clear_line(_cli("solve", str(prof_path), "--strategy", "kfac", "--factor-update-steps", "3",
+                         "--inv-update-steps", "10", "-o", out), "multiple of factor_update_steps")
+    _one_clear_line(_cli("solve", str(prof_path), "--inv-update-steps", "10", "-o", out), "--strategy kfac only")
+    assert not Path(out).exists()
+
+    dense_path = tmp_path / "dense.json"
+    synthetic_plan("cnn").save(dense_path)
+    _one_clear_line(_cli("bench", "--strategy", "kfac", "--plan", str(dense_path)), "has no kfac section")
+    _one_clear_line(_cli("bench", "--strategy", "kfac", "--plan", str(plan_path), "--model", "mlp"),
+                    "this plan was made for model cnn")
