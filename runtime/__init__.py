@@ -1,13 +1,15 @@
-"""Execute plans during training: fused dense or top-k gradient exchange, and a DDP top-k hook."""
+"""Execute plans during training: fused dense or top-k gradient exchange, a DDP top-k hook, and K-FAC."""
 
 from __future__ import annotations
 
 from runtime.compress import decode, pack, select_topk, unpack
 from runtime.ddp_hooks import TopkHookState, topk_hook
 from runtime.exchange import GradientExchange
+from runtime.kfac import KFACPreconditioner
 
 __all__ = [
     "GradientExchange",
+    "KFACPreconditioner",
     "TopkHookState",
     "decode",
     "pack",
