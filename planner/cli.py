@@ -186,6 +186,10 @@ class ProfileCommand(Command):
         parser.add_argument("--warmup", type=int, default=3, help="unmeasured iterations first")
         parser.add_argument("--densities", default="0.001,0.01,0.1,1.0", help="top-k densities to measure")
         parser.add_argument("--only", choices=["comm"], default=None, help="re-measure only the network of -o")
+        parser.add_argument("--kfac", action="store_true",
+                            help="also measure K-FAC costs (factors, preconditioning, inversion against dimension)")
+        parser.add_argument("--max-dim", type=_positive, default=2048,
+                            help="largest matrix the K-FAC inversion sweep measures; larger ones scale as d^3")
         parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -200,7 +204,7 @@ class ProfileCommand(Command):
         config = ProfileConfig(
             model=args.model, output=args.output, batch_size=args.batch_size, nproc=args.nproc,
             backend=args.backend, repeats=args.repeats, warmup=args.warmup, densities=densities,
-            only_comm=args.only == "comm", base=base,
+            only_comm=args.only == "comm", base=base, kfac=args.kfac, max_dim=args.max_dim,
         )
         profile = run_profile(config)
         profile.save(args.output)
@@ -229,6 +233,21 @@ def print_profile(profile: object) -> None:
         table.add_row(coll.value, f"{curve.alpha_s * 1e6:.1f}", f"{bw:.2f}", f"{curve.fit_error:.1%}",
                       f"{curve.worst_error:.1%}", used, str(len(curve.points)))
     console.print(table)
+    if profile.kfac is not None:
+        kf = profile.kfac
+        table = Table(title="K-FAC: factor work per layer (forward order) and inversion against dimension d")
+        for col in ("layer", "A dim", "G dim", "A ms", "G ms", "fold ms", "precond eigen ms", "precond inverse ms"):
+            table.add_column(col, justify="left" if col == "layer" else "right")
+        for lt in kf.layers:
+            table.add_row(lt.name, str(lt.a_dim), str(lt.g_dim), _ms(lt.a_compute_s), _ms(lt.g_compute_s),
+                          _ms(lt.fold_s), _ms(lt.precondition_eigen_s), _ms(lt.precondition_inverse_s))
+        console.print(table)
+        for name, dc in (("eigen", kf.eigen), ("inverse", kf.inverse)):
+            used = "fit" if dc.worst_error <= MAX_FIT_ERROR else "interpolated"
+            pts = ", ".join(f"{d}: {_ms(t)}" for d, t in dc.points)
+            console.print(f"{name}: alpha {_ms(dc.alpha_s)} ms + {dc.beta_s_per_dim3 * 1e9:.3g} ns * d^3 "
+                          f"(median fit error {dc.fit_error:.1%}, worst {dc.worst_error:.1%}, {used}); "
+                          f"measured ms at d = {pts}")
 
 
 class SolveCommand(Command):
@@ -401,17 +420,31 @@ class BenchCommand(Command):
 
 class BenchSolversCommand(Command):
     name = "bench-solvers"
-    help = "time the exact solvers on synthetic models with many layers"
+    help = "time the exact solvers on synthetic instances: gradient grouping, or K-FAC inversion placement"
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--layers", type=_positive, default=1000)
+        parser.add_argument("--layers", type=_positive, default=1000, help="gradient layers (grouping solvers)")
         parser.add_argument("--repeats", type=_positive, default=5)
+        parser.add_argument("--factors", type=_positive, default=None,
+                            help="time the K-FAC placement solvers on this many factors instead")
+        parser.add_argument("--workers", type=_positive, default=64, help="world size for --factors")
+        parser.add_argument("--time-limit", type=float, default=2.0, help="seconds for each placement solve")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.solver_bench import time_solvers
+        if args.factors is not None:
+            from planner.placement import time_placement
 
-        rows = time_solvers(num_layers=args.layers, repeats=args.repeats)
-        table = Table(title=f"solver time on {args.layers} synthetic layers (median of {args.repeats})")
+            if not args.time_limit > 0:
+                raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
+            rows = time_placement(args.factors, args.workers, repeats=args.repeats, time_limit_s=args.time_limit)
+            title = (f"placement of {args.factors} synthetic factors on {args.workers} workers "
+                     f"(median of {args.repeats}; makespan = busiest worker's inversions + broadcasts)")
+        else:
+            from planner.solver_bench import time_solvers
+
+            rows = time_solvers(num_layers=args.layers, repeats=args.repeats)
+            title = f"solver time on {args.layers} synthetic layers (median of {args.repeats})"
+        table = Table(title=title)
         for col in rows[0]:
             table.add_column(str(col))
         for r in rows:

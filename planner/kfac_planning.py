@@ -8,7 +8,8 @@ order, on one communication channel shared by gradients and factors (FIFO in rea
 - factor step (one in `factor_update_steps`): A_l is computed right after layer l's forward (forward
   grows by a_l), G_l right before layer l's backward (backward grows by g_l); each factor's upper
   triangle is allreduced in its planned buffer (planner.fusion), on the channel with the gradient
-  groups; the step ends at max(backward end, channel end) + preconditioning + U;
+  groups; the step ends at max(backward end, channel end) + folding the factors into their running
+  averages + preconditioning + U;
 - inversion (one step in `inv_update_steps` also pays it): the placement makespan, the busiest worker's
   inversion work plus every owner's broadcast (planner.placement).
 
@@ -80,6 +81,7 @@ class KFACProblem:
     plain_step_s: float
     factor_compute_s: float
     compute_end_s: float
+    fold_s: float
     tail_s: float
     gradient_lower_bound_s: float
 
@@ -102,7 +104,7 @@ def kfac_problem(profile: Profile, method: InverseMethod = InverseMethod.EIGEN) 
     grad = profile.problem(Strategy.DENSE)
     grouping = DenseDP().solve(grad)
     sgd = simulate(grad, grouping)
-    precondition = sum(lt.precondition_s for lt in kf.layers)
+    precondition = sum(lt.precondition_s(method) for lt in kf.layers)
     a_cost = {lt.name: lt.a_compute_s for lt in kf.layers}
     g_cost = {lt.name: lt.g_compute_s for lt in kf.layers}
 
@@ -162,6 +164,7 @@ def kfac_problem(profile: Profile, method: InverseMethod = InverseMethod.EIGEN) 
         plain_step_s=sgd.iteration_s + precondition,
         factor_compute_s=sum(a_cost.values()) + sum(g_cost.values()),
         compute_end_s=compute_end,
+        fold_s=sum(lt.fold_s for lt in kf.layers),
         tail_s=precondition + profile.update_s,
         gradient_lower_bound_s=lower_bound(grad) + precondition,
     )
@@ -177,7 +180,7 @@ def predict_kfac(
 ) -> KFACPrediction:
     """Predicted times of one K-FAC configuration under the timeline model."""
     timeline = simulate_fusion(problem.fusion, buffers)
-    factor_step = max(problem.compute_end_s, timeline.end_s) + problem.tail_s
+    factor_step = max(problem.compute_end_s, timeline.end_s) + problem.fold_s + problem.tail_s
     inversion = makespan(problem.placement, placement)
     broadcast = sum(b for b, owner in zip(problem.placement.bcast_s, placement, strict=True) if owner is not None)
     plain = problem.plain_step_s
@@ -196,7 +199,7 @@ def kfac_lower_bound(problem: KFACProblem, *, factor_update_steps: int, inv_upda
     """No plan's average step can be shorter: each kind of step bounded by its compute path (or the gradient
     bound), plus the placement bound (as if there were a worker for every factor)."""
     plain = problem.gradient_lower_bound_s
-    factor = max(plain, problem.compute_end_s + problem.tail_s)
+    factor = max(plain, problem.compute_end_s + problem.fold_s + problem.tail_s)
     inversion = placement_lower_bound(problem.placement)
     return plain + (factor - plain) / factor_update_steps + inversion / inv_update_steps
 
@@ -314,7 +317,7 @@ def reference_sections(plan: Plan) -> dict[str, KFACSection]:
     )
     stub = KFACProblem(
         layers=layers, method=section.method, fusion=fusion, placement=placement, grad_grouping=(1,),
-        sgd_step_s=0.0, plain_step_s=0.0, factor_compute_s=0.0, compute_end_s=0.0, tail_s=0.0,
+        sgd_step_s=0.0, plain_step_s=0.0, factor_compute_s=0.0, compute_end_s=0.0, fold_s=0.0, tail_s=0.0,
         gradient_lower_bound_s=0.0,
     )
     intervals = {

@@ -21,7 +21,8 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
       },
       "kfac": {                                                   # null or absent when not measured
         "layers": [                                               # Linear/Conv2d layers, forward order
-          {"name", "a_dim", "g_dim", "a_compute_s", "g_compute_s", "precondition_s"}, ...
+          {"name", "a_dim", "g_dim", "a_compute_s", "g_compute_s", "fold_s",
+           "precondition_eigen_s", "precondition_inverse_s"}, ...
         ],
         "inverse": {"points": [[dim, seconds], ...], "alpha_s", "beta_s_per_dim3", "fit_error"},
         "eigen":   {"points": [[dim, seconds], ...], "alpha_s", "beta_s_per_dim3", "fit_error"}
@@ -30,8 +31,10 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
 
 K-FAC: `a_compute_s` is the time to compute a layer's A factor from its input (added to forward on a
 factor-update step), `g_compute_s` the time for G from its output gradient (added to backward),
-`precondition_s` the time to precondition its gradient (every step). Inversion and eigendecomposition
-times are measured against the matrix dimension d and modelled as alpha + beta * d^3.
+`fold_s` the time to unpack both averaged factors and fold them into the running averages (after the
+factor allreduces, on a factor-update step), `precondition_eigen_s` / `precondition_inverse_s` the
+time to precondition its gradient (every step) with eigendecompositions or with inverses. Inversion
+and eigendecomposition times are measured against the matrix dimension d, modelled as alpha + beta*d^3.
 
 `backward_s` of a layer is the time between the previous layer's gradient becoming ready and its own
 (b_i of the timeline model). `fit_error` is the median relative error of the fitted alpha + beta*x.
@@ -53,7 +56,7 @@ from planner.costs import AffineCost, CostModel, PiecewiseLinearCost, fit_affine
 from planner.fingerprint import ClusterInfo, ModelInfo
 from planner.jsonio import check_fields, expect, expect_time, read_json, write_json_atomic
 from planner.problem import GradientProblem
-from planner.types import Collective, InvalidProfileError, SchemaError, Strategy
+from planner.types import Collective, InvalidProfileError, InverseMethod, SchemaError, Strategy
 
 __all__ = [
     "PROFILE_KIND",
@@ -305,7 +308,12 @@ class KFACLayerTiming:
     g_dim: int
     a_compute_s: float
     g_compute_s: float
-    precondition_s: float
+    fold_s: float
+    precondition_eigen_s: float
+    precondition_inverse_s: float
+
+    def precondition_s(self, method: InverseMethod) -> float:
+        return self.precondition_eigen_s if method is InverseMethod.EIGEN else self.precondition_inverse_s
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -314,13 +322,18 @@ class KFACLayerTiming:
             "g_dim": self.g_dim,
             "a_compute_s": self.a_compute_s,
             "g_compute_s": self.g_compute_s,
-            "precondition_s": self.precondition_s,
+            "fold_s": self.fold_s,
+            "precondition_eigen_s": self.precondition_eigen_s,
+            "precondition_inverse_s": self.precondition_inverse_s,
         }
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> KFACLayerTiming:
         expect(data, dict, where)
-        check_fields(data, where, ["name", "a_dim", "g_dim", "a_compute_s", "g_compute_s", "precondition_s"])
+        check_fields(
+            data, where, ["name", "a_dim", "g_dim", "a_compute_s", "g_compute_s", "fold_s", "precondition_eigen_s",
+                         "precondition_inverse_s"]
+        )
         a_dim = expect(data["a_dim"], int, f"{where}.a_dim")
         g_dim = expect(data["g_dim"], int, f"{where}.g_dim")
         if min(a_dim, g_dim) <= 0:
@@ -331,7 +344,9 @@ class KFACLayerTiming:
             g_dim=g_dim,
             a_compute_s=_time(data["a_compute_s"], f"{where}.a_compute_s"),
             g_compute_s=_time(data["g_compute_s"], f"{where}.g_compute_s"),
-            precondition_s=_time(data["precondition_s"], f"{where}.precondition_s"),
+            fold_s=_time(data["fold_s"], f"{where}.fold_s"),
+            precondition_eigen_s=_time(data["precondition_eigen_s"], f"{where}.precondition_eigen_s"),
+            precondition_inverse_s=_time(data["precondition_inverse_s"], f"{where}.precondition_inverse_s"),
         )
 
 

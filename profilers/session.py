@@ -17,6 +17,7 @@ from planner.models import build_workload
 from planner.profile import Profile
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import log_sizes, measure_collectives
+from profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
 from profilers.layers import combine_ranks, measure_layers
 from profilers.topk import measure_topk
 
@@ -39,6 +40,8 @@ class ProfileConfig:
     comm_repeats: int = 7
     densities: tuple[float, ...] = DEFAULT_DENSITIES
     only_comm: bool = False
+    kfac: bool = False
+    max_dim: int = DEFAULT_MAX_DIM
     base: Profile | None = field(default=None, repr=False)
     show_progress: bool = True
 
@@ -110,6 +113,13 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                 topk_sizes, config.densities, world_size, device, repeats=5, warmup=1,
                 on_point=lambda: bar.advance(task),
             )
+        kfac = base.kfac if base is not None else None
+        if config.kfac and not config.only_comm:
+            task = bar.add_task("K-FAC factors and inversions", total=kfac_points(workload, config.max_dim))
+            kfac = measure_kfac(
+                workload, device, repeats=config.repeats, warmup=config.warmup, max_dim=config.max_dim,
+                on_point=lambda: bar.advance(task),
+            )
     if rank != 0:
         return None
     cluster = ClusterInfo(
@@ -141,6 +151,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         layers=tuple(layers),
         collectives=curves,
         topk=topk,
+        kfac=kfac,
     )
 
 

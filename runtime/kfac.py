@@ -61,10 +61,12 @@ __all__ = [
     "KFACPreconditioner",
     "covariance",
     "decompose",
+    "fold_factor",
     "input_rows",
     "output_grad_rows",
     "precondition_eigen",
     "precondition_inverse",
+    "symmetric_from_triangle",
 ]
 
 STATE_KIND = "runtime.kfac_preconditioner"
@@ -115,6 +117,20 @@ def output_grad_rows(module: nn.Module, grad: Tensor, dtype: torch.dtype) -> Ten
 def covariance(rows: Tensor) -> Tensor:
     """rowsᵀ rows / number of rows: a factor from its rows."""
     return rows.T @ rows / max(rows.shape[0], 1)
+
+
+def symmetric_from_triangle(flat: Tensor, rows: Tensor, cols: Tensor, out: Tensor) -> Tensor:
+    """Fill `out` with the symmetric matrix whose upper triangle (at `rows`, `cols`) is `flat`."""
+    out[rows, cols] = flat.to(out.dtype)
+    out[cols, rows] = flat.to(out.dtype)
+    return out
+
+
+def fold_factor(running: Tensor | None, new: Tensor, decay: float) -> Tensor:
+    """The running average of a factor: decay * running + (1 - decay) * new, in place; `new` the first time."""
+    if running is None:
+        return new
+    return running.mul_(decay).add_(new, alpha=1 - decay)
 
 
 def decompose(matrix: Tensor, method: InverseMethod, damping: float, out: Tensor) -> None:
@@ -195,9 +211,7 @@ class _Factor:
         """The symmetric matrix whose upper triangle is `flat`."""
         if out is None:
             out = torch.empty(self.dim, self.dim, dtype=self.inv_flat.dtype, device=flat.device)
-        out[self.rows, self.cols] = flat.to(out.dtype)
-        out[self.cols, self.rows] = flat.to(out.dtype)
-        return out
+        return symmetric_from_triangle(flat, self.rows, self.cols, out)
 
 
 class _Layer:
@@ -500,11 +514,7 @@ class KFACPreconditioner:
             if self.world_size > 1:
                 st.flat.div_(self.world_size)
             for f in st.factors:
-                new = f.unpack(f.view)
-                if f.running is None:
-                    f.running = new
-                else:
-                    f.running.mul_(decay).add_(new, alpha=1 - decay)
+                f.running = fold_factor(f.running, f.unpack(f.view), decay)
         self._have_factors = True
 
     # -- gradients -------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def test_prediction_follows_the_timeline_model() -> None:
     placement = PLACEMENT_BASELINES[0]().solve(problem.placement).placement
     pred = predict_kfac(problem, buffers, placement, factor_update_steps=2, inv_update_steps=4)
     timeline = simulate_fusion(problem.fusion, buffers)
-    factor = max(problem.compute_end_s, timeline.end_s) + problem.tail_s
+    factor = max(problem.compute_end_s, timeline.end_s) + problem.fold_s + problem.tail_s
     inversion = makespan(problem.placement, placement)
     assert pred.factor_step_s == pytest.approx(factor, rel=TOL)
     assert pred.inversion_s == pytest.approx(inversion, rel=TOL)
@@ -123,7 +123,7 @@ def test_prediction_follows_the_timeline_model() -> None:
     kf = profile.kfac
     assert kf is not None
     assert pred.plain_step_s == pytest.approx(
-        problem.sgd_step_s + sum(lt.precondition_s for lt in kf.layers), rel=TOL
+        problem.sgd_step_s + sum(lt.precondition_eigen_s for lt in kf.layers), rel=TOL
     )
     # A factors ready in forward order, G in backward order, after the forward pass.
     assert list(problem.fusion.a_names) == [lt.name for lt in kf.layers]

@@ -1,0 +1,206 @@
+"""K-FAC costs on this device: per-layer factor and preconditioning work, inversion time against dimension.
+
+Times the runtime's own functions (runtime.kfac), on the layer inputs and output gradients of one real
+training step, so the profile measures what the preconditioner does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from planner.kfac import KFACLayerSpec, kfac_layers
+from planner.layers import ROOT_NAME
+from planner.models import Workload
+from planner.profile import DimCurve, KFACLayerTiming, KFACTiming
+from planner.types import InvalidProfileError, InverseMethod
+from profilers.timing import median, time_call
+from runtime.kfac import (
+    covariance,
+    decompose,
+    fold_factor,
+    input_rows,
+    output_grad_rows,
+    precondition_eigen,
+    precondition_inverse,
+    symmetric_from_triangle,
+)
+
+__all__ = ["DEFAULT_MAX_DIM", "inversion_dims", "measure_inversion", "measure_kfac_layers"]
+
+#: Largest matrix the inversion sweep measures by default; larger factors are extrapolated as d^3.
+DEFAULT_MAX_DIM = 2048
+_DAMPING = 1e-3
+
+
+def _capture(workload: Workload, device: torch.device) -> tuple[list[str], dict[str, Tensor], dict[str, Tensor]]:
+    """Run one training step; return the K-FAC layers in execution order, their inputs and output gradients."""
+    module = workload.module.to(device)
+    names = {s.name for s in kfac_layers(module)}
+    if not names:
+        raise InvalidProfileError(f"model {workload.name} has no Linear or Conv2d layers for K-FAC to precondition")
+    order: list[str] = []
+    inputs: dict[str, Tensor] = {}
+    grads: dict[str, Tensor] = {}
+
+    def forward_hook(name: str, _mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if name in inputs or not args or not isinstance(args[0], Tensor):
+            return
+        order.append(name)
+        inputs[name] = args[0].detach()
+        if isinstance(output, Tensor) and output.requires_grad:
+            output.register_hook(lambda g: grads.setdefault(name, g.detach()))
+
+    hooks = [
+        mod.register_forward_hook(partial(forward_hook, name or ROOT_NAME))
+        for name, mod in module.named_modules()
+        if (name or ROOT_NAME) in names
+    ]
+    try:
+        x, y = workload.batch(0)
+        workload.loss(x.to(device), y.to(device)).backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    unused = sorted(names - set(order))
+    if unused:
+        raise InvalidProfileError(f"K-FAC layers {unused[:3]} did not run in the forward pass; skip them")
+    module.zero_grad(set_to_none=True)
+    return order, inputs, grads
+
+
+def measure_kfac_layers(
+    workload: Workload,
+    device: torch.device,
+    *,
+    repeats: int,
+    warmup: int,
+    on_layer: Callable[[], object] = lambda: None,
+) -> list[KFACLayerTiming]:
+    """Median seconds of each layer's A and G computation (with packing) and of preconditioning its gradient."""
+    order, inputs, grads = _capture(workload, device)
+    specs = {s.name: s for s in kfac_layers(workload.module)}
+    modules = {name or ROOT_NAME: mod for name, mod in workload.module.named_modules()}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    out = []
+    for name in order:
+        work = _LayerWork(specs[name], modules[name], inputs[name], grads[name], device, gen)
+        fns = (work.a_factor, work.g_factor, work.fold, work.precondition_eigen, work.precondition_inverse)
+        timed = [median(time_call(fn, device, repeats=repeats, warmup=warmup)) for fn in fns]
+        out.append(KFACLayerTiming(name=name, a_dim=work.spec.a_dim, g_dim=work.spec.g_dim, a_compute_s=timed[0],
+                                   g_compute_s=timed[1], fold_s=timed[2], precondition_eigen_s=timed[3],
+                                   precondition_inverse_s=timed[4]))
+        on_layer()
+    return out
+
+
+class _LayerWork:
+    """The runtime's per-layer K-FAC work on one layer's captured input and output gradient."""
+
+    def __init__(self, spec: KFACLayerSpec, module: nn.Module, x: Tensor, grad: Tensor, device: torch.device,
+                 gen: torch.Generator) -> None:
+        self.spec, self.module, self.x, self.grad = spec, module, x, grad
+        self.batch = grad.shape[0] if grad.dim() > 1 else 1
+        self.a_index = torch.triu_indices(spec.a_dim, spec.a_dim, device=device)
+        self.g_index = torch.triu_indices(spec.g_dim, spec.g_dim, device=device)
+        self.running = (torch.zeros(spec.a_dim, spec.a_dim, device=device),
+                        torch.zeros(spec.g_dim, spec.g_dim, device=device))
+        self.packed = (self.a_factor(), self.g_factor())
+
+        def rand(*shape: int) -> Tensor:
+            return torch.rand(*shape, generator=gen).to(device)
+
+        self.eigen = (rand(spec.a_dim, spec.a_dim), rand(spec.a_dim), rand(spec.g_dim, spec.g_dim), rand(spec.g_dim))
+        self.gmat = rand(spec.g_dim, spec.a_dim)
+
+    def a_factor(self) -> Tensor:
+        """A from the layer input, packed as its upper triangle (what the forward hook does)."""
+        rows, cols = self.a_index
+        return covariance(input_rows(self.module, self.x, torch.float32))[rows, cols]
+
+    def g_factor(self) -> Tensor:
+        """G from the output gradient scaled by the batch, packed (what the output's tensor hook does)."""
+        rows, cols = self.g_index
+        return covariance(output_grad_rows(self.module, self.grad, torch.float32) * self.batch)[rows, cols]
+
+    def fold(self) -> None:
+        """Unpack both averaged factors and fold them into their running averages (in `step()`)."""
+        for flat, run, (rows, cols) in zip(self.packed, self.running, (self.a_index, self.g_index), strict=True):
+            fold_factor(run, symmetric_from_triangle(flat, rows, cols, torch.empty_like(run)), 0.95)
+
+    def precondition_eigen(self) -> Tensor:
+        """Precondition the layer's gradient matrix with eigendecompositions (every step)."""
+        qa, ea, qg, eg = self.eigen
+        return precondition_eigen(self.gmat, qa, ea, qg, eg, _DAMPING)
+
+    def precondition_inverse(self) -> Tensor:
+        """Precondition the layer's gradient matrix with inverses (every step)."""
+        return precondition_inverse(self.gmat, self.eigen[0], self.eigen[2])
+
+
+def inversion_dims(dims: Sequence[int], *, max_dim: int = DEFAULT_MAX_DIM, points: int = 10) -> list[int]:
+    """Dimensions to measure: the model's own factor sizes when there are few, else a geometric sweep over
+    their range; capped at `max_dim`, and at least two."""
+    distinct = sorted({min(d, max_dim) for d in dims})
+    if len(distinct) > points:
+        lo, hi = distinct[0], distinct[-1]
+        distinct = sorted({round(lo * (hi / lo) ** (i / (points - 1))) for i in range(points)})
+    if len(distinct) < 2:
+        distinct = sorted({max(2, distinct[0] // 4), distinct[0]})
+    return distinct
+
+
+def measure_inversion(
+    dims: Sequence[int],
+    method: InverseMethod,
+    device: torch.device,
+    *,
+    repeats: int,
+    warmup: int,
+    on_point: Callable[[], object] = lambda: None,
+) -> DimCurve:
+    """Median seconds of the runtime's `decompose` (eigh or damped inverse) of a d x d SPD matrix, per d."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    points = []
+    for d in dims:
+        x = torch.randn(d, 2 * d, generator=gen)
+        matrix = (x @ x.T / (2 * d)).to(device)
+        out = torch.empty(d * d + d if method is InverseMethod.EIGEN else d * (d + 1) // 2, device=device)
+        # Large matrices take long: fewer repetitions, still a median.
+        reps = repeats if d < 1024 else max(1, math.ceil(repeats / 3))
+        samples = time_call(partial(decompose, matrix, method, _DAMPING, out), device, repeats=reps,
+                            warmup=min(warmup, 1))
+        points.append((d, median(samples)))
+        on_point()
+    return DimCurve.fit(points)
+
+
+def measure_kfac(
+    workload: Workload,
+    device: torch.device,
+    *,
+    repeats: int,
+    warmup: int,
+    max_dim: int = DEFAULT_MAX_DIM,
+    on_point: Callable[[], object] = lambda: None,
+) -> KFACTiming:
+    """Everything a K-FAC plan needs from this device."""
+    layers = measure_kfac_layers(workload, device, repeats=repeats, warmup=warmup, on_layer=on_point)
+    dims = inversion_dims([d for lt in layers for d in (lt.a_dim, lt.g_dim)], max_dim=max_dim)
+    curves = {
+        m: measure_inversion(dims, m, device, repeats=max(3, repeats // 2), warmup=1, on_point=on_point)
+        for m in InverseMethod
+    }
+    return KFACTiming(layers=tuple(layers), inverse=curves[InverseMethod.INVERSE], eigen=curves[InverseMethod.EIGEN])
+
+
+def kfac_points(workload: Workload, max_dim: int = DEFAULT_MAX_DIM) -> int:
+    """How many progress steps `measure_kfac` takes (layers, then inversion points of both methods)."""
+    specs = kfac_layers(workload.module)
+    dims = inversion_dims([d for s in specs for d in (s.a_dim, s.g_dim)], max_dim=max_dim)
+    return len(specs) + 2 * len(dims)
