@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+from torch import nn
+
+from planner.models import Workload
 from planner.plan import Plan
 from planner.profile import Profile
 from planner.types import Collective, Strategy
@@ -50,3 +54,43 @@ def test_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     for r in rows:
         assert r["steps"] == 3 and r["median_s"] > 0 and r["predicted_s"] > 0
     assert rows[0]["speedup"] == 1.0 and rows[0]["reference"] == "ddp"
+
+
+def tiny_kfac_workload() -> Workload:
+    """A small CNN whose factors invert in microseconds: `--model tests.test_end_to_end:tiny_kfac_workload`."""
+    module = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(4, 6, 3, stride=2, bias=False),
+        nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 3 * 3, 16), nn.ReLU(), nn.Linear(16, 5),
+    )
+
+    def make_batch(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 3, 8, 8, generator=gen), torch.randint(0, 5, (n,), generator=gen)
+
+    return Workload(name="tiny-kfac", module=module, batch_size=8, make_batch=make_batch,
+                    loss_fn=nn.functional.cross_entropy)
+
+
+def test_kfac_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
+    model = "tests.test_end_to_end:tiny_kfac_workload"
+    prof = tmp_path / "tiny.json"
+    _planner("profile", "--model", model, "--nproc", "2", "--repeats", "3", "--warmup", "1", "--densities", "0.01",
+             "--kfac", "-o", str(prof))
+    kf = Profile.load(prof).kfac
+    assert kf is not None
+    assert [(lt.name, lt.a_dim, lt.g_dim) for lt in kf.layers] == [("0", 28, 4), ("2", 36, 6), ("6", 55, 16),
+                                                                     ("8", 17, 5)]
+    assert len(kf.eigen.points) >= 2 and len(kf.inverse.points) >= 2
+
+    plan_path = tmp_path / "kfac.json"
+    out = _planner("solve", str(prof), "--strategy", "kfac", "--factor-update-steps", "1", "--inv-update-steps",
+                   "2", "--placement-solver", "cp-sat", "-o", str(plan_path)).stdout
+    assert "kfac-pytorch" in out and "lower bound" in out
+    plan = Plan.load(plan_path)
+    assert (plan.kfac is not None and plan.kfac.placement_solver in ("cp-sat", "ilp-cbc", "closed-form")) or plan.kfac
+
+    res = _planner("bench", "--strategy", "kfac", "--plan", str(plan_path), "--steps", "4", "--json")
+    rows = json.loads(res.stdout)
+    assert [r["name"] for r in rows] == ["sgd", "everywhere", "kfac-pytorch", "plan"]
+    for r in rows:
+        assert r["steps"] == 6 and r["median_s"] > 0 and r["predicted_s"] > 0 and r["reference"] == "kfac-pytorch"
+    assert rows[2]["speedup"] == 1.0
