@@ -56,6 +56,14 @@ class BenchResult:
     speedup: float | None = None
     reference: str = "ddp"
 
+    @classmethod
+    def from_samples(cls, name: str, strategy: str, samples: list[float], *, steps: int, predicted_s: float | None,
+                     reference: str) -> BenchResult:
+        """Median and quartiles of the samples (step times, or average step times over windows)."""
+        q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1 else [samples[0]] * 3
+        return cls(name=name, strategy=strategy, median_s=statistics.median(samples), p25_s=q[0], p75_s=q[2],
+                   steps=steps, predicted_s=predicted_s, reference=reference)
+
     @property
     def rel_error(self) -> float | None:
         if self.predicted_s is None:
@@ -158,20 +166,11 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     dist.all_reduce(all_times, op=dist.ReduceOp.MAX)
     if rank != 0:
         return None
-    results = []
-    for (name, plan, pred), row in zip(variants, all_times.tolist(), strict=True):
-        q = statistics.quantiles(row, n=4, method="inclusive")
-        results.append(
-            BenchResult(
-                name=name,
-                strategy="ddp" if plan is None else plan.strategy.value,
-                median_s=statistics.median(row),
-                p25_s=q[0],
-                p75_s=q[2],
-                steps=len(row),
-                predicted_s=pred,
-            )
-        )
+    results = [
+        BenchResult.from_samples(name, "ddp" if plan is None else plan.strategy.value, row, steps=len(row),
+                                 predicted_s=pred, reference="ddp")
+        for (name, plan, pred), row in zip(variants, all_times.tolist(), strict=True)
+    ]
     ddp = results[0].median_s
     return [replace(r, speedup=ddp / r.median_s) for r in results]
 

@@ -16,7 +16,6 @@ same processes; each step is timed from a barrier, and a step's time is the slow
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass, replace
 
@@ -144,19 +143,8 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
     results = []
     for (name, section, pred), row in zip(variants, all_times.tolist(), strict=True):
         per_window = [sum(row[w * window:(w + 1) * window]) / window for w in range(config.windows)]
-        q = statistics.quantiles(per_window, n=4, method="inclusive") if len(per_window) > 1 else [per_window[0]] * 3
-        results.append(
-            BenchResult(
-                name=name,
-                strategy="sgd" if section is None else "kfac",
-                median_s=statistics.median(per_window),
-                p25_s=q[0],
-                p75_s=q[2],
-                steps=len(row),
-                predicted_s=pred,
-                reference=REFERENCE,
-            )
-        )
+        results.append(BenchResult.from_samples(name, "sgd" if section is None else "kfac", per_window,
+                                                steps=len(row), predicted_s=pred, reference=REFERENCE))
     ref = next(r.median_s for r in results if r.name == REFERENCE)
     return [replace(r, speedup=ref / r.median_s) for r in results]
 

@@ -119,6 +119,16 @@ class LayerTiming:
         )
 
 
+def _measured_points(data: Any, where: str, size: str) -> list[tuple[int, float]]:
+    """[[size, seconds], ...] as (int, time) pairs, each checked."""
+    points = []
+    for i, p in enumerate(expect(data, list, where)):
+        if not isinstance(p, list) or len(p) != 2:
+            raise SchemaError(f"{where}[{i}] must be [{size}, seconds], got {p!r}")
+        points.append((expect(p[0], int, f"{where}[{i}][0]"), _time(p[1], f"{where}[{i}][1]")))
+    return points
+
+
 @dataclass(frozen=True, kw_only=True)
 class FittedCurve:
     """Raw (size, seconds) points and their alpha + beta*size fit."""
@@ -162,11 +172,7 @@ class FittedCurve:
     def from_dict(cls, data: Any, where: str) -> FittedCurve:
         expect(data, dict, where)
         check_fields(data, where, ["points", "alpha_s", "beta_s_per_byte", "fit_error"])
-        points = []
-        for i, p in enumerate(expect(data["points"], list, f"{where}.points")):
-            if not isinstance(p, list) or len(p) != 2:
-                raise SchemaError(f"{where}.points[{i}] must be [size, seconds], got {p!r}")
-            points.append((expect(p[0], int, f"{where}.points[{i}][0]"), _time(p[1], f"{where}.points[{i}][1]")))
+        points = _measured_points(data["points"], f"{where}.points", "size")
         if len(points) < 2:
             raise InvalidProfileError(f"{where} needs at least two measured points, got {len(points)}")
         return cls(
@@ -243,18 +249,19 @@ class DimCurve:
         model, err = fit_affine([(d**3, t) for d, t in points])
         return cls(points=tuple(points), alpha_s=model.alpha, beta_s_per_dim3=model.beta, fit_error=err)
 
+    def against_cubes(self) -> FittedCurve:
+        """The same measurements as seconds against d^3, where the fit is affine."""
+        return FittedCurve(points=tuple((d**3, t) for d, t in self.points), alpha_s=self.alpha_s,
+                           beta_s_per_byte=self.beta_s_per_dim3, fit_error=self.fit_error)
+
     @property
     def worst_error(self) -> float:
-        fit = AffineCost(alpha=self.alpha_s, beta=self.beta_s_per_dim3)
-        return max(abs(fit.cost(d**3) - t) / t for d, t in self.points if t > 0)
+        return self.against_cubes().worst_error
 
     @property
     def model(self) -> CostModel:
         """Seconds against d: the cubic fit where it holds at every point, else interpolation in d^3."""
-        if self.worst_error <= MAX_FIT_ERROR:
-            return _CubeOf(inner=AffineCost(alpha=self.alpha_s, beta=self.beta_s_per_dim3))
-        pts = sorted(dict(self.points).items())
-        return _CubeOf(inner=PiecewiseLinearCost(xs=tuple(float(d**3) for d, _ in pts), ys=tuple(t for _, t in pts)))
+        return _CubeOf(inner=self.against_cubes().model)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -268,14 +275,9 @@ class DimCurve:
     def from_dict(cls, data: Any, where: str) -> DimCurve:
         expect(data, dict, where)
         check_fields(data, where, ["points", "alpha_s", "beta_s_per_dim3", "fit_error"])
-        points = []
-        for i, p in enumerate(expect(data["points"], list, f"{where}.points")):
-            if not isinstance(p, list) or len(p) != 2:
-                raise SchemaError(f"{where}.points[{i}] must be [dim, seconds], got {p!r}")
-            d = expect(p[0], int, f"{where}.points[{i}][0]")
-            if d <= 0:
-                raise InvalidProfileError(f"{where}.points[{i}]: the dimension must be > 0, got {d}")
-            points.append((d, _time(p[1], f"{where}.points[{i}][1]")))
+        points = _measured_points(data["points"], f"{where}.points", "dim")
+        if any(d <= 0 for d, _ in points):
+            raise InvalidProfileError(f"{where}: every dimension must be > 0, got {[d for d, _ in points]}")
         if len(points) < 2 or len({d for d, _ in points}) < 2:
             raise InvalidProfileError(f"{where} needs points at two or more dimensions, got {len(points)} point(s)")
         return cls(

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from planner.fingerprint import ClusterInfo, model_info
-from planner.kfac import kfac_layers
+from planner.kfac import KFACSection, kfac_layers
 from planner.layers import gradient_layers
 from planner.models import build_workload
-from planner.plan import Plan
+from planner.plan import Group, Plan
 from planner.planning import make_plan
+from planner.problem import Prediction
 from planner.profile import DimCurve, FittedCurve, KFACLayerTiming, KFACTiming, LayerTiming, Profile, TopkTiming
 from planner.types import Collective, Strategy
 
@@ -75,3 +78,33 @@ def synthetic_kfac_plan(model: str = "mlp", world_size: int = 2, **kwargs: objec
 def synthetic_plan(model: str = "mlp", world_size: int = 2, strategy: Strategy = Strategy.DENSE,
                    density: float | None = None) -> Plan:
     return make_plan(synthetic_profile(model, world_size), strategy, density, source="synthetic")
+
+
+def plan_with_groups(
+    model: nn.Module,
+    groups: tuple[Group, ...],
+    strategy: Strategy = Strategy.DENSE,
+    density: float | None = None,
+    *,
+    world_size: int = 2,
+    name: str = "tiny",
+    kfac: KFACSection | None = None,
+) -> Plan:
+    """A plan with dummy predictions for `model` (named `name`) made of `groups` (and a K-FAC section)."""
+    zero = Prediction(iteration_s=0, compute_s=0, exposed_comm_s=0, comm_s=0)
+    return Plan(
+        strategy=strategy,
+        density=density,
+        model=model_info(model, name),
+        cluster=ClusterInfo(world_size=world_size, backend="gloo", device="cpu"),
+        groups=groups,
+        predicted=zero,
+        baselines={},
+        lower_bound_s=0.0,
+        solver="test",
+        solve_seconds=0.0,
+        source_profile="test",
+        profiled="test",
+        created="test",
+        kfac=kfac,
+    )

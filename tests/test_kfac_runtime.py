@@ -23,14 +23,13 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import runtime.kfac
-from planner.fingerprint import ClusterInfo, model_info
 from planner.kfac import KFACSection, factor_name, kfac_layers
 from planner.layers import gradient_layers, groups_for
 from planner.plan import Plan
-from planner.problem import Prediction
 from planner.types import DistributedError, FactorKind, InverseMethod, PlanMismatchError, Strategy
 from runtime import KFACPreconditioner
 from runtime.launch import run_distributed
+from tests.factories import plan_with_groups
 
 WORLD_SIZE = 2
 #: Distributed vs one process: gradients and factors are averaged over ranks in another summation order
@@ -139,23 +138,8 @@ def make_plan(
     """A dense plan with dummy predictions: one group per layer (or one group) in ready order, and `kfac`."""
     layers = gradient_layers(model)[::-1]
     grouping = (len(layers),) if single else tuple(range(1, len(layers) + 1))
-    zero = Prediction(iteration_s=0, compute_s=0, exposed_comm_s=0, comm_s=0)
-    return Plan(
-        strategy=Strategy.DENSE,
-        density=None,
-        model=model_info(model, "knet"),
-        cluster=ClusterInfo(world_size=world_size, backend="gloo", device="cpu"),
-        groups=groups_for(layers, grouping, Strategy.DENSE, None),
-        predicted=zero,
-        baselines={},
-        lower_bound_s=0.0,
-        solver="test",
-        solve_seconds=0.0,
-        source_profile="test",
-        profiled="test",
-        created="test",
-        kfac=kfac,
-    )
+    groups = groups_for(layers, grouping, Strategy.DENSE, None)
+    return plan_with_groups(model, groups, world_size=world_size, name="knet", kfac=kfac)
 
 
 def prefixed(where: str) -> Callable[[str], str]:

@@ -19,13 +19,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from planner.fingerprint import ClusterInfo, model_info
 from planner.layers import gradient_layers, groups_for
 from planner.plan import Group, Plan
-from planner.problem import Prediction
 from planner.types import DistributedError, PlanMismatchError, Strategy
 from runtime import GradientExchange, TopkHookState, topk_hook
 from runtime.launch import run_distributed
+from tests.factories import plan_with_groups
 
 WORLD_SIZE = 2
 RTOL, ATOL = 1e-5, 1e-6
@@ -114,33 +113,6 @@ def make_plan(
         layers = layers[::-1]
     groups = groups_for(layers, grouping_for(grouping, len(layers)), strategy, density)
     return plan_with_groups(model, groups, strategy, density, world_size=world_size, name=name)
-
-
-def plan_with_groups(
-    model: nn.Module,
-    groups: tuple[Group, ...],
-    strategy: Strategy = Strategy.DENSE,
-    density: float | None = None,
-    *,
-    world_size: int = WORLD_SIZE,
-    name: str = "tiny",
-) -> Plan:
-    zero = Prediction(iteration_s=0, compute_s=0, exposed_comm_s=0, comm_s=0)
-    return Plan(
-        strategy=strategy,
-        density=density,
-        model=model_info(model, name),
-        cluster=ClusterInfo(world_size=world_size, backend="gloo", device="cpu"),
-        groups=groups,
-        predicted=zero,
-        baselines={},
-        lower_bound_s=0.0,
-        solver="test",
-        solve_seconds=0.0,
-        source_profile="test",
-        profiled="test",
-        created="test",
-    )
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor:
