@@ -66,7 +66,7 @@ def test_kfac_section_validation() -> None:
         KFACSection.simple(layers, factor_update_steps=3, inv_update_steps=10)
     with pytest.raises(SchemaError, match="factor_update_steps >= 1"):
         KFACSection.simple(layers, factor_update_steps=0)
-    owners = {factor_name(n, k): None for n in names for k in FactorKind}
+    owners: dict[str, int | None] = {factor_name(n, k): None for n in names for k in FactorKind}
     del owners[factor_name(names[0], FactorKind.G)]
     with pytest.raises(SchemaError, match=r"missing \['0.G'\]"):
         KFACSection.simple(layers, owners=owners)
