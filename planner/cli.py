@@ -378,7 +378,8 @@ class BenchCommand(Command):
         parser.add_argument("--batch-size", type=_positive, default=None)
         parser.add_argument("--nproc", type=_positive, default=None, help="workers (default: the plan's world size)")
         parser.add_argument("--steps", type=_positive, default=20, help="measured steps per variant (>= 20)")
-        parser.add_argument("--warmup", type=int, default=5)
+        parser.add_argument("--warmup", type=int, default=5,
+                            help="unmeasured steps per variant (--strategy kfac: one window of inv_update_steps)")
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(self, args: argparse.Namespace) -> int:

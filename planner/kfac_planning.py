@@ -38,7 +38,7 @@ from planner.placement import (
 )
 from planner.plan import Plan
 from planner.planning import make_plan
-from planner.problem import Grouping, groups_of
+from planner.problem import groups_of
 from planner.profile import Profile
 from planner.simulator import simulate
 from planner.solvers import DenseDP, lower_bound
@@ -76,10 +76,8 @@ class KFACProblem:
     method: InverseMethod
     fusion: FusionProblem
     placement: PlacementProblem
-    grad_grouping: Grouping
     sgd_step_s: float
     plain_step_s: float
-    factor_compute_s: float
     compute_end_s: float
     fold_s: float
     tail_s: float
@@ -159,10 +157,8 @@ def kfac_problem(profile: Profile, method: InverseMethod = InverseMethod.EIGEN) 
         method=method,
         fusion=fusion,
         placement=placement,
-        grad_grouping=grouping,
         sgd_step_s=sgd.iteration_s,
         plain_step_s=sgd.iteration_s + precondition,
-        factor_compute_s=sum(a_cost.values()) + sum(g_cost.values()),
         compute_end_s=compute_end,
         fold_s=sum(lt.fold_s for lt in kf.layers),
         tail_s=precondition + profile.update_s,
@@ -316,8 +312,8 @@ def reference_sections(plan: Plan) -> dict[str, KFACSection]:
         world_size=plan.cluster.world_size,
     )
     stub = KFACProblem(
-        layers=layers, method=section.method, fusion=fusion, placement=placement, grad_grouping=(1,),
-        sgd_step_s=0.0, plain_step_s=0.0, factor_compute_s=0.0, compute_end_s=0.0, fold_s=0.0, tail_s=0.0,
+        layers=layers, method=section.method, fusion=fusion, placement=placement,
+        sgd_step_s=0.0, plain_step_s=0.0, compute_end_s=0.0, fold_s=0.0, tail_s=0.0,
         gradient_lower_bound_s=0.0,
     )
     intervals = {
