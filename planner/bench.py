@@ -78,6 +78,32 @@ class BenchResult:
         }
 
 
+def timed_step(
+    model: torch.nn.Module,
+    loss_fn: Any,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    opt: torch.optim.Optimizer,
+    *after_backward: Any,
+) -> float:
+    """Seconds of one training step from a barrier: forward, backward, `after_backward()` calls, update."""
+    inputs, targets = batch
+    dist.barrier()
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    loss_fn(model(inputs), targets).backward()
+    for finish in after_backward:
+        finish()
+    opt.step()
+    return time.perf_counter() - t0
+
+
+def slowest_rank(times: list[list[float]]) -> list[list[float]]:
+    """Each step's time as the slowest rank's (a collective: every rank calls it)."""
+    all_times = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(all_times, op=dist.ReduceOp.MAX)
+    return all_times.tolist()
+
+
 def per_layer_plan(plan: Plan, module: torch.nn.Module) -> Plan:
     """The same plan with one collective per layer (the WFBP baseline), in the plan's ready order."""
     spec = {s.name: s for s in gradient_layers(module)}
@@ -131,19 +157,11 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
         opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
         runners.append((wl, model, exchange, opt))
     gen = torch.Generator().manual_seed(1000 + rank)
-    inputs, targets = base.make_batch(base.batch_size, gen)
+    batch = base.make_batch(base.batch_size, gen)
 
     def step(i: int) -> float:
         wl, model, exchange, opt = runners[i]
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = wl.loss_fn(model(inputs), targets)
-        loss.backward()
-        if exchange is not None:
-            exchange.synchronize()
-        opt.step()
-        return time.perf_counter() - t0
+        return timed_step(model, wl.loss_fn, batch, opt, *([exchange.synchronize] if exchange else []))
 
     n = len(variants)
     times: list[list[float]] = [[] for _ in range(n)]
@@ -162,14 +180,13 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     for _, _, exchange, _ in runners:
         if exchange is not None:
             exchange.close()
-    all_times = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(all_times, op=dist.ReduceOp.MAX)
+    slowest = slowest_rank(times)
     if rank != 0:
         return None
     results = [
         BenchResult.from_samples(name, "ddp" if plan is None else plan.strategy.value, row, steps=len(row),
                                  predicted_s=pred, reference="ddp")
-        for (name, plan, pred), row in zip(variants, all_times.tolist(), strict=True)
+        for (name, plan, pred), row in zip(variants, slowest, strict=True)
     ]
     ddp = results[0].median_s
     return [replace(r, speedup=ddp / r.median_s) for r in results]

@@ -16,13 +16,11 @@ same processes; each step is timed from a barrier, and a step's time is the slow
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
-from planner.bench import BenchResult
+from planner.bench import BenchResult, slowest_rank, timed_step
 from planner.console import progress
 from planner.fingerprint import model_info
 from planner.kfac import KFACSection
@@ -92,30 +90,22 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
     runners = []
     for _name, section, _pred in variants:
         wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank
-        precond: KFACPreconditioner | None = None
-        exchange: GradientExchange | None = None
+        # After backward: the SGD variant waits for its gradient exchange; K-FAC's step() does that and more.
+        runtime_part: GradientExchange | KFACPreconditioner
         if section is None:
-            exchange = GradientExchange(wl.module, plan)
+            runtime_part = GradientExchange(wl.module, plan)
+            finish = runtime_part.synchronize
         else:
-            precond = KFACPreconditioner(wl.module, plan=plan, kfac=section, lr=config.lr, damping=config.damping)
+            runtime_part = KFACPreconditioner(wl.module, plan=plan, kfac=section, lr=config.lr, damping=config.damping)
+            finish = runtime_part.step
         opt = torch.optim.SGD(wl.module.parameters(), lr=config.lr, momentum=0.9)
-        runners.append((wl, exchange, precond, opt))
+        runners.append((wl, runtime_part, finish, opt))
     gen = torch.Generator().manual_seed(1000 + rank)
-    inputs, targets = base.make_batch(base.batch_size, gen)
+    batch = base.make_batch(base.batch_size, gen)
 
     def step(i: int) -> float:
-        wl, exchange, precond, opt = runners[i]
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = wl.loss_fn(wl.module(inputs), targets)
-        loss.backward()
-        if exchange is not None:
-            exchange.synchronize()
-        if precond is not None:
-            precond.step()
-        opt.step()
-        return time.perf_counter() - t0
+        wl, _, finish, opt = runners[i]
+        return timed_step(wl.module, wl.loss_fn, batch, opt, finish)
 
     n, window = len(variants), config.window
     times: list[list[float]] = [[] for _ in range(n)]
@@ -131,17 +121,13 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
                 for _ in range(window):
                     times[i].append(step(i))
                     bar.advance(task)
-    for _, exchange, precond, _ in runners:
-        if exchange is not None:
-            exchange.close()
-        if precond is not None:
-            precond.close()
-    all_times = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(all_times, op=dist.ReduceOp.MAX)
+    for _, runtime_part, _, _ in runners:
+        runtime_part.close()
+    slowest = slowest_rank(times)
     if rank != 0:
         return None
     results = []
-    for (name, section, pred), row in zip(variants, all_times.tolist(), strict=True):
+    for (name, section, pred), row in zip(variants, slowest, strict=True):
         per_window = [sum(row[w * window:(w + 1) * window]) / window for w in range(config.windows)]
         results.append(BenchResult.from_samples(name, "sgd" if section is None else "kfac", per_window,
                                                 steps=len(row), predicted_s=pred, reference=REFERENCE))

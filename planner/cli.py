@@ -213,6 +213,16 @@ class ProfileCommand(Command):
         return 0
 
 
+def print_rows(rows: list[dict], title: str) -> None:
+    """A table of dict rows with the same keys (floats to 4 significant digits)."""
+    table = Table(title=title)
+    for col in rows[0]:
+        table.add_column(str(col))
+    for r in rows:
+        table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()))
+    console.print(table)
+
+
 def print_profile(profile: object) -> None:
     from planner.profile import MAX_FIT_ERROR, Profile
 
@@ -445,12 +455,7 @@ class BenchSolversCommand(Command):
 
             rows = time_solvers(num_layers=args.layers, repeats=args.repeats)
             title = f"solver time on {args.layers} synthetic layers (median of {args.repeats})"
-        table = Table(title=title)
-        for col in rows[0]:
-            table.add_column(str(col))
-        for r in rows:
-            table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()))
-        console.print(table)
+        print_rows(rows, title)
         return 0
 
 
