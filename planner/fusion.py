@@ -28,6 +28,7 @@ import numpy as np
 
 from planner.costs import AffineCost, CostModel
 from planner.problem import Grouping, groups_of
+from planner.simulator import validate_ends
 from planner.solvers import DDP_BUCKET_BYTES, _ends_from_back_pointers, _startup_cost
 from planner.types import SolverError
 
@@ -186,27 +187,6 @@ class FusionTimeline:
     events: tuple[CommEvent, ...]
 
 
-def _validate_ends(raw: Iterable[SupportsIndex], count: int, what: str) -> Grouping:
-    """`planner.simulator.validate_grouping` for a count instead of a `GradientProblem` (its messages, named)."""
-    items = tuple(raw)
-    if not items:
-        raise SolverError(f"{what} buffers: need at least one buffer, but got {items} for {count} factors")
-    try:
-        if any(isinstance(e, bool) for e in items):
-            raise TypeError
-        ends = tuple(operator.index(e) for e in items)
-    except TypeError:
-        raise SolverError(f"{what} buffers: ends must be ints, but got {items}") from None
-    if ends[0] <= 0:
-        raise SolverError(f"{what} buffers: `ends[0] > 0` must hold (no empty buffer), but got ends[0]={ends[0]}")
-    bad = [(a, b) for a, b in itertools.pairwise(ends) if b <= a]
-    if bad:
-        raise SolverError(f"{what} buffers: ends must be strictly ascending, but got {bad[0][0]} then {bad[0][1]}")
-    if ends[-1] != count:
-        raise SolverError(f"{what} buffers: `ends[-1] == {count}` must hold, but got ends[-1]={ends[-1]}")
-    return ends
-
-
 def validate_buffers(problem: FusionProblem, buffers: Sequence[Iterable[SupportsIndex]]) -> FactorBuffers:
     """Check that `buffers` is (A ends, G ends) of `problem`; return it as a pair of tuples of ints.
 
@@ -216,7 +196,10 @@ def validate_buffers(problem: FusionProblem, buffers: Sequence[Iterable[Supports
     if not isinstance(buffers, Sequence) or len(buffers) != 2:
         raise SolverError(f"buffers must be a pair (A ends, G ends), but got {buffers!r}")
     a_raw, g_raw = buffers
-    return _validate_ends(a_raw, problem.num_a, "A"), _validate_ends(g_raw, problem.num_g, "G")
+    return (
+        validate_ends(a_raw, problem.num_a, prefix="A buffers: ", unit="buffer"),
+        validate_ends(g_raw, problem.num_g, prefix="G buffers: ", unit="buffer"),
+    )
 
 
 def simulate_fusion(problem: FusionProblem, buffers: FactorBuffers) -> FusionTimeline:

@@ -24,7 +24,7 @@ from typing import SupportsIndex
 from planner.problem import GradientProblem, Grouping, Prediction, groups_of
 from planner.types import SolverError, Strategy
 
-__all__ = ["GroupEvent", "simulate", "timeline", "validate_grouping"]
+__all__ = ["GroupEvent", "simulate", "timeline", "validate_ends", "validate_grouping"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,30 +54,49 @@ class GroupEvent:
     bytes: int
 
 
+def validate_ends(
+    raw: Iterable[SupportsIndex], count: int, *, prefix: str = "", ends_name: str = "ends", unit: str = "group",
+    count_name: str | None = None,
+) -> Grouping:
+    """Check that `raw` holds the exclusive ends of contiguous runs covering `count` items; return them as ints.
+
+    The messages start with `prefix`, call the sequence `ends_name`, a run a `unit`, and the count `count_name`
+    (its value when None), so each caller's errors name its own things.
+
+    Raises:
+        SolverError: empty, not ints, not strictly ascending, not starting after 0 or not ending at `count`.
+    """
+    items = tuple(raw)
+    total = count_name or str(count)
+    if not items:
+        raise SolverError(f"{prefix}need at least one {unit}, but got {ends_name}={items} for {total}={count}")
+    try:
+        if any(isinstance(e, bool) for e in items):
+            raise TypeError
+        ends = tuple(operator.index(e) for e in items)  # ints, numpy integers
+    except TypeError:
+        raise SolverError(f"{prefix}ends must be ints, but got {ends_name}={items}") from None
+    if ends[0] <= 0:
+        raise SolverError(
+            f"{prefix}`{ends_name}[0] > 0` must hold (no empty {unit}), but got {ends_name}[0]={ends[0]}"
+        )
+    bad = [(a, b) for a, b in itertools.pairwise(ends) if b <= a]
+    if bad:
+        raise SolverError(f"{prefix}ends must be strictly ascending, but got {bad[0][0]} then {bad[0][1]} in {ends}")
+    if ends[-1] != count:
+        raise SolverError(
+            f"{prefix}`{ends_name}[-1] == {total}` must hold, but got ({ends_name}[-1]={ends[-1]}, {total}={count})"
+        )
+    return ends
+
+
 def validate_grouping(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> Grouping:
     """Check that `grouping` holds exclusive group ends of `problem`; return it as a tuple of ints.
 
     Raises:
         SolverError: the grouping is empty, not strictly ascending, does not start after 0 or end at L.
     """
-    raw = tuple(grouping)
-    num_layers = problem.num_layers
-    if not raw:
-        raise SolverError(f"a grouping needs at least one group, but got grouping={raw} for L={num_layers}")
-    try:
-        if any(isinstance(e, bool) for e in raw):
-            raise TypeError
-        ends = tuple(operator.index(e) for e in raw)  # ints, numpy integers
-    except TypeError:
-        raise SolverError(f"group ends must be ints, but got grouping={raw}") from None
-    if ends[0] <= 0:
-        raise SolverError(f"`grouping[0] > 0` must hold (no empty group), but got grouping[0]={ends[0]}")
-    bad = [(a, b) for a, b in itertools.pairwise(ends) if b <= a]
-    if bad:
-        raise SolverError(f"group ends must be strictly ascending, but got {bad[0][0]} then {bad[0][1]} in {ends}")
-    if ends[-1] != num_layers:
-        raise SolverError(f"`grouping[-1] == L` must hold, but got (grouping[-1]={ends[-1]}, L={num_layers})")
-    return ends
+    return validate_ends(grouping, problem.num_layers, ends_name="grouping", count_name="L")
 
 
 def timeline(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> list[GroupEvent]:

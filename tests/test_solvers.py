@@ -52,16 +52,21 @@ def exact_solver(problem: GradientProblem) -> DenseDP | TopkParetoDP:
     return DenseDP() if problem.strategy is Strategy.DENSE else TopkParetoDP()
 
 
+def _seconds(max_s: float) -> st.SearchStrategy[float]:
+    """0 or a time of at least 1e-12 s: relative comparisons are meaningless near the smallest floats."""
+    return st.one_of(st.just(0.0), st.floats(min(1e-12, max_s), max_s))
+
+
 def _piecewise(draw: st.DrawFn, max_x: float, max_y: float) -> PiecewiseLinearCost:
     """Random measured points; the envelope makes them non-decreasing (concave, convex or neither)."""
     xs = sorted(draw(st.lists(st.floats(1.0, max_x), min_size=1, max_size=5, unique=True)))
-    ys = draw(st.lists(st.floats(0.0, max_y), min_size=len(xs), max_size=len(xs)))
+    ys = draw(st.lists(_seconds(max_y), min_size=len(xs), max_size=len(xs)))
     return PiecewiseLinearCost(xs=tuple(xs), ys=tuple(ys))
 
 
 def _cost(draw: st.DrawFn, kind: str, max_x: float, max_y: float) -> CostModel:
     if kind == "affine":
-        return AffineCost(alpha=draw(st.floats(0.0, max_y / 4)), beta=draw(st.floats(0.0, max_y / max_x)))
+        return AffineCost(alpha=draw(_seconds(max_y / 4)), beta=draw(_seconds(max_y / max_x)))
     return _piecewise(draw, max_x, max_y)
 
 
@@ -74,7 +79,7 @@ def problems(
     strategy = strategy or draw(st.sampled_from(list(Strategy)))
     topk = strategy is Strategy.TOPK
     comm_kind = comm_kind or draw(st.sampled_from(["affine", "piecewise"]))
-    times = st.floats(0.0, 1.0)
+    times = _seconds(1.0)
     density = draw(st.sampled_from([0.001, 0.01, 0.3, 1.0])) if topk else None
     return GradientProblem(
         strategy=strategy,
