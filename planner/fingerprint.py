@@ -75,6 +75,11 @@ class ClusterInfo:
     def describe(self) -> str:
         return f"world size {self.world_size}, {self.backend} on {self.device}"
 
+    @property
+    def device_kind(self) -> str:
+        """"cpu" or "gpu": what the runtime can check (device names differ between profiles of one kind)."""
+        return "cpu" if self.device.lower().startswith("cpu") else "gpu"
+
 
 def model_info(module: nn.Module, name: str) -> ModelInfo:
     """Fingerprint `module` from its trainable parameters (registration order), identically on every rank."""

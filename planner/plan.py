@@ -221,17 +221,30 @@ class Plan:
             f"planner solve profile.json --strategy {strategy}{density} -o plan.json"
         )
 
-    def check_compatible(self, model: ModelInfo, world_size: int) -> None:
-        """Refuse to run on another model or world size, naming the difference and how to re-plan."""
+    def check_compatible(
+        self, model: ModelInfo, world_size: int, *, backend: str | None = None, device_kind: str | None = None
+    ) -> None:
+        """Refuse to run on another model, world size, backend or kind of device (cpu or gpu), naming the
+        difference and how to re-plan. `backend` and `device_kind` are checked when given."""
         if model.fingerprint != self.model.fingerprint:
             raise PlanMismatchError(
                 f"this plan was made for model {self.model.describe()}, but the model given is "
                 f"{model.describe()}; re-plan: {self.replan_command()}"
             )
+        retune = "; re-plan with `planner retune PLAN`, or pass auto_retune=True to the runtime"
         if world_size != self.cluster.world_size:
             raise PlanMismatchError(
                 f"this plan was made for world size {self.cluster.world_size}, but the process group has "
-                f"world size {world_size}; re-plan: {self.replan_command()}"
+                f"world size {world_size}{retune}"
+            )
+        if backend is not None and backend != self.cluster.backend:
+            raise PlanMismatchError(
+                f"this plan was made for backend {self.cluster.backend}, but the process group uses {backend}{retune}"
+            )
+        if device_kind is not None and device_kind != self.cluster.device_kind:
+            raise PlanMismatchError(
+                f"this plan was made for {self.cluster.device_kind} ({self.cluster.device}), but the model is on "
+                f"a {device_kind}{retune}"
             )
 
     @property

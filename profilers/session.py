@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import log_sizes, measure_collectives
 from profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
 from profilers.layers import combine_ranks, measure_layers
+from profilers.probe import device_name
 from profilers.topk import measure_topk
 
 __all__ = ["DEFAULT_DENSITIES", "ProfileConfig", "profile_worker", "run_profile"]
@@ -62,12 +62,6 @@ def _device(backend: str) -> torch.device:
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads/worker)"
 
 
 def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile | None:
@@ -125,7 +119,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
     cluster = ClusterInfo(
         world_size=world_size,
         backend=backend,
-        device=_device_name(device),
+        device=device_name(device),
         host_count=int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("PLANNER_HOSTS", "1"))),
     )
     created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")

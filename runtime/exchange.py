@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from planner.fingerprint import model_info
 from planner.plan import Group, Plan
 from planner.types import DistributedError, PlanMismatchError, Strategy
 from runtime.compress import all_gather_flat, decode, pack, select_topk
+from runtime.retune import resolve_plan
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -138,19 +138,32 @@ class GradientExchange:
         process_group: the group to average over; default: the default group, or none (world size 1)
             when torch.distributed is not initialised.
         model_name: name used for the model in error messages; default: the plan's model name.
+        auto_retune: when the plan was made for another world size, backend or kind of device, re-plan
+            from its stored profile and a quick probe of the group's network (rank 0 solves and
+            broadcasts; see `runtime.retune`) instead of refusing. The plan in use is `self.plan`.
+        profile: the per-layer profile to re-plan from (a Profile or a path); default the plan's source.
 
     Raises:
-        PlanMismatchError: the plan was made for another model or world size, or its parameters do not
-            match the model's trainable parameters.
+        PlanMismatchError: the plan was made for another model, or for another world size, backend or
+            kind of device without `auto_retune`, or its parameters do not match the model's trainable
+            parameters.
     """
 
     def __init__(
-        self, model: nn.Module, plan: Plan, *, process_group: Any = None, model_name: str | None = None
+        self,
+        model: nn.Module,
+        plan: Plan,
+        *,
+        process_group: Any = None,
+        model_name: str | None = None,
+        auto_retune: bool = False,
+        profile: Any = None,
     ) -> None:
+        plan = resolve_plan(plan, model, process_group=process_group, model_name=model_name,
+                            auto_retune=auto_retune, profile=profile)
         self.plan = plan
         self.process_group = process_group
         self.world_size = _world_size(process_group)
-        plan.check_compatible(model_info(model, model_name or plan.model.name), self.world_size)
         self._topk = plan.strategy is Strategy.TOPK
         params = self._check_params(model, plan)
         self._groups = [

@@ -47,12 +47,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from planner.fingerprint import model_info
 from planner.kfac import KFACLayerSpec, KFACSection, factor_name, kfac_layers
 from planner.layers import ROOT_NAME
 from planner.plan import Plan
 from planner.types import DistributedError, FactorKind, InverseMethod, PlanMismatchError
 from runtime.exchange import GradientExchange
+from runtime.retune import resolve_plan
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -297,9 +297,14 @@ class KFACPreconditioner:
         exchange_gradients: average gradients across ranks in `step()` (through the plan's groups when a
             plan is given, else one allreduce); False when DDP already does.
         kfac: an explicit K-FAC section (e.g. a baseline layout), used instead of the plan's.
+        auto_retune: when the plan was made for another world size, backend or kind of device, re-plan
+            from its stored profile and a quick network probe (rank 0 solves and broadcasts; see
+            `runtime.retune`), keeping its method and intervals. The plan in use is `self.plan`.
+        profile: the per-layer profile to re-plan from (a Profile or a path); default the plan's source.
 
     Raises:
-        PlanMismatchError: the plan was made for another model or world size, has no kfac section, or
+        PlanMismatchError: the plan was made for another model, or for another world size, backend or
+            device without `auto_retune`, has no kfac section, or
             names other K-FAC layers than the model has, or owner ranks outside the group.
         ValueError: an argument is out of range.
     """
@@ -320,6 +325,8 @@ class KFACPreconditioner:
         process_group: Any = None,
         exchange_gradients: bool = True,
         kfac: KFACSection | None = None,
+        auto_retune: bool = False,
+        profile: Any = None,
     ) -> None:
         _check_arguments(lr, damping, factor_decay, kl_clip, factor_update_steps, inv_update_steps, skip_layers)
         if method is not None:
@@ -328,11 +335,11 @@ class KFACPreconditioner:
         self.damping = damping
         self.factor_decay = factor_decay
         self.kl_clip = kl_clip
+        if plan is not None:
+            plan = resolve_plan(plan, model, process_group=process_group, auto_retune=auto_retune, profile=profile)
         self.plan = plan
         self.process_group = process_group
         self.world_size, self.rank = _world_size_and_rank(process_group)
-        if plan is not None:
-            plan.check_compatible(model_info(model, plan.model.name), self.world_size)
         specs = kfac_layers(model, skip_layers)
         self.section = self._make_section(specs, plan, kfac, factor_update_steps, inv_update_steps, method)
         self.section.check_layers(specs)

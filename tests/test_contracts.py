@@ -58,9 +58,13 @@ def test_plan_refuses_other_model_and_world_size() -> None:
     with pytest.raises(PlanMismatchError, match=r"made for model mlp.*bert-tiny.*planner solve"):
         plan.check_compatible(other, 2)
     same = model_info(build_workload("mlp").module, "mlp")
-    with pytest.raises(PlanMismatchError, match=r"world size 2.*world size 4.*planner solve"):
+    with pytest.raises(PlanMismatchError, match=r"world size 2.*world size 4.*planner retune.*auto_retune=True"):
         plan.check_compatible(same, 4)
-    plan.check_compatible(same, 2)
+    with pytest.raises(PlanMismatchError, match=r"backend gloo, but the process group uses nccl"):
+        plan.check_compatible(same, 2, backend="nccl")
+    with pytest.raises(PlanMismatchError, match=r"made for cpu .* on a gpu"):
+        plan.check_compatible(same, 2, device_kind="gpu")
+    plan.check_compatible(same, 2, backend="gloo", device_kind="cpu")
 
 
 def _mutated(tmp_path: Path, doc: dict, name: str) -> Path:

@@ -1,0 +1,201 @@
+"""Re-tune a plan for the cluster it now runs on: new network measurements, the same per-layer profile.
+
+A plan records the profile it was solved from. When the world size, backend, device or network changes,
+the per-layer compute of that profile still holds; only the collectives need measuring again (a quick
+probe, `profilers.probe`). `retune_plan` re-solves the same kind of plan (dense, top-k at the same
+density, or K-FAC with the same method and intervals) from the stored profile with the new collectives,
+and `compare_plans` says what changed and what it is predicted to gain: the old plan's decisions
+evaluated under the new conditions against the new plan's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from planner.fingerprint import ClusterInfo
+from planner.kfac import KFACSection
+from planner.plan import Plan
+from planner.problem import Grouping
+from planner.profile import FittedCurve, Profile
+from planner.simulator import simulate
+from planner.types import Collective, InvalidProfileError, PlanMismatchError, PlannerError, SolverError
+
+__all__ = ["PlanChanges", "compare_plans", "current_profile", "load_source_profile", "retune_plan"]
+
+
+def load_source_profile(plan: Plan, profile: Profile | str | os.PathLike[str] | None = None) -> Profile:
+    """The per-layer profile to re-solve from: `profile` (a Profile or a path), else the plan's source file.
+
+    Raises:
+        InvalidProfileError: no profile is given and the plan's source file is missing, or the profile
+            is of another model than the plan.
+    """
+    if isinstance(profile, Profile):
+        loaded = profile
+    else:
+        path = profile if profile is not None else plan.source_profile
+        if not path or not os.path.exists(path):
+            raise InvalidProfileError(
+                f"re-tuning needs the plan's per-layer profile, but {str(path) or 'no source profile'!r} does not "
+                "exist; pass the profile the plan was solved from (--profile PATH, or profile= in the runtime)"
+            )
+        loaded = Profile.load(path)
+    if loaded.model.fingerprint != plan.model.fingerprint:
+        raise InvalidProfileError(
+            f"the profile is of model {loaded.model.describe()}, but the plan is for {plan.model.describe()}; "
+            "pass the profile the plan was solved from"
+        )
+    return loaded
+
+
+def retune_plan(
+    plan: Plan,
+    profile: Profile,
+    *,
+    cluster: ClusterInfo,
+    collectives: dict[Collective, FittedCurve] | None = None,
+    time_limit_s: float = 2.0,
+) -> Plan:
+    """The plan of the same kind as `plan`, solved from `profile` for `cluster` with `collectives`.
+
+    Args:
+        plan: the plan to re-tune (its strategy, density, K-FAC method and intervals are kept).
+        profile: its per-layer profile (see `load_source_profile`).
+        cluster: where the new plan will run.
+        collectives: measured on that cluster (e.g. `profilers.probe.probe_network`); those not given
+            keep the profile's. Without any, the profile's own network is used as it is.
+        time_limit_s: limit of the K-FAC placement solver.
+    """
+    from planner.kfac_planning import make_kfac_plan
+    from planner.planning import make_plan
+
+    current = current_profile(profile, cluster=cluster, collectives=collectives)
+    if plan.kfac is None:
+        return make_plan(current, plan.strategy, plan.density, source=plan.source_profile)
+    solver = plan.kfac.placement_solver if plan.kfac.placement_solver in ("ilp-cbc", "cp-sat") else "ilp-cbc"
+    return make_kfac_plan(
+        current,
+        method=plan.kfac.method,
+        factor_update_steps=plan.kfac.factor_update_steps,
+        inv_update_steps=plan.kfac.inv_update_steps,
+        placement_solver=solver,
+        time_limit_s=time_limit_s,
+        source=plan.source_profile,
+    )
+
+
+def current_profile(
+    profile: Profile, *, cluster: ClusterInfo, collectives: dict[Collective, FittedCurve] | None = None
+) -> Profile:
+    """The stored per-layer profile with the cluster it now runs on and the collectives measured there."""
+    return replace(profile, collectives={**profile.collectives, **(collectives or {})}, cluster=cluster)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanChanges:
+    """What re-tuning changed, and the predicted gain.
+
+    Attributes:
+        old_cluster, new_cluster: where the old plan was made for, and where the new one runs.
+        old_groups, new_groups: gradient groups, each as its layers' names (ready order).
+        old_s: the old plan's decisions predicted on the new cluster, or None when they cannot run there
+            (K-FAC owners on ranks the new world does not have). For K-FAC: the average step with the old
+            factor buffers and owners (gradient groups as the model's optimum on the new cluster).
+        new_s: the new plan's prediction there.
+        owners_changed: K-FAC factors whose inversion owner differs (None for gradient plans).
+        buffers_changed: whether the K-FAC factor buffers differ (None for gradient plans).
+        why_not: why `old_s` is None.
+    """
+
+    old_cluster: ClusterInfo
+    new_cluster: ClusterInfo
+    old_groups: tuple[tuple[str, ...], ...]
+    new_groups: tuple[tuple[str, ...], ...]
+    old_s: float | None
+    new_s: float
+    owners_changed: int | None = None
+    buffers_changed: bool | None = None
+    why_not: str = ""
+
+    @property
+    def groups_changed(self) -> bool:
+        return self.old_groups != self.new_groups
+
+    @property
+    def gain(self) -> float | None:
+        """Old predicted time over new: how much faster the new plan is predicted to be on the new cluster."""
+        return None if self.old_s is None or self.new_s <= 0 else self.old_s / self.new_s
+
+
+def _grouping(plan: Plan, profile: Profile) -> Grouping:
+    """The plan's groups as exclusive end indices into the profile's layers (ready order)."""
+    names = [lt.name for lt in profile.layers]
+    planned = [name for g in plan.groups for name in g.layers]
+    if planned != names:
+        raise PlanMismatchError("the plan's groups do not list the profile's layers in ready order")
+    ends, end = [], 0
+    for g in plan.groups:
+        end += len(g.layers)
+        ends.append(end)
+    return tuple(ends)
+
+
+def _kfac_prediction(section: KFACSection, profile: Profile) -> tuple[float | None, str]:
+    """The average step of `section`'s buffers and owners on `profile`'s cluster, or None and why not."""
+    from planner.kfac_planning import kfac_problem, predict_kfac
+
+    problem = kfac_problem(profile, section.method)
+    world = profile.cluster.world_size
+    foreign = sorted({o for o in section.owners.values() if o is not None and o >= world})
+    if foreign:
+        return None, f"the old plan's inversion owners include rank(s) {foreign[:3]}, absent at world size {world}"
+
+    def ends(buffers: tuple[tuple[str, ...], ...], order: tuple[str, ...]) -> tuple[int, ...]:
+        if [n for b in buffers for n in b] != list(order):
+            raise SolverError("the plan's factor buffers do not follow the profile's K-FAC layers")
+        out, end = [], 0
+        for b in buffers:
+            end += len(b)
+            out.append(end)
+        return tuple(out)
+
+    buffers = (ends(section.a_buffers, problem.fusion.a_names), ends(section.g_buffers, problem.fusion.g_names))
+    placement = tuple(section.owners[name] for name in problem.factor_names)
+    predicted = predict_kfac(problem, buffers, placement, factor_update_steps=section.factor_update_steps,
+                             inv_update_steps=section.inv_update_steps)
+    return predicted.step_s, ""
+
+
+def compare_plans(old: Plan, new: Plan, current: Profile) -> PlanChanges:
+    """What changed from `old` to `new`, both predicted with `current`, the profile `new` was solved from
+    (`current_profile`: the stored profile with the new cluster's collectives)."""
+    old_groups = tuple(g.layers for g in old.groups)
+    new_groups = tuple(g.layers for g in new.groups)
+    if new.kfac is None:
+        problem = current.problem(new.strategy, new.density)
+        try:
+            old_s: float | None = simulate(problem, _grouping(old, current)).iteration_s
+            why = ""
+        except PlannerError as exc:
+            old_s, why = None, str(exc)
+        return PlanChanges(old_cluster=old.cluster, new_cluster=new.cluster, old_groups=old_groups,
+                           new_groups=new_groups, old_s=old_s, new_s=new.predicted.iteration_s, why_not=why)
+    assert new.kfac is not None and new.kfac.predicted is not None
+    if old.kfac is None:
+        raise PlanMismatchError("cannot compare a gradient plan with a K-FAC plan")
+    try:
+        old_s, why = _kfac_prediction(old.kfac, current)
+    except PlannerError as exc:
+        old_s, why = None, str(exc)
+    return PlanChanges(
+        old_cluster=old.cluster,
+        new_cluster=new.cluster,
+        old_groups=old_groups,
+        new_groups=new_groups,
+        old_s=old_s,
+        new_s=new.kfac.predicted.step_s,
+        owners_changed=sum(old.kfac.owners.get(n) != o for n, o in new.kfac.owners.items()),
+        buffers_changed=(old.kfac.a_buffers, old.kfac.g_buffers) != (new.kfac.a_buffers, new.kfac.g_buffers),
+        why_not=why,
+    )

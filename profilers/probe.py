@@ -1,0 +1,60 @@
+"""A quick probe of the network on the live process group: what `planner retune` re-measures.
+
+A full `planner profile` sweeps every collective from 1 KiB to the whole gradient with many repetitions
+(tens of seconds). When only the cluster changed (another world size, another network), the per-layer
+compute in the stored profile still holds and only the collectives need measuring again: the probe
+times allreduce, allgather and broadcast at a few sizes, a few times each, and fits alpha + beta * bytes
+as the profile does. Beyond its largest size the affine fit (or proportional growth) extrapolates.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from planner.fingerprint import ClusterInfo
+from planner.profile import FittedCurve
+from planner.types import Collective
+from profilers.comm import log_sizes, measure_collectives
+
+__all__ = ["PROBE_COLLECTIVES", "current_cluster", "device_name", "probe_network"]
+
+PROBE_COLLECTIVES = (Collective.ALLREDUCE, Collective.ALLGATHER, Collective.BROADCAST)
+
+
+def probe_network(
+    device: torch.device,
+    *,
+    process_group: Any = None,
+    largest_bytes: int = 4 << 20,
+    repeats: int = 5,
+) -> dict[Collective, FittedCurve]:
+    """Fitted cost of each collective on `process_group`, measured at sizes 1 KiB, 16 KiB, ... up to
+    `largest_bytes` (factor 16). Every rank of the group must call it; every rank gets the same curves."""
+    if largest_bytes < 1 << 10:
+        raise ValueError(f"`largest_bytes >= 1024` must hold, but got largest_bytes={largest_bytes}")
+    sizes = log_sizes(1 << 10, largest_bytes, factor=16)
+    return measure_collectives(
+        PROBE_COLLECTIVES, sizes, device, repeats=repeats, warmup=1, process_group=process_group
+    )
+
+
+def device_name(device: torch.device) -> str:
+    """The name a profile records for `device` (the GPU's name, or the CPU and threads per worker)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads/worker)"
+
+
+def current_cluster(device: torch.device, process_group: Any = None) -> ClusterInfo:
+    """The cluster this process runs on: the group's world size and backend, the device, the host count."""
+    if dist.is_available() and dist.is_initialized():
+        world_size, backend = dist.get_world_size(process_group), str(dist.get_backend(process_group))
+    else:
+        world_size, backend = 1, "none"
+    hosts = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("PLANNER_HOSTS", "1")))
+    return ClusterInfo(world_size=world_size, backend=backend, device=device_name(device), host_count=hosts)

@@ -1,0 +1,101 @@
+"""Attach a plan to the process group it runs on: use it, refuse it, or re-plan it (`auto_retune=True`).
+
+A plan is made for one model, world size, backend and kind of device. Under elastic `torchrun` the world
+size changes between restarts; a plan from another cluster may be handed to this one. With
+`auto_retune=True` every rank probes the network of its process group (`profilers.probe`), rank 0
+re-solves from the plan's stored per-layer profile (`planner.retune.retune_plan`) and broadcasts the
+new plan as JSON, so every rank runs the same plan. If rank 0 cannot re-plan (no profile, say), it
+broadcasts the reason and every rank raises the same error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner.fingerprint import model_info
+from planner.plan import Plan
+from planner.profile import Profile
+from planner.types import PlanMismatchError, PlannerError
+
+__all__ = ["resolve_plan"]
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def resolve_plan(
+    plan: Plan,
+    model: nn.Module,
+    *,
+    process_group: Any = None,
+    model_name: str | None = None,
+    auto_retune: bool = False,
+    profile: Profile | str | os.PathLike[str] | None = None,
+    probe: bool = True,
+    time_limit_s: float = 2.0,
+) -> Plan:
+    """`plan` if it was made for this model, world size, backend and kind of device; else a re-tuned plan
+    (with `auto_retune`), identical on every rank of `process_group`.
+
+    Args:
+        plan: the plan given to the runtime.
+        model: the module it will run on.
+        process_group: the group the runtime communicates on (default: the default group).
+        model_name: name used for the model in messages (default: the plan's).
+        auto_retune: re-plan when the plan does not fit; otherwise refuse.
+        profile: the per-layer profile to re-plan from (a Profile or a path on rank 0); default the
+            plan's source profile.
+        probe: measure the group's network first (every rank takes part); without it the profile's
+            network measurements are used as they are.
+        time_limit_s: limit of the K-FAC placement solver.
+
+    Raises:
+        PlanMismatchError: the plan was made for another model (re-tuning cannot fix that), or for
+            another cluster and `auto_retune` is False, or rank 0 could not re-plan.
+    """
+    from profilers.probe import current_cluster
+
+    info = model_info(model, model_name or plan.model.name)
+    device = _device_of(model)
+    cluster = current_cluster(device, process_group)
+    distributed = dist.is_available() and dist.is_initialized()
+    backend = cluster.backend if distributed else None
+    try:
+        plan.check_compatible(info, cluster.world_size, backend=backend, device_kind=cluster.device_kind)
+        return plan
+    except PlanMismatchError:
+        if not auto_retune or info.fingerprint != plan.model.fingerprint:
+            raise
+    if not distributed:
+        return _retune(plan, profile, cluster, None, time_limit_s)
+
+    from profilers.probe import probe_network
+
+    curves = probe_network(device, process_group=process_group) if probe else None
+    payload: list[Any] = [None]
+    if dist.get_rank(process_group) == 0:
+        try:
+            payload[0] = _retune(plan, profile, cluster, curves, time_limit_s).to_dict()
+        except PlannerError as exc:
+            payload[0] = {"error": f"rank 0 could not re-tune the plan: {exc}"}
+    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    dist.broadcast_object_list(payload, src=src, group=process_group)
+    data = payload[0]
+    if not isinstance(data, dict) or "error" in data:
+        raise PlanMismatchError(str(data.get("error") if isinstance(data, dict) else "no plan was broadcast"))
+    return Plan.from_dict(data)
+
+
+def _retune(plan: Plan, profile: Any, cluster: Any, curves: Any, time_limit_s: float) -> Plan:
+    from planner.retune import load_source_profile, retune_plan
+
+    stored = load_source_profile(plan, profile)
+    return retune_plan(plan, stored, cluster=cluster, collectives=curves, time_limit_s=time_limit_s)
