@@ -14,13 +14,20 @@ from typing import ClassVar
 
 from rich.table import Table
 
-from planner.console import console, err_console
+from planner.console import console, err_console, progress
 from planner.types import InverseMethod, PlannerError, Strategy
 
 __all__ = ["Command", "main"]
 
 #: `--strategy kfac`: dense gradient groups plus a K-FAC section.
 KFAC = "kfac"
+
+CLUSTER_HELP = (
+    "plan for a cluster you describe: a preset (eth10-8, aws-p3-32, ib100-64, dgx-a100-512), a JSON file, "
+    "key=value pairs (nodes, gpus_per_node, intra_gbps, intra_latency_us, inter_gbps, inter_latency_us, "
+    "algorithm, compute_factor, world_size), PRESET,key=value,... or profile=PATH (a profile measured on "
+    "another cluster)"
+)
 
 
 class Command(abc.ABC):
@@ -278,6 +285,7 @@ class SolveCommand(Command):
                           help="steps between inverse updates, a multiple of the factor interval (default 10)")
         kfac.add_argument("--placement-solver", choices=["ilp-cbc", "cp-sat"], default="ilp-cbc")
         kfac.add_argument("--time-limit", type=float, default=2.0, help="seconds for the placement solver")
+        parser.add_argument("--cluster", default=None, metavar="SPEC", help=CLUSTER_HELP)
         parser.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -298,6 +306,12 @@ class SolveCommand(Command):
             raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
         density = (args.density or 0.01) if strategy is Strategy.TOPK else None
         profile = Profile.load(args.profile)
+        if args.cluster is not None:
+            from planner.cluster import parse_cluster, profile_for_cluster
+
+            spec = parse_cluster(args.cluster)
+            profile = profile_for_cluster(profile, spec)
+            console.print(f"what-if cluster {spec.describe()}")
         if is_kfac:
             from planner.kfac_planning import (
                 DEFAULT_FACTOR_UPDATE_STEPS,
@@ -338,6 +352,171 @@ def print_kfac_layout(plan: object) -> None:
             owners = [k.owners[factor_name(n, kind)] for n in names]
             table.add_row(str(i), ", ".join(names), ", ".join("all" if o is None else str(o) for o in owners))
         console.print(table)
+
+
+def _kfac_options(parser: argparse.ArgumentParser) -> None:
+    kfac = parser.add_argument_group("K-FAC (--strategy kfac)")
+    kfac.add_argument("--method", choices=[m.value for m in InverseMethod], default=InverseMethod.EIGEN.value)
+    kfac.add_argument("--factor-update-steps", type=_positive, default=1)
+    kfac.add_argument("--inv-update-steps", type=_positive, default=10)
+
+
+#: Columns `planner simulate` shows for K-FAC plans (the fusion:* and placement:* baselines are in --json).
+KFAC_SCALING_COLUMNS = ("kfac-pytorch", "everywhere", "placement:spd-kfac", "sgd")
+
+
+class SimulateCommand(Command):
+    name = "simulate"
+    help = "predict how the plan and each baseline scale with world size on a cluster you describe"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("profile", type=Path, help="profile file from `planner profile`")
+        parser.add_argument("--cluster", default=None, metavar="SPEC",
+                            help=CLUSTER_HELP + "; default: the profile's own network, scaled by the ring model")
+        parser.add_argument("--world-sizes", default="8,64,512", metavar="LIST",
+                            help="e.g. 8,64,512 or 4,8,...,1024 (doubling); multiples of the GPUs per node")
+        parser.add_argument("--strategy", choices=[*(s.value for s in Strategy), KFAC], default=Strategy.DENSE.value)
+        parser.add_argument("--density", type=_density, default=None, help="top-k density (default 0.01)")
+        _kfac_options(parser)
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from planner.cluster import parse_cluster, parse_world_sizes, scaling_table
+        from planner.profile import Profile
+
+        if args.density is not None and args.strategy != Strategy.TOPK.value:
+            raise PlannerError("--density applies to --strategy topk only")
+        sizes = parse_world_sizes(args.world_sizes)
+        profile = Profile.load(args.profile)
+        spec = parse_cluster(args.cluster if args.cluster is not None else f"profile={args.profile}")
+        for w in sizes:  # refuse a bad world size before solving anything
+            spec.with_world_size(w)
+        with progress(enabled=not args.json) as bar:
+            task = bar.add_task(f"plans for {len(sizes)} world sizes", total=len(sizes))
+            rows = scaling_table(
+                profile, spec, sizes, strategy=args.strategy, density=args.density,
+                method=InverseMethod(args.method), factor_update_steps=args.factor_update_steps,
+                inv_update_steps=args.inv_update_steps, on_row=lambda _: bar.advance(task),
+            )
+        if args.json:
+            console.print_json(json.dumps({"cluster": spec.to_dict(), "strategy": args.strategy, "rows": [
+                {"world_size": r.world_size, "nodes": r.nodes, "gpus_per_node": r.gpus_per_node, "plan_s": r.plan_s,
+                 "baselines": r.baselines, "lower_bound_s": r.lower_bound_s} for r in rows]}))
+            return 0
+        print_scaling(rows, args.strategy, f"{profile.model.name}: predicted "
+                      f"{'average step' if args.strategy == KFAC else 'iteration'} (ms) on {spec.describe()}")
+        return 0
+
+
+def print_scaling(rows: list, strategy: str, title: str) -> None:
+    """One row per world size: the plan, the baselines, the lower bound, and the plan's speedup."""
+    reference = "kfac-pytorch" if strategy == KFAC else "ddp-25mb"
+    names = list(KFAC_SCALING_COLUMNS) if strategy == KFAC else list(rows[0].baselines)
+    table = Table(title=title)
+    for col in ("world size", "nodes x GPUs", "plan", *names, "lower bound", f"plan vs {reference}"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        ref = r.baselines.get(reference)
+        table.add_row(
+            str(r.world_size), f"{r.nodes} x {r.gpus_per_node}", _ms(r.plan_s),
+            *(_ms(r.baselines[n]) if n in r.baselines else "-" for n in names), _ms(r.lower_bound_s),
+            f"{ref / r.plan_s:.2f}x" if ref else "-",
+        )
+    console.print(table)
+
+
+class RetuneCommand(Command):
+    name = "retune"
+    help = "re-plan for the cluster this runs on: probe the network, re-solve from the stored profile, show the diff"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("plan", type=Path, help="plan file to re-tune")
+        parser.add_argument("--profile", type=Path, default=None,
+                            help="the per-layer profile the plan was solved from (default: the plan's source)")
+        parser.add_argument("--nproc", type=_positive, default=None,
+                            help="local workers to probe with (default: the plan's world size; ignored under torchrun)")
+        parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+        parser.add_argument("--no-probe", action="store_true",
+                            help="do not measure the network: re-solve with the stored profile's collectives")
+        parser.add_argument("--cluster", default=None, metavar="SPEC",
+                            help="re-tune for a described cluster instead of probing: " + CLUSTER_HELP)
+        parser.add_argument("--time-limit", type=float, default=2.0, help="seconds for the K-FAC placement solver")
+        parser.add_argument("-o", "--output", type=Path, default=None,
+                            help="plan file to write (default: PLAN with -retuned before .json)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from dataclasses import replace
+
+        from planner.plan import Plan
+        from planner.retune import compare_plans, current_profile, load_source_profile, retune_plan
+
+        if args.cluster is not None and args.no_probe:
+            raise PlannerError("--cluster already describes the network: drop --no-probe")
+        if not args.time_limit > 0:
+            raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
+        plan = Plan.load(args.plan)
+        profile = load_source_profile(plan, args.profile)
+        output = args.output or args.plan.with_name(args.plan.stem + "-retuned.json")
+        if args.cluster is not None:
+            from planner.cluster import parse_cluster, profile_for_cluster
+
+            spec = parse_cluster(args.cluster)
+            current = profile_for_cluster(profile, spec)
+            console.print(f"what-if cluster {spec.describe()}")
+        elif args.no_probe:
+            current = profile
+        else:
+            from profilers.probe import run_probe
+
+            nproc = args.nproc or plan.cluster.world_size
+            with console.status(f"probing the network on {nproc} workers"):
+                probed = run_probe(nproc, args.backend)
+            if probed is None:  # a torchrun rank other than 0: rank 0 reports
+                return 0
+            cluster, curves = probed
+            current = current_profile(profile, cluster=cluster, collectives=curves)
+            console.print(f"probed {cluster.describe()}: " + "; ".join(
+                f"{c.value} {_link(curve)}" for c, curve in curves.items()))
+        new = retune_plan(plan, current, cluster=current.cluster, time_limit_s=args.time_limit)
+        new = replace(new, source_profile=plan.source_profile if args.profile is None else str(args.profile))
+        changes = compare_plans(plan, new, current)
+        new.save(output)
+        print_plan(new, title=f"re-tuned plan: {new.cluster.describe()}")
+        print_changes(changes)
+        console.print(f"wrote plan {output}")
+        return 0
+
+
+def _link(curve: object) -> str:
+    """A fitted collective curve as latency and bandwidth."""
+    from planner.profile import FittedCurve
+
+    assert isinstance(curve, FittedCurve)
+    bandwidth = f"{1 / curve.beta_s_per_byte / 1e9:.2f} GB/s" if curve.beta_s_per_byte > 0 else "no per-byte cost"
+    return f"{curve.alpha_s * 1e6:.0f} us + {bandwidth}"
+
+
+def print_changes(changes: object) -> None:
+    """What re-tuning changed and its predicted gain."""
+    from planner.retune import PlanChanges
+
+    assert isinstance(changes, PlanChanges)
+    table = Table(title="what changed")
+    for col in ("", "old plan", "re-tuned plan"):
+        table.add_column(col)
+    table.add_row("cluster", changes.old_cluster.describe(), changes.new_cluster.describe())
+    table.add_row("gradient groups", str(len(changes.old_groups)),
+                  f"{len(changes.new_groups)} ({'changed' if changes.groups_changed else 'same'})")
+    if changes.owners_changed is not None:
+        table.add_row("K-FAC factor buffers", "", "changed" if changes.buffers_changed else "same")
+        table.add_row("K-FAC inversion owners", "", f"{changes.owners_changed} changed")
+    old = "cannot run here" if changes.old_s is None else _ms(changes.old_s)
+    table.add_row("predicted ms on the new cluster", old, _ms(changes.new_s), style="bold")
+    console.print(table)
+    if changes.gain is not None:
+        console.print(f"predicted gain of re-tuning: {changes.gain:.3f}x")
+    else:
+        console.print(f"the old plan cannot run on the new cluster: {changes.why_not}")
 
 
 class ShowCommand(Command):

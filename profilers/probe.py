@@ -21,7 +21,7 @@ from planner.profile import FittedCurve
 from planner.types import Collective
 from profilers.comm import log_sizes, measure_collectives
 
-__all__ = ["PROBE_COLLECTIVES", "current_cluster", "device_name", "probe_network"]
+__all__ = ["PROBE_COLLECTIVES", "current_cluster", "device_name", "probe_network", "probe_worker", "run_probe"]
 
 PROBE_COLLECTIVES = (Collective.ALLREDUCE, Collective.ALLGATHER, Collective.BROADCAST)
 
@@ -58,3 +58,28 @@ def current_cluster(device: torch.device, process_group: Any = None) -> ClusterI
         world_size, backend = 1, "none"
     hosts = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("PLANNER_HOSTS", "1")))
     return ClusterInfo(world_size=world_size, backend=backend, device=device_name(device), host_count=hosts)
+
+
+def probe_worker(rank: int, world_size: int, largest_bytes: int) -> tuple[ClusterInfo, dict] | None:
+    """Body run on every rank of an initialised default group; rank 0 returns the cluster and the curves."""
+    from profilers.session import device_for
+
+    device = device_for(str(dist.get_backend()))
+    curves = probe_network(device, largest_bytes=largest_bytes)
+    return (current_cluster(device), curves) if rank == 0 else None
+
+
+def run_probe(nproc: int, backend: str = "auto", largest_bytes: int = 4 << 20) -> tuple[ClusterInfo, dict] | None:
+    """Probe the network under torchrun (this process is one rank; only rank 0 gets the result, the others
+    None) or on `nproc` local workers started here."""
+    from profilers.session import resolve_backend, under_torchrun
+    from runtime.launch import run_distributed
+
+    chosen = resolve_backend(backend)
+    if under_torchrun():
+        dist.init_process_group(chosen)
+        try:
+            return probe_worker(dist.get_rank(), dist.get_world_size(), largest_bytes)
+        finally:
+            dist.destroy_process_group()
+    return run_distributed(probe_worker, nproc, largest_bytes, backend=chosen, timeout=600)[0]

@@ -56,7 +56,8 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def _device(backend: str) -> torch.device:
+def device_for(backend: str) -> torch.device:
+    """The device this rank computes on: its GPU for nccl (LOCAL_RANK under torchrun), else the CPU."""
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % max(1, torch.cuda.device_count())))
         torch.cuda.set_device(local)
@@ -67,7 +68,7 @@ def _device(backend: str) -> torch.device:
 def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile | None:
     """Body run on every rank of an initialised process group; rank 0 returns the profile."""
     backend = dist.get_backend()
-    device = _device(backend)
+    device = device_for(backend)
     show = config.show_progress and rank == 0
     base = config.base
 
@@ -149,7 +150,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
     )
 
 
-def _under_torchrun() -> bool:
+def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
@@ -159,7 +160,7 @@ def run_profile(config: ProfileConfig) -> Profile:
 
     if config.only_comm and config.base is None:
         raise PlannerError(f"--only comm updates an existing profile, but {config.output} does not exist")
-    if _under_torchrun():
+    if under_torchrun():
         backend = resolve_backend(config.backend)
         dist.init_process_group(backend)
         try:
