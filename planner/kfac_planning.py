@@ -325,3 +325,124 @@ def reference_sections(plan: Plan) -> dict[str, KFACSection]:
         name: replace(_section(stub, bufs, owners, **intervals), predicted=predicted.get(name))
         for name, (bufs, owners) in _reference_layouts(stub).items()
     }
+
+
+# ----------------------------------------------------------------------------------------------------
+# One factor-update step of a plan, span by span (what `planner report` draws)
+
+import itertools  # noqa: E402
+
+from planner.fusion import FusionTimeline  # noqa: E402
+from planner.simulator import validate_grouping  # noqa: E402
+from planner.types import PlanMismatchError  # noqa: E402
+
+__all__ += ["ComputeSpan", "FactorStepTimeline", "factor_step_timeline"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeSpan:
+    """One span of the compute stream of a factor-update step (seconds from the start of forward).
+
+    Attributes:
+        kind: "forward" (a layer's forward), "A" (its A factor), "G" (its G factor) or "backward".
+        layer: the layer's name.
+    """
+
+    kind: str
+    layer: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class FactorStepTimeline:
+    """A factor-update step under a K-FAC section and a gradient grouping, as `predict_kfac` models it.
+
+    Attributes:
+        compute: the compute stream up to the end of backward, span by span in time order.
+        channel: the factor buffers and gradient collectives on the channel (same clock).
+        compute_end_s: end of backward (with the G factors).
+        fold_s, precondition_s, update_s: the work after the channel is done, in that order.
+    """
+
+    compute: tuple[ComputeSpan, ...]
+    channel: FusionTimeline
+    compute_end_s: float
+    fold_s: float
+    precondition_s: float
+    update_s: float
+
+    @property
+    def comm_end_s(self) -> float:
+        """When the compute stream can fold the factors: the end of backward and of every collective."""
+        return max(self.compute_end_s, self.channel.end_s)
+
+    @property
+    def step_s(self) -> float:
+        """The factor-update step: `KFACPrediction.factor_step_s` when the grouping is the plan's."""
+        return self.comm_end_s + self.fold_s + (self.precondition_s + self.update_s)
+
+
+def factor_step_timeline(profile: Profile, section: KFACSection, grouping: tuple[int, ...]) -> FactorStepTimeline:
+    """The factor-update step of `section` with the gradient groups `grouping` (exclusive ends, profile order).
+
+    The clocks are those of `kfac_problem` (forward with each layer's A factor after it, backward with each
+    layer's G factor before it); the channel is `simulate_fusion` with the section's buffers.
+
+    Raises:
+        PlanMismatchError: the section's K-FAC layers (names, order, dimensions) are not the profile's.
+        InvalidProfileError: the profile has no K-FAC measurements.
+    """
+    problem = kfac_problem(profile, section.method)
+    if tuple(section.layers) != problem.layers:
+        planned = [(lt.name, lt.a_dim, lt.g_dim) for lt in section.layers]
+        measured = [(lt.name, lt.a_dim, lt.g_dim) for lt in problem.layers]
+        diff = next((f"{a} != {b}" for a, b in zip(planned, measured, strict=False) if a != b),
+                    f"{len(planned)} layers planned, {len(measured)} profiled")
+        raise PlanMismatchError(
+            f"the plan's K-FAC layers (name, a_dim, g_dim) differ from the profile's (first difference: {diff}); "
+            "profile this model with `planner profile --kfac` and re-plan with `planner solve --strategy kfac`"
+        )
+    assert profile.kfac is not None  # kfac_problem checked it
+    ends = validate_grouping(profile.problem(Strategy.DENSE), grouping)
+    a_cost = {lt.name: lt.a_compute_s for lt in profile.kfac.layers}
+    g_cost = {lt.name: lt.g_compute_s for lt in profile.kfac.layers}
+    spans: list[ComputeSpan] = []
+    # The same additions as kfac_problem, so that the clocks agree to the last bit.
+    forward = np.array([lt.forward_s for lt in reversed(profile.layers)])
+    scale = profile.forward_s / forward.sum() if forward.sum() > 0 else 0.0
+    clock = 0.0
+    for lt, f in zip(reversed(profile.layers), forward, strict=True):
+        start, own = clock, float(f * scale)
+        clock += f * scale + a_cost.get(lt.name, 0.0)
+        spans.append(ComputeSpan(kind="forward", layer=lt.name, start_s=start, end_s=start + own))
+        if lt.name in a_cost:
+            spans.append(ComputeSpan(kind="A", layer=lt.name, start_s=start + own, end_s=clock))
+    grad_ready = []
+    for lt in profile.layers:
+        start = clock
+        clock += g_cost.get(lt.name, 0.0)
+        if lt.name in g_cost:
+            spans.append(ComputeSpan(kind="G", layer=lt.name, start_s=start, end_s=clock))
+        start = clock
+        clock += lt.backward_s
+        spans.append(ComputeSpan(kind="backward", layer=lt.name, start_s=start, end_s=clock))
+        grad_ready.append(clock)
+    elem = profile.element_bytes
+    fusion = replace(
+        problem.fusion,
+        grad_ready_s=tuple(grad_ready[r.stop - 1] for r in groups_of(ends)),
+        grad_bytes=tuple(sum(profile.layers[i].numel for i in r) * elem for r in groups_of(ends)),
+    )
+    buffers = (
+        tuple(itertools.accumulate(len(b) for b in section.a_buffers)),
+        tuple(itertools.accumulate(len(b) for b in section.g_buffers)),
+    )
+    return FactorStepTimeline(
+        compute=tuple(spans),
+        channel=simulate_fusion(fusion, buffers),
+        compute_end_s=clock,
+        fold_s=problem.fold_s,
+        precondition_s=sum(lt.precondition_s(section.method) for lt in profile.kfac.layers),
+        update_s=profile.update_s,
+    )
