@@ -160,6 +160,35 @@ class FittedCurve:
         pts = sorted(dict(self.points).items())
         return PiecewiseLinearCost(xs=tuple(float(x) for x, _ in pts), ys=tuple(t for _, t in pts))
 
+    def corrected(self, alpha_scale: float, beta_scale: float) -> FittedCurve:
+        """The curve with its start-up scaled by `alpha_scale` and its per-byte cost by `beta_scale`.
+
+        The fit becomes alpha * alpha_scale + beta * beta_scale * x, and every measured point (x, t) moves by
+        the same amount, t + (alpha_scale - 1) * alpha + (beta_scale - 1) * beta * x (at least 0): where the
+        fit is the model, the model is exactly the corrected affine cost; where the points are interpolated,
+        they are shifted the same way. `fit_error` is recomputed on the moved points (and so is the choice
+        between fit and interpolation, which a large correction can change). Scales of 1 return the curve.
+
+        Raises:
+            SchemaError: a scale is not finite and > 0.
+        """
+        scales = (alpha_scale, beta_scale)
+        if not all(not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and v > 0
+                   for v in scales):
+            raise SchemaError(
+                f"`alpha_scale > 0 and beta_scale > 0` (finite) must hold, but got "
+                f"(alpha_scale={alpha_scale!r}, beta_scale={beta_scale!r})"
+            )
+        if alpha_scale == 1 and beta_scale == 1:
+            return self
+        alpha, beta = self.alpha_s * alpha_scale, self.beta_s_per_byte * beta_scale
+        shift_a, shift_b = alpha - self.alpha_s, beta - self.beta_s_per_byte
+        points = tuple((x, max(0.0, t + shift_a + shift_b * x)) for x, t in self.points)
+        fit = AffineCost(alpha=alpha, beta=beta)
+        errors = sorted(abs(fit.cost(x) - t) / t for x, t in points if t > 0)  # as `fit_affine` measures it
+        fit_error = errors[len(errors) // 2] if errors else 0.0
+        return FittedCurve(points=points, alpha_s=alpha, beta_s_per_byte=beta, fit_error=fit_error)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "points": [list(p) for p in self.points],

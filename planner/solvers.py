@@ -11,6 +11,20 @@ merge rules published with MG-WFBP and MGS.
 
 `lower_bound` is a bound no grouping can beat under the timeline model. Every solver answers with a
 `Grouping` (tuple of exclusive group ends); `planner.simulator.simulate` evaluates it.
+
+Group-size bounds (`DenseDP` and `TopkParetoDP`, `min_group_bytes` / `max_group_bytes`): a group's size is
+its dense gradient bytes, sum of numel * element_bytes over its layers (for top-k too, although fewer
+bytes are sent). A group is allowed when both hold:
+
+- size <= `max_group_bytes` (when given), unless the group is a single layer (a layer cannot be split);
+- size >= `min_group_bytes`, unless the group is the last one (it holds the last layer in ready order:
+  what is left at the end may be small).
+
+A single layer below `min_group_bytes` is not exempt: it must be merged with its neighbours (or be last).
+Some instances therefore have no allowed grouping (a small layer between layers above `max_group_bytes`,
+or `min_group_bytes` close to `max_group_bytes`); the solvers then raise `SolverError`. Otherwise they are
+exact over the groupings whose every group is allowed (`within_group_bounds` tests a grouping). Without
+bounds (the defaults) every grouping is allowed and nothing changes.
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ __all__ = [
     "TopkParetoDP",
     "lower_bound",
     "solve_exact",
+    "within_group_bounds",
 ]
 
 #: PyTorch DDP's first bucket (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`, 1 MiB).
@@ -150,7 +165,7 @@ _BOUND_WEIGHTS = np.linspace(0.0, 1.0, 11)
 
 
 def _lagrangian_suffixes(
-    problem: GradientProblem, prefix_numel: np.ndarray
+    problem: GradientProblem, prefix_numel: np.ndarray, bounds: _GroupBounds | None = None
 ) -> tuple[np.ndarray, np.ndarray, list[Grouping]]:
     """Suffix bounds of the top-k problem: for each weight w and prefix length m, the minimum over groupings
     of layers m..L-1 of w * X + (1 - w) * Y, where X = sum of (s + d) plus T of the last group and
@@ -159,6 +174,9 @@ def _lagrangian_suffixes(
     Any completion of a state (C', E') of prefix m ends at or after both C' + rest of backward + X and
     max(E', C' + b_m + s(n_m)) + Y, hence after any convex combination of the two, hence after
     w * (C' + rest of backward) + (1 - w) * max(E', C' + b_m + s(n_m)) + rest[w, m].
+
+    With `bounds`, the minimum is over the groupings the bounds allow (a tighter bound, still valid for
+    every allowed completion), and the groupings returned are allowed.
 
     Returns (weights, rest with shape (weights, L + 1), the grouping minimising each weight's sum over all
     layers; those are good groupings in their own right and serve as heuristics).
@@ -174,6 +192,8 @@ def _lagrangian_suffixes(
         compute = _select_many(problem, sizes) + decode
         compute[-1] += comm[-1]  # the last group's collective follows the compute path
         costs = weights[:, None] * compute + (1 - weights[:, None]) * (comm + decode) + rest[:, i + 1 :]
+        if bounds is not None and bounds.active:
+            costs[:, ~bounds.starting_at(problem, prefix_numel, i)] = np.inf  # rest is inf without a completion
         best = np.argmin(costs, axis=1)
         rest[:, i] = costs[np.arange(len(weights)), best]
         nexts[:, i] = i + 1 + best
@@ -204,6 +224,71 @@ def _require(problem: GradientProblem, strategy: Strategy, solver: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _GroupBounds:
+    """The group-size bounds of the exact solvers (see the module docstring for the rule)."""
+
+    min_bytes: int = 0
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        low, high = self.min_bytes, self.max_bytes
+        ints = all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in (low, high) if v is not None)
+        if not ints or low < 0 or (high is not None and (high <= 0 or low > high)):
+            raise SolverError(
+                "integer `0 <= min_group_bytes <= max_group_bytes` with `max_group_bytes > 0` or None must hold, "
+                f"but got (min_group_bytes={low!r}, max_group_bytes={high!r})"
+            )
+
+    @property
+    def active(self) -> bool:
+        return self.min_bytes > 0 or self.max_bytes is not None
+
+    def allowed(self, problem: GradientProblem, numel: np.ndarray, single: np.ndarray, last: np.ndarray | bool
+                ) -> np.ndarray:
+        """Which groups (of `numel` elements; of one layer where `single`; holding the last layer where `last`)
+        the bounds allow."""
+        size = np.asarray(numel, dtype=np.int64) * problem.element_bytes
+        ok = (size >= self.min_bytes) | last
+        if self.max_bytes is not None:
+            ok &= (size <= self.max_bytes) | single
+        return np.asarray(ok, dtype=bool)
+
+    def infeasible(self, problem: GradientProblem) -> SolverError:
+        return SolverError(
+            f"no grouping of the {problem.num_layers} layers keeps every group within the bounds "
+            f"(min_group_bytes={self.min_bytes}, max_group_bytes={self.max_bytes}): a group below the minimum "
+            "must grow past layers above the maximum; loosen the bounds"
+        )
+
+    def ending_at(self, problem: GradientProblem, prefix: np.ndarray, j: int) -> np.ndarray:
+        """allowed[i] for the groups i..j, i = 0..j."""
+        firsts = np.arange(j + 1)
+        return self.allowed(problem, prefix[j + 1] - prefix[: j + 1], firsts == j, j == problem.num_layers - 1)
+
+    def starting_at(self, problem: GradientProblem, prefix: np.ndarray, i: int) -> np.ndarray:
+        """allowed[j - i] for the groups i..j, j = i..L-1."""
+        ends = np.arange(i, problem.num_layers)
+        return self.allowed(problem, prefix[i + 1 :] - prefix[i], ends == i, ends == problem.num_layers - 1)
+
+    def admits(self, problem: GradientProblem, grouping: Grouping) -> bool:
+        """Whether every group of `grouping` is allowed."""
+        if not self.active:
+            return True
+        ends = np.asarray(grouping, dtype=np.int64)
+        starts = np.concatenate(([0], ends[:-1]))
+        prefix = _prefix_numel(problem)
+        ok = self.allowed(problem, prefix[ends] - prefix[starts], ends - starts == 1, ends == problem.num_layers)
+        return bool(np.all(ok))
+
+
+def within_group_bounds(
+    problem: GradientProblem, grouping: Grouping, *, min_group_bytes: int = 0, max_group_bytes: int | None = None
+) -> bool:
+    """Whether every group of `grouping` obeys the group-size bounds (rule in the module docstring)."""
+    return _GroupBounds(min_group_bytes, max_group_bytes).admits(problem, grouping)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Exact solvers
 
@@ -215,11 +300,28 @@ class DenseDP(GroupingSolver):
     E_{g-1}), so the optimal end of the channel for each prefix obeys
     E*(j) = min over i <= j of max(E*(i-1), R_j) + T(n_i + ... + n_j), E*(-1) = 0,
     and iteration = F + max(R_{L-1}, E*(L-1)) + U. O(L^2) time, vectorised over i for each j.
+
+    With group-size bounds the minimum runs over the allowed groups i..j only (rule in the module
+    docstring; E* is infinite for a prefix no allowed grouping covers); the argument is unchanged, because
+    whether a group is allowed depends on that group alone.
     """
 
     name = "dense-dp"
     exact = True
     description = "exact dynamic program over prefixes (dense allreduce)"
+
+    def __init__(self, *, min_group_bytes: int = 0, max_group_bytes: int | None = None) -> None:
+        """Args: min_group_bytes, max_group_bytes: group-size bounds in dense gradient bytes (None: no upper
+        bound); see the module docstring for the exact rule."""
+        self._bounds = _GroupBounds(min_group_bytes, max_group_bytes)
+
+    @property
+    def min_group_bytes(self) -> int:
+        return self._bounds.min_bytes
+
+    @property
+    def max_group_bytes(self) -> int | None:
+        return self._bounds.max_bytes
 
     def solve(self, problem: GradientProblem) -> Grouping:
         return self.solve_with_value(problem)[0]
@@ -231,14 +333,22 @@ class DenseDP(GroupingSolver):
         ready = np.cumsum(np.asarray(problem.backward_s, dtype=float))  # R_j
         channel = np.zeros(num_layers + 1)  # channel[m] = E* of the prefix of m layers
         starts = np.zeros(num_layers, dtype=np.int64)
+        bounded = self._bounds.active
         for j in range(num_layers):
             sizes = prefix[j + 1] - prefix[: j + 1]  # group i..j for i = 0..j
             candidates = np.maximum(channel[: j + 1], ready[j]) + _comm_many(problem, sizes)
+            if bounded:
+                candidates[~self._bounds.ending_at(problem, prefix, j)] = np.inf
             best = int(np.argmin(candidates))
             starts[j] = best
             channel[j + 1] = candidates[best]
+        if not np.isfinite(channel[-1]):
+            raise self._bounds.infeasible(problem)
         value = problem.forward_s + max(float(ready[-1]), float(channel[-1])) + problem.update_s
         return _ends_from_back_pointers(starts, num_layers), value
+
+    def __repr__(self) -> str:
+        return f"DenseDP(min_group_bytes={self.min_group_bytes}, max_group_bytes={self.max_group_bytes})"
 
 
 @dataclass(frozen=True)
@@ -250,6 +360,7 @@ class _TopkTables:
     lead: np.ndarray  # lead[m] = b_m + s(n_m), lead[L] = 0
     weights: np.ndarray  # Lagrangian weights w
     rest: np.ndarray  # rest[w, m]: see _lagrangian_suffixes
+    bounds: _GroupBounds | None = None  # group-size bounds, None when there are none
 
 
 class TopkParetoDP(GroupingSolver):
@@ -273,6 +384,13 @@ class TopkParetoDP(GroupingSolver):
       non-decreasing in (C', E'); states whose bound exceeds the iteration of a good grouping are dropped.
       That grouping is the best of the baselines, the Lagrangian groupings and a first pass of this search
       that keeps only the few states with the lowest bounds per prefix (a beam, usually optimal already).
+
+    With group-size bounds (rule in the module docstring) a state is extended only by allowed groups. Every
+    reduction above compares states of the same prefix, or extensions by the same group, so it stays exact:
+    which groups may follow a prefix depends on the prefix's length alone, and the next group always holds
+    the layer after the prefix. A state not extended by a disallowed group stays available for the longer
+    groups that follow. The Lagrangian bounds run over allowed groupings (infinite after a prefix that no
+    allowed grouping completes), and only allowed groupings serve as upper bounds.
     """
 
     name = "topk-pareto-dp"
@@ -282,9 +400,23 @@ class TopkParetoDP(GroupingSolver):
     #: States kept per prefix by the beam search that finds the first upper bound.
     _BEAM: ClassVar[int] = 8
 
-    def __init__(self, *, prune: bool = True) -> None:
-        """Args: prune: branch and bound (exact; off only to test that it is)."""
+    def __init__(self, *, prune: bool = True, min_group_bytes: int = 0, max_group_bytes: int | None = None) -> None:
+        """Args: prune: branch and bound (exact; off only to test that it is). min_group_bytes, max_group_bytes:
+        group-size bounds in dense gradient bytes (None: no upper bound); see the module docstring."""
         self.prune = prune
+        self._bounds = _GroupBounds(min_group_bytes, max_group_bytes)
+
+    @property
+    def min_group_bytes(self) -> int:
+        return self._bounds.min_bytes
+
+    @property
+    def max_group_bytes(self) -> int | None:
+        return self._bounds.max_bytes
+
+    def __repr__(self) -> str:
+        return (f"TopkParetoDP(prune={self.prune}, min_group_bytes={self.min_group_bytes}, "
+                f"max_group_bytes={self.max_group_bytes})")
 
     def solve(self, problem: GradientProblem) -> Grouping:
         return self.solve_with_value(problem)[0]
@@ -294,25 +426,35 @@ class TopkParetoDP(GroupingSolver):
         fixed = problem.forward_s + problem.update_s
         prefix = _prefix_numel(problem)
         lead = np.asarray(problem.backward_s, dtype=float) + _select_many(problem, np.asarray(problem.numel))
-        weights, rest, relaxed = _lagrangian_suffixes(problem, prefix)
+        bounds = self._bounds
+        weights, rest, relaxed = _lagrangian_suffixes(problem, prefix, bounds)
         tables = _TopkTables(
             prefix=prefix,
             backward=_prefix_backward(problem),
             lead=np.append(lead, 0.0),
             weights=weights,
             rest=rest,
+            bounds=bounds if bounds.active else None,
         )
         if not self.prune:
             found = self._search(problem, tables, np.inf)
-            assert found is not None
+            if found is None:
+                raise bounds.infeasible(problem)
             return found[0], fixed + found[1]
 
-        # Upper bound: the best of the baselines, the Lagrangian groupings and a narrow beam of this search.
+        # Upper bound: the best of the baselines, the Lagrangian groupings and a narrow beam of this search
+        # (only groupings the bounds allow).
         candidates = [h.solve_with_value(problem) for h in (*BASELINES[Strategy.TOPK], MGWFBPGreedy())]
         candidates += [(g, simulate(problem, g).iteration_s) for g in dict.fromkeys(relaxed)]
+        candidates = [(g, v) for g, v in candidates if bounds.admits(problem, g)]
         beamed = self._search(problem, tables, np.inf, beam=self._BEAM)
         if beamed is not None:
             candidates.append((beamed[0], fixed + beamed[1]))
+        if not candidates:  # no allowed grouping is known: search them all
+            found = self._search(problem, tables, np.inf)
+            if found is None:
+                raise bounds.infeasible(problem)
+            return found[0], fixed + found[1]
         heuristic, upper = min(candidates, key=lambda gv: gv[1])
         found = self._search(problem, tables, (upper - fixed) * (1 + _PRUNE_RTOL))
         if found is None:  # only rounding can prune every grouping within the best heuristic's time
@@ -358,6 +500,12 @@ class TopkParetoDP(GroupingSolver):
             extend[1:] |= wide[:-1]
             active = cand = active[extend]
             first = first[extend]
+            if tables.bounds is not None:
+                # Only allowed groups extend a state; the others stay active for longer groups.
+                allowed = tables.bounds.ending_at(problem, prefix, j)[first]
+                cand, first = cand[allowed], first[allowed]
+                if cand.size == 0:
+                    continue
             new_comp = comp[cand] + work[first] + decode[first]
             new_chan = np.maximum(new_comp, chan[cand] + decode[first]) + comm[first]
 
