@@ -292,19 +292,6 @@ def collective_seconds(spec: ClusterSpec, collective: Collective, nbytes: float)
     return float(collective_seconds_many(spec, collective, np.asarray([nbytes]))[0])
 
 
-@dataclass(frozen=True, kw_only=True)
-class _NoCommCurve(FittedCurve):
-    """A curve of zero times (one GPU communicates nothing).
-
-    `FittedCurve.worst_error` takes a maximum over the points with a time > 0, and there are none here; the
-    curve serialises as a plain `FittedCurve`.
-    """
-
-    @property
-    def worst_error(self) -> float:
-        return 0.0
-
-
 def _model_curve(spec: ClusterSpec, collective: Collective) -> FittedCurve:
     """Model points at `CURVE_SIZES` (plus, for "auto", the sizes where ring and tree cross) and their fit."""
     sizes = set(CURVE_SIZES)
@@ -318,8 +305,8 @@ def _model_curve(spec: ClusterSpec, collective: Collective) -> FittedCurve:
     xs = sorted(sizes)
     ts = collective_seconds_many(spec, collective, np.asarray(xs))
     points = [(int(x), float(t)) for x, t in zip(xs, ts, strict=True)]
-    if not any(t > 0 for _, t in points):
-        return _NoCommCurve(points=tuple(points), alpha_s=0.0, beta_s_per_byte=0.0, fit_error=0.0)
+    if not any(t > 0 for _, t in points):  # one GPU communicates nothing
+        return FittedCurve(points=tuple(points), alpha_s=0.0, beta_s_per_byte=0.0, fit_error=0.0)
     return FittedCurve.fit(points)
 
 

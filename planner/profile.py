@@ -150,7 +150,7 @@ class FittedCurve:
     @property
     def worst_error(self) -> float:
         """Largest relative error of the affine fit over the measured points."""
-        return max(abs(self.affine.cost(x) - t) / t for x, t in self.points if t > 0)
+        return max((abs(self.affine.cost(x) - t) / t for x, t in self.points if t > 0), default=0.0)
 
     @property
     def model(self) -> CostModel:

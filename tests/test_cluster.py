@@ -473,3 +473,12 @@ def test_scaling_table_matches_the_plans_it_summarises(profile: Profile) -> None
 def test_scaling_table_refuses_a_world_size_that_is_not_whole_nodes(profile: Profile) -> None:
     with pytest.raises(SchemaError, match="world size 12 is not a multiple of gpus_per_node=8"):
         scaling_table(profile, PRESETS["ib100-64"], [8, 12])
+
+
+def test_a_one_gpu_what_if_profile_round_trips_and_costs_nothing(tmp_path: Path) -> None:
+    one = profile_for_cluster(synthetic_profile("mlp"), PRESETS["ib100-64"].with_world_size(1))
+    path = tmp_path / "one.json"
+    one.save(path)
+    loaded = Profile.load(path)
+    assert loaded.cluster.world_size == 1
+    assert all(loaded.curve(c).model.cost(1 << 20) == 0.0 for c in Collective)
