@@ -293,7 +293,21 @@ def within_group_bounds(
 # Exact solvers
 
 
-class DenseDP(GroupingSolver):
+class _BoundedSolver(GroupingSolver):
+    """A grouping solver with group-size bounds (`_GroupBounds`), exposed read-only."""
+
+    _bounds: _GroupBounds
+
+    @property
+    def min_group_bytes(self) -> int:
+        return self._bounds.min_bytes
+
+    @property
+    def max_group_bytes(self) -> int | None:
+        return self._bounds.max_bytes
+
+
+class DenseDP(_BoundedSolver):
     """Exact grouping for dense allreduce (the MG-WFBP problem).
 
     A prefix whose last collective ends earlier never hurts what follows (E_g is non-decreasing in
@@ -314,14 +328,6 @@ class DenseDP(GroupingSolver):
         """Args: min_group_bytes, max_group_bytes: group-size bounds in dense gradient bytes (None: no upper
         bound); see the module docstring for the exact rule."""
         self._bounds = _GroupBounds(min_group_bytes, max_group_bytes)
-
-    @property
-    def min_group_bytes(self) -> int:
-        return self._bounds.min_bytes
-
-    @property
-    def max_group_bytes(self) -> int | None:
-        return self._bounds.max_bytes
 
     def solve(self, problem: GradientProblem) -> Grouping:
         return self.solve_with_value(problem)[0]
@@ -363,7 +369,7 @@ class _TopkTables:
     bounds: _GroupBounds | None = None  # group-size bounds, None when there are none
 
 
-class TopkParetoDP(GroupingSolver):
+class TopkParetoDP(_BoundedSolver):
     """Exact grouping for top-k sparsified allgather (the MGS problem).
 
     With the decode time accumulated so far, D_g, folded into both clocks (C' = C + D, E' = E + D):
@@ -405,14 +411,6 @@ class TopkParetoDP(GroupingSolver):
         group-size bounds in dense gradient bytes (None: no upper bound); see the module docstring."""
         self.prune = prune
         self._bounds = _GroupBounds(min_group_bytes, max_group_bytes)
-
-    @property
-    def min_group_bytes(self) -> int:
-        return self._bounds.min_bytes
-
-    @property
-    def max_group_bytes(self) -> int | None:
-        return self._bounds.max_bytes
 
     def __repr__(self) -> str:
         return (f"TopkParetoDP(prune={self.prune}, min_group_bytes={self.min_group_bytes}, "
