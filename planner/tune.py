@@ -565,12 +565,10 @@ def open_study(config: TuneConfig) -> tuple[optuna.Study, int]:
 
 
 def _broadcast(value: Any, rank: int) -> Any:
-    """Rank 0's `value` on every rank."""
-    import torch.distributed as dist
+    """Rank 0's JSON-compatible `value` on every rank (as JSON: plans travel as data, never as pickles)."""
+    from runtime.launch import broadcast_json
 
-    box = [value if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return broadcast_json(value if rank == 0 else None)
 
 
 class _Runner:
@@ -656,7 +654,7 @@ def _run_trial(
             prune = False
             if trial is not None:
                 trial.report(statistics.median(samples), rung)
-                prune = rung < len(rungs) - 1 and trial.should_prune()
+                prune = rung < len(rungs) - 1 and bool(trial.should_prune())
             if _broadcast(prune, rank):
                 return True, samples
         return False, samples

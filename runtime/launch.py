@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from planner.types import DistributedError
 
-__all__ = ["RemoteTraceback", "free_port", "run_distributed"]
+__all__ = ["RemoteTraceback", "broadcast_json", "free_port", "run_distributed"]
 
 #: After one worker fails, how long the others get to finish before they are killed (they are likely
 #: blocked in a collective that will never complete).
@@ -213,3 +213,23 @@ def _rank_of(pending: dict[int, Connection], conn: object) -> int | None:
         if reader is conn:
             return rank
     return None
+
+
+def broadcast_json(value: Any, *, group: Any = None, device: torch.device | None = None) -> Any:
+    """Rank 0's JSON-compatible `value` (of `group`) on every rank of it, sent as UTF-8 JSON in a tensor.
+
+    Plans travel between ranks as data: nothing is unpickled, so receiving one never runs code. Every rank
+    must call it; the others' `value` is ignored. `device`: where the tensors live (a GPU for nccl).
+    """
+    import json
+
+    device = device or torch.device("cpu")
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    payload = json.dumps(value).encode() if dist.get_rank(group) == 0 else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    if payload:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(data, src=src, group=group)
+    return json.loads(data.cpu().numpy().tobytes().decode())

@@ -4,8 +4,9 @@ A plan is made for one model, world size, backend and kind of device. Under elas
 size changes between restarts; a plan from another cluster may be handed to this one. With
 `auto_retune=True` every rank probes the network of its process group (`profilers.probe`), rank 0
 re-solves from the plan's stored per-layer profile (`planner.retune.retune_plan`) and broadcasts the
-new plan as JSON, so every rank runs the same plan. If rank 0 cannot re-plan (no profile, say), it
-broadcasts the reason and every rank raises the same error instead of hanging.
+new plan as JSON (`runtime.launch.broadcast_json`: data, never a pickle), so every rank runs the same
+plan. If rank 0 cannot re-plan (no profile, say), it broadcasts the reason and every rank raises the
+same error instead of hanging.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from planner.fingerprint import model_info
 from planner.plan import Plan
 from planner.profile import Profile
 from planner.types import PlanMismatchError, PlannerError
+from runtime.launch import broadcast_json
 
 __all__ = ["resolve_plan"]
 
@@ -80,15 +82,13 @@ def resolve_plan(
     from profilers.probe import probe_network
 
     curves = probe_network(device, process_group=process_group) if probe else None
-    payload: list[Any] = [None]
+    payload: dict[str, Any] = {}
     if dist.get_rank(process_group) == 0:
         try:
-            payload[0] = _retune(plan, profile, cluster, curves, time_limit_s).to_dict()
+            payload = _retune(plan, profile, cluster, curves, time_limit_s).to_dict()
         except PlannerError as exc:
-            payload[0] = {"error": f"rank 0 could not re-tune the plan: {exc}"}
-    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-    dist.broadcast_object_list(payload, src=src, group=process_group)
-    data = payload[0]
+            payload = {"error": f"rank 0 could not re-tune the plan: {exc}"}
+    data = broadcast_json(payload, group=process_group, device=device if device.type == "cuda" else None)
     if not isinstance(data, dict) or "error" in data:
         raise PlanMismatchError(str(data.get("error") if isinstance(data, dict) else "no plan was broadcast"))
     return Plan.from_dict(data)
