@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from planner.plan import Group
+from planner.plan import Group, Plan
 from planner.problem import Grouping, groups_of, topk_count
-from planner.types import SolverError, Strategy
+from planner.types import PlanMismatchError, SolverError, Strategy
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["LayerSpec", "gradient_layers", "groups_for"]
+    from planner.profile import Profile
+
+__all__ = ["LayerSpec", "gradient_layers", "groups_for", "plan_grouping"]
 
 ROOT_NAME = "<root>"
 
@@ -67,3 +70,29 @@ def groups_for(
             )
         )
     return tuple(out)
+
+
+def plan_grouping(plan: Plan, profile: Profile) -> Grouping:
+    """The plan's groups as exclusive end indices in the profile's layer order.
+
+    Raises:
+        PlanMismatchError: the plan's layers (in group order) or group sizes are not the profile's.
+    """
+    planned = [name for g in plan.groups for name in g.layers]
+    profiled = [lt.name for lt in profile.layers]
+    hint = f"use the profile the plan was solved from ({plan.source_profile or 'see `planner show PLAN`'})"
+    if planned != profiled:
+        diff = next(
+            (f"position {i}: plan {a!r}, profile {b!r}" for i, (a, b) in enumerate(zip(planned, profiled, strict=False))
+             if a != b),
+            f"the plan has {len(planned)} layers, the profile {len(profiled)}",
+        )
+        raise PlanMismatchError(f"the plan's layers differ from the profile's ({diff}); {hint}")
+    grouping = tuple(itertools.accumulate(len(g.layers) for g in plan.groups))
+    for i, (g, layers) in enumerate(zip(plan.groups, groups_of(grouping), strict=True)):
+        numel = sum(profile.layers[j].numel for j in layers)
+        if numel != g.numel:
+            raise PlanMismatchError(
+                f"group {i} of the plan has {g.numel} elements, but its layers have {numel} in the profile; {hint}"
+            )
+    return grouping

@@ -36,6 +36,7 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import NullLocator
 
 from planner.kfac_planning import factor_step_timeline, kfac_problem
+from planner.layers import plan_grouping
 from planner.placement import PlacementProblem
 from planner.plan import Plan
 from planner.problem import Grouping, groups_of
@@ -53,7 +54,6 @@ __all__ = [
     "gantt_figure",
     "gantt_lanes",
     "measured_figure",
-    "plan_grouping",
     "read_bench_json",
     "scaling_figure",
     "write_report",
@@ -174,32 +174,6 @@ class GanttData:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.2f}"
-
-
-def plan_grouping(plan: Plan, profile: Profile) -> Grouping:
-    """The plan's groups as exclusive end indices in the profile's layer order.
-
-    Raises:
-        PlanMismatchError: the plan's layers (in group order) or group sizes are not the profile's.
-    """
-    planned = [name for g in plan.groups for name in g.layers]
-    profiled = [lt.name for lt in profile.layers]
-    hint = f"draw the plan with the profile it was solved from ({plan.source_profile or 'see `planner show PLAN`'})"
-    if planned != profiled:
-        diff = next(
-            (f"position {i}: plan {a!r}, profile {b!r}" for i, (a, b) in enumerate(zip(planned, profiled, strict=False))
-             if a != b),
-            f"the plan has {len(planned)} layers, the profile {len(profiled)}",
-        )
-        raise PlanMismatchError(f"the plan's layers differ from the profile's ({diff}); {hint}")
-    grouping = tuple(itertools.accumulate(len(g.layers) for g in plan.groups))
-    for i, (g, layers) in enumerate(zip(plan.groups, groups_of(grouping), strict=True)):
-        numel = sum(profile.layers[j].numel for j in layers)
-        if numel != g.numel:
-            raise PlanMismatchError(
-                f"group {i} of the plan has {g.numel} elements, but its layers have {numel} in the profile; {hint}"
-            )
-    return grouping
 
 
 def gantt_lanes(plan: Plan, profile: Profile) -> GanttData:

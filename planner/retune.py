@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 
 from planner.fingerprint import ClusterInfo
 from planner.kfac import KFACSection
+from planner.layers import plan_grouping
 from planner.plan import Plan
-from planner.problem import Grouping
 from planner.profile import FittedCurve, Profile
 from planner.simulator import simulate
 from planner.types import Collective, InvalidProfileError, PlanMismatchError, PlannerError, SolverError
@@ -128,19 +128,6 @@ class PlanChanges:
         return None if self.old_s is None or self.new_s <= 0 else self.old_s / self.new_s
 
 
-def _grouping(plan: Plan, profile: Profile) -> Grouping:
-    """The plan's groups as exclusive end indices into the profile's layers (ready order)."""
-    names = [lt.name for lt in profile.layers]
-    planned = [name for g in plan.groups for name in g.layers]
-    if planned != names:
-        raise PlanMismatchError("the plan's groups do not list the profile's layers in ready order")
-    ends, end = [], 0
-    for g in plan.groups:
-        end += len(g.layers)
-        ends.append(end)
-    return tuple(ends)
-
-
 def _kfac_prediction(section: KFACSection, profile: Profile) -> tuple[float | None, str]:
     """The average step of `section`'s buffers and owners on `profile`'s cluster, or None and why not."""
     from planner.kfac_planning import kfac_problem, predict_kfac
@@ -175,7 +162,7 @@ def compare_plans(old: Plan, new: Plan, current: Profile) -> PlanChanges:
     if new.kfac is None:
         problem = current.problem(new.strategy, new.density)
         try:
-            old_s: float | None = simulate(problem, _grouping(old, current)).iteration_s
+            old_s: float | None = simulate(problem, plan_grouping(old, current)).iteration_s
             why = ""
         except PlannerError as exc:
             old_s, why = None, str(exc)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from planner.kfac_planning import factor_step_timeline, kfac_problem
+from planner.layers import plan_grouping
 from planner.placement import makespan
 from planner.plan import Plan
 from planner.profile import Profile
@@ -21,7 +22,6 @@ from planner.report import (
     gantt_figure,
     gantt_lanes,
     measured_figure,
-    plan_grouping,
     read_bench_json,
     scaling_figure,
     write_report,
