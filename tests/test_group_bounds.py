@@ -20,7 +20,7 @@ from planner.simulator import simulate, validate_grouping
 from planner.solver_bench import random_problem
 from planner.solvers import DenseDP, TopkParetoDP, within_group_bounds
 from planner.types import SchemaError, SolverError, Strategy
-from tests.test_solvers import all_groupings, problems
+from tests.test_solvers import all_groupings, problems, reference_topk_optimum
 
 RTOL = 1e-9
 
@@ -125,27 +125,8 @@ def test_bounded_solvers_match_brute_force_on_realistic_instances(
 
 
 def reference_bounded_topk(problem: GradientProblem, low: int, high: int | None) -> float:
-    """A plain Pareto-front DP over prefixes with scalar costs and the bounds, no pruning (the reference)."""
-    assert problem.select is not None and problem.decode is not None
-    fronts: list[list[tuple[float, float]]] = [[(0.0, 0.0)]]
-    for end in range(1, problem.num_layers + 1):
-        states = []
-        for start in range(end):
-            if not group_allowed(problem, start, end, low, high):
-                continue
-            numel = sum(problem.numel[start:end])
-            backward = sum(problem.backward_s[start:end])
-            decode = problem.decode.cost(problem.world_size * problem.k(numel))
-            comm = problem.comm.cost(problem.message_bytes(numel))
-            for comp, chan in fronts[start]:
-                new_comp = comp + backward + problem.select.cost(numel) + decode
-                states.append((new_comp, max(new_comp, chan + decode) + comm))
-        front: list[tuple[float, float]] = []
-        for comp, chan in sorted(states):
-            if not front or chan < front[-1][1]:
-                front.append((comp, chan))
-        fronts.append(front)
-    return problem.forward_s + min(max(c, e) for c, e in fronts[-1]) + problem.update_s
+    """The plain Pareto-front reference DP of test_solvers, forming only groups the bounds allow."""
+    return reference_topk_optimum(problem, lambda start, end: group_allowed(problem, start, end, low, high))
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -156,13 +157,18 @@ def test_topk_pruning_is_exact(seed: int, density: float) -> None:
     assert math.isclose(simulate(problem, pruned).iteration_s, simulate(problem, plain).iteration_s, rel_tol=RTOL)
 
 
-def reference_topk_optimum(problem: GradientProblem) -> float:
-    """A plain Pareto-front DP over prefixes with scalar costs: no pruning, no shortcuts (the reference)."""
+def reference_topk_optimum(
+    problem: GradientProblem, allowed: Callable[[int, int], bool] = lambda start, end: True
+) -> float:
+    """A plain Pareto-front DP over prefixes with scalar costs: no pruning, no shortcuts (the reference).
+    Only groups [start, end) that `allowed` accepts are formed."""
     assert problem.select is not None and problem.decode is not None
     fronts: list[list[tuple[float, float]]] = [[(0.0, 0.0)]]  # per prefix length: (C', E')
     for end in range(1, problem.num_layers + 1):
         states = []
         for start in range(end):
+            if not allowed(start, end):
+                continue
             numel = sum(problem.numel[start:end])
             backward = sum(problem.backward_s[start:end])
             decode = problem.decode.cost(problem.world_size * problem.k(numel))
