@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,9 @@ from planner.models import build_workload
 from planner.plan import Group, Plan
 from planner.problem import topk_count
 from planner.types import PlanMismatchError, Strategy
+
+if TYPE_CHECKING:
+    from runtime.link import LinkRate
 
 __all__ = ["BenchConfig", "BenchResult", "bench_variants", "bench_worker", "per_layer_plan", "run_bench"]
 
@@ -39,6 +42,7 @@ class BenchConfig:
     block: int = 5
     lr: float = 0.01
     show_progress: bool = True
+    link: LinkRate | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,17 +196,15 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     return [replace(r, speedup=ddp / r.median_s) for r in results]
 
 
-def run_bench(config: BenchConfig) -> list[BenchResult]:
-    """Start `config.nproc` local gloo workers and bench every variant."""
+def run_bench(config: BenchConfig) -> list[BenchResult] | None:
+    """Bench every variant on `config.nproc` local gloo workers, or on torchrun's group (possibly across
+    hosts) when launched by torchrun; the results on rank 0, None on the other torchrun ranks."""
     for plan in config.plans:
         if plan.cluster.world_size != config.nproc:
             raise PlanMismatchError(
                 f"the plan was made for world size {plan.cluster.world_size}, but --nproc is {config.nproc}; "
                 f"re-plan: {plan.replan_command()}"
             )
-    from runtime.launch import run_distributed
+    from runtime.launch import run_job
 
-    results = run_distributed(bench_worker, config.nproc, config, backend="gloo", timeout=3600)
-    out = results[0]
-    assert out is not None
-    return out
+    return run_job(bench_worker, config.nproc, config, backend="gloo", link=config.link)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from planner.kfac_planning import reference_sections
 from planner.models import build_workload
 from planner.plan import Plan
 from planner.types import PlanMismatchError
+
+if TYPE_CHECKING:
+    from runtime.link import LinkRate
 
 __all__ = ["KFACBenchConfig", "kfac_bench_worker", "kfac_variants", "run_kfac_bench"]
 
@@ -47,6 +51,7 @@ class KFACBenchConfig:
     lr: float = 0.01
     damping: float = 1e-3
     show_progress: bool = True
+    link: LinkRate | None = None
 
     @property
     def window(self) -> int:
@@ -135,8 +140,9 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
     return [replace(r, speedup=ref / r.median_s) for r in results]
 
 
-def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult]:
-    """Start `config.nproc` local gloo workers and bench every K-FAC variant."""
+def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult] | None:
+    """Bench every K-FAC variant on `config.nproc` local gloo workers, or on torchrun's group when launched by
+    torchrun; the results on rank 0, None on the other torchrun ranks."""
     plan = config.plan
     if plan.kfac is None:
         raise PlanMismatchError("the plan has no kfac section; make one with `planner solve PROFILE --strategy kfac`")
@@ -146,12 +152,9 @@ def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult]:
             f"re-plan: {plan.replan_command()}"
         )
     from planner.kfac import kfac_layers
-    from runtime.launch import run_distributed
+    from runtime.launch import run_job
 
     module = build_workload(config.model, batch_size=config.batch_size).module
     plan.check_compatible(model_info(module, config.model), config.nproc)
     plan.kfac.check_layers(kfac_layers(module))
-    results = run_distributed(kfac_bench_worker, config.nproc, config, backend="gloo", timeout=3600)
-    out = results[0]
-    assert out is not None
-    return out
+    return run_job(kfac_bench_worker, config.nproc, config, backend="gloo", link=config.link)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import abc
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from rich.table import Table
 
@@ -69,6 +70,24 @@ def _positive(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {v}")
     return v
+
+
+def _link_rate(text: str) -> Any:
+    """`--link RATE`: a `runtime.link.LinkRate` (argparse turns a bad rate into one line and exit 2)."""
+    from runtime.link import LinkError, parse_rate
+
+    try:
+        return parse_rate(text)
+    except LinkError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--link ")) from None
+
+
+LINK_HELP = ("emulate a slower network: each local worker in its own network namespace, its egress shaped to "
+             "RATE (e.g. 1gbit, 200mbit, 10gbit); bandwidth only, needs root")
+
+
+def _add_link(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--link", type=_link_rate, default=None, metavar="RATE", help=LINK_HELP)
 
 
 def _ms(seconds: float) -> str:
@@ -198,6 +217,7 @@ class ProfileCommand(Command):
                             help="also measure K-FAC costs (factors, preconditioning, inversion against dimension)")
         parser.add_argument("--max-dim", type=_positive, default=2048,
                             help="largest matrix the K-FAC inversion sweep measures; larger ones scale as d^3")
+        _add_link(parser)
         parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -212,7 +232,7 @@ class ProfileCommand(Command):
         config = ProfileConfig(
             model=args.model, output=args.output, batch_size=args.batch_size, nproc=args.nproc,
             backend=args.backend, repeats=args.repeats, warmup=args.warmup, densities=densities,
-            only_comm=args.only == "comm", base=base, kfac=args.kfac, max_dim=args.max_dim,
+            only_comm=args.only == "comm", base=base, kfac=args.kfac, max_dim=args.max_dim, link=args.link,
         )
         profile = run_profile(config)
         profile.save(args.output)
@@ -442,6 +462,7 @@ class RetuneCommand(Command):
         parser.add_argument("--cluster", default=None, metavar="SPEC",
                             help="re-tune for a described cluster instead of probing: " + CLUSTER_HELP)
         parser.add_argument("--time-limit", type=float, default=2.0, help="seconds for the K-FAC placement solver")
+        _add_link(parser)
         parser.add_argument("-o", "--output", type=Path, default=None,
                             help="plan file to write (default: PLAN with -retuned before .json)")
 
@@ -453,6 +474,9 @@ class RetuneCommand(Command):
 
         if args.cluster is not None and args.no_probe:
             raise PlannerError("--cluster already describes the network: drop --no-probe")
+        if args.link is not None and (args.cluster is not None or args.no_probe):
+            raise PlannerError("--link shapes the network that retune probes: it needs the probe (drop --cluster "
+                               "and --no-probe)")
         if not args.time_limit > 0:
             raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
         plan = Plan.load(args.plan)
@@ -471,7 +495,7 @@ class RetuneCommand(Command):
 
             nproc = args.nproc or plan.cluster.world_size
             with console.status(f"probing the network on {nproc} workers"):
-                probed = run_probe(nproc, args.backend)
+                probed = run_probe(nproc, args.backend, link=args.link)
             if probed is None:  # a torchrun rank other than 0: rank 0 reports
                 return 0
             cluster, curves = probed
@@ -656,7 +680,7 @@ class TuneCommand(Command):
             batch_size=args.batch_size, nproc=args.nproc or profile.cluster.world_size, trials=args.trials,
             storage=args.study or args.output.with_suffix(".db"), study_name=args.study_name, steps=args.steps,
             rungs=args.rungs, warmup=args.warmup, compare_steps=args.compare_steps, seed=args.seed, space=space,
-            output=args.output,
+            output=args.output, link=args.link,
         )
         result = run_tune(config)
         print_trials(result.trials, result.best_trial)
@@ -736,21 +760,28 @@ class BenchCommand(Command):
         parser.add_argument("--steps", type=_positive, default=20, help="measured steps per variant (>= 20)")
         parser.add_argument("--warmup", type=int, default=5,
                             help="unmeasured steps per variant (--strategy kfac: one window of inv_update_steps)")
+        _add_link(parser)
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.bench import BenchConfig, run_bench
         from planner.plan import Plan
+        from runtime.launch import under_torchrun
 
         plans = tuple(Plan.load(p) for p in args.plan)
+        if under_torchrun():  # one rank of torchrun's group, maybe across hosts: its size is the world size
+            args.nproc = int(os.environ["WORLD_SIZE"])
         if args.strategy == KFAC:
             return self._run_kfac(args, plans)
         config = BenchConfig(
             plans=plans, model=args.model or plans[0].model.name, batch_size=args.batch_size,
             nproc=args.nproc or plans[0].cluster.world_size, steps=args.steps, warmup=args.warmup,
-            show_progress=not args.json,
+            show_progress=not args.json, link=args.link,
         )
-        print_bench(run_bench(config), args.json)
+        _note_link_mismatch(plans, args.link)
+        results = run_bench(config)
+        if results is not None:  # None on torchrun ranks other than 0: rank 0 prints
+            print_bench(results, args.json)
         return 0
 
 
@@ -768,11 +799,26 @@ class BenchCommand(Command):
         config = KFACBenchConfig(
             plan=plan, model=args.model or plan.model.name, batch_size=args.batch_size,
             nproc=args.nproc or plan.cluster.world_size, steps=args.steps, show_progress=not args.json,
+            link=args.link,
         )
+        _note_link_mismatch(plans, args.link)
         title = (f"K-FAC bench: median over windows of {config.window} steps of the average step time "
                  "(slowest rank per step)")
-        print_bench(run_kfac_bench(config), args.json, title=title)
+        results = run_kfac_bench(config)
+        if results is not None:
+            print_bench(results, args.json, title=title)
         return 0
+
+
+def _note_link_mismatch(plans: tuple, link: object) -> None:
+    """Say so when a plan was made for another network than the bench runs on (its predictions assume that one)."""
+    here = getattr(link, "text", None)
+    for plan in plans:
+        if plan.cluster.link != here:
+            made = f"a {plan.cluster.link} link" if plan.cluster.link else "loopback (no --link)"
+            runs = f"a {here} link" if here else "loopback"
+            err_console.print(f"note: {plan.model.name} {plan.strategy.value} plan was made for {made}, the bench "
+                              f"runs on {runs}: its predictions are for the network it was made for")
 
 
 class BenchSolversCommand(Command):
@@ -805,6 +851,10 @@ class BenchSolversCommand(Command):
         return 0
 
 
+#: The network `planner demo` emulates by default: 1 Gbit/s Ethernet, the setting of the published work.
+DEMO_LINK = "1gbit"
+
+
 class DemoCommand(Command):
     name = "demo"
     help = "the main job: profile, solve (dense and top-k), write plans, bench, compare"
@@ -818,16 +868,22 @@ class DemoCommand(Command):
         parser.add_argument("--steps", type=_positive, default=20)
         parser.add_argument("--plans-dir", type=Path, default=Path("plans"))
         parser.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+        parser.add_argument("--link", default=DEMO_LINK, metavar="RATE|none",
+                            help=f"{LINK_HELP}; default {DEMO_LINK} where this process may make network namespaces, "
+                                 "else loopback; none: loopback")
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.bench import BenchConfig, run_bench
         from planner.planning import make_plan
         from profilers import ProfileConfig, run_profile
 
+        link = self._demo_link(args.link)
         stem = args.model.replace(":", "_").replace("/", "_")
-        prof_path = args.profiles_dir / f"{stem}-{args.nproc}w.json"
-        console.rule(f"1/3 profile {args.model} on {args.nproc} workers")
-        profile = run_profile(ProfileConfig(model=args.model, output=prof_path, nproc=args.nproc))
+        where = f"-{link.text}" if link is not None else ""
+        prof_path = args.profiles_dir / f"{stem}-{args.nproc}w{where}.json"
+        on = f"behind an emulated {link.text} link" if link is not None else "over loopback"
+        console.rule(f"1/3 profile {args.model} on {args.nproc} workers {on}")
+        profile = run_profile(ProfileConfig(model=args.model, output=prof_path, nproc=args.nproc, link=link))
         profile.save(prof_path)
         print_profile(profile)
         console.print(f"wrote profile {prof_path}")
@@ -835,15 +891,36 @@ class DemoCommand(Command):
         plans = []
         for strategy, density in ((Strategy.DENSE, None), (Strategy.TOPK, args.density)):
             plan = make_plan(profile, strategy, density, source=str(prof_path))
-            path = args.plans_dir / f"{stem}-{args.nproc}w-{strategy.value}.json"
+            path = args.plans_dir / f"{stem}-{args.nproc}w{where}-{strategy.value}.json"
             plan.save(path)
             print_plan(plan)
             console.print(f"wrote plan {path}")
             plans.append(plan)
         console.rule("3/3 bench")
-        results = run_bench(BenchConfig(plans=tuple(plans), model=args.model, nproc=args.nproc, steps=args.steps))
-        print_bench(results, as_json=False)
+        results = run_bench(BenchConfig(plans=tuple(plans), model=args.model, nproc=args.nproc, steps=args.steps,
+                                        link=link))
+        assert results is not None
+        print_bench(results, as_json=False, title=f"bench {on}: median step time (slowest rank per step)")
         return 0
+
+    @staticmethod
+    def _demo_link(text: str) -> Any:
+        """The demo's link: the one asked for; by default DEMO_LINK where the privilege is there, else loopback."""
+        from runtime.link import parse_rate, privilege_problem
+
+        if text.lower() == "none":
+            return None
+        if text != DEMO_LINK:
+            try:
+                return _link_rate(text)
+            except argparse.ArgumentTypeError as exc:
+                raise PlannerError(f"--link {exc}") from None
+        problem = privilege_problem()
+        if problem is not None:
+            console.print(f"[yellow]no emulated {DEMO_LINK} link: {problem}; falling back to loopback, where "
+                          "compute dominates and plans matter little (run as root to see the slow network)[/yellow]")
+            return None
+        return parse_rate(DEMO_LINK)
 
 
 def build_parser() -> argparse.ArgumentParser:

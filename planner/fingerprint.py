@@ -46,12 +46,18 @@ class ModelInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterInfo:
-    """Where: world size, backend, device name and number of hosts."""
+    """Where: world size, backend, device name, number of hosts, and the emulated link if any.
+
+    `link` is the rate of the emulated slower network the workers ran behind (`--link 1gbit`, see
+    `runtime.link`), or None for the real network (loopback for local workers). Documents written before
+    it existed have no `link` field and read as None.
+    """
 
     world_size: int
     backend: str
     device: str
     host_count: int = 1
+    link: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,12 +65,14 @@ class ClusterInfo:
     @classmethod
     def from_dict(cls, data: Any, where: str = "cluster") -> ClusterInfo:
         expect(data, dict, where)
-        check_fields(data, where, ["world_size", "backend", "device", "host_count"])
+        check_fields(data, where, ["world_size", "backend", "device", "host_count"], optional=["link"])
+        link = data.get("link")
         info = cls(
             world_size=expect(data["world_size"], int, f"{where}.world_size"),
             backend=expect(data["backend"], str, f"{where}.backend"),
             device=expect(data["device"], str, f"{where}.device"),
             host_count=expect(data["host_count"], int, f"{where}.host_count"),
+            link=None if link is None else expect(link, str, f"{where}.link"),
         )
         if info.world_size < 1 or info.host_count < 1:
             from planner.types import SchemaError
@@ -73,7 +81,8 @@ class ClusterInfo:
         return info
 
     def describe(self) -> str:
-        return f"world size {self.world_size}, {self.backend} on {self.device}"
+        where = f" behind an emulated {self.link} link" if self.link else ""
+        return f"world size {self.world_size}, {self.backend} on {self.device}{where}"
 
     @property
     def device_kind(self) -> str:

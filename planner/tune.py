@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     import torch
 
     from planner.bench import BenchResult
+    from runtime.link import LinkRate
 
 __all__ = [
     "STRATEGIES",
@@ -225,6 +226,7 @@ class TuneConfig:
         output: where to write the tuned plan (atomically); None: not written.
         timeout_s: limit of the whole job (and of every collective) in seconds.
         show_progress: progress bars on stderr (rank 0).
+        link: run the workers behind an emulated link of this rate (`runtime.link`); None: loopback.
     """
 
     profile: Profile
@@ -252,6 +254,7 @@ class TuneConfig:
     output: Path | None = None
     timeout_s: float = 24 * 3600.0
     show_progress: bool = True
+    link: LinkRate | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -897,7 +900,8 @@ def run_tune(config: TuneConfig) -> TuneResult:
     untuned.check_compatible(model_info(module, config.model_name), config.nproc)
     if untuned.kfac is not None:
         untuned.kfac.check_layers(kfac_layers(module))
-    results = run_distributed(tune_worker, config.nproc, config, backend="gloo", timeout=config.timeout_s)
+    results = run_distributed(tune_worker, config.nproc, config, backend="gloo", timeout=config.timeout_s,
+                              link=config.link)
     result = results[0]
     assert isinstance(result, TuneResult)
     if config.output is not None:

@@ -20,6 +20,7 @@ from planner.fingerprint import ClusterInfo
 from planner.profile import FittedCurve
 from planner.types import Collective
 from profilers.comm import log_sizes, measure_collectives
+from runtime.link import LinkRate, current_link
 
 __all__ = ["PROBE_COLLECTIVES", "current_cluster", "device_name", "probe_network", "probe_worker", "run_probe"]
 
@@ -57,7 +58,8 @@ def current_cluster(device: torch.device, process_group: Any = None) -> ClusterI
     else:
         world_size, backend = 1, "none"
     hosts = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("PLANNER_HOSTS", "1")))
-    return ClusterInfo(world_size=world_size, backend=backend, device=device_name(device), host_count=hosts)
+    return ClusterInfo(world_size=world_size, backend=backend, device=device_name(device), host_count=hosts,
+                       link=current_link())
 
 
 def probe_worker(rank: int, world_size: int, largest_bytes: int) -> tuple[ClusterInfo, dict] | None:
@@ -69,17 +71,12 @@ def probe_worker(rank: int, world_size: int, largest_bytes: int) -> tuple[Cluste
     return (current_cluster(device), curves) if rank == 0 else None
 
 
-def run_probe(nproc: int, backend: str = "auto", largest_bytes: int = 4 << 20) -> tuple[ClusterInfo, dict] | None:
+def run_probe(
+    nproc: int, backend: str = "auto", largest_bytes: int = 4 << 20, link: LinkRate | None = None
+) -> tuple[ClusterInfo, dict] | None:
     """Probe the network under torchrun (this process is one rank; only rank 0 gets the result, the others
-    None) or on `nproc` local workers started here."""
-    from profilers.session import resolve_backend, under_torchrun
-    from runtime.launch import run_distributed
+    None) or on `nproc` local workers started here (behind an emulated `link` when given)."""
+    from profilers.session import resolve_backend
+    from runtime.launch import run_job
 
-    chosen = resolve_backend(backend)
-    if under_torchrun():
-        dist.init_process_group(chosen)
-        try:
-            return probe_worker(dist.get_rank(), dist.get_world_size(), largest_bytes)
-        finally:
-            dist.destroy_process_group()
-    return run_distributed(probe_worker, nproc, largest_bytes, backend=chosen, timeout=600)[0]
+    return run_job(probe_worker, nproc, largest_bytes, backend=resolve_backend(backend), timeout=600, link=link)

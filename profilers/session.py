@@ -11,15 +11,16 @@ import torch
 import torch.distributed as dist
 
 from planner.console import progress
-from planner.fingerprint import ClusterInfo, model_info
+from planner.fingerprint import model_info
 from planner.models import build_workload
 from planner.profile import Profile
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import log_sizes, measure_collectives
 from profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
 from profilers.layers import combine_ranks, measure_layers
-from profilers.probe import device_name
+from profilers.probe import current_cluster
 from profilers.topk import measure_topk
+from runtime.link import LinkRate
 
 __all__ = ["DEFAULT_DENSITIES", "ProfileConfig", "profile_worker", "run_profile"]
 
@@ -44,6 +45,7 @@ class ProfileConfig:
     max_dim: int = DEFAULT_MAX_DIM
     base: Profile | None = field(default=None, repr=False)
     show_progress: bool = True
+    link: LinkRate | None = None
 
 
 def resolve_backend(backend: str) -> str:
@@ -117,12 +119,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             )
     if rank != 0:
         return None
-    cluster = ClusterInfo(
-        world_size=world_size,
-        backend=backend,
-        device=device_name(device),
-        host_count=int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("PLANNER_HOSTS", "1"))),
-    )
+    cluster = current_cluster(device)
     created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     if config.only_comm:
         assert base is not None
@@ -150,31 +147,18 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
     )
 
 
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
 def run_profile(config: ProfileConfig) -> Profile:
     """Profile under torchrun (this process is one rank) or by starting `config.nproc` local workers."""
-    from runtime.launch import run_distributed
+    from runtime.launch import run_job, under_torchrun
 
     if config.only_comm and config.base is None:
         raise PlannerError(f"--only comm updates an existing profile, but {config.output} does not exist")
-    if under_torchrun():
-        backend = resolve_backend(config.backend)
-        dist.init_process_group(backend)
-        try:
-            profile = profile_worker(dist.get_rank(), dist.get_world_size(), config)
-        finally:
-            dist.destroy_process_group()
-        if profile is None:  # not rank 0: nothing to write
-            raise SystemExit(0)
-        return profile
     if config.nproc < 1:
         raise PlannerError(f"`--nproc >= 1` must hold, but got --nproc {config.nproc}")
-    backend = resolve_backend(config.backend)
-    results = run_distributed(profile_worker, config.nproc, config, backend=backend, timeout=3600)
-    profile = results[0]
+    profile = run_job(profile_worker, config.nproc, config, backend=resolve_backend(config.backend),
+                      link=config.link)
+    if profile is None and under_torchrun():  # not rank 0: nothing to write
+        raise SystemExit(0)
     if not isinstance(profile, Profile):
         raise DistributedError("rank 0 returned no profile")
     return profile

@@ -4,15 +4,21 @@ Used by `planner profile`, `planner bench` and the distributed tests to run smal
 without `torchrun`. Each worker is a fresh "spawn" process (so `fn` must be importable: a module-level
 function), runs `fn(rank, world_size, *args)`, and sends back its (picklable) return value or its
 exception. A worker that hangs past `timeout` gets every worker killed and the call fails.
+
+With `link=` (a `runtime.link.LinkRate`) the workers run behind an emulated slower network instead of
+loopback: each in its own network namespace, its egress shaped to the rate (see `runtime.link`); the
+namespaces are torn down when the call returns or fails.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -22,8 +28,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from planner.types import DistributedError
+from runtime.link import LINK_ENV, EmulatedLink, LinkError, LinkRate, enter_namespace
 
-__all__ = ["RemoteTraceback", "broadcast_json", "free_port", "run_distributed"]
+__all__ = ["RemoteTraceback", "broadcast_json", "free_port", "run_distributed", "run_job", "under_torchrun"]
 
 #: After one worker fails, how long the others get to finish before they are killed (they are likely
 #: blocked in a collective that will never complete).
@@ -48,6 +55,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class _Network:
+    """Where a worker behind an emulated link lives: its namespace, the rendezvous address, the link."""
+
+    namespace_path: str
+    master_addr: str
+    ifname: str
+    rate: str
+
+
 def _worker(
     fn: Callable[..., Any],
     rank: int,
@@ -57,6 +74,7 @@ def _worker(
     timeout: float,
     args: tuple[Any, ...],
     conn: Connection,
+    network: _Network | None = None,
 ) -> None:
     """Body of one spawned worker: join the group, run `fn`, send its outcome, leave the group.
 
@@ -67,12 +85,18 @@ def _worker(
     torch.set_num_threads(1)
     joined = False
     message: tuple[Any, ...]
+    master_addr = "127.0.0.1"
     try:
+        if network is not None:
+            enter_namespace(network.namespace_path)
+            os.environ["GLOO_SOCKET_IFNAME"] = network.ifname
+            os.environ[LINK_ENV] = network.rate
+            master_addr = network.master_addr
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{master_addr}:{port}",
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
@@ -101,7 +125,12 @@ def _raise_worker_error(rank: int, exc: BaseException | None, text: str) -> None
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120, backend: str = "gloo"
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120,
+    backend: str = "gloo",
+    link: LinkRate | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` in `world_size` spawned processes, return results by rank.
 
@@ -112,6 +141,8 @@ def run_distributed(
         timeout: seconds after which a worker that has not finished is killed with all the others;
             also the process group's collective timeout.
         backend: "gloo" (default) or "nccl" (each rank then uses GPU `rank % device_count`).
+        link: run the workers behind an emulated link of this rate (`runtime.link`; needs root, else
+            `LinkUnavailableError`), torn down before the call returns or raises.
 
     Returns:
         The return values of `fn`, indexed by rank.
@@ -126,6 +157,55 @@ def run_distributed(
         pickle.dumps(fn)
     except Exception as exc:
         raise ValueError(f"fn must be a module-level function so spawned workers can import it: {exc}") from None
+    if link is not None:
+        with EmulatedLink(link, world_size) as net:
+            networks = [_Network(net.namespace_path(r), net.address(0), net.ifname, link.text)
+                        for r in range(world_size)]
+            return _spawn(fn, world_size, args, timeout, backend, networks)
+    return _spawn(fn, world_size, args, timeout, backend, [None] * world_size)
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a job torchrun (or another launcher setting its variables) started."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def run_job(
+    fn: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 3600,
+    link: LinkRate | None = None,
+) -> Any:
+    """Rank 0's result of `fn(rank, world_size, *args)`, run where the user launched the command.
+
+    Under torchrun this process is one rank of torchrun's group (possibly across hosts): it joins the
+    group, runs `fn`, leaves it, and returns `fn`'s own result (rank 0's; other ranks get theirs, usually
+    None). Otherwise `nproc` local workers are started with `run_distributed` (behind an emulated `link`
+    when given) and rank 0's result is returned.
+    """
+    if under_torchrun():
+        if link is not None:
+            raise LinkError("--link emulates a network for the workers a command starts itself; under torchrun "
+                            "the network is the real one: drop --link")
+        dist.init_process_group(backend)
+        try:
+            return fn(dist.get_rank(), dist.get_world_size(), *args)
+        finally:
+            dist.destroy_process_group()
+    return run_distributed(fn, nproc, *args, timeout=timeout, backend=backend, link=link)[0]
+
+
+def _spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout: float,
+    backend: str,
+    networks: Sequence[_Network | None],
+) -> list[Any]:
+    """Start the workers (rank r behind `networks[r]` when not None), collect their results, reap them."""
     ctx = mp.get_context("spawn")
     port = free_port()
     procs: list[Any] = []
@@ -135,7 +215,7 @@ def run_distributed(
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, port, backend, timeout, args, writer),
+                args=(fn, rank, world_size, port, backend, timeout, args, writer, networks[rank]),
                 name=f"run_distributed-rank{rank}",
                 daemon=True,
             )

@@ -1,0 +1,298 @@
+"""Emulating a slower network on one machine: local workers in network namespaces behind a shaped link.
+
+Over loopback, workers on one machine exchange gradients far faster than GPUs on Ethernet do, so every
+run is compute-bound and planning looks pointless. `EmulatedLink` gives each local worker its own
+network namespace and joins them through a bridge:
+
+    namespace <prefix>-hub:   bridge br0 ── w0, w1, ... (one veth end per worker)
+    namespace <prefix>-<r>:   eth0 (the other veth end), address 169.254.<net>.<r+1>/24, lo
+
+Each worker's egress (its `eth0`) is shaped by a token bucket filter to the given rate
+(`tc qdisc add dev eth0 root tbf rate RATE burst B latency 50ms`), so no worker can send faster
+than RATE. Addresses are IPv4 link-local: nothing outside these namespaces routes to them, and nothing
+is created in the host's own namespace.
+
+Limits: bandwidth only. The kernel here has no `netem`, so no propagation delay or loss is added;
+a tbf queue adds some delay of its own under load, no more. The token bucket holds 2 ms of traffic
+(at least 64 KiB), so after an idle moment that much passes at loopback speed. The rate caps each worker's egress, which
+is what a real NIC does, but both directions of all workers share one machine's CPU.
+
+The launcher (`runtime.launch.run_distributed(..., link=...)`) creates the namespaces, moves each
+spawned worker into its own (`enter_namespace`, a `setns(2)` before the process group is made), tells
+gloo which interface to use (`GLOO_SOCKET_IFNAME`) and tears everything down on every exit path: a
+normal return, an error, Ctrl-C or SIGTERM, a killed worker. Names carry the launcher's pid and a
+random token, so runs at the same time do not collide; namespaces left by a run that was itself
+killed (SIGKILL leaves no chance to clean) are removed by the next run, once their pid is gone.
+
+It needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and the `ip` and `tc` programs; without them
+`LinkUnavailableError` says so in one line. Nothing else in the project needs root.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from planner.types import PlannerError
+
+__all__ = [
+    "LINK_ENV",
+    "NAMESPACE_PREFIX",
+    "EmulatedLink",
+    "LinkError",
+    "LinkRate",
+    "LinkUnavailableError",
+    "current_link",
+    "enter_namespace",
+    "parse_rate",
+    "remove_stale_namespaces",
+]
+
+#: Set in every worker started behind an emulated link (its rate, e.g. "1gbit"), so what the worker
+#: measures can record the link it ran on (profiles and probes carry it in their cluster provenance).
+LINK_ENV = "PLANNER_LINK"
+
+#: Every namespace this module creates is named `planner-<pid>-<token>-<role>`.
+NAMESPACE_PREFIX = "planner"
+
+#: The interface name inside each worker's namespace (what GLOO_SOCKET_IFNAME names).
+WORKER_IFNAME = "eth0"
+
+_UNITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(kbit|mbit|gbit|tbit)\s*$", re.IGNORECASE)
+_NAME_RE = re.compile(rf"^{NAMESPACE_PREFIX}-(\d+)-([0-9a-f]+)-(hub|w\d+)$")
+_CLONE_NEWNET = 0x40000000
+#: Below this a link is too slow for gradient traffic to finish within any reasonable timeout.
+_MIN_RATE = 10**6
+
+
+class LinkError(PlannerError, RuntimeError):
+    """The emulated link could not be set up (a command failed) or a rate is malformed."""
+
+
+class LinkUnavailableError(LinkError):
+    """This process lacks what an emulated link needs: root (CAP_NET_ADMIN, CAP_SYS_ADMIN), `ip`, `tc`."""
+
+
+@dataclass(frozen=True)
+class LinkRate:
+    """A link rate in bits per second, and the text the user gave (how profiles and plans record it)."""
+
+    bits_per_s: int
+    text: str
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bits_per_s / 8
+
+
+def parse_rate(text: str) -> LinkRate:
+    """`1gbit`, `200mbit`, `10gbit`, `2.5gbit`, `1500kbit` (tc's units, decimal: 1gbit = 10^9 bit/s), >= 1mbit."""
+    m = _RATE_RE.match(text)
+    if m is None:
+        raise LinkError(f"--link must be a rate such as 1gbit, 200mbit or 10gbit, but got {text!r}")
+    bits = round(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if bits < _MIN_RATE:
+        raise LinkError(f"`--link >= 1mbit` must hold (slower links make every collective time out), but got {text!r}")
+    return LinkRate(bits_per_s=bits, text=f"{m.group(1)}{m.group(2).lower()}")
+
+
+def current_link() -> str | None:
+    """The emulated link this worker runs behind ("1gbit"), or None (loopback, or a real network)."""
+    return os.environ.get(LINK_ENV) or None
+
+
+def _capabilities() -> int:
+    """The effective capability set of this process (0 when /proc does not say)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return 0
+
+
+def privilege_problem() -> str | None:
+    """Why an emulated link cannot be made here, or None when it can (the first check that fails)."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found (install iproute2)"
+    caps = _capabilities()
+    cap_net_admin, cap_sys_admin = 1 << 12, 1 << 21
+    if not (caps & cap_net_admin and caps & cap_sys_admin):
+        return "it needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces"
+    return None
+
+
+def _run(*cmd: str) -> None:
+    """Run one `ip`/`tc` command; a failure becomes a LinkError naming the command and its message."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip().splitlines()
+        raise LinkError(f"`{' '.join(cmd)}` failed: {detail[-1] if detail else f'exit {proc.returncode}'}")
+
+
+def list_namespaces() -> list[str]:
+    """Names of the network namespaces `ip netns` knows."""
+    proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Delete namespaces this module made for runs whose launcher no longer exists; return their names."""
+    removed = []
+    for name in list_namespaces():
+        m = _NAME_RE.match(name)
+        if m and not _pid_alive(int(m.group(1))):
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+            removed.append(name)
+    return removed
+
+
+def _burst_bytes(rate: LinkRate) -> int:
+    """tbf's bucket: 2 ms worth of bytes at the rate, at least 64 KiB. A smaller bucket starves the shaper
+    between timer ticks: at 1gbit, 64 KiB let large allreduces reach only about 0.64 of the rate here,
+    256 KiB (2 ms) about 0.95. The cost: after an idle moment, the first bucketful passes unshaped."""
+    return max(64 << 10, int(rate.bytes_per_s * 2e-3))
+
+
+class EmulatedLink:
+    """Network namespaces for `world_size` local workers joined by a bridge, each worker's egress shaped.
+
+    Use as a context manager (or `create()` / `destroy()`); `destroy` is safe to call more than once.
+    While it is active, SIGTERM and SIGHUP raise `SystemExit` in the main thread so `with` blocks unwind
+    and the namespaces are deleted.
+
+    Args:
+        rate: the per-worker egress rate.
+        world_size: number of workers (>= 1).
+    """
+
+    def __init__(self, rate: LinkRate, world_size: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"`world_size >= 1` must hold, but got world_size={world_size}")
+        self.rate = rate
+        self.world_size = world_size
+        self.prefix = f"{NAMESPACE_PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
+        # One /24 of 169.254.0.0/16 per run (link-local: never routed); namespaces keep runs apart anyway.
+        self.subnet = 1 + secrets.randbelow(250)
+        self.created: list[str] = []
+        self._old_handlers: dict[int, Any] = {}
+
+    # -- names ------------------------------------------------------------------------------------
+    @property
+    def hub(self) -> str:
+        return f"{self.prefix}-hub"
+
+    def namespace(self, rank: int) -> str:
+        return f"{self.prefix}-w{rank}"
+
+    def namespace_path(self, rank: int) -> str:
+        """The file `setns(2)` opens to join worker `rank`'s namespace."""
+        return f"/var/run/netns/{self.namespace(rank)}"
+
+    def address(self, rank: int) -> str:
+        return f"169.254.{self.subnet}.{rank + 1}"
+
+    @property
+    def ifname(self) -> str:
+        return WORKER_IFNAME
+
+    # -- life cycle -------------------------------------------------------------------------------
+    def create(self) -> EmulatedLink:
+        """Check the privilege, clear stale namespaces, build the namespaces, bridge and shapers."""
+        problem = privilege_problem()
+        if problem is not None:
+            raise LinkUnavailableError(f"cannot emulate a {self.rate.text} link: {problem}; run without --link")
+        self._trap_signals()
+        try:
+            remove_stale_namespaces()
+            self._add_namespace(self.hub)
+            _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+            _run("ip", "-n", self.hub, "link", "set", "br0", "up")
+            for rank in range(self.world_size):
+                self._add_worker(rank)
+        except BaseException:
+            self.destroy()
+            raise
+        return self
+
+    def _add_namespace(self, name: str) -> None:
+        _run("ip", "netns", "add", name)
+        self.created.append(name)
+
+    def _add_worker(self, rank: int) -> None:
+        ns, port = self.namespace(rank), f"w{rank}"
+        self._add_namespace(ns)
+        _run("ip", "-n", ns, "link", "add", WORKER_IFNAME, "type", "veth", "peer", "name", port, "netns", self.hub)
+        _run("ip", "-n", self.hub, "link", "set", port, "master", "br0")
+        _run("ip", "-n", self.hub, "link", "set", port, "up")
+        _run("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", WORKER_IFNAME)
+        _run("ip", "-n", ns, "link", "set", WORKER_IFNAME, "up")
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        _run("tc", "-n", ns, "qdisc", "add", "dev", WORKER_IFNAME, "root", "tbf",
+             "rate", f"{self.rate.bits_per_s}bit", "burst", str(_burst_bytes(self.rate)), "latency", "50ms")
+
+    def destroy(self) -> None:
+        """Delete every namespace this link created (their veth pairs and the bridge go with them)."""
+        while self.created:
+            name = self.created.pop()
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+        self._restore_signals()
+
+    def __enter__(self) -> EmulatedLink:
+        return self.create()
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    # -- signals ----------------------------------------------------------------------------------
+    def _trap_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            self._old_handlers[sig] = signal.signal(sig, _exit_on_signal)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers.clear()
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def enter_namespace(path: str) -> None:
+    """Move the calling thread (call it first thing in a fresh worker process) into the network
+    namespace at `path`; threads it starts afterwards inherit it."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise LinkError(f"cannot join network namespace {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
