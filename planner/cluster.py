@@ -433,8 +433,7 @@ def _scaled_layer(layer: LayerTiming, factor: float) -> LayerTiming:
 
 
 def _scaled_topk(topk: TopkTiming, factor: float) -> TopkTiming:
-    return TopkTiming(select=tuple((n, d, t * factor) for n, d, t in topk.select),
-                      decode=_scaled_curve(topk.decode, factor))
+    return replace(topk.scaled(factor), decode=_scaled_curve(topk.decode, factor))
 
 
 def _scaled_kfac(kfac: KFACTiming, factor: float) -> KFACTiming:

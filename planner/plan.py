@@ -8,6 +8,8 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
       "created": "2026-11-22T12:00:00+00:00",
       "strategy": "dense" | "topk",
       "density": null | 0.01,                        # top-k fraction, null for dense
+      "selector": null | "exact" | "sampled",        # top-k selector (runtime.compress), null for dense;
+                                                     # optional: absent reads as "exact" for top-k
       "model":   {"name", "fingerprint", "num_params", "numel"},
       "cluster": {"world_size", "backend", "device", "host_count"},
       "source":  {"profile": "profiles/resnet18.json", "profiled": "<date of the profile>"},
@@ -22,6 +24,11 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
       },
       "kfac": null | {...}                           # K-FAC plans only: see planner/kfac.py
     }
+
+A top-k plan names the selector whose measured cost its predictions use: "exact" (`torch.topk`) or
+"sampled" (threshold from a random sample, exact top-k of the candidates above it); both send the same
+entries, so the selector changes the time, not the decisions' meaning. Plans written before the field
+existed used the exact selector.
 
 A K-FAC plan (`planner solve --strategy kfac`) has dense gradient groups and a `kfac` section with the
 factor fusion buffers, the owner of every factor's inversion, the update intervals and predictions.
@@ -41,10 +48,21 @@ from planner.kfac import KFACSection
 from planner.problem import Prediction
 from planner.types import PlanMismatchError, SchemaError, Strategy
 
-__all__ = ["PLAN_KIND", "PLAN_SCHEMA_VERSION", "Group", "Plan"]
+__all__ = ["PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "Group", "Plan", "check_selector"]
 
 PLAN_SCHEMA_VERSION = 1
 PLAN_KIND = "planner.plan"
+
+#: Top-k selectors a plan can name and a profile can time: `runtime.compress.SELECTORS`, repeated here
+#: because reading a document must not import the runtime (and torch).
+SELECTORS = ("exact", "sampled")
+
+
+def check_selector(selector: object, where: str) -> str:
+    """`selector` if it names a top-k selector, else a SchemaError naming `where` and the valid names."""
+    if not isinstance(selector, str) or selector not in SELECTORS:
+        raise SchemaError(f"{where} must be one of {', '.join(SELECTORS)}, but got {selector!r}")
+    return selector
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,11 +118,19 @@ class Plan:
     profiled: str
     created: str
     kfac: KFACSection | None = None
+    #: The top-k selector ("exact" or "sampled"); None for dense plans. A top-k plan made without one
+    #: gets "exact", the selector every plan used before there was a choice.
+    selector: str | None = None
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         if not self.groups:
             raise SchemaError("a plan needs at least one group")
+        if self.strategy is Strategy.TOPK:
+            object.__setattr__(self, "selector", check_selector(self.selector or "exact", "plan.selector"))
+        elif self.selector is not None:
+            raise SchemaError(f"only a top-k plan has a selector, but this {self.strategy.value} plan has "
+                              f"selector={self.selector!r}")
         if self.kfac is not None:
             if self.strategy is not Strategy.DENSE:
                 raise SchemaError("a K-FAC plan exchanges gradients densely: its strategy must be 'dense'")
@@ -132,6 +158,7 @@ class Plan:
             "created": self.created,
             "strategy": self.strategy.value,
             "density": self.density,
+            "selector": self.selector,
             "model": self.model.to_dict(),
             "cluster": self.cluster.to_dict(),
             "source": {"profile": self.source_profile, "profiled": self.profiled},
@@ -156,8 +183,8 @@ class Plan:
         if data.get("kind") != PLAN_KIND:
             raise SchemaError(f"not a plan: kind is {data.get('kind')!r}, expected {PLAN_KIND!r}")
         fields = ["schema_version", "kind", "created", "strategy", "density", "model", "cluster", "source", "solver"]
-        data = {"kfac": None, **data}
-        check_fields(data, "plan", [*fields, "groups", "predicted", "kfac"])
+        data = {"kfac": None, "selector": None, **data}
+        check_fields(data, "plan", [*fields, "groups", "predicted", "kfac", "selector"])
         try:
             strategy = Strategy(data["strategy"])
         except ValueError:
@@ -169,6 +196,9 @@ class Plan:
             density = float(expect(density, (int, float), "plan.density"))
             if not math.isfinite(density):
                 raise SchemaError(f"plan.density must be finite, got {density}")
+        selector = data["selector"]
+        if selector is not None:
+            selector = check_selector(selector, "plan.selector")
         source = expect(data["source"], dict, "plan.source")
         check_fields(source, "plan.source", ["profile", "profiled"])
         solver = expect(data["solver"], dict, "plan.solver")
@@ -182,6 +212,7 @@ class Plan:
             created=expect(data["created"], str, "plan.created"),
             strategy=strategy,
             density=density,
+            selector=selector,
             model=ModelInfo.from_dict(data["model"], "plan.model"),
             cluster=ClusterInfo.from_dict(data["cluster"], "plan.cluster"),
             source_profile=expect(source["profile"], str, "plan.source.profile"),

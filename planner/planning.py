@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from dataclasses import replace
 
 from planner.layers import LayerSpec, groups_for
-from planner.plan import Plan
+from planner.plan import Plan, check_selector
 from planner.profile import Profile
 from planner.simulator import simulate
 from planner.solvers import BASELINES, GroupingSolver, lower_bound, solve_exact
-from planner.types import Strategy
+from planner.types import SchemaError, Strategy
 
 __all__ = ["make_plan"]
 
@@ -22,9 +23,46 @@ def make_plan(
     *,
     source: str = "",
     solver: GroupingSolver | None = None,
+    selector: str | None = None,
 ) -> Plan:
-    """The optimal plan for `profile` (or the grouping of `solver`, e.g. a baseline, when given)."""
-    problem = profile.problem(strategy, density)
+    """The optimal plan for `profile` (or the grouping of `solver`, e.g. a baseline, when given).
+
+    Args:
+        selector: top-k only: the selector whose measured selection cost the plan assumes ("exact",
+            "sampled"). None ("auto") solves once with each selector the profile measured and keeps the
+            plan with the lower predicted iteration time (exact on a tie); its baselines and lower bound
+            are evaluated with that selector. `solve_seconds` then counts every solve.
+
+    Raises:
+        SchemaError: a selector for a dense plan, or an unknown selector name.
+        InvalidProfileError: the profile has no top-k measurements (or none for the forced selector).
+    """
+    if strategy is not Strategy.TOPK:
+        if selector is not None:
+            raise SchemaError(f"a selector applies to top-k plans only, but got selector={selector!r} for "
+                              f"strategy {strategy.value}")
+        return _solve(profile, strategy, density, source=source, solver=solver, selector=None)
+    if selector is not None:
+        check_selector(selector, "selector")
+        return _solve(profile, strategy, density, source=source, solver=solver, selector=selector)
+    measured = profile.topk.selectors() if profile.topk is not None else []
+    plans = [_solve(profile, strategy, density, source=source, solver=solver, selector=s)
+             for s in measured or ["exact"]]  # nothing measured: "exact" raises the profile's own error
+    best = min(plans, key=lambda p: p.predicted.iteration_s)  # first (exact) on a tie
+    return replace(best, solve_seconds=sum(p.solve_seconds for p in plans))
+
+
+def _solve(
+    profile: Profile,
+    strategy: Strategy,
+    density: float | None,
+    *,
+    source: str,
+    solver: GroupingSolver | None,
+    selector: str | None,
+) -> Plan:
+    """One plan under one selection-cost model (`selector` None for dense)."""
+    problem = profile.problem(strategy, density, selector=selector or "exact")
     t0 = time.perf_counter()
     grouping = solver.solve(problem) if solver is not None else solve_exact(problem)
     seconds = time.perf_counter() - t0
@@ -32,6 +70,7 @@ def make_plan(
     return Plan(
         strategy=strategy,
         density=density if strategy is Strategy.TOPK else None,
+        selector=selector,
         model=profile.model,
         cluster=profile.cluster,
         groups=groups_for(layers, grouping, strategy, density),

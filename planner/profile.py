@@ -16,7 +16,9 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
         "allreduce": {"points": [[bytes, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"}, ...
       },
       "topk": {                                                   # null when not measured
-        "select": [[numel, density, seconds], ...],
+        "select": [[numel, density, seconds], ...],               # the "exact" selector (torch.topk)
+        "select_sampled": [[numel, density, seconds], ...],       # the "sampled" selector; [] or absent:
+                                                                  # not measured (exact only)
         "decode": {"points": [[values, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"}
       },
       "kfac": {                                                   # null or absent when not measured
@@ -28,6 +30,11 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
         "eigen":   {"points": [[dim, seconds], ...], "alpha_s", "beta_s_per_dim3", "fit_error"}
       }
     }
+
+Top-k: `select` and `select_sampled` time `runtime.compress.select_topk` (residual update included)
+with `selector="exact"` and `selector="sampled"`; both pick the same k entries, so a plan may use
+either, and the solver keeps the one predicted faster. A profile without `select_sampled` (written
+before the sampled selector existed) offers the exact selector only.
 
 K-FAC: `a_compute_s` is the time to compute a layer's A factor from its input (added to forward on a
 factor-update step), `g_compute_s` the time for G from its output gradient (added to backward),
@@ -55,6 +62,7 @@ import pandas as pd
 from planner.costs import AffineCost, CostModel, PiecewiseLinearCost, fit_affine
 from planner.fingerprint import ClusterInfo, ModelInfo
 from planner.jsonio import check_fields, expect, expect_time, read_json, write_json_atomic
+from planner.plan import SELECTORS, check_selector
 from planner.problem import GradientProblem
 from planner.types import Collective, InvalidProfileError, InverseMethod, SchemaError, Strategy
 
@@ -212,24 +220,60 @@ class FittedCurve:
         )
 
 
+SelectPoints = tuple[tuple[int, float, float], ...]
+
+
 @dataclass(frozen=True, kw_only=True)
 class TopkTiming:
-    """Top-k selection time against (numel, density), and decode time against gathered values."""
+    """Top-k selection time against (numel, density) for each selector, and decode time against values.
 
-    select: tuple[tuple[int, float, float], ...]
+    `select` holds the exact selector's points and `select_sampled` the sampled one's (empty when the
+    profile predates it or did not measure it).
+    """
+
+    select: SelectPoints
     decode: FittedCurve
+    select_sampled: SelectPoints = ()
 
-    def densities(self) -> list[float]:
-        return sorted({d for _, d, _ in self.select})
+    def points(self, selector: str = "exact") -> SelectPoints:
+        """The (numel, density, seconds) points of `selector`.
 
-    def select_model(self, density: float) -> CostModel:
-        """Selection seconds against numel at `density`, interpolated in log(density) between measured ones."""
-        ds = self.densities()
+        Raises:
+            SchemaError: an unknown selector name.
+        """
+        match check_selector(selector, "the top-k selector"):
+            case "exact":
+                return self.select
+            case "sampled":
+                return self.select_sampled
+            case _:  # pragma: no cover - check_selector admits SELECTORS only
+                raise SchemaError(f"unknown top-k selector {selector!r}")
+
+    def selectors(self) -> list[str]:
+        """The selectors this profile measured, in `SELECTORS` order."""
+        return [s for s in SELECTORS if self.points(s)]
+
+    def densities(self, selector: str = "exact") -> list[float]:
+        return sorted({d for _, d, _ in self.points(selector)})
+
+    def select_model(self, density: float, selector: str = "exact") -> CostModel:
+        """Selection seconds against numel at `density` with `selector`, interpolated in log(density)
+        between measured densities.
+
+        Raises:
+            InvalidProfileError: the profile has no points for `selector`.
+            SchemaError: an unknown selector name.
+        """
+        points = self.points(selector)
+        ds = self.densities(selector)
         if not ds:
-            raise InvalidProfileError("the profile has no top-k selection points")
+            raise InvalidProfileError(
+                f"the profile has no top-k selection points for the {selector} selector; measure again with "
+                "`planner profile`" + (" or use --selector exact" if selector != "exact" else "")
+            )
 
         def curve(d: float) -> PiecewiseLinearCost:
-            pts = sorted((n, t) for n, dd, t in self.select if dd == d)
+            pts = sorted((n, t) for n, dd, t in points if dd == d)
             return PiecewiseLinearCost(xs=tuple(float(n) for n, _ in pts), ys=tuple(t for _, t in pts))
 
         if density <= ds[0]:
@@ -245,23 +289,44 @@ class TopkTiming:
         xs = tuple(sorted(set(a.xs) | set(b.xs)))
         return PiecewiseLinearCost(xs=xs, ys=tuple((1 - w) * a.cost(x) + w * b.cost(x) for x in xs))
 
+    def scaled(self, factor: float) -> TopkTiming:
+        """Every selection time of every selector multiplied by `factor` (the decode curve unchanged)."""
+        return replace(
+            self,
+            select=tuple((n, d, t * factor) for n, d, t in self.select),
+            select_sampled=tuple((n, d, t * factor) for n, d, t in self.select_sampled),
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        return {"select": [list(p) for p in self.select], "decode": self.decode.to_dict()}
+        return {
+            "select": [list(p) for p in self.select],
+            "select_sampled": [list(p) for p in self.select_sampled],
+            "decode": self.decode.to_dict(),
+        }
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> TopkTiming:
         expect(data, dict, where)
-        check_fields(data, where, ["select", "decode"])
-        select = []
-        for i, p in enumerate(expect(data["select"], list, f"{where}.select")):
-            if not isinstance(p, list) or len(p) != 3:
-                raise SchemaError(f"{where}.select[{i}] must be [numel, density, seconds], got {p!r}")
-            n = expect(p[0], int, f"{where}.select[{i}][0]")
-            d = float(expect(p[1], (int, float), f"{where}.select[{i}][1]"))
-            if n <= 0 or not 0 < d <= 1:
-                raise InvalidProfileError(f"{where}.select[{i}]: `numel > 0 and 0 < density <= 1`, got {p!r}")
-            select.append((n, d, _time(p[2], f"{where}.select[{i}][2]")))
-        return cls(select=tuple(select), decode=FittedCurve.from_dict(data["decode"], f"{where}.decode"))
+        check_fields(data, where, ["select", "decode"], optional=["select_sampled"])
+        return cls(
+            select=_select_points(data["select"], f"{where}.select"),
+            select_sampled=_select_points(data.get("select_sampled", []), f"{where}.select_sampled"),
+            decode=FittedCurve.from_dict(data["decode"], f"{where}.decode"),
+        )
+
+
+def _select_points(data: Any, where: str) -> SelectPoints:
+    """[[numel, density, seconds], ...] as checked tuples."""
+    select = []
+    for i, p in enumerate(expect(data, list, where)):
+        if not isinstance(p, list) or len(p) != 3:
+            raise SchemaError(f"{where}[{i}] must be [numel, density, seconds], got {p!r}")
+        n = expect(p[0], int, f"{where}[{i}][0]")
+        d = float(expect(p[1], (int, float), f"{where}[{i}][1]"))
+        if n <= 0 or not 0 < d <= 1:
+            raise InvalidProfileError(f"{where}[{i}]: `numel > 0 and 0 < density <= 1`, got {p!r}")
+        select.append((n, d, _time(p[2], f"{where}[{i}][2]")))
+    return tuple(select)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -454,8 +519,13 @@ class Profile:
         return pd.DataFrame(rows)
 
     # -- the solver's instance -----------------------------------------------------------------
-    def problem(self, strategy: Strategy, density: float | None = None) -> GradientProblem:
-        """The gradient-grouping instance this profile describes."""
+    def problem(self, strategy: Strategy, density: float | None = None, *, selector: str = "exact") -> GradientProblem:
+        """The gradient-grouping instance this profile describes; top-k selection costs are `selector`'s.
+
+        Raises:
+            InvalidProfileError: top-k without top-k measurements (or without `selector`'s).
+            SchemaError: top-k without a density, or an unknown selector.
+        """
         dense = GradientProblem(
             strategy=Strategy.DENSE,
             forward_s=self.forward_s,
@@ -482,7 +552,7 @@ class Profile:
                     strategy=strategy,
                     comm=self.curve(Collective.ALLGATHER).model,
                     density=density,
-                    select=self.topk.select_model(density),
+                    select=self.topk.select_model(density, selector),
                     decode=self.topk.decode.model,
                 )
             case _:

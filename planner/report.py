@@ -189,7 +189,7 @@ def gantt_lanes(plan: Plan, profile: Profile) -> GanttData:
 
 
 def _gradient_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
-    problem = profile.problem(plan.strategy, plan.density)
+    problem = profile.problem(plan.strategy, plan.density, selector=plan.selector or "exact")
     events = timeline(problem, grouping)
     f = problem.forward_s
     bars = [Bar(lane="compute", start_s=0.0, end_s=f, kind="forward", label="forward")]

@@ -60,7 +60,7 @@ def retune_plan(
     """The plan of the same kind as `plan`, solved from `profile` for `cluster` with `collectives`.
 
     Args:
-        plan: the plan to re-tune (its strategy, density, K-FAC method and intervals are kept).
+        plan: the plan to re-tune (its strategy, density, top-k selector, K-FAC method and intervals are kept).
         profile: its per-layer profile (see `load_source_profile`).
         cluster: where the new plan will run.
         collectives: measured on that cluster (e.g. `profilers.probe.probe_network`); those not given
@@ -72,7 +72,7 @@ def retune_plan(
 
     current = current_profile(profile, cluster=cluster, collectives=collectives)
     if plan.kfac is None:
-        return make_plan(current, plan.strategy, plan.density, source=plan.source_profile)
+        return make_plan(current, plan.strategy, plan.density, source=plan.source_profile, selector=plan.selector)
     solver = plan.kfac.placement_solver if plan.kfac.placement_solver in ("ilp-cbc", "cp-sat") else "ilp-cbc"
     return make_kfac_plan(
         current,
@@ -160,7 +160,7 @@ def compare_plans(old: Plan, new: Plan, current: Profile) -> PlanChanges:
     old_groups = tuple(g.layers for g in old.groups)
     new_groups = tuple(g.layers for g in new.groups)
     if new.kfac is None:
-        problem = current.problem(new.strategy, new.density)
+        problem = current.problem(new.strategy, new.density, selector=new.selector or "exact")
         try:
             old_s: float | None = simulate(problem, plan_grouping(old, current)).iteration_s
             why = ""

@@ -485,9 +485,10 @@ def params_to_plan(profile: Profile, config: TuneConfig, params: dict[str, Any])
 
 
 def same_decisions(a: Plan, b: Plan) -> bool:
-    """Whether two plans run the same way: groups, density, and K-FAC buffers, owners, method and intervals
-    (predictions and solver names aside). Tuned and untuned plans that decide alike differ only by noise."""
-    if (a.groups, a.strategy, a.density) != (b.groups, b.strategy, b.density):
+    """Whether two plans run the same way: groups, density, top-k selector, and K-FAC buffers, owners, method
+    and intervals (predictions and solver names aside). Tuned and untuned plans that decide alike differ only
+    by noise."""
+    if (a.groups, a.strategy, a.density, a.selector) != (b.groups, b.strategy, b.density, b.selector):
         return False
     if a.kfac is None or b.kfac is None:
         return a.kfac is None and b.kfac is None

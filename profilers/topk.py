@@ -1,4 +1,4 @@
-"""Top-k selection time against size and density, and decode time against gathered values.
+"""Top-k selection time against size and density (for each selector), and decode time against gathered values.
 
 Times the runtime's own functions (runtime.compress), so the profile measures what the runtime does.
 """
@@ -13,7 +13,7 @@ import torch
 from planner.problem import topk_count
 from planner.profile import FittedCurve, TopkTiming
 from profilers.timing import median, time_call
-from runtime.compress import decode, pack, select_topk
+from runtime.compress import SELECTORS, decode, pack, select_topk
 
 __all__ = ["measure_topk"]
 
@@ -28,18 +28,21 @@ def measure_topk(
     warmup: int,
     on_point: Callable[[], object] = lambda: None,
 ) -> TopkTiming:
-    """Median seconds of `select_topk` for each (size, density) and of `decode` for P*k gathered values."""
+    """Median seconds of `select_topk` with each selector for each (size, density), and of `decode` for
+    P*k gathered values. `on_point` is called once per (size, density), after every selector, and once
+    per decode size."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    select = []
+    select: dict[str, list[tuple[int, float, float]]] = {s: [] for s in SELECTORS}
     decode_points = []
     for n in sizes:
         grad = torch.randn(n, generator=gen).to(device)
         residual = torch.zeros(n, device=device)
         for d in densities:
             k = topk_count(n, d)
-            samples = time_call(partial(select_topk, grad, residual, k), device, repeats=repeats, warmup=warmup,
-                                before=residual.zero_)
-            select.append((n, float(d), median(samples)))
+            for selector in SELECTORS:
+                call = partial(select_topk, grad, residual, k, selector=selector)
+                samples = time_call(call, device, repeats=repeats, warmup=warmup, before=residual.zero_)
+                select[selector].append((n, float(d), median(samples)))
             on_point()
         # Decode of what P ranks sent at density 1%: P*k values scattered into n elements.
         k = topk_count(n, 0.01)
@@ -55,7 +58,8 @@ def measure_topk(
         on_point()
     # decode(out=...) zeroes the dense output before scattering: its cost grows with n too, but the model
     # is d(P k); measuring at one density keeps n and P k proportional, which is what a 1% plan sees.
-    return TopkTiming(select=tuple(select), decode=FittedCurve.fit(_dedupe(decode_points)))
+    return TopkTiming(select=tuple(select["exact"]), select_sampled=tuple(select["sampled"]),
+                      decode=FittedCurve.fit(_dedupe(decode_points)))
 
 
 def _dedupe(points: list[tuple[int, float]]) -> list[tuple[int, float]]:

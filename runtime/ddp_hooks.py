@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from planner.problem import topk_count
-from runtime.compress import all_gather_flat, decode, pack, select_topk
+from runtime.compress import SELECTORS, all_gather_flat, decode, pack, select_topk
 
 __all__ = ["TopkHookState", "topk_hook"]
 
@@ -32,6 +32,8 @@ class TopkHookState:
         process_group: the group DDP averages over; None for the default group.
         start_iter: iterations that use a plain allreduce before top-k starts; at least 2 because DDP
             rebuilds its buckets after iteration 1.
+        selector: how each bucket's top-k is found (`runtime.compress.SELECTORS`): "exact" torch.topk or
+            "sampled" threshold; both send the same entries.
 
     Attributes:
         iteration: iterations this state has seen since it was created (not saved: a resumed run's new
@@ -39,33 +41,47 @@ class TopkHookState:
             until its buckets have their final, identical layout).
     """
 
-    __slots__ = ("density", "iteration", "process_group", "residuals", "start_iter")
+    __slots__ = ("density", "iteration", "process_group", "residuals", "selector", "start_iter")
 
-    def __init__(self, density: float, process_group: Any = None, *, start_iter: int = 2) -> None:
+    def __init__(
+        self, density: float, process_group: Any = None, *, start_iter: int = 2, selector: str = "exact"
+    ) -> None:
         if not 0 < density <= 1:
             raise ValueError(f"`0 < density <= 1` must hold, but got density={density}")
+        _check_selector(selector)
         if start_iter < 2:
             raise ValueError(f"`start_iter >= 2` must hold (DDP rebuilds buckets after iteration 1), got {start_iter}")
         self.density = density
         self.process_group = process_group
         self.residuals: dict[int, Tensor] = {}
         self.start_iter = start_iter
+        self.selector = selector
         self.iteration = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Density, start_iter and copies of this rank's residuals by bucket index."""
+        """Density, start_iter, selector and copies of this rank's residuals by bucket index."""
         return {
             "density": self.density,
             "start_iter": self.start_iter,
+            "selector": self.selector,
             "residuals": {i: r.detach().clone() for i, r in self.residuals.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` saved (residuals are copied); a residual whose bucket turns out to
-        have another size is dropped when that bucket is first sparsified."""
+        have another size is dropped when that bucket is first sparsified. A state saved before the
+        selector was recorded loads as "exact"."""
+        selector = state.get("selector", "exact")
+        _check_selector(selector)
+        self.selector = selector
         self.density = float(state["density"])
         self.start_iter = int(state["start_iter"])
         self.residuals = {int(i): r.detach().clone() for i, r in state["residuals"].items()}
+
+
+def _check_selector(selector: object) -> None:
+    if selector not in SELECTORS:
+        raise ValueError(f"unknown top-k selector {selector!r}; valid selectors: {', '.join(SELECTORS)}")
 
 
 def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
@@ -87,7 +103,7 @@ def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if residual is None or residual.shape != grad.shape:  # new bucket, or a layout unlike the saved one
         residual = state.residuals[bucket.index()] = torch.zeros_like(grad)
     k = topk_count(numel, state.density)
-    send = pack(*select_topk(grad, residual, k))
+    send = pack(*select_topk(grad, residual, k, selector=state.selector))
     recv = torch.empty(world_size * 2 * k, dtype=torch.float32, device=grad.device)
     fut = all_gather_flat(recv, send, group=pg, async_op=True).get_future()
 
