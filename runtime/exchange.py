@@ -8,6 +8,10 @@
         optimizer.step()
         optimizer.zero_grad()
 
+    # DGC momentum correction: the exchange applies momentum before top-k, the optimizer must not
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)   # momentum=0
+    exchange = GradientExchange(model, plan, momentum=0.9, optimizer=optimizer, density_warmup=(0.25, 500))
+
 Design (DESIGN.md, "Runtime principles"):
 
 - Every planned parameter gets a `register_post_accumulate_grad_hook`. A group whose parameters are
@@ -22,7 +26,13 @@ Design (DESIGN.md, "Runtime principles"):
   copied in. Parameters of other dtypes are copied in and out.
 - A planned parameter with no gradient this step (unused in the forward) counts as zeros: its group
   is prepared and launched by `synchronize()`, and afterwards its `.grad` holds the average over ranks
-  (zeros if no rank had a gradient). Exception: a dense plan on world size 1 leaves gradients untouched.
+  (zeros if no rank had a gradient). Exception: a dense plan on world size 1 without momentum or
+  clipping leaves gradients untouched.
+- Momentum correction (Deep Gradient Compression, Lin et al., ICLR 2018; `momentum=`): momentum is
+  accumulated locally, per group, *before* the exchange (u = m u + g; top-k then selects from the
+  residual v += u and clears u where it sent), so a delayed entry keeps its momentum and the averaged
+  result already is the momentum update; the optimizer must be SGD without momentum. Without
+  `momentum`, `clip_norm` or `density_warmup` none of this state exists and the hot path is unchanged.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import math
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -40,6 +51,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from planner.plan import Group, Plan
+from planner.problem import topk_count
 from planner.types import DistributedError, PlanMismatchError, Strategy
 from runtime.compress import all_gather_flat, decode, pack, select_topk
 from runtime.retune import resolve_plan
@@ -51,6 +63,8 @@ __all__ = ["GradientExchange"]
 
 STATE_KIND = "runtime.gradient_exchange"
 
+#: Fix named by every refusal of an optimizer that would apply momentum a second time.
+_OPTIMIZER_FIX = "use momentum=0 in the optimizer; the exchange applies momentum"
 
 
 def _world_size(process_group: Any) -> int:
@@ -72,9 +86,12 @@ class _GroupState:
 
     __slots__ = (
         "as_view",
+        "clip",
         "flat",
         "index",
         "k",
+        "k_max",
+        "k_now",
         "names",
         "num_ready",
         "numel",
@@ -84,18 +101,33 @@ class _GroupState:
         "recv",
         "residual",
         "send",
+        "velocity",
         "views",
         "work",
     )
 
-    def __init__(self, index: int, group: Group, params: list[nn.Parameter], topk: bool, world_size: int) -> None:
+    def __init__(
+        self,
+        index: int,
+        group: Group,
+        params: list[nn.Parameter],
+        topk: bool,
+        world_size: int,
+        *,
+        momentum: bool = False,
+        clip: float | None = None,
+        k_max: int | None = None,
+    ) -> None:
         self.index = index
         self.names = group.params
         self.params = params
         self.numel = group.numel
         self.k = group.k if topk else None
+        self.k_now = self.k  # k sent this step: the plan's, or more during a density warm-up
+        self.k_max = k_max if k_max is not None else self.k  # what send/recv are allocated for
+        self.clip = clip  # this group's share of the local clipping threshold, or None
         device = params[0].device
-        needs_buffer = topk or world_size > 1
+        needs_buffer = topk or world_size > 1 or momentum or clip is not None
         self.flat: Tensor | None = torch.zeros(self.numel, dtype=torch.float32, device=device) if needs_buffer else None
         self.views: list[Tensor] = []
         if self.flat is not None:
@@ -105,18 +137,25 @@ class _GroupState:
                 offset += p.numel()
         self.as_view = [p.dtype == torch.float32 for p in params]
         self.residual: Tensor | None = None
+        self.velocity = torch.zeros(self.numel, dtype=torch.float32, device=device) if momentum else None
         self.send: Tensor | None = None
         self.recv: Tensor | None = None
         if topk:
-            assert self.k is not None
+            assert self.k_max is not None
             self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device)
-            self.send = torch.empty(2 * self.k, dtype=torch.float32, device=device)
-            if world_size > 1:
-                self.recv = torch.empty(world_size * 2 * self.k, dtype=torch.float32, device=device)
+            self.allocate(self.k_max, world_size)
         self.ready = [False] * len(params)
         self.num_ready = 0
         self.prepared = False
         self.work: Any = None
+
+    def allocate(self, k: int, world_size: int) -> None:
+        """(Re)allocate the send and receive buffers for messages of up to k values."""
+        device = self.params[0].device
+        self.k_max = k
+        self.send = torch.empty(2 * k, dtype=torch.float32, device=device)
+        if world_size > 1:
+            self.recv = torch.empty(world_size * 2 * k, dtype=torch.float32, device=device)
 
     def reset(self) -> None:
         self.ready = [False] * len(self.params)
@@ -142,11 +181,39 @@ class GradientExchange:
             from its stored profile and a quick probe of the group's network (rank 0 solves and
             broadcasts; see `runtime.retune`) instead of refusing. The plan in use is `self.plan`.
         profile: the per-layer profile to re-plan from (a Profile or a path); default the plan's source.
+        momentum: DGC momentum correction, `0 <= momentum < 1`. Each rank keeps a velocity u per group
+            and sends the selection from v += u (u = m u + g) instead of v += g; momentum factor masking
+            clears u where v was sent, except in a group that sends everything this step (k == numel):
+            there nothing is delayed, so masking would only turn momentum into plain SGD. A dense plan
+            does the same without selection (u = m u + g, then allreduce: the average of the u's is
+            the momentum buffer of the averaged gradient, as `torch.optim.SGD(momentum=m)`), so top-k
+            at density 1.0 and dense plans equal dense momentum SGD. Needs `optimizer`.
+        nesterov: DGC's Nesterov variant: send from v += g + m u (torch's Nesterov SGD at density 1.0).
+        optimizer: the optimizer that steps the model, required when momentum > 0. Its param groups
+            holding planned parameters must have momentum 0 (refused otherwise, and again at every
+            `step()` through a step pre-hook, in case it is changed later). Its weight decay is left to
+            it: torch's SGD adds weight_decay * p to the averaged result at step time, so weight decay
+            is neither sparsified nor momentum-accelerated (with momentum m its long-run effect is about
+            (1 - m) times that of `SGD(momentum=m, weight_decay=wd)`; put the decay in the loss to have
+            it accelerated and compressed like the gradient).
+        clip_norm: DGC's local gradient clipping, before the gradient enters the velocity (or, without
+            momentum, the residual). Groups are processed in gradient hooks as they become ready, so no
+            whole-model norm is available without losing overlap: each group is clipped on its own to
+            clip_norm * sqrt(numel_group / numel_total) / sqrt(world_size) (DGC's world_size**-0.5
+            scaling, and the group's share of the total were the gradient spread evenly).
+        density_warmup: (start_density, steps) for a top-k plan: over the first `steps` steps the
+            density decays exponentially from start_density to the plan's density (DGC's warm-up, with
+            a constant factor per step instead of 4x per epoch): density_t = start * (plan / start) **
+            (t / steps), and each group sends k_t = max(plan k, topk_count(numel, density_t)), the same
+            on every rank. Send and receive buffers are allocated for k_0 and shrunk to the plan's k
+            when the warm-up ends. The step count is part of `state_dict()`.
 
     Raises:
         PlanMismatchError: the plan was made for another model, or for another world size, backend or
             kind of device without `auto_retune`, or its parameters do not match the model's trainable
             parameters.
+        ValueError: momentum, clipping or warm-up settings out of range, momentum without an optimizer,
+            an optimizer that applies momentum itself, or a density warm-up with a dense plan.
     """
 
     def __init__(
@@ -158,6 +225,11 @@ class GradientExchange:
         model_name: str | None = None,
         auto_retune: bool = False,
         profile: Any = None,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        optimizer: torch.optim.Optimizer | None = None,
+        clip_norm: float | None = None,
+        density_warmup: tuple[float, int] | None = None,
     ) -> None:
         plan = resolve_plan(plan, model, process_group=process_group, model_name=model_name,
                             auto_retune=auto_retune, profile=profile)
@@ -165,11 +237,29 @@ class GradientExchange:
         self.process_group = process_group
         self.world_size = _world_size(process_group)
         self._topk = plan.strategy is Strategy.TOPK
+        self._selector: str = getattr(plan, "selector", None) or "exact"
+        self.momentum = float(momentum)
+        self.nesterov = nesterov
+        self.clip_norm = clip_norm
+        self._warmup = self._check_options(plan, momentum, nesterov, optimizer, clip_norm, density_warmup)
         params = self._check_params(model, plan)
+        self._planned_ids = frozenset(id(params[n]) for n in plan.param_order)
+        self._optimizer_hook: RemovableHandle | None = None
+        if self.momentum > 0:
+            assert optimizer is not None
+            self._check_optimizer(optimizer)
+            self._optimizer_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
+        total = sum(g.numel for g in plan.groups)
+        self._step = 0
         self._groups = [
-            _GroupState(i, g, [params[n] for n in g.params], self._topk, self.world_size)
+            _GroupState(
+                i, g, [params[n] for n in g.params], self._topk, self.world_size, momentum=self.momentum > 0,
+                clip=None if clip_norm is None else clip_norm * math.sqrt(g.numel / total / self.world_size),
+                k_max=self._k_at(g.numel, g.k, 0) if self._warmup is not None else None,
+            )
             for i, g in enumerate(plan.groups)
         ]
+        self._set_step(0)
         self._next_launch = 0
         self._active = False
         self._enabled = True
@@ -184,6 +274,109 @@ class GradientExchange:
     def from_file(cls, model: nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> GradientExchange:
         """Load the plan at `path` (validated, see `Plan.load`) and build the exchange."""
         return cls(model, Plan.load(path), **kwargs)
+
+    @staticmethod
+    def _check_options(
+        plan: Plan,
+        momentum: float,
+        nesterov: bool,
+        optimizer: torch.optim.Optimizer | None,
+        clip_norm: float | None,
+        density_warmup: tuple[float, int] | None,
+    ) -> tuple[float, int] | None:
+        """Validate the momentum, clipping and warm-up arguments; return the warm-up as (start, steps)."""
+        if not 0 <= momentum < 1:
+            raise ValueError(f"`0 <= momentum < 1` must hold, but got momentum={momentum}")
+        if nesterov and momentum == 0:
+            raise ValueError("nesterov=True needs momentum > 0, but got momentum=0")
+        if momentum > 0 and optimizer is None:
+            raise ValueError(
+                f"momentum={momentum} needs optimizer=: the exchange applies momentum, so it must check that "
+                "the optimizer does not apply it again; pass the optimizer that steps this model"
+            )
+        if clip_norm is not None and not (math.isfinite(clip_norm) and clip_norm > 0):
+            raise ValueError(f"`0 < clip_norm < inf` must hold, but got clip_norm={clip_norm}")
+        if density_warmup is None:
+            return None
+        if plan.strategy is not Strategy.TOPK or plan.density is None:
+            raise ValueError(f"density_warmup needs a top-k plan, but the plan's strategy is {plan.strategy.value}")
+        try:
+            start, steps = density_warmup
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"density_warmup must be (start_density, steps), but got {density_warmup!r}"
+            ) from None
+        if not plan.density < start <= 1:
+            raise ValueError(
+                f"`plan density < start_density <= 1` must hold, but got (start_density={start}, "
+                f"plan density={plan.density})"
+            )
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"the warm-up needs an integer `steps >= 1`, but got steps={steps!r}")
+        return float(start), steps
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse an optimizer that would apply momentum to the planned parameters a second time."""
+        planned_groups = [
+            (i, group) for i, group in enumerate(optimizer.param_groups)
+            if any(id(p) in self._planned_ids for p in group["params"])
+        ]  # fmt: skip
+        if not planned_groups:
+            raise ValueError(
+                f"the optimizer ({type(optimizer).__name__}) holds none of the planned parameters; "
+                "pass the optimizer that steps this model"
+            )
+        for i, group in planned_groups:
+            if "momentum" not in group:
+                raise ValueError(
+                    f"momentum correction needs an SGD-like optimizer with a momentum setting, but "
+                    f"{type(optimizer).__name__} has none (param group {i}); use torch.optim.SGD with momentum=0"
+                )
+            if group["momentum"] != 0:
+                raise ValueError(
+                    f"optimizer param group {i} has momentum={group['momentum']}, but the exchange already "
+                    f"applies momentum={self.momentum}, so it would be applied twice; {_OPTIMIZER_FIX}"
+                )
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Step pre-hook: refuse the step if the optimizer's momentum was turned on after construction."""
+        self._check_optimizer(optimizer)
+
+    def _k_at(self, numel: int, k: int | None, step: int) -> int | None:
+        """k a top-k group sends at `step`: the warm-up's, never below the plan's k (the plan's after it)."""
+        if self._warmup is None or k is None or step >= self._warmup[1]:
+            return k
+        return max(k, topk_count(numel, self._density_at(step)))
+
+    def _density_at(self, step: int) -> float:
+        assert self._warmup is not None and self.plan.density is not None
+        start, steps = self._warmup
+        if step >= steps:
+            return self.plan.density
+        return start * (self.plan.density / start) ** (step / steps)
+
+    def _set_step(self, step: int) -> None:
+        """Set the step count and each group's k for it; shrink the buffers once the warm-up is over."""
+        self._step = step
+        if self._warmup is None:
+            return
+        for st in self._groups:
+            st.k_now = self._k_at(st.numel, st.k, step)
+            assert st.k_now is not None and st.k_max is not None
+            if st.k_now > st.k_max or (st.k_now == st.k and st.k_max != st.k):
+                st.allocate(st.k_now, self.world_size)
+
+    @property
+    def step(self) -> int:
+        """Number of steps (synchronize calls that exchanged gradients) so far, or loaded by `load_state_dict`."""
+        return self._step
+
+    @property
+    def current_density(self) -> float | None:
+        """Density the next step sends: the warm-up's, else the plan's; None for a dense plan."""
+        if self._warmup is None:
+            return self.plan.density
+        return self._density_at(self._step)
 
     @staticmethod
     def _check_params(model: nn.Module, plan: Plan) -> dict[str, nn.Parameter]:
@@ -237,7 +430,10 @@ class GradientExchange:
                 self._launch_prepared()
 
     def _prepare(self, st: _GroupState) -> None:
-        """Gather the group's gradients into its flat buffer (missing ones as zeros); top-k: select and pack."""
+        """Gather the group's gradients into its flat buffer (missing ones as zeros); top-k: select and pack.
+
+        With clipping and momentum, the flat buffer is clipped and folded into the velocity first.
+        """
         if st.flat is not None:
             for p, view, as_view in zip(st.params, st.views, st.as_view, strict=True):
                 grad = p.grad
@@ -245,11 +441,28 @@ class GradientExchange:
                     view.zero_()
                 elif not (as_view and grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride()):
                     view.copy_(grad)
+            if st.clip is not None:  # as clip_grad_norm_, without a host sync: scale by min(1, c / norm)
+                st.flat.mul_(torch.clamp(st.clip / (torch.linalg.vector_norm(st.flat) + 1e-6), max=1.0))
+            source = st.flat if st.velocity is None else self._apply_momentum(st)
             if self._topk:
-                assert st.send is not None and st.k is not None
-                values, indices = select_topk(st.flat, st.residual, st.k)
-                pack(values, indices, out=st.send)
+                assert st.send is not None and st.k_now is not None
+                k = st.k_now
+                send = st.send if k == st.k_max else st.send[: 2 * k]
+                values, indices = select_topk(source, st.residual, k, selector=self._selector)
+                pack(values, indices, out=send)
+                if st.velocity is not None and k < st.numel:  # momentum factor masking (nothing delayed at k == N)
+                    st.velocity.index_fill_(0, indices.long(), 0.0)
+            elif source is not st.flat:
+                st.flat.copy_(source)
         st.prepared = True
+
+    def _apply_momentum(self, st: _GroupState) -> Tensor:
+        """u = m u + g; return what enters the exchange: u, or g + m u (Nesterov, computed in the flat buffer)."""
+        assert st.velocity is not None and st.flat is not None
+        st.velocity.mul_(self.momentum).add_(st.flat)
+        if self.nesterov:
+            return st.flat.add_(st.velocity, alpha=self.momentum)
+        return st.velocity
 
     def _launch_prepared(self) -> None:
         """Launch every prepared group that directly follows the launched ones, in plan order."""
@@ -263,7 +476,12 @@ class GradientExchange:
         if self.world_size == 1:
             return None
         if self._topk:
-            return all_gather_flat(st.recv, st.send, group=self.process_group, async_op=True)
+            assert st.recv is not None and st.send is not None and st.k_now is not None
+            if st.k_now == st.k_max:
+                return all_gather_flat(st.recv, st.send, group=self.process_group, async_op=True)
+            size = 2 * st.k_now
+            return all_gather_flat(st.recv[: self.world_size * size], st.send[:size], group=self.process_group,
+                                   async_op=True)
         return dist.all_reduce(st.flat, group=self.process_group, async_op=True)
 
     # -- the step --------------------------------------------------------------------------------
@@ -289,15 +507,18 @@ class GradientExchange:
                     st.reset()
                 self._next_launch = 0
                 self._active = False
+                self._set_step(self._step + 1)
 
     def _finish(self, st: _GroupState) -> None:
         """Turn the collective's result into the averaged gradient and make it each parameter's `.grad`."""
         if st.flat is None:  # dense on world size 1: the local gradient already is the average
             return
         if self._topk:
-            assert st.k is not None and st.send is not None
+            assert st.k_now is not None and st.send is not None
             gathered = st.send if st.recv is None else st.recv
-            decode(gathered, st.k, st.numel, self.world_size, out=st.flat)
+            if st.k_now != st.k_max:
+                gathered = gathered[: self.world_size * 2 * st.k_now]
+            decode(gathered, st.k_now, st.numel, self.world_size, out=st.flat)
         else:
             st.flat.div_(self.world_size)
         for p, view, as_view in zip(st.params, st.views, st.as_view, strict=True):
@@ -326,16 +547,27 @@ class GradientExchange:
         return h.hexdigest()[:16]
 
     def state_dict(self) -> dict[str, Any]:
-        """What resuming needs: this rank's top-k residuals by group index, tied to the plan (copies)."""
+        """What resuming needs (copies, tied to the plan): this rank's residuals, velocities and the step count.
+
+        Residuals (top-k) and velocities (momentum) are keyed by group index; the step count drives the
+        density warm-up.
+        """
         return {
             "kind": STATE_KIND,
             "model_fingerprint": self.plan.model.fingerprint,
             "layout": self._layout_digest(),
             "residuals": {st.index: st.residual.detach().clone() for st in self._groups if st.residual is not None},
+            "velocities": {st.index: st.velocity.detach().clone() for st in self._groups if st.velocity is not None},
+            "step": self._step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore residuals saved by `state_dict` for the same model and plan groups (PlanMismatchError else)."""
+        """Restore what `state_dict` saved for the same model and plan groups (PlanMismatchError else).
+
+        A state saved without velocities (before momentum existed, or with momentum=0) loads into an
+        exchange with momentum as zero velocities; without a step count it resumes at step 0. A state
+        with velocities is refused by an exchange without momentum, which would drop them.
+        """
         kind = state.get("kind") if isinstance(state, dict) else type(state).__name__
         if kind != STATE_KIND:
             raise PlanMismatchError(f"not a GradientExchange state: kind is {kind!r}, expected {STATE_KIND!r}")
@@ -350,30 +582,59 @@ class GradientExchange:
                 f"this exchange state was saved for other plan groups (layout {state.get('layout')}, this plan "
                 f"{self._layout_digest()}); {replan}"
             )
-        residuals = {int(i): t for i, t in state.get("residuals", {}).items()}
-        expected = {st.index for st in self._groups if st.residual is not None}
-        if set(residuals) != expected:
+        residuals = self._saved_buffers(state, "residuals", "residual", replan)
+        velocities = self._saved_buffers(state, "velocities", "velocity", replan)
+        step = state.get("step", 0)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise PlanMismatchError(f"the state's step count must be an integer >= 0, but got step={step!r}; {replan}")
+        for st in self._groups:  # everything checked: now copy
+            if st.residual is not None:
+                st.residual.copy_(residuals[st.index])
+            if st.velocity is not None:
+                if velocities:
+                    st.velocity.copy_(velocities[st.index])
+                else:
+                    st.velocity.zero_()
+        self._set_step(step)
+
+    def _saved_buffers(self, state: dict[str, Any], key: str, what: str, replan: str) -> dict[int, Tensor]:
+        """The state's per-group `key` ("residuals" or "velocities"), checked against this exchange's groups.
+
+        Velocities may be absent (an older state, or saved with momentum=0): then {} is returned.
+        """
+        saved = {int(i): t for i, t in state.get(key, {}).items()}
+        expected = {st.index for st in self._groups if getattr(st, what) is not None}
+        if key == "velocities" and not saved:
+            return saved
+        if key == "velocities" and not expected:
             raise PlanMismatchError(
-                f"the state holds residuals for groups {sorted(residuals)}, but the plan's top-k groups are "
-                f"{sorted(expected)}; {replan}"
+                f"the state holds momentum velocities for groups {sorted(saved)}, but this exchange has "
+                f"momentum=0; pass the momentum it was saved with, or {replan}"
+            )
+        if set(saved) != expected:
+            kind = "top-k groups" if key == "residuals" else "groups"
+            raise PlanMismatchError(
+                f"the state holds {key} for groups {sorted(saved)}, but the plan's {kind} are {sorted(expected)}; "
+                f"{replan}"
             )
         for st in self._groups:
-            if st.residual is None:
-                continue
-            saved = residuals[st.index]
-            if saved.shape != st.residual.shape:
+            mine = getattr(st, what)
+            if mine is not None and saved[st.index].shape != mine.shape:
                 raise PlanMismatchError(
-                    f"residual of group {st.index} has shape {tuple(saved.shape)}, expected "
-                    f"{tuple(st.residual.shape)}; {replan}"
+                    f"{what} of group {st.index} has shape {tuple(saved[st.index].shape)}, expected "
+                    f"{tuple(mine.shape)}; {replan}"
                 )
-            st.residual.copy_(saved)
+        return saved
 
     # -- teardown --------------------------------------------------------------------------------
     def remove_hooks(self) -> None:
-        """Remove the gradient hooks; the exchange no longer reacts to backward passes."""
+        """Remove the gradient hooks (and the optimizer's step pre-hook); the exchange no longer reacts."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
 
     close = remove_hooks
 
