@@ -101,7 +101,9 @@ def print_plan(plan: object, title: str | None = None) -> None:
     assert isinstance(plan, Plan)
     ref = plan.baselines.get("ddp-25mb", plan.predicted).iteration_s
     lb = plan.lower_bound_s
-    tag = plan.strategy.value + (f" (density {plan.density:g})" if plan.strategy is Strategy.TOPK else "")
+    tag = plan.strategy.value
+    if plan.strategy is Strategy.TOPK:
+        tag += f" (density {plan.density:g}, {plan.selector} selector)"
     table = Table(title=title or f"{plan.model.name}: {tag} plan, {plan.cluster.describe()}")
     for col in ("grouping", "groups", "iteration ms", "exposed comm ms", "vs ddp-25mb", "gap to bound"):
         table.add_column(col, justify="left" if col == "grouping" else "right")
@@ -297,6 +299,10 @@ class SolveCommand(Command):
         parser.add_argument("--strategy", choices=[*(s.value for s in Strategy), KFAC], default=Strategy.DENSE.value,
                             help="gradient exchange (dense, topk), or kfac: dense gradients plus a K-FAC section")
         parser.add_argument("--density", type=_density, default=None, help="top-k density (default 0.01)")
+        # Checked in run(), not by argparse `choices`, so a bad name is one line (no usage block).
+        parser.add_argument("--selector", default="auto", metavar="{auto,exact,sampled}",
+                            help="top-k selector: exact torch.topk, sampled threshold, or auto (default): the one "
+                                 "predicted faster from the profile's measurements")
         kfac = parser.add_argument_group("K-FAC (--strategy kfac)")
         kfac.add_argument("--method", choices=[m.value for m in InverseMethod], default=InverseMethod.EIGEN.value,
                           help="eigendecomposition (default) or damped inverse of each factor")
@@ -323,6 +329,12 @@ class SolveCommand(Command):
         strategy = Strategy.DENSE if is_kfac else Strategy(args.strategy)
         if args.density is not None and strategy is not Strategy.TOPK:
             raise PlannerError("--density applies to --strategy topk only")
+        from planner.plan import SELECTORS
+
+        if args.selector not in ("auto", *SELECTORS):
+            raise PlannerError(f"--selector must be one of auto, {', '.join(SELECTORS)}, but got {args.selector!r}")
+        if args.selector != "auto" and strategy is not Strategy.TOPK:
+            raise PlannerError("--selector applies to --strategy topk only")
         if not args.time_limit > 0:
             raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
         density = (args.density or 0.01) if strategy is Strategy.TOPK else None
@@ -350,7 +362,8 @@ class SolveCommand(Command):
                 source=str(args.profile),
             )
         else:
-            plan = make_plan(profile, strategy, density, source=str(args.profile))
+            selector = None if args.selector == "auto" else args.selector
+            plan = make_plan(profile, strategy, density, source=str(args.profile), selector=selector)
         plan.save(args.output)
         print_plan(plan)
         console.print(f"wrote plan {args.output}")
@@ -628,6 +641,7 @@ class TuneCommand(Command):
         parser.add_argument("--model", default=None, help="model (default: the profile's)")
         parser.add_argument("--batch-size", type=_positive, default=None)
         parser.add_argument("--nproc", type=_positive, default=None, help="workers (default: the profile's world size)")
+        _add_link(parser)
         parser.add_argument("--trials", type=_positive, default=20,
                             help="finished trials the study should hold (running again resumes up to it)")
         parser.add_argument("--study", type=Path, default=None,

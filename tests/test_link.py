@@ -77,7 +77,8 @@ def test_malformed_link_on_the_command_line_is_one_line_and_exit_2(
         status = exc.code
     assert status == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert len(errors) == 1 and "link" in errors[0] and text in errors[0]
+    assert len(errors) == 1 and "--link" in errors[0] and text in errors[0]
+    assert "must" in errors[0], errors[0]  # the rate was refused, not the option
 
 
 # -- the privilege ------------------------------------------------------------------------------------
@@ -91,6 +92,8 @@ def test_without_the_privilege_the_command_says_so_and_exits_2(
     assert err == ["planner bench: error: cannot emulate a 1gbit link: it needs root (forced by the test); "
                    "run without --link"]
     assert _ours() == []
+    with pytest.raises(LinkUnavailableError), EmulatedLink(parse_rate("1gbit"), 2):
+        pass
 
 
 def test_demo_falls_back_to_loopback_without_the_privilege(monkeypatch: pytest.MonkeyPatch) -> None:
