@@ -26,7 +26,7 @@ from planner.types import PlanMismatchError, Strategy
 if TYPE_CHECKING:
     from runtime.link import LinkRate
 
-__all__ = ["BenchConfig", "BenchResult", "bench_variants", "bench_worker", "per_layer_plan", "run_bench"]
+__all__ = ["BenchConfig", "BenchResult", "Variant", "bench_variants", "bench_worker", "per_layer_plan", "run_bench"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,16 +125,31 @@ def per_layer_plan(plan: Plan, module: torch.nn.Module) -> Plan:
     return replace(plan, groups=tuple(groups), solver="wfbp", predicted=wfbp)
 
 
-def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module) -> list[tuple[str, Plan | None, float | None]]:
-    """(name, plan or None for DDP, predicted seconds) for every variant the bench runs."""
+@dataclass(frozen=True)
+class Variant:
+    """One benched configuration: DDP (plan None), DDP with the top-k hook at a top-k plan's density and
+    selector (`ddp_hook`), or the runtime executing `plan`; `predicted_s` is the model's time for it."""
+
+    name: str
+    plan: Plan | None
+    predicted_s: float | None
+    ddp_hook: bool = False
+
+
+def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module) -> list[Variant]:
+    """Every variant the bench runs: DDP, then per plan one group per layer and the plan itself, and for a
+    top-k plan DDP with the top-k hook (predicted as the plan's "ddp-25mb" baseline: top-k on 25 MB buckets)."""
     dense = next((p for p in plans if p.strategy is Strategy.DENSE), None)
     ddp_pred = (dense or plans[0]).baselines.get("ddp-25mb") if plans else None
-    out: list[tuple[str, Plan | None, float | None]] = [("ddp", None, ddp_pred.iteration_s if ddp_pred else None)]
+    out = [Variant("ddp", None, ddp_pred.iteration_s if ddp_pred else None)]
     for plan in plans:
         tag = plan.strategy.value if plan.strategy is Strategy.DENSE else f"topk@{plan.density:g}"
         pl = per_layer_plan(plan, module)
-        out.append((f"per-layer {tag}", pl, pl.predicted.iteration_s))
-        out.append((f"plan {tag}", plan, plan.predicted.iteration_s))
+        out.append(Variant(f"per-layer {tag}", pl, pl.predicted.iteration_s))
+        out.append(Variant(f"plan {tag}", plan, plan.predicted.iteration_s))
+        if plan.strategy is Strategy.TOPK:
+            hooked = plan.baselines.get("ddp-25mb")
+            out.append(Variant(f"ddp {tag} hook", plan, hooked.iteration_s if hooked else None, ddp_hook=True))
     return out
 
 
@@ -142,7 +157,7 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     """Run every variant on this rank; rank 0 returns the results."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from runtime import GradientExchange
+    from runtime import GradientExchange, TopkHookState, topk_hook
 
     torch.manual_seed(0)
     base = build_workload(config.model, batch_size=config.batch_size)
@@ -150,10 +165,15 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
         given.check_compatible(model_info(base.module, config.model), world_size)
     variants = bench_variants(config.plans, base.module)
     runners = []
-    for _name, plan, _pred in variants:
+    for v in variants:
+        plan = v.plan
         wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank
-        if plan is None:
-            model: torch.nn.Module = DistributedDataParallel(wl.module)
+        if plan is None or v.ddp_hook:
+            wrapped = DistributedDataParallel(wl.module)
+            if plan is not None:
+                assert plan.density is not None
+                wrapped.register_comm_hook(TopkHookState(plan.density, selector=plan.selector or "exact"), topk_hook)
+            model: torch.nn.Module = wrapped
             exchange = None
         else:
             model = wl.module
@@ -188,9 +208,9 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     if rank != 0:
         return None
     results = [
-        BenchResult.from_samples(name, "ddp" if plan is None else plan.strategy.value, row, steps=len(row),
-                                 predicted_s=pred, reference="ddp")
-        for (name, plan, pred), row in zip(variants, slowest, strict=True)
+        BenchResult.from_samples(v.name, "ddp" if v.plan is None else v.plan.strategy.value, row, steps=len(row),
+                                 predicted_s=v.predicted_s, reference="ddp")
+        for v, row in zip(variants, slowest, strict=True)
     ]
     ddp = results[0].median_s
     return [replace(r, speedup=ddp / r.median_s) for r in results]

@@ -29,6 +29,7 @@ def test_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     profile = Profile.load(prof)
     assert profile.cluster.world_size == 2 and profile.cluster.backend == "gloo"
     assert profile.batch_size == 8
+    assert profile.step_s is not None and profile.step_s > 0  # whole steps timed as a cross-check
     # The MLP's gradients become ready from the last layer back to the first: measured, not assumed.
     assert [lt.name for lt in profile.layers] == ["6", "4", "2", "0"]
     assert set(profile.collectives) == set(Collective)
@@ -50,7 +51,7 @@ def test_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     res = _planner("bench", "--plan", str(dense), "--plan", str(topk), "--steps", "3", "--warmup", "1", "--json")
     rows = json.loads(res.stdout)
     assert [r["name"] for r in rows] == ["ddp", "per-layer dense", "plan dense", "per-layer topk@0.01",
-                                         "plan topk@0.01"]
+                                         "plan topk@0.01", "ddp topk@0.01 hook"]
     for r in rows:
         assert r["steps"] == 3 and r["median_s"] > 0 and r["predicted_s"] > 0
     assert rows[0]["speedup"] == 1.0 and rows[0]["reference"] == "ddp"
