@@ -253,6 +253,10 @@ def print_rows(rows: list[dict], title: str) -> None:
     console.print(table)
 
 
+#: How far the sum of a profile's parts may be from its whole steps before `planner profile` warns.
+PARTS_TOLERANCE = 0.10
+
+
 def print_profile(profile: object) -> None:
     from planner.profile import MAX_FIT_ERROR, Profile
 
@@ -263,6 +267,15 @@ def print_profile(profile: object) -> None:
         f"forward {_ms(profile.forward_s)} ms, backward {_ms(profile.backward_s)} ms, "
         f"update {_ms(profile.update_s)} ms, {len(profile.layers)} layers"
     )
+    if profile.parts_error is not None:
+        assert profile.step_s is not None
+        line = (f"whole local steps {_ms(profile.step_s)} ms; sum of the parts (forward + per-layer backward + "
+                f"update) {_ms(profile.parts_s)} ms, off by {profile.parts_error:.1%}")
+        if profile.parts_error > PARTS_TOLERANCE:
+            err_console.print(f"warning: {line}: predictions from this profile will be off as much; profile "
+                              "again on a quieter machine, or with more --repeats and --warmup", markup=False)
+        else:
+            console.print(line)
     table = Table(title="collectives: alpha + beta * bytes, fitted (used where it holds at every point) "
                         "or interpolated")
     for col in ("collective", "alpha us", "bandwidth GB/s", "median fit error", "worst", "model used", "points"):

@@ -21,6 +21,7 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
                                                                   # not measured (exact only)
         "decode": {"points": [[values, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"}
       },
+      "step_s": 0.8,                                              # whole local steps, timed as a cross-check
       "kfac": {                                                   # null or absent when not measured
         "layers": [                                               # Linear/Conv2d layers, forward order
           {"name", "a_dim", "g_dim", "a_compute_s", "g_compute_s", "fold_s",
@@ -493,6 +494,7 @@ class Profile:
     collectives: dict[Collective, FittedCurve]
     topk: TopkTiming | None
     kfac: KFACTiming | None = None
+    step_s: float | None = None
     element_bytes: int = 4
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -585,7 +587,20 @@ class Profile:
             "collectives": {c.value: curve.to_dict() for c, curve in self.collectives.items()},
             "topk": None if self.topk is None else self.topk.to_dict(),
             "kfac": None if self.kfac is None else self.kfac.to_dict(),
+            "step_s": self.step_s,
         }
+
+    @property
+    def parts_s(self) -> float:
+        """The whole local step as the sum of its measured parts: F + sum of b_i + U."""
+        return self.forward_s + sum(lt.backward_s for lt in self.layers) + self.update_s
+
+    @property
+    def parts_error(self) -> float | None:
+        """|parts - whole| / whole against the whole steps timed as a cross-check (None if not timed)."""
+        if not self.step_s:
+            return None
+        return abs(self.parts_s - self.step_s) / self.step_s
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
@@ -597,12 +612,12 @@ class Profile:
             )
         if data.get("kind") != PROFILE_KIND:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
-        data = {"kfac": None, **data}
+        data = {"kfac": None, "step_s": None, **data}
         check_fields(
             data,
             "profile",
             ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
-             "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac"],
+             "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s"],
         )
         collectives = {}
         for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
@@ -631,6 +646,7 @@ class Profile:
             collectives=collectives,
             topk=None if data["topk"] is None else TopkTiming.from_dict(data["topk"], "profile.topk"),
             kfac=None if data["kfac"] is None else KFACTiming.from_dict(data["kfac"], "profile.kfac"),
+            step_s=None if data["step_s"] is None else _time(data["step_s"], "profile.step_s"),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

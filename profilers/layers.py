@@ -12,7 +12,7 @@ from planner.models import Workload
 from planner.profile import LayerTiming
 from profilers.timing import Marks, iqr, median, time_call
 
-__all__ = ["LayerRun", "combine_ranks", "measure_layers"]
+__all__ = ["LayerRun", "combine_ranks", "measure_layers", "measure_steps"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +125,34 @@ def measure_layers(
         backward_total=backward_total,
         update=update,
     )
+
+
+def measure_steps(
+    workload: Workload,
+    device: torch.device,
+    *,
+    repeats: int,
+    warmup: int,
+    barrier: Callable[[], object] = lambda: None,
+) -> list[float]:
+    """Seconds of whole local training steps (zero_grad, forward, backward, update), no hooks, no communication.
+
+    The cross-check of the per-layer measurements: their sum F + sum(b_i) + U should match these steps.
+    """
+    model = workload.module.to(device)
+    inputs, targets = (t.to(device) for t in workload.batch(seed=1234))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        workload.loss_fn(model(inputs), targets).backward()
+        optimizer.step()
+
+    times = []
+    for _ in range(warmup + repeats):
+        barrier()
+        times.extend(time_call(step, device, repeats=1, warmup=0))
+    return times[warmup:]
 
 
 def combine_ranks(runs: list[LayerRun]) -> tuple[list[LayerTiming], float, float, float]:

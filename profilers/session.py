@@ -17,8 +17,9 @@ from planner.profile import Profile
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import log_sizes, measure_collectives
 from profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
-from profilers.layers import combine_ranks, measure_layers
+from profilers.layers import combine_ranks, measure_layers, measure_steps
 from profilers.probe import current_cluster
+from profilers.timing import median
 from profilers.topk import measure_topk
 from runtime.link import LinkRate
 
@@ -75,6 +76,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
     base = config.base
 
     layer_results = None
+    step_s = None
     if not config.only_comm:
         workload = build_workload(config.model, batch_size=config.batch_size)
         info = model_info(workload.module, config.model)
@@ -99,6 +101,12 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             gathered: list[object] = [None] * world_size
             dist.all_gather_object(gathered, run)
             layer_results = combine_ranks(gathered)  # type: ignore[arg-type]
+            # Cross-check: whole local steps without hooks, against the sum of the per-layer parts.
+            steps = measure_steps(workload, device, repeats=max(3, config.repeats // 2), warmup=1,
+                                  barrier=dist.barrier)
+            all_steps: list[object] = [None] * world_size
+            dist.all_gather_object(all_steps, steps)
+            step_s = median([t for ts in all_steps for t in ts])  # type: ignore[attr-defined]
         task = bar.add_task("collectives", total=len(colls) * len(sizes))
         curves = measure_collectives(
             colls, sizes, device, repeats=config.comm_repeats, warmup=2, on_point=lambda: bar.advance(task)
@@ -144,6 +152,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         collectives=curves,
         topk=topk,
         kfac=kfac,
+        step_s=step_s,
     )
 
 

@@ -161,3 +161,28 @@ def test_cli_bench_refuses_plan_for_another_model(tmp_path: Path) -> None:
     proc = _cli("bench", "--plan", str(path), "--model", "bert-tiny", "--steps", "1", "--warmup", "0")
     _one_clear_line(proc, "this plan was made for model mlp")
     assert "planner solve" in proc.stderr
+
+
+def test_the_whole_step_cross_check_round_trips_and_warns_past_ten_percent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dataclasses import replace
+
+    profile = synthetic_profile()
+    assert profile.step_s is None and profile.parts_error is None  # not timed: no check, nothing printed
+    parts = profile.forward_s + sum(lt.backward_s for lt in profile.layers) + profile.update_s
+    assert profile.parts_s == pytest.approx(parts)
+    close, far = replace(profile, step_s=parts * 1.05), replace(profile, step_s=parts * 1.5)
+    assert close.parts_error == pytest.approx(0.05 / 1.05)
+    for p in (close, far):
+        p.save(tmp_path / "p.json")
+        assert Profile.load(tmp_path / "p.json") == p
+        assert main(["show", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr()
+    assert out.err.count("warning: whole local steps") == 1 and "off by 33.3%" in out.err
+    assert "off by 4.8%" in out.out
+    # A profile written before the check existed has no step_s and still loads.
+    doc = json.loads((tmp_path / "p.json").read_text())
+    del doc["step_s"]
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    assert Profile.load(tmp_path / "old.json").step_s is None
