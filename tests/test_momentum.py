@@ -18,13 +18,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import runtime.exchange as exchange_module
-from planner.layers import gradient_layers, groups_for
-from planner.plan import Plan
 from planner.problem import topk_count
 from planner.types import PlanMismatchError, Strategy
 from runtime import GradientExchange
 from runtime.launch import run_distributed
-from tests.factories import plan_with_groups
+from tests.test_runtime import make_plan
 
 WORLD_SIZE = 2
 RTOL, ATOL = 1e-5, 1e-6
@@ -44,21 +42,6 @@ def make_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Different data on every rank and step."""
     g = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
-
-
-def make_plan(
-    model: nn.Module,
-    grouping: str,
-    strategy: Strategy = Strategy.DENSE,
-    density: float | None = None,
-    *,
-    world_size: int = WORLD_SIZE,
-) -> Plan:
-    """One group per layer ("per-layer"), or all layers in one ("single"), in ready order."""
-    layers = gradient_layers(model)[::-1]
-    ends = tuple(range(1, len(layers) + 1)) if grouping == "per-layer" else (len(layers),)
-    return plan_with_groups(model, groups_for(layers, ends, strategy, density), strategy, density,
-                            world_size=world_size)
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
