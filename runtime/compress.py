@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["MAX_NUMEL", "SELECTORS", "all_gather_flat", "decode", "pack", "select_topk", "unpack"]
+__all__ = ["MAX_NUMEL", "SELECTORS", "all_gather_flat", "decode", "pack", "select_topk", "take_topk", "unpack"]
 
 #: Allgather into one flat tensor (every rank's message, rank by rank): `all_gather_single` where it
 #: exists (torch 2.13 deprecates the old name `all_gather_into_tensor`).
@@ -74,6 +74,38 @@ def select_topk(
     """
     if selector not in SELECTORS:
         raise ValueError(f"unknown top-k selector {selector!r}; valid selectors: {', '.join(SELECTORS)}")
+    _check_flat(grad, k)
+    if residual is None:
+        values, idx = _topk_of(grad, k, selector)
+        return values, idx.to(torch.int32)
+    if residual.shape != grad.shape or residual.dtype != grad.dtype:
+        raise ValueError(
+            f"residual must match grad, but got {tuple(residual.shape)} {residual.dtype} "
+            f"for {tuple(grad.shape)} {grad.dtype}"
+        )
+    return take_topk(residual.add_(grad), k, selector=selector)
+
+
+def take_topk(acc: Tensor, k: int, *, selector: str = "exact") -> tuple[Tensor, Tensor]:
+    """Error feedback on an accumulator that already holds residual + gradient: the k largest |acc|,
+    zeroed in `acc`, which keeps what was not sent.
+
+    `select_topk(grad, residual, k)` is `take_topk(residual.add_(grad), k)`; the runtime calls this
+    directly after adding each parameter's gradient into its slice of the residual, which saves
+    gathering the gradients into a flat buffer first. Arguments, results and errors as `select_topk`.
+    """
+    if selector not in SELECTORS:
+        raise ValueError(f"unknown top-k selector {selector!r}; valid selectors: {', '.join(SELECTORS)}")
+    _check_flat(acc, k)
+    values, idx = _topk_of(acc, k, selector)
+    if k == acc.numel():
+        acc.zero_()
+    else:
+        acc.index_fill_(0, idx, 0.0)
+    return values, idx.to(torch.int32)
+
+
+def _check_flat(grad: Tensor, k: int) -> None:
     numel = grad.numel()
     if grad.dim() != 1 or grad.dtype != torch.float32:
         raise ValueError(f"select_topk needs a flat fp32 tensor, but got shape {tuple(grad.shape)} {grad.dtype}")
@@ -81,29 +113,20 @@ def select_topk(
         raise ValueError(f"`0 < k <= numel` must hold, but got (k={k}, numel={numel})")
     if numel > MAX_NUMEL:
         raise ValueError(f"indices are int32, so `numel <= {MAX_NUMEL}` must hold, but got numel={numel}")
-    if residual is None:
-        acc = grad
-    else:
-        if residual.shape != grad.shape or residual.dtype != grad.dtype:
-            raise ValueError(
-                f"residual must match grad, but got {tuple(residual.shape)} {residual.dtype} "
-                f"for {tuple(grad.shape)} {grad.dtype}"
-            )
-        acc = residual.add_(grad)
-    if k == numel:  # everything is sent: no sort, and nothing is left behind
-        values = acc.clone()
-        if residual is not None:
-            residual.zero_()
-        return values, torch.arange(numel, dtype=torch.int32, device=grad.device)
+
+
+def _topk_of(acc: Tensor, k: int, selector: str) -> tuple[Tensor, Tensor]:
+    """(values fp32 [k], int64 indices [k]) of the k largest |acc|; `acc` is left as it is."""
+    numel = acc.numel()
+    if k == numel:  # everything is sent: no sort
+        return acc.clone(), torch.arange(numel, device=acc.device)
     picked = _sampled_topk(acc, k) if selector == "sampled" else None
     if picked is None:
         _, idx = torch.topk(acc.abs(), k, sorted=False)
         values = acc.index_select(0, idx)
     else:
         values, idx = picked
-    if residual is not None:
-        residual.index_fill_(0, idx, 0.0)
-    return values, idx.to(torch.int32)
+    return values, idx
 
 
 def _sampled_topk(acc: Tensor, k: int) -> tuple[Tensor, Tensor] | None:

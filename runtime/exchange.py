@@ -15,8 +15,10 @@
 Design (DESIGN.md, "Runtime principles"):
 
 - Every planned parameter gets a `register_post_accumulate_grad_hook`. A group whose parameters are
-  all ready is *prepared* at once, inside the hook on the compute stream: its gradients are gathered
-  into the group's flat fp32 buffer and, for top-k, selected with error feedback and packed. Prepared
+  all ready is *prepared* at once, inside the hook on the compute stream, in one pass over its
+  gradients: a dense group's are written into the group's flat fp32 buffer divided by the world size
+  (the allreduce sums them to the mean); a top-k group's are added into its residual, whose top-k is
+  then selected (error feedback) and packed. Prepared
   groups are *launched* (async collective) strictly in plan order: a group prepared early waits until
   every earlier group is launched, so all ranks issue the same collectives in the same order.
 - Buffers are allocated once. After a step each fp32 parameter's `.grad` is a view into its group's
@@ -43,7 +45,7 @@ import hashlib
 import math
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,13 +55,13 @@ from torch import Tensor, nn
 from planner.plan import Group, Plan
 from planner.problem import topk_count
 from planner.types import DistributedError, PlanMismatchError, Strategy
-from runtime.compress import all_gather_flat, decode, pack, select_topk
+from runtime.compress import all_gather_flat, decode, pack, select_topk, take_topk
 from runtime.retune import resolve_plan
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["GradientExchange"]
+__all__ = ["GradientExchange", "gather_scaled"]
 
 STATE_KIND = "runtime.gradient_exchange"
 
@@ -81,6 +83,33 @@ def _name_list(names: Sequence[str], limit: int = 3) -> str:
     return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
 
 
+def gather_scaled(grads: Sequence[Tensor | None], views: Sequence[Tensor], scale: float) -> None:
+    """Write each gradient times `scale` into its view of a flat buffer, in one pass (zeros for a missing
+    one; a gradient that already is its view is scaled in place). `planner profile` times this as the dense
+    packing cost."""
+    for grad, view in zip(grads, views, strict=True):
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() == view.data_ptr() and grad.dtype == view.dtype and grad.stride() == view.stride():
+            if scale != 1.0:
+                view.mul_(scale)
+        elif scale != 1.0 and grad.dtype == view.dtype:
+            torch.mul(grad, scale, out=view)
+        else:  # another dtype: convert first, so the scaling is done in fp32
+            view.copy_(grad)
+            if scale != 1.0:
+                view.mul_(scale)
+
+
+def _views(flat: Tensor, params: Sequence[Tensor]) -> list[Tensor]:
+    """Consecutive slices of `flat` shaped like `params`."""
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return views
+
+
 class _GroupState:
     """Buffers and per-step progress of one planned group."""
 
@@ -100,6 +129,7 @@ class _GroupState:
         "ready",
         "recv",
         "residual",
+        "residual_views",
         "send",
         "velocity",
         "views",
@@ -129,12 +159,7 @@ class _GroupState:
         device = params[0].device
         needs_buffer = topk or world_size > 1 or momentum or clip is not None
         self.flat: Tensor | None = torch.zeros(self.numel, dtype=torch.float32, device=device) if needs_buffer else None
-        self.views: list[Tensor] = []
-        if self.flat is not None:
-            offset = 0
-            for p in params:
-                self.views.append(self.flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        self.views = _views(self.flat, params) if self.flat is not None else []
         self.as_view = [p.dtype == torch.float32 for p in params]
         self.residual: Tensor | None = None
         self.velocity = torch.zeros(self.numel, dtype=torch.float32, device=device) if momentum else None
@@ -144,6 +169,7 @@ class _GroupState:
             assert self.k_max is not None
             self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device)
             self.allocate(self.k_max, world_size)
+        self.residual_views = _views(self.residual, params) if self.residual is not None else []
         self.ready = [False] * len(params)
         self.num_ready = 0
         self.prepared = False
@@ -430,31 +456,45 @@ class GradientExchange:
                 self._launch_prepared()
 
     def _prepare(self, st: _GroupState) -> None:
-        """Gather the group's gradients into its flat buffer (missing ones as zeros); top-k: select and pack.
+        """Gather the group's gradients (missing ones as zeros) for its collective; top-k: select and pack.
 
-        With clipping and momentum, the flat buffer is clipped and folded into the velocity first.
+        Plain groups (no clipping, no momentum) take one pass over their gradients: a dense group writes
+        them into its flat buffer already divided by the world size (the allreduce then sums to the mean,
+        as DDP does), a top-k group adds them straight into its residual. With clipping or momentum the
+        flat buffer holds the local gradient first: it is clipped and folded into the velocity, then sent.
         """
-        if st.flat is not None:
-            for p, view, as_view in zip(st.params, st.views, st.as_view, strict=True):
-                grad = p.grad
-                if grad is None:
-                    view.zero_()
-                elif not (as_view and grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride()):
-                    view.copy_(grad)
-            if st.clip is not None:  # as clip_grad_norm_, without a host sync: scale by min(1, c / norm)
-                st.flat.mul_(torch.clamp(st.clip / (torch.linalg.vector_norm(st.flat) + 1e-6), max=1.0))
-            source = st.flat if st.velocity is None else self._apply_momentum(st)
-            if self._topk:
-                assert st.send is not None and st.k_now is not None
-                k = st.k_now
-                send = st.send if k == st.k_max else st.send[: 2 * k]
-                values, indices = select_topk(source, st.residual, k, selector=self._selector)
-                pack(values, indices, out=send)
-                if st.velocity is not None and k < st.numel:  # momentum factor masking (nothing delayed at k == N)
-                    st.velocity.index_fill_(0, indices.long(), 0.0)
-            elif source is not st.flat:
-                st.flat.copy_(source)
+        if st.flat is None:
+            st.prepared = True
+            return
+        plain = st.clip is None and st.velocity is None
+        if self._topk and plain:
+            residual = st.residual
+            assert residual is not None
+            for p, view in zip(st.params, st.residual_views, strict=True):
+                if p.grad is not None:
+                    view.add_(p.grad)
+            self._select(st, lambda k: take_topk(residual, k, selector=self._selector))
+            st.prepared = True
+            return
+        # Plain dense: the mean is taken here, in the same pass.
+        gather_scaled([p.grad for p in st.params], st.views, 1.0 / self.world_size if plain else 1.0)
+        if st.clip is not None:  # as clip_grad_norm_, without a host sync: scale by min(1, c / norm)
+            st.flat.mul_(torch.clamp(st.clip / (torch.linalg.vector_norm(st.flat) + 1e-6), max=1.0))
+        source = st.flat if st.velocity is None else self._apply_momentum(st)
+        if self._topk:
+            self._select(st, lambda k: select_topk(source, st.residual, k, selector=self._selector))
+        elif not plain:  # clipped or with momentum: what is sent, divided by the world size
+            torch.mul(source, 1.0 / self.world_size, out=st.flat)
         st.prepared = True
+
+    def _select(self, st: _GroupState, select: Callable[[int], tuple[Tensor, Tensor]]) -> None:
+        """Pack the k entries `select(k)` picks (k: this step's) into the send buffer; mask the velocity there."""
+        assert st.send is not None and st.k_now is not None
+        k = st.k_now
+        values, indices = select(k)
+        pack(values, indices, out=st.send if k == st.k_max else st.send[: 2 * k])
+        if st.velocity is not None and k < st.numel:  # momentum factor masking (nothing delayed at k == N)
+            st.velocity.index_fill_(0, indices.long(), 0.0)
 
     def _apply_momentum(self, st: _GroupState) -> Tensor:
         """u = m u + g; return what enters the exchange: u, or g + m u (Nesterov, computed in the flat buffer)."""
@@ -519,8 +559,6 @@ class GradientExchange:
             if st.k_now != st.k_max:
                 gathered = gathered[: self.world_size * 2 * st.k_now]
             decode(gathered, st.k_now, st.numel, self.world_size, out=st.flat)
-        else:
-            st.flat.div_(self.world_size)
         for p, view, as_view in zip(st.params, st.views, st.as_view, strict=True):
             if as_view:
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr() or p.grad.stride() != view.stride():
