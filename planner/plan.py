@@ -18,7 +18,8 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
         {"layers": ["fc"], "params": ["fc.weight", "fc.bias"], "numel": 5130, "k": null}, ...
       ],
       "predicted": {
-        "plan":      {"iteration_s", "compute_s", "exposed_comm_s", "comm_s", "selection_s", "decode_s", "num_groups"},
+        "plan":      {"iteration_s", "compute_s", "exposed_comm_s", "comm_s", "selection_s", "decode_s", "num_groups",
+                      "pack_s", "interference_s"},          # the last two optional (0 when absent)
         "baselines": {"wfbp": {...}, "single": {...}, "ddp-25mb": {...}, ...},
         "lower_bound_s": 0.091
       },
@@ -95,8 +96,9 @@ class Group:
 def _prediction_from_dict(data: Any, where: str) -> Prediction:
     expect(data, dict, where)
     fields = ["iteration_s", "compute_s", "exposed_comm_s", "comm_s", "selection_s", "decode_s", "num_groups"]
-    check_fields(data, where, fields)
-    times = {f: expect_time(data[f], f"{where}.{f}") for f in fields if f != "num_groups"}
+    optional = ["pack_s", "interference_s"]  # absent in plans made before packing and interference were modelled
+    check_fields(data, where, fields, optional)
+    times = {f: expect_time(data[f], f"{where}.{f}") for f in [*fields, *optional] if f != "num_groups" and f in data}
     return Prediction(**times, num_groups=expect(data["num_groups"], int, f"{where}.num_groups"))
 
 

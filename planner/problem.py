@@ -7,6 +7,7 @@ them 1..L). A grouping is the tuple of exclusive end indices of contiguous group
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,7 +15,17 @@ import numpy as np
 from planner.costs import CostModel
 from planner.types import SolverError, Strategy
 
-__all__ = ["INDEX_BYTES", "GradientProblem", "Grouping", "Prediction", "groups_of", "topk_count", "topk_count_many"]
+__all__ = [
+    "INDEX_BYTES",
+    "GradientProblem",
+    "Grouping",
+    "Prediction",
+    "advance",
+    "advance_many",
+    "groups_of",
+    "topk_count",
+    "topk_count_many",
+]
 
 Grouping = tuple[int, ...]
 
@@ -36,6 +47,10 @@ class GradientProblem:
         density: top-k fraction rho in (0, 1].
         select: top-k: seconds to select k = ceil(rho N) of a group of N elements (with its residual update).
         decode: top-k: seconds to scatter-add x gathered values into the dense gradient.
+        pack: dense: seconds to write a group's N gradient elements into its flat buffer, divided by P (what
+            the runtime does on the compute stream when the group is complete); None: free.
+        interference: sigma >= 0: compute work runs (1 + sigma) times slower while a collective is in flight
+            (the collective's own work takes the CPU, memory bandwidth or GPU from it); 0: no interference.
     """
 
     strategy: Strategy
@@ -49,6 +64,8 @@ class GradientProblem:
     density: float | None = None
     select: CostModel | None = None
     decode: CostModel | None = None
+    pack: CostModel | None = None
+    interference: float = 0.0
     names: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -62,6 +79,8 @@ class GradientProblem:
             raise SolverError(f"`len(names) == len(numel)` must hold, but got ({len(self.names)}, {len(self.numel)})")
         if self.world_size < 1:
             raise SolverError(f"`world_size >= 1` must hold, but got world_size={self.world_size}")
+        if not (math.isfinite(self.interference) and self.interference >= 0):
+            raise SolverError(f"`interference >= 0` (finite) must hold, but got interference={self.interference}")
         if self.strategy is Strategy.TOPK:
             if self.density is None or not 0 < self.density <= 1:
                 raise SolverError(f"top-k needs `0 < density <= 1`, but got density={self.density}")
@@ -77,11 +96,41 @@ class GradientProblem:
         assert self.density is not None
         return topk_count(numel, self.density)
 
+    def prepare_s(self, numel: int) -> float:
+        """Compute-stream seconds of preparing a complete group of `numel` elements for its collective:
+        top-k selection, or dense packing (0 without a packing cost)."""
+        if self.strategy is Strategy.TOPK:
+            assert self.select is not None
+            return self.select.cost(numel)
+        return 0.0 if self.pack is None else self.pack.cost(numel)
+
     def message_bytes(self, numel: int) -> int:
         """Bytes one rank sends for a group of `numel` elements: the dense gradient, or k values and indices."""
         if self.strategy is Strategy.DENSE:
             return numel * self.element_bytes
         return self.k(numel) * (self.element_bytes + INDEX_BYTES)
+
+
+def advance(compute: float, channel: float, work: float, interference: float) -> float:
+    """When `work` seconds of compute that start at `compute` end, if they run (1 + interference) times slower
+    while the channel is busy, which it is until `channel` (and not after).
+
+    The compute stream then needs W (1 + sigma) until the channel frees up, and W after; so it ends at
+    compute + W + sigma * min(W, lag / (1 + sigma)) with lag = max(0, channel - compute). Non-decreasing in
+    `compute` and in `channel`, and composable: advance(advance(c, e, a), e, b) == advance(c, e, a + b).
+    """
+    lag = channel - compute
+    if lag <= 0 or interference == 0:
+        return compute + work
+    return compute + work + interference * min(work, lag / (1 + interference))
+
+
+def advance_many(compute: np.ndarray, channel: np.ndarray, work: np.ndarray, interference: float) -> np.ndarray:
+    """Vectorised `advance` (the solvers' inner loops)."""
+    if interference == 0:
+        return compute + work
+    lag = np.maximum(channel - compute, 0.0)
+    return compute + work + interference * np.minimum(work, lag / (1 + interference))
 
 
 def topk_count_many(numel: np.ndarray, density: float) -> np.ndarray:
@@ -106,8 +155,9 @@ class Prediction:
     """Predicted time of one iteration under a grouping, and where it goes (seconds).
 
     iteration_s = compute_s + exposed_comm_s, where compute_s is the compute path alone
-    (F + backward + selection + decode + U) and exposed_comm_s the communication not hidden behind it.
-    comm_s is the total busy time of the communication channel.
+    (F + backward + selection or packing + decode + U, stretched by interference) and exposed_comm_s the
+    communication not hidden behind it. comm_s is the total busy time of the communication channel;
+    interference_s how much longer the compute path is because collectives were in flight during it.
     """
 
     iteration_s: float
@@ -117,3 +167,5 @@ class Prediction:
     selection_s: float = 0.0
     decode_s: float = 0.0
     num_groups: int = 1
+    pack_s: float = 0.0
+    interference_s: float = 0.0

@@ -6,7 +6,12 @@ vectorised dynamic programs in `planner.solvers`.
 
 Clocks (seconds from the start of backward; the forward pass is not on them):
 
-- compute stream: C_g = C_{g-1} + (backward of g's layers) + s(N_g) (s = 0 for dense), C_0 = 0;
+- compute stream: group g's work W_g = (backward of g's layers) + p(N_g), where p is top-k selection
+  s(N) or dense packing (copying the gradients into the flat buffer); with interference sigma the work
+  runs (1 + sigma) times slower while a collective is in flight:
+  C_g = advance(C_{g-1}, E_{g-1}, W_g), C_0 = 0 (`planner.problem.advance`; C_{g-1} + W_g when sigma = 0).
+  From C_{g-1} on, the channel is busy exactly until E_{g-1} (group g-1 launched at C_{g-1} or queued
+  behind a collective that ends later), so the two clocks determine the slowdown;
 - communication channel: E_g = max(C_g, E_{g-1}) + T(N_g), E_0 = 0;
 - top-k decoding runs after the last collective: D = sum over g of d(P * k_g).
 
@@ -21,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import SupportsIndex
 
-from planner.problem import GradientProblem, Grouping, Prediction, groups_of
+from planner.problem import GradientProblem, Grouping, Prediction, advance, groups_of
 from planner.types import SolverError, Strategy
 
 __all__ = ["GroupEvent", "simulate", "timeline", "validate_ends", "validate_grouping"]
@@ -35,8 +40,8 @@ class GroupEvent:
         index: position of the group in ready order (0-based).
         layers: the layer indices of the group.
         ready_s: when its last gradient is ready (top-k: when its selection starts).
-        select_start_s: start of top-k selection on the compute stream (= ready_s).
-        select_end_s: end of selection (= ready_s for dense, which selects nothing).
+        select_start_s: start of top-k selection (dense: packing) on the compute stream (= ready_s).
+        select_end_s: end of selection or packing (= ready_s for dense without a packing cost).
         comm_start_s: start of its collective: max(select_end_s, end of the previous collective).
         comm_end_s: end of its collective.
         numel: gradient elements of the group, N_g.
@@ -102,19 +107,15 @@ def validate_grouping(problem: GradientProblem, grouping: Iterable[SupportsIndex
 def timeline(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> list[GroupEvent]:
     """The events of every group of `grouping`, in ready order (see the module docstring for the clocks)."""
     ends = validate_grouping(problem, grouping)
-    topk = problem.strategy is Strategy.TOPK
+    sigma = problem.interference
     events: list[GroupEvent] = []
     compute = 0.0  # C: the compute stream clock
     channel = 0.0  # E: the communication channel clock
     for index, layers in enumerate(groups_of(ends)):
         numel = sum(problem.numel[i] for i in layers)
         nbytes = problem.message_bytes(numel)
-        ready = compute + sum(problem.backward_s[i] for i in layers)
-        if topk:
-            assert problem.select is not None
-            select_end = ready + problem.select.cost(numel)
-        else:
-            select_end = ready
+        ready = advance(compute, channel, sum(problem.backward_s[i] for i in layers), sigma)
+        select_end = advance(ready, channel, problem.prepare_s(numel), sigma)
         comm_start = max(select_end, channel)
         comm_end = comm_start + problem.comm.cost(nbytes)
         events.append(
@@ -141,13 +142,15 @@ def simulate(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> Pre
         SolverError: the grouping is not valid for `problem` (see `validate_grouping`).
     """
     events = timeline(problem, grouping)
-    compute_end = events[-1].select_end_s  # C_G (= R_{L-1} for dense)
+    compute_end = events[-1].select_end_s  # C_G (= R_{L-1} for dense without packing or interference)
     channel_end = events[-1].comm_end_s  # E_G
-    decode = selection = 0.0
+    decode = selection = pack = 0.0
     if problem.strategy is Strategy.TOPK:
         assert problem.select is not None and problem.decode is not None
         selection = sum(problem.select.cost(e.numel) for e in events)
         decode = sum(problem.decode.cost(problem.world_size * problem.k(e.numel)) for e in events)
+    else:
+        pack = sum(problem.prepare_s(e.numel) for e in events)
     iteration = problem.forward_s + max(compute_end, channel_end) + decode + problem.update_s
     compute = problem.forward_s + compute_end + decode + problem.update_s
     return Prediction(
@@ -158,4 +161,6 @@ def simulate(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> Pre
         selection_s=selection,
         decode_s=decode,
         num_groups=len(events),
+        pack_s=pack,
+        interference_s=max(0.0, compute_end - sum(problem.backward_s) - selection - pack),
     )

@@ -30,13 +30,16 @@ def random_problem(
     seed: int,
     density: float = 0.01,
     world_size: int = 2,
+    interference: float = 0.0,
 ) -> GradientProblem:
     """A random but realistic `GradientProblem` with `num_layers` layers, reproducible from `seed`.
 
     numel is log-uniform in [1e2, 3e6]; backward is ~1 ns per element with noise plus 10 us; the collective
     is alpha + beta * bytes with alpha in [50 us, 1 ms] and beta in [1e-10, 1e-9] s/byte (log-uniform);
     top-k selection is interpolated from 20 us + c * N log2 N (superlinear) with c in [0.02, 0.3] ns,
-    decoding is affine.
+    decoding is affine. With `interference` > 0 the compute stream runs that much slower while a
+    collective is in flight, and dense groups pay a packing cost (2 us + 0.7 ns per element), as a
+    measured CPU profile has them.
     """
     if num_layers < 1:
         raise SolverError(f"`num_layers >= 1` must hold, but got num_layers={num_layers}")
@@ -66,6 +69,8 @@ def random_problem(
         density=density if topk else None,
         select=select,
         decode=decode,
+        pack=AffineCost(alpha=2e-6, beta=0.7e-9) if interference > 0 and not topk else None,
+        interference=interference,
     )
 
 
@@ -79,17 +84,20 @@ def _exact_solver(strategy: Strategy) -> GroupingSolver:
             raise SolverError(f"no exact solver for strategy={other!r}")
 
 
-def time_solvers(num_layers: int = 1000, repeats: int = 5, seed: int = 0) -> list[dict[str, Any]]:
-    """Median wall time of each solver on one random problem per strategy, with its grouping's prediction.
+def time_solvers(num_layers: int = 1000, repeats: int = 5, seed: int = 0,
+                 interference: tuple[float, ...] = (0.0,)) -> list[dict[str, Any]]:
+    """Median wall time of each solver on one random problem per strategy and interference, with its
+    grouping's prediction (a dense problem with interference also has a packing cost, so its exact solver
+    is the two-clock search).
 
-    Returns one row per (strategy, solver): solver, strategy, exact, median_s (seconds to solve),
-    iteration_s (predicted iteration of its grouping), num_groups, lower_bound_s.
+    Returns one row per (strategy, interference, solver): solver, strategy, interference, exact, median_s
+    (seconds to solve), iteration_s (predicted iteration of its grouping), num_groups, lower_bound_s.
     """
     if repeats < 1:
         raise SolverError(f"`repeats >= 1` must hold, but got repeats={repeats}")
     rows: list[dict[str, Any]] = []
-    for strategy in Strategy:
-        problem = random_problem(num_layers, strategy, seed=seed)
+    for strategy, sigma in ((st, sg) for st in Strategy for sg in interference):
+        problem = random_problem(num_layers, strategy, seed=seed, interference=sigma)
         bound = lower_bound(problem)
         for solver in (_exact_solver(strategy), *BASELINES[strategy]):
             times = []
@@ -103,6 +111,7 @@ def time_solvers(num_layers: int = 1000, repeats: int = 5, seed: int = 0) -> lis
                 {
                     "solver": solver.name,
                     "strategy": strategy.value,
+                    "interference": sigma,
                     "exact": solver.exact,
                     "median_s": statistics.median(times),
                     "iteration_s": prediction.iteration_s,

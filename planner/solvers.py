@@ -37,7 +37,7 @@ from typing import ClassVar
 import numpy as np
 
 from planner.costs import AffineCost, CostModel
-from planner.problem import INDEX_BYTES, GradientProblem, Grouping, topk_count_many
+from planner.problem import INDEX_BYTES, GradientProblem, Grouping, advance, advance_many, topk_count_many
 from planner.simulator import simulate
 from planner.types import SolverError, Strategy
 
@@ -131,12 +131,14 @@ def _comm_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
     return problem.comm.cost_many(_message_bytes_many(problem, numel))
 
 
-def _select_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
-    """s(N) for an array of group sizes (0 for dense)."""
-    if problem.strategy is Strategy.DENSE:
+def _prepare_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
+    """`problem.prepare_s` for an array of group sizes: top-k selection s(N), dense packing p(N) (or 0)."""
+    if problem.strategy is Strategy.TOPK:
+        assert problem.select is not None
+        return problem.select.cost_many(np.asarray(numel, dtype=float))
+    if problem.pack is None:
         return np.zeros(np.shape(numel))
-    assert problem.select is not None
-    return problem.select.cost_many(np.asarray(numel, dtype=float))
+    return problem.pack.cost_many(np.asarray(numel, dtype=float))
 
 
 def _decode_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
@@ -167,13 +169,20 @@ _BOUND_WEIGHTS = np.linspace(0.0, 1.0, 11)
 def _lagrangian_suffixes(
     problem: GradientProblem, prefix_numel: np.ndarray, bounds: _GroupBounds | None = None
 ) -> tuple[np.ndarray, np.ndarray, list[Grouping]]:
-    """Suffix bounds of the top-k problem: for each weight w and prefix length m, the minimum over groupings
-    of layers m..L-1 of w * X + (1 - w) * Y, where X = sum of (s + d) plus T of the last group and
-    Y = sum of (T + d).
+    """Suffix bounds of the two-clock problem: for each weight w and prefix length m, the minimum over
+    groupings of layers m..L-1 of w * X + (1 - w) * Y, where Y = sum of (T + d) and
+    X = sum of (s + d) + (T of the last group + sigma * sum of T) / (1 + sigma)
+    (s: selection or packing, d: decode, 0 for dense; sigma: interference).
 
-    Any completion of a state (C', E') of prefix m ends at or after both C' + rest of backward + X and
-    max(E', C' + b_m + s(n_m)) + Y, hence after any convex combination of the two, hence after
-    w * (C' + rest of backward) + (1 - w) * max(E', C' + b_m + s(n_m)) + rest[w, m].
+    Any completion of a state (C', E') of prefix m ends at or after max(E', C' + b_m + s(n_m)) + Y, and
+    at or after kappa + rest of backward + X with kappa = (C' + sigma E') / (1 + sigma): if w_o of the
+    remaining work W runs while the channel is busy, the compute stream ends no earlier than
+    C' + W + sigma w_o (+ the last collective, + decode), and both clocks end no earlier than
+    C' + W + (E' - C' + sum of T) - w_o (after C' the channel is busy that long, and the time both are busy,
+    (1 + sigma) w_o, counts once); 1 / (1 + sigma) times the first plus sigma / (1 + sigma) times the
+    second no longer depends on w_o. (Without interference kappa = C' and X = sum of (s + d) + T_last.)
+    Hence the completion ends after any convex combination of the two bounds, hence after
+    w * (kappa + rest of backward) + (1 - w) * max(E', C' + b_m + s(n_m)) + rest[w, m].
 
     With `bounds`, the minimum is over the groupings the bounds allow (a tighter bound, still valid for
     every allowed completion), and the groupings returned are allowed.
@@ -189,8 +198,9 @@ def _lagrangian_suffixes(
         sizes = prefix_numel[i + 1 :] - prefix_numel[i]  # the group i..j for j = i..L-1
         decode = _decode_many(problem, sizes)
         comm = _comm_many(problem, sizes)
-        compute = _select_many(problem, sizes) + decode
-        compute[-1] += comm[-1]  # the last group's collective follows the compute path
+        sigma = problem.interference
+        compute = _prepare_many(problem, sizes) + decode + comm * (sigma / (1 + sigma))
+        compute[-1] += comm[-1] / (1 + sigma)  # the last group's collective follows the compute path
         costs = weights[:, None] * compute + (1 - weights[:, None]) * (comm + decode) + rest[:, i + 1 :]
         if bounds is not None and bounds.active:
             costs[:, ~bounds.starting_at(problem, prefix_numel, i)] = np.inf  # rest is inf without a completion
@@ -310,10 +320,16 @@ class _BoundedSolver(GroupingSolver):
 class DenseDP(_BoundedSolver):
     """Exact grouping for dense allreduce (the MG-WFBP problem).
 
-    A prefix whose last collective ends earlier never hurts what follows (E_g is non-decreasing in
-    E_{g-1}), so the optimal end of the channel for each prefix obeys
+    Without packing cost and interference (`problem.pack` None, `problem.interference` 0) the ready times
+    R_j do not depend on the grouping, and a prefix whose last collective ends earlier never hurts what
+    follows (E_g is non-decreasing in E_{g-1}), so the optimal end of the channel for each prefix obeys
     E*(j) = min over i <= j of max(E*(i-1), R_j) + T(n_i + ... + n_j), E*(-1) = 0,
     and iteration = F + max(R_{L-1}, E*(L-1)) + U. O(L^2) time, vectorised over i for each j.
+
+    With a packing cost or interference the compute stream depends on the grouping too (each group's
+    packing delays later layers; collectives in flight slow them down), and the problem has the two clocks
+    of the top-k problem: it is solved exactly by the same Pareto-front search (`TopkParetoDP`, with
+    packing in place of selection and no decode).
 
     With group-size bounds the minimum runs over the allowed groups i..j only (rule in the module
     docstring; E* is infinite for a prefix no allowed grouping covers); the argument is unchanged, because
@@ -334,6 +350,8 @@ class DenseDP(_BoundedSolver):
 
     def solve_with_value(self, problem: GradientProblem) -> tuple[Grouping, float]:
         _require(problem, Strategy.DENSE, type(self).__name__)
+        if problem.pack is not None or problem.interference > 0:
+            return _pareto_solve(problem, self._bounds, prune=True)
         num_layers = problem.num_layers
         prefix = _prefix_numel(problem)
         ready = np.cumsum(np.asarray(problem.backward_s, dtype=float))  # R_j
@@ -358,38 +376,87 @@ class DenseDP(_BoundedSolver):
 
 
 @dataclass(frozen=True)
-class _TopkTables:
-    """Per-problem arrays of TopkParetoDP (see there): prefix sums, lead times and suffix bounds."""
+class _ParetoTables:
+    """Per-problem arrays of the Pareto search (see TopkParetoDP): prefix sums, lead times and suffix bounds."""
 
     prefix: np.ndarray  # S[m] = n_0 + ... + n_{m-1}
     backward: np.ndarray  # Q[m] = b_0 + ... + b_{m-1}
     lead: np.ndarray  # lead[m] = b_m + s(n_m), lead[L] = 0
     weights: np.ndarray  # Lagrangian weights w
     rest: np.ndarray  # rest[w, m]: see _lagrangian_suffixes
+    volume: _Volumes  # least remaining work per clock after each prefix (`_interference_bound`)
     bounds: _GroupBounds | None = None  # group-size bounds, None when there are none
+
+
+@dataclass(frozen=True)
+class _Volumes:
+    """For each prefix length m, the least work left after it, each minimised over the groupings of layers
+    m..L-1 on its own: compute (backward + selection or packing), channel (collectives) and decode."""
+
+    compute: np.ndarray
+    channel: np.ndarray
+    decode: np.ndarray
+
+    @classmethod
+    def of(cls, problem: GradientProblem, prefix: np.ndarray, bounds: _GroupBounds | None = None) -> _Volumes:
+        """Suffix minima over all groupings (a bound for the groupings `bounds` allow as well)."""
+        backward = _prefix_backward(problem)
+        return cls(
+            compute=backward[-1] - backward + _suffix_min_partition(prefix, lambda n: _prepare_many(problem, n)),
+            channel=_suffix_min_partition(prefix, lambda n: _comm_many(problem, n)),
+            decode=_suffix_min_partition(prefix, lambda n: _decode_many(problem, n)),
+        )
+
+    def bound(self, m: int, comp: np.ndarray, chan: np.ndarray, interference: float) -> np.ndarray:
+        """No completion of the states (C', E') of prefix m ends before this (`_interference_bound`)."""
+        return _interference_bound(comp, chan, self.compute[m], self.channel[m], interference) + self.decode[m]
+
+
+def _interference_bound(comp: np.ndarray, chan: np.ndarray, work: float, busy: float, sigma: float) -> np.ndarray:
+    """The least end of `work` seconds of compute from `comp` and `busy` seconds of collectives after a
+    channel busy until `chan`, when compute runs (1 + sigma) times slower while the channel is busy.
+
+    After C the channel is busy for at least V = (E - C)+ + busy; if w_o of the work runs while it is,
+    the compute stream takes work + sigma w_o, and both end no earlier than C + work + V - w_o (the time
+    both are busy, (1 + sigma) w_o, counts once). The least of the larger of the two over w_o in
+    [0, min(work, V / (1 + sigma))] is max(C + V, advance(C, C + V, work)).
+    """
+    lag = np.maximum(chan - comp, 0.0) + busy
+    return np.maximum(comp + lag, advance_many(comp, comp + lag, np.full_like(comp, work), sigma))
 
 
 class TopkParetoDP(_BoundedSolver):
     """Exact grouping for top-k sparsified allgather (the MGS problem).
 
     With the decode time accumulated so far, D_g, folded into both clocks (C' = C + D, E' = E + D):
-    C'_g = C'_{g-1} + B_g + s(N_g) + d_g and E'_g = max(C'_g, E'_{g-1} + d_g) + T(N_g), and
-    iteration = F + max(C'_G, E'_G) + U. Both transitions are non-decreasing in (C'_{g-1}, E'_{g-1}),
-    so a state dominated in both clocks never leads to a better iteration: keeping, for every prefix,
-    the Pareto front of (C', E') (with back-pointers) is exact. Exact reductions keep it fast:
+    C'_g = advance(C'_{g-1}, E'_{g-1}, B_g + s(N_g)) + d_g and E'_g = max(C'_g, E'_{g-1} + d_g) + T(N_g),
+    and iteration = F + max(C'_G, E'_G) + U (`advance` is C + W without interference; with it, the work
+    W runs 1 + sigma times slower until the channel frees up: C + W + sigma min(W, (E - C) / (1 + sigma));
+    it depends on E - C only, which the folding keeps). Both transitions are non-decreasing in
+    (C'_{g-1}, E'_{g-1}), so a state dominated in both clocks never leads to a better iteration: keeping,
+    for every prefix, the Pareto front of (C', E') (with back-pointers) is exact. Exact reductions keep it
+    fast:
 
-    - compute-bound states: after a prefix of m < L layers, a state with E' <= C' + b_m + s(n_m) gives
-      E'_{next} = C'_{next} + T whatever its E' (the next selection ends after the channel frees up), so
-      its E' is replaced by C', which makes it dominate every state with a larger C';
-    - valley: extending the states of one front by the same group, E'_{next} = max(C' + a, E' + d) + T
-      falls along the front while E' - C' >= B + s and rises after, so only those states and the first
-      one after them are extended (and B + s only grows as the group grows, so states drop out for good);
+    - compute-bound states: after a prefix of m < L layers, a state whose lag E' - C' is at most
+      (b_m + s(n_m)) (1 + sigma) ends the work of any next group after the channel frees up: its next state
+      is C'_{next} = W + kappa + d and E'_{next} = C'_{next} + T, with kappa = (C' + sigma E') / (1 + sigma)
+      (kappa = C' without interference), exactly as the state (kappa, kappa) would. So it is replaced by
+      (kappa, kappa), which dominates every state with both clocks at least kappa.
+    - valley: extending the states of one front by the same group of work W = B + s, a state whose lag
+      E' - C' >= W (1 + sigma) is "wide": the channel is still busy when the work is done, and
+      (C'_{next}, E'_{next}) = (C' + W (1 + sigma) + d, E' + d + T), along the front rising in C' and falling
+      in E'. Every other state ends its work after the channel frees up, so E'_{next} = C'_{next} + T: they
+      all land on one diagonal, where only the one with the least C'_{next} (the least C' + sigma E') is
+      not dominated. So only the wide states and that best other one are extended; W only grows as the
+      group grows, so a state that stops being wide never becomes wide again and competes for "best
+      other" from then on. (Without interference the best other is the first state after the wide ones.)
     - pre-filter: large candidate sets are first tested against the Pareto front of a sample of them
       (dominated states go), so that only the survivors are sorted;
     - branch and bound: a state cannot finish before a Lagrangian bound (`_lagrangian_suffixes`), which is
-      non-decreasing in (C', E'); states whose bound exceeds the iteration of a good grouping are dropped.
-      That grouping is the best of the baselines, the Lagrangian groupings and a first pass of this search
-      that keeps only the few states with the lowest bounds per prefix (a beam, usually optimal already).
+      non-decreasing in (C', E') and ignores interference (so it stays a bound with it); states whose bound
+      exceeds the iteration of a good grouping are dropped. That grouping is the best of the baselines,
+      the Lagrangian groupings and a first pass of this search that keeps only the few states with the
+      lowest bounds per prefix (a beam, usually optimal already).
 
     With group-size bounds (rule in the module docstring) a state is extended only by allowed groups. Every
     reduction above compares states of the same prefix, or extensions by the same group, so it stays exact:
@@ -397,14 +464,14 @@ class TopkParetoDP(_BoundedSolver):
     the layer after the prefix. A state not extended by a disallowed group stays available for the longer
     groups that follow. The Lagrangian bounds run over allowed groupings (infinite after a prefix that no
     allowed grouping completes), and only allowed groupings serve as upper bounds.
+
+    The dense problem with a packing cost or interference has the same two clocks (s = packing, d = 0),
+    and `DenseDP` solves it with this search.
     """
 
     name = "topk-pareto-dp"
     exact = True
     description = "exact Pareto-front dynamic program over prefixes (top-k allgather)"
-
-    #: States kept per prefix by the beam search that finds the first upper bound.
-    _BEAM: ClassVar[int] = 8
 
     def __init__(self, *, prune: bool = True, min_group_bytes: int = 0, max_group_bytes: int | None = None) -> None:
         """Args: prune: branch and bound (exact; off only to test that it is). min_group_bytes, max_group_bytes:
@@ -421,156 +488,192 @@ class TopkParetoDP(_BoundedSolver):
 
     def solve_with_value(self, problem: GradientProblem) -> tuple[Grouping, float]:
         _require(problem, Strategy.TOPK, type(self).__name__)
-        fixed = problem.forward_s + problem.update_s
-        prefix = _prefix_numel(problem)
-        lead = np.asarray(problem.backward_s, dtype=float) + _select_many(problem, np.asarray(problem.numel))
-        bounds = self._bounds
-        weights, rest, relaxed = _lagrangian_suffixes(problem, prefix, bounds)
-        tables = _TopkTables(
-            prefix=prefix,
-            backward=_prefix_backward(problem),
-            lead=np.append(lead, 0.0),
-            weights=weights,
-            rest=rest,
-            bounds=bounds if bounds.active else None,
-        )
-        if not self.prune:
-            found = self._search(problem, tables, np.inf)
-            if found is None:
-                raise bounds.infeasible(problem)
-            return found[0], fixed + found[1]
+        return _pareto_solve(problem, self._bounds, prune=self.prune)
 
-        # Upper bound: the best of the baselines, the Lagrangian groupings and a narrow beam of this search
-        # (only groupings the bounds allow).
-        candidates = [h.solve_with_value(problem) for h in (*BASELINES[Strategy.TOPK], MGWFBPGreedy())]
-        candidates += [(g, simulate(problem, g).iteration_s) for g in dict.fromkeys(relaxed)]
-        candidates = [(g, v) for g, v in candidates if bounds.admits(problem, g)]
-        beamed = self._search(problem, tables, np.inf, beam=self._BEAM)
-        if beamed is not None:
-            candidates.append((beamed[0], fixed + beamed[1]))
-        if not candidates:  # no allowed grouping is known: search them all
-            found = self._search(problem, tables, np.inf)
-            if found is None:
-                raise bounds.infeasible(problem)
-            return found[0], fixed + found[1]
-        heuristic, upper = min(candidates, key=lambda gv: gv[1])
-        found = self._search(problem, tables, (upper - fixed) * (1 + _PRUNE_RTOL))
-        if found is None:  # only rounding can prune every grouping within the best heuristic's time
-            return heuristic, upper
+
+#: States kept per prefix by the beam search that finds the first upper bound of the Pareto search.
+_BEAM = 8
+
+
+def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool) -> tuple[Grouping, float]:
+    """The exact two-clock search of `TopkParetoDP` (either strategy): best grouping and its iteration time."""
+    fixed = problem.forward_s + problem.update_s
+    prefix = _prefix_numel(problem)
+    lead = np.asarray(problem.backward_s, dtype=float) + _prepare_many(problem, np.asarray(problem.numel))
+    weights, rest, relaxed = _lagrangian_suffixes(problem, prefix, bounds)
+    tables = _ParetoTables(
+        prefix=prefix,
+        backward=_prefix_backward(problem),
+        lead=np.append(lead, 0.0),
+        weights=weights,
+        rest=rest,
+        volume=_Volumes.of(problem, prefix),
+        bounds=bounds if bounds.active else None,
+    )
+    if not prune:
+        found = _pareto_search(problem, tables, np.inf)
+        if found is None:
+            raise bounds.infeasible(problem)
         return found[0], fixed + found[1]
 
-    @staticmethod
-    def _search(
-        problem: GradientProblem, tables: _TopkTables, limit: float, beam: int | None = None
-    ) -> tuple[Grouping, float] | None:
-        """The best grouping whose states all have bounds <= `limit`, and max(C'_G, E'_G); None if none.
+    # Upper bound: the best of the baselines, the Lagrangian groupings and a narrow beam of this search
+    # (only groupings the bounds allow).
+    candidates = [h.solve_with_value(problem) for h in (*BASELINES[problem.strategy], MGWFBPGreedy())]
+    candidates += [(g, simulate(problem, g).iteration_s) for g in dict.fromkeys(relaxed)]
+    candidates = [(g, v) for g, v in candidates if bounds.admits(problem, g)]
+    beamed = _pareto_search(problem, tables, np.inf, beam=_BEAM)
+    if beamed is not None:
+        candidates.append((beamed[0], fixed + beamed[1]))
+    if not candidates:  # no allowed grouping is known: search them all
+        found = _pareto_search(problem, tables, np.inf)
+        if found is None:
+            raise bounds.infeasible(problem)
+        return found[0], fixed + found[1]
+    heuristic, upper = min(candidates, key=lambda gv: gv[1])
+    found = _pareto_search(problem, tables, (upper - fixed) * (1 + _PRUNE_RTOL))
+    if found is None:  # only rounding can prune every grouping within the best heuristic's time
+        return heuristic, upper
+    return found[0], fixed + found[1]
 
-        With `beam`, only that many states with the lowest bounds are kept per prefix: a heuristic.
-        """
-        num_layers = problem.num_layers
-        prefix, backward, lead = tables.prefix, tables.backward, tables.lead
-        weights, rest = tables.weights[:, None], tables.rest
-        rest_backward = backward[-1] - backward  # b_m + ... + b_{L-1} after a prefix of m layers
-        bounded = bool(np.isfinite(limit)) or beam is not None
 
-        # All states kept so far, flat, in blocks of equal prefix length, each block sorted by C' ascending
-        # (so E' and the lag E' - C' descend): clocks, prefix length (= first layer of the next group),
-        # parent state, and whether the state opens its block.
-        capacity = 4 * num_layers + 16
-        comp = np.zeros(capacity)
-        chan = np.zeros(capacity)
-        length = np.zeros(capacity, dtype=np.int64)
-        parent = np.full(capacity, -1, dtype=np.int64)
-        opens = np.ones(capacity, dtype=bool)
-        count = 1  # state 0: the empty prefix, clocks (0, 0)
-        # States still worth extending: per block, those with lag >= B + s of the group to extend them by
-        # and the first one after them (see the valley in the class docstring).
-        active = np.zeros(1, dtype=np.int64)
-        for j in range(num_layers):
-            sizes = prefix[j + 1] - prefix[: j + 1]  # the group i..j for i = 0..j
-            decode = _decode_many(problem, sizes)
-            work = (backward[j + 1] - backward[: j + 1]) + _select_many(problem, sizes)  # B + s
-            comm = _comm_many(problem, sizes)
+def _best_other_per_block(blocks: np.ndarray, key: np.ndarray, wide: np.ndarray) -> np.ndarray:
+    """Mask of the state with the least `key` among the states that are not `wide`, in each block of equal
+    `blocks` values (contiguous); the first such state on ties."""
+    others = np.flatnonzero(~wide)
+    best = np.zeros(wide.size, dtype=bool)
+    if others.size == 0:
+        return best
+    block_of = blocks[others]
+    starts = np.flatnonzero(np.concatenate(([True], block_of[1:] != block_of[:-1])))
+    least = np.minimum.reduceat(key[others], starts)
+    per = np.repeat(np.arange(starts.size), np.diff(np.append(starts, others.size)))
+    hits = others[key[others] == least[per]]
+    first = np.concatenate(([True], blocks[hits][1:] != blocks[hits][:-1]))
+    best[hits[first]] = True
+    return best
 
-            first = length[active]  # the group extending a state starts at its prefix length
-            wide = chan[active] - comp[active] >= work[first]
+
+def _pareto_search(
+    problem: GradientProblem, tables: _ParetoTables, limit: float, beam: int | None = None
+) -> tuple[Grouping, float] | None:
+    """The best grouping whose states all have bounds <= `limit`, and max(C'_G, E'_G); None if none.
+
+    With `beam`, only that many states with the lowest bounds are kept per prefix: a heuristic.
+    """
+    num_layers = problem.num_layers
+    sigma = problem.interference
+    prefix, backward, lead = tables.prefix, tables.backward, tables.lead
+    weights, rest = tables.weights[:, None], tables.rest
+    rest_backward = backward[-1] - backward  # b_m + ... + b_{L-1} after a prefix of m layers
+    bounded = bool(np.isfinite(limit)) or beam is not None
+
+    # All states kept so far, flat, in blocks of equal prefix length, each block sorted by C' ascending
+    # (so E' and the lag E' - C' descend): clocks, prefix length (= first layer of the next group),
+    # parent state, and whether the state opens its block.
+    capacity = 4 * num_layers + 16
+    comp = np.zeros(capacity)
+    chan = np.zeros(capacity)
+    length = np.zeros(capacity, dtype=np.int64)
+    parent = np.full(capacity, -1, dtype=np.int64)
+    opens = np.ones(capacity, dtype=bool)
+    count = 1  # state 0: the empty prefix, clocks (0, 0)
+    # States still worth extending: per block, the wide ones for the group to extend them by and the best
+    # other one (see the valley in the class docstring).
+    active = np.zeros(1, dtype=np.int64)
+    for j in range(num_layers):
+        sizes = prefix[j + 1] - prefix[: j + 1]  # the group i..j for i = 0..j
+        decode = _decode_many(problem, sizes)
+        work = (backward[j + 1] - backward[: j + 1]) + _prepare_many(problem, sizes)  # B + s
+        comm = _comm_many(problem, sizes)
+
+        first = length[active]  # the group extending a state starts at its prefix length
+        wide = chan[active] - comp[active] >= work[first] * (1 + sigma)
+        if sigma == 0:  # the best other state of a block is the first after its wide ones (least C')
             extend = wide | opens[active]
             extend[1:] |= wide[:-1]
-            active = cand = active[extend]
-            first = first[extend]
-            if tables.bounds is not None:
-                # Only allowed groups extend a state; the others stay active for longer groups.
-                allowed = tables.bounds.ending_at(problem, prefix, j)[first]
-                cand, first = cand[allowed], first[allowed]
-                if cand.size == 0:
-                    continue
-            new_comp = comp[cand] + work[first] + decode[first]
-            new_chan = np.maximum(new_comp, chan[cand] + decode[first]) + comm[first]
-
-            m = j + 1
-            if m < num_layers:
-                new_chan = np.where(new_chan - new_comp <= lead[m], new_comp, new_chan)
-            if cand.size > _PREFILTER_MIN_STATES:
-                # Drop most dominated states cheaply: test them against the front of every 16th state.
-                pivots = np.argsort(new_comp[::16], kind="stable") * 16
-                pivot_chan = new_chan[pivots]
-                pivots = pivots[np.concatenate(([True], pivot_chan[1:] < np.minimum.accumulate(pivot_chan)[:-1]))]
-                pivot_comp, pivot_chan = new_comp[pivots], new_chan[pivots]
-                at = np.searchsorted(pivot_comp, new_comp, side="right") - 1
-                below = np.maximum(at, 0)
-                beaten = (
-                    (at >= 0)
-                    & (pivot_chan[below] <= new_chan)
-                    & ((pivot_comp[below] < new_comp) | (pivot_chan[below] < new_chan))
-                )
-                kept = np.flatnonzero(~beaten)
-                cand, new_comp, new_chan = cand[kept], new_comp[kept], new_chan[kept]
-            # Pareto front: by C' ascending, keep the states whose E' is below every earlier one. (Ties in C'
-            # in the wrong order only keep a dominated state, which costs time, not exactness.)
-            order = np.argsort(new_comp, kind="stable")
-            sorted_chan = new_chan[order]
-            front = order[np.concatenate(([True], sorted_chan[1:] < np.minimum.accumulate(sorted_chan)[:-1]))]
-            if bounded:
-                front_comp, front_chan = new_comp[front], new_chan[front]
-                if m < num_layers:
-                    # max over w of w * (C' + rest of backward) + (1 - w) * max(E', C' + lead) + rest[w, m]
-                    late = np.maximum(front_chan, front_comp + lead[m])
-                    bound = late + np.max(weights * (front_comp + rest_backward[m] - late) + rest[:, m, None], axis=0)
-                else:
-                    bound = np.maximum(front_comp, front_chan)
-                if beam is not None and front.size > beam:
-                    chosen = np.zeros(front.size, dtype=bool)
-                    chosen[np.argpartition(bound, beam)[:beam]] = True
-                    front = front[chosen]  # still by C' ascending
-                else:
-                    front = front[bound <= limit]
-            size = front.size
-            if size == 0:
+        else:
+            extend = wide | _best_other_per_block(first, comp[active] + sigma * chan[active], wide)
+        active = cand = active[extend]
+        first = first[extend]
+        if tables.bounds is not None:
+            # Only allowed groups extend a state; the others stay active for longer groups.
+            allowed = tables.bounds.ending_at(problem, prefix, j)[first]
+            cand, first = cand[allowed], first[allowed]
+            if cand.size == 0:
                 continue
-            if count + size > capacity:
-                capacity = 2 * (count + size)
-                comp, chan = np.resize(comp, capacity), np.resize(chan, capacity)
-                length, parent = np.resize(length, capacity), np.resize(parent, capacity)
-                opens = np.resize(opens, capacity)
-            block = slice(count, count + size)
-            comp[block], chan[block] = new_comp[front], new_chan[front]
-            length[block], parent[block] = m, cand[front]
-            opens[block] = False
-            opens[count] = True
-            active = np.concatenate((active, np.arange(count, count + size)))
-            count += size
+        new_comp = advance_many(comp[cand], chan[cand], work[first], sigma) + decode[first]
+        new_chan = np.maximum(new_comp, chan[cand] + decode[first]) + comm[first]
 
-        finals = np.flatnonzero(length[:count] == num_layers)
-        if finals.size == 0:
-            return None
-        ends_at = np.maximum(comp[finals], chan[finals])
-        best = int(np.argmin(ends_at))
-        state = int(finals[best])
-        ends: list[int] = []
-        while state > 0:
-            ends.append(int(length[state]))
-            state = int(parent[state])
-        return tuple(reversed(ends)), float(ends_at[best])
+        m = j + 1
+        if m < num_layers:  # compute-bound states: canonical (kappa, kappa), see the class docstring
+            bound_by_compute = new_chan - new_comp <= lead[m] * (1 + sigma)
+            kappa = (new_comp + sigma * new_chan) / (1 + sigma) if sigma else new_comp
+            new_comp = np.where(bound_by_compute, kappa, new_comp)
+            new_chan = np.where(bound_by_compute, kappa, new_chan)
+        if cand.size > _PREFILTER_MIN_STATES:
+            # Drop most dominated states cheaply: test them against the front of every 16th state.
+            pivots = np.argsort(new_comp[::16], kind="stable") * 16
+            pivot_chan = new_chan[pivots]
+            pivots = pivots[np.concatenate(([True], pivot_chan[1:] < np.minimum.accumulate(pivot_chan)[:-1]))]
+            pivot_comp, pivot_chan = new_comp[pivots], new_chan[pivots]
+            at = np.searchsorted(pivot_comp, new_comp, side="right") - 1
+            below = np.maximum(at, 0)
+            beaten = (
+                (at >= 0)
+                & (pivot_chan[below] <= new_chan)
+                & ((pivot_comp[below] < new_comp) | (pivot_chan[below] < new_chan))
+            )
+            kept = np.flatnonzero(~beaten)
+            cand, new_comp, new_chan = cand[kept], new_comp[kept], new_chan[kept]
+        # Pareto front: by C' ascending, keep the states whose E' is below every earlier one. (Ties in C'
+        # in the wrong order only keep a dominated state, which costs time, not exactness.)
+        order = np.argsort(new_comp, kind="stable")
+        sorted_chan = new_chan[order]
+        front = order[np.concatenate(([True], sorted_chan[1:] < np.minimum.accumulate(sorted_chan)[:-1]))]
+        if bounded:
+            front_comp, front_chan = new_comp[front], new_chan[front]
+            if m < num_layers:
+                # max over w of w * (kappa + rest of backward) + (1 - w) * max(E', C' + lead) + rest[w, m]
+                late = np.maximum(front_chan, front_comp + lead[m])
+                kappa = (front_comp + sigma * front_chan) / (1 + sigma) if sigma else front_comp
+                bound = late + np.max(weights * (kappa + rest_backward[m] - late) + rest[:, m, None], axis=0)
+                if sigma:
+                    bound = np.maximum(bound, tables.volume.bound(m, front_comp, front_chan, sigma))
+            else:
+                bound = np.maximum(front_comp, front_chan)
+            if beam is not None and front.size > beam:
+                chosen = np.zeros(front.size, dtype=bool)
+                chosen[np.argpartition(bound, beam)[:beam]] = True
+                front = front[chosen]  # still by C' ascending
+            else:
+                front = front[bound <= limit]
+        size = front.size
+        if size == 0:
+            continue
+        if count + size > capacity:
+            capacity = 2 * (count + size)
+            comp, chan = np.resize(comp, capacity), np.resize(chan, capacity)
+            length, parent = np.resize(length, capacity), np.resize(parent, capacity)
+            opens = np.resize(opens, capacity)
+        block = slice(count, count + size)
+        comp[block], chan[block] = new_comp[front], new_chan[front]
+        length[block], parent[block] = m, cand[front]
+        opens[block] = False
+        opens[count] = True
+        active = np.concatenate((active, np.arange(count, count + size)))
+        count += size
+
+    finals = np.flatnonzero(length[:count] == num_layers)
+    if finals.size == 0:
+        return None
+    ends_at = np.maximum(comp[finals], chan[finals])
+    best = int(np.argmin(ends_at))
+    state = int(finals[best])
+    ends: list[int] = []
+    while state > 0:
+        ends.append(int(length[state]))
+        state = int(parent[state])
+    return tuple(reversed(ends)), float(ends_at[best])
 
 
 def solve_exact(problem: GradientProblem) -> Grouping:
@@ -664,7 +767,6 @@ class _GreedyWalk:
 
     def __init__(self, problem: GradientProblem) -> None:
         self.problem = problem
-        self.topk = problem.strategy is Strategy.TOPK
         self.compute = 0.0  # C after the closed groups (backward + selection on the compute stream)
         self.channel = 0.0  # E after the closed groups
         self.numel = 0  # N of the open group
@@ -672,10 +774,8 @@ class _GreedyWalk:
         self.ends: list[int] = []
 
     def select(self, numel: int) -> float:
-        if not self.topk:
-            return 0.0
-        assert self.problem.select is not None
-        return self.problem.select.cost(numel)
+        """Selection (top-k) or packing (dense) of a group of `numel` elements."""
+        return self.problem.prepare_s(numel)
 
     def comm(self, numel: int) -> float:
         return self.problem.comm.cost(self.problem.message_bytes(numel))
@@ -686,7 +786,8 @@ class _GreedyWalk:
 
     def closed_clocks(self) -> tuple[float, float, float]:
         """If the open group closed now: (end of its selection, start of its collective, end of it)."""
-        compute = self.compute + self.backward + self.select(self.numel)
+        compute = advance(self.compute, self.channel, self.backward + self.select(self.numel),
+                          self.problem.interference)
         comm_start = max(compute, self.channel)
         return compute, comm_start, comm_start + self.comm(self.numel)
 
@@ -719,7 +820,7 @@ class MGWFBPGreedy(GroupingSolver):
         for layer in range(problem.num_layers - 1):
             walk.add(layer)
             compute, comm_start, comm_end = walk.closed_clocks()
-            ready_next = compute + problem.backward_s[layer + 1]
+            ready_next = advance(compute, comm_end, problem.backward_s[layer + 1], problem.interference)
             merge = ready_next < comm_end and (comm_start > ready_next or ready_next - comm_start < alpha)
             if not merge:
                 walk.close(layer + 1)
@@ -782,30 +883,26 @@ def lower_bound(problem: GradientProblem) -> float:
     """A time no grouping can beat: the larger of the compute path and the communication path.
 
     Valid for any grouping and any non-decreasing cost models (k(N) and message bytes are non-decreasing
-    in N, so every group's costs are at least those of any of its layers):
+    in N, so every group's costs are at least those of any of its layers), with s the per-group work on the
+    compute stream (top-k selection, dense packing, 0 without one) and d the decode (0 for dense):
 
-    - dense: iteration = F + max(R_{L-1}, E_G) + U >= F + R_{L-1} + U (compute path); the first collective
-      starts no earlier than b_0 (its group holds layer 0) and the channel is then busy for sum T(N_g),
-      so E_G >= b_0 + min over groupings of sum T(N_g) (communication path).
-    - top-k: C_G + D = sum b + sum (s(N_g) + d(P k_g)) (compute path, minimised over groupings);
-      the first collective starts no earlier than C_1 >= b_0 + s(n_0), then the channel is busy for
-      sum T(N_g), and decoding follows it: E_G + D >= b_0 + s(n_0) + min sum (T(N_g) + d(P k_g)).
+    - compute path: C_G + D >= sum b + sum (s(N_g) + d(P k_g) + sigma / (1 + sigma) T(N_g)), minimised over
+      groupings; with interference sigma the collectives that run while the compute stream works slow it
+      down, and those that do not lengthen the end instead (`_lagrangian_suffixes` derives the weight);
+    - communication path: the first collective starts no earlier than C_1 >= b_0 + s(n_0), then the channel
+      is busy for sum T(N_g), and decoding follows it: E_G + D >= b_0 + s(n_0) + min sum (T(N_g) + d(P k_g)).
 
     Each "min over groupings of a sum of per-group costs" is an O(L^2) dynamic program.
     """
+    if problem.strategy not in (Strategy.DENSE, Strategy.TOPK):
+        raise SolverError(f"no lower bound for strategy={problem.strategy!r}; known: {[s.value for s in Strategy]}")
     prefix = _prefix_numel(problem)
     fixed = problem.forward_s + problem.update_s
     total_backward = float(np.sum(np.asarray(problem.backward_s, dtype=float)))
-    first_backward = problem.backward_s[0]
-    match problem.strategy:
-        case Strategy.DENSE:
-            comm = _suffix_min_partition(prefix, lambda n: _comm_many(problem, n))[0]
-            return fixed + max(total_backward, first_backward + float(comm))
-        case Strategy.TOPK:
-            assert problem.select is not None
-            compute = _suffix_min_partition(prefix, lambda n: _select_many(problem, n) + _decode_many(problem, n))[0]
-            comm = _suffix_min_partition(prefix, lambda n: _comm_many(problem, n) + _decode_many(problem, n))[0]
-            first = first_backward + problem.select.cost(problem.numel[0])
-            return fixed + max(total_backward + float(compute), first + float(comm))
-        case other:
-            raise SolverError(f"no lower bound for strategy={other!r}; known: {[s.value for s in Strategy]}")
+    share = problem.interference / (1 + problem.interference)
+    compute = _suffix_min_partition(
+        prefix, lambda n: _prepare_many(problem, n) + _decode_many(problem, n) + share * _comm_many(problem, n)
+    )[0]
+    comm = _suffix_min_partition(prefix, lambda n: _comm_many(problem, n) + _decode_many(problem, n))[0]
+    first = problem.backward_s[0] + problem.prepare_s(problem.numel[0])
+    return fixed + max(total_backward + float(compute), first + float(comm))

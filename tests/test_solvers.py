@@ -82,6 +82,10 @@ def problems(
     comm_kind = comm_kind or draw(st.sampled_from(["affine", "piecewise"]))
     times = _seconds(1.0)
     density = draw(st.sampled_from([0.001, 0.01, 0.3, 1.0])) if topk else None
+    # Half the instances have interference (compute slowed while a collective is in flight) and, if dense,
+    # a packing cost: the two-clock dense problem.
+    interference = draw(st.one_of(st.just(0.0), st.floats(0.0, 3.0)))
+    pack = _cost(draw, "affine", 1e6, 0.5) if not topk and interference > 0 else None
     return GradientProblem(
         strategy=strategy,
         forward_s=draw(times),
@@ -93,6 +97,8 @@ def problems(
         density=density,
         select=_cost(draw, draw(st.sampled_from(["affine", "piecewise"])), 1e7, 2.0) if topk else None,
         decode=_cost(draw, "affine", 1e8, 0.5) if topk else None,
+        pack=pack,
+        interference=interference,
     )
 
 
@@ -136,12 +142,31 @@ def test_topk_dp_matches_brute_force(comm_kind: str, data: st.DataObject) -> Non
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(("strategy", "density"), [(Strategy.DENSE, 0.01), (Strategy.TOPK, 0.01), (Strategy.TOPK, 1.0)])
 @pytest.mark.parametrize("piecewise", [False, True])
+@pytest.mark.parametrize("interference", [0.0, 0.4, 1.5])
 def test_exact_matches_brute_force_on_realistic_instances(
-    seed: int, strategy: Strategy, density: float, piecewise: bool
+    seed: int, strategy: Strategy, density: float, piecewise: bool, interference: float
 ) -> None:
-    """Twelve realistic layers (solver_bench instances), with affine and interpolated collectives."""
-    problem = random_problem(12, strategy, seed=seed, density=density)
+    """Twelve realistic layers (solver_bench instances), with affine and interpolated collectives, with
+    and without interference (dense ones then also pay packing)."""
+    problem = random_problem(12, strategy, seed=seed, density=density, interference=interference)
     _check_exact(_with_piecewise_comm(problem) if piecewise else problem)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("strategy", list(Strategy))
+@pytest.mark.parametrize("interference", [0.3, 1.0])
+def test_two_clock_pruning_is_exact_with_interference(seed: int, strategy: Strategy, interference: float) -> None:
+    """With interference, branch and bound (and, for dense, the canonical states and valley of the two-clock
+    search) find the same optimum as the search without pruning, on instances too large for brute force."""
+    from planner.solvers import _GroupBounds, _pareto_solve
+
+    problem = random_problem(30 + 10 * seed, strategy, seed=300 + seed, interference=interference)
+    pruned, value = exact_solver(problem).solve_with_value(problem)
+    plain, plain_value = _pareto_solve(problem, _GroupBounds(), prune=False)
+    assert math.isclose(simulate(problem, plain).iteration_s, plain_value, rel_tol=RTOL)
+    assert math.isclose(value, plain_value, rel_tol=RTOL)
+    assert math.isclose(simulate(problem, pruned).iteration_s, value, rel_tol=RTOL)
+    assert math.isclose(reference_topk_optimum(problem), value, rel_tol=RTOL)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -161,8 +186,18 @@ def reference_topk_optimum(
     problem: GradientProblem, allowed: Callable[[int, int], bool] = lambda start, end: True
 ) -> float:
     """A plain Pareto-front DP over prefixes with scalar costs: no pruning, no shortcuts (the reference).
-    Only groups [start, end) that `allowed` accepts are formed."""
-    assert problem.select is not None and problem.decode is not None
+    Only groups [start, end) that `allowed` accepts are formed. Dense problems have no selection but may
+    have packing; with interference sigma, work W started at C with the channel busy until E ends at
+    C + W (1 + sigma) if that is before E, else at E + (W - (E - C) / (1 + sigma)) (written out here, not
+    taken from `planner.problem.advance`)."""
+    topk = problem.strategy is Strategy.TOPK
+    sigma = problem.interference
+
+    def work_end(comp: float, chan: float, work: float) -> float:
+        if chan <= comp or comp + work * (1 + sigma) <= chan:
+            return comp + work * (1 + sigma if chan > comp else 1)
+        return chan + work - (chan - comp) / (1 + sigma)
+
     fronts: list[list[tuple[float, float]]] = [[(0.0, 0.0)]]  # per prefix length: (C', E')
     for end in range(1, problem.num_layers + 1):
         states = []
@@ -171,10 +206,15 @@ def reference_topk_optimum(
                 continue
             numel = sum(problem.numel[start:end])
             backward = sum(problem.backward_s[start:end])
-            decode = problem.decode.cost(problem.world_size * problem.k(numel))
+            if topk:
+                assert problem.select is not None and problem.decode is not None
+                prepare = problem.select.cost(numel)
+                decode = problem.decode.cost(problem.world_size * problem.k(numel))
+            else:
+                prepare, decode = (0.0 if problem.pack is None else problem.pack.cost(numel)), 0.0
             comm = problem.comm.cost(problem.message_bytes(numel))
             for comp, chan in fronts[start]:
-                new_comp = comp + backward + problem.select.cost(numel) + decode
+                new_comp = work_end(comp, chan, backward + prepare) + decode
                 states.append((new_comp, max(new_comp, chan + decode) + comm))
         front: list[tuple[float, float]] = []
         for comp, chan in sorted(states):
