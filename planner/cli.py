@@ -8,6 +8,7 @@ from __future__ import annotations
 import abc
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -69,6 +70,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {v}")
+    return v
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return v
 
 
@@ -239,6 +250,9 @@ class ProfileCommand(Command):
         profile = run_profile(config)
         profile.save(args.output)
         print_profile(profile)
+        if config.only_comm and profile.interference:
+            err_console.print("note: --only comm kept the interference measured with the old network; profile "
+                              "again without --only to measure it on this one", markup=False)
         console.print(f"wrote profile {args.output}")
         return 0
 
@@ -276,6 +290,14 @@ def print_profile(profile: object) -> None:
                               "again on a quieter machine, or with more --repeats and --warmup", markup=False)
         else:
             console.print(line)
+    if profile.interference:
+        slower = ", ".join(f"{sigma:.2f} with an {coll.value}" for coll, sigma in profile.interference.items())
+        console.print(f"compute while communicating: the backward pass runs 1 + sigma times slower while a "
+                      f"collective is in flight, sigma = {slower}")
+    if profile.pack is not None:
+        console.print(f"packing a dense group: {profile.pack.alpha_s * 1e6:.1f} us + "
+                      f"{profile.pack.beta_s_per_byte * 1e9:.3f} ns per element (median fit error "
+                      f"{profile.pack.fit_error:.1%})")
     table = Table(title="collectives: alpha + beta * bytes, fitted (used where it holds at every point) "
                         "or interpolated")
     for col in ("collective", "alpha us", "bandwidth GB/s", "median fit error", "worst", "model used", "points"):
@@ -859,6 +881,9 @@ class BenchSolversCommand(Command):
                             help="time the K-FAC placement solvers on this many factors instead")
         parser.add_argument("--workers", type=_positive, default=64, help="world size for --factors")
         parser.add_argument("--time-limit", type=float, default=2.0, help="seconds for each placement solve")
+        parser.add_argument("--interference", type=_nonnegative_float, default=None, metavar="SIGMA",
+                            help="also time instances where compute runs 1+SIGMA times slower while a collective "
+                                 "is in flight (dense ones then pay packing: the two-clock search)")
 
     def run(self, args: argparse.Namespace) -> int:
         if args.factors is not None:
@@ -872,7 +897,8 @@ class BenchSolversCommand(Command):
         else:
             from planner.solver_bench import time_solvers
 
-            rows = time_solvers(num_layers=args.layers, repeats=args.repeats)
+            sigmas = (0.0,) if not args.interference else (0.0, args.interference)
+            rows = time_solvers(num_layers=args.layers, repeats=args.repeats, interference=sigmas)
             title = f"solver time on {args.layers} synthetic layers (median of {args.repeats})"
         print_rows(rows, title)
         return 0

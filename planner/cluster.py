@@ -458,7 +458,10 @@ def _collectives_for(spec: ClusterSpec) -> dict[Collective, FittedCurve]:
 
 
 def profile_for_cluster(profile: Profile, spec: ClusterSpec) -> Profile:
-    """`profile` as if measured on `spec`: its collectives, its cluster, and every compute time scaled."""
+    """`profile` as if measured on `spec`: its collectives, its cluster, and every compute time scaled.
+
+    The interference measured on the profiled machine does not carry over to another cluster: it is dropped
+    (no slowdown of compute while communicating is modelled there)."""
     f = spec.compute_factor
     return replace(
         profile,
@@ -470,6 +473,8 @@ def profile_for_cluster(profile: Profile, spec: ClusterSpec) -> Profile:
         layers=tuple(_scaled_layer(lt, f) for lt in profile.layers),
         topk=None if profile.topk is None else _scaled_topk(profile.topk, f),
         kfac=None if profile.kfac is None else _scaled_kfac(profile.kfac, f),
+        pack=None if profile.pack is None else _scaled_curve(profile.pack, f),
+        interference=None,  # measured on the profiled devices and network, unknown on `spec`
     )
 
 

@@ -22,6 +22,13 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
         "decode": {"points": [[values, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"}
       },
       "step_s": 0.8,                                              # whole local steps, timed as a cross-check
+      "pack": {"points": [[numel, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"},
+                                                                  # dense: a group's gradients into its flat
+                                                                  # buffer, divided by P (the runtime's
+                                                                  # `gather_scaled`); null or absent: free
+      "interference": {"allreduce": 0.9, "allgather": 1.1},       # sigma per collective: compute runs
+                                                                  # 1 + sigma times slower while one is in
+                                                                  # flight; null or absent: 0
       "kfac": {                                                   # null or absent when not measured
         "layers": [                                               # Linear/Conv2d layers, forward order
           {"name", "a_dim", "g_dim", "a_compute_s", "g_compute_s", "fold_s",
@@ -43,6 +50,12 @@ factor-update step), `g_compute_s` the time for G from its output gradient (adde
 factor allreduces, on a factor-update step), `precondition_eigen_s` / `precondition_inverse_s` the
 time to precondition its gradient (every step) with eigendecompositions or with inverses. Inversion
 and eigendecomposition times are measured against the matrix dimension d, modelled as alpha + beta*d^3.
+
+Interference: `planner profile` times the model's backward pass alone and while a chain of collectives
+is in flight on the same workers (as it is during a real step); sigma = with / alone - 1, at least 0.
+On a CPU the collectives' copies, reductions and socket work take cores and memory bandwidth from
+compute; on a GPU their kernels take SMs and memory bandwidth. It depends on the network (over loopback
+a collective takes as much CPU as it can get), so `--only comm` keeps the old values and says so.
 
 `backward_s` of a layer is the time between the previous layer's gradient becoming ready and its own
 (b_i of the timeline model). `fit_error` is the median relative error of the fitted alpha + beta*x.
@@ -478,6 +491,24 @@ class KFACTiming:
         )
 
 
+def _interference(data: Any) -> dict[Collective, float]:
+    """{"allreduce": sigma, ...} as checked values: known collectives, finite numbers >= 0."""
+    out = {}
+    for name, sigma in expect(data, dict, "profile.interference").items():
+        try:
+            coll = Collective(name)
+        except ValueError:
+            raise SchemaError(
+                f"unknown collective {name!r} in profile.interference; known: {[c.value for c in Collective]}"
+            ) from None
+        value = float(expect(sigma, (int, float), f"profile.interference.{name}"))
+        if not (math.isfinite(value) and value >= 0):
+            raise InvalidProfileError(f"profile.interference.{name} must be a finite number >= 0 (how much slower "
+                                      f"compute runs while one is in flight), got {sigma!r}")
+        out[coll] = value
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class Profile:
     """Everything the solvers need about one model on one cluster."""
@@ -495,12 +526,22 @@ class Profile:
     topk: TopkTiming | None
     kfac: KFACTiming | None = None
     step_s: float | None = None
+    pack: FittedCurve | None = None
+    interference: dict[Collective, float] | None = None
     element_bytes: int = 4
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise InvalidProfileError("the profile has no layers with gradients")
+        for coll, sigma in (self.interference or {}).items():
+            if not (math.isfinite(sigma) and sigma >= 0):
+                raise InvalidProfileError(f"profile.interference.{coll.value} must be a finite number >= 0, "
+                                          f"got {sigma!r}")
+
+    def interference_for(self, collective: Collective) -> float:
+        """sigma of `collective`: how much slower compute runs while one is in flight (0 if not measured)."""
+        return (self.interference or {}).get(collective, 0.0)
 
     # -- tables ------------------------------------------------------------------------------------
     def layers_frame(self) -> pd.DataFrame:
@@ -537,6 +578,8 @@ class Profile:
             comm=self.curve(Collective.ALLREDUCE).model,
             world_size=self.cluster.world_size,
             element_bytes=self.element_bytes,
+            pack=None if self.pack is None or self.cluster.world_size == 1 else self.pack.model,
+            interference=self.interference_for(Collective.ALLREDUCE),
             names=tuple(lt.name for lt in self.layers),
         )
         match strategy:
@@ -556,6 +599,8 @@ class Profile:
                     density=density,
                     select=self.topk.select_model(density, selector),
                     decode=self.topk.decode.model,
+                    pack=None,
+                    interference=self.interference_for(Collective.ALLGATHER),
                 )
             case _:
                 raise SchemaError(f"unknown strategy {strategy!r}")
@@ -588,6 +633,10 @@ class Profile:
             "topk": None if self.topk is None else self.topk.to_dict(),
             "kfac": None if self.kfac is None else self.kfac.to_dict(),
             "step_s": self.step_s,
+            "pack": None if self.pack is None else self.pack.to_dict(),
+            "interference": None if self.interference is None else {
+                c.value: sigma for c, sigma in self.interference.items()
+            },
         }
 
     @property
@@ -612,12 +661,13 @@ class Profile:
             )
         if data.get("kind") != PROFILE_KIND:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
-        data = {"kfac": None, "step_s": None, **data}
+        data = {"kfac": None, "step_s": None, "pack": None, "interference": None, **data}
         check_fields(
             data,
             "profile",
             ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
-             "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s"],
+             "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s",
+             "pack", "interference"],
         )
         collectives = {}
         for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
@@ -647,6 +697,8 @@ class Profile:
             topk=None if data["topk"] is None else TopkTiming.from_dict(data["topk"], "profile.topk"),
             kfac=None if data["kfac"] is None else KFACTiming.from_dict(data["kfac"], "profile.kfac"),
             step_s=None if data["step_s"] is None else _time(data["step_s"], "profile.step_s"),
+            pack=None if data["pack"] is None else FittedCurve.from_dict(data["pack"], "profile.pack"),
+            interference=None if data["interference"] is None else _interference(data["interference"]),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -16,6 +16,7 @@ from planner.models import build_workload
 from planner.profile import Profile
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import log_sizes, measure_collectives
+from profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_interference, measure_packing
 from profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
 from profilers.layers import combine_ranks, measure_layers, measure_steps
 from profilers.probe import current_cluster
@@ -26,6 +27,8 @@ from runtime.link import LinkRate
 __all__ = ["DEFAULT_DENSITIES", "ProfileConfig", "profile_worker", "run_profile"]
 
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1, 1.0)
+#: Backward passes timed alone and with collectives in flight, per collective (interference).
+INTERFERENCE_REPEATS = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,13 +114,24 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         curves = measure_collectives(
             colls, sizes, device, repeats=config.comm_repeats, warmup=2, on_point=lambda: bar.advance(task)
         )
-        topk = None
+        topk = pack = interference = None
         if not config.only_comm:
             task = bar.add_task("top-k selection and decode", total=(len(config.densities) + 1) * len(topk_sizes))
             topk = measure_topk(
                 topk_sizes, config.densities, world_size, device, repeats=5, warmup=1,
                 on_point=lambda: bar.advance(task),
             )
+            task = bar.add_task("packing", total=len(topk_sizes))
+            pack = measure_packing(topk_sizes, world_size, device, repeats=5, warmup=1,
+                                   on_point=lambda: bar.advance(task))
+            if world_size > 1:
+                interfering = [Collective.ALLREDUCE, Collective.ALLGATHER]
+                task = bar.add_task("compute while communicating", total=len(interfering) * INTERFERENCE_REPEATS)
+                interference = measure_interference(
+                    workload, device, interfering, repeats=INTERFERENCE_REPEATS,
+                    message_bytes=min(INTERFERENCE_MESSAGE_BYTES, numel_total * 4),
+                    on_point=lambda: bar.advance(task),
+                )
         kfac = base.kfac if base is not None else None
         if config.kfac and not config.only_comm:
             task = bar.add_task("K-FAC factors and inversions", total=kfac_points(workload, config.max_dim))
@@ -153,6 +167,8 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         topk=topk,
         kfac=kfac,
         step_s=step_s,
+        pack=pack,
+        interference=interference,
     )
 
 

@@ -1,0 +1,169 @@
+"""What communication costs the compute stream: packing gradients for a collective, and the slowdown of
+compute while a collective is in flight (interference).
+
+Both are times the timeline model puts on the compute stream (`GradientProblem.pack`, `.interference`):
+
+- packing: the runtime's own `gather_scaled` (a group's gradients into its flat buffer, divided by the
+  world size) against the number of elements;
+- interference: the model's backward pass timed alone and while a chain of collectives is in flight on
+  every worker, as it is during a real step; sigma = with / alone - 1 (at least 0). The chain is long
+  enough to outlast the slowed backward pass; a repetition where it did not is measured again with a
+  longer chain.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from planner.models import Workload
+from planner.profile import FittedCurve
+from planner.types import Collective, DistributedError
+from profilers.timing import median, time_call
+from runtime.compress import all_gather_flat
+from runtime.exchange import gather_scaled
+
+__all__ = ["INTERFERENCE_MESSAGE_BYTES", "measure_interference", "measure_packing"]
+
+#: Size of each collective of the chain that runs during the timed backward passes (per rank).
+INTERFERENCE_MESSAGE_BYTES = 4 << 20
+#: The chain is planned to last this many times the backward pass alone (sigma up to about 2 fits in).
+_CHAIN_SPAN = 3.0
+#: A chain never holds more collectives than this (tiny models on fast links).
+_MAX_CHAIN = 2000
+#: Attempts with a doubled chain when a chain ended before the backward pass did.
+_ATTEMPTS = 3
+
+
+def measure_packing(
+    sizes: Sequence[int], world_size: int, device: torch.device, *, repeats: int, warmup: int,
+    on_point: Callable[[], object] = lambda: None,
+) -> FittedCurve:
+    """Median seconds of `gather_scaled` writing N fresh gradient elements into a flat buffer, scaled by 1/P,
+    for each N in `sizes`, with the affine fit."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    points = []
+    for n in sizes:
+        grad = torch.randn(n, generator=gen).to(device)
+        flat = torch.empty(n, device=device)
+        samples = time_call(functools.partial(gather_scaled, [grad], [flat], 1.0 / world_size), device,
+                            repeats=repeats, warmup=warmup)
+        points.append((int(n), median(samples)))
+        on_point()
+    return FittedCurve.fit(points)
+
+
+def _chain(coll: Collective, nbytes: int, device: torch.device, group: Any) -> Callable[[int], list[Any]]:
+    """A function starting n asynchronous collectives of `nbytes` per rank, returning their work handles."""
+    x = torch.ones(max(1, nbytes // 4), device=device)
+    match coll:
+        case Collective.ALLREDUCE:
+            return lambda n: [dist.all_reduce(x, group=group, async_op=True) for _ in range(n)]
+        case Collective.ALLGATHER:
+            out = torch.empty(x.numel() * dist.get_world_size(group), device=device)
+            return lambda n: [all_gather_flat(out, x, group=group, async_op=True) for _ in range(n)]
+        case _:
+            raise ValueError(f"interference is measured for allreduce and allgather, not {coll.value}")
+
+
+def measure_interference(
+    workload: Workload,
+    device: torch.device,
+    collectives: Sequence[Collective],
+    *,
+    repeats: int,
+    message_bytes: int = INTERFERENCE_MESSAGE_BYTES,
+    process_group: Any = None,
+    on_point: Callable[[], object] = lambda: None,
+) -> dict[Collective, float]:
+    """sigma of each collective: the backward pass takes (1 + sigma) times as long while it runs.
+
+    Every rank calls this (it runs collectives). Alone and with a chain alternate, `repeats` times each,
+    after one unmeasured pair; sigma comes from the medians over all ranks' samples. `on_point` is called
+    after each pair.
+
+    Raises:
+        DistributedError: the chain ended before the backward pass in every attempt (it then cannot tell).
+    """
+    model = workload.module.to(device)
+    inputs, targets = (t.to(device) for t in workload.batch(seed=4321))
+
+    def backward_seconds(chain: Callable[[int], list[Any]] | None, length: int) -> tuple[float, bool]:
+        """Seconds of one backward pass (the forward is not timed), and whether the chain outlasted it."""
+        model.zero_grad(set_to_none=True)
+        loss = workload.loss_fn(model(inputs), targets)
+        if device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the forward is done; the chain's stream is not waited for
+        dist.barrier(group=process_group)
+        works = chain(length) if chain is not None else []
+        seconds = _stream_seconds(loss.backward, device)
+        outlasted = not works or not works[-1].is_completed()
+        for work in works:
+            work.wait()
+        return seconds, outlasted
+
+    out = {}
+    alone_one = backward_seconds(None, 0)[0]
+    for coll in collectives:
+        chain = _chain(coll, message_bytes, device, process_group)
+        one = time_call(functools.partial(_run_chain, chain, 1), device, repeats=3, warmup=1)
+        length = _agreed(min(_MAX_CHAIN, math.ceil(_CHAIN_SPAN * alone_one / max(median(one), 1e-6)) + 1),
+                         process_group, device)
+        for _ in range(_ATTEMPTS):
+            alone, busy = [], []
+            outlasted = True
+            backward_seconds(chain, length)  # unmeasured: the first pass under load
+            for _ in range(repeats):
+                alone.append(backward_seconds(None, 0)[0])
+                seconds, ok = backward_seconds(chain, length)
+                busy.append(seconds)
+                outlasted &= ok
+                on_point()
+            if _agreed(int(outlasted), process_group, device, op=dist.ReduceOp.MIN):
+                break
+            length = min(_MAX_CHAIN, 2 * length)
+        else:
+            raise DistributedError(
+                f"could not keep {coll.value}s in flight for a whole backward pass ({length} of "
+                f"{message_bytes} bytes were not enough); interference was not measured"
+            )
+        everyone_alone, everyone_busy = _gathered(alone, process_group), _gathered(busy, process_group)
+        out[coll] = max(0.0, median(everyone_busy) / median(everyone_alone) - 1.0)
+    return out
+
+
+def _run_chain(chain: Callable[[int], list[Any]], length: int) -> None:
+    for work in chain(length):
+        work.wait()
+
+
+def _stream_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds `fn` takes on the compute stream; on a GPU between events on the current stream only (a
+    device-wide synchronize would wait for the collectives' stream too)."""
+    if device.type != "cuda":
+        return time_call(fn, device, repeats=1, warmup=0)[0]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _agreed(value: int, group: Any, device: torch.device, op: Any = None) -> int:
+    """The largest (or, with `op`, the reduced) `value` over ranks."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=op if op is not None else dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def _gathered(samples: list[float], group: Any) -> list[float]:
+    """Every rank's samples (the same number on each)."""
+    everyone: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, samples, group=group)
+    return [float(x) for xs in everyone for x in xs]  # type: ignore[attr-defined]

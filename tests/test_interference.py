@@ -1,0 +1,155 @@
+"""Packing and interference: what communication costs the compute stream, from measurement to plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from planner.cluster import parse_cluster, profile_for_cluster
+from planner.models import build_workload
+from planner.plan import Plan
+from planner.planning import make_plan
+from planner.profile import FittedCurve, Profile
+from planner.types import Collective, DistributedError, InvalidProfileError, SchemaError, Strategy
+from runtime.exchange import gather_scaled
+from runtime.launch import run_distributed
+from tests.factories import synthetic_profile
+
+SIGMAS = {Collective.ALLREDUCE: 0.8, Collective.ALLGATHER: 1.3}
+
+
+def measured_profile(model: str = "mlp") -> Profile:
+    """A synthetic profile with a packing curve and interference, as `planner profile` now writes them."""
+    pack = FittedCurve.fit([(n, 3e-6 + 2e-10 * n) for n in (1 << 10, 1 << 14, 1 << 18, 1 << 22)])
+    return dataclasses.replace(synthetic_profile(model), pack=pack, interference=dict(SIGMAS))
+
+
+def test_profile_round_trip_with_packing_and_interference(tmp_path: Path) -> None:
+    prof = measured_profile()
+    prof.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == prof
+
+
+def test_each_strategy_gets_the_interference_of_its_collective() -> None:
+    prof = measured_profile()
+    dense = prof.problem(Strategy.DENSE)
+    topk = prof.problem(Strategy.TOPK, 0.01)
+    assert dense.interference == 0.8 and topk.interference == 1.3
+    assert dense.pack is not None and topk.pack is None  # top-k's selection already adds into its residual
+    assert dense.prepare_s(1 << 14) == pytest.approx(3e-6 + 2e-10 * (1 << 14))
+
+
+def test_a_profile_without_them_models_neither(tmp_path: Path) -> None:
+    doc = measured_profile().to_dict()
+    del doc["pack"], doc["interference"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    prof = Profile.load(path)
+    assert prof.pack is None and prof.interference is None
+    problem = prof.problem(Strategy.DENSE)
+    assert problem.pack is None and problem.interference == 0.0
+
+
+@pytest.mark.parametrize(
+    ("interference", "error", "match"),
+    [
+        ({"allreduce": -0.5}, InvalidProfileError, r"profile\.interference\.allreduce must be a finite number >= 0"),
+        ({"allreduce": "fast"}, SchemaError, r"profile\.interference\.allreduce must be int/float"),
+        ({"telepathy": 0.5}, SchemaError, r"unknown collective 'telepathy' in profile\.interference"),
+        ([0.5], SchemaError, r"profile\.interference must be dict"),
+    ],
+)
+def test_bad_interference_is_refused_naming_the_field(tmp_path: Path, interference: Any, error: type[Exception],
+                                                      match: str) -> None:
+    doc = {**measured_profile().to_dict(), "interference": interference}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(error, match=match):
+        Profile.load(path)
+
+
+def test_plans_predict_packing_and_interference_and_round_trip(tmp_path: Path) -> None:
+    prof = measured_profile("resnet18")
+    plan = make_plan(prof, Strategy.DENSE, source="test")
+    plain = make_plan(dataclasses.replace(prof, pack=None, interference=None), Strategy.DENSE, source="test")
+    assert plan.predicted.pack_s > 0 and plan.predicted.interference_s > 0
+    assert plan.predicted.iteration_s > plain.predicted.iteration_s
+    assert plan.lower_bound_s <= plan.predicted.iteration_s * (1 + 1e-9)
+    for pred in plan.baselines.values():
+        assert plan.predicted.iteration_s <= pred.iteration_s * (1 + 1e-9)
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+
+
+def test_a_plan_without_the_new_predictions_loads_with_zeros(tmp_path: Path) -> None:
+    doc = make_plan(measured_profile(), Strategy.DENSE, source="test").to_dict()
+    for pred in (doc["predicted"]["plan"], *doc["predicted"]["baselines"].values()):
+        del pred["pack_s"], pred["interference_s"]
+    path = tmp_path / "old-plan.json"
+    path.write_text(json.dumps(doc))
+    plan = Plan.load(path)
+    assert plan.predicted.pack_s == 0.0 and plan.predicted.interference_s == 0.0
+
+
+def test_a_what_if_cluster_scales_packing_and_drops_interference() -> None:
+    prof = measured_profile()
+    what_if = profile_for_cluster(prof, parse_cluster("eth10-8,compute_factor=0.5"))
+    assert what_if.interference is None
+    assert prof.pack is not None and what_if.pack is not None
+    assert what_if.pack.model.cost(1 << 20) == pytest.approx(0.5 * prof.pack.model.cost(1 << 20))
+
+
+def test_gather_scaled_writes_each_gradient_once_scaled() -> None:
+    flat = torch.full((10,), 7.0)
+    views = [flat[:4].view(2, 2), flat[4:7], flat[7:]]
+    same = views[1]
+    same.copy_(torch.tensor([2.0, 4.0, 6.0]))  # a gradient that already is its view: scaled in place
+    grads = [torch.arange(4.0).view(2, 2), same, None]
+    gather_scaled(grads, views, 0.5)
+    assert flat.tolist() == [0.0, 0.5, 1.0, 1.5, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0]
+    half = torch.tensor([1.0, 3.0], dtype=torch.bfloat16)  # another dtype: converted, then scaled in fp32
+    out = torch.empty(2)
+    gather_scaled([half], [out], 0.25)
+    assert out.tolist() == [0.25, 0.75]
+
+
+def test_measure_packing_times_every_size() -> None:
+    from profilers.interference import measure_packing
+
+    curve = measure_packing([1 << 10, 1 << 14, 1 << 16], 2, torch.device("cpu"), repeats=2, warmup=1)
+    assert [n for n, _ in curve.points] == [1 << 10, 1 << 14, 1 << 16]
+    assert all(t > 0 for _, t in curve.points)
+
+
+def _interference_worker(rank: int, world_size: int, chain_cap: int | None) -> dict[Collective, float] | str:
+    from profilers import interference
+
+    torch.manual_seed(0)
+    workload = build_workload("mlp")
+    if chain_cap is not None:  # a chain of one tiny collective ends long before the backward pass does
+        interference._MAX_CHAIN = chain_cap
+        try:
+            interference.measure_interference(workload, torch.device("cpu"), [Collective.ALLREDUCE], repeats=2,
+                                              message_bytes=4)
+        except DistributedError as exc:
+            return str(exc)
+        return "no error"
+    return interference.measure_interference(workload, torch.device("cpu"),
+                                             [Collective.ALLREDUCE, Collective.ALLGATHER], repeats=3)
+
+
+def test_interference_is_measured_on_two_processes_and_refuses_a_chain_too_short() -> None:
+    """sigma for both collectives, the same on every rank; and no sigma at all when the collectives could
+    not be kept in flight for a whole backward pass."""
+    measured = run_distributed(_interference_worker, 2, None)
+    assert measured[0] == measured[1]
+    assert set(measured[0]) == {Collective.ALLREDUCE, Collective.ALLGATHER}
+    assert all(math.isfinite(s) and s >= 0 for s in measured[0].values())
+    refused = run_distributed(_interference_worker, 2, 1)
+    assert all("could not keep allreduces in flight for a whole backward pass" in r for r in refused), refused
