@@ -8,7 +8,8 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
       "model": {"name", "fingerprint", "num_params", "numel"},
       "cluster": {"world_size", "backend", "device", "host_count"},
       "batch_size": 16, "element_bytes": 4,
-      "forward_s": ..., "backward_s": ..., "update_s": ...,      # medians of whole-model phases
+      "forward_s": ..., "backward_s": ..., "update_s": ...,      # medians of whole-model phases (the
+                                                                  # slowest worker's, as the layers')
       "layers": [                                                 # in the order gradients became ready
         {"name", "params": [...], "numel", "forward_s", "backward_s", "backward_iqr_s"}, ...
       ],

@@ -156,24 +156,26 @@ def measure_steps(
 
 
 def combine_ranks(runs: list[LayerRun]) -> tuple[list[LayerTiming], float, float, float]:
-    """Layer timings in rank 0's ready order (medians over every rank's samples) and F, B, U medians."""
+    """Layer timings of the slowest worker (largest median forward + backward + update), in rank 0's ready
+    order, and its F, B, U medians.
+
+    A synchronous step goes at the pace of its slowest worker, so that worker's times are the ones to
+    plan with; on workers of equal speed it is whichever one the machine happened to slow down most
+    (two processes sharing a few cores are seldom equal).
+    """
     first = runs[0]
+    slowest = max(runs, key=lambda r: median(r.forward_total) + median(r.backward_total) + median(r.update))
     layers = []
     for name in first.order:
-        b = [x for r in runs for x in r.backward[name]]
+        b = slowest.backward[name]
         layers.append(
             LayerTiming(
                 name=name,
                 params=first.params[name],
                 numel=first.numel[name],
-                forward_s=median([x for r in runs for x in r.forward[name]]),
+                forward_s=median(slowest.forward[name]),
                 backward_s=median(b),
                 backward_iqr_s=iqr(b),
             )
         )
-    return (
-        layers,
-        median([x for r in runs for x in r.forward_total]),
-        median([x for r in runs for x in r.backward_total]),
-        median([x for r in runs for x in r.update]),
-    )
+    return layers, median(slowest.forward_total), median(slowest.backward_total), median(slowest.update)
