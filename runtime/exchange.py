@@ -14,11 +14,11 @@
 
 Design (DESIGN.md, "Runtime principles"):
 
-- Every planned parameter gets a `register_post_accumulate_grad_hook`. A group whose parameters are
-  all ready is *prepared* at once, inside the hook on the compute stream, in one pass over its
-  gradients: a dense group's are written into the group's flat fp32 buffer divided by the world size
-  (the allreduce sums them to the mean); a top-k group's are added into its residual, whose top-k is
-  then selected (error feedback) and packed. Prepared
+- Every planned parameter gets a `register_post_accumulate_grad_hook`, which takes its gradient into
+  the group at once, while it is in cache, in one pass: a dense group's are written into the group's
+  flat fp32 buffer divided by the world size (the allreduce sums them to the mean); a top-k group's are
+  added into its residual. A group whose parameters are all ready is *prepared* inside the hook on the
+  compute stream: top-k selects from the residual (error feedback) and packs. Prepared
   groups are *launched* (async collective) strictly in plan order: a group prepared early waits until
   every earlier group is launched, so all ranks issue the same collectives in the same order.
 - Buffers are allocated once. After a step each fp32 parameter's `.grad` is a view into its group's
@@ -61,7 +61,7 @@ from runtime.retune import resolve_plan
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-__all__ = ["GradientExchange", "gather_scaled"]
+__all__ = ["GradientExchange", "write_scaled"]
 
 STATE_KIND = "runtime.gradient_exchange"
 
@@ -83,22 +83,20 @@ def _name_list(names: Sequence[str], limit: int = 3) -> str:
     return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
 
 
-def gather_scaled(grads: Sequence[Tensor | None], views: Sequence[Tensor], scale: float) -> None:
-    """Write each gradient times `scale` into its view of a flat buffer, in one pass (zeros for a missing
-    one; a gradient that already is its view is scaled in place). `planner profile` times this as the dense
-    packing cost."""
-    for grad, view in zip(grads, views, strict=True):
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() == view.data_ptr() and grad.dtype == view.dtype and grad.stride() == view.stride():
-            if scale != 1.0:
-                view.mul_(scale)
-        elif scale != 1.0 and grad.dtype == view.dtype:
-            torch.mul(grad, scale, out=view)
-        else:  # another dtype: convert first, so the scaling is done in fp32
-            view.copy_(grad)
-            if scale != 1.0:
-                view.mul_(scale)
+def write_scaled(grad: Tensor | None, view: Tensor, scale: float) -> None:
+    """Write `grad` times `scale` into `view` (of a flat buffer) in one pass: zeros for a missing gradient, in
+    place for a gradient that already is the view. `planner profile` times this as the dense packing cost."""
+    if grad is None:
+        view.zero_()
+    elif grad.data_ptr() == view.data_ptr() and grad.dtype == view.dtype and grad.stride() == view.stride():
+        if scale != 1.0:
+            view.mul_(scale)
+    elif scale != 1.0 and grad.dtype == view.dtype:
+        torch.mul(grad, scale, out=view)
+    else:  # another dtype: convert first, so the scaling is done in fp32
+        view.copy_(grad)
+        if scale != 1.0:
+            view.mul_(scale)
 
 
 def _views(flat: Tensor, params: Sequence[Tensor]) -> list[Tensor]:
@@ -437,32 +435,51 @@ class GradientExchange:
 
     # -- hooks and launching ---------------------------------------------------------------------
     def _on_grad_ready(self, group_index: int, param_index: int, param: Tensor) -> None:
-        """Post-accumulate-grad hook: count the parameter; prepare its group when complete, launch in order."""
+        """Post-accumulate-grad hook: gather the gradient now; prepare its group when complete, launch in order."""
         if not self._enabled:
             return
         with self._lock:
             st = self._groups[group_index]
+            fix = "call synchronize() after every backward, or accumulate inside `with exchange.no_sync():`"
             if st.prepared:
                 raise DistributedError(
-                    f"the gradient of {st.names[param_index]} became ready again after its group was sent; "
-                    "call synchronize() after every backward, or accumulate inside `with exchange.no_sync():`"
+                    f"the gradient of {st.names[param_index]} became ready again after its group was sent; {fix}"
                 )
+            if st.ready[param_index]:
+                raise DistributedError(f"the gradient of {st.names[param_index]} became ready twice; {fix}")
             self._active = True
-            if not st.ready[param_index]:
-                st.ready[param_index] = True
-                st.num_ready += 1
+            st.ready[param_index] = True
+            st.num_ready += 1
+            self._gather(st, param_index, param.grad)
             if st.num_ready == len(st.params):
                 self._prepare(st)
                 self._launch_prepared()
 
-    def _prepare(self, st: _GroupState) -> None:
-        """Gather the group's gradients (missing ones as zeros) for its collective; top-k: select and pack.
+    def _gather(self, st: _GroupState, j: int, grad: Tensor | None) -> None:
+        """Take parameter j's gradient into its group, in one pass, while it is still in cache (as DDP's reducer
+        copies each gradient into its bucket as soon as it is ready).
 
-        Plain groups (no clipping, no momentum) take one pass over their gradients: a dense group writes
-        them into its flat buffer already divided by the world size (the allreduce then sums to the mean,
-        as DDP does), a top-k group adds them straight into its residual. With clipping or momentum the
-        flat buffer holds the local gradient first: it is clipped and folded into the velocity, then sent.
+        A plain top-k group (no clipping, no momentum) adds it straight into the residual; a plain dense group
+        writes it into the flat buffer already divided by the world size (the allreduce then sums to the
+        mean, as DDP does); otherwise the flat buffer takes the local gradient, clipped and folded into the
+        velocity once the group is complete. A missing gradient (None) counts as zeros.
         """
+        if st.flat is None:
+            return
+        plain = st.clip is None and st.velocity is None
+        if self._topk and plain:
+            if grad is not None:
+                st.residual_views[j].add_(grad)
+            return
+        write_scaled(grad, st.views[j], 1.0 / self.world_size if plain and not self._topk else 1.0)
+
+    def _prepare(self, st: _GroupState) -> None:
+        """Complete the group for its collective: gather the parameters that had no gradient (zeros), then clip,
+        fold into the velocity and, for top-k, select from the residual and pack.
+        """
+        for j, ready in enumerate(st.ready):
+            if not ready:
+                self._gather(st, j, None)
         if st.flat is None:
             st.prepared = True
             return
@@ -470,14 +487,9 @@ class GradientExchange:
         if self._topk and plain:
             residual = st.residual
             assert residual is not None
-            for p, view in zip(st.params, st.residual_views, strict=True):
-                if p.grad is not None:
-                    view.add_(p.grad)
             self._select(st, lambda k: take_topk(residual, k, selector=self._selector))
             st.prepared = True
             return
-        # Plain dense: the mean is taken here, in the same pass.
-        gather_scaled([p.grad for p in st.params], st.views, 1.0 / self.world_size if plain else 1.0)
         if st.clip is not None:  # as clip_grad_norm_, without a host sync: scale by min(1, c / norm)
             st.flat.mul_(torch.clamp(st.clip / (torch.linalg.vector_norm(st.flat) + 1e-6), max=1.0))
         source = st.flat if st.velocity is None else self._apply_momentum(st)
