@@ -298,6 +298,13 @@ def print_profile(profile: object) -> None:
         console.print(f"packing a dense group: {profile.pack.alpha_s * 1e6:.1f} us + "
                       f"{profile.pack.beta_s_per_byte * 1e9:.3f} ns per element (median fit error "
                       f"{profile.pack.fit_error:.1%})")
+    if profile.in_situ is not None:
+        situ = profile.in_situ
+        parts = [("packing", situ.pack), *((f"{n} selection", c) for n, c in situ.select.items()),
+                 ("decoding", situ.decode), ("DDP's bucket copies", situ.ddp_pack)]
+        shown = ", ".join(f"{what} {c.factor:.2f}x ({_ms(c.measured_s)} ms measured / {_ms(c.modelled_s)} ms "
+                          "micro-benchmarked)" for what, c in parts if c is not None)
+        console.print(f"in real steps (one group per layer, nothing sent): {shown}")
     table = Table(title="collectives: alpha + beta * bytes, fitted (used where it holds at every point) "
                         "or interpolated")
     for col in ("collective", "alpha us", "bandwidth GB/s", "median fit error", "worst", "model used", "points"):

@@ -12,7 +12,7 @@ import numpy as np
 
 from planner.types import SchemaError
 
-__all__ = ["AffineCost", "CostModel", "PiecewiseLinearCost", "fit_affine"]
+__all__ = ["AffineCost", "CostModel", "PiecewiseLinearCost", "ScaledCost", "fit_affine"]
 
 
 class CostModel(abc.ABC):
@@ -88,6 +88,24 @@ class PiecewiseLinearCost(CostModel):
         inside = np.interp(xs, self.xs, self.ys)
         beyond = self.ys[-1] * xs / self.xs[-1]
         return np.where(xs <= 0, 0.0, np.where(xs >= self.xs[-1], beyond, inside))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaledCost(CostModel):
+    """Another cost model's times multiplied by `factor` (> 0): a micro-benchmark calibrated in situ."""
+
+    inner: CostModel
+    factor: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise SchemaError(f"`0 < factor < inf` must hold, but got factor={self.factor}")
+
+    def cost(self, x: float) -> float:
+        return self.factor * self.inner.cost(x)
+
+    def cost_many(self, xs: np.ndarray) -> np.ndarray:
+        return self.factor * self.inner.cost_many(xs)
 
 
 def fit_affine(points: Sequence[tuple[float, float]]) -> tuple[AffineCost, float]:

@@ -47,8 +47,9 @@ class GradientProblem:
         density: top-k fraction rho in (0, 1].
         select: top-k: seconds to select k = ceil(rho N) of a group of N elements (with its residual update).
         decode: top-k: seconds to scatter-add x gathered values into the dense gradient.
-        pack: dense: seconds to write a group's N gradient elements into its flat buffer, divided by P (what
-            the runtime does on the compute stream when the group is complete); None: free.
+        pack: seconds to take a group's N gradient elements into its flat buffer (dense: divided by P), on the
+            compute stream as they become ready; None: free. A top-k problem has one only where the runtime
+            copies gradients before selecting (DDP's buckets under the top-k hook).
         interference: sigma >= 0: compute work runs (1 + sigma) times slower while a collective is in flight
             (the collective's own work takes the CPU, memory bandwidth or GPU from it); 0: no interference.
     """
@@ -97,12 +98,13 @@ class GradientProblem:
         return topk_count(numel, self.density)
 
     def prepare_s(self, numel: int) -> float:
-        """Compute-stream seconds of preparing a complete group of `numel` elements for its collective:
-        top-k selection, or dense packing (0 without a packing cost)."""
+        """Compute-stream seconds of preparing a group of `numel` elements for its collective: packing (0
+        without a packing cost) and, for top-k, selection."""
+        packing = 0.0 if self.pack is None else self.pack.cost(numel)
         if self.strategy is Strategy.TOPK:
             assert self.select is not None
-            return self.select.cost(numel)
-        return 0.0 if self.pack is None else self.pack.cost(numel)
+            return packing + self.select.cost(numel)
+        return packing
 
     def message_bytes(self, numel: int) -> int:
         """Bytes one rank sends for a group of `numel` elements: the dense gradient, or k values and indices."""

@@ -26,10 +26,16 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
       "pack": {"points": [[numel, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"},
                                                                   # dense: a group's gradients into its flat
                                                                   # buffer, divided by P (the runtime's
-                                                                  # `gather_scaled`); null or absent: free
+                                                                  # `write_scaled`); null or absent: free
       "interference": {"allreduce": 0.9, "allgather": 1.1},       # sigma per collective: compute runs
                                                                   # 1 + sigma times slower while one is in
                                                                   # flight; null or absent: 0
+      "in_situ": {                                                # null or absent: factors of 1
+        "pack": {"factor", "measured_s", "modelled_s"},           # the runtime's hooks in real backward
+        "select": {"exact": {...}, "sampled": {...}},             # passes, against the micro-benchmarks
+        "decode": {...},                                          # (see below)
+        "ddp_pack": {...}                                         # optional: DDP's own bucket copies
+      }
       "kfac": {                                                   # null or absent when not measured
         "layers": [                                               # Linear/Conv2d layers, forward order
           {"name", "a_dim", "g_dim", "a_compute_s", "g_compute_s", "fold_s",
@@ -58,6 +64,16 @@ On a CPU the collectives' copies, reductions and socket work take cores and memo
 compute; on a GPU their kernels take SMs and memory bandwidth. It depends on the network (over loopback
 a collective takes as much CPU as it can get), so `--only comm` keeps the old values and says so.
 
+In situ: the micro-benchmarks above time packing, selection and decoding on their own; inside a real
+step the same work also slows the backward pass around it (caches and memory bandwidth are shared) and
+meets colder data. `planner profile` runs the runtime itself (`GradientExchange` with one group per
+layer, sending nothing) in real steps beside steps without it: `measured_s` is how much longer the
+backward pass (pack, select) or the synchronize call (decode) takes, `modelled_s` what the
+micro-benchmarked curves predict for the same groups, and the solvers use the curves times
+`factor` = measured / modelled. `ddp_pack` does the same for PyTorch DDP (with a comm hook that sends
+nothing) on its 25 MB buckets: the "ddp-25mb" rows of plans are predicted with DDP's own packing cost
+(`Profile.problem(..., runtime="ddp")`), the other rows with this runtime's.
+
 `backward_s` of a layer is the time between the previous layer's gradient becoming ready and its own
 (b_i of the timeline model). `fit_error` is the median relative error of the fitted alpha + beta*x.
 The solvers use the fit where it is good (every point within MAX_FIT_ERROR) and otherwise interpolate
@@ -68,13 +84,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from planner.costs import AffineCost, CostModel, PiecewiseLinearCost, fit_affine
+from planner.costs import AffineCost, CostModel, PiecewiseLinearCost, ScaledCost, fit_affine
 from planner.fingerprint import ClusterInfo, ModelInfo
 from planner.jsonio import check_fields, expect, expect_time, read_json, write_json_atomic
 from planner.plan import SELECTORS, check_selector
@@ -84,8 +100,10 @@ from planner.types import Collective, InvalidProfileError, InverseMethod, Schema
 __all__ = [
     "PROFILE_KIND",
     "PROFILE_SCHEMA_VERSION",
+    "Calibration",
     "DimCurve",
     "FittedCurve",
+    "InSitu",
     "KFACLayerTiming",
     "KFACTiming",
     "LayerTiming",
@@ -492,6 +510,82 @@ class KFACTiming:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """One in-situ calibration: the runtime's measured extra time against the micro-benchmarks' prediction.
+
+    `factor` = measured_s / modelled_s, at least `MIN_FACTOR` (a noisy measurement must not make the work
+    free), or 1 when nothing was modelled.
+    """
+
+    measured_s: float
+    modelled_s: float
+
+    MIN_FACTOR = 0.1
+
+    @property
+    def factor(self) -> float:
+        if self.modelled_s <= 0:
+            return 1.0
+        return max(self.MIN_FACTOR, self.measured_s / self.modelled_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"factor": self.factor, "measured_s": self.measured_s, "modelled_s": self.modelled_s}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> Calibration:
+        expect(data, dict, where)
+        check_fields(data, where, ["measured_s", "modelled_s"], optional=["factor"])  # factor: derived
+        return cls(measured_s=_time(data["measured_s"], f"{where}.measured_s"),
+                   modelled_s=_time(data["modelled_s"], f"{where}.modelled_s"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class InSitu:
+    """In-situ calibrations of the runtime's work on the compute stream: dense packing, top-k selection per
+    selector, and top-k decoding (absent ones count as factor 1)."""
+
+    pack: Calibration | None = None
+    select: dict[str, Calibration] = field(default_factory=dict)
+    decode: Calibration | None = None
+    ddp_pack: Calibration | None = None
+
+    def pack_factor(self, runtime: str = "planner") -> float:
+        found = self.ddp_pack if runtime == "ddp" else self.pack
+        return 1.0 if found is None else found.factor
+
+    def select_factor(self, selector: str) -> float:
+        found = self.select.get(selector)
+        return 1.0 if found is None else found.factor
+
+    def decode_factor(self) -> float:
+        return 1.0 if self.decode is None else self.decode.factor
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pack": None if self.pack is None else self.pack.to_dict(),
+            "select": {name: c.to_dict() for name, c in self.select.items()},
+            "decode": None if self.decode is None else self.decode.to_dict(),
+            "ddp_pack": None if self.ddp_pack is None else self.ddp_pack.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> InSitu:
+        expect(data, dict, where)
+        data = {"ddp_pack": None, **data}
+        check_fields(data, where, ["pack", "select", "decode", "ddp_pack"])
+        select = {}
+        for name, c in expect(data["select"], dict, f"{where}.select").items():
+            select[check_selector(name, f"a selector in {where}.select")] = Calibration.from_dict(
+                c, f"{where}.select.{name}")
+        return cls(
+            pack=None if data["pack"] is None else Calibration.from_dict(data["pack"], f"{where}.pack"),
+            select=select,
+            decode=None if data["decode"] is None else Calibration.from_dict(data["decode"], f"{where}.decode"),
+            ddp_pack=None if data["ddp_pack"] is None else Calibration.from_dict(data["ddp_pack"], f"{where}.ddp_pack"),
+        )
+
+
 def _interference(data: Any) -> dict[Collective, float]:
     """{"allreduce": sigma, ...} as checked values: known collectives, finite numbers >= 0."""
     out = {}
@@ -529,6 +623,7 @@ class Profile:
     step_s: float | None = None
     pack: FittedCurve | None = None
     interference: dict[Collective, float] | None = None
+    in_situ: InSitu | None = None
     element_bytes: int = 4
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -563,8 +658,13 @@ class Profile:
         return pd.DataFrame(rows)
 
     # -- the solver's instance -----------------------------------------------------------------
-    def problem(self, strategy: Strategy, density: float | None = None, *, selector: str = "exact") -> GradientProblem:
+    def problem(self, strategy: Strategy, density: float | None = None, *, selector: str = "exact",
+                runtime: str = "planner") -> GradientProblem:
         """The gradient-grouping instance this profile describes; top-k selection costs are `selector`'s.
+
+        `runtime` is who moves the gradients: "planner" (`runtime.GradientExchange`: dense packs into its
+        buffers, top-k adds straight into its residuals) or "ddp" (PyTorch DDP copies every gradient into
+        its buckets, at its own measured cost, before the top-k hook selects from them).
 
         Raises:
             InvalidProfileError: top-k without top-k measurements (or without `selector`'s).
@@ -579,7 +679,8 @@ class Profile:
             comm=self.curve(Collective.ALLREDUCE).model,
             world_size=self.cluster.world_size,
             element_bytes=self.element_bytes,
-            pack=None if self.pack is None or self.cluster.world_size == 1 else self.pack.model,
+            pack=None if self.pack is None or self.cluster.world_size == 1 else self._calibrated(
+                self.pack.model, self.in_situ.pack_factor(runtime) if self.in_situ else 1.0),
             interference=self.interference_for(Collective.ALLREDUCE),
             names=tuple(lt.name for lt in self.layers),
         )
@@ -598,13 +699,19 @@ class Profile:
                     strategy=strategy,
                     comm=self.curve(Collective.ALLGATHER).model,
                     density=density,
-                    select=self.topk.select_model(density, selector),
-                    decode=self.topk.decode.model,
-                    pack=None,
+                    select=self._calibrated(self.topk.select_model(density, selector),
+                                            self.in_situ.select_factor(selector) if self.in_situ else 1.0),
+                    decode=self._calibrated(self.topk.decode.model,
+                                            self.in_situ.decode_factor() if self.in_situ else 1.0),
+                    pack=dense.pack if runtime == "ddp" else None,
                     interference=self.interference_for(Collective.ALLGATHER),
                 )
             case _:
                 raise SchemaError(f"unknown strategy {strategy!r}")
+
+    @staticmethod
+    def _calibrated(model: CostModel, factor: float) -> CostModel:
+        return model if factor == 1.0 else ScaledCost(inner=model, factor=factor)
 
     def curve(self, collective: Collective) -> FittedCurve:
         if collective not in self.collectives:
@@ -638,6 +745,7 @@ class Profile:
             "interference": None if self.interference is None else {
                 c.value: sigma for c, sigma in self.interference.items()
             },
+            "in_situ": None if self.in_situ is None else self.in_situ.to_dict(),
         }
 
     @property
@@ -662,13 +770,13 @@ class Profile:
             )
         if data.get("kind") != PROFILE_KIND:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
-        data = {"kfac": None, "step_s": None, "pack": None, "interference": None, **data}
+        data = {"kfac": None, "step_s": None, "pack": None, "interference": None, "in_situ": None, **data}
         check_fields(
             data,
             "profile",
             ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
              "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s",
-             "pack", "interference"],
+             "pack", "interference", "in_situ"],
         )
         collectives = {}
         for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
@@ -700,6 +808,7 @@ class Profile:
             step_s=None if data["step_s"] is None else _time(data["step_s"], "profile.step_s"),
             pack=None if data["pack"] is None else FittedCurve.from_dict(data["pack"], "profile.pack"),
             interference=None if data["interference"] is None else _interference(data["interference"]),
+            in_situ=None if data["in_situ"] is None else InSitu.from_dict(data["in_situ"], "profile.in_situ"),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -144,13 +144,12 @@ def simulate(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> Pre
     events = timeline(problem, grouping)
     compute_end = events[-1].select_end_s  # C_G (= R_{L-1} for dense without packing or interference)
     channel_end = events[-1].comm_end_s  # E_G
-    decode = selection = pack = 0.0
+    decode = selection = 0.0
+    pack = 0.0 if problem.pack is None else sum(problem.pack.cost(e.numel) for e in events)
     if problem.strategy is Strategy.TOPK:
         assert problem.select is not None and problem.decode is not None
         selection = sum(problem.select.cost(e.numel) for e in events)
         decode = sum(problem.decode.cost(problem.world_size * problem.k(e.numel)) for e in events)
-    else:
-        pack = sum(problem.prepare_s(e.numel) for e in events)
     iteration = problem.forward_s + max(compute_end, channel_end) + decode + problem.update_s
     compute = problem.forward_s + compute_end + decode + problem.update_s
     return Prediction(

@@ -43,6 +43,7 @@ from planner.types import SolverError, Strategy
 
 __all__ = [
     "BASELINES",
+    "DDP_BASELINE",
     "DenseDP",
     "FixedBuckets",
     "GroupingSolver",
@@ -60,6 +61,8 @@ __all__ = [
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 #: PyTorch DDP's `bucket_cap_mb=25` default, in bytes.
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
+#: Name of the baseline with PyTorch DDP's default buckets.
+DDP_BASELINE = "ddp-25mb"
 #: Horovod's default tensor fusion threshold (`HOROVOD_FUSION_THRESHOLD`, 64 MiB).
 HOROVOD_FUSION_BYTES = 64 * 1024 * 1024
 
@@ -132,13 +135,13 @@ def _comm_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
 
 
 def _prepare_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
-    """`problem.prepare_s` for an array of group sizes: top-k selection s(N), dense packing p(N) (or 0)."""
+    """`problem.prepare_s` for an array of group sizes: packing p(N) (or 0), plus top-k selection s(N)."""
+    sizes = np.asarray(numel, dtype=float)
+    packing = np.zeros(np.shape(sizes)) if problem.pack is None else problem.pack.cost_many(sizes)
     if problem.strategy is Strategy.TOPK:
         assert problem.select is not None
-        return problem.select.cost_many(np.asarray(numel, dtype=float))
-    if problem.pack is None:
-        return np.zeros(np.shape(numel))
-    return problem.pack.cost_many(np.asarray(numel, dtype=float))
+        return packing + problem.select.cost_many(sizes)
+    return packing
 
 
 def _decode_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
@@ -864,7 +867,7 @@ class MGSGreedy(GroupingSolver):
 _COMMON: tuple[GroupingSolver, ...] = (
     PerLayer(),
     SingleBucket(),
-    FixedBuckets(DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, name="ddp-25mb"),
+    FixedBuckets(DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, name=DDP_BASELINE),
     FixedBuckets(HOROVOD_FUSION_BYTES, name="horovod-64mb"),
 )
 

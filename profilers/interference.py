@@ -1,10 +1,14 @@
-"""What communication costs the compute stream: packing gradients for a collective, and the slowdown of
-compute while a collective is in flight (interference).
+"""What communication costs the compute stream: packing gradients for a collective, the runtime's work in
+real steps, and the slowdown of compute while a collective is in flight (interference).
 
-Both are times the timeline model puts on the compute stream (`GradientProblem.pack`, `.interference`):
+All are times the timeline model puts on the compute stream (`GradientProblem.pack`, `.select`,
+`.decode`, `.interference`):
 
-- packing: the runtime's own `gather_scaled` (a group's gradients into its flat buffer, divided by the
+- packing: the runtime's own `write_scaled` (a group's gradients into its flat buffer, divided by the
   world size) against the number of elements;
+- in situ: the runtime itself (`GradientExchange`, one group per layer, sending nothing) in real steps
+  beside steps without it, against what the micro-benchmarked curves predict for the same groups
+  (`planner.profile.InSitu`);
 - interference: the model's backward pass timed alone and while a chain of collectives is in flight on
   every worker, as it is during a real step; sigma = with / alone - 1 (at least 0). The chain is long
   enough to outlast the slowed backward pass; a repetition where it did not is measured again with a
@@ -13,6 +17,7 @@ Both are times the timeline model puts on the compute stream (`GradientProblem.p
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -21,14 +26,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planner.costs import CostModel
 from planner.models import Workload
-from planner.profile import FittedCurve
-from planner.types import Collective, DistributedError
+from planner.profile import Calibration, FittedCurve, InSitu, LayerTiming, TopkTiming
+from planner.types import Collective, DistributedError, Strategy
 from profilers.timing import median, time_call
 from runtime.compress import all_gather_flat
-from runtime.exchange import gather_scaled
+from runtime.ddp_hooks import silent_hook
+from runtime.exchange import GradientExchange, write_scaled
 
-__all__ = ["INTERFERENCE_MESSAGE_BYTES", "measure_interference", "measure_packing"]
+__all__ = ["INTERFERENCE_MESSAGE_BYTES", "measure_in_situ", "measure_interference", "measure_packing"]
 
 #: Size of each collective of the chain that runs during the timed backward passes (per rank).
 INTERFERENCE_MESSAGE_BYTES = 4 << 20
@@ -44,18 +51,163 @@ def measure_packing(
     sizes: Sequence[int], world_size: int, device: torch.device, *, repeats: int, warmup: int,
     on_point: Callable[[], object] = lambda: None,
 ) -> FittedCurve:
-    """Median seconds of `gather_scaled` writing N fresh gradient elements into a flat buffer, scaled by 1/P,
-    for each N in `sizes`, with the affine fit."""
+    """Median seconds of `write_scaled` writing N gradient elements into a flat buffer, scaled by 1/P, for
+    each N in `sizes`, with the affine fit."""
     gen = torch.Generator(device="cpu").manual_seed(1)
     points = []
     for n in sizes:
         grad = torch.randn(n, generator=gen).to(device)
         flat = torch.empty(n, device=device)
-        samples = time_call(functools.partial(gather_scaled, [grad], [flat], 1.0 / world_size), device,
+        samples = time_call(functools.partial(write_scaled, grad, flat, 1.0 / world_size), device,
                             repeats=repeats, warmup=warmup)
         points.append((int(n), median(samples)))
         on_point()
     return FittedCurve.fit(points)
+
+
+class _SilentExchange(GradientExchange):
+    """The runtime with every collective skipped: each rank's message stands for every rank's (top-k decodes
+    P copies of its own), so prepare and finish do all their usual work and nothing is sent."""
+
+    def _start_collective(self, st: Any) -> Any:
+        if st.recv is not None:
+            size = st.k_now * 2
+            for r in range(self.world_size):
+                st.recv[r * size : (r + 1) * size].copy_(st.send[:size])
+        return None
+
+
+def measure_in_situ(
+    workload: Workload,
+    device: torch.device,
+    layers: Sequence[LayerTiming],
+    world_size: int,
+    *,
+    pack: CostModel,
+    topk: TopkTiming | None,
+    density: float,
+    repeats: int,
+    process_group: Any = None,
+    on_point: Callable[[], object] = lambda: None,
+) -> InSitu:
+    """Calibrate packing, each selector and decoding against the runtime in real steps (every rank calls it).
+
+    For dense and for top-k at `density` with each selector `topk` measured, the runtime with one group per
+    layer (in `layers`' ready order) and a plain copy of the model run alternately, `repeats` steps each
+    after one of each unmeasured. The runtime's extra backward time (its hooks pack or select) and its
+    synchronize time (top-k: decoding) are compared with the curves' sum over the same groups; medians are
+    over every rank's samples. With more than one worker, PyTorch DDP with a comm hook that sends nothing
+    is measured the same way against packing on its default buckets (`InSitu.ddp_pack`). `on_point` is
+    called after each pair of steps.
+    """
+    from planner.fingerprint import ClusterInfo, model_info
+    from planner.layers import LayerSpec, groups_for
+    from planner.plan import Plan
+    from planner.problem import Prediction, topk_count
+
+    specs = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in layers]
+    per_layer = tuple(range(1, len(specs) + 1))
+    configs: list[tuple[Strategy, str | None]] = [(Strategy.DENSE, None)]
+    if world_size > 1:
+        configs.append((Strategy.DENSE, "ddp"))
+    if topk is not None:
+        configs += [(Strategy.TOPK, selector) for selector in topk.selectors()]
+    inputs, targets = (t.to(device) for t in workload.batch(seed=2468))
+    plain = workload.module.to(device)
+    name = workload.name
+    pack_calibration = decode_calibration = ddp_calibration = None
+    select_calibration: dict[str, Calibration] = {}
+    sizes = [s.numel for s in specs]
+    for strategy, selector in configs:
+        if selector == "ddp":
+            extra_s = _ddp_extra_seconds(workload, plain, inputs, targets, device, repeats, process_group, on_point)
+            ddp_calibration = Calibration(measured_s=max(0.0, extra_s),
+                                          modelled_s=sum(pack.cost(n) for n in _ddp_buckets(sizes)))
+            continue
+        d = density if strategy is Strategy.TOPK else None
+        plan = Plan(
+            strategy=strategy, density=d, selector=selector, model=model_info(plain, name),
+            cluster=ClusterInfo(world_size=world_size, backend=dist.get_backend(process_group), device=str(device)),
+            groups=groups_for(specs, per_layer, strategy, d),
+            predicted=Prediction(iteration_s=0, compute_s=0, exposed_comm_s=0, comm_s=0), baselines={},
+            lower_bound_s=0.0, solver="in-situ", solve_seconds=0.0, source_profile="", profiled="", created="",
+        )
+        hooked = copy.deepcopy(plain)
+        exchange = _SilentExchange(hooked, plan, process_group=process_group)
+        extra, finish = [], []
+        try:
+            for i in range(repeats + 1):
+                alone, with_hooks = _pair(workload, plain, hooked, inputs, targets, device, flip=bool(i % 2))
+                synchronize = _stream_seconds(exchange.synchronize, device)
+                if i:
+                    extra.append(with_hooks - alone)
+                    finish.append(synchronize)
+                    on_point()
+        finally:
+            exchange.close()
+        extra_s, finish_s = median(_gathered(extra, process_group)), median(_gathered(finish, process_group))
+        if strategy is Strategy.DENSE:
+            pack_calibration = Calibration(measured_s=max(0.0, extra_s), modelled_s=sum(pack.cost(n) for n in sizes))
+            continue
+        assert topk is not None and selector is not None
+        select = topk.select_model(density, selector)
+        select_calibration[selector] = Calibration(measured_s=max(0.0, extra_s),
+                                                   modelled_s=sum(select.cost(n) for n in sizes))
+        if decode_calibration is None:  # the same decode for either selector: calibrate it once
+            decode = topk.decode.model
+            decode_calibration = Calibration(
+                measured_s=finish_s, modelled_s=sum(decode.cost(world_size * topk_count(n, density)) for n in sizes))
+    return InSitu(pack=pack_calibration, select=select_calibration, decode=decode_calibration,
+                  ddp_pack=ddp_calibration)
+
+
+def _ddp_extra_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                       device: torch.device, repeats: int, group: Any, on_point: Callable[[], object]) -> float:
+    """Median over ranks of how much longer DDP's backward pass is than `plain`'s, when its comm hook sends
+    nothing: DDP's own work, copying gradients into its buckets and back."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = DistributedDataParallel(copy.deepcopy(plain), process_group=group)
+    wrapped.register_comm_hook(None, silent_hook)
+    extra = []
+    for i in range(repeats + 1):
+        alone, with_ddp = _pair(workload, plain, wrapped, inputs, targets, device, flip=bool(i % 2))
+        if i:
+            extra.append(with_ddp - alone)
+            on_point()
+    return median(_gathered(extra, group))
+
+
+def _ddp_buckets(sizes: Sequence[int]) -> list[int]:
+    """Elements of each of DDP's default buckets over layers of `sizes` elements, in ready order (as the
+    "ddp-25mb" baseline forms them)."""
+    from planner.costs import AffineCost
+    from planner.problem import GradientProblem, groups_of
+    from planner.solvers import BASELINES, DDP_BASELINE
+
+    problem = GradientProblem(strategy=Strategy.DENSE, forward_s=0.0, update_s=0.0, backward_s=(0.0,) * len(sizes),
+                              numel=tuple(sizes), comm=AffineCost(alpha=0.0, beta=0.0), world_size=2)
+    ddp = next(b for b in BASELINES[Strategy.DENSE] if b.name == DDP_BASELINE)
+    return [sum(sizes[i] for i in r) for r in groups_of(ddp.solve(problem))]
+
+
+def _pair(workload: Workload, plain: torch.nn.Module, other: torch.nn.Module, inputs: torch.Tensor,
+          targets: torch.Tensor, device: torch.device, *, flip: bool) -> tuple[float, float]:
+    """Backward seconds of `plain` and of `other`, one after the other; `flip` runs `other` first (the
+    second of two passes in a row tends to be a little slower: alternating cancels that out)."""
+    if flip:
+        second = _backward_seconds(workload, other, inputs, targets, device)
+        return _backward_seconds(workload, plain, inputs, targets, device), second
+    first = _backward_seconds(workload, plain, inputs, targets, device)
+    return first, _backward_seconds(workload, other, inputs, targets, device)
+
+
+def _backward_seconds(workload: Workload, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                      device: torch.device) -> float:
+    """Seconds of one backward pass of `model` (gradients dropped first, forward untimed)."""
+    model.zero_grad(set_to_none=True)
+    loss = workload.loss_fn(model(inputs), targets)
+    return _stream_seconds(loss.backward, device)
 
 
 def _chain(coll: Collective, nbytes: int, device: torch.device, group: Any) -> Callable[[int], list[Any]]:
@@ -114,7 +266,7 @@ def measure_interference(
         one = time_call(functools.partial(_run_chain, chain, 1), device, repeats=3, warmup=1)
         length = _agreed(min(_MAX_CHAIN, math.ceil(_CHAIN_SPAN * alone_one / max(median(one), 1e-6)) + 1),
                          process_group, device)
-        for _ in range(_ATTEMPTS):
+        for attempt in range(_ATTEMPTS):
             alone, busy = [], []
             outlasted = True
             backward_seconds(chain, length)  # unmeasured: the first pass under load
@@ -123,7 +275,8 @@ def measure_interference(
                 seconds, ok = backward_seconds(chain, length)
                 busy.append(seconds)
                 outlasted &= ok
-                on_point()
+                if not attempt:  # progress counts the first attempt; a retry with a longer chain is extra
+                    on_point()
             if _agreed(int(outlasted), process_group, device, op=dist.ReduceOp.MIN):
                 break
             length = min(_MAX_CHAIN, 2 * length)

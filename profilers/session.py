@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,12 @@ from planner.models import build_workload
 from planner.profile import Profile
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import log_sizes, measure_collectives
-from profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_interference, measure_packing
+from profilers.interference import (
+    INTERFERENCE_MESSAGE_BYTES,
+    measure_in_situ,
+    measure_interference,
+    measure_packing,
+)
 from profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
 from profilers.layers import combine_ranks, measure_layers, measure_steps
 from profilers.probe import current_cluster
@@ -29,6 +35,10 @@ __all__ = ["DEFAULT_DENSITIES", "ProfileConfig", "profile_worker", "run_profile"
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1, 1.0)
 #: Backward passes timed alone and with collectives in flight, per collective (interference).
 INTERFERENCE_REPEATS = 5
+#: Steps with and without the runtime, per configuration (in-situ calibration), and the top-k density
+#: it is calibrated at (the nearest measured one).
+IN_SITU_REPEATS = 8
+IN_SITU_DENSITY = 0.01
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +124,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         curves = measure_collectives(
             colls, sizes, device, repeats=config.comm_repeats, warmup=2, on_point=lambda: bar.advance(task)
         )
-        topk = pack = interference = None
+        topk = pack = interference = in_situ = None
         if not config.only_comm:
             task = bar.add_task("top-k selection and decode", total=(len(config.densities) + 1) * len(topk_sizes))
             topk = measure_topk(
@@ -124,6 +134,14 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             task = bar.add_task("packing", total=len(topk_sizes))
             pack = measure_packing(topk_sizes, world_size, device, repeats=5, warmup=1,
                                    on_point=lambda: bar.advance(task))
+            runtimes = 1 + (world_size > 1) + len(topk.selectors())  # the runtime, DDP, each selector
+            task = bar.add_task("the runtime in real steps", total=IN_SITU_REPEATS * runtimes)
+            assert layer_results is not None
+            in_situ = measure_in_situ(
+                workload, device, layer_results[0], world_size, pack=pack.model, topk=topk,
+                density=min(config.densities, key=lambda d: abs(math.log(d / IN_SITU_DENSITY))),
+                repeats=IN_SITU_REPEATS, on_point=lambda: bar.advance(task),
+            )
             if world_size > 1:
                 interfering = [Collective.ALLREDUCE, Collective.ALLGATHER]
                 task = bar.add_task("compute while communicating", total=len(interfering) * INTERFERENCE_REPEATS)
@@ -169,6 +187,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         step_s=step_s,
         pack=pack,
         interference=interference,
+        in_situ=in_situ,
     )
 
 

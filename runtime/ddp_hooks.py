@@ -21,7 +21,7 @@ from torch import Tensor
 from planner.problem import topk_count
 from runtime.compress import SELECTORS, all_gather_flat, decode, pack, select_topk
 
-__all__ = ["TopkHookState", "topk_hook"]
+__all__ = ["TopkHookState", "silent_hook", "topk_hook"]
 
 
 class TopkHookState:
@@ -117,8 +117,17 @@ def topk_hook(state: TopkHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     return fut.then(_decode)
 
 
+def silent_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """Send nothing: every rank keeps its own bucket. `planner profile` registers it to time DDP's own work
+    (copying gradients into its buckets and back) apart from communication."""
+    future: torch.futures.Future[Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
 # DDP's register_comm_hook compares the annotations with the real objects; `from __future__ import
 # annotations` leaves strings, so resolve them here.
 topk_hook.__annotations__.update(
     {"state": TopkHookState, "bucket": dist.GradBucket, "return": torch.futures.Future[Tensor]}
 )
+silent_hook.__annotations__.update({"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[Tensor]})

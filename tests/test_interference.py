@@ -12,12 +12,15 @@ import pytest
 import torch
 
 from planner.cluster import parse_cluster, profile_for_cluster
+from planner.costs import AffineCost, ScaledCost
 from planner.models import build_workload
 from planner.plan import Plan
 from planner.planning import make_plan
-from planner.profile import FittedCurve, Profile
+from planner.profile import Calibration, FittedCurve, InSitu, Profile
+from planner.simulator import simulate
+from planner.solvers import BASELINES, DDP_BASELINE
 from planner.types import Collective, DistributedError, InvalidProfileError, SchemaError, Strategy
-from runtime.exchange import gather_scaled
+from runtime.exchange import write_scaled
 from runtime.launch import run_distributed
 from tests.factories import synthetic_profile
 
@@ -27,7 +30,10 @@ SIGMAS = {Collective.ALLREDUCE: 0.8, Collective.ALLGATHER: 1.3}
 def measured_profile(model: str = "mlp") -> Profile:
     """A synthetic profile with a packing curve and interference, as `planner profile` now writes them."""
     pack = FittedCurve.fit([(n, 3e-6 + 2e-10 * n) for n in (1 << 10, 1 << 14, 1 << 18, 1 << 22)])
-    return dataclasses.replace(synthetic_profile(model), pack=pack, interference=dict(SIGMAS))
+    prof = synthetic_profile(model)
+    assert prof.topk is not None
+    topk = dataclasses.replace(prof.topk, select_sampled=tuple((n, d, 0.3 * t) for n, d, t in prof.topk.select))
+    return dataclasses.replace(prof, pack=pack, interference=dict(SIGMAS), topk=topk)
 
 
 def test_profile_round_trip_with_packing_and_interference(tmp_path: Path) -> None:
@@ -105,17 +111,17 @@ def test_a_what_if_cluster_scales_packing_and_drops_interference() -> None:
     assert what_if.pack.model.cost(1 << 20) == pytest.approx(0.5 * prof.pack.model.cost(1 << 20))
 
 
-def test_gather_scaled_writes_each_gradient_once_scaled() -> None:
+def test_write_scaled_writes_a_gradient_once_scaled() -> None:
     flat = torch.full((10,), 7.0)
     views = [flat[:4].view(2, 2), flat[4:7], flat[7:]]
     same = views[1]
     same.copy_(torch.tensor([2.0, 4.0, 6.0]))  # a gradient that already is its view: scaled in place
-    grads = [torch.arange(4.0).view(2, 2), same, None]
-    gather_scaled(grads, views, 0.5)
+    for grad, view in zip([torch.arange(4.0).view(2, 2), same, None], views, strict=True):
+        write_scaled(grad, view, 0.5)
     assert flat.tolist() == [0.0, 0.5, 1.0, 1.5, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0]
     half = torch.tensor([1.0, 3.0], dtype=torch.bfloat16)  # another dtype: converted, then scaled in fp32
     out = torch.empty(2)
-    gather_scaled([half], [out], 0.25)
+    write_scaled(half, out, 0.25)
     assert out.tolist() == [0.25, 0.75]
 
 
@@ -153,3 +159,104 @@ def test_interference_is_measured_on_two_processes_and_refuses_a_chain_too_short
     assert all(math.isfinite(s) and s >= 0 for s in measured[0].values())
     refused = run_distributed(_interference_worker, 2, 1)
     assert all("could not keep allreduces in flight for a whole backward pass" in r for r in refused), refused
+
+
+def test_the_profile_plans_with_the_slowest_worker() -> None:
+    """combine_ranks takes every per-layer and phase time from the worker with the largest median step,
+    in rank 0's ready order."""
+    from profilers.layers import LayerRun, combine_ranks
+
+    def run(order: tuple[str, ...], scale: float) -> LayerRun:
+        return LayerRun(
+            order=order, params={"a": ("a.w",), "b": ("b.w",)}, numel={"a": 10, "b": 20},
+            forward={"a": [1.0 * scale, 3.0 * scale], "b": [2.0 * scale]},
+            backward={"a": [4.0 * scale], "b": [5.0 * scale, 7.0 * scale]},
+            forward_total=[3.0 * scale], backward_total=[10.0 * scale], update=[1.0 * scale],
+        )
+
+    layers, fwd, bwd, upd = combine_ranks([run(("b", "a"), 1.0), run(("a", "b"), 2.0)])
+    assert [lt.name for lt in layers] == ["b", "a"]  # rank 0's ready order
+    assert [(lt.forward_s, lt.backward_s) for lt in layers] == [(4.0, 12.0), (4.0, 8.0)]  # rank 1's medians
+    assert (fwd, bwd, upd) == (6.0, 20.0, 2.0)
+
+
+def calibrated_profile(model: str = "mlp") -> Profile:
+    """`measured_profile` with in-situ calibrations: this runtime packs at 4x, DDP at 2x, the sampled selector
+    runs at 1.5x and decoding at 3x the micro-benchmarks."""
+    in_situ = InSitu(
+        pack=Calibration(measured_s=0.04, modelled_s=0.01),
+        select={"sampled": Calibration(measured_s=0.03, modelled_s=0.02)},
+        decode=Calibration(measured_s=0.003, modelled_s=0.001),
+        ddp_pack=Calibration(measured_s=0.02, modelled_s=0.01),
+    )
+    return dataclasses.replace(measured_profile(model), in_situ=in_situ)
+
+
+def test_in_situ_calibrations_round_trip_and_scale_the_curves(tmp_path: Path) -> None:
+    prof = calibrated_profile()
+    prof.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == prof
+    base = measured_profile()
+    n = 1 << 16
+    ours, ddp = prof.problem(Strategy.DENSE), prof.problem(Strategy.DENSE, runtime="ddp")
+    assert ours.prepare_s(n) == pytest.approx(4 * base.problem(Strategy.DENSE).prepare_s(n))
+    assert ddp.prepare_s(n) == pytest.approx(2 * base.problem(Strategy.DENSE).prepare_s(n))
+    plain_topk = base.problem(Strategy.TOPK, 0.01, selector="sampled")
+    topk = prof.problem(Strategy.TOPK, 0.01, selector="sampled")
+    exact = prof.problem(Strategy.TOPK, 0.01, selector="exact")  # not calibrated: as micro-benchmarked
+    assert plain_topk.select is not None and plain_topk.decode is not None
+    assert topk.prepare_s(n) == pytest.approx(1.5 * plain_topk.select.cost(n))
+    assert exact.prepare_s(n) == pytest.approx(base.problem(Strategy.TOPK, 0.01).prepare_s(n))
+    assert topk.decode is not None and topk.decode.cost(n) == pytest.approx(3 * plain_topk.decode.cost(n))
+    # Under DDP's top-k hook DDP copies into its buckets first, then the hook selects.
+    ddp_topk = prof.problem(Strategy.TOPK, 0.01, selector="sampled", runtime="ddp")
+    assert ddp_topk.prepare_s(n) == pytest.approx(ddp.prepare_s(n) + topk.prepare_s(n))
+
+
+def test_a_calibration_never_makes_the_work_free() -> None:
+    assert Calibration(measured_s=0.0, modelled_s=0.01).factor == Calibration.MIN_FACTOR
+    assert Calibration(measured_s=0.5, modelled_s=0.0).factor == 1.0
+    with pytest.raises(SchemaError, match="factor"):
+        ScaledCost(inner=AffineCost(alpha=0.0, beta=1.0), factor=0.0)
+
+
+def test_the_ddp_row_is_predicted_with_ddps_own_cost_and_stays_above_the_bound() -> None:
+    prof = calibrated_profile("resnet18")
+    for strategy, density in ((Strategy.DENSE, None), (Strategy.TOPK, 0.01)):
+        plan = make_plan(prof, strategy, density, source="test", selector="sampled" if density else None)
+        ddp_problem = prof.problem(strategy, density, selector="sampled", runtime="ddp")
+        ddp = next(b for b in BASELINES[strategy] if b.name == DDP_BASELINE)
+        grouping = ddp.solve(ddp_problem)
+        assert plan.baselines[DDP_BASELINE] == simulate(ddp_problem, grouping)
+        assert plan.baselines[DDP_BASELINE].pack_s > 0
+        rows = [plan.predicted, *plan.baselines.values()]
+        assert all(plan.lower_bound_s <= r.iteration_s * (1 + 1e-9) for r in rows)
+
+
+def _in_situ_worker(rank: int, world_size: int) -> InSitu:
+    from planner.profile import TopkTiming
+    from profilers.interference import measure_in_situ, measure_packing
+    from profilers.layers import combine_ranks, measure_layers
+    from profilers.topk import measure_topk
+
+    torch.manual_seed(0)
+    workload = build_workload("mlp")
+    cpu = torch.device("cpu")
+    run = measure_layers(workload, cpu, repeats=2, warmup=1)
+    layers = combine_ranks([run])[0]
+    sizes = [1 << 10, 1 << 14, 1 << 18, 1 << 20]
+    topk: TopkTiming = measure_topk(sizes, [0.01], world_size, cpu, repeats=2, warmup=1)
+    pack = measure_packing(sizes, world_size, cpu, repeats=2, warmup=1)
+    return measure_in_situ(workload, cpu, layers, world_size, pack=pack.model, topk=topk, density=0.01, repeats=2)
+
+
+def test_the_runtime_and_ddp_are_calibrated_in_real_steps_on_two_processes() -> None:
+    """Every calibration is measured (medians over both ranks: the same on each) with the micro-benchmarks'
+    prediction for the same groups beside it (each rank's own curves)."""
+    first, second = run_distributed(_in_situ_worker, 2)
+    assert first.pack is not None and second.pack is not None
+    assert first.pack.measured_s == second.pack.measured_s
+    assert first.pack is not None and first.decode is not None and first.ddp_pack is not None
+    assert set(first.select) == {"exact", "sampled"}
+    for c in (first.pack, first.decode, first.ddp_pack, *first.select.values()):
+        assert c.modelled_s > 0 and c.measured_s >= 0 and c.factor >= Calibration.MIN_FACTOR

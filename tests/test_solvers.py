@@ -85,7 +85,7 @@ def problems(
     # Half the instances have interference (compute slowed while a collective is in flight) and, if dense,
     # a packing cost: the two-clock dense problem.
     interference = draw(st.one_of(st.just(0.0), st.floats(0.0, 3.0)))
-    pack = _cost(draw, "affine", 1e6, 0.5) if not topk and interference > 0 else None
+    pack = _cost(draw, "affine", 1e6, 0.5) if interference > 0 and draw(st.booleans()) else None
     return GradientProblem(
         strategy=strategy,
         forward_s=draw(times),
@@ -206,12 +206,11 @@ def reference_topk_optimum(
                 continue
             numel = sum(problem.numel[start:end])
             backward = sum(problem.backward_s[start:end])
+            prepare, decode = (0.0 if problem.pack is None else problem.pack.cost(numel)), 0.0
             if topk:
                 assert problem.select is not None and problem.decode is not None
-                prepare = problem.select.cost(numel)
+                prepare += problem.select.cost(numel)
                 decode = problem.decode.cost(problem.world_size * problem.k(numel))
-            else:
-                prepare, decode = (0.0 if problem.pack is None else problem.pack.cost(numel)), 0.0
             comm = problem.comm.cost(problem.message_bytes(numel))
             for comp, chan in fronts[start]:
                 new_comp = work_end(comp, chan, backward + prepare) + decode
