@@ -7,8 +7,10 @@ them 1..L). A grouping is the tuple of exclusive end indices of contiguous group
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 
@@ -135,10 +137,23 @@ def advance_many(compute: np.ndarray, channel: np.ndarray, work: np.ndarray, int
     return compute + work + interference * np.minimum(work, lag / (1 + interference))
 
 
+@functools.lru_cache(maxsize=64)
+def _decimal(density: float) -> Fraction:
+    """The density as the decimal it is written as (0.07 is 7/100, not the binary float just above it)."""
+    return Fraction(repr(float(density)))
+
+
 def topk_count_many(numel: np.ndarray, density: float) -> np.ndarray:
-    """k = ceil(density * numel), at least 1 and at most numel (the tolerance absorbs float error), as floats."""
-    numel = np.asarray(numel, dtype=float)
-    return np.maximum(1.0, np.minimum(numel, np.ceil(density * numel - 1e-9)))
+    """k = ceil(density * numel) in exact arithmetic (density read as its decimal), at least 1 and at most
+    numel, as floats."""
+    n = np.rint(np.asarray(numel, dtype=float)).astype(np.int64)
+    frac = _decimal(density)
+    p, q = frac.numerator, frac.denominator
+    if n.size and p * int(n.max(initial=0)) >= 2**62:  # beyond int64: Python integers (never for real densities)
+        k = np.array([-((-p * int(x)) // q) for x in n.ravel()], dtype=np.int64).reshape(n.shape)
+    else:
+        k = -((-p * n) // q)
+    return np.maximum(1, np.minimum(n, k)).astype(float)
 
 
 def topk_count(numel: int, density: float) -> int:
