@@ -97,8 +97,8 @@ _KIND_NAMES: dict[str, str] = {
 
 #: Colours of scaling series other than "plan", by name, so that a baseline keeps its colour everywhere.
 _SERIES_COLORS = ["#ff7f0e", "#2ca02c", "#9467bd", "#e377c2", "#8c564b", "#17becf", "#bcbd22", "#1f77b4",
-                  "#7f7f7f", "#c49c94"]
-_KNOWN_SERIES = ["ddp-25mb", "horovod-64mb", "wfbp", "single", "mg-wfbp", "mgs-greedy", "kfac-pytorch",
+                  "#7f7f7f", "#c49c94", "#dbdb8d"]
+_KNOWN_SERIES = ["ddp-25mb", "horovod", "fixed-64mb", "wfbp", "single", "mg-wfbp", "mgs-greedy", "kfac-pytorch",
                  "everywhere", "sgd"]
 
 #: The placement panel shows at most this many worker lanes (the busiest ones).

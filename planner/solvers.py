@@ -6,8 +6,10 @@ Exact solvers (dynamic programs over prefixes of the ready order):
 - `TopkParetoDP`: MGS's problem, a Pareto front of two clocks per prefix (exact, see its docstring).
 
 Baselines (`exact = False`, evaluated with the same model so that comparisons are fair): one collective
-per layer (WFBP), one bucket for everything, fixed-size buckets (PyTorch DDP, Horovod), and the greedy
-merge rules published with MG-WFBP and MGS.
+per layer (WFBP), one bucket for everything, PyTorch DDP's buckets, Horovod's fusion cycle, fixed 64 MiB
+buckets, and the greedy merge rules published with MG-WFBP and MGS. Every row groups whole layers in
+ready order; DDP and Horovod bucket parameter tensors, so a layer's weight and bias can land in
+different buckets there.
 
 `lower_bound` is a bound no grouping can beat under the timeline model. Every solver answers with a
 `Grouping` (tuple of exclusive group ends); `planner.simulator.simulate` evaluates it.
@@ -30,6 +32,7 @@ bounds (the defaults) every grouping is allowed and nothing changes.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -47,6 +50,7 @@ __all__ = [
     "DenseDP",
     "FixedBuckets",
     "GroupingSolver",
+    "HorovodCycle",
     "MGSGreedy",
     "MGWFBPGreedy",
     "PerLayer",
@@ -63,8 +67,12 @@ DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 #: Name of the baseline with PyTorch DDP's default buckets.
 DDP_BASELINE = "ddp-25mb"
-#: Horovod's default tensor fusion threshold (`HOROVOD_FUSION_THRESHOLD`, 64 MiB).
-HOROVOD_FUSION_BYTES = 64 * 1024 * 1024
+#: The fixed 64 MiB buckets once documented as Horovod's fusion threshold (the "fixed-64mb" row).
+FIXED_64MB_BYTES = 64 * 1024 * 1024
+#: Horovod's defaults since v0.21: `HOROVOD_CYCLE_TIME` 1 ms (1e-3 s) and `HOROVOD_FUSION_THRESHOLD`
+#: 128 MiB (the "horovod" row, `HorovodCycle`).
+HOROVOD_CYCLE_S = 1e-3
+HOROVOD_FUSION_BYTES = 128 * 1024 * 1024
 
 # Relative slack of the exact pruning in TopkParetoDP: rounding must never prune an optimal state.
 _PRUNE_RTOL = 1e-9
@@ -864,11 +872,62 @@ class MGSGreedy(GroupingSolver):
         return tuple(walk.ends)
 
 
+class HorovodCycle(GroupingSolver):
+    """Horovod's tensor fusion: every cycle, fuse whatever gradients are ready, up to the fusion threshold.
+
+    Horovod's background thread wakes every `cycle_s` (HOROVOD_CYCLE_TIME), collects the tensors every rank
+    has ready and performs their allreduces, fused in order into buffers of at most `threshold_bytes`
+    (HOROVOD_FUSION_THRESHOLD); it does not wait for a threshold's worth to accumulate. Its collectives run
+    one after the other, so a cycle that finds the previous one still communicating waits for it, and then
+    fuses everything that became ready meanwhile. On the model's timeline (ready times with the packing and
+    interference of the groups already formed) a group closes at the first cycle tick (multiples of
+    `cycle_s` from the start of backward) at or after both its first gradient's ready time and the end of
+    the previous collective, and holds every gradient ready by then, up to the threshold (at least one
+    layer). The grouping is then evaluated like every other (its collective starts when its last gradient
+    is ready, not at the tick: the up to `cycle_s` of waiting for a tick per group is not counted).
+    """
+
+    name = "horovod"
+    exact = False
+    description = "Horovod: fuse what is ready every cycle (1 ms), up to 128 MiB"
+
+    def __init__(self, cycle_s: float = HOROVOD_CYCLE_S, threshold_bytes: int = HOROVOD_FUSION_BYTES) -> None:
+        if not (cycle_s > 0 and threshold_bytes > 0):
+            raise SolverError(f"`cycle_s > 0 and threshold_bytes > 0` must hold, but got "
+                              f"(cycle_s={cycle_s}, threshold_bytes={threshold_bytes})")
+        self.cycle_s = cycle_s
+        self.threshold_bytes = threshold_bytes
+
+    def solve(self, problem: GradientProblem) -> Grouping:
+        walk = _GreedyWalk(problem)
+        sigma = problem.interference
+        layer = 0
+        while layer < problem.num_layers:
+            ready = advance(walk.compute, walk.channel, problem.backward_s[layer], sigma)
+            tick = math.ceil(max(ready, walk.channel) / self.cycle_s - 1e-9) * self.cycle_s
+            walk.add(layer)
+            layer += 1
+            size = problem.numel[layer - 1] * problem.element_bytes
+            while layer < problem.num_layers:
+                size += problem.numel[layer] * problem.element_bytes
+                ready = advance(walk.compute, walk.channel, walk.backward + problem.backward_s[layer], sigma)
+                if ready > tick or size > self.threshold_bytes:
+                    break
+                walk.add(layer)
+                layer += 1
+            walk.close(layer)
+        return tuple(walk.ends)
+
+    def __repr__(self) -> str:
+        return f"HorovodCycle(cycle_s={self.cycle_s}, threshold_bytes={self.threshold_bytes})"
+
+
 _COMMON: tuple[GroupingSolver, ...] = (
     PerLayer(),
     SingleBucket(),
     FixedBuckets(DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, name=DDP_BASELINE),
-    FixedBuckets(HOROVOD_FUSION_BYTES, name="horovod-64mb"),
+    HorovodCycle(),
+    FixedBuckets(FIXED_64MB_BYTES, name="fixed-64mb"),
 )
 
 #: The baselines each plan is compared with, per strategy.
@@ -892,10 +951,15 @@ def lower_bound(problem: GradientProblem) -> float:
     - compute path: C_G + D >= sum b + sum (s(N_g) + d(P k_g) + sigma / (1 + sigma) T(N_g)), minimised over
       groupings; with interference sigma the collectives that run while the compute stream works slow it
       down, and those that do not lengthen the end instead (`_lagrangian_suffixes` derives the weight);
-    - communication path: the first collective starts no earlier than C_1 >= b_0 + s(n_0), then the channel
-      is busy for sum T(N_g), and decoding follows it: E_G + D >= b_0 + s(n_0) + min sum (T(N_g) + d(P k_g)).
+    - communication path, for every layer j: the group holding layer j cannot start its collective before
+      layer j is ready and prepared, R_j + s(n_j) (its last layer is ready later, and s grows with size);
+      from then on the channel still carries that group and every later one, each at least the cost of
+      its part of layers j..L-1, and decoding follows: E_G + D >= R_j + s(n_j) + min over groupings of
+      layers j..L-1 of sum (T + d). The bound takes the largest j (j = 0 alone was the bound before: on
+      real instances the later layers, whose cheapest tail is sent after the whole backward pass, are
+      the binding ones).
 
-    Each "min over groupings of a sum of per-group costs" is an O(L^2) dynamic program.
+    Each "min over groupings of a sum of per-group costs" is an O(L^2) dynamic program (all tails at once).
     """
     if problem.strategy not in (Strategy.DENSE, Strategy.TOPK):
         raise SolverError(f"no lower bound for strategy={problem.strategy!r}; known: {[s.value for s in Strategy]}")
@@ -906,6 +970,8 @@ def lower_bound(problem: GradientProblem) -> float:
     compute = _suffix_min_partition(
         prefix, lambda n: _prepare_many(problem, n) + _decode_many(problem, n) + share * _comm_many(problem, n)
     )[0]
-    comm = _suffix_min_partition(prefix, lambda n: _comm_many(problem, n) + _decode_many(problem, n))[0]
-    first = problem.backward_s[0] + problem.prepare_s(problem.numel[0])
-    return fixed + max(total_backward + float(compute), first + float(comm))
+    tails = _suffix_min_partition(prefix, lambda n: _comm_many(problem, n) + _decode_many(problem, n))
+    ready = np.cumsum(np.asarray(problem.backward_s, dtype=float))  # R_j
+    starts = ready + _prepare_many(problem, np.asarray(problem.numel))
+    comm = float(np.max(starts + tails[:-1]))
+    return fixed + max(total_backward + float(compute), comm)
