@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.costs import AffineCost, CostModel, PiecewiseLinearCost
-from planner.problem import GradientProblem, Grouping
+from planner.problem import GradientProblem, Grouping, topk_count, topk_count_many
 from planner.simulator import simulate, validate_grouping
 from planner.solver_bench import random_problem, time_solvers
 from planner.solvers import (
@@ -21,6 +22,7 @@ from planner.solvers import (
     DenseDP,
     FixedBuckets,
     GroupingSolver,
+    HorovodCycle,
     MGSGreedy,
     MGWFBPGreedy,
     PerLayer,
@@ -362,17 +364,21 @@ def test_fixed_buckets_use_dense_bytes_for_topk() -> None:
 
 def test_default_bucket_configurations() -> None:
     by_name = {b.name: b for b in BASELINES[Strategy.DENSE]}
-    ddp, horovod = by_name["ddp-25mb"], by_name["horovod-64mb"]
-    assert isinstance(ddp, FixedBuckets) and isinstance(horovod, FixedBuckets)
+    ddp, fixed, horovod = by_name["ddp-25mb"], by_name["fixed-64mb"], by_name["horovod"]
+    assert isinstance(ddp, FixedBuckets) and isinstance(fixed, FixedBuckets) and isinstance(horovod, HorovodCycle)
     assert (ddp.cap_bytes, ddp.first_cap_bytes) == (25 * 1024 * 1024, 1024 * 1024)
-    assert (horovod.cap_bytes, horovod.first_cap_bytes) == (64 * 1024 * 1024, None)
+    assert (fixed.cap_bytes, fixed.first_cap_bytes) == (64 * 1024 * 1024, None)
+    assert (horovod.cycle_s, horovod.threshold_bytes) == (1e-3, 128 * 1024 * 1024)
     with pytest.raises(SolverError, match="cap_bytes > 0"):
         FixedBuckets(0)
+    with pytest.raises(SolverError, match="cycle_s > 0"):
+        HorovodCycle(cycle_s=0.0)
 
 
 def test_baseline_registry() -> None:
-    assert [b.name for b in BASELINES[Strategy.DENSE]] == ["wfbp", "single", "ddp-25mb", "horovod-64mb", "mg-wfbp"]
-    assert [b.name for b in BASELINES[Strategy.TOPK]] == ["wfbp", "single", "ddp-25mb", "horovod-64mb", "mgs-greedy"]
+    common = ["wfbp", "single", "ddp-25mb", "horovod", "fixed-64mb"]
+    assert [b.name for b in BASELINES[Strategy.DENSE]] == [*common, "mg-wfbp"]
+    assert [b.name for b in BASELINES[Strategy.TOPK]] == [*common, "mgs-greedy"]
     solvers: list[GroupingSolver] = [*BASELINES[Strategy.DENSE], *BASELINES[Strategy.TOPK], DenseDP(), TopkParetoDP()]
     for solver in solvers:
         assert isinstance(solver, GroupingSolver)
@@ -471,3 +477,57 @@ def test_time_solvers_rows() -> None:
         assert all(exact["iteration_s"] <= r["iteration_s"] * (1 + RTOL) for r in mine)
         assert all(r["lower_bound_s"] <= exact["iteration_s"] * (1 + RTOL) for r in mine)
         assert all(r["median_s"] >= 0 and r["num_groups"] >= 1 for r in mine)
+
+
+# ----------------------------------------------------------------------------------------------------
+# k of a top-k group
+
+
+def test_topk_count_is_exact_where_a_float_tolerance_was_not() -> None:
+    """ceil(0.07 * 279,620,300) = ceil(19,573,421.0) = 19,573,421: the density is read as the decimal 7/100."""
+    assert topk_count(279_620_300, 0.07) == 19_573_421
+    assert topk_count(7, 0.3) == 3 and topk_count(10, 0.3) == 3 and topk_count(1, 0.001) == 1
+
+
+@settings(deadline=None, max_examples=300)
+@given(numel=st.integers(1, 2**31 - 1), digits=st.integers(1, 7), mantissa=st.integers(1, 10**7))
+def test_topk_count_matches_rational_arithmetic(numel: int, digits: int, mantissa: int) -> None:
+    density = min(1.0, mantissa / 10**digits)
+    exact = Fraction(repr(density)) * numel
+    expected = min(numel, max(1, math.ceil(exact)))
+    assert topk_count(numel, density) == expected
+    assert topk_count_many(np.array([numel, numel]), density).tolist() == [expected, expected]
+
+
+def _four_layers(comm_s: float) -> GradientProblem:
+    """Dense, ready at 0.4, 0.8, 2.8 and 3.2 ms, 10 elements (40 bytes) each; every collective takes comm_s."""
+    return GradientProblem(strategy=Strategy.DENSE, forward_s=0.0, update_s=0.0, backward_s=(4e-4, 4e-4, 2e-3, 4e-4),
+                           numel=(10, 10, 10, 10), comm=AffineCost(alpha=comm_s, beta=0.0), world_size=2)
+
+
+def test_horovod_fuses_what_is_ready_at_each_cycle() -> None:
+    """1 ms cycles: the tick at 1 ms finds layers 0 and 1; the one at 3 ms finds layer 2 (layer 3 comes at 3.2)."""
+    assert HorovodCycle().solve(_four_layers(1e-4)) == (2, 3, 4)
+    # A slow channel: the first collective runs until 5.8 ms, so the tick at 6 ms fuses layers 2 and 3.
+    assert HorovodCycle().solve(_four_layers(5e-3)) == (2, 4)
+    # A 50-byte threshold keeps every fused buffer to one 40-byte layer.
+    assert HorovodCycle(threshold_bytes=50).solve(_four_layers(5e-3)) == (1, 2, 3, 4)
+    # No waiting for a threshold's worth: the 64 MiB fixed buckets make one bucket of the same layers.
+    assert FixedBuckets(64 * 2**20).solve(_four_layers(1e-4)) == (4,)
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_lower_bound_counts_the_tail_sent_after_the_last_gradient(strategy: Strategy) -> None:
+    """A big last layer, ready late: whatever the grouping its gradient is sent after it is ready, so the bound
+    is R_1 + T(n_1) (+ its selection and decode), the optimum; counting the channel from the first gradient
+    on gave 1 s less."""
+    topk = strategy is Strategy.TOPK
+    problem = GradientProblem(
+        strategy=strategy, forward_s=0.0, update_s=0.0, backward_s=(0.1, 1.0), numel=(10, 10**6),
+        comm=AffineCost(alpha=0.1, beta=1e-6 if not topk else 1e-4), world_size=2, density=0.01 if topk else None,
+        select=AffineCost(alpha=0.0, beta=1e-8) if topk else None,
+        decode=AffineCost(alpha=0.0, beta=0.0) if topk else None,
+    )
+    optimum = brute_force(problem)
+    # Top-k: the bound leaves out layer 0's 1e-7 s of selection, which delays layer 1 in every grouping.
+    assert optimum * (1 - 1e-7) <= lower_bound(problem) <= optimum * (1 + 1e-12)
