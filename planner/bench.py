@@ -26,7 +26,18 @@ from planner.types import PlanMismatchError, Strategy
 if TYPE_CHECKING:
     from runtime.link import LinkRate
 
-__all__ = ["BenchConfig", "BenchResult", "Variant", "bench_variants", "bench_worker", "per_layer_plan", "run_bench"]
+__all__ = [
+    "LOCAL",
+    "BenchConfig",
+    "BenchResult",
+    "Variant",
+    "bench_variants",
+    "bench_worker",
+    "local_prediction",
+    "machine_drift",
+    "per_layer_plan",
+    "run_bench",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,12 +139,35 @@ def per_layer_plan(plan: Plan, module: torch.nn.Module) -> Plan:
 @dataclass(frozen=True)
 class Variant:
     """One benched configuration: DDP (plan None), DDP with the top-k hook at a top-k plan's density and
-    selector (`ddp_hook`), or the runtime executing `plan`; `predicted_s` is the model's time for it."""
+    selector (`ddp_hook`), the runtime executing `plan`, or local steps that communicate nothing (`local`:
+    each rank trains on its own, the compute every prediction is built on); `predicted_s` is the model's
+    time for it."""
 
     name: str
     plan: Plan | None
     predicted_s: float | None
     ddp_hook: bool = False
+    local: bool = False
+
+
+#: Name of the variant of local steps (no communication).
+LOCAL = "local (no communication)"
+
+
+def local_prediction(plan: Plan) -> float:
+    """The profile's forward + backward + update, as a dense plan's prediction holds it: its compute path
+    less packing and interference (the whole step when nothing is communicated)."""
+    p = plan.predicted
+    return p.compute_s - p.pack_s - p.interference_s - p.selection_s - p.decode_s
+
+
+def machine_drift(results: list[BenchResult]) -> float | None:
+    """How much slower (> 0) or faster the local steps ran than the profile predicts, or None without them:
+    a shared machine that is busier now than when it was profiled makes every prediction off as much."""
+    local = next((r for r in results if r.name == LOCAL), None)
+    if local is None or not local.predicted_s:
+        return None
+    return local.median_s / local.predicted_s - 1
 
 
 def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module) -> list[Variant]:
@@ -142,6 +176,8 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module) -> list[Var
     dense = next((p for p in plans if p.strategy is Strategy.DENSE), None)
     ddp_pred = (dense or plans[0]).baselines.get("ddp-25mb") if plans else None
     out = [Variant("ddp", None, ddp_pred.iteration_s if ddp_pred else None)]
+    if dense is not None:
+        out.append(Variant(LOCAL, None, local_prediction(dense), local=True))
     for plan in plans:
         tag = plan.strategy.value if plan.strategy is Strategy.DENSE else f"topk@{plan.density:g}"
         pl = per_layer_plan(plan, module)
@@ -168,12 +204,15 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     for v in variants:
         plan = v.plan
         wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank
-        if plan is None or v.ddp_hook:
+        if v.local:
+            model: torch.nn.Module = wl.module
+            exchange = None
+        elif plan is None or v.ddp_hook:
             wrapped = DistributedDataParallel(wl.module)
             if plan is not None:
                 assert plan.density is not None
                 wrapped.register_comm_hook(TopkHookState(plan.density, selector=plan.selector or "exact"), topk_hook)
-            model: torch.nn.Module = wrapped
+            model = wrapped
             exchange = None
         else:
             model = wl.module
@@ -208,7 +247,8 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     if rank != 0:
         return None
     results = [
-        BenchResult.from_samples(v.name, "ddp" if v.plan is None else v.plan.strategy.value, row, steps=len(row),
+        BenchResult.from_samples(v.name, "local" if v.local else "ddp" if v.plan is None else v.plan.strategy.value,
+                                 row, steps=len(row),
                                  predicted_s=v.predicted_s, reference="ddp")
         for v, row in zip(variants, slowest, strict=True)
     ]

@@ -170,6 +170,10 @@ def print_kfac(plan: object) -> None:
     )
 
 
+#: How far the bench's local steps may be from the profile's before `planner bench` says the machine drifted.
+DRIFT_TOLERANCE = 0.05
+
+
 def print_bench(results: list, as_json: bool, title: str | None = None) -> None:
     if as_json:
         console.print_json(json.dumps([r.to_dict() for r in results]))
@@ -187,6 +191,13 @@ def print_bench(results: list, as_json: bool, title: str | None = None) -> None:
             f"{r.rel_error:.1%}" if r.rel_error is not None else "-",
         )
     console.print(table)
+    from planner.bench import LOCAL, machine_drift
+
+    drift = machine_drift(results)
+    if drift is not None and abs(drift) > DRIFT_TOLERANCE:
+        err_console.print(f"note: the {LOCAL} steps ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} than "
+                          "the profile predicts: this machine is busier or quieter than when it was profiled, and "
+                          "every prediction is off by about as much", markup=False)
 
 
 # -- commands ----------------------------------------------------------------------------------------

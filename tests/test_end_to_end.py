@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -50,11 +51,13 @@ def test_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
 
     res = _planner("bench", "--plan", str(dense), "--plan", str(topk), "--steps", "3", "--warmup", "1", "--json")
     rows = json.loads(res.stdout)
-    assert [r["name"] for r in rows] == ["ddp", "per-layer dense", "plan dense", "per-layer topk@0.01",
-                                         "plan topk@0.01", "ddp topk@0.01 hook"]
+    assert [r["name"] for r in rows] == ["ddp", "local (no communication)", "per-layer dense", "plan dense",
+                                         "per-layer topk@0.01", "plan topk@0.01", "ddp topk@0.01 hook"]
     for r in rows:
         assert r["steps"] == 3 and r["median_s"] > 0 and r["predicted_s"] > 0
     assert rows[0]["speedup"] == 1.0 and rows[0]["reference"] == "ddp"
+    # The local steps are predicted by the profile's forward + backward + update alone.
+    assert rows[1]["predicted_s"] == pytest.approx(profile.parts_s, rel=1e-9)
 
 
 def tiny_kfac_workload() -> Workload:

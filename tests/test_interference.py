@@ -260,3 +260,14 @@ def test_the_runtime_and_ddp_are_calibrated_in_real_steps_on_two_processes() -> 
     assert set(first.select) == {"exact", "sampled"}
     for c in (first.pack, first.decode, first.ddp_pack, *first.select.values()):
         assert c.modelled_s > 0 and c.measured_s >= 0 and c.factor >= Calibration.MIN_FACTOR
+
+
+def test_machine_drift_compares_the_local_steps_with_the_profile() -> None:
+    from planner.bench import LOCAL, BenchResult, machine_drift
+
+    def row(name: str, median: float, predicted: float | None) -> BenchResult:
+        return BenchResult.from_samples(name, "x", [median], steps=1, predicted_s=predicted, reference="ddp")
+
+    assert machine_drift([row("ddp", 1.0, 0.9)]) is None
+    assert machine_drift([row("ddp", 1.0, 0.9), row(LOCAL, 0.6, 0.5)]) == pytest.approx(0.2)
+    assert machine_drift([row(LOCAL, 0.45, 0.5)]) == pytest.approx(-0.1)
