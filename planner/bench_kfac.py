@@ -4,7 +4,8 @@ Variants, all with the plan's gradient groups (runtime.GradientExchange) and the
 
 - sgd: no preconditioning (what K-FAC costs on top of plain data-parallel SGD);
 - everywhere: K-FAC, factors in 25 MB buckets, every factor inverted on every worker;
-- kfac-pytorch: K-FAC, 25 MB buckets, owners assigned largest-first on d^3 (kfac-pytorch's defaults);
+- kfac-pytorch: K-FAC as kfac-pytorch runs by default: whole factors in 25 MB buckets, each layer's two
+  factors inverted on one worker, layers assigned largest summed d^3 first to the least-loaded worker;
 - plan: K-FAC with the plan's factor buffers and inversion owners.
 
 A K-FAC step is not like the next (factors every `factor_update_steps`, inverses every `inv_update_steps`),

@@ -14,6 +14,7 @@ The `kfac` section of a plan (schema in planner/plan.py):
       "a_buffers": [["conv1", "conv2"], ["fc"]],              # A allreduces, forward order
       "g_buffers": [["fc"], ["conv2", "conv1"]],              # G allreduces, backward order
       "owners": {"conv1.A": 0, "conv1.G": "all", ...},         # rank that inverts and broadcasts, or all
+      "factor_messages": "upper-triangle" | "whole",          # optional, absent: upper-triangle
       "solvers": {"fusion": "fusion-dp", "placement": "ilp-cbc", "seconds": 0.2, "gap": 0.0},
       "predicted": {"plan": {...}, "baselines": {"kfac-pytorch": {...}, ...}, "lower_bound_s": ...}
     }
@@ -42,6 +43,10 @@ __all__ = [
 
 #: The owner of a factor that every worker inverts for itself (no broadcast).
 ALL_WORKERS = "all"
+
+
+#: The two ways factors travel in JSON ("factor_messages").
+_TRIANGLE, _WHOLE = "upper-triangle", "whole"
 
 
 def factor_name(layer: str, kind: FactorKind) -> str:
@@ -149,7 +154,9 @@ class KFACSection:
     """K-FAC decisions: factor fusion buffers, inversion owners, update intervals, and predictions.
 
     owners maps every factor name to the rank that inverts it and broadcasts the result, or None when
-    every worker inverts it itself ("all" in JSON).
+    every worker inverts it itself ("all" in JSON). Factors travel as their upper triangles (d(d+1)/2
+    values, and so does a damped inverse), or whole (d^2 values) with `whole_factors`, as kfac-pytorch
+    sends them by default.
     """
 
     method: InverseMethod
@@ -159,6 +166,7 @@ class KFACSection:
     a_buffers: tuple[tuple[str, ...], ...]
     g_buffers: tuple[tuple[str, ...], ...]
     owners: dict[str, int | None]
+    whole_factors: bool = False
     fusion_solver: str = "none"
     placement_solver: str = "none"
     solve_seconds: float = 0.0
@@ -233,6 +241,7 @@ class KFACSection:
             "a_buffers": [list(b) for b in self.a_buffers],
             "g_buffers": [list(b) for b in self.g_buffers],
             "owners": {k: ALL_WORKERS if v is None else v for k, v in self.owners.items()},
+            "factor_messages": _WHOLE if self.whole_factors else _TRIANGLE,
             "solvers": {
                 "fusion": self.fusion_solver,
                 "placement": self.placement_solver,
@@ -256,7 +265,11 @@ class KFACSection:
             where,
             ["method", "factor_update_steps", "inv_update_steps", "layers", "a_buffers", "g_buffers", "owners",
              "solvers", "predicted"],
+            ["factor_messages"],  # absent in plans made before whole factors could be sent
         )
+        messages = data.get("factor_messages", _TRIANGLE)
+        if messages not in (_TRIANGLE, _WHOLE):
+            raise SchemaError(f"{where}.factor_messages must be {_TRIANGLE!r} or {_WHOLE!r}, got {messages!r}")
         try:
             method = InverseMethod(data["method"])
         except ValueError:
@@ -291,6 +304,7 @@ class KFACSection:
             a_buffers=_name_lists(data["a_buffers"], f"{where}.a_buffers"),
             g_buffers=_name_lists(data["g_buffers"], f"{where}.g_buffers"),
             owners=owners,
+            whole_factors=messages == _WHOLE,
             fusion_solver=expect(solvers["fusion"], str, f"{where}.solvers.fusion"),
             placement_solver=expect(solvers["placement"], str, f"{where}.solvers.placement"),
             solve_seconds=expect_time(solvers["seconds"], f"{where}.solvers.seconds"),

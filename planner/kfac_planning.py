@@ -30,7 +30,7 @@ from planner.placement import (
     PLACEMENT_BASELINES,
     PLACEMENT_SOLVERS,
     Everywhere,
-    LargestFirst,
+    KfacPytorchRule,
     Placement,
     PlacementProblem,
     makespan,
@@ -63,9 +63,14 @@ def triangle_numel(dim: int) -> int:
     return dim * (dim + 1) // 2
 
 
-def result_numel(dim: int, method: InverseMethod) -> int:
-    """Values an owner broadcasts: an inverse's upper triangle, or eigenvectors and eigenvalues."""
-    return triangle_numel(dim) if method is InverseMethod.INVERSE else dim * dim + dim
+def factor_numel(dim: int, *, whole: bool = False) -> int:
+    """Values a factor's allreduce sends: its upper triangle, or all d^2 when factors travel whole."""
+    return dim * dim if whole else triangle_numel(dim)
+
+
+def result_numel(dim: int, method: InverseMethod, *, whole: bool = False) -> int:
+    """Values an owner broadcasts: eigenvectors and eigenvalues, or an inverse (as its factor travels)."""
+    return factor_numel(dim, whole=whole) if method is InverseMethod.INVERSE else dim * dim + dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,8 +93,13 @@ class KFACProblem:
         return [factor_name(lt.name, k) for lt in self.layers for k in FactorKind]
 
 
-def kfac_problem(profile: Profile, method: InverseMethod = InverseMethod.EIGEN) -> KFACProblem:
-    """The K-FAC instance a profile describes (it needs the K-FAC measurements of `planner profile`)."""
+def kfac_problem(
+    profile: Profile, method: InverseMethod = InverseMethod.EIGEN, *, whole_factors: bool = False
+) -> KFACProblem:
+    """The K-FAC instance a profile describes (it needs the K-FAC measurements of `planner profile`).
+
+    `whole_factors`: factors (and damped inverses) travel as d^2 values, as kfac-pytorch sends them, instead
+    of their upper triangles."""
     if profile.kfac is None:
         raise InvalidProfileError(
             "this profile has no K-FAC measurements; profile again with `planner profile --kfac`"
@@ -133,9 +143,9 @@ def kfac_problem(profile: Profile, method: InverseMethod = InverseMethod.EIGEN) 
     allreduce = profile.curve(Collective.ALLREDUCE).model
     fusion = FusionProblem(
         a_ready_s=tuple(float(x) for x in a_ready),
-        a_bytes=tuple(triangle_numel(lt.a_dim) * elem for lt in kf.layers),
+        a_bytes=tuple(factor_numel(lt.a_dim, whole=whole_factors) * elem for lt in kf.layers),
         g_ready_s=tuple(float(x) for x in g_ready),
-        g_bytes=tuple(triangle_numel(lt.g_dim) * elem for lt in reversed(kf.layers)),
+        g_bytes=tuple(factor_numel(lt.g_dim, whole=whole_factors) * elem for lt in reversed(kf.layers)),
         grad_ready_s=tuple(grad_ready[r.stop - 1] for r in groups_of(grouping)),
         grad_bytes=tuple(sum(grad.numel[i] for i in r) * elem for r in groups_of(grouping)),
         allreduce=allreduce,
@@ -147,7 +157,7 @@ def kfac_problem(profile: Profile, method: InverseMethod = InverseMethod.EIGEN) 
     dims = [d for lt in kf.layers for d in (lt.a_dim, lt.g_dim)]
     placement = PlacementProblem(
         inv_s=tuple(invert.cost(d) for d in dims),
-        bcast_s=tuple(bcast.cost(result_numel(d, method) * elem) for d in dims),
+        bcast_s=tuple(bcast.cost(result_numel(d, method, whole=whole_factors) * elem) for d in dims),
         dims=tuple(dims),
         world_size=profile.cluster.world_size,
         names=tuple(factor_name(lt.name, k) for lt in kf.layers for k in FactorKind),
@@ -257,8 +267,9 @@ def make_kfac_plan(
         baselines[f"fusion:{name}"] = predict_kfac(problem, bufs, placed.placement, **intervals)
     for name, owners in baseline_owners.items():
         baselines[f"placement:{name}"] = predict_kfac(problem, buffers, owners, **intervals)
-    for name, (bufs, owners) in _reference_layouts(problem).items():
-        baselines[name] = predict_kfac(problem, bufs, owners, **intervals)
+    whole = kfac_problem(profile, method, whole_factors=True)
+    for name, (bufs, owners, sends_whole) in _reference_layouts(problem, whole).items():
+        baselines[name] = predict_kfac(whole if sends_whole else problem, bufs, owners, **intervals)
 
     section = replace(
         _section(problem, buffers, placed.placement, **intervals),
@@ -274,13 +285,16 @@ def make_kfac_plan(
     return replace(gradient_plan, kfac=section)
 
 
-def _reference_layouts(problem: KFACProblem) -> dict[str, tuple[FactorBuffers, Placement]]:
-    """The layouts the benchmark runs against: kfac-pytorch's defaults (25 MB buckets, largest-first owners),
-    and 25 MB buckets with every factor inverted everywhere. Neither depends on measured times."""
-    buckets = FixedBytes().solve(problem.fusion)
+def _reference_layouts(
+    problem: KFACProblem, whole: KFACProblem
+) -> dict[str, tuple[FactorBuffers, Placement, bool]]:
+    """The layouts the benchmark runs against, with whether factors travel whole: kfac-pytorch's defaults
+    (whole factors in 25 MB buckets, each layer's two factors on one worker chosen largest-first by summed d^3;
+    `whole` is `problem` with whole-factor message sizes), and this runtime's upper triangles in 25 MB
+    buckets with every factor inverted everywhere. Neither depends on measured times."""
     return {
-        "kfac-pytorch": (buckets, LargestFirst().solve(problem.placement).placement),
-        "everywhere": (buckets, Everywhere().solve(problem.placement).placement),
+        "kfac-pytorch": (FixedBytes().solve(whole.fusion), KfacPytorchRule().solve(whole.placement).placement, True),
+        "everywhere": (FixedBytes().solve(problem.fusion), Everywhere().solve(problem.placement).placement, False),
     }
 
 
@@ -292,14 +306,30 @@ def reference_sections(plan: Plan) -> dict[str, KFACSection]:
     section = plan.kfac
     if section is None:
         raise SolverError("the plan has no kfac section; make one with `planner solve PROFILE --strategy kfac`")
+    intervals = {
+        "factor_update_steps": section.factor_update_steps,
+        "inv_update_steps": section.inv_update_steps,
+    }
+    triangles, whole = (_layout_stub(section, plan.cluster.world_size, whole=w) for w in (False, True))
+    predicted = section.baselines or {}
+    return {
+        name: replace(_section(triangles, bufs, owners, **intervals), whole_factors=sends_whole,
+                      predicted=predicted.get(name))
+        for name, (bufs, owners, sends_whole) in _reference_layouts(triangles, whole).items()
+    }
+
+
+def _layout_stub(section: KFACSection, world_size: int, *, whole: bool) -> KFACProblem:
+    """A K-FAC problem with the section's layers and message sizes and no times: enough for the layouts that
+    depend on sizes alone."""
     elem = 4
     layers = section.layers
     n = len(layers)
     fusion = FusionProblem(
         a_ready_s=(0.0,) * n,
-        a_bytes=tuple(triangle_numel(lt.a_dim) * elem for lt in layers),
+        a_bytes=tuple(factor_numel(lt.a_dim, whole=whole) * elem for lt in layers),
         g_ready_s=(0.0,) * n,
-        g_bytes=tuple(triangle_numel(lt.g_dim) * elem for lt in reversed(layers)),
+        g_bytes=tuple(factor_numel(lt.g_dim, whole=whole) * elem for lt in reversed(layers)),
         grad_ready_s=(),
         grad_bytes=(),
         allreduce=AffineCost(alpha=0.0, beta=0.0),
@@ -308,23 +338,14 @@ def reference_sections(plan: Plan) -> dict[str, KFACSection]:
     )
     dims = tuple(d for lt in layers for d in (lt.a_dim, lt.g_dim))
     placement = PlacementProblem(
-        inv_s=tuple(float(d) ** 3 for d in dims), bcast_s=(0.0,) * len(dims), dims=dims,
-        world_size=plan.cluster.world_size,
+        inv_s=tuple(float(d) ** 3 for d in dims), bcast_s=(0.0,) * len(dims), dims=dims, world_size=world_size,
+        names=tuple(factor_name(lt.name, k) for lt in layers for k in FactorKind),
     )
-    stub = KFACProblem(
+    return KFACProblem(
         layers=layers, method=section.method, fusion=fusion, placement=placement,
         sgd_step_s=0.0, plain_step_s=0.0, compute_end_s=0.0, fold_s=0.0, tail_s=0.0,
         gradient_lower_bound_s=0.0,
     )
-    intervals = {
-        "factor_update_steps": section.factor_update_steps,
-        "inv_update_steps": section.inv_update_steps,
-    }
-    predicted = section.baselines or {}
-    return {
-        name: replace(_section(stub, bufs, owners, **intervals), predicted=predicted.get(name))
-        for name, (bufs, owners) in _reference_layouts(stub).items()
-    }
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ __all__ = [
     "CpSatPlacement",
     "Everywhere",
     "IlpPlacement",
+    "KfacPytorchRule",
     "LargestFirst",
     "Placement",
     "PlacementProblem",
@@ -357,15 +358,43 @@ class Everywhere(PlacementSolver):
 
 
 class LargestFirst(PlacementSolver):
-    """kfac-pytorch's rule: factors by d^3 descending, each to the worker with the least d^3 so far; no "all"."""
+    """Factors one by one by d^3 descending, each to the worker with the least d^3 so far; no "all"."""
 
     name = "largest-first"
-    description = "largest d^3 first to the least-loaded worker (kfac-pytorch)"
+    description = "factor by factor, largest d^3 first to the least-loaded worker"
 
     def solve(self, problem: PlacementProblem) -> PlacementResult:
         started = time.perf_counter()
         cubes = [d**3 for d in problem.dims]
         owners = _largest_first(cubes, range(problem.num_factors), problem.world_size)
+        return _result(problem, _placement_of(problem.num_factors, owners), solver=self.name, started=started,
+                       bound=placement_lower_bound(problem))
+
+
+def _layer_of(problem: PlacementProblem) -> list[str]:
+    """The layer of each factor: its name without the ".A" / ".G" suffix, or the factor itself when unnamed."""
+    if not problem.names:
+        return [f"factor {f}" for f in range(problem.num_factors)]
+    return [re.sub(r"\.[AG]$", "", name) for name in problem.names]
+
+
+class KfacPytorchRule(PlacementSolver):
+    """kfac-pytorch's default assignment (KAISA's greedy, `colocate_factors=True`, `AssignmentStrategy.COMPUTE`):
+    layers by the sum of their factors' d^3, descending, each layer's factors all to the worker with the least
+    such work so far (the lowest rank on ties); no "all". Layers are read from the factor names ("<layer>.A")."""
+
+    name = "kfac-pytorch"
+    description = "layer by layer, A and G together, largest summed d^3 first to the least-loaded worker (kfac-pytorch)"
+
+    def solve(self, problem: PlacementProblem) -> PlacementResult:
+        started = time.perf_counter()
+        layer_of = _layer_of(problem)
+        index = {layer: i for i, layer in enumerate(dict.fromkeys(layer_of))}  # first-seen order
+        work = [0] * len(index)
+        for layer, d in zip(layer_of, problem.dims, strict=True):
+            work[index[layer]] += d**3
+        rank_of = _largest_first(work, range(len(work)), problem.world_size)
+        owners = {f: rank_of[index[layer]] for f, layer in enumerate(layer_of)}
         return _result(problem, _placement_of(problem.num_factors, owners), solver=self.name, started=started,
                        bound=placement_lower_bound(problem))
 
@@ -385,7 +414,7 @@ class SpdKfacRule(PlacementSolver):
 
 
 #: The baselines each placement is compared with.
-PLACEMENT_BASELINES: tuple[type[PlacementSolver], ...] = (LargestFirst, SpdKfacRule, Everywhere)
+PLACEMENT_BASELINES: tuple[type[PlacementSolver], ...] = (KfacPytorchRule, LargestFirst, SpdKfacRule, Everywhere)
 
 
 # ----------------------------------------------------------------------------------------------------

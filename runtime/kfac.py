@@ -135,7 +135,8 @@ def fold_factor(running: Tensor | None, new: Tensor, decay: float) -> Tensor:
 
 def decompose(matrix: Tensor, method: InverseMethod, damping: float, out: Tensor) -> None:
     """What an owner computes and broadcasts, written into the flat `out`: eigenvectors then eigenvalues
-    (clamped at 0) for EIGEN, the upper triangle of (matrix + damping I)⁻¹ for INVERSE."""
+    (clamped at 0) for EIGEN; for INVERSE (matrix + damping I)⁻¹, its upper triangle, or all of it when `out`
+    has room for d^2 values (whole factors)."""
     dim = matrix.shape[0]
     if method is InverseMethod.EIGEN:
         evals, q = torch.linalg.eigh(matrix)
@@ -145,6 +146,9 @@ def decompose(matrix: Tensor, method: InverseMethod, damping: float, out: Tensor
     damped = matrix + damping * torch.eye(dim, dtype=matrix.dtype, device=matrix.device)
     chol, info = torch.linalg.cholesky_ex(damped)
     inv = torch.cholesky_inverse(chol) if int(info) == 0 else torch.linalg.inv(damped)
+    if out.numel() == dim * dim:
+        out.copy_(inv.reshape(-1))
+        return
     rows, cols = torch.triu_indices(dim, dim, device=matrix.device)
     out.copy_(inv[rows, cols])
 
@@ -162,7 +166,9 @@ def precondition_inverse(grad: Tensor, a_inv: Tensor, g_inv: Tensor) -> Tensor:
 
 
 class _Factor:
-    """One Kronecker factor: its running average, its slot in a fusion buffer, and its inverse."""
+    """One Kronecker factor: its running average, its slot in a fusion buffer, and its inverse.
+
+    It travels (and a damped inverse with it) as its upper triangle, or whole (d^2 values) with `whole`."""
 
     __slots__ = (
         "cols",
@@ -178,22 +184,25 @@ class _Factor:
         "rows",
         "running",
         "view",
+        "whole",
     )
 
     def __init__(
-        self, name: str, kind: FactorKind, dim: int, owner: int | None, like: Tensor, method: InverseMethod
+        self, name: str, kind: FactorKind, dim: int, owner: int | None, like: Tensor, method: InverseMethod,
+        *, whole: bool = False,
     ) -> None:
         self.name = name
         self.kind = kind
         self.dim = dim
         self.owner = owner
+        self.whole = whole
         dtype, device = _factor_dtype(like), like.device
         self.rows, self.cols = torch.triu_indices(dim, dim, device=device)
         self.running: Tensor | None = None
         self.view: Tensor = torch.empty(0)  # set by the buffer holding this factor
         self.ready = False
-        # what an inversion produces and the owner broadcasts: Q and eigenvalues, or the inverse's upper triangle
-        numel = dim * dim + dim if method is InverseMethod.EIGEN else dim * (dim + 1) // 2
+        # what an inversion produces and the owner broadcasts: Q and eigenvalues, or the inverse as it travels
+        numel = dim * dim + dim if method is InverseMethod.EIGEN else self.message_numel
         self.inv_flat = torch.zeros(numel, dtype=dtype, device=device)
         self.q: Tensor | None = None
         self.evals: Tensor | None = None
@@ -204,13 +213,23 @@ class _Factor:
         else:
             self.inv = torch.zeros(dim, dim, dtype=dtype, device=device)
 
+    @property
+    def message_numel(self) -> int:
+        """Values the factor's allreduce sends: d^2 whole, else d(d+1)/2."""
+        return self.dim * self.dim if self.whole else self.dim * (self.dim + 1) // 2
+
     def pack(self, matrix: Tensor) -> None:
-        self.view.copy_(matrix[self.rows, self.cols])
+        if self.whole:
+            self.view.copy_(matrix.reshape(-1))
+        else:
+            self.view.copy_(matrix[self.rows, self.cols])
 
     def unpack(self, flat: Tensor, out: Tensor | None = None) -> Tensor:
-        """The symmetric matrix whose upper triangle is `flat`."""
+        """The symmetric matrix that `flat` holds (its upper triangle, or all of it when whole)."""
         if out is None:
             out = torch.empty(self.dim, self.dim, dtype=self.inv_flat.dtype, device=flat.device)
+        if self.whole:
+            return out.copy_(flat.view(self.dim, self.dim))
         return symmetric_from_triangle(flat, self.rows, self.cols, out)
 
 
@@ -243,7 +262,7 @@ class _Layer:
 
 
 class _Buffer:
-    """One fused factor allreduce: the upper triangles of its factors, back to back."""
+    """One fused factor allreduce: its factors as they travel (upper triangles or whole), back to back."""
 
     __slots__ = ("factors", "flat", "index", "num_ready", "prepared", "work")
 
@@ -255,7 +274,7 @@ class _Buffer:
             names = [f.name for f in factors]
             raise ValueError(f"K-FAC buffer {names} spans several devices {sorted(map(str, devices))}; one is needed")
         dtype = functools.reduce(torch.promote_types, [f.inv_flat.dtype for f in factors])
-        sizes = [f.dim * (f.dim + 1) // 2 for f in factors]
+        sizes = [f.message_numel for f in factors]
         self.flat = torch.zeros(sum(sizes), dtype=dtype, device=devices.pop())
         offset = 0
         for f, n in zip(factors, sizes, strict=True):
@@ -354,7 +373,8 @@ class KFACPreconditioner:
             for kind in FactorKind:
                 name = factor_name(spec.name, kind)
                 pair.append(
-                    _Factor(name, kind, spec.dim(kind), self.section.owners[name], module.weight, self.section.method)
+                    _Factor(name, kind, spec.dim(kind), self.section.owners[name], module.weight, self.section.method,
+                            whole=self.section.whole_factors)
                 )
                 factors[name] = pair[-1]
             self._layers.append(_Layer(spec.name, module, *pair))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -136,12 +137,57 @@ def test_reference_sections_are_kfac_pytorch_defaults() -> None:
     plan = synthetic_kfac_plan("mlp", 2)
     refs = reference_sections(plan)
     assert set(refs) == {"kfac-pytorch", "everywhere"}
-    assert all(o is None for o in refs["everywhere"].owners.values())
-    owners = refs["kfac-pytorch"].owners
+    assert all(o is None for o in refs["everywhere"].owners.values()) and not refs["everywhere"].whole_factors
+    ref = refs["kfac-pytorch"]
+    owners = ref.owners
     assert all(o in (0, 1) for o in owners.values()) and set(owners.values()) == {0, 1}
-    # 25 MB buckets: the mlp's factors (about 2 MB each) share buckets, so there are fewer buffers than factors.
-    assert len(refs["kfac-pytorch"].a_buffers) < len(plan.kfac.layers)  # type: ignore[union-attr]
-    assert refs["kfac-pytorch"].predicted == plan.kfac.baselines["kfac-pytorch"]  # type: ignore[union-attr,index]
+    # kfac-pytorch's defaults: a layer's A and G on one worker, whole factors in 25 MB buckets.
+    for lt in ref.layers:
+        assert owners[factor_name(lt.name, FactorKind.A)] == owners[factor_name(lt.name, FactorKind.G)], lt.name
+    assert ref.whole_factors
+    # The mlp's whole factors (785^2 and 1025^2 values, 2.5-4.2 MB) share 25 MB buckets: fewer buffers than factors.
+    assert len(ref.a_buffers) < len(plan.kfac.layers)  # type: ignore[union-attr]
+    assert ref.predicted == plan.kfac.baselines["kfac-pytorch"]  # type: ignore[union-attr,index]
+
+
+def test_kfac_pytorch_row_sends_whole_factors() -> None:
+    """The kfac-pytorch row is its layout predicted with d^2 values per factor: dearer than the same layout
+    sending upper triangles, and the whole-factor problem's messages are d^2 (inverses too)."""
+    profile = synthetic_profile("mlp", world_size=2)
+    plan = synthetic_kfac_plan("mlp", 2, inv_update_steps=5)
+    assert plan.kfac is not None and plan.kfac.baselines is not None
+    ref = reference_sections(plan)["kfac-pytorch"]
+    buffers = tuple(tuple(itertools.accumulate(len(b) for b in bufs)) for bufs in (ref.a_buffers, ref.g_buffers))
+    owners = tuple(ref.owners[n] for n in ref.factor_names())
+    for method in InverseMethod:
+        triangles = kfac_problem(profile, method)
+        whole = kfac_problem(profile, method, whole_factors=True)
+        a_dims = [lt.a_dim for lt in triangles.layers]
+        assert whole.fusion.a_bytes == tuple(d * d * 4 for d in a_dims)
+        assert triangles.fusion.a_bytes == tuple(d * (d + 1) // 2 * 4 for d in a_dims)
+        if method is InverseMethod.INVERSE:
+            assert all(w > t for w, t in zip(whole.placement.bcast_s, triangles.placement.bcast_s, strict=True))
+        else:  # eigenvectors and eigenvalues either way
+            assert whole.placement.bcast_s == triangles.placement.bcast_s
+    intervals = {"factor_update_steps": 1, "inv_update_steps": 5}
+    sent_whole = predict_kfac(kfac_problem(profile, whole_factors=True), buffers, owners, **intervals)  # type: ignore[arg-type]
+    sent_triangles = predict_kfac(kfac_problem(profile), buffers, owners, **intervals)  # type: ignore[arg-type]
+    assert plan.kfac.baselines["kfac-pytorch"].step_s == pytest.approx(sent_whole.step_s, rel=TOL)
+    assert sent_whole.factor_comm_s > sent_triangles.factor_comm_s
+
+
+def test_factor_messages_round_trip_and_are_validated() -> None:
+    plan = synthetic_kfac_plan("cnn")
+    assert plan.kfac is not None
+    whole = replace(plan, kfac=replace(plan.kfac, whole_factors=True))
+    doc = whole.to_dict()
+    assert doc["kfac"]["factor_messages"] == "whole"
+    assert Plan.from_dict(doc) == whole
+    del doc["kfac"]["factor_messages"]  # plans made before: upper triangles
+    assert Plan.from_dict(doc).kfac.whole_factors is False  # type: ignore[union-attr]
+    doc["kfac"]["factor_messages"] = "half"
+    with pytest.raises(SchemaError, match="factor_messages must be 'upper-triangle' or 'whole', got 'half'"):
+        Plan.from_dict(doc)
 
 
 def test_cli_solve_kfac_show_and_bad_inputs(tmp_path: Path) -> None:

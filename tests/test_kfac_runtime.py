@@ -11,7 +11,7 @@ import copy
 import io
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +191,7 @@ class Config:
     method: InverseMethod
     factor_steps: int = 1
     inv_steps: int = 1
+    whole: bool = False  # factors (and damped inverses) travel whole, as kfac-pytorch sends them
 
 
 CONFIGS = [
@@ -200,13 +201,18 @@ CONFIGS = [
     Config("explicit: spread + all, one buffer each, inverse, 1/2", "explicit", "spread", "single",
            InverseMethod.INVERSE, 1, 2),
     Config("ddp: spread + all, per factor, eigen", "ddp", "spread", "per-factor", InverseMethod.EIGEN),
+    Config("explicit whole: spread + all, uneven buffers, inverse", "explicit", "spread", "uneven",
+           InverseMethod.INVERSE, whole=True),
+    Config("explicit whole: rank 0 owns all, one buffer each, eigen", "explicit", "rank0", "single",
+           InverseMethod.EIGEN, whole=True),
 ]  # fmt: skip
 
 
 def _run_config(cfg: Config, rank: int, world_size: int, process_group: Any = None) -> list[dict[str, Tensor]]:
     """This rank's share of training under `cfg`; rank and world size are those of `process_group`."""
     model = build_knet()
-    section = make_section(model, cfg.owners, cfg.buffers, cfg.method, cfg.factor_steps, cfg.inv_steps)
+    section = replace(make_section(model, cfg.owners, cfg.buffers, cfg.method, cfg.factor_steps, cfg.inv_steps),
+                      whole_factors=cfg.whole)
     kwargs: dict[str, Any] = {"skip_layers": SKIP, "lr": LR, "damping": DAMPING, "process_group": process_group}
     forward: nn.Module = model
     if cfg.source == "default":
@@ -222,6 +228,10 @@ def _run_config(cfg: Config, rank: int, world_size: int, process_group: Any = No
         kwargs.update(kfac=section, exchange_gradients=False)
     precond = KFACPreconditioner(model, **kwargs)
     assert precond.section.owners == section.owners and precond.section.a_buffers == section.a_buffers
+    assert precond.section.whole_factors == cfg.whole
+    if cfg.whole:  # the buffers hold d^2 values per factor
+        for st in precond._buffers:
+            assert st.flat.numel() == sum(f.dim * f.dim for f in st.factors)
     assert (precond.exchange is not None) == (cfg.source in ("plan", "explicit"))
     batches = [shard(full_batch(step), rank, world_size) for step in range(STEPS)]
     with precond:

@@ -16,6 +16,7 @@ from planner.placement import (
     CpSatPlacement,
     Everywhere,
     IlpPlacement,
+    KfacPytorchRule,
     LargestFirst,
     PlacementProblem,
     PlacementResult,
@@ -203,6 +204,24 @@ def test_largest_first_uses_dims_not_times_and_breaks_ties_by_rank() -> None:
     assert LargestFirst().solve(equal).placement == (0, 1, 2)
 
 
+def test_kfac_pytorch_rule_keeps_a_layers_factors_together() -> None:
+    """kfac-pytorch (colocate_factors): layers by summed d^3 descending, A and G to the least-loaded worker."""
+    dims = [100, 300, 200, 200, 50, 50]  # l1 (28e6), l2 (16e6), l3 (0.25e6)
+    names = ["l1.A", "l1.G", "l2.A", "l2.G", "l3.A", "l3.G"]
+    problem = PlacementProblem(inv_s=tuple(d**3 * 1e-9 for d in dims), bcast_s=(10.0,) * 6, dims=tuple(dims),
+                               world_size=2, names=tuple(names))
+    result = KfacPytorchRule().solve(problem)
+    # l1 -> rank 0; l2 -> rank 1; l3 -> rank 1 (16e6 < 28e6). Factor by factor, l1's A would leave its G.
+    assert result.placement == (0, 0, 1, 1, 1, 1) and result.num_everywhere == 0
+    assert LargestFirst().solve(problem).placement == (1, 0, 1, 1, 1, 1)
+    # Equal layers go to ranks in turn; unnamed factors are layers of their own (the factor-by-factor rule).
+    equal = PlacementProblem(inv_s=(1.0,) * 4, bcast_s=(0.0,) * 4, dims=(8,) * 4, world_size=2,
+                             names=("a.A", "a.G", "b.A", "b.G"))
+    assert KfacPytorchRule().solve(equal).placement == (0, 0, 1, 1)
+    unnamed = problem_of([d**3 * 1e-9 for d in dims], [10.0] * 6, world_size=2, dims=dims)
+    assert KfacPytorchRule().solve(unnamed).placement == LargestFirst().solve(unnamed).placement
+
+
 def test_spd_kfac_rule() -> None:
     """SPD-KFAC: c <= b (ties included) everywhere; the rest by c descending to the least-loaded worker."""
     problem = problem_of([5.0, 1.0, 4.0, 3.0], [1.0, 1.0, 1.0, 0.5], world_size=2, dims=[16, 4096, 32, 64])
@@ -212,7 +231,7 @@ def test_spd_kfac_rule() -> None:
 
 
 def test_baselines_and_solvers_registered() -> None:
-    assert [cls.name for cls in PLACEMENT_BASELINES] == ["largest-first", "spd-kfac", "everywhere"]
+    assert [cls.name for cls in PLACEMENT_BASELINES] == ["kfac-pytorch", "largest-first", "spd-kfac", "everywhere"]
     assert {name: cls.name for name, cls in PLACEMENT_SOLVERS.items()} == {"ilp-cbc": "ilp-cbc", "cp-sat": "cp-sat"}
 
 
@@ -391,7 +410,7 @@ def test_random_placement_problem() -> None:
 
 def test_time_placement_rows() -> None:
     rows = time_placement(20, 4, repeats=1, time_limit_s=0.2)
-    assert [row["solver"] for row in rows] == ["ilp-cbc", "cp-sat", "largest-first", "spd-kfac", "everywhere"]
+    assert [row["solver"] for row in rows] == ["ilp-cbc", "cp-sat", "kfac-pytorch", "largest-first", "spd-kfac", "everywhere"]
     best = min(row["makespan_s"] for row in rows if not row["exact"])
     for row in rows:
         assert row["median_s"] >= 0 and 0 <= row["gap"] < 1 and row["factors"] == 20 and row["world_size"] == 4
