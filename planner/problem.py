@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -157,8 +158,11 @@ def topk_count_many(numel: np.ndarray, density: float) -> np.ndarray:
 
 
 def topk_count(numel: int, density: float) -> int:
-    """`topk_count_many` for one group: the k a top-k group of `numel` elements sends."""
-    return int(topk_count_many(np.asarray(numel), density))
+    """`topk_count_many` for one group: the k a top-k group of `numel` elements sends (in Python integers:
+    the simulator and the greedy rules call it once per group)."""
+    n = operator.index(numel)
+    frac = _decimal(density)
+    return max(1, min(n, -((-frac.numerator * n) // frac.denominator)))
 
 
 def groups_of(grouping: Grouping) -> list[range]:

@@ -160,6 +160,16 @@ def _decode_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
     return problem.decode.cost_many(problem.world_size * _k_many(problem, numel))
 
 
+def _comm_and_decode_many(problem: GradientProblem, numel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(`_comm_many`, `_decode_many`) of the same group sizes, counting k once."""
+    if problem.strategy is Strategy.DENSE:
+        return _comm_many(problem, numel), np.zeros(np.shape(numel))
+    assert problem.decode is not None
+    k = _k_many(problem, numel)
+    return (problem.comm.cost_many(k * (problem.element_bytes + INDEX_BYTES)),
+            problem.decode.cost_many(problem.world_size * k))
+
+
 def _suffix_min_partition(prefix_numel: np.ndarray, group_cost: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """best[i] = min over groupings of layers i..L-1 of the sum of `group_cost(N_g)`; best[L] = 0.
 
@@ -207,12 +217,14 @@ def _lagrangian_suffixes(
     nexts = np.zeros((len(weights), num_layers), dtype=np.int64)
     for i in range(num_layers - 1, -1, -1):
         sizes = prefix_numel[i + 1 :] - prefix_numel[i]  # the group i..j for j = i..L-1
-        decode = _decode_many(problem, sizes)
-        comm = _comm_many(problem, sizes)
+        comm, decode = _comm_and_decode_many(problem, sizes)
         sigma = problem.interference
         compute = _prepare_many(problem, sizes) + decode + comm * (sigma / (1 + sigma))
         compute[-1] += comm[-1] / (1 + sigma)  # the last group's collective follows the compute path
-        costs = weights[:, None] * compute + (1 - weights[:, None]) * (comm + decode) + rest[:, i + 1 :]
+        channel = comm + decode
+        # w * compute + (1 - w) * channel + rest, with as few passes over the (weights, L - i) array as can be
+        costs = rest[:, i + 1 :] + channel
+        costs += weights[:, None] * (compute - channel)
         if bounds is not None and bounds.active:
             costs[:, ~bounds.starting_at(problem, prefix_numel, i)] = np.inf  # rest is inf without a completion
         best = np.argmin(costs, axis=1)
@@ -395,7 +407,7 @@ class _ParetoTables:
     lead: np.ndarray  # lead[m] = b_m + s(n_m), lead[L] = 0
     weights: np.ndarray  # Lagrangian weights w
     rest: np.ndarray  # rest[w, m]: see _lagrangian_suffixes
-    volume: _Volumes  # least remaining work per clock after each prefix (`_interference_bound`)
+    volume: _Volumes | None  # least remaining work per clock after each prefix (`_interference_bound`), with sigma
     bounds: _GroupBounds | None = None  # group-size bounds, None when there are none
 
 
@@ -504,6 +516,8 @@ class TopkParetoDP(_BoundedSolver):
 
 #: States kept per prefix by the beam search that finds the first upper bound of the Pareto search.
 _BEAM = 8
+#: The beam runs only when the best heuristic is further than this (relative) from the root's bound.
+_BEAM_GAP = 0.01
 
 
 def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool) -> tuple[Grouping, float]:
@@ -518,7 +532,7 @@ def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool
         lead=np.append(lead, 0.0),
         weights=weights,
         rest=rest,
-        volume=_Volumes.of(problem, prefix),
+        volume=_Volumes.of(problem, prefix) if problem.interference else None,
         bounds=bounds if bounds.active else None,
     )
     if not prune:
@@ -532,9 +546,13 @@ def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool
     candidates = [h.solve_with_value(problem) for h in (*BASELINES[problem.strategy], MGWFBPGreedy())]
     candidates += [(g, simulate(problem, g).iteration_s) for g in dict.fromkeys(relaxed)]
     candidates = [(g, v) for g, v in candidates if bounds.admits(problem, g)]
-    beamed = _pareto_search(problem, tables, np.inf, beam=_BEAM)
-    if beamed is not None:
-        candidates.append((beamed[0], fixed + beamed[1]))
+    # The beam costs about as much as the search it speeds up: run it only when no heuristic is already
+    # within _BEAM_GAP of the root's Lagrangian bound (the search then prunes almost everything anyway).
+    root = lead[0] + np.max(weights * (tables.backward[-1] - lead[0]) + rest[:, 0])
+    if not candidates or min(v for _, v in candidates) - fixed > root * (1 + _BEAM_GAP):
+        beamed = _pareto_search(problem, tables, np.inf, beam=_BEAM)
+        if beamed is not None:
+            candidates.append((beamed[0], fixed + beamed[1]))
     if not candidates:  # no allowed grouping is known: search them all
         found = _pareto_search(problem, tables, np.inf)
         if found is None:
@@ -592,28 +610,28 @@ def _pareto_search(
     # other one (see the valley in the class docstring).
     active = np.zeros(1, dtype=np.int64)
     for j in range(num_layers):
-        sizes = prefix[j + 1] - prefix[: j + 1]  # the group i..j for i = 0..j
-        decode = _decode_many(problem, sizes)
-        work = (backward[j + 1] - backward[: j + 1]) + _prepare_many(problem, sizes)  # B + s
-        comm = _comm_many(problem, sizes)
-
-        first = length[active]  # the group extending a state starts at its prefix length
-        wide = chan[active] - comp[active] >= work[first] * (1 + sigma)
+        # The group extending a state starts at its prefix length: the costs of the groups first..j, per
+        # active state (far fewer than j + 1 on real instances).
+        first = length[active]
+        sizes = prefix[j + 1] - prefix[first]
+        work = (backward[j + 1] - backward[first]) + _prepare_many(problem, sizes)  # B + s
+        wide = chan[active] - comp[active] >= work * (1 + sigma)
         if sigma == 0:  # the best other state of a block is the first after its wide ones (least C')
             extend = wide | opens[active]
             extend[1:] |= wide[:-1]
         else:
             extend = wide | _best_other_per_block(first, comp[active] + sigma * chan[active], wide)
         active = cand = active[extend]
-        first = first[extend]
+        first, sizes, work = first[extend], sizes[extend], work[extend]
         if tables.bounds is not None:
             # Only allowed groups extend a state; the others stay active for longer groups.
             allowed = tables.bounds.ending_at(problem, prefix, j)[first]
-            cand, first = cand[allowed], first[allowed]
+            cand, sizes, work = cand[allowed], sizes[allowed], work[allowed]
             if cand.size == 0:
                 continue
-        new_comp = advance_many(comp[cand], chan[cand], work[first], sigma) + decode[first]
-        new_chan = np.maximum(new_comp, chan[cand] + decode[first]) + comm[first]
+        comm, decode = _comm_and_decode_many(problem, sizes)
+        new_comp = advance_many(comp[cand], chan[cand], work, sigma) + decode
+        new_chan = np.maximum(new_comp, chan[cand] + decode) + comm
 
         m = j + 1
         if m < num_layers:  # compute-bound states: canonical (kappa, kappa), see the class docstring
@@ -648,7 +666,7 @@ def _pareto_search(
                 late = np.maximum(front_chan, front_comp + lead[m])
                 kappa = (front_comp + sigma * front_chan) / (1 + sigma) if sigma else front_comp
                 bound = late + np.max(weights * (kappa + rest_backward[m] - late) + rest[:, m, None], axis=0)
-                if sigma:
+                if tables.volume is not None:
                     bound = np.maximum(bound, tables.volume.bound(m, front_comp, front_chan, sigma))
             else:
                 bound = np.maximum(front_comp, front_chan)

@@ -410,7 +410,8 @@ def test_random_placement_problem() -> None:
 
 def test_time_placement_rows() -> None:
     rows = time_placement(20, 4, repeats=1, time_limit_s=0.2)
-    assert [row["solver"] for row in rows] == ["ilp-cbc", "cp-sat", "kfac-pytorch", "largest-first", "spd-kfac", "everywhere"]
+    assert [row["solver"] for row in rows] == ["ilp-cbc", "cp-sat", "kfac-pytorch", "largest-first", "spd-kfac",
+                                               "everywhere"]
     best = min(row["makespan_s"] for row in rows if not row["exact"])
     for row in rows:
         assert row["median_s"] >= 0 and 0 <= row["gap"] < 1 and row["factors"] == 20 and row["world_size"] == 4
