@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,8 +44,6 @@ INTERFERENCE_MESSAGE_BYTES = 4 << 20
 _CHAIN_SPAN = 3.0
 #: A chain never holds more collectives than this (tiny models on fast links).
 _MAX_CHAIN = 2000
-#: Attempts with a doubled chain when a chain ended before the backward pass did.
-_ATTEMPTS = 3
 
 
 def measure_packing(
@@ -266,7 +265,9 @@ def measure_interference(
         one = time_call(functools.partial(_run_chain, chain, 1), device, repeats=3, warmup=1)
         length = _agreed(min(_MAX_CHAIN, math.ceil(_CHAIN_SPAN * alone_one / max(median(one), 1e-6)) + 1),
                          process_group, device)
-        for attempt in range(_ATTEMPTS):
+        # A chain that ended before some backward pass did (a tiny model, or a pass that a busy machine
+        # preempted) is doubled and the pairs measured again, until the chain is as long as allowed.
+        for attempt in itertools.count():
             alone, busy = [], []
             outlasted = True
             backward_seconds(chain, length)  # unmeasured: the first pass under load
@@ -279,12 +280,12 @@ def measure_interference(
                     on_point()
             if _agreed(int(outlasted), process_group, device, op=dist.ReduceOp.MIN):
                 break
+            if length >= _MAX_CHAIN:
+                raise DistributedError(
+                    f"could not keep {coll.value}s in flight for a whole backward pass ({length} of "
+                    f"{message_bytes} bytes were not enough); interference was not measured"
+                )
             length = min(_MAX_CHAIN, 2 * length)
-        else:
-            raise DistributedError(
-                f"could not keep {coll.value}s in flight for a whole backward pass ({length} of "
-                f"{message_bytes} bytes were not enough); interference was not measured"
-            )
         everyone_alone, everyone_busy = _gathered(alone, process_group), _gathered(busy, process_group)
         out[coll] = max(0.0, median(everyone_busy) / median(everyone_alone) - 1.0)
     return out
