@@ -143,9 +143,9 @@ def kfac_problem(
     allreduce = profile.curve(Collective.ALLREDUCE).model
     fusion = FusionProblem(
         a_ready_s=tuple(float(x) for x in a_ready),
-        a_bytes=tuple(factor_numel(lt.a_dim, whole=whole_factors) * elem for lt in kf.layers),
+        a_bytes=tuple(factor_numel(lt.a_dim) * elem for lt in kf.layers),
         g_ready_s=tuple(float(x) for x in g_ready),
-        g_bytes=tuple(factor_numel(lt.g_dim, whole=whole_factors) * elem for lt in reversed(kf.layers)),
+        g_bytes=tuple(factor_numel(lt.g_dim) * elem for lt in reversed(kf.layers)),
         grad_ready_s=tuple(grad_ready[r.stop - 1] for r in groups_of(grouping)),
         grad_bytes=tuple(sum(grad.numel[i] for i in r) * elem for r in groups_of(grouping)),
         allreduce=allreduce,
@@ -157,12 +157,12 @@ def kfac_problem(
     dims = [d for lt in kf.layers for d in (lt.a_dim, lt.g_dim)]
     placement = PlacementProblem(
         inv_s=tuple(invert.cost(d) for d in dims),
-        bcast_s=tuple(bcast.cost(result_numel(d, method, whole=whole_factors) * elem) for d in dims),
+        bcast_s=tuple(bcast.cost(result_numel(d, method) * elem) for d in dims),
         dims=tuple(dims),
         world_size=profile.cluster.world_size,
         names=tuple(factor_name(lt.name, k) for lt in kf.layers for k in FactorKind),
     )
-    return KFACProblem(
+    problem = KFACProblem(
         layers=tuple(KFACLayerSpec(name=lt.name, a_dim=lt.a_dim, g_dim=lt.g_dim) for lt in kf.layers),
         method=method,
         fusion=fusion,
@@ -174,6 +174,19 @@ def kfac_problem(
         tail_s=precondition + profile.update_s,
         gradient_lower_bound_s=lower_bound(grad) + precondition,
     )
+    return _sending_whole_factors(problem, profile) if whole_factors else problem
+
+
+def _sending_whole_factors(problem: KFACProblem, profile: Profile) -> KFACProblem:
+    """`problem` with every factor (and damped inverse) sent as its d^2 values instead of its upper triangle."""
+    elem = profile.element_bytes
+    bcast = profile.curve(Collective.BROADCAST).model
+    layers = problem.layers
+    fusion = replace(problem.fusion, a_bytes=tuple(factor_numel(lt.a_dim, whole=True) * elem for lt in layers),
+                     g_bytes=tuple(factor_numel(lt.g_dim, whole=True) * elem for lt in reversed(layers)))
+    results = (result_numel(d, problem.method, whole=True) * elem for d in problem.placement.dims)
+    placement = replace(problem.placement, bcast_s=tuple(bcast.cost(n) for n in results))
+    return replace(problem, fusion=fusion, placement=placement)
 
 
 def predict_kfac(
@@ -267,7 +280,7 @@ def make_kfac_plan(
         baselines[f"fusion:{name}"] = predict_kfac(problem, bufs, placed.placement, **intervals)
     for name, owners in baseline_owners.items():
         baselines[f"placement:{name}"] = predict_kfac(problem, buffers, owners, **intervals)
-    whole = kfac_problem(profile, method, whole_factors=True)
+    whole = _sending_whole_factors(problem, profile)
     for name, (bufs, owners, sends_whole) in _reference_layouts(problem, whole).items():
         baselines[name] = predict_kfac(whole if sends_whole else problem, bufs, owners, **intervals)
 
