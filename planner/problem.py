@@ -109,6 +109,13 @@ class GradientProblem:
             return packing + self.select.cost(numel)
         return packing
 
+    def decode_s(self, numel: int) -> float:
+        """Seconds of decoding a top-k group of `numel` elements: d(P * k) (0 for dense)."""
+        if self.strategy is Strategy.DENSE:
+            return 0.0
+        assert self.decode is not None
+        return self.decode.cost(self.world_size * self.k(numel))
+
     def message_bytes(self, numel: int) -> int:
         """Bytes one rank sends for a group of `numel` elements: the dense gradient, or k values and indices."""
         if self.strategy is Strategy.DENSE:

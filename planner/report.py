@@ -147,8 +147,9 @@ class GanttData:
         bars: the step, lanes "compute" and "channel", each lane in time order.
         step_s: predicted time of the step drawn (the iteration; for K-FAC the factor-update step).
         step_name: what the step is called ("iteration" or "factor-update step").
-        compute_end_s: when the compute stream has finished backward (and selection or factor work).
-        comm_end_s: when the compute stream may go on: max(compute_end_s, end of the last collective).
+        compute_end_s: when the compute stream would have finished backward (and selection, decoding or
+            factor work) had it never waited for a collective.
+        comm_end_s: when the compute stream may go on to the update (top-k: after the last decode).
         placement_title: the placement panel's title ("" without K-FAC).
         placement: the inversion step of a K-FAC plan, lanes "all" and "rank <r>" (every rank's bars).
         placement_lanes: the placement lanes drawn, top to bottom (at most `MAX_WORKER_LANES` ranks).
@@ -168,7 +169,7 @@ class GanttData:
 
     @property
     def exposed_s(self) -> float:
-        """Communication the step waits for: the channel's busy time after the compute stream is done."""
+        """Communication the step waits for: how long the compute stream waits for collectives."""
         return self.comm_end_s - self.compute_end_s
 
 
@@ -204,14 +205,15 @@ def _gradient_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttDa
         Bar(lane="channel", start_s=f + e.comm_start_s, end_s=f + e.comm_end_s, kind="collective", label=f"g{e.index}")
         for e in events
     ]
-    compute_end = f + events[-1].select_end_s
-    comm_end = f + max(events[-1].select_end_s, events[-1].comm_end_s)
-    clock = comm_end
+    # Top-k decodes each group after its own allgather once backward is over, overlapping the later ones:
+    # the compute stream's own work ends at compute_end if it never waits; it waits the rest of the way.
+    decoding = sum(e.decode_end_s - e.decode_start_s for e in events)
+    compute_end = f + events[-1].select_end_s + decoding
+    clock = f + max(events[-1].select_end_s, events[-1].comm_end_s, events[-1].decode_end_s)
+    comm_end = clock
     if problem.strategy is Strategy.TOPK:
-        assert problem.decode is not None
-        decode = sum(problem.decode.cost(problem.world_size * problem.k(e.numel)) for e in events)
-        bars.append(Bar(lane="compute", start_s=clock, end_s=clock + decode, kind="decode", label="decode"))
-        clock += decode
+        bars += [Bar(lane="compute", start_s=f + e.decode_start_s, end_s=f + e.decode_end_s, kind="decode",
+                     label=f"decode g{e.index}") for e in events]
     bars.append(Bar(lane="compute", start_s=clock, end_s=clock + problem.update_s, kind="update", label="update"))
     step = clock + problem.update_s
     predicted = simulate(problem, grouping)

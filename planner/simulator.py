@@ -13,9 +13,12 @@ Clocks (seconds from the start of backward; the forward pass is not on them):
   From C_{g-1} on, the channel is busy exactly until E_{g-1} (group g-1 launched at C_{g-1} or queued
   behind a collective that ends later), so the two clocks determine the slowdown;
 - communication channel: E_g = max(C_g, E_{g-1}) + T(N_g), E_0 = 0;
-- top-k decoding runs after the last collective: D = sum over g of d(P * k_g).
+- top-k decoding, as the runtime's `synchronize` does it once backward is over: group by group in ready
+  order, each right after its own allgather, overlapping the later ones: X_g = advance(max(X_{g-1}, E_g),
+  E_G, d(P * k_g)), X_0 = C_G (a decode runs 1 + sigma times slower while collectives are still in
+  flight, which they are until E_G). Dense: X_G = max(C_G, E_G) (nothing to decode).
 
-iteration = F + max(C_G, E_G) + D + U.
+iteration = F + X_G + U.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class GroupEvent:
         comm_end_s: end of its collective.
         numel: gradient elements of the group, N_g.
         bytes: bytes one rank sends for the group, `problem.message_bytes(N_g)`.
+        decode_start_s: start of its top-k decode: after backward, its collective and the previous decode
+            (= decode_end_s = comm_end_s for dense).
+        decode_end_s: end of its decode, X_g.
     """
 
     index: int
@@ -57,6 +63,8 @@ class GroupEvent:
     comm_end_s: float
     numel: int
     bytes: int
+    decode_start_s: float
+    decode_end_s: float
 
 
 def validate_ends(
@@ -108,16 +116,23 @@ def timeline(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> lis
     """The events of every group of `grouping`, in ready order (see the module docstring for the clocks)."""
     ends = validate_grouping(problem, grouping)
     sigma = problem.interference
-    events: list[GroupEvent] = []
+    clocks: list[tuple[range, int, int, float, float, float, float]] = []
     compute = 0.0  # C: the compute stream clock
     channel = 0.0  # E: the communication channel clock
-    for index, layers in enumerate(groups_of(ends)):
+    for layers in groups_of(ends):
         numel = sum(problem.numel[i] for i in layers)
         nbytes = problem.message_bytes(numel)
         ready = advance(compute, channel, sum(problem.backward_s[i] for i in layers), sigma)
         select_end = advance(ready, channel, problem.prepare_s(numel), sigma)
         comm_start = max(select_end, channel)
         comm_end = comm_start + problem.comm.cost(nbytes)
+        clocks.append((layers, numel, nbytes, ready, select_end, comm_start, comm_end))
+        compute, channel = select_end, comm_end
+    events: list[GroupEvent] = []
+    decoded = compute  # X_0 = C_G: decoding starts once backward (and the last selection) is over
+    for index, (layers, numel, nbytes, ready, select_end, comm_start, comm_end) in enumerate(clocks):
+        decode_start = max(decoded, comm_end)
+        decoded = advance(decode_start, channel, problem.decode_s(numel), sigma)  # slowed until E_G
         events.append(
             GroupEvent(
                 index=index,
@@ -129,9 +144,10 @@ def timeline(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> lis
                 comm_end_s=comm_end,
                 numel=numel,
                 bytes=nbytes,
+                decode_start_s=decode_start,
+                decode_end_s=decoded,
             )
         )
-        compute, channel = select_end, comm_end
     return events
 
 
@@ -143,15 +159,17 @@ def simulate(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> Pre
     """
     events = timeline(problem, grouping)
     compute_end = events[-1].select_end_s  # C_G (= R_{L-1} for dense without packing or interference)
-    channel_end = events[-1].comm_end_s  # E_G
+    end = max(events[-1].decode_end_s, events[-1].comm_end_s)  # X_G (dense: max(C_G, E_G))
     decode = selection = 0.0
     pack = 0.0 if problem.pack is None else sum(problem.pack.cost(e.numel) for e in events)
     if problem.strategy is Strategy.TOPK:
-        assert problem.select is not None and problem.decode is not None
+        assert problem.select is not None
         selection = sum(problem.select.cost(e.numel) for e in events)
-        decode = sum(problem.decode.cost(problem.world_size * problem.k(e.numel)) for e in events)
-    iteration = problem.forward_s + max(compute_end, channel_end) + decode + problem.update_s
-    compute = problem.forward_s + compute_end + decode + problem.update_s
+        decode = sum(problem.decode_s(e.numel) for e in events)
+    # The compute path: backward, packing, selection and decode as they ran (stretched by interference).
+    decoding = sum(e.decode_end_s - e.decode_start_s for e in events)
+    iteration = problem.forward_s + end + problem.update_s
+    compute = problem.forward_s + compute_end + decoding + problem.update_s
     return Prediction(
         iteration_s=iteration,
         compute_s=compute,
@@ -161,5 +179,5 @@ def simulate(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> Pre
         decode_s=decode,
         num_groups=len(events),
         pack_s=pack,
-        interference_s=max(0.0, compute_end - sum(problem.backward_s) - selection - pack),
+        interference_s=max(0.0, compute_end - sum(problem.backward_s) - selection - pack) + max(0.0, decoding - decode),
     )

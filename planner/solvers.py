@@ -190,20 +190,26 @@ _BOUND_WEIGHTS = np.linspace(0.0, 1.0, 11)
 def _lagrangian_suffixes(
     problem: GradientProblem, prefix_numel: np.ndarray, bounds: _GroupBounds | None = None
 ) -> tuple[np.ndarray, np.ndarray, list[Grouping]]:
-    """Suffix bounds of the two-clock problem: for each weight w and prefix length m, the minimum over
-    groupings of layers m..L-1 of w * X + (1 - w) * Y, where Y = sum of (T + d) and
-    X = sum of (s + d) + (T of the last group + sigma * sum of T) / (1 + sigma)
-    (s: selection or packing, d: decode, 0 for dense; sigma: interference).
+    """Suffix bounds of the search's clocks: for each weight w and prefix length m, the minimum over
+    groupings of layers m..L-1 of w * X + (1 - w) * Y (s: selection or packing, d: decode, 0 for dense;
+    sigma: interference; "last": the group that ends at layer L-1):
 
-    Any completion of a state (C', E') of prefix m ends at or after max(E', C' + b_m + s(n_m)) + Y, and
-    at or after kappa + rest of backward + X with kappa = (C' + sigma E') / (1 + sigma): if w_o of the
-    remaining work W runs while the channel is busy, the compute stream ends no earlier than
-    C' + W + sigma w_o (+ the last collective, + decode), and both clocks end no earlier than
-    C' + W + (E' - C' + sum of T) - w_o (after C' the channel is busy that long, and the time both are busy,
-    (1 + sigma) w_o, counts once); 1 / (1 + sigma) times the first plus sigma / (1 + sigma) times the
-    second no longer depends on w_o. (Without interference kappa = C' and X = sum of (s + d) + T_last.)
-    Hence the completion ends after any convex combination of the two bounds, hence after
-    w * (kappa + rest of backward) + (1 - w) * max(E', C' + b_m + s(n_m)) + rest[w, m].
+    - Y = sum of T + d_last (channel path): the first collective left starts no earlier than
+      max(E, C + b_m + s(n_m)), every later one follows on the channel, and the last group's decode after
+      the last collective;
+    - dense: X = sum of (s + sigma T / (1 + sigma)) + T_last / (1 + sigma), from kappa = (C + sigma E) /
+      (1 + sigma) plus the rest of backward. If w_o of the remaining work W runs while the channel is busy,
+      the compute stream ends no earlier than C + W + sigma w_o, then the last collective; and both clocks
+      end no earlier than C + W + ((E - C)+ + sum of T) - w_o (after C the channel is busy that long, and
+      the time both are busy, (1 + sigma) w_o, counts once). 1 / (1 + sigma) times the first plus
+      sigma / (1 + sigma) times the second no longer depends on w_o;
+    - top-k: X = sum of (s + (d + sigma T) / (1 + sigma)) + sigma d_last / (1 + sigma), from
+      kappa + D / (1 + sigma) plus the rest of backward (D: the decode pending in the state): the same
+      argument with every decode after the compute stream's end (X_G >= C_G + all decode) in place of the
+      last collective, and the last decode after both clocks' end.
+
+    (Without interference kappa = C.) Any completion ends after both, hence after every convex
+    combination: w * (start of X + rest of backward) + (1 - w) * max(E, C + b_m + s(n_m)) + rest[w, m].
 
     With `bounds`, the minimum is over the groupings the bounds allow (a tighter bound, still valid for
     every allowed completion), and the groupings returned are allowed.
@@ -215,13 +221,19 @@ def _lagrangian_suffixes(
     weights = _BOUND_WEIGHTS
     rest = np.zeros((len(weights), num_layers + 1))
     nexts = np.zeros((len(weights), num_layers), dtype=np.int64)
+    sigma = problem.interference
+    topk = problem.strategy is Strategy.TOPK
     for i in range(num_layers - 1, -1, -1):
         sizes = prefix_numel[i + 1 :] - prefix_numel[i]  # the group i..j for j = i..L-1
         comm, decode = _comm_and_decode_many(problem, sizes)
-        sigma = problem.interference
-        compute = _prepare_many(problem, sizes) + decode + comm * (sigma / (1 + sigma))
-        compute[-1] += comm[-1] / (1 + sigma)  # the last group's collective follows the compute path
-        channel = comm + decode
+        if topk:
+            compute = _prepare_many(problem, sizes) + (decode + sigma * comm) / (1 + sigma)
+            compute[-1] += sigma * decode[-1] / (1 + sigma)
+        else:
+            compute = _prepare_many(problem, sizes) + comm * (sigma / (1 + sigma))
+            compute[-1] += comm[-1] / (1 + sigma)  # the last group's collective follows the compute path
+        channel = comm
+        channel[-1] += decode[-1]
         # w * compute + (1 - w) * channel + rest, with as few passes over the (weights, L - i) array as can be
         costs = rest[:, i + 1 :] + channel
         costs += weights[:, None] * (compute - channel)
@@ -430,12 +442,16 @@ class _Volumes:
             decode=_suffix_min_partition(prefix, lambda n: _decode_many(problem, n)),
         )
 
-    def bound(self, m: int, comp: np.ndarray, chan: np.ndarray, interference: float) -> np.ndarray:
-        """No completion of the states (C', E') of prefix m ends before this (`_interference_bound`)."""
-        return _interference_bound(comp, chan, self.compute[m], self.channel[m], interference) + self.decode[m]
+    def bound(self, m: int, comp: np.ndarray, chan: np.ndarray, pending: np.ndarray | float,
+              interference: float) -> np.ndarray:
+        """No completion of the states (C, E) of prefix m, with `pending` seconds of decode not yet run,
+        ends before this (`_interference_bound`: every decode runs on the compute stream too)."""
+        return _interference_bound(comp, chan, self.compute[m] + self.decode[m] + pending, self.channel[m],
+                                   interference)
 
 
-def _interference_bound(comp: np.ndarray, chan: np.ndarray, work: float, busy: float, sigma: float) -> np.ndarray:
+def _interference_bound(comp: np.ndarray, chan: np.ndarray, work: np.ndarray | float, busy: float,
+                        sigma: float) -> np.ndarray:
     """The least end of `work` seconds of compute from `comp` and `busy` seconds of collectives after a
     channel busy until `chan`, when compute runs (1 + sigma) times slower while the channel is busy.
 
@@ -445,41 +461,41 @@ def _interference_bound(comp: np.ndarray, chan: np.ndarray, work: float, busy: f
     [0, min(work, V / (1 + sigma))] is max(C + V, advance(C, C + V, work)).
     """
     lag = np.maximum(chan - comp, 0.0) + busy
-    return np.maximum(comp + lag, advance_many(comp, comp + lag, np.full_like(comp, work), sigma))
+    return np.maximum(comp + lag, advance_many(comp, comp + lag, np.broadcast_to(work, comp.shape), sigma))
 
 
 class TopkParetoDP(_BoundedSolver):
     """Exact grouping for top-k sparsified allgather (the MGS problem).
 
-    With the decode time accumulated so far, D_g, folded into both clocks (C' = C + D, E' = E + D):
-    C'_g = advance(C'_{g-1}, E'_{g-1}, B_g + s(N_g)) + d_g and E'_g = max(C'_g, E'_{g-1} + d_g) + T(N_g),
-    and iteration = F + max(C'_G, E'_G) + U (`advance` is C + W without interference; with it, the work
-    W runs 1 + sigma times slower until the channel frees up: C + W + sigma min(W, (E - C) / (1 + sigma));
-    it depends on E - C only, which the folding keeps). Both transitions are non-decreasing in
-    (C'_{g-1}, E'_{g-1}), so a state dominated in both clocks never leads to a better iteration: keeping,
-    for every prefix, the Pareto front of (C', E') (with back-pointers) is exact. Exact reductions keep it
-    fast:
+    The state of a prefix is four clocks (`planner.simulator` gives the model): compute C, channel E,
+    the decode chain V (each group decoded after its own allgather, its decode stretched by 1 + sigma, from
+    V_0 = 0) and the decode sum D. A group of work W = B + s(N), collective T and decode d leads to
+    C' = advance(C, E, W), E' = max(C', E) + T, V' = max(V, E') + (1 + sigma) d, D' = D + d, and the
+    iteration is F + X_G + U with X_G = C + D when the channel is idle by the end of backward, else
+    (sigma E + max(C + (1 + sigma) D, V)) / (1 + sigma) (`_final_end`). Every transition and X_G are
+    non-decreasing in every clock, so a state dominated in all four never leads to a better iteration:
+    keeping, for every prefix, the Pareto front of (C, E, V, D) (with back-pointers) is exact. Exact
+    reductions keep it fast:
 
-    - compute-bound states: after a prefix of m < L layers, a state whose lag E' - C' is at most
-      (b_m + s(n_m)) (1 + sigma) ends the work of any next group after the channel frees up: its next state
-      is C'_{next} = W + kappa + d and E'_{next} = C'_{next} + T, with kappa = (C' + sigma E') / (1 + sigma)
-      (kappa = C' without interference), exactly as the state (kappa, kappa) would. So it is replaced by
-      (kappa, kappa), which dominates every state with both clocks at least kappa.
-    - valley: extending the states of one front by the same group of work W = B + s, a state whose lag
-      E' - C' >= W (1 + sigma) is "wide": the channel is still busy when the work is done, and
-      (C'_{next}, E'_{next}) = (C' + W (1 + sigma) + d, E' + d + T), along the front rising in C' and falling
-      in E'. Every other state ends its work after the channel frees up, so E'_{next} = C'_{next} + T: they
-      all land on one diagonal, where only the one with the least C'_{next} (the least C' + sigma E') is
-      not dominated. So only the wide states and that best other one are extended; W only grows as the
-      group grows, so a state that stops being wide never becomes wide again and competes for "best
-      other" from then on. (Without interference the best other is the first state after the wide ones.)
-    - pre-filter: large candidate sets are first tested against the Pareto front of a sample of them
-      (dominated states go), so that only the survivors are sorted;
+    - compute-bound states: after a prefix of m < L layers, a state whose lag E - C is at most
+      (b_m + s(n_m)) (1 + sigma) ends the work of any next group after the channel frees up: its next
+      (C', E') is (W + kappa, W + kappa + T), with kappa = (C + sigma E) / (1 + sigma) (kappa = C without
+      interference), exactly as from (kappa, kappa). So (C, E) is replaced by (kappa, kappa), which
+      dominates every state with both clocks at least kappa (V and D stay).
+    - valley: extending the states of one front by the same group of work W, a state whose lag
+      E - C >= W (1 + sigma) is "wide": the channel is still busy when the work is done. Every other state
+      ends its work after the channel frees up and lands on (kappa + W, kappa + W + T,
+      max(V, kappa + W + T) + (1 + sigma) d, D + d): one non-wide state of a block dominates another for
+      this group and every longer one when its kappa, D and max(V, kappa + W + T) are no larger (W + T only
+      grows with the group), and the dominated one is not extended again. W only grows as the group
+      grows, so a state that stops being wide never becomes wide again. (Dense has V = E and D = 0: the
+      non-wide states of a block reduce to the one with the least kappa.)
     - branch and bound: a state cannot finish before a Lagrangian bound (`_lagrangian_suffixes`), which is
-      non-decreasing in (C', E') and ignores interference (so it stays a bound with it); states whose bound
-      exceeds the iteration of a good grouping are dropped. That grouping is the best of the baselines,
-      the Lagrangian groupings and a first pass of this search that keeps only the few states with the
-      lowest bounds per prefix (a beam, usually optimal already).
+      non-decreasing in every clock; states whose bound exceeds the iteration of a good grouping are dropped
+      before the front is sorted (a dominated state survives the bound only if its dominator does). That
+      grouping is the best of the baselines, the Lagrangian groupings and, unless one of them is within
+      1% of the root's bound, a first pass of this search that keeps only the few states with the lowest
+      bounds per prefix (a beam, usually optimal already).
 
     With group-size bounds (rule in the module docstring) a state is extended only by allowed groups. Every
     reduction above compares states of the same prefix, or extensions by the same group, so it stays exact:
@@ -488,7 +504,7 @@ class TopkParetoDP(_BoundedSolver):
     groups that follow. The Lagrangian bounds run over allowed groupings (infinite after a prefix that no
     allowed grouping completes), and only allowed groupings serve as upper bounds.
 
-    The dense problem with a packing cost or interference has the same two clocks (s = packing, d = 0),
+    The dense problem with a packing cost or interference has the two clocks C and E (s = packing, d = 0),
     and `DenseDP` solves it with this search.
     """
 
@@ -582,56 +598,80 @@ def _best_other_per_block(blocks: np.ndarray, key: np.ndarray, wide: np.ndarray)
     return best
 
 
+def _final_end(comp: np.ndarray, chan: np.ndarray, dec: np.ndarray, dsum: np.ndarray, sigma: float) -> np.ndarray:
+    """X_G of complete states (seconds from the start of backward; `planner.simulator`): C + D when the
+    channel is idle by the end of backward, else (sigma E + max(C + (1 + sigma) D, V)) / (1 + sigma), V being
+    the decode chain with decodes stretched by 1 + sigma (decoding runs that much slower until E_G, and
+    every decode is released by E_G). Non-decreasing in every clock; max(C, E) for dense (D = 0, V = E)."""
+    late = (sigma * chan + np.maximum(comp + (1 + sigma) * dsum, dec)) / (1 + sigma)
+    return np.where(comp >= chan, comp + dsum, late)
+
+
 def _pareto_search(
     problem: GradientProblem, tables: _ParetoTables, limit: float, beam: int | None = None
 ) -> tuple[Grouping, float] | None:
-    """The best grouping whose states all have bounds <= `limit`, and max(C'_G, E'_G); None if none.
+    """The best grouping whose states all have bounds <= `limit`, and its X_G (`_final_end`); None if none.
 
     With `beam`, only that many states with the lowest bounds are kept per prefix: a heuristic.
     """
     num_layers = problem.num_layers
     sigma = problem.interference
+    decodes = problem.strategy is Strategy.TOPK  # dense: no decode, V = E and D = 0 are not kept
     prefix, backward, lead = tables.prefix, tables.backward, tables.lead
-    weights, rest = tables.weights[:, None], tables.rest
-    rest_backward = backward[-1] - backward  # b_m + ... + b_{L-1} after a prefix of m layers
     bounded = bool(np.isfinite(limit)) or beam is not None
 
-    # All states kept so far, flat, in blocks of equal prefix length, each block sorted by C' ascending
-    # (so E' and the lag E' - C' descend): clocks, prefix length (= first layer of the next group),
-    # parent state, and whether the state opens its block.
+    # All states kept so far, flat, in blocks of equal prefix length, each block sorted by C ascending:
+    # clocks C, E and (top-k) V, D, prefix length (= first layer of the next group), parent state, and
+    # whether the state opens its block.
     capacity = 4 * num_layers + 16
     comp = np.zeros(capacity)
     chan = np.zeros(capacity)
+    dec = np.zeros(capacity)
+    dsum = np.zeros(capacity)
     length = np.zeros(capacity, dtype=np.int64)
     parent = np.full(capacity, -1, dtype=np.int64)
     opens = np.ones(capacity, dtype=bool)
-    count = 1  # state 0: the empty prefix, clocks (0, 0)
-    # States still worth extending: per block, the wide ones for the group to extend them by and the best
-    # other one (see the valley in the class docstring).
+    count = 1  # state 0: the empty prefix, clocks (0, 0, 0, 0)
+    # States still worth extending: per block, the wide ones for the group to extend them by and the
+    # others no other state of the block dominates for every group (see the valley in the class docstring).
     active = np.zeros(1, dtype=np.int64)
     for j in range(num_layers):
         # The group extending a state starts at its prefix length: the costs of the groups first..j, per
         # active state (far fewer than j + 1 on real instances).
         first = length[active]
-        sizes = prefix[j + 1] - prefix[first]
-        work = (backward[j + 1] - backward[first]) + _prepare_many(problem, sizes)  # B + s
-        wide = chan[active] - comp[active] >= work * (1 + sigma)
-        if sigma == 0:  # the best other state of a block is the first after its wide ones (least C')
+        # Costs once per block (the states of a block share the group), then per state.
+        opening = np.concatenate(([True], first[1:] != first[:-1]))
+        block_of = np.cumsum(opening) - 1
+        starts = first[opening]
+        sizes = prefix[j + 1] - prefix[starts]
+        prepare = _prepare_many(problem, sizes)
+        comm, decode = _comm_and_decode_many(problem, sizes)
+        prepare, comm, decode = prepare[block_of], comm[block_of], decode[block_of]
+        work = (backward[j + 1] - backward[first]) + prepare  # B + s
+        a_comp, a_chan = comp[active], chan[active]
+        wide = a_chan - a_comp >= work * (1 + sigma)
+        if not decodes and sigma == 0:  # the best other state of a block is the first after its wide ones
             extend = wide | opens[active]
             extend[1:] |= wide[:-1]
+        elif not decodes:
+            extend = wide | _best_other_per_block(first, a_comp + sigma * a_chan, wide)
         else:
-            extend = wide | _best_other_per_block(first, comp[active] + sigma * chan[active], wide)
+            kappa = (a_comp + sigma * a_chan) / (1 + sigma)
+            extend = wide | _undominated_others(first, kappa, dsum[active], dec[active], work + comm, wide)
         active = cand = active[extend]
-        first, sizes, work = first[extend], sizes[extend], work[extend]
+        work, comm, decode = work[extend], comm[extend], decode[extend]
         if tables.bounds is not None:
             # Only allowed groups extend a state; the others stay active for longer groups.
-            allowed = tables.bounds.ending_at(problem, prefix, j)[first]
-            cand, sizes, work = cand[allowed], sizes[allowed], work[allowed]
+            allowed = tables.bounds.ending_at(problem, prefix, j)[first[extend]]
+            cand, work, comm, decode = cand[allowed], work[allowed], comm[allowed], decode[allowed]
             if cand.size == 0:
                 continue
-        comm, decode = _comm_and_decode_many(problem, sizes)
-        new_comp = advance_many(comp[cand], chan[cand], work, sigma) + decode
-        new_chan = np.maximum(new_comp, chan[cand] + decode) + comm
+        new_comp = advance_many(comp[cand], chan[cand], work, sigma)
+        new_chan = np.maximum(new_comp, chan[cand]) + comm
+        new_dec = new_dsum = new_chan  # dense: not kept
+        if decodes:
+            new_dec = np.maximum(dec[cand], new_chan) + (1 + sigma) * decode
+            new_dsum = dsum[cand] + decode
 
         m = j + 1
         if m < num_layers:  # compute-bound states: canonical (kappa, kappa), see the class docstring
@@ -639,53 +679,43 @@ def _pareto_search(
             kappa = (new_comp + sigma * new_chan) / (1 + sigma) if sigma else new_comp
             new_comp = np.where(bound_by_compute, kappa, new_comp)
             new_chan = np.where(bound_by_compute, kappa, new_chan)
-        if cand.size > _PREFILTER_MIN_STATES:
-            # Drop most dominated states cheaply: test them against the front of every 16th state.
-            pivots = np.argsort(new_comp[::16], kind="stable") * 16
-            pivot_chan = new_chan[pivots]
-            pivots = pivots[np.concatenate(([True], pivot_chan[1:] < np.minimum.accumulate(pivot_chan)[:-1]))]
-            pivot_comp, pivot_chan = new_comp[pivots], new_chan[pivots]
-            at = np.searchsorted(pivot_comp, new_comp, side="right") - 1
-            below = np.maximum(at, 0)
-            beaten = (
-                (at >= 0)
-                & (pivot_chan[below] <= new_chan)
-                & ((pivot_comp[below] < new_comp) | (pivot_chan[below] < new_chan))
-            )
-            kept = np.flatnonzero(~beaten)
-            cand, new_comp, new_chan = cand[kept], new_comp[kept], new_chan[kept]
-        # Pareto front: by C' ascending, keep the states whose E' is below every earlier one. (Ties in C'
-        # in the wrong order only keep a dominated state, which costs time, not exactness.)
-        order = np.argsort(new_comp, kind="stable")
-        sorted_chan = new_chan[order]
-        front = order[np.concatenate(([True], sorted_chan[1:] < np.minimum.accumulate(sorted_chan)[:-1]))]
+        kept = np.arange(cand.size)
         if bounded:
-            front_comp, front_chan = new_comp[front], new_chan[front]
-            if m < num_layers:
-                # max over w of w * (kappa + rest of backward) + (1 - w) * max(E', C' + lead) + rest[w, m]
-                late = np.maximum(front_chan, front_comp + lead[m])
-                kappa = (front_comp + sigma * front_chan) / (1 + sigma) if sigma else front_comp
-                bound = late + np.max(weights * (kappa + rest_backward[m] - late) + rest[:, m, None], axis=0)
-                if tables.volume is not None:
-                    bound = np.maximum(bound, tables.volume.bound(m, front_comp, front_chan, sigma))
+            # Pruned first (cheap per state), so that only the survivors are sorted: the bound is
+            # non-decreasing in every clock, so a dominated state survives only if its dominator does.
+            if beam is None:
+                # A few weights first (a weaker bound, cheap), all of them on the survivors.
+                kept = np.flatnonzero(_state_bounds(tables, m, new_comp, new_chan, new_dec, new_dsum, decodes,
+                                                    sigma, num_layers, _FEW_WEIGHTS) <= limit)
+                if kept.size == 0:
+                    continue
+                kept = kept[_state_bounds(tables, m, new_comp[kept], new_chan[kept], new_dec[kept], new_dsum[kept],
+                                          decodes, sigma, num_layers) <= limit]
+                if kept.size == 0:
+                    continue
             else:
-                bound = np.maximum(front_comp, front_chan)
-            if beam is not None and front.size > beam:
-                chosen = np.zeros(front.size, dtype=bool)
-                chosen[np.argpartition(bound, beam)[:beam]] = True
-                front = front[chosen]  # still by C' ascending
-            else:
-                front = front[bound <= limit]
+                bound = _state_bounds(tables, m, new_comp, new_chan, new_dec, new_dsum, decodes, sigma, num_layers)
+        if decodes:
+            front = kept[_pareto_front(new_comp[kept], new_chan[kept], new_dec[kept], new_dsum[kept])]
+        else:
+            front = kept[_pareto_front_2d(new_comp[kept], new_chan[kept])]
+        if beam is not None and front.size > beam:
+            chosen = np.zeros(front.size, dtype=bool)
+            chosen[np.argpartition(bound[front], beam)[:beam]] = True
+            front = front[chosen]  # still by C ascending
         size = front.size
         if size == 0:
             continue
         if count + size > capacity:
             capacity = 2 * (count + size)
             comp, chan = np.resize(comp, capacity), np.resize(chan, capacity)
+            dec, dsum = np.resize(dec, capacity), np.resize(dsum, capacity)
             length, parent = np.resize(length, capacity), np.resize(parent, capacity)
             opens = np.resize(opens, capacity)
         block = slice(count, count + size)
         comp[block], chan[block] = new_comp[front], new_chan[front]
+        if decodes:
+            dec[block], dsum[block] = new_dec[front], new_dsum[front]
         length[block], parent[block] = m, cand[front]
         opens[block] = False
         opens[count] = True
@@ -695,7 +725,10 @@ def _pareto_search(
     finals = np.flatnonzero(length[:count] == num_layers)
     if finals.size == 0:
         return None
-    ends_at = np.maximum(comp[finals], chan[finals])
+    if decodes:
+        ends_at = _final_end(comp[finals], chan[finals], dec[finals], dsum[finals], sigma)
+    else:
+        ends_at = np.maximum(comp[finals], chan[finals])
     best = int(np.argmin(ends_at))
     state = int(finals[best])
     ends: list[int] = []
@@ -703,6 +736,110 @@ def _pareto_search(
         ends.append(int(length[state]))
         state = int(parent[state])
     return tuple(reversed(ends)), float(ends_at[best])
+
+
+#: Rows of the Lagrangian weights that `_pareto_search` tries first (w = 0, 0.5, 1).
+_FEW_WEIGHTS = np.array([0, len(_BOUND_WEIGHTS) // 2, len(_BOUND_WEIGHTS) - 1])
+
+
+def _state_bounds(tables: _ParetoTables, m: int, comp: np.ndarray, chan: np.ndarray, dec: np.ndarray,
+                  dsum: np.ndarray, decodes: bool, sigma: float, num_layers: int, rows: np.ndarray | None = None
+                  ) -> np.ndarray:
+    """No completion of these states of prefix m ends before this (X_G, from the start of backward):
+    non-decreasing in every clock. dec and dsum are ignored unless `decodes` (dense: V = E, D = 0). With
+    `rows`, only those weights count (a weaker bound)."""
+    if m == num_layers:
+        return _final_end(comp, chan, dec, dsum, sigma) if decodes else np.maximum(comp, chan)
+    pending = dsum if decodes else 0.0
+    # max over w of w * (start of X + rest of backward) + (1 - w) * max(E, C + lead) + rest[w, m]
+    late = np.maximum(chan, comp + tables.lead[m])
+    start_x = (comp + sigma * chan + pending) / (1 + sigma)
+    rest_backward = tables.backward[-1] - tables.backward[m]
+    chosen = slice(None) if rows is None else rows
+    weights, rest = tables.weights[chosen], tables.rest[chosen, m]
+    bound = late + np.max(weights[:, None] * (start_x + rest_backward - late) + rest[:, None], axis=0)
+    if tables.volume is not None:
+        bound = np.maximum(bound, tables.volume.bound(m, comp, chan, pending, sigma))
+    if decodes:  # X_G >= (sigma E_G + V_G) / (1 + sigma) (`_final_end`)
+        bound = np.maximum(bound, (sigma * chan + dec) / (1 + sigma))
+    return bound
+
+
+def _pareto_front_2d(comp: np.ndarray, chan: np.ndarray) -> np.ndarray:
+    """Indices of the states no other one dominates in (C, E), by C ascending (large sets are first tested
+    against the front of a sample of them, so that only the survivors are sorted)."""
+    kept = np.arange(comp.size)
+    if comp.size > _PREFILTER_MIN_STATES:
+        # Drop most dominated states cheaply: test them against the front of every 16th state.
+        pivots = np.argsort(comp[::16], kind="stable") * 16
+        pivot_chan = chan[pivots]
+        pivots = pivots[np.concatenate(([True], pivot_chan[1:] < np.minimum.accumulate(pivot_chan)[:-1]))]
+        pivot_comp, pivot_chan = comp[pivots], chan[pivots]
+        at = np.searchsorted(pivot_comp, comp, side="right") - 1
+        below = np.maximum(at, 0)
+        beaten = (at >= 0) & (pivot_chan[below] <= chan) & ((pivot_comp[below] < comp) | (pivot_chan[below] < chan))
+        kept = np.flatnonzero(~beaten)
+    # By C ascending, keep the states whose E is below every earlier one. (Ties in C in the wrong order
+    # only keep a dominated state, which costs time, not exactness.)
+    order = kept[np.argsort(comp[kept], kind="stable")]
+    sorted_chan = chan[order]
+    return order[np.concatenate(([True], sorted_chan[1:] < np.minimum.accumulate(sorted_chan)[:-1]))]
+
+
+#: States compared at once by `_pareto_front` (each against every state kept before it).
+_FRONT_CHUNK = 64
+
+
+def _pareto_front(comp: np.ndarray, chan: np.ndarray, dec: np.ndarray, dsum: np.ndarray) -> np.ndarray:
+    """Indices of the states no other one dominates in (C, E, V, D) (one of equal states), by C ascending.
+
+    In (C, E, V, D) lexicographic order a state's dominators come before it, so a sweep keeps each state
+    that no state kept before it dominates (a dominated dominator has a kept one of its own). The states
+    on the (C, E) front are kept outright (nothing beats those in both); the others are swept a chunk at a
+    time: each against the kept states before the chunk and the earlier states of the chunk."""
+    order = np.lexsort((dsum, dec, chan, comp))
+    e, v, d = chan[order], dec[order], dsum[order]
+    keep = np.concatenate(([True], e[1:] < np.minimum.accumulate(e)[:-1]))
+    doubtful = np.flatnonzero(~keep)
+    for lo in range(0, doubtful.size, _FRONT_CHUNK):
+        rows = doubtful[lo : lo + _FRONT_CHUNK]
+        kept = np.flatnonzero(keep[: rows[0]])
+        beaten = np.any((e[kept] <= e[rows, None]) & (v[kept] <= v[rows, None]) & (d[kept] <= d[rows, None]),
+                        axis=1)
+        # Within the chunk: every state between the chunk's first and each row (on the (C, E) front or not).
+        span = np.arange(rows[0], rows[-1])
+        if span.size:
+            inner = ((e[span] <= e[rows, None]) & (v[span] <= v[rows, None]) & (d[span] <= d[rows, None])
+                     & (span < rows[:, None]))
+            beaten |= np.any(inner, axis=1)
+        keep[rows] = ~beaten
+    return order[keep]
+
+
+def _undominated_others(
+    blocks: np.ndarray, kappa: np.ndarray, dsum: np.ndarray, dec: np.ndarray, span: np.ndarray, wide: np.ndarray
+) -> np.ndarray:
+    """Mask of the states that are not `wide` and that the least-kappa non-wide state of their block (equal
+    `blocks` values, contiguous) does not dominate for the group ahead and every longer one: kappa, D and
+    max(V, kappa + span) all at least its own (span = W + T of the group; the non-wide states land on
+    (kappa + W, kappa + W + T, max(V, kappa + W + T) + (1 + sigma) d, D + d)). Dominance there lasts as the
+    group grows (span does not decrease), so the dominated ones need never be extended again. (Other
+    dominated states may stay, which costs time, not exactness.)"""
+    best = _best_other_per_block(blocks, kappa, wide)
+    if not best.any():
+        return best
+    block_id = np.concatenate(([0], np.cumsum(blocks[1:] != blocks[:-1])))
+    ref = np.full(block_id[-1] + 1, -1, dtype=np.int64)
+    ref[block_id[best]] = np.flatnonzero(best)
+    ref = ref[block_id]
+    has = (ref >= 0) & ~wide
+    r = np.where(has, ref, 0)
+    dominated = (
+        has & ~best
+        & (kappa[r] <= kappa) & (dsum[r] <= dsum)
+        & (np.maximum(dec[r], kappa[r] + span) <= np.maximum(dec, kappa + span))
+    )
+    return ~wide & ~dominated
 
 
 def solve_exact(problem: GradientProblem) -> Grouping:
@@ -964,18 +1101,20 @@ def lower_bound(problem: GradientProblem) -> float:
 
     Valid for any grouping and any non-decreasing cost models (k(N) and message bytes are non-decreasing
     in N, so every group's costs are at least those of any of its layers), with s the per-group work on the
-    compute stream (top-k selection, dense packing, 0 without one) and d the decode (0 for dense):
+    compute stream (top-k selection, dense packing, 0 without one) and d the decode (0 for dense); every
+    decode runs on the compute stream after backward, the last one after the last collective:
 
-    - compute path: C_G + D >= sum b + sum (s(N_g) + d(P k_g) + sigma / (1 + sigma) T(N_g)), minimised over
-      groupings; with interference sigma the collectives that run while the compute stream works slow it
-      down, and those that do not lengthen the end instead (`_lagrangian_suffixes` derives the weight);
+    - compute path: X_G >= C_G + D >= sum b + sum (s(N_g) + d(P k_g)), minimised over groupings; with
+      interference sigma the collectives that run while the compute stream works slow it down, and those
+      that do not lengthen the end instead: X_G >= sum b + sum (s + (d + sigma T) / (1 + sigma)) as well
+      (`_lagrangian_suffixes` derives the weight);
     - communication path, for every layer j: the group holding layer j cannot start its collective before
       layer j is ready and prepared, R_j + s(n_j) (its last layer is ready later, and s grows with size);
       from then on the channel still carries that group and every later one, each at least the cost of
-      its part of layers j..L-1, and decoding follows: E_G + D >= R_j + s(n_j) + min over groupings of
-      layers j..L-1 of sum (T + d). The bound takes the largest j (j = 0 alone was the bound before: on
-      real instances the later layers, whose cheapest tail is sent after the whole backward pass, are
-      the binding ones).
+      its part of layers j..L-1, and the last group's decode (at least that of layer L-1) follows:
+      X_G >= R_j + s(n_j) + min over groupings of layers j..L-1 of sum T + d(P k(n_{L-1})). The bound
+      takes the largest j (j = 0 alone was the bound before: on real instances the later layers, whose
+      cheapest tail is sent after the whole backward pass, are the binding ones).
 
     Each "min over groupings of a sum of per-group costs" is an O(L^2) dynamic program (all tails at once).
     """
@@ -984,12 +1123,15 @@ def lower_bound(problem: GradientProblem) -> float:
     prefix = _prefix_numel(problem)
     fixed = problem.forward_s + problem.update_s
     total_backward = float(np.sum(np.asarray(problem.backward_s, dtype=float)))
-    share = problem.interference / (1 + problem.interference)
-    compute = _suffix_min_partition(
-        prefix, lambda n: _prepare_many(problem, n) + _decode_many(problem, n) + share * _comm_many(problem, n)
-    )[0]
-    tails = _suffix_min_partition(prefix, lambda n: _comm_many(problem, n) + _decode_many(problem, n))
+    sigma = problem.interference
+    compute = _suffix_min_partition(prefix, lambda n: _prepare_many(problem, n) + _decode_many(problem, n))[0]
+    if sigma > 0:
+        compute = max(compute, _suffix_min_partition(
+            prefix, lambda n: _prepare_many(problem, n) + (_decode_many(problem, n) + sigma * _comm_many(problem, n))
+            / (1 + sigma))[0])
+    tails = _suffix_min_partition(prefix, lambda n: _comm_many(problem, n))
     ready = np.cumsum(np.asarray(problem.backward_s, dtype=float))  # R_j
     starts = ready + _prepare_many(problem, np.asarray(problem.numel))
-    comm = float(np.max(starts + tails[:-1]))
+    last_decode = float(_decode_many(problem, np.asarray(problem.numel[-1:]))[0])
+    comm = float(np.max(starts + tails[:-1])) + last_decode
     return fixed + max(total_backward + float(compute), comm)

@@ -69,12 +69,14 @@ def test_topk_three_layers_by_hand() -> None:
     # T(x) = 1 + 0.01 x: 1.8 and 5.0. s(N) = 0.5 + 0.01 N: 1.5 and 5.5. d(P k) = 0.2 + 0.01 P k: 0.4 and 1.2.
     # Group 0: ready at 2, selected until C_1 = 2 + 1.5 = 3.5, sent 3.5 -> E_1 = 5.3.
     # Group 1: ready at C_1 + b_1 + b_2 = 3.5 + 4 = 7.5, selected until C_2 = 13, sent max(13, 5.3) = 13 -> E_2 = 18.
-    # D = 0.4 + 1.2 = 1.6. iteration = F + max(C_2, E_2) + D + U = 1 + 18 + 1.6 + 0.5 = 21.1.
-    # compute = 1 + 13 + 1.6 + 0.5 = 16.1, exposed = 5.0, comm = 6.8, selection = 7.0.
+    # Decode once backward is over (C_2 = 13), each group after its own allgather: group 0 from
+    # max(13, 5.3) = 13 to 13.4, group 1 from max(13.4, 18) = 18 to 19.2 (D = 0.4 + 1.2 = 1.6).
+    # iteration = F + X_2 + U = 1 + 19.2 + 0.5 = 20.7 (decoding everything after the last allgather: 21.1).
+    # compute = 1 + 13 + 1.6 + 0.5 = 16.1, exposed = 4.6, comm = 6.8, selection = 7.0.
     prediction = simulate(problem, (1, 3))
-    assert prediction.iteration_s == pytest.approx(21.1)
+    assert prediction.iteration_s == pytest.approx(20.7)
     assert prediction.compute_s == pytest.approx(16.1)
-    assert prediction.exposed_comm_s == pytest.approx(5.0)
+    assert prediction.exposed_comm_s == pytest.approx(4.6)
     assert prediction.comm_s == pytest.approx(6.8)
     assert prediction.selection_s == pytest.approx(7.0)
     assert prediction.decode_s == pytest.approx(1.6)
@@ -88,6 +90,9 @@ def test_topk_three_layers_by_hand() -> None:
         (7.5, 13.0, 13.0, 18.0)
     )
     assert (first.bytes, second.bytes) == (80, 400)
+    assert (first.decode_start_s, first.decode_end_s, second.decode_start_s, second.decode_end_s) == pytest.approx(
+        (13.0, 13.4, 18.0, 19.2)
+    )
 
 
 def test_comm_bound_topk_by_hand() -> None:
@@ -104,10 +109,10 @@ def test_comm_bound_topk_by_hand() -> None:
         select=AffineCost(alpha=1.0, beta=0.0),
         decode=AffineCost(alpha=0.5, beta=0.0),
     )
-    # C_1 = 1 + 1 = 2, E_1 = 2 + 5 = 7; C_2 = 2 + 1 + 1 = 4, E_2 = max(4, 7) + 5 = 12; D = 0.5 + 0.5 = 1.
-    # iteration = 12 + 1 = 13, compute = 4 + 1 = 5, exposed = 8.
+    # C_1 = 1 + 1 = 2, E_1 = 2 + 5 = 7; C_2 = 2 + 1 + 1 = 4, E_2 = max(4, 7) + 5 = 12; decodes 7 to 7.5
+    # (during the second allgather) and 12 to 12.5. iteration = 12.5, compute = 4 + 1 = 5, exposed = 7.5.
     prediction = simulate(problem, (1, 2))
-    assert (prediction.iteration_s, prediction.compute_s, prediction.exposed_comm_s) == pytest.approx((13, 5, 8))
+    assert (prediction.iteration_s, prediction.compute_s, prediction.exposed_comm_s) == pytest.approx((12.5, 5, 7.5))
     assert timeline(problem, (1, 2))[1].comm_start_s == pytest.approx(7.0)
 
 
@@ -188,9 +193,18 @@ def test_timeline_invariants(case: tuple[GradientProblem, tuple[int, ...]]) -> N
     assert math.isclose(
         prediction.comm_s, sum(problem.comm.cost(e.bytes) for e in events), rel_tol=1e-12, abs_tol=1e-12
     )
+    # Decoding starts after backward and runs group by group, each after its own collective; it ends no
+    # later than if it all ran after the last collective (the model before per-group decode).
     last = events[-1]
-    expected = problem.forward_s + max(last.select_end_s, last.comm_end_s) + prediction.decode_s + problem.update_s
+    decoded = last.select_end_s
+    for event in events:
+        assert event.decode_start_s == max(decoded, event.comm_end_s)
+        assert event.decode_end_s == pytest.approx(event.decode_start_s + problem.decode_s(event.numel))
+        decoded = event.decode_end_s
+    expected = problem.forward_s + max(decoded, last.comm_end_s) + problem.update_s
     assert prediction.iteration_s == pytest.approx(expected)
+    after_all = problem.forward_s + max(last.select_end_s, last.comm_end_s) + prediction.decode_s + problem.update_s
+    assert prediction.iteration_s <= after_all * (1 + 1e-12)
     if problem.strategy is Strategy.DENSE:
         assert prediction.compute_s == pytest.approx(problem.forward_s + sum(problem.backward_s) + problem.update_s)
 
@@ -243,6 +257,27 @@ def test_dense_packing_and_interference_by_hand() -> None:
     assert (first.ready_s, first.select_end_s, first.comm_end_s) == pytest.approx((2.0, 2.1, 3.5))
     assert second.ready_s == pytest.approx(3.5 + (4.0 - 0.7))  # the backward ends before the packing
     assert second.select_end_s == pytest.approx(7.3)
+
+
+def test_decode_runs_slower_while_collectives_are_in_flight() -> None:
+    """sigma = 1: a decode that overlaps the next allgather runs at half speed until the channel frees up."""
+    problem = GradientProblem(
+        strategy=Strategy.TOPK, forward_s=0.0, update_s=0.0, backward_s=(1.0, 1.0), numel=(10, 10),
+        comm=AffineCost(alpha=5.0, beta=0.0), world_size=1, density=1.0,
+        select=AffineCost(alpha=1.0, beta=0.0), decode=AffineCost(alpha=2.0, beta=0.0), interference=1.0,
+    )
+    # C_1 = 2, E_1 = 7; group 1's backward and selection (2 s) run from 2 at half speed: C_2 = 6, E_2 = 12.
+    # Decode 0 from max(6, 7) = 7: its 2 s of work at half speed take 4 s, ending at 11, before the channel
+    # frees up at 12. Decode 1 from max(11, 12) = 12, channel free: ends at 14.
+    first, second = timeline(problem, (1, 2))
+    assert (first.comm_end_s, second.select_end_s, second.comm_end_s) == pytest.approx((7.0, 6.0, 12.0))
+    assert (first.decode_start_s, first.decode_end_s) == pytest.approx((7.0, 11.0))
+    assert (second.decode_start_s, second.decode_end_s) == pytest.approx((12.0, 14.0))
+    prediction = simulate(problem, (1, 2))
+    assert prediction.iteration_s == pytest.approx(14.0)
+    assert prediction.decode_s == pytest.approx(4.0)
+    # Stretched: group 1's work (2 s more) and decode 0 (2 s more).
+    assert prediction.interference_s == pytest.approx(4.0)
 
 
 @settings(deadline=None, max_examples=100)

@@ -191,7 +191,9 @@ def reference_topk_optimum(
     Only groups [start, end) that `allowed` accepts are formed. Dense problems have no selection but may
     have packing; with interference sigma, work W started at C with the channel busy until E ends at
     C + W (1 + sigma) if that is before E, else at E + (W - (E - C) / (1 + sigma)) (written out here, not
-    taken from `planner.problem.advance`)."""
+    taken from `planner.problem.advance`). A state is (C, E, V, D): compute and channel clocks, the decode
+    chain V (each group decoded after its allgather, at 1 + sigma times its cost) and the decode sum D; at
+    the end the decode chain starts at C and runs 1 + sigma times slower until E (the simulator's model)."""
     topk = problem.strategy is Strategy.TOPK
     sigma = problem.interference
 
@@ -200,7 +202,10 @@ def reference_topk_optimum(
             return comp + work * (1 + sigma if chan > comp else 1)
         return chan + work - (chan - comp) / (1 + sigma)
 
-    fronts: list[list[tuple[float, float]]] = [[(0.0, 0.0)]]  # per prefix length: (C', E')
+    def dominated(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+        return a != b and all(y <= x for x, y in zip(a, b, strict=True))
+
+    fronts: list[list[tuple[float, float, float, float]]] = [[(0.0, 0.0, 0.0, 0.0)]]  # per prefix length
     for end in range(1, problem.num_layers + 1):
         states = []
         for start in range(end):
@@ -214,30 +219,67 @@ def reference_topk_optimum(
                 prepare += problem.select.cost(numel)
                 decode = problem.decode.cost(problem.world_size * problem.k(numel))
             comm = problem.comm.cost(problem.message_bytes(numel))
-            for comp, chan in fronts[start]:
-                new_comp = work_end(comp, chan, backward + prepare) + decode
-                states.append((new_comp, max(new_comp, chan + decode) + comm))
-        front: list[tuple[float, float]] = []
-        for comp, chan in sorted(states):
-            if not front or chan < front[-1][1]:
-                front.append((comp, chan))
+            for comp, chan, chain, total in fronts[start]:
+                new_comp = work_end(comp, chan, backward + prepare)
+                new_chan = max(new_comp, chan) + comm
+                states.append((new_comp, new_chan, max(chain, new_chan) + (1 + sigma) * decode, total + decode))
+        front: list[tuple[float, float, float, float]] = []
+        for a in sorted(set(states)):  # a state's dominators sort before it
+            if not any(dominated(a, b) for b in front):
+                front.append(a)
         fronts.append(front)
-    return problem.forward_s + min(max(c, e) for c, e in fronts[-1]) + problem.update_s
+
+    def finish(comp: float, chan: float, chain: float, total: float) -> float:
+        if comp >= chan:
+            return comp + total
+        return chan + (max(comp + (1 + sigma) * total, chain) - chan) / (1 + sigma)
+
+    return problem.forward_s + min(finish(*state) for state in fronts[-1]) + problem.update_s
 
 
-@pytest.mark.parametrize("prefilter", [True, False])
+@pytest.mark.parametrize("chunk", [1, 64])
 @pytest.mark.parametrize("seed", range(4))
-def test_topk_dp_matches_a_plain_pareto_dp(seed: int, prefilter: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Canonical states, the valley, pre-filtering and pruning change nothing on 60-layer instances."""
+def test_topk_dp_matches_a_plain_pareto_dp(seed: int, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Canonical states, the valley, the chunked front sweep and pruning change nothing on 60-layer instances."""
     from planner import solvers
 
-    monkeypatch.setattr(solvers, "_PREFILTER_MIN_STATES", 0 if prefilter else 10**9)
+    monkeypatch.setattr(solvers, "_FRONT_CHUNK", chunk)
     problem = random_problem(60, Strategy.TOPK, seed=200 + seed, density=(0.01, 0.1, 1.0, 1.0)[seed])
     expected = reference_topk_optimum(problem)
     for solver in (TopkParetoDP(), TopkParetoDP(prune=False)):
         grouping, value = solver.solve_with_value(problem)
         assert math.isclose(value, expected, rel_tol=RTOL)
         assert math.isclose(simulate(problem, grouping).iteration_s, expected, rel_tol=RTOL)
+
+
+@pytest.mark.parametrize("prefilter", [True, False])
+def test_dense_two_clock_prefilter_is_exact(prefilter: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dense with interference: pre-filtering the (C, E) candidates against a sample changes nothing."""
+    from planner import solvers
+
+    monkeypatch.setattr(solvers, "_PREFILTER_MIN_STATES", 0 if prefilter else 10**9)
+    problem = random_problem(40, Strategy.DENSE, seed=77, interference=0.5)
+    grouping, value = DenseDP().solve_with_value(problem)
+    assert math.isclose(value, reference_topk_optimum(problem), rel_tol=RTOL)
+    assert math.isclose(simulate(problem, grouping).iteration_s, value, rel_tol=RTOL)
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.lists(st.tuples(*[st.integers(0, 3)] * 4), min_size=1, max_size=40), st.sampled_from([1, 3, 64]))
+def test_four_clock_front_keeps_exactly_the_undominated(points: list[tuple[int, ...]], chunk: int) -> None:
+    """The (C, E, V, D) front: every undominated state once (one of equal ones), no dominated one."""
+    from planner import solvers
+
+    c, e, v, d = (np.asarray(x, dtype=float) for x in zip(*points, strict=True))
+    previous, solvers._FRONT_CHUNK = solvers._FRONT_CHUNK, chunk
+    try:
+        kept = solvers._pareto_front(c, e, v, d)
+    finally:
+        solvers._FRONT_CHUNK = previous
+    undominated = {p for p in points if not any(q != p and all(a <= b for a, b in zip(q, p, strict=True))
+                                                 for q in points)}
+    assert sorted(points[i] for i in kept) == sorted(undominated)
+    assert list(c[kept]) == sorted(c[kept])
 
 
 @settings(deadline=None, max_examples=60)
