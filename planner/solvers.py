@@ -183,16 +183,38 @@ def _suffix_min_partition(prefix_numel: np.ndarray, group_cost: Callable[[np.nda
     return best
 
 
+#: Lengths of the next group at which the search's expiry table (`_Lagrangian.opened`) has a column:
+#: about 30% apart.
+_OPEN_LENGTHS = np.unique(np.round(1.3 ** np.arange(40)).astype(np.int64))
+
+
 #: Weights w of the Lagrangian bounds of TopkParetoDP (w = 1: compute path, w = 0: channel path).
 _BOUND_WEIGHTS = np.linspace(0.0, 1.0, 11)
 
 
+@dataclass(frozen=True)
+class _Lagrangian:
+    """Lower bounds of what is left after a prefix (see `_lagrangian_suffixes`).
+
+    weights: the weights w. rest[w, m]: no grouping of layers m..L-1 costs less than this in the w-mix of
+    the two paths. opened[w, m, c]: nor does any whose first group holds at least `open_lengths[c]` layers
+    (non-decreasing in c; inf where no group is that long). groupings: the grouping found for each weight
+    (good groupings in their own right: heuristics).
+    """
+
+    weights: np.ndarray
+    rest: np.ndarray
+    opened: np.ndarray
+    open_lengths: np.ndarray
+    groupings: list[Grouping]
+
+
 def _lagrangian_suffixes(
     problem: GradientProblem, prefix_numel: np.ndarray, bounds: _GroupBounds | None = None
-) -> tuple[np.ndarray, np.ndarray, list[Grouping]]:
-    """Suffix bounds of the search's clocks: for each weight w and prefix length m, the minimum over
-    groupings of layers m..L-1 of w * X + (1 - w) * Y (s: selection or packing, d: decode, 0 for dense;
-    sigma: interference; "last": the group that ends at layer L-1):
+) -> _Lagrangian:
+    """Suffix bounds of the search's clocks: for each weight w and prefix length m, a lower bound of the
+    minimum over groupings of layers m..L-1 of w * X + (1 - w) * Y (s: selection or packing, d: decode,
+    0 for dense; sigma: interference; "last": the group that ends at layer L-1):
 
     - Y = sum of T + d_last (channel path): the first collective left starts no earlier than
       max(E, C + b_m + s(n_m)), every later one follows on the channel, and the last group's decode after
@@ -211,18 +233,22 @@ def _lagrangian_suffixes(
     (Without interference kappa = C.) Any completion ends after both, hence after every convex
     combination: w * (start of X + rest of backward) + (1 - w) * max(E, C + b_m + s(n_m)) + rest[w, m].
 
+    The minimum is the dynamic program r(m) = min over j of c(m, j) + r(j + 1), c the w-mix of the costs of
+    the group m..j, O(L^2); `opened` comes with it, the least over j >= m + length - 1 for each open length.
+
     With `bounds`, the minimum is over the groupings the bounds allow (a tighter bound, still valid for
     every allowed completion), and the groupings returned are allowed.
-
-    Returns (weights, rest with shape (weights, L + 1), the grouping minimising each weight's sum over all
-    layers; those are good groupings in their own right and serve as heuristics).
     """
     num_layers = len(prefix_numel) - 1
     weights = _BOUND_WEIGHTS
+    bounded = bounds is not None and bounds.active
+    lengths = _OPEN_LENGTHS[: np.searchsorted(_OPEN_LENGTHS, num_layers, side="right")]
     rest = np.zeros((len(weights), num_layers + 1))
+    opened = np.full((len(weights), num_layers + 1, lengths.size), np.inf)
     nexts = np.zeros((len(weights), num_layers), dtype=np.int64)
     sigma = problem.interference
     topk = problem.strategy is Strategy.TOPK
+    rows = np.arange(len(weights))
     for i in range(num_layers - 1, -1, -1):
         sizes = prefix_numel[i + 1 :] - prefix_numel[i]  # the group i..j for j = i..L-1
         comm, decode = _comm_and_decode_many(problem, sizes)
@@ -237,19 +263,57 @@ def _lagrangian_suffixes(
         # w * compute + (1 - w) * channel + rest, with as few passes over the (weights, L - i) array as can be
         costs = rest[:, i + 1 :] + channel
         costs += weights[:, None] * (compute - channel)
-        if bounds is not None and bounds.active:
+        if bounds is not None and bounded:
             costs[:, ~bounds.starting_at(problem, prefix_numel, i)] = np.inf  # rest is inf without a completion
         best = np.argmin(costs, axis=1)
-        rest[:, i] = costs[np.arange(len(weights)), best]
+        rest[:, i] = costs[rows, best]
         nexts[:, i] = i + 1 + best
+        # Least of each run of first groups between two open lengths, then of all the runs from each on.
+        usable = lengths[lengths <= num_layers - i]
+        runs = np.minimum.reduceat(costs, usable - 1, axis=1)
+        opened[:, i, : usable.size] = np.minimum.accumulate(runs[:, ::-1], axis=1)[:, ::-1]
     groupings: list[Grouping] = []
     for row in nexts:
-        ends, end = [], 0
+        ends_of, end = [], 0
         while end < num_layers:
             end = int(row[end])
-            ends.append(end)
-        groupings.append(tuple(ends))
-    return weights, rest, groupings
+            ends_of.append(end)
+        groupings.append(tuple(ends_of))
+    return _Lagrangian(weights, rest, opened, lengths, groupings)
+
+
+def _iteration_end(problem: GradientProblem, grouping: Grouping) -> float:
+    """X_G of `grouping` (seconds from the start of backward), as `planner.simulator.simulate` walks it, with
+    the group costs computed at once: the solvers evaluate many candidate groupings of long models. Without
+    interference the walk has a closed form (C and E are running sums and maxima); with it, a scalar walk."""
+    ends = np.asarray(grouping, dtype=np.int64)
+    prefix = _prefix_numel(problem)
+    starts = np.concatenate(([0], ends[:-1]))
+    sizes = prefix[ends] - prefix[starts]
+    backward = _prefix_backward(problem)
+    work = backward[ends] - backward[starts]
+    prepare = _prepare_many(problem, sizes)
+    comm, decode = _comm_and_decode_many(problem, sizes)
+    sigma = problem.interference
+    if sigma == 0:
+        # C_g = sum of work; E_g = max over h <= g of (C_h + T_h + ... + T_g); X_0 = C_G and
+        # X_g = max(X_{g-1}, E_g) + d_g.
+        comp = np.cumsum(work + prepare)
+        sent = np.cumsum(comm)
+        chan = sent + np.maximum.accumulate(comp - (sent - comm))
+        decoded = np.cumsum(decode)
+        end = float(decoded[-1]) + max(float(comp[-1]), float(np.max(chan - (decoded - decode))))
+        return end if problem.strategy is Strategy.TOPK else max(float(comp[-1]), float(chan[-1]))
+    clock = queue = 0.0  # C and E
+    comm_end = []
+    for w, s, t in zip(work.tolist(), prepare.tolist(), comm.tolist(), strict=True):
+        clock = advance(advance(clock, queue, w, sigma), queue, s, sigma)
+        queue = max(clock, queue) + t
+        comm_end.append(queue)
+    decoded_at = clock
+    for e, d in zip(comm_end, decode.tolist(), strict=True):
+        decoded_at = advance(max(decoded_at, e), queue, d, sigma)
+    return decoded_at if problem.strategy is Strategy.TOPK else max(clock, queue)
 
 
 def _ends_from_back_pointers(starts: np.ndarray | list[int], num_layers: int) -> Grouping:
@@ -419,6 +483,8 @@ class _ParetoTables:
     lead: np.ndarray  # lead[m] = b_m + s(n_m), lead[L] = 0
     weights: np.ndarray  # Lagrangian weights w
     rest: np.ndarray  # rest[w, m]: see _lagrangian_suffixes
+    opened: np.ndarray  # opened[w, m, c]: the same for a first group of at least open_lengths[c] layers
+    open_lengths: np.ndarray
     volume: _Volumes | None  # least remaining work per clock after each prefix (`_interference_bound`), with sigma
     bounds: _GroupBounds | None = None  # group-size bounds, None when there are none
 
@@ -482,14 +548,18 @@ class TopkParetoDP(_BoundedSolver):
       (C', E') is (W + kappa, W + kappa + T), with kappa = (C + sigma E) / (1 + sigma) (kappa = C without
       interference), exactly as from (kappa, kappa). So (C, E) is replaced by (kappa, kappa), which
       dominates every state with both clocks at least kappa (V and D stay).
-    - valley: extending the states of one front by the same group of work W, a state whose lag
+    - expiry: the Lagrangian bound below, taken over the completions whose next group holds at least
+      l layers (`_Lagrangian.opened`), is non-decreasing in l. When a state is made, the least l at which
+      it exceeds the iteration of a good grouping is found, and the state is extended by shorter groups
+      only. On long models this is what keeps the search small: a few dozen states are extended per layer
+      where thousands were (every state used to stay extendable until the end).
+    - dense valley: extending the states of one front by the same group of work W, a state whose lag
       E - C >= W (1 + sigma) is "wide": the channel is still busy when the work is done. Every other state
-      ends its work after the channel frees up and lands on (kappa + W, kappa + W + T,
-      max(V, kappa + W + T) + (1 + sigma) d, D + d): one non-wide state of a block dominates another for
-      this group and every longer one when its kappa, D and max(V, kappa + W + T) are no larger (W + T only
-      grows with the group), and the dominated one is not extended again. W only grows as the group
-      grows, so a state that stops being wide never becomes wide again. (Dense has V = E and D = 0: the
-      non-wide states of a block reduce to the one with the least kappa.)
+      ends its work after the channel frees up and lands on (kappa + W, kappa + W + T): the one with the
+      least kappa dominates the others for this group and every longer one (W + T only grows with the
+      group), so they are not extended again. W only grows as the group grows, so a state that stops being
+      wide never becomes wide again. (With decodes the same holds only in all four clocks; testing it cost
+      more than it saved once states expire, so top-k does not.)
     - branch and bound: a state cannot finish before a Lagrangian bound (`_lagrangian_suffixes`), which is
       non-decreasing in every clock; states whose bound exceeds the iteration of a good grouping are dropped
       before the front is sorted (a dominated state survives the bound only if its dominator does). That
@@ -541,13 +611,16 @@ def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool
     fixed = problem.forward_s + problem.update_s
     prefix = _prefix_numel(problem)
     lead = np.asarray(problem.backward_s, dtype=float) + _prepare_many(problem, np.asarray(problem.numel))
-    weights, rest, relaxed = _lagrangian_suffixes(problem, prefix, bounds)
+    lagrangian = _lagrangian_suffixes(problem, prefix, bounds)
+    weights, rest, relaxed = lagrangian.weights, lagrangian.rest, lagrangian.groupings
     tables = _ParetoTables(
         prefix=prefix,
         backward=_prefix_backward(problem),
         lead=np.append(lead, 0.0),
         weights=weights,
         rest=rest,
+        opened=lagrangian.opened,
+        open_lengths=lagrangian.open_lengths,
         volume=_Volumes.of(problem, prefix) if problem.interference else None,
         bounds=bounds if bounds.active else None,
     )
@@ -559,21 +632,22 @@ def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool
 
     # Upper bound: the best of the baselines, the Lagrangian groupings and a narrow beam of this search
     # (only groupings the bounds allow).
-    candidates = [h.solve_with_value(problem) for h in (*BASELINES[problem.strategy], MGWFBPGreedy())]
-    candidates += [(g, simulate(problem, g).iteration_s) for g in dict.fromkeys(relaxed)]
-    candidates = [(g, v) for g, v in candidates if bounds.admits(problem, g)]
-    # The beam costs about as much as the search it speeds up: run it only when no heuristic is already
-    # within _BEAM_GAP of the root's Lagrangian bound (the search then prunes almost everything anyway).
-    root = lead[0] + np.max(weights * (tables.backward[-1] - lead[0]) + rest[:, 0])
-    if not candidates or min(v for _, v in candidates) - fixed > root * (1 + _BEAM_GAP):
-        beamed = _pareto_search(problem, tables, np.inf, beam=_BEAM)
-        if beamed is not None:
-            candidates.append((beamed[0], fixed + beamed[1]))
+    groupings = [h.solve(problem) for h in (*BASELINES[problem.strategy], MGWFBPGreedy())] + relaxed
+    candidates = [(g, fixed + _iteration_end(problem, g)) for g in dict.fromkeys(groupings)
+                  if bounds.admits(problem, g)]
     if not candidates:  # no allowed grouping is known: search them all
         found = _pareto_search(problem, tables, np.inf)
         if found is None:
             raise bounds.infeasible(problem)
         return found[0], fixed + found[1]
+    # A narrow beam of this search, within the best heuristic's time, when none is within _BEAM_GAP of the
+    # root's Lagrangian bound (the search then prunes almost everything anyway).
+    root = lead[0] + np.max(weights * (tables.backward[-1] - lead[0]) + rest[:, 0])
+    best = min(v for _, v in candidates)
+    if best - fixed > root * (1 + _BEAM_GAP):
+        beamed = _pareto_search(problem, tables, (best - fixed) * (1 + _PRUNE_RTOL), beam=_BEAM)
+        if beamed is not None:
+            candidates.append((beamed[0], fixed + beamed[1]))
     heuristic, upper = min(candidates, key=lambda gv: gv[1])
     found = _pareto_search(problem, tables, (upper - fixed) * (1 + _PRUNE_RTOL))
     if found is None:  # only rounding can prune every grouping within the best heuristic's time
@@ -622,7 +696,7 @@ def _pareto_search(
 
     # All states kept so far, flat, in blocks of equal prefix length, each block sorted by C ascending:
     # clocks C, E and (top-k) V, D, prefix length (= first layer of the next group), parent state, and
-    # whether the state opens its block.
+    # the first layer at which the state is no longer extended (see the expiry in the class docstring).
     capacity = 4 * num_layers + 16
     comp = np.zeros(capacity)
     chan = np.zeros(capacity)
@@ -630,12 +704,13 @@ def _pareto_search(
     dsum = np.zeros(capacity)
     length = np.zeros(capacity, dtype=np.int64)
     parent = np.full(capacity, -1, dtype=np.int64)
-    opens = np.ones(capacity, dtype=bool)
+    expire = np.full(capacity, num_layers + 1, dtype=np.int64)
     count = 1  # state 0: the empty prefix, clocks (0, 0, 0, 0)
-    # States still worth extending: per block, the wide ones for the group to extend them by and the
-    # others no other state of the block dominates for every group (see the valley in the class docstring).
+    # States still worth extending: not expired, and for dense, per block, the wide ones for the group to
+    # extend them by and the others no other state of the block dominates for every group (the valley).
     active = np.zeros(1, dtype=np.int64)
     for j in range(num_layers):
+        active = active[expire[active] > j]
         # The group extending a state starts at its prefix length: the costs of the groups first..j, per
         # active state (far fewer than j + 1 on real instances).
         first = length[active]
@@ -651,13 +726,12 @@ def _pareto_search(
         a_comp, a_chan = comp[active], chan[active]
         wide = a_chan - a_comp >= work * (1 + sigma)
         if not decodes and sigma == 0:  # the best other state of a block is the first after its wide ones
-            extend = wide | opens[active]
+            extend = wide | opening  # (an expired first state leaves the next one first)
             extend[1:] |= wide[:-1]
         elif not decodes:
             extend = wide | _best_other_per_block(first, a_comp + sigma * a_chan, wide)
         else:
-            kappa = (a_comp + sigma * a_chan) / (1 + sigma)
-            extend = wide | _undominated_others(first, kappa, dsum[active], dec[active], work + comm, wide)
+            extend = np.ones(active.size, dtype=bool)
         active = cand = active[extend]
         work, comm, decode = work[extend], comm[extend], decode[extend]
         if tables.bounds is not None:
@@ -711,14 +785,17 @@ def _pareto_search(
             comp, chan = np.resize(comp, capacity), np.resize(chan, capacity)
             dec, dsum = np.resize(dec, capacity), np.resize(dsum, capacity)
             length, parent = np.resize(length, capacity), np.resize(parent, capacity)
-            opens = np.resize(opens, capacity)
+            expire = np.resize(expire, capacity)
         block = slice(count, count + size)
+        expire[block] = num_layers + 1
+        if np.isfinite(limit) and m < num_layers:
+            # Retired once the next group would hold that many layers (ends at layer m + length - 1).
+            expire[block] = m - 1 + _expiry(tables, m, new_comp[front], new_chan[front],
+                                            new_dsum[front] if decodes else 0.0, sigma, limit)
         comp[block], chan[block] = new_comp[front], new_chan[front]
         if decodes:
             dec[block], dsum[block] = new_dec[front], new_dsum[front]
         length[block], parent[block] = m, cand[front]
-        opens[block] = False
-        opens[count] = True
         active = np.concatenate((active, np.arange(count, count + size)))
         count += size
 
@@ -736,6 +813,22 @@ def _pareto_search(
         ends.append(int(length[state]))
         state = int(parent[state])
     return tuple(reversed(ends)), float(ends_at[best])
+
+
+def _expiry(tables: _ParetoTables, m: int, comp: np.ndarray, chan: np.ndarray, pending: np.ndarray | float,
+            sigma: float, limit: float) -> np.ndarray:
+    """For new states of prefix m < L: the least length of the next group from which on no extension can
+    end within `limit` (the Lagrangian bound of `_state_bounds` with the first group at least that long,
+    `_Lagrangian.opened`; non-decreasing in the length, so the state can be retired for good). A huge
+    number where no such length is known."""
+    late = np.maximum(chan, comp + tables.lead[m])
+    start_x = (comp + sigma * chan + pending) / (1 + sigma)
+    slope = start_x + tables.backward[-1] - tables.backward[m] - late
+    # bound(length) = late + max over w of (w * slope + opened[w, m, length]) > limit, for some w
+    room = limit - late - tables.weights[:, None] * slope  # (weights, states)
+    within = np.sum(tables.opened[:, m, :, None] <= room[:, None, :], axis=1)  # open lengths still within, per w
+    lengths = np.append(tables.open_lengths, np.iinfo(np.int64).max // 2)
+    return lengths[np.min(within, axis=0)]
 
 
 #: Rows of the Lagrangian weights that `_pareto_search` tries first (w = 0, 0.5, 1).
@@ -814,32 +907,6 @@ def _pareto_front(comp: np.ndarray, chan: np.ndarray, dec: np.ndarray, dsum: np.
             beaten |= np.any(inner, axis=1)
         keep[rows] = ~beaten
     return order[keep]
-
-
-def _undominated_others(
-    blocks: np.ndarray, kappa: np.ndarray, dsum: np.ndarray, dec: np.ndarray, span: np.ndarray, wide: np.ndarray
-) -> np.ndarray:
-    """Mask of the states that are not `wide` and that the least-kappa non-wide state of their block (equal
-    `blocks` values, contiguous) does not dominate for the group ahead and every longer one: kappa, D and
-    max(V, kappa + span) all at least its own (span = W + T of the group; the non-wide states land on
-    (kappa + W, kappa + W + T, max(V, kappa + W + T) + (1 + sigma) d, D + d)). Dominance there lasts as the
-    group grows (span does not decrease), so the dominated ones need never be extended again. (Other
-    dominated states may stay, which costs time, not exactness.)"""
-    best = _best_other_per_block(blocks, kappa, wide)
-    if not best.any():
-        return best
-    block_id = np.concatenate(([0], np.cumsum(blocks[1:] != blocks[:-1])))
-    ref = np.full(block_id[-1] + 1, -1, dtype=np.int64)
-    ref[block_id[best]] = np.flatnonzero(best)
-    ref = ref[block_id]
-    has = (ref >= 0) & ~wide
-    r = np.where(has, ref, 0)
-    dominated = (
-        has & ~best
-        & (kappa[r] <= kappa) & (dsum[r] <= dsum)
-        & (np.maximum(dec[r], kappa[r] + span) <= np.maximum(dec, kappa + span))
-    )
-    return ~wide & ~dominated
 
 
 def solve_exact(problem: GradientProblem) -> Grouping:

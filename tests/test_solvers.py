@@ -240,16 +240,20 @@ def reference_topk_optimum(
 @pytest.mark.parametrize("chunk", [1, 64])
 @pytest.mark.parametrize("seed", range(4))
 def test_topk_dp_matches_a_plain_pareto_dp(seed: int, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Canonical states, the valley, the chunked front sweep and pruning change nothing on 60-layer instances."""
+    """Canonical states, expiry, the chunked front sweep and pruning change nothing on 60-layer instances."""
     from planner import solvers
 
     monkeypatch.setattr(solvers, "_FRONT_CHUNK", chunk)
+    lengths: list[np.ndarray] = []
+    expiry = solvers._expiry
+    monkeypatch.setattr(solvers, "_expiry", lambda *args: lengths.append(expiry(*args)) or lengths[-1])
     problem = random_problem(60, Strategy.TOPK, seed=200 + seed, density=(0.01, 0.1, 1.0, 1.0)[seed])
     expected = reference_topk_optimum(problem)
     for solver in (TopkParetoDP(), TopkParetoDP(prune=False)):
         grouping, value = solver.solve_with_value(problem)
         assert math.isclose(value, expected, rel_tol=RTOL)
         assert math.isclose(simulate(problem, grouping).iteration_s, expected, rel_tol=RTOL)
+    assert lengths and np.concatenate(lengths).min() < 60  # states did expire: the test covers it
 
 
 @pytest.mark.parametrize("prefilter", [True, False])
@@ -573,3 +577,19 @@ def test_lower_bound_counts_the_tail_sent_after_the_last_gradient(strategy: Stra
     optimum = brute_force(problem)
     # Top-k: the bound leaves out layer 0's 1e-7 s of selection, which delays layer 1 in every grouping.
     assert optimum * (1 - 1e-7) <= lower_bound(problem) <= optimum * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+@pytest.mark.parametrize("sigma", [0.0, 0.4])
+def test_candidate_evaluation_matches_the_simulator(strategy: Strategy, sigma: float) -> None:
+    """The solvers' vectorised walk of a grouping (closed form without interference) is the simulator's."""
+    from planner import solvers
+
+    rng = np.random.default_rng(7)
+    problem = random_problem(60, strategy, seed=11, interference=sigma)
+    fixed = problem.forward_s + problem.update_s
+    for _ in range(30):
+        cuts = rng.choice(np.arange(1, 60), size=int(rng.integers(0, 25)), replace=False)
+        grouping = (*sorted(int(c) for c in cuts), 60)
+        assert math.isclose(fixed + solvers._iteration_end(problem, grouping),
+                            simulate(problem, grouping).iteration_s, rel_tol=1e-12)
