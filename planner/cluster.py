@@ -433,7 +433,8 @@ def _scaled_layer(layer: LayerTiming, factor: float) -> LayerTiming:
 
 
 def _scaled_topk(topk: TopkTiming, factor: float) -> TopkTiming:
-    return replace(topk.scaled(factor), decode=_scaled_curve(topk.decode, factor))
+    return replace(topk.scaled(factor), decode=_scaled_curve(topk.decode, factor),
+                   decode_points=tuple((n, d, t * factor) for n, d, t in topk.decode_points))
 
 
 def _scaled_kfac(kfac: KFACTiming, factor: float) -> KFACTiming:

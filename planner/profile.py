@@ -20,8 +20,10 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
         "select": [[numel, density, seconds], ...],               # the "exact" selector (torch.topk)
         "select_sampled": [[numel, density, seconds], ...],       # the "sampled" selector; [] or absent:
                                                                   # not measured (exact only)
-        "decode": {"points": [[values, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"}
-      },
+        "decode": {"points": [[values, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"},
+                                                                  # at density 1% (or the nearest measured)
+        "decode_points": [[values, density, seconds], ...]        # at every measured density; [] or
+      },                                                          # absent: `decode` serves every density
       "step_s": 0.8,                                              # whole local steps, timed as a cross-check
       "pack": {"points": [[numel, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"},
                                                                   # dense: a group's gradients into its flat
@@ -261,12 +263,16 @@ class TopkTiming:
     """Top-k selection time against (numel, density) for each selector, and decode time against values.
 
     `select` holds the exact selector's points and `select_sampled` the sampled one's (empty when the
-    profile predates it or did not measure it).
+    profile predates it or did not measure it). Decoding scatters P * k values into a zeroed dense
+    gradient of numel elements: its cost has a part in numel and a part in P * k, so at a given P * k it
+    depends on the density too. `decode_points` holds it at every measured density (empty in profiles
+    measured before: then `decode`, measured at 1%, serves every density).
     """
 
     select: SelectPoints
     decode: FittedCurve
     select_sampled: SelectPoints = ()
+    decode_points: SelectPoints = ()  # (P * k values decoded, density, seconds)
 
     def points(self, selector: str = "exact") -> SelectPoints:
         """The (numel, density, seconds) points of `selector`.
@@ -305,25 +311,17 @@ class TopkTiming:
                 "`planner profile`" + (" or use --selector exact" if selector != "exact" else "")
             )
 
-        def curve(d: float) -> PiecewiseLinearCost:
-            pts = sorted((n, t) for n, dd, t in points if dd == d)
-            return PiecewiseLinearCost(xs=tuple(float(n) for n, _ in pts), ys=tuple(t for _, t in pts))
+        return _interpolated_in_density(points, density)
 
-        if density <= ds[0]:
-            return curve(ds[0])
-        if density >= ds[-1]:
-            return curve(ds[-1])
-        hi = next(i for i, d in enumerate(ds) if d >= density)
-        lo_d, hi_d = ds[hi - 1], ds[hi]
-        if hi_d == density:
-            return curve(hi_d)
-        w = (math.log(density) - math.log(lo_d)) / (math.log(hi_d) - math.log(lo_d))
-        a, b = curve(lo_d), curve(hi_d)
-        xs = tuple(sorted(set(a.xs) | set(b.xs)))
-        return PiecewiseLinearCost(xs=xs, ys=tuple((1 - w) * a.cost(x) + w * b.cost(x) for x in xs))
+    def decode_model(self, density: float) -> CostModel:
+        """Decode seconds against the P * k values gathered, at `density` (interpolated in log(density)
+        between measured densities; the 1% curve when the profile has no per-density points)."""
+        if not self.decode_points:
+            return self.decode.model
+        return _interpolated_in_density(self.decode_points, density)
 
     def scaled(self, factor: float) -> TopkTiming:
-        """Every selection time of every selector multiplied by `factor` (the decode curve unchanged)."""
+        """Every selection time of every selector multiplied by `factor` (the decode times unchanged)."""
         return replace(
             self,
             select=tuple((n, d, t * factor) for n, d, t in self.select),
@@ -335,29 +333,59 @@ class TopkTiming:
             "select": [list(p) for p in self.select],
             "select_sampled": [list(p) for p in self.select_sampled],
             "decode": self.decode.to_dict(),
+            "decode_points": [list(p) for p in self.decode_points],
         }
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> TopkTiming:
         expect(data, dict, where)
-        check_fields(data, where, ["select", "decode"], optional=["select_sampled"])
+        check_fields(data, where, ["select", "decode"], optional=["select_sampled", "decode_points"])
         return cls(
             select=_select_points(data["select"], f"{where}.select"),
             select_sampled=_select_points(data.get("select_sampled", []), f"{where}.select_sampled"),
             decode=FittedCurve.from_dict(data["decode"], f"{where}.decode"),
+            decode_points=_select_points(data.get("decode_points", []), f"{where}.decode_points", what="values"),
         )
 
 
-def _select_points(data: Any, where: str) -> SelectPoints:
-    """[[numel, density, seconds], ...] as checked tuples."""
+def _interpolated_in_density(points: SelectPoints, density: float) -> PiecewiseLinearCost:
+    """The (size, density, seconds) points as seconds against size at `density`: the curve of the measured
+    density itself, of the nearest one outside the measured range, else interpolated in log(density)
+    between the two around it."""
+    ds = sorted({d for _, d, _ in points})
+
+    def curve(d: float) -> PiecewiseLinearCost:
+        least: dict[int, float] = {}  # the fastest of equal sizes (a k clamped to 1 gives several decodes)
+        for n, dd, t in points:
+            if dd == d:
+                least[n] = min(t, least.get(n, t))
+        pts = sorted(least.items())
+        return PiecewiseLinearCost(xs=tuple(float(n) for n, _ in pts), ys=tuple(t for _, t in pts))
+
+    if density <= ds[0]:
+        return curve(ds[0])
+    if density >= ds[-1]:
+        return curve(ds[-1])
+    hi = next(i for i, d in enumerate(ds) if d >= density)
+    lo_d, hi_d = ds[hi - 1], ds[hi]
+    if hi_d == density:
+        return curve(hi_d)
+    w = (math.log(density) - math.log(lo_d)) / (math.log(hi_d) - math.log(lo_d))
+    a, b = curve(lo_d), curve(hi_d)
+    xs = tuple(sorted(set(a.xs) | set(b.xs)))
+    return PiecewiseLinearCost(xs=xs, ys=tuple((1 - w) * a.cost(x) + w * b.cost(x) for x in xs))
+
+
+def _select_points(data: Any, where: str, what: str = "numel") -> SelectPoints:
+    """[[size, density, seconds], ...] as checked tuples (`what` names the size in messages)."""
     select = []
     for i, p in enumerate(expect(data, list, where)):
         if not isinstance(p, list) or len(p) != 3:
-            raise SchemaError(f"{where}[{i}] must be [numel, density, seconds], got {p!r}")
+            raise SchemaError(f"{where}[{i}] must be [{what}, density, seconds], got {p!r}")
         n = expect(p[0], int, f"{where}[{i}][0]")
         d = float(expect(p[1], (int, float), f"{where}[{i}][1]"))
         if n <= 0 or not 0 < d <= 1:
-            raise InvalidProfileError(f"{where}[{i}]: `numel > 0 and 0 < density <= 1`, got {p!r}")
+            raise InvalidProfileError(f"{where}[{i}]: `{what} > 0 and 0 < density <= 1`, got {p!r}")
         select.append((n, d, _time(p[2], f"{where}[{i}][2]")))
     return tuple(select)
 
@@ -701,7 +729,7 @@ class Profile:
                     density=density,
                     select=self._calibrated(self.topk.select_model(density, selector),
                                             self.in_situ.select_factor(selector) if self.in_situ else 1.0),
-                    decode=self._calibrated(self.topk.decode.model,
+                    decode=self._calibrated(self.topk.decode_model(density),
                                             self.in_situ.decode_factor() if self.in_situ else 1.0),
                     pack=dense.pack if runtime == "ddp" else None,
                     interference=self.interference_for(Collective.ALLGATHER),

@@ -126,7 +126,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         )
         topk = pack = interference = in_situ = None
         if not config.only_comm:
-            task = bar.add_task("top-k selection and decode", total=(len(config.densities) + 1) * len(topk_sizes))
+            task = bar.add_task("top-k selection and decode", total=len(config.densities) * len(topk_sizes))
             topk = measure_topk(
                 topk_sizes, config.densities, world_size, device, repeats=5, warmup=1,
                 on_point=lambda: bar.advance(task),

@@ -5,6 +5,7 @@ Times the runtime's own functions (runtime.compress), so the profile measures wh
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -28,38 +29,37 @@ def measure_topk(
     warmup: int,
     on_point: Callable[[], object] = lambda: None,
 ) -> TopkTiming:
-    """Median seconds of `select_topk` with each selector for each (size, density), and of `decode` for
-    P*k gathered values. `on_point` is called once per (size, density), after every selector, and once
-    per decode size."""
+    """Median seconds of `select_topk` with each selector for each (size, density), and of `decode` of the
+    P*k values gathered at each (size, density). `on_point` is called once per (size, density), after
+    every selector and the decode."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     select: dict[str, list[tuple[int, float, float]]] = {s: [] for s in SELECTORS}
     decode_points = []
     for n in sizes:
         grad = torch.randn(n, generator=gen).to(device)
         residual = torch.zeros(n, device=device)
+        out = torch.empty(n, device=device)
         for d in densities:
             k = topk_count(n, d)
             for selector in SELECTORS:
                 call = partial(select_topk, grad, residual, k, selector=selector)
                 samples = time_call(call, device, repeats=repeats, warmup=warmup, before=residual.zero_)
                 select[selector].append((n, float(d), median(samples)))
+            # Decode of what P ranks sent at this density: P*k values scattered into n zeroed elements.
+            msgs = []
+            for _ in range(world_size):
+                values, idx = select_topk(torch.randn(n, generator=gen).to(device), None, k)
+                msgs.append(pack(values, idx))
+            gathered = torch.cat(msgs)
+            samples = time_call(partial(decode, gathered, k, n, world_size, out=out), device,
+                                repeats=repeats, warmup=warmup)
+            decode_points.append((world_size * k, float(d), median(samples)))
             on_point()
-        # Decode of what P ranks sent at density 1%: P*k values scattered into n elements.
-        k = topk_count(n, 0.01)
-        msgs = []
-        for _ in range(world_size):
-            values, idx = select_topk(torch.randn(n, generator=gen).to(device), None, k)
-            msgs.append(pack(values, idx))
-        gathered = torch.cat(msgs)
-        out = torch.empty(n, device=device)
-        samples = time_call(partial(decode, gathered, k, n, world_size, out=out), device,
-                            repeats=repeats, warmup=warmup)
-        decode_points.append((world_size * k, median(samples)))
-        on_point()
-    # decode(out=...) zeroes the dense output before scattering: its cost grows with n too, but the model
-    # is d(P k); measuring at one density keeps n and P k proportional, which is what a 1% plan sees.
+    # `decode` (the affine fit older profiles carry alone) at the density nearest 1%.
+    nearest = min({d for _, d, _ in decode_points}, key=lambda d: abs(math.log(d / 0.01)))
+    at_nearest = _dedupe([(x, t) for x, d, t in decode_points if d == nearest])
     return TopkTiming(select=tuple(select["exact"]), select_sampled=tuple(select["sampled"]),
-                      decode=FittedCurve.fit(_dedupe(decode_points)))
+                      decode=FittedCurve.fit(at_nearest), decode_points=tuple(decode_points))
 
 
 def _dedupe(points: list[tuple[int, float]]) -> list[tuple[int, float]]:

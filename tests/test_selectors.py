@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -289,7 +290,52 @@ def test_measure_topk_times_every_selector() -> None:
     assert isinstance(timing, TopkTiming) and timing.selectors() == ["exact", "sampled"]
     for s in SELECTORS:
         assert [(n, d) for n, d, _ in timing.points(s)] == [(1024, 0.01), (1024, 0.1), (40_000, 0.01), (40_000, 0.1)]
-    assert len(calls) == 2 * 2 + 2  # once per (size, density) and once per decode size, as before
+    assert len(calls) == 2 * 2  # once per (size, density)
+    # Decode at every density, of the P * k values two ranks send; the affine fit at the density nearest 1%.
+    assert [(x, d) for x, d, _ in timing.decode_points] == [(2 * 11, 0.01), (2 * 103, 0.1), (2 * 400, 0.01),
+                                                            (2 * 4000, 0.1)]
+    assert [x for x, _ in timing.decode.points] == [22, 800]
+
+
+def _with_decode_points(profile: Profile) -> Profile:
+    """Decode at 1% and 10%, the 10% decodes twice as slow at equal P * k (more zeroing per value at 1%
+    would make it the other way round; what matters is that the density is read)."""
+    assert profile.topk is not None
+    points = tuple((x, d, (1 + (d == 0.1)) * (1e-5 + 1e-9 * x)) for x in (100, 10_000, 1_000_000) for d in (0.01, 0.1))
+    return replace(profile, topk=replace(profile.topk, decode_points=points))
+
+
+def test_decode_model_reads_the_density(tmp_path: Path) -> None:
+    profile = _with_decode_points(synthetic_profile("mlp"))
+    path = tmp_path / "p.json"
+    profile.save(path)
+    loaded = Profile.load(path)
+    assert loaded == profile and loaded.topk is not None
+    at = {d: loaded.topk.decode_model(d).cost(10_000) for d in (0.001, 0.01, 0.0316, 0.1, 0.5)}
+    assert at[0.01] == pytest.approx(2e-5) and at[0.1] == pytest.approx(4e-5)
+    assert at[0.001] == at[0.01] and at[0.5] == at[0.1]  # the nearest measured density outside the range
+    assert at[0.0316] == pytest.approx(2e-5 * (1 + math.log(3.16) / math.log(10)), rel=1e-3)  # log-interpolated
+    problem = loaded.problem(Strategy.TOPK, 0.1)
+    assert problem.decode is not None and problem.decode.cost(10_000) == pytest.approx(4e-5)
+
+
+def test_old_profile_without_decode_points_decodes_with_the_one_percent_curve(tmp_path: Path) -> None:
+    doc = synthetic_profile("mlp").to_dict()
+    del doc["topk"]["decode_points"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    loaded = Profile.load(path)
+    assert loaded.topk is not None and loaded.topk.decode_points == ()
+    for density in (0.01, 0.1):
+        decode = loaded.problem(Strategy.TOPK, density).decode
+        assert decode is not None and decode.cost(5000) == loaded.topk.decode.model.cost(5000)
+
+
+def test_profile_rejects_bad_decode_points() -> None:
+    doc = synthetic_profile("mlp").to_dict()
+    doc["topk"]["decode_points"] = [[100, 1.5, 1e-5]]
+    with pytest.raises(InvalidProfileError, match=r"decode_points\[0\]: `values > 0 and 0 < density <= 1`"):
+        Profile.from_dict(doc)
 
 
 # -- plan, solve, CLI ----------------------------------------------------------------------------------------------
