@@ -31,10 +31,20 @@ class LayerSpec:
 
 
 def gradient_layers(module: nn.Module) -> list[LayerSpec]:
-    """Every module owning trainable parameters directly, in registration order."""
+    """Every module owning trainable parameters directly, in registration order.
+
+    A parameter shared by several modules (tied weights, e.g. an output layer reusing the embedding's
+    weight) belongs to the first of them only, under the name `module.named_parameters()` gives it, as it
+    is one tensor with one gradient: its gradient is ready once every use has contributed.
+    """
     layers = []
+    seen: set[int] = set()
     for mname, mod in module.named_modules():
-        own = [(n, p) for n, p in mod.named_parameters(recurse=False) if p.requires_grad]
+        own = []
+        for n, p in mod.named_parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                own.append((n, p))
+            seen.add(id(p))
         if own:
             prefix = f"{mname}." if mname else ""
             layers.append(

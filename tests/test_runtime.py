@@ -69,10 +69,24 @@ def tiny_mlp(din: int = 8, hidden: int = 16, dout: int = 4) -> nn.Sequential:
     )  # fmt: skip
 
 
+class TiedLM(nn.Module):
+    """A GRU language model whose output layer reuses the embedding's weight (tied weights)."""
+
+    def __init__(self, vocab: int = 30, width: int = 12) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.rnn = nn.GRU(width, width, batch_first=True)
+        self.out = nn.Linear(width, vocab)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(self.emb(tokens))[0])
+
+
 def build_model(kind: str) -> nn.Module:
     """Same weights on every rank (fixed seed)."""
     torch.manual_seed(0)
-    return tiny_mlp() if kind == "mlp" else TinyCNN()
+    return {"mlp": tiny_mlp, "cnn": TinyCNN, "tied": TiedLM}[kind]()
 
 
 def make_batch(kind: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,11 +94,15 @@ def make_batch(kind: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Ten
     g = torch.Generator().manual_seed(1000 * rank + step)
     if kind == "mlp":
         return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+    if kind == "tied":
+        return torch.randint(0, 30, (4, 5), generator=g), torch.randint(0, 30, (4, 5), generator=g)
     return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g)
 
 
 def loss_of(kind: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(out, target) if kind == "mlp" else nn.functional.cross_entropy(out, target)
+    if kind == "mlp":
+        return nn.functional.mse_loss(out, target)
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
 def grouping_for(name: str, num_layers: int) -> tuple[int, ...]:
@@ -134,7 +152,7 @@ def assert_grads_close(got: nn.Module, want: nn.Module, what: str) -> None:
 def _matches_ddp_worker(rank: int, world_size: int, strategy: str, density: float | None) -> int:
     """Exchange (dense, or top-k) vs DDP on the same weights and per-rank batches, over a few SGD steps."""
     compared = 0
-    for kind in ("mlp", "cnn"):
+    for kind in ("mlp", "cnn", "tied"):
         for grouping in ("per-layer", "single", "mixed"):
             model = build_model(kind)
             ref = DistributedDataParallel(copy.deepcopy(model))
@@ -324,6 +342,29 @@ def _hanging_worker(rank: int, world_size: int) -> None:
 # -- distributed tests ---------------------------------------------------------------------------
 
 
+def test_tied_weights_are_one_parameter_of_the_first_module_that_holds_them() -> None:
+    model = TiedLM()
+    layers = gradient_layers(model)
+    names = [p for layer in layers for p in layer.params]
+    assert names == [n for n, _ in model.named_parameters()]  # each tensor once, under its own name
+    assert sum(layer.numel for layer in layers) == sum(p.numel() for p in model.parameters())
+    assert [layer.name for layer in layers] == ["emb", "rnn", "out"] and layers[-1].params == ("out.bias",)
+
+
+def test_profiling_a_tied_model_sees_the_shared_gradient_ready_last() -> None:
+    """The shared weight's gradient is complete only after the embedding's backward: its layer is last."""
+    from planner.models import Workload
+    from profilers.layers import measure_layers
+
+    workload = Workload(name="tied", module=TiedLM(), batch_size=4,
+                        make_batch=lambda n, g: (torch.randint(0, 30, (n, 5), generator=g),
+                                                 torch.randint(0, 30, (n, 5), generator=g)),
+                        loss_fn=lambda out, y: loss_of("tied", out, y))
+    run = measure_layers(workload, torch.device("cpu"), repeats=1, warmup=0)
+    assert run.order == ("out", "rnn", "emb")
+    assert run.params["emb"] == ("emb.weight",) and sum(run.numel.values()) == 30 * 12 + 936 + 30
+
+
 def test_run_distributed_reraises_a_worker_error_and_kills_hung_workers() -> None:
     with pytest.raises(PlanMismatchError, match="rank 1 refuses") as info:
         run_distributed(_failing_worker, WORLD_SIZE)
@@ -336,9 +377,10 @@ def test_run_distributed_reraises_a_worker_error_and_kills_hung_workers() -> Non
 
 @pytest.mark.parametrize(("strategy", "density"), [("dense", None), ("topk", 1.0)])
 def test_exchange_matches_ddp(strategy: str, density: float | None) -> None:
-    """Dense plans (and top-k at density 1.0) give DDP's gradients for every grouping, MLP and CNN."""
+    """Dense plans (and top-k at density 1.0) give DDP's gradients for every grouping: MLP, CNN, and a
+    language model with tied input and output weights."""
     compared = run_distributed(_matches_ddp_worker, WORLD_SIZE, strategy, density)
-    assert compared[0] == (2 if strategy == "topk" else 1) * 2 * 3 * 3
+    assert compared[0] == (2 if strategy == "topk" else 1) * 3 * 3 * 3
 
 
 @pytest.mark.parametrize(("strategy", "density"), [("dense", None), ("topk", 1.0)])
