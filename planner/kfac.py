@@ -82,20 +82,26 @@ def kfac_layers(module: nn.Module, skip: str | None = None) -> list[KFACLayerSpe
     """Linear and Conv2d layers with a trainable weight, in registration (forward) order.
 
     Grouped convolutions are left alone (their factors are not Kronecker-structured per layer), as is
-    every layer whose qualified name matches the regular expression `skip`.
+    every layer whose qualified name matches the regular expression `skip`, and every layer whose weight
+    another module shares (tied weights: the gradient sums every use, one layer's factors describe one).
+    Those keep their plain gradients.
     """
     from torch import nn
 
     from planner.layers import ROOT_NAME
 
     pattern = re.compile(skip) if skip else None
+    holders: dict[int, int] = {}
+    for mod in module.modules():
+        for p in mod.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
     specs = []
     for name, mod in module.named_modules():
         name = name or ROOT_NAME
         if pattern is not None and pattern.search(name):
             continue
         weight = getattr(mod, "weight", None)
-        if not isinstance(weight, nn.Parameter) or not weight.requires_grad:
+        if not isinstance(weight, nn.Parameter) or not weight.requires_grad or holders[id(weight)] > 1:
             continue
         bias = 1 if getattr(mod, "bias", None) is not None else 0
         if type(mod) is nn.Linear:

@@ -219,3 +219,13 @@ def test_cli_solve_kfac_show_and_bad_inputs(tmp_path: Path) -> None:
     _one_clear_line(_cli("bench", "--strategy", "kfac", "--plan", str(dense_path)), "has no kfac section")
     _one_clear_line(_cli("bench", "--strategy", "kfac", "--plan", str(plan_path), "--model", "mlp"),
                     "this plan was made for model cnn")
+
+
+def test_layers_with_shared_weights_keep_plain_gradients() -> None:
+    """A Linear whose weight another module shares (tied weights) is not a K-FAC layer; the others are."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    assert [s.name for s in kfac_layers(model)] == ["0", "2", "4"]
+    model[2].weight = model[0].weight
+    assert [s.name for s in kfac_layers(model)] == ["4"]
