@@ -28,8 +28,10 @@ Design (DESIGN.md, "Runtime principles"):
   copied in. Parameters of other dtypes are copied in and out.
 - A planned parameter with no gradient this step (unused in the forward) counts as zeros: its group
   is prepared and launched by `synchronize()`, and afterwards its `.grad` holds the average over ranks
-  (zeros if no rank had a gradient). Exception: a dense plan on world size 1 without momentum or
-  clipping leaves gradients untouched.
+  (zeros if no rank had a gradient). With `find_unused_parameters=True`, as DDP's option of that name,
+  a parameter no rank had a gradient for keeps its `.grad` as it was (None stays None, so the
+  optimizer skips it, weight decay included), at the cost of one small allreduce per step. Exception:
+  a dense plan on world size 1 without momentum or clipping leaves gradients untouched.
 - Momentum correction (Deep Gradient Compression, Lin et al., ICLR 2018; `momentum=`): momentum is
   accumulated locally, per group, *before* the exchange (u = m u + g; top-k then selects from the
   residual v += u and clears u where it sent), so a delayed entry keeps its momentum and the averaged
@@ -231,6 +233,11 @@ class GradientExchange:
             (t / steps), and each group sends k_t = max(plan k, topk_count(numel, density_t)), the same
             on every rank. Send and receive buffers are allocated for k_0 and shrunk to the plan's k
             when the warm-up ends. The step count is part of `state_dict()`.
+        find_unused_parameters: as DDP's option: after each step's collectives, one allreduce of a byte
+            per parameter tells which parameters no rank had a gradient for, and their `.grad` is left
+            as it was instead of being set to the zeros that were averaged. (A parameter unused on some
+            ranks only is averaged with zeros from the others either way, as in DDP. With `momentum`
+            its velocity still decays that step.)
 
     Raises:
         PlanMismatchError: the plan was made for another model, or for another world size, backend or
@@ -254,6 +261,7 @@ class GradientExchange:
         optimizer: torch.optim.Optimizer | None = None,
         clip_norm: float | None = None,
         density_warmup: tuple[float, int] | None = None,
+        find_unused_parameters: bool = False,
     ) -> None:
         plan = resolve_plan(plan, model, process_group=process_group, model_name=model_name,
                             auto_retune=auto_retune, profile=profile)
@@ -265,6 +273,7 @@ class GradientExchange:
         self.momentum = float(momentum)
         self.nesterov = nesterov
         self.clip_norm = clip_norm
+        self.find_unused_parameters = bool(find_unused_parameters)
         self._warmup = self._check_options(plan, momentum, nesterov, optimizer, clip_norm, density_warmup)
         params = self._check_params(model, plan)
         self._planned_ids = frozenset(id(params[n]) for n in plan.param_order)
@@ -550,10 +559,11 @@ class GradientExchange:
                     self._prepare(st)
             self._launch_prepared()
             try:
+                used = self._used_anywhere() if self.find_unused_parameters else None
                 for st in self._groups:
                     if st.work is not None:
                         st.work.wait()
-                    self._finish(st)
+                    self._finish(st, None if used is None else used[st.index])
             finally:
                 for st in self._groups:
                     st.reset()
@@ -561,8 +571,24 @@ class GradientExchange:
                 self._active = False
                 self._set_step(self._step + 1)
 
-    def _finish(self, st: _GroupState) -> None:
-        """Turn the collective's result into the averaged gradient and make it each parameter's `.grad`."""
+    def _used_anywhere(self) -> list[list[bool]]:
+        """Per group and parameter: whether any rank had a gradient for it this step (one allreduce, queued
+        behind the groups' collectives)."""
+        flags = torch.tensor([r for st in self._groups for r in st.ready], dtype=torch.uint8)
+        if self.world_size > 1:
+            device = self._groups[0].params[0].device
+            flags = flags.to(device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        values = flags.tolist()
+        out, at = [], 0
+        for st in self._groups:
+            out.append([bool(v) for v in values[at : at + len(st.params)]])
+            at += len(st.params)
+        return out
+
+    def _finish(self, st: _GroupState, used: list[bool] | None = None) -> None:
+        """Turn the collective's result into the averaged gradient and make it each parameter's `.grad`
+        (only of the parameters some rank had a gradient for, when `used` says)."""
         if st.flat is None:  # dense on world size 1: the local gradient already is the average
             return
         if self._topk:
@@ -571,7 +597,9 @@ class GradientExchange:
             if st.k_now != st.k_max:
                 gathered = gathered[: self.world_size * 2 * st.k_now]
             decode(gathered, st.k_now, st.numel, self.world_size, out=st.flat)
-        for p, view, as_view in zip(st.params, st.views, st.as_view, strict=True):
+        for j, (p, view, as_view) in enumerate(zip(st.params, st.views, st.as_view, strict=True)):
+            if used is not None and not used[j]:
+                continue
             if as_view:
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr() or p.grad.stride() != view.stride():
                     p.grad = view

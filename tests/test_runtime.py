@@ -210,6 +210,38 @@ def _missing_grads_worker(rank: int, world_size: int, strategy: str, density: fl
     exchange.close()
 
 
+def _unused_like_ddp_worker(rank: int, world_size: int, strategy: str, density: float | None) -> int:
+    """With find_unused_parameters=True the exchange trains exactly like DDP with that option: `b` used on
+    one rank is averaged with zeros, `unused` keeps no gradient, so weight decay leaves it alone."""
+    torch.manual_seed(0)
+    model = Branchy()
+    ref = DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    exchange = GradientExchange(model, make_plan(model, "mixed", Strategy(strategy), density),
+                                find_unused_parameters=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.1) for m in (ref, model)]
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    before = model.unused.weight.detach().clone()
+    checked = 0
+    for step in range(3):
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        ref(x, rank == 0).pow(2).sum().backward()
+        model(x, rank == 0).pow(2).sum().backward()
+        exchange.synchronize()
+        for (name, p), q in zip(model.named_parameters(), ref.module.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), f"step {step}: {name} has a gradient in one only"
+            if p.grad is not None:
+                assert q.grad is not None and torch.allclose(p.grad, q.grad, rtol=RTOL, atol=ATOL), name
+                checked += 1
+        for opt in opts:
+            opt.step()
+    assert model.unused.weight.grad is None and torch.equal(model.unused.weight, before)
+    for p, q in zip(model.parameters(), ref.module.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=RTOL, atol=ATOL)
+    exchange.close()
+    return checked
+
+
 def _ddp_hook_worker(rank: int, world_size: int) -> dict[str, int]:
     """The DDP top-k hook at density 1.0 equals plain DDP, before and after top-k starts (start_iter)."""
     model = build_model("mlp")
@@ -386,6 +418,11 @@ def test_exchange_matches_ddp(strategy: str, density: float | None) -> None:
 @pytest.mark.parametrize(("strategy", "density"), [("dense", None), ("topk", 1.0)])
 def test_missing_gradients_count_as_zeros(strategy: str, density: float | None) -> None:
     run_distributed(_missing_grads_worker, WORLD_SIZE, strategy, density)
+
+
+@pytest.mark.parametrize(("strategy", "density"), [("dense", None), ("topk", 1.0)])
+def test_find_unused_parameters_trains_like_ddp(strategy: str, density: float | None) -> None:
+    assert run_distributed(_unused_like_ddp_worker, WORLD_SIZE, strategy, density) == [3 * 4] * WORLD_SIZE
 
 
 def test_ddp_topk_hook() -> None:
