@@ -213,22 +213,23 @@ def _spawn(
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
+            readers[rank] = reader
             proc = ctx.Process(
                 target=_worker,
                 args=(fn, rank, world_size, port, backend, timeout, args, writer, networks[rank]),
                 name=f"run_distributed-rank{rank}",
                 daemon=True,
             )
+            procs.append(proc)  # before start(): a Ctrl-C while it starts must not leave it unreaped
             proc.start()
             writer.close()
-            procs.append(proc)
-            readers[rank] = reader
         return _collect(procs, readers, timeout)
     finally:
-        for proc in procs:
+        started = [proc for proc in procs if proc.pid is not None]
+        for proc in started:
             if proc.is_alive():
                 proc.kill()
-        for proc in procs:
+        for proc in started:
             proc.join(timeout=10)
         for reader in readers.values():
             reader.close()

@@ -206,7 +206,8 @@ def test_stale_namespaces_of_dead_runs_are_removed() -> None:
 
 
 SLEEPER = textwrap.dedent("""
-    import sys, time
+    import faulthandler, signal, sys, time
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, should it hang
     from runtime.launch import run_distributed
     from runtime.link import parse_rate
     from tests.test_link import sleep_forever
@@ -232,7 +233,14 @@ def test_ctrl_c_and_sigterm_tear_the_link_down(sig: signal.Signals) -> None:
         assert len(_ours(proc.pid)) == 3, proc.stderr.read().decode() if proc.poll() is not None else "no link yet"
         time.sleep(1.0)  # the workers have started
         proc.send_signal(sig)
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # its stacks, then kill it
+            time.sleep(2)
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"the launcher did not exit within 60 s of {sig.name}; its stacks:\n{err.decode()[-4000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
