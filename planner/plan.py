@@ -245,12 +245,13 @@ class Plan:
             raise type(exc)(f"plan {path}: {exc}") from None
 
     # -- use -------------------------------------------------------------------------------------
-    def replan_command(self) -> str:
-        """The commands that make a fresh plan for the current model and cluster."""
+    def replan_command(self, model: str | None = None) -> str:
+        """The commands that make a fresh plan for `model` (a `--model` value; default this plan's) and
+        the current cluster."""
         density = f" --density {self.density}" if self.strategy is Strategy.TOPK else ""
         strategy = "kfac" if self.kfac is not None else self.strategy.value
         return (
-            f"planner profile --model {self.model.name} --nproc <N> -o profile.json && "
+            f"planner profile --model {model or self.model.name} --nproc <N> -o profile.json && "
             f"planner solve profile.json --strategy {strategy}{density} -o plan.json"
         )
 
@@ -260,9 +261,13 @@ class Plan:
         """Refuse to run on another model, world size, backend or kind of device (cpu or gpu), naming the
         difference and how to re-plan. `backend` and `device_kind` are checked when given."""
         if model.fingerprint != self.model.fingerprint:
+            from planner.models import BUILTIN_MODELS
+
+            # The given model's own --model value when it is one (a built-in name or a factory spec).
+            spec = model.name if model.name in BUILTIN_MODELS or ":" in model.name else "<package.module:factory>"
             raise PlanMismatchError(
                 f"this plan was made for model {self.model.describe()}, but the model given is "
-                f"{model.describe()}; re-plan: {self.replan_command()}"
+                f"{model.describe()}; re-plan for it: {self.replan_command(spec)}"
             )
         retune = "; re-plan with `planner retune PLAN`, or pass auto_retune=True to the runtime"
         if world_size != self.cluster.world_size:

@@ -51,7 +51,7 @@ def resolve_plan(
         plan: the plan given to the runtime.
         model: the module it will run on.
         process_group: the group the runtime communicates on (default: the default group).
-        model_name: name used for the model in messages (default: the plan's).
+        model_name: name used for the model in messages (default: its class name).
         auto_retune: re-plan when the plan does not fit; otherwise refuse.
         profile: the per-layer profile to re-plan from (a Profile or a path on rank 0); default the
             plan's source profile.
@@ -65,7 +65,15 @@ def resolve_plan(
     """
     from profilers.probe import current_cluster
 
-    info = model_info(model, model_name or plan.model.name)
+    info = model_info(model, model_name or type(model).__name__)
+    inner = getattr(model, "module", None)
+    if (info.fingerprint != plan.model.fingerprint and isinstance(inner, nn.Module)
+            and model_info(inner, info.name).fingerprint == plan.model.fingerprint):
+        raise PlanMismatchError(
+            f"the model given wraps the planned one: its parameters are named module.* (as "
+            f"{type(model).__name__} names them); pass the inner module (`model.module`), the runtime "
+            "averages the gradients itself"
+        )
     device = _device_of(model)
     cluster = current_cluster(device, process_group)
     distributed = dist.is_available() and dist.is_initialized()

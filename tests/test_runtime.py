@@ -575,6 +575,23 @@ def test_plan_for_another_model_or_world_size_is_refused(make: Callable[[nn.Modu
     assert ("planner solve" in message or "planner retune" in message) and "\n" not in message
 
 
+def test_another_model_is_named_as_itself_and_told_to_profile_itself() -> None:
+    plan = make_plan(tiny_mlp(), "single", world_size=1, name="mlp")
+    with pytest.raises(PlanMismatchError) as info:
+        GradientExchange(TiedLM(), plan)
+    message = str(info.value)
+    assert "made for model mlp (" in message and "the model given is TiedLM (" in message
+    assert "planner profile --model <package.module:factory>" in message  # not the plan's model again
+
+
+def test_a_wrapped_model_is_refused_for_its_module_prefix() -> None:
+    model = tiny_mlp()
+    plan = make_plan(model, "single", world_size=1)
+    with pytest.raises(PlanMismatchError, match=r"named module\.\* \(as DataParallel names them\); pass the inner"):
+        GradientExchange(nn.DataParallel(model), plan)
+    GradientExchange(nn.DataParallel(model).module, plan).close()  # the inner module is the planned one
+
+
 def test_plan_parameters_must_match_the_model() -> None:
     model = tiny_mlp()
     layers = gradient_layers(model)
