@@ -194,12 +194,17 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     from torch.nn.parallel import DistributedDataParallel
 
     from runtime import GradientExchange, TopkHookState, topk_hook
+    from runtime.ddp_hooks import has_unused_parameters
 
     torch.manual_seed(0)
     base = build_workload(config.model, batch_size=config.batch_size)
     for given in config.plans:
         given.check_compatible(model_info(base.module, config.model), world_size)
     variants = bench_variants(config.plans, base.module)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batch = base.make_batch(base.batch_size, gen)
+    # A model with parameters the loss does not use: DDP and the exchange must be told (as a user would).
+    unused = has_unused_parameters(base.module, lambda m: base.loss_fn(m(batch[0]), batch[1]))
     runners = []
     for v in variants:
         plan = v.plan
@@ -208,7 +213,7 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
             model: torch.nn.Module = wl.module
             exchange = None
         elif plan is None or v.ddp_hook:
-            wrapped = DistributedDataParallel(wl.module)
+            wrapped = DistributedDataParallel(wl.module, find_unused_parameters=unused)
             if plan is not None:
                 assert plan.density is not None
                 wrapped.register_comm_hook(TopkHookState(plan.density, selector=plan.selector or "exact"), topk_hook)
@@ -216,11 +221,9 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
             exchange = None
         else:
             model = wl.module
-            exchange = GradientExchange(model, plan)
+            exchange = GradientExchange(model, plan, find_unused_parameters=unused)
         opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
         runners.append((wl, model, exchange, opt))
-    gen = torch.Generator().manual_seed(1000 + rank)
-    batch = base.make_batch(base.batch_size, gen)
 
     def step(i: int) -> float:
         wl, model, exchange, opt = runners[i]

@@ -33,7 +33,7 @@ from planner.profile import Calibration, FittedCurve, InSitu, LayerTiming, TopkT
 from planner.types import Collective, DistributedError, Strategy
 from profilers.timing import median, time_call
 from runtime.compress import all_gather_flat
-from runtime.ddp_hooks import silent_hook
+from runtime.ddp_hooks import has_unused_parameters, silent_hook
 from runtime.exchange import GradientExchange, write_scaled
 
 __all__ = ["INTERFERENCE_MESSAGE_BYTES", "measure_in_situ", "measure_interference", "measure_packing"]
@@ -166,7 +166,8 @@ def _ddp_extra_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch
     nothing: DDP's own work, copying gradients into its buckets and back."""
     from torch.nn.parallel import DistributedDataParallel
 
-    wrapped = DistributedDataParallel(copy.deepcopy(plain), process_group=group)
+    unused = has_unused_parameters(plain, lambda m: workload.loss_fn(m(inputs), targets), group)
+    wrapped = DistributedDataParallel(copy.deepcopy(plain), process_group=group, find_unused_parameters=unused)
     wrapped.register_comm_hook(None, silent_hook)
     extra = []
     for i in range(repeats + 1):

@@ -100,9 +100,9 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         numel_total = base.model.numel
         max_layer = max(lt.numel for lt in base.layers)
 
-    # Message sizes from 1 KiB to the whole gradient, and top-k sizes up to the whole model.
+    # Message sizes from 1 KiB to the whole gradient, and top-k sizes up to the whole model (4 Ki at least).
     sizes = log_sizes(1 << 10, max(numel_total * 4, 1 << 20))
-    topk_sizes = log_sizes(1 << 10, max(numel_total, max_layer), factor=4)
+    topk_sizes = log_sizes(1 << 10, max(numel_total, max_layer, 1 << 12), factor=4)  # two sizes at least: fits
     colls = [Collective.ALLREDUCE, Collective.ALLGATHER, Collective.BROADCAST]
     with progress(enabled=show) as bar:
         if not config.only_comm:

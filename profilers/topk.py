@@ -55,11 +55,17 @@ def measure_topk(
                                 repeats=repeats, warmup=warmup)
             decode_points.append((world_size * k, float(d), median(samples)))
             on_point()
-    # `decode` (the affine fit older profiles carry alone) at the density nearest 1%.
+    # `decode` (the affine fit older profiles carry alone) at the density nearest 1%; over every density
+    # when small layers leave fewer than two distinct sizes there (k clamped to 1), constant for one.
     nearest = min({d for _, d, _ in decode_points}, key=lambda d: abs(math.log(d / 0.01)))
-    at_nearest = _dedupe([(x, t) for x, d, t in decode_points if d == nearest])
+    points = _dedupe([(x, t) for x, d, t in decode_points if d == nearest])
+    if len(points) < 2:
+        points = _dedupe([(x, t) for x, _, t in decode_points])
+    fitted = (FittedCurve.fit(points) if len(points) >= 2 and sum(t > 0 for _, t in points) >= 2
+              else FittedCurve(points=tuple(points), alpha_s=max(t for _, t in points), beta_s_per_byte=0.0,
+                               fit_error=0.0))
     return TopkTiming(select=tuple(select["exact"]), select_sampled=tuple(select["sampled"]),
-                      decode=FittedCurve.fit(at_nearest), decode_points=tuple(decode_points))
+                      decode=fitted, decode_points=tuple(decode_points))
 
 
 def _dedupe(points: list[tuple[int, float]]) -> list[tuple[int, float]]:

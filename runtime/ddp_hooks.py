@@ -21,7 +21,7 @@ from torch import Tensor
 from planner.problem import topk_count
 from runtime.compress import SELECTORS, all_gather_flat, decode, pack, select_topk
 
-__all__ = ["TopkHookState", "silent_hook", "topk_hook"]
+__all__ = ["TopkHookState", "has_unused_parameters", "silent_hook", "topk_hook"]
 
 
 class TopkHookState:
@@ -131,3 +131,20 @@ topk_hook.__annotations__.update(
     {"state": TopkHookState, "bucket": dist.GradBucket, "return": torch.futures.Future[Tensor]}
 )
 silent_hook.__annotations__.update({"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[Tensor]})
+
+
+def has_unused_parameters(module: torch.nn.Module, loss: Any, group: Any = None) -> bool:
+    """Whether some trainable parameter of `module` gets no gradient from `loss(copy)` (a scalar, run on a
+    copy of the module) on any rank of `group`: what `DistributedDataParallel(find_unused_parameters=...)`
+    and `GradientExchange(find_unused_parameters=...)` must be told, the same on every rank."""
+    import copy
+
+    probe = copy.deepcopy(module)
+    probe.zero_grad(set_to_none=True)
+    loss(probe).backward()
+    unused = torch.tensor([int(any(p.grad is None for p in probe.parameters() if p.requires_grad))])
+    if dist.is_available() and dist.is_initialized():
+        device = next(module.parameters()).device
+        unused = unused.to(device)
+        dist.all_reduce(unused, op=dist.ReduceOp.MAX, group=group)
+    return bool(unused.item())

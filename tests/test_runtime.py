@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -81,6 +82,29 @@ class TiedLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.out(self.rnn(self.emb(tokens))[0])
+
+
+class AuxHead(nn.Module):
+    """A trunk and a head the loss uses, and an auxiliary head it never touches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+        self.aux = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.trunk(x)))
+
+
+def aux_workload() -> Any:
+    """`--model tests.test_runtime:aux_workload`: the AuxHead model with a synthetic regression batch."""
+    from planner.models import Workload
+
+    torch.manual_seed(0)
+    return Workload(name="aux", module=AuxHead(), batch_size=4,
+                    make_batch=lambda n, g: (torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)),
+                    loss_fn=nn.functional.mse_loss)
 
 
 def build_model(kind: str) -> nn.Module:
@@ -423,6 +447,29 @@ def test_missing_gradients_count_as_zeros(strategy: str, density: float | None) 
 @pytest.mark.parametrize(("strategy", "density"), [("dense", None), ("topk", 1.0)])
 def test_find_unused_parameters_trains_like_ddp(strategy: str, density: float | None) -> None:
     assert run_distributed(_unused_like_ddp_worker, WORLD_SIZE, strategy, density) == [3 * 4] * WORLD_SIZE
+
+
+def test_bench_runs_a_model_with_an_unused_head(tmp_path: Path) -> None:
+    """`planner bench` on a model whose loss leaves a head unused: DDP (its baseline) and the exchange are
+    told to find unused parameters, instead of DDP failing on its second step."""
+    import subprocess
+    import sys
+
+    from planner.fingerprint import model_info
+    from runtime.ddp_hooks import has_unused_parameters
+
+    workload = aux_workload()
+    assert has_unused_parameters(workload.module, lambda m: workload.loss(*workload.batch()))
+    assert not has_unused_parameters(tiny_mlp(), lambda m: m(torch.randn(2, 8)).sum())
+    plan = make_plan(workload.module, "mixed", name="tests.test_runtime:aux_workload")
+    assert plan.model.fingerprint == model_info(workload.module, "aux").fingerprint
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    proc = subprocess.run([sys.executable, "-m", "planner", "bench", "--plan", str(path), "--model",
+                           "tests.test_runtime:aux_workload", "--steps", "2", "--warmup", "1", "--nproc", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
 
 
 def test_ddp_topk_hook() -> None:
