@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -241,6 +242,9 @@ class ProfileCommand(Command):
                             help="also measure K-FAC costs (factors, preconditioning, inversion against dimension)")
         parser.add_argument("--max-dim", type=_positive, default=2048,
                             help="largest matrix the K-FAC inversion sweep measures; larger ones scale as d^3")
+        parser.add_argument("--kfac-skip", metavar="REGEX", default=None,
+                            help="K-FAC layers to leave out (names matched with re.search), e.g. an unused head; "
+                                 "pass the same skip_layers= to KFACPreconditioner")
         _add_link(parser)
         parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
 
@@ -248,6 +252,15 @@ class ProfileCommand(Command):
         from planner.profile import Profile
         from profilers import ProfileConfig, run_profile
 
+        if args.kfac_skip is not None:
+            if not args.kfac:
+                raise PlannerError("--kfac-skip applies to --kfac only")
+            try:
+                re.compile(args.kfac_skip)
+            except re.error as exc:
+                raise PlannerError(
+                    f"--kfac-skip is not a valid regular expression ({exc}): {args.kfac_skip!r}"
+                ) from None
         try:
             densities = tuple(_density(d) for d in args.densities.split(","))
         except argparse.ArgumentTypeError as exc:
@@ -257,6 +270,7 @@ class ProfileCommand(Command):
             model=args.model, output=args.output, batch_size=args.batch_size, nproc=args.nproc,
             backend=args.backend, repeats=args.repeats, warmup=args.warmup, densities=densities,
             only_comm=args.only == "comm", base=base, kfac=args.kfac, max_dim=args.max_dim, link=args.link,
+            kfac_skip=args.kfac_skip,
         )
         profile = run_profile(config)
         profile.save(args.output)

@@ -7,6 +7,7 @@ training step, so the profile measures what the preconditioner does.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -38,10 +39,12 @@ DEFAULT_MAX_DIM = 2048
 _DAMPING = 1e-3
 
 
-def _capture(workload: Workload, device: torch.device) -> tuple[list[str], dict[str, Tensor], dict[str, Tensor]]:
-    """Run one training step; return the K-FAC layers in execution order, their inputs and output gradients."""
+def _capture(workload: Workload, device: torch.device, skip: str | None = None
+             ) -> tuple[list[str], dict[str, Tensor], dict[str, Tensor]]:
+    """Run one training step; return the K-FAC layers (but those matching `skip`) in execution order, their
+    inputs and output gradients."""
     module = workload.module.to(device)
-    names = {s.name for s in kfac_layers(module)}
+    names = {s.name for s in kfac_layers(module, skip)}
     if not names:
         raise InvalidProfileError(f"model {workload.name} has no Linear or Conv2d layers for K-FAC to precondition")
     order: list[str] = []
@@ -69,7 +72,11 @@ def _capture(workload: Workload, device: torch.device) -> tuple[list[str], dict[
             h.remove()
     unused = sorted(names - set(order))
     if unused:
-        raise InvalidProfileError(f"K-FAC layers {unused[:3]} did not run in the forward pass; skip them")
+        pattern = "|".join(f"^{re.escape(n)}$" for n in unused[:3])
+        raise InvalidProfileError(
+            f"K-FAC layers {unused[:3]} did not run in the forward pass; skip them: profile with "
+            f"--kfac-skip '{pattern}' and pass skip_layers='{pattern}' to KFACPreconditioner"
+        )
     module.zero_grad(set_to_none=True)
     return order, inputs, grads
 
@@ -80,11 +87,13 @@ def measure_kfac_layers(
     *,
     repeats: int,
     warmup: int,
+    skip: str | None = None,
     on_layer: Callable[[], object] = lambda: None,
 ) -> list[KFACLayerTiming]:
-    """Median seconds of each layer's A and G computation (with packing) and of preconditioning its gradient."""
-    order, inputs, grads = _capture(workload, device)
-    specs = {s.name: s for s in kfac_layers(workload.module)}
+    """Median seconds of each layer's A and G computation (with packing) and of preconditioning its gradient
+    (of the K-FAC layers but those matching `skip`)."""
+    order, inputs, grads = _capture(workload, device, skip)
+    specs = {s.name: s for s in kfac_layers(workload.module, skip)}
     modules = {name or ROOT_NAME: mod for name, mod in workload.module.named_modules()}
     gen = torch.Generator(device="cpu").manual_seed(0)
     out = []
@@ -187,10 +196,12 @@ def measure_kfac(
     repeats: int,
     warmup: int,
     max_dim: int = DEFAULT_MAX_DIM,
+    skip: str | None = None,
     on_point: Callable[[], object] = lambda: None,
 ) -> KFACTiming:
-    """Everything a K-FAC plan needs from this device."""
-    layers = measure_kfac_layers(workload, device, repeats=repeats, warmup=warmup, on_layer=on_point)
+    """Everything a K-FAC plan needs from this device (layers matching the regular expression `skip` left out,
+    as `KFACPreconditioner(skip_layers=...)` leaves them)."""
+    layers = measure_kfac_layers(workload, device, repeats=repeats, warmup=warmup, skip=skip, on_layer=on_point)
     dims = inversion_dims([d for lt in layers for d in (lt.a_dim, lt.g_dim)], max_dim=max_dim)
     curves = {
         m: measure_inversion(dims, m, device, repeats=max(3, repeats // 2), warmup=1, on_point=on_point)
@@ -199,8 +210,8 @@ def measure_kfac(
     return KFACTiming(layers=tuple(layers), inverse=curves[InverseMethod.INVERSE], eigen=curves[InverseMethod.EIGEN])
 
 
-def kfac_points(workload: Workload, max_dim: int = DEFAULT_MAX_DIM) -> int:
+def kfac_points(workload: Workload, max_dim: int = DEFAULT_MAX_DIM, skip: str | None = None) -> int:
     """How many progress steps `measure_kfac` takes (layers, then inversion points of both methods)."""
-    specs = kfac_layers(workload.module)
+    specs = kfac_layers(workload.module, skip)
     dims = inversion_dims([d for s in specs for d in (s.a_dim, s.g_dim)], max_dim=max_dim)
     return len(specs) + 2 * len(dims)

@@ -57,6 +57,7 @@ class ProfileConfig:
     only_comm: bool = False
     kfac: bool = False
     max_dim: int = DEFAULT_MAX_DIM
+    kfac_skip: str | None = None  # regular expression of K-FAC layers to leave out (as skip_layers)
     base: Profile | None = field(default=None, repr=False)
     show_progress: bool = True
     link: LinkRate | None = None
@@ -152,10 +153,11 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                 )
         kfac = base.kfac if base is not None else None
         if config.kfac and not config.only_comm:
-            task = bar.add_task("K-FAC factors and inversions", total=kfac_points(workload, config.max_dim))
+            task = bar.add_task("K-FAC factors and inversions",
+                                total=kfac_points(workload, config.max_dim, config.kfac_skip))
             kfac = measure_kfac(
                 workload, device, repeats=config.repeats, warmup=config.warmup, max_dim=config.max_dim,
-                on_point=lambda: bar.advance(task),
+                skip=config.kfac_skip, on_point=lambda: bar.advance(task),
             )
     if rank != 0:
         return None

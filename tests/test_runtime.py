@@ -472,6 +472,20 @@ def test_bench_runs_a_model_with_an_unused_head(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+def test_kfac_profiling_skips_an_unused_head_when_told() -> None:
+    from planner.types import InvalidProfileError
+    from profilers.kfac import measure_kfac_layers
+    from tests.test_contracts import _cli, _one_clear_line
+
+    with pytest.raises(InvalidProfileError, match=r"profile with --kfac-skip '\^aux\$' and pass skip_layers="):
+        measure_kfac_layers(aux_workload(), torch.device("cpu"), repeats=1, warmup=0)
+    layers = measure_kfac_layers(aux_workload(), torch.device("cpu"), repeats=1, warmup=0, skip="^aux$")
+    assert [lt.name for lt in layers] == ["trunk", "head"]
+    _one_clear_line(_cli("profile", "--model", "mlp", "--kfac-skip", "aux", "-o", "p.json"), "--kfac only")
+    _one_clear_line(_cli("profile", "--model", "mlp", "--kfac", "--kfac-skip", "(", "-o", "p.json"),
+                    "--kfac-skip is not a valid regular expression")
+
+
 def test_ddp_topk_hook() -> None:
     """The DDP hook at density 1.0 equals plain DDP; at 0.05 it keeps a residual per bucket."""
     results = run_distributed(_ddp_hook_worker, WORLD_SIZE)
