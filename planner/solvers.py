@@ -787,11 +787,12 @@ def _pareto_search(
             length, parent = np.resize(length, capacity), np.resize(parent, capacity)
             expire = np.resize(expire, capacity)
         block = slice(count, count + size)
-        expire[block] = num_layers + 1
         if np.isfinite(limit) and m < num_layers:
             # Retired once the next group would hold that many layers (ends at layer m + length - 1).
             expire[block] = m - 1 + _expiry(tables, m, new_comp[front], new_chan[front],
                                             new_dsum[front] if decodes else 0.0, sigma, limit)
+        else:
+            expire[block] = num_layers + 1
         comp[block], chan[block] = new_comp[front], new_chan[front]
         if decodes:
             dec[block], dsum[block] = new_dec[front], new_dsum[front]
