@@ -173,7 +173,9 @@ def simulate(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> Pre
     return Prediction(
         iteration_s=iteration,
         compute_s=compute,
-        exposed_comm_s=iteration - compute,
+        # Where communication hides entirely, the two sums differ only by rounding (they may add the same
+        # terms in another order): a wait cannot be negative, and the plan schema refuses one that is.
+        exposed_comm_s=max(0.0, iteration - compute),
         comm_s=sum(problem.comm.cost(e.bytes) for e in events),
         selection_s=selection,
         decode_s=decode,
