@@ -377,7 +377,8 @@ class SolveCommand(Command):
                           help="steps between factor updates (default 1)")
         kfac.add_argument("--inv-update-steps", type=_positive, default=None,
                           help="steps between inverse updates, a multiple of the factor interval (default 10)")
-        kfac.add_argument("--placement-solver", choices=["ilp-cbc", "cp-sat"], default="ilp-cbc")
+        kfac.add_argument("--placement-solver", choices=["cp-sat", "ilp-cbc"], default="cp-sat",
+                          help="exact placement model in OR-Tools CP-SAT (default) or pulp/CBC")
         kfac.add_argument("--time-limit", type=float, default=2.0, help="seconds for the placement solver")
         parser.add_argument("--cluster", default=None, metavar="SPEC", help=CLUSTER_HELP)
         parser.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
@@ -925,7 +926,8 @@ class BenchSolversCommand(Command):
                 raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
             rows = time_placement(args.factors, args.workers, repeats=args.repeats, time_limit_s=args.time_limit)
             title = (f"placement of {args.factors} synthetic factors on {args.workers} workers "
-                     f"(median of {args.repeats}; makespan = busiest worker's inversions + broadcasts)")
+                     f"(median of {args.repeats}; makespan = the later of the busiest worker's inversions and "
+                     "the last broadcast)")
         else:
             from planner.solver_bench import time_solvers
 

@@ -10,8 +10,9 @@ order, on one communication channel shared by gradients and factors (FIFO in rea
   triangle is allreduced in its planned buffer (planner.fusion), on the channel with the gradient
   groups; the step ends at max(backward end, channel end) + folding the factors into their running
   averages + preconditioning + U;
-- inversion (one step in `inv_update_steps` also pays it): the placement makespan, the busiest worker's
-  inversion work plus every owner's broadcast (planner.placement).
+- inversion (one step in `inv_update_steps` also pays it): the placement makespan, the later of the busiest
+  worker's inversions and the last owner's broadcast, broadcasts overlapping later inversions as the runtime
+  runs them (planner.placement).
 
 The average step is plain + (factor - plain) / factor_update_steps + inversion / inv_update_steps.
 """
@@ -255,7 +256,7 @@ def make_kfac_plan(
     method: InverseMethod = InverseMethod.EIGEN,
     factor_update_steps: int = DEFAULT_FACTOR_UPDATE_STEPS,
     inv_update_steps: int = DEFAULT_INV_UPDATE_STEPS,
-    placement_solver: str = "ilp-cbc",
+    placement_solver: str = "cp-sat",
     time_limit_s: float = 2.0,
     source: str = "",
 ) -> Plan:

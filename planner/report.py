@@ -37,7 +37,7 @@ from matplotlib.ticker import NullLocator
 
 from planner.kfac_planning import factor_step_timeline, kfac_problem
 from planner.layers import plan_grouping
-from planner.placement import PlacementProblem
+from planner.placement import PlacementProblem, inversion_timeline
 from planner.plan import Plan
 from planner.problem import Grouping, groups_of
 from planner.profile import Profile
@@ -110,7 +110,7 @@ BENCH_KEYS = ("name", "median_s", "p25_s", "p75_s", "predicted_s")
 _DPI = 120
 _WIDTH_IN = 12.0
 _STEP_LANES = ("compute", "channel")
-_LANE_NAMES = {"compute": "compute stream", "channel": "channel", "all": "all workers"}
+_LANE_NAMES = {"compute": "compute stream", "channel": "channel"}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ class Bar:
     """One bar of a timeline picture (seconds; a gradient plan's clock starts at the start of forward).
 
     Attributes:
-        lane: "compute" or "channel" for the step; "all" or "rank <r>" for the inversion placement.
+        lane: "compute" or "channel" for the step; "channel" or "rank <r>" for the inversion placement.
         kind: a key of `COLORS` ("forward", "backward", "selection", "collective", "inversion", ...).
         label: the text drawn on the bar where there is room ("g0", "fc1.A", ...).
     """
@@ -151,7 +151,7 @@ class GanttData:
             factor work) had it never waited for a collective.
         comm_end_s: when the compute stream may go on to the update (top-k: after the last decode).
         placement_title: the placement panel's title ("" without K-FAC).
-        placement: the inversion step of a K-FAC plan, lanes "all" and "rank <r>" (every rank's bars).
+        placement: the inversion step of a K-FAC plan, lanes "channel" (broadcasts) and "rank <r>" (inversions).
         placement_lanes: the placement lanes drawn, top to bottom (at most `MAX_WORKER_LANES` ranks).
         makespan_s: the placement's makespan (None without K-FAC).
     """
@@ -297,43 +297,30 @@ def _kfac_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
 def _placement_bars(
     problem: PlacementProblem, placement: Sequence[int | None]
 ) -> tuple[list[Bar], tuple[str, ...], float]:
-    """Bars of the inversion step as `planner.placement.makespan` models it: every worker inverts the "all"
-    factors, then each owner its own factors, then the owners' broadcasts one after another on the channel.
+    """Bars of the inversion step as `planner.placement.inversion_timeline` models it (and the runtime runs it):
+    each rank inverts its own factors in order, then the "all" factors; each owner's broadcast goes on the channel
+    when its factor is inverted and the channel is free.
 
-    Returns the bars (of every rank), the lanes to draw ("all", then at most `MAX_WORKER_LANES` ranks: all of them,
-    or the busiest owners when there are more workers) and the makespan.
+    Returns the bars, the lanes to draw ("channel", then at most `MAX_WORKER_LANES` ranks: all of them, or the
+    busiest owners when there are more workers; only those ranks get bars) and the makespan.
     """
-    bars: list[Bar] = []
-    clock = 0.0
-    for f, owner in enumerate(placement):
-        if owner is None:
-            bars.append(Bar(lane="all", start_s=clock, end_s=clock + problem.inv_s[f], kind="inversion",
-                            label=problem.name(f)))
-            clock += problem.inv_s[f]
-    everywhere = clock
-    loads = dict.fromkeys(range(problem.world_size), 0.0)
-    for f, owner in enumerate(placement):
-        if owner is not None:
-            start = everywhere + loads[owner]
-            bars.append(Bar(lane=f"rank {owner}", start_s=start, end_s=start + problem.inv_s[f], kind="inversion",
-                            label=problem.name(f)))
-            loads[owner] += problem.inv_s[f]
-    clock = everywhere + max(loads.values(), default=0.0)
-    busy = dict(loads)
-    owned = sorted((f for f, owner in enumerate(placement) if owner is not None), key=lambda f: (placement[f], f))
-    for f in owned:  # rank by rank, each owner's factors in order
-        owner = placement[f]
-        assert owner is not None
-        bars.append(Bar(lane=f"rank {owner}", start_s=clock, end_s=clock + problem.bcast_s[f], kind="broadcast",
-                        label=problem.name(f)))
-        clock += problem.bcast_s[f]
-        busy[owner] += problem.bcast_s[f]
+    timeline = inversion_timeline(problem, placement)
+    loads = timeline.owned_load_s
     if problem.world_size <= MAX_WORKER_LANES:
         ranks = list(range(problem.world_size))
     else:
         owners = {r for r in placement if r is not None}
-        ranks = sorted(sorted(owners, key=lambda r: (-busy[r], r))[:MAX_WORKER_LANES])
-    return bars, ("all", *(f"rank {r}" for r in ranks)), clock
+        ranks = sorted(sorted(owners, key=lambda r: (-loads[r], r))[:MAX_WORKER_LANES])
+    bars = [Bar(lane="channel", start_s=start, end_s=end, kind="broadcast", label=problem.name(f))
+            for f, start, end in timeline.broadcasts]
+    everywhere = [f for f, owner in enumerate(placement) if owner is None]
+    for rank in ranks:
+        clock = 0.0
+        for f in [*(f for f, owner in enumerate(placement) if owner == rank), *everywhere]:
+            bars.append(Bar(lane=f"rank {rank}", start_s=clock, end_s=clock + problem.inv_s[f], kind="inversion",
+                            label=problem.name(f)))
+            clock += problem.inv_s[f]
+    return bars, ("channel", *(f"rank {r}" for r in ranks)), timeline.makespan_s
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -424,8 +411,6 @@ def _draw_placement(ax: Axes, data: GanttData, width_in: float) -> set[str]:
     _mark(ax, data.makespan_s, f"makespan {_ms(data.makespan_s)} ms")
     ax.set_xlabel("time from the start of the inversion step (ms)", fontsize=10)
     ax.set_title(_wrap(data.placement_title), loc="left", fontsize=10.5)
-    if not any(b.lane == "all" for b in data.placement):
-        ax.text(0, 0, "  none", ha="left", va="center", fontsize=9, color="#737373")
     return kinds
 
 

@@ -73,7 +73,7 @@ def retune_plan(
     current = current_profile(profile, cluster=cluster, collectives=collectives)
     if plan.kfac is None:
         return make_plan(current, plan.strategy, plan.density, source=plan.source_profile, selector=plan.selector)
-    solver = plan.kfac.placement_solver if plan.kfac.placement_solver in ("ilp-cbc", "cp-sat") else "ilp-cbc"
+    solver = plan.kfac.placement_solver if plan.kfac.placement_solver in ("ilp-cbc", "cp-sat") else "cp-sat"
     return make_kfac_plan(
         current,
         method=plan.kfac.method,

@@ -236,7 +236,7 @@ class TuneConfig:
     method: InverseMethod = InverseMethod.EIGEN
     factor_update_steps: int = DEFAULT_FACTOR_UPDATE_STEPS
     inv_update_steps: int = DEFAULT_INV_UPDATE_STEPS
-    placement_solver: str = "ilp-cbc"
+    placement_solver: str = "cp-sat"
     time_limit_s: float = 2.0
     model: str | None = None
     batch_size: int | None = None

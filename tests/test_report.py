@@ -120,20 +120,27 @@ def test_kfac_step_and_placement_match_the_plan_predictions() -> None:
     assert sum(b.kind == "collective" for b in data.bars) == len(p.groups)
     assert data.compute_end_s <= data.comm_end_s <= data.step_s
 
-    # The placement panel: each lane in order, every factor inverted once, the makespan of the placement.
+    # The placement panel: each lane in order; each rank inverts its own factors, then every "all" factor; each
+    # owned factor's broadcast on the channel after its owner inverted it; the makespan of the placement.
     problem = kfac_problem(prof, p.kfac.method)
     owners = tuple(p.kfac.owners[name] for name in problem.factor_names)
     assert data.makespan_s == pytest.approx(makespan(problem.placement, owners), rel=1e-9)
     assert data.makespan_s == pytest.approx(p.kfac.predicted.inversion_s, rel=1e-9)
-    assert data.placement_lanes == ("all", *(f"rank {r}" for r in range(p.cluster.world_size)))
+    assert data.placement_lanes == ("channel", *(f"rank {r}" for r in range(p.cluster.world_size)))
     for name in data.placement_lanes:
         if lane(data.placement, name):
             assert_ordered_and_disjoint(lane(data.placement, name))
-    inverted = sorted(b.label for b in data.placement if b.kind == "inversion")
-    assert inverted == sorted(problem.factor_names)
-    for b in data.placement:
-        owner = owners[problem.factor_names.index(b.label)]
-        assert b.lane == ("all" if owner is None else f"rank {owner}")
+    shared = [n for n, owner in zip(problem.factor_names, owners, strict=True) if owner is None]
+    inverted_at: dict[str, float] = {}
+    for r in range(p.cluster.world_size):
+        mine = [n for n, owner in zip(problem.factor_names, owners, strict=True) if owner == r]
+        bars = lane(data.placement, f"rank {r}")
+        assert [b.label for b in bars] == mine + shared and {b.kind for b in bars} <= {"inversion"}
+        inverted_at.update({b.label: b.end_s for b in bars if b.label in mine})
+    broadcasts = lane(data.placement, "channel")
+    assert [b.label for b in broadcasts] == [n for n, owner in zip(problem.factor_names, owners, strict=True)
+                                             if owner is not None]
+    assert all(b.kind == "broadcast" and b.start_s >= inverted_at[b.label] - 1e-12 for b in broadcasts)
     assert max(b.end_s for b in data.placement) == pytest.approx(data.makespan_s)
     assert data.placement_title
 
@@ -141,10 +148,10 @@ def test_kfac_step_and_placement_match_the_plan_predictions() -> None:
 def test_placement_panel_shows_at_most_the_busiest_workers() -> None:
     p, prof = kfac_plan("cnn", 32), profile("cnn", 32)
     data = gantt_lanes(p, prof)
-    ranks = [name for name in data.placement_lanes if name != "all"]
+    ranks = [name for name in data.placement_lanes if name != "channel"]
     assert 0 < len(ranks) <= MAX_WORKER_LANES
     assert len(ranks) < p.cluster.world_size
-    busy = {b.lane for b in data.placement if b.lane != "all"}
+    busy = {b.lane for b in data.placement if b.lane != "channel"}
     assert set(ranks) <= busy
     assert f"of {p.cluster.world_size} workers" in data.placement_title
 
