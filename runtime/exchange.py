@@ -47,6 +47,7 @@ import hashlib
 import math
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -190,6 +191,24 @@ class _GroupState:
         self.work = None
 
 
+class _BufferSyncHook:
+    """The forward pre-hook of `GradientExchange(forward_sync_buffers=True)`, holding the exchange weakly.
+
+    A copy of the model (`copy.deepcopy`, pickling) gets an inert hook: the copy is not the model the exchange
+    serves, and the exchange (locks, process group) cannot be copied."""
+
+    def __init__(self, exchange: GradientExchange | None) -> None:
+        self._exchange = None if exchange is None else weakref.ref(exchange)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        exchange = None if self._exchange is None else self._exchange()
+        if exchange is not None:
+            exchange._before_forward(module, args)
+
+    def __reduce__(self) -> tuple[Any, tuple[None]]:
+        return (_BufferSyncHook, (None,))
+
+
 class GradientExchange:
     """Averages gradients across ranks as a plan says: fused dense allreduce or top-k allgather per group.
 
@@ -215,7 +234,8 @@ class GradientExchange:
             the momentum buffer of the averaged gradient, as `torch.optim.SGD(momentum=m)`), so top-k
             at density 1.0 and dense plans equal dense momentum SGD. Needs `optimizer`.
         nesterov: DGC's Nesterov variant: send from v += g + m u (torch's Nesterov SGD at density 1.0).
-        optimizer: the optimizer that steps the model, required when momentum > 0. Its param groups
+        optimizer: the optimizer that steps the model, required when momentum > 0, and useful always: a step
+            pre-hook then refuses `optimizer.step()` between a backward and its `synchronize()`. Its param groups
             holding planned parameters must have momentum 0 (refused otherwise, and again at every
             `step()` through a step pre-hook, in case it is changed later). Its weight decay is left to
             it: torch's SGD adds weight_decay * p to the averaged result at step time, so weight decay
@@ -233,6 +253,12 @@ class GradientExchange:
             (t / steps), and each group sends k_t = max(plan k, topk_count(numel, density_t)), the same
             on every rank. Send and receive buffers are allocated for k_0 and shrunk to the plan's k
             when the warm-up ends. The step count is part of `state_dict()`.
+        forward_sync_buffers: as DDP's option (torch >= 2.13; formerly `broadcast_buffers`), default True:
+            before a forward pass, rank 0's buffers (BatchNorm running statistics, ...) are copied to every
+            rank when the previous forward ran with autograd on and outside `no_sync()` (DDP's rule, so the
+            first forward always syncs). With False, each rank keeps its own buffers between steps. Either
+            way, as DDP does at construction, rank 0's parameters and buffers are copied to every rank once,
+            so all ranks start from the same model.
         find_unused_parameters: as DDP's option: after each step's collectives, one allreduce of a byte
             per parameter tells which parameters no rank had a gradient for, and their `.grad` is left
             as it was instead of being set to the zeros that were averaged. (A parameter unused on some
@@ -262,6 +288,7 @@ class GradientExchange:
         clip_norm: float | None = None,
         density_warmup: tuple[float, int] | None = None,
         find_unused_parameters: bool = False,
+        forward_sync_buffers: bool = True,
     ) -> None:
         plan = resolve_plan(plan, model, process_group=process_group, model_name=model_name,
                             auto_retune=auto_retune, profile=profile)
@@ -281,6 +308,7 @@ class GradientExchange:
         if self.momentum > 0:
             assert optimizer is not None
             self._check_optimizer(optimizer)
+        if optimizer is not None:
             self._optimizer_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         total = sum(g.numel for g in plan.groups)
         self._step = 0
@@ -302,6 +330,13 @@ class GradientExchange:
             for st in self._groups
             for j, p in enumerate(st.params)
         ]
+        self._model = model
+        self.forward_sync_buffers = bool(forward_sync_buffers)
+        self._sync_buffers_next = True  # DDP's require_forward_param_sync: the first forward syncs
+        if self.world_size > 1:
+            self._broadcast_from_rank0([*model.parameters(), *model.buffers()])
+            if self.forward_sync_buffers:
+                self._hooks.append(model.register_forward_pre_hook(_BufferSyncHook(self)))
 
     @classmethod
     def from_file(cls, model: nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> GradientExchange:
@@ -372,8 +407,15 @@ class GradientExchange:
                 )
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Step pre-hook: refuse the step if the optimizer's momentum was turned on after construction."""
-        self._check_optimizer(optimizer)
+        """Step pre-hook: refuse a step between a backward and its `synchronize()` (it would apply this rank's
+        own gradients), and, with momentum, an optimizer whose momentum was turned on after construction."""
+        if self._active:
+            raise DistributedError(
+                "optimizer.step() was called after backward but before exchange.synchronize(): it would apply "
+                "this rank's own gradients; call exchange.synchronize() between loss.backward() and optimizer.step()"
+            )
+        if self.momentum > 0:
+            self._check_optimizer(optimizer)
 
     def _k_at(self, numel: int, k: int | None, step: int) -> int | None:
         """k a top-k group sends at `step`: the warm-up's, never below the plan's k (the plan's after it)."""
@@ -441,6 +483,33 @@ class GradientExchange:
             if len(devices) > 1:
                 raise ValueError(f"plan group {i} spans several devices {sorted(map(str, devices))}; one is needed")
         return params
+
+    # -- buffers (DDP's forward_sync_buffers) -----------------------------------------------------
+    def _broadcast_from_rank0(self, tensors: Sequence[Tensor]) -> None:
+        """Overwrite `tensors` with rank 0's values: one broadcast per dtype and device, of the flattened
+        tensors (each distinct tensor once; tied parameters are one tensor)."""
+        unique = list({id(t): t for t in tensors if t.numel() > 0}.values())
+        by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for t in unique:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+        with torch.no_grad():
+            for group in by_kind.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                dist.broadcast(flat, src, group=self.process_group)
+                at = 0
+                for t in group:
+                    t.copy_(flat[at : at + t.numel()].view_as(t))
+                    at += t.numel()
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook: copy rank 0's buffers when the previous forward would have synchronised (DDP's rule:
+        autograd on and outside `no_sync()`); buffers are read afresh, in case the model reassigned one."""
+        if self._sync_buffers_next:
+            buffers = list(self._model.buffers())
+            if buffers:
+                self._broadcast_from_rank0(buffers)
+        self._sync_buffers_next = torch.is_grad_enabled() and self._enabled
 
     # -- hooks and launching ---------------------------------------------------------------------
     def _on_grad_ready(self, group_index: int, param_index: int, param: Tensor) -> None:
@@ -706,7 +775,8 @@ class GradientExchange:
 
     # -- teardown --------------------------------------------------------------------------------
     def remove_hooks(self) -> None:
-        """Remove the gradient hooks (and the optimizer's step pre-hook); the exchange no longer reacts."""
+        """Remove the gradient and forward hooks (and the optimizer's step pre-hook); the exchange no longer
+        reacts."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

@@ -440,6 +440,20 @@ def test_kl_clipping_scales_all_layers_by_one_factor() -> None:
         torch.testing.assert_close(clipped[name], unclipped[name] * scale, rtol=1e-5, atol=1e-7)
 
 
+def test_a_large_factor_without_a_plan_is_warned_about(recwarn: pytest.WarningsRecorder) -> None:
+    """A factor wide enough that inverting it every step may look like a hang draws one warning that says what
+    to do; a model of small layers, or a skipped large layer, draws none."""
+    wide = runtime.kfac.LARGE_FACTOR_DIM
+    model = nn.Sequential(nn.Linear(wide, 8), nn.ReLU(), nn.Linear(8, 4))
+    with pytest.warns(RuntimeWarning, match=rf"0\.A \({wide + 1}x{wide + 1}\).*skip_layers=REGEX") as caught:
+        KFACPreconditioner(model)
+    assert len(caught) == 1 and "2.A" not in str(caught[0].message)
+    recwarn.clear()
+    KFACPreconditioner(model, skip_layers="^0$")
+    KFACPreconditioner(nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)))
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
 def test_left_alone_layers_keep_their_gradients() -> None:
     """GroupNorm, the grouped convolution and the skipped Linear keep their gradients bit for bit; K-FAC layers
     change. In eval mode or under no_grad no factors are taken and nothing is preconditioned."""

@@ -234,6 +234,67 @@ def _missing_grads_worker(rank: int, world_size: int, strategy: str, density: fl
     exchange.close()
 
 
+class NormNet(nn.Module):
+    """Conv + BatchNorm (running statistics as buffers) + a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 8 * 8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def _buffers_like_ddp_worker(rank: int, world_size: int, sync: bool) -> int:
+    """BatchNorm buffers and parameters follow DDP's: ranks start from rank 0's model (they were built with
+    different seeds), and rank 0's running statistics are copied before each forward that follows a synchronised
+    one; micro-batches under no_sync() and an evaluation forward in between keep DDP's rule."""
+    torch.manual_seed(rank)  # different initial weights on every rank
+    model = NormNet()
+    torch.manual_seed(100)
+    ref = DistributedDataParallel(copy.deepcopy(model), forward_sync_buffers=sync)
+    exchange = GradientExchange(model, make_plan(model, "mixed"), forward_sync_buffers=sync)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    compared = 0
+    for step in range(4):
+        x, y = make_batch("cnn", rank, step)
+        for opt in opts:
+            opt.zero_grad()
+        if step == 2:  # one accumulated micro-batch, then an evaluation pass
+            x0, y0 = make_batch("cnn", rank, 100 + step)
+            with ref.no_sync():
+                nn.functional.cross_entropy(ref(x0), y0).backward()
+            with exchange.no_sync():
+                nn.functional.cross_entropy(model(x0), y0).backward()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        nn.functional.cross_entropy(model(x), y).backward()
+        exchange.synchronize()
+        for opt in opts:
+            opt.step()
+        if step == 1:
+            with torch.no_grad():
+                ref.eval(), model.eval()
+                assert torch.allclose(ref(x), model(x), rtol=RTOL, atol=ATOL)
+                ref.train(), model.train()
+        for (name, t), u in zip([*model.named_parameters(), *model.named_buffers()],
+                                [*ref.module.parameters(), *ref.module.buffers()], strict=True):
+            assert torch.allclose(t.float(), u.float(), rtol=RTOL, atol=ATOL), f"step {step}: {name} differs from DDP"
+            compared += 1
+    clone = copy.deepcopy(model)  # a copy can be made, and its forward is its own (no collective)
+    if rank == 0:
+        clone(x)
+    model.eval()
+    with torch.no_grad():
+        model(x)  # syncs first (the last forward was a synchronised one), and leaves the statistics as they are
+    gathered = [torch.empty_like(model.bn.running_mean) for _ in range(world_size)]
+    dist.all_gather(gathered, model.bn.running_mean)
+    assert torch.equal(gathered[0], gathered[1]) == sync  # rank 0's everywhere, or drifted apart
+    exchange.close()
+    return compared
+
+
 def _unused_like_ddp_worker(rank: int, world_size: int, strategy: str, density: float | None) -> int:
     """With find_unused_parameters=True the exchange trains exactly like DDP with that option: `b` used on
     one rank is averaged with zeros, `unused` keeps no gradient, so weight decay leaves it alone."""
@@ -449,6 +510,11 @@ def test_find_unused_parameters_trains_like_ddp(strategy: str, density: float | 
     assert run_distributed(_unused_like_ddp_worker, WORLD_SIZE, strategy, density) == [3 * 4] * WORLD_SIZE
 
 
+@pytest.mark.parametrize("sync", [True, False])
+def test_buffers_and_initial_state_follow_ddp(sync: bool) -> None:
+    assert run_distributed(_buffers_like_ddp_worker, WORLD_SIZE, sync) == [4 * 9] * WORLD_SIZE
+
+
 def test_bench_runs_a_model_with_an_unused_head(tmp_path: Path) -> None:
     """`planner bench` on a model whose loss leaves a head unused: DDP (its baseline) and the exchange are
     told to find unused parameters, instead of DDP failing on its second step."""
@@ -619,6 +685,25 @@ def test_no_sync_accumulates_and_double_backward_is_refused() -> None:
     model(xs[0]).sum().backward()
     with pytest.raises(DistributedError, match="synchronize"):
         model(xs[1]).sum().backward()
+
+
+def test_a_step_before_synchronize_is_refused_when_the_optimizer_is_known() -> None:
+    model = _linear_chain()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    exchange = GradientExchange(model, make_plan(model, "mixed", world_size=1), optimizer=optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(DistributedError, match=r"before exchange.synchronize\(\)"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))  # nothing applied
+    exchange.synchronize()
+    optimizer.step()  # in order: accepted
+    with exchange.no_sync():  # accumulating locally is not a pending exchange
+        model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    exchange.close()
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()  # the hook left with the exchange
 
 
 @pytest.mark.parametrize(
