@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from rich.table import Table
 
 from planner.console import console, err_console, progress
+from planner.jsonio import check_output_path, ensure_folder
 from planner.types import InverseMethod, PlannerError, Strategy
 
 __all__ = ["Command", "main"]
@@ -265,6 +266,7 @@ class ProfileCommand(Command):
             densities = tuple(_density(d) for d in args.densities.split(","))
         except argparse.ArgumentTypeError as exc:
             raise PlannerError(f"--densities: {exc}") from None
+        check_output_path(args.output, "profile")  # before minutes of measuring, not after
         base = Profile.load(args.output) if args.only == "comm" and args.output.exists() else None
         config = ProfileConfig(
             model=args.model, output=args.output, batch_size=args.batch_size, nproc=args.nproc,
@@ -406,6 +408,7 @@ class SolveCommand(Command):
         if not args.time_limit > 0:
             raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
         density = (args.density or 0.01) if strategy is Strategy.TOPK else None
+        check_output_path(args.output, "plan")
         profile = Profile.load(args.profile)
         if args.cluster is not None:
             from planner.cluster import parse_cluster, profile_for_cluster
@@ -562,7 +565,7 @@ class RetuneCommand(Command):
             raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
         plan = Plan.load(args.plan)
         profile = load_source_profile(plan, args.profile)
-        output = args.output or args.plan.with_name(args.plan.stem + "-retuned.json")
+        output = check_output_path(args.output or args.plan.with_name(args.plan.stem + "-retuned.json"), "plan")
         if args.cluster is not None:
             from planner.cluster import parse_cluster, profile_for_cluster
 
@@ -647,6 +650,8 @@ class ReportCommand(Command):
         from planner.cluster import parse_cluster, parse_world_sizes, scaling_table
         from planner.plan import Plan
         from planner.report import read_bench_json, write_report
+
+        ensure_folder(args.output, "report folder")
         from planner.retune import load_source_profile
 
         plan = Plan.load(args.plan)
@@ -754,6 +759,7 @@ class TuneCommand(Command):
             factor_update_steps=args.factor_update_range, inv_update_steps=args.inv_update_range,
         )
         is_kfac = args.strategy == KFAC
+        check_output_path(args.output, "plan")
         config = TuneConfig(
             profile=profile, profile_path=str(args.profile), strategy=args.strategy,
             density=(args.density or 0.01) if args.strategy == Strategy.TOPK.value else None,
@@ -965,6 +971,8 @@ class DemoCommand(Command):
         from profilers import ProfileConfig, run_profile
 
         link = self._demo_link(args.link)
+        ensure_folder(args.profiles_dir, "profiles folder")
+        ensure_folder(args.plans_dir, "plans folder")
         stem = args.model.replace(":", "_").replace("/", "_")
         where = f"-{link.text}" if link is not None else ""
         prof_path = args.profiles_dir / f"{stem}-{args.nproc}w{where}.json"

@@ -566,6 +566,10 @@ def parse_cluster(text: str) -> ClusterSpec:
         raise SchemaError(f"cluster {raw!r}: {exc}") from None
 
 
+#: The largest world size a what-if accepts (2^20 ranks; today's largest clusters are about 10^5 GPUs).
+MAX_WORLD_SIZE = 2**20
+
+
 def parse_world_sizes(text: str) -> list[int]:
     """World sizes from "8,64,512" or a geometric "4,8,...,1024" (ratio of the first two terms, last included)."""
     items = [item.strip() for item in text.split(",")]
@@ -577,8 +581,9 @@ def parse_world_sizes(text: str) -> list[int]:
             value = int(item)
         except ValueError:
             raise SchemaError(f"world sizes {text!r}: {item!r} is not an integer (write e.g. 4,8,...,1024)") from None
-        if value < 1:
-            raise SchemaError(f"world sizes {text!r}: `world_size >= 1` must hold, but got {value}")
+        if not 1 <= value <= MAX_WORLD_SIZE:
+            shown = value if len(str(value)) <= 20 else f"a {len(str(value))}-digit number"
+            raise SchemaError(f"world sizes {text!r}: `1 <= world_size <= {MAX_WORLD_SIZE}` must hold, but got {shown}")
         return value
 
     if "..." not in items:
@@ -587,6 +592,8 @@ def parse_world_sizes(text: str) -> list[int]:
     if items.count("...") > 1 or at < 2 or at != len(items) - 2:
         raise SchemaError(f"world sizes {text!r}: write the ellipsis as FIRST,SECOND,...,LAST (e.g. 4,8,...,1024)")
     head, last = [number(item) for item in items[:at]], number(items[-1])
+    if last < head[-1]:
+        raise SchemaError(f"world sizes {text!r}: the last term {last} is below {head[-1]}; write them increasing")
     ratio, remainder = divmod(head[1], head[0])
     if remainder or ratio < 2:
         raise SchemaError(

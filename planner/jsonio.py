@@ -6,7 +6,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,22 +39,81 @@ def _reject_constant(name: str) -> Any:
     raise SchemaError(f"non-finite number {name} in JSON document")
 
 
-def write_json_atomic(path: str | os.PathLike[str], data: Mapping[str, Any]) -> Path:
-    """Write `data` as JSON to `path` through a temporary file and a rename, so a crash loses nothing."""
+def check_output_path(path: str | os.PathLike[str], what: str = "file") -> Path:
+    """The path an atomic write may replace, or PlannerFileError: an empty name, an existing target that is not a
+    regular file (a directory, a device such as /dev/full, a pipe; a rename would replace it), or a parent that
+    is not a folder."""
+    if not str(path).strip():
+        raise PlannerFileError(f"the {what} path is empty; give a file name")
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        if (p.is_symlink() or p.exists()) and not p.is_file():
+            raise PlannerFileError(f"refusing to write the {what} over {p}: it exists and is not a regular file; "
+                                   "give the path of a file")
+        for parent in p.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise PlannerFileError(f"cannot write the {what} {p}: {parent} is not a folder")
+                break
+    except OSError as exc:
+        if isinstance(exc, PlannerFileError):
+            raise
+        raise PlannerFileError(f"cannot write the {what} {p}: {exc.strerror or exc}") from exc
+    return p
+
+
+def ensure_folder(path: str | os.PathLike[str], what: str = "output folder") -> Path:
+    """Create the folder `path` (with its parents) if needed; PlannerFileError in one line if it cannot be one."""
+    if not str(path).strip():
+        raise PlannerFileError(f"the {what} path is empty; give a folder")
+    p = Path(path)
+    try:
+        if p.exists() and not p.is_dir():
+            raise PlannerFileError(f"the {what} {p} exists and is not a folder; give a folder path")
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        if isinstance(exc, PlannerFileError):
+            raise
+        raise PlannerFileError(f"cannot create the {what} {p}: {exc.strerror or exc}") from exc
+    return p
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], object], what: str = "file") -> Path:
+    """Call `write(tmp)` on a temporary file beside `path` (same suffix), then rename it to `path`: a crash or an
+    error leaves `path` as it was. Errors of the file system become one PlannerFileError line."""
+    p = check_output_path(path, what)
+    tmp: Path | None = None
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{p.stem[:40]}.", suffix=p.suffix[:20] or ".tmp", dir=p.parent)
+        os.close(fd)
+        tmp = Path(name)
+        tmp.chmod(0o644)  # readable like any other file written here (mkstemp makes it private)
+        write(tmp)
+        os.replace(tmp, p)
+    except OSError as exc:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        reason = exc.strerror or str(exc)
+        raise PlannerFileError(f"cannot write the {what} {p}: {reason}") from exc
+    except BaseException:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        raise
+    return p
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Mapping[str, Any], what: str = "file") -> Path:
+    """Write `data` as JSON to `path` through a temporary file and a rename, so a crash loses nothing."""
+    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return p
+
+    return atomic_write(path, write, what)
 
 
 def check_fields(data: Mapping[str, Any], where: str, required: Iterable[str], optional: Iterable[str] = ()) -> None:

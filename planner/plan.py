@@ -233,7 +233,7 @@ class Plan:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically."""
-        write_json_atomic(path, self.to_dict())
+        write_json_atomic(path, self.to_dict(), "plan")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:

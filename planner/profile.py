@@ -841,7 +841,7 @@ class Profile:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically."""
-        write_json_atomic(path, self.to_dict())
+        write_json_atomic(path, self.to_dict(), "profile")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Profile:

@@ -22,7 +22,6 @@ import json
 import math
 import numbers
 import os
-import tempfile
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import NullLocator
 
+from planner.jsonio import atomic_write, ensure_folder
 from planner.kfac_planning import factor_step_timeline, kfac_problem
 from planner.layers import plan_grouping
 from planner.placement import PlacementProblem, inversion_timeline
@@ -662,18 +662,7 @@ class ReportFiles:
 
 def _write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
     """Call `write(tmp)` on a temporary file beside `path` (same suffix), then rename it to `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        tmp.chmod(0o644)  # readable like any other file written here (mkstemp makes it private)
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, write, "report file")
 
 
 def _table(header: Sequence[str], rows: Sequence[tuple[Sequence[str], bool]]) -> str:
@@ -765,8 +754,7 @@ def write_report(
     if bench is not None:
         _check_bench(bench)
     gantt_lanes(plan, profile)  # refuse a mismatched plan before writing anything
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = ensure_folder(out_dir, "report folder")
     kfac = plan.kfac is not None
     kfac_predicted = plan.kfac.predicted if plan.kfac is not None else None
     what = "average step" if kfac_predicted is not None else "iteration"

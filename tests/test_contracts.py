@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ import pytest
 
 from planner.cli import main
 from planner.fingerprint import model_info
+from planner.jsonio import write_json_atomic
 from planner.models import build_workload
 from planner.plan import Plan
 from planner.profile import Profile
@@ -126,6 +129,36 @@ def test_cli_bad_inputs_give_one_line(tmp_path: Path) -> None:
     _one_clear_line(_cli("solve", str(version), "-o", out), "unknown profile schema_version 7")
     _one_clear_line(_cli("show", str(trunc)), "not valid JSON")
     assert not Path(out).exists()
+
+
+def test_outputs_that_are_not_regular_files_are_refused_and_left_alone(tmp_path: Path) -> None:
+    """A rename would replace a directory entry of any kind (it once turned /dev/full into a plan file): targets
+    that exist and are not regular files, paths under a file, names too long and unwritable places get one
+    line, exit 2, and stay as they were; nothing temporary is left behind."""
+    good = tmp_path / "good.json"
+    synthetic_profile("mlp").save(good)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    regular = tmp_path / "regular.txt"
+    regular.write_text("keep me\n")
+    cases = [
+        (str(folder), "exists and is not a regular file"),
+        (str(fifo), "exists and is not a regular file"),
+        (str(regular / "plan.json"), "regular.txt is not a folder"),
+        (str(tmp_path / ("x" * 300)), "File name too long"),
+    ]
+    for target, message in cases:
+        _one_clear_line(_cli("solve", str(good), "--strategy", "dense", "-o", target), message)
+    assert folder.is_dir() and not any(folder.iterdir())
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and regular.read_text() == "keep me\n"
+    _one_clear_line(_cli("report", str(tmp_path / "nope.json"), "-o", str(regular)), "is not a folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "good.json", "pipe", "regular.txt"]
+    with pytest.raises(PlannerFileError, match="path is empty"):
+        write_json_atomic("", {})
+    with pytest.raises(PlannerFileError, match="the plan .* is not a folder"):
+        write_json_atomic(regular / "x.json", {}, "plan")
 
 
 def test_cli_solve_and_show(tmp_path: Path) -> None:
