@@ -23,7 +23,7 @@ import math
 import numbers
 import os
 import textwrap
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -415,7 +415,7 @@ def _draw_placement(ax: Axes, data: GanttData, width_in: float) -> set[str]:
 
 
 def _save_figure(fig: Figure, path: Path) -> Path:
-    return _write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=_DPI))
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=_DPI), "report picture")
 
 
 def gantt_figure(plan: Plan, profile: Profile, path: Path) -> Path:
@@ -660,11 +660,6 @@ class ReportFiles:
     measured: Path | None = None
 
 
-def _write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
-    """Call `write(tmp)` on a temporary file beside `path` (same suffix), then rename it to `path`."""
-    return atomic_write(path, write, "report file")
-
-
 def _table(header: Sequence[str], rows: Sequence[tuple[Sequence[str], bool]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join(
@@ -817,5 +812,5 @@ def write_report(
     stamp = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     parts.append(f'<p class="meta">written by planner report, {esc(stamp)}</p></body></html>\n')
     text = "\n".join(parts)
-    page = _write_atomic(out / "report.html", lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    page = atomic_write(out / "report.html", lambda tmp: tmp.write_text(text, encoding="utf-8"), "report page")
     return ReportFiles(page=page, timeline=timeline_png, scaling=scaling_png, measured=measured_png)

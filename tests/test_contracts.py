@@ -157,7 +157,7 @@ def test_outputs_that_are_not_regular_files_are_refused_and_left_alone(tmp_path:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "good.json", "pipe", "regular.txt"]
     with pytest.raises(PlannerFileError, match="path is empty"):
         write_json_atomic("", {})
-    with pytest.raises(PlannerFileError, match="the plan .* is not a folder"):
+    with pytest.raises(PlannerFileError, match=r"the plan .* is not a folder"):
         write_json_atomic(regular / "x.json", {}, "plan")
 
 
