@@ -29,6 +29,11 @@ class CostModel(abc.ABC):
         """Vectorised `cost` (the solvers call this in their inner loops); override for speed."""
         return np.array([self.cost(float(x)) for x in np.asarray(xs).ravel()], dtype=float).reshape(np.shape(xs))
 
+    def lines(self) -> tuple[tuple[float, float], ...]:
+        """Lines (a, b) below the cost: cost(x) >= a + b * x for every x > 0 (the solvers bound the cost of
+        long groups with them). The zero line holds for every cost model; override for tighter ones."""
+        return ((0.0, 0.0),)
+
 
 @dataclass(frozen=True, kw_only=True)
 class AffineCost(CostModel):
@@ -47,6 +52,9 @@ class AffineCost(CostModel):
     def cost_many(self, xs: np.ndarray) -> np.ndarray:
         xs = np.asarray(xs, dtype=float)
         return np.where(xs > 0, self.alpha + self.beta * xs, 0.0)
+
+    def lines(self) -> tuple[tuple[float, float], ...]:
+        return ((self.alpha, self.beta),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +97,17 @@ class PiecewiseLinearCost(CostModel):
         beyond = self.ys[-1] * xs / self.xs[-1]
         return np.where(xs <= 0, 0.0, np.where(xs >= self.xs[-1], beyond, inside))
 
+    def lines(self) -> tuple[tuple[float, float], ...]:
+        """One line per slope of the measured segments (capped at the final slope): cost - b * x is piecewise
+        linear on x > 0, so its least value is at a measured point, at 0+ (where the cost is ys[0]) or, if
+        b exceeded the final slope, -inf; the line's intercept is that least value."""
+        xs, ys = np.asarray(self.xs), np.asarray(self.ys)
+        final = ys[-1] / xs[-1]
+        slopes = np.clip(np.diff(ys) / np.diff(xs), 0.0, final) if xs.size > 1 else np.zeros(0)
+        slopes = np.unique(np.concatenate((slopes, [0.0, final])))
+        intercepts = np.minimum(ys[0], np.min(ys[None, :] - slopes[:, None] * xs[None, :], axis=1))
+        return tuple((float(a), float(b)) for a, b in zip(intercepts, slopes, strict=True))
+
 
 @dataclass(frozen=True, kw_only=True)
 class ScaledCost(CostModel):
@@ -106,6 +125,9 @@ class ScaledCost(CostModel):
 
     def cost_many(self, xs: np.ndarray) -> np.ndarray:
         return self.factor * self.inner.cost_many(xs)
+
+    def lines(self) -> tuple[tuple[float, float], ...]:
+        return tuple((self.factor * a, self.factor * b) for a, b in self.inner.lines())
 
 
 def fit_affine(points: Sequence[tuple[float, float]]) -> tuple[AffineCost, float]:

@@ -192,13 +192,20 @@ _OPEN_LENGTHS = np.unique(np.round(1.3 ** np.arange(40)).astype(np.int64))
 _BOUND_WEIGHTS = np.linspace(0.0, 1.0, 11)
 
 
+#: First groups of up to this many layers are costed one by one by the Lagrangian bounds
+#: (`_lagrangian_suffixes`); longer ones are bounded below by lines under their costs.
+_LAGRANGIAN_BAND = 64
+#: Group sizes (log-spaced over the sizes of the longer groups) at which those lines touch the costs.
+_LINE_ANCHORS = 12
+
+
 @dataclass(frozen=True)
 class _Lagrangian:
     """Lower bounds of what is left after a prefix (see `_lagrangian_suffixes`).
 
     weights: the weights w. rest[w, m]: no grouping of layers m..L-1 costs less than this in the w-mix of
     the two paths. opened[w, m, c]: nor does any whose first group holds at least `open_lengths[c]` layers
-    (non-decreasing in c; inf where no group is that long). groupings: the grouping found for each weight
+    (non-decreasing in c; inf where no group is that long). groupings: a grouping found for each weight
     (good groupings in their own right: heuristics).
     """
 
@@ -209,8 +216,53 @@ class _Lagrangian:
     groupings: list[Grouping]
 
 
+def _path_costs(problem: GradientProblem, sizes: np.ndarray, last: np.ndarray | bool) -> tuple[np.ndarray, np.ndarray]:
+    """The costs of groups of `sizes` elements on the compute and channel paths of `_lagrangian_suffixes`
+    (`last`: where the group is the last one, which ends both paths)."""
+    sigma = problem.interference
+    comm, decode = _comm_and_decode_many(problem, sizes)
+    if problem.strategy is Strategy.TOPK:
+        compute = _prepare_many(problem, sizes) + (decode + sigma * comm) / (1 + sigma)
+        compute += np.where(last, sigma * decode / (1 + sigma), 0.0)
+    else:
+        compute = _prepare_many(problem, sizes) + comm * (sigma / (1 + sigma))
+        compute += np.where(last, comm / (1 + sigma), 0.0)  # the last group's collective follows the compute path
+    return compute, comm + np.where(last, decode, 0.0)
+
+
+def _group_cost_lines(problem: GradientProblem, weights: np.ndarray, anchors: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Lines under the w-mix of the path costs of a group that is not the last one: A[w, l] + B[w, l] * N <=
+    w * compute(N) + (1 - w) * channel(N) for every size N > 0 (`_path_costs`), one per anchor size, each the
+    sum of its cost models' lines (`CostModel.lines`) that are highest at the anchor. Top-k's k(N) is at
+    least rho N (rho <= 1), and every cost model is non-decreasing, so the lines of cost(c * rho * N) are
+    under cost(c * k(N))."""
+    sigma = problem.interference
+    # (cost model, its argument per element, weight on the compute path, weight on the channel path)
+    parts: list[tuple[CostModel, float, float, float]] = []
+    if problem.pack is not None:
+        parts.append((problem.pack, 1.0, 1.0, 0.0))
+    if problem.strategy is Strategy.TOPK:
+        assert problem.select is not None and problem.decode is not None and problem.density is not None
+        rho = problem.density * (1 - 1e-12)  # below the decimal density k(N) is computed from
+        parts.append((problem.select, 1.0, 1.0, 0.0))
+        parts.append((problem.decode, problem.world_size * rho, 1 / (1 + sigma), 0.0))
+        parts.append((problem.comm, rho * (problem.element_bytes + INDEX_BYTES), sigma / (1 + sigma), 1.0))
+    else:
+        parts.append((problem.comm, float(problem.element_bytes), sigma / (1 + sigma), 1.0))
+    intercept = np.zeros((weights.size, anchors.size))
+    slope = np.zeros((weights.size, anchors.size))
+    for model, scale, on_compute, on_channel in parts:
+        lines = np.asarray(model.lines(), dtype=float).reshape(-1, 2)
+        highest = lines[np.argmax(lines[:, :1] + lines[:, 1:] * (scale * anchors), axis=0)]  # (anchors, 2)
+        mix = weights * on_compute + (1 - weights) * on_channel
+        intercept += mix[:, None] * highest[None, :, 0]
+        slope += mix[:, None] * (scale * highest[None, :, 1])
+    return intercept, slope
+
+
 def _lagrangian_suffixes(
-    problem: GradientProblem, prefix_numel: np.ndarray, bounds: _GroupBounds | None = None
+    problem: GradientProblem, prefix_numel: np.ndarray, bounds: _GroupBounds | None = None, band: int | None = None
 ) -> _Lagrangian:
     """Suffix bounds of the search's clocks: for each weight w and prefix length m, a lower bound of the
     minimum over groupings of layers m..L-1 of w * X + (1 - w) * Y (s: selection or packing, d: decode,
@@ -234,44 +286,101 @@ def _lagrangian_suffixes(
     combination: w * (start of X + rest of backward) + (1 - w) * max(E, C + b_m + s(n_m)) + rest[w, m].
 
     The minimum is the dynamic program r(m) = min over j of c(m, j) + r(j + 1), c the w-mix of the costs of
-    the group m..j, O(L^2); `opened` comes with it, the least over j >= m + length - 1 for each open length.
+    the group m..j; `opened` comes with it, the least over j >= m + length - 1 for each open length. Groups
+    of up to `band` layers (and the last group) are costed one by one; a longer group m..j that is not the
+    last is bounded below by lines under its cost, c(m, j) >= A + B (S[j + 1] - S[m]), so that
+    c(m, j) + r(j + 1) >= A - B S[m] + min over y > m + band of (r(y) + B S[y]), a suffix minimum kept as
+    the program runs: O(L * band) in place of O(L^2), and still a lower bound (only weaker where a long
+    first group is the cheapest). With band >= L - 1 (the default on models of up to `_LAGRANGIAN_BAND`
+    layers and wherever group-size bounds apply) it is the exact minimum.
 
     With `bounds`, the minimum is over the groupings the bounds allow (a tighter bound, still valid for
     every allowed completion), and the groupings returned are allowed.
     """
     num_layers = len(prefix_numel) - 1
+    prefix = prefix_numel
     weights = _BOUND_WEIGHTS
     bounded = bounds is not None and bounds.active
+    band = num_layers if bounded else min(num_layers, band or _LAGRANGIAN_BAND)
     lengths = _OPEN_LENGTHS[: np.searchsorted(_OPEN_LENGTHS, num_layers, side="right")]
-    rest = np.zeros((len(weights), num_layers + 1))
-    opened = np.full((len(weights), num_layers + 1, lengths.size), np.inf)
-    nexts = np.zeros((len(weights), num_layers), dtype=np.int64)
-    sigma = problem.interference
-    topk = problem.strategy is Strategy.TOPK
-    rows = np.arange(len(weights))
-    for i in range(num_layers - 1, -1, -1):
-        sizes = prefix_numel[i + 1 :] - prefix_numel[i]  # the group i..j for j = i..L-1
-        comm, decode = _comm_and_decode_many(problem, sizes)
-        if topk:
-            compute = _prepare_many(problem, sizes) + (decode + sigma * comm) / (1 + sigma)
-            compute[-1] += sigma * decode[-1] / (1 + sigma)
-        else:
-            compute = _prepare_many(problem, sizes) + comm * (sigma / (1 + sigma))
-            compute[-1] += comm[-1] / (1 + sigma)  # the last group's collective follows the compute path
-        channel = comm
-        channel[-1] += decode[-1]
-        # w * compute + (1 - w) * channel + rest, with as few passes over the (weights, L - i) array as can be
-        costs = rest[:, i + 1 :] + channel
-        costs += weights[:, None] * (compute - channel)
+    # Weights last inside (the program's reductions then run along contiguous rows); transposed at the end.
+    rest = np.zeros((num_layers + 1, weights.size))
+    opened = np.full((num_layers + 1, lengths.size, weights.size), np.inf)
+    nexts = np.zeros((num_layers, weights.size), dtype=np.int64)
+    offsets = np.arange(band)
+
+    # Beyond the band: the last group exactly, longer groups by lines (sizes > 0: some layer of them has
+    # elements; a run of empty layers would cost nothing and the lines would not hold, so no lines then).
+    tail = band <= num_layers - 2
+    if tail:
+        shortest = int(np.min(prefix[band + 1 : num_layers] - prefix[: num_layers - band - 1]))
+        tail = shortest > 0
+    last_cost = np.zeros((num_layers, weights.size))
+    if band < num_layers:
+        compute, channel = _path_costs(problem, prefix[num_layers] - prefix[:num_layers], True)
+        last_cost = channel[:, None] + (compute - channel)[:, None] * weights
+    if tail:
+        anchors = np.geomspace(shortest, prefix[num_layers], _LINE_ANCHORS)
+        line_a, line_b = (line.T for line in _group_cost_lines(problem, weights, anchors))  # (anchors, weights)
+        # least[y, l, w] = min over y' in [y, L - 1] of rest[y', w] + B[w, l] S[y'] (inf at y = L), and
+        # below[i, l, w] = A[w, l] - B[w, l] S[i]: the group i..j costs at least below[i] + least[j + 1]
+        least = np.full((num_layers + 1, anchors.size, weights.size), np.inf)
+        lifted = line_b * prefix[:num_layers, None, None]
+        below = line_a - lifted
+
+    def beyond(rows: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+        """rows (R,), firsts (R, C): bound of the groups rows[r]..j over j >= firsts[r, c] (>= rows[r] + band)
+        that exist: (R, C, weights)."""
+        out = np.where((firsts <= num_layers - 1)[..., None], last_cost[rows, None, :], np.inf)
+        if tail:
+            lines = below[rows, None] + least[np.minimum(firsts + 1, num_layers)]  # (R, C, anchors, weights)
+            out = np.minimum(out, lines.max(axis=2))
+        return out
+
+    rows_per_chunk = max(1, min(256, 2**17 // band))
+    for hi in range(num_layers, 0, -rows_per_chunk):
+        lo = max(0, hi - rows_per_chunk)
+        rows = np.arange(lo, hi)
+        ends = rows[:, None] + offsets  # the group i..j for j = i..i + band - 1
+        inside = ends < num_layers
+        ends = np.minimum(ends, num_layers - 1)
+        compute, channel = _path_costs(problem, prefix[ends + 1] - prefix[rows, None], ends == num_layers - 1)
+        excess = np.where(inside, compute - channel, 0.0)  # w * compute + (1 - w) * channel = channel + w * excess
+        channel = np.where(inside, channel, np.inf)
         if bounds is not None and bounded:
-            costs[:, ~bounds.starting_at(problem, prefix_numel, i)] = np.inf  # rest is inf without a completion
-        best = np.argmin(costs, axis=1)
-        rest[:, i] = costs[rows, best]
-        nexts[:, i] = i + 1 + best
-        # Least of each run of first groups between two open lengths, then of all the runs from each on.
-        usable = lengths[lengths <= num_layers - i]
-        runs = np.minimum.reduceat(costs, usable - 1, axis=1)
-        opened[:, i, : usable.size] = np.minimum.accumulate(runs[:, ::-1], axis=1)[:, ::-1]
+            for r, first in enumerate(rows.tolist()):  # rest is inf without a completion
+                channel[r, : num_layers - first][~bounds.starting_at(problem, prefix, first)] = np.inf
+        own = channel[..., None] + excess[..., None] * weights  # (rows, band, weights): the w-mix of the group
+        for i in range(hi - 1, lo - 1, -1):
+            r, n = i - lo, min(band, num_layers - i)
+            value = (rest[i + 1 : i + 1 + n] + own[r, :n]).min(axis=0)
+            if i + band < num_layers:
+                value = np.minimum(value, last_cost[i])
+                if tail and i + band + 1 < num_layers:
+                    value = np.minimum(value, (below[i] + least[i + band + 1]).max(axis=0))
+            rest[i] = value
+            if tail:
+                least[i] = np.minimum(value + lifted[i], least[i + 1])
+        # The chunk's rows at once, now that what follows them is known: the groupings and the open lengths.
+        costs = rest[np.minimum(ends + 1, num_layers)] + own  # (rows, band, weights)
+        best = np.argmin(costs, axis=1)  # (rows, weights)
+        nexts[lo:hi] = rows[:, None] + 1 + best
+        if band < num_layers:
+            least_own = np.take_along_axis(costs, best[:, None, :], 1)[:, 0, :]
+            past = (rows + band < num_layers)[:, None] & (last_cost[rows] < least_own)
+            nexts[lo:hi] = np.where(past, num_layers, nexts[lo:hi])
+        within = np.minimum.accumulate(costs[:, ::-1], axis=1)[:, ::-1]
+        # First groups of at least `length` layers: those in the band and all beyond it, or those beyond
+        # the band from that length on.
+        in_band = lengths <= band
+        least_open = np.empty((rows.size, lengths.size, weights.size))
+        least_open[:, in_band] = np.minimum(within[:, lengths[in_band] - 1], beyond(rows, rows[:, None] + band))
+        least_open[:, ~in_band] = beyond(rows, rows[:, None] + lengths[~in_band] - 1)
+        least_open[rows[:, None] + lengths > num_layers] = np.inf  # no group that long
+        opened[lo:hi] = np.minimum.accumulate(least_open[:, ::-1], axis=1)[:, ::-1]
+    rest = np.ascontiguousarray(rest.T)
+    opened = np.ascontiguousarray(opened.transpose(2, 0, 1))
+    nexts = nexts.T
     groupings: list[Grouping] = []
     for row in nexts:
         ends_of, end = [], 0
@@ -565,7 +674,8 @@ class TopkParetoDP(_BoundedSolver):
       before the front is sorted (a dominated state survives the bound only if its dominator does). That
       grouping is the best of the baselines, the Lagrangian groupings and, unless one of them is within
       1% of the root's bound, a first pass of this search that keeps only the few states with the lowest
-      bounds per prefix (a beam, usually optimal already).
+      bounds per prefix (a beam, usually optimal already). A heuristic whose time equals the root's bound
+      (to `_CLOSED_RTOL`) is optimal: then nothing is searched (on long compute-bound models, the rule).
 
     With group-size bounds (rule in the module docstring) a state is extended only by allowed groups. Every
     reduction above compares states of the same prefix, or extensions by the same group, so it stays exact:
@@ -604,6 +714,8 @@ class TopkParetoDP(_BoundedSolver):
 _BEAM = 8
 #: The beam runs only when the best heuristic is further than this (relative) from the root's bound.
 _BEAM_GAP = 0.01
+#: A heuristic within this (relative) of the root's bound is optimal up to rounding: the search is skipped.
+_CLOSED_RTOL = 1e-12
 
 
 def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool) -> tuple[Grouping, float]:
@@ -640,10 +752,16 @@ def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool
         if found is None:
             raise bounds.infeasible(problem)
         return found[0], fixed + found[1]
+    # The root's bound (the empty prefix's): a heuristic that reaches it is optimal, and nothing is searched.
+    zero = np.zeros(1)
+    root = float(_state_bounds(tables, 0, zero, zero, zero, zero, problem.strategy is Strategy.TOPK,
+                               problem.interference, problem.num_layers)[0])
+    heuristic, upper = min(candidates, key=lambda gv: gv[1])
+    if upper - fixed <= root * (1 + _CLOSED_RTOL):
+        return heuristic, upper
     # A narrow beam of this search, within the best heuristic's time, when none is within _BEAM_GAP of the
-    # root's Lagrangian bound (the search then prunes almost everything anyway).
-    root = lead[0] + np.max(weights * (tables.backward[-1] - lead[0]) + rest[:, 0])
-    best = min(v for _, v in candidates)
+    # root's bound (the search then prunes almost everything anyway).
+    best = upper
     if best - fixed > root * (1 + _BEAM_GAP):
         beamed = _pareto_search(problem, tables, (best - fixed) * (1 + _PRUNE_RTOL), beam=_BEAM)
         if beamed is not None:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costs import AffineCost, CostModel, PiecewiseLinearCost
+from planner.costs import AffineCost, CostModel, PiecewiseLinearCost, ScaledCost
 from planner.problem import GradientProblem, Grouping, topk_count, topk_count_many
 from planner.simulator import simulate, validate_grouping
 from planner.solver_bench import random_problem, time_solvers
@@ -240,10 +240,12 @@ def reference_topk_optimum(
 @pytest.mark.parametrize("chunk", [1, 64])
 @pytest.mark.parametrize("seed", range(4))
 def test_topk_dp_matches_a_plain_pareto_dp(seed: int, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Canonical states, expiry, the chunked front sweep and pruning change nothing on 60-layer instances."""
+    """Canonical states, expiry, the chunked front sweep, pruning and the banded Lagrangian bounds change
+    nothing on 60-layer instances."""
     from planner import solvers
 
     monkeypatch.setattr(solvers, "_FRONT_CHUNK", chunk)
+    monkeypatch.setattr(solvers, "_CLOSED_RTOL", -1.0)  # search even where a heuristic reaches the root's bound
     lengths: list[np.ndarray] = []
     expiry = solvers._expiry
     monkeypatch.setattr(solvers, "_expiry", lambda *args: lengths.append(expiry(*args)) or lengths[-1])
@@ -254,6 +256,92 @@ def test_topk_dp_matches_a_plain_pareto_dp(seed: int, chunk: int, monkeypatch: p
         assert math.isclose(value, expected, rel_tol=RTOL)
         assert math.isclose(simulate(problem, grouping).iteration_s, expected, rel_tol=RTOL)
     assert lengths and np.concatenate(lengths).min() < 60  # states did expire: the test covers it
+
+
+def reference_lagrangian(problem: GradientProblem, weights: np.ndarray) -> np.ndarray:
+    """rest[w, m]: the least w-mix of the compute and channel path costs over the groupings of layers m..L-1
+    (`planner.solvers._lagrangian_suffixes`), by the plain O(L^2) program with costs from the scalar model."""
+    sigma, num_layers = problem.interference, problem.num_layers
+    topk = problem.strategy is Strategy.TOPK
+    rest = np.zeros((weights.size, num_layers + 1))
+    for m in range(num_layers - 1, -1, -1):
+        best = np.full(weights.size, np.inf)
+        for j in range(m, num_layers):
+            numel = sum(problem.numel[m : j + 1])
+            comm = problem.comm.cost(problem.message_bytes(numel))
+            decode = problem.decode_s(numel)
+            last = j == num_layers - 1
+            if topk:
+                compute = problem.prepare_s(numel) + (decode + sigma * comm) / (1 + sigma)
+                compute += sigma * decode / (1 + sigma) if last else 0.0
+            else:
+                compute = problem.prepare_s(numel) + comm * sigma / (1 + sigma) + (comm / (1 + sigma) if last else 0.0)
+            channel = comm + (decode if last else 0.0)
+            best = np.minimum(best, weights * compute + (1 - weights) * channel + rest[:, j + 1])
+        rest[:, m] = best
+    return rest
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+@pytest.mark.parametrize(("seed", "interference", "piecewise"), [(0, 0.0, False), (1, 0.0, True), (2, 0.7, True)])
+def test_banded_lagrangian_bounds_lie_below_the_exact_program(
+    strategy: Strategy, seed: int, interference: float, piecewise: bool
+) -> None:
+    """Costing first groups of up to `band` layers one by one and longer ones by lines under their costs
+    gives bounds no larger than the plain program's (equal to it when the band covers every group), with
+    expiry tables that never grow as the first group lengthens and groupings that are groupings."""
+    from planner import solvers
+
+    problem = random_problem(70, strategy, seed=400 + seed, interference=interference)
+    if piecewise:
+        problem = _with_piecewise_comm(problem)
+    prefix = solvers._prefix_numel(problem)
+    reference = reference_lagrangian(problem, solvers._BOUND_WEIGHTS)
+    full = solvers._lagrangian_suffixes(problem, prefix, band=problem.num_layers)
+    assert np.allclose(full.rest, reference, rtol=1e-12, atol=0)
+    for band in (1, 3, 8, 30):
+        banded = solvers._lagrangian_suffixes(problem, prefix, band=band)
+        assert np.all(banded.rest <= reference * (1 + 1e-12))
+        assert np.all(banded.opened <= full.opened * (1 + 1e-12) + 1e-300)
+        assert np.all(banded.opened[..., 1:] >= banded.opened[..., :-1])
+        for grouping in banded.groupings:
+            validate_grouping(problem, grouping)
+    # The lines are not the zero line: a band of 1 still bounds the channel path by most of its cost.
+    assert np.all(solvers._lagrangian_suffixes(problem, prefix, band=1).rest[0, :-1] >= 0.5 * reference[0, :-1])
+
+
+@settings(deadline=None, max_examples=100)
+@given(problem=problems(strategy=Strategy.TOPK), band=st.integers(1, 3))
+def test_topk_dp_with_a_narrow_band_matches_brute_force(problem: GradientProblem, band: int) -> None:
+    """Exactness does not depend on the band of the Lagrangian bounds, nor on the root's bound ending the
+    search early."""
+    from unittest import mock
+
+    from planner import solvers
+
+    with mock.patch.object(solvers, "_LAGRANGIAN_BAND", band):
+        _check_exact(problem)
+
+
+def test_a_heuristic_that_reaches_the_root_bound_ends_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a heuristic's time equals the root's bound, nothing is searched, and the answer is what the
+    search finds (on these instances the greedy rules and Lagrangian groupings are optimal)."""
+    from planner import solvers
+
+    searches: list[int] = []
+    search = solvers._pareto_search
+    monkeypatch.setattr(solvers, "_pareto_search", lambda *a, **k: searches.append(1) or search(*a, **k))
+    for seed in range(3):
+        problem = random_problem(300, Strategy.TOPK, seed=500 + seed)
+        searches.clear()
+        grouping, value = TopkParetoDP().solve_with_value(problem)
+        assert not searches
+        with monkeypatch.context() as patch:
+            patch.setattr(solvers, "_CLOSED_RTOL", -1.0)
+            _, searched_value = TopkParetoDP().solve_with_value(problem)
+        assert searches
+        assert math.isclose(value, searched_value, rel_tol=1e-12)
+        assert math.isclose(simulate(problem, grouping).iteration_s, value, rel_tol=RTOL)
 
 
 @pytest.mark.parametrize("prefilter", [True, False])
@@ -499,6 +587,21 @@ def test_vectorised_costs_match_the_scalar_model(problem: GradientProblem, sizes
     assert problem.decode is not None
     decode = solvers._decode_many(problem, array)
     assert np.allclose(decode, [problem.decode.cost(problem.world_size * problem.k(n)) for n in sizes], rtol=1e-12)
+
+
+@settings(deadline=None, max_examples=200)
+@given(data=st.data(), kind=st.sampled_from(["affine", "piecewise"]), factor=st.floats(1e-3, 1e3))
+def test_cost_model_lines_lie_under_the_cost(data: st.DataObject, kind: str, factor: float) -> None:
+    """cost(x) >= a + b x for every line of every cost model, at any size > 0 (below, between and beyond the
+    measured points), scaled or not."""
+    model = _cost(data.draw, kind, 1e7, 1.0)
+    xs = data.draw(st.lists(st.floats(1e-3, 1e12), min_size=1, max_size=30))
+    for cost_model in (model, ScaledCost(inner=model, factor=factor)):
+        lines = cost_model.lines()
+        assert lines
+        for x in xs:
+            cost = cost_model.cost(x)
+            assert all(a + b * x <= cost + 1e-12 * max(1.0, abs(cost)) for a, b in lines)
 
 
 def test_random_problem_is_reproducible_and_valid() -> None:
