@@ -75,6 +75,16 @@ def _positive(text: str) -> int:
     return v
 
 
+def _nonnegative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {v}")
+    return v
+
+
 def _nonnegative_float(text: str) -> float:
     try:
         v = float(text)
@@ -236,7 +246,7 @@ class ProfileCommand(Command):
                             help="local workers to start (ignored under torchrun)")
         parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
         parser.add_argument("--repeats", type=_positive, default=10, help="measured iterations per layer")
-        parser.add_argument("--warmup", type=int, default=3, help="unmeasured iterations first")
+        parser.add_argument("--warmup", type=_nonnegative_int, default=3, help="unmeasured iterations first")
         parser.add_argument("--densities", default="0.001,0.01,0.1,1.0", help="top-k densities to measure")
         parser.add_argument("--only", choices=["comm"], default=None, help="re-measure only the network of -o")
         parser.add_argument("--kfac", action="store_true",
@@ -302,8 +312,9 @@ def print_profile(profile: object) -> None:
     from planner.profile import MAX_FIT_ERROR, Profile
 
     assert isinstance(profile, Profile)
+    console.print(profile.model.describe(), style="bold")
     console.print(
-        f"[bold]{profile.model.describe()}[/bold]\n{profile.cluster.describe()}, batch {profile.batch_size}/worker, "
+        f"{profile.cluster.describe()}, batch {profile.batch_size}/worker, "
         f"torch {profile.torch_version}, measured {profile.created}\n"
         f"forward {_ms(profile.forward_s)} ms, backward {_ms(profile.backward_s)} ms, "
         f"update {_ms(profile.update_s)} ms, {len(profile.layers)} layers"
@@ -496,6 +507,14 @@ class SimulateCommand(Command):
         spec = parse_cluster(args.cluster if args.cluster is not None else f"profile={args.profile}")
         for w in sizes:  # refuse a bad world size before solving anything
             spec.with_world_size(w)
+        # ... and a strategy the profile has no measurements for
+        if args.strategy == KFAC:
+            from planner.kfac_planning import kfac_problem
+
+            kfac_problem(profile, InverseMethod(args.method))
+        else:
+            strategy = Strategy(args.strategy)
+            profile.problem(strategy, (args.density or 0.01) if strategy is Strategy.TOPK else None)
         with progress(enabled=not args.json) as bar:
             task = bar.add_task(f"plans for {len(sizes)} world sizes", total=len(sizes))
             rows = scaling_table(
@@ -722,7 +741,7 @@ class TuneCommand(Command):
         parser.add_argument("--study-name", default="planner-tune")
         parser.add_argument("--steps", type=_positive, default=30, help="measured steps per trial")
         parser.add_argument("--rungs", type=_positive, default=3, help="chunks of a trial after which it may be pruned")
-        parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps before each trial")
+        parser.add_argument("--warmup", type=_nonnegative_int, default=5, help="unmeasured steps before each trial")
         parser.add_argument("--compare-steps", type=_positive, default=30,
                             help="steps of each of tuned and untuned in the final comparison")
         parser.add_argument("--seed", type=int, default=0)
@@ -745,12 +764,10 @@ class TuneCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.profile import Profile
-        from planner.tune import TuneConfig, TuneSpace, run_tune, same_decisions
+        from planner.tune import TuneConfig, TuneSpace, check_study_file, run_tune, same_decisions
 
         if args.density is not None and args.strategy != Strategy.TOPK.value:
             raise PlannerError("--density applies to --strategy topk only")
-        if args.warmup < 0:
-            raise PlannerError(f"`--warmup >= 0` must hold, but got {args.warmup}")
         profile = Profile.load(args.profile)
         max_group = getattr(args, "max_group_mb", TuneSpace.default_for(args.strategy).max_group_mb)
         space = TuneSpace(
@@ -760,6 +777,7 @@ class TuneCommand(Command):
         )
         is_kfac = args.strategy == KFAC
         check_output_path(args.output, "plan")
+        check_study_file(args.study or args.output.with_suffix(".db"))
         config = TuneConfig(
             profile=profile, profile_path=str(args.profile), strategy=args.strategy,
             density=(args.density or 0.01) if args.strategy == Strategy.TOPK.value else None,
@@ -845,8 +863,9 @@ class BenchCommand(Command):
         parser.add_argument("--model", default=None, help="model (default: the plan's built-in model)")
         parser.add_argument("--batch-size", type=_positive, default=None)
         parser.add_argument("--nproc", type=_positive, default=None, help="workers (default: the plan's world size)")
-        parser.add_argument("--steps", type=_positive, default=20, help="measured steps per variant (>= 20)")
-        parser.add_argument("--warmup", type=int, default=5,
+        parser.add_argument("--steps", type=_positive, default=20,
+                            help="measured steps per variant (default 20; fewer give a noisier median)")
+        parser.add_argument("--warmup", type=_nonnegative_int, default=5,
                             help="unmeasured steps per variant (--strategy kfac: one window of inv_update_steps)")
         _add_link(parser)
         parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -1012,8 +1031,8 @@ class DemoCommand(Command):
                 raise PlannerError(f"--link {exc}") from None
         problem = privilege_problem()
         if problem is not None:
-            console.print(f"[yellow]no emulated {DEMO_LINK} link: {problem}; falling back to loopback, where "
-                          "compute dominates and plans matter little (run as root to see the slow network)[/yellow]")
+            console.print(f"no emulated {DEMO_LINK} link: {problem}; falling back to loopback, where compute "
+                          "dominates and plans matter little (run as root to see the slow network)", style="yellow")
             return None
         return parse_rate(DEMO_LINK)
 

@@ -56,7 +56,7 @@ import numpy.typing as npt
 
 from planner.costs import AffineCost
 from planner.fingerprint import ClusterInfo
-from planner.jsonio import check_fields, expect, read_json
+from planner.jsonio import MAX_WORLD_SIZE, check_fields, expect, read_json
 from planner.kfac_planning import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
 from planner.planning import make_plan
 from planner.profile import DimCurve, FittedCurve, KFACTiming, LayerTiming, Profile, TopkTiming
@@ -87,6 +87,13 @@ _LINK_FIELDS = ("nodes", "gpus_per_node", "intra_gbps", "intra_latency_us", "int
 _INT_FIELDS = ("nodes", "gpus_per_node")
 _FLOAT_FIELDS = ("intra_gbps", "intra_latency_us", "inter_gbps", "inter_latency_us", "compute_factor")
 _POSITIVE_FIELDS = ("intra_gbps", "inter_gbps", "compute_factor")
+#: What a described cluster may hold: 1 kbit/s to 1 Pbit/s per link, latencies up to an hour, and GPUs
+#: from a million times faster to a million times slower than profiled.
+_FLOAT_RANGES = {
+    "intra_gbps": (1e-6, 1e6), "inter_gbps": (1e-6, 1e6),
+    "intra_latency_us": (0.0, 3.6e9), "inter_latency_us": (0.0, 3.6e9),
+    "compute_factor": (1e-6, 1e6),
+}
 _STR_FIELDS = ("name", "algorithm", "device", "backend", "source")
 
 
@@ -157,7 +164,13 @@ class ClusterSpec:
                 raise SchemaError(f"`{key} > 0` must hold, but got ({key}={value!r}){unit}")
             if key not in _POSITIVE_FIELDS and value < 0:
                 raise SchemaError(f"`{key} >= 0` must hold, but got ({key}={value!r}); latencies are in microseconds")
+            low, high = _FLOAT_RANGES[key]
+            if not low <= value <= high:
+                raise SchemaError(f"`{low:g} <= {key} <= {high:g}` must hold, but got ({key}={value:g})")
             object.__setattr__(self, key, value)
+        if self.nodes * self.gpus_per_node > MAX_WORLD_SIZE:
+            raise SchemaError(f"`nodes * gpus_per_node <= {MAX_WORLD_SIZE}` must hold, but got "
+                              f"(nodes={self.nodes:,}, gpus_per_node={self.gpus_per_node:,})")
         if self.algorithm not in ALGORITHMS:
             raise SchemaError(f"`algorithm in {ALGORITHMS}` must hold, but got (algorithm={self.algorithm!r})")
         if self.comm_profile is not None and (not isinstance(self.comm_profile, str) or not self.comm_profile):
@@ -564,10 +577,6 @@ def parse_cluster(text: str) -> ClusterSpec:
         return spec if world is None else spec.with_world_size(world)
     except SchemaError as exc:
         raise SchemaError(f"cluster {raw!r}: {exc}") from None
-
-
-#: The largest world size a what-if accepts (2^20 ranks; today's largest clusters are about 10^5 GPUs).
-MAX_WORLD_SIZE = 2**20
 
 
 def parse_world_sizes(text: str) -> list[int]:

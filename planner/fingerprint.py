@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from planner.jsonio import check_fields, expect
+from planner.jsonio import MAX_NUMEL, MAX_WORLD_SIZE, check_fields, expect, expect_int
 
 if TYPE_CHECKING:
     from torch import nn
@@ -33,8 +33,8 @@ class ModelInfo:
         return cls(
             name=expect(data["name"], str, f"{where}.name"),
             fingerprint=expect(data["fingerprint"], str, f"{where}.fingerprint"),
-            num_params=expect(data["num_params"], int, f"{where}.num_params"),
-            numel=expect(data["numel"], int, f"{where}.numel"),
+            num_params=expect_int(data["num_params"], f"{where}.num_params", 1, MAX_NUMEL),
+            numel=expect_int(data["numel"], f"{where}.numel", 1, MAX_NUMEL),
         )
 
     def describe(self) -> str:
@@ -67,18 +67,14 @@ class ClusterInfo:
         expect(data, dict, where)
         check_fields(data, where, ["world_size", "backend", "device", "host_count"], optional=["link"])
         link = data.get("link")
-        info = cls(
-            world_size=expect(data["world_size"], int, f"{where}.world_size"),
+        world_size = expect_int(data["world_size"], f"{where}.world_size", 1, MAX_WORLD_SIZE)
+        return cls(
+            world_size=world_size,
             backend=expect(data["backend"], str, f"{where}.backend"),
             device=expect(data["device"], str, f"{where}.device"),
-            host_count=expect(data["host_count"], int, f"{where}.host_count"),
+            host_count=expect_int(data["host_count"], f"{where}.host_count", 1, world_size),
             link=None if link is None else expect(link, str, f"{where}.link"),
         )
-        if info.world_size < 1 or info.host_count < 1:
-            from planner.types import SchemaError
-
-            raise SchemaError(f"{where}: `world_size >= 1 and host_count >= 1` must hold, but got {info}")
-        return info
 
     def describe(self) -> str:
         where = f" behind an emulated {self.link} link" if self.link else ""

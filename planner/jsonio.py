@@ -12,24 +12,52 @@ from typing import Any
 
 from planner.types import PlannerFileError, SchemaError
 
+#: No plan or profile comes near this size (those of a 5000-layer model with K-FAC are a few MB): a
+#: larger file is refused before it is read.
+MAX_DOCUMENT_BYTES = 64 * 1024 * 1024
+#: No field of a plan or profile needs an integer of more digits (element counts stay below 2^48).
+MAX_INT_DIGITS = 30
+#: Longest time any field may hold, in seconds (11.6 days); larger ones are mistakes and overflow later.
+MAX_SECONDS = 1e6
+#: Most elements a layer, group or model may have (2^48; the largest models have about 2^40).
+MAX_NUMEL = 2**48
+#: Largest world size any command or document accepts.
+MAX_WORLD_SIZE = 2**20
+
 
 def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
-    """Parse a JSON object from `path`; `what` ("plan", "profile") names the document in errors."""
+    """Parse a JSON object from `path`; `what` ("plan", "profile") names the document in errors. Files over
+    `MAX_DOCUMENT_BYTES`, nesting deeper than Python's parser follows and integers longer than
+    `MAX_INT_DIGITS` are refused with a SchemaError / PlannerFileError, never the parser's own error."""
     p = Path(path)
     if not p.is_file():
         raise PlannerFileError(f"{what} file not found: {p} (check the path)")
     try:
+        size = p.stat().st_size
+        if size > MAX_DOCUMENT_BYTES:
+            raise PlannerFileError(f"{what} file {p} is {size / 2**20:,.0f} MiB; no {what} is over "
+                                   f"{MAX_DOCUMENT_BYTES // 2**20} MiB: give a file written by planner")
         text = p.read_text(encoding="utf-8")
+    except PlannerFileError:
+        raise
     except (OSError, UnicodeDecodeError) as exc:
         raise PlannerFileError(f"cannot read {what} file {p}: {exc}") from exc
     try:
-        # parse_constant turns NaN/Infinity into a schema error instead of a float.
-        data = json.loads(text, parse_constant=_reject_constant)
+        # parse_constant turns NaN/Infinity into a schema error instead of a float; parse_int refuses
+        # integers no field can hold before Python converts them.
+        data = json.loads(text, parse_constant=_reject_constant, parse_int=_bounded_int)
     except json.JSONDecodeError as exc:
         raise SchemaError(
             f"{what} file {p} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno});"
             f" the file may be truncated: produce it again"
         ) from exc
+    except SchemaError as exc:
+        raise SchemaError(f"{what} file {p}: {exc}") from None
+    except RecursionError:
+        raise SchemaError(f"{what} file {p} nests arrays or objects too deeply to be a {what}: "
+                          "give a file written by planner") from None
+    except ValueError as exc:  # a number Python cannot convert
+        raise SchemaError(f"{what} file {p} holds a number no {what} field can: {exc}") from None
     if not isinstance(data, dict):
         raise SchemaError(f"{what} file {p} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -37,6 +65,14 @@ def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
 
 def _reject_constant(name: str) -> Any:
     raise SchemaError(f"non-finite number {name} in JSON document")
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise SchemaError(f"an integer of {digits} digits in JSON document; no field holds more than "
+                          f"{MAX_INT_DIGITS} digits")
+    return int(text)
 
 
 def check_output_path(path: str | os.PathLike[str], what: str = "file") -> Path:
@@ -137,11 +173,19 @@ def expect(value: Any, kind: type | tuple[type, ...], where: str) -> Any:
 
 
 def expect_time(value: Any, where: str, error: type[SchemaError] = SchemaError) -> float:
-    """A duration in seconds: a finite number >= 0 (else `error`)."""
+    """A duration in seconds: a finite number in [0, MAX_SECONDS] (else `error`)."""
     v = float(expect(value, (int, float), where))
-    if not math.isfinite(v) or v < 0:
-        raise error(f"{where} must be a finite time >= 0 seconds, got {value!r}")
+    if not math.isfinite(v) or not 0 <= v <= MAX_SECONDS:
+        raise error(f"{where} must be a time between 0 and {MAX_SECONDS:g} seconds, got {value!r}")
     return v
+
+
+def expect_int(value: Any, where: str, low: int, high: int, error: type[SchemaError] = SchemaError) -> int:
+    """An integer in [low, high] (else `error`, naming `where` and the bounds)."""
+    v = expect(value, int, where)
+    if not low <= v <= high:
+        raise error(f"{where} must be an integer between {low:,} and {high:,}, got {v:,}")
+    return int(v)
 
 
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from planner.fingerprint import ClusterInfo, ModelInfo
-from planner.jsonio import check_fields, expect, expect_time, read_json, write_json_atomic
+from planner.jsonio import MAX_NUMEL, check_fields, expect, expect_int, expect_time, read_json, write_json_atomic
 from planner.kfac import KFACSection
 from planner.problem import Prediction
 from planner.types import PlanMismatchError, SchemaError, Strategy
@@ -84,10 +84,11 @@ class Group:
         check_fields(data, where, ["layers", "params", "numel", "k"])
         layers = tuple(expect(x, str, f"{where}.layers[]") for x in expect(data["layers"], list, f"{where}.layers"))
         params = tuple(expect(x, str, f"{where}.params[]") for x in expect(data["params"], list, f"{where}.params"))
-        numel = expect(data["numel"], int, f"{where}.numel")
-        k = data["k"] if data["k"] is None else expect(data["k"], int, f"{where}.k")
-        if not params or numel <= 0:
-            raise SchemaError(f"{where} must name at least one parameter and have numel > 0, got {data}")
+        numel = expect_int(data["numel"], f"{where}.numel", 1, MAX_NUMEL)
+        k = data["k"] if data["k"] is None else expect_int(data["k"], f"{where}.k", 1, MAX_NUMEL)
+        if not params or not layers:
+            raise SchemaError(f"{where} must name at least one layer and one parameter, got layers={list(layers)} "
+                              f"and params={list(params)}")
         if k is not None and not 0 < k <= numel:
             raise SchemaError(f"{where}: `0 < k <= numel` must hold, but got (k={k}, numel={numel})")
         return cls(layers=layers, params=params, numel=numel, k=k)
@@ -145,12 +146,26 @@ class Plan:
                 raise SchemaError(f"a top-k plan needs `0 < density <= 1`, but got density={self.density}")
             if any(g.k is None for g in self.groups):
                 raise SchemaError("every group of a top-k plan needs k")
+        elif self.density is not None:
+            raise SchemaError(f"only a top-k plan has a density, but this {self.strategy.value} plan has "
+                              f"density={self.density}")
         seen: set[str] = set()
+        seen_layers: set[str] = set()
         for g in self.groups:
             dup = seen.intersection(g.params)
             if dup:
                 raise SchemaError(f"parameter(s) {sorted(dup)} appear in more than one group")
             seen.update(g.params)
+            dup = seen_layers.intersection(g.layers)
+            if dup:
+                raise SchemaError(f"layer(s) {sorted(dup)} appear in more than one group")
+            seen_layers.update(g.layers)
+        numel = sum(g.numel for g in self.groups)
+        if len(seen) != self.model.num_params or numel != self.model.numel:
+            raise SchemaError(
+                f"the groups hold {len(seen)} parameter tensors of {numel:,} elements, but the model "
+                f"{self.model.name} has {self.model.num_params} of {self.model.numel:,}: every trainable "
+                "parameter must be in one group; re-plan with `planner solve`")
 
     # -- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

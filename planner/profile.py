@@ -94,7 +94,7 @@ import pandas as pd
 
 from planner.costs import AffineCost, CostModel, PiecewiseLinearCost, ScaledCost, fit_affine
 from planner.fingerprint import ClusterInfo, ModelInfo
-from planner.jsonio import check_fields, expect, expect_time, read_json, write_json_atomic
+from planner.jsonio import MAX_NUMEL, check_fields, expect, expect_int, expect_time, read_json, write_json_atomic
 from planner.plan import SELECTORS, check_selector
 from planner.problem import GradientProblem
 from planner.types import Collective, InvalidProfileError, InverseMethod, SchemaError, Strategy
@@ -120,8 +120,35 @@ PROFILE_KIND = "planner.profile"
 MAX_FIT_ERROR = 0.25
 
 
+#: Largest batch size a profile may record.
+MAX_BATCH_SIZE = 2**31
+
+
 def _time(value: Any, where: str) -> float:
     return expect_time(value, where, InvalidProfileError)
+
+
+def _element_bytes(value: Any, where: str) -> int:
+    size = expect(value, int, where)
+    if size not in (1, 2, 4, 8):
+        raise InvalidProfileError(f"{where} must be 1, 2, 4 or 8 (bytes per gradient element), got {size}")
+    return int(size)
+
+
+def _check_distinct_layers(layers: tuple[LayerTiming, ...]) -> None:
+    """Each layer named once and each parameter in one layer (a tied parameter is listed once)."""
+    seen: dict[str, int] = {}
+    owner: dict[str, int] = {}
+    for i, layer in enumerate(layers):
+        if layer.name in seen:
+            raise InvalidProfileError(f"profile.layers[{i}].name {layer.name!r} repeats profile.layers"
+                                      f"[{seen[layer.name]}]; every layer appears once")
+        seen[layer.name] = i
+        for param in layer.params:
+            if param in owner:
+                raise InvalidProfileError(f"profile.layers[{i}] lists parameter {param!r} of profile.layers"
+                                          f"[{owner[param]}]; every parameter belongs to one layer")
+            owner[param] = i
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,12 +176,15 @@ class LayerTiming:
     def from_dict(cls, data: Any, where: str) -> LayerTiming:
         expect(data, dict, where)
         check_fields(data, where, ["name", "params", "numel", "forward_s", "backward_s", "backward_iqr_s"])
-        numel = expect(data["numel"], int, f"{where}.numel")
-        if numel <= 0:
-            raise InvalidProfileError(f"{where}.numel must be > 0, got {numel}")
+        numel = expect_int(data["numel"], f"{where}.numel", 1, MAX_NUMEL, InvalidProfileError)
+        params = tuple(expect(p, str, f"{where}.params[]") for p in expect(data["params"], list, f"{where}.params"))
+        if not params:
+            raise InvalidProfileError(f"{where}.params is empty: a layer without parameters has no gradient to plan")
+        if len(set(params)) < len(params):
+            raise InvalidProfileError(f"{where}.params lists a parameter twice: {sorted(params)}")
         return cls(
             name=expect(data["name"], str, f"{where}.name"),
-            params=tuple(expect(p, str, f"{where}.params[]") for p in expect(data["params"], list, f"{where}.params")),
+            params=params,
             numel=numel,
             forward_s=_time(data["forward_s"], f"{where}.forward_s"),
             backward_s=_time(data["backward_s"], f"{where}.backward_s"),
@@ -818,18 +848,20 @@ class Profile:
         layers = expect(data["layers"], list, "profile.layers")
         if not layers:
             raise InvalidProfileError("profile.layers is empty: the model has no trainable layers")
+        timings = tuple(LayerTiming.from_dict(x, f"profile.layers[{i}]") for i, x in enumerate(layers))
+        _check_distinct_layers(timings)
         return cls(
             schema_version=version,
             created=expect(data["created"], str, "profile.created"),
             torch_version=expect(data["torch_version"], str, "profile.torch_version"),
             model=ModelInfo.from_dict(data["model"], "profile.model"),
             cluster=ClusterInfo.from_dict(data["cluster"], "profile.cluster"),
-            batch_size=expect(data["batch_size"], int, "profile.batch_size"),
-            element_bytes=expect(data["element_bytes"], int, "profile.element_bytes"),
+            batch_size=expect_int(data["batch_size"], "profile.batch_size", 1, MAX_BATCH_SIZE, InvalidProfileError),
+            element_bytes=_element_bytes(data["element_bytes"], "profile.element_bytes"),
             forward_s=_time(data["forward_s"], "profile.forward_s"),
             backward_s=_time(data["backward_s"], "profile.backward_s"),
             update_s=_time(data["update_s"], "profile.update_s"),
-            layers=tuple(LayerTiming.from_dict(x, f"profile.layers[{i}]") for i, x in enumerate(layers)),
+            layers=timings,
             collectives=collectives,
             topk=None if data["topk"] is None else TopkTiming.from_dict(data["topk"], "profile.topk"),
             kfac=None if data["kfac"] is None else KFACTiming.from_dict(data["kfac"], "profile.kfac"),

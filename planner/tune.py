@@ -51,6 +51,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from planner.jsonio import check_output_path
 from planner.kfac_planning import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
 from planner.plan import Plan
 from planner.planning import make_plan
@@ -60,6 +61,7 @@ from planner.types import (
     InverseMethod,
     PlanMismatchError,
     PlannerError,
+    PlannerFileError,
     SchemaError,
     SolverError,
     Strategy,
@@ -77,6 +79,7 @@ __all__ = [
     "TuneConfig",
     "TuneResult",
     "TuneSpace",
+    "check_study_file",
     "describe_params",
     "open_study",
     "params_to_plan",
@@ -505,6 +508,22 @@ def _predicted_s(plan: Plan) -> float:
 
 # ----------------------------------------------------------------------------------------------------
 # The study
+
+
+def check_study_file(path: Path) -> Path:
+    """`path` if a study can live there: a SQLite file, or nothing yet (PlannerFileError in one line for a
+    folder, another kind of file or a place that cannot hold a file)."""
+    check_output_path(path, "study")
+    if path.is_file() and path.stat().st_size > 0:
+        try:
+            with open(path, "rb") as f:
+                header = f.read(16)
+        except OSError as exc:
+            raise PlannerFileError(f"cannot read the study {path}: {exc.strerror or exc}") from None
+        if header != b"SQLite format 3\x00":
+            raise PlannerFileError(f"the study {path} is not a SQLite database; give a new file name or a study "
+                                   "written by `planner tune`")
+    return path
 
 
 def _storage_url(path: Path) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from planner.fingerprint import ClusterInfo, model_info
@@ -89,13 +91,21 @@ def plan_with_groups(
     world_size: int = 2,
     name: str = "tiny",
     kfac: KFACSection | None = None,
+    counts_from_groups: bool = False,
 ) -> Plan:
-    """A plan with dummy predictions for `model` (named `name`) made of `groups` (and a K-FAC section)."""
+    """A plan with dummy predictions for `model` (named `name`) made of `groups` (and a K-FAC section).
+
+    `counts_from_groups`: the plan's model holds the groups' parameters (a plan must hold its model's
+    parameters exactly) under `model`'s fingerprint: a plan made for a model that differs from `model` only
+    in what the fingerprint does not see, to test the runtime's own checks."""
     zero = Prediction(iteration_s=0, compute_s=0, exposed_comm_s=0, comm_s=0)
+    info = model_info(model, name)
+    if counts_from_groups:
+        info = replace(info, num_params=sum(len(g.params) for g in groups), numel=sum(g.numel for g in groups))
     return Plan(
         strategy=strategy,
         density=density,
-        model=model_info(model, name),
+        model=info,
         cluster=ClusterInfo(world_size=world_size, backend="gloo", device="cpu"),
         groups=groups,
         predicted=zero,

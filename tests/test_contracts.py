@@ -90,7 +90,7 @@ def test_loaders_reject_bad_documents(tmp_path: Path) -> None:
     with pytest.raises(SchemaError, match=r"unknown field\(s\) \['surprise'\]"):
         Plan.load(_mutated(tmp_path, {**plan_doc, "surprise": 1}, "u.json"))
     bad_layers = [dict(prof_doc["layers"][0], backward_s=-1.0), *prof_doc["layers"][1:]]
-    with pytest.raises(InvalidProfileError, match=r"layers\[0\]\.backward_s must be a finite time >= 0"):
+    with pytest.raises(InvalidProfileError, match=r"layers\[0\]\.backward_s must be a time between 0 and"):
         Profile.load(_mutated(tmp_path, {**prof_doc, "layers": bad_layers}, "neg.json"))
     nan = tmp_path / "nan.json"
     nan.write_text(json.dumps(prof_doc).replace('"update_s": 0.001', '"update_s": NaN'))
@@ -124,7 +124,7 @@ def test_cli_bad_inputs_give_one_line(tmp_path: Path) -> None:
     out = str(tmp_path / "plan.json")
     _one_clear_line(_cli("solve", str(tmp_path / "nope.json"), "-o", out), "profile file not found")
     _one_clear_line(_cli("solve", str(trunc), "-o", out), "not valid JSON")
-    _one_clear_line(_cli("solve", str(neg), "-o", out), "forward_s must be a finite time >= 0")
+    _one_clear_line(_cli("solve", str(neg), "-o", out), "forward_s must be a time between 0 and")
     _one_clear_line(_cli("solve", str(nan), "-o", out), "NaN")
     _one_clear_line(_cli("solve", str(version), "-o", out), "unknown profile schema_version 7")
     _one_clear_line(_cli("show", str(trunc)), "not valid JSON")
@@ -219,3 +219,139 @@ def test_the_whole_step_cross_check_round_trips_and_warns_past_ten_percent(
     del doc["step_s"]
     (tmp_path / "old.json").write_text(json.dumps(doc))
     assert Profile.load(tmp_path / "old.json").step_s is None
+
+
+def _layer(doc: dict, index: int, **fields: object) -> dict:
+    layers = [dict(layer) for layer in doc["layers"]]
+    layers[index].update(fields)
+    return {**doc, "layers": layers}
+
+
+_PROFILE = synthetic_profile("mlp").to_dict()
+_PLAN = synthetic_plan("mlp").to_dict()
+_TOPK_PLAN = synthetic_plan("mlp", strategy=Strategy.TOPK, density=0.01).to_dict()
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    (_layer(_PROFILE, 0, numel=2**60), r"profile.layers\[0\].numel must be an integer between 1 and"),
+    (_layer(_PROFILE, 0, numel=0), r"profile.layers\[0\].numel must be an integer between 1 and"),
+    (_layer(_PROFILE, 1, backward_s=1e308), r"profile.layers\[1\].backward_s must be a time between 0 and 1e\+06"),
+    ({**_PROFILE, "forward_s": 1e300}, r"profile.forward_s must be a time between"),
+    ({**_PROFILE, "batch_size": 0}, r"profile.batch_size must be an integer between 1 and"),
+    ({**_PROFILE, "batch_size": -3}, r"profile.batch_size must be an integer between 1 and"),
+    ({**_PROFILE, "element_bytes": 0}, r"profile.element_bytes must be 1, 2, 4 or 8"),
+    (_layer(_PROFILE, 0, params=[]), r"profile.layers\[0\].params is empty"),
+    (_layer(_PROFILE, 2, name=_PROFILE["layers"][0]["name"]),
+     r"profile.layers\[2\].name '6' repeats profile.layers\[0\]"),
+    (_layer(_PROFILE, 1, params=_PROFILE["layers"][0]["params"][:1]),
+     r"profile.layers\[1\] lists parameter '6.weight' of profile.layers\[0\]"),
+])
+def test_profiles_with_fields_out_of_bounds_are_refused_naming_the_field(doc: dict, message: str) -> None:
+    with pytest.raises(InvalidProfileError, match=message):
+        Profile.from_dict(doc)
+
+
+def _groups(doc: dict, groups: list[dict]) -> dict:
+    return {**doc, "groups": groups}
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ({**_PLAN, "density": 5}, "only a top-k plan has a density, but this dense plan has density=5"),
+    ({**_TOPK_PLAN, "density": 5}, r"a top-k plan needs `0 < density <= 1`"),
+    (_groups(_PLAN, _PLAN["groups"][1:]), "the groups hold .* parameter tensors .* but the model mlp has"),
+    (_groups(_PLAN, [*_PLAN["groups"], _PLAN["groups"][0]]), r"appear in more than one group"),
+    (_groups(_PLAN, [dict(_PLAN["groups"][0], numel=10**20), *_PLAN["groups"][1:]]),
+     r"plan.groups\[0\].numel must be an integer between 1 and"),
+    ({**_PLAN, "cluster": {**_PLAN["cluster"], "world_size": 2**200}}, r"plan.cluster.world_size must be an integer"),
+    ({**_PLAN, "cluster": {**_PLAN["cluster"], "host_count": 3}},
+     r"plan.cluster.host_count must be an integer between 1 and 2"),
+    ({**_PLAN, "model": {**_PLAN["model"], "numel": -1}}, r"plan.model.numel must be an integer between 1 and"),
+])
+def test_plans_that_contradict_themselves_are_refused(doc: dict, message: str) -> None:
+    with pytest.raises(SchemaError, match=message):
+        Plan.from_dict(doc)
+
+
+def test_json_no_document_can_be_is_refused_in_the_projects_error(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deep nesting and huge integers raise SchemaError (not RecursionError / ValueError), and a file larger than
+    any plan or profile is refused before it is read."""
+    from planner import jsonio
+
+    nested = tmp_path / "nested.json"
+    nested.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(SchemaError, match="nests arrays or objects too deeply"):
+        Plan.load(nested)
+    deep_object = tmp_path / "deep.json"
+    deep_object.write_text('{"a":' * 50_000 + "1" + "}" * 50_000)
+    with pytest.raises(SchemaError, match="nests arrays or objects too deeply"):
+        Profile.load(deep_object)
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps(_PROFILE).replace('"batch_size": 64', '"batch_size": ' + "9" * 4400))
+    assert "9" * 4400 in huge.read_text()
+    with pytest.raises(SchemaError, match="an integer of 4400 digits"):
+        Profile.load(huge)
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps(_PLAN))
+    monkeypatch.setattr(jsonio, "MAX_DOCUMENT_BYTES", big.stat().st_size - 1)
+    reads: list[Path] = []
+    read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self) or read_text(self, *a, **k))
+    with pytest.raises(PlannerFileError, match="no plan is over"):
+        Plan.load(big)
+    assert reads == []
+
+
+def test_cli_bad_numbers_clusters_and_options_give_one_line(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Each in process: exit 2, one line on stderr naming the cause, no progress line first, nothing written."""
+    prof = tmp_path / "prof.json"
+    Profile.from_dict(_PROFILE).save(prof)
+    no_kfac = tmp_path / "no-kfac.json"
+    Profile.from_dict({**_PROFILE, "kfac": None}).save(no_kfac)
+    out = tmp_path / "out.json"
+    huge = _mutated(tmp_path, _layer(_PROFILE, 1, backward_s=1e308), "huge.json")
+    dense5 = _mutated(tmp_path, {**_PLAN, "density": 5}, "dense5.json")
+    skipping = _mutated(tmp_path, _groups(_PLAN, _PLAN["groups"][1:]), "skip.json")
+    folder = tmp_path / "study-folder"
+    folder.mkdir()
+    not_sqlite = tmp_path / "study.db"
+    not_sqlite.write_text("not a database\n")
+    cases = [
+        (["solve", str(huge), "-o", str(out)], "backward_s must be a time between 0 and 1e+06"),
+        (["show", str(dense5)], "only a top-k plan has a density"),
+        (["bench", "--plan", str(skipping)], "every trainable parameter must be in one group"),
+        (["solve", str(prof), "--cluster", "ib100-64,compute_factor=1e308", "-o", str(out)],
+         "1e-06 <= compute_factor <= 1e+06"),
+        (["simulate", str(prof), "--cluster", f"ib100-64,nodes={10**30}"], "nodes * gpus_per_node <= 1048576"),
+        (["simulate", str(prof), "--cluster", "ib100-64", "--world-sizes", "12"], "not a multiple of gpus_per_node"),
+        (["simulate", str(no_kfac), "--strategy", "kfac"], "no K-FAC measurements"),
+        (["tune", str(prof), "--study", str(folder), "-o", str(out)], "exists and is not a regular file"),
+        (["tune", str(prof), "--study", str(not_sqlite), "-o", str(out)], "is not a SQLite database"),
+        (["show", str(tmp_path / "[/bold]missing[red].json")], "[/bold]missing[red].json"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and message in lines[0], (argv, err)
+    assert not out.exists() and not any(folder.iterdir()) and not_sqlite.read_text() == "not a database\n"
+
+
+def test_negative_warmups_are_usage_errors() -> None:
+    for argv in (["profile", "--model", "mlp", "--warmup", "-1"], ["bench", "--plan", "x.json", "--warmup", "-1"],
+                 ["tune", "x.json", "-o", "y.json", "--warmup", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+
+
+def test_foreign_strings_print_as_they_are(capsys: pytest.CaptureFixture[str]) -> None:
+    """gloo's messages hold "[/.../pair.cc:537]", which rich markup would take for a closing tag (MarkupError)."""
+    from planner.console import console, err_console
+
+    message = "Connection closed by peer [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] [bold]"
+    console.print(message)
+    err_console.print(message)
+    captured = capsys.readouterr()
+    assert message in captured.out.replace("\n", "") and message in captured.err.replace("\n", "")

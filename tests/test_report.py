@@ -178,7 +178,8 @@ def test_a_plan_for_other_layers_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PlanMismatchError):
         write_report(plan("cnn"), profile("mlp"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    resized = replace(p, groups=(replace(p.groups[0], numel=p.groups[0].numel + 1), *p.groups[1:]))
+    resized = replace(p, model=replace(p.model, numel=p.model.numel + 1),
+                      groups=(replace(p.groups[0], numel=p.groups[0].numel + 1), *p.groups[1:]))
     with pytest.raises(PlanMismatchError, match="elements"):
         plan_grouping(resized, profile())
 

@@ -743,14 +743,14 @@ def test_plan_parameters_must_match_the_model() -> None:
     layers = gradient_layers(model)
     missing = tuple(Group(layers=(s.name,), params=s.params, numel=s.numel) for s in layers[1:])
     with pytest.raises(PlanMismatchError, match=r"missing from the plan: 0\.weight, 0\.bias; .*planner solve"):
-        GradientExchange(model, plan_with_groups(model, missing, world_size=1))
+        GradientExchange(model, plan_with_groups(model, missing, world_size=1, counts_from_groups=True))
     extra = (Group(layers=("ghost",), params=("ghost.weight",), numel=3), *missing)
     with pytest.raises(PlanMismatchError, match=r"does not have: ghost\.weight"):
-        GradientExchange(model, plan_with_groups(model, extra, world_size=1))
+        GradientExchange(model, plan_with_groups(model, extra, world_size=1, counts_from_groups=True))
     all_layers = tuple(Group(layers=(s.name,), params=s.params, numel=s.numel) for s in layers)
     model[0].bias.requires_grad_(False)  # frozen, but a plan with this fingerprint still names it
     with pytest.raises(PlanMismatchError, match=r"frozen parameter\(s\) \(requires_grad=False\): 0\.bias"):
-        GradientExchange(model, plan_with_groups(model, all_layers, world_size=1))
+        GradientExchange(model, plan_with_groups(model, all_layers, world_size=1, counts_from_groups=True))
 
 
 def test_state_dict_refuses_another_plan() -> None:
