@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from planner.jsonio import check_fields, expect, expect_time
-from planner.types import FactorKind, InverseMethod, PlanMismatchError, SchemaError
+from planner.types import ROOT_NAME, FactorKind, InverseMethod, PlanMismatchError, SchemaError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -87,8 +87,6 @@ def kfac_layers(module: nn.Module, skip: str | None = None) -> list[KFACLayerSpe
     Those keep their plain gradients.
     """
     from torch import nn
-
-    from planner.layers import ROOT_NAME
 
     pattern = re.compile(skip) if skip else None
     holders: dict[int, int] = {}

@@ -9,17 +9,14 @@ from typing import TYPE_CHECKING
 
 from planner.plan import Group, Plan
 from planner.problem import Grouping, groups_of, topk_count
-from planner.types import PlanMismatchError, SolverError, Strategy
+from planner.types import ROOT_NAME, PlanMismatchError, SolverError, Strategy
 
 if TYPE_CHECKING:
     from torch import nn
 
     from planner.profile import Profile
 
-__all__ = ["LayerSpec", "gradient_layers", "groups_for", "plan_grouping"]
-
-ROOT_NAME = "<root>"
-
+__all__ = ["ROOT_NAME", "LayerSpec", "gradient_layers", "groups_for", "plan_grouping"]
 
 @dataclass(frozen=True, kw_only=True)
 class LayerSpec:

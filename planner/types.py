@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "ROOT_NAME",
     "Collective",
     "DistributedError",
     "FactorKind",
@@ -19,6 +20,10 @@ __all__ = [
     "Strategy",
     "UnknownModelError",
 ]
+
+
+#: The layer name of parameters registered on the model itself (its qualified module name is "").
+ROOT_NAME = "<root>"
 
 
 class PlannerError(Exception):

@@ -1,6 +1,6 @@
 """K-FAC costs on this device: per-layer factor and preconditioning work, inversion time against dimension.
 
-Times the runtime's own functions (runtime.kfac), on the layer inputs and output gradients of one real
+Times the kernels the runtime runs (planner.kernels.kfac), on the layer inputs and output gradients of one real
 training step, so the profile measures what the preconditioner does.
 """
 
@@ -15,13 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from planner.kfac import KFACLayerSpec, kfac_layers
-from planner.layers import ROOT_NAME
-from planner.models import Workload
-from planner.profile import DimCurve, KFACLayerTiming, KFACTiming
-from planner.types import InvalidProfileError, InverseMethod
-from profilers.timing import median, time_call
-from runtime.kfac import (
+from planner.kernels.kfac import (
     covariance,
     decompose,
     fold_factor,
@@ -31,6 +25,11 @@ from runtime.kfac import (
     precondition_inverse,
     symmetric_from_triangle,
 )
+from planner.kfac import KFACLayerSpec, kfac_layers
+from planner.models import Workload
+from planner.profile import DimCurve, KFACLayerTiming, KFACTiming
+from planner.types import ROOT_NAME, InvalidProfileError, InverseMethod
+from profilers.timing import median, time_call
 
 __all__ = ["DEFAULT_MAX_DIM", "inversion_dims", "measure_inversion", "measure_kfac_layers"]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from profilers.layers import combine_ranks, measure_layers, measure_steps
 from profilers.probe import current_cluster
 from profilers.timing import median
 from profilers.topk import measure_topk
+from runtime.launch import device_for, resolve_backend
 from runtime.link import LinkRate
 
 __all__ = ["DEFAULT_DENSITIES", "ProfileConfig", "profile_worker", "run_profile"]
@@ -61,25 +61,6 @@ class ProfileConfig:
     base: Profile | None = field(default=None, repr=False)
     show_progress: bool = True
     link: LinkRate | None = None
-
-
-def resolve_backend(backend: str) -> str:
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise PlannerError(f"unknown backend {backend!r}: use gloo, nccl or auto")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise PlannerError("backend nccl needs CUDA, and no GPU is visible: use --backend gloo")
-    return backend
-
-
-def device_for(backend: str) -> torch.device:
-    """The device this rank computes on: its GPU for nccl (LOCAL_RANK under torchrun), else the CPU."""
-    if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % max(1, torch.cuda.device_count())))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
 
 
 def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile | None:

@@ -27,14 +27,42 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from planner.types import DistributedError
+from planner.types import DistributedError, PlannerError
 from runtime.link import LINK_ENV, EmulatedLink, LinkError, LinkRate, enter_namespace
 
-__all__ = ["RemoteTraceback", "broadcast_json", "free_port", "run_distributed", "run_job", "under_torchrun"]
+__all__ = [
+    "RemoteTraceback",
+    "broadcast_json",
+    "device_for",
+    "free_port",
+    "resolve_backend",
+    "run_distributed",
+    "run_job",
+    "under_torchrun",
+]
 
 #: After one worker fails, how long the others get to finish before they are killed (they are likely
 #: blocked in a collective that will never complete).
 FAILURE_GRACE_S = 5.0
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise PlannerError(f"unknown backend {backend!r}: use gloo, nccl or auto")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise PlannerError("backend nccl needs CUDA, and no GPU is visible: use --backend gloo")
+    return backend
+
+
+def device_for(backend: str) -> torch.device:
+    """The device this rank computes on: its GPU for nccl (LOCAL_RANK under torchrun), else the CPU."""
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % max(1, torch.cuda.device_count())))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
 
 
 class RemoteTraceback(Exception):

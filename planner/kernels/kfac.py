@@ -1,0 +1,111 @@
+"""The K-FAC kernels that the profiler times and the runtime runs: factor rows and covariances, running
+averages, decompositions and preconditioning (`profilers.kfac` measures exactly what
+`runtime.KFACPreconditioner` computes, and neither imports the other for it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from planner.types import InverseMethod
+
+__all__ = [
+    "covariance",
+    "decompose",
+    "factor_dtype",
+    "fold_factor",
+    "input_rows",
+    "output_grad_rows",
+    "precondition_eigen",
+    "precondition_inverse",
+    "symmetric_from_triangle",
+]
+
+
+def factor_dtype(param: Tensor) -> torch.dtype:
+    """Factors and inverses are float64 for a float64 layer, float32 otherwise (fp16/bf16 included)."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def input_rows(module: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """The rows `a` whose covariance is A: inputs (or unfolded patches), with a ones column for the bias."""
+    x = x.detach().to(dtype)
+    if isinstance(module, nn.Conv2d):
+        if x.dim() == 3:
+            x = x.unsqueeze(0)
+        padding: Any = module.padding
+        if isinstance(padding, str) or module.padding_mode != "zeros":
+            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+            x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+            padding = 0
+        patches = F.unfold(x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride)
+        a = patches.transpose(1, 2).reshape(-1, patches.shape[1])  # (N * H' * W', C * kh * kw)
+    else:
+        a = x.reshape(-1, x.shape[-1])
+    if isinstance(getattr(module, "bias", None), nn.Parameter):
+        a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
+    return a
+
+
+def output_grad_rows(module: nn.Module, grad: Tensor, dtype: torch.dtype) -> Tensor:
+    """The rows `g` whose covariance is G: output gradients, channels last for a convolution."""
+    grad = grad.detach().to(dtype)
+    if isinstance(module, nn.Conv2d):
+        if grad.dim() == 3:
+            grad = grad.unsqueeze(0)
+        return grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1])
+    return grad.reshape(-1, grad.shape[-1])
+
+
+def covariance(rows: Tensor) -> Tensor:
+    """rowsᵀ rows / number of rows: a factor from its rows."""
+    return rows.T @ rows / max(rows.shape[0], 1)
+
+
+def symmetric_from_triangle(flat: Tensor, rows: Tensor, cols: Tensor, out: Tensor) -> Tensor:
+    """Fill `out` with the symmetric matrix whose upper triangle (at `rows`, `cols`) is `flat`."""
+    out[rows, cols] = flat.to(out.dtype)
+    out[cols, rows] = flat.to(out.dtype)
+    return out
+
+
+def fold_factor(running: Tensor | None, new: Tensor, decay: float) -> Tensor:
+    """The running average of a factor: decay * running + (1 - decay) * new, in place; `new` the first time."""
+    if running is None:
+        return new
+    return running.mul_(decay).add_(new, alpha=1 - decay)
+
+
+def decompose(matrix: Tensor, method: InverseMethod, damping: float, out: Tensor) -> None:
+    """What an owner computes and broadcasts, written into the flat `out`: eigenvectors then eigenvalues
+    (clamped at 0) for EIGEN; for INVERSE (matrix + damping I)⁻¹, its upper triangle, or all of it when `out`
+    has room for d^2 values (whole factors)."""
+    dim = matrix.shape[0]
+    if method is InverseMethod.EIGEN:
+        evals, q = torch.linalg.eigh(matrix)
+        out[: dim * dim].view(dim, dim).copy_(q)
+        out[dim * dim :].copy_(evals.clamp(min=0))
+        return
+    damped = matrix + damping * torch.eye(dim, dtype=matrix.dtype, device=matrix.device)
+    chol, info = torch.linalg.cholesky_ex(damped)
+    inv = torch.cholesky_inverse(chol) if int(info) == 0 else torch.linalg.inv(damped)
+    if out.numel() == dim * dim:
+        out.copy_(inv.reshape(-1))
+        return
+    rows, cols = torch.triu_indices(dim, dim, device=matrix.device)
+    out.copy_(inv[rows, cols])
+
+
+def precondition_eigen(grad: Tensor, qa: Tensor, ea: Tensor, qg: Tensor, eg: Tensor, damping: float) -> Tensor:
+    """(G ⊗ A + damping)⁻¹ applied to a gradient matrix [W | b], from the factors' eigendecompositions."""
+    v = qg.T @ grad @ qa
+    v = v / (torch.outer(eg, ea) + damping)
+    return qg @ v @ qa.T
+
+
+def precondition_inverse(grad: Tensor, a_inv: Tensor, g_inv: Tensor) -> Tensor:
+    """G⁻¹ [W | b] A⁻¹ with the damped inverses."""
+    return g_inv @ grad @ a_inv
