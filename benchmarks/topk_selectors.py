@@ -1,4 +1,4 @@
-"""Micro-benchmark of the top-k selectors of `runtime.compress.select_topk` on one CPU thread.
+"""Micro-benchmark of the top-k selectors of `planner.kernels.topk.select_topk` on one CPU thread.
 
     .venv/bin/python benchmarks/topk_selectors.py [--sizes 1M,10M,25M] [--densities 0.001,0.01]
                                                   [--repeats 5] [--warmup 1] [--json]
@@ -21,9 +21,9 @@ import torch
 from rich.table import Table
 
 from planner.console import console
+from planner.kernels.topk import SELECTORS, select_topk
 from planner.problem import topk_count
 from profilers.timing import median, time_call
-from runtime.compress import SELECTORS, select_topk
 
 _UNITS = {"K": 10**3, "M": 10**6, "G": 10**9}
 

@@ -8,7 +8,7 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
       "created": "2026-11-22T12:00:00+00:00",
       "strategy": "dense" | "topk",
       "density": null | 0.01,                        # top-k fraction, null for dense
-      "selector": null | "exact" | "sampled",        # top-k selector (runtime.compress), null for dense;
+      "selector": null | "exact" | "sampled",        # top-k selector (planner.kernels.topk), null for dense;
                                                      # optional: absent reads as "exact" for top-k
       "model":   {"name", "fingerprint", "num_params", "numel"},
       "cluster": {"world_size", "backend", "device", "host_count"},
@@ -54,7 +54,7 @@ __all__ = ["PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "Group", "Plan", "ch
 PLAN_SCHEMA_VERSION = 1
 PLAN_KIND = "planner.plan"
 
-#: Top-k selectors a plan can name and a profile can time: `runtime.compress.SELECTORS`, repeated here
+#: Top-k selectors a plan can name and a profile can time: `planner.kernels.topk.SELECTORS`, repeated here
 #: because reading a document must not import the runtime (and torch).
 SELECTORS = ("exact", "sampled")
 

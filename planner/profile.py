@@ -48,7 +48,7 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
       }
     }
 
-Top-k: `select` and `select_sampled` time `runtime.compress.select_topk` (residual update included)
+Top-k: `select` and `select_sampled` time `planner.kernels.topk.select_topk` (residual update included)
 with `selector="exact"` and `selector="sampled"`; both pick the same k entries, so a plan may use
 either, and the solver keeps the one predicted faster. A profile without `select_sampled` (written
 before the sampled selector existed) offers the exact selector only.

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planner.kernels.topk import all_gather_flat
 from planner.profile import FittedCurve
 from planner.types import Collective
 from profilers.timing import median, time_call
-from runtime.compress import all_gather_flat
 
 __all__ = ["log_sizes", "measure_collectives"]
 

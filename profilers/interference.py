@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from planner.costs import CostModel
+from planner.kernels.topk import all_gather_flat
 from planner.models import Workload
 from planner.profile import Calibration, FittedCurve, InSitu, LayerTiming, TopkTiming
 from planner.types import Collective, DistributedError, Strategy
 from profilers.timing import median, time_call
-from runtime.compress import all_gather_flat
 from runtime.ddp_hooks import has_unused_parameters, silent_hook
 from runtime.exchange import GradientExchange, write_scaled
 

@@ -1,6 +1,6 @@
 """Top-k selection time against size and density (for each selector), and decode time against gathered values.
 
-Times the runtime's own functions (runtime.compress), so the profile measures what the runtime does.
+Times the runtime's own functions (planner.kernels.topk), so the profile measures what the runtime does.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from functools import partial
 
 import torch
 
+from planner.kernels.topk import SELECTORS, decode, pack, select_topk
 from planner.problem import topk_count
 from planner.profile import FittedCurve, TopkTiming
 from profilers.timing import median, time_call
-from runtime.compress import SELECTORS, decode, pack, select_topk
 
 __all__ = ["measure_topk"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.compress import decode, pack, select_topk, unpack
+from planner.kernels.topk import decode, pack, select_topk, unpack
 from runtime.ddp_hooks import TopkHookState, topk_hook
 from runtime.exchange import GradientExchange
 from runtime.kfac import KFACPreconditioner

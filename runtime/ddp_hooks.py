@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from planner.kernels.topk import SELECTORS, all_gather_flat, decode, pack, select_topk
 from planner.problem import topk_count
-from runtime.compress import SELECTORS, all_gather_flat, decode, pack, select_topk
 
 __all__ = ["TopkHookState", "has_unused_parameters", "silent_hook", "topk_hook"]
 
@@ -32,7 +32,7 @@ class TopkHookState:
         process_group: the group DDP averages over; None for the default group.
         start_iter: iterations that use a plain allreduce before top-k starts; at least 2 because DDP
             rebuilds its buckets after iteration 1.
-        selector: how each bucket's top-k is found (`runtime.compress.SELECTORS`): "exact" torch.topk or
+        selector: how each bucket's top-k is found (`planner.kernels.topk.SELECTORS`): "exact" torch.topk or
             "sampled" threshold; both send the same entries.
 
     Attributes:

@@ -55,10 +55,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from planner.kernels.topk import all_gather_flat, decode, pack, select_topk, take_topk
 from planner.plan import Group, Plan
 from planner.problem import topk_count
 from planner.types import DistributedError, PlanMismatchError, Strategy
-from runtime.compress import all_gather_flat, decode, pack, select_topk, take_topk
 from runtime.retune import resolve_plan
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.compress import MAX_NUMEL, decode, pack, select_topk, unpack
+from planner.kernels.topk import MAX_NUMEL, decode, pack, select_topk, unpack
 
 
 def _grad(n: int, seed: int = 0) -> torch.Tensor:

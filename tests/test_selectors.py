@@ -18,9 +18,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import runtime.compress as compress
+import planner.kernels.topk as compress
 from planner.bench import per_layer_plan
 from planner.cli import main
+from planner.kernels.topk import SELECTORS, select_topk
 from planner.models import build_workload
 from planner.plan import SELECTORS as PLAN_SELECTORS
 from planner.plan import Plan
@@ -29,7 +30,6 @@ from planner.profile import Profile, TopkTiming
 from planner.retune import retune_plan
 from planner.types import InvalidProfileError, SchemaError, Strategy
 from profilers.topk import measure_topk
-from runtime.compress import SELECTORS, select_topk
 from runtime.ddp_hooks import TopkHookState
 from tests.factories import synthetic_profile
 from tests.test_contracts import _cli, _one_clear_line
