@@ -41,7 +41,9 @@ Design (DESIGN.md, "Runtime principles"):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import datetime
 import functools
 import hashlib
 import math
@@ -67,6 +69,23 @@ if TYPE_CHECKING:
 __all__ = ["GradientExchange", "write_scaled"]
 
 STATE_KIND = "runtime.gradient_exchange"
+
+#: How long the drain at interpreter exit waits for each collective still in flight (seconds).
+EXIT_DRAIN_S = 10.0
+
+#: Exchanges alive now (weakly held): their collectives in flight are waited for at interpreter exit.
+_LIVE: weakref.WeakSet[GradientExchange] = weakref.WeakSet()
+
+
+def _drain_at_exit() -> None:
+    """Wait, at most `EXIT_DRAIN_S` each, for the collectives every live exchange still has in flight: work
+    of the process group must not outlive the interpreter (its threads, torn down under a running
+    collective, abort the process with "terminate called without an active exception")."""
+    for exchange in list(_LIVE):
+        exchange.drain(EXIT_DRAIN_S)
+
+
+atexit.register(_drain_at_exit)
 
 #: Fix named by every refusal of an optimizer that would apply momentum a second time.
 _OPTIMIZER_FIX = "use momentum=0 in the optimizer; the exchange applies momentum"
@@ -337,6 +356,7 @@ class GradientExchange:
             self._broadcast_from_rank0([*model.parameters(), *model.buffers()])
             if self.forward_sync_buffers:
                 self._hooks.append(model.register_forward_pre_hook(_BufferSyncHook(self)))
+        _LIVE.add(self)
 
     @classmethod
     def from_file(cls, model: nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> GradientExchange:
@@ -613,6 +633,21 @@ class GradientExchange:
             return all_gather_flat(st.recv[: self.world_size * size], st.send[:size], group=self.process_group,
                                    async_op=True)
         return dist.all_reduce(st.flat, group=self.process_group, async_op=True)
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait for the collectives in flight, at most `timeout_s` each (None: as long as the process group's
+        own timeout), without touching `.grad`; the step stays open (`synchronize` still finishes it). Run
+        at interpreter exit for every live exchange. A collective that fails or times out (a peer is gone)
+        is left as it is."""
+        wait = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+        for st in self._groups:
+            if st.work is None:
+                continue
+            with contextlib.suppress(RuntimeError):
+                if wait is None:
+                    st.work.wait()
+                else:
+                    st.work.wait(wait)
 
     # -- the step --------------------------------------------------------------------------------
     def synchronize(self) -> None:

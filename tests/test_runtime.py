@@ -7,6 +7,7 @@ runs several configurations in one `run_distributed` call to keep process start-
 from __future__ import annotations
 
 import copy
+import datetime
 import io
 import math
 import time
@@ -456,7 +457,51 @@ def _hanging_worker(rank: int, world_size: int) -> None:
         time.sleep(600)
 
 
+def _drain_worker(rank: int, world_size: int) -> int:
+    """Collectives in flight when the interpreter would exit are waited for by the exit drain, which leaves
+    the step open: `synchronize` afterwards still gives the averaged gradients."""
+    from runtime import exchange as exchange_module
+
+    torch.manual_seed(0)
+    model = tiny_mlp()
+    reference = copy.deepcopy(model)
+    exchange = GradientExchange(model, make_plan(model, "per-layer"))
+    assert exchange in exchange_module._LIVE
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
+    model(x).pow(2).mean().backward()
+    waits: list[tuple[Any, ...]] = []
+
+    class Recorded:  # the work handle, with its waits recorded
+        def __init__(self, work: Any) -> None:
+            self.work = work
+
+        def wait(self, *args: Any) -> Any:
+            waits.append(args)
+            return self.work.wait(*args)
+
+    in_flight = [st.work for st in exchange._groups if st.work is not None]
+    assert len(in_flight) == len(exchange._groups)  # every group was launched from its hooks
+    for st in exchange._groups:
+        st.work = Recorded(st.work)
+    exchange_module._drain_at_exit()
+    assert waits == [(datetime.timedelta(seconds=exchange_module.EXIT_DRAIN_S),)] * len(in_flight)
+    assert all(work.is_completed() for work in in_flight)
+    exchange.synchronize()
+    reference(x).pow(2).mean().backward()
+    for p in reference.parameters():
+        assert p.grad is not None
+        dist.all_reduce(p.grad)
+        p.grad /= world_size
+    assert_grads_close(model, reference, "after the exit drain")
+    return len(in_flight)
+
+
 # -- distributed tests ---------------------------------------------------------------------------
+
+
+def test_the_exit_drain_waits_for_collectives_in_flight() -> None:
+    layers = len(gradient_layers(tiny_mlp()))  # one group per layer, each in flight
+    assert run_distributed(_drain_worker, WORLD_SIZE) == [layers] * WORLD_SIZE
 
 
 def test_tied_weights_are_one_parameter_of_the_first_module_that_holds_them() -> None:
