@@ -819,7 +819,11 @@ class GradientExchange:
             self._optimizer_hook.remove()
             self._optimizer_hook = None
 
-    close = remove_hooks
+    def close(self) -> None:
+        """Wait (at most `EXIT_DRAIN_S` each) for the collectives in flight, then remove the hooks."""
+        self.drain(EXIT_DRAIN_S)
+        self.remove_hooks()
+        _LIVE.discard(self)
 
     def __enter__(self) -> GradientExchange:
         return self

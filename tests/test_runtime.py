@@ -50,6 +50,23 @@ class TinyCNN(nn.Module):
         return self.fc(x.flatten(1))
 
 
+class FrozenNormReordered(nn.Module):
+    """Parameters registered in another order than used (the head first), a frozen stem, and BatchNorm
+    (its running statistics are buffers) on 3x8x8 inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(6 * 3 * 3, 5)
+        self.bn = nn.BatchNorm2d(4)
+        self.conv = nn.Conv2d(4, 6, 3, stride=2)
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.stem.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.stem(x)))
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
 class Branchy(nn.Module):
     """`b` is used only when asked, `unused` never: gradients missing on some or all ranks."""
 
@@ -111,7 +128,7 @@ def aux_workload() -> Any:
 def build_model(kind: str) -> nn.Module:
     """Same weights on every rank (fixed seed)."""
     torch.manual_seed(0)
-    return {"mlp": tiny_mlp, "cnn": TinyCNN, "tied": TiedLM}[kind]()
+    return {"mlp": tiny_mlp, "cnn": TinyCNN, "tied": TiedLM, "frozen-bn": FrozenNormReordered}[kind]()
 
 
 def make_batch(kind: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +182,9 @@ def grad_of(p: torch.Tensor) -> torch.Tensor:
 
 def assert_grads_close(got: nn.Module, want: nn.Module, what: str) -> None:
     for (name, p), q in zip(got.named_parameters(), want.parameters(), strict=True):
+        if not q.requires_grad:  # frozen: no gradient on either side
+            assert p.grad is None and q.grad is None, f"{what}: frozen {name} got a gradient"
+            continue
         assert p.grad is not None and q.grad is not None, f"{what}: {name} has no gradient"
         assert torch.allclose(p.grad, q.grad, rtol=RTOL, atol=ATOL), (
             f"{what}: gradient of {name} differs by {(p.grad - q.grad).abs().max().item():.3g}"
@@ -177,7 +197,7 @@ def assert_grads_close(got: nn.Module, want: nn.Module, what: str) -> None:
 def _matches_ddp_worker(rank: int, world_size: int, strategy: str, density: float | None) -> int:
     """Exchange (dense, or top-k) vs DDP on the same weights and per-rank batches, over a few SGD steps."""
     compared = 0
-    for kind in ("mlp", "cnn", "tied"):
+    for kind in ("mlp", "cnn", "tied", "frozen-bn"):
         for grouping in ("per-layer", "single", "mixed"):
             model = build_model(kind)
             ref = DistributedDataParallel(copy.deepcopy(model))
@@ -539,10 +559,11 @@ def test_run_distributed_reraises_a_worker_error_and_kills_hung_workers() -> Non
 
 @pytest.mark.parametrize(("strategy", "density"), [("dense", None), ("topk", 1.0)])
 def test_exchange_matches_ddp(strategy: str, density: float | None) -> None:
-    """Dense plans (and top-k at density 1.0) give DDP's gradients for every grouping: MLP, CNN, and a
-    language model with tied input and output weights."""
+    """Dense plans (and top-k at density 1.0) give DDP's gradients for every grouping: MLP, CNN, a language
+    model with tied input and output weights, and a CNN with a frozen stem, BatchNorm and parameters
+    registered in another order than used."""
     compared = run_distributed(_matches_ddp_worker, WORLD_SIZE, strategy, density)
-    assert compared[0] == (2 if strategy == "topk" else 1) * 3 * 3 * 3
+    assert compared[0] == (2 if strategy == "topk" else 1) * 4 * 3 * 3
 
 
 @pytest.mark.parametrize(("strategy", "density"), [("dense", None), ("topk", 1.0)])
