@@ -842,3 +842,16 @@ def test_from_file_and_close(tmp_path: Path) -> None:
     # hooks are gone: a second backward without synchronize is no longer an error
     model(torch.randn(2, 3)).sum().backward()
     model(torch.randn(2, 3)).sum().backward()
+
+
+def frozen_norm_workload() -> Any:
+    """`--model tests.test_runtime:frozen_norm_workload`: `FrozenNormReordered` with a synthetic batch."""
+    from planner.models import Workload
+
+    torch.manual_seed(0)
+
+    def batch(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+    return Workload(name="frozen-norm", module=FrozenNormReordered(), batch_size=8, make_batch=batch,
+                    loss_fn=nn.functional.cross_entropy)
