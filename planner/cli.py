@@ -65,24 +65,23 @@ def _density(text: str) -> float:
     return d
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {v}")
-    return v
+def _whole_number_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= `low`."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {v}")
+        return v
+
+    return parse
 
 
-def _nonnegative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {v}")
-    return v
+_positive = _whole_number_at_least(1)
+_nonnegative_int = _whole_number_at_least(0)
 
 
 def _nonnegative_float(text: str) -> float:
