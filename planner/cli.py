@@ -944,7 +944,7 @@ class BenchSolversCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         if args.factors is not None:
-            from planner.placement import time_placement
+            from planner.solvers.placement import time_placement
 
             if not args.time_limit > 0:
                 raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")

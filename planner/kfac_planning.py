@@ -7,12 +7,12 @@ order, on one communication channel shared by gradients and factors (FIFO in rea
   plus preconditioning every layer's gradient;
 - factor step (one in `factor_update_steps`): A_l is computed right after layer l's forward (forward
   grows by a_l), G_l right before layer l's backward (backward grows by g_l); each factor's upper
-  triangle is allreduced in its planned buffer (planner.fusion), on the channel with the gradient
+  triangle is allreduced in its planned buffer (planner.solvers.fusion), on the channel with the gradient
   groups; the step ends at max(backward end, channel end) + folding the factors into their running
   averages + preconditioning + U;
 - inversion (one step in `inv_update_steps` also pays it): the placement makespan, the later of the busiest
   worker's inversions and the last owner's broadcast, broadcasts overlapping later inversions as the runtime
-  runs them (planner.placement).
+  runs them (planner.solvers.placement).
 
 The average step is plain + (factor - plain) / factor_update_steps + inversion / inv_update_steps.
 """
@@ -25,9 +25,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from planner.costs import AffineCost
-from planner.fusion import FUSION_BASELINES, FactorBuffers, FixedBytes, FusionDP, FusionProblem, simulate_fusion
 from planner.kfac import KFACLayerSpec, KFACPrediction, KFACSection, factor_name
-from planner.placement import (
+from planner.plan import Plan
+from planner.planning import make_plan
+from planner.problem import groups_of
+from planner.profile import Profile
+from planner.simulator import simulate
+from planner.solvers import DenseDP, lower_bound
+from planner.solvers.fusion import FUSION_BASELINES, FactorBuffers, FixedBytes, FusionDP, FusionProblem, simulate_fusion
+from planner.solvers.placement import (
     PLACEMENT_BASELINES,
     PLACEMENT_SOLVERS,
     Everywhere,
@@ -37,12 +43,6 @@ from planner.placement import (
     makespan,
     placement_lower_bound,
 )
-from planner.plan import Plan
-from planner.planning import make_plan
-from planner.problem import groups_of
-from planner.profile import Profile
-from planner.simulator import simulate
-from planner.solvers import DenseDP, lower_bound
 from planner.types import Collective, FactorKind, InvalidProfileError, InverseMethod, SolverError, Strategy
 
 __all__ = [
@@ -367,8 +367,8 @@ def _layout_stub(section: KFACSection, world_size: int, *, whole: bool) -> KFACP
 
 import itertools  # noqa: E402
 
-from planner.fusion import FusionTimeline  # noqa: E402
 from planner.simulator import validate_grouping  # noqa: E402
+from planner.solvers.fusion import FusionTimeline  # noqa: E402
 from planner.types import PlanMismatchError  # noqa: E402
 
 __all__ += ["ComputeSpan", "FactorStepTimeline", "factor_step_timeline"]

@@ -37,11 +37,11 @@ from matplotlib.ticker import NullLocator
 from planner.jsonio import atomic_write, ensure_folder
 from planner.kfac_planning import factor_step_timeline, kfac_problem
 from planner.layers import plan_grouping
-from planner.placement import PlacementProblem, inversion_timeline
 from planner.plan import Plan
 from planner.problem import Grouping, groups_of
 from planner.profile import Profile
 from planner.simulator import simulate, timeline
+from planner.solvers.placement import PlacementProblem, inversion_timeline
 from planner.types import PlanMismatchError, PlannerFileError, SchemaError, Strategy
 
 __all__ = [
@@ -297,7 +297,7 @@ def _kfac_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
 def _placement_bars(
     problem: PlacementProblem, placement: Sequence[int | None]
 ) -> tuple[list[Bar], tuple[str, ...], float]:
-    """Bars of the inversion step as `planner.placement.inversion_timeline` models it (and the runtime runs it):
+    """Bars of the inversion step as `planner.solvers.placement.inversion_timeline` models it (and the runtime runs it):
     each rank inverts its own factors in order, then the "all" factors; each owner's broadcast goes on the channel
     when its factor is inverted and the channel is free.
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.costs import AffineCost, CostModel, PiecewiseLinearCost
-from planner.fusion import (
+from planner.solvers.fusion import (
     FUSION_BASELINES,
     CommEvent,
     FixedBytes,

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import planner.placement as placement_module
-from planner.placement import (
+import planner.solvers.placement as placement_module
+from planner.solvers.placement import (
     PLACEMENT_BASELINES,
     PLACEMENT_SOLVERS,
     CpSatPlacement,

@@ -12,7 +12,6 @@ import pytest
 
 from planner.kfac_planning import factor_step_timeline, kfac_problem
 from planner.layers import plan_grouping
-from planner.placement import makespan
 from planner.plan import Plan
 from planner.profile import Profile
 from planner.report import (
@@ -27,6 +26,7 @@ from planner.report import (
     write_report,
 )
 from planner.simulator import timeline
+from planner.solvers.placement import makespan
 from planner.types import PlanMismatchError, PlannerError, SchemaError, Strategy
 from tests.factories import synthetic_kfac_plan, synthetic_plan, synthetic_profile
 

@@ -11,7 +11,10 @@ from typing import Any
 
 import pytest
 
-from planner.fusion import (
+from planner.simulator import simulate, validate_grouping
+from planner.solver_bench import random_problem
+from planner.solvers import BASELINES, DenseDP, GroupingSolver, TopkParetoDP, lower_bound
+from planner.solvers.fusion import (
     FUSION_BASELINES,
     FusionDP,
     FusionSolver,
@@ -20,7 +23,7 @@ from planner.fusion import (
     simulate_fusion,
     validate_buffers,
 )
-from planner.placement import (
+from planner.solvers.placement import (
     PLACEMENT_BASELINES,
     PLACEMENT_SOLVERS,
     PlacementSolver,
@@ -29,9 +32,6 @@ from planner.placement import (
     placement_lower_bound,
     random_placement_problem,
 )
-from planner.simulator import simulate, validate_grouping
-from planner.solver_bench import random_problem
-from planner.solvers import BASELINES, DenseDP, GroupingSolver, TopkParetoDP, lower_bound
 from planner.types import SolverError, Strategy
 from tests.test_solvers import brute_force
 

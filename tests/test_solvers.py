@@ -160,7 +160,7 @@ def test_exact_matches_brute_force_on_realistic_instances(
 def test_two_clock_pruning_is_exact_with_interference(seed: int, strategy: Strategy, interference: float) -> None:
     """With interference, branch and bound (and, for dense, the canonical states and valley of the two-clock
     search) find the same optimum as the search without pruning, on instances too large for brute force."""
-    from planner.solvers import _GroupBounds, _pareto_solve
+    from planner.solvers.grouping import _GroupBounds, _pareto_solve
 
     problem = random_problem(30 + 10 * seed, strategy, seed=300 + seed, interference=interference)
     pruned, value = exact_solver(problem).solve_with_value(problem)
@@ -242,7 +242,7 @@ def reference_topk_optimum(
 def test_topk_dp_matches_a_plain_pareto_dp(seed: int, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Canonical states, expiry, the chunked front sweep, pruning and the banded Lagrangian bounds change
     nothing on 60-layer instances."""
-    from planner import solvers
+    from planner.solvers import grouping as solvers
 
     monkeypatch.setattr(solvers, "_FRONT_CHUNK", chunk)
     monkeypatch.setattr(solvers, "_CLOSED_RTOL", -1.0)  # search even where a heuristic reaches the root's bound
@@ -290,7 +290,7 @@ def test_banded_lagrangian_bounds_lie_below_the_exact_program(
     """Costing first groups of up to `band` layers one by one and longer ones by lines under their costs
     gives bounds no larger than the plain program's (equal to it when the band covers every group), with
     expiry tables that never grow as the first group lengthens and groupings that are groupings."""
-    from planner import solvers
+    from planner.solvers import grouping as solvers
 
     problem = random_problem(70, strategy, seed=400 + seed, interference=interference)
     if piecewise:
@@ -317,7 +317,7 @@ def test_topk_dp_with_a_narrow_band_matches_brute_force(problem: GradientProblem
     search early."""
     from unittest import mock
 
-    from planner import solvers
+    from planner.solvers import grouping as solvers
 
     with mock.patch.object(solvers, "_LAGRANGIAN_BAND", band):
         _check_exact(problem)
@@ -326,7 +326,7 @@ def test_topk_dp_with_a_narrow_band_matches_brute_force(problem: GradientProblem
 def test_a_heuristic_that_reaches_the_root_bound_ends_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where a heuristic's time equals the root's bound, nothing is searched, and the answer is what the
     search finds (on these instances the greedy rules and Lagrangian groupings are optimal)."""
-    from planner import solvers
+    from planner.solvers import grouping as solvers
 
     searches: list[int] = []
     search = solvers._pareto_search
@@ -347,7 +347,7 @@ def test_a_heuristic_that_reaches_the_root_bound_ends_the_search(monkeypatch: py
 @pytest.mark.parametrize("prefilter", [True, False])
 def test_dense_two_clock_prefilter_is_exact(prefilter: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Dense with interference: pre-filtering the (C, E) candidates against a sample changes nothing."""
-    from planner import solvers
+    from planner.solvers import grouping as solvers
 
     monkeypatch.setattr(solvers, "_PREFILTER_MIN_STATES", 0 if prefilter else 10**9)
     problem = random_problem(40, Strategy.DENSE, seed=77, interference=0.5)
@@ -360,7 +360,7 @@ def test_dense_two_clock_prefilter_is_exact(prefilter: bool, monkeypatch: pytest
 @given(st.lists(st.tuples(*[st.integers(0, 3)] * 4), min_size=1, max_size=40), st.sampled_from([1, 3, 64]))
 def test_four_clock_front_keeps_exactly_the_undominated(points: list[tuple[int, ...]], chunk: int) -> None:
     """The (C, E, V, D) front: every undominated state once (one of equal ones), no dominated one."""
-    from planner import solvers
+    from planner.solvers import grouping as solvers
 
     c, e, v, d = (np.asarray(x, dtype=float) for x in zip(*points, strict=True))
     previous, solvers._FRONT_CHUNK = solvers._FRONT_CHUNK, chunk
@@ -575,7 +575,7 @@ def test_mgs_rule_by_hand() -> None:
 @given(problems(strategy=Strategy.TOPK), st.lists(st.integers(0, 10**9), min_size=1, max_size=20))
 def test_vectorised_costs_match_the_scalar_model(problem: GradientProblem, sizes: list[int]) -> None:
     """The DPs' vectorised k, bytes and costs agree with GradientProblem and CostModel.cost."""
-    from planner import solvers
+    from planner.solvers import grouping as solvers
 
     array = np.asarray(sizes, dtype=np.int64)
     for strategy_problem in (problem, dataclasses.replace(problem, strategy=Strategy.DENSE)):
@@ -686,7 +686,7 @@ def test_lower_bound_counts_the_tail_sent_after_the_last_gradient(strategy: Stra
 @pytest.mark.parametrize("sigma", [0.0, 0.4])
 def test_candidate_evaluation_matches_the_simulator(strategy: Strategy, sigma: float) -> None:
     """The solvers' vectorised walk of a grouping (closed form without interference) is the simulator's."""
-    from planner import solvers
+    from planner.solvers import grouping as solvers
 
     rng = np.random.default_rng(7)
     problem = random_problem(60, strategy, seed=11, interference=sigma)

@@ -29,7 +29,7 @@ import numpy as np
 from planner.costs import AffineCost, CostModel
 from planner.problem import Grouping, groups_of
 from planner.simulator import validate_ends
-from planner.solvers import DDP_BUCKET_BYTES, _ends_from_back_pointers, _startup_cost
+from planner.solvers.grouping import DDP_BUCKET_BYTES, _ends_from_back_pointers, _startup_cost
 from planner.types import SolverError
 
 __all__ = [
