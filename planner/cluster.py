@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from planner.costs import AffineCost
+from planner.costmodel.costs import AffineCost
 from planner.fingerprint import ClusterInfo
 from planner.jsonio import MAX_WORLD_SIZE, check_fields, expect, read_json
 from planner.kfac_planning import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan

@@ -24,13 +24,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from planner.costs import AffineCost
+from planner.costmodel.costs import AffineCost
+from planner.costmodel.problem import groups_of
+from planner.costmodel.simulator import simulate
 from planner.kfac import KFACLayerSpec, KFACPrediction, KFACSection, factor_name
 from planner.plan import Plan
 from planner.planning import make_plan
-from planner.problem import groups_of
 from planner.profile import Profile
-from planner.simulator import simulate
 from planner.solvers import DenseDP, lower_bound
 from planner.solvers.fusion import FUSION_BASELINES, FactorBuffers, FixedBytes, FusionDP, FusionProblem, simulate_fusion
 from planner.solvers.placement import (
@@ -367,7 +367,7 @@ def _layout_stub(section: KFACSection, world_size: int, *, whole: bool) -> KFACP
 
 import itertools  # noqa: E402
 
-from planner.simulator import validate_grouping  # noqa: E402
+from planner.costmodel.simulator import validate_grouping  # noqa: E402
 from planner.solvers.fusion import FusionTimeline  # noqa: E402
 from planner.types import PlanMismatchError  # noqa: E402
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from planner.costmodel.problem import Grouping, groups_of, topk_count
 from planner.plan import Group, Plan
-from planner.problem import Grouping, groups_of, topk_count
 from planner.types import ROOT_NAME, PlanMismatchError, SolverError, Strategy
 
 if TYPE_CHECKING:

@@ -43,10 +43,10 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from planner.costmodel.problem import Prediction
 from planner.fingerprint import ClusterInfo, ModelInfo
 from planner.jsonio import MAX_NUMEL, check_fields, expect, expect_int, expect_time, read_json, write_json_atomic
 from planner.kfac import KFACSection
-from planner.problem import Prediction
 from planner.types import PlanMismatchError, SchemaError, Strategy
 
 __all__ = ["PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "Group", "Plan", "check_selector"]

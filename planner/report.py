@@ -1,7 +1,7 @@
 """`planner report`: pictures of a plan and one HTML page that shows them.
 
 Everything drawn comes from the plan and the profile it was solved from, through the cost model the solvers
-use (`planner.simulator.timeline`, `planner.kfac_planning`), or from plain data the caller passes (scaling
+use (`planner.costmodel.simulator.timeline`, `planner.kfac_planning`), or from plain data the caller passes (scaling
 series, `planner bench --json` rows). Pictures are drawn on `matplotlib.figure.Figure` objects (no pyplot,
 no global state) and every file is written atomically (a temporary file in the same folder, then a rename).
 
@@ -34,13 +34,13 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import NullLocator
 
+from planner.costmodel.problem import Grouping, groups_of
+from planner.costmodel.simulator import simulate, timeline
 from planner.jsonio import atomic_write, ensure_folder
 from planner.kfac_planning import factor_step_timeline, kfac_problem
 from planner.layers import plan_grouping
 from planner.plan import Plan
-from planner.problem import Grouping, groups_of
 from planner.profile import Profile
-from planner.simulator import simulate, timeline
 from planner.solvers.placement import PlacementProblem, inversion_timeline
 from planner.types import PlanMismatchError, PlannerFileError, SchemaError, Strategy
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from planner.costs import AffineCost, PiecewiseLinearCost
-from planner.problem import GradientProblem
-from planner.simulator import simulate
+from planner.costmodel.costs import AffineCost, PiecewiseLinearCost
+from planner.costmodel.problem import GradientProblem
+from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DenseDP, GroupingSolver, TopkParetoDP, lower_bound
 from planner.types import SolverError, Strategy
 

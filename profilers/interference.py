@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.costs import CostModel
+from planner.costmodel.costs import CostModel
 from planner.kernels.topk import all_gather_flat
 from planner.models import Workload
 from planner.profile import Calibration, FittedCurve, InSitu, LayerTiming, TopkTiming
@@ -99,10 +99,10 @@ def measure_in_situ(
     is measured the same way against packing on its default buckets (`InSitu.ddp_pack`). `on_point` is
     called after each pair of steps.
     """
+    from planner.costmodel.problem import Prediction, topk_count
     from planner.fingerprint import ClusterInfo, model_info
     from planner.layers import LayerSpec, groups_for
     from planner.plan import Plan
-    from planner.problem import Prediction, topk_count
 
     specs = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in layers]
     per_layer = tuple(range(1, len(specs) + 1))
@@ -181,8 +181,8 @@ def _ddp_extra_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch
 def _ddp_buckets(sizes: Sequence[int]) -> list[int]:
     """Elements of each of DDP's default buckets over layers of `sizes` elements, in ready order (as the
     "ddp-25mb" baseline forms them)."""
-    from planner.costs import AffineCost
-    from planner.problem import GradientProblem, groups_of
+    from planner.costmodel.costs import AffineCost
+    from planner.costmodel.problem import GradientProblem, groups_of
     from planner.solvers import BASELINES, DDP_BASELINE
 
     problem = GradientProblem(strategy=Strategy.DENSE, forward_s=0.0, update_s=0.0, backward_s=(0.0,) * len(sizes),

@@ -11,8 +11,8 @@ from functools import partial
 
 import torch
 
+from planner.costmodel.problem import topk_count
 from planner.kernels.topk import SELECTORS, decode, pack, select_topk
-from planner.problem import topk_count
 from planner.profile import FittedCurve, TopkTiming
 from profilers.timing import median, time_call
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from planner.costmodel.problem import topk_count
 from planner.kernels.topk import SELECTORS, all_gather_flat, decode, pack, select_topk
-from planner.problem import topk_count
 
 __all__ = ["TopkHookState", "has_unused_parameters", "silent_hook", "topk_hook"]
 

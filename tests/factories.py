@@ -6,13 +6,13 @@ from dataclasses import replace
 
 from torch import nn
 
+from planner.costmodel.problem import Prediction
 from planner.fingerprint import ClusterInfo, model_info
 from planner.kfac import KFACSection, kfac_layers
 from planner.layers import gradient_layers
 from planner.models import build_workload
 from planner.plan import Group, Plan
 from planner.planning import make_plan
-from planner.problem import Prediction
 from planner.profile import DimCurve, FittedCurve, KFACLayerTiming, KFACTiming, LayerTiming, Profile, TopkTiming
 from planner.types import Collective, Strategy
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costs import AffineCost, CostModel, PiecewiseLinearCost
+from planner.costmodel.costs import AffineCost, CostModel, PiecewiseLinearCost
 from planner.solvers.fusion import (
     FUSION_BASELINES,
     CommEvent,

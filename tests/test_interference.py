@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from planner.cluster import parse_cluster, profile_for_cluster
-from planner.costs import AffineCost, ScaledCost
+from planner.costmodel.costs import AffineCost, ScaledCost
+from planner.costmodel.simulator import simulate
 from planner.models import build_workload
 from planner.plan import Plan
 from planner.planning import make_plan
 from planner.profile import Calibration, FittedCurve, InSitu, Profile
-from planner.simulator import simulate
 from planner.solvers import BASELINES, DDP_BASELINE
 from planner.types import Collective, DistributedError, InvalidProfileError, SchemaError, Strategy
 from runtime.exchange import write_scaled

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import runtime.exchange as exchange_module
-from planner.problem import topk_count
+from planner.costmodel.problem import topk_count
 from planner.types import PlanMismatchError, Strategy
 from runtime import GradientExchange
 from runtime.launch import run_distributed

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from planner.costmodel.simulator import timeline
 from planner.kfac_planning import factor_step_timeline, kfac_problem
 from planner.layers import plan_grouping
 from planner.plan import Plan
@@ -25,7 +26,6 @@ from planner.report import (
     scaling_figure,
     write_report,
 )
-from planner.simulator import timeline
 from planner.solvers.placement import makespan
 from planner.types import PlanMismatchError, PlannerError, SchemaError, Strategy
 from tests.factories import synthetic_kfac_plan, synthetic_plan, synthetic_profile

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costs import AffineCost
-from planner.problem import GradientProblem, advance, advance_many
-from planner.simulator import GroupEvent, simulate, timeline, validate_grouping
+from planner.costmodel.costs import AffineCost
+from planner.costmodel.problem import GradientProblem, advance, advance_many
+from planner.costmodel.simulator import GroupEvent, simulate, timeline, validate_grouping
 from planner.types import SolverError, Strategy
 
 

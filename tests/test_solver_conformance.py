@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from planner.simulator import simulate, validate_grouping
+from planner.costmodel.simulator import simulate, validate_grouping
 from planner.solver_bench import random_problem
 from planner.solvers import BASELINES, DenseDP, GroupingSolver, TopkParetoDP, lower_bound
 from planner.solvers.fusion import (

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costs import AffineCost, CostModel, PiecewiseLinearCost, ScaledCost
-from planner.problem import GradientProblem, Grouping, topk_count, topk_count_many
-from planner.simulator import simulate, validate_grouping
+from planner.costmodel.costs import AffineCost, CostModel, PiecewiseLinearCost, ScaledCost
+from planner.costmodel.problem import GradientProblem, Grouping, topk_count, topk_count_many
+from planner.costmodel.simulator import simulate, validate_grouping
 from planner.solver_bench import random_problem, time_solvers
 from planner.solvers import (
     BASELINES,
@@ -191,7 +191,7 @@ def reference_topk_optimum(
     Only groups [start, end) that `allowed` accepts are formed. Dense problems have no selection but may
     have packing; with interference sigma, work W started at C with the channel busy until E ends at
     C + W (1 + sigma) if that is before E, else at E + (W - (E - C) / (1 + sigma)) (written out here, not
-    taken from `planner.problem.advance`). A state is (C, E, V, D): compute and channel clocks, the decode
+    taken from `planner.costmodel.problem.advance`). A state is (C, E, V, D): compute and channel clocks, the decode
     chain V (each group decoded after its allgather, at 1 + sigma times its cost) and the decode sum D; at
     the end the decode chain starts at C and runs 1 + sigma times slower until E (the simulator's model)."""
     topk = problem.strategy is Strategy.TOPK

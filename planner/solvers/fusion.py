@@ -2,7 +2,7 @@
 
 On a factor-update step every layer's A factor (ready in forward, forward order) and G factor (ready in
 backward, backward order) is allreduced, upper triangle only. A buffer is a contiguous run of factors of
-one kind in that kind's order, written like a gradient grouping (`planner.problem.Grouping`, exclusive
+one kind in that kind's order, written like a gradient grouping (`planner.costmodel.problem.Grouping`, exclusive
 ends). The factor buffers share ONE channel with the fixed gradient collectives of the step.
 
 The channel model (the reference is `simulate_fusion`): a collective is issued when its last member is
@@ -26,9 +26,9 @@ from typing import ClassVar, Literal, SupportsIndex
 
 import numpy as np
 
-from planner.costs import AffineCost, CostModel
-from planner.problem import Grouping, groups_of
-from planner.simulator import validate_ends
+from planner.costmodel.costs import AffineCost, CostModel
+from planner.costmodel.problem import Grouping, groups_of
+from planner.costmodel.simulator import validate_ends
 from planner.solvers.grouping import DDP_BUCKET_BYTES, _ends_from_back_pointers, _startup_cost
 from planner.types import SolverError
 

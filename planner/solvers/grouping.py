@@ -12,7 +12,7 @@ ready order; DDP and Horovod bucket parameter tensors, so a layer's weight and b
 different buckets there.
 
 `lower_bound` is a bound no grouping can beat under the timeline model. Every solver answers with a
-`Grouping` (tuple of exclusive group ends); `planner.simulator.simulate` evaluates it.
+`Grouping` (tuple of exclusive group ends); `planner.costmodel.simulator.simulate` evaluates it.
 
 Group-size bounds (`DenseDP` and `TopkParetoDP`, `min_group_bytes` / `max_group_bytes`): a group's size is
 its dense gradient bytes, sum of numel * element_bytes over its layers (for top-k too, although fewer
@@ -39,9 +39,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from planner.costs import AffineCost, CostModel
-from planner.problem import INDEX_BYTES, GradientProblem, Grouping, advance, advance_many, topk_count_many
-from planner.simulator import simulate
+from planner.costmodel.costs import AffineCost, CostModel
+from planner.costmodel.problem import INDEX_BYTES, GradientProblem, Grouping, advance, advance_many, topk_count_many
+from planner.costmodel.simulator import simulate
 from planner.types import SolverError, Strategy
 
 __all__ = [
@@ -392,7 +392,7 @@ def _lagrangian_suffixes(
 
 
 def _iteration_end(problem: GradientProblem, grouping: Grouping) -> float:
-    """X_G of `grouping` (seconds from the start of backward), as `planner.simulator.simulate` walks it, with
+    """X_G of `grouping` (seconds from the start of backward), as `planner.costmodel.simulator.simulate` walks it, with
     the group costs computed at once: the solvers evaluate many candidate groupings of long models. Without
     interference the walk has a closed form (C and E are running sums and maxima); with it, a scalar walk."""
     ends = np.asarray(grouping, dtype=np.int64)
@@ -642,7 +642,7 @@ def _interference_bound(comp: np.ndarray, chan: np.ndarray, work: np.ndarray | f
 class TopkParetoDP(_BoundedSolver):
     """Exact grouping for top-k sparsified allgather (the MGS problem).
 
-    The state of a prefix is four clocks (`planner.simulator` gives the model): compute C, channel E,
+    The state of a prefix is four clocks (`planner.costmodel.simulator` gives the model): compute C, channel E,
     the decode chain V (each group decoded after its own allgather, its decode stretched by 1 + sigma, from
     V_0 = 0) and the decode sum D. A group of work W = B + s(N), collective T and decode d leads to
     C' = advance(C, E, W), E' = max(C', E) + T, V' = max(V, E') + (1 + sigma) d, D' = D + d, and the
@@ -791,7 +791,7 @@ def _best_other_per_block(blocks: np.ndarray, key: np.ndarray, wide: np.ndarray)
 
 
 def _final_end(comp: np.ndarray, chan: np.ndarray, dec: np.ndarray, dsum: np.ndarray, sigma: float) -> np.ndarray:
-    """X_G of complete states (seconds from the start of backward; `planner.simulator`): C + D when the
+    """X_G of complete states (seconds from the start of backward; `planner.costmodel.simulator`): C + D when the
     channel is idle by the end of backward, else (sigma E + max(C + (1 + sigma) D, V)) / (1 + sigma), V being
     the decode chain with decodes stretched by 1 + sigma (decoding runs that much slower until E_G, and
     every decode is released by E_G). Non-decreasing in every clock; max(C, E) for dense (D = 0, V = E)."""

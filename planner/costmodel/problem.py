@@ -15,7 +15,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from planner.costs import CostModel
+from planner.costmodel.costs import CostModel
 from planner.types import SolverError, Strategy
 
 __all__ = [

@@ -9,7 +9,7 @@ Clocks (seconds from the start of backward; the forward pass is not on them):
 - compute stream: group g's work W_g = (backward of g's layers) + p(N_g), where p is top-k selection
   s(N) or dense packing (copying the gradients into the flat buffer); with interference sigma the work
   runs (1 + sigma) times slower while a collective is in flight:
-  C_g = advance(C_{g-1}, E_{g-1}, W_g), C_0 = 0 (`planner.problem.advance`; C_{g-1} + W_g when sigma = 0).
+  C_g = advance(C_{g-1}, E_{g-1}, W_g), C_0 = 0 (`planner.costmodel.problem.advance`; C_{g-1} + W_g when sigma = 0).
   From C_{g-1} on, the channel is busy exactly until E_{g-1} (group g-1 launched at C_{g-1} or queued
   behind a collective that ends later), so the two clocks determine the slowdown;
 - communication channel: E_g = max(C_g, E_{g-1}) + T(N_g), E_0 = 0;
@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import SupportsIndex
 
-from planner.problem import GradientProblem, Grouping, Prediction, advance, groups_of
+from planner.costmodel.problem import GradientProblem, Grouping, Prediction, advance, groups_of
 from planner.types import SolverError, Strategy
 
 __all__ = ["GroupEvent", "simulate", "timeline", "validate_ends", "validate_grouping"]
