@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from planner.console import console
+from planner.contracts.fingerprint import ClusterInfo, model_info
+from planner.contracts.layers import gradient_layers, groups_for
+from planner.contracts.plan import Plan
 from planner.costmodel.problem import Prediction
-from planner.fingerprint import ClusterInfo, model_info
-from planner.layers import gradient_layers, groups_for
-from planner.plan import Plan
 from planner.types import Strategy
 from runtime import GradientExchange
 from runtime.launch import run_distributed

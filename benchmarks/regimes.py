@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from planner.console import console
-from planner.plan import Plan
+from planner.contracts.plan import Plan
 
 
 def _run(args: list[str]) -> str:

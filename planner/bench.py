@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from planner.console import progress
+from planner.contracts.fingerprint import model_info
+from planner.contracts.layers import gradient_layers
+from planner.contracts.plan import Group, Plan
 from planner.costmodel.problem import topk_count
-from planner.fingerprint import model_info
-from planner.layers import gradient_layers
 from planner.models import build_workload
-from planner.plan import Group, Plan
 from planner.types import PlanMismatchError, Strategy
 
 if TYPE_CHECKING:

@@ -24,11 +24,11 @@ import torch
 
 from planner.bench import BenchResult, slowest_rank, timed_step
 from planner.console import progress
-from planner.fingerprint import model_info
-from planner.kfac import KFACSection
+from planner.contracts.fingerprint import model_info
+from planner.contracts.kfac import KFACSection
+from planner.contracts.plan import Plan
 from planner.kfac_planning import reference_sections
 from planner.models import build_workload
-from planner.plan import Plan
 from planner.types import PlanMismatchError
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult] | None:
             f"the plan was made for world size {plan.cluster.world_size}, but --nproc is {config.nproc}; "
             f"re-plan: {plan.replan_command()}"
         )
-    from planner.kfac import kfac_layers
+    from planner.contracts.kfac import kfac_layers
     from runtime.launch import run_job
 
     module = build_workload(config.model, batch_size=config.batch_size).module

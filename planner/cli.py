@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from rich.table import Table
 
 from planner.console import console, err_console, progress
-from planner.jsonio import check_output_path, ensure_folder
+from planner.contracts.jsonio import check_output_path, ensure_folder
 from planner.types import InverseMethod, PlannerError, Strategy
 
 __all__ = ["Command", "main"]
@@ -118,7 +118,7 @@ def _ms(seconds: float) -> str:
 
 def print_plan(plan: object, title: str | None = None) -> None:
     """The comparison table of a plan: the plan, each baseline and the lower bound, under the same model."""
-    from planner.plan import Plan
+    from planner.contracts.plan import Plan
 
     assert isinstance(plan, Plan)
     ref = plan.baselines.get("ddp-25mb", plan.predicted).iteration_s
@@ -148,7 +148,7 @@ def print_plan(plan: object, title: str | None = None) -> None:
 
 def print_kfac(plan: object) -> None:
     """The K-FAC comparison: average step time of the plan, each baseline and the lower bound."""
-    from planner.plan import Plan
+    from planner.contracts.plan import Plan
 
     assert isinstance(plan, Plan) and plan.kfac is not None
     k = plan.kfac
@@ -259,7 +259,7 @@ class ProfileCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.profile import Profile
+        from planner.contracts.profile import Profile
         from profilers import ProfileConfig, run_profile
 
         if args.kfac_skip is not None:
@@ -308,7 +308,7 @@ PARTS_TOLERANCE = 0.10
 
 
 def print_profile(profile: object) -> None:
-    from planner.profile import MAX_FIT_ERROR, Profile
+    from planner.contracts.profile import MAX_FIT_ERROR, Profile
 
     assert isinstance(profile, Profile)
     console.print(profile.model.describe(), style="bold")
@@ -396,8 +396,8 @@ class SolveCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
 
     def run(self, args: argparse.Namespace) -> int:
+        from planner.contracts.profile import Profile
         from planner.planning import make_plan
-        from planner.profile import Profile
 
         is_kfac = args.strategy == KFAC
         if not is_kfac:
@@ -409,7 +409,7 @@ class SolveCommand(Command):
         strategy = Strategy.DENSE if is_kfac else Strategy(args.strategy)
         if args.density is not None and strategy is not Strategy.TOPK:
             raise PlannerError("--density applies to --strategy topk only")
-        from planner.plan import SELECTORS
+        from planner.contracts.plan import SELECTORS
 
         if args.selector not in ("auto", *SELECTORS):
             raise PlannerError(f"--selector must be one of auto, {', '.join(SELECTORS)}, but got {args.selector!r}")
@@ -453,8 +453,8 @@ class SolveCommand(Command):
 
 def print_kfac_layout(plan: object) -> None:
     """Factor buffers and inversion owners of a K-FAC plan."""
-    from planner.kfac import factor_name
-    from planner.plan import Plan
+    from planner.contracts.kfac import factor_name
+    from planner.contracts.plan import Plan
     from planner.types import FactorKind
 
     assert isinstance(plan, Plan) and plan.kfac is not None
@@ -497,7 +497,7 @@ class SimulateCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.cluster import parse_cluster, parse_world_sizes, scaling_table
-        from planner.profile import Profile
+        from planner.contracts.profile import Profile
 
         if args.density is not None and args.strategy != Strategy.TOPK.value:
             raise PlannerError("--density applies to --strategy topk only")
@@ -571,7 +571,7 @@ class RetuneCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from dataclasses import replace
 
-        from planner.plan import Plan
+        from planner.contracts.plan import Plan
         from planner.retune import compare_plans, current_profile, load_source_profile, retune_plan
 
         if args.cluster is not None and args.no_probe:
@@ -616,7 +616,7 @@ class RetuneCommand(Command):
 
 def _link(curve: object) -> str:
     """A fitted collective curve as latency and bandwidth."""
-    from planner.profile import FittedCurve
+    from planner.contracts.profile import FittedCurve
 
     assert isinstance(curve, FittedCurve)
     bandwidth = f"{1 / curve.beta_s_per_byte / 1e9:.2f} GB/s" if curve.beta_s_per_byte > 0 else "no per-byte cost"
@@ -666,7 +666,7 @@ class ReportCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.cluster import parse_cluster, parse_world_sizes, scaling_table
-        from planner.plan import Plan
+        from planner.contracts.plan import Plan
         from planner.report import read_bench_json, write_report
 
         ensure_folder(args.output, "report folder")
@@ -762,7 +762,7 @@ class TuneCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="tuned plan file to write")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.profile import Profile
+        from planner.contracts.profile import Profile
         from planner.tune import TuneConfig, TuneSpace, check_study_file, run_tune, same_decisions
 
         if args.density is not None and args.strategy != Strategy.TOPK.value:
@@ -824,9 +824,9 @@ class ShowCommand(Command):
         parser.add_argument("--groups", action="store_true", help="also list a plan's groups")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.jsonio import read_json
-        from planner.plan import PLAN_KIND, Plan
-        from planner.profile import PROFILE_KIND, Profile
+        from planner.contracts.jsonio import read_json
+        from planner.contracts.plan import PLAN_KIND, Plan
+        from planner.contracts.profile import PROFILE_KIND, Profile
 
         kind = read_json(args.file, "plan or profile").get("kind")
         if kind == PLAN_KIND:
@@ -871,7 +871,7 @@ class BenchCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.bench import BenchConfig, run_bench
-        from planner.plan import Plan
+        from planner.contracts.plan import Plan
         from runtime.launch import under_torchrun
 
         plans = tuple(Plan.load(p) for p in args.plan)

@@ -24,13 +24,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from planner.contracts.kfac import KFACLayerSpec, KFACPrediction, KFACSection, factor_name
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
 from planner.costmodel.costs import AffineCost
 from planner.costmodel.problem import groups_of
 from planner.costmodel.simulator import simulate
-from planner.kfac import KFACLayerSpec, KFACPrediction, KFACSection, factor_name
-from planner.plan import Plan
 from planner.planning import make_plan
-from planner.profile import Profile
 from planner.solvers import DenseDP, lower_bound
 from planner.solvers.fusion import FUSION_BASELINES, FactorBuffers, FixedBytes, FusionDP, FusionProblem, simulate_fusion
 from planner.solvers.placement import (

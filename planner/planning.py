@@ -6,10 +6,10 @@ import datetime as dt
 import time
 from dataclasses import replace
 
+from planner.contracts.layers import LayerSpec, groups_for
+from planner.contracts.plan import Plan, check_selector
+from planner.contracts.profile import Profile
 from planner.costmodel.simulator import simulate
-from planner.layers import LayerSpec, groups_for
-from planner.plan import Plan, check_selector
-from planner.profile import Profile
 from planner.solvers import BASELINES, DDP_BASELINE, GroupingSolver, lower_bound, solve_exact
 from planner.types import SchemaError, Strategy
 

@@ -34,13 +34,13 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import NullLocator
 
+from planner.contracts.jsonio import atomic_write, ensure_folder
+from planner.contracts.layers import plan_grouping
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
 from planner.costmodel.problem import Grouping, groups_of
 from planner.costmodel.simulator import simulate, timeline
-from planner.jsonio import atomic_write, ensure_folder
 from planner.kfac_planning import factor_step_timeline, kfac_problem
-from planner.layers import plan_grouping
-from planner.plan import Plan
-from planner.profile import Profile
 from planner.solvers.placement import PlacementProblem, inversion_timeline
 from planner.types import PlanMismatchError, PlannerFileError, SchemaError, Strategy
 

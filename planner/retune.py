@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from planner.contracts.fingerprint import ClusterInfo
+from planner.contracts.kfac import KFACSection
+from planner.contracts.layers import plan_grouping
+from planner.contracts.plan import Plan
+from planner.contracts.profile import FittedCurve, Profile
 from planner.costmodel.simulator import simulate
-from planner.fingerprint import ClusterInfo
-from planner.kfac import KFACSection
-from planner.layers import plan_grouping
-from planner.plan import Plan
-from planner.profile import FittedCurve, Profile
 from planner.types import Collective, InvalidProfileError, PlanMismatchError, PlannerError, SolverError
 
 __all__ = ["PlanChanges", "compare_plans", "current_profile", "load_source_profile", "retune_plan"]

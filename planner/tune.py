@@ -51,11 +51,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planner.jsonio import check_output_path
+from planner.contracts.jsonio import check_output_path
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
 from planner.kfac_planning import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
-from planner.plan import Plan
 from planner.planning import make_plan
-from planner.profile import Profile
 from planner.solvers import DenseDP, GroupingSolver, TopkParetoDP
 from planner.types import (
     InverseMethod,
@@ -904,8 +904,8 @@ def run_tune(config: TuneConfig) -> TuneResult:
         PlanMismatchError: the profile was made for another world size or model, or the study for another job.
         SolverError, SchemaError: the starting plan cannot be made from the profile.
     """
-    from planner.fingerprint import model_info
-    from planner.kfac import kfac_layers
+    from planner.contracts.fingerprint import model_info
+    from planner.contracts.kfac import kfac_layers
     from planner.models import build_workload
     from runtime.launch import run_distributed
 

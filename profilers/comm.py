@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planner.contracts.profile import FittedCurve
 from planner.kernels.topk import all_gather_flat
-from planner.profile import FittedCurve
 from planner.types import Collective
 from profilers.timing import median, time_call
 

@@ -8,7 +8,7 @@ All are times the timeline model puts on the compute stream (`GradientProblem.pa
   world size) against the number of elements;
 - in situ: the runtime itself (`GradientExchange`, one group per layer, sending nothing) in real steps
   beside steps without it, against what the micro-benchmarked curves predict for the same groups
-  (`planner.profile.InSitu`);
+  (`planner.contracts.profile.InSitu`);
 - interference: the model's backward pass timed alone and while a chain of collectives is in flight on
   every worker, as it is during a real step; sigma = with / alone - 1 (at least 0). The chain is long
   enough to outlast the slowed backward pass; a repetition where it did not is measured again with a
@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planner.contracts.profile import Calibration, FittedCurve, InSitu, LayerTiming, TopkTiming
 from planner.costmodel.costs import CostModel
 from planner.kernels.topk import all_gather_flat
 from planner.models import Workload
-from planner.profile import Calibration, FittedCurve, InSitu, LayerTiming, TopkTiming
 from planner.types import Collective, DistributedError, Strategy
 from profilers.timing import median, time_call
 from runtime.ddp_hooks import has_unused_parameters, silent_hook
@@ -99,10 +99,10 @@ def measure_in_situ(
     is measured the same way against packing on its default buckets (`InSitu.ddp_pack`). `on_point` is
     called after each pair of steps.
     """
+    from planner.contracts.fingerprint import ClusterInfo, model_info
+    from planner.contracts.layers import LayerSpec, groups_for
+    from planner.contracts.plan import Plan
     from planner.costmodel.problem import Prediction, topk_count
-    from planner.fingerprint import ClusterInfo, model_info
-    from planner.layers import LayerSpec, groups_for
-    from planner.plan import Plan
 
     specs = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in layers]
     per_layer = tuple(range(1, len(specs) + 1))

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from planner.contracts.kfac import KFACLayerSpec, kfac_layers
+from planner.contracts.profile import DimCurve, KFACLayerTiming, KFACTiming
 from planner.kernels.kfac import (
     covariance,
     decompose,
@@ -25,9 +27,7 @@ from planner.kernels.kfac import (
     precondition_inverse,
     symmetric_from_triangle,
 )
-from planner.kfac import KFACLayerSpec, kfac_layers
 from planner.models import Workload
-from planner.profile import DimCurve, KFACLayerTiming, KFACTiming
 from planner.types import ROOT_NAME, InvalidProfileError, InverseMethod
 from profilers.timing import median, time_call
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from planner.layers import gradient_layers
+from planner.contracts.layers import gradient_layers
+from planner.contracts.profile import LayerTiming
 from planner.models import Workload
-from planner.profile import LayerTiming
 from profilers.timing import Marks, iqr, median, time_call
 
 __all__ = ["LayerRun", "combine_ranks", "measure_layers", "measure_steps"]

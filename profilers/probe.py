@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.fingerprint import ClusterInfo
-from planner.profile import FittedCurve
+from planner.contracts.fingerprint import ClusterInfo
+from planner.contracts.profile import FittedCurve
 from planner.types import Collective
 from profilers.comm import log_sizes, measure_collectives
 from runtime.link import LinkRate, current_link

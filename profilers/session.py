@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from planner.console import progress
-from planner.fingerprint import model_info
+from planner.contracts.fingerprint import model_info
+from planner.contracts.profile import Profile
 from planner.models import build_workload
-from planner.profile import Profile
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import log_sizes, measure_collectives
 from profilers.interference import (

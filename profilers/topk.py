@@ -11,9 +11,9 @@ from functools import partial
 
 import torch
 
+from planner.contracts.profile import FittedCurve, TopkTiming
 from planner.costmodel.problem import topk_count
 from planner.kernels.topk import SELECTORS, decode, pack, select_topk
-from planner.profile import FittedCurve, TopkTiming
 from profilers.timing import median, time_call
 
 __all__ = ["measure_topk"]

@@ -57,9 +57,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from planner.contracts.plan import Group, Plan
 from planner.costmodel.problem import topk_count
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk, take_topk
-from planner.plan import Group, Plan
 from planner.types import DistributedError, PlanMismatchError, Strategy
 from runtime.retune import resolve_plan
 

@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from planner.contracts.kfac import KFACLayerSpec, KFACSection, factor_name, kfac_layers
+from planner.contracts.plan import Plan
 from planner.kernels.kfac import (
     covariance,
     decompose,
@@ -58,8 +60,6 @@ from planner.kernels.kfac import (
     precondition_inverse,
     symmetric_from_triangle,
 )
-from planner.kfac import KFACLayerSpec, KFACSection, factor_name, kfac_layers
-from planner.plan import Plan
 from planner.types import ROOT_NAME, DistributedError, FactorKind, InverseMethod, PlanMismatchError
 from runtime.exchange import GradientExchange
 from runtime.retune import resolve_plan

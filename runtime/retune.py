@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.fingerprint import model_info
-from planner.plan import Plan
-from planner.profile import Profile
+from planner.contracts.fingerprint import model_info
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
 from planner.types import PlanMismatchError, PlannerError
 from runtime.launch import broadcast_json
 

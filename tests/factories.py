@@ -6,14 +6,22 @@ from dataclasses import replace
 
 from torch import nn
 
+from planner.contracts.fingerprint import ClusterInfo, model_info
+from planner.contracts.kfac import KFACSection, kfac_layers
+from planner.contracts.layers import gradient_layers
+from planner.contracts.plan import Group, Plan
+from planner.contracts.profile import (
+    DimCurve,
+    FittedCurve,
+    KFACLayerTiming,
+    KFACTiming,
+    LayerTiming,
+    Profile,
+    TopkTiming,
+)
 from planner.costmodel.problem import Prediction
-from planner.fingerprint import ClusterInfo, model_info
-from planner.kfac import KFACSection, kfac_layers
-from planner.layers import gradient_layers
 from planner.models import build_workload
-from planner.plan import Group, Plan
 from planner.planning import make_plan
-from planner.profile import DimCurve, FittedCurve, KFACLayerTiming, KFACTiming, LayerTiming, Profile, TopkTiming
 from planner.types import Collective, Strategy
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from planner.cli import main
 from planner.cluster import PRESETS, profile_for_cluster
-from planner.plan import Plan
+from planner.contracts.plan import Plan
 from planner.planning import make_plan
 from planner.types import Strategy
 from tests.factories import synthetic_profile

@@ -29,11 +29,11 @@ from planner.cluster import (
     scaling_table,
     spec_from_profile,
 )
+from planner.contracts.profile import MAX_FIT_ERROR, Profile
 from planner.costmodel.costs import AffineCost, CostModel
 from planner.costmodel.simulator import simulate
 from planner.kfac_planning import make_kfac_plan
 from planner.planning import make_plan
-from planner.profile import MAX_FIT_ERROR, Profile
 from planner.types import Collective, PlannerError, PlannerFileError, SchemaError, Strategy
 from tests.factories import synthetic_profile
 

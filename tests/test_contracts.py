@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from planner.cli import main
-from planner.fingerprint import model_info
-from planner.jsonio import write_json_atomic
+from planner.contracts.fingerprint import model_info
+from planner.contracts.jsonio import write_json_atomic
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
 from planner.models import build_workload
-from planner.plan import Plan
-from planner.profile import Profile
 from planner.types import InvalidProfileError, PlanMismatchError, PlannerFileError, SchemaError, Strategy
 from tests.factories import synthetic_plan, synthetic_profile
 
@@ -276,7 +276,7 @@ def test_json_no_document_can_be_is_refused_in_the_projects_error(tmp_path: Path
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Deep nesting and huge integers raise SchemaError (not RecursionError / ValueError), and a file larger than
     any plan or profile is refused before it is read."""
-    from planner import jsonio
+    from planner.contracts import jsonio
 
     nested = tmp_path / "nested.json"
     nested.write_text("[" * 100_000 + "]" * 100_000)

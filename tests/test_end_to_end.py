@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
 from planner.models import Workload
-from planner.plan import Plan
-from planner.profile import Profile
 from planner.types import Collective, Strategy
 
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from planner.cluster import parse_cluster, profile_for_cluster
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Calibration, FittedCurve, InSitu, Profile
 from planner.costmodel.costs import AffineCost, ScaledCost
 from planner.costmodel.simulator import simulate
 from planner.models import build_workload
-from planner.plan import Plan
 from planner.planning import make_plan
-from planner.profile import Calibration, FittedCurve, InSitu, Profile
 from planner.solvers import BASELINES, DDP_BASELINE
 from planner.types import Collective, DistributedError, InvalidProfileError, SchemaError, Strategy
 from runtime.exchange import write_scaled
@@ -234,7 +234,7 @@ def test_the_ddp_row_is_predicted_with_ddps_own_cost_and_stays_above_the_bound()
 
 
 def _in_situ_worker(rank: int, world_size: int) -> InSitu:
-    from planner.profile import TopkTiming
+    from planner.contracts.profile import TopkTiming
     from profilers.interference import measure_in_situ, measure_packing
     from profilers.layers import combine_ranks, measure_layers
     from profilers.topk import measure_topk

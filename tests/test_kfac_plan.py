@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from planner.cli import main
-from planner.kfac import KFACSection, factor_name, kfac_layers
+from planner.contracts.kfac import KFACSection, factor_name, kfac_layers
+from planner.contracts.plan import Plan
+from planner.contracts.profile import DimCurve, Profile
 from planner.kfac_planning import kfac_lower_bound, kfac_problem, predict_kfac, reference_sections
 from planner.models import build_workload
-from planner.plan import Plan
-from planner.profile import DimCurve, Profile
 from planner.solvers.fusion import FUSION_BASELINES, simulate_fusion
 from planner.solvers.placement import PLACEMENT_BASELINES, makespan
 from planner.types import FactorKind, InvalidProfileError, InverseMethod, PlanMismatchError, SchemaError

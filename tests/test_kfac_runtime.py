@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import runtime.kfac
-from planner.kfac import KFACSection, factor_name, kfac_layers
-from planner.layers import gradient_layers, groups_for
-from planner.plan import Plan
+from planner.contracts.kfac import KFACSection, factor_name, kfac_layers
+from planner.contracts.layers import gradient_layers, groups_for
+from planner.contracts.plan import Plan
 from planner.types import DistributedError, FactorKind, InverseMethod, PlanMismatchError, Strategy
 from runtime import KFACPreconditioner
 from runtime.launch import run_distributed

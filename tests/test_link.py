@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import runtime.link as link_mod
 from planner.cli import main
-from planner.fingerprint import ClusterInfo
+from planner.contracts.fingerprint import ClusterInfo
 from planner.types import DistributedError
 from runtime.launch import run_distributed
 from runtime.link import (

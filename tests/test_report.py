@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from planner.contracts.layers import plan_grouping
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
 from planner.costmodel.simulator import timeline
 from planner.kfac_planning import factor_step_timeline, kfac_problem
-from planner.layers import plan_grouping
-from planner.plan import Plan
-from planner.profile import Profile
 from planner.report import (
     MAX_WORKER_LANES,
     Bar,

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from planner.layers import gradient_layers, groups_for
-from planner.plan import Group, Plan
+from planner.contracts.layers import gradient_layers, groups_for
+from planner.contracts.plan import Group, Plan
 from planner.types import DistributedError, PlanMismatchError, Strategy
 from runtime import GradientExchange, TopkHookState, topk_hook
 from runtime.launch import run_distributed
@@ -587,7 +587,7 @@ def test_bench_runs_a_model_with_an_unused_head(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from planner.fingerprint import model_info
+    from planner.contracts.fingerprint import model_info
     from runtime.ddp_hooks import has_unused_parameters
 
     workload = aux_workload()

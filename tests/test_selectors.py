@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 import planner.kernels.topk as compress
 from planner.bench import per_layer_plan
 from planner.cli import main
+from planner.contracts.plan import SELECTORS as PLAN_SELECTORS
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile, TopkTiming
 from planner.kernels.topk import SELECTORS, select_topk
 from planner.models import build_workload
-from planner.plan import SELECTORS as PLAN_SELECTORS
-from planner.plan import Plan
 from planner.planning import make_plan
-from planner.profile import Profile, TopkTiming
 from planner.retune import retune_plan
 from planner.types import InvalidProfileError, SchemaError, Strategy
 from profilers.topk import measure_topk

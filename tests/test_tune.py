@@ -15,13 +15,13 @@ import torch
 from optuna.trial import TrialState
 from torch import nn
 
-from planner.kfac import kfac_layers
+from planner.contracts.kfac import kfac_layers
+from planner.contracts.layers import gradient_layers
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
 from planner.kfac_planning import make_kfac_plan
-from planner.layers import gradient_layers
 from planner.models import Workload, build_workload
-from planner.plan import Plan
 from planner.planning import make_plan
-from planner.profile import Profile
 from planner.solvers import DenseDP
 from planner.tune import (
     MB,

@@ -92,11 +92,19 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from planner.contracts.fingerprint import ClusterInfo, ModelInfo
+from planner.contracts.jsonio import (
+    MAX_NUMEL,
+    check_fields,
+    expect,
+    expect_int,
+    expect_time,
+    read_json,
+    write_json_atomic,
+)
+from planner.contracts.plan import SELECTORS, check_selector
 from planner.costmodel.costs import AffineCost, CostModel, PiecewiseLinearCost, ScaledCost, fit_affine
 from planner.costmodel.problem import GradientProblem
-from planner.fingerprint import ClusterInfo, ModelInfo
-from planner.jsonio import MAX_NUMEL, check_fields, expect, expect_int, expect_time, read_json, write_json_atomic
-from planner.plan import SELECTORS, check_selector
 from planner.types import Collective, InvalidProfileError, InverseMethod, SchemaError, Strategy
 
 __all__ = [

@@ -5,7 +5,7 @@ inputs * kernel (+1 with a bias), built from the layer's inputs in forward, and 
 outputs, built from the gradient of its output in backward. Factors are named "<layer>.A" and
 "<layer>.G".
 
-The `kfac` section of a plan (schema in planner/plan.py):
+The `kfac` section of a plan (schema in planner/contracts/plan.py):
 
     "kfac": {
       "method": "eigen" | "inverse",
@@ -26,7 +26,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from planner.jsonio import check_fields, expect, expect_time
+from planner.contracts.jsonio import check_fields, expect, expect_time
 from planner.types import ROOT_NAME, FactorKind, InverseMethod, PlanMismatchError, SchemaError
 
 if TYPE_CHECKING:

@@ -7,14 +7,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from planner.contracts.plan import Group, Plan
 from planner.costmodel.problem import Grouping, groups_of, topk_count
-from planner.plan import Group, Plan
 from planner.types import ROOT_NAME, PlanMismatchError, SolverError, Strategy
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from planner.profile import Profile
+    from planner.contracts.profile import Profile
 
 __all__ = ["ROOT_NAME", "LayerSpec", "gradient_layers", "groups_for", "plan_grouping"]
 

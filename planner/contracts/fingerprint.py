@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from planner.jsonio import MAX_NUMEL, MAX_WORLD_SIZE, check_fields, expect, expect_int
+from planner.contracts.jsonio import MAX_NUMEL, MAX_WORLD_SIZE, check_fields, expect, expect_int
 
 if TYPE_CHECKING:
     from torch import nn

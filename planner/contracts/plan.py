@@ -1,0 +1,314 @@
+"""The plan: a versioned JSON document of decisions and predictions. Loading one never runs code.
+
+Schema (version 1), all times in seconds, sizes in elements unless the name says bytes:
+
+    {
+      "schema_version": 1,
+      "kind": "planner.plan",
+      "created": "2026-11-22T12:00:00+00:00",
+      "strategy": "dense" | "topk",
+      "density": null | 0.01,                        # top-k fraction, null for dense
+      "selector": null | "exact" | "sampled",        # top-k selector (planner.kernels.topk), null for dense;
+                                                     # optional: absent reads as "exact" for top-k
+      "model":   {"name", "fingerprint", "num_params", "numel"},
+      "cluster": {"world_size", "backend", "device", "host_count"},
+      "source":  {"profile": "profiles/resnet18.json", "profiled": "<date of the profile>"},
+      "solver":  {"name": "dense-dp", "seconds": 0.004},
+      "groups": [                                    # in the order gradients become ready
+        {"layers": ["fc"], "params": ["fc.weight", "fc.bias"], "numel": 5130, "k": null}, ...
+      ],
+      "predicted": {
+        "plan":      {"iteration_s", "compute_s", "exposed_comm_s", "comm_s", "selection_s", "decode_s", "num_groups",
+                      "pack_s", "interference_s"},          # the last two optional (0 when absent)
+        "baselines": {"wfbp": {...}, "single": {...}, "ddp-25mb": {...}, ...},
+        "lower_bound_s": 0.091
+      },
+      "kfac": null | {...}                           # K-FAC plans only: see planner/contracts/kfac.py
+    }
+
+A top-k plan names the selector whose measured cost its predictions use: "exact" (`torch.topk`) or
+"sampled" (threshold from a random sample, exact top-k of the candidates above it); both send the same
+entries, so the selector changes the time, not the decisions' meaning. Plans written before the field
+existed used the exact selector.
+
+A K-FAC plan (`planner solve --strategy kfac`) has dense gradient groups and a `kfac` section with the
+factor fusion buffers, the owner of every factor's inversion, the update intervals and predictions.
+A document without the `kfac` key reads as a gradient-only plan.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from planner.contracts.fingerprint import ClusterInfo, ModelInfo
+from planner.contracts.jsonio import (
+    MAX_NUMEL,
+    check_fields,
+    expect,
+    expect_int,
+    expect_time,
+    read_json,
+    write_json_atomic,
+)
+from planner.contracts.kfac import KFACSection
+from planner.costmodel.problem import Prediction
+from planner.types import PlanMismatchError, SchemaError, Strategy
+
+__all__ = ["PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "Group", "Plan", "check_selector"]
+
+PLAN_SCHEMA_VERSION = 1
+PLAN_KIND = "planner.plan"
+
+#: Top-k selectors a plan can name and a profile can time: `planner.kernels.topk.SELECTORS`, repeated here
+#: because reading a document must not import the runtime (and torch).
+SELECTORS = ("exact", "sampled")
+
+
+def check_selector(selector: object, where: str) -> str:
+    """`selector` if it names a top-k selector, else a SchemaError naming `where` and the valid names."""
+    if not isinstance(selector, str) or selector not in SELECTORS:
+        raise SchemaError(f"{where} must be one of {', '.join(SELECTORS)}, but got {selector!r}")
+    return selector
+
+
+@dataclass(frozen=True, kw_only=True)
+class Group:
+    """One collective: contiguous layers (ready order), their parameters, size, and k for top-k."""
+
+    layers: tuple[str, ...]
+    params: tuple[str, ...]
+    numel: int
+    k: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "params": list(self.params), "numel": self.numel, "k": self.k}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> Group:
+        expect(data, dict, where)
+        check_fields(data, where, ["layers", "params", "numel", "k"])
+        layers = tuple(expect(x, str, f"{where}.layers[]") for x in expect(data["layers"], list, f"{where}.layers"))
+        params = tuple(expect(x, str, f"{where}.params[]") for x in expect(data["params"], list, f"{where}.params"))
+        numel = expect_int(data["numel"], f"{where}.numel", 1, MAX_NUMEL)
+        k = data["k"] if data["k"] is None else expect_int(data["k"], f"{where}.k", 1, MAX_NUMEL)
+        if not params or not layers:
+            raise SchemaError(f"{where} must name at least one layer and one parameter, got layers={list(layers)} "
+                              f"and params={list(params)}")
+        if k is not None and not 0 < k <= numel:
+            raise SchemaError(f"{where}: `0 < k <= numel` must hold, but got (k={k}, numel={numel})")
+        return cls(layers=layers, params=params, numel=numel, k=k)
+
+
+def _prediction_from_dict(data: Any, where: str) -> Prediction:
+    expect(data, dict, where)
+    fields = ["iteration_s", "compute_s", "exposed_comm_s", "comm_s", "selection_s", "decode_s", "num_groups"]
+    optional = ["pack_s", "interference_s"]  # absent in plans made before packing and interference were modelled
+    check_fields(data, where, fields, optional)
+    times = {f: expect_time(data[f], f"{where}.{f}") for f in [*fields, *optional] if f != "num_groups" and f in data}
+    return Prediction(**times, num_groups=expect(data["num_groups"], int, f"{where}.num_groups"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Decisions for one model on one cluster, and what they are predicted to cost against the baselines."""
+
+    strategy: Strategy
+    density: float | None
+    model: ModelInfo
+    cluster: ClusterInfo
+    groups: tuple[Group, ...]
+    predicted: Prediction
+    baselines: dict[str, Prediction]
+    lower_bound_s: float
+    solver: str
+    solve_seconds: float
+    source_profile: str
+    profiled: str
+    created: str
+    kfac: KFACSection | None = None
+    #: The top-k selector ("exact" or "sampled"); None for dense plans. A top-k plan made without one
+    #: gets "exact", the selector every plan used before there was a choice.
+    selector: str | None = None
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise SchemaError("a plan needs at least one group")
+        if self.strategy is Strategy.TOPK:
+            object.__setattr__(self, "selector", check_selector(self.selector or "exact", "plan.selector"))
+        elif self.selector is not None:
+            raise SchemaError(f"only a top-k plan has a selector, but this {self.strategy.value} plan has "
+                              f"selector={self.selector!r}")
+        if self.kfac is not None:
+            if self.strategy is not Strategy.DENSE:
+                raise SchemaError("a K-FAC plan exchanges gradients densely: its strategy must be 'dense'")
+            try:
+                self.kfac.check_world_size(self.cluster.world_size)
+            except PlanMismatchError as exc:
+                raise SchemaError(str(exc)) from None
+        if self.strategy is Strategy.TOPK:
+            if self.density is None or not 0 < self.density <= 1:
+                raise SchemaError(f"a top-k plan needs `0 < density <= 1`, but got density={self.density}")
+            if any(g.k is None for g in self.groups):
+                raise SchemaError("every group of a top-k plan needs k")
+        elif self.density is not None:
+            raise SchemaError(f"only a top-k plan has a density, but this {self.strategy.value} plan has "
+                              f"density={self.density}")
+        seen: set[str] = set()
+        seen_layers: set[str] = set()
+        for g in self.groups:
+            dup = seen.intersection(g.params)
+            if dup:
+                raise SchemaError(f"parameter(s) {sorted(dup)} appear in more than one group")
+            seen.update(g.params)
+            dup = seen_layers.intersection(g.layers)
+            if dup:
+                raise SchemaError(f"layer(s) {sorted(dup)} appear in more than one group")
+            seen_layers.update(g.layers)
+        numel = sum(g.numel for g in self.groups)
+        if len(seen) != self.model.num_params or numel != self.model.numel:
+            raise SchemaError(
+                f"the groups hold {len(seen)} parameter tensors of {numel:,} elements, but the model "
+                f"{self.model.name} has {self.model.num_params} of {self.model.numel:,}: every trainable "
+                "parameter must be in one group; re-plan with `planner solve`")
+
+    # -- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "kind": PLAN_KIND,
+            "created": self.created,
+            "strategy": self.strategy.value,
+            "density": self.density,
+            "selector": self.selector,
+            "model": self.model.to_dict(),
+            "cluster": self.cluster.to_dict(),
+            "source": {"profile": self.source_profile, "profiled": self.profiled},
+            "solver": {"name": self.solver, "seconds": self.solve_seconds},
+            "groups": [g.to_dict() for g in self.groups],
+            "predicted": {
+                "plan": asdict(self.predicted),
+                "baselines": {name: asdict(p) for name, p in self.baselines.items()},
+                "lower_bound_s": self.lower_bound_s,
+            },
+            "kfac": None if self.kfac is None else self.kfac.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        version = data.get("schema_version")
+        if version != PLAN_SCHEMA_VERSION:
+            raise SchemaError(
+                f"unknown plan schema_version {version!r}; this planner reads version {PLAN_SCHEMA_VERSION}:"
+                " re-plan with `planner solve`"
+            )
+        if data.get("kind") != PLAN_KIND:
+            raise SchemaError(f"not a plan: kind is {data.get('kind')!r}, expected {PLAN_KIND!r}")
+        fields = ["schema_version", "kind", "created", "strategy", "density", "model", "cluster", "source", "solver"]
+        data = {"kfac": None, "selector": None, **data}
+        check_fields(data, "plan", [*fields, "groups", "predicted", "kfac", "selector"])
+        try:
+            strategy = Strategy(data["strategy"])
+        except ValueError:
+            raise SchemaError(
+                f"plan.strategy must be one of {[s.value for s in Strategy]}, got {data['strategy']!r}"
+            ) from None
+        density = data["density"]
+        if density is not None:
+            density = float(expect(density, (int, float), "plan.density"))
+            if not math.isfinite(density):
+                raise SchemaError(f"plan.density must be finite, got {density}")
+        selector = data["selector"]
+        if selector is not None:
+            selector = check_selector(selector, "plan.selector")
+        source = expect(data["source"], dict, "plan.source")
+        check_fields(source, "plan.source", ["profile", "profiled"])
+        solver = expect(data["solver"], dict, "plan.solver")
+        check_fields(solver, "plan.solver", ["name", "seconds"])
+        predicted = expect(data["predicted"], dict, "plan.predicted")
+        check_fields(predicted, "plan.predicted", ["plan", "baselines", "lower_bound_s"])
+        baselines = expect(predicted["baselines"], dict, "plan.predicted.baselines")
+        groups = expect(data["groups"], list, "plan.groups")
+        return cls(
+            schema_version=version,
+            created=expect(data["created"], str, "plan.created"),
+            strategy=strategy,
+            density=density,
+            selector=selector,
+            model=ModelInfo.from_dict(data["model"], "plan.model"),
+            cluster=ClusterInfo.from_dict(data["cluster"], "plan.cluster"),
+            source_profile=expect(source["profile"], str, "plan.source.profile"),
+            profiled=expect(source["profiled"], str, "plan.source.profiled"),
+            solver=expect(solver["name"], str, "plan.solver.name"),
+            solve_seconds=expect_time(solver["seconds"], "plan.solver.seconds"),
+            groups=tuple(Group.from_dict(g, f"plan.groups[{i}]") for i, g in enumerate(groups)),
+            predicted=_prediction_from_dict(predicted["plan"], "plan.predicted.plan"),
+            baselines={
+                expect(k, str, "baseline name"): _prediction_from_dict(v, f"plan.predicted.baselines.{k}")
+                for k, v in baselines.items()
+            },
+            lower_bound_s=expect_time(predicted["lower_bound_s"], "plan.predicted.lower_bound_s"),
+            kfac=None if data["kfac"] is None else KFACSection.from_dict(data["kfac"]),
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically."""
+        write_json_atomic(path, self.to_dict(), "plan")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read and validate; errors name the file and the field."""
+        data = read_json(path, "plan")
+        try:
+            return cls.from_dict(data)
+        except SchemaError as exc:
+            raise type(exc)(f"plan {path}: {exc}") from None
+
+    # -- use -------------------------------------------------------------------------------------
+    def replan_command(self, model: str | None = None) -> str:
+        """The commands that make a fresh plan for `model` (a `--model` value; default this plan's) and
+        the current cluster."""
+        density = f" --density {self.density}" if self.strategy is Strategy.TOPK else ""
+        strategy = "kfac" if self.kfac is not None else self.strategy.value
+        return (
+            f"planner profile --model {model or self.model.name} --nproc <N> -o profile.json && "
+            f"planner solve profile.json --strategy {strategy}{density} -o plan.json"
+        )
+
+    def check_compatible(
+        self, model: ModelInfo, world_size: int, *, backend: str | None = None, device_kind: str | None = None
+    ) -> None:
+        """Refuse to run on another model, world size, backend or kind of device (cpu or gpu), naming the
+        difference and how to re-plan. `backend` and `device_kind` are checked when given."""
+        if model.fingerprint != self.model.fingerprint:
+            from planner.models import BUILTIN_MODELS
+
+            # The given model's own --model value when it is one (a built-in name or a factory spec).
+            spec = model.name if model.name in BUILTIN_MODELS or ":" in model.name else "<package.module:factory>"
+            raise PlanMismatchError(
+                f"this plan was made for model {self.model.describe()}, but the model given is "
+                f"{model.describe()}; re-plan for it: {self.replan_command(spec)}"
+            )
+        retune = "; re-plan with `planner retune PLAN`, or pass auto_retune=True to the runtime"
+        if world_size != self.cluster.world_size:
+            raise PlanMismatchError(
+                f"this plan was made for world size {self.cluster.world_size}, but the process group has "
+                f"world size {world_size}{retune}"
+            )
+        if backend is not None and backend != self.cluster.backend:
+            raise PlanMismatchError(
+                f"this plan was made for backend {self.cluster.backend}, but the process group uses {backend}{retune}"
+            )
+        if device_kind is not None and device_kind != self.cluster.device_kind:
+            raise PlanMismatchError(
+                f"this plan was made for {self.cluster.device_kind} ({self.cluster.device}), but the model is on "
+                f"a {device_kind}{retune}"
+            )
+
+    @property
+    def param_order(self) -> list[str]:
+        """Every planned parameter, group by group."""
+        return [p for g in self.groups for p in g.params]
