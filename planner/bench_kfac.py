@@ -27,8 +27,8 @@ from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.kfac import KFACSection
 from planner.contracts.plan import Plan
-from planner.kfac_planning import reference_sections
 from planner.models import build_workload
+from planner.strategies.kfac import reference_sections
 from planner.types import PlanMismatchError
 
 if TYPE_CHECKING:

@@ -397,7 +397,7 @@ class SolveCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.contracts.profile import Profile
-        from planner.planning import make_plan
+        from planner.strategies.gradients import make_plan
 
         is_kfac = args.strategy == KFAC
         if not is_kfac:
@@ -421,13 +421,13 @@ class SolveCommand(Command):
         check_output_path(args.output, "plan")
         profile = Profile.load(args.profile)
         if args.cluster is not None:
-            from planner.cluster import parse_cluster, profile_for_cluster
+            from planner.strategies.cluster import parse_cluster, profile_for_cluster
 
             spec = parse_cluster(args.cluster)
             profile = profile_for_cluster(profile, spec)
             console.print(f"what-if cluster {spec.describe()}")
         if is_kfac:
-            from planner.kfac_planning import (
+            from planner.strategies.kfac import (
                 DEFAULT_FACTOR_UPDATE_STEPS,
                 DEFAULT_INV_UPDATE_STEPS,
                 make_kfac_plan,
@@ -496,8 +496,8 @@ class SimulateCommand(Command):
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.cluster import parse_cluster, parse_world_sizes, scaling_table
         from planner.contracts.profile import Profile
+        from planner.strategies.cluster import parse_cluster, parse_world_sizes, scaling_table
 
         if args.density is not None and args.strategy != Strategy.TOPK.value:
             raise PlannerError("--density applies to --strategy topk only")
@@ -508,7 +508,7 @@ class SimulateCommand(Command):
             spec.with_world_size(w)
         # ... and a strategy the profile has no measurements for
         if args.strategy == KFAC:
-            from planner.kfac_planning import kfac_problem
+            from planner.strategies.kfac import kfac_problem
 
             kfac_problem(profile, InverseMethod(args.method))
         else:
@@ -572,7 +572,7 @@ class RetuneCommand(Command):
         from dataclasses import replace
 
         from planner.contracts.plan import Plan
-        from planner.retune import compare_plans, current_profile, load_source_profile, retune_plan
+        from planner.strategies.retune import compare_plans, current_profile, load_source_profile, retune_plan
 
         if args.cluster is not None and args.no_probe:
             raise PlannerError("--cluster already describes the network: drop --no-probe")
@@ -585,7 +585,7 @@ class RetuneCommand(Command):
         profile = load_source_profile(plan, args.profile)
         output = check_output_path(args.output or args.plan.with_name(args.plan.stem + "-retuned.json"), "plan")
         if args.cluster is not None:
-            from planner.cluster import parse_cluster, profile_for_cluster
+            from planner.strategies.cluster import parse_cluster, profile_for_cluster
 
             spec = parse_cluster(args.cluster)
             current = profile_for_cluster(profile, spec)
@@ -625,7 +625,7 @@ def _link(curve: object) -> str:
 
 def print_changes(changes: object) -> None:
     """What re-tuning changed and its predicted gain."""
-    from planner.retune import PlanChanges
+    from planner.strategies.retune import PlanChanges
 
     assert isinstance(changes, PlanChanges)
     table = Table(title="what changed")
@@ -665,12 +665,12 @@ class ReportCommand(Command):
                             help="`planner bench --json` output for the predicted-vs-measured picture")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.cluster import parse_cluster, parse_world_sizes, scaling_table
         from planner.contracts.plan import Plan
         from planner.report import read_bench_json, write_report
+        from planner.strategies.cluster import parse_cluster, parse_world_sizes, scaling_table
 
         ensure_folder(args.output, "report folder")
-        from planner.retune import load_source_profile
+        from planner.strategies.retune import load_source_profile
 
         plan = Plan.load(args.plan)
         profile = load_source_profile(plan, args.profile)
@@ -985,7 +985,7 @@ class DemoCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.bench import BenchConfig, run_bench
-        from planner.planning import make_plan
+        from planner.strategies.gradients import make_plan
         from profilers import ProfileConfig, run_profile
 
         link = self._demo_link(args.link)

@@ -1,7 +1,7 @@
 """`planner report`: pictures of a plan and one HTML page that shows them.
 
 Everything drawn comes from the plan and the profile it was solved from, through the cost model the solvers
-use (`planner.costmodel.simulator.timeline`, `planner.kfac_planning`), or from plain data the caller passes (scaling
+use (`planner.costmodel.simulator.timeline`, `planner.strategies.kfac`), or from plain data the caller passes (scaling
 series, `planner bench --json` rows). Pictures are drawn on `matplotlib.figure.Figure` objects (no pyplot,
 no global state) and every file is written atomically (a temporary file in the same folder, then a rename).
 
@@ -40,8 +40,8 @@ from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.costmodel.problem import Grouping, groups_of
 from planner.costmodel.simulator import simulate, timeline
-from planner.kfac_planning import factor_step_timeline, kfac_problem
 from planner.solvers.placement import PlacementProblem, inversion_timeline
+from planner.strategies.kfac import factor_step_timeline, kfac_problem
 from planner.types import PlanMismatchError, PlannerFileError, SchemaError, Strategy
 
 __all__ = [

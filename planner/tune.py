@@ -54,9 +54,9 @@ from typing import TYPE_CHECKING, Any
 from planner.contracts.jsonio import check_output_path
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
-from planner.kfac_planning import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
-from planner.planning import make_plan
 from planner.solvers import DenseDP, GroupingSolver, TopkParetoDP
+from planner.strategies.gradients import make_plan
+from planner.strategies.kfac import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
 from planner.types import (
     InverseMethod,
     PlanMismatchError,

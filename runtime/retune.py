@@ -3,7 +3,7 @@
 A plan is made for one model, world size, backend and kind of device. Under elastic `torchrun` the world
 size changes between restarts; a plan from another cluster may be handed to this one. With
 `auto_retune=True` every rank probes the network of its process group (`profilers.probe`), rank 0
-re-solves from the plan's stored per-layer profile (`planner.retune.retune_plan`) and broadcasts the
+re-solves from the plan's stored per-layer profile (`planner.strategies.retune.retune_plan`) and broadcasts the
 new plan as JSON (`runtime.launch.broadcast_json`: data, never a pickle), so every rank runs the same
 plan. If rank 0 cannot re-plan (no profile, say), it broadcasts the reason and every rank raises the
 same error instead of hanging.
@@ -103,7 +103,7 @@ def resolve_plan(
 
 
 def _retune(plan: Plan, profile: Any, cluster: Any, curves: Any, time_limit_s: float) -> Plan:
-    from planner.retune import load_source_profile, retune_plan
+    from planner.strategies.retune import load_source_profile, retune_plan
 
     stored = load_source_profile(plan, profile)
     return retune_plan(plan, stored, cluster=cluster, collectives=curves, time_limit_s=time_limit_s)

@@ -21,7 +21,7 @@ from planner.contracts.profile import (
 )
 from planner.costmodel.problem import Prediction
 from planner.models import build_workload
-from planner.planning import make_plan
+from planner.strategies.gradients import make_plan
 from planner.types import Collective, Strategy
 
 
@@ -80,7 +80,7 @@ def synthetic_kfac_timing(module: object) -> KFACTiming:
 
 
 def synthetic_kfac_plan(model: str = "mlp", world_size: int = 2, **kwargs: object) -> Plan:
-    from planner.kfac_planning import make_kfac_plan
+    from planner.strategies.kfac import make_kfac_plan
 
     return make_kfac_plan(synthetic_profile(model, world_size), source="synthetic", **kwargs)  # type: ignore[arg-type]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from planner.cli import main
-from planner.cluster import PRESETS, profile_for_cluster
 from planner.contracts.plan import Plan
-from planner.planning import make_plan
+from planner.strategies.cluster import PRESETS, profile_for_cluster
+from planner.strategies.gradients import make_plan
 from planner.types import Strategy
 from tests.factories import synthetic_profile
 from tests.test_contracts import _cli, _one_clear_line

@@ -15,7 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.cluster import (
+from planner.contracts.profile import MAX_FIT_ERROR, Profile
+from planner.costmodel.costs import AffineCost, CostModel
+from planner.costmodel.simulator import simulate
+from planner.strategies.cluster import (
     CURVE_SIZES,
     PRESETS,
     ClusterSpec,
@@ -29,11 +32,8 @@ from planner.cluster import (
     scaling_table,
     spec_from_profile,
 )
-from planner.contracts.profile import MAX_FIT_ERROR, Profile
-from planner.costmodel.costs import AffineCost, CostModel
-from planner.costmodel.simulator import simulate
-from planner.kfac_planning import make_kfac_plan
-from planner.planning import make_plan
+from planner.strategies.gradients import make_plan
+from planner.strategies.kfac import make_kfac_plan
 from planner.types import Collective, PlannerError, PlannerFileError, SchemaError, Strategy
 from tests.factories import synthetic_profile
 

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from planner.cluster import parse_cluster, profile_for_cluster
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Calibration, FittedCurve, InSitu, Profile
 from planner.costmodel.costs import AffineCost, ScaledCost
 from planner.costmodel.simulator import simulate
 from planner.models import build_workload
-from planner.planning import make_plan
 from planner.solvers import BASELINES, DDP_BASELINE
+from planner.strategies.cluster import parse_cluster, profile_for_cluster
+from planner.strategies.gradients import make_plan
 from planner.types import Collective, DistributedError, InvalidProfileError, SchemaError, Strategy
 from runtime.exchange import write_scaled
 from runtime.launch import run_distributed

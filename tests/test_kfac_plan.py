@@ -13,10 +13,10 @@ from planner.cli import main
 from planner.contracts.kfac import KFACSection, factor_name, kfac_layers
 from planner.contracts.plan import Plan
 from planner.contracts.profile import DimCurve, Profile
-from planner.kfac_planning import kfac_lower_bound, kfac_problem, predict_kfac, reference_sections
 from planner.models import build_workload
 from planner.solvers.fusion import FUSION_BASELINES, simulate_fusion
 from planner.solvers.placement import PLACEMENT_BASELINES, makespan
+from planner.strategies.kfac import kfac_lower_bound, kfac_problem, predict_kfac, reference_sections
 from planner.types import FactorKind, InvalidProfileError, InverseMethod, PlanMismatchError, SchemaError
 from tests.factories import synthetic_kfac_plan, synthetic_plan, synthetic_profile
 from tests.test_contracts import _cli, _one_clear_line

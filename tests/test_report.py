@@ -14,7 +14,6 @@ from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.costmodel.simulator import timeline
-from planner.kfac_planning import factor_step_timeline, kfac_problem
 from planner.report import (
     MAX_WORKER_LANES,
     Bar,
@@ -27,6 +26,7 @@ from planner.report import (
     write_report,
 )
 from planner.solvers.placement import makespan
+from planner.strategies.kfac import factor_step_timeline, kfac_problem
 from planner.types import PlanMismatchError, PlannerError, SchemaError, Strategy
 from tests.factories import synthetic_kfac_plan, synthetic_plan, synthetic_profile
 

@@ -13,10 +13,10 @@ import torch.distributed as dist
 from planner.contracts.fingerprint import ClusterInfo
 from planner.contracts.plan import Plan
 from planner.contracts.profile import FittedCurve
-from planner.kfac_planning import make_kfac_plan
 from planner.models import build_workload
-from planner.planning import make_plan
-from planner.retune import compare_plans, current_profile, load_source_profile, retune_plan
+from planner.strategies.gradients import make_plan
+from planner.strategies.kfac import make_kfac_plan
+from planner.strategies.retune import compare_plans, current_profile, load_source_profile, retune_plan
 from planner.types import Collective, InvalidProfileError, PlanMismatchError, Strategy
 from runtime.exchange import GradientExchange
 from runtime.kfac import KFACPreconditioner

@@ -26,8 +26,8 @@ from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile, TopkTiming
 from planner.kernels.topk import SELECTORS, select_topk
 from planner.models import build_workload
-from planner.planning import make_plan
-from planner.retune import retune_plan
+from planner.strategies.gradients import make_plan
+from planner.strategies.retune import retune_plan
 from planner.types import InvalidProfileError, SchemaError, Strategy
 from profilers.topk import measure_topk
 from runtime.ddp_hooks import TopkHookState

@@ -19,10 +19,10 @@ from planner.contracts.kfac import kfac_layers
 from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
-from planner.kfac_planning import make_kfac_plan
 from planner.models import Workload, build_workload
-from planner.planning import make_plan
 from planner.solvers import DenseDP
+from planner.strategies.gradients import make_plan
+from planner.strategies.kfac import make_kfac_plan
 from planner.tune import (
     MB,
     TuneConfig,

@@ -67,8 +67,8 @@ def retune_plan(
             keep the profile's. Without any, the profile's own network is used as it is.
         time_limit_s: limit of the K-FAC placement solver.
     """
-    from planner.kfac_planning import make_kfac_plan
-    from planner.planning import make_plan
+    from planner.strategies.gradients import make_plan
+    from planner.strategies.kfac import make_kfac_plan
 
     current = current_profile(profile, cluster=cluster, collectives=collectives)
     if plan.kfac is None:
@@ -130,7 +130,7 @@ class PlanChanges:
 
 def _kfac_prediction(section: KFACSection, profile: Profile) -> tuple[float | None, str]:
     """The average step of `section`'s buffers and owners on `profile`'s cluster, or None and why not."""
-    from planner.kfac_planning import kfac_problem, predict_kfac
+    from planner.strategies.kfac import kfac_problem, predict_kfac
 
     problem = kfac_problem(profile, section.method)
     world = profile.cluster.world_size

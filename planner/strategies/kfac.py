@@ -30,7 +30,6 @@ from planner.contracts.profile import Profile
 from planner.costmodel.costs import AffineCost
 from planner.costmodel.problem import groups_of
 from planner.costmodel.simulator import simulate
-from planner.planning import make_plan
 from planner.solvers import DenseDP, lower_bound
 from planner.solvers.fusion import FUSION_BASELINES, FactorBuffers, FixedBytes, FusionDP, FusionProblem, simulate_fusion
 from planner.solvers.placement import (
@@ -43,6 +42,7 @@ from planner.solvers.placement import (
     makespan,
     placement_lower_bound,
 )
+from planner.strategies.gradients import make_plan
 from planner.types import Collective, FactorKind, InvalidProfileError, InverseMethod, SolverError, Strategy
 
 __all__ = [

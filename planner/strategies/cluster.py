@@ -58,8 +58,8 @@ from planner.contracts.fingerprint import ClusterInfo
 from planner.contracts.jsonio import MAX_WORLD_SIZE, check_fields, expect, read_json
 from planner.contracts.profile import DimCurve, FittedCurve, KFACTiming, LayerTiming, Profile, TopkTiming
 from planner.costmodel.costs import AffineCost
-from planner.kfac_planning import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
-from planner.planning import make_plan
+from planner.strategies.gradients import make_plan
+from planner.strategies.kfac import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
 from planner.types import Collective, InverseMethod, SchemaError, Strategy
 
 __all__ = [
