@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli import main
+from planner.commands.cli import main
 from planner.contracts.plan import Plan
 from planner.strategies.cluster import PRESETS, profile_for_cluster
 from planner.strategies.gradients import make_plan

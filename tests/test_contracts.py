@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli import main
+from planner.commands.cli import main
 from planner.contracts.fingerprint import model_info
 from planner.contracts.jsonio import write_json_atomic
 from planner.contracts.plan import Plan

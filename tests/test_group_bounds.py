@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from planner.commands.solver_bench import random_problem
 from planner.contracts.profile import MAX_FIT_ERROR, FittedCurve
 from planner.costmodel.costs import AffineCost, PiecewiseLinearCost
 from planner.costmodel.problem import GradientProblem, Grouping, groups_of
 from planner.costmodel.simulator import simulate, validate_grouping
-from planner.solver_bench import random_problem
 from planner.solvers import DenseDP, TopkParetoDP, within_group_bounds
 from planner.types import SchemaError, SolverError, Strategy
 from tests.test_solvers import all_groupings, problems, reference_topk_optimum

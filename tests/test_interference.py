@@ -263,7 +263,7 @@ def test_the_runtime_and_ddp_are_calibrated_in_real_steps_on_two_processes() -> 
 
 
 def test_machine_drift_compares_the_local_steps_with_the_profile() -> None:
-    from planner.bench import LOCAL, BenchResult, machine_drift
+    from planner.commands.bench import LOCAL, BenchResult, machine_drift
 
     def row(name: str, median: float, predicted: float | None) -> BenchResult:
         return BenchResult.from_samples(name, "x", [median], steps=1, predicted_s=predicted, reference="ddp")

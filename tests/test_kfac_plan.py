@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli import main
+from planner.commands.cli import main
 from planner.contracts.kfac import KFACSection, factor_name, kfac_layers
 from planner.contracts.plan import Plan
 from planner.contracts.profile import DimCurve, Profile

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import runtime.link as link_mod
-from planner.cli import main
+from planner.commands.cli import main
 from planner.contracts.fingerprint import ClusterInfo
 from planner.types import DistributedError
 from runtime.launch import run_distributed
@@ -97,7 +97,7 @@ def test_without_the_privilege_the_command_says_so_and_exits_2(
 
 
 def test_demo_falls_back_to_loopback_without_the_privilege(monkeypatch: pytest.MonkeyPatch) -> None:
-    from planner.cli import DemoCommand
+    from planner.commands.cli import DemoCommand
 
     monkeypatch.setattr(link_mod, "privilege_problem", lambda: "forced by the test")
     assert DemoCommand._demo_link("1gbit") is None

@@ -10,11 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.contracts.layers import plan_grouping
-from planner.contracts.plan import Plan
-from planner.contracts.profile import Profile
-from planner.costmodel.simulator import timeline
-from planner.report import (
+from planner.commands.report import (
     MAX_WORKER_LANES,
     Bar,
     ReportFiles,
@@ -25,6 +21,10 @@ from planner.report import (
     scaling_figure,
     write_report,
 )
+from planner.contracts.layers import plan_grouping
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
+from planner.costmodel.simulator import timeline
 from planner.solvers.placement import makespan
 from planner.strategies.kfac import factor_step_timeline, kfac_problem
 from planner.types import PlanMismatchError, PlannerError, SchemaError, Strategy
@@ -303,7 +303,7 @@ def test_plan_grouping_has_one_end_per_group() -> None:
 
 
 def test_cli_report_writes_every_picture_and_the_page(tmp_path: Path) -> None:
-    from planner.cli import main
+    from planner.commands.cli import main
 
     prof = tmp_path / "prof.json"
     synthetic_profile("mlp").save(prof)

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import planner.kernels.topk as compress
-from planner.bench import per_layer_plan
-from planner.cli import main
+from planner.commands.bench import per_layer_plan
+from planner.commands.cli import main
 from planner.contracts.plan import SELECTORS as PLAN_SELECTORS
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile, TopkTiming

@@ -283,7 +283,7 @@ def test_decode_runs_slower_while_collectives_are_in_flight() -> None:
 @settings(deadline=None, max_examples=100)
 @given(sigma=st.floats(0.0, 3.0), seed=st.integers(0, 1000), cut=st.integers(1, 7))
 def test_interference_never_makes_a_grouping_faster(sigma: float, seed: int, cut: int) -> None:
-    from planner.solver_bench import random_problem
+    from planner.commands.solver_bench import random_problem
 
     for strategy in Strategy:
         plain = random_problem(8, strategy, seed=seed)

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from planner.commands.solver_bench import random_problem
 from planner.costmodel.simulator import simulate, validate_grouping
-from planner.solver_bench import random_problem
 from planner.solvers import BASELINES, DenseDP, GroupingSolver, TopkParetoDP, lower_bound
 from planner.solvers.fusion import (
     FUSION_BASELINES,

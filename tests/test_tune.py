@@ -15,15 +15,7 @@ import torch
 from optuna.trial import TrialState
 from torch import nn
 
-from planner.contracts.kfac import kfac_layers
-from planner.contracts.layers import gradient_layers
-from planner.contracts.plan import Plan
-from planner.contracts.profile import Profile
-from planner.models import Workload, build_workload
-from planner.solvers import DenseDP
-from planner.strategies.gradients import make_plan
-from planner.strategies.kfac import make_kfac_plan
-from planner.tune import (
+from planner.commands.tune import (
     MB,
     TuneConfig,
     TuneSpace,
@@ -34,6 +26,14 @@ from planner.tune import (
     suggest_params,
     untuned_params,
 )
+from planner.contracts.kfac import kfac_layers
+from planner.contracts.layers import gradient_layers
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
+from planner.models import Workload, build_workload
+from planner.solvers import DenseDP
+from planner.strategies.gradients import make_plan
+from planner.strategies.kfac import make_kfac_plan
 from planner.types import Collective, InverseMethod, PlanMismatchError, SchemaError, SolverError, Strategy
 from runtime import GradientExchange
 from tests.factories import synthetic_profile

@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     import optuna
     import torch
 
-    from planner.bench import BenchResult
+    from planner.commands.bench import BenchResult
     from runtime.link import LinkRate
 
 __all__ = [
@@ -618,7 +618,7 @@ class _Runner:
         self.batch = batch
 
     def step(self) -> float:
-        from planner.bench import timed_step
+        from planner.commands.bench import timed_step
 
         return timed_step(self.workload.module, self.workload.loss_fn, self.batch, self.opt, self.finish)
 
@@ -659,7 +659,7 @@ def _run_trial(
 ) -> tuple[bool, list[float]]:
     """Warm up and measure one plan rung by rung; rank 0 reports to `trial` (other ranks pass None) and
     broadcasts whether to prune after each rung. Returns (pruned, samples)."""
-    from planner.bench import slowest_rank
+    from planner.commands.bench import slowest_rank
 
     runner = _Runner(config, plan, batch)
     try:
@@ -690,7 +690,7 @@ def _compare(
     advance: Callable[[], None],
 ) -> list[BenchResult] | None:
     """The plans measured in interleaved round-robin blocks in the same processes; rank 0 returns the results."""
-    from planner.bench import BenchResult, slowest_rank
+    from planner.commands.bench import BenchResult, slowest_rank
 
     runners = [_Runner(config, plan, batch) for _, plan in plans]
     try:

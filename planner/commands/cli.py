@@ -202,7 +202,7 @@ def print_bench(results: list, as_json: bool, title: str | None = None) -> None:
             f"{r.rel_error:.1%}" if r.rel_error is not None else "-",
         )
     console.print(table)
-    from planner.bench import LOCAL, machine_drift
+    from planner.commands.bench import LOCAL, machine_drift
 
     drift = machine_drift(results)
     if drift is not None and abs(drift) > DRIFT_TOLERANCE:
@@ -665,8 +665,8 @@ class ReportCommand(Command):
                             help="`planner bench --json` output for the predicted-vs-measured picture")
 
     def run(self, args: argparse.Namespace) -> int:
+        from planner.commands.report import read_bench_json, write_report
         from planner.contracts.plan import Plan
-        from planner.report import read_bench_json, write_report
         from planner.strategies.cluster import parse_cluster, parse_world_sizes, scaling_table
 
         ensure_folder(args.output, "report folder")
@@ -762,8 +762,8 @@ class TuneCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="tuned plan file to write")
 
     def run(self, args: argparse.Namespace) -> int:
+        from planner.commands.tune import TuneConfig, TuneSpace, check_study_file, run_tune, same_decisions
         from planner.contracts.profile import Profile
-        from planner.tune import TuneConfig, TuneSpace, check_study_file, run_tune, same_decisions
 
         if args.density is not None and args.strategy != Strategy.TOPK.value:
             raise PlannerError("--density applies to --strategy topk only")
@@ -870,7 +870,7 @@ class BenchCommand(Command):
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.bench import BenchConfig, run_bench
+        from planner.commands.bench import BenchConfig, run_bench
         from planner.contracts.plan import Plan
         from runtime.launch import under_torchrun
 
@@ -893,7 +893,7 @@ class BenchCommand(Command):
 
     @staticmethod
     def _run_kfac(args: argparse.Namespace, plans: tuple) -> int:
-        from planner.bench_kfac import KFACBenchConfig, run_kfac_bench
+        from planner.commands.bench_kfac import KFACBenchConfig, run_kfac_bench
 
         if len(plans) != 1:
             raise PlannerError(f"--strategy kfac benches one K-FAC plan, but {len(plans)} --plan were given")
@@ -953,7 +953,7 @@ class BenchSolversCommand(Command):
                      f"(median of {args.repeats}; makespan = the later of the busiest worker's inversions and "
                      "the last broadcast)")
         else:
-            from planner.solver_bench import time_solvers
+            from planner.commands.solver_bench import time_solvers
 
             sigmas = (0.0,) if not args.interference else (0.0, args.interference)
             rows = time_solvers(num_layers=args.layers, repeats=args.repeats, interference=sigmas)
@@ -984,7 +984,7 @@ class DemoCommand(Command):
                                  "else loopback; none: loopback")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.bench import BenchConfig, run_bench
+        from planner.commands.bench import BenchConfig, run_bench
         from planner.strategies.gradients import make_plan
         from profilers import ProfileConfig, run_profile
 

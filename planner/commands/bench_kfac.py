@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from planner.bench import BenchResult, slowest_rank, timed_step
+from planner.commands.bench import BenchResult, slowest_rank, timed_step
 from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.kfac import KFACSection
