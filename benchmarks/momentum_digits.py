@@ -24,9 +24,9 @@ from planner.contracts.fingerprint import ClusterInfo, model_info
 from planner.contracts.layers import gradient_layers, groups_for
 from planner.contracts.plan import Plan
 from planner.costmodel.problem import Prediction
+from planner.platform.launch import run_distributed
 from planner.types import Strategy
 from runtime import GradientExchange
-from runtime.launch import run_distributed
 
 METHODS = ("dense momentum SGD", "top-k + momentum correction", "top-k + optimizer momentum")
 

@@ -23,7 +23,7 @@ from rich.table import Table
 from planner.console import console
 from planner.costmodel.problem import topk_count
 from planner.kernels.topk import SELECTORS, select_topk
-from profilers.timing import median, time_call
+from planner.platform.timing import median, time_call
 
 _UNITS = {"K": 10**3, "M": 10**6, "G": 10**9}
 

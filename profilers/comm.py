@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from planner.contracts.profile import FittedCurve
 from planner.kernels.topk import all_gather_flat
+from planner.platform.timing import median, time_call
 from planner.types import Collective
-from profilers.timing import median, time_call
 
 __all__ = ["log_sizes", "measure_collectives"]
 

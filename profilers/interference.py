@@ -31,8 +31,8 @@ from planner.contracts.profile import Calibration, FittedCurve, InSitu, LayerTim
 from planner.costmodel.costs import CostModel
 from planner.kernels.topk import all_gather_flat
 from planner.models import Workload
+from planner.platform.timing import median, time_call
 from planner.types import Collective, DistributedError, Strategy
-from profilers.timing import median, time_call
 from runtime.ddp_hooks import has_unused_parameters, silent_hook
 from runtime.exchange import GradientExchange, write_scaled
 

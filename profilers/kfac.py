@@ -28,8 +28,8 @@ from planner.kernels.kfac import (
     symmetric_from_triangle,
 )
 from planner.models import Workload
+from planner.platform.timing import median, time_call
 from planner.types import ROOT_NAME, InvalidProfileError, InverseMethod
-from profilers.timing import median, time_call
 
 __all__ = ["DEFAULT_MAX_DIM", "inversion_dims", "measure_inversion", "measure_kfac_layers"]
 

@@ -10,7 +10,7 @@ import torch
 from planner.contracts.layers import gradient_layers
 from planner.contracts.profile import LayerTiming
 from planner.models import Workload
-from profilers.timing import Marks, iqr, median, time_call
+from planner.platform.timing import Marks, iqr, median, time_call
 
 __all__ = ["LayerRun", "combine_ranks", "measure_layers", "measure_steps"]
 

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from planner.contracts.fingerprint import ClusterInfo
 from planner.contracts.profile import FittedCurve
+from planner.platform.link import LinkRate, current_link
 from planner.types import Collective
 from profilers.comm import log_sizes, measure_collectives
-from runtime.link import LinkRate, current_link
 
 __all__ = ["PROBE_COLLECTIVES", "current_cluster", "device_name", "probe_network", "probe_worker", "run_probe"]
 
@@ -64,7 +64,7 @@ def current_cluster(device: torch.device, process_group: Any = None) -> ClusterI
 
 def probe_worker(rank: int, world_size: int, largest_bytes: int) -> tuple[ClusterInfo, dict] | None:
     """Body run on every rank of an initialised default group; rank 0 returns the cluster and the curves."""
-    from runtime.launch import device_for
+    from planner.platform.launch import device_for
 
     device = device_for(str(dist.get_backend()))
     curves = probe_network(device, largest_bytes=largest_bytes)
@@ -76,6 +76,6 @@ def run_probe(
 ) -> tuple[ClusterInfo, dict] | None:
     """Probe the network under torchrun (this process is one rank; only rank 0 gets the result, the others
     None) or on `nproc` local workers started here (behind an emulated `link` when given)."""
-    from runtime.launch import resolve_backend, run_job
+    from planner.platform.launch import resolve_backend, run_job
 
     return run_job(probe_worker, nproc, largest_bytes, backend=resolve_backend(backend), timeout=600, link=link)

@@ -14,6 +14,9 @@ from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.profile import Profile
 from planner.models import build_workload
+from planner.platform.launch import device_for, resolve_backend
+from planner.platform.link import LinkRate
+from planner.platform.timing import median
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import log_sizes, measure_collectives
 from profilers.interference import (
@@ -25,10 +28,7 @@ from profilers.interference import (
 from profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
 from profilers.layers import combine_ranks, measure_layers, measure_steps
 from profilers.probe import current_cluster
-from profilers.timing import median
 from profilers.topk import measure_topk
-from runtime.launch import device_for, resolve_backend
-from runtime.link import LinkRate
 
 __all__ = ["DEFAULT_DENSITIES", "ProfileConfig", "profile_worker", "run_profile"]
 
@@ -176,7 +176,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
 
 def run_profile(config: ProfileConfig) -> Profile:
     """Profile under torchrun (this process is one rank) or by starting `config.nproc` local workers."""
-    from runtime.launch import run_job, under_torchrun
+    from planner.platform.launch import run_job, under_torchrun
 
     if config.only_comm and config.base is None:
         raise PlannerError(f"--only comm updates an existing profile, but {config.output} does not exist")

@@ -14,7 +14,7 @@ import torch
 from planner.contracts.profile import FittedCurve, TopkTiming
 from planner.costmodel.problem import topk_count
 from planner.kernels.topk import SELECTORS, decode, pack, select_topk
-from profilers.timing import median, time_call
+from planner.platform.timing import median, time_call
 
 __all__ = ["measure_topk"]
 

@@ -4,7 +4,7 @@ A plan is made for one model, world size, backend and kind of device. Under elas
 size changes between restarts; a plan from another cluster may be handed to this one. With
 `auto_retune=True` every rank probes the network of its process group (`profilers.probe`), rank 0
 re-solves from the plan's stored per-layer profile (`planner.strategies.retune.retune_plan`) and broadcasts the
-new plan as JSON (`runtime.launch.broadcast_json`: data, never a pickle), so every rank runs the same
+new plan as JSON (`planner.platform.launch.broadcast_json`: data, never a pickle), so every rank runs the same
 plan. If rank 0 cannot re-plan (no profile, say), it broadcasts the reason and every rank raises the
 same error instead of hanging.
 """
@@ -21,8 +21,8 @@ from torch import nn
 from planner.contracts.fingerprint import model_info
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
+from planner.platform.launch import broadcast_json
 from planner.types import PlanMismatchError, PlannerError
-from runtime.launch import broadcast_json
 
 __all__ = ["resolve_plan"]
 

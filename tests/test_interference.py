@@ -16,12 +16,12 @@ from planner.contracts.profile import Calibration, FittedCurve, InSitu, Profile
 from planner.costmodel.costs import AffineCost, ScaledCost
 from planner.costmodel.simulator import simulate
 from planner.models import build_workload
+from planner.platform.launch import run_distributed
 from planner.solvers import BASELINES, DDP_BASELINE
 from planner.strategies.cluster import parse_cluster, profile_for_cluster
 from planner.strategies.gradients import make_plan
 from planner.types import Collective, DistributedError, InvalidProfileError, SchemaError, Strategy
 from runtime.exchange import write_scaled
-from runtime.launch import run_distributed
 from tests.factories import synthetic_profile
 
 SIGMAS = {Collective.ALLREDUCE: 0.8, Collective.ALLGATHER: 1.3}

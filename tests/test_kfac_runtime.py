@@ -26,9 +26,9 @@ import runtime.kfac
 from planner.contracts.kfac import KFACSection, factor_name, kfac_layers
 from planner.contracts.layers import gradient_layers, groups_for
 from planner.contracts.plan import Plan
+from planner.platform.launch import run_distributed
 from planner.types import DistributedError, FactorKind, InverseMethod, PlanMismatchError, Strategy
 from runtime import KFACPreconditioner
-from runtime.launch import run_distributed
 from tests.factories import plan_with_groups
 
 WORLD_SIZE = 2

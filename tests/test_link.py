@@ -18,12 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import runtime.link as link_mod
+import planner.platform.link as link_mod
 from planner.commands.cli import main
 from planner.contracts.fingerprint import ClusterInfo
-from planner.types import DistributedError
-from runtime.launch import run_distributed
-from runtime.link import (
+from planner.platform.launch import run_distributed
+from planner.platform.link import (
     LINK_ENV,
     EmulatedLink,
     LinkError,
@@ -32,6 +31,7 @@ from runtime.link import (
     parse_rate,
     privilege_problem,
 )
+from planner.types import DistributedError
 
 needs_root = pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated link here: {privilege_problem()}")
 PLAN = Path(__file__).resolve().parents[1] / "plans" / "lstm-2w-dense.json"
@@ -208,8 +208,8 @@ def test_stale_namespaces_of_dead_runs_are_removed() -> None:
 SLEEPER = textwrap.dedent("""
     import faulthandler, signal, sys, time
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, should it hang
-    from runtime.launch import run_distributed
-    from runtime.link import parse_rate
+    from planner.platform.launch import run_distributed
+    from planner.platform.link import parse_rate
     from tests.test_link import sleep_forever
 
     run_distributed(sleep_forever, 2, timeout=120, link=parse_rate("1gbit"))

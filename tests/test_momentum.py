@@ -19,9 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import runtime.exchange as exchange_module
 from planner.costmodel.problem import topk_count
+from planner.platform.launch import run_distributed
 from planner.types import PlanMismatchError, Strategy
 from runtime import GradientExchange
-from runtime.launch import run_distributed
 from tests.test_runtime import make_plan
 
 WORLD_SIZE = 2

@@ -14,13 +14,13 @@ from planner.contracts.fingerprint import ClusterInfo
 from planner.contracts.plan import Plan
 from planner.contracts.profile import FittedCurve
 from planner.models import build_workload
+from planner.platform.launch import run_distributed
 from planner.strategies.gradients import make_plan
 from planner.strategies.kfac import make_kfac_plan
 from planner.strategies.retune import compare_plans, current_profile, load_source_profile, retune_plan
 from planner.types import Collective, InvalidProfileError, PlanMismatchError, Strategy
 from runtime.exchange import GradientExchange
 from runtime.kfac import KFACPreconditioner
-from runtime.launch import run_distributed
 from tests.factories import synthetic_profile
 
 MODEL = "tests.test_end_to_end:tiny_kfac_workload"

@@ -23,9 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from planner.contracts.layers import gradient_layers, groups_for
 from planner.contracts.plan import Group, Plan
+from planner.platform.launch import run_distributed
 from planner.types import DistributedError, PlanMismatchError, Strategy
 from runtime import GradientExchange, TopkHookState, topk_hook
-from runtime.launch import run_distributed
 from tests.factories import plan_with_groups
 
 WORLD_SIZE = 2

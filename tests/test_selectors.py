@@ -224,7 +224,7 @@ def _hook_selectors_worker(rank: int, world_size: int) -> int:
 
 
 def test_ddp_hook_with_the_sampled_selector_matches_exact() -> None:
-    from runtime.launch import run_distributed
+    from planner.platform.launch import run_distributed
 
     sizes = run_distributed(_hook_selectors_worker, 2)
     assert all(n >= compress._SAMPLED_MIN_NUMEL for n in sizes)  # the sampled path ran

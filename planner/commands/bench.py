@@ -24,7 +24,7 @@ from planner.models import build_workload
 from planner.types import PlanMismatchError, Strategy
 
 if TYPE_CHECKING:
-    from runtime.link import LinkRate
+    from planner.platform.link import LinkRate
 
 __all__ = [
     "LOCAL",
@@ -268,6 +268,6 @@ def run_bench(config: BenchConfig) -> list[BenchResult] | None:
                 f"the plan was made for world size {plan.cluster.world_size}, but --nproc is {config.nproc}; "
                 f"re-plan: {plan.replan_command()}"
             )
-    from runtime.launch import run_job
+    from planner.platform.launch import run_job
 
     return run_job(bench_worker, config.nproc, config, backend="gloo", link=config.link)

@@ -32,7 +32,7 @@ from planner.strategies.kfac import reference_sections
 from planner.types import PlanMismatchError
 
 if TYPE_CHECKING:
-    from runtime.link import LinkRate
+    from planner.platform.link import LinkRate
 
 __all__ = ["KFACBenchConfig", "kfac_bench_worker", "kfac_variants", "run_kfac_bench"]
 
@@ -153,7 +153,7 @@ def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult] | None:
             f"re-plan: {plan.replan_command()}"
         )
     from planner.contracts.kfac import kfac_layers
-    from runtime.launch import run_job
+    from planner.platform.launch import run_job
 
     module = build_workload(config.model, batch_size=config.batch_size).module
     plan.check_compatible(model_info(module, config.model), config.nproc)

@@ -95,8 +95,8 @@ def _nonnegative_float(text: str) -> float:
 
 
 def _link_rate(text: str) -> Any:
-    """`--link RATE`: a `runtime.link.LinkRate` (argparse turns a bad rate into one line and exit 2)."""
-    from runtime.link import LinkError, parse_rate
+    """`--link RATE`: a `planner.platform.link.LinkRate` (argparse turns a bad rate into one line and exit 2)."""
+    from planner.platform.link import LinkError, parse_rate
 
     try:
         return parse_rate(text)
@@ -872,7 +872,7 @@ class BenchCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from planner.commands.bench import BenchConfig, run_bench
         from planner.contracts.plan import Plan
-        from runtime.launch import under_torchrun
+        from planner.platform.launch import under_torchrun
 
         plans = tuple(Plan.load(p) for p in args.plan)
         if under_torchrun():  # one rank of torchrun's group, maybe across hosts: its size is the world size
@@ -1019,7 +1019,7 @@ class DemoCommand(Command):
     @staticmethod
     def _demo_link(text: str) -> Any:
         """The demo's link: the one asked for; by default DEMO_LINK where the privilege is there, else loopback."""
-        from runtime.link import parse_rate, privilege_problem
+        from planner.platform.link import parse_rate, privilege_problem
 
         if text.lower() == "none":
             return None

@@ -11,7 +11,7 @@ searches, within ranges the user allows (`TuneSpace`):
 - the top-k density (top-k plans), and the factor and inverse update intervals (K-FAC plans).
 
 Each trial's parameters become a plan (`params_to_plan`), and the plan is run for real: one distributed
-job (`runtime.launch.run_distributed`, gloo) runs every trial in the same processes. Rank 0 owns the
+job (`planner.platform.launch.run_distributed`, gloo) runs every trial in the same processes. Rank 0 owns the
 study (SQLite through `optuna.storages.RDBStorage`), asks for a trial, makes its plan and broadcasts it;
 every rank builds the runtime for it (`GradientExchange`, or `KFACPreconditioner` for K-FAC plans) on a
 fresh copy of the model, runs `warmup` steps, then `steps` measured steps in `rungs` chunks. After each
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     import torch
 
     from planner.commands.bench import BenchResult
-    from runtime.link import LinkRate
+    from planner.platform.link import LinkRate
 
 __all__ = [
     "STRATEGIES",
@@ -229,7 +229,7 @@ class TuneConfig:
         output: where to write the tuned plan (atomically); None: not written.
         timeout_s: limit of the whole job (and of every collective) in seconds.
         show_progress: progress bars on stderr (rank 0).
-        link: run the workers behind an emulated link of this rate (`runtime.link`); None: loopback.
+        link: run the workers behind an emulated link of this rate (`planner.platform.link`); None: loopback.
     """
 
     profile: Profile
@@ -589,7 +589,7 @@ def open_study(config: TuneConfig) -> tuple[optuna.Study, int]:
 
 def _broadcast(value: Any, rank: int) -> Any:
     """Rank 0's JSON-compatible `value` on every rank (as JSON: plans travel as data, never as pickles)."""
-    from runtime.launch import broadcast_json
+    from planner.platform.launch import broadcast_json
 
     return broadcast_json(value if rank == 0 else None)
 
@@ -907,7 +907,7 @@ def run_tune(config: TuneConfig) -> TuneResult:
     from planner.contracts.fingerprint import model_info
     from planner.contracts.kfac import kfac_layers
     from planner.models import build_workload
-    from runtime.launch import run_distributed
+    from planner.platform.launch import run_distributed
 
     profile = config.profile
     if profile.cluster.world_size != config.nproc:

@@ -49,7 +49,7 @@ class ClusterInfo:
     """Where: world size, backend, device name, number of hosts, and the emulated link if any.
 
     `link` is the rate of the emulated slower network the workers ran behind (`--link 1gbit`, see
-    `runtime.link`), or None for the real network (loopback for local workers). Documents written before
+    `planner.platform.link`), or None for the real network (loopback for local workers). Documents written before
     it existed have no `link` field and read as None.
     """
 

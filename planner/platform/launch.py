@@ -5,8 +5,8 @@ without `torchrun`. Each worker is a fresh "spawn" process (so `fn` must be impo
 function), runs `fn(rank, world_size, *args)`, and sends back its (picklable) return value or its
 exception. A worker that hangs past `timeout` gets every worker killed and the call fails.
 
-With `link=` (a `runtime.link.LinkRate`) the workers run behind an emulated slower network instead of
-loopback: each in its own network namespace, its egress shaped to the rate (see `runtime.link`); the
+With `link=` (a `planner.platform.link.LinkRate`) the workers run behind an emulated slower network instead of
+loopback: each in its own network namespace, its egress shaped to the rate (see `planner.platform.link`); the
 namespaces are torn down when the call returns or fails.
 """
 
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from planner.platform.link import LINK_ENV, EmulatedLink, LinkError, LinkRate, enter_namespace
 from planner.types import DistributedError, PlannerError
-from runtime.link import LINK_ENV, EmulatedLink, LinkError, LinkRate, enter_namespace
 
 __all__ = [
     "RemoteTraceback",
@@ -169,7 +169,7 @@ def run_distributed(
         timeout: seconds after which a worker that has not finished is killed with all the others;
             also the process group's collective timeout.
         backend: "gloo" (default) or "nccl" (each rank then uses GPU `rank % device_count`).
-        link: run the workers behind an emulated link of this rate (`runtime.link`; needs root, else
+        link: run the workers behind an emulated link of this rate (`planner.platform.link`; needs root, else
             `LinkUnavailableError`), torn down before the call returns or raises.
 
     Returns:

@@ -17,7 +17,7 @@ a tbf queue adds some delay of its own under load, no more. The token bucket hol
 (at least 64 KiB), so after an idle moment that much passes at loopback speed. The rate caps each worker's egress, which
 is what a real NIC does, but both directions of all workers share one machine's CPU.
 
-The launcher (`runtime.launch.run_distributed(..., link=...)`) creates the namespaces, moves each
+The launcher (`planner.platform.launch.run_distributed(..., link=...)`) creates the namespaces, moves each
 spawned worker into its own (`enter_namespace`, a `setns(2)` before the process group is made), tells
 gloo which interface to use (`GLOO_SOCKET_IFNAME`) and tears everything down on every exit path: a
 normal return, an error, Ctrl-C or SIGTERM, a killed worker. Names carry the launcher's pid and a
