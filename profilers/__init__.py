@@ -1,7 +1,5 @@
-"""Measurements on the target devices and process group that `planner profile` turns into a profile."""
-
-from __future__ import annotations
-
-from profilers.session import ProfileConfig, profile_worker, run_profile
-
-__all__ = ["ProfileConfig", "profile_worker", "run_profile"]
+"""The measurements behind `planner profile` (planner/commands/profile.py runs them on N workers):
+per-layer compute (`layers.py`), collectives (`comm.py`), top-k selection and decoding (`topk.py`),
+K-FAC factors and decompositions (`kfac.py`), interference of communication with compute
+(`interference.py`), and the quick probe of the cluster that re-tuning uses (`probe.py`). They
+import no runtime class: what the runtime's own work costs it measures itself (`runtime.calibrate`)."""

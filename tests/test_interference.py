@@ -126,7 +126,7 @@ def test_write_scaled_writes_a_gradient_once_scaled() -> None:
 
 
 def test_measure_packing_times_every_size() -> None:
-    from profilers.interference import measure_packing
+    from runtime.calibrate import measure_packing
 
     curve = measure_packing([1 << 10, 1 << 14, 1 << 16], 2, torch.device("cpu"), repeats=2, warmup=1)
     assert [n for n, _ in curve.points] == [1 << 10, 1 << 14, 1 << 16]
@@ -235,9 +235,9 @@ def test_the_ddp_row_is_predicted_with_ddps_own_cost_and_stays_above_the_bound()
 
 def _in_situ_worker(rank: int, world_size: int) -> InSitu:
     from planner.contracts.profile import TopkTiming
-    from profilers.interference import measure_in_situ, measure_packing
     from profilers.layers import combine_ranks, measure_layers
     from profilers.topk import measure_topk
+    from runtime.calibrate import measure_in_situ, measure_packing
 
     torch.manual_seed(0)
     workload = build_workload("mlp")

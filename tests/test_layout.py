@@ -1,4 +1,5 @@
-"""The code's layout: no import circles between the modules of planner/, profilers/ and runtime/."""
+"""The code's layout: no import circles between the modules of planner/, profilers/ and runtime/, and
+each layer imports only the layers below it."""
 
 from __future__ import annotations
 
@@ -75,3 +76,52 @@ def test_the_import_graph_has_no_circle() -> None:
     assert {"planner.contracts.kfac", "planner.contracts.plan", "profilers.kfac", "runtime.kfac"} <= set(graph)
     assert "planner.kernels.kfac" in graph["profilers.kfac"] and "runtime.kfac" not in graph["profilers.kfac"]
     assert circles(graph) == []
+
+
+#: Each layer and the layers it may import (besides itself). The base is what every layer stands on:
+#: errors and enums, the console, the built-in models, the kernels that both the profilers and the
+#: runtime run, and the platform (launching workers, the emulated link, timing).
+BASE = {"planner.types", "planner.console", "planner.models", "planner.kernels", "planner.platform"}
+MAY_IMPORT = {
+    "base": set(),
+    "costmodel": {"base"},
+    "contracts": {"base", "costmodel"},
+    "solvers": {"base", "costmodel"},
+    "strategies": {"base", "costmodel", "contracts", "solvers"},
+    "profilers": {"base", "costmodel", "contracts"},
+    "runtime": {"base", "costmodel", "contracts", "solvers"},
+    "commands": {"base", "costmodel", "contracts", "solvers", "strategies", "profilers", "runtime"},
+    "shims": {"contracts", "commands"},
+}
+#: The one way up: the runtime re-plans on attach (re-probing the cluster, then re-solving).
+EXCEPTIONS = {"runtime.retune": {"profilers", "strategies"}}
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] in ("profilers", "runtime"):
+        return parts[0]
+    if len(parts) == 1 or parts[1] in ("__main__", "plan"):  # the package, `python -m planner`, a kept import
+        return "shims"
+    if ".".join(parts[:2]) in BASE:
+        return "base"
+    return parts[1]
+
+
+def test_layers_are_named() -> None:
+    assert layer("planner.contracts.plan") == "contracts" and layer("planner.kernels.topk") == "base"
+    assert layer("runtime.exchange") == "runtime" and layer("planner.plan") == "shims"
+    assert {layer(m) for m in import_graph()} == set(MAY_IMPORT)
+
+
+def test_each_layer_imports_only_the_layers_below() -> None:
+    wrong = [
+        f"{module} imports {target}"
+        for module, targets in sorted(import_graph().items())
+        for target in sorted(targets)
+        if layer(target) != layer(module)
+        and layer(target) not in MAY_IMPORT[layer(module)] | EXCEPTIONS.get(module, set())
+    ]
+    assert wrong == []
+    graph = import_graph()
+    assert not any(layer(t) == "runtime" for m in graph if layer(m) == "profilers" for t in graph[m])

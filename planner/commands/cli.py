@@ -259,8 +259,8 @@ class ProfileCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
 
     def run(self, args: argparse.Namespace) -> int:
+        from planner.commands.profile import ProfileConfig, run_profile
         from planner.contracts.profile import Profile
-        from profilers import ProfileConfig, run_profile
 
         if args.kfac_skip is not None:
             if not args.kfac:
@@ -985,8 +985,8 @@ class DemoCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.commands.bench import BenchConfig, run_bench
+        from planner.commands.profile import ProfileConfig, run_profile
         from planner.strategies.gradients import make_plan
-        from profilers import ProfileConfig, run_profile
 
         link = self._demo_link(args.link)
         ensure_folder(args.profiles_dir, "profiles folder")

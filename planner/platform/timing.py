@@ -1,4 +1,5 @@
-"""Clocks for measuring on CPU (perf_counter) and CUDA (events), and robust statistics."""
+"""Clocks for measuring on CPU (perf_counter) and CUDA (events), and robust statistics (over every
+rank's samples with `gathered`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["Marks", "iqr", "median", "time_call"]
+__all__ = ["Marks", "gathered", "iqr", "median", "stream_seconds", "time_call"]
 
 
 class Marks:
@@ -82,3 +84,23 @@ def iqr(xs: Sequence[float]) -> float:
         return 0.0
     q = statistics.quantiles(xs, n=4, method="inclusive")
     return float(q[2] - q[0])
+
+
+def stream_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds `fn` takes on the compute stream; on a GPU between events on the current stream only (a
+    device-wide synchronize would wait for the collectives' stream too)."""
+    if device.type != "cuda":
+        return time_call(fn, device, repeats=1, warmup=0)[0]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def gathered(samples: list[float], group: Any) -> list[float]:
+    """Every rank's samples (the same number on each)."""
+    everyone: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, samples, group=group)
+    return [float(x) for xs in everyone for x in xs]  # type: ignore[attr-defined]

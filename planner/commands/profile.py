@@ -19,16 +19,12 @@ from planner.platform.link import LinkRate
 from planner.platform.timing import median
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import log_sizes, measure_collectives
-from profilers.interference import (
-    INTERFERENCE_MESSAGE_BYTES,
-    measure_in_situ,
-    measure_interference,
-    measure_packing,
-)
+from profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_interference
 from profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
 from profilers.layers import combine_ranks, measure_layers, measure_steps
 from profilers.probe import current_cluster
 from profilers.topk import measure_topk
+from runtime.calibrate import measure_in_situ, measure_packing
 
 __all__ = ["DEFAULT_DENSITIES", "ProfileConfig", "profile_worker", "run_profile"]
 

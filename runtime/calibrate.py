@@ -1,0 +1,195 @@
+"""The runtime measures its own work on the compute stream, for the profile's calibration
+(`planner.contracts.profile.InSitu`):
+
+- packing: `write_scaled` (a group's gradients into its flat buffer, divided by the world size)
+  against the number of elements;
+- in situ: `GradientExchange` itself (one group per layer, sending nothing) in real steps beside
+  steps without it, against what the micro-benchmarked curves predict for the same groups; and
+  PyTorch DDP with a comm hook that sends nothing, against packing on its default buckets.
+
+`planner profile` runs these in its workers after the profilers' measurements.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from planner.contracts.profile import Calibration, FittedCurve, InSitu, LayerTiming, TopkTiming
+from planner.costmodel.costs import CostModel
+from planner.models import Workload
+from planner.platform.timing import gathered, median, stream_seconds, time_call
+from planner.types import Strategy
+from runtime.ddp_hooks import has_unused_parameters, silent_hook
+from runtime.exchange import GradientExchange, write_scaled
+
+__all__ = ["measure_in_situ", "measure_packing"]
+
+
+def measure_packing(
+    sizes: Sequence[int], world_size: int, device: torch.device, *, repeats: int, warmup: int,
+    on_point: Callable[[], object] = lambda: None,
+) -> FittedCurve:
+    """Median seconds of `write_scaled` writing N gradient elements into a flat buffer, scaled by 1/P, for
+    each N in `sizes`, with the affine fit."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    points = []
+    for n in sizes:
+        grad = torch.randn(n, generator=gen).to(device)
+        flat = torch.empty(n, device=device)
+        samples = time_call(functools.partial(write_scaled, grad, flat, 1.0 / world_size), device,
+                            repeats=repeats, warmup=warmup)
+        points.append((int(n), median(samples)))
+        on_point()
+    return FittedCurve.fit(points)
+
+
+class _SilentExchange(GradientExchange):
+    """The runtime with every collective skipped: each rank's message stands for every rank's (top-k decodes
+    P copies of its own), so prepare and finish do all their usual work and nothing is sent."""
+
+    def _start_collective(self, st: Any) -> Any:
+        if st.recv is not None:
+            size = st.k_now * 2
+            for r in range(self.world_size):
+                st.recv[r * size : (r + 1) * size].copy_(st.send[:size])
+        return None
+
+
+def measure_in_situ(
+    workload: Workload,
+    device: torch.device,
+    layers: Sequence[LayerTiming],
+    world_size: int,
+    *,
+    pack: CostModel,
+    topk: TopkTiming | None,
+    density: float,
+    repeats: int,
+    process_group: Any = None,
+    on_point: Callable[[], object] = lambda: None,
+) -> InSitu:
+    """Calibrate packing, each selector and decoding against the runtime in real steps (every rank calls it).
+
+    For dense and for top-k at `density` with each selector `topk` measured, the runtime with one group per
+    layer (in `layers`' ready order) and a plain copy of the model run alternately, `repeats` steps each
+    after one of each unmeasured. The runtime's extra backward time (its hooks pack or select) and its
+    synchronize time (top-k: decoding) are compared with the curves' sum over the same groups; medians are
+    over every rank's samples. With more than one worker, PyTorch DDP with a comm hook that sends nothing
+    is measured the same way against packing on its default buckets (`InSitu.ddp_pack`). `on_point` is
+    called after each pair of steps.
+    """
+    from planner.contracts.fingerprint import ClusterInfo, model_info
+    from planner.contracts.layers import LayerSpec, groups_for
+    from planner.contracts.plan import Plan
+    from planner.costmodel.problem import Prediction, topk_count
+
+    specs = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in layers]
+    per_layer = tuple(range(1, len(specs) + 1))
+    configs: list[tuple[Strategy, str | None]] = [(Strategy.DENSE, None)]
+    if world_size > 1:
+        configs.append((Strategy.DENSE, "ddp"))
+    if topk is not None:
+        configs += [(Strategy.TOPK, selector) for selector in topk.selectors()]
+    inputs, targets = (t.to(device) for t in workload.batch(seed=2468))
+    plain = workload.module.to(device)
+    name = workload.name
+    pack_calibration = decode_calibration = ddp_calibration = None
+    select_calibration: dict[str, Calibration] = {}
+    sizes = [s.numel for s in specs]
+    for strategy, selector in configs:
+        if selector == "ddp":
+            extra_s = _ddp_extra_seconds(workload, plain, inputs, targets, device, repeats, process_group, on_point)
+            ddp_calibration = Calibration(measured_s=max(0.0, extra_s),
+                                          modelled_s=sum(pack.cost(n) for n in _ddp_buckets(sizes)))
+            continue
+        d = density if strategy is Strategy.TOPK else None
+        plan = Plan(
+            strategy=strategy, density=d, selector=selector, model=model_info(plain, name),
+            cluster=ClusterInfo(world_size=world_size, backend=dist.get_backend(process_group), device=str(device)),
+            groups=groups_for(specs, per_layer, strategy, d),
+            predicted=Prediction(iteration_s=0, compute_s=0, exposed_comm_s=0, comm_s=0), baselines={},
+            lower_bound_s=0.0, solver="in-situ", solve_seconds=0.0, source_profile="", profiled="", created="",
+        )
+        hooked = copy.deepcopy(plain)
+        exchange = _SilentExchange(hooked, plan, process_group=process_group)
+        extra, finish = [], []
+        try:
+            for i in range(repeats + 1):
+                alone, with_hooks = _pair(workload, plain, hooked, inputs, targets, device, flip=bool(i % 2))
+                synchronize = stream_seconds(exchange.synchronize, device)
+                if i:
+                    extra.append(with_hooks - alone)
+                    finish.append(synchronize)
+                    on_point()
+        finally:
+            exchange.close()
+        extra_s, finish_s = median(gathered(extra, process_group)), median(gathered(finish, process_group))
+        if strategy is Strategy.DENSE:
+            pack_calibration = Calibration(measured_s=max(0.0, extra_s), modelled_s=sum(pack.cost(n) for n in sizes))
+            continue
+        assert topk is not None and selector is not None
+        select = topk.select_model(density, selector)
+        select_calibration[selector] = Calibration(measured_s=max(0.0, extra_s),
+                                                   modelled_s=sum(select.cost(n) for n in sizes))
+        if decode_calibration is None:  # the same decode for either selector: calibrate it once
+            decode = topk.decode.model
+            decode_calibration = Calibration(
+                measured_s=finish_s, modelled_s=sum(decode.cost(world_size * topk_count(n, density)) for n in sizes))
+    return InSitu(pack=pack_calibration, select=select_calibration, decode=decode_calibration,
+                  ddp_pack=ddp_calibration)
+
+
+def _ddp_extra_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                       device: torch.device, repeats: int, group: Any, on_point: Callable[[], object]) -> float:
+    """Median over ranks of how much longer DDP's backward pass is than `plain`'s, when its comm hook sends
+    nothing: DDP's own work, copying gradients into its buckets and back."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    unused = has_unused_parameters(plain, lambda m: workload.loss_fn(m(inputs), targets), group)
+    wrapped = DistributedDataParallel(copy.deepcopy(plain), process_group=group, find_unused_parameters=unused)
+    wrapped.register_comm_hook(None, silent_hook)
+    extra = []
+    for i in range(repeats + 1):
+        alone, with_ddp = _pair(workload, plain, wrapped, inputs, targets, device, flip=bool(i % 2))
+        if i:
+            extra.append(with_ddp - alone)
+            on_point()
+    return median(gathered(extra, group))
+
+
+def _ddp_buckets(sizes: Sequence[int]) -> list[int]:
+    """Elements of each of DDP's default buckets over layers of `sizes` elements, in ready order (as the
+    "ddp-25mb" baseline forms them)."""
+    from planner.costmodel.costs import AffineCost
+    from planner.costmodel.problem import GradientProblem, groups_of
+    from planner.solvers import BASELINES, DDP_BASELINE
+
+    problem = GradientProblem(strategy=Strategy.DENSE, forward_s=0.0, update_s=0.0, backward_s=(0.0,) * len(sizes),
+                              numel=tuple(sizes), comm=AffineCost(alpha=0.0, beta=0.0), world_size=2)
+    ddp = next(b for b in BASELINES[Strategy.DENSE] if b.name == DDP_BASELINE)
+    return [sum(sizes[i] for i in r) for r in groups_of(ddp.solve(problem))]
+
+
+def _pair(workload: Workload, plain: torch.nn.Module, other: torch.nn.Module, inputs: torch.Tensor,
+          targets: torch.Tensor, device: torch.device, *, flip: bool) -> tuple[float, float]:
+    """Backward seconds of `plain` and of `other`, one after the other; `flip` runs `other` first (the
+    second of two passes in a row tends to be a little slower: alternating cancels that out)."""
+    if flip:
+        second = _backward_seconds(workload, other, inputs, targets, device)
+        return _backward_seconds(workload, plain, inputs, targets, device), second
+    first = _backward_seconds(workload, plain, inputs, targets, device)
+    return first, _backward_seconds(workload, other, inputs, targets, device)
+
+
+def _backward_seconds(workload: Workload, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                      device: torch.device) -> float:
+    """Seconds of one backward pass of `model` (gradients dropped first, forward untimed)."""
+    model.zero_grad(set_to_none=True)
+    loss = workload.loss_fn(model(inputs), targets)
+    return stream_seconds(loss.backward, device)
