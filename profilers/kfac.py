@@ -113,7 +113,6 @@ class _LayerWork:
     def __init__(self, spec: KFACLayerSpec, module: nn.Module, x: Tensor, grad: Tensor, device: torch.device,
                  gen: torch.Generator) -> None:
         self.spec, self.module, self.x, self.grad = spec, module, x, grad
-        self.batch = grad.shape[0] if grad.dim() > 1 else 1
         self.a_index = torch.triu_indices(spec.a_dim, spec.a_dim, device=device)
         self.g_index = torch.triu_indices(spec.g_dim, spec.g_dim, device=device)
         self.running = (torch.zeros(spec.a_dim, spec.a_dim, device=device),
@@ -132,9 +131,9 @@ class _LayerWork:
         return covariance(input_rows(self.module, self.x, torch.float32))[rows, cols]
 
     def g_factor(self) -> Tensor:
-        """G from the output gradient scaled by the batch, packed (what the output's tensor hook does)."""
+        """G from the output gradient, packed (what the output's tensor hook does)."""
         rows, cols = self.g_index
-        return covariance(output_grad_rows(self.module, self.grad, torch.float32) * self.batch)[rows, cols]
+        return covariance(output_grad_rows(self.module, self.grad, torch.float32))[rows, cols]
 
     def fold(self) -> None:
         """Unpack both averaged factors and fold them into their running averages (in `step()`)."""

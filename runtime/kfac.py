@@ -11,9 +11,11 @@ Design (as `GradientExchange`, see runtime/exchange.py):
 
 - Factors. On a factor step (every `factor_update_steps` calls of `step()`, in training mode with grad
   enabled) a forward hook computes each layer's A = aᵀa / rows from its input, and a tensor hook on the
-  layer's output computes G = gᵀg / rows from the output's gradient (g scaled by the batch size, undoing
-  the loss's mean). A tensor hook on the output, unlike a full backward hook, still sees the gradient
-  of the layer's output when an in-place op (ReLU(inplace=True)) follows. Each factor is packed as its
+  layer's output computes G = gᵀg / rows from the output's gradient as autograd gives it (kfac-pytorch's
+  convention, see planner/kernels/kfac.py: with a mean loss, G carries 1/B² for a local batch of B, so
+  it depends on the per-worker batch as kfac-pytorch's does). A tensor hook on the output, unlike a full
+  backward hook, still sees the gradient of the layer's output when an in-place op (ReLU(inplace=True))
+  follows. Each factor is packed as its
   upper triangle into its planned flat buffer; a complete buffer is allreduced asynchronously, buffers
   strictly in plan order (A buffers, then G buffers): one finished early waits until every earlier one
   is launched, so all ranks issue the same collectives in the same order. `step()` launches what is
@@ -171,12 +173,11 @@ class _Factor:
 class _Layer:
     """A K-FAC layer: its module, parameters and two factors."""
 
-    __slots__ = ("a", "bias", "conv", "g", "module", "name", "weight")
+    __slots__ = ("a", "bias", "g", "module", "name", "weight")
 
     def __init__(self, name: str, module: nn.Module, a: _Factor, g: _Factor) -> None:
         self.name = name
         self.module = module
-        self.conv = isinstance(module, nn.Conv2d)
         weight, bias = module.weight, module.bias
         assert isinstance(weight, nn.Parameter)
         self.weight: nn.Parameter = weight
@@ -189,11 +190,6 @@ class _Layer:
 
     def output_grads(self, grad: Tensor, dtype: torch.dtype) -> Tensor:
         return output_grad_rows(self.module, grad, dtype)
-
-    def batch_size(self, output: Tensor) -> int:
-        """The leading dimension of a batched output, 1 for an unbatched one."""
-        batched = output.dim() == 4 if self.conv else output.dim() >= 2
-        return output.shape[0] if batched else 1
 
 
 class _Buffer:
@@ -420,13 +416,12 @@ class KFACPreconditioner:
             a = layer.inputs(args[0], dtype)
             self._factor_ready(layer.a, covariance(a))
         if isinstance(output, Tensor) and output.requires_grad:
-            output.register_hook(functools.partial(self._output_grad_hook, layer, layer.batch_size(output)))
+            output.register_hook(functools.partial(self._output_grad_hook, layer))
 
-    def _output_grad_hook(self, layer: _Layer, batch_size: int, grad: Tensor) -> None:
-        """Tensor hook on a layer's output: compute G from the gradient (times the batch size, undoing the mean)."""
+    def _output_grad_hook(self, layer: _Layer, grad: Tensor) -> None:
+        """Tensor hook on a layer's output: compute G from the gradient."""
         with torch.no_grad():
-            g = layer.output_grads(grad, layer.g.inv_flat.dtype) * batch_size
-            self._factor_ready(layer.g, covariance(g))
+            self._factor_ready(layer.g, covariance(layer.output_grads(grad, layer.g.inv_flat.dtype)))
 
     def _factor_ready(self, factor: _Factor, value: Tensor) -> None:
         """Pack a fresh factor into its buffer; allreduce the buffer when complete, in buffer order."""

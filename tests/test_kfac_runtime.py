@@ -160,15 +160,19 @@ def train_steps(
     precond: KFACPreconditioner,
     batches: list[tuple[Tensor, Tensor]],
     forward: nn.Module | None = None,
+    *,
+    loss_scale: int = 1,
 ) -> list[dict[str, Tensor]]:
-    """SGD with momentum on the given batches; the preconditioned gradients after every step."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    """SGD with momentum on the given batches; the preconditioned gradients after every step. With
+    `loss_scale` s the loss is s times the mean, the learning rate 1/s times LR and the gradients returned
+    1/s times those K-FAC wrote: the same training, with G as a batch s times smaller gives it."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR / loss_scale, momentum=0.9)
     out = []
     for x, y in batches:
         opt.zero_grad()
-        F.cross_entropy((forward or model)(x), y).backward()
+        (loss_scale * F.cross_entropy((forward or model)(x), y)).backward()
         precond.step()
-        out.append(grads(model))
+        out.append({n: g / loss_scale for n, g in grads(model).items()})
         opt.step()
     return out
 
@@ -213,7 +217,8 @@ def _run_config(cfg: Config, rank: int, world_size: int, process_group: Any = No
     model = build_knet()
     section = replace(make_section(model, cfg.owners, cfg.buffers, cfg.method, cfg.factor_steps, cfg.inv_steps),
                       whole_factors=cfg.whole)
-    kwargs: dict[str, Any] = {"skip_layers": SKIP, "lr": LR, "damping": DAMPING, "process_group": process_group}
+    kwargs: dict[str, Any] = {"skip_layers": SKIP, "lr": LR, "damping": DAMPING, "process_group": process_group,
+                              "kl_clip": None}
     forward: nn.Module = model
     if cfg.source == "default":
         kwargs.update(method=cfg.method, factor_update_steps=cfg.factor_steps, inv_update_steps=cfg.inv_steps)
@@ -259,20 +264,26 @@ def _subgroup_worker(rank: int, world_size: int, configs: list[Config]) -> dict[
     return out
 
 
-def _one_process(cfg: Config) -> list[dict[str, Tensor]]:
-    """The reference: world size 1, no plan, the whole batch."""
+def _one_process(cfg: Config, world_size: int) -> list[dict[str, Tensor]]:
+    """The reference: world size 1, no plan, the whole batch.
+
+    Each rank's G comes from the gradient of its own mean loss, over a batch `world_size` times smaller
+    than the whole (kfac-pytorch's convention), so the reference backpropagates `world_size` times the
+    mean loss (each row's output gradient is then the one a rank sees) and trains with the learning rate
+    divided by as much. KL clipping is off on both sides: it is not linear in the gradient's scale."""
     model = build_knet()
     precond = KFACPreconditioner(
         model,
         skip_layers=SKIP,
         lr=LR,
         damping=DAMPING,
+        kl_clip=None,
         method=cfg.method,
         factor_update_steps=cfg.factor_steps,
         inv_update_steps=cfg.inv_steps,
     )
     assert precond.world_size == 1
-    return train_steps(model, precond, [full_batch(step) for step in range(STEPS)])
+    return train_steps(model, precond, [full_batch(step) for step in range(STEPS)], loss_scale=world_size)
 
 
 SUBGROUP_CONFIGS = [
@@ -296,7 +307,7 @@ def test_a_subgroup_of_three_ranks_equals_one_process() -> None:
 def check_against_one_process(results: list[dict[str, list[dict[str, Any]]]], configs: list[Config]) -> None:
     """Every rank's gradients at every step equal the one-process run's (tolerances above); ranks agree exactly."""
     for cfg in configs:
-        want = _one_process(cfg)
+        want = _one_process(cfg, world_size=len(results))
         for rank, result in enumerate(results):
             for step, (got_step, want_step) in enumerate(zip(result[cfg.name], want, strict=True)):
                 for name, got in got_step.items():
@@ -345,7 +356,10 @@ def _patches(conv: nn.Conv2d, x: Tensor) -> Tensor:
 
 
 def _reference_factors(model: ConvStack, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-    """A and G of every layer from saved inputs and retained output gradients; checks gᵀa / N is the gradient."""
+    """A and G of every layer in kfac-pytorch's convention, from saved inputs and retained output gradients:
+    A = E[a aᵀ], G = E[g gᵀ] over rows (per sample and output position), g the output gradient of the mean
+    loss as autograd gives it, a convolution's rows (a's ones column included) divided by its number of
+    output positions. Checks that gᵀa (before that division) is the weight gradient."""
     saved: dict[str, tuple[Tensor, Tensor]] = {}
 
     def keep(name: str) -> Any:
@@ -357,7 +371,6 @@ def _reference_factors(model: ConvStack, x: Tensor, y: Tensor) -> dict[str, Tens
 
     handles = [getattr(model, n).register_forward_hook(keep(n)) for n in ("conv_a", "conv_b", "fc")]
     model.zero_grad()
-    batch = x.shape[0]
     F.mse_loss(model(x), y).backward()
     for h in handles:
         h.remove()
@@ -367,16 +380,19 @@ def _reference_factors(model: ConvStack, x: Tensor, y: Tensor) -> dict[str, Tens
         assert out.grad is not None
         if isinstance(layer, nn.Conv2d):
             a = _patches(layer, inp)
-            g = out.grad.permute(0, 2, 3, 1).reshape(-1, out.shape[1]) * batch
+            g = out.grad.permute(0, 2, 3, 1).reshape(-1, out.shape[1])
+            positions = out.shape[2] * out.shape[3]
         else:
             a = inp.reshape(-1, inp.shape[-1])
-            g = out.grad.reshape(-1, out.shape[-1]) * batch
+            g = out.grad.reshape(-1, out.shape[-1])
+            positions = 1
         if layer.bias is not None:
             a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], dim=1)
         grad = layer.weight.grad.reshape(layer.weight.shape[0], -1)
         if layer.bias is not None:
             grad = torch.cat([grad, layer.bias.grad[:, None]], dim=1)
-        torch.testing.assert_close(g.T @ a / batch, grad)  # the patches are laid out like the weight
+        torch.testing.assert_close(g.T @ a, grad)  # the patches are laid out like the weight
+        a, g = a / positions, g / positions
         factors[f"{name}.A"] = a.T @ a / a.shape[0]
         factors[f"{name}.G"] = g.T @ g / g.shape[0]
     return factors
@@ -390,11 +406,14 @@ def test_factors_and_preconditioned_gradient_match_direct_computations(method: I
     model = ConvStack().double()
     x = torch.randn(5, 2, 6, 6, dtype=torch.float64)
     y = torch.randn(5, 9, 3, dtype=torch.float64)
-    want = _reference_factors(model, x, y)
+    batch_factors = _reference_factors(model, x, y)
+    decay = 0.9
+    # the running averages start at the identity: one update gives decay·I + (1 − decay)·factor
+    want = {n: decay * torch.eye(len(f), dtype=f.dtype) + (1 - decay) * f for n, f in batch_factors.items()}
     damping = 0.01
     for inplace in (False, True):
         model.inplace = inplace
-        with KFACPreconditioner(model, method=method, damping=damping, kl_clip=None) as precond:
+        with KFACPreconditioner(model, method=method, damping=damping, kl_clip=None, factor_decay=decay) as precond:
             model.zero_grad()
             F.mse_loss(model(x), y).backward()
             plain = grads(model)
@@ -519,7 +538,8 @@ def test_buffers_launch_in_section_order(monkeypatch: pytest.MonkeyPatch) -> Non
     assert launched == [0, 1]
     precond.step()
     assert launched == [0, 1, 2, 3, 4, 5]
-    assert torch.count_nonzero(precond.factors()["third.A"]) == 0
+    third = precond.factors()["third.A"]  # counted as zeros: the running average from I is 0.95 I + 0.05 * 0
+    torch.testing.assert_close(third, 0.95 * torch.eye(len(third)))
     assert model.third.weight.grad is None  # no gradient: nothing to precondition
     model(x).sum().backward()  # step 1 is no factor step: no factors, no launches
     precond.step()

@@ -22,6 +22,7 @@ from planner.costmodel.problem import topk_count
 from planner.platform.launch import run_distributed
 from planner.types import PlanMismatchError, Strategy
 from runtime import GradientExchange
+from tests.digits import digits
 from tests.test_runtime import make_plan
 
 WORLD_SIZE = 2
@@ -123,20 +124,13 @@ def _warmup_worker(rank: int, world_size: int) -> dict[str, Any]:
             "numels": [g.numel for g in plan.groups], "ks": [g.k for g in plan.groups]}
 
 
-def _digits() -> tuple[torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    return torch.tensor(data.data, dtype=torch.float32) / 16.0, torch.tensor(data.target, dtype=torch.long)
-
-
 def _train_digits(rank: int, world_size: int, correction: bool, seed: int, steps: int) -> float:
     """A 64-128-10 MLP on digits: dense momentum SGD, or top-k 1% with momentum correction.
 
     Global batch 256 (each rank its half), lr 0.3 decayed linearly to 0, an L2 penalty of 1e-3 in the
     loss (so the loss levels off and "within 5%" compares converged runs); returns the full-data loss.
     """
-    x, y = _digits()
+    x, y = digits()
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     lr = 0.3

@@ -1,6 +1,17 @@
 """The K-FAC kernels that the profiler times and the runtime runs: factor rows and covariances, running
 averages, decompositions and preconditioning (`profilers.kfac` measures exactly what
-`runtime.KFACPreconditioner` computes, and neither imports the other for it)."""
+`runtime.KFACPreconditioner` computes, and neither imports the other for it).
+
+The factors follow kfac-pytorch's convention (and the K-FAC paper's expectations over the batch), so a
+damping value means the same thing here as there:
+
+- A = E[a aᵀ] over the rows a of the layer's input (a ones column appended for a bias); G = E[g gᵀ]
+  over the rows g of the gradient of the loss with respect to the layer's output, as autograd delivers
+  it (with a loss that is a mean over the local batch of B samples, each row carries that 1/B);
+- for a Conv2d the rows are one per sample and output position, and both a (ones column included) and
+  g are divided by the number of output positions s = H_out·W_out, as kfac-pytorch does;
+- running averages start at the identity: the first update gives decay·I + (1 − decay)·A.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +42,8 @@ def factor_dtype(param: Tensor) -> torch.dtype:
 
 
 def input_rows(module: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
-    """The rows `a` whose covariance is A: inputs (or unfolded patches), with a ones column for the bias."""
+    """The rows `a` whose covariance is A: inputs (or unfolded patches), with a ones column for the bias;
+    a convolution's rows (bias column included) divided by its number of output positions."""
     x = x.detach().to(dtype)
     if isinstance(module, nn.Conv2d):
         if x.dim() == 3:
@@ -42,21 +54,25 @@ def input_rows(module: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
             x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
             padding = 0
         patches = F.unfold(x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride)
+        positions = patches.shape[2]
         a = patches.transpose(1, 2).reshape(-1, patches.shape[1])  # (N * H' * W', C * kh * kw)
     else:
+        positions = 1
         a = x.reshape(-1, x.shape[-1])
     if isinstance(getattr(module, "bias", None), nn.Parameter):
         a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
-    return a
+    return a / positions if positions > 1 else a
 
 
 def output_grad_rows(module: nn.Module, grad: Tensor, dtype: torch.dtype) -> Tensor:
-    """The rows `g` whose covariance is G: output gradients, channels last for a convolution."""
+    """The rows `g` whose covariance is G: output gradients as autograd gives them; for a convolution,
+    channels last and divided by the number of output positions."""
     grad = grad.detach().to(dtype)
     if isinstance(module, nn.Conv2d):
         if grad.dim() == 3:
             grad = grad.unsqueeze(0)
-        return grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1])
+        positions = grad.shape[2] * grad.shape[3]
+        return grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1]) / positions
     return grad.reshape(-1, grad.shape[-1])
 
 
@@ -73,9 +89,10 @@ def symmetric_from_triangle(flat: Tensor, rows: Tensor, cols: Tensor, out: Tenso
 
 
 def fold_factor(running: Tensor | None, new: Tensor, decay: float) -> Tensor:
-    """The running average of a factor: decay * running + (1 - decay) * new, in place; `new` the first time."""
+    """The running average of a factor: decay * running + (1 - decay) * new, in place; the first time
+    (`running` None) it starts from the identity, as kfac-pytorch's does."""
     if running is None:
-        return new
+        running = torch.eye(new.shape[0], dtype=new.dtype, device=new.device)
     return running.mul_(decay).add_(new, alpha=1 - decay)
 
 
