@@ -1,5 +1,6 @@
-"""One conformance test over every solver behind the project's three solver interfaces: gradient grouping
-(`GroupingSolver`), K-FAC factor fusion (`FusionSolver`) and inversion placement (`PlacementSolver`). Whatever
+"""One conformance test over every solver behind the project's four solver interfaces: gradient grouping
+(`GroupingSolver`), K-FAC factor fusion (`FusionSolver`), inversion placement (`PlacementSolver`) and the K-FAC
+layout of inversions and preconditioning (`LayoutSolver`). Whatever
 its method, a solver names itself, answers deterministically with a valid decision, reports the value its
 family's evaluator gives that decision, never beats the lower bound, and, if it says it is exact (or proven
 optimal), matches brute force. The per-family test files go deeper; a new solver must pass this first."""
@@ -22,6 +23,16 @@ from planner.solvers.fusion import (
     random_fusion_problem,
     simulate_fusion,
     validate_buffers,
+)
+from planner.solvers.layout import (
+    LAYOUT_BASELINES,
+    LAYOUT_SOLVERS,
+    LayoutSolver,
+    brute_force_layout,
+    check_layout,
+    layout_lower_bound,
+    layout_value,
+    random_layout_problem,
 )
 from planner.solvers.placement import (
     PLACEMENT_BASELINES,
@@ -107,3 +118,25 @@ def test_placement_solvers_conform(solver: PlacementSolver) -> None:
         assert best <= result.makespan_s * (1 + RTOL)
         if result.optimal:
             assert math.isclose(result.makespan_s, best, rel_tol=1e-6)
+
+
+def _layout_solvers() -> list[LayoutSolver]:
+    return [*(cls() for cls in LAYOUT_BASELINES), *(cls(time_limit_s=5.0) for cls in LAYOUT_SOLVERS.values())]
+
+
+@pytest.mark.parametrize("solver", _layout_solvers(), ids=lambda s: s.name)
+def test_layout_solvers_conform(solver: LayoutSolver) -> None:
+    _named(solver)
+    for seed in range(3):
+        problem = random_layout_problem(3, 2, 950 + seed)
+        result = solver.solve(problem)
+        check_layout(problem, result.layout)
+        assert result.solver == solver.name
+        assert solver.solve(problem).layout == result.layout
+        assert math.isclose(result.value_s, layout_value(problem, result.layout), rel_tol=RTOL)
+        assert layout_lower_bound(problem) <= result.value_s * (1 + RTOL)
+        assert result.lower_bound_s <= result.value_s
+        best = brute_force_layout(problem)[1]
+        assert best <= result.value_s * (1 + RTOL)
+        if result.optimal:
+            assert result.value_s - best <= 1e-6 * result.value_s

@@ -72,6 +72,7 @@ __all__ = [
     "brute_force_placement",
     "canonical_placement",
     "inversion_timeline",
+    "largest_first",
     "makespan",
     "placement_lower_bound",
     "random_placement_problem",
@@ -377,7 +378,7 @@ class PlacementSolver(abc.ABC):
 # Baselines
 
 
-def _largest_first(weights: Sequence[float] | Sequence[int], factors: Sequence[int], world_size: int) -> dict[int, int]:
+def largest_first(weights: Sequence[float] | Sequence[int], factors: Sequence[int], world_size: int) -> dict[int, int]:
     """Assign `factors` by weight descending (stable) to the least-loaded worker (ties: lowest rank)."""
     chosen = sorted(factors, key=lambda f: -weights[f])
     heap: list[tuple[float, int]] = [(0, rank) for rank in range(min(world_size, len(chosen)))]
@@ -414,7 +415,7 @@ class LargestFirst(PlacementSolver):
     def solve(self, problem: PlacementProblem) -> PlacementResult:
         started = time.perf_counter()
         cubes = [d**3 for d in problem.dims]
-        owners = _largest_first(cubes, range(problem.num_factors), problem.world_size)
+        owners = largest_first(cubes, range(problem.num_factors), problem.world_size)
         return _result(problem, _placement_of(problem.num_factors, owners), solver=self.name, started=started,
                        bound=placement_lower_bound(problem))
 
@@ -441,7 +442,7 @@ class KfacPytorchRule(PlacementSolver):
         work = [0] * len(index)
         for layer, d in zip(layer_of, problem.dims, strict=True):
             work[index[layer]] += d**3
-        rank_of = _largest_first(work, range(len(work)), problem.world_size)
+        rank_of = largest_first(work, range(len(work)), problem.world_size)
         owners = {f: rank_of[index[layer]] for f, layer in enumerate(layer_of)}
         return _result(problem, _placement_of(problem.num_factors, owners), solver=self.name, started=started,
                        bound=placement_lower_bound(problem))
@@ -456,7 +457,7 @@ class SpdKfacRule(PlacementSolver):
     def solve(self, problem: PlacementProblem) -> PlacementResult:
         started = time.perf_counter()
         owned = [f for f in range(problem.num_factors) if problem.inv_s[f] > problem.bcast_s[f]]
-        owners = _largest_first(problem.inv_s, owned, problem.world_size)
+        owners = largest_first(problem.inv_s, owned, problem.world_size)
         return _result(problem, _placement_of(problem.num_factors, owners), solver=self.name, started=started,
                        bound=placement_lower_bound(problem))
 
@@ -556,7 +557,7 @@ def _start(problem: PlacementProblem) -> Placement:
     owned_sets += [[int(f) for f in np.flatnonzero(b + (1 - lam) * c / world < c)] for lam in _BOUND_WEIGHTS[::2]]
     owned_sets += [[int(f) for f in np.flatnonzero(b < t * c)] for t in (0.5, 2.0, 4.0)]
     for owned in owned_sets:
-        packed = _placement_of(n, _largest_first(problem.inv_s, [int(f) for f in owned], world))
+        packed = _placement_of(n, largest_first(problem.inv_s, [int(f) for f in owned], world))
         candidates.append(canonical_placement(problem, packed))
     ranked = sorted(dict.fromkeys(candidates), key=lambda p: makespan(problem, p))
     improved = [_local_search(problem, p, 20 * n + 100) for p in ranked[:_LOCAL_SEARCH_STARTS]]
