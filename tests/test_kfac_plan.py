@@ -15,8 +15,9 @@ from planner.contracts.plan import Plan
 from planner.contracts.profile import DimCurve, Profile
 from planner.models import build_workload
 from planner.solvers.fusion import FUSION_BASELINES, simulate_fusion
-from planner.solvers.placement import PLACEMENT_BASELINES, makespan
-from planner.strategies.kfac import kfac_lower_bound, kfac_problem, predict_kfac, reference_sections
+from planner.solvers.layout import KaisaCommOpt, KaisaMemOpt, layout_timelines
+from planner.solvers.placement import makespan
+from planner.strategies.kfac import kfac_lower_bound, kfac_problem, predict_kfac, reference_sections, section_layout
 from planner.types import FactorKind, InvalidProfileError, InverseMethod, PlanMismatchError, SchemaError
 from tests.factories import synthetic_kfac_plan, synthetic_plan, synthetic_profile
 from tests.test_contracts import _cli, _one_clear_line
@@ -75,8 +76,8 @@ def test_kfac_section_validation() -> None:
     assert plan.kfac is not None
     bad = dict(plan.kfac.owners)
     bad[factor_name(names[0], FactorKind.A)] = 5
-    with pytest.raises(SchemaError, match=r"owner ranks \[5\].*world size is 2"):
-        replace(plan, kfac=replace(plan.kfac, owners=bad))
+    with pytest.raises(SchemaError, match=r"names ranks \[5\] \(inversion owners or preconditioners\) but the world"):
+        replace(plan, kfac=replace(plan.kfac, owners=bad, preconditioners={}))
     doc = plan.to_dict()
     doc["kfac"]["owners"][factor_name(names[0], FactorKind.A)] = "some"
     with pytest.raises(SchemaError, match="must be a rank >= 0 or 'all', got 'some'"):
@@ -108,24 +109,31 @@ def test_plan_is_never_worse_than_its_baselines(model: str, world_size: int) -> 
     assert k.baselines["sgd"].step_s <= k.predicted.step_s  # preconditioning is not free
 
 
-def test_prediction_follows_the_timeline_model() -> None:
-    """The average step is plain + (factor - plain)/T_f + makespan/T_i, from the fusion and placement models."""
+@pytest.mark.parametrize("mode", ["everyone", "owners"])
+def test_prediction_follows_the_timeline_model(mode: str) -> None:
+    """The average step is plain + (factor - plain)/T_f + inversion/T_i, from the fusion and layout models; with
+    every worker preconditioning every layer, the preconditioning phase is the sum of the layers' times."""
     profile = synthetic_profile("cnn", world_size=2)
     problem = kfac_problem(profile, InverseMethod.EIGEN)
     buffers = FUSION_BASELINES[0].solve(problem.fusion)
-    placement = PLACEMENT_BASELINES[0]().solve(problem.placement).placement
-    pred = predict_kfac(problem, buffers, placement, factor_update_steps=2, inv_update_steps=4)
+    layout = (KaisaCommOpt() if mode == "everyone" else KaisaMemOpt()).solve(problem.layout).layout
+    pred = predict_kfac(problem, buffers, layout, factor_update_steps=2, inv_update_steps=4)
+    inversion, preconditioning = layout_timelines(problem.layout, layout)
     timeline = simulate_fusion(problem.fusion, buffers)
-    factor = max(problem.compute_end_s, timeline.end_s) + problem.fold_s + problem.tail_s
-    inversion = makespan(problem.placement, placement)
+    factor = max(problem.compute_end_s, timeline.end_s) + problem.fold_s + preconditioning.makespan_s + problem.tail_s
     assert pred.factor_step_s == pytest.approx(factor, rel=TOL)
-    assert pred.inversion_s == pytest.approx(inversion, rel=TOL)
-    assert pred.step_s == pytest.approx(pred.plain_step_s + (factor - pred.plain_step_s) / 2 + inversion / 4, rel=TOL)
+    assert pred.inversion_s == pytest.approx(inversion.makespan_s, rel=TOL)
+    assert pred.precondition_s == pytest.approx(preconditioning.makespan_s, rel=TOL)
+    assert pred.step_s == pytest.approx(pred.plain_step_s + (factor - pred.plain_step_s) / 2
+                                        + inversion.makespan_s / 4, rel=TOL)
     kf = profile.kfac
     assert kf is not None
-    assert pred.plain_step_s == pytest.approx(
-        problem.sgd_step_s + sum(lt.precondition_eigen_s for lt in kf.layers), rel=TOL
-    )
+    assert pred.plain_step_s == pytest.approx(problem.sgd_step_s + preconditioning.makespan_s, rel=TOL)
+    if mode == "everyone":
+        assert preconditioning.makespan_s == pytest.approx(sum(lt.precondition_eigen_s for lt in kf.layers), rel=TOL)
+        assert inversion.makespan_s == pytest.approx(makespan(problem.placement, layout.owners), rel=TOL)
+    else:  # each layer on its owner: its factors are not broadcast, its preconditioned gradient is
+        assert not inversion.broadcasts and len(preconditioning.broadcasts) == len(kf.layers)
     # A factors ready in forward order, G in backward order, after the forward pass.
     assert list(problem.fusion.a_names) == [lt.name for lt in kf.layers]
     assert list(problem.fusion.g_names) == [lt.name for lt in reversed(kf.layers)]
@@ -136,7 +144,11 @@ def test_prediction_follows_the_timeline_model() -> None:
 def test_reference_sections_are_kfac_pytorch_defaults() -> None:
     plan = synthetic_kfac_plan("mlp", 2)
     refs = reference_sections(plan)
-    assert set(refs) == {"kfac-pytorch", "everywhere"}
+    assert {"kfac-pytorch", "kaisa-mem-opt", "everywhere"} <= set(refs)
+    mem = refs["kaisa-mem-opt"]
+    assert mem.owners == refs["kfac-pytorch"].owners and mem.whole_factors
+    assert all(mem.owners[factor_name(n, FactorKind.A)] == r for n, r in mem.preconditioners.items())
+    assert all(r is None for r in refs["kfac-pytorch"].preconditioners.values())
     assert all(o is None for o in refs["everywhere"].owners.values()) and not refs["everywhere"].whole_factors
     ref = refs["kfac-pytorch"]
     owners = ref.owners
@@ -158,7 +170,7 @@ def test_kfac_pytorch_row_sends_whole_factors() -> None:
     assert plan.kfac is not None and plan.kfac.baselines is not None
     ref = reference_sections(plan)["kfac-pytorch"]
     buffers = tuple(tuple(itertools.accumulate(len(b) for b in bufs)) for bufs in (ref.a_buffers, ref.g_buffers))
-    owners = tuple(ref.owners[n] for n in ref.factor_names())
+    layout = section_layout(ref)
     for method in InverseMethod:
         triangles = kfac_problem(profile, method)
         whole = kfac_problem(profile, method, whole_factors=True)
@@ -170,8 +182,8 @@ def test_kfac_pytorch_row_sends_whole_factors() -> None:
         else:  # eigenvectors and eigenvalues either way
             assert whole.placement.bcast_s == triangles.placement.bcast_s
     intervals = {"factor_update_steps": 1, "inv_update_steps": 5}
-    sent_whole = predict_kfac(kfac_problem(profile, whole_factors=True), buffers, owners, **intervals)  # type: ignore[arg-type]
-    sent_triangles = predict_kfac(kfac_problem(profile), buffers, owners, **intervals)  # type: ignore[arg-type]
+    sent_whole = predict_kfac(kfac_problem(profile, whole_factors=True), buffers, layout, **intervals)  # type: ignore[arg-type]
+    sent_triangles = predict_kfac(kfac_problem(profile), buffers, layout, **intervals)  # type: ignore[arg-type]
     assert plan.kfac.baselines["kfac-pytorch"].step_s == pytest.approx(sent_whole.step_s, rel=TOL)
     assert sent_whole.factor_comm_s > sent_triangles.factor_comm_s
 

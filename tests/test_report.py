@@ -25,8 +25,8 @@ from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.costmodel.simulator import timeline
-from planner.solvers.placement import makespan
-from planner.strategies.kfac import factor_step_timeline, kfac_problem
+from planner.solvers.layout import layout_timelines
+from planner.strategies.kfac import factor_step_timeline, kfac_problem, section_layout
 from planner.types import PlanMismatchError, PlannerError, SchemaError, Strategy
 from tests.factories import synthetic_kfac_plan, synthetic_plan, synthetic_profile
 
@@ -121,10 +121,13 @@ def test_kfac_step_and_placement_match_the_plan_predictions() -> None:
     assert data.compute_end_s <= data.comm_end_s <= data.step_s
 
     # The placement panel: each lane in order; each rank inverts its own factors, then every "all" factor; each
-    # owned factor's broadcast on the channel after its owner inverted it; the makespan of the placement.
+    # owned factor's broadcast (unless its owner preconditions its layer) on the channel after its owner inverted
+    # it; the makespan of the layout's inversion phase.
     problem = kfac_problem(prof, p.kfac.method)
     owners = tuple(p.kfac.owners[name] for name in problem.factor_names)
-    assert data.makespan_s == pytest.approx(makespan(problem.placement, owners), rel=1e-9)
+    kept = {name for name in problem.factor_names if p.kfac.preconditioners[name.rsplit(".", 1)[0]] is not None}
+    layout = section_layout(p.kfac)
+    assert data.makespan_s == pytest.approx(layout_timelines(problem.layout, layout)[0].makespan_s, rel=1e-9)
     assert data.makespan_s == pytest.approx(p.kfac.predicted.inversion_s, rel=1e-9)
     assert data.placement_lanes == ("channel", *(f"rank {r}" for r in range(p.cluster.world_size)))
     for name in data.placement_lanes:
@@ -139,7 +142,7 @@ def test_kfac_step_and_placement_match_the_plan_predictions() -> None:
         inverted_at.update({b.label: b.end_s for b in bars if b.label in mine})
     broadcasts = lane(data.placement, "channel")
     assert [b.label for b in broadcasts] == [n for n, owner in zip(problem.factor_names, owners, strict=True)
-                                             if owner is not None]
+                                             if owner is not None and n not in kept]
     assert all(b.kind == "broadcast" and b.start_s >= inverted_at[b.label] - 1e-12 for b in broadcasts)
     assert max(b.end_s for b in data.placement) == pytest.approx(data.makespan_s)
     assert data.placement_title
@@ -189,7 +192,7 @@ def test_kfac_owner_beyond_the_profiles_world_size_is_refused() -> None:
     assert p.kfac is not None
     first = next(iter(p.kfac.owners))
     far = replace(p, cluster=replace(p.cluster, world_size=8),
-                  kfac=replace(p.kfac, owners={**p.kfac.owners, first: 7}))
+                  kfac=replace(p.kfac, owners={**p.kfac.owners, first: 7}, preconditioners={}))
     with pytest.raises(PlanMismatchError, match="world size"):
         gantt_lanes(far, profile())
 

@@ -40,8 +40,9 @@ from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.costmodel.problem import Grouping, groups_of
 from planner.costmodel.simulator import simulate, timeline
-from planner.solvers.placement import PlacementProblem, inversion_timeline
-from planner.strategies.kfac import factor_step_timeline, kfac_problem
+from planner.solvers.layout import layout_timelines
+from planner.solvers.placement import InversionTimeline, PlacementProblem, inversion_timeline
+from planner.strategies.kfac import factor_step_timeline, kfac_problem, section_layout
 from planner.types import PlanMismatchError, PlannerFileError, SchemaError, Strategy
 
 __all__ = [
@@ -264,8 +265,10 @@ def _kfac_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
     ]
 
     problem = kfac_problem(profile, section.method)
-    placement = tuple(section.owners[name] for name in problem.factor_names)
-    bars, lanes, makespan = _placement_bars(problem.placement, placement)
+    layout = section_layout(section)
+    placement = layout.owners
+    bars, lanes, makespan = _placement_bars(problem.placement, placement,
+                                            layout_timelines(problem.layout, layout)[0])
     shown = len(lanes) - 1
     grad = profile.problem(Strategy.DENSE)
     plain = simulate(grad, grouping).iteration_s + step.precondition_s
@@ -295,16 +298,17 @@ def _kfac_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
 
 
 def _placement_bars(
-    problem: PlacementProblem, placement: Sequence[int | None]
+    problem: PlacementProblem, placement: Sequence[int | None], timeline: InversionTimeline | None = None
 ) -> tuple[list[Bar], tuple[str, ...], float]:
     """Bars of the inversion step as `planner.solvers.placement.inversion_timeline` models it (and the runtime runs it):
     each rank inverts its own factors in order, then the "all" factors; each owner's broadcast goes on the channel
-    when its factor is inverted and the channel is free.
+    when its factor is inverted and the channel is free. `timeline`: the step's timeline when not every owned
+    factor is broadcast (a K-FAC layout whose preconditioners keep their layers' factors).
 
     Returns the bars, the lanes to draw ("channel", then at most `MAX_WORKER_LANES` ranks: all of them, or the
     busiest owners when there are more workers; only those ranks get bars) and the makespan.
     """
-    timeline = inversion_timeline(problem, placement)
+    timeline = timeline or inversion_timeline(problem, placement)
     loads = timeline.owned_load_s
     if problem.world_size <= MAX_WORKER_LANES:
         ranks = list(range(problem.world_size))

@@ -14,8 +14,9 @@ The `kfac` section of a plan (schema in planner/contracts/plan.py):
       "a_buffers": [["conv1", "conv2"], ["fc"]],              # A allreduces, forward order
       "g_buffers": [["fc"], ["conv2", "conv1"]],              # G allreduces, backward order
       "owners": {"conv1.A": 0, "conv1.G": "all", ...},         # rank that inverts and broadcasts, or all
+      "preconditioners": {"conv1": "all", "fc": 1, ...},       # optional, absent: all; a rank owns both factors
       "factor_messages": "upper-triangle" | "whole",          # optional, absent: upper-triangle
-      "solvers": {"fusion": "fusion-dp", "placement": "ilp-cbc", "seconds": 0.2, "gap": 0.0},
+      "solvers": {"fusion": "fusion-dp", "placement": "cp-sat", "seconds": 0.2, "gap": 0.0},
       "predicted": {"plan": {...}, "baselines": {"kfac-pytorch": {...}, ...}, "lower_bound_s": ...}
     }
 """
@@ -23,7 +24,7 @@ The `kfac` section of a plan (schema in planner/contracts/plan.py):
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from planner.contracts.jsonio import check_fields, expect, expect_time
@@ -116,6 +117,8 @@ class KFACPrediction:
 
     step_s is the average over the update intervals: every step pays plain_step_s, one step in
     factor_update_steps pays factor_step_s instead, one in inv_update_steps also pays inversion_s.
+    precondition_s is the preconditioning phase every step pays (within plain_step_s); None in plans made
+    before it was placed.
     """
 
     step_s: float
@@ -125,14 +128,17 @@ class KFACPrediction:
     factor_comm_s: float
     broadcast_s: float
     num_buffers: int
+    precondition_s: float | None = None
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> KFACPrediction:
         expect(data, dict, where)
         fields = ["step_s", "plain_step_s", "factor_step_s", "inversion_s", "factor_comm_s", "broadcast_s"]
-        check_fields(data, where, [*fields, "num_buffers"])
+        check_fields(data, where, [*fields, "num_buffers"], ["precondition_s"])
         times = {f: expect_time(data[f], f"{where}.{f}") for f in fields}
-        return cls(**times, num_buffers=expect(data["num_buffers"], int, f"{where}.num_buffers"))
+        pre = data.get("precondition_s")
+        return cls(**times, num_buffers=expect(data["num_buffers"], int, f"{where}.num_buffers"),
+                   precondition_s=None if pre is None else expect_time(pre, f"{where}.precondition_s"))
 
 
 def _owner_from_json(value: Any, where: str) -> int | None:
@@ -158,7 +164,10 @@ class KFACSection:
     """K-FAC decisions: factor fusion buffers, inversion owners, update intervals, and predictions.
 
     owners maps every factor name to the rank that inverts it and broadcasts the result, or None when
-    every worker inverts it itself ("all" in JSON). Factors travel as their upper triangles (d(d+1)/2
+    every worker inverts it itself ("all" in JSON). preconditioners maps every layer to the rank that
+    preconditions its gradient and broadcasts the result (that rank inverts both of the layer's factors,
+    which then are not broadcast), or None when every worker preconditions it (empty: every layer).
+    Factors travel as their upper triangles (d(d+1)/2
     values, and so does a damped inverse), or whole (d^2 values) with `whole_factors`, as kfac-pytorch
     sends them by default.
     """
@@ -170,6 +179,7 @@ class KFACSection:
     a_buffers: tuple[tuple[str, ...], ...]
     g_buffers: tuple[tuple[str, ...], ...]
     owners: dict[str, int | None]
+    preconditioners: dict[str, int | None] = field(default_factory=dict)
     whole_factors: bool = False
     fusion_solver: str = "none"
     placement_solver: str = "none"
@@ -207,6 +217,22 @@ class KFACSection:
             missing = sorted(expected - set(self.owners))
             extra = sorted(set(self.owners) - expected)
             raise SchemaError(f"kfac.owners must name every factor once: missing {missing[:3]}, unknown {extra[:3]}")
+        if not self.preconditioners:
+            object.__setattr__(self, "preconditioners", dict.fromkeys(names))
+        if set(self.preconditioners) != set(names):
+            missing = sorted(set(names) - set(self.preconditioners))
+            extra = sorted(set(self.preconditioners) - set(names))
+            raise SchemaError(
+                f"kfac.preconditioners must name every layer once: missing {missing[:3]}, unknown {extra[:3]}"
+            )
+        for layer, rank in self.preconditioners.items():
+            owners = tuple(self.owners[factor_name(layer, k)] for k in FactorKind)
+            if rank is not None and owners != (rank, rank):
+                raise SchemaError(
+                    f"kfac.preconditioners.{layer} is rank {rank}, which must invert both of the layer's factors, "
+                    f"but kfac.owners gives {factor_name(layer, FactorKind.A)}: {owners[0]}, "
+                    f"{factor_name(layer, FactorKind.G)}: {owners[1]} ({ALL_WORKERS!r} is every worker)"
+                )
 
     # -- use ---------------------------------------------------------------------------------------
     def factor_names(self) -> list[str]:
@@ -229,10 +255,12 @@ class KFACSection:
             )
 
     def check_world_size(self, world_size: int) -> None:
-        bad = sorted({r for r in self.owners.values() if r is not None and r >= world_size})
+        ranks = [*self.owners.values(), *self.preconditioners.values()]
+        bad = sorted({r for r in ranks if r is not None and r >= world_size})
         if bad:
             raise PlanMismatchError(
-                f"the kfac section names owner ranks {bad} but the world size is {world_size}; re-plan for this cluster"
+                f"the kfac section names ranks {bad} (inversion owners or preconditioners) but the world size is "
+                f"{world_size}; re-plan for this cluster"
             )
 
     # -- serialisation -------------------------------------------------------------------------------
@@ -245,6 +273,7 @@ class KFACSection:
             "a_buffers": [list(b) for b in self.a_buffers],
             "g_buffers": [list(b) for b in self.g_buffers],
             "owners": {k: ALL_WORKERS if v is None else v for k, v in self.owners.items()},
+            "preconditioners": {k: ALL_WORKERS if v is None else v for k, v in self.preconditioners.items()},
             "factor_messages": _WHOLE if self.whole_factors else _TRIANGLE,
             "solvers": {
                 "fusion": self.fusion_solver,
@@ -269,7 +298,7 @@ class KFACSection:
             where,
             ["method", "factor_update_steps", "inv_update_steps", "layers", "a_buffers", "g_buffers", "owners",
              "solvers", "predicted"],
-            ["factor_messages"],  # absent in plans made before whole factors could be sent
+            ["factor_messages", "preconditioners"],  # absent in plans made before these could be chosen
         )
         messages = data.get("factor_messages", _TRIANGLE)
         if messages not in (_TRIANGLE, _WHOLE):
@@ -286,6 +315,10 @@ class KFACSection:
         owners = {
             expect(k, str, f"{where}.owners key"): _owner_from_json(v, f"{where}.owners.{k}")
             for k, v in expect(data["owners"], dict, f"{where}.owners").items()
+        }
+        preconditioners = {
+            expect(k, str, f"{where}.preconditioners key"): _owner_from_json(v, f"{where}.preconditioners.{k}")
+            for k, v in expect(data.get("preconditioners", {}), dict, f"{where}.preconditioners").items()
         }
         predicted = baselines = lower = None
         if data["predicted"] is not None:
@@ -308,6 +341,7 @@ class KFACSection:
             a_buffers=_name_lists(data["a_buffers"], f"{where}.a_buffers"),
             g_buffers=_name_lists(data["g_buffers"], f"{where}.g_buffers"),
             owners=owners,
+            preconditioners=preconditioners,
             whole_factors=messages == _WHOLE,
             fusion_solver=expect(solvers["fusion"], str, f"{where}.solvers.fusion"),
             placement_solver=expect(solvers["placement"], str, f"{where}.solvers.placement"),
@@ -329,9 +363,11 @@ class KFACSection:
         owners: dict[str, int | None] | None = None,
         a_buffers: tuple[tuple[str, ...], ...] | None = None,
         g_buffers: tuple[tuple[str, ...], ...] | None = None,
+        preconditioners: dict[str, int | None] | None = None,
     ) -> KFACSection:
-        """A section without predictions: one buffer per factor and every factor inverted everywhere,
-        unless buffers or owners are given (the runtime's default when no plan is passed)."""
+        """A section without predictions: one buffer per factor, every factor inverted and every layer
+        preconditioned everywhere, unless buffers, owners or preconditioners are given (the runtime's default
+        when no plan is passed)."""
         names = [lt.name for lt in layers]
         return cls(
             method=method,
@@ -341,4 +377,5 @@ class KFACSection:
             a_buffers=a_buffers if a_buffers is not None else tuple((n,) for n in names),
             g_buffers=g_buffers if g_buffers is not None else tuple((n,) for n in reversed(names)),
             owners=owners if owners is not None else {factor_name(n, k): None for n in names for k in FactorKind},
+            preconditioners=preconditioners or {},
         )

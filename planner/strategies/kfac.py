@@ -4,15 +4,16 @@ The timeline model (DESIGN.md, "K-FAC"), with gradient layers in ready order and
 order, on one communication channel shared by gradients and factors (FIFO in ready order):
 
 - plain step (no factor or inverse update): the gradient plan's iteration F + max(R_L, E_last) + U,
-  plus preconditioning every layer's gradient;
+  plus the preconditioning phase of the layout (planner.solvers.layout): each layer preconditioned by
+  every worker, or by one that broadcasts the preconditioned gradient;
 - factor step (one in `factor_update_steps`): A_l is computed right after layer l's forward (forward
   grows by a_l), G_l right before layer l's backward (backward grows by g_l); each factor's upper
   triangle is allreduced in its planned buffer (planner.solvers.fusion), on the channel with the gradient
   groups; the step ends at max(backward end, channel end) + folding the factors into their running
-  averages + preconditioning + U;
-- inversion (one step in `inv_update_steps` also pays it): the placement makespan, the later of the busiest
-  worker's inversions and the last owner's broadcast, broadcasts overlapping later inversions as the runtime
-  runs them (planner.solvers.placement).
+  averages + the preconditioning phase + U;
+- inversion (one step in `inv_update_steps` also pays it): the layout's inversion phase, the later of the
+  busiest worker's inversions and the last owner's broadcast, broadcasts overlapping later inversions as the
+  runtime runs them (planner.solvers.placement); a factor whose layer its owner preconditions is not sent.
 
 The average step is plain + (factor - plain) / factor_update_steps + inversion / inv_update_steps.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -32,15 +34,21 @@ from planner.costmodel.problem import groups_of
 from planner.costmodel.simulator import simulate
 from planner.solvers import DenseDP, lower_bound
 from planner.solvers.fusion import FUSION_BASELINES, FactorBuffers, FixedBytes, FusionDP, FusionProblem, simulate_fusion
+from planner.solvers.layout import (
+    CpSatLayout,
+    EveryoneLayout,
+    KaisaMemOpt,
+    Layout,
+    LayoutProblem,
+    layout_lower_bound,
+    layout_timelines,
+)
 from planner.solvers.placement import (
     PLACEMENT_BASELINES,
     PLACEMENT_SOLVERS,
     Everywhere,
     KfacPytorchRule,
-    Placement,
     PlacementProblem,
-    makespan,
-    placement_lower_bound,
 )
 from planner.strategies.gradients import make_plan
 from planner.types import Collective, FactorKind, InvalidProfileError, InverseMethod, SolverError, Strategy
@@ -48,15 +56,19 @@ from planner.types import Collective, FactorKind, InvalidProfileError, InverseMe
 __all__ = [
     "DEFAULT_FACTOR_UPDATE_STEPS",
     "DEFAULT_INV_UPDATE_STEPS",
+    "PLAN_EVERYONE",
     "KFACProblem",
     "kfac_problem",
     "make_kfac_plan",
     "predict_kfac",
     "reference_sections",
+    "section_layout",
 ]
 
 DEFAULT_FACTOR_UPDATE_STEPS = 1
 DEFAULT_INV_UPDATE_STEPS = 10
+#: The baseline row of the plan's own buffers and owners with every worker preconditioning every layer.
+PLAN_EVERYONE = "plan, everyone preconditions"
 
 
 def triangle_numel(dim: int) -> int:
@@ -67,6 +79,11 @@ def triangle_numel(dim: int) -> int:
 def factor_numel(dim: int, *, whole: bool = False) -> int:
     """Values a factor's allreduce sends: its upper triangle, or all d^2 when factors travel whole."""
     return dim * dim if whole else triangle_numel(dim)
+
+
+def gradient_numel(layer: KFACLayerSpec | Any) -> int:
+    """Values of a layer's preconditioned gradient [W | b] as a preconditioner broadcasts it: g_dim x a_dim."""
+    return int(layer.g_dim) * int(layer.a_dim)
 
 
 def result_numel(dim: int, method: InverseMethod, *, whole: bool = False) -> int:
@@ -81,7 +98,7 @@ class KFACProblem:
     layers: tuple[KFACLayerSpec, ...]
     method: InverseMethod
     fusion: FusionProblem
-    placement: PlacementProblem
+    layout: LayoutProblem
     sgd_step_s: float
     plain_step_s: float
     compute_end_s: float
@@ -90,17 +107,22 @@ class KFACProblem:
     gradient_lower_bound_s: float
 
     @property
+    def placement(self) -> PlacementProblem:
+        return self.layout.placement
+
+    @property
     def factor_names(self) -> list[str]:
         return [factor_name(lt.name, k) for lt in self.layers for k in FactorKind]
 
 
 def kfac_problem(
-    profile: Profile, method: InverseMethod = InverseMethod.EIGEN, *, whole_factors: bool = False
+    profile: Profile, method: InverseMethod = InverseMethod.EIGEN, *, whole_factors: bool = False,
+    inv_update_steps: int = 1,
 ) -> KFACProblem:
     """The K-FAC instance a profile describes (it needs the K-FAC measurements of `planner profile`).
 
     `whole_factors`: factors (and damped inverses) travel as d^2 values, as kfac-pytorch sends them, instead
-    of their upper triangles."""
+    of their upper triangles. `inv_update_steps` weighs the inversion phase in the layout's value."""
     if profile.kfac is None:
         raise InvalidProfileError(
             "this profile has no K-FAC measurements; profile again with `planner profile --kfac`"
@@ -113,7 +135,6 @@ def kfac_problem(
     grad = profile.problem(Strategy.DENSE)
     grouping = DenseDP().solve(grad)
     sgd = simulate(grad, grouping)
-    precondition = sum(lt.precondition_s(method) for lt in kf.layers)
     a_cost = {lt.name: lt.a_compute_s for lt in kf.layers}
     g_cost = {lt.name: lt.g_compute_s for lt in kf.layers}
 
@@ -163,17 +184,24 @@ def kfac_problem(
         world_size=profile.cluster.world_size,
         names=tuple(factor_name(lt.name, k) for lt in kf.layers for k in FactorKind),
     )
+    layout = LayoutProblem(
+        placement=placement,
+        precondition_s=tuple(lt.precondition_s(method) for lt in kf.layers),
+        grad_bcast_s=tuple(bcast.cost(gradient_numel(lt) * elem) for lt in kf.layers),
+        inv_update_steps=inv_update_steps,
+        layers=tuple(order),
+    )
     problem = KFACProblem(
         layers=tuple(KFACLayerSpec(name=lt.name, a_dim=lt.a_dim, g_dim=lt.g_dim) for lt in kf.layers),
         method=method,
         fusion=fusion,
-        placement=placement,
+        layout=layout,
         sgd_step_s=sgd.iteration_s,
-        plain_step_s=sgd.iteration_s + precondition,
+        plain_step_s=sgd.iteration_s,
         compute_end_s=compute_end,
         fold_s=sum(lt.fold_s for lt in kf.layers),
-        tail_s=precondition + profile.update_s,
-        gradient_lower_bound_s=lower_bound(grad) + precondition,
+        tail_s=profile.update_s,
+        gradient_lower_bound_s=lower_bound(grad),
     )
     return _sending_whole_factors(problem, profile) if whole_factors else problem
 
@@ -187,47 +215,59 @@ def _sending_whole_factors(problem: KFACProblem, profile: Profile) -> KFACProble
                      g_bytes=tuple(factor_numel(lt.g_dim, whole=True) * elem for lt in reversed(layers)))
     results = (result_numel(d, problem.method, whole=True) * elem for d in problem.placement.dims)
     placement = replace(problem.placement, bcast_s=tuple(bcast.cost(n) for n in results))
-    return replace(problem, fusion=fusion, placement=placement)
+    return replace(problem, fusion=fusion, layout=replace(problem.layout, placement=placement))
+
+
+def section_layout(section: KFACSection) -> Layout:
+    """The section's owners and preconditioners as a `Layout` (factors and layers in the section's order)."""
+    return Layout(owners=tuple(section.owners[f] for f in section.factor_names()),
+                  preconditioners=tuple(section.preconditioners[lt.name] for lt in section.layers))
+
+
+def everyone_preconditions(problem: KFACProblem, owners: tuple[int | None, ...]) -> Layout:
+    """`owners` for the inversions, every layer preconditioned on every worker."""
+    return Layout(owners=owners, preconditioners=(None,) * len(problem.layers))
 
 
 def predict_kfac(
     problem: KFACProblem,
     buffers: FactorBuffers,
-    placement: Placement,
+    layout: Layout,
     *,
     factor_update_steps: int,
     inv_update_steps: int,
 ) -> KFACPrediction:
     """Predicted times of one K-FAC configuration under the timeline model."""
     timeline = simulate_fusion(problem.fusion, buffers)
-    factor_step = max(problem.compute_end_s, timeline.end_s) + problem.fold_s + problem.tail_s
-    inversion = makespan(problem.placement, placement)
-    broadcast = sum(b for b, owner in zip(problem.placement.bcast_s, placement, strict=True) if owner is not None)
-    plain = problem.plain_step_s
+    inversion, preconditioning = layout_timelines(problem.layout, layout)
+    pre = preconditioning.makespan_s
+    factor_step = max(problem.compute_end_s, timeline.end_s) + problem.fold_s + pre + problem.tail_s
+    plain = problem.plain_step_s + pre
     return KFACPrediction(
-        step_s=plain + (factor_step - plain) / factor_update_steps + inversion / inv_update_steps,
+        step_s=plain + (factor_step - plain) / factor_update_steps + inversion.makespan_s / inv_update_steps,
         plain_step_s=plain,
         factor_step_s=factor_step,
-        inversion_s=inversion,
+        inversion_s=inversion.makespan_s,
         factor_comm_s=timeline.factor_comm_s,
-        broadcast_s=broadcast,
+        broadcast_s=sum(problem.placement.bcast_s[f] for f, _, _ in inversion.broadcasts),
         num_buffers=timeline.num_buffers,
+        precondition_s=pre,
     )
 
 
 def kfac_lower_bound(problem: KFACProblem, *, factor_update_steps: int, inv_update_steps: int) -> float:
     """No plan's average step can be shorter: each kind of step bounded by its compute path (or the gradient
-    bound), plus the placement bound (as if there were a worker for every factor)."""
+    bound), plus the layout bound (inversions and preconditioning spread perfectly, broadcasts free)."""
     plain = problem.gradient_lower_bound_s
     factor = max(plain, problem.compute_end_s + problem.fold_s + problem.tail_s)
-    inversion = placement_lower_bound(problem.placement)
-    return plain + (factor - plain) / factor_update_steps + inversion / inv_update_steps
+    layout = layout_lower_bound(replace(problem.layout, inv_update_steps=inv_update_steps))
+    return plain + (factor - plain) / factor_update_steps + layout
 
 
 def _section(
     problem: KFACProblem,
     buffers: FactorBuffers,
-    placement: Placement,
+    layout: Layout,
     *,
     factor_update_steps: int,
     inv_update_steps: int,
@@ -240,7 +280,8 @@ def _section(
         inv_update_steps=inv_update_steps,
         a_buffers=tuple(tuple(a_names[i] for i in r) for r in groups_of(buffers[0])),
         g_buffers=tuple(tuple(g_names[i] for i in r) for r in groups_of(buffers[1])),
-        owners=dict(zip(problem.factor_names, placement, strict=True)),
+        owners=dict(zip(problem.factor_names, layout.owners, strict=True)),
+        preconditioners=dict(zip((lt.name for lt in problem.layers), layout.preconditioners, strict=True)),
     )
 
 
@@ -260,38 +301,47 @@ def make_kfac_plan(
     time_limit_s: float = 2.0,
     source: str = "",
 ) -> Plan:
-    """The K-FAC plan for `profile`: gradient groups (dense DP), factor buffers (fusion DP), inversion owners
-    (ILP or CP-SAT), with every baseline and the lower bound predicted by the same model."""
+    """The K-FAC plan for `profile`: gradient groups (dense DP), factor buffers (fusion DP), and the layout of
+    inversion owners and preconditioners (CP-SAT, planner.solvers.layout), with every baseline and the lower
+    bound predicted by the same model. `placement_solver` solves the inversions alone for the
+    "everyone-preconditions" row (the plan before preconditioning was placed)."""
     if placement_solver not in PLACEMENT_SOLVERS:
         raise SolverError(f"unknown placement solver {placement_solver!r}; choose from {sorted(PLACEMENT_SOLVERS)}")
     problem = kfac_problem(profile, method)
-    intervals = {"factor_update_steps": factor_update_steps, "inv_update_steps": inv_update_steps}
     KFACSection.simple(  # validates the intervals before solving
         list(problem.layers), factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps
     )
+    problem = replace(problem, layout=replace(problem.layout, inv_update_steps=inv_update_steps))
+    intervals = {"factor_update_steps": factor_update_steps, "inv_update_steps": inv_update_steps}
     t0 = time.perf_counter()
     buffers = FusionDP().solve(problem.fusion)
-    placed = PLACEMENT_SOLVERS[placement_solver](time_limit_s=time_limit_s).solve(problem.placement)
+    laid = CpSatLayout(time_limit_s=time_limit_s).solve(problem.layout)
     seconds = time.perf_counter() - t0
 
     baseline_buffers = {b.name: b.solve(problem.fusion) for b in FUSION_BASELINES}
     baseline_owners = {cls.name: cls().solve(problem.placement).placement for cls in PLACEMENT_BASELINES}
     baselines = {"sgd": _sgd_prediction(problem)}
     for name, bufs in baseline_buffers.items():
-        baselines[f"fusion:{name}"] = predict_kfac(problem, bufs, placed.placement, **intervals)
+        baselines[f"fusion:{name}"] = predict_kfac(problem, bufs, laid.layout, **intervals)
     for name, owners in baseline_owners.items():
-        baselines[f"placement:{name}"] = predict_kfac(problem, buffers, owners, **intervals)
+        baselines[f"placement:{name}"] = predict_kfac(problem, buffers, everyone_preconditions(problem, owners),
+                                                      **intervals)
+    placed = PLACEMENT_SOLVERS[placement_solver](time_limit_s=time_limit_s).solve(problem.placement)
+    baselines[EveryoneLayout.name] = predict_kfac(problem, buffers, everyone_preconditions(problem, placed.placement),
+                                                  **intervals)
+    baselines[PLAN_EVERYONE] = predict_kfac(problem, buffers, everyone_preconditions(problem, laid.layout.owners),
+                                            **intervals)
     whole = _sending_whole_factors(problem, profile)
-    for name, (bufs, owners, sends_whole) in _reference_layouts(problem, whole).items():
-        baselines[name] = predict_kfac(whole if sends_whole else problem, bufs, owners, **intervals)
+    for name, (bufs, layout, sends_whole) in _reference_layouts(problem, whole).items():
+        baselines[name] = predict_kfac(whole if sends_whole else problem, bufs, layout, **intervals)
 
     section = replace(
-        _section(problem, buffers, placed.placement, **intervals),
+        _section(problem, buffers, laid.layout, **intervals),
         fusion_solver=FusionDP.name,
-        placement_solver=placed.solver,
+        placement_solver=laid.solver,
         solve_seconds=seconds,
-        placement_gap=placed.gap,
-        predicted=predict_kfac(problem, buffers, placed.placement, **intervals),
+        placement_gap=laid.gap,
+        predicted=predict_kfac(problem, buffers, laid.layout, **intervals),
         baselines=baselines,
         lower_bound_s=kfac_lower_bound(problem, **intervals),
     )
@@ -301,14 +351,21 @@ def make_kfac_plan(
 
 def _reference_layouts(
     problem: KFACProblem, whole: KFACProblem
-) -> dict[str, tuple[FactorBuffers, Placement, bool]]:
+) -> dict[str, tuple[FactorBuffers, Layout, bool]]:
     """The layouts the benchmark runs against, with whether factors travel whole: kfac-pytorch's defaults
     (whole factors in 25 MB buckets, each layer's two factors on one worker chosen largest-first by summed d^3;
-    `whole` is `problem` with whole-factor message sizes), and this runtime's upper triangles in 25 MB
-    buckets with every factor inverted everywhere. Neither depends on measured times."""
+    `whole` is `problem` with whole-factor message sizes) in its COMM_OPT mode (inverses broadcast, every
+    worker preconditions: "kfac-pytorch") and its MEM_OPT mode (each layer's inverse worker preconditions it
+    and broadcasts the gradient: "kaisa-mem-opt"; with 2 workers HYBRID_OPT, a gradient-worker fraction of
+    1/2, is the same layout), and this runtime's upper triangles in 25 MB buckets with every factor inverted
+    and every layer preconditioned everywhere. None depends on measured times."""
+    comm_owners = KfacPytorchRule().solve(whole.placement).placement
+    mem = KaisaMemOpt().solve(whole.layout).layout
     return {
-        "kfac-pytorch": (FixedBytes().solve(whole.fusion), KfacPytorchRule().solve(whole.placement).placement, True),
-        "everywhere": (FixedBytes().solve(problem.fusion), Everywhere().solve(problem.placement).placement, False),
+        "kfac-pytorch": (FixedBytes().solve(whole.fusion), everyone_preconditions(whole, comm_owners), True),
+        KaisaMemOpt.name: (FixedBytes().solve(whole.fusion), mem, True),
+        "everywhere": (FixedBytes().solve(problem.fusion),
+                       everyone_preconditions(problem, Everywhere().solve(problem.placement).placement), False),
     }
 
 
@@ -326,11 +383,14 @@ def reference_sections(plan: Plan) -> dict[str, KFACSection]:
     }
     triangles, whole = (_layout_stub(section, plan.cluster.world_size, whole=w) for w in (False, True))
     predicted = section.baselines or {}
-    return {
-        name: replace(_section(triangles, bufs, owners, **intervals), whole_factors=sends_whole,
+    sections = {
+        name: replace(_section(triangles, bufs, layout, **intervals), whole_factors=sends_whole,
                       predicted=predicted.get(name))
-        for name, (bufs, owners, sends_whole) in _reference_layouts(triangles, whole).items()
+        for name, (bufs, layout, sends_whole) in _reference_layouts(triangles, whole).items()
     }
+    if any(rank is not None for rank in section.preconditioners.values()):
+        sections[PLAN_EVERYONE] = replace(section, preconditioners={}, predicted=predicted.get(PLAN_EVERYONE))
+    return sections
 
 
 def _layout_stub(section: KFACSection, world_size: int, *, whole: bool) -> KFACProblem:
@@ -355,8 +415,10 @@ def _layout_stub(section: KFACSection, world_size: int, *, whole: bool) -> KFACP
         inv_s=tuple(float(d) ** 3 for d in dims), bcast_s=(0.0,) * len(dims), dims=dims, world_size=world_size,
         names=tuple(factor_name(lt.name, k) for lt in layers for k in FactorKind),
     )
+    layout = LayoutProblem(placement=placement, precondition_s=(0.0,) * n, grad_bcast_s=(0.0,) * n,
+                           layers=tuple(lt.name for lt in layers))
     return KFACProblem(
-        layers=layers, method=section.method, fusion=fusion, placement=placement,
+        layers=layers, method=section.method, fusion=fusion, layout=layout,
         sgd_step_s=0.0, plain_step_s=0.0, compute_end_s=0.0, fold_s=0.0, tail_s=0.0,
         gradient_lower_bound_s=0.0,
     )
@@ -478,6 +540,6 @@ def factor_step_timeline(profile: Profile, section: KFACSection, grouping: tuple
         channel=simulate_fusion(fusion, buffers),
         compute_end_s=clock,
         fold_s=problem.fold_s,
-        precondition_s=sum(lt.precondition_s(section.method) for lt in profile.kfac.layers),
+        precondition_s=layout_timelines(problem.layout, section_layout(section))[1].makespan_s,
         update_s=profile.update_s,
     )

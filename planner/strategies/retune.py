@@ -130,13 +130,15 @@ class PlanChanges:
 
 def _kfac_prediction(section: KFACSection, profile: Profile) -> tuple[float | None, str]:
     """The average step of `section`'s buffers and owners on `profile`'s cluster, or None and why not."""
-    from planner.strategies.kfac import kfac_problem, predict_kfac
+    from planner.strategies.kfac import kfac_problem, predict_kfac, section_layout
 
     problem = kfac_problem(profile, section.method)
     world = profile.cluster.world_size
-    foreign = sorted({o for o in section.owners.values() if o is not None and o >= world})
+    ranks = [*section.owners.values(), *section.preconditioners.values()]
+    foreign = sorted({o for o in ranks if o is not None and o >= world})
     if foreign:
-        return None, f"the old plan's inversion owners include rank(s) {foreign[:3]}, absent at world size {world}"
+        return None, (f"the old plan's inversion owners or preconditioners include rank(s) {foreign[:3]}, absent "
+                      f"at world size {world}")
 
     def ends(buffers: tuple[tuple[str, ...], ...], order: tuple[str, ...]) -> tuple[int, ...]:
         if [n for b in buffers for n in b] != list(order):
@@ -148,8 +150,9 @@ def _kfac_prediction(section: KFACSection, profile: Profile) -> tuple[float | No
         return tuple(out)
 
     buffers = (ends(section.a_buffers, problem.fusion.a_names), ends(section.g_buffers, problem.fusion.g_names))
-    placement = tuple(section.owners[name] for name in problem.factor_names)
-    predicted = predict_kfac(problem, buffers, placement, factor_update_steps=section.factor_update_steps,
+    if [lt.name for lt in section.layers] != [lt.name for lt in problem.layers]:
+        raise SolverError("the plan's K-FAC layers do not follow the profile's")
+    predicted = predict_kfac(problem, buffers, section_layout(section), factor_update_steps=section.factor_update_steps,
                              inv_update_steps=section.inv_update_steps)
     return predicted.step_s, ""
 
