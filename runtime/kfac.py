@@ -23,9 +23,12 @@ Design (as `GradientExchange`, see runtime/exchange.py):
   averages.
 - Inverses. On an inversion step each factor's eigendecomposition (or damped inverse) is computed by
   its owner and broadcast, or computed by every rank when the plan says "all". Owners' broadcasts are
-  issued first, then the replicated factors are inverted while they travel.
-- Preconditioning (every step): each layer's gradient [W | b] becomes G⁻¹ [W | b] A⁻¹ (damped), then
-  all are scaled by KL clipping, in place in `.grad`.
+  issued first, then the replicated factors are inverted while they travel. A factor whose layer its
+  owner preconditions (`section.preconditioners`) is inverted by the owner alone and never sent.
+- Preconditioning (every step): each layer's gradient [W | b] becomes G⁻¹ [W | b] A⁻¹ (damped). A layer
+  with a preconditioner rank is preconditioned there and broadcast (others receive it), in layer order,
+  each broadcast posted as soon as it is computed; then every rank preconditions the layers left to
+  everyone while those travel. All are then scaled by KL clipping, in place in `.grad`.
 
 Limits: one training forward and backward per `step()` (a layer whose factor is computed twice, as
 with gradient accumulation, shared layers or activation checkpointing, is refused). Ranks must run the
@@ -312,6 +315,10 @@ class KFACPreconditioner:
                 factors[name] = pair[-1]
             self._layers.append(_Layer(spec.name, module, *pair))
         self._factors = [factors[n] for n in self.section.factor_names()]
+        #: rank that preconditions each layer (None: every rank), and the factors it keeps for that
+        self._preconditioner = [self.section.preconditioners[layer.name] for layer in self._layers]
+        self._kept = {id(f) for layer, rank in zip(self._layers, self._preconditioner, strict=True)
+                      if rank is not None for f in (layer.a, layer.g)}
         self._buffers = [
             _Buffer(i, [factors[factor_name(n, kind)] for n in names])
             for i, (kind, names) in enumerate(
@@ -504,10 +511,18 @@ class KFACPreconditioner:
         assert f.running is not None
         decompose(f.running.to(f.inv_flat.dtype), self.section.method, self.damping, f.inv_flat)
 
-    def _update_inverses(self, communicate: bool) -> None:
-        """Invert every factor: owners invert and broadcast, others receive, "all" factors everywhere.
+    def _global_rank(self, rank: int) -> int:
+        return rank if self.process_group is None else dist.get_global_rank(self.process_group, rank)
 
-        Without `communicate` (world size 1, or after loading factors) every rank inverts every factor.
+    def _needs(self, f: _Factor) -> bool:
+        """Whether this rank needs `f`'s inverse: not when another rank keeps it to precondition its layer."""
+        return id(f) not in self._kept or f.owner == self.rank
+
+    def _update_inverses(self, communicate: bool) -> None:
+        """Invert every factor: owners invert and broadcast, others receive, "all" factors everywhere; a
+        factor kept by the rank that preconditions its layer is inverted there only.
+
+        Without `communicate` (world size 1, or after loading factors) every rank inverts every factor it needs.
         """
         pending = []
         if communicate and self.world_size > 1:
@@ -516,18 +531,20 @@ class KFACPreconditioner:
                     continue
                 if f.owner == self.rank:
                     self._invert(f)
-                src = f.owner if self.process_group is None else dist.get_global_rank(self.process_group, f.owner)
-                pending.append(dist.broadcast(f.inv_flat, src, group=self.process_group, async_op=True))
+                if id(f) not in self._kept:
+                    src = self._global_rank(f.owner)
+                    pending.append(dist.broadcast(f.inv_flat, src, group=self.process_group, async_op=True))
             local = [f for f in self._factors if f.owner is None]
         else:
-            local = self._factors
+            local = [f for f in self._factors if self._needs(f)]
         for f in local:
             self._invert(f)
         for work in pending:
             work.wait()
         if self.section.method is InverseMethod.INVERSE:
             for f in self._factors:
-                f.unpack(f.inv_flat, out=f.inv)
+                if self._needs(f):
+                    f.unpack(f.inv_flat, out=f.inv)
         self._have_inverses = True
         self._inverses_stale = False
 
@@ -535,32 +552,55 @@ class KFACPreconditioner:
     def _current_lr(self) -> float:
         return float(self.lr() if callable(self.lr) else self.lr)
 
+    def _gradient_matrix(self, layer: _Layer) -> Tensor | None:
+        """The layer's gradient [W | b] in the factors' dtype, or None when its weight has no gradient (the
+        same on every rank: gradients are averaged, or missing everywhere, before this)."""
+        wgrad = layer.weight.grad
+        if wgrad is None:
+            return None
+        out = wgrad.shape[0]
+        grad = wgrad.reshape(out, -1).to(layer.a.inv_flat.dtype)
+        if layer.bias is not None:
+            bgrad = layer.bias.grad
+            column = bgrad.reshape(out, 1).to(grad.dtype) if bgrad is not None else grad.new_zeros(out, 1)
+            grad = torch.cat([grad, column], dim=1)
+        return grad
+
+    def _preconditioned(self, layer: _Layer, grad: Tensor) -> Tensor:
+        a, g = layer.a, layer.g
+        if self.section.method is InverseMethod.EIGEN:
+            assert a.q is not None and a.evals is not None and g.q is not None and g.evals is not None
+            return precondition_eigen(grad, a.q, a.evals, g.q, g.evals, self.damping)
+        assert a.inv is not None and g.inv is not None
+        return precondition_inverse(grad, a.inv, g.inv)
+
     def _precondition(self) -> None:
-        """Replace each K-FAC layer's gradient by its KL-clipped preconditioned gradient, in place."""
-        eigen = self.section.method is InverseMethod.EIGEN
+        """Replace each K-FAC layer's gradient by its KL-clipped preconditioned gradient, in place: layers with
+        a preconditioner rank there (and broadcast, in layer order), then the others on every rank."""
+        grads = [self._gradient_matrix(layer) for layer in self._layers]
+        preconditioned: list[Tensor | None] = [None] * len(self._layers)
+        pending = []
+        communicate = self.world_size > 1
+        for i, (layer, grad, rank) in enumerate(zip(self._layers, grads, self._preconditioner, strict=True)):
+            if grad is None or rank is None:
+                continue
+            v = self._preconditioned(layer, grad) if rank == self.rank or not communicate else torch.empty_like(grad)
+            preconditioned[i] = v
+            if communicate:
+                pending.append(dist.broadcast(v, self._global_rank(rank), group=self.process_group, async_op=True))
+        for i, (layer, grad, rank) in enumerate(zip(self._layers, grads, self._preconditioner, strict=True)):
+            if grad is not None and rank is None:
+                preconditioned[i] = self._preconditioned(layer, grad)
+        for work in pending:
+            work.wait()
         results = []
         vg: Tensor | None = None
-        for layer in self._layers:
-            wgrad = layer.weight.grad
-            if wgrad is None:
+        for layer, grad, done in zip(self._layers, grads, preconditioned, strict=True):
+            if grad is None or done is None:
                 continue
-            out = wgrad.shape[0]
-            dtype = layer.a.inv_flat.dtype
-            grad = wgrad.reshape(out, -1).to(dtype)
-            if layer.bias is not None:
-                bgrad = layer.bias.grad
-                column = bgrad.reshape(out, 1).to(dtype) if bgrad is not None else grad.new_zeros(out, 1)
-                grad = torch.cat([grad, column], dim=1)
-            a, g = layer.a, layer.g
-            if eigen:
-                assert a.q is not None and a.evals is not None and g.q is not None and g.evals is not None
-                v = precondition_eigen(grad, a.q, a.evals, g.q, g.evals, self.damping)
-            else:
-                assert a.inv is not None and g.inv is not None
-                v = precondition_inverse(grad, a.inv, g.inv)
-            results.append((layer, v))
+            results.append((layer, done))
             if self.kl_clip is not None:
-                term = (v * grad).sum().double()
+                term = (done * grad).sum().double()
                 vg = term if vg is None else vg + term
         nu = 1.0
         if self.kl_clip is not None and vg is not None:

@@ -132,6 +132,17 @@ def make_section(
     )
 
 
+def with_preconditioners(section: KFACSection, world_size: int) -> KFACSection:
+    """`section` with its first and third layers preconditioned by ranks 0 and world_size - 1 (each keeping its
+    layer's factors) and the others by every rank, with their owners as they were."""
+    names = [lt.name for lt in section.layers]
+    chosen = {names[0]: 0, names[2]: world_size - 1}
+    owners = dict(section.owners)
+    for name, rank in chosen.items():
+        owners.update({factor_name(name, kind): rank for kind in FactorKind})
+    return replace(section, owners=owners, preconditioners={n: chosen.get(n) for n in names})
+
+
 def make_plan(
     model: nn.Module, kfac: KFACSection | None, *, world_size: int = WORLD_SIZE, single: bool = False
 ) -> Plan:
@@ -196,6 +207,7 @@ class Config:
     factor_steps: int = 1
     inv_steps: int = 1
     whole: bool = False  # factors (and damped inverses) travel whole, as kfac-pytorch sends them
+    preconditioned: bool = False  # two layers preconditioned by one rank each and broadcast
 
 
 CONFIGS = [
@@ -209,6 +221,10 @@ CONFIGS = [
            InverseMethod.INVERSE, whole=True),
     Config("explicit whole: rank 0 owns all, one buffer each, eigen", "explicit", "rank0", "single",
            InverseMethod.EIGEN, whole=True),
+    Config("plan preconditioned: spread + all, per factor, eigen", "plan", "spread", "per-factor",
+           InverseMethod.EIGEN, preconditioned=True),
+    Config("explicit preconditioned: all, uneven buffers, inverse, 1/2", "explicit", "all", "uneven",
+           InverseMethod.INVERSE, 1, 2, preconditioned=True),
 ]  # fmt: skip
 
 
@@ -217,30 +233,69 @@ def _run_config(cfg: Config, rank: int, world_size: int, process_group: Any = No
     model = build_knet()
     section = replace(make_section(model, cfg.owners, cfg.buffers, cfg.method, cfg.factor_steps, cfg.inv_steps),
                       whole_factors=cfg.whole)
+    if cfg.preconditioned:
+        section = with_preconditioners(section, world_size)
     kwargs: dict[str, Any] = {"skip_layers": SKIP, "lr": LR, "damping": DAMPING, "process_group": process_group,
                               "kl_clip": None}
     forward: nn.Module = model
     if cfg.source == "default":
         kwargs.update(method=cfg.method, factor_update_steps=cfg.factor_steps, inv_update_steps=cfg.inv_steps)
     elif cfg.source == "plan":
-        kwargs["plan"] = make_plan(model, section)
+        kwargs["plan"] = make_plan(model, section, world_size=world_size)
     elif cfg.source == "explicit":
         other = make_section(model, "rank0", "per-factor", InverseMethod.EIGEN, 1, 1)
-        kwargs.update(plan=make_plan(model, other, single=True), kfac=section)
+        kwargs.update(plan=make_plan(model, other, single=True, world_size=world_size), kfac=section)
     else:
         assert cfg.source == "ddp"
         forward = DistributedDataParallel(model)
         kwargs.update(kfac=section, exchange_gradients=False)
     precond = KFACPreconditioner(model, **kwargs)
     assert precond.section.owners == section.owners and precond.section.a_buffers == section.a_buffers
+    assert precond.section.preconditioners == section.preconditioners
     assert precond.section.whole_factors == cfg.whole
     if cfg.whole:  # the buffers hold d^2 values per factor
         for st in precond._buffers:
             assert st.flat.numel() == sum(f.dim * f.dim for f in st.factors)
     assert (precond.exchange is not None) == (cfg.source in ("plan", "explicit"))
-    batches = [shard(full_batch(step), rank, world_size) for step in range(STEPS)]
-    with precond:
-        return train_steps(model, precond, batches, forward)
+    batches = [shard(full_batch(step, 4 * world_size), rank, world_size) for step in range(STEPS)]
+    preconditioned_here: set[str] = set()
+    original = precond._preconditioned
+
+    def recorded(layer: Any, grad: Tensor) -> Tensor:
+        preconditioned_here.add(layer.name)
+        return original(layer, grad)
+
+    precond._preconditioned = recorded  # type: ignore[method-assign]
+    inverted_here: set[str] = set()
+    invert = precond._invert
+
+    def recorded_inversion(f: Any) -> None:
+        inverted_here.add(f.name)
+        invert(f)
+
+    precond._invert = recorded_inversion  # type: ignore[method-assign]
+    broadcast, sent = dist.broadcast, []
+
+    def recorded_broadcast(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent.append(id(tensor))
+        return broadcast(tensor, *args, **kwargs)
+
+    dist.broadcast = recorded_broadcast  # this worker process only
+    try:
+        with precond:
+            out = train_steps(model, precond, batches, forward)
+    finally:
+        dist.broadcast = broadcast
+    kept = {id(f.inv_flat) for f in precond._factors if section.preconditioners[f.name.rsplit(".", 1)[0]] is not None}
+    assert not kept & set(sent), "a factor kept by its layer's preconditioner was broadcast"
+    # each layer is preconditioned where the section says: by its rank only, or by every rank; a layer's
+    # factors kept by the rank that preconditions it are inverted nowhere else
+    mine = {n for n, r in section.preconditioners.items() if r in (None, rank)}
+    assert preconditioned_here == mine, (rank, preconditioned_here, mine)
+    foreign = {factor_name(n, k) for n, r in section.preconditioners.items() if r not in (None, rank)
+               for k in FactorKind}
+    assert not inverted_here & foreign, (rank, inverted_here & foreign)
+    return out
 
 
 def _distributed_worker(rank: int, world_size: int, configs: list[Config]) -> dict[str, list[dict[str, Any]]]:
@@ -283,8 +338,16 @@ def _one_process(cfg: Config, world_size: int) -> list[dict[str, Tensor]]:
         inv_update_steps=cfg.inv_steps,
     )
     assert precond.world_size == 1
-    return train_steps(model, precond, [full_batch(step) for step in range(STEPS)], loss_scale=world_size)
+    return train_steps(model, precond, [full_batch(step, 4 * world_size) for step in range(STEPS)],
+                       loss_scale=world_size)
 
+
+THREE_RANK_CONFIGS = [
+    Config("3 ranks, plan preconditioned: spread + all, per factor, eigen", "plan", "spread", "per-factor",
+           InverseMethod.EIGEN, preconditioned=True),
+    Config("3 ranks, explicit preconditioned: all, single buffers, inverse", "explicit", "all", "single",
+           InverseMethod.INVERSE, preconditioned=True),
+]
 
 SUBGROUP_CONFIGS = [
     Config("subgroup plan: spread + all, uneven buffers, eigen", "plan", "spread", "uneven", InverseMethod.EIGEN),
@@ -295,6 +358,11 @@ SUBGROUP_CONFIGS = [
 def test_distributed_equals_one_process_on_the_whole_batch() -> None:
     """On 2 ranks with half the batch each, every layout gives the one-process preconditioned gradients."""
     check_against_one_process(run_distributed(_distributed_worker, WORLD_SIZE, CONFIGS), CONFIGS)
+
+
+def test_three_ranks_with_preconditioners_equal_one_process() -> None:
+    """Owners precondition their layers and broadcast the result, mixed with layers every rank preconditions."""
+    check_against_one_process(run_distributed(_distributed_worker, 3, THREE_RANK_CONFIGS), THREE_RANK_CONFIGS)
 
 
 def test_a_subgroup_of_three_ranks_equals_one_process() -> None:
@@ -616,7 +684,7 @@ def test_a_section_for_other_layers_is_refused() -> None:
     other = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     with pytest.raises(PlanMismatchError, match="K-FAC layers differ"):
         KFACPreconditioner(other, kfac=KFACSection.simple(kfac_layers(nn.Sequential(nn.Linear(4, 5)))))
-    with pytest.raises(PlanMismatchError, match=r"owner ranks \[1\] but the world size is 1"):
+    with pytest.raises(PlanMismatchError, match=r"names ranks \[1\] \(inversion owners or preconditioners\) but the"):
         KFACPreconditioner(
             model, skip_layers=SKIP, kfac=make_section(model, "spread", "single", InverseMethod.EIGEN, 1, 1)
         )
