@@ -4,9 +4,15 @@ Variants, all with the plan's gradient groups (runtime.GradientExchange) and the
 
 - sgd: no preconditioning (what K-FAC costs on top of plain data-parallel SGD);
 - everywhere: K-FAC, factors in 25 MB buckets, every factor inverted on every worker;
-- kfac-pytorch: K-FAC as kfac-pytorch runs by default: whole factors in 25 MB buckets, each layer's two
-  factors inverted on one worker, layers assigned largest summed d^3 first to the least-loaded worker;
-- plan: K-FAC with the plan's factor buffers and inversion owners.
+- kfac-pytorch: K-FAC as kfac-pytorch runs by default (COMM_OPT): whole factors in 25 MB buckets, each
+  layer's two factors inverted on one worker, layers assigned largest summed d^3 first to the least-loaded
+  worker, inverses broadcast and every worker preconditioning every layer;
+- kaisa-mem-opt: the same, as kfac-pytorch's MEM_OPT: each layer preconditioned by its inverse worker,
+  which broadcasts the preconditioned gradient (inverses never travel); with 2 workers this is also
+  HYBRID_OPT (gradient-worker fraction 1/2);
+- plan, everyone preconditions: the plan's buffers and owners with every worker preconditioning every
+  layer (only when the plan gives some layer a preconditioner rank);
+- plan: K-FAC with the plan's factor buffers, inversion owners and preconditioners.
 
 A K-FAC step is not like the next (factors every `factor_update_steps`, inverses every `inv_update_steps`),
 so the unit of measurement is a window of `inv_update_steps` steps: its time divided by its steps is one
@@ -28,7 +34,7 @@ from planner.contracts.fingerprint import model_info
 from planner.contracts.kfac import KFACSection
 from planner.contracts.plan import Plan
 from planner.models import build_workload
-from planner.strategies.kfac import reference_sections
+from planner.strategies.kfac import PLAN_EVERYONE, reference_sections
 from planner.types import PlanMismatchError
 
 if TYPE_CHECKING:
@@ -78,8 +84,8 @@ def kfac_variants(plan: Plan) -> list[tuple[str, KFACSection | None, float | Non
 
     return [
         ("sgd", None, predicted("sgd")),
-        ("everywhere", refs["everywhere"], predicted("everywhere")),
-        (REFERENCE, refs[REFERENCE], predicted(REFERENCE)),
+        *((name, refs[name], predicted(name)) for name in ("everywhere", REFERENCE, "kaisa-mem-opt", PLAN_EVERYONE)
+          if name in refs),
         ("plan", plan.kfac, None if plan.kfac.predicted is None else plan.kfac.predicted.step_s),
     ]
 

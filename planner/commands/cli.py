@@ -161,22 +161,25 @@ def print_kfac(plan: object) -> None:
     table = Table(title=f"K-FAC ({k.method.value}, factors every {k.factor_update_steps} step(s), inverses every "
                         f"{k.inv_update_steps}): predicted average step")
     for col in ("layout", "buffers", "step ms", "factor step ms", "inversion ms", "broadcast ms",
-                "vs kfac-pytorch", "gap to bound"):
+                "precondition ms", "vs kfac-pytorch", "gap to bound"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for name, p in [("plan", k.predicted), *baselines.items()]:
+        pre = "-" if p.precondition_s is None or name == "sgd" else _ms(p.precondition_s)
         table.add_row(
             name, str(p.num_buffers), _ms(p.step_s), _ms(p.factor_step_s), _ms(p.inversion_s), _ms(p.broadcast_s),
-            f"{ref / p.step_s:.2f}x", f"{(p.step_s - lb) / lb:+.1%}" if lb > 0 and name != "sgd" else "-",
+            pre, f"{ref / p.step_s:.2f}x", f"{(p.step_s - lb) / lb:+.1%}" if lb > 0 and name != "sgd" else "-",
             style="bold" if name == "plan" else None,
         )
-    table.add_row("lower bound", "", _ms(lb), "", "", "", f"{ref / lb:.2f}x" if lb > 0 else "-", "")
+    table.add_row("lower bound", "", _ms(lb), "", "", "", "", f"{ref / lb:.2f}x" if lb > 0 else "-", "")
     console.print(table)
     owners = list(k.owners.values())
     everywhere = sum(o is None for o in owners)
+    placed = sum(r is not None for r in k.preconditioners.values())
     gap = "proven optimal" if not k.placement_gap else f"gap {k.placement_gap:.2%}"
     console.print(
         f"{len(k.a_buffers)} A + {len(k.g_buffers)} G buffers ({k.fusion_solver}); {len(owners) - everywhere} "
-        f"factors on one owner, {everywhere} everywhere ({k.placement_solver}, {gap}); "
+        f"factors on one owner, {everywhere} everywhere; {placed} of {len(k.preconditioners)} layers "
+        f"preconditioned by one worker, the rest by all ({k.placement_solver}, {gap}); "
         f"K-FAC solve {k.solve_seconds * 1e3:.1f} ms. 'sgd' is the same step without K-FAC."
     )
 
@@ -452,7 +455,7 @@ class SolveCommand(Command):
 
 
 def print_kfac_layout(plan: object) -> None:
-    """Factor buffers and inversion owners of a K-FAC plan."""
+    """Factor buffers, inversion owners and preconditioners of a K-FAC plan."""
     from planner.contracts.kfac import factor_name
     from planner.contracts.plan import Plan
     from planner.types import FactorKind
@@ -467,6 +470,12 @@ def print_kfac_layout(plan: object) -> None:
             owners = [k.owners[factor_name(n, kind)] for n in names]
             table.add_row(str(i), ", ".join(names), ", ".join("all" if o is None else str(o) for o in owners))
         console.print(table)
+    placed = {n: r for n, r in k.preconditioners.items() if r is not None}
+    if placed:
+        console.print("preconditioned by one worker (which keeps the layer's factors and broadcasts the result): "
+                      + ", ".join(f"{n} on {r}" for n, r in placed.items()) + "; every other layer by all workers")
+    else:
+        console.print("every layer preconditioned by every worker")
 
 
 def _kfac_options(parser: argparse.ArgumentParser) -> None:
