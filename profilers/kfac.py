@@ -98,11 +98,13 @@ def measure_kfac_layers(
     out = []
     for name in order:
         work = _LayerWork(specs[name], modules[name], inputs[name], grads[name], device, gen)
-        fns = (work.a_factor, work.g_factor, work.fold, work.precondition_eigen, work.precondition_inverse)
+        fns = (work.a_factor, work.g_factor, work.fold, work.precondition_eigen, work.precondition_inverse,
+               work.a_factor_whole, work.g_factor_whole, work.fold_whole)
         timed = [median(time_call(fn, device, repeats=repeats, warmup=warmup)) for fn in fns]
         out.append(KFACLayerTiming(name=name, a_dim=work.spec.a_dim, g_dim=work.spec.g_dim, a_compute_s=timed[0],
                                    g_compute_s=timed[1], fold_s=timed[2], precondition_eigen_s=timed[3],
-                                   precondition_inverse_s=timed[4]))
+                                   precondition_inverse_s=timed[4], a_compute_whole_s=timed[5],
+                                   g_compute_whole_s=timed[6], fold_whole_s=timed[7]))
         on_layer()
     return out
 
@@ -118,6 +120,8 @@ class _LayerWork:
         self.running = (torch.zeros(spec.a_dim, spec.a_dim, device=device),
                         torch.zeros(spec.g_dim, spec.g_dim, device=device))
         self.packed = (self.a_factor(), self.g_factor())
+        self.whole = (torch.empty(spec.a_dim * spec.a_dim, device=device),
+                      torch.empty(spec.g_dim * spec.g_dim, device=device))
 
         def rand(*shape: int) -> Tensor:
             return torch.rand(*shape, generator=gen).to(device)
@@ -139,6 +143,18 @@ class _LayerWork:
         """Unpack both averaged factors and fold them into their running averages (in `step()`)."""
         for flat, run, (rows, cols) in zip(self.packed, self.running, (self.a_index, self.g_index), strict=True):
             fold_factor(run, symmetric_from_triangle(flat, rows, cols, torch.empty_like(run)), 0.95)
+
+    def a_factor_whole(self) -> Tensor:
+        """A copied whole into its buffer (the forward hook, factors sent whole)."""
+        return self.whole[0].copy_(covariance(input_rows(self.module, self.x, torch.float32)).reshape(-1))
+
+    def g_factor_whole(self) -> Tensor:
+        return self.whole[1].copy_(covariance(output_grad_rows(self.module, self.grad, torch.float32)).reshape(-1))
+
+    def fold_whole(self) -> None:
+        """Fold both whole factors (views of their buffers) into their running averages."""
+        for flat, run in zip(self.whole, self.running, strict=True):
+            fold_factor(run, flat.view_as(run), 0.95)
 
     def precondition_eigen(self) -> Tensor:
         """Precondition the layer's gradient matrix with eigendecompositions (every step)."""

@@ -63,12 +63,15 @@ def synthetic_profile(model: str = "mlp", world_size: int = 2) -> Profile:
 
 
 def synthetic_kfac_timing(module: object) -> KFACTiming:
-    """Made-up K-FAC costs: factor work in proportion to d^2, inversion 1 ms + d^3 * 2e-10 s, eigen 3x that."""
+    """Made-up K-FAC costs: factor work in proportion to d^2 (packing and unpacking whole matrices cheaper than
+    triangles), inversion 1 ms + d^3 * 2e-10 s, eigen 3x that."""
     layers = tuple(
         KFACLayerTiming(name=s.name, a_dim=s.a_dim, g_dim=s.g_dim, a_compute_s=1e-5 + s.a_dim**2 * 1e-9,
                         g_compute_s=1e-5 + s.g_dim**2 * 1e-9, fold_s=(s.a_dim**2 + s.g_dim**2) * 1e-9,
                         precondition_eigen_s=2e-5 + s.a_dim * s.g_dim * 2e-9,
-                        precondition_inverse_s=1e-5 + s.a_dim * s.g_dim * 1e-9)
+                        precondition_inverse_s=1e-5 + s.a_dim * s.g_dim * 1e-9,
+                        a_compute_whole_s=1e-5 + s.a_dim**2 * 0.8e-9, g_compute_whole_s=1e-5 + s.g_dim**2 * 0.8e-9,
+                        fold_whole_s=(s.a_dim**2 + s.g_dim**2) * 0.4e-9)
         for s in kfac_layers(module)  # type: ignore[arg-type]
     )
     dims = [16, 64, 256, 1024, 2048]

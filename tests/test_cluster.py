@@ -291,7 +291,8 @@ def test_compute_factor_scales_compute_and_leaves_comm(profile: Profile) -> None
     assert fast.topk.select_model(0.01).cost(1e5) == pytest.approx(0.05 * profile.topk.select_model(0.01).cost(1e5))
     assert fast.kfac is not None and profile.kfac is not None
     for ka, kb in zip(fast.kfac.layers, profile.kfac.layers, strict=True):
-        for attr in ("a_compute_s", "g_compute_s", "fold_s", "precondition_eigen_s", "precondition_inverse_s"):
+        for attr in ("a_compute_s", "g_compute_s", "fold_s", "precondition_eigen_s", "precondition_inverse_s",
+                     "a_compute_whole_s", "g_compute_whole_s", "fold_whole_s"):
             assert getattr(ka, attr) == pytest.approx(0.05 * getattr(kb, attr), rel=TOL)
     for curve in ("eigen", "inverse"):
         fc, pc = getattr(fast.kfac, curve), getattr(profile.kfac, curve)

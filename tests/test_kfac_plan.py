@@ -17,7 +17,14 @@ from planner.models import build_workload
 from planner.solvers.fusion import FUSION_BASELINES, simulate_fusion
 from planner.solvers.layout import KaisaCommOpt, KaisaMemOpt, layout_timelines
 from planner.solvers.placement import makespan
-from planner.strategies.kfac import kfac_lower_bound, kfac_problem, predict_kfac, reference_sections, section_layout
+from planner.strategies.kfac import (
+    kfac_lower_bound,
+    kfac_problem,
+    make_kfac_plan,
+    predict_kfac,
+    reference_sections,
+    section_layout,
+)
 from planner.types import FactorKind, InvalidProfileError, InverseMethod, PlanMismatchError, SchemaError
 from tests.factories import synthetic_kfac_plan, synthetic_plan, synthetic_profile
 from tests.test_contracts import _cli, _one_clear_line
@@ -241,3 +248,44 @@ def test_layers_with_shared_weights_keep_plain_gradients() -> None:
     assert [s.name for s in kfac_layers(model)] == ["0", "2", "4"]
     model[2].weight = model[0].weight
     assert [s.name for s in kfac_layers(model)] == ["4"]
+
+
+def _with_packing_costs(profile: Profile, triangles: float, whole: float) -> Profile:
+    """`profile` with its factor packing and unpacking times scaled by `triangles`, and whole-matrix ones equal to
+    the original triangle times scaled by `whole`."""
+    assert profile.kfac is not None
+    layers = tuple(replace(lt, a_compute_s=lt.a_compute_s * triangles, g_compute_s=lt.g_compute_s * triangles,
+                           fold_s=lt.fold_s * triangles, a_compute_whole_s=lt.a_compute_s * whole,
+                           g_compute_whole_s=lt.g_compute_s * whole, fold_whole_s=lt.fold_s * whole)
+                   for lt in profile.kfac.layers)
+    return replace(profile, kfac=replace(profile.kfac, layers=layers))
+
+
+@pytest.mark.parametrize(("triangles", "whole", "sends_whole"), [(100.0, 1.0, True), (1.0, 100.0, False)])
+def test_the_plan_sends_factors_the_faster_way(triangles: float, whole: float, sends_whole: bool) -> None:
+    """Whole factors cost more traffic and less packing: the plan solves both and keeps the faster, and the
+    other appears among the baselines; the whole-factor problem uses the whole-matrix times and sizes."""
+    base = synthetic_profile("mlp", world_size=2)
+    profile = _with_packing_costs(base, triangles, whole)
+    plan = make_kfac_plan(profile, inv_update_steps=5)
+    k = plan.kfac
+    assert k is not None and k.predicted is not None and k.baselines is not None
+    assert k.whole_factors is sends_whole
+    other = k.baselines["plan, upper triangles" if sends_whole else "plan, whole factors"]
+    assert k.predicted.step_s <= other.step_s
+    problem = kfac_problem(profile, whole_factors=True)
+    assert base.kfac is not None
+    assert problem.fold_s == pytest.approx(sum(lt.fold_s * whole for lt in base.kfac.layers))
+    assert problem.fusion.a_bytes == tuple(lt.a_dim**2 * 4 for lt in problem.layers)
+
+
+def test_profiles_without_whole_factor_times_fall_back_to_triangles() -> None:
+    profile = synthetic_profile("mlp", world_size=2)
+    doc = profile.to_dict()
+    for lt in doc["kfac"]["layers"]:
+        for key in ("a_compute_whole_s", "g_compute_whole_s", "fold_whole_s"):
+            del lt[key]
+    old = Profile.from_dict(doc)
+    assert old.kfac is not None
+    assert all(lt.fold(True) == lt.fold_s and lt.a_compute(True) == lt.a_compute_s for lt in old.kfac.layers)
+    assert Profile.from_dict(profile.to_dict()) == profile

@@ -496,7 +496,10 @@ class _CubeOf(CostModel):
 
 @dataclass(frozen=True, kw_only=True)
 class KFACLayerTiming:
-    """One K-FAC layer: its factor dimensions and the measured cost of its factor and preconditioning work."""
+    """One K-FAC layer: its factor dimensions and the measured cost of its factor and preconditioning work.
+
+    a_compute_s, g_compute_s and fold_s pack and unpack factors as upper triangles; the `_whole_s` ones as
+    whole d x d matrices (None in profiles made before those were measured: the triangle times stand in)."""
 
     name: str
     a_dim: int
@@ -506,9 +509,23 @@ class KFACLayerTiming:
     fold_s: float
     precondition_eigen_s: float
     precondition_inverse_s: float
+    a_compute_whole_s: float | None = None
+    g_compute_whole_s: float | None = None
+    fold_whole_s: float | None = None
 
     def precondition_s(self, method: InverseMethod) -> float:
         return self.precondition_eigen_s if method is InverseMethod.EIGEN else self.precondition_inverse_s
+
+    def a_compute(self, whole: bool) -> float:
+        """Seconds to compute and pack A, as a triangle or (`whole`) the whole matrix."""
+        return self.a_compute_whole_s if whole and self.a_compute_whole_s is not None else self.a_compute_s
+
+    def g_compute(self, whole: bool) -> float:
+        return self.g_compute_whole_s if whole and self.g_compute_whole_s is not None else self.g_compute_s
+
+    def fold(self, whole: bool) -> float:
+        """Seconds to unpack both averaged factors and fold them into their running averages."""
+        return self.fold_whole_s if whole and self.fold_whole_s is not None else self.fold_s
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -520,14 +537,18 @@ class KFACLayerTiming:
             "fold_s": self.fold_s,
             "precondition_eigen_s": self.precondition_eigen_s,
             "precondition_inverse_s": self.precondition_inverse_s,
+            "a_compute_whole_s": self.a_compute_whole_s,
+            "g_compute_whole_s": self.g_compute_whole_s,
+            "fold_whole_s": self.fold_whole_s,
         }
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> KFACLayerTiming:
         expect(data, dict, where)
+        whole = ["a_compute_whole_s", "g_compute_whole_s", "fold_whole_s"]
         check_fields(
             data, where, ["name", "a_dim", "g_dim", "a_compute_s", "g_compute_s", "fold_s", "precondition_eigen_s",
-                         "precondition_inverse_s"]
+                         "precondition_inverse_s"], whole
         )
         a_dim = expect(data["a_dim"], int, f"{where}.a_dim")
         g_dim = expect(data["g_dim"], int, f"{where}.g_dim")
@@ -542,6 +563,7 @@ class KFACLayerTiming:
             fold_s=_time(data["fold_s"], f"{where}.fold_s"),
             precondition_eigen_s=_time(data["precondition_eigen_s"], f"{where}.precondition_eigen_s"),
             precondition_inverse_s=_time(data["precondition_inverse_s"], f"{where}.precondition_inverse_s"),
+            **{k: None if data.get(k) is None else _time(data[k], f"{where}.{k}") for k in whole},
         )
 
 

@@ -451,10 +451,15 @@ def _scaled_topk(topk: TopkTiming, factor: float) -> TopkTiming:
 
 
 def _scaled_kfac(kfac: KFACTiming, factor: float) -> KFACTiming:
+    def scaled(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds * factor
+
     layers = tuple(
         replace(lt, a_compute_s=lt.a_compute_s * factor, g_compute_s=lt.g_compute_s * factor,
                 fold_s=lt.fold_s * factor, precondition_eigen_s=lt.precondition_eigen_s * factor,
-                precondition_inverse_s=lt.precondition_inverse_s * factor)
+                precondition_inverse_s=lt.precondition_inverse_s * factor,
+                a_compute_whole_s=scaled(lt.a_compute_whole_s), g_compute_whole_s=scaled(lt.g_compute_whole_s),
+                fold_whole_s=scaled(lt.fold_whole_s))
         for lt in kfac.layers
     )
     return KFACTiming(layers=layers, inverse=_scaled_dim_curve(kfac.inverse, factor),

@@ -69,6 +69,8 @@ DEFAULT_FACTOR_UPDATE_STEPS = 1
 DEFAULT_INV_UPDATE_STEPS = 10
 #: The baseline row of the plan's own buffers and owners with every worker preconditioning every layer.
 PLAN_EVERYONE = "plan, everyone preconditions"
+#: The best plan with factors sent the other way (the plan keeps the faster of the two).
+PLAN_TRIANGLES, PLAN_WHOLE = "plan, upper triangles", "plan, whole factors"
 
 
 def triangle_numel(dim: int) -> int:
@@ -122,7 +124,8 @@ def kfac_problem(
     """The K-FAC instance a profile describes (it needs the K-FAC measurements of `planner profile`).
 
     `whole_factors`: factors (and damped inverses) travel as d^2 values, as kfac-pytorch sends them, instead
-    of their upper triangles. `inv_update_steps` weighs the inversion phase in the layout's value."""
+    of their upper triangles, and are packed and unpacked at the profile's whole-matrix times. `inv_update_steps`
+    weighs the inversion phase in the layout's value."""
     if profile.kfac is None:
         raise InvalidProfileError(
             "this profile has no K-FAC measurements; profile again with `planner profile --kfac`"
@@ -135,8 +138,9 @@ def kfac_problem(
     grad = profile.problem(Strategy.DENSE)
     grouping = DenseDP().solve(grad)
     sgd = simulate(grad, grouping)
-    a_cost = {lt.name: lt.a_compute_s for lt in kf.layers}
-    g_cost = {lt.name: lt.g_compute_s for lt in kf.layers}
+    whole = whole_factors
+    a_cost = {lt.name: lt.a_compute(whole) for lt in kf.layers}
+    g_cost = {lt.name: lt.g_compute(whole) for lt in kf.layers}
 
     # Forward: gradient layers run in reverse ready order; scale their own times up to the measured F.
     forward = np.array([lt.forward_s for lt in reversed(profile.layers)])
@@ -165,9 +169,9 @@ def kfac_problem(
     allreduce = profile.curve(Collective.ALLREDUCE).model
     fusion = FusionProblem(
         a_ready_s=tuple(float(x) for x in a_ready),
-        a_bytes=tuple(factor_numel(lt.a_dim) * elem for lt in kf.layers),
+        a_bytes=tuple(factor_numel(lt.a_dim, whole=whole) * elem for lt in kf.layers),
         g_ready_s=tuple(float(x) for x in g_ready),
-        g_bytes=tuple(factor_numel(lt.g_dim) * elem for lt in reversed(kf.layers)),
+        g_bytes=tuple(factor_numel(lt.g_dim, whole=whole) * elem for lt in reversed(kf.layers)),
         grad_ready_s=tuple(grad_ready[r.stop - 1] for r in groups_of(grouping)),
         grad_bytes=tuple(sum(grad.numel[i] for i in r) * elem for r in groups_of(grouping)),
         allreduce=allreduce,
@@ -179,7 +183,7 @@ def kfac_problem(
     dims = [d for lt in kf.layers for d in (lt.a_dim, lt.g_dim)]
     placement = PlacementProblem(
         inv_s=tuple(invert.cost(d) for d in dims),
-        bcast_s=tuple(bcast.cost(result_numel(d, method) * elem) for d in dims),
+        bcast_s=tuple(bcast.cost(result_numel(d, method, whole=whole) * elem) for d in dims),
         dims=tuple(dims),
         world_size=profile.cluster.world_size,
         names=tuple(factor_name(lt.name, k) for lt in kf.layers for k in FactorKind),
@@ -199,23 +203,11 @@ def kfac_problem(
         sgd_step_s=sgd.iteration_s,
         plain_step_s=sgd.iteration_s,
         compute_end_s=compute_end,
-        fold_s=sum(lt.fold_s for lt in kf.layers),
+        fold_s=sum(lt.fold(whole) for lt in kf.layers),
         tail_s=profile.update_s,
         gradient_lower_bound_s=lower_bound(grad),
     )
-    return _sending_whole_factors(problem, profile) if whole_factors else problem
-
-
-def _sending_whole_factors(problem: KFACProblem, profile: Profile) -> KFACProblem:
-    """`problem` with every factor (and damped inverse) sent as its d^2 values instead of its upper triangle."""
-    elem = profile.element_bytes
-    bcast = profile.curve(Collective.BROADCAST).model
-    layers = problem.layers
-    fusion = replace(problem.fusion, a_bytes=tuple(factor_numel(lt.a_dim, whole=True) * elem for lt in layers),
-                     g_bytes=tuple(factor_numel(lt.g_dim, whole=True) * elem for lt in reversed(layers)))
-    results = (result_numel(d, problem.method, whole=True) * elem for d in problem.placement.dims)
-    placement = replace(problem.placement, bcast_s=tuple(bcast.cost(n) for n in results))
-    return replace(problem, fusion=fusion, layout=replace(problem.layout, placement=placement))
+    return problem
 
 
 def section_layout(section: KFACSection) -> Layout:
@@ -301,26 +293,36 @@ def make_kfac_plan(
     time_limit_s: float = 2.0,
     source: str = "",
 ) -> Plan:
-    """The K-FAC plan for `profile`: gradient groups (dense DP), factor buffers (fusion DP), and the layout of
-    inversion owners and preconditioners (CP-SAT, planner.solvers.layout), with every baseline and the lower
-    bound predicted by the same model. `placement_solver` solves the inversions alone for the
-    "everyone-preconditions" row (the plan before preconditioning was placed)."""
+    """The K-FAC plan for `profile`: gradient groups (dense DP), factor buffers (fusion DP), the layout of
+    inversion owners and preconditioners (CP-SAT, planner.solvers.layout), and whether factors travel as upper
+    triangles or whole (both solved, the faster kept: packing a triangle saves traffic and costs gathers and
+    scatters, both measured), with every baseline and the lower bound predicted by the same model.
+    `placement_solver` solves the inversions alone for the "everyone-preconditions" row (the plan before
+    preconditioning was placed)."""
     if placement_solver not in PLACEMENT_SOLVERS:
         raise SolverError(f"unknown placement solver {placement_solver!r}; choose from {sorted(PLACEMENT_SOLVERS)}")
-    problem = kfac_problem(profile, method)
+    triangles = kfac_problem(profile, method)
     KFACSection.simple(  # validates the intervals before solving
-        list(problem.layers), factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps
+        list(triangles.layers), factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps
     )
-    problem = replace(problem, layout=replace(problem.layout, inv_update_steps=inv_update_steps))
+    triangles = replace(triangles, layout=replace(triangles.layout, inv_update_steps=inv_update_steps))
+    whole = kfac_problem(profile, method, whole_factors=True, inv_update_steps=inv_update_steps)
     intervals = {"factor_update_steps": factor_update_steps, "inv_update_steps": inv_update_steps}
     t0 = time.perf_counter()
-    buffers = FusionDP().solve(problem.fusion)
-    laid = CpSatLayout(time_limit_s=time_limit_s).solve(problem.layout)
+    solved = {}
+    for sends_whole, candidate in ((False, triangles), (True, whole)):
+        bufs = FusionDP().solve(candidate.fusion)
+        result = CpSatLayout(time_limit_s=time_limit_s).solve(candidate.layout)
+        solved[sends_whole] = (bufs, result, predict_kfac(candidate, bufs, result.layout, **intervals))
     seconds = time.perf_counter() - t0
+    chosen = min(solved, key=lambda w: solved[w][2].step_s)
+    problem = whole if chosen else triangles
+    buffers, laid, predicted = solved[chosen]
 
     baseline_buffers = {b.name: b.solve(problem.fusion) for b in FUSION_BASELINES}
     baseline_owners = {cls.name: cls().solve(problem.placement).placement for cls in PLACEMENT_BASELINES}
     baselines = {"sgd": _sgd_prediction(problem)}
+    baselines[PLAN_TRIANGLES if chosen else PLAN_WHOLE] = solved[not chosen][2]
     for name, bufs in baseline_buffers.items():
         baselines[f"fusion:{name}"] = predict_kfac(problem, bufs, laid.layout, **intervals)
     for name, owners in baseline_owners.items():
@@ -331,19 +333,19 @@ def make_kfac_plan(
                                                   **intervals)
     baselines[PLAN_EVERYONE] = predict_kfac(problem, buffers, everyone_preconditions(problem, laid.layout.owners),
                                             **intervals)
-    whole = _sending_whole_factors(problem, profile)
-    for name, (bufs, layout, sends_whole) in _reference_layouts(problem, whole).items():
-        baselines[name] = predict_kfac(whole if sends_whole else problem, bufs, layout, **intervals)
+    for name, (bufs, layout, sends_whole) in _reference_layouts(triangles, whole).items():
+        baselines[name] = predict_kfac(whole if sends_whole else triangles, bufs, layout, **intervals)
 
     section = replace(
         _section(problem, buffers, laid.layout, **intervals),
+        whole_factors=chosen,
         fusion_solver=FusionDP.name,
         placement_solver=laid.solver,
         solve_seconds=seconds,
         placement_gap=laid.gap,
-        predicted=predict_kfac(problem, buffers, laid.layout, **intervals),
+        predicted=predicted,
         baselines=baselines,
-        lower_bound_s=kfac_lower_bound(problem, **intervals),
+        lower_bound_s=min(kfac_lower_bound(p, **intervals) for p in (triangles, whole)),
     )
     gradient_plan = make_plan(profile, Strategy.DENSE, source=source)
     return replace(gradient_plan, kfac=section)
@@ -490,7 +492,7 @@ def factor_step_timeline(profile: Profile, section: KFACSection, grouping: tuple
         PlanMismatchError: the section's K-FAC layers (names, order, dimensions) are not the profile's.
         InvalidProfileError: the profile has no K-FAC measurements.
     """
-    problem = kfac_problem(profile, section.method)
+    problem = kfac_problem(profile, section.method, whole_factors=section.whole_factors)
     if tuple(section.layers) != problem.layers:
         planned = [(lt.name, lt.a_dim, lt.g_dim) for lt in section.layers]
         measured = [(lt.name, lt.a_dim, lt.g_dim) for lt in problem.layers]
@@ -502,8 +504,8 @@ def factor_step_timeline(profile: Profile, section: KFACSection, grouping: tuple
         )
     assert profile.kfac is not None  # kfac_problem checked it
     ends = validate_grouping(profile.problem(Strategy.DENSE), grouping)
-    a_cost = {lt.name: lt.a_compute_s for lt in profile.kfac.layers}
-    g_cost = {lt.name: lt.g_compute_s for lt in profile.kfac.layers}
+    a_cost = {lt.name: lt.a_compute(section.whole_factors) for lt in profile.kfac.layers}
+    g_cost = {lt.name: lt.g_compute(section.whole_factors) for lt in profile.kfac.layers}
     spans: list[ComputeSpan] = []
     # The same additions as kfac_problem, so that the clocks agree to the last bit.
     forward = np.array([lt.forward_s for lt in reversed(profile.layers)])
