@@ -289,3 +289,28 @@ def test_profiles_without_whole_factor_times_fall_back_to_triangles() -> None:
     assert old.kfac is not None
     assert all(lt.fold(True) == lt.fold_s and lt.a_compute(True) == lt.a_compute_s for lt in old.kfac.layers)
     assert Profile.from_dict(profile.to_dict()) == profile
+
+
+def test_bad_preconditioners_in_a_plan_file_give_one_line(tmp_path: Path) -> None:
+    """A plan whose preconditioners name a rank that does not exist, a layer the model lacks, or a rank that does
+    not invert its layer's factors is refused on load, in one line, by every command."""
+    plan = synthetic_kfac_plan("cnn", inv_update_steps=5)
+    assert plan.kfac is not None
+    layer = plan.kfac.layers[0].name
+    doc = plan.to_dict()
+    cases = []
+    far = json.loads(json.dumps(doc))
+    far["kfac"]["preconditioners"][layer] = 5
+    far["kfac"]["owners"].update({factor_name(layer, k): 5 for k in FactorKind})
+    cases.append((far, "names ranks [5] (inversion owners or preconditioners) but the world size is 2"))
+    unknown = json.loads(json.dumps(doc))
+    unknown["kfac"]["preconditioners"]["no-such-layer"] = 0
+    cases.append((unknown, "kfac.preconditioners must name every layer once: missing [], unknown ['no-such-layer']"))
+    foreign = json.loads(json.dumps(doc))
+    foreign["kfac"]["owners"].update({factor_name(layer, FactorKind.A): 0, factor_name(layer, FactorKind.G): "all"})
+    foreign["kfac"]["preconditioners"][layer] = 0
+    cases.append((foreign, f"kfac.preconditioners.{layer} is rank 0, which must invert both"))
+    for i, (bad, message) in enumerate(cases):
+        path = tmp_path / f"bad{i}.json"
+        path.write_text(json.dumps(bad))
+        _one_clear_line(_cli("show", str(path)), message)
