@@ -310,7 +310,7 @@ class KFACPreconditioner:
                 name = factor_name(spec.name, kind)
                 pair.append(
                     _Factor(name, kind, spec.dim(kind), self.section.owners[name], module.weight, self.section.method,
-                            whole=self.section.whole_factors)
+                            whole=self.section.sends_whole(name))
                 )
                 factors[name] = pair[-1]
             self._layers.append(_Layer(spec.name, module, *pair))

@@ -198,14 +198,14 @@ def test_kfac_pytorch_row_sends_whole_factors() -> None:
 def test_factor_messages_round_trip_and_are_validated() -> None:
     plan = synthetic_kfac_plan("cnn")
     assert plan.kfac is not None
-    whole = replace(plan, kfac=replace(plan.kfac, whole_factors=True))
+    whole = replace(plan, kfac=replace(plan.kfac, whole_factors=True, mixed_whole=None))
     doc = whole.to_dict()
     assert doc["kfac"]["factor_messages"] == "whole"
     assert Plan.from_dict(doc) == whole
     del doc["kfac"]["factor_messages"]  # plans made before: upper triangles
     assert Plan.from_dict(doc).kfac.whole_factors is False  # type: ignore[union-attr]
     doc["kfac"]["factor_messages"] = "half"
-    with pytest.raises(SchemaError, match="factor_messages must be 'upper-triangle' or 'whole', got 'half'"):
+    with pytest.raises(SchemaError, match=r"factor_messages must be 'upper-triangle', 'whole' or .* got 'half'"):
         Plan.from_dict(doc)
 
 
@@ -314,3 +314,33 @@ def test_bad_preconditioners_in_a_plan_file_give_one_line(tmp_path: Path) -> Non
         path = tmp_path / f"bad{i}.json"
         path.write_text(json.dumps(bad))
         _one_clear_line(_cli("show", str(path)), message)
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_formats_chosen_per_buffer_are_predicted_as_the_runtime_reads_them(model: str) -> None:
+    """The plan keeps the fastest of upper triangles, whole factors and formats chosen per buffer; what it
+    predicts is what `kfac_problem` gives for the section's own formats and buffers (as show and retune read
+    it), and a per-buffer choice gives every buffer one format."""
+    from planner.strategies.kfac import PLAN_MIXED, per_buffer_formats, section_layout
+
+    profile = synthetic_profile(model, world_size=2)
+    plan = make_kfac_plan(profile, inv_update_steps=5)
+    k = plan.kfac
+    assert k is not None and k.predicted is not None and k.baselines is not None
+    for name in ("plan, upper triangles", "plan, whole factors", PLAN_MIXED):
+        if name in k.baselines:
+            assert k.predicted.step_s <= k.baselines[name].step_s
+    problem = kfac_problem(profile, whole_factors=k.factor_formats(), inv_update_steps=5)
+    buffers = (tuple(itertools.accumulate(len(b) for b in k.a_buffers)),
+               tuple(itertools.accumulate(len(b) for b in k.g_buffers)))
+    again = predict_kfac(problem, buffers, section_layout(k), factor_update_steps=1, inv_update_steps=5)
+    assert again.step_s == pytest.approx(k.predicted.step_s, rel=1e-12)
+    per_buffer = per_buffer_formats(profile)
+    assert per_buffer is not None
+    for kind, groups in ((FactorKind.A, k.a_buffers), (FactorKind.G, k.g_buffers)):
+        for names in groups:
+            if k.mixed_whole is not None:
+                assert len({k.sends_whole(factor_name(n, kind)) for n in names}) == 1
+    if k.mixed_whole is not None:
+        assert k.factor_formats() == per_buffer[0] and k.fusion_solver == "packing-dp"
+        assert k.lower_bound_s is not None and k.lower_bound_s <= k.predicted.step_s

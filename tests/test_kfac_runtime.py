@@ -208,6 +208,7 @@ class Config:
     inv_steps: int = 1
     whole: bool = False  # factors (and damped inverses) travel whole, as kfac-pytorch sends them
     preconditioned: bool = False  # two layers preconditioned by one rank each and broadcast
+    mixed: bool = False  # even A buffers and odd G buffers travel whole, the others as triangles
 
 
 CONFIGS = [
@@ -225,6 +226,8 @@ CONFIGS = [
            InverseMethod.EIGEN, preconditioned=True),
     Config("explicit preconditioned: all, uneven buffers, inverse, 1/2", "explicit", "all", "uneven",
            InverseMethod.INVERSE, 1, 2, preconditioned=True),
+    Config("plan mixed formats: spread + all, uneven buffers, inverse", "plan", "spread", "uneven",
+           InverseMethod.INVERSE, mixed=True),
 ]  # fmt: skip
 
 
@@ -235,6 +238,12 @@ def _run_config(cfg: Config, rank: int, world_size: int, process_group: Any = No
                       whole_factors=cfg.whole)
     if cfg.preconditioned:
         section = with_preconditioners(section, world_size)
+    if cfg.mixed:
+        sent_whole = [factor_name(n, kind) for kind, buffers in ((FactorKind.A, section.a_buffers[::2]),
+                                                                  (FactorKind.G, section.g_buffers[1::2]))
+                      for b in buffers for n in b]
+        section = replace(section, mixed_whole=frozenset(sent_whole))
+        assert section.mixed_whole is not None  # the uneven buffers give both formats
     kwargs: dict[str, Any] = {"skip_layers": SKIP, "lr": LR, "damping": DAMPING, "process_group": process_group,
                               "kl_clip": None}
     forward: nn.Module = model
@@ -253,9 +262,10 @@ def _run_config(cfg: Config, rank: int, world_size: int, process_group: Any = No
     assert precond.section.owners == section.owners and precond.section.a_buffers == section.a_buffers
     assert precond.section.preconditioners == section.preconditioners
     assert precond.section.whole_factors == cfg.whole
-    if cfg.whole:  # the buffers hold d^2 values per factor
-        for st in precond._buffers:
-            assert st.flat.numel() == sum(f.dim * f.dim for f in st.factors)
+    assert precond.section.factor_formats() == section.factor_formats()
+    for st in precond._buffers:  # the buffers hold d^2 values per factor sent whole, d(d+1)/2 per triangle
+        sizes = [f.dim * f.dim if section.sends_whole(f.name) else f.dim * (f.dim + 1) // 2 for f in st.factors]
+        assert st.flat.numel() == sum(sizes)
     assert (precond.exchange is not None) == (cfg.source in ("plan", "explicit"))
     batches = [shard(full_batch(step, 4 * world_size), rank, world_size) for step in range(STEPS)]
     preconditioned_here: set[str] = set()
@@ -347,6 +357,8 @@ THREE_RANK_CONFIGS = [
            InverseMethod.EIGEN, preconditioned=True),
     Config("3 ranks, explicit preconditioned: all, single buffers, inverse", "explicit", "all", "single",
            InverseMethod.INVERSE, preconditioned=True),
+    Config("3 ranks, plan preconditioned, mixed formats: spread + all, uneven buffers, eigen", "plan", "spread",
+           "uneven", InverseMethod.EIGEN, preconditioned=True, mixed=True),
 ]
 
 SUBGROUP_CONFIGS = [

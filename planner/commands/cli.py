@@ -177,7 +177,8 @@ def print_kfac(plan: object) -> None:
     placed = sum(r is not None for r in k.preconditioners.values())
     gap = "proven optimal" if not k.placement_gap else f"gap {k.placement_gap:.2%}"
     console.print(
-        f"{len(k.a_buffers)} A + {len(k.g_buffers)} G buffers ({k.fusion_solver}); {len(owners) - everywhere} "
+        f"{len(k.a_buffers)} A + {len(k.g_buffers)} G buffers ({k.fusion_solver}), factors sent "
+        f"{k.describe_messages()}; {len(owners) - everywhere} "
         f"factors on one owner, {everywhere} everywhere; {placed} of {len(k.preconditioners)} layers "
         f"preconditioned by one worker, the rest by all ({k.placement_solver}, {gap}); "
         f"K-FAC solve {k.solve_seconds * 1e3:.1f} ms. 'sgd' is the same step without K-FAC."
@@ -464,11 +465,13 @@ def print_kfac_layout(plan: object) -> None:
     k = plan.kfac
     for kind, buffers in ((FactorKind.A, k.a_buffers), (FactorKind.G, k.g_buffers)):
         table = Table(title=f"{kind.value} factor buffers ({'forward' if kind is FactorKind.A else 'backward'} order)")
-        for col in ("#", "layers", "owners"):
+        for col in ("#", "layers", "owners", "sent as"):
             table.add_column(col)
         for i, names in enumerate(buffers):
             owners = [k.owners[factor_name(n, kind)] for n in names]
-            table.add_row(str(i), ", ".join(names), ", ".join("all" if o is None else str(o) for o in owners))
+            sent = {"whole" if k.sends_whole(factor_name(n, kind)) else "upper triangles" for n in names}
+            table.add_row(str(i), ", ".join(names), ", ".join("all" if o is None else str(o) for o in owners),
+                          " / ".join(sorted(sent)))
         console.print(table)
     placed = {n: r for n, r in k.preconditioners.items() if r is not None}
     if placed:

@@ -264,7 +264,7 @@ def _kfac_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
         for e in step.channel.events
     ]
 
-    problem = kfac_problem(profile, section.method, whole_factors=section.whole_factors)
+    problem = kfac_problem(profile, section.method, whole_factors=section.factor_formats())
     layout = section_layout(section)
     placement = layout.owners
     bars, lanes, makespan = _placement_bars(problem.placement, placement,

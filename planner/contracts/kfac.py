@@ -15,7 +15,8 @@ The `kfac` section of a plan (schema in planner/contracts/plan.py):
       "g_buffers": [["fc"], ["conv2", "conv1"]],              # G allreduces, backward order
       "owners": {"conv1.A": 0, "conv1.G": "all", ...},         # rank that inverts and broadcasts, or all
       "preconditioners": {"conv1": "all", "fc": 1, ...},       # optional, absent: all; a rank owns both factors
-      "factor_messages": "upper-triangle" | "whole",          # optional, absent: upper-triangle
+      "factor_messages": "upper-triangle" | "whole" | {"whole": ["conv1.A", ...]},   # optional, absent:
+                                                              # upper-triangle; an object: those factors whole
       "solvers": {"fusion": "fusion-dp", "placement": "cp-sat", "seconds": 0.2, "gap": 0.0},
       "predicted": {"plan": {...}, "baselines": {"kfac-pytorch": {...}, ...}, "lower_bound_s": ...}
     }
@@ -169,7 +170,8 @@ class KFACSection:
     which then are not broadcast), or None when every worker preconditions it (empty: every layer).
     Factors travel as their upper triangles (d(d+1)/2
     values, and so does a damped inverse), or whole (d^2 values) with `whole_factors`, as kfac-pytorch
-    sends them by default.
+    sends them by default; `mixed_whole` (when not None) names the factors that travel whole, the others as
+    triangles (the plan chooses per buffer).
     """
 
     method: InverseMethod
@@ -181,6 +183,7 @@ class KFACSection:
     owners: dict[str, int | None]
     preconditioners: dict[str, int | None] = field(default_factory=dict)
     whole_factors: bool = False
+    mixed_whole: frozenset[str] | None = None
     fusion_solver: str = "none"
     placement_solver: str = "none"
     solve_seconds: float = 0.0
@@ -217,6 +220,16 @@ class KFACSection:
             missing = sorted(expected - set(self.owners))
             extra = sorted(set(self.owners) - expected)
             raise SchemaError(f"kfac.owners must name every factor once: missing {missing[:3]}, unknown {extra[:3]}")
+        if self.mixed_whole is not None:
+            unknown = sorted(set(self.mixed_whole) - expected)
+            if unknown:
+                raise SchemaError(f"kfac.factor_messages names factors the section does not have: {unknown[:3]}")
+            if not self.mixed_whole or self.mixed_whole == expected:  # one format for all: say it plainly
+                object.__setattr__(self, "whole_factors", bool(self.mixed_whole))
+                object.__setattr__(self, "mixed_whole", None)
+            else:
+                object.__setattr__(self, "mixed_whole", frozenset(self.mixed_whole))
+                object.__setattr__(self, "whole_factors", False)
         if not self.preconditioners:
             object.__setattr__(self, "preconditioners", dict.fromkeys(names))
         if set(self.preconditioners) != set(names):
@@ -238,6 +251,20 @@ class KFACSection:
     def factor_names(self) -> list[str]:
         """Every factor, A and G of each layer in forward order."""
         return [factor_name(lt.name, k) for lt in self.layers for k in FactorKind]
+
+    def sends_whole(self, factor: str) -> bool:
+        """Whether `factor` (a name of `factor_names()`) travels whole rather than as its upper triangle."""
+        return factor in self.mixed_whole if self.mixed_whole is not None else self.whole_factors
+
+    def factor_formats(self) -> dict[str, bool]:
+        """Every factor name and whether it travels whole."""
+        return {f: self.sends_whole(f) for f in self.factor_names()}
+
+    def describe_messages(self) -> str:
+        """How factors travel, in a few words."""
+        if self.mixed_whole is None:
+            return "whole" if self.whole_factors else "upper triangles"
+        return f"{len(self.mixed_whole)} of {2 * len(self.layers)} whole, the rest upper triangles"
 
     def check_layers(self, layers: list[KFACLayerSpec]) -> None:
         """Refuse a model whose K-FAC layers differ from the plan's (names or factor dimensions).
@@ -274,7 +301,8 @@ class KFACSection:
             "g_buffers": [list(b) for b in self.g_buffers],
             "owners": {k: ALL_WORKERS if v is None else v for k, v in self.owners.items()},
             "preconditioners": {k: ALL_WORKERS if v is None else v for k, v in self.preconditioners.items()},
-            "factor_messages": _WHOLE if self.whole_factors else _TRIANGLE,
+            "factor_messages": (_WHOLE if self.whole_factors else _TRIANGLE) if self.mixed_whole is None
+            else {_WHOLE: [f for f in self.factor_names() if f in self.mixed_whole]},
             "solvers": {
                 "fusion": self.fusion_solver,
                 "placement": self.placement_solver,
@@ -301,8 +329,18 @@ class KFACSection:
             ["factor_messages", "preconditioners"],  # absent in plans made before these could be chosen
         )
         messages = data.get("factor_messages", _TRIANGLE)
-        if messages not in (_TRIANGLE, _WHOLE):
-            raise SchemaError(f"{where}.factor_messages must be {_TRIANGLE!r} or {_WHOLE!r}, got {messages!r}")
+        mixed = None
+        if isinstance(messages, dict):
+            check_fields(messages, f"{where}.factor_messages", [_WHOLE])
+            names = expect(messages[_WHOLE], list, f"{where}.factor_messages.{_WHOLE}")
+            mixed = frozenset(expect(n, str, f"{where}.factor_messages.{_WHOLE}[]") for n in names)
+            if len(mixed) != len(names):
+                raise SchemaError(f"{where}.factor_messages.{_WHOLE} names a factor twice")
+        elif messages not in (_TRIANGLE, _WHOLE):
+            raise SchemaError(
+                f"{where}.factor_messages must be {_TRIANGLE!r}, {_WHOLE!r} or {{{_WHOLE!r}: [factor names]}}, "
+                f"got {messages!r}"
+            )
         try:
             method = InverseMethod(data["method"])
         except ValueError:
@@ -343,6 +381,7 @@ class KFACSection:
             owners=owners,
             preconditioners=preconditioners,
             whole_factors=messages == _WHOLE,
+            mixed_whole=mixed,
             fusion_solver=expect(solvers["fusion"], str, f"{where}.solvers.fusion"),
             placement_solver=expect(solvers["placement"], str, f"{where}.solvers.placement"),
             solve_seconds=expect_time(solvers["seconds"], f"{where}.solvers.seconds"),

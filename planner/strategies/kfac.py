@@ -21,6 +21,7 @@ The average step is plain + (factor - plain) / factor_update_steps + inversion /
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,7 +29,7 @@ import numpy as np
 
 from planner.contracts.kfac import KFACLayerSpec, KFACPrediction, KFACSection, factor_name
 from planner.contracts.plan import Plan
-from planner.contracts.profile import Profile
+from planner.contracts.profile import KFACLayerTiming, KFACTiming, Profile
 from planner.costmodel.costs import AffineCost
 from planner.costmodel.problem import groups_of
 from planner.costmodel.simulator import simulate
@@ -43,6 +44,7 @@ from planner.solvers.layout import (
     layout_lower_bound,
     layout_timelines,
 )
+from planner.solvers.packing import PackingDP, PackingProblem
 from planner.solvers.placement import (
     PLACEMENT_BASELINES,
     PLACEMENT_SOLVERS,
@@ -71,6 +73,8 @@ DEFAULT_INV_UPDATE_STEPS = 10
 PLAN_EVERYONE = "plan, everyone preconditions"
 #: The best plan with factors sent the other way (the plan keeps the faster of the two).
 PLAN_TRIANGLES, PLAN_WHOLE = "plan, upper triangles", "plan, whole factors"
+#: The best plan with each buffer's format chosen (the plan keeps the fastest of the three).
+PLAN_MIXED = "plan, formats per buffer"
 
 
 def triangle_numel(dim: int) -> int:
@@ -117,30 +121,50 @@ class KFACProblem:
         return [factor_name(lt.name, k) for lt in self.layers for k in FactorKind]
 
 
-def kfac_problem(
-    profile: Profile, method: InverseMethod = InverseMethod.EIGEN, *, whole_factors: bool = False,
-    inv_update_steps: int = 1,
-) -> KFACProblem:
-    """The K-FAC instance a profile describes (it needs the K-FAC measurements of `planner profile`).
+def _formats(whole_factors: bool | Mapping[str, bool]) -> Callable[[str, FactorKind], bool]:
+    """Whether a layer's factor of a kind travels whole, from one format for all or a map of factor names."""
+    if isinstance(whole_factors, bool):
+        return lambda _layer, _kind: whole_factors
+    return lambda layer, kind: bool(whole_factors[factor_name(layer, kind)])
 
-    `whole_factors`: factors (and damped inverses) travel as d^2 values, as kfac-pytorch sends them, instead
-    of their upper triangles, and are packed and unpacked at the profile's whole-matrix times. `inv_update_steps`
-    weighs the inversion phase in the layout's value."""
+
+def _layer_fold(lt: KFACLayerTiming, a_whole: bool, g_whole: bool) -> float:
+    """Seconds to fold a layer's two factors, each in its format. The profile times both factors together;
+    a layer with one factor of each format is charged each factor's share of d^2 at its format's time."""
+    if a_whole == g_whole:
+        return lt.fold(a_whole)
+    a2, g2 = lt.a_dim**2, lt.g_dim**2
+    return (lt.fold(a_whole) * a2 + lt.fold(g_whole) * g2) / (a2 + g2)
+
+
+def _checked_kfac(profile: Profile) -> KFACTiming:
     if profile.kfac is None:
         raise InvalidProfileError(
             "this profile has no K-FAC measurements; profile again with `planner profile --kfac`"
         )
-    kf = profile.kfac
     by_name = {lt.name: i for i, lt in enumerate(profile.layers)}
-    missing = [lt.name for lt in kf.layers if lt.name not in by_name]
+    missing = [lt.name for lt in profile.kfac.layers if lt.name not in by_name]
     if missing:
         raise InvalidProfileError(f"profile.kfac names layers without gradient timings: {missing[:3]}")
+    return profile.kfac
+
+
+def kfac_problem(
+    profile: Profile, method: InverseMethod = InverseMethod.EIGEN, *,
+    whole_factors: bool | Mapping[str, bool] = False, inv_update_steps: int = 1,
+) -> KFACProblem:
+    """The K-FAC instance a profile describes (it needs the K-FAC measurements of `planner profile`).
+
+    `whole_factors`: factors (and damped inverses) travel as d^2 values, as kfac-pytorch sends them, instead
+    of their upper triangles, and are packed and unpacked at the profile's whole-matrix times; a map from
+    factor names says it per factor. `inv_update_steps` weighs the inversion phase in the layout's value."""
+    kf = _checked_kfac(profile)
     grad = profile.problem(Strategy.DENSE)
     grouping = DenseDP().solve(grad)
     sgd = simulate(grad, grouping)
-    whole = whole_factors
-    a_cost = {lt.name: lt.a_compute(whole) for lt in kf.layers}
-    g_cost = {lt.name: lt.g_compute(whole) for lt in kf.layers}
+    whole = _formats(whole_factors)
+    a_cost = {lt.name: lt.a_compute(whole(lt.name, FactorKind.A)) for lt in kf.layers}
+    g_cost = {lt.name: lt.g_compute(whole(lt.name, FactorKind.G)) for lt in kf.layers}
 
     # Forward: gradient layers run in reverse ready order; scale their own times up to the measured F.
     forward = np.array([lt.forward_s for lt in reversed(profile.layers)])
@@ -169,9 +193,10 @@ def kfac_problem(
     allreduce = profile.curve(Collective.ALLREDUCE).model
     fusion = FusionProblem(
         a_ready_s=tuple(float(x) for x in a_ready),
-        a_bytes=tuple(factor_numel(lt.a_dim, whole=whole) * elem for lt in kf.layers),
+        a_bytes=tuple(factor_numel(lt.a_dim, whole=whole(lt.name, FactorKind.A)) * elem for lt in kf.layers),
         g_ready_s=tuple(float(x) for x in g_ready),
-        g_bytes=tuple(factor_numel(lt.g_dim, whole=whole) * elem for lt in reversed(kf.layers)),
+        g_bytes=tuple(factor_numel(lt.g_dim, whole=whole(lt.name, FactorKind.G)) * elem
+                      for lt in reversed(kf.layers)),
         grad_ready_s=tuple(grad_ready[r.stop - 1] for r in groups_of(grouping)),
         grad_bytes=tuple(sum(grad.numel[i] for i in r) * elem for r in groups_of(grouping)),
         allreduce=allreduce,
@@ -181,9 +206,11 @@ def kfac_problem(
     invert = (kf.inverse if method is InverseMethod.INVERSE else kf.eigen).model
     bcast = profile.curve(Collective.BROADCAST).model
     dims = [d for lt in kf.layers for d in (lt.a_dim, lt.g_dim)]
+    sent_whole = [whole(lt.name, k) for lt in kf.layers for k in FactorKind]
     placement = PlacementProblem(
         inv_s=tuple(invert.cost(d) for d in dims),
-        bcast_s=tuple(bcast.cost(result_numel(d, method, whole=whole) * elem) for d in dims),
+        bcast_s=tuple(bcast.cost(result_numel(d, method, whole=w) * elem) for d, w in zip(dims, sent_whole,
+                                                                                            strict=True)),
         dims=tuple(dims),
         world_size=profile.cluster.world_size,
         names=tuple(factor_name(lt.name, k) for lt in kf.layers for k in FactorKind),
@@ -203,7 +230,7 @@ def kfac_problem(
         sgd_step_s=sgd.iteration_s,
         plain_step_s=sgd.iteration_s,
         compute_end_s=compute_end,
-        fold_s=sum(lt.fold(whole) for lt in kf.layers),
+        fold_s=sum(_layer_fold(lt, whole(lt.name, FactorKind.A), whole(lt.name, FactorKind.G)) for lt in kf.layers),
         tail_s=profile.update_s,
         gradient_lower_bound_s=lower_bound(grad),
     )
@@ -254,6 +281,89 @@ def kfac_lower_bound(problem: KFACProblem, *, factor_update_steps: int, inv_upda
     factor = max(plain, problem.compute_end_s + problem.fold_s + problem.tail_s)
     layout = layout_lower_bound(replace(problem.layout, inv_update_steps=inv_update_steps))
     return plain + (factor - plain) / factor_update_steps + layout
+
+
+def packing_problem(profile: Profile) -> tuple[PackingProblem, list[str], list[str]]:
+    """The factor-update step of `kfac_problem` with each factor's format left open (planner.solvers.packing),
+    and the A and G factor names in its order. The same clocks, with each factor computed at the cheaper of its
+    two measured times and the difference charged as that format's packing; a layer's folding is split between
+    its factors by d^2."""
+    kf = _checked_kfac(profile)
+    grad = profile.problem(Strategy.DENSE)
+    grouping = DenseDP().solve(grad)
+    a_pair = {lt.name: (lt.a_compute(False), lt.a_compute(True)) for lt in kf.layers}
+    g_pair = {lt.name: (lt.g_compute(False), lt.g_compute(True)) for lt in kf.layers}
+    forward = np.array([lt.forward_s for lt in reversed(profile.layers)])
+    scale = profile.forward_s / forward.sum() if forward.sum() > 0 else 0.0
+    clock = 0.0
+    a_done: dict[str, float] = {}
+    for lt, f in zip(reversed(profile.layers), forward, strict=True):
+        clock += f * scale + min(a_pair.get(lt.name, (0.0, 0.0)))
+        a_done[lt.name] = clock
+    g_done: dict[str, float] = {}
+    grad_ready, g_before = [], []
+    for lt in profile.layers:
+        clock += min(g_pair.get(lt.name, (0.0, 0.0)))
+        if lt.name in g_pair:
+            g_done[lt.name] = clock
+        clock += lt.backward_s
+        grad_ready.append(clock)
+        g_before.append(len(g_done))
+    order = [lt.name for lt in kf.layers]
+    elem = profile.element_bytes
+
+    def pack(pair: tuple[float, float]) -> tuple[float, float]:
+        return pair[0] - min(pair), pair[1] - min(pair)
+
+    def folds(lt: KFACLayerTiming, kind: FactorKind) -> tuple[float, float]:
+        dim = lt.a_dim if kind is FactorKind.A else lt.g_dim
+        dim2 = dim**2 / (lt.a_dim**2 + lt.g_dim**2)
+        return lt.fold(False) * dim2, lt.fold(True) * dim2
+
+    timing = {lt.name: lt for lt in kf.layers}
+    ends = [r.stop - 1 for r in groups_of(grouping)]
+    problem = PackingProblem(
+        a_ready_s=tuple(np.maximum.accumulate([a_done[n] for n in order])),
+        g_ready_s=tuple(np.maximum.accumulate([g_done[n] for n in reversed(order)])),
+        a_bytes=tuple((factor_numel(timing[n].a_dim) * elem, factor_numel(timing[n].a_dim, whole=True) * elem)
+                      for n in order),
+        g_bytes=tuple((factor_numel(timing[n].g_dim) * elem, factor_numel(timing[n].g_dim, whole=True) * elem)
+                      for n in reversed(order)),
+        a_pack_s=tuple(pack(a_pair[n]) for n in order),
+        g_pack_s=tuple(pack(g_pair[n]) for n in reversed(order)),
+        a_fold_s=tuple(folds(timing[n], FactorKind.A) for n in order),
+        g_fold_s=tuple(folds(timing[n], FactorKind.G) for n in reversed(order)),
+        grad_ready_s=tuple(grad_ready[e] for e in ends),
+        grad_bytes=tuple(sum(grad.numel[i] for i in r) * elem for r in groups_of(grouping)),
+        grad_after_g=tuple(g_before[e] for e in ends),
+        compute_end_s=clock,
+        allreduce=profile.curve(Collective.ALLREDUCE).model,
+    )
+    a_names = [factor_name(n, FactorKind.A) for n in order]
+    return problem, a_names, [factor_name(n, FactorKind.G) for n in reversed(order)]
+
+
+def per_buffer_formats(profile: Profile) -> tuple[dict[str, bool], FactorBuffers] | None:
+    """Whether each factor travels whole, chosen per buffer with the buffers (`PackingDP`), and those buffers;
+    None where the exact search gives up (then one format for every buffer is what the plan compares)."""
+    try:
+        problem, a_names, g_names = packing_problem(profile)
+        (buffers, whole), _ = PackingDP().solve_with_value(problem)
+    except SolverError:
+        return None
+    formats: dict[str, bool] = {}
+    for names, ends, flags in ((a_names, buffers[0], whole[0]), (g_names, buffers[1], whole[1])):
+        for members, w in zip(groups_of(ends), flags, strict=True):
+            formats.update((names[i], w) for i in members)
+    return formats, buffers
+
+
+def cheapest_formats(profile: Profile) -> dict[str, bool]:
+    """Each factor in the format whose packing and folding cost least (for the lower bound: traffic aside,
+    no choice of formats computes and folds faster)."""
+    problem, a_names, g_names = packing_problem(profile)
+    pairs = zip(problem.a_pack_s + problem.g_pack_s, problem.a_fold_s + problem.g_fold_s, strict=True)
+    return {name: p[1] + f[1] < p[0] + f[0] for name, (p, f) in zip(a_names + g_names, pairs, strict=True)}
 
 
 def _section(
@@ -309,20 +419,26 @@ def make_kfac_plan(
     whole = kfac_problem(profile, method, whole_factors=True, inv_update_steps=inv_update_steps)
     intervals = {"factor_update_steps": factor_update_steps, "inv_update_steps": inv_update_steps}
     t0 = time.perf_counter()
+    candidates: dict[str, KFACProblem] = {PLAN_TRIANGLES: triangles, PLAN_WHOLE: whole}
+    per_buffer = per_buffer_formats(profile)
+    mixed = per_buffer[0] if per_buffer is not None and len(set(per_buffer[0].values())) > 1 else None
+    if mixed is not None:
+        candidates[PLAN_MIXED] = kfac_problem(profile, method, whole_factors=mixed, inv_update_steps=inv_update_steps)
     solved = {}
-    for sends_whole, candidate in ((False, triangles), (True, whole)):
-        bufs = FusionDP().solve(candidate.fusion)
+    for name, candidate in candidates.items():
+        # with formats per buffer, the buffers they were chosen for (the fusion DP could merge two formats)
+        bufs = per_buffer[1] if name == PLAN_MIXED and per_buffer else FusionDP().solve(candidate.fusion)
         result = CpSatLayout(time_limit_s=time_limit_s).solve(candidate.layout)
-        solved[sends_whole] = (bufs, result, predict_kfac(candidate, bufs, result.layout, **intervals))
+        solved[name] = (bufs, result, predict_kfac(candidate, bufs, result.layout, **intervals))
     seconds = time.perf_counter() - t0
     chosen = min(solved, key=lambda w: solved[w][2].step_s)
-    problem = whole if chosen else triangles
+    problem = candidates[chosen]
     buffers, laid, predicted = solved[chosen]
 
     baseline_buffers = {b.name: b.solve(problem.fusion) for b in FUSION_BASELINES}
     baseline_owners = {cls.name: cls().solve(problem.placement).placement for cls in PLACEMENT_BASELINES}
     baselines = {"sgd": _sgd_prediction(problem)}
-    baselines[PLAN_TRIANGLES if chosen else PLAN_WHOLE] = solved[not chosen][2]
+    baselines.update((name, prediction) for name, (_, _, prediction) in solved.items() if name != chosen)
     for name, bufs in baseline_buffers.items():
         baselines[f"fusion:{name}"] = predict_kfac(problem, bufs, laid.layout, **intervals)
     for name, owners in baseline_owners.items():
@@ -336,16 +452,18 @@ def make_kfac_plan(
     for name, (bufs, layout, sends_whole) in _reference_layouts(triangles, whole).items():
         baselines[name] = predict_kfac(whole if sends_whole else triangles, bufs, layout, **intervals)
 
+    cheapest = kfac_problem(profile, method, whole_factors=cheapest_formats(profile))
     section = replace(
         _section(problem, buffers, laid.layout, **intervals),
-        whole_factors=chosen,
-        fusion_solver=FusionDP.name,
+        whole_factors=chosen == PLAN_WHOLE,
+        mixed_whole=frozenset(f for f, w in mixed.items() if w) if chosen == PLAN_MIXED and mixed else None,
+        fusion_solver=PackingDP.name if chosen == PLAN_MIXED else FusionDP.name,
         placement_solver=laid.solver,
         solve_seconds=seconds,
         placement_gap=laid.gap,
         predicted=predicted,
         baselines=baselines,
-        lower_bound_s=min(kfac_lower_bound(p, **intervals) for p in (triangles, whole)),
+        lower_bound_s=min(kfac_lower_bound(p, **intervals) for p in (triangles, whole, cheapest)),
     )
     gradient_plan = make_plan(profile, Strategy.DENSE, source=source)
     return replace(gradient_plan, kfac=section)
@@ -492,7 +610,7 @@ def factor_step_timeline(profile: Profile, section: KFACSection, grouping: tuple
         PlanMismatchError: the section's K-FAC layers (names, order, dimensions) are not the profile's.
         InvalidProfileError: the profile has no K-FAC measurements.
     """
-    problem = kfac_problem(profile, section.method, whole_factors=section.whole_factors)
+    problem = kfac_problem(profile, section.method, whole_factors=section.factor_formats())
     if tuple(section.layers) != problem.layers:
         planned = [(lt.name, lt.a_dim, lt.g_dim) for lt in section.layers]
         measured = [(lt.name, lt.a_dim, lt.g_dim) for lt in problem.layers]
@@ -504,8 +622,10 @@ def factor_step_timeline(profile: Profile, section: KFACSection, grouping: tuple
         )
     assert profile.kfac is not None  # kfac_problem checked it
     ends = validate_grouping(profile.problem(Strategy.DENSE), grouping)
-    a_cost = {lt.name: lt.a_compute(section.whole_factors) for lt in profile.kfac.layers}
-    g_cost = {lt.name: lt.g_compute(section.whole_factors) for lt in profile.kfac.layers}
+    a_cost = {lt.name: lt.a_compute(section.sends_whole(factor_name(lt.name, FactorKind.A)))
+              for lt in profile.kfac.layers}
+    g_cost = {lt.name: lt.g_compute(section.sends_whole(factor_name(lt.name, FactorKind.G)))
+              for lt in profile.kfac.layers}
     spans: list[ComputeSpan] = []
     # The same additions as kfac_problem, so that the clocks agree to the last bit.
     forward = np.array([lt.forward_s for lt in reversed(profile.layers)])

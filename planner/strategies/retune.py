@@ -132,7 +132,7 @@ def _kfac_prediction(section: KFACSection, profile: Profile) -> tuple[float | No
     """The average step of `section`'s buffers and owners on `profile`'s cluster, or None and why not."""
     from planner.strategies.kfac import kfac_problem, predict_kfac, section_layout
 
-    problem = kfac_problem(profile, section.method, whole_factors=section.whole_factors)
+    problem = kfac_problem(profile, section.method, whole_factors=section.factor_formats())
     world = profile.cluster.world_size
     ranks = [*section.owners.values(), *section.preconditioners.values()]
     foreign = sorted({o for o in ranks if o is not None and o >= world})
