@@ -21,7 +21,7 @@ from planner.kernels.kfac import (
     covariance,
     decompose,
     fold_factor,
-    input_rows,
+    input_covariance,
     output_grad_rows,
     precondition_eigen,
     precondition_inverse,
@@ -136,7 +136,7 @@ class _LayerWork:
     def a_factor(self) -> Tensor:
         """A from the layer input, packed as its upper triangle (what the forward hook does)."""
         rows, cols = self.a_index
-        return covariance(input_rows(self.module, self.x, torch.float32))[rows, cols]
+        return input_covariance(self.module, self.x, torch.float32)[rows, cols]
 
     def g_factor(self) -> Tensor:
         """G from the output gradient, packed (what the output's tensor hook does)."""

@@ -59,7 +59,7 @@ from planner.kernels.kfac import (
     decompose,
     factor_dtype,
     fold_factor,
-    input_rows,
+    input_covariance,
     output_grad_rows,
     precondition_eigen,
     precondition_inverse,
@@ -188,8 +188,8 @@ class _Layer:
         self.a = a
         self.g = g
 
-    def inputs(self, x: Tensor, dtype: torch.dtype) -> Tensor:
-        return input_rows(self.module, x, dtype)
+    def input_covariance(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        return input_covariance(self.module, x, dtype)
 
     def output_grads(self, grad: Tensor, dtype: torch.dtype) -> Tensor:
         return output_grad_rows(self.module, grad, dtype)
@@ -420,8 +420,8 @@ class KFACPreconditioner:
             return
         dtype = layer.a.inv_flat.dtype
         with torch.no_grad():
-            a = layer.inputs(args[0], dtype)
-            self._factor_ready(layer.a, covariance(a))
+            a = layer.input_covariance(args[0], dtype)
+            self._factor_ready(layer.a, a)
         if isinstance(output, Tensor) and output.requires_grad:
             output.register_hook(functools.partial(self._output_grad_hook, layer))
 

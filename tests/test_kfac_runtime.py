@@ -810,3 +810,26 @@ def test_from_file_and_close(tmp_path: Path) -> None:
     F.cross_entropy(model(x), y).backward()  # hooks removed: no factors
     precond.step()
     assert precond.factors() == {}
+
+
+@pytest.mark.parametrize(
+    ("module", "shape"),
+    [
+        (nn.Conv2d(3, 5, 3, padding=1), (4, 3, 9, 9)),
+        (nn.Conv2d(3, 5, 3, stride=2, dilation=2, bias=False), (4, 3, 9, 9)),
+        (nn.Conv2d(3, 4, 3, padding="same", padding_mode="circular"), (2, 3, 7, 7)),
+        (nn.Conv2d(3, 4, 9), (2, 3, 9, 9)),  # one output position
+        (nn.Conv2d(3, 4, 3), (3, 9, 9)),  # an unbatched input
+        (nn.Linear(7, 3), (2, 5, 7)),
+        (nn.Linear(7, 3, bias=False), (6, 7)),
+    ],
+)
+def test_input_covariance_equals_the_covariance_of_the_rows(module: nn.Module, shape: tuple[int, ...]) -> None:
+    """The fast A (sums of patch products, bias from sums) is A from the rows, in float64 to rounding."""
+    from planner.kernels.kfac import covariance, input_covariance, input_rows
+
+    torch.manual_seed(0)
+    module = module.double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    torch.testing.assert_close(input_covariance(module, x, torch.float64),
+                               covariance(input_rows(module, x, torch.float64)), rtol=1e-12, atol=1e-15)

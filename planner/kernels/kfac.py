@@ -28,6 +28,7 @@ __all__ = [
     "decompose",
     "factor_dtype",
     "fold_factor",
+    "input_covariance",
     "input_rows",
     "output_grad_rows",
     "precondition_eigen",
@@ -62,6 +63,42 @@ def input_rows(module: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
     if isinstance(getattr(module, "bias", None), nn.Parameter):
         a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
     return a / positions if positions > 1 else a
+
+
+def input_covariance(module: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """A, equal to `covariance(input_rows(module, x, dtype))` without building the rows: a convolution's patch
+    products are summed per sample from the unfolded input (no transposed copy of the patches), the bias
+    row and column come from sums, and the scaling is applied to the d x d result."""
+    x = x.detach().to(dtype)
+    if isinstance(module, nn.Conv2d):
+        if x.dim() == 3:
+            x = x.unsqueeze(0)
+        padding: Any = module.padding
+        if isinstance(padding, str) or module.padding_mode != "zeros":
+            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+            x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+            padding = 0
+        patches = F.unfold(x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride)
+        positions = patches.shape[2]
+        products = torch.bmm(patches, patches.transpose(1, 2)).sum(0)  # sum over samples and positions
+        sums = patches.sum(dim=(0, 2))
+        count = patches.shape[0] * positions
+    else:
+        positions = 1
+        rows = x.reshape(-1, x.shape[-1])
+        products = rows.T @ rows
+        sums = rows.sum(0)
+        count = rows.shape[0]
+    dim = products.shape[0]
+    if isinstance(getattr(module, "bias", None), nn.Parameter):
+        out = products.new_empty(dim + 1, dim + 1)
+        out[:dim, :dim] = products
+        out[:dim, dim] = sums
+        out[dim, :dim] = sums
+        out[dim, dim] = count
+    else:
+        out = products
+    return out / max(count * positions * positions, 1)
 
 
 def output_grad_rows(module: nn.Module, grad: Tensor, dtype: torch.dtype) -> Tensor:
