@@ -189,7 +189,8 @@ def print_kfac(plan: object) -> None:
 DRIFT_TOLERANCE = 0.05
 
 
-def print_bench(results: list, as_json: bool, title: str | None = None) -> None:
+def print_bench(results: list, as_json: bool, title: str | None = None, lower_bound_s: float | None = None) -> None:
+    """The bench table; `lower_bound_s`: a last row with the model's lower bound (no variant can predict less)."""
     if as_json:
         console.print_json(json.dumps([r.to_dict() for r in results]))
         return
@@ -205,6 +206,8 @@ def print_bench(results: list, as_json: bool, title: str | None = None) -> None:
             _ms(r.predicted_s) if r.predicted_s is not None else "-",
             f"{r.rel_error:.1%}" if r.rel_error is not None else "-",
         )
+    if lower_bound_s is not None:
+        table.add_row("lower bound (model)", "", "", "", _ms(lower_bound_s), "")
     console.print(table)
     from planner.commands.bench import LOCAL, machine_drift
 
@@ -924,7 +927,7 @@ class BenchCommand(Command):
                  "(slowest rank per step)")
         results = run_kfac_bench(config)
         if results is not None:
-            print_bench(results, args.json, title=title)
+            print_bench(results, args.json, title=title, lower_bound_s=plan.kfac.lower_bound_s)
         return 0
 
 
