@@ -19,6 +19,7 @@ import torch.distributed as dist
 from planner.contracts.fingerprint import ClusterInfo
 from planner.contracts.profile import FittedCurve
 from planner.platform.link import LinkRate, current_link
+from planner.platform.slowdown import current_slowdowns
 from planner.types import Collective
 from profilers.comm import log_sizes, measure_collectives
 
@@ -59,7 +60,7 @@ def current_cluster(device: torch.device, process_group: Any = None) -> ClusterI
         world_size, backend = 1, "none"
     hosts = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("PLANNER_HOSTS", "1")))
     return ClusterInfo(world_size=world_size, backend=backend, device=device_name(device), host_count=hosts,
-                       link=current_link())
+                       link=current_link(), slowdown=current_slowdowns())
 
 
 def probe_worker(rank: int, world_size: int, largest_bytes: int) -> tuple[ClusterInfo, dict] | None:

@@ -25,6 +25,7 @@ from planner.types import PlanMismatchError, Strategy
 
 if TYPE_CHECKING:
     from planner.platform.link import LinkRate
+    from planner.platform.slowdown import Slowdown
 
 __all__ = [
     "LOCAL",
@@ -54,6 +55,7 @@ class BenchConfig:
     lr: float = 0.01
     show_progress: bool = True
     link: LinkRate | None = None
+    slowdown: Slowdown | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -270,4 +272,4 @@ def run_bench(config: BenchConfig) -> list[BenchResult] | None:
             )
     from planner.platform.launch import run_job
 
-    return run_job(bench_worker, config.nproc, config, backend="gloo", link=config.link)
+    return run_job(bench_worker, config.nproc, config, backend="gloo", link=config.link, slowdown=config.slowdown)

@@ -39,6 +39,7 @@ from planner.types import PlanMismatchError
 
 if TYPE_CHECKING:
     from planner.platform.link import LinkRate
+    from planner.platform.slowdown import Slowdown
 
 __all__ = ["KFACBenchConfig", "kfac_bench_worker", "kfac_variants", "run_kfac_bench"]
 
@@ -59,6 +60,7 @@ class KFACBenchConfig:
     damping: float = 1e-3
     show_progress: bool = True
     link: LinkRate | None = None
+    slowdown: Slowdown | None = None
 
     @property
     def window(self) -> int:
@@ -164,4 +166,5 @@ def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult] | None:
     module = build_workload(config.model, batch_size=config.batch_size).module
     plan.check_compatible(model_info(module, config.model), config.nproc)
     plan.kfac.check_layers(kfac_layers(module))
-    return run_job(kfac_bench_worker, config.nproc, config, backend="gloo", link=config.link)
+    return run_job(kfac_bench_worker, config.nproc, config, backend="gloo", link=config.link,
+                   slowdown=config.slowdown)

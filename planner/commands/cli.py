@@ -112,6 +112,25 @@ def _add_link(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", type=_link_rate, default=None, metavar="RATE", help=LINK_HELP)
 
 
+def _slowdown(text: str) -> Any:
+    """`--slowdown RANK=FACTOR[,...]`: a `planner.platform.slowdown.Slowdown` (a bad one: one line, exit 2)."""
+    from planner.platform.slowdown import SlowdownError, parse_slowdown
+
+    try:
+        return parse_slowdown(text)
+    except SlowdownError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--slowdown: ").removeprefix("--slowdown ")) from None
+
+
+SLOWDOWN_HELP = ("run local workers slower: RANK=FACTOR[,RANK=FACTOR...] (e.g. 1=2) puts each named worker under "
+                 "a CPU quota of 1/FACTOR of a core (a cgroup v1 cpu group), so it computes about FACTOR times "
+                 "slower; needs root")
+
+
+def _add_slowdown(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--slowdown", type=_slowdown, default=None, metavar="RANK=FACTOR", help=SLOWDOWN_HELP)
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.2f}"
 
@@ -263,6 +282,7 @@ class ProfileCommand(Command):
                             help="K-FAC layers to leave out (names matched with re.search), e.g. an unused head; "
                                  "pass the same skip_layers= to KFACPreconditioner")
         _add_link(parser)
+        _add_slowdown(parser)
         parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -288,7 +308,7 @@ class ProfileCommand(Command):
             model=args.model, output=args.output, batch_size=args.batch_size, nproc=args.nproc,
             backend=args.backend, repeats=args.repeats, warmup=args.warmup, densities=densities,
             only_comm=args.only == "comm", base=base, kfac=args.kfac, max_dim=args.max_dim, link=args.link,
-            kfac_skip=args.kfac_skip,
+            kfac_skip=args.kfac_skip, slowdown=args.slowdown,
         )
         profile = run_profile(config)
         profile.save(args.output)
@@ -882,6 +902,7 @@ class BenchCommand(Command):
         parser.add_argument("--warmup", type=_nonnegative_int, default=5,
                             help="unmeasured steps per variant (--strategy kfac: one window of inv_update_steps)")
         _add_link(parser)
+        _add_slowdown(parser)
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -897,7 +918,7 @@ class BenchCommand(Command):
         config = BenchConfig(
             plans=plans, model=args.model or plans[0].model.name, batch_size=args.batch_size,
             nproc=args.nproc or plans[0].cluster.world_size, steps=args.steps, warmup=args.warmup,
-            show_progress=not args.json, link=args.link,
+            show_progress=not args.json, link=args.link, slowdown=args.slowdown,
         )
         _note_link_mismatch(plans, args.link)
         results = run_bench(config)
@@ -920,7 +941,7 @@ class BenchCommand(Command):
         config = KFACBenchConfig(
             plan=plan, model=args.model or plan.model.name, batch_size=args.batch_size,
             nproc=args.nproc or plan.cluster.world_size, steps=args.steps, show_progress=not args.json,
-            link=args.link,
+            link=args.link, slowdown=args.slowdown,
         )
         _note_link_mismatch(plans, args.link)
         title = (f"K-FAC bench: median over windows of {config.window} steps of the average step time "
@@ -997,6 +1018,7 @@ class DemoCommand(Command):
         parser.add_argument("--link", default=DEMO_LINK, metavar="RATE|none",
                             help=f"{LINK_HELP}; default {DEMO_LINK} where this process may make network namespaces, "
                                  "else loopback; none: loopback")
+        _add_slowdown(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.commands.bench import BenchConfig, run_bench
@@ -1011,7 +1033,10 @@ class DemoCommand(Command):
         prof_path = args.profiles_dir / f"{stem}-{args.nproc}w{where}.json"
         on = f"behind an emulated {link.text} link" if link is not None else "over loopback"
         console.rule(f"1/3 profile {args.model} on {args.nproc} workers {on}")
-        profile = run_profile(ProfileConfig(model=args.model, output=prof_path, nproc=args.nproc, link=link))
+        if args.slowdown is not None:
+            args.slowdown.check_world_size(args.nproc)
+        profile = run_profile(ProfileConfig(model=args.model, output=prof_path, nproc=args.nproc, link=link,
+                                            slowdown=args.slowdown))
         profile.save(prof_path)
         print_profile(profile)
         console.print(f"wrote profile {prof_path}")
@@ -1026,7 +1051,7 @@ class DemoCommand(Command):
             plans.append(plan)
         console.rule("3/3 bench")
         results = run_bench(BenchConfig(plans=tuple(plans), model=args.model, nproc=args.nproc, steps=args.steps,
-                                        link=link))
+                                        link=link, slowdown=args.slowdown))
         assert results is not None
         print_bench(results, as_json=False, title=f"bench {on}: median step time (slowest rank per step)")
         return 0

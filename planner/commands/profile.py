@@ -16,6 +16,7 @@ from planner.contracts.profile import Profile
 from planner.models import build_workload
 from planner.platform.launch import device_for, resolve_backend
 from planner.platform.link import LinkRate
+from planner.platform.slowdown import Slowdown
 from planner.platform.timing import median
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import log_sizes, measure_collectives
@@ -57,6 +58,7 @@ class ProfileConfig:
     base: Profile | None = field(default=None, repr=False)
     show_progress: bool = True
     link: LinkRate | None = None
+    slowdown: Slowdown | None = None
 
 
 def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile | None:
@@ -179,7 +181,7 @@ def run_profile(config: ProfileConfig) -> Profile:
     if config.nproc < 1:
         raise PlannerError(f"`--nproc >= 1` must hold, but got --nproc {config.nproc}")
     profile = run_job(profile_worker, config.nproc, config, backend=resolve_backend(config.backend),
-                      link=config.link)
+                      link=config.link, slowdown=config.slowdown)
     if profile is None and under_torchrun():  # not rank 0: nothing to write
         raise SystemExit(0)
     if not isinstance(profile, Profile):

@@ -50,7 +50,8 @@ class ClusterInfo:
 
     `link` is the rate of the emulated slower network the workers ran behind (`--link 1gbit`, see
     `planner.platform.link`), or None for the real network (loopback for local workers). Documents written before
-    it existed have no `link` field and read as None.
+    it existed have no `link` field and read as None. `slowdown` is the `--slowdown` the local workers ran
+    with (`1=2`: rank 1 under a CPU quota, about 2x slower; see `planner.platform.slowdown`), or None.
     """
 
     world_size: int
@@ -58,15 +59,19 @@ class ClusterInfo:
     device: str
     host_count: int = 1
     link: str | None = None
+    slowdown: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.slowdown is None:  # documents without slowed workers stay as they were
+            del out["slowdown"]
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "cluster") -> ClusterInfo:
         expect(data, dict, where)
-        check_fields(data, where, ["world_size", "backend", "device", "host_count"], optional=["link"])
-        link = data.get("link")
+        check_fields(data, where, ["world_size", "backend", "device", "host_count"], optional=["link", "slowdown"])
+        link, slowdown = data.get("link"), data.get("slowdown")
         world_size = expect_int(data["world_size"], f"{where}.world_size", 1, MAX_WORLD_SIZE)
         return cls(
             world_size=world_size,
@@ -74,11 +79,13 @@ class ClusterInfo:
             device=expect(data["device"], str, f"{where}.device"),
             host_count=expect_int(data["host_count"], f"{where}.host_count", 1, world_size),
             link=None if link is None else expect(link, str, f"{where}.link"),
+            slowdown=None if slowdown is None else expect(slowdown, str, f"{where}.slowdown"),
         )
 
     def describe(self) -> str:
         where = f" behind an emulated {self.link} link" if self.link else ""
-        return f"world size {self.world_size}, {self.backend} on {self.device}{where}"
+        slowed = f", workers slowed {self.slowdown}" if self.slowdown else ""
+        return f"world size {self.world_size}, {self.backend} on {self.device}{where}{slowed}"
 
     @property
     def device_kind(self) -> str:

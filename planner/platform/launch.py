@@ -7,11 +7,14 @@ exception. A worker that hangs past `timeout` gets every worker killed and the c
 
 With `link=` (a `planner.platform.link.LinkRate`) the workers run behind an emulated slower network instead of
 loopback: each in its own network namespace, its egress shaped to the rate (see `planner.platform.link`); the
-namespaces are torn down when the call returns or fails.
+namespaces are torn down when the call returns or fails. With `slowdown=` (a
+`planner.platform.slowdown.Slowdown`) the named workers run under a CPU quota that makes them that many times
+slower (see `planner.platform.slowdown`); the cgroups are removed when the call returns or fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -28,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from planner.platform.link import LINK_ENV, EmulatedLink, LinkError, LinkRate, enter_namespace
+from planner.platform.slowdown import Slowdown, SlowdownError, ThrottledWorkers, WorkerThrottle, enter_cgroup
 from planner.types import DistributedError, PlannerError
 
 __all__ = [
@@ -103,6 +107,7 @@ def _worker(
     args: tuple[Any, ...],
     conn: Connection,
     network: _Network | None = None,
+    throttle: WorkerThrottle | None = None,
 ) -> None:
     """Body of one spawned worker: join the group, run `fn`, send its outcome, leave the group.
 
@@ -115,6 +120,8 @@ def _worker(
     message: tuple[Any, ...]
     master_addr = "127.0.0.1"
     try:
+        if throttle is not None:
+            enter_cgroup(throttle)
         if network is not None:
             enter_namespace(network.namespace_path)
             os.environ["GLOO_SOCKET_IFNAME"] = network.ifname
@@ -159,6 +166,7 @@ def run_distributed(
     timeout: float = 120,
     backend: str = "gloo",
     link: LinkRate | None = None,
+    slowdown: Slowdown | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` in `world_size` spawned processes, return results by rank.
 
@@ -171,6 +179,8 @@ def run_distributed(
         backend: "gloo" (default) or "nccl" (each rank then uses GPU `rank % device_count`).
         link: run the workers behind an emulated link of this rate (`planner.platform.link`; needs root, else
             `LinkUnavailableError`), torn down before the call returns or raises.
+        slowdown: run the named workers under a CPU quota, that many times slower (`planner.platform.slowdown`;
+            needs root, else `SlowdownUnavailableError`), the groups removed before the call returns or raises.
 
     Returns:
         The return values of `fn`, indexed by rank.
@@ -185,12 +195,17 @@ def run_distributed(
         pickle.dumps(fn)
     except Exception as exc:
         raise ValueError(f"fn must be a module-level function so spawned workers can import it: {exc}") from None
-    if link is not None:
-        with EmulatedLink(link, world_size) as net:
+    with contextlib.ExitStack() as stack:
+        networks: list[_Network | None] = [None] * world_size
+        throttles: list[WorkerThrottle | None] = [None] * world_size
+        if slowdown is not None and slowdown.factors:
+            groups = stack.enter_context(ThrottledWorkers(slowdown, world_size))
+            throttles = [groups.throttle(r) for r in range(world_size)]
+        if link is not None:
+            net = stack.enter_context(EmulatedLink(link, world_size))
             networks = [_Network(net.namespace_path(r), net.address(0), net.ifname, link.text)
                         for r in range(world_size)]
-            return _spawn(fn, world_size, args, timeout, backend, networks)
-    return _spawn(fn, world_size, args, timeout, backend, [None] * world_size)
+        return _spawn(fn, world_size, args, timeout, backend, networks, throttles)
 
 
 def under_torchrun() -> bool:
@@ -205,14 +220,18 @@ def run_job(
     backend: str = "gloo",
     timeout: float = 3600,
     link: LinkRate | None = None,
+    slowdown: Slowdown | None = None,
 ) -> Any:
     """Rank 0's result of `fn(rank, world_size, *args)`, run where the user launched the command.
 
     Under torchrun this process is one rank of torchrun's group (possibly across hosts): it joins the
     group, runs `fn`, leaves it, and returns `fn`'s own result (rank 0's; other ranks get theirs, usually
     None). Otherwise `nproc` local workers are started with `run_distributed` (behind an emulated `link`
-    when given) and rank 0's result is returned.
+    and with the `slowdown` when given) and rank 0's result is returned.
     """
+    if under_torchrun() and slowdown is not None:
+        raise SlowdownError("--slowdown slows down the workers a command starts itself; under torchrun the "
+                            "workers are torchrun's: drop --slowdown")
     if under_torchrun():
         if link is not None:
             raise LinkError("--link emulates a network for the workers a command starts itself; under torchrun "
@@ -222,7 +241,7 @@ def run_job(
             return fn(dist.get_rank(), dist.get_world_size(), *args)
         finally:
             dist.destroy_process_group()
-    return run_distributed(fn, nproc, *args, timeout=timeout, backend=backend, link=link)[0]
+    return run_distributed(fn, nproc, *args, timeout=timeout, backend=backend, link=link, slowdown=slowdown)[0]
 
 
 def _spawn(
@@ -232,6 +251,7 @@ def _spawn(
     timeout: float,
     backend: str,
     networks: Sequence[_Network | None],
+    throttles: Sequence[WorkerThrottle | None],
 ) -> list[Any]:
     """Start the workers (rank r behind `networks[r]` when not None), collect their results, reap them."""
     ctx = mp.get_context("spawn")
@@ -244,7 +264,7 @@ def _spawn(
             readers[rank] = reader
             proc = ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, port, backend, timeout, args, writer, networks[rank]),
+                args=(fn, rank, world_size, port, backend, timeout, args, writer, networks[rank], throttles[rank]),
                 name=f"run_distributed-rank{rank}",
                 daemon=True,
             )
