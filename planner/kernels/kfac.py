@@ -42,19 +42,24 @@ def factor_dtype(param: Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
+def _patches(module: nn.Conv2d, x: Tensor) -> Tensor:
+    """The convolution's input patches, (N, C * kh * kw, H' * W'), with its padding (any mode) applied."""
+    if x.dim() == 3:
+        x = x.unsqueeze(0)
+    padding: Any = module.padding
+    if isinstance(padding, str) or module.padding_mode != "zeros":
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+        padding = 0
+    return F.unfold(x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride)
+
+
 def input_rows(module: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor:
     """The rows `a` whose covariance is A: inputs (or unfolded patches), with a ones column for the bias;
     a convolution's rows (bias column included) divided by its number of output positions."""
     x = x.detach().to(dtype)
     if isinstance(module, nn.Conv2d):
-        if x.dim() == 3:
-            x = x.unsqueeze(0)
-        padding: Any = module.padding
-        if isinstance(padding, str) or module.padding_mode != "zeros":
-            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-            x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-            padding = 0
-        patches = F.unfold(x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride)
+        patches = _patches(module, x)
         positions = patches.shape[2]
         a = patches.transpose(1, 2).reshape(-1, patches.shape[1])  # (N * H' * W', C * kh * kw)
     else:
@@ -71,14 +76,7 @@ def input_covariance(module: nn.Module, x: Tensor, dtype: torch.dtype) -> Tensor
     row and column come from sums, and the scaling is applied to the d x d result."""
     x = x.detach().to(dtype)
     if isinstance(module, nn.Conv2d):
-        if x.dim() == 3:
-            x = x.unsqueeze(0)
-        padding: Any = module.padding
-        if isinstance(padding, str) or module.padding_mode != "zeros":
-            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-            x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-            padding = 0
-        patches = F.unfold(x, module.kernel_size, dilation=module.dilation, padding=padding, stride=module.stride)
+        patches = _patches(module, x)
         positions = patches.shape[2]
         products = torch.bmm(patches, patches.transpose(1, 2)).sum(0)  # sum over samples and positions
         sums = patches.sum(dim=(0, 2))

@@ -36,13 +36,10 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
-import threading
 from dataclasses import dataclass
-from types import FrameType
-from typing import Any
 
+from planner.platform.cleanup import ExitOnSignals, pid_alive
 from planner.types import PlannerError
 
 __all__ = [
@@ -150,22 +147,12 @@ def list_namespaces() -> list[str]:
     return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_namespaces() -> list[str]:
     """Delete namespaces this module made for runs whose launcher no longer exists; return their names."""
     removed = []
     for name in list_namespaces():
         m = _NAME_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
             removed.append(name)
     return removed
@@ -199,7 +186,7 @@ class EmulatedLink:
         # One /24 of 169.254.0.0/16 per run (link-local: never routed); namespaces keep runs apart anyway.
         self.subnet = 1 + secrets.randbelow(250)
         self.created: list[str] = []
-        self._old_handlers: dict[int, Any] = {}
+        self._signals = ExitOnSignals()
 
     # -- names ------------------------------------------------------------------------------------
     @property
@@ -226,7 +213,7 @@ class EmulatedLink:
         problem = privilege_problem()
         if problem is not None:
             raise LinkUnavailableError(f"cannot emulate a {self.rate.text} link: {problem}; run without --link")
-        self._trap_signals()
+        self._signals.arm()
         try:
             remove_stale_namespaces()
             self._add_namespace(self.hub)
@@ -260,29 +247,13 @@ class EmulatedLink:
         while self.created:
             name = self.created.pop()
             subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
-        self._restore_signals()
+        self._signals.disarm()
 
     def __enter__(self) -> EmulatedLink:
         return self.create()
 
     def __exit__(self, *exc: object) -> None:
         self.destroy()
-
-    # -- signals ----------------------------------------------------------------------------------
-    def _trap_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            self._old_handlers[sig] = signal.signal(sig, _exit_on_signal)
-
-    def _restore_signals(self) -> None:
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
-        self._old_handlers.clear()
-
-
-def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
 
 
 def enter_namespace(path: str) -> None:

@@ -30,15 +30,12 @@ import math
 import os
 import re
 import secrets
-import signal
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
-from typing import Any
 
+from planner.platform.cleanup import ExitOnSignals, pid_alive
 from planner.types import PlannerError
 
 __all__ = [
@@ -151,16 +148,6 @@ def privilege_problem(root: Path = CGROUP_CPU_ROOT) -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_group(path: Path, wait_s: float = 10.0) -> bool:
     """Remove a cgroup directory once its processes are gone (waiting up to `wait_s`); whether it went."""
     deadline = time.monotonic() + wait_s
@@ -182,7 +169,7 @@ def remove_stale_cgroups(root: Path = CGROUP_CPU_ROOT) -> list[str]:
     with contextlib.suppress(OSError):
         for entry in root.iterdir():
             m = _NAME_RE.match(entry.name)
-            if m and entry.is_dir() and not _pid_alive(int(m.group(1))) and _remove_group(entry, wait_s=0):
+            if m and entry.is_dir() and not pid_alive(int(m.group(1))) and _remove_group(entry, wait_s=0):
                 removed.append(entry.name)
     return removed
 
@@ -201,7 +188,7 @@ class ThrottledWorkers:
         self.root = root
         self.prefix = f"{_PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
         self.created: list[Path] = []
-        self._old_handlers: dict[int, Any] = {}
+        self._signals = ExitOnSignals()
 
     def path(self, rank: int) -> Path | None:
         """The group worker `rank` joins, or None when it is not slowed."""
@@ -215,7 +202,7 @@ class ThrottledWorkers:
         problem = privilege_problem(self.root)
         if problem is not None:
             raise SlowdownUnavailableError(f"cannot slow workers down: {problem}; run without --slowdown")
-        self._trap_signals()
+        self._signals.arm()
         try:
             remove_stale_cgroups(self.root)
             for rank, factor in sorted(self.slowdown.factors.items()):
@@ -234,28 +221,13 @@ class ThrottledWorkers:
         """Remove every group this made (each once the processes in it are gone)."""
         while self.created:
             _remove_group(self.created.pop())
-        self._restore_signals()
+        self._signals.disarm()
 
     def __enter__(self) -> ThrottledWorkers:
         return self.create()
 
     def __exit__(self, *exc: object) -> None:
         self.destroy()
-
-    def _trap_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            self._old_handlers[sig] = signal.signal(sig, _exit_on_signal)
-
-    def _restore_signals(self) -> None:
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
-        self._old_handlers.clear()
-
-
-def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
 
 
 @dataclass(frozen=True)
