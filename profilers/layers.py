@@ -155,6 +155,41 @@ def measure_steps(
     return times[warmup:]
 
 
+def throughput_batch_sizes(batch_size: int) -> tuple[int, ...]:
+    """The micro-batch sizes a worker's throughput is measured at: a quarter, half and all of the batch."""
+    return tuple(sorted({max(1, batch_size // 4), max(1, batch_size // 2), batch_size}))
+
+
+def measure_throughput(
+    workload: Workload,
+    device: torch.device,
+    batch_sizes: tuple[int, ...],
+    *,
+    repeats: int,
+    warmup: int,
+    barrier: Callable[[], object] = lambda: None,
+) -> list[float]:
+    """This worker's median seconds of a local step (forward and backward, no communication, no update) at
+    each micro-batch size: how fast it turns samples into gradients, which differs between workers of a
+    heterogeneous cluster. Every rank measures at the same time (after `barrier`), as they run in training."""
+    model = workload.module.to(device)
+    out = []
+    for size in batch_sizes:
+        inputs, targets = (t.to(device) for t in workload.make_batch(size, torch.Generator().manual_seed(1234)))
+
+        def step(inputs: torch.Tensor = inputs, targets: torch.Tensor = targets) -> None:
+            model.zero_grad(set_to_none=True)
+            workload.loss_fn(model(inputs), targets).backward()
+
+        times = []
+        for _ in range(warmup + repeats):
+            barrier()
+            times.extend(time_call(step, device, repeats=1, warmup=0))
+        out.append(median(times[warmup:]))
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def combine_ranks(runs: list[LayerRun]) -> tuple[list[LayerTiming], float, float, float]:
     """Layer timings of the slowest worker (largest median forward + backward + update), in rank 0's ready
     order, and its F, B, U medians.

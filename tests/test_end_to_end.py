@@ -31,6 +31,9 @@ def test_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     assert profile.cluster.world_size == 2 and profile.cluster.backend == "gloo"
     assert profile.batch_size == 8
     assert profile.step_s is not None and profile.step_s > 0  # whole steps timed as a cross-check
+    # each worker's own speed at a quarter, half and all of the batch
+    assert profile.throughput is not None and profile.throughput.batch_sizes == (2, 4, 8)
+    assert len(profile.throughput.step_s) == 2 and profile.throughput.spread >= 1
     # The MLP's gradients become ready from the last layer back to the first: measured, not assumed.
     assert [lt.name for lt in profile.layers] == ["6", "4", "2", "0"]
     assert set(profile.collectives) == set(Collective)
@@ -41,6 +44,7 @@ def test_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     _planner("profile", "--only", "comm", "--nproc", "2", "-o", str(prof))
     again = Profile.load(prof)
     assert again.layers == profile.layers and again.topk == profile.topk
+    assert again.throughput == profile.throughput  # compute measurements are kept
     assert again.collectives != before  # re-measured
 
     dense, topk = tmp_path / "dense.json", tmp_path / "topk.json"

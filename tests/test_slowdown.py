@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,25 @@ def test_cli_refuses_bad_slowdowns_in_one_line(tmp_path: Path) -> None:
         assert message in lines[-1], proc.stderr
         assert lines[0].startswith("usage:") or len(lines) == 1, proc.stderr
         assert not (tmp_path / "p.json").exists()
+
+
+def test_worker_throughput_round_trips_and_is_validated() -> None:
+    from planner.contracts.profile import Profile, WorkerThroughput
+    from planner.types import InvalidProfileError
+    from tests.factories import synthetic_profile
+
+    tp = WorkerThroughput(batch_sizes=(8, 16), step_s=((0.01, 0.02), (0.02, 0.04)))
+    assert tp.samples_per_s(0) == (800.0, 800.0) and tp.spread == pytest.approx(2.0)
+    profile = replace(synthetic_profile("mlp", world_size=2), throughput=tp)
+    assert Profile.from_dict(profile.to_dict()).throughput == tp
+    doc = profile.to_dict()
+    del doc["throughput"]  # profiles made before: not measured
+    assert Profile.from_dict(doc).throughput is None
+    for bad, match in (({"batch_sizes": [16, 8], "step_s": [[1, 1], [1, 1]]}, "increasing"),
+                       ({"batch_sizes": [8], "step_s": [[1, 1], [1, 1]]}, "one time per batch size"),
+                       ({"batch_sizes": [8], "step_s": [[0], [1]]}, "times > 0"),
+                       ({"batch_sizes": [8], "step_s": [[1]]}, "1 workers but the world size is 2"),
+                       ({"batch_sizes": [0], "step_s": [[1], [1]]}, "batch_sizes")):
+        with pytest.raises(InvalidProfileError, match=match):
+            Profile.from_dict({**doc, "throughput": bad})
+

@@ -354,6 +354,13 @@ def print_profile(profile: object) -> None:
                               "again on a quieter machine, or with more --repeats and --warmup", markup=False)
         else:
             console.print(line)
+    if profile.throughput is not None:
+        tp = profile.throughput
+        rates = "; ".join(
+            f"rank {r}: " + ", ".join(f"{rate:,.0f}" for rate in tp.samples_per_s(r)) for r in range(len(tp.step_s))
+        )
+        console.print(f"each worker's samples/s at micro-batches {', '.join(map(str, tp.batch_sizes))} (forward and "
+                      f"backward alone): {rates}; fastest/slowest {tp.spread:.2f}x")
     if profile.interference:
         slower = ", ".join(f"{sigma:.2f} with an {coll.value}" for coll, sigma in profile.interference.items())
         console.print(f"compute while communicating: the backward pass runs 1 + sigma times slower while a "

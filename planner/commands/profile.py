@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from planner.console import progress
 from planner.contracts.fingerprint import model_info
-from planner.contracts.profile import Profile
+from planner.contracts.profile import Profile, WorkerThroughput
 from planner.models import build_workload
 from planner.platform.launch import device_for, resolve_backend
 from planner.platform.link import LinkRate
@@ -22,7 +22,13 @@ from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import log_sizes, measure_collectives
 from profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_interference
 from profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
-from profilers.layers import combine_ranks, measure_layers, measure_steps
+from profilers.layers import (
+    combine_ranks,
+    measure_layers,
+    measure_steps,
+    measure_throughput,
+    throughput_batch_sizes,
+)
 from profilers.probe import current_cluster
 from profilers.topk import measure_topk
 from runtime.calibrate import measure_in_situ, measure_packing
@@ -70,6 +76,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
 
     layer_results = None
     step_s = None
+    throughput = None
     if not config.only_comm:
         workload = build_workload(config.model, batch_size=config.batch_size)
         info = model_info(workload.module, config.model)
@@ -100,6 +107,14 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             all_steps: list[object] = [None] * world_size
             dist.all_gather_object(all_steps, steps)
             step_s = max(median(ts) for ts in all_steps)  # type: ignore[arg-type]  # the slowest worker's
+            # Each worker's own speed at a few micro-batch sizes (heterogeneous workers differ).
+            sizes_tp = throughput_batch_sizes(workload.batch_size)
+            mine = measure_throughput(workload, device, sizes_tp, repeats=max(3, config.repeats // 2), warmup=1,
+                                      barrier=dist.barrier)
+            every: list[object] = [None] * world_size
+            dist.all_gather_object(every, mine)
+            throughput = WorkerThroughput(batch_sizes=sizes_tp,
+                                          step_s=tuple(tuple(row) for row in every))  # type: ignore[arg-type]
         task = bar.add_task("collectives", total=len(colls) * len(sizes))
         curves = measure_collectives(
             colls, sizes, device, repeats=config.comm_repeats, warmup=2, on_point=lambda: bar.advance(task)
@@ -168,6 +183,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         step_s=step_s,
         pack=pack,
         interference=interference,
+        throughput=throughput,
         in_situ=in_situ,
     )
 

@@ -25,6 +25,8 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
         "decode_points": [[values, density, seconds], ...]        # at every measured density; [] or
       },                                                          # absent: `decode` serves every density
       "step_s": 0.8,                                              # whole local steps, timed as a cross-check
+      "throughput": {"batch_sizes": [8, 16, 32],                  # null or absent: not measured
+                     "step_s": [[s, s, s], [s, s, s]]},           # per rank: a local step at each micro-batch
       "pack": {"points": [[numel, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"},
                                                                   # dense: a group's gradients into its flat
                                                                   # buffer, divided by P (the runtime's
@@ -119,6 +121,7 @@ __all__ = [
     "LayerTiming",
     "Profile",
     "TopkTiming",
+    "WorkerThroughput",
 ]
 
 PROFILE_SCHEMA_VERSION = 1
@@ -674,6 +677,50 @@ class InSitu:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class WorkerThroughput:
+    """Each worker's own speed: seconds of one local step (forward, backward, no communication) at a few
+    micro-batch sizes, per rank. Workers differ on heterogeneous clusters (or under `--slowdown`)."""
+
+    batch_sizes: tuple[int, ...]
+    step_s: tuple[tuple[float, ...], ...]  # [rank][size]
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or list(self.batch_sizes) != sorted(set(self.batch_sizes)):
+            raise InvalidProfileError(f"profile.throughput.batch_sizes must be increasing and not empty, "
+                                      f"got {list(self.batch_sizes)}")
+        if not self.step_s or any(len(row) != len(self.batch_sizes) for row in self.step_s):
+            raise InvalidProfileError("profile.throughput.step_s must hold one time per batch size for every rank")
+        if any(not t > 0 for row in self.step_s for t in row):
+            raise InvalidProfileError("profile.throughput.step_s must hold times > 0")
+
+    def samples_per_s(self, rank: int) -> tuple[float, ...]:
+        """Rank `rank`'s samples per second at each batch size."""
+        return tuple(b / t for b, t in zip(self.batch_sizes, self.step_s[rank], strict=True))
+
+    @property
+    def spread(self) -> float:
+        """Fastest over slowest worker's samples per second at the largest batch size (1: all alike)."""
+        rates = [self.samples_per_s(r)[-1] for r in range(len(self.step_s))]
+        return max(rates) / min(rates)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch_sizes": list(self.batch_sizes), "step_s": [list(row) for row in self.step_s]}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "profile.throughput") -> WorkerThroughput:
+        expect(data, dict, where)
+        check_fields(data, where, ["batch_sizes", "step_s"])
+        sizes = tuple(expect_int(b, f"{where}.batch_sizes[{i}]", 1, MAX_BATCH_SIZE, InvalidProfileError)
+                      for i, b in enumerate(expect(data["batch_sizes"], list, f"{where}.batch_sizes")))
+        rows = tuple(
+            tuple(_time(t, f"{where}.step_s[{r}][{i}]")
+                  for i, t in enumerate(expect(row, list, f"{where}.step_s[{r}]")))
+            for r, row in enumerate(expect(data["step_s"], list, f"{where}.step_s"))
+        )
+        return cls(batch_sizes=sizes, step_s=rows)
+
+
 def _interference(data: Any) -> dict[Collective, float]:
     """{"allreduce": sigma, ...} as checked values: known collectives, finite numbers >= 0."""
     out = {}
@@ -712,12 +759,18 @@ class Profile:
     pack: FittedCurve | None = None
     interference: dict[Collective, float] | None = None
     in_situ: InSitu | None = None
+    throughput: WorkerThroughput | None = None
     element_bytes: int = 4
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise InvalidProfileError("the profile has no layers with gradients")
+        if self.throughput is not None and len(self.throughput.step_s) != self.cluster.world_size:
+            raise InvalidProfileError(
+                f"profile.throughput has {len(self.throughput.step_s)} workers but the world size is "
+                f"{self.cluster.world_size}"
+            )
         for coll, sigma in (self.interference or {}).items():
             if not (math.isfinite(sigma) and sigma >= 0):
                 raise InvalidProfileError(f"profile.interference.{coll.value} must be a finite number >= 0, "
@@ -834,6 +887,7 @@ class Profile:
                 c.value: sigma for c, sigma in self.interference.items()
             },
             "in_situ": None if self.in_situ is None else self.in_situ.to_dict(),
+            "throughput": None if self.throughput is None else self.throughput.to_dict(),
         }
 
     @property
@@ -858,13 +912,14 @@ class Profile:
             )
         if data.get("kind") != PROFILE_KIND:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
-        data = {"kfac": None, "step_s": None, "pack": None, "interference": None, "in_situ": None, **data}
+        data = {"kfac": None, "step_s": None, "pack": None, "interference": None, "in_situ": None,
+                "throughput": None, **data}
         check_fields(
             data,
             "profile",
             ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
              "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s",
-             "pack", "interference", "in_situ"],
+             "pack", "interference", "in_situ", "throughput"],
         )
         collectives = {}
         for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
@@ -899,6 +954,7 @@ class Profile:
             pack=None if data["pack"] is None else FittedCurve.from_dict(data["pack"], "profile.pack"),
             interference=None if data["interference"] is None else _interference(data["interference"]),
             in_situ=None if data["in_situ"] is None else InSitu.from_dict(data["in_situ"], "profile.in_situ"),
+            throughput=None if data["throughput"] is None else WorkerThroughput.from_dict(data["throughput"]),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
