@@ -45,6 +45,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from planner.solvers.placement import (
+    WALL_BACKSTOP,
     CpSatPlacement,
     InversionTimeline,
     Placement,
@@ -361,8 +362,10 @@ class CpSatLayout(LayoutSolver):
     CP-SAT's presolve returned a wrong optimum); the bound CP-SAT proves is lowered by the most rounding can
     move a value before it is used, so "optimal" means optimal for the rounded times, within
     `tolerance_s(problem)` of the true optimum. The answer is the better of the model's incumbent and the
-    best baseline. One search worker with a fixed seed (the default) gives the same answer on every call that
-    ends within the time limit: optimal layouts often tie, and parallel workers pick among them by timing.
+    best baseline. One search worker with a fixed seed (the default) and a budget in CP-SAT's deterministic time
+    (`time_limit_s`, about seconds on an unloaded core; the wall limit is `WALL_BACKSTOP` times it) give the same
+    answer on every call however loaded the machine: optimal layouts often tie, and parallel workers or a wall
+    clock pick among them by timing (a plan solved under CI's load once differed from the same plan solved idle).
     """
 
     name = "cp-sat"
@@ -399,7 +402,8 @@ class CpSatLayout(LayoutSolver):
             return _result(problem, start.layout, solver=self.name, started=started, bound=0.0, optimal=True)
         built.hint(start.layout)
         solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(0.01, self.time_limit_s - (time.perf_counter() - started))
+        solver.parameters.max_deterministic_time = self.time_limit_s
+        solver.parameters.max_time_in_seconds = WALL_BACKSTOP * self.time_limit_s
         solver.parameters.num_workers = self.num_workers
         solver.parameters.random_seed = 0
         status = solver.solve(built.model)

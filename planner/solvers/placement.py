@@ -687,6 +687,10 @@ class _ModelPlacement(PlacementSolver):
         at `deadline` (a `time.perf_counter()` value)."""
 
 
+#: CP-SAT solvers budget deterministic time (reproducible); their wall limit is this many times the budget.
+WALL_BACKSTOP = 10.0
+
+
 def _remaining(deadline: float) -> float:
     """Seconds left before `deadline`, at least 0.05 (a solver always gets a moment to read its start)."""
     return max(0.05, deadline - time.perf_counter())
@@ -848,8 +852,11 @@ class CpSatPlacement(_ModelPlacement):
 
     def __init__(self, *, time_limit_s: float = 1.5, max_binaries: int = 60_000, shortcuts: bool = True,
                  num_workers: int | None = None, max_units: int = 2**24) -> None:
-        """Args: as `IlpPlacement`; num_workers: CP-SAT search threads (default: CPUs, at most 8);
-        max_units: the integer the largest time maps to.
+        """Args: as `IlpPlacement`, except that `time_limit_s` is CP-SAT's deterministic time (about seconds
+        on an unloaded core; a wall limit of `WALL_BACKSTOP` times it stops a badly overloaded machine), so one
+        problem gets one answer however busy the machine is; num_workers: CP-SAT search threads (default 1,
+        seeded: optimal placements often tie, and parallel workers pick among them by timing); max_units: the
+        integer the largest time maps to.
         """
         super().__init__(time_limit_s=time_limit_s, max_binaries=max_binaries, shortcuts=shortcuts)
         if max_units < 1 or (num_workers is not None and num_workers < 1):
@@ -857,7 +864,7 @@ class CpSatPlacement(_ModelPlacement):
                 f"`max_units >= 1 and num_workers >= 1` must hold, but got "
                 f"(max_units={max_units}, num_workers={num_workers})"
             )
-        self.num_workers = num_workers or min(8, os.cpu_count() or 1)
+        self.num_workers = num_workers or 1
         self.max_units = max_units
 
     def time_unit_s(self, problem: PlacementProblem) -> float:
@@ -913,8 +920,10 @@ class CpSatPlacement(_ModelPlacement):
                 model.add_hint(v, owner == w)
 
         solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = _remaining(deadline)
+        solver.parameters.max_deterministic_time = self.time_limit_s
+        solver.parameters.max_time_in_seconds = max(_remaining(deadline), WALL_BACKSTOP * self.time_limit_s)
         solver.parameters.num_workers = self.num_workers
+        solver.parameters.random_seed = 0
         solver.parameters.absolute_gap_limit = n  # below the rounding error: stop and report OPTIMAL
         status = solver.solve(model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
