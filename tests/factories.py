@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from torch import nn
 
+from planner.contracts.abs import ABSSection, VariantPrediction
 from planner.contracts.fingerprint import ClusterInfo, model_info
 from planner.contracts.kfac import KFACSection, kfac_layers
 from planner.contracts.layers import gradient_layers
@@ -103,6 +104,7 @@ def plan_with_groups(
     name: str = "tiny",
     kfac: KFACSection | None = None,
     counts_from_groups: bool = False,
+    abs_section: ABSSection | None = None,
 ) -> Plan:
     """A plan with dummy predictions for `model` (named `name`) made of `groups` (and a K-FAC section).
 
@@ -128,4 +130,14 @@ def plan_with_groups(
         profiled="test",
         created="test",
         kfac=kfac,
+        abs=abs_section,
     )
+
+
+def abs_section(world_size: int = 2, *, min_micro_batches: int = 1, max_micro_batches: int | None = None,
+                micro_batch: int = 8, global_batch: int = 64) -> ABSSection:
+    """An ABS-SGD section with the given trigger and dummy predictions."""
+    dummy = VariantPrediction(round_s=1.0, samples=(1.0,) * world_size, idle_s=(0.0,) * world_size)
+    return ABSSection(global_batch=global_batch, micro_batch=micro_batch, min_micro_batches=min_micro_batches,
+                      max_micro_batches=max_micro_batches,
+                      predicted={"abs-sgd": dummy, "sync-equal": dummy, "sync-proportional": dummy})

@@ -14,7 +14,7 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from rich.table import Table
 
@@ -26,6 +26,8 @@ __all__ = ["Command", "main"]
 
 #: `--strategy kfac`: dense gradient groups plus a K-FAC section.
 KFAC = "kfac"
+#: `--strategy abs`: dense gradient groups plus an ABS-SGD section (round trigger, micro-batch).
+ABS = "abs"
 
 CLUSTER_HELP = (
     "plan for a cluster you describe: a preset (eth10-8, aws-p3-32, ib100-64, dgx-a100-512), a JSON file, "
@@ -163,6 +165,35 @@ def print_plan(plan: object, title: str | None = None) -> None:
     )
     if plan.kfac is not None:
         print_kfac(plan)
+    if plan.abs is not None:
+        print_abs(plan)
+
+
+def print_abs(plan: object) -> None:
+    """ABS-SGD's trigger, and its predictions beside the synchronous baselines'."""
+    from planner.contracts.plan import Plan
+
+    assert isinstance(plan, Plan) and plan.abs is not None
+    a = plan.abs
+    cap = "no cap" if a.max_micro_batches is None else f"at most {a.max_micro_batches}"
+    table = Table(title=f"ABS-SGD, global batch {a.global_batch}: micro-batches of {a.micro_batch}, a round ends "
+                        f"after at least {a.min_micro_batches} once the previous exchange is done ({cap})")
+    for col in ("variant", "round ms", "samples/round", "samples/s", "vs sync-equal", "share per worker",
+                "idle per worker"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    ref = a.predicted["sync-equal"].samples_per_s
+    for name, p in a.predicted.items():
+        table.add_row(name, _ms(p.round_s), f"{sum(p.samples):,.1f}", f"{p.samples_per_s:,.0f}",
+                      f"{p.samples_per_s / ref:.2f}x", " / ".join(f"{s:.0%}" for s in p.shares),
+                      " / ".join(f"{f:.0%}" for f in p.idle_fraction), style="bold" if name == "abs-sgd" else None)
+    console.print(table)
+    from planner.strategies.abs import ON_TARGET
+
+    rounds = sum(a.predicted["abs-sgd"].samples)
+    if rounds > ON_TARGET * a.global_batch:
+        console.print(f"note: ABS-SGD's rounds hold {rounds:,.0f} samples, more than {ON_TARGET:g}x the global batch "
+                      f"{a.global_batch}: the exchange takes longer than the workers need for {a.global_batch} "
+                      "samples, so the rounds grow to hide it (a larger --global-batch matches them)")
 
 
 def print_kfac(plan: object) -> None:
@@ -409,8 +440,10 @@ class SolveCommand(Command):
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("profile", type=Path, help="profile file from `planner profile`")
-        parser.add_argument("--strategy", choices=[*(s.value for s in Strategy), KFAC], default=Strategy.DENSE.value,
-                            help="gradient exchange (dense, topk), or kfac: dense gradients plus a K-FAC section")
+        parser.add_argument("--strategy", choices=[*(s.value for s in Strategy), KFAC, ABS],
+                            default=Strategy.DENSE.value,
+                            help="gradient exchange (dense, topk); kfac: dense gradients plus a K-FAC section; abs: "
+                                 "ABS-SGD for workers of different speeds (needs --global-batch)")
         parser.add_argument("--density", type=_density, default=None, help="top-k density (default 0.01)")
         # Checked in run(), not by argparse `choices`, so a bad name is one line (no usage block).
         parser.add_argument("--selector", default="auto", metavar="{auto,exact,sampled}",
@@ -426,6 +459,10 @@ class SolveCommand(Command):
         kfac.add_argument("--placement-solver", choices=["cp-sat", "ilp-cbc"], default="cp-sat",
                           help="exact placement model in OR-Tools CP-SAT (default) or pulp/CBC")
         kfac.add_argument("--time-limit", type=float, default=2.0, help="seconds for the placement solver")
+        abs_sgd = parser.add_argument_group("ABS-SGD (--strategy abs)")
+        abs_sgd.add_argument("--global-batch", type=_positive, default=None,
+                             help="samples per round to aim at, summed over the workers (rounds of at most 1.25x "
+                                  "it; the synchronous baselines split it per iteration)")
         parser.add_argument("--cluster", default=None, metavar="SPEC", help=CLUSTER_HELP)
         parser.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
 
@@ -434,13 +471,22 @@ class SolveCommand(Command):
         from planner.strategies.gradients import make_plan
 
         is_kfac = args.strategy == KFAC
+        is_abs = args.strategy == ABS
+        if is_abs and args.global_batch is None:
+            raise PlannerError("--strategy abs needs --global-batch B: the samples per round, summed over the "
+                               "workers (e.g. the batch you train with now)")
+        if not is_abs and args.global_batch is not None:
+            raise PlannerError("--global-batch applies to --strategy abs only")
+        if is_abs and args.cluster is not None:
+            raise PlannerError("--cluster does not apply to --strategy abs: its plan needs each worker's measured "
+                               "speed; profile the cluster itself (with --slowdown to emulate slower workers)")
         if not is_kfac:
             kfac_only = [("--factor-update-steps", args.factor_update_steps),
                          ("--inv-update-steps", args.inv_update_steps)]
             given = [flag for flag, value in kfac_only if value is not None]
             if given:
                 raise PlannerError(f"{given[0]} applies to --strategy kfac only")
-        strategy = Strategy.DENSE if is_kfac else Strategy(args.strategy)
+        strategy = Strategy.DENSE if is_kfac or is_abs else Strategy(args.strategy)
         if args.density is not None and strategy is not Strategy.TOPK:
             raise PlannerError("--density applies to --strategy topk only")
         from planner.contracts.plan import SELECTORS
@@ -476,6 +522,10 @@ class SolveCommand(Command):
                 time_limit_s=args.time_limit,
                 source=str(args.profile),
             )
+        elif is_abs:
+            from planner.strategies.abs import make_abs_plan
+
+            plan = make_abs_plan(profile, args.global_batch, source=str(args.profile))
         else:
             selector = None if args.selector == "auto" else args.selector
             plan = make_plan(profile, strategy, density, source=str(args.profile), selector=selector)
@@ -1084,7 +1134,7 @@ class DemoCommand(Command):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="planner",
         description="Profile, plan and run gradient communication for data-parallel PyTorch training.",
     )
@@ -1095,6 +1145,13 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.configure(p)
         p.set_defaults(_command=cmd)
     return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are one line (what is wrong; `--help` for the rest), not argparse's usage block too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,8 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
         "baselines": {"wfbp": {...}, "single": {...}, "ddp-25mb": {...}, ...},
         "lower_bound_s": 0.091
       },
-      "kfac": null | {...}                           # K-FAC plans only: see planner/contracts/kfac.py
+      "kfac": null | {...},                          # K-FAC plans only: see planner/contracts/kfac.py
+      "abs": null | {...}                            # ABS-SGD plans only: see planner/contracts/abs.py
     }
 
 A top-k plan names the selector whose measured cost its predictions use: "exact" (`torch.topk`) or
@@ -34,6 +35,10 @@ existed used the exact selector.
 A K-FAC plan (`planner solve --strategy kfac`) has dense gradient groups and a `kfac` section with the
 factor fusion buffers, the owner of every factor's inversion, the update intervals and predictions.
 A document without the `kfac` key reads as a gradient-only plan.
+
+An ABS-SGD plan (`planner solve --strategy abs`) has dense gradient groups (each round's exchange moves them)
+and an `abs` section with the round trigger, the micro-batch and the predictions of ABS-SGD and of synchronous
+SGD with equal and with speed-proportional batches. A document without the `abs` key has none.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from planner.contracts.abs import ABSSection
 from planner.contracts.fingerprint import ClusterInfo, ModelInfo
 from planner.contracts.jsonio import (
     MAX_NUMEL,
@@ -129,6 +135,7 @@ class Plan:
     profiled: str
     created: str
     kfac: KFACSection | None = None
+    abs: ABSSection | None = None
     #: The top-k selector ("exact" or "sampled"); None for dense plans. A top-k plan made without one
     #: gets "exact", the selector every plan used before there was a choice.
     selector: str | None = None
@@ -147,6 +154,13 @@ class Plan:
                 raise SchemaError("a K-FAC plan exchanges gradients densely: its strategy must be 'dense'")
             try:
                 self.kfac.check_world_size(self.cluster.world_size)
+            except PlanMismatchError as exc:
+                raise SchemaError(str(exc)) from None
+        if self.abs is not None:
+            if self.strategy is not Strategy.DENSE or self.kfac is not None:
+                raise SchemaError("an ABS-SGD plan exchanges gradients densely and has no kfac section")
+            try:
+                self.abs.check_world_size(self.cluster.world_size)
             except PlanMismatchError as exc:
                 raise SchemaError(str(exc)) from None
         if self.strategy is Strategy.TOPK:
@@ -195,6 +209,7 @@ class Plan:
                 "lower_bound_s": self.lower_bound_s,
             },
             "kfac": None if self.kfac is None else self.kfac.to_dict(),
+            "abs": None if self.abs is None else self.abs.to_dict(),
         }
 
     @classmethod
@@ -208,8 +223,8 @@ class Plan:
         if data.get("kind") != PLAN_KIND:
             raise SchemaError(f"not a plan: kind is {data.get('kind')!r}, expected {PLAN_KIND!r}")
         fields = ["schema_version", "kind", "created", "strategy", "density", "model", "cluster", "source", "solver"]
-        data = {"kfac": None, "selector": None, **data}
-        check_fields(data, "plan", [*fields, "groups", "predicted", "kfac", "selector"])
+        data = {"kfac": None, "abs": None, "selector": None, **data}
+        check_fields(data, "plan", [*fields, "groups", "predicted", "kfac", "abs", "selector"])
         try:
             strategy = Strategy(data["strategy"])
         except ValueError:
@@ -252,6 +267,7 @@ class Plan:
             },
             lower_bound_s=expect_time(predicted["lower_bound_s"], "plan.predicted.lower_bound_s"),
             kfac=None if data["kfac"] is None else KFACSection.from_dict(data["kfac"]),
+            abs=None if data["abs"] is None else ABSSection.from_dict(data["abs"]),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -272,10 +288,11 @@ class Plan:
         """The commands that make a fresh plan for `model` (a `--model` value; default this plan's) and
         the current cluster."""
         density = f" --density {self.density}" if self.strategy is Strategy.TOPK else ""
-        strategy = "kfac" if self.kfac is not None else self.strategy.value
+        strategy = "kfac" if self.kfac is not None else "abs" if self.abs is not None else self.strategy.value
+        batch = f" --global-batch {self.abs.global_batch}" if self.abs is not None else ""
         return (
             f"planner profile --model {model or self.model.name} --nproc <N> -o profile.json && "
-            f"planner solve profile.json --strategy {strategy}{density} -o plan.json"
+            f"planner solve profile.json --strategy {strategy}{density}{batch} -o plan.json"
         )
 
     def check_compatible(

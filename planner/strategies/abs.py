@@ -1,0 +1,201 @@
+"""ABS-SGD plans: the micro-batch and round trigger for workers of different speeds, and the predictions of
+ABS-SGD and of the synchronous baselines under one model.
+
+The model. Worker i takes t_i(b) seconds for the forward and backward of a micro-batch of b samples: an
+affine fit (alpha_i + beta_i * b) to the profile's per-worker throughput, measured at a few batch sizes on
+every rank at once (`profile.throughput`). A round's exchange moves the plan's dense gradient groups back to
+back: c = sum over groups of the measured allreduce cost. Every worker spends U (the profile's optimizer
+update) at the end of each round.
+
+- ABS-SGD (`simulate_abs`): a discrete-event run of the trigger the runtime uses. Worker i ends its round r at
+  the end of its first micro-batch that is at least the min-th and ends after round r-1's exchange has
+  finished (or at the max-th, then waiting for it); round r's exchange starts when the last worker has joined
+  and round r-1's has finished, and takes c. Rounds are measured after a warm-up: seconds per round, each
+  worker's samples and its waiting.
+- Synchronous SGD (`predict_sync`): worker i computes its batch b_i in one step; everybody waits for the
+  slowest; the gradient exchange overlaps that worker's backward as the dense plan's timeline says (the
+  profile's layer times scaled to the slowest worker's step); then U.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from planner.contracts.abs import ABSSection, VariantPrediction
+from planner.contracts.layers import plan_grouping
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
+from planner.costmodel.costs import AffineCost, fit_affine
+from planner.costmodel.problem import GradientProblem, groups_of
+from planner.costmodel.simulator import simulate
+from planner.strategies.gradients import make_plan
+from planner.types import InvalidProfileError, SchemaError, Strategy
+
+__all__ = [
+    "equal_batches",
+    "exchange_s",
+    "make_abs_plan",
+    "micro_batch_costs",
+    "predict_sync",
+    "proportional_batches",
+    "simulate_abs",
+]
+
+#: Rounds simulated, and how many of them are warm-up left out of the averages.
+SIM_ROUNDS, SIM_WARMUP = 96, 16
+#: Rounds of at most this many times the global batch are on target; among them the plan keeps the highest
+#: predicted samples per second. (A round cannot be sized finer than the slowest worker's micro-batch: the
+#: fast workers fill the time it takes, so rounds are rarely exactly the batch asked for.)
+ON_TARGET = 1.25
+
+
+def micro_batch_costs(profile: Profile) -> list[AffineCost]:
+    """Each worker's seconds per micro-batch as a function of its size, fitted to the profile's throughput."""
+    tp = profile.throughput
+    if tp is None:
+        raise InvalidProfileError(
+            "this profile has no per-worker throughput (it was made before planner measured it, or with "
+            "`--only comm`); profile again: planner profile --model <MODEL> --nproc <N> [--slowdown RANK=FACTOR]")
+    if len(tp.batch_sizes) == 1:
+        (size,), costs = tp.batch_sizes, tp.step_s
+        return [AffineCost(alpha=0.0, beta=row[0] / size) for row in costs]
+    return [fit_affine(list(zip(tp.batch_sizes, row, strict=True)))[0] for row in tp.step_s]
+
+
+def equal_batches(global_batch: int, world_size: int) -> tuple[int, ...]:
+    """`global_batch` split as evenly as integers allow (the first ranks take the remainder)."""
+    base, extra = divmod(global_batch, world_size)
+    return tuple(base + (r < extra) for r in range(world_size))
+
+
+def proportional_batches(global_batch: int, speeds: Sequence[float]) -> tuple[int, ...]:
+    """`global_batch` split in proportion to `speeds` (samples/s), at least one sample each, rounded by
+    largest remainder so the parts sum to `global_batch`."""
+    n = len(speeds)
+    if global_batch < n or any(not s > 0 for s in speeds):
+        raise SchemaError(f"need global batch >= workers ({global_batch} < {n}) and speeds > 0, got {list(speeds)}")
+    spare = global_batch - n  # one sample each first
+    ideal = [spare * s / sum(speeds) for s in speeds]
+    parts = [math.floor(x) for x in ideal]
+    for r in sorted(range(n), key=lambda r: (parts[r] - ideal[r], r))[: spare - sum(parts)]:
+        parts[r] += 1
+    return tuple(1 + p for p in parts)
+
+
+def simulate_abs(step_s: Sequence[float], *, micro_batch: int, min_micro_batches: int,
+                 max_micro_batches: int | None, exchange_s: float, update_s: float,
+                 rounds: int = SIM_ROUNDS, warmup: int = SIM_WARMUP) -> VariantPrediction:
+    """ABS-SGD's steady state under the trigger (see the module docstring); `step_s[i]` is worker i's seconds
+    per micro-batch of `micro_batch` samples."""
+    if not 1 <= warmup < rounds or min_micro_batches < 1:
+        raise SchemaError(f"need 1 <= warmup < rounds and min_micro_batches >= 1, got ({warmup}, {rounds}, "
+                          f"{min_micro_batches})")
+    n = len(step_s)
+    start = [0.0] * n
+    done = -math.inf  # when the previous round's exchange finished
+    counted = [0] * n
+    waited = [0.0] * n
+    began = 0.0
+    for r in range(rounds):
+        if r == warmup:
+            began = done
+        ends = []
+        for i, t in enumerate(step_s):
+            k = min_micro_batches
+            end = start[i] + k * t
+            while end < done and (max_micro_batches is None or k < max_micro_batches):
+                k += 1
+                end += t
+            ends.append(end)
+            if r >= warmup:
+                counted[i] += k
+                waited[i] += max(0.0, done - end)
+        finished = max(max(ends), done) + exchange_s
+        start = [max(e, done) + update_s for e in ends]
+        done = finished
+    measured = rounds - warmup
+    # the exchanges finish once per round: their clock is the round's
+    return VariantPrediction(round_s=(done - began) / measured,
+                             samples=tuple(micro_batch * c / measured for c in counted),
+                             idle_s=tuple(w / measured for w in waited))
+
+
+def predict_sync(step: Sequence[AffineCost], batches: Sequence[int], problem: GradientProblem,
+                 grouping: Sequence[int]) -> VariantPrediction:
+    """Synchronous SGD with worker i computing `batches[i]` samples per iteration (see the module docstring)."""
+    compute = [cost.cost(b) for cost, b in zip(step, batches, strict=True)]
+    slowest = max(compute)
+    scale = slowest / (problem.forward_s + sum(problem.backward_s))
+    scaled = replace(problem, forward_s=problem.forward_s * scale,
+                     backward_s=tuple(b * scale for b in problem.backward_s))
+    round_s = simulate(scaled, grouping).iteration_s
+    return VariantPrediction(round_s=round_s, samples=tuple(float(b) for b in batches),
+                             idle_s=tuple(max(0.0, round_s - c - problem.update_s) for c in compute))
+
+
+def exchange_s(problem: GradientProblem, grouping: Sequence[int]) -> float:
+    """Seconds of one round's exchange: every planned group's allreduce, back to back."""
+    return sum(problem.comm.cost(problem.message_bytes(sum(problem.numel[i] for i in group)))
+               for group in groups_of(grouping))
+
+
+def _micro_batch_sizes(global_batch: int, world_size: int) -> list[int]:
+    """Candidate micro-batches: powers of two up to a worker's equal share, and that share."""
+    share = max(1, global_batch // world_size)
+    sizes = {share}
+    b = 1
+    while b < share:
+        sizes.add(b)
+        b *= 2
+    return sorted(sizes)
+
+
+def make_abs_plan(profile: Profile, global_batch: int, *, source: str = "") -> Plan:
+    """The ABS-SGD plan for `profile`: the dense plan's gradient groups, and the micro-batch and minimum round
+    length with the highest predicted samples per second among rounds of at most `ON_TARGET` x `global_batch`
+    samples. The baselines split `global_batch` per iteration, equally and by the profile's speeds."""
+    world = profile.cluster.world_size
+    if global_batch < world:
+        raise SchemaError(f"--global-batch {global_batch} is smaller than the world size {world}: every worker "
+                          "needs at least one sample per round; give a larger --global-batch")
+    step = micro_batch_costs(profile)
+    dense = make_plan(profile, Strategy.DENSE, source=source)
+    problem = profile.problem(Strategy.DENSE)
+    grouping = plan_grouping(dense, profile)
+    exchange = exchange_s(problem, grouping)
+
+    candidates: list[tuple[int, int, VariantPrediction]] = []
+    for b in _micro_batch_sizes(global_batch, world):
+        times = [cost.cost(b) for cost in step]
+        for m in range(1, global_batch // b + 2):
+            pred = simulate_abs(times, micro_batch=b, min_micro_batches=m, max_micro_batches=None,
+                                exchange_s=exchange, update_s=problem.update_s)
+            candidates.append((b, m, pred))
+            if sum(pred.samples) > global_batch * ON_TARGET:
+                break
+
+    within = [c for c in candidates if sum(c[2].samples) <= global_batch * ON_TARGET]
+    if within:
+        b, m, _ = max(within, key=lambda c: (c[2].samples_per_s, c[0]))
+    else:  # even one micro-batch of one sample per round is more: the smallest round
+        b, m, _ = min(candidates, key=lambda c: sum(c[2].samples))
+    times = [cost.cost(b) for cost in step]
+    # The cap only matters when a worker stalls: it bounds a round at 4x the most micro-batches expected.
+    free = simulate_abs(times, micro_batch=b, min_micro_batches=m, max_micro_batches=None, exchange_s=exchange,
+                        update_s=problem.update_s)
+    cap = max(m, 4 * math.ceil(max(free.samples) / b))
+    chosen = simulate_abs(times, micro_batch=b, min_micro_batches=m, max_micro_batches=cap, exchange_s=exchange,
+                          update_s=problem.update_s)
+    share = global_batch / world
+    speeds = [share / cost.cost(share) for cost in step]
+    section = ABSSection(
+        global_batch=global_batch, micro_batch=b, min_micro_batches=m, max_micro_batches=cap,
+        predicted={
+            "abs-sgd": chosen,
+            "sync-equal": predict_sync(step, equal_batches(global_batch, world), problem, grouping),
+            "sync-proportional": predict_sync(step, proportional_batches(global_batch, speeds), problem, grouping),
+        },
+    )
+    return replace(dense, abs=section)
