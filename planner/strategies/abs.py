@@ -137,8 +137,8 @@ def predict_sync(step: Sequence[AffineCost], batches: Sequence[int], problem: Gr
 
 def exchange_s(problem: GradientProblem, grouping: Sequence[int]) -> float:
     """Seconds of one round's exchange: every planned group's allreduce, back to back."""
-    return sum(problem.comm.cost(problem.message_bytes(sum(problem.numel[i] for i in group)))
-               for group in groups_of(grouping))
+    return math.fsum(problem.comm.cost(problem.message_bytes(sum(problem.numel[i] for i in group)))
+                     for group in groups_of(tuple(grouping)))
 
 
 def _micro_batch_sizes(global_batch: int, world_size: int) -> list[int]:
