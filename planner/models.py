@@ -355,6 +355,35 @@ def _mlp(name: str, batch_size: int) -> Workload:
     )
 
 
+@functools.cache
+def _digits_data() -> Batch:
+    """scikit-learn's handwritten digits (1797 real 8x8 images, 10 classes): pixels scaled to [0, 1], flat."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:  # pragma: no cover - scikit-learn is a dependency
+        raise PlannerError("the digits model needs scikit-learn: pip install scikit-learn") from None
+    data = load_digits()
+    return torch.tensor(data.data, dtype=torch.float32) / 16.0, torch.tensor(data.target, dtype=torch.long)
+
+
+def _digits_batch(batch_size: int, generator: torch.Generator) -> Batch:
+    """`batch_size` digits drawn uniformly with replacement."""
+    x, y = _digits_data()
+    index = torch.randint(0, len(x), (batch_size,), generator=generator)
+    return x[index], y[index]
+
+
+def _digits(name: str, batch_size: int) -> Workload:
+    """MLP 64-512-512-10 with ReLU on the real digits: a small task whose training loss really falls."""
+    return Workload(
+        name=name,
+        module=nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)),
+        batch_size=batch_size,
+        make_batch=_digits_batch,
+        loss_fn=_classification_loss,
+    )
+
+
 def _cnn(name: str, batch_size: int) -> Workload:
     """A small CIFAR-sized CNN (four 3x3 convolutions with batch norm, two Linear layers).
 
@@ -432,6 +461,7 @@ _BUILTINS: dict[str, _Builtin] = {
     ),
     "cnn": _Builtin("Small CNN: 4 convolutions (32-128 channels) and 2 Linear layers, CIFAR-sized", 32, _cnn),
     "mlp": _Builtin("MLP 784-1024-1024-1024-10 on random vectors", 64, _mlp),
+    "digits": _Builtin("MLP 64-512-512-10 on scikit-learn's handwritten digits (1797 real 8x8 images)", 64, _digits),
 }
 
 BUILTIN_MODELS: dict[str, str] = {name: spec.description for name, spec in _BUILTINS.items()}

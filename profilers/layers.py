@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -160,6 +161,11 @@ def throughput_batch_sizes(batch_size: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, batch_size // 4), max(1, batch_size // 2), batch_size}))
 
 
+#: A throughput burst runs at least this long: a CPU quota (cgroup cfs, --slowdown) or a GPU's clock throttles
+#: only sustained work, and single steps between barriers slip through a quota period unthrottled.
+MIN_BURST_S = 0.2
+
+
 def measure_throughput(
     workload: Workload,
     device: torch.device,
@@ -168,10 +174,14 @@ def measure_throughput(
     repeats: int,
     warmup: int,
     barrier: Callable[[], object] = lambda: None,
+    bursts: int = 3,
+    min_burst_s: float = MIN_BURST_S,
 ) -> list[float]:
-    """This worker's median seconds of a local step (forward and backward, no communication, no update) at
-    each micro-batch size: how fast it turns samples into gradients, which differs between workers of a
-    heterogeneous cluster. Every rank measures at the same time (after `barrier`), as they run in training."""
+    """This worker's seconds per local step (forward and backward, no communication, no update) at each
+    micro-batch size, sustained: the median over `bursts` bursts of back-to-back steps (at least `repeats`
+    steps and `min_burst_s` seconds each) of the burst's time per step. That is how fast the worker turns
+    samples into gradients in training, which differs between the workers of a heterogeneous cluster. Every
+    rank measures at the same time (each burst starts after `barrier`), as they run in training."""
     model = workload.module.to(device)
     out = []
     for size in batch_sizes:
@@ -181,13 +191,28 @@ def measure_throughput(
             model.zero_grad(set_to_none=True)
             workload.loss_fn(model(inputs), targets).backward()
 
-        times = []
-        for _ in range(warmup + repeats):
+        for _ in range(warmup):
+            step()
+        per_step = []
+        for _ in range(bursts):
             barrier()
-            times.extend(time_call(step, device, repeats=1, warmup=0))
-        out.append(median(times[warmup:]))
+            _sync(device)
+            started = time.perf_counter()
+            steps = 0
+            while steps < repeats or time.perf_counter() - started < min_burst_s:
+                step()
+                steps += 1
+                if steps >= repeats:
+                    _sync(device)
+            per_step.append((time.perf_counter() - started) / steps)
+        out.append(median(per_step))
     model.zero_grad(set_to_none=True)
     return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def combine_ranks(runs: list[LayerRun]) -> tuple[list[LayerTiming], float, float, float]:

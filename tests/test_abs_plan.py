@@ -19,6 +19,7 @@ from planner.contracts.profile import Profile, WorkerThroughput
 from planner.strategies.abs import (
     ON_TARGET,
     _micro_batch_sizes,
+    accumulate_s,
     equal_batches,
     exchange_s,
     make_abs_plan,
@@ -91,6 +92,11 @@ def test_rounds_as_worked_by_hand() -> None:
     assert p.round_s == pytest.approx(2.1, rel=1e-3)
     assert p.samples == pytest.approx((16.0, 8.0), rel=2e-2)
     assert p.idle_s == (0.0, 0.0)
+    # With interference 1 the slow worker's micro-batch runs twice as slow for the 0.4 s the exchange still
+    # has to go after the update: 0.2 s more per round.
+    p = simulate_abs([1.0, 2.0], micro_batch=8, min_micro_batches=1, max_micro_batches=None, exchange_s=0.5,
+                     update_s=0.1, interference=1.0)
+    assert p.round_s == pytest.approx(2.3, rel=1e-3)
     # An exchange longer than a round's compute stretches the rounds: everyone keeps computing meanwhile.
     slow_net = simulate_abs([1.0, 1.0], micro_batch=8, min_micro_batches=1, max_micro_batches=None,
                             exchange_s=3.5, update_s=0.0)
@@ -146,10 +152,14 @@ def test_the_plan_is_the_fastest_on_target_round(global_batch: int) -> None:
     # exhaustively over the candidates' grid: the fastest round on target, else the smallest round
     step = micro_batch_costs(prof)
     problem = prof.problem(Strategy.DENSE)
-    exchange = exchange_s(problem, plan_grouping(plan, prof))
-    grid = [simulate_abs([c.cost(b) for c in step], micro_batch=b, min_micro_batches=m, max_micro_batches=None,
-                         exchange_s=exchange, update_s=problem.update_s)
-            for b in _micro_batch_sizes(global_batch, 2) for m in range(1, global_batch // b + 2)]
+    grouping = plan_grouping(plan, prof)
+    exchange, extra = exchange_s(problem, grouping), accumulate_s(problem, grouping)
+    smallest = prof.throughput.batch_sizes[0] if prof.throughput else 1
+    grid = [simulate_abs([c.cost(b) + extra for c in step], micro_batch=b, min_micro_batches=m,
+                         max_micro_batches=None, exchange_s=exchange, update_s=problem.update_s,
+                         interference=problem.interference)
+            for b in _micro_batch_sizes(global_batch, 2, smallest) for m in range(1, global_batch // b + 2)]
+    assert a.micro_batch >= min(smallest, global_batch // 2)  # no extrapolation below the measured sizes
     on_target = [p for p in grid if sum(p.samples) <= ON_TARGET * global_batch]
     if on_target:
         assert sum(chosen.samples) <= ON_TARGET * global_batch
@@ -212,3 +222,42 @@ def test_variant_predictions_derive_their_rates() -> None:
     with pytest.raises(SchemaError, match="same length"):
         VariantPrediction(round_s=1.0, samples=(1.0,), idle_s=(0.0, 0.0))
     assert isinstance(ABSSection.from_dict(abs_section().to_dict()), ABSSection)
+
+
+# -- the bench --------------------------------------------------------------------------------------------
+def digits_plan(tmp_path: Path, global_batch: int = 64) -> Path:
+    prof = replace(slowed_profile(), model=synthetic_profile("digits").model, layers=synthetic_profile("digits").layers)
+    path = tmp_path / "digits-abs.json"
+    make_abs_plan(prof, global_batch).save(path)
+    return path
+
+
+def test_bench_abs_runs_every_variant_to_the_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = digits_plan(tmp_path)
+    assert main(["bench", "--strategy", "abs", "--plan", str(plan), "--samples", "4000", "--repeats", "1",
+                 "--target-loss", "1.5", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    variants = {v["variant"]: v for v in doc["variants"]}
+    assert set(variants) == {"abs-sgd", "sync-equal", "sync-proportional"}
+    for name, v in variants.items():
+        assert v["reached"] == 1 and v["time_to_target_s"] > 0, name  # 4000 digits take the loss below 1.5
+        assert v["samples_per_s"] > 0 and v["predicted_samples_per_s"] > 0
+        assert abs(sum(v["shares"]) - 1) < 1e-9 and len(v["idle_fraction"]) == 2
+    for run in doc["runs"]:
+        assert run["samples"] >= 4000
+        assert sum(run["worker_samples"]) >= run["samples"]  # every applied sample was computed by a worker
+        assert run["curve"][0][2] > 1.5 >= min(loss for _, _, loss in run["curve"])
+    assert variants["sync-equal"]["shares"] == [0.5, 0.5]
+
+
+def test_bench_abs_bad_input_gives_one_line(tmp_path: Path) -> None:
+    prof = tmp_path / "prof.json"
+    slowed_profile().save(prof)
+    dense = tmp_path / "dense.json"
+    assert main(["solve", str(prof), "-o", str(dense)]) == 0
+    _one_clear_line(_cli("bench", "--strategy", "abs", "--plan", str(dense)), "has no abs section")
+    _one_clear_line(_cli("bench", "--plan", str(dense), "--samples", "10"), "applies to --strategy abs only")
+    plan = digits_plan(tmp_path)
+    _one_clear_line(_cli("bench", "--strategy", "abs", "--plan", str(plan), "--nproc", "3"),
+                    "made for world size 2")
+    _one_clear_line(_cli("bench", "--strategy", "abs", "--plan", str(plan), "--target-loss", "0"), "> 0")

@@ -40,6 +40,7 @@ def test_builtin_names_and_defaults() -> None:
         "bert-tiny",
         "cnn",
         "mlp",
+        "digits",
     }
     assert DEFAULT_MODEL in BUILTIN_MODELS
     assert all(isinstance(d, str) and d and "\n" not in d for d in BUILTIN_MODELS.values())

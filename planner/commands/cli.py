@@ -96,6 +96,13 @@ def _nonnegative_float(text: str) -> float:
     return v
 
 
+def _positive_float(text: str) -> float:
+    v = _nonnegative_float(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return v
+
+
 def _link_rate(text: str) -> Any:
     """`--link RATE`: a `planner.platform.link.LinkRate` (argparse turns a bad rate into one line and exit 2)."""
     from planner.platform.link import LinkError, parse_rate
@@ -948,9 +955,10 @@ class BenchCommand(Command):
     def configure(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--plan", type=Path, action="append", required=True,
                             help="plan file (repeat for a dense and a top-k plan; one plan with --strategy kfac)")
-        parser.add_argument("--strategy", choices=["gradients", KFAC], default="gradients",
+        parser.add_argument("--strategy", choices=["gradients", KFAC, ABS], default="gradients",
                             help="gradients: DDP against the gradient plans; kfac: SGD and K-FAC layouts against "
-                                 "a K-FAC plan")
+                                 "a K-FAC plan; abs: time to a target loss of ABS-SGD against synchronous SGD with "
+                                 "equal and speed-proportional batches (an ABS plan; use --slowdown)")
         parser.add_argument("--model", default=None, help="model (default: the plan's built-in model)")
         parser.add_argument("--batch-size", type=_positive, default=None)
         parser.add_argument("--nproc", type=_positive, default=None, help="workers (default: the plan's world size)")
@@ -958,6 +966,17 @@ class BenchCommand(Command):
                             help="measured steps per variant (default 20; fewer give a noisier median)")
         parser.add_argument("--warmup", type=_nonnegative_int, default=5,
                             help="unmeasured steps per variant (--strategy kfac: one window of inv_update_steps)")
+        abs_sgd = parser.add_argument_group("ABS-SGD (--strategy abs)")
+        abs_sgd.add_argument("--samples", type=_positive, default=None,
+                             help="samples per run, summed over the workers (default 80000)")
+        abs_sgd.add_argument("--repeats", type=_positive, default=None,
+                             help="runs of each variant, round-robin (default 3)")
+        abs_sgd.add_argument("--target-loss", type=_positive_float, default=None,
+                             help="evaluation loss to reach (default 0.05)")
+        abs_sgd.add_argument("--lr", type=_positive_float, default=None, help="SGD learning rate (default 0.4)")
+        abs_sgd.add_argument("--momentum", type=_nonnegative_float, default=None,
+                             help="SGD momentum (default 0: a one-round delay with momentum 0.9 costs about twice "
+                                  "the updates)")
         _add_link(parser)
         _add_slowdown(parser)
         parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -970,8 +989,15 @@ class BenchCommand(Command):
         plans = tuple(Plan.load(p) for p in args.plan)
         if under_torchrun():  # one rank of torchrun's group, maybe across hosts: its size is the world size
             args.nproc = int(os.environ["WORLD_SIZE"])
+        abs_only = [flag for flag, value in (("--samples", args.samples), ("--repeats", args.repeats),
+                                             ("--target-loss", args.target_loss), ("--lr", args.lr),
+                                             ("--momentum", args.momentum)) if value is not None]
+        if abs_only and args.strategy != ABS:
+            raise PlannerError(f"{abs_only[0]} applies to --strategy abs only")
         if args.strategy == KFAC:
             return self._run_kfac(args, plans)
+        if args.strategy == ABS:
+            return self._run_abs(args, plans)
         config = BenchConfig(
             plans=plans, model=args.model or plans[0].model.name, batch_size=args.batch_size,
             nproc=args.nproc or plans[0].cluster.world_size, steps=args.steps, warmup=args.warmup,
@@ -983,6 +1009,33 @@ class BenchCommand(Command):
             print_bench(results, args.json)
         return 0
 
+
+    @staticmethod
+    def _run_abs(args: argparse.Namespace, plans: tuple) -> int:
+        from planner.commands.bench_abs import ABSBenchConfig, print_abs_bench, run_abs_bench
+
+        if len(plans) != 1:
+            raise PlannerError(f"--strategy abs benches one ABS plan, but {len(plans)} --plan were given")
+        plan = plans[0]
+        if plan.abs is None:
+            raise PlannerError(f"{args.plan[0]} has no abs section; make one with `planner solve PROFILE --strategy "
+                               "abs --global-batch B`")
+        given = {k: v for k, v in (("samples", args.samples), ("repeats", args.repeats),
+                                   ("target_loss", args.target_loss), ("lr", args.lr), ("momentum", args.momentum))
+                 if v is not None}
+        config = ABSBenchConfig(plan=plan, model=args.model or plan.model.name,
+                                nproc=args.nproc or plan.cluster.world_size, show_progress=not args.json,
+                                link=args.link, slowdown=args.slowdown, **given)
+        _note_link_mismatch(plans, args.link)
+        if plan.cluster.slowdown != (args.slowdown.text if args.slowdown is not None else None):
+            made = plan.cluster.slowdown or "no slowed worker"
+            err_console.print(f"note: the plan was made for {made}, the bench runs with "
+                              f"{args.slowdown.text if args.slowdown else 'none'}: its predictions are for the "
+                              "speeds it was profiled at", markup=False)
+        runs = run_abs_bench(config)
+        if runs is not None:
+            print_abs_bench(config, runs, args.json)
+        return 0
 
     @staticmethod
     def _run_kfac(args: argparse.Namespace, plans: tuple) -> int:

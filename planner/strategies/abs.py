@@ -3,11 +3,14 @@ ABS-SGD and of the synchronous baselines under one model.
 
 The model. Worker i takes t_i(b) seconds for the forward and backward of a micro-batch of b samples: an
 affine fit (alpha_i + beta_i * b) to the profile's per-worker throughput, measured at a few batch sizes on
-every rank at once (`profile.throughput`). A round's exchange moves the plan's dense gradient groups back to
-back: c = sum over groups of the measured allreduce cost. Every worker spends U (the profile's optimizer
-update) at the end of each round.
+every rank at once (`profile.throughput`), plus the runtime's pass adding each micro-batch's gradients into
+the round's sums (the profile's packing cost). Micro-batches smaller than the smallest measured size are not
+considered (per-call overheads the fit does not see would dominate them). A round's exchange moves the plan's
+dense gradient groups back to back: c = sum over groups of the measured allreduce cost. Every worker spends U
+(the profile's optimizer update) at the end of each round.
 
-- ABS-SGD (`simulate_abs`): a discrete-event run of the trigger the runtime uses. Worker i ends its round r at
+- ABS-SGD (`simulate_abs`): a discrete-event run of the trigger the runtime uses, compute stretched by the
+  profile's interference while an exchange is in flight. Worker i ends its round r at
   the end of its first micro-batch that is at least the min-th and ends after round r-1's exchange has
   finished (or at the max-th, then waiting for it); round r's exchange starts when the last worker has joined
   and round r-1's has finished, and takes c. Rounds are measured after a warm-up: seconds per round, each
@@ -28,12 +31,13 @@ from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.costmodel.costs import AffineCost, fit_affine
-from planner.costmodel.problem import GradientProblem, groups_of
+from planner.costmodel.problem import GradientProblem, advance, groups_of
 from planner.costmodel.simulator import simulate
 from planner.strategies.gradients import make_plan
 from planner.types import InvalidProfileError, SchemaError, Strategy
 
 __all__ = [
+    "accumulate_s",
     "equal_batches",
     "exchange_s",
     "make_abs_plan",
@@ -85,10 +89,11 @@ def proportional_batches(global_batch: int, speeds: Sequence[float]) -> tuple[in
 
 
 def simulate_abs(step_s: Sequence[float], *, micro_batch: int, min_micro_batches: int,
-                 max_micro_batches: int | None, exchange_s: float, update_s: float,
+                 max_micro_batches: int | None, exchange_s: float, update_s: float, interference: float = 0.0,
                  rounds: int = SIM_ROUNDS, warmup: int = SIM_WARMUP) -> VariantPrediction:
     """ABS-SGD's steady state under the trigger (see the module docstring); `step_s[i]` is worker i's seconds
-    per micro-batch of `micro_batch` samples."""
+    per micro-batch of `micro_batch` samples; compute runs 1 + `interference` times slower while an exchange
+    is in flight (its CPU work competes with it: the profile's sigma of the allreduce)."""
     if not 1 <= warmup < rounds or min_micro_batches < 1:
         raise SchemaError(f"need 1 <= warmup < rounds and min_micro_batches >= 1, got ({warmup}, {rounds}, "
                           f"{min_micro_batches})")
@@ -103,11 +108,13 @@ def simulate_abs(step_s: Sequence[float], *, micro_batch: int, min_micro_batches
             began = done
         ends = []
         for i, t in enumerate(step_s):
-            k = min_micro_batches
-            end = start[i] + k * t
-            while end < done and (max_micro_batches is None or k < max_micro_batches):
+            k, end = 0, start[i]
+            while True:  # micro-batches run (1 + interference) times slower while the last exchange is on
+                end = advance(end, done, t, interference)
                 k += 1
-                end += t
+                if k >= min_micro_batches and (end >= done or (max_micro_batches is not None
+                                                               and k >= max_micro_batches)):
+                    break
             ends.append(end)
             if r >= warmup:
                 counted[i] += k
@@ -141,15 +148,25 @@ def exchange_s(problem: GradientProblem, grouping: Sequence[int]) -> float:
                      for group in groups_of(tuple(grouping)))
 
 
-def _micro_batch_sizes(global_batch: int, world_size: int) -> list[int]:
-    """Candidate micro-batches: powers of two up to a worker's equal share, and that share."""
+def _micro_batch_sizes(global_batch: int, world_size: int, smallest: int = 1) -> list[int]:
+    """Candidate micro-batches: powers of two from `smallest` (the least size whose speed was measured: below
+    it per-call overheads the fit does not see dominate) up to a worker's equal share, and that share."""
     share = max(1, global_batch // world_size)
-    sizes = {share}
+    sizes = {max(1, min(share, smallest)), share}
     b = 1
     while b < share:
-        sizes.add(b)
+        if b >= smallest:
+            sizes.add(b)
         b *= 2
     return sorted(sizes)
+
+
+def accumulate_s(problem: GradientProblem, grouping: Sequence[int]) -> float:
+    """Seconds the runtime spends after each micro-batch adding its gradients into the round's sums: one pass
+    over every group, priced by the profile's packing cost (0 when it has none)."""
+    if problem.pack is None:
+        return 0.0
+    return math.fsum(problem.pack.cost(sum(problem.numel[i] for i in group)) for group in groups_of(tuple(grouping)))
 
 
 def make_abs_plan(profile: Profile, global_batch: int, *, source: str = "") -> Plan:
@@ -165,13 +182,15 @@ def make_abs_plan(profile: Profile, global_batch: int, *, source: str = "") -> P
     problem = profile.problem(Strategy.DENSE)
     grouping = plan_grouping(dense, profile)
     exchange = exchange_s(problem, grouping)
+    extra = accumulate_s(problem, grouping)
+    assert profile.throughput is not None  # micro_batch_costs refused a profile without it
 
     candidates: list[tuple[int, int, VariantPrediction]] = []
-    for b in _micro_batch_sizes(global_batch, world):
-        times = [cost.cost(b) for cost in step]
+    for b in _micro_batch_sizes(global_batch, world, profile.throughput.batch_sizes[0]):
+        times = [cost.cost(b) + extra for cost in step]
         for m in range(1, global_batch // b + 2):
             pred = simulate_abs(times, micro_batch=b, min_micro_batches=m, max_micro_batches=None,
-                                exchange_s=exchange, update_s=problem.update_s)
+                                exchange_s=exchange, update_s=problem.update_s, interference=problem.interference)
             candidates.append((b, m, pred))
             if sum(pred.samples) > global_batch * ON_TARGET:
                 break
@@ -181,13 +200,13 @@ def make_abs_plan(profile: Profile, global_batch: int, *, source: str = "") -> P
         b, m, _ = max(within, key=lambda c: (c[2].samples_per_s, c[0]))
     else:  # even one micro-batch of one sample per round is more: the smallest round
         b, m, _ = min(candidates, key=lambda c: sum(c[2].samples))
-    times = [cost.cost(b) for cost in step]
+    times = [cost.cost(b) + extra for cost in step]
     # The cap only matters when a worker stalls: it bounds a round at 4x the most micro-batches expected.
     free = simulate_abs(times, micro_batch=b, min_micro_batches=m, max_micro_batches=None, exchange_s=exchange,
-                        update_s=problem.update_s)
+                        update_s=problem.update_s, interference=problem.interference)
     cap = max(m, 4 * math.ceil(max(free.samples) / b))
     chosen = simulate_abs(times, micro_batch=b, min_micro_batches=m, max_micro_batches=cap, exchange_s=exchange,
-                          update_s=problem.update_s)
+                          update_s=problem.update_s, interference=problem.interference)
     share = global_batch / world
     speeds = [share / cost.cost(share) for cost in step]
     section = ABSSection(
