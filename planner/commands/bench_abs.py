@@ -81,6 +81,7 @@ class ABSRun:
     idle_s: tuple[float, ...]  # [rank] waiting for the exchange (stragglers included)
     update_s: tuple[float, ...]  # [rank] optimizer steps
     worker_samples: tuple[int, ...]  # [rank] samples this worker computed
+    updates: int  # optimizer steps (rounds with samples; iterations)
     curve: tuple[tuple[float, int, float], ...] = ()  # (seconds, samples applied, evaluation loss)
 
     @property
@@ -104,6 +105,8 @@ class VariantSummary:
     samples_to_target: float | None
     samples_per_s: float
     predicted_samples_per_s: float
+    samples_per_update: float  # median over runs: a round's (ABS-SGD) or an iteration's samples
+    predicted_samples_per_update: float
     idle_fraction: tuple[float, ...]  # [rank] median over runs
     shares: tuple[float, ...]  # [rank] fraction of the samples computed
     final_loss: float
@@ -161,6 +164,7 @@ def _run(rank: int, world: int, config: ABSBenchConfig, variant: str, repeat: in
         idle = sum(r.wait_s for r in abs_sgd.records)
         update = sum(r.update_s for r in abs_sgd.records)
         applied = abs_sgd.applied_samples
+        updates = len(abs_sgd.updates)
     else:
         exchange = GradientExchange(model, plan, model_name=config.model)
         batches = _variant_batches(plan, variant)
@@ -186,6 +190,7 @@ def _run(rank: int, world: int, config: ABSBenchConfig, variant: str, repeat: in
             snapshot(t3 - start, applied)
         wall = time.perf_counter() - start
         exchange.close()
+        updates = applied // total
     if rank == 0:
         snapshots.append((wall, applied, {k: v.detach().clone() for k, v in model.state_dict().items()}))
     stats = torch.tensor([compute, idle, update, float(computed)], dtype=torch.float64)
@@ -195,7 +200,7 @@ def _run(rank: int, world: int, config: ABSBenchConfig, variant: str, repeat: in
     return ABSRun(variant=variant, repeat=repeat, wall_s=wall, samples=applied,
                   compute_s=tuple(float(g[0]) for g in gathered), idle_s=tuple(float(g[1]) for g in gathered),
                   update_s=tuple(float(g[2]) for g in gathered),
-                  worker_samples=tuple(int(g[3]) for g in gathered), curve=curve)
+                  worker_samples=tuple(int(g[3]) for g in gathered), updates=updates, curve=curve)
 
 
 def _evaluate(config: ABSBenchConfig, snapshots: list[tuple[float, int, dict[str, torch.Tensor]]]
@@ -249,6 +254,8 @@ def summarise(config: ABSBenchConfig, runs: list[ABSRun]) -> list[VariantSummary
             samples_to_target=statistics.median(n for _, n in hits) if hits else None,
             samples_per_s=statistics.median(r.samples_per_s for r in mine),
             predicted_samples_per_s=plan.abs.predicted[variant].samples_per_s,
+            samples_per_update=statistics.median(r.samples / r.updates for r in mine),
+            predicted_samples_per_update=sum(plan.abs.predicted[variant].samples),
             idle_fraction=tuple(statistics.median(r.idle_s[k] / r.wall_s for r in mine) for k in range(world)),
             shares=tuple(statistics.median(r.worker_samples[k] / sum(r.worker_samples) for r in mine)
                          for k in range(world)),
@@ -291,7 +298,8 @@ def print_abs_bench(config: ABSBenchConfig, runs: list[ABSRun], as_json: bool) -
                         f"evaluation loss <= {config.target_loss:g}, median of {config.repeats} runs of "
                         f"{config.samples:,} samples")
     for col in ("variant", "time to target s", "range s", "samples to target", "vs better baseline",
-                "samples/s", "predicted", "|pred-meas|/meas", "share per worker", "idle per worker", "final loss"):
+                "samples/s", "predicted", "|pred-meas|/meas", "samples/update (pred)", "share per worker",
+                "idle per worker", "final loss"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for s in summaries:
         reached = f"{s.time_to_target_s:.2f}" if s.time_to_target_s is not None else "not reached"
@@ -303,6 +311,7 @@ def print_abs_bench(config: ABSBenchConfig, runs: list[ABSRun], as_json: bool) -
             f"{s.samples_to_target:,.0f}" if s.samples_to_target is not None else "-",
             f"{s.speedup:.2f}x" if s.speedup is not None else "-",
             f"{s.samples_per_s:,.0f}", f"{s.predicted_samples_per_s:,.0f}", f"{s.rel_error:.1%}",
+            f"{s.samples_per_update:,.0f} ({s.predicted_samples_per_update:,.0f})",
             " / ".join(f"{x:.0%}" for x in s.shares), " / ".join(f"{x:.0%}" for x in s.idle_fraction),
             f"{s.final_loss:.3f}", style="bold" if s.variant == "abs-sgd" else None,
         )

@@ -120,8 +120,6 @@ def _worker(
     message: tuple[Any, ...]
     master_addr = "127.0.0.1"
     try:
-        if throttle is not None:
-            enter_cgroup(throttle)
         if network is not None:
             enter_namespace(network.namespace_path)
             os.environ["GLOO_SOCKET_IFNAME"] = network.ifname
@@ -137,6 +135,8 @@ def _worker(
             timeout=timedelta(seconds=timeout),
         )
         joined = True
+        if throttle is not None:  # this thread only: the group's communication threads keep full speed
+            enter_cgroup(throttle, thread_only=True)
         message = ("ok", fn(rank, world_size, *args))
     except BaseException as exc:
         message = ("error", exc, traceback.format_exc(), time.time())

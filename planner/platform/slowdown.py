@@ -6,18 +6,22 @@ speed. `ThrottledWorkers` gives each slowed worker a child group of the cgroup v
     /sys/fs/cgroup/cpu/planner-<pid>-<token>-w<rank>/   cpu.cfs_quota_us  = 1000
                                                          cpu.cfs_period_us = 1000 * FACTOR
 
-so the worker (all its threads) runs at most 1 ms in every FACTOR ms: a worker that computes on one thread
-then runs about FACTOR times slower. The period is as short as the kernel allows (its least quota is 1 ms)
-because the cap is on CPU time per period, not on speed: with the usual 100 ms period a worker that computes
-in bursts of a few ms between waits never exhausts its quota and is not slowed at all (measured here: a
-20 ms matmul burst between 20 ms sleeps took 20.0 ms under 50 ms per 100 ms, 47 ms under 1 ms per 2 ms, and
-57 ms under 1 ms per 3 ms). The cap is not fair sharing; a busy machine slows everyone further, so the
-profile measures each worker's real throughput rather than trusting the factor.
+so the worker's training thread runs at most 1 ms in every FACTOR ms: a worker that computes on one thread then runs
+about FACTOR times slower. The launcher moves that thread alone, after the process group started its communication
+threads, which keep full speed: a slower GPU computes slower, its network does not (and the collectives of the fast
+workers do not wait on a throttled thread of the slow one).
 
-The launcher (`planner.platform.launch.run_distributed(..., slowdown=...)`) creates the groups, each slowed
-worker moves itself into its group first thing (`enter_cgroup`), and every group is removed on every exit path:
-a normal return, an error, Ctrl-C or SIGTERM, a killed worker (a group is removed once its processes are gone;
-groups left by a run that was itself killed with SIGKILL are removed by the next run, once its pid is gone).
+The period is as short as the kernel allows (its least quota is 1 ms) because the cap is on CPU time per period, not
+on speed: with the usual 100 ms period a worker that computes in bursts of a few ms between waits never exhausts its
+quota and is not slowed at all (measured here: a 20 ms matmul burst between 20 ms sleeps took 20.0 ms under 50 ms
+per 100 ms, 47 ms under 1 ms per 2 ms, and 57 ms under 1 ms per 3 ms). The cap is not fair sharing; a busy machine
+slows everyone further, so the profile measures each worker's real throughput rather than trusting the factor.
+
+The launcher (`planner.platform.launch.run_distributed(..., slowdown=...)`) creates the groups, each slowed worker
+moves its training thread into its group once it has joined the process group (`enter_cgroup`), and every group is
+removed on every exit path: a normal return, an error, Ctrl-C or SIGTERM, a killed worker (a group is removed once
+its processes are gone; groups left by a run that was itself killed with SIGKILL are removed by the next run, once
+its pid is gone).
 
 It needs root and the cgroup v1 `cpu` controller mounted at /sys/fs/cgroup/cpu; without them
 `SlowdownUnavailableError` says so in one line.
@@ -30,6 +34,7 @@ import math
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -239,14 +244,16 @@ class WorkerThrottle:
     run_text: str
 
 
-def enter_cgroup(throttle: WorkerThrottle) -> None:
-    """Move the calling process (all its threads; call it first thing in a fresh worker) into its CPU cgroup,
-    and record its factor and the run's --slowdown in the environment."""
+def enter_cgroup(throttle: WorkerThrottle, *, thread_only: bool = False) -> None:
+    """Move the calling process (all its threads; call it first thing in a fresh worker), or with `thread_only`
+    the calling thread alone (and the threads it starts later), into its CPU cgroup, and record its factor and
+    the run's --slowdown in the environment."""
     os.environ[SLOWDOWNS_ENV] = throttle.run_text
     if throttle.path is None:
         return
+    target, who = ("tasks", threading.get_native_id()) if thread_only else ("cgroup.procs", os.getpid())
     try:
-        Path(throttle.path, "cgroup.procs").write_text(str(os.getpid()))
+        Path(throttle.path, target).write_text(str(who))
     except OSError as exc:
         raise SlowdownError(f"cannot join CPU cgroup {throttle.path}: {exc.strerror or exc}") from None
     os.environ[SLOWDOWN_ENV] = f"{throttle.factor:g}"
