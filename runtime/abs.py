@@ -221,10 +221,11 @@ class ABSSGD:
         if count > 0:
             with torch.no_grad():
                 for group, flat in zip(self._groups, sums, strict=True):
+                    flat.div_(count)  # in place: `.grad` are views of the mean, no copies
                     at = 0
                     for p in group:
                         n = p.numel()
-                        p.grad = (flat[at : at + n] / count).view_as(p).clone()
+                        p.grad = flat[at : at + n].view_as(p)
                         at += n
             self.optimizer.step()
             for group in self._groups:
