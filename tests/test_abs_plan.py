@@ -153,7 +153,8 @@ def test_the_plan_is_the_fastest_on_target_round(global_batch: int) -> None:
     step = micro_batch_costs(prof)
     problem = prof.problem(Strategy.DENSE)
     grouping = plan_grouping(plan, prof)
-    exchange, extra = exchange_s(problem, grouping), accumulate_s(problem, grouping)
+    exchange = exchange_s(problem, grouping)
+    extra = accumulate_s(prof.pack.model if prof.pack is not None else None, problem, grouping)
     smallest = prof.throughput.batch_sizes[0] if prof.throughput else 1
     grid = [simulate_abs([c.cost(b) + extra for c in step], micro_batch=b, min_micro_batches=m,
                          max_micro_batches=None, exchange_s=exchange, update_s=problem.update_s,

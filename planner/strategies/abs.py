@@ -1,13 +1,13 @@
 """ABS-SGD plans: the micro-batch and round trigger for workers of different speeds, and the predictions of
 ABS-SGD and of the synchronous baselines under one model.
 
-The model. Worker i takes t_i(b) seconds for the forward and backward of a micro-batch of b samples: an
-affine fit (alpha_i + beta_i * b) to the profile's per-worker throughput, measured at a few batch sizes on
-every rank at once (`profile.throughput`), plus the runtime's pass adding each micro-batch's gradients into
-the round's sums (the profile's packing cost). Micro-batches smaller than the smallest measured size are not
-considered (per-call overheads the fit does not see would dominate them). A round's exchange moves the plan's
-dense gradient groups back to back: c = sum over groups of the measured allreduce cost. Every worker spends U
-(the profile's optimizer update) at the end of each round.
+The model. Worker i takes t_i(b) seconds for the forward and backward of a micro-batch of b samples: an affine fit
+(alpha_i + beta_i * b) to the profile's per-worker throughput, measured at a few batch sizes on every rank at once
+(`profile.throughput`), plus the runtime's pass adding each micro-batch's gradients into the round's sums (the
+profile's micro-benchmarked packing of as many elements). Micro-batches smaller than the smallest measured size are
+not considered (per-call overheads the fit does not see would dominate them). A round's exchange moves the plan's
+dense gradient groups back to back: c = sum over groups of the measured allreduce cost. Every worker spends U (the
+profile's optimizer update) at the end of each round.
 
 - ABS-SGD (`simulate_abs`): a discrete-event run of the trigger the runtime uses, compute stretched by the
   profile's interference while an exchange is in flight. Worker i ends its round r at
@@ -30,7 +30,7 @@ from planner.contracts.abs import ABSSection, VariantPrediction
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
-from planner.costmodel.costs import AffineCost, fit_affine
+from planner.costmodel.costs import AffineCost, CostModel, fit_affine
 from planner.costmodel.problem import GradientProblem, advance, groups_of
 from planner.costmodel.simulator import simulate
 from planner.strategies.gradients import make_plan
@@ -161,12 +161,13 @@ def _micro_batch_sizes(global_batch: int, world_size: int, smallest: int = 1) ->
     return sorted(sizes)
 
 
-def accumulate_s(problem: GradientProblem, grouping: Sequence[int]) -> float:
+def accumulate_s(pack: CostModel | None, problem: GradientProblem, grouping: Sequence[int]) -> float:
     """Seconds the runtime spends after each micro-batch adding its gradients into the round's sums: one pass
-    over every group, priced by the profile's packing cost (0 when it has none)."""
-    if problem.pack is None:
+    over every group, priced by the profile's micro-benchmarked packing (`pack`, a pass over N elements; 0
+    without one). Not the in-situ calibrated packing of the gradient plans, which is hidden in backward."""
+    if pack is None:
         return 0.0
-    return math.fsum(problem.pack.cost(sum(problem.numel[i] for i in group)) for group in groups_of(tuple(grouping)))
+    return math.fsum(pack.cost(sum(problem.numel[i] for i in group)) for group in groups_of(tuple(grouping)))
 
 
 def make_abs_plan(profile: Profile, global_batch: int, *, source: str = "") -> Plan:
@@ -182,7 +183,7 @@ def make_abs_plan(profile: Profile, global_batch: int, *, source: str = "") -> P
     problem = profile.problem(Strategy.DENSE)
     grouping = plan_grouping(dense, profile)
     exchange = exchange_s(problem, grouping)
-    extra = accumulate_s(problem, grouping)
+    extra = accumulate_s(profile.pack.model if profile.pack is not None else None, problem, grouping)
     assert profile.throughput is not None  # micro_batch_costs refused a profile without it
 
     candidates: list[tuple[int, int, VariantPrediction]] = []
@@ -201,10 +202,12 @@ def make_abs_plan(profile: Profile, global_batch: int, *, source: str = "") -> P
     else:  # even one micro-batch of one sample per round is more: the smallest round
         b, m, _ = min(candidates, key=lambda c: sum(c[2].samples))
     times = [cost.cost(b) + extra for cost in step]
-    # The cap only matters when a worker stalls: it bounds a round at 4x the most micro-batches expected.
+    # The cap holds rounds near the global batch when the exchange runs slower than predicted (the trigger would
+    # stretch them to hide it, and larger rounds mean fewer updates): a worker computes at most ON_TARGET times
+    # the micro-batches the fastest is predicted to, then waits.
     free = simulate_abs(times, micro_batch=b, min_micro_batches=m, max_micro_batches=None, exchange_s=exchange,
                         update_s=problem.update_s, interference=problem.interference)
-    cap = max(m, 4 * math.ceil(max(free.samples) / b))
+    cap = max(m, math.ceil(ON_TARGET * max(free.samples) / b))
     chosen = simulate_abs(times, micro_batch=b, min_micro_batches=m, max_micro_batches=cap, exchange_s=exchange,
                           update_s=problem.update_s, interference=problem.interference)
     share = global_batch / world
