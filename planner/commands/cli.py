@@ -1009,17 +1009,21 @@ class BenchCommand(Command):
             print_bench(results, args.json)
         return 0
 
+    @staticmethod
+    def _one_plan(args: argparse.Namespace, plans: tuple, section: str, what: str, solve: str) -> Any:
+        """The one plan `--strategy SECTION` benches, which must have that section."""
+        if len(plans) != 1:
+            raise PlannerError(f"--strategy {section} benches one {what} plan, but {len(plans)} --plan were given")
+        if getattr(plans[0], section) is None:
+            raise PlannerError(f"{args.plan[0]} has no {section} section; make one with `planner solve PROFILE "
+                               f"--strategy {solve}`")
+        return plans[0]
 
     @staticmethod
     def _run_abs(args: argparse.Namespace, plans: tuple) -> int:
         from planner.commands.bench_abs import ABSBenchConfig, print_abs_bench, run_abs_bench
 
-        if len(plans) != 1:
-            raise PlannerError(f"--strategy abs benches one ABS plan, but {len(plans)} --plan were given")
-        plan = plans[0]
-        if plan.abs is None:
-            raise PlannerError(f"{args.plan[0]} has no abs section; make one with `planner solve PROFILE --strategy "
-                               "abs --global-batch B`")
+        plan = BenchCommand._one_plan(args, plans, ABS, "ABS", "abs --global-batch B")
         given = {k: v for k, v in (("samples", args.samples), ("repeats", args.repeats),
                                    ("target_loss", args.target_loss), ("lr", args.lr), ("momentum", args.momentum))
                  if v is not None}
@@ -1041,13 +1045,7 @@ class BenchCommand(Command):
     def _run_kfac(args: argparse.Namespace, plans: tuple) -> int:
         from planner.commands.bench_kfac import KFACBenchConfig, run_kfac_bench
 
-        if len(plans) != 1:
-            raise PlannerError(f"--strategy kfac benches one K-FAC plan, but {len(plans)} --plan were given")
-        plan = plans[0]
-        if plan.kfac is None:
-            raise PlannerError(
-                f"{args.plan[0]} has no kfac section; make one with `planner solve PROFILE --strategy kfac`"
-            )
+        plan = BenchCommand._one_plan(args, plans, KFAC, "K-FAC", KFAC)
         config = KFACBenchConfig(
             plan=plan, model=args.model or plan.model.name, batch_size=args.batch_size,
             nproc=args.nproc or plan.cluster.world_size, steps=args.steps, show_progress=not args.json,
