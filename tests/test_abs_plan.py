@@ -31,6 +31,7 @@ from planner.strategies.gradients import make_plan
 from planner.types import InvalidProfileError, SchemaError, Strategy
 from tests.factories import abs_section, synthetic_profile
 from tests.test_contracts import _cli, _one_clear_line
+from tests.test_slowdown import needs_cgroups
 
 
 def slowed_profile(factor: float = 2.0, world_size: int = 2) -> Profile:
@@ -262,3 +263,17 @@ def test_bench_abs_bad_input_gives_one_line(tmp_path: Path) -> None:
     _one_clear_line(_cli("bench", "--strategy", "abs", "--plan", str(plan), "--nproc", "3"),
                     "made for world size 2")
     _one_clear_line(_cli("bench", "--strategy", "abs", "--plan", str(plan), "--target-loss", "0"), "> 0")
+    _one_clear_line(_cli("bench", "--strategy", "abs", "--plan", str(plan), "--speed-change", "1=3"),
+                    "--speed-change names rank(s) [1] that --slowdown does not slow")
+
+
+@needs_cgroups
+def test_bench_abs_changes_a_workers_speed_halfway(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = digits_plan(tmp_path)
+    assert main(["bench", "--strategy", "abs", "--plan", str(plan), "--samples", "4000", "--repeats", "1",
+                 "--target-loss", "1.5", "--slowdown", "1=1.5", "--speed-change", "1=3", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    for run in doc["runs"]:
+        seconds, applied = run["changed_at"]
+        assert 2000 <= applied < run["samples"] and 0 < seconds < run["wall_s"]
+    assert all(v["samples_per_s_after_change"] > 0 for v in doc["variants"])

@@ -131,6 +131,26 @@ def test_slowed_workers_run_in_their_group_and_it_is_removed_on_every_exit() -> 
     assert _planner_groups() == before
 
 
+def _change_my_speed(rank: int, world_size: int) -> tuple[str, str | None] | str:
+    """Slowed rank 1 changes its factor to 3; rank 0 (not slowed) is refused."""
+    try:
+        sd.set_own_factor(3.0)
+    except sd.SlowdownError as exc:
+        return str(exc)
+    group = next(x for x in Path("/proc/thread-self/cgroup").read_text().splitlines() if ":cpu," in x or ":cpu:" in x)
+    period = (sd.CGROUP_CPU_ROOT / group.split(":", 2)[2].lstrip("/") / "cpu.cfs_period_us").read_text().strip()
+    return period, os.environ.get(sd.SLOWDOWN_ENV)
+
+
+@needs_cgroups
+def test_a_slowed_worker_changes_its_speed_mid_run() -> None:
+    refused, changed = run_distributed(_change_my_speed, 2, slowdown=Slowdown(factors={1: 1.5}, text="1=1.5"))
+    assert isinstance(refused, str) and "this worker is not slowed" in refused
+    assert changed == ("3000", "3")
+    with pytest.raises(sd.SlowdownError, match="must be > 1"):
+        sd.set_own_factor(1.0)
+
+
 @needs_cgroups
 def test_cli_refuses_bad_slowdowns_in_one_line(tmp_path: Path) -> None:
     for args, message in ((["--slowdown", "1=0.5"], "must be > 1"),

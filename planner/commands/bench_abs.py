@@ -15,6 +15,10 @@ a gradient delayed by one update costs 0-8% more updates to reach a loss of 0.1 
 (0.4, 0.5), but 2x with momentum 0.9 (lr 0.05: 175 updates against 90), and 6x at lr 0.1 (360 against 60). So
 ABS-SGD is for optimizers that tolerate a one-step delay; `--momentum` shows the other side.
 
+`--speed-change RANK=FACTOR` changes slowed workers' speed halfway through every run (once half the samples
+are applied, the same moment on every rank): ABS-SGD's shares follow it, sync-proportional keeps the plan's
+split.
+
 Runs are repeated round-robin (abs-sgd, sync-equal, sync-proportional, abs-sgd, ...) so noise shows in the
 spread. During a run rank 0 keeps a copy of the parameters every `snapshot_every_s` (taking one costs less
 than a millisecond); after the run it evaluates them on a fixed evaluation batch, so the loss curve costs the
@@ -38,6 +42,7 @@ from planner.contracts.abs import ABS_VARIANTS
 from planner.contracts.fingerprint import model_info
 from planner.contracts.plan import Plan
 from planner.models import build_workload
+from planner.platform.slowdown import current_slowdown, set_own_factor
 from planner.types import PlanMismatchError, PlannerError
 
 if TYPE_CHECKING:
@@ -67,6 +72,9 @@ class ABSBenchConfig:
     show_progress: bool = True
     link: LinkRate | None = None
     slowdown: Slowdown | None = None
+    #: Halfway through every run (once half the samples are applied), these slowed workers change to these
+    #: factors: a speed change the static split of sync-proportional does not follow.
+    speed_change: Slowdown | None = None
 
 
 @dataclass(frozen=True)
@@ -82,11 +90,18 @@ class ABSRun:
     update_s: tuple[float, ...]  # [rank] optimizer steps
     worker_samples: tuple[int, ...]  # [rank] samples this worker computed
     updates: int  # optimizer steps (rounds with samples; iterations)
+    changed_at: tuple[float, int] | None = None  # (seconds, samples applied) when the speed changed (rank 0)
     curve: tuple[tuple[float, int, float], ...] = ()  # (seconds, samples applied, evaluation loss)
 
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.wall_s
+
+    @property
+    def samples_per_s_after_change(self) -> float | None:
+        if self.changed_at is None or self.wall_s <= self.changed_at[0]:
+            return None
+        return (self.samples - self.changed_at[1]) / (self.wall_s - self.changed_at[0])
 
     def time_to(self, target: float) -> tuple[float, int] | None:
         """Seconds and samples at the first evaluation at or below `target` (None: not reached)."""
@@ -110,6 +125,7 @@ class VariantSummary:
     idle_fraction: tuple[float, ...]  # [rank] median over runs
     shares: tuple[float, ...]  # [rank] fraction of the samples computed
     final_loss: float
+    samples_per_s_after_change: float | None = None  # median over runs, after a --speed-change
     speedup: float | None = None  # the better baseline's time to target / this one's
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -123,8 +139,8 @@ def _variant_batches(plan: Plan, variant: str) -> tuple[int, ...]:
     return tuple(round(s) for s in plan.abs.predicted[variant].samples)
 
 
-def _run(rank: int, world: int, config: ABSBenchConfig, variant: str, repeat: int) -> ABSRun:
-    """One run of `variant` on this rank."""
+def _run(rank: int, world: int, config: ABSBenchConfig, variant: str, repeat: int, initial: float) -> ABSRun:
+    """One run of `variant` on this rank (`initial`: its --slowdown factor, which a speed change leaves)."""
     from runtime import ABSSGD, GradientExchange
 
     plan = config.plan
@@ -145,6 +161,18 @@ def _run(rank: int, world: int, config: ABSBenchConfig, variant: str, repeat: in
             snapshots.append((now, applied, {k: v.detach().clone() for k, v in model.state_dict().items()}))
             last_snapshot = now
 
+    if config.speed_change is not None and rank in config.speed_change.factors:
+        set_own_factor(initial)  # every run starts at the --slowdown speed
+    changed_at: tuple[float, int] | None = None
+    start = 0.0
+
+    def maybe_change_speed(applied: int) -> None:
+        nonlocal changed_at
+        if config.speed_change is not None and changed_at is None and applied * 2 >= config.samples:
+            changed_at = (time.perf_counter() - start, applied)
+            if rank in config.speed_change.factors:
+                set_own_factor(config.speed_change.factor(rank))
+
     if variant == "abs-sgd":
         abs_sgd = ABSSGD(model, opt, plan, model_name=config.model)
         b = plan.abs.micro_batch
@@ -159,6 +187,7 @@ def _run(rank: int, world: int, config: ABSBenchConfig, variant: str, repeat: in
             computed += b
             if abs_sgd.step(b):
                 snapshot(time.perf_counter() - start, abs_sgd.applied_samples)
+                maybe_change_speed(abs_sgd.applied_samples)
         abs_sgd.finish()
         wall = time.perf_counter() - start
         idle = sum(r.wait_s for r in abs_sgd.records)
@@ -188,6 +217,7 @@ def _run(rank: int, world: int, config: ABSBenchConfig, variant: str, repeat: in
             computed += b
             applied += total
             snapshot(t3 - start, applied)
+            maybe_change_speed(applied)
         wall = time.perf_counter() - start
         exchange.close()
         updates = applied // total
@@ -200,7 +230,8 @@ def _run(rank: int, world: int, config: ABSBenchConfig, variant: str, repeat: in
     return ABSRun(variant=variant, repeat=repeat, wall_s=wall, samples=applied,
                   compute_s=tuple(float(g[0]) for g in gathered), idle_s=tuple(float(g[1]) for g in gathered),
                   update_s=tuple(float(g[2]) for g in gathered),
-                  worker_samples=tuple(int(g[3]) for g in gathered), updates=updates, curve=curve)
+                  worker_samples=tuple(int(g[3]) for g in gathered), updates=updates, changed_at=changed_at,
+                  curve=curve)
 
 
 def _evaluate(config: ABSBenchConfig, snapshots: list[tuple[float, int, dict[str, torch.Tensor]]]
@@ -227,12 +258,13 @@ def abs_bench_worker(rank: int, world_size: int, config: ABSBenchConfig) -> list
     torch.manual_seed(0)
     torch.set_num_threads(1)
     runs = []
+    initial = current_slowdown()
     show = config.show_progress and rank == 0
     with progress(enabled=show) as bar:
         task = bar.add_task("ABS-SGD bench runs", total=config.repeats * len(ABS_VARIANTS))
         for repeat in range(config.repeats):
             for variant in ABS_VARIANTS:
-                runs.append(_run(rank, world_size, config, variant, repeat))
+                runs.append(_run(rank, world_size, config, variant, repeat, initial))
                 bar.advance(task)
     return runs if rank == 0 else None
 
@@ -260,6 +292,8 @@ def summarise(config: ABSBenchConfig, runs: list[ABSRun]) -> list[VariantSummary
             shares=tuple(statistics.median(r.worker_samples[k] / sum(r.worker_samples) for r in mine)
                          for k in range(world)),
             final_loss=statistics.median(r.curve[-1][2] for r in mine),
+            samples_per_s_after_change=statistics.median(after) if (after := [
+                x for r in mine if (x := r.samples_per_s_after_change) is not None]) else None,
         ))
     baselines = [s.time_to_target_s for s in out if s.variant != "abs-sgd" and s.time_to_target_s is not None]
     best = min(baselines) if baselines else None
@@ -279,6 +313,12 @@ def run_abs_bench(config: ABSBenchConfig) -> list[ABSRun] | None:
     if not config.target_loss > 0 or config.samples < 1 or config.repeats < 1:
         raise PlannerError(f"need --target-loss > 0, --samples >= 1 and --repeats >= 1, got {config.target_loss}, "
                            f"{config.samples}, {config.repeats}")
+    if config.speed_change is not None:
+        slowed = set(config.slowdown.factors) if config.slowdown is not None else set()
+        unslowed = sorted(set(config.speed_change.factors) - slowed)
+        if unslowed:
+            raise PlannerError(f"--speed-change names rank(s) {unslowed} that --slowdown does not slow; a worker "
+                               "changes speed from a --slowdown (e.g. --slowdown 1=1.5 --speed-change 1=3)")
     from planner.platform.launch import run_job
 
     plan.check_compatible(model_info(build_workload(config.model).module, config.model), config.nproc)
@@ -294,12 +334,15 @@ def print_abs_bench(config: ABSBenchConfig, runs: list[ABSRun], as_json: bool) -
                                        "runs": [asdict(r) for r in runs]}))
         return
     slowed = config.slowdown.text if config.slowdown is not None else "none"
+    if config.speed_change is not None:
+        slowed += f", then {config.speed_change.text} halfway"
     table = Table(title=f"ABS-SGD bench on {config.model}, {config.nproc} workers (slowed: {slowed}): time to "
                         f"evaluation loss <= {config.target_loss:g}, median of {config.repeats} runs of "
                         f"{config.samples:,} samples")
+    changing = config.speed_change is not None
     for col in ("variant", "time to target s", "range s", "samples to target", "vs better baseline",
                 "samples/s", "predicted", "|pred-meas|/meas", "samples/update (pred)", "share per worker",
-                "idle per worker", "final loss"):
+                "idle per worker", "final loss", *(("samples/s after the change",) if changing else ())):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for s in summaries:
         reached = f"{s.time_to_target_s:.2f}" if s.time_to_target_s is not None else "not reached"
@@ -313,6 +356,9 @@ def print_abs_bench(config: ABSBenchConfig, runs: list[ABSRun], as_json: bool) -
             f"{s.samples_per_s:,.0f}", f"{s.predicted_samples_per_s:,.0f}", f"{s.rel_error:.1%}",
             f"{s.samples_per_update:,.0f} ({s.predicted_samples_per_update:,.0f})",
             " / ".join(f"{x:.0%}" for x in s.shares), " / ".join(f"{x:.0%}" for x in s.idle_fraction),
-            f"{s.final_loss:.3f}", style="bold" if s.variant == "abs-sgd" else None,
+            f"{s.final_loss:.3f}",
+            *((f"{s.samples_per_s_after_change:,.0f}" if s.samples_per_s_after_change is not None else "-",)
+              if changing else ()),
+            style="bold" if s.variant == "abs-sgd" else None,
         )
     console.print(table)

@@ -974,6 +974,9 @@ class BenchCommand(Command):
         abs_sgd.add_argument("--target-loss", type=_positive_float, default=None,
                              help="evaluation loss to reach (default 0.05)")
         abs_sgd.add_argument("--lr", type=_positive_float, default=None, help="SGD learning rate (default 0.4)")
+        abs_sgd.add_argument("--speed-change", type=_slowdown, default=None, metavar="RANK=FACTOR",
+                             help="halfway through every run, slowed workers change to these factors (e.g. "
+                                  "--slowdown 1=1.5 --speed-change 1=3)")
         abs_sgd.add_argument("--momentum", type=_nonnegative_float, default=None,
                              help="SGD momentum (default 0: a one-round delay with momentum 0.9 costs about twice "
                                   "the updates)")
@@ -991,7 +994,8 @@ class BenchCommand(Command):
             args.nproc = int(os.environ["WORLD_SIZE"])
         abs_only = [flag for flag, value in (("--samples", args.samples), ("--repeats", args.repeats),
                                              ("--target-loss", args.target_loss), ("--lr", args.lr),
-                                             ("--momentum", args.momentum)) if value is not None]
+                                             ("--momentum", args.momentum), ("--speed-change", args.speed_change))
+                    if value is not None]
         if abs_only and args.strategy != ABS:
             raise PlannerError(f"{abs_only[0]} applies to --strategy abs only")
         if args.strategy == KFAC:
@@ -1029,7 +1033,7 @@ class BenchCommand(Command):
                  if v is not None}
         config = ABSBenchConfig(plan=plan, model=args.model or plan.model.name,
                                 nproc=args.nproc or plan.cluster.world_size, show_progress=not args.json,
-                                link=args.link, slowdown=args.slowdown, **given)
+                                link=args.link, slowdown=args.slowdown, speed_change=args.speed_change, **given)
         _note_link_mismatch(plans, args.link)
         if plan.cluster.slowdown != (args.slowdown.text if args.slowdown is not None else None):
             made = plan.cluster.slowdown or "no slowed worker"

@@ -57,6 +57,7 @@ __all__ = [
     "enter_cgroup",
     "parse_slowdown",
     "remove_stale_cgroups",
+    "set_own_factor",
 ]
 
 #: Where the cgroup v1 `cpu` controller is mounted.
@@ -257,3 +258,25 @@ def enter_cgroup(throttle: WorkerThrottle, *, thread_only: bool = False) -> None
     except OSError as exc:
         raise SlowdownError(f"cannot join CPU cgroup {throttle.path}: {exc.strerror or exc}") from None
     os.environ[SLOWDOWN_ENV] = f"{throttle.factor:g}"
+
+
+def set_own_factor(factor: float, root: Path = CGROUP_CPU_ROOT) -> None:
+    """Change the slowdown of the calling thread's group to `factor` (> 1) while it runs: a slowed worker whose
+    speed changes mid-run. Only a worker started slowed (in a group of this module) can: its group is found in
+    /proc/thread-self/cgroup."""
+    if not (math.isfinite(factor) and 1 < factor <= MAX_FACTOR):
+        raise SlowdownError(f"a slowdown factor must be > 1 and at most {MAX_FACTOR:g}, got {factor}")
+    try:
+        lines = Path("/proc/thread-self/cgroup").read_text().splitlines()
+    except OSError as exc:
+        raise SlowdownError(f"cannot read this thread's cgroups: {exc.strerror or exc}") from None
+    group = next((line.split(":", 2)[2] for line in lines
+                  if line.count(":") >= 2 and "cpu" in line.split(":", 2)[1].split(",")), "/")
+    if not _NAME_RE.match(Path(group).name):
+        raise SlowdownError(f"this worker is not slowed (its cpu cgroup is {group!r}); only a worker started with "
+                            "--slowdown can change its speed")
+    try:
+        (root / group.lstrip("/") / "cpu.cfs_period_us").write_text(str(round(QUOTA_US * factor)))
+    except OSError as exc:
+        raise SlowdownError(f"cannot change the slowdown of {group}: {exc.strerror or exc}") from None
+    os.environ[SLOWDOWN_ENV] = f"{factor:g}"
