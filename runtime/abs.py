@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from planner.contracts.plan import Plan
 from planner.types import PlanMismatchError
+from runtime.exchange import broadcast_from_rank0, planned_params
 from runtime.retune import resolve_plan
 
 __all__ = ["ABSSGD", "RoundRecord"]
@@ -129,22 +130,14 @@ class ABSSGD:
         self.updates: list[int] = []  # every rank's samples in each update applied, in order (this session)
         self.records: list[RoundRecord] = []
         if self.world_size > 1:
-            self._broadcast_from_rank0([*model.parameters(), *model.buffers()])
+            broadcast_from_rank0([*model.parameters(), *model.buffers()], process_group)
 
     # -- set-up ------------------------------------------------------------------------------------
     @staticmethod
     def _param_groups(model: nn.Module, plan: Plan | None) -> list[list[nn.Parameter]]:
-        params = dict(model.named_parameters())  # a tied parameter once, under its first name
-        trainable = {n for n, p in params.items() if p.requires_grad}
-        if plan is None:
-            return [[params[n] for n in params if n in trainable]]
-        planned = plan.param_order
-        replan = f"re-plan: {plan.replan_command()}"
-        unknown = sorted(set(planned) - trainable)
-        missing = sorted(trainable - set(planned))
-        if unknown or missing:
-            raise PlanMismatchError(f"the plan's parameters differ from the model's trainable ones (not in the "
-                                    f"model: {unknown[:3]}, not in the plan: {missing[:3]}); {replan}")
+        if plan is None:  # a tied parameter once, under its first name
+            return [[p for p in model.parameters() if p.requires_grad]]
+        params = planned_params(model, plan)
         return [[params[n] for n in g.params] for g in plan.groups]
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -154,17 +147,10 @@ class ABSSGD:
             raise ValueError("the optimizer does not hold every trainable parameter of the model; pass the "
                              "optimizer built from model.parameters()")
 
-    def _broadcast_from_rank0(self, tensors: Sequence[Tensor]) -> None:
-        unique = list({id(t): t for t in tensors if t.numel() > 0}.values())
-        src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
-        with torch.no_grad():
-            for t in unique:
-                dist.broadcast(t.data, src, group=self.process_group)
-
     def sync_buffers(self) -> None:
         """Overwrite every rank's buffers (BatchNorm statistics) with rank 0's (a collective)."""
         if self.world_size > 1:
-            self._broadcast_from_rank0(list(self.model.buffers()))
+            broadcast_from_rank0(list(self.model.buffers()), self.process_group)
 
     # -- training ------------------------------------------------------------------------------------
     def step(self, num_samples: int) -> bool:

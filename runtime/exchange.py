@@ -130,6 +130,55 @@ def _views(flat: Tensor, params: Sequence[Tensor]) -> list[Tensor]:
     return views
 
 
+def planned_params(model: nn.Module, plan: Plan) -> dict[str, nn.Parameter]:
+    """The model's parameters by name, after checking they are exactly the planned trainable ones."""
+    params = dict(model.named_parameters())
+    planned = plan.param_order
+    replan = f"re-plan: {plan.replan_command()}"
+    unknown = [n for n in planned if n not in params]
+    if unknown:
+        raise PlanMismatchError(
+            f"the plan names parameter(s) the model does not have: {_name_list(unknown)}; {replan}"
+        )
+    frozen = [n for n in planned if not params[n].requires_grad]
+    if frozen:
+        raise PlanMismatchError(
+            f"the plan names frozen parameter(s) (requires_grad=False): {_name_list(frozen)}; {replan}"
+        )
+    planned_set = set(planned)
+    missing = [n for n, p in params.items() if p.requires_grad and n not in planned_set]
+    if missing:
+        raise PlanMismatchError(f"trainable parameter(s) missing from the plan: {_name_list(missing)}; {replan}")
+    for i, g in enumerate(plan.groups):
+        numel = sum(params[n].numel() for n in g.params)
+        if numel != g.numel:
+            raise PlanMismatchError(
+                f"plan group {i} says numel={g.numel}, but its parameters hold {numel} elements; {replan}"
+            )
+        devices = {params[n].device for n in g.params}
+        if len(devices) > 1:
+            raise ValueError(f"plan group {i} spans several devices {sorted(map(str, devices))}; one is needed")
+    return params
+
+
+def broadcast_from_rank0(tensors: Sequence[Tensor], process_group: Any = None) -> None:
+    """Overwrite `tensors` with rank 0's values: one broadcast per dtype and device, of the flattened
+    tensors (each distinct tensor once; tied parameters are one tensor)."""
+    unique = list({id(t): t for t in tensors if t.numel() > 0}.values())
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in unique:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+    with torch.no_grad():
+        for group in by_kind.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            dist.broadcast(flat, src, group=process_group)
+            at = 0
+            for t in group:
+                t.copy_(flat[at : at + t.numel()].view_as(t))
+                at += t.numel()
+
+
 class _GroupState:
     """Buffers and per-step progress of one planned group."""
 
@@ -321,7 +370,7 @@ class GradientExchange:
         self.clip_norm = clip_norm
         self.find_unused_parameters = bool(find_unused_parameters)
         self._warmup = self._check_options(plan, momentum, nesterov, optimizer, clip_norm, density_warmup)
-        params = self._check_params(model, plan)
+        params = planned_params(model, plan)
         self._planned_ids = frozenset(id(params[n]) for n in plan.param_order)
         self._optimizer_hook: RemovableHandle | None = None
         if self.momentum > 0:
@@ -473,54 +522,9 @@ class GradientExchange:
             return self.plan.density
         return self._density_at(self._step)
 
-    @staticmethod
-    def _check_params(model: nn.Module, plan: Plan) -> dict[str, nn.Parameter]:
-        """The model's parameters by name, after checking they are exactly the planned trainable ones."""
-        params = dict(model.named_parameters())
-        planned = plan.param_order
-        replan = f"re-plan: {plan.replan_command()}"
-        unknown = [n for n in planned if n not in params]
-        if unknown:
-            raise PlanMismatchError(
-                f"the plan names parameter(s) the model does not have: {_name_list(unknown)}; {replan}"
-            )
-        frozen = [n for n in planned if not params[n].requires_grad]
-        if frozen:
-            raise PlanMismatchError(
-                f"the plan names frozen parameter(s) (requires_grad=False): {_name_list(frozen)}; {replan}"
-            )
-        planned_set = set(planned)
-        missing = [n for n, p in params.items() if p.requires_grad and n not in planned_set]
-        if missing:
-            raise PlanMismatchError(f"trainable parameter(s) missing from the plan: {_name_list(missing)}; {replan}")
-        for i, g in enumerate(plan.groups):
-            numel = sum(params[n].numel() for n in g.params)
-            if numel != g.numel:
-                raise PlanMismatchError(
-                    f"plan group {i} says numel={g.numel}, but its parameters hold {numel} elements; {replan}"
-                )
-            devices = {params[n].device for n in g.params}
-            if len(devices) > 1:
-                raise ValueError(f"plan group {i} spans several devices {sorted(map(str, devices))}; one is needed")
-        return params
-
     # -- buffers (DDP's forward_sync_buffers) -----------------------------------------------------
     def _broadcast_from_rank0(self, tensors: Sequence[Tensor]) -> None:
-        """Overwrite `tensors` with rank 0's values: one broadcast per dtype and device, of the flattened
-        tensors (each distinct tensor once; tied parameters are one tensor)."""
-        unique = list({id(t): t for t in tensors if t.numel() > 0}.values())
-        by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-        for t in unique:
-            by_kind.setdefault((t.dtype, t.device), []).append(t)
-        src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
-        with torch.no_grad():
-            for group in by_kind.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                dist.broadcast(flat, src, group=self.process_group)
-                at = 0
-                for t in group:
-                    t.copy_(flat[at : at + t.numel()].view_as(t))
-                    at += t.numel()
+        broadcast_from_rank0(tensors, self.process_group)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: copy rank 0's buffers when the previous forward would have synchronised (DDP's rule:
