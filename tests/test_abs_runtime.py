@@ -271,7 +271,8 @@ def _digits_worker(rank: int, world_size: int, rounds: int) -> tuple[float, floa
     x, y = digits()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # plain SGD: with momentum 0.9 a one-round delay oscillates (planner/commands/bench_abs.py)
+    opt = torch.optim.SGD(model.parameters(), lr=0.4)
     abs_sgd = ABSSGD(model, opt, min_micro_batches=1)
     with torch.no_grad():
         before = F.cross_entropy(model(x), y).item()
@@ -291,7 +292,7 @@ def _digits_worker(rank: int, world_size: int, rounds: int) -> tuple[float, floa
 
 
 def test_converges_on_digits_with_one_worker_twice_as_slow() -> None:
-    results = run_distributed(_digits_worker, WORLD_SIZE, 150)
+    results = run_distributed(_digits_worker, WORLD_SIZE, 300)
     (before, after, fast), (_, after_slow, slow) = results
     assert after == pytest.approx(after_slow, abs=1e-6)  # the same parameters on both ranks
     assert after < 0.25 * before, f"loss {before:.3f} -> {after:.3f}"
