@@ -30,8 +30,8 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -127,7 +127,6 @@ class VariantSummary:
     final_loss: float
     samples_per_s_after_change: float | None = None  # median over runs, after a --speed-change
     speedup: float | None = None  # the better baseline's time to target / this one's
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def rel_error(self) -> float:
