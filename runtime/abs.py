@@ -10,6 +10,10 @@ Updates are therefore delayed by exactly one round, fast ranks contribute more s
 the allreduce while it runs. `finish()` applies what is still pending (the last exchange, then the partial
 round), so no sample is dropped and none applied twice.
 
+With the batch trigger (`round_samples`, which plans choose where the exchange outlasts a round's compute) a
+round ends by size instead: each rank computes its part of `round_samples`, in proportion to its measured
+speed, then waits for the previous exchange if it is still running. Rounds stay at the batch the user chose.
+
     abs_sgd = ABSSGD(model, optimizer, plan=Plan.load("plan.json"))
     while abs_sgd.round < rounds:
         x, y = next(batches)                     # this rank's micro-batch of plan.abs.micro_batch samples
@@ -45,6 +49,10 @@ from runtime.retune import resolve_plan
 __all__ = ["ABSSGD", "RoundRecord"]
 
 STATE_KIND = "runtime.abs_sgd"
+#: How much less each earlier round weighs in a rank's measured speed (the batch trigger's parts): rounds are
+#: short and a throttled worker's speed is bursty within one, so one round alone makes noisy parts; at 0.8 a
+#: changed speed shows fully after about ten rounds.
+SPEED_DECAY = 0.8
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,12 @@ class ABSSGD:
         min_micro_batches, max_micro_batches: the trigger (override the plan's): a round ends after at least
             `min_micro_batches` micro-batches once the previous exchange has finished, and at the latest after
             `max_micro_batches` (None: no cap). Equal values make a fixed count per round.
+        round_samples: the batch trigger instead (overrides the plan's `round_samples`): every round is about this
+            many samples over all ranks, each rank's part in proportion to its measured speed; a rank ends its
+            round at the micro-batch that brings it nearest its part, whether or not the previous exchange has
+            finished (it then waits for it). Speeds are each rank's samples per second of its own time between
+            `step` calls (waits and updates left out), exchanged with the counts, so the parts follow a worker
+            whose speed changes, two rounds late. Until then, the plan's predicted shares (equal without a plan).
         loss_reduction: "mean" when each micro-batch's loss is its samples' mean (PyTorch's default; the
             gradient is multiplied by the sample count before summing) or "sum".
         process_group: the group to train on (default: the default group; a single process without one).
@@ -85,6 +99,7 @@ class ABSSGD:
         *,
         min_micro_batches: int | None = None,
         max_micro_batches: int | None = None,
+        round_samples: int | None = None,
         loss_reduction: str = "mean",
         process_group: Any = None,
         model_name: str | None = None,
@@ -103,6 +118,8 @@ class ABSSGD:
             raise ValueError(f"`1 <= min_micro_batches <= max_micro_batches` must hold, but got ({low}, {high})")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if round_samples is None and section is not None:
+            round_samples = section.round_samples
         self.plan = plan
         self.model = model
         self.optimizer = optimizer
@@ -112,6 +129,15 @@ class ABSSGD:
         self.process_group = process_group
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
+        rank = dist.get_rank(process_group) if self.distributed else 0
+        if round_samples is not None and not (isinstance(round_samples, int) and round_samples >= self.world_size):
+            raise ValueError(f"round_samples must be a whole number >= the world size {self.world_size}, got "
+                             f"{round_samples!r}")
+        self.round_samples = round_samples
+        shares = (section.predicted["abs-sgd"].shares if section is not None
+                  else (1.0 / self.world_size,) * self.world_size)
+        #: this rank's part of `round_samples` (the batch trigger), from the last exchanged speeds
+        self.target_samples = None if round_samples is None else round_samples * shares[rank]
         self._groups = self._param_groups(model, plan)
         self._check_optimizer(optimizer)
         like = self._groups[0][0]
@@ -119,11 +145,17 @@ class ABSSGD:
                      for g in self._groups]
         self._sent = [torch.zeros_like(t) for t in self._acc]
         self._acc_count = 0
-        self._sent_count = torch.zeros(1, dtype=torch.float64, device=like.device)
+        # sent with the sums: [samples, this rank's speed (samples/s; 0: not measured), ranks with a speed]
+        self._sent_count = torch.zeros(3, dtype=torch.float64, device=like.device)
         self._spare_count = torch.zeros_like(self._sent_count)
         self._works: list[Any] = []
         self._pending = False  # `_sent` holds an exchange not yet applied
         self._micro = 0
+        self._timer: float | None = None  # when this rank's previous `step` returned (None: no previous one)
+        self._compute_s = 0.0  # this round's seconds between `step`s
+        self._timed_samples = 0  # the samples of those
+        self._sent_speed = 0.0  # this rank's speed as sent with the exchange in flight
+        self._speed_samples = self._speed_s = 0.0  # decayed sums of timed samples and their seconds
         self.round = 0  # rounds ended (exchanges started) on every rank
         self.samples = 0  # this rank's samples handed to `step`
         self.applied_samples = 0  # every rank's samples in the updates applied so far
@@ -168,14 +200,24 @@ class ABSSGD:
                         flat[at : at + n].add_(p.grad.reshape(-1), alpha=scale)
                         p.grad = None
                     at += n
+        now = time.perf_counter()
+        if self._timer is not None:
+            self._compute_s += now - self._timer
+            self._timed_samples += num_samples
+        self._timer = now
         self._acc_count += num_samples
         self.samples += num_samples
         self._micro += 1
         if self._micro < self.min_micro_batches:
             return False
         capped = self.max_micro_batches is not None and self._micro >= self.max_micro_batches
-        if capped or all(w.is_completed() for w in self._works):
+        if self.target_samples is not None:  # the batch trigger: the micro-batch nearest this rank's part
+            done = self._acc_count >= self.target_samples - num_samples / 2
+        else:  # the exchange trigger
+            done = all(w.is_completed() for w in self._works)
+        if capped or done:
             self._end_round()
+            self._timer = time.perf_counter()  # the wait and the update are not this rank's compute
             return True
         return False
 
@@ -186,8 +228,13 @@ class ABSSGD:
         previous = self._works
         self._acc, self._sent = self._sent, self._acc
         self._sent_count, self._spare_count = self._spare_count, self._sent_count
-        self._sent_count.fill_(float(self._acc_count))
-        self._acc_count = 0
+        # this rank's speed: samples over compute seconds, each earlier round weighing SPEED_DECAY times less
+        self._speed_samples = SPEED_DECAY * self._speed_samples + self._timed_samples
+        self._speed_s = SPEED_DECAY * self._speed_s + self._compute_s
+        speed = self._speed_samples / self._speed_s if self._speed_s > 0 and self._speed_samples > 0 else 0.0
+        self._sent_count[0], self._sent_count[1], self._sent_count[2] = float(self._acc_count), speed, float(speed > 0)
+        self._sent_speed = speed
+        self._acc_count, self._compute_s, self._timed_samples = 0, 0.0, 0
         self._works = []
         if self.world_size > 1:
             ops = [*self._sent, self._sent_count]
@@ -226,12 +273,15 @@ class ABSSGD:
     def _rotate(self) -> tuple[int, float, float]:
         """Start this round's exchange, then wait for and apply the previous one (if any). Returns the samples
         applied, the seconds waited and the seconds the update took."""
-        pending, sums, count = self._pending, self._sent, self._sent_count
+        pending, sums, count, speed = self._pending, self._sent, self._sent_count, self._sent_speed
         works = self._launch()  # `sums` and `count` are now the accumulator and the spare count
         self._pending = True
         wait = self._wait(works)
         started = time.perf_counter()
-        applied = self._apply(sums, float(count.item())) if pending else 0
+        total, speeds, timed = count.tolist()
+        if self.round_samples is not None and pending and timed == self.world_size and speeds > 0:
+            self.target_samples = self.round_samples * speed / speeds
+        applied = self._apply(sums, total) if pending else 0
         return applied, wait, time.perf_counter() - started
 
     def _end_round(self) -> None:
@@ -251,7 +301,7 @@ class ABSSGD:
         applied, wait, update = self._rotate()
         wait += self._wait(self._works)
         self._works = []
-        count = float(self._sent_count.item())
+        count = float(self._sent_count[0].item())
         started = time.perf_counter()
         applied += self._apply(self._sent, count)
         update += time.perf_counter() - started
@@ -285,7 +335,7 @@ class ABSSGD:
             "partial_sums": [t.detach().clone() for t in self._acc],
             "partial_samples": self._acc_count,
             "pending_sums": [t.detach().clone() for t in self._sent] if self._pending else None,
-            "pending_samples": float(self._sent_count.item()) if self._pending else 0.0,
+            "pending_samples": float(self._sent_count[0].item()) if self._pending else 0.0,
             "samples": self.samples,
             "applied_samples": self.applied_samples,
         }
@@ -307,7 +357,8 @@ class ABSSGD:
             for i, t in enumerate(self._sent):
                 t.copy_(pending[i]) if pending is not None else t.zero_()
         self._acc_count = int(state["partial_samples"])
-        self._sent_count.fill_(float(state["pending_samples"]))
+        self._sent_count.zero_()  # the speeds sent with it are not kept: the parts change at the next exchange
+        self._sent_count[0] = float(state["pending_samples"])
         self._pending = pending is not None
         self._micro = int(state["micro_batches"])
         self.round = int(state["round"])

@@ -15,15 +15,17 @@ from planner.commands.cli import main
 from planner.contracts.abs import ABSSection, VariantPrediction
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
-from planner.contracts.profile import Profile, WorkerThroughput
+from planner.contracts.profile import Collective, FittedCurve, Profile, WorkerThroughput
 from planner.strategies.abs import (
     ON_TARGET,
     _micro_batch_sizes,
     accumulate_s,
+    batch_trigger_counts,
     equal_batches,
     exchange_s,
     make_abs_plan,
     micro_batch_costs,
+    progress_per_s,
     proportional_batches,
     simulate_abs,
 )
@@ -52,6 +54,10 @@ def test_an_abs_plan_round_trips_and_old_plans_read_without_one(tmp_path: Path) 
     assert loaded.abs == plan.abs and loaded.groups == plan.groups
     doc = json.loads(path.read_text())
     assert set(doc["abs"]["predicted"]) == {"abs-sgd", "sync-equal", "sync-proportional"}
+    doc["abs"]["round_samples"] = 100
+    assert Plan.from_dict(doc).abs.round_samples == 100
+    del doc["abs"]["round_samples"]  # plans made before the batch trigger: the exchange trigger
+    assert Plan.from_dict(doc).abs.round_samples is None
     del doc["abs"]
     assert Plan.from_dict(doc).abs is None
     assert "--strategy abs --global-batch 128" in plan.replan_command()
@@ -61,6 +67,7 @@ def test_an_abs_plan_round_trips_and_old_plans_read_without_one(tmp_path: Path) 
     ({"min_micro_batches": 3, "max_micro_batches": 2}, "min_micro_batches <= max_micro_batches"),
     ({"min_micro_batches": 0}, "min_micro_batches"),
     ({"micro_batch": 100, "global_batch": 64}, "micro_batch <= global_batch"),
+    ({"round_samples": 0}, "round_samples"),
 ])
 def test_bad_abs_sections_are_refused(change: dict[str, int], match: str) -> None:
     with pytest.raises(SchemaError, match=match):
@@ -73,6 +80,8 @@ def test_an_abs_section_must_fit_the_plan() -> None:
         replace(plan, abs=abs_section(3))
     with pytest.raises(SchemaError, match="smaller than the world size"):
         replace(plan, abs=abs_section(2, micro_batch=1, global_batch=1))
+    with pytest.raises(SchemaError, match="round_samples 1 is smaller than the world size"):
+        replace(plan, abs=replace(abs_section(2), round_samples=1))
     doc = plan.to_dict()
     del doc["abs"]["predicted"]["sync-equal"]
     with pytest.raises(SchemaError, match=r"lacks the variant\(s\) \['sync-equal'\]"):
@@ -106,6 +115,48 @@ def test_rounds_as_worked_by_hand() -> None:
     capped = simulate_abs([1.0, 1.0], micro_batch=8, min_micro_batches=1, max_micro_batches=2, exchange_s=3.5,
                           update_s=0.0)
     assert capped.samples == pytest.approx((16.0, 16.0)) and capped.idle_s[0] == pytest.approx(1.5, rel=1e-3)
+
+
+def test_batch_trigger_rounds_as_worked_by_hand() -> None:
+    # Rounds of 24 samples in micro-batches of 8, worker 0 twice as fast: it computes 2, worker 1 one.
+    assert batch_trigger_counts(24, 8, [1.0, 2.0]) == (2, 1)
+    assert batch_trigger_counts(8, 8, [1.0, 3.0]) == (1, 1)  # at least one each
+    assert batch_trigger_counts(104, 10, [1.0, 1.0, 1.0, 1.0]) == (3, 3, 3, 3)  # 26 each: 30 is nearer than 20
+    assert batch_trigger_counts(100, 10, [1.0, 1.0, 1.0, 1.0]) == (2, 2, 2, 2)  # 25 each: a tie ends at 20
+    # Both finish their 2 s of compute together; the exchange (0.5 s) runs behind the next round's compute.
+    p = simulate_abs([1.0, 2.0], micro_batch=8, min_micro_batches=1, max_micro_batches=None, exchange_s=0.5,
+                     update_s=0.1, fixed=(2, 1))
+    assert p.round_s == pytest.approx(2.1, rel=1e-6) and p.samples == (16.0, 8.0) and p.idle_s == (0.0, 0.0)
+    # An exchange of 3.5 s outlasts the round: rounds take the exchange's time and both wait the rest, where the
+    # exchange trigger would have them compute more samples instead.
+    slow_net = simulate_abs([1.0, 2.0], micro_batch=8, min_micro_batches=1, max_micro_batches=None,
+                            exchange_s=3.5, update_s=0.0, fixed=(2, 1))
+    assert slow_net.round_s == pytest.approx(3.5, rel=1e-6) and slow_net.samples == (16.0, 8.0)
+    assert slow_net.idle_s == pytest.approx((1.5, 1.5), rel=1e-6)
+    assert progress_per_s(slow_net, 24) == pytest.approx(24 / 3.5)
+    uncapped = simulate_abs([1.0, 2.0], micro_batch=8, min_micro_batches=1, max_micro_batches=None,
+                            exchange_s=3.5, update_s=0.0)
+    assert sum(uncapped.samples) > 24 and progress_per_s(uncapped, 24) < uncapped.samples_per_s
+    with pytest.raises(SchemaError, match="batch trigger"):
+        simulate_abs([1.0, 2.0], micro_batch=8, min_micro_batches=1, max_micro_batches=None, exchange_s=1.0,
+                     update_s=0.0, fixed=(1,))
+
+
+def test_a_slow_exchange_makes_the_plan_use_the_batch_trigger_and_a_fast_one_may_not() -> None:
+    prof = slowed_profile(2.0)
+    # an exchange of 50 ms: the slow worker computes its part of 128 samples in about 14 ms
+    sizes = [1 << s for s in range(10, 27, 2)]
+    slow_link = FittedCurve.fit([(n, 0.05 + 1e-12 * n) for n in sizes])
+    slow = replace(prof, collectives={**prof.collectives, Collective.ALLREDUCE: slow_link})
+    a = make_abs_plan(slow, 128).abs
+    assert a is not None and a.round_samples == 128 and a.max_micro_batches is None
+    assert sum(a.predicted["abs-sgd"].samples) <= ON_TARGET * 128
+    assert a.predicted["abs-sgd"].round_s == pytest.approx(0.05, rel=0.2)  # the exchange's pace
+    fast = make_abs_plan(prof, 128).abs  # the exchange hides behind a round: whichever predicts more
+    assert fast is not None
+    chosen = fast.predicted["abs-sgd"]
+    assert progress_per_s(chosen, 128) >= 0.99 * max(progress_per_s(fast.predicted[v], 128)
+                                                     for v in ("sync-equal", "sync-proportional"))
 
 
 @settings(max_examples=60, deadline=None)
@@ -146,26 +197,34 @@ def test_the_plan_is_the_fastest_on_target_round(global_batch: int) -> None:
     assert a is not None and a.global_batch == global_batch
     assert plan.groups == make_plan(prof, Strategy.DENSE).groups  # the exchange moves the dense plan's groups
     chosen = a.predicted["abs-sgd"]
-    assert chosen.shares[0] > chosen.shares[1]  # the fast worker contributes more
+    assert chosen.shares[0] >= chosen.shares[1]  # the fast worker contributes more (or one micro-batch each)
+    if global_batch >= 4 * a.micro_batch:
+        assert chosen.shares[0] > chosen.shares[1]
     assert a.predicted["sync-equal"].samples == tuple(float(b) for b in equal_batches(global_batch, 2))
     proportional = a.predicted["sync-proportional"].samples
     assert sum(proportional) == global_batch and proportional[0] > proportional[1]
-    # exhaustively over the candidates' grid: the fastest round on target, else the smallest round
+    # exhaustively over the candidates' grid (both triggers): the most progress per second on target, else the
+    # smallest round
     step = micro_batch_costs(prof)
     problem = prof.problem(Strategy.DENSE)
     grouping = plan_grouping(plan, prof)
     exchange = exchange_s(problem, grouping)
     extra = accumulate_s(prof.pack.model if prof.pack is not None else None, problem, grouping)
     smallest = prof.throughput.batch_sizes[0] if prof.throughput else 1
-    grid = [simulate_abs([c.cost(b) + extra for c in step], micro_batch=b, min_micro_batches=m,
-                         max_micro_batches=None, exchange_s=exchange, update_s=problem.update_s,
-                         interference=problem.interference)
-            for b in _micro_batch_sizes(global_batch, 2, smallest) for m in range(1, global_batch // b + 2)]
+    common = {"exchange_s": exchange, "update_s": problem.update_s, "interference": problem.interference}
+    grid = []
+    for b in _micro_batch_sizes(global_batch, 2, smallest):
+        times = [c.cost(b) + extra for c in step]
+        grid.append(simulate_abs(times, micro_batch=b, min_micro_batches=1, max_micro_batches=None,
+                                 fixed=batch_trigger_counts(global_batch, b, times), **common))
+        grid += [simulate_abs(times, micro_batch=b, min_micro_batches=m, max_micro_batches=None, **common)
+                 for m in range(1, global_batch // b + 2)]
     assert a.micro_batch >= min(smallest, global_batch // 2)  # no extrapolation below the measured sizes
     on_target = [p for p in grid if sum(p.samples) <= ON_TARGET * global_batch]
     if on_target:
         assert sum(chosen.samples) <= ON_TARGET * global_batch
-        assert chosen.samples_per_s == pytest.approx(max(p.samples_per_s for p in on_target), rel=1e-9)
+        assert progress_per_s(chosen, global_batch) == pytest.approx(
+            max(progress_per_s(p, global_batch) for p in on_target), rel=1e-9)
     else:  # the exchange outlasts computing a global batch: rounds grow to hide it
         assert sum(chosen.samples) == pytest.approx(min(sum(p.samples) for p in grid))
         assert chosen.round_s >= exchange

@@ -174,14 +174,16 @@ class Tags(nn.Module):
         return self.w[ids].sum()
 
 
-def _every_sample_once_worker(rank: int, world_size: int, resume_at: int) -> tuple[Any, int, int]:
-    """Adaptive trigger with rank 1 slower, so counts differ from round to round; at round `resume_at` the
-    state is saved (with an exchange in flight) and loaded into fresh objects. Returns the sum over applied updates of
-    (mean gradient x samples applied), the samples applied and the samples drawn on this rank."""
+def _every_sample_once_worker(rank: int, world_size: int, resume_at: int,
+                              round_samples: int | None) -> tuple[Any, int, int]:
+    """Adaptive trigger (the exchange trigger, or the batch trigger of `round_samples`) with rank 1 slower, so
+    counts differ from round to round; at round `resume_at` the state is saved (with an exchange in flight) and
+    loaded into fresh objects. Returns the sum over applied updates of (mean gradient x samples applied), the
+    samples applied and the samples drawn on this rank."""
     total, per_rank = 20_000, 10_000
     model = Tags(total)
     opt = Recorder(model.parameters())
-    abs_sgd = ABSSGD(model, opt, min_micro_batches=1, loss_reduction="sum")
+    abs_sgd = ABSSGD(model, opt, min_micro_batches=1, round_samples=round_samples, loss_reduction="sum")
     ids = iter(range(rank * per_rank, (rank + 1) * per_rank))
     used = torch.zeros(total)
     applied: list[int] = []
@@ -200,7 +202,7 @@ def _every_sample_once_worker(rank: int, world_size: int, resume_at: int) -> tup
             seen += opt.seen
             model = Tags(total)
             opt = Recorder(model.parameters())
-            abs_sgd = ABSSGD(model, opt, min_micro_batches=1, loss_reduction="sum")
+            abs_sgd = ABSSGD(model, opt, min_micro_batches=1, round_samples=round_samples, loss_reduction="sum")
             abs_sgd.load_state_dict(state)
             saved = True
     abs_sgd.finish()
@@ -212,8 +214,9 @@ def _every_sample_once_worker(rank: int, world_size: int, resume_at: int) -> tup
     return used.numpy(), sum(applied), drawn
 
 
-def test_no_sample_is_lost_or_counted_twice_across_rounds_and_a_resume() -> None:
-    results = run_distributed(_every_sample_once_worker, WORLD_SIZE, 5)
+@pytest.mark.parametrize("round_samples", [None, 24], ids=["exchange-trigger", "batch-trigger"])
+def test_no_sample_is_lost_or_counted_twice_across_rounds_and_a_resume(round_samples: int | None) -> None:
+    results = run_distributed(_every_sample_once_worker, WORLD_SIZE, 5, round_samples)
     drawn = [d for _, _, d in results]
     for array, applied, _ in results:
         used = torch.from_numpy(array)
@@ -263,6 +266,37 @@ def test_state_dict_resumes_to_the_same_parameters(stop_at: tuple[int, int]) -> 
             assert (resumed[rank][name] == want).all(), f"rank {rank} {name} after resuming at {stop_at}"
 
 
+def _batch_trigger_worker(rank: int, world_size: int, rounds: int, switch: int) -> list[tuple[int, int]]:
+    """Rounds of 48 samples in micro-batches of 4. Each micro-batch takes a sleep: 1 ms on rank 0; on rank 1,
+    4 ms before round `switch` and 1 ms from it on. Returns this rank's (round, samples) per round."""
+    model = build("mlp")
+    opt = optimizer_for(model)
+    abs_sgd = ABSSGD(model, opt, round_samples=48)
+    k = 0
+    while abs_sgd.round < rounds:
+        x, y = micro_batch(rank, abs_sgd.round, k, 4)
+        F.cross_entropy(model(x), y).backward()
+        time.sleep(0.004 if rank == 1 and abs_sgd.round < switch else 0.001)
+        k = 0 if abs_sgd.step(len(x)) else k + 1
+    abs_sgd.finish()
+    return [(r.round, r.samples) for r in abs_sgd.records if r.micro_batches]
+
+
+def test_the_batch_trigger_splits_rounds_by_measured_speed_and_follows_a_change() -> None:
+    rounds, switch = 60, 30
+    fast, slow = run_distributed(_batch_trigger_worker, WORLD_SIZE, rounds, switch)
+    fast, slow = dict(fast), dict(slow)
+    # every round is the batch asked for, to a micro-batch per rank (round ends at the micro-batch nearest a part)
+    assert all(abs(fast[r] + slow[r] - 48) <= 2 * 4 for r in range(rounds)), [fast[r] + slow[r] for r in fast]
+
+    def share(first: int, last: int) -> float:
+        return sum(slow[r] for r in range(first, last)) / sum(fast[r] + slow[r] for r in range(first, last))
+
+    # 4x slower: about a fifth of the samples once measured; as fast again: about half, a few rounds later
+    assert share(10, switch) < 0.35, f"the slow rank's share {share(10, switch):.2f}"
+    assert share(switch + 15, rounds) > 0.4, f"the sped-up rank's share {share(switch + 15, rounds):.2f}"
+
+
 def _digits_worker(rank: int, world_size: int, rounds: int) -> tuple[float, float, list[int]]:
     """Digits, a small MLP, adaptive trigger; rank 1 sleeps as long as it computed after each micro-batch
     (twice as slow). Returns the full-data loss before and after, and rank 0's micro-batches per round."""
@@ -307,6 +341,8 @@ def test_bad_input_is_refused() -> None:
         ABSSGD(model, opt, plain)
     with pytest.raises(ValueError, match="min_micro_batches <= max_micro_batches"):
         ABSSGD(model, opt, min_micro_batches=3, max_micro_batches=2)
+    with pytest.raises(ValueError, match="round_samples must be a whole number >= the world size 1"):
+        ABSSGD(model, opt, round_samples=0)
     with pytest.raises(ValueError, match="loss_reduction"):
         ABSSGD(model, opt, loss_reduction="none")
     with pytest.raises(ValueError, match="optimizer does not hold"):

@@ -183,8 +183,9 @@ def print_abs(plan: object) -> None:
     assert isinstance(plan, Plan) and plan.abs is not None
     a = plan.abs
     cap = "no cap" if a.max_micro_batches is None else f"at most {a.max_micro_batches}"
-    table = Table(title=f"ABS-SGD, global batch {a.global_batch}: micro-batches of {a.micro_batch}, a round ends "
-                        f"after at least {a.min_micro_batches} once the previous exchange is done ({cap})")
+    trigger = (f"rounds of {a.round_samples} samples, split by measured speed" if a.round_samples is not None
+               else f"a round ends after at least {a.min_micro_batches} once the previous exchange is done ({cap})")
+    table = Table(title=f"ABS-SGD, global batch {a.global_batch}: micro-batches of {a.micro_batch}, {trigger}")
     for col in ("variant", "round ms", "samples/round", "samples/s", "vs sync-equal", "share per worker",
                 "idle per worker"):
         table.add_column(col, justify="left" if col == "variant" else "right")

@@ -8,6 +8,11 @@ worker sends (sum of gradients, sample count) to the exchange, applies the previ
 mean, and goes on. A fast worker therefore computes more micro-batches than a slow one and nobody waits for
 the allreduce: it runs behind the next round's compute.
 
+The batch trigger (`round_samples` set) ends rounds by size instead: every round is about `round_samples`
+samples, each worker's part in proportion to its speed as measured in the run, and a worker whose part is done
+before the previous exchange waits for it. Rounds then stay at the global batch the user chose where the
+exchange trigger would stretch them to hide a slow exchange (samples beyond the batch the task may not use).
+
 Schema (inside the plan, version 1 like the plan):
 
     "abs": {
@@ -15,6 +20,7 @@ Schema (inside the plan, version 1 like the plan):
       "micro_batch": 32,
       "min_micro_batches": 2,
       "max_micro_batches": 32 | null,
+      "round_samples": 256 | null,         # the batch trigger (below); null or absent: the exchange trigger
       "predicted": {                       # one entry per variant, the same model for all (planner.strategies.abs)
         "abs-sgd":           {"round_s", "samples_per_s", "samples": [per rank, per round], "idle_s": [per rank]},
         "sync-equal":        {...},        # synchronous SGD, global_batch split equally
@@ -105,6 +111,7 @@ class ABSSection:
     min_micro_batches: int
     max_micro_batches: int | None
     predicted: dict[str, VariantPrediction]
+    round_samples: int | None = None  # the batch trigger's samples per round (None: the exchange trigger)
 
     def __post_init__(self) -> None:
         if not 1 <= self.micro_batch <= self.global_batch <= MAX_GLOBAL_BATCH:
@@ -114,6 +121,8 @@ class ABSSection:
                                           and self.max_micro_batches < self.min_micro_batches):
             raise SchemaError(f"abs needs `1 <= min_micro_batches <= max_micro_batches`, but got "
                               f"({self.min_micro_batches}, {self.max_micro_batches})")
+        if self.round_samples is not None and not 1 <= self.round_samples <= MAX_GLOBAL_BATCH:
+            raise SchemaError(f"abs.round_samples must be null or a whole number >= 1, got {self.round_samples}")
         missing = [v for v in ABS_VARIANTS if v not in self.predicted]
         if missing:
             raise SchemaError(f"abs.predicted lacks the variant(s) {missing}; every ABS plan predicts {ABS_VARIANTS}")
@@ -132,6 +141,9 @@ class ABSSection:
         if self.global_batch < world_size:
             raise PlanMismatchError(f"abs.global_batch {self.global_batch} is smaller than the world size "
                                     f"{world_size}: every worker needs at least one sample per round")
+        if self.round_samples is not None and self.round_samples < world_size:
+            raise PlanMismatchError(f"abs.round_samples {self.round_samples} is smaller than the world size "
+                                    f"{world_size}: every worker needs at least one sample per round")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -139,6 +151,7 @@ class ABSSection:
             "micro_batch": self.micro_batch,
             "min_micro_batches": self.min_micro_batches,
             "max_micro_batches": self.max_micro_batches,
+            "round_samples": self.round_samples,
             "predicted": {name: p.to_dict() for name, p in self.predicted.items()},
         }
 
@@ -146,8 +159,9 @@ class ABSSection:
     def from_dict(cls, data: Any, where: str = "plan.abs") -> ABSSection:
         expect(data, dict, where)
         check_fields(data, where, ["global_batch", "micro_batch", "min_micro_batches", "max_micro_batches",
-                                   "predicted"])
+                                   "predicted"], ["round_samples"])  # round_samples: absent in older plans
         cap = data["max_micro_batches"]
+        batch = data.get("round_samples")
         predicted = expect(data["predicted"], dict, f"{where}.predicted")
         return cls(
             global_batch=expect_int(data["global_batch"], f"{where}.global_batch", 1, MAX_GLOBAL_BATCH),
@@ -156,6 +170,8 @@ class ABSSection:
                                          MAX_GLOBAL_BATCH),
             max_micro_batches=None if cap is None else expect_int(cap, f"{where}.max_micro_batches", 1,
                                                                   MAX_GLOBAL_BATCH),
+            round_samples=None if batch is None else expect_int(batch, f"{where}.round_samples", 1,
+                                                                MAX_GLOBAL_BATCH),
             predicted={expect(name, str, f"{where}.predicted key"):
                        VariantPrediction.from_dict(p, f"{where}.predicted.{name}") for name, p in predicted.items()},
         )

@@ -14,7 +14,12 @@ profile's optimizer update) at the end of each round.
   the end of its first micro-batch that is at least the min-th and ends after round r-1's exchange has
   finished (or at the max-th, then waiting for it); round r's exchange starts when the last worker has joined
   and round r-1's has finished, and takes c. Rounds are measured after a warm-up: seconds per round, each
-  worker's samples and its waiting.
+  worker's samples and its waiting. The batch trigger is the same run with worker i computing a fixed number
+  of micro-batches per round (`batch_trigger_counts`: its part of the global batch by speed), then waiting.
+- The choice (`make_abs_plan`): the micro-batch and trigger with the most `progress_per_s`, samples per second
+  counting at most the global batch of each round, among rounds of at most ON_TARGET x the global batch. Where
+  the exchange outlasts a round's compute the exchange trigger stretches rounds to hide it (everyone busy, but
+  larger rounds: samples the task may not use) and the batch trigger keeps rounds at the batch and waits.
 - Synchronous SGD (`predict_sync`): worker i computes its batch b_i in one step; everybody waits for the
   slowest; the gradient exchange overlaps that worker's backward as the dense plan's timeline says (the
   profile's layer times scaled to the slowest worker's step); then U.
@@ -22,6 +27,7 @@ profile's optimizer update) at the end of each round.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -38,20 +44,22 @@ from planner.types import InvalidProfileError, SchemaError, Strategy
 
 __all__ = [
     "accumulate_s",
+    "batch_trigger_counts",
     "equal_batches",
     "exchange_s",
     "make_abs_plan",
     "micro_batch_costs",
     "predict_sync",
+    "progress_per_s",
     "proportional_batches",
     "simulate_abs",
 ]
 
 #: Rounds simulated, and how many of them are warm-up left out of the averages.
 SIM_ROUNDS, SIM_WARMUP = 96, 16
-#: Rounds of at most this many times the global batch are on target; among them the plan keeps the highest
-#: predicted samples per second. (A round cannot be sized finer than the slowest worker's micro-batch: the
-#: fast workers fill the time it takes, so rounds are rarely exactly the batch asked for.)
+#: Rounds of at most this many times the global batch are on target; among them the plan keeps the most
+#: predicted progress per second. (Under the exchange trigger a round cannot be sized finer than the slowest
+#: worker's micro-batch: the fast workers fill the time it takes, so rounds are rarely exactly the batch.)
 ON_TARGET = 1.25
 
 
@@ -90,13 +98,18 @@ def proportional_batches(global_batch: int, speeds: Sequence[float]) -> tuple[in
 
 def simulate_abs(step_s: Sequence[float], *, micro_batch: int, min_micro_batches: int,
                  max_micro_batches: int | None, exchange_s: float, update_s: float, interference: float = 0.0,
-                 rounds: int = SIM_ROUNDS, warmup: int = SIM_WARMUP) -> VariantPrediction:
+                 fixed: Sequence[int] | None = None, rounds: int = SIM_ROUNDS,
+                 warmup: int = SIM_WARMUP) -> VariantPrediction:
     """ABS-SGD's steady state under the trigger (see the module docstring); `step_s[i]` is worker i's seconds
     per micro-batch of `micro_batch` samples; compute runs 1 + `interference` times slower while an exchange
-    is in flight (its CPU work competes with it: the profile's sigma of the allreduce)."""
+    is in flight (its CPU work competes with it: the profile's sigma of the allreduce). `fixed[i]`: the batch
+    trigger instead, worker i computes exactly that many micro-batches per round, then waits."""
     if not 1 <= warmup < rounds or min_micro_batches < 1:
         raise SchemaError(f"need 1 <= warmup < rounds and min_micro_batches >= 1, got ({warmup}, {rounds}, "
                           f"{min_micro_batches})")
+    if fixed is not None and (len(fixed) != len(step_s) or min(fixed) < 1):
+        raise SchemaError(f"the batch trigger needs >= 1 micro-batch for each of {len(step_s)} workers, got "
+                          f"{list(fixed)}")
     n = len(step_s)
     start = [0.0] * n
     done = -math.inf  # when the previous round's exchange finished
@@ -112,8 +125,11 @@ def simulate_abs(step_s: Sequence[float], *, micro_batch: int, min_micro_batches
             while True:  # micro-batches run (1 + interference) times slower while the last exchange is on
                 end = advance(end, done, t, interference)
                 k += 1
-                if k >= min_micro_batches and (end >= done or (max_micro_batches is not None
-                                                               and k >= max_micro_batches)):
+                if fixed is not None:
+                    if k >= fixed[i]:
+                        break
+                elif k >= min_micro_batches and (end >= done or (max_micro_batches is not None
+                                                                 and k >= max_micro_batches)):
                     break
             ends.append(end)
             if r >= warmup:
@@ -170,10 +186,26 @@ def accumulate_s(pack: CostModel | None, problem: GradientProblem, grouping: Seq
     return math.fsum(pack.cost(sum(problem.numel[i] for i in group)) for group in groups_of(tuple(grouping)))
 
 
+def batch_trigger_counts(round_samples: int, micro_batch: int, step_s: Sequence[float]) -> tuple[int, ...]:
+    """Each worker's micro-batches per round under the batch trigger, as the runtime ends them: its part of
+    `round_samples` in proportion to its speed (`micro_batch / step_s[i]`), at the micro-batch nearest it (at
+    least one)."""
+    speeds = [micro_batch / t for t in step_s]
+    return tuple(max(1, math.ceil(round_samples * v / sum(speeds) / micro_batch - 0.5)) for v in speeds)
+
+
+def progress_per_s(pred: VariantPrediction, global_batch: int) -> float:
+    """What the plan maximises: samples per second counting at most `global_batch` of each round. Samples beyond
+    the batch the user chose are not assumed to speed training up (past a task's critical batch size they do
+    not: on the digits, rounds of 188 samples needed 1.4x the samples of rounds of 128 to reach a loss)."""
+    return min(sum(pred.samples), global_batch) / pred.round_s
+
+
 def make_abs_plan(profile: Profile, global_batch: int, *, source: str = "") -> Plan:
-    """The ABS-SGD plan for `profile`: the dense plan's gradient groups, and the micro-batch and minimum round
-    length with the highest predicted samples per second among rounds of at most `ON_TARGET` x `global_batch`
-    samples. The baselines split `global_batch` per iteration, equally and by the profile's speeds."""
+    """The ABS-SGD plan for `profile`: the dense plan's gradient groups, and the micro-batch and trigger with the
+    highest predicted `progress_per_s` among rounds of at most `ON_TARGET` x `global_batch` samples. Triggers
+    tried: the exchange trigger with each minimum round length, and the batch trigger with rounds of
+    `global_batch`. The baselines split `global_batch` per iteration, equally and by the profile's speeds."""
     world = profile.cluster.world_size
     if global_batch < world:
         raise SchemaError(f"--global-batch {global_batch} is smaller than the world size {world}: every worker "
@@ -185,35 +217,41 @@ def make_abs_plan(profile: Profile, global_batch: int, *, source: str = "") -> P
     exchange = exchange_s(problem, grouping)
     extra = accumulate_s(profile.pack.model if profile.pack is not None else None, problem, grouping)
     assert profile.throughput is not None  # micro_batch_costs refused a profile without it
+    sim = functools.partial(simulate_abs, exchange_s=exchange, update_s=problem.update_s,
+                            interference=problem.interference)
 
+    # (micro-batch, minimum micro-batches of the exchange trigger or 0 for the batch trigger, prediction)
     candidates: list[tuple[int, int, VariantPrediction]] = []
     for b in _micro_batch_sizes(global_batch, world, profile.throughput.batch_sizes[0]):
         times = [cost.cost(b) + extra for cost in step]
+        candidates.append((b, 0, sim(times, micro_batch=b, min_micro_batches=1, max_micro_batches=None,
+                                     fixed=batch_trigger_counts(global_batch, b, times))))
         for m in range(1, global_batch // b + 2):
-            pred = simulate_abs(times, micro_batch=b, min_micro_batches=m, max_micro_batches=None,
-                                exchange_s=exchange, update_s=problem.update_s, interference=problem.interference)
+            pred = sim(times, micro_batch=b, min_micro_batches=m, max_micro_batches=None)
             candidates.append((b, m, pred))
             if sum(pred.samples) > global_batch * ON_TARGET:
                 break
 
     within = [c for c in candidates if sum(c[2].samples) <= global_batch * ON_TARGET]
     if within:
-        b, m, _ = max(within, key=lambda c: (c[2].samples_per_s, c[0]))
+        b, m, chosen = max(within, key=lambda c: (progress_per_s(c[2], global_batch), c[0]))
     else:  # even one micro-batch of one sample per round is more: the smallest round
-        b, m, _ = min(candidates, key=lambda c: sum(c[2].samples))
+        b, m, chosen = min(candidates, key=lambda c: sum(c[2].samples))
     times = [cost.cost(b) + extra for cost in step]
-    # The cap holds rounds near the global batch when the exchange runs slower than predicted (the trigger would
-    # stretch them to hide it, and larger rounds mean fewer updates): a worker computes at most ON_TARGET times
-    # the micro-batches the fastest is predicted to, then waits.
-    free = simulate_abs(times, micro_batch=b, min_micro_batches=m, max_micro_batches=None, exchange_s=exchange,
-                        update_s=problem.update_s, interference=problem.interference)
-    cap = max(m, math.ceil(ON_TARGET * max(free.samples) / b))
-    chosen = simulate_abs(times, micro_batch=b, min_micro_batches=m, max_micro_batches=cap, exchange_s=exchange,
-                          update_s=problem.update_s, interference=problem.interference)
+    if m == 0:
+        low, cap, round_samples = 1, None, global_batch
+    else:
+        # The cap holds rounds near the global batch when the exchange runs slower than predicted (the trigger
+        # would stretch them to hide it, and larger rounds mean fewer updates): a worker computes at most
+        # ON_TARGET times the micro-batches the fastest is predicted to, then waits.
+        low, round_samples = m, None
+        cap = max(m, math.ceil(ON_TARGET * max(chosen.samples) / b))
+        chosen = sim(times, micro_batch=b, min_micro_batches=m, max_micro_batches=cap)
     share = global_batch / world
     speeds = [share / cost.cost(share) for cost in step]
     section = ABSSection(
-        global_batch=global_batch, micro_batch=b, min_micro_batches=m, max_micro_batches=cap,
+        global_batch=global_batch, micro_batch=b, min_micro_batches=low, max_micro_batches=cap,
+        round_samples=round_samples,
         predicted={
             "abs-sgd": chosen,
             "sync-equal": predict_sync(step, equal_batches(global_batch, world), problem, grouping),
