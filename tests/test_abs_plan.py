@@ -142,17 +142,24 @@ def test_batch_trigger_rounds_as_worked_by_hand() -> None:
                      update_s=0.0, fixed=(1,))
 
 
-def test_a_slow_exchange_makes_the_plan_use_the_batch_trigger_and_a_fast_one_may_not() -> None:
+def test_the_triggers_a_plan_chooses_from() -> None:
     prof = slowed_profile(2.0)
     # an exchange of 50 ms: the slow worker computes its part of 128 samples in about 14 ms
     sizes = [1 << s for s in range(10, 27, 2)]
     slow_link = FittedCurve.fit([(n, 0.05 + 1e-12 * n) for n in sizes])
     slow = replace(prof, collectives={**prof.collectives, Collective.ALLREDUCE: slow_link})
-    a = make_abs_plan(slow, 128).abs
+    a = make_abs_plan(slow, 128, trigger="best").abs
     assert a is not None and a.round_samples == 128 and a.max_micro_batches is None
     assert sum(a.predicted["abs-sgd"].samples) <= ON_TARGET * 128
     assert a.predicted["abs-sgd"].round_s == pytest.approx(0.05, rel=0.2)  # the exchange's pace
-    fast = make_abs_plan(prof, 128).abs  # the exchange hides behind a round: whichever predicts more
+    paper = make_abs_plan(slow, 128, trigger="exchange").abs  # the paper's rule stretches rounds to hide it
+    assert paper is not None and paper.round_samples is None and paper.max_micro_batches is not None
+    assert sum(paper.predicted["abs-sgd"].samples) > 128
+    default = make_abs_plan(prof, 128).abs  # the default: the batch trigger, whatever the exchange
+    assert default is not None and default.round_samples == 128 and default.min_micro_batches == 1
+    with pytest.raises(SchemaError, match="trigger must be one of"):
+        make_abs_plan(prof, 128, trigger="sometimes")
+    fast = make_abs_plan(prof, 128, trigger="best").abs  # the exchange hides behind a round: whichever predicts more
     assert fast is not None
     chosen = fast.predicted["abs-sgd"]
     assert progress_per_s(chosen, 128) >= 0.99 * max(progress_per_s(fast.predicted[v], 128)
@@ -192,7 +199,7 @@ def test_batches_split_the_global_batch(global_batch: int, speeds: list[float]) 
 @pytest.mark.parametrize("global_batch", [8, 64, 256, 1000])
 def test_the_plan_is_the_fastest_on_target_round(global_batch: int) -> None:
     prof = slowed_profile()
-    plan = make_abs_plan(prof, global_batch)
+    plan = make_abs_plan(prof, global_batch, trigger="best")
     a = plan.abs
     assert a is not None and a.global_batch == global_batch
     assert plan.groups == make_plan(prof, Strategy.DENSE).groups  # the exchange moves the dense plan's groups
@@ -270,6 +277,9 @@ def test_solve_abs_bad_input_gives_one_line(tmp_path: Path) -> None:
     _one_clear_line(_cli("solve", str(prof), "--strategy", "abs", "--global-batch", "1", "-o", out),
                     "smaller than the world size 2")
     _one_clear_line(_cli("solve", str(prof), "--global-batch", "64", "-o", out), "applies to --strategy abs only")
+    _one_clear_line(_cli("solve", str(prof), "--trigger", "batch", "-o", out), "--trigger applies to --strategy abs")
+    _one_clear_line(_cli("solve", str(prof), "--strategy", "abs", "--global-batch", "64", "--trigger", "often",
+                         "-o", out), "invalid choice")
     _one_clear_line(_cli("solve", str(plain), "--strategy", "abs", "--global-batch", "64", "-o", out),
                     "no per-worker throughput")
     _one_clear_line(_cli("solve", str(prof), "--strategy", "abs", "--global-batch", "0", "-o", out), "")

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, NoReturn
 from rich.table import Table
 
 from planner.console import console, err_console, progress
+from planner.contracts.abs import TRIGGERS
 from planner.contracts.jsonio import check_output_path, ensure_folder
 from planner.types import InverseMethod, PlannerError, Strategy
 
@@ -469,8 +470,12 @@ class SolveCommand(Command):
         kfac.add_argument("--time-limit", type=float, default=2.0, help="seconds for the placement solver")
         abs_sgd = parser.add_argument_group("ABS-SGD (--strategy abs)")
         abs_sgd.add_argument("--global-batch", type=_positive, default=None,
-                             help="samples per round to aim at, summed over the workers (rounds of at most 1.25x "
-                                  "it; the synchronous baselines split it per iteration)")
+                             help="samples per round to aim at, summed over the workers (the synchronous "
+                                  "baselines split it per iteration)")
+        abs_sgd.add_argument("--trigger", choices=TRIGGERS, default=None,
+                             help="how rounds end: 'batch' (default) rounds of --global-batch split by measured "
+                                  "speed; 'exchange' once the previous exchange is done (the paper's rule: rounds "
+                                  "grow to hide a slow exchange, up to 1.25x); 'best' whichever is predicted faster")
         parser.add_argument("--cluster", default=None, metavar="SPEC", help=CLUSTER_HELP)
         parser.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
 
@@ -485,6 +490,8 @@ class SolveCommand(Command):
                                "workers (e.g. the batch you train with now)")
         if not is_abs and args.global_batch is not None:
             raise PlannerError("--global-batch applies to --strategy abs only")
+        if not is_abs and args.trigger is not None:
+            raise PlannerError("--trigger applies to --strategy abs only")
         if is_abs and args.cluster is not None:
             raise PlannerError("--cluster does not apply to --strategy abs: its plan needs each worker's measured "
                                "speed; profile the cluster itself (with --slowdown to emulate slower workers)")
@@ -533,7 +540,8 @@ class SolveCommand(Command):
         elif is_abs:
             from planner.strategies.abs import make_abs_plan
 
-            plan = make_abs_plan(profile, args.global_batch, source=str(args.profile))
+            plan = make_abs_plan(profile, args.global_batch, trigger=args.trigger or "batch",
+                                 source=str(args.profile))
         else:
             selector = None if args.selector == "auto" else args.selector
             plan = make_plan(profile, strategy, density, source=str(args.profile), selector=selector)

@@ -41,8 +41,11 @@ from typing import Any
 from planner.contracts.jsonio import check_fields, expect, expect_int, expect_time
 from planner.types import PlanMismatchError, SchemaError
 
-__all__ = ["ABS_VARIANTS", "MAX_GLOBAL_BATCH", "ABSSection", "VariantPrediction"]
+__all__ = ["ABS_VARIANTS", "MAX_GLOBAL_BATCH", "TRIGGERS", "ABSSection", "VariantPrediction"]
 
+#: How a plan may end rounds (`planner solve --strategy abs --trigger`): the batch trigger (`round_samples`),
+#: the exchange trigger, or whichever is predicted faster.
+TRIGGERS = ("batch", "exchange", "best")
 #: The variants every ABS plan predicts: ABS-SGD first, then the synchronous baselines.
 ABS_VARIANTS = ("abs-sgd", "sync-equal", "sync-proportional")
 MAX_GLOBAL_BATCH = 2**31

@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from planner.contracts.abs import ABSSection, VariantPrediction
+from planner.contracts.abs import TRIGGERS, ABSSection, VariantPrediction
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
@@ -201,11 +201,14 @@ def progress_per_s(pred: VariantPrediction, global_batch: int) -> float:
     return min(sum(pred.samples), global_batch) / pred.round_s
 
 
-def make_abs_plan(profile: Profile, global_batch: int, *, source: str = "") -> Plan:
+def make_abs_plan(profile: Profile, global_batch: int, *, trigger: str = "batch", source: str = "") -> Plan:
     """The ABS-SGD plan for `profile`: the dense plan's gradient groups, and the micro-batch and trigger with the
     highest predicted `progress_per_s` among rounds of at most `ON_TARGET` x `global_batch` samples. Triggers
-    tried: the exchange trigger with each minimum round length, and the batch trigger with rounds of
-    `global_batch`. The baselines split `global_batch` per iteration, equally and by the profile's speeds."""
+    tried (`trigger`, one of TRIGGERS): "batch", rounds of `global_batch`; "exchange", the exchange trigger with
+    each minimum round length; "best", both. The baselines split `global_batch` per iteration, equally and by
+    the profile's speeds."""
+    if trigger not in TRIGGERS:
+        raise SchemaError(f"trigger must be one of {TRIGGERS}, got {trigger!r}")
     world = profile.cluster.world_size
     if global_batch < world:
         raise SchemaError(f"--global-batch {global_batch} is smaller than the world size {world}: every worker "
@@ -224,9 +227,10 @@ def make_abs_plan(profile: Profile, global_batch: int, *, source: str = "") -> P
     candidates: list[tuple[int, int, VariantPrediction]] = []
     for b in _micro_batch_sizes(global_batch, world, profile.throughput.batch_sizes[0]):
         times = [cost.cost(b) + extra for cost in step]
-        candidates.append((b, 0, sim(times, micro_batch=b, min_micro_batches=1, max_micro_batches=None,
-                                     fixed=batch_trigger_counts(global_batch, b, times))))
-        for m in range(1, global_batch // b + 2):
+        if trigger != "exchange":
+            candidates.append((b, 0, sim(times, micro_batch=b, min_micro_batches=1, max_micro_batches=None,
+                                         fixed=batch_trigger_counts(global_batch, b, times))))
+        for m in range(1, global_batch // b + 2 if trigger != "batch" else 1):
             pred = sim(times, micro_batch=b, min_micro_batches=m, max_micro_batches=None)
             candidates.append((b, m, pred))
             if sum(pred.samples) > global_batch * ON_TARGET:
