@@ -62,6 +62,10 @@ class DistributedError(PlannerError, RuntimeError):
     """Worker processes failed or the process group is not in the expected state."""
 
 
+class GateTimeoutError(DistributedError):
+    """A crossover gate was not handed back in time: the paired job holding the device is stuck or stopped."""
+
+
 class Strategy(enum.StrEnum):
     """How gradients are communicated."""
 

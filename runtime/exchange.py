@@ -61,6 +61,7 @@ from planner.contracts.plan import Group, Plan
 from planner.costmodel.problem import topk_count
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk, take_topk
 from planner.types import DistributedError, PlanMismatchError, Strategy
+from runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, crossover_gate
 from runtime.retune import resolve_plan
 
 if TYPE_CHECKING:
@@ -277,6 +278,22 @@ class _BufferSyncHook:
         return (_BufferSyncHook, (None,))
 
 
+class _GateHook:
+    """Forward pre-hook of a crossed-over job: take the device's gate before a training forward (released by
+    `synchronize` once only collectives are left). Pickles as a no-op (a deep-copied model must not hold the
+    original's gate)."""
+
+    def __init__(self, exchange: GradientExchange | None) -> None:
+        self.exchange = exchange
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if self.exchange is not None and self.exchange.gate is not None and torch.is_grad_enabled():
+            self.exchange.gate.acquire()
+
+    def __reduce__(self) -> tuple[Any, tuple[None]]:
+        return (_GateHook, (None,))
+
+
 class GradientExchange:
     """Averages gradients across ranks as a plan says: fused dense allreduce or top-k allgather per group.
 
@@ -332,6 +349,14 @@ class GradientExchange:
             as it was instead of being set to the zeros that were averaged. (A parameter unused on some
             ranks only is averaged with zeros from the others either way, as in DDP. With `momentum`
             its velocity still decays that step.)
+        crossover: run crossed over with a paired job on the same devices (CrossoverScheduler): a pairing plan
+            (`planner pair`; its path, or the loaded `PairingPlan`) naming this job's plan, or a
+            `runtime.crossover.DeviceGate`. The exchange then takes the device's gate before each training
+            forward and gives it back in `synchronize` once only collectives are left, so the partner computes
+            while this job communicates. A job the pairing leaves alone runs as before. Default: no gate.
+        crossover_job: this job's name in the pairing plan (needed only when several of its jobs run one plan).
+        crossover_dir: the directory of the gate files (default: $PLANNER_GATE_DIR, else <tmp>/planner-gates).
+        crossover_timeout_s: how long to wait for the partner to hand the device back (GateTimeoutError then).
 
     Raises:
         PlanMismatchError: the plan was made for another model, or for another world size, backend or
@@ -357,6 +382,10 @@ class GradientExchange:
         density_warmup: tuple[float, int] | None = None,
         find_unused_parameters: bool = False,
         forward_sync_buffers: bool = True,
+        crossover: Any = None,
+        crossover_job: str | None = None,
+        crossover_dir: str | os.PathLike[str] | None = None,
+        crossover_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
     ) -> None:
         plan = resolve_plan(plan, model, process_group=process_group, model_name=model_name,
                             auto_retune=auto_retune, profile=profile)
@@ -405,6 +434,11 @@ class GradientExchange:
             self._broadcast_from_rank0([*model.parameters(), *model.buffers()])
             if self.forward_sync_buffers:
                 self._hooks.append(model.register_forward_pre_hook(_BufferSyncHook(self)))
+        # after the buffer broadcast's hook: a rank holds its device's gate only while it computes locally
+        self.gate: DeviceGate | None = crossover_gate(crossover, plan, job=crossover_job, process_group=process_group,
+                                                      gate_dir=crossover_dir, timeout_s=crossover_timeout_s)
+        if self.gate is not None:
+            self._hooks.append(model.register_forward_pre_hook(_GateHook(self)))
         _LIVE.add(self)
 
     @classmethod
@@ -661,11 +695,15 @@ class GradientExchange:
         """
         with self._lock:
             if not self._active:
+                if self.gate is not None:
+                    self.gate.release()
                 return
             for st in self._groups:
                 if not st.prepared:
                     self._prepare(st)
             self._launch_prepared()
+            if self.gate is not None:  # compute is done: the partner computes while these collectives run
+                self.gate.release()
             try:
                 used = self._used_anywhere() if self.find_unused_parameters else None
                 for st in self._groups:
@@ -827,6 +865,8 @@ class GradientExchange:
         """Wait (at most `EXIT_DRAIN_S` each) for the collectives in flight, then remove the hooks."""
         self.drain(EXIT_DRAIN_S)
         self.remove_hooks()
+        if self.gate is not None:
+            self.gate.close()
         _LIVE.discard(self)
 
     def __enter__(self) -> GradientExchange:

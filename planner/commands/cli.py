@@ -29,6 +29,7 @@ __all__ = ["Command", "main"]
 KFAC = "kfac"
 #: `--strategy abs`: dense gradient groups plus an ABS-SGD section (round trigger, micro-batch).
 ABS = "abs"
+CROSSOVER = "crossover"
 
 CLUSTER_HELP = (
     "plan for a cluster you describe: a preset (eth10-8, aws-p3-32, ib100-64, dgx-a100-512), a JSON file, "
@@ -957,17 +958,36 @@ class ShowCommand(Command):
         return 0
 
 
+class PairCommand(Command):
+    name = "pair"
+    help = "cross over jobs that share devices (Muri): pick the pairs where one computes while the other communicates"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("plans", type=Path, nargs="+", metavar="PLAN",
+                            help="the jobs' plans from `planner solve` (dense or top-k)")
+        parser.add_argument("--batch", required=True, metavar="N[,N...]",
+                            help="samples per iteration (global batch): one value for every job, or one per plan")
+        parser.add_argument("-o", "--output", type=Path, required=True, help="the pairing plan to write")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from planner.commands.pair import run_pair
+
+        run_pair(args.plans, args.batch, args.output)
+        return 0
+
+
 class BenchCommand(Command):
     name = "bench"
     help = "measure real training steps: DDP, one group per layer, and the plans"
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--plan", type=Path, action="append", required=True,
+        parser.add_argument("--plan", type=Path, action="append", default=None,
                             help="plan file (repeat for a dense and a top-k plan; one plan with --strategy kfac)")
-        parser.add_argument("--strategy", choices=["gradients", KFAC, ABS], default="gradients",
+        parser.add_argument("--strategy", choices=["gradients", KFAC, ABS, CROSSOVER], default="gradients",
                             help="gradients: DDP against the gradient plans; kfac: SGD and K-FAC layouts against "
                                  "a K-FAC plan; abs: time to a target loss of ABS-SGD against synchronous SGD with "
-                                 "equal and speed-proportional batches (an ABS plan; use --slowdown)")
+                                 "equal and speed-proportional batches (an ABS plan; use --slowdown); crossover: "
+                                 "two jobs one after the other, side by side and crossed over (--pairing)")
         parser.add_argument("--model", default=None, help="model (default: the plan's built-in model)")
         parser.add_argument("--batch-size", type=_positive, default=None)
         parser.add_argument("--nproc", type=_positive, default=None, help="workers (default: the plan's world size)")
@@ -979,7 +999,7 @@ class BenchCommand(Command):
         abs_sgd.add_argument("--samples", type=_positive, default=None,
                              help="samples per run, summed over the workers (default 80000)")
         abs_sgd.add_argument("--repeats", type=_positive, default=None,
-                             help="runs of each variant, round-robin (default 3)")
+                             help="runs of each variant, round-robin (default 3; also --strategy crossover)")
         abs_sgd.add_argument("--target-loss", type=_positive_float, default=None,
                              help="evaluation loss to reach (default 0.05)")
         abs_sgd.add_argument("--lr", type=_positive_float, default=None, help="SGD learning rate (default 0.4)")
@@ -989,6 +1009,12 @@ class BenchCommand(Command):
         abs_sgd.add_argument("--momentum", type=_nonnegative_float, default=None,
                              help="SGD momentum (default 0: a one-round delay with momentum 0.9 costs about twice "
                                   "the updates)")
+        crossover = parser.add_argument_group("crossover (--strategy crossover)")
+        crossover.add_argument("--pairing", type=Path, default=None,
+                               help="the pairing plan of two jobs (`planner pair PLAN PLAN --batch N -o P`); the "
+                                    "jobs' plans are the ones it names")
+        crossover.add_argument("--gate-dir", type=Path, default=None,
+                               help="where the jobs' device gates live (default: a fresh temporary folder)")
         _add_link(parser)
         _add_slowdown(parser)
         parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -998,6 +1024,14 @@ class BenchCommand(Command):
         from planner.contracts.plan import Plan
         from planner.platform.launch import under_torchrun
 
+        crossover_only = [flag for flag, value in (("--pairing", args.pairing), ("--gate-dir", args.gate_dir))
+                          if value is not None]
+        if crossover_only and args.strategy != CROSSOVER:
+            raise PlannerError(f"{crossover_only[0]} applies to --strategy crossover only")
+        if args.strategy == CROSSOVER:
+            return self._run_crossover(args)
+        if not args.plan:
+            raise PlannerError(f"--strategy {args.strategy} needs --plan PLAN (from `planner solve`)")
         plans = tuple(Plan.load(p) for p in args.plan)
         if under_torchrun():  # one rank of torchrun's group, maybe across hosts: its size is the world size
             args.nproc = int(os.environ["WORLD_SIZE"])
@@ -1031,6 +1065,61 @@ class BenchCommand(Command):
             raise PlannerError(f"{args.plan[0]} has no {section} section; make one with `planner solve PROFILE "
                                f"--strategy {solve}`")
         return plans[0]
+
+    @staticmethod
+    def _run_crossover(args: argparse.Namespace) -> int:
+        from planner.commands.bench_crossover import (
+            CrossoverBenchConfig,
+            CrossoverJob,
+            print_crossover_bench,
+            run_crossover_bench,
+        )
+        from planner.contracts.pairing import PairingPlan, check_job_plan
+        from planner.platform.launch import under_torchrun
+
+        if args.pairing is None:
+            raise PlannerError("--strategy crossover needs --pairing P: the pairing plan of two jobs, from `planner "
+                               "pair PLAN PLAN --batch N -o P`")
+        given = [flag for flag, value in (("--plan", args.plan), ("--model", args.model),
+                                          ("--batch-size", args.batch_size), ("--nproc", args.nproc),
+                                          ("--slowdown", args.slowdown), ("--samples", args.samples),
+                                          ("--target-loss", args.target_loss), ("--lr", args.lr),
+                                          ("--momentum", args.momentum), ("--speed-change", args.speed_change))
+                 if value is not None]
+        if given:
+            raise PlannerError(f"{given[0]} does not apply to --strategy crossover: the jobs, their plans and "
+                               "batches are the pairing plan's")
+        if under_torchrun():
+            raise PlannerError("--strategy crossover starts its two jobs itself; run it without torchrun")
+        pairing = PairingPlan.load(args.pairing)
+        if len(pairing.pairs) != 1 or pairing.alone:
+            raise PlannerError(f"--strategy crossover benches one pair of jobs, but {args.pairing} has "
+                               f"{len(pairing.pairs)} pair(s) and {len(pairing.alone)} job(s) alone; make it from "
+                               "two plans: planner pair PLAN PLAN --batch N -o P")
+        jobs = []
+        for index in pairing.pairs[0]:
+            entry = pairing.jobs[index]
+            plan = check_job_plan(entry)
+            if entry.samples % entry.world_size:
+                raise PlannerError(f"job {entry.name} has {entry.samples} samples per iteration, not a multiple of "
+                                   f"its {entry.world_size} workers; re-run planner pair with --batch a multiple")
+            jobs.append(CrossoverJob(name=entry.name, plan=plan, model=plan.model.name,
+                                     batch=entry.samples // entry.world_size))
+        gate_dir = None
+        if args.gate_dir is not None:
+            try:
+                args.gate_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise PlannerError(f"cannot create the gate folder {args.gate_dir}: {exc.strerror or exc}; give a "
+                                   "writable --gate-dir") from None
+            gate_dir = str(args.gate_dir)
+        config = CrossoverBenchConfig(
+            pairing=str(args.pairing), jobs=tuple(jobs),
+            predicted={pairing.jobs[i].name: pairing.predicted[i].to_dict() for i in pairing.pairs[0]},
+            steps=args.steps, warmup=args.warmup, repeats=args.repeats or 3, link=args.link, gate_dir=gate_dir,
+            show_progress=not args.json)
+        print_crossover_bench(config, run_crossover_bench(config), args.json)
+        return 0
 
     @staticmethod
     def _run_abs(args: argparse.Namespace, plans: tuple) -> int:

@@ -42,6 +42,7 @@ __all__ = [
     "resolve_backend",
     "run_distributed",
     "run_job",
+    "run_jobs",
     "under_torchrun",
 ]
 
@@ -254,33 +255,85 @@ def _spawn(
     throttles: Sequence[WorkerThrottle | None],
 ) -> list[Any]:
     """Start the workers (rank r behind `networks[r]` when not None), collect their results, reap them."""
+    return _spawn_jobs([(fn, world_size, args, networks, throttles)], timeout, backend)[0]
+
+
+def _spawn_jobs(
+    jobs: Sequence[tuple[Callable[..., Any], int, tuple[Any, ...], Sequence[_Network | None],
+                         Sequence[WorkerThrottle | None]]],
+    timeout: float,
+    backend: str,
+) -> list[list[Any]]:
+    """Start every job's workers at once (each job its own rendezvous port and process group), collect each
+    job's results in turn, reap them all."""
     ctx = mp.get_context("spawn")
-    port = free_port()
-    procs: list[Any] = []
-    readers: dict[int, Connection] = {}
+    procs: list[list[Any]] = []
+    readers: list[dict[int, Connection]] = []
+    ports: set[int] = set()
     try:
-        for rank in range(world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            readers[rank] = reader
-            proc = ctx.Process(
-                target=_worker,
-                args=(fn, rank, world_size, port, backend, timeout, args, writer, networks[rank], throttles[rank]),
-                name=f"run_distributed-rank{rank}",
-                daemon=True,
-            )
-            procs.append(proc)  # before start(): a Ctrl-C while it starts must not leave it unreaped
-            proc.start()
-            writer.close()
-        return _collect(procs, readers, timeout)
+        for index, (fn, world_size, args, networks, throttles) in enumerate(jobs):
+            port = free_port()
+            while port in ports:  # two jobs' ranks 0 may share a namespace: distinct rendezvous ports
+                port = free_port()
+            ports.add(port)
+            procs.append([])
+            readers.append({})
+            for rank in range(world_size):
+                reader, writer = ctx.Pipe(duplex=False)
+                readers[-1][rank] = reader
+                proc = ctx.Process(
+                    target=_worker,
+                    args=(fn, rank, world_size, port, backend, timeout, args, writer, networks[rank],
+                          throttles[rank]),
+                    name=f"run_distributed-{f'job{index}-' if len(jobs) > 1 else ''}rank{rank}",
+                    daemon=True,
+                )
+                procs[-1].append(proc)  # before start(): a Ctrl-C while it starts must not leave it unreaped
+                proc.start()
+                writer.close()
+        return [_collect(job_procs, job_readers, timeout) for job_procs, job_readers in zip(procs, readers,
+                                                                                             strict=True)]
     finally:
-        started = [proc for proc in procs if proc.pid is not None]
+        started = [proc for job_procs in procs for proc in job_procs if proc.pid is not None]
         for proc in started:
             if proc.is_alive():
                 proc.kill()
         for proc in started:
             proc.join(timeout=10)
-        for reader in readers.values():
-            reader.close()
+        for job_readers in readers:
+            for reader in job_readers.values():
+                reader.close()
+
+
+def run_jobs(
+    jobs: Sequence[tuple[Callable[..., Any], int, tuple[Any, ...]]],
+    *,
+    timeout: float = 120,
+    backend: str = "gloo",
+    link: LinkRate | None = None,
+) -> list[list[Any]]:
+    """Run several distributed jobs at once on this machine, each `(fn, world_size, args)` with its own process
+    group, as separate launches would; returns each job's results by rank.
+
+    Behind an emulated `link`, rank r of every job lives in the same namespace (host r), so the jobs share
+    each host's shaped egress, as jobs sharing machines share their network cards. The first failing worker's
+    exception is raised (and every worker of every job killed), as `run_distributed` does.
+    """
+    if not jobs or any(world_size < 1 for _, world_size, _ in jobs):
+        raise ValueError(f"every job needs `world_size >= 1`, got {[w for _, w, _ in jobs]}")
+    for fn, _, _ in jobs:
+        try:
+            pickle.dumps(fn)
+        except Exception as exc:
+            raise ValueError(f"fn must be a module-level function so spawned workers can import it: {exc}") from None
+    hosts = max(world_size for _, world_size, _ in jobs)
+    with contextlib.ExitStack() as stack:
+        networks: list[_Network | None] = [None] * hosts
+        if link is not None:
+            net = stack.enter_context(EmulatedLink(link, hosts))
+            networks = [_Network(net.namespace_path(r), net.address(0), net.ifname, link.text) for r in range(hosts)]
+        return _spawn_jobs([(fn, world_size, args, networks[:world_size], [None] * world_size)
+                            for fn, world_size, args in jobs], timeout, backend)
 
 
 def _collect(procs: list[Any], readers: dict[int, Connection], timeout: float) -> list[Any]:

@@ -1,0 +1,274 @@
+"""`planner bench --strategy crossover`: two jobs on the same devices, one after the other, side by side
+uncoordinated, and crossed over (`runtime.crossover` gates), each job's throughput and the total, predicted
+next to measured.
+
+The jobs are the pairing plan's (`planner pair`): each runs its own plan with `runtime.GradientExchange` on
+its own local workers, as a separate launch would (its own process group). Rank r of every job is pinned to
+CPU core r (mod the cores this process may use): core r is "device r", which the paired jobs' rank r share;
+behind `--link` rank r of every job also shares host r's shaped network card.
+
+- sequential: each job alone; the pair's throughput at equal progress (each job one iteration per turn) is
+  (samples_A + samples_B) / (t_A + t_B), what running them one after the other gives;
+- side-by-side: both at once, no gate: the kernel shares the cores and the network card;
+- crossover: both at once, each rank taking its device's gate for forward and backward.
+
+Steps are timed on rank 0 of each job (wall clock, the same host clock for both). For the two concurrent
+modes the jobs start together (after their warm-up steps each job's rank 0 marks itself ready and waits for
+the other's mark) and only the window in which both run counts: from the later start to the earlier end, each
+job's steps finished inside it over its length. Data is made before the clock starts (a few batches, reused).
+Modes run round-robin, `repeats` times, so noise shows in the spread; medians are reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from rich.table import Table
+
+from planner.console import console, progress
+from planner.contracts.plan import Plan
+from planner.models import build_workload
+from planner.types import DistributedError
+
+if TYPE_CHECKING:
+    from planner.platform.link import LinkRate
+
+__all__ = ["MODES", "CrossoverBenchConfig", "CrossoverJob", "JobRun", "ModeSummary", "crossover_job_worker",
+           "print_crossover_bench", "run_crossover_bench", "summarise_crossover"]
+
+MODES = ("sequential", "side-by-side", "crossover")
+#: How long a job's rank 0 waits for the other job to be ready before giving up (seconds).
+READY_TIMEOUT_S = 300.0
+#: Distinct batches made before the clock starts and reused.
+BATCHES = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class CrossoverJob:
+    """One job of the pair: its name, plan, built-in model and per-rank batch."""
+
+    name: str
+    plan: Plan
+    model: str
+    batch: int  # samples per rank per iteration
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.cluster.world_size
+
+    @property
+    def samples(self) -> int:
+        """Samples per iteration, over the job's ranks."""
+        return self.batch * self.world_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class CrossoverBenchConfig:
+    pairing: str  # the pairing plan's path (the workers hand it to GradientExchange)
+    jobs: tuple[CrossoverJob, ...]
+    predicted: dict[str, dict[str, float]]  # job name -> {"alone_s", "side_by_side_s", "crossover_s"}
+    steps: int = 30
+    warmup: int = 3
+    repeats: int = 3
+    lr: float = 0.01
+    link: LinkRate | None = None
+    gate_dir: str | None = None
+    show_progress: bool = True
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """Rank 0's record of one job in one run."""
+
+    job: str
+    mode: str
+    repeat: int
+    stamps: tuple[float, ...]  # wall clock (time.time) at the start and after every timed step
+    gate_wait_s: float  # seconds rank 0 waited for its device's gate
+
+    def steps_within(self, start: float, end: float) -> int:
+        return sum(1 for t in self.stamps[1:] if start < t <= end)
+
+    @property
+    def step_s(self) -> float:
+        return (self.stamps[-1] - self.stamps[0]) / (len(self.stamps) - 1)
+
+
+@dataclass(frozen=True)
+class ModeSummary:
+    """A mode's medians over the repeats: each job's seconds per iteration, the pair's samples per second."""
+
+    mode: str
+    step_s: dict[str, float]  # job -> measured seconds per iteration (median)
+    predicted_step_s: dict[str, float]
+    samples_per_s: float  # the pair's total (median)
+    samples_range: tuple[float, float]
+    predicted_samples_per_s: float
+    gate_wait_s: dict[str, float]  # job -> rank 0's seconds waiting for the gate per iteration (median)
+    speedup: float = 1.0  # total against the better baseline of the two others (crossover only)
+
+
+def _pin(rank: int) -> None:
+    """Rank r on core r (mod the cores allowed): "device r" of every job."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def _wait_for_partners(ready_dir: str, job: str, names: list[str]) -> None:
+    Path(ready_dir, job).touch()
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not all(Path(ready_dir, n).exists() for n in names):
+        if time.monotonic() > deadline:
+            raise DistributedError(f"job {job} waited {READY_TIMEOUT_S:.0f} s for the other job to start; it did not")
+        time.sleep(0.01)
+
+
+def crossover_job_worker(rank: int, world_size: int, config: CrossoverBenchConfig, job: int, mode: str,
+                         repeat: int, ready_dir: str, together: list[str]) -> JobRun | None:
+    """One job's rank in one run: warm up, start with the jobs in `together`, time `config.steps` steps."""
+    from runtime import GradientExchange
+
+    torch.set_num_threads(1)
+    _pin(rank)
+    spec = config.jobs[job]
+    wl = build_workload(spec.model, batch_size=spec.batch)
+    model = wl.module
+    opt = torch.optim.SGD(model.parameters(), lr=config.lr)
+    exchange = GradientExchange(model, spec.plan, model_name=spec.model,
+                                crossover=config.pairing if mode == "crossover" else None,
+                                crossover_job=spec.name, crossover_dir=config.gate_dir)
+    gen = torch.Generator().manual_seed(1000 * job + rank)
+    batches = [wl.make_batch(spec.batch, gen) for _ in range(BATCHES)]
+
+    def step(i: int) -> None:
+        x, y = batches[i % BATCHES]
+        wl.loss_fn(model(x), y).backward()
+        exchange.synchronize()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    try:
+        for i in range(config.warmup):
+            step(i)
+        if rank == 0:
+            _wait_for_partners(ready_dir, spec.name, together)
+        dist.barrier()
+        waited = exchange.gate.waited_s if exchange.gate is not None else 0.0
+        stamps = [time.time()]
+        for i in range(config.steps):
+            step(i)
+            stamps.append(time.time())
+        waited = (exchange.gate.waited_s if exchange.gate is not None else 0.0) - waited
+    finally:
+        exchange.close()
+    return JobRun(spec.name, mode, repeat, tuple(stamps), waited) if rank == 0 else None
+
+
+def run_crossover_bench(config: CrossoverBenchConfig) -> list[JobRun]:
+    """Every mode, round-robin, `config.repeats` times; rank 0's record of each job in each run."""
+    from planner.platform.launch import run_jobs
+
+    runs: list[JobRun] = []
+    names = [j.name for j in config.jobs]
+    with progress(enabled=config.show_progress) as bar:
+        task = bar.add_task("crossover bench runs", total=config.repeats * len(MODES))
+        for repeat in range(config.repeats):
+            for mode in MODES:
+                with tempfile.TemporaryDirectory(prefix="planner-crossover-") as ready:
+                    if mode == "sequential":
+                        for index, spec in enumerate(config.jobs):
+                            (result,) = run_jobs([(crossover_job_worker, spec.world_size,
+                                                   (config, index, mode, repeat, ready, [spec.name]))],
+                                                 link=config.link, timeout=_timeout(config))
+                            runs.append(result[0])
+                    else:
+                        results = run_jobs([(crossover_job_worker, spec.world_size,
+                                             (config, index, mode, repeat, ready, names))
+                                            for index, spec in enumerate(config.jobs)],
+                                           link=config.link, timeout=_timeout(config))
+                        runs += [r[0] for r in results]
+                bar.advance(task)
+    return runs
+
+
+def _timeout(config: CrossoverBenchConfig) -> float:
+    slowest = max(max(p.values()) for p in config.predicted.values())
+    return 120.0 + 20 * slowest * (config.steps + config.warmup)
+
+
+def summarise_crossover(config: CrossoverBenchConfig, runs: list[JobRun]) -> list[ModeSummary]:
+    """Per mode: medians over the repeats (see the module docstring for the windows)."""
+    samples = {j.name: j.samples for j in config.jobs}
+    key = {"sequential": "alone_s", "side-by-side": "side_by_side_s", "crossover": "crossover_s"}
+    out = []
+    for mode in MODES:
+        totals, steps, waits = [], {n: [] for n in samples}, {n: [] for n in samples}  # type: ignore[var-annotated]
+        for repeat in range(config.repeats):
+            mine = {r.job: r for r in runs if r.mode == mode and r.repeat == repeat}
+            if len(mine) != len(samples):
+                continue
+            if mode == "sequential":
+                for n, r in mine.items():
+                    steps[n].append(r.step_s)
+                totals.append(sum(samples.values()) / sum(r.step_s for r in mine.values()))
+            else:
+                start = max(r.stamps[0] for r in mine.values())
+                end = min(r.stamps[-1] for r in mine.values())
+                total = 0.0
+                for n, r in mine.items():
+                    done = r.steps_within(start, end)
+                    steps[n].append((end - start) / done if done else float("inf"))
+                    total += done * samples[n] / (end - start) if end > start else 0.0
+                totals.append(total)
+            for n, r in mine.items():
+                waits[n].append(r.gate_wait_s / (len(r.stamps) - 1))
+        predicted = {n: config.predicted[n][key[mode]] for n in samples}
+        if mode == "sequential":
+            predicted_total = sum(samples.values()) / sum(predicted.values())
+        else:
+            predicted_total = sum(samples[n] / predicted[n] for n in samples)
+        out.append(ModeSummary(
+            mode=mode, step_s={n: statistics.median(v) for n, v in steps.items()}, predicted_step_s=predicted,
+            samples_per_s=statistics.median(totals), samples_range=(min(totals), max(totals)),
+            predicted_samples_per_s=predicted_total,
+            gate_wait_s={n: statistics.median(v) for n, v in waits.items()}))
+    best = max(s.samples_per_s for s in out if s.mode != "crossover")
+    return [ModeSummary(**{**asdict(s), "speedup": s.samples_per_s / best}) for s in out]
+
+
+def print_crossover_bench(config: CrossoverBenchConfig, runs: list[JobRun], as_json: bool) -> None:
+    summaries = summarise_crossover(config, runs)
+    if as_json:
+        console.print_json(json.dumps({"jobs": [{"name": j.name, "model": j.model, "samples": j.samples}
+                                                for j in config.jobs],
+                                       "modes": [asdict(s) for s in summaries], "runs": [asdict(r) for r in runs]}))
+        return
+    link = config.link.text if config.link is not None else "loopback"
+    jobs = ", ".join(f"{j.name} ({j.model}, {j.samples} samples/iteration, {j.world_size} workers)"
+                     for j in config.jobs)
+    table = Table(title=f"Crossover bench on {link}: {jobs}; median of {config.repeats} runs of {config.steps} "
+                        "steps")
+    table.add_column("mode", justify="left")
+    for j in config.jobs:
+        table.add_column(f"{j.name} ms/iteration (pred)", justify="right")
+    for col in ("total samples/s", "range", "predicted", "vs better baseline", "gate wait ms/iteration"):
+        table.add_column(col, justify="right")
+    for s in summaries:
+        table.add_row(
+            s.mode,
+            *(f"{s.step_s[j.name] * 1e3:.1f} ({s.predicted_step_s[j.name] * 1e3:.1f})" for j in config.jobs),
+            f"{s.samples_per_s:,.0f}", f"{s.samples_range[0]:,.0f}-{s.samples_range[1]:,.0f}",
+            f"{s.predicted_samples_per_s:,.0f}", f"{s.speedup:.2f}x" if s.mode == "crossover" else "-",
+            " / ".join(f"{s.gate_wait_s[j.name] * 1e3:.1f}" for j in config.jobs) if s.mode == "crossover" else "-",
+            style="bold" if s.mode == "crossover" else None,
+        )
+    console.print(table)

@@ -1,0 +1,94 @@
+"""runtime.crossover.DeviceGate: exclusive between processes, released by the kernel when its holder dies, a
+timeout naming the holder when it is stuck, and one clear error when the gate file cannot be made."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from planner.types import GateTimeoutError, PlannerFileError
+from runtime.crossover import DeviceGate
+
+HOLD = """
+import sys, time
+from runtime.crossover import DeviceGate
+gate = DeviceGate(sys.argv[1])
+gate.acquire()
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def _holder(path: Path) -> subprocess.Popen[str]:
+    """Another process that takes the gate and keeps it; returns once it holds it."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_one_holder_at_a_time(tmp_path: Path) -> None:
+    a = DeviceGate(tmp_path / "gates" / "d0.lock", job="job a")
+    b = DeviceGate(tmp_path / "gates" / "d0.lock", timeout_s=0.2, job="job b")
+    assert a.acquire() < 0.1 and a.held
+    assert a.acquire() == 0.0  # already held: a no-op
+    with pytest.raises(GateTimeoutError, match=rf"job b waited 0 s for the device gate .*d0.lock, held by pid "
+                                               rf"{os.getpid()}"):
+        b.acquire()
+    assert not b.held
+    a.release()
+    with b:
+        assert b.held and b.acquisitions == 1
+    assert not b.held
+    a.close()
+    b.close()
+    with pytest.raises(ValueError, match="closed"):
+        a.acquire()
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
+    path = tmp_path / "d0.lock"
+    proc = _holder(path)
+    gate = DeviceGate(path, timeout_s=0.3)
+    with pytest.raises(GateTimeoutError, match=f"held by pid {proc.pid}"):
+        gate.acquire()
+    proc.kill()  # SIGKILL: no clean-up runs in it; the kernel drops its lock
+    proc.wait()
+    started = time.perf_counter()
+    gate.timeout_s = 10.0
+    gate.acquire()
+    assert time.perf_counter() - started < 5.0
+    gate.close()
+    again = DeviceGate(path, timeout_s=1.0)  # and the next run finds the file unlocked
+    again.acquire()
+    again.close()
+
+
+def test_a_stopped_holder_times_out_with_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "d0.lock"
+    proc = _holder(path)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        gate = DeviceGate(path, timeout_s=0.5, job="resnet18-2w")
+        with pytest.raises(GateTimeoutError) as info:
+            gate.acquire()
+        message = str(info.value)
+        assert "\n" not in message and f"pid {proc.pid}" in message and "resnet18-2w" in message
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_a_gate_that_cannot_be_created_is_refused(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(PlannerFileError, match=r"cannot create the crossover gate .*a-file/d0.lock: .*writable"):
+        DeviceGate(blocker / "d0.lock")
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        DeviceGate(tmp_path / "d0.lock", timeout_s=0)
