@@ -7,16 +7,19 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from planner.types import GateTimeoutError, PlannerFileError
+from runtime import crossover
 from runtime.crossover import DeviceGate
 
 HOLD = """
 import sys, time
+from runtime import crossover
 from runtime.crossover import DeviceGate
 gate = DeviceGate(sys.argv[1])
 gate.acquire()
@@ -92,3 +95,38 @@ def test_a_gate_that_cannot_be_created_is_refused(tmp_path: Path) -> None:
         DeviceGate(blocker / "d0.lock")
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         DeviceGate(tmp_path / "d0.lock", timeout_s=0)
+
+
+def test_with_turns_a_job_waits_for_its_partner_to_compute_before_computing_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "d0.lock"
+    a = DeviceGate(path, turns=("job0", "job1"))
+    assert not a.partner_present()
+    a.acquire()
+    a.release()
+    a.acquire()  # the partner is not there: no waiting for it
+    a.release()
+    b = DeviceGate(path, turns=("job1", "job0"))
+    assert a.partner_present() and b.partner_present()
+    again = threading.Thread(target=a.acquire)
+    again.start()
+    time.sleep(0.3)
+    assert not a.held  # a computed last and b is here: a's turn comes after b's
+    b.acquire()
+    b.release()
+    again.join(timeout=5)
+    assert a.held
+    a.release()
+    # a partner that lets its turn pass (alive but not computing) is waited for YIELD_S, then not until it computes
+    monkeypatch.setattr(crossover, "YIELD_S", 0.2)
+    assert b.acquire() < 0.1  # a computed last
+    b.release()
+    started = time.perf_counter()
+    b.acquire()
+    assert 0.2 <= time.perf_counter() - started < 2.0
+    b.release()
+    assert b.acquire() < 0.1  # a has not computed since: b does not wait again
+    b.release()
+    a.close()
+    assert not b.partner_present()  # a closed its gate
+    b.close()

@@ -1,0 +1,88 @@
+"""`planner bench --strategy crossover` end to end on two small jobs over loopback, its summary's windows, and
+its bad input (one line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.commands.bench_crossover import CrossoverBenchConfig, CrossoverJob, JobRun, summarise_crossover
+from planner.commands.cli import main
+from planner.contracts.pairing import PairingPlan
+from planner.strategies.gradients import make_plan
+from planner.types import Strategy
+from tests.factories import synthetic_profile
+from tests.test_contracts import _cli, _one_clear_line
+
+
+def _pairing(tmp_path: Path, batch: str = "16") -> Path:
+    plan = make_plan(synthetic_profile("digits"), Strategy.DENSE)
+    path = tmp_path / "digits.json"
+    plan.save(path)
+    out = tmp_path / "pairing.json"
+    assert main(["pair", str(path), str(path), "--batch", batch, "-o", str(out)]) == 0
+    return out
+
+
+def test_bench_crossover_runs_every_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pairing = _pairing(tmp_path)
+    capsys.readouterr()
+    code = main(["bench", "--strategy", "crossover", "--pairing", str(pairing), "--steps", "4", "--warmup", "1",
+                 "--repeats", "1", "--gate-dir", str(tmp_path / "gates"), "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [m["mode"] for m in out["modes"]] == ["sequential", "side-by-side", "crossover"]
+    for mode in out["modes"]:
+        assert mode["samples_per_s"] > 0 and mode["predicted_samples_per_s"] > 0
+    runs = out["runs"]
+    assert {(r["mode"], r["job"]) for r in runs} == {(m, j) for m in ("sequential", "side-by-side", "crossover")
+                                                     for j in ("digits", "digits-2")}
+    assert all(len(r["stamps"]) == 5 for r in runs)
+    assert all(r["gate_wait_s"] == 0 for r in runs if r["mode"] != "crossover")
+    assert len(list((tmp_path / "gates").glob("*.lock"))) == 2  # one gate per device of the pair
+
+
+def test_the_summary_counts_only_the_window_both_jobs_ran_in(tmp_path: Path) -> None:
+    pairing = PairingPlan.load(_pairing(tmp_path))
+    plan = make_plan(synthetic_profile("digits"), Strategy.DENSE)
+    jobs = tuple(CrossoverJob(name=j.name, plan=plan, model="digits", batch=8) for j in pairing.jobs)
+    config = CrossoverBenchConfig(pairing="p", jobs=jobs, repeats=1,
+                                  predicted={j.name: {"alone_s": 0.1, "side_by_side_s": 0.2, "crossover_s": 0.15}
+                                             for j in pairing.jobs})
+    runs = [
+        JobRun("digits", "sequential", 0, (0.0, 0.1, 0.2), 0.0),  # 0.1 s per step
+        JobRun("digits-2", "sequential", 0, (5.0, 5.3, 5.6), 0.0),  # 0.3 s per step
+        # side by side: the window is [1.0, 2.0] (the later start, the earlier end): "digits" finishes 4 steps in
+        # it (not the one ending at 2.25), "digits-2" 3 (not its warm-up start at 0.5)
+        JobRun("digits", "side-by-side", 0, (1.0, 1.25, 1.5, 1.75, 2.0, 2.25), 0.0),
+        JobRun("digits-2", "side-by-side", 0, (0.5, 1.2, 1.9, 2.0), 0.0),
+        JobRun("digits", "crossover", 0, (0.0, 1.0), 0.2),
+        JobRun("digits-2", "crossover", 0, (0.0, 1.0), 0.0),
+    ]
+    by_mode = {s.mode: s for s in summarise_crossover(config, runs)}
+    assert by_mode["sequential"].samples_per_s == pytest.approx(32 / 0.4)  # 16 + 16 samples per 0.1 + 0.3 s
+    assert by_mode["side-by-side"].samples_per_s == pytest.approx((4 * 16 + 3 * 16) / 1.0)
+    assert by_mode["side-by-side"].step_s == pytest.approx({"digits": 0.25, "digits-2": 1 / 3})
+    assert by_mode["crossover"].samples_per_s == pytest.approx(32.0)
+    assert by_mode["crossover"].gate_wait_s["digits"] == pytest.approx(0.2)
+    assert by_mode["crossover"].speedup == pytest.approx(32.0 / 112.0)
+    assert by_mode["sequential"].predicted_samples_per_s == pytest.approx(32 / 0.2)
+    assert by_mode["crossover"].predicted_samples_per_s == pytest.approx(2 * 16 / 0.15)
+
+
+def test_bench_crossover_bad_input_gives_one_line(tmp_path: Path) -> None:
+    pairing = _pairing(tmp_path)
+    _one_clear_line(_cli("bench", "--strategy", "crossover"), "needs --pairing")
+    _one_clear_line(_cli("bench", "--pairing", str(pairing), "--plan", str(tmp_path / "digits.json")),
+                    "--pairing applies to --strategy crossover only")
+    _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing), "--plan",
+                         str(tmp_path / "digits.json")), "--plan does not apply to --strategy crossover")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing), "--gate-dir",
+                         str(blocker / "gates")), "cannot create the gate folder")
+    (tmp_path / "digits.json").unlink()
+    _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing)), "is missing")
+    _one_clear_line(_cli("bench", "--strategy", "gradients"), "needs --plan")
