@@ -14,12 +14,10 @@ from pathlib import Path
 import pytest
 
 from planner.types import GateTimeoutError, PlannerFileError
-from runtime import crossover
 from runtime.crossover import DeviceGate
 
 HOLD = """
 import sys, time
-from runtime import crossover
 from runtime.crossover import DeviceGate
 gate = DeviceGate(sys.argv[1])
 gate.acquire()
@@ -95,37 +93,71 @@ def test_a_gate_that_cannot_be_created_is_refused(tmp_path: Path) -> None:
         DeviceGate(tmp_path / "d0.lock", timeout_s=0)
 
 
-def test_with_turns_a_job_waits_for_its_partner_to_compute_before_computing_again(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "d0.lock"
+def test_a_pairs_gate_is_shared_by_a_jobs_ranks_and_exclusive_between_the_jobs(tmp_path: Path) -> None:
+    path = tmp_path / "pair0.lock"
+    a0, a1 = (DeviceGate(path, turns=("job0", "job1"), job=f"a rank {r}") for r in (0, 1))
+    b0 = DeviceGate(path, turns=("job1", "job0"), timeout_s=0.3, job="b rank 0")
+    a0.acquire()
+    assert a1.acquire() < 1.0  # the same job: both ranks compute at once
+    with pytest.raises(GateTimeoutError, match="b rank 0 waited 0 s"):
+        b0.acquire()
+    a0.release()
+    with pytest.raises(GateTimeoutError):  # a rank of the other job still computes
+        b0.acquire()
+    a1.release()
+    b0.acquire()  # no rank of job 0 computes any more
+    with pytest.raises(GateTimeoutError):
+        DeviceGate(path, turns=("job0", "job1"), timeout_s=0.3).acquire()
+    b0.release()
+    for gate in (a0, a1, b0):
+        gate.close()
+
+
+def test_the_job_that_computed_last_lets_a_waiting_partner_go_first(tmp_path: Path) -> None:
+    path = tmp_path / "pair0.lock"
     a = DeviceGate(path, turns=("job0", "job1"))
-    assert not a.partner_present()
+    b = DeviceGate(path, turns=("job1", "job0"))
+    order: list[str] = []
     a.acquire()
     a.release()
-    a.acquire()  # the partner is not there: no waiting for it
+    a.acquire()  # nobody waits: a takes it again at once
+    order.append("a")
+
+    def b_turn() -> None:
+        b.acquire()
+        order.append("b")
+        time.sleep(0.2)
+        b.release()
+
+    waiting = threading.Thread(target=b_turn)
+    waiting.start()
+    time.sleep(0.3)  # b is waiting for the gate now
     a.release()
-    b = DeviceGate(path, turns=("job1", "job0"))
-    assert a.partner_present() and b.partner_present()
-    again = threading.Thread(target=a.acquire)
-    again.start()
-    time.sleep(0.3)
-    assert not a.held  # a computed last and b is here: a's turn comes after b's
-    b.acquire()
-    b.release()
-    again.join(timeout=5)
-    assert a.held
+    a.acquire()  # a computed last and b waits: b goes first
+    order.append("a")
     a.release()
-    # a partner that lets its turn pass (alive but not computing) is waited for YIELD_S, then not until it
-    # computes again (the bounds say "waited", "did not wait", not how fast)
-    monkeypatch.setattr(crossover, "YIELD_S", 1.0)
-    assert b.acquire() < 0.5  # a computed last
-    b.release()
-    started = time.perf_counter()
-    b.acquire()
-    assert 1.0 <= time.perf_counter() - started < 30.0
-    b.release()
-    assert b.acquire() < 0.5  # a has not computed since: b does not wait again
-    b.release()
+    waiting.join(timeout=30)
+    assert order == ["a", "b", "a"]
     a.close()
-    assert not b.partner_present()  # a closed its gate
     b.close()
+
+
+def test_a_rank_joins_the_turn_its_sibling_opened(tmp_path: Path) -> None:
+    path = tmp_path / "pair0.lock"
+    a0 = DeviceGate(path, turns=("job0", "job1"))
+    a1 = DeviceGate(path, turns=("job0", "job1"), timeout_s=2.0)
+    b = DeviceGate(path, turns=("job1", "job0"))
+    a0.acquire()  # rank 0 of job 0 opens job 0's first turn; job 1 waits for the gate meanwhile
+    waiting = threading.Thread(target=lambda: (b.acquire(), b.release()))
+    waiting.start()
+    time.sleep(0.3)
+    # job 0 computed last and job 1 waits, but rank 1's first turn is the one rank 0 opened: it joins it (yielding
+    # would put it a turn behind its sibling, and job 0's allreduce would wait for job 1's compute)
+    a1.acquire()
+    assert a1.held and a0.held
+    a0.release()
+    a1.release()
+    waiting.join(timeout=30)
+    assert b.acquisitions == 1
+    for gate in (a0, a1, b):
+        gate.close()

@@ -106,8 +106,8 @@ def test_crossing_over_changes_timing_only(tmp_path: Path, strategies: list[Stra
             assert alone[rank]["gate"] is None
             for name, value in alone[rank]["params"].items():
                 assert (together[rank]["params"][name] == value).all(), f"{kind} rank {rank} {name}"
-    names = sorted(p.name for p in Path(gates).glob("*.lock"))  # one gate per device of the pair, left unlocked
-    assert len(names) == 2 and names[0].endswith("-pair0-device0.lock") and names[1].endswith("-pair0-device1.lock")
+    names = sorted(p.name for p in Path(gates).glob("*.lock"))  # the pair's gate on this host, left unlocked
+    assert len(names) == 1 and "-pair0-" in names[0]
 
 
 def test_a_killed_job_releases_its_devices(tmp_path: Path) -> None:
