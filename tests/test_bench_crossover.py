@@ -4,6 +4,7 @@ its bad input (one line, exit 2)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,12 @@ def test_the_summary_counts_only_the_window_both_jobs_ran_in(tmp_path: Path) -> 
     assert by_mode["crossover"].speedup == pytest.approx(32.0 / 112.0)
     assert by_mode["sequential"].predicted_samples_per_s == pytest.approx(32 / 0.2)
     assert by_mode["crossover"].predicted_samples_per_s == pytest.approx(2 * 16 / 0.15)
+    assert by_mode["side-by-side"].predicted_best_samples_per_s is None  # a pairing without the interleaved case
+    both = replace(config, predicted={n: {**p, "side_by_side_interleaved_s": 0.125}
+                                      for n, p in config.predicted.items()})
+    side = {s.mode: s for s in summarise_crossover(both, runs)}["side-by-side"]
+    assert side.predicted_best_samples_per_s == pytest.approx(2 * 16 / 0.125)
+    assert side.predicted_samples_per_s == pytest.approx(2 * 16 / 0.2)  # lockstep
 
 
 def test_bench_crossover_bad_input_gives_one_line(tmp_path: Path) -> None:

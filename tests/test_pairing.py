@@ -47,6 +47,22 @@ def close(got: Sequence[float], want: Sequence[float], rel: float = 1e-9) -> boo
 # -- the two-job model ------------------------------------------------------------------------------------
 
 
+def test_side_by_side_keeps_the_offset_the_jobs_start_with() -> None:
+    # Equal jobs (c = n = 1 s): started together they share each resource for 2 s, a period of 4 s; started
+    # interleaved each has a resource to itself all along, a period of 2 s. Unequal phases (c 96.5 ms, n 60 ms,
+    # the two MLP jobs of the README): 313 ms in lockstep, 193 interleaved, 193 crossed over.
+    equal = JobPhases("e", compute_s=1.0, comm_s=1.0, samples=1)
+    assert close(simulate_pair(equal, equal, gated=False), [4, 4])
+    assert close(simulate_pair(equal, equal, gated=False, interleaved=True), [2, 2])
+    mlp = JobPhases("m", compute_s=0.0965, comm_s=0.060, samples=512)
+    assert close(simulate_pair(mlp, mlp, gated=False), [0.313, 0.313])
+    assert close(simulate_pair(mlp, mlp, gated=False, interleaved=True), [0.193, 0.193])
+    assert close(simulate_pair(mlp, mlp, gated=True), [0.193, 0.193])
+    compute_only = JobPhases("c", compute_s=1.0, comm_s=0.0, samples=1)  # nothing to interleave with
+    assert close(simulate_pair(equal, compute_only, gated=False, interleaved=True),
+                 simulate_pair(equal, compute_only, gated=False))
+
+
 def test_equal_jobs_alternate_crossed_over_and_run_in_lockstep_side_by_side() -> None:
     a, b = job(1, 1, "a"), job(1, 1, "b")
     # Crossed over: A computes [0, 1] while B waits; then B computes [1, 2] while A communicates, and so on:
@@ -284,7 +300,11 @@ def test_pairing_plan_round_trip(three_jobs: PairingPlan, tmp_path: Path) -> Non
     assert three_jobs.pairs == ((0, 1),) and three_jobs.alone == (2,)
     assert close([three_jobs.predicted[0].crossover_s, three_jobs.predicted[1].crossover_s], [4, 4])
     assert close([three_jobs.predicted[0].side_by_side_s, three_jobs.predicted[1].side_by_side_s], [6, 6])
-    assert three_jobs.predicted[2] == JobPrediction(2.0, 2.0, 2.0)
+    # started interleaved (a computes while b communicates), side by side runs as crossed over: a computes for
+    # 1 s while b communicates, then a communicates for 3 s while b computes, both at full rate: 4 s each
+    assert close([three_jobs.predicted[0].side_by_side_interleaved_s or 0,
+                  three_jobs.predicted[1].side_by_side_interleaved_s or 0], [4, 4])
+    assert three_jobs.predicted[2] == JobPrediction(2.0, 2.0, 2.0, 2.0)
     # Rounds: one after the other 4 + 4 + 2; side by side 6 + 2; crossed over 4 + 2; 96 samples each round.
     assert close([three_jobs.round_s(m) for m in ("sequential", "side_by_side", "crossover")], [10, 8, 6])
     assert math.isclose(three_jobs.crossover_samples_per_s, 96 / 6)
@@ -334,6 +354,9 @@ def _world_size_4(doc: dict[str, Any]) -> None:
     (lambda d: d["predicted"]["jobs"].pop(), "one prediction per job"),
     (lambda d: d["predicted"]["jobs"][2].update(crossover_s=1.0), "runs alone"),
     (lambda d: d["predicted"]["jobs"][0].update(crossover_s=1.0), "faster with a partner than alone"),
+    (lambda d: d["predicted"]["jobs"][2].update(side_by_side_interleaved_s=1.0), "interleaved_s must equal"),
+    (lambda d: d["predicted"]["jobs"][0].update(side_by_side_interleaved_s=1.0), "faster with a partner"),
+    (lambda d: d["predicted"]["jobs"][0].update(side_by_side_interleaved_s="soon"), "interleaved_s"),
     (lambda d: d["predicted"]["totals"].update(crossover_samples_per_s=99.0), "the totals are derived"),
 ])
 def test_bad_pairing_plans_are_refused(three_jobs: PairingPlan, change: Any, match: str) -> None:

@@ -75,7 +75,8 @@ class CrossoverJob:
 class CrossoverBenchConfig:
     pairing: str  # the pairing plan's path (the workers hand it to GradientExchange)
     jobs: tuple[CrossoverJob, ...]
-    predicted: dict[str, dict[str, float]]  # job name -> {"alone_s", "side_by_side_s", "crossover_s"}
+    #: job name -> {"alone_s", "side_by_side_s", "crossover_s", "side_by_side_interleaved_s" (may be None)}
+    predicted: dict[str, dict[str, float | None]]
     steps: int = 30
     warmup: int = 3
     repeats: int = 3
@@ -115,6 +116,9 @@ class ModeSummary:
     predicted_samples_per_s: float
     gate_wait_s: dict[str, float]  # job -> rank 0's seconds waiting for the gate per iteration (median)
     speedup: float = 1.0  # total against the better baseline of the two others (crossover only)
+    #: side by side: the model's best case (the jobs interleaved; `predicted_*` is lockstep), when predicted
+    predicted_best_step_s: dict[str, float] | None = None
+    predicted_best_samples_per_s: float | None = None
 
 
 def _pin(rank: int) -> None:
@@ -201,7 +205,7 @@ def run_crossover_bench(config: CrossoverBenchConfig) -> list[JobRun]:
 
 
 def _timeout(config: CrossoverBenchConfig) -> float:
-    slowest = max(max(p.values()) for p in config.predicted.values())
+    slowest = max(max(t for t in p.values() if t is not None) for p in config.predicted.values())
     return 120.0 + 20 * slowest * (config.steps + config.warmup)
 
 
@@ -231,7 +235,10 @@ def summarise_crossover(config: CrossoverBenchConfig, runs: list[JobRun]) -> lis
                 totals.append(total)
             for n, r in mine.items():
                 waits[n].append(r.gate_wait_s / (len(r.stamps) - 1))
-        predicted = {n: config.predicted[n][key[mode]] for n in samples}
+        predicted = {n: float(config.predicted[n][key[mode]] or 0.0) for n in samples}
+        interleaved = {n: config.predicted[n].get("side_by_side_interleaved_s") for n in samples}
+        best_step = ({n: float(t) for n, t in interleaved.items() if t is not None}
+                     if mode == "side-by-side" and all(t is not None for t in interleaved.values()) else None)
         if mode == "sequential":
             predicted_total = sum(samples.values()) / sum(predicted.values())
         else:
@@ -240,7 +247,10 @@ def summarise_crossover(config: CrossoverBenchConfig, runs: list[JobRun]) -> lis
             mode=mode, step_s={n: statistics.median(v) for n, v in steps.items()}, predicted_step_s=predicted,
             samples_per_s=statistics.median(totals), samples_range=(min(totals), max(totals)),
             predicted_samples_per_s=predicted_total,
-            gate_wait_s={n: statistics.median(v) for n, v in waits.items()}))
+            gate_wait_s={n: statistics.median(v) for n, v in waits.items()},
+            predicted_best_step_s=best_step,
+            predicted_best_samples_per_s=None if best_step is None else sum(samples[n] / best_step[n]
+                                                                           for n in samples)))
     best = max(s.samples_per_s for s in out if s.mode != "crossover")
     return [ModeSummary(**{**asdict(s), "speedup": s.samples_per_s / best}) for s in out]
 
@@ -256,18 +266,26 @@ def print_crossover_bench(config: CrossoverBenchConfig, runs: list[JobRun], as_j
     jobs = ", ".join(f"{j.name} ({j.model}, {j.samples} samples/iteration, {j.world_size} workers)"
                      for j in config.jobs)
     table = Table(title=f"Crossover bench on {link}: {jobs}; median of {config.repeats} runs of {config.steps} "
-                        "steps")
+                        "steps (side by side predicted from the jobs interleaved to the jobs in lockstep)")
     table.add_column("mode", justify="left")
     for j in config.jobs:
         table.add_column(f"{j.name} ms/iteration (pred)", justify="right")
     for col in ("total samples/s", "range", "predicted", "vs better baseline", "gate wait ms/iteration"):
         table.add_column(col, justify="right")
     for s in summaries:
+        def pred_step(name: str, s: ModeSummary = s) -> str:
+            lockstep = f"{s.predicted_step_s[name] * 1e3:.1f}"
+            best = s.predicted_best_step_s
+            return lockstep if best is None else f"{best[name] * 1e3:.1f}-{lockstep}"
+
+        total = f"{s.predicted_samples_per_s:,.0f}"
+        if s.predicted_best_samples_per_s is not None:
+            total = f"{total}-{s.predicted_best_samples_per_s:,.0f}"
         table.add_row(
             s.mode,
-            *(f"{s.step_s[j.name] * 1e3:.1f} ({s.predicted_step_s[j.name] * 1e3:.1f})" for j in config.jobs),
+            *(f"{s.step_s[j.name] * 1e3:.1f} ({pred_step(j.name)})" for j in config.jobs),
             f"{s.samples_per_s:,.0f}", f"{s.samples_range[0]:,.0f}-{s.samples_range[1]:,.0f}",
-            f"{s.predicted_samples_per_s:,.0f}", f"{s.speedup:.2f}x" if s.mode == "crossover" else "-",
+            total, f"{s.speedup:.2f}x" if s.mode == "crossover" else "-",
             " / ".join(f"{s.gate_wait_s[j.name] * 1e3:.1f}" for j in config.jobs) if s.mode == "crossover" else "-",
             style="bold" if s.mode == "crossover" else None,
         )

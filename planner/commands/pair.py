@@ -89,17 +89,22 @@ def make_pairing(jobs: Sequence[PairingJob], *, created: str | None = None,
     alone_s = [p.iteration_s for p in phases]
     crossed: dict[tuple[int, int], tuple[float, float]] = {}
     side: dict[tuple[int, int], tuple[float, float]] = {}
+    interleaved: dict[tuple[int, int], tuple[float, float]] = {}
     for i in range(len(jobs)):
         for j in range(i + 1, len(jobs)):
             if jobs[i].world_size == jobs[j].world_size:
                 crossed[(i, j)] = simulate_pair(phases[i], phases[j], gated=True, iterations=iterations)
                 side[(i, j)] = simulate_pair(phases[i], phases[j], gated=False, iterations=iterations)
+                interleaved[(i, j)] = simulate_pair(phases[i], phases[j], gated=False, iterations=iterations,
+                                                    interleaved=True)
     pairing = best_pairing(alone_s, {pair: max(t) for pair, t in crossed.items()})
-    predicted = [JobPrediction(alone_s=t, side_by_side_s=t, crossover_s=t) for t in alone_s]
+    predicted = [JobPrediction(alone_s=t, side_by_side_s=t, crossover_s=t, side_by_side_interleaved_s=t)
+                 for t in alone_s]
     for i, j in pairing.pairs:
         for k, job in ((0, i), (1, j)):
             predicted[job] = JobPrediction(alone_s=alone_s[job], side_by_side_s=side[(i, j)][k],
-                                           crossover_s=crossed[(i, j)][k])
+                                           crossover_s=crossed[(i, j)][k],
+                                           side_by_side_interleaved_s=interleaved[(i, j)][k])
     plan = PairingPlan(jobs=tuple(jobs), pairs=pairing.pairs, alone=pairing.alone, predicted=tuple(predicted),
                        created=created or dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
     return plan, pairing
@@ -109,16 +114,26 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.2f}"
 
 
+def _interleaved_round_s(pairing: PairingPlan) -> float | None:
+    """A round of the groups with the pairs side by side, the jobs interleaved (None: not predicted)."""
+    best = [p.side_by_side_interleaved_s for p in pairing.predicted]
+    if any(t is None for t in best):
+        return None
+    return sum(max(best[i] or 0.0, best[j] or 0.0) for i, j in pairing.pairs) + sum(best[k] or 0.0
+                                                                                    for k in pairing.alone)
+
+
 def print_pairing(pairing: PairingPlan, *, optimal: bool = True) -> None:
     """Per job its iteration alone, side by side and crossed over with its partner; the pairs; the totals."""
     sizes = sorted({job.world_size for job in pairing.jobs})
     table = Table(title=f"crossover pairing of {len(pairing.jobs)} jobs (world size {', '.join(map(str, sizes))}): "
                         "ms per iteration")
-    for col in ("job", "model", "samples", "alone", "side by side", "crossover", "crossed over with"):
+    for col in ("job", "model", "samples", "alone", "side by side (interleaved)", "crossover", "crossed over with"):
         table.add_column(col, justify="left" if col in ("job", "model", "crossed over with") else "right")
     for k, (job, p) in enumerate(zip(pairing.jobs, pairing.predicted, strict=True)):
         partner = pairing.partner(k)
-        table.add_row(job.name, job.model, f"{job.samples:,}", _ms(p.alone_s), _ms(p.side_by_side_s),
+        best = "" if p.side_by_side_interleaved_s is None else f" ({_ms(p.side_by_side_interleaved_s)})"
+        table.add_row(job.name, job.model, f"{job.samples:,}", _ms(p.alone_s), _ms(p.side_by_side_s) + best,
                       _ms(p.crossover_s), "- (alone)" if partner is None else pairing.jobs[partner].name,
                       style=None if partner is None else "bold")
     console.print(table)
@@ -126,10 +141,16 @@ def print_pairing(pairing: PairingPlan, *, optimal: bool = True) -> None:
     for col in ("pairs run", "round ms", "samples/s", "vs sequential"):
         totals.add_column(col, justify="left" if col == "pairs run" else "right")
     reference = pairing.samples_per_s("sequential")
-    for mode, label in (("sequential", "one job after the other"), ("side_by_side", "side by side"),
-                        ("crossover", "crossed over")):
-        rate = pairing.samples_per_s(mode)
-        totals.add_row(label, _ms(pairing.round_s(mode)), f"{rate:,.1f}", f"{rate / reference:.2f}x",
+    for mode, label in (("sequential", "one job after the other"), ("side_by_side", "side by side, in lockstep"),
+                        ("side_by_side_interleaved", "side by side, interleaved"), ("crossover", "crossed over")):
+        if mode == "side_by_side_interleaved":
+            round_s = _interleaved_round_s(pairing)
+            if round_s is None:
+                continue
+            rate = sum(job.samples for job in pairing.jobs) / round_s
+        else:
+            round_s, rate = pairing.round_s(mode), pairing.samples_per_s(mode)
+        totals.add_row(label, _ms(round_s), f"{rate:,.1f}", f"{rate / reference:.2f}x",
                        style="bold" if mode == "crossover" else None)
     console.print(totals)
     names = [job.name for job in pairing.jobs]

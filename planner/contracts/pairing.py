@@ -21,7 +21,8 @@ Schema (version 1), times in seconds:
       "pairs": [[0, 1], ...],                    # crossed-over jobs (same world size), each job in one group
       "alone": [2],                              # jobs that run by themselves
       "predicted": {
-        "jobs": [{"alone_s", "side_by_side_s", "crossover_s"}, ...],   # per job, seconds per iteration
+        "jobs": [{"alone_s", "side_by_side_s", "crossover_s",           # per job, seconds per iteration
+                  "side_by_side_interleaved_s"}, ...],                # optional (null or absent: not predicted)
         "totals": {"sequential_samples_per_s", "side_by_side_samples_per_s", "crossover_samples_per_s"}
       }
     }
@@ -197,19 +198,26 @@ class JobPrediction:
     """One job's predicted seconds per iteration: alone, side by side with its partner, crossed over with it."""
 
     alone_s: float
-    side_by_side_s: float
+    side_by_side_s: float  # side by side, the jobs starting in lockstep (the worst case the model has)
     crossover_s: float
+    #: side by side, the jobs starting interleaved (one computing while the other communicates): the best case;
+    #: uncoordinated jobs settle anywhere between the two (None: a pairing made before it was predicted)
+    side_by_side_interleaved_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"alone_s": self.alone_s, "side_by_side_s": self.side_by_side_s, "crossover_s": self.crossover_s}
+        return {"alone_s": self.alone_s, "side_by_side_s": self.side_by_side_s, "crossover_s": self.crossover_s,
+                "side_by_side_interleaved_s": self.side_by_side_interleaved_s}
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> JobPrediction:
         expect(data, dict, where)
         fields = ["alone_s", "side_by_side_s", "crossover_s"]
-        check_fields(data, where, fields)
-        times = [expect_time(data[f], f"{where}.{f}") for f in fields]
-        return cls(*times)
+        check_fields(data, where, fields, ["side_by_side_interleaved_s"])
+        alone_s, side_by_side_s, crossover_s = (expect_time(data[f], f"{where}.{f}") for f in fields)
+        best = data.get("side_by_side_interleaved_s")
+        return cls(alone_s=alone_s, side_by_side_s=side_by_side_s, crossover_s=crossover_s,
+                   side_by_side_interleaved_s=None if best is None else
+                   expect_time(best, f"{where}.side_by_side_interleaved_s"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,11 +282,15 @@ class PairingPlan:
                 raise SchemaError(f"job {job.name} runs alone, so its predicted side_by_side_s and crossover_s "
                                   f"must equal its alone_s {p.alone_s}, but got {p.side_by_side_s} and "
                                   f"{p.crossover_s}")
-            fastest = min(p.side_by_side_s, p.crossover_s)
+            best = p.side_by_side_interleaved_s
+            if k in self.alone and best is not None and not _close(best, p.alone_s):
+                raise SchemaError(f"job {job.name} runs alone, so its predicted side_by_side_interleaved_s must "
+                                  f"equal its alone_s {p.alone_s}, but got {best}")
+            fastest = min(p.side_by_side_s, p.crossover_s, p.side_by_side_s if best is None else best)
             if fastest < p.alone_s and not _close(fastest, p.alone_s):
                 raise SchemaError(f"job {job.name} cannot iterate faster with a partner than alone, but its "
                                   f"predictions are alone_s={p.alone_s}, side_by_side_s={p.side_by_side_s}, "
-                                  f"crossover_s={p.crossover_s}")
+                                  f"crossover_s={p.crossover_s}, side_by_side_interleaved_s={best}")
         object.__setattr__(self, "pairs", tuple(sorted((min(p), max(p)) for p in self.pairs)))
         object.__setattr__(self, "alone", tuple(sorted(self.alone)))
 

@@ -112,21 +112,24 @@ def muri_period(a: JobPhases, b: JobPhases) -> float:
     return max(a.compute_s, b.comm_s) + max(a.comm_s, b.compute_s)
 
 
-def simulate_pair(a: JobPhases, b: JobPhases, *, gated: bool,
-                  iterations: int = DEFAULT_ITERATIONS) -> tuple[float, float]:
+def simulate_pair(a: JobPhases, b: JobPhases, *, gated: bool, iterations: int = DEFAULT_ITERATIONS,
+                  interleaved: bool = False) -> tuple[float, float]:
     """Steady-state seconds per iteration of `a` and of `b` run together on the same devices.
 
     Args:
         gated: True: crossed over (the device exclusive, first come first served); False: side by side (each
             resource shared equally by the jobs using it). See the module docstring.
         iterations: iterations the slower job makes in the measurement window, after the warm-up.
+        interleaved: start `b` communicating (its first compute done) while `a` computes, instead of both
+            computing. Side by side, the fluid model keeps whatever offset the jobs start with, so the two starts
+            bound what uncoordinated jobs may settle into: in lockstep (the default) and interleaved.
 
     Returns:
         (period of a, period of b), each at least the job's `alone` time.
     """
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise SolverError(f"`iterations >= 1` must hold, but got iterations={iterations!r}")
-    sim = _PairSimulation(a, b, gated=gated)
+    sim = _PairSimulation(a, b, gated=gated, interleaved=interleaved)
     start: tuple[float, tuple[float, float]] | None = None  # (time, progress) when the window opens
     for event in range(MAX_EVENTS):
         sim.step()
@@ -162,7 +165,7 @@ class _PairSimulation:
     __slots__ = ("changes", "comm", "compute", "done", "gated", "holder", "into", "last_end", "left", "now",
                  "phase", "queue", "tol", "total")
 
-    def __init__(self, a: JobPhases, b: JobPhases, *, gated: bool) -> None:
+    def __init__(self, a: JobPhases, b: JobPhases, *, gated: bool, interleaved: bool = False) -> None:
         self.gated = gated
         self.compute = (a.compute_s, b.compute_s)
         self.comm = (a.comm_s, b.comm_s)
@@ -179,7 +182,10 @@ class _PairSimulation:
         self.last_end: list[tuple[tuple[object, ...], float, float, int] | None] = [None, None]
         self.now = 0.0
         self._ask(0, released=False)
-        self._ask(1, released=False)
+        if interleaved and b.comm_s > 0:  # b's first compute is done: it starts communicating
+            self.phase[1], self.left[1], self.into[1] = _COMM, self.comm[1], self.compute[1]
+        else:
+            self._ask(1, released=False)
 
     def progress(self) -> tuple[float, float]:
         """Each job's iterations so far, counting the one in progress by the fraction of its work done."""
