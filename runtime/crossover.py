@@ -210,7 +210,7 @@ class DeviceGate:
             self.close()
 
 
-def crossover_gate(crossover: Any, plan: Plan, *, job: str | None = None, process_group: Any = None,
+def crossover_gate(crossover: Any, plan: Plan, *, job: str | None = None,
                    gate_dir: str | os.PathLike[str] | None = None,
                    timeout_s: float = DEFAULT_GATE_TIMEOUT_S) -> DeviceGate | None:
     """The gate this rank of the job running `plan` takes, from `crossover` (see `GradientExchange`): None for

@@ -279,7 +279,7 @@ class _BufferSyncHook:
 
 
 class _GateHook:
-    """Forward pre-hook of a crossed-over job: take the device's gate before a training forward (released by
+    """Forward pre-hook of a crossed-over job: take the pair's gate before a training forward (released by
     `synchronize` once only collectives are left). Pickles as a no-op (a deep-copied model must not hold the
     original's gate)."""
 
@@ -351,7 +351,7 @@ class GradientExchange:
             its velocity still decays that step.)
         crossover: run crossed over with a paired job on the same devices (CrossoverScheduler): a pairing plan
             (`planner pair`; its path, or the loaded `PairingPlan`) naming this job's plan, or a
-            `runtime.crossover.DeviceGate`. The exchange then takes the device's gate before each training
+            `runtime.crossover.DeviceGate`. The exchange then takes the pair's gate before each training
             forward and gives it back in `synchronize` once only collectives are left, so the partner computes
             while this job communicates. A job the pairing leaves alone runs as before. Default: no gate.
         crossover_job: this job's name in the pairing plan (needed only when several of its jobs run one plan).
@@ -434,9 +434,9 @@ class GradientExchange:
             self._broadcast_from_rank0([*model.parameters(), *model.buffers()])
             if self.forward_sync_buffers:
                 self._hooks.append(model.register_forward_pre_hook(_BufferSyncHook(self)))
-        # after the buffer broadcast's hook: a rank holds its device's gate only while it computes locally
-        self.gate: DeviceGate | None = crossover_gate(crossover, plan, job=crossover_job, process_group=process_group,
-                                                      gate_dir=crossover_dir, timeout_s=crossover_timeout_s)
+        # after the buffer broadcast's hook: a rank holds the pair's gate only while it computes locally
+        self.gate: DeviceGate | None = crossover_gate(crossover, plan, job=crossover_job, gate_dir=crossover_dir,
+                                                      timeout_s=crossover_timeout_s)
         if self.gate is not None:
             self._hooks.append(model.register_forward_pre_hook(_GateHook(self)))
         _LIVE.add(self)

@@ -10,7 +10,7 @@ behind `--link` rank r of every job also shares host r's shaped network card.
 - sequential: each job alone; the pair's throughput at equal progress (each job one iteration per turn) is
   (samples_A + samples_B) / (t_A + t_B), what running them one after the other gives;
 - side-by-side: both at once, no gate: the kernel shares the cores and the network card;
-- crossover: both at once, each rank taking its device's gate for forward and backward.
+- crossover: both at once, each rank taking the pair's gate for forward and backward.
 
 Steps are timed on rank 0 of each job (wall clock, the same host clock for both). For the two concurrent
 modes the jobs start together (after their warm-up steps each job's rank 0 marks itself ready and waits for
@@ -94,7 +94,7 @@ class JobRun:
     mode: str
     repeat: int
     stamps: tuple[float, ...]  # wall clock (time.time) at the start and after every timed step
-    gate_wait_s: float  # seconds rank 0 waited for its device's gate
+    gate_wait_s: float  # seconds rank 0 waited for the pair's gate
 
     def steps_within(self, start: float, end: float) -> int:
         return sum(1 for t in self.stamps[1:] if start < t <= end)
