@@ -55,6 +55,11 @@ DEFAULT_GATE_TIMEOUT_S = 120.0
 POLL_S = (5e-5, 1e-3)
 
 
+def _file_name(text: str) -> str:
+    """`text` with every character a file name should not hold replaced by "_"."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
+
+
 def _open(path: Path) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
 
@@ -107,7 +112,7 @@ class DeviceGate:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fds["gate"] = _open(self.path)
             if turns is not None:
-                me, partner = (re.sub(r"[^A-Za-z0-9_.-]", "_", t) for t in turns)
+                me, partner = (_file_name(t) for t in turns)
                 for key, name in (("mine", me), ("theirs", partner), ("waiting", f"{me}.wait"),
                                   ("partner waiting", f"{partner}.wait")):
                     self._fds[key] = _open(self.path.with_name(f"{self.path.name}.{name}"))
@@ -260,6 +265,6 @@ def crossover_gate(crossover: Any, plan: Plan, *, job: str | None = None,
     digest = hashlib.sha256(json.dumps(pairing.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
     partner = pairing.partner(index)
     assert partner is not None
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
+    host = _file_name(socket.gethostname()) or "host"
     return DeviceGate(directory / f"{digest}-pair{pair}-{host}.lock", timeout_s=timeout_s,
                       job=pairing.jobs[index].name, turns=(f"job{index}", f"job{partner}"))

@@ -160,6 +160,14 @@ def _raise_worker_error(rank: int, exc: BaseException | None, text: str) -> None
     raise exc from remote
 
 
+def _check_picklable(fn: Callable[..., Any]) -> None:
+    """ValueError unless `fn` pickles by name (spawned workers import it)."""
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise ValueError(f"fn must be a module-level function so spawned workers can import it: {exc}") from None
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -192,10 +200,7 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"`world_size >= 1` must hold, but got world_size={world_size}")
-    try:
-        pickle.dumps(fn)
-    except Exception as exc:
-        raise ValueError(f"fn must be a module-level function so spawned workers can import it: {exc}") from None
+    _check_picklable(fn)
     with contextlib.ExitStack() as stack:
         networks: list[_Network | None] = [None] * world_size
         throttles: list[WorkerThrottle | None] = [None] * world_size
@@ -322,10 +327,7 @@ def run_jobs(
     if not jobs or any(world_size < 1 for _, world_size, _ in jobs):
         raise ValueError(f"every job needs `world_size >= 1`, got {[w for _, w, _ in jobs]}")
     for fn, _, _ in jobs:
-        try:
-            pickle.dumps(fn)
-        except Exception as exc:
-            raise ValueError(f"fn must be a module-level function so spawned workers can import it: {exc}") from None
+        _check_picklable(fn)
     hosts = max(world_size for _, world_size, _ in jobs)
     with contextlib.ExitStack() as stack:
         networks: list[_Network | None] = [None] * hosts
