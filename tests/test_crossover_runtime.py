@@ -130,7 +130,9 @@ def test_a_killed_job_releases_its_devices(tmp_path: Path) -> None:
     killed.join(timeout=120)
     assert not survivor.is_alive() and not killed.is_alive()
     assert time.monotonic() - started < 120
-    assert isinstance(outcome["wide"], DistributedError)  # rank 0 died without a result
+    # the killed job's launch fails: rank 0 died without a result, or rank 1's connection to it broke, whichever
+    # the launcher sees first
+    assert isinstance(outcome["wide"], DistributedError | RuntimeError), outcome["wide"]
     assert [r["gate"] for r in outcome["deep"]] == [STEPS, STEPS]
     # the next run finds no stale lock: the survivor runs again, its partner absent, and takes its gates freely
     again = run_distributed(_job_worker, 2, "deep", deep, pairing, gates, None, timeout=90)
