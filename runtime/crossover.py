@@ -15,6 +15,14 @@ computed last and its turn number (every rank of a job takes the gate once per t
 acquisition is the job's k-th turn): a rank arriving after a sibling opened the same turn joins it rather than
 yielding, so a job's ranks compute in the same slot.
 
+Crossing over pays when the device time-shares poorly between the jobs and their communication leaves it
+idle; where the collectives need the device themselves (gloo over loopback uses the CPU cores it computes on)
+taking turns costs more than it saves. So by default the pair measures both (`GateProbe`, `ProbeSchedule`):
+after a warm-up, four windows of the host's wall clock run free (no gate, side by side), gated, gated and free;
+every rank writes its steps per second in each mode beside the gate, the first rank past the next window adds
+the two jobs' samples per second in each mode and writes the decision, and every rank then runs the mode that
+made more, until the next probe. Both jobs read the same clock, so they switch together.
+
 It cannot deadlock: a rank holds the gate only while it computes locally (forward and backward; the
 collectives launched from backward are asynchronous, and the buffer broadcast before a forward runs before
 the gate is taken), so a holder never waits for anything the partner holds, and a yielding job holds nothing.
@@ -29,14 +37,19 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import json
+import math
 import os
 import random
 import re
 import socket
+import statistics
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -45,7 +58,8 @@ from planner.contracts.pairing import PairingPlan, check_job_plan, plan_fingerpr
 from planner.contracts.plan import Plan
 from planner.types import GateTimeoutError, PlanMismatchError, PlannerFileError
 
-__all__ = ["DEFAULT_GATE_TIMEOUT_S", "GATE_DIR_ENV", "DeviceGate", "crossover_gate"]
+__all__ = ["DEFAULT_GATE_TIMEOUT_S", "FREE", "GATED", "GATE_DIR_ENV", "PROBE_WINDOWS", "DeviceGate", "GateProbe",
+           "ProbeDecision", "ProbeSchedule", "crossover_gate", "decide", "window_rates"]
 
 #: The environment variable naming the directory of the gate files (default <tmp>/planner-gates).
 GATE_DIR_ENV = "PLANNER_GATE_DIR"
@@ -81,6 +95,238 @@ def _free(fd: int) -> bool:
     return True
 
 
+#: The modes of a crossed-over pair: the gate taken (crossed over) or not (side by side, uncoordinated).
+GATED, FREE = "gated", "free"
+#: The probe's windows in order: free, gated, gated, free (a drift in speed over the probe cancels out).
+PROBE_WINDOWS = (FREE, GATED, GATED, FREE)
+
+
+@dataclass(frozen=True)
+class ProbeSchedule:
+    """When a crossed-over pair measures its throughput gated and free, in seconds of the host's wall clock.
+
+    The pair's session starts when the first rank of either job opens the gate, and lasts while any rank of
+    either has it open. After `warmup_s` (gated), each cycle runs the four `PROBE_WINDOWS` of `window_s`, then
+    one window more in the mode decided before (gated before any decision) while the measurements come in,
+    then the mode they favour until the next cycle, which starts `every_s` after that decision (None: the first
+    decision holds to the end).
+    """
+
+    warmup_s: float = 10.0
+    window_s: float = 5.0
+    every_s: float | None = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_s", "window_s", "every_s"):
+            value = getattr(self, name)
+            if value is None and name == "every_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or (
+                    value < 0 if name == "warmup_s" else value <= 0):
+                raise ValueError(f"ProbeSchedule.{name} must be a finite number of seconds "
+                                 f"({'>= 0' if name == 'warmup_s' else '> 0'}), got {value!r}")
+
+    @property
+    def cycle_s(self) -> float:
+        """Seconds from one cycle's first window to the next's (inf with `every_s` None)."""
+        return len(PROBE_WINDOWS) * self.window_s + self.window_s + (math.inf if self.every_s is None
+                                                                      else self.every_s)
+
+    def stage(self, elapsed: float) -> tuple[int, int]:
+        """(cycle, part) `elapsed` seconds into the session: cycle -1 in the warm-up; part k < 4 in probe window
+        k, 4 while the measurements come in, 5 when the cycle's decision holds."""
+        after = elapsed - self.warmup_s
+        if after < 0:
+            return -1, 0
+        cycle = 0 if self.every_s is None else int(after // self.cycle_s)
+        part = int((after - cycle * self.cycle_s if cycle else after) // self.window_s)
+        return cycle, min(part, len(PROBE_WINDOWS) + 1)
+
+    def windows(self, cycle: int) -> list[tuple[float, float, str]]:
+        """The probe windows of `cycle`: (start, end, mode), in seconds into the session."""
+        start = self.warmup_s + cycle * (self.cycle_s if self.every_s is not None else 0.0)
+        return [(start + k * self.window_s, start + (k + 1) * self.window_s, mode)
+                for k, mode in enumerate(PROBE_WINDOWS)]
+
+
+def window_rates(stamps: Sequence[float], windows: Sequence[tuple[float, float, str]]) -> dict[str, float | None]:
+    """Steps per second in each mode, from the times steps began (`stamps`): over each window, the steps that
+    began in it and ended when the next began in it, over the time they took (None: no such step in any window
+    of that mode)."""
+    steps = {GATED: 0, FREE: 0}
+    spans = {GATED: 0.0, FREE: 0.0}
+    for start, end, mode in windows:
+        inside = [t for t in stamps if start <= t < end]
+        if len(inside) >= 2:
+            steps[mode] += len(inside) - 1
+            spans[mode] += inside[-1] - inside[0]
+    return {mode: steps[mode] / spans[mode] if spans[mode] > 0 else None for mode in (GATED, FREE)}
+
+
+@dataclass(frozen=True)
+class ProbeDecision:
+    """What a probe cycle found: the mode to run and the pair's samples per second measured in each mode."""
+
+    cycle: int
+    mode: str
+    gated_samples_per_s: float | None
+    free_samples_per_s: float | None
+    reason: str
+
+
+def decide(cycle: int, results: Mapping[str, Sequence[Mapping[str, float | None]]],
+           samples: Mapping[str, int]) -> ProbeDecision:
+    """The mode that made more samples per second over both jobs. `results`: per job, each of its ranks' steps
+    per second in each mode (`window_rates`); `samples`: per job, samples per step. A job or mode without a
+    measurement keeps the plan's crossover (gated)."""
+    totals: dict[str, float] = {}
+    for mode in (GATED, FREE):
+        total = 0.0
+        for job, per_step in samples.items():
+            rates = [r[mode] for r in results.get(job, ()) if r.get(mode)]
+            if not rates:
+                return ProbeDecision(cycle, GATED, None, None,
+                                     f"no measurement of {job} {mode}: keeping the plan's crossover")
+            total += per_step * statistics.fmean(rate for rate in rates if rate is not None)
+        totals[mode] = total
+    gated, free = totals[GATED], totals[FREE]
+    if free > gated:
+        return ProbeDecision(cycle, FREE, gated, free, f"side by side made {free / gated:.3f}x the samples/s")
+    return ProbeDecision(cycle, GATED, gated, free, f"crossed over made {gated / free:.3f}x the samples/s")
+
+
+class GateProbe:
+    """One rank's part in its pair's probe (see `ProbeSchedule`), through files beside the gate `path`:
+    `<gate>.session` (every rank of both jobs holds a shared lock on it while it has the gate open; the first
+    to find it unlocked starts a new session: it removes the last session's files and writes the start time),
+    `<gate>.probe-epoch`, `<gate>.probe-c<cycle>-<job>-<pid>-<token>.json` (a rank's steps per second in each mode)
+    and `<gate>.probe-c<cycle>-decision.json` (the first rank past the cycle's probe writes it; the rest read
+    it).
+
+    Args:
+        path: the gate file.
+        schedule: when to probe.
+        job: this job's id in the pair ("job0").
+        samples: per job id of the pair, samples per step.
+    """
+
+    def __init__(self, path: Path, schedule: ProbeSchedule, job: str, samples: Mapping[str, int]) -> None:
+        self.schedule = schedule
+        self.job = job
+        self.samples = dict(samples)
+        self._dir = path.parent
+        self._prefix = f"{path.name}.probe-"
+        self._stamps: list[float] = []
+        self._stamp_cycle: int | None = None
+        self._me = f"{os.getpid()}-{random.getrandbits(32):08x}"  # this rank's files (pids repeat across hosts)
+        self.decisions: dict[int, ProbeDecision] = {}
+        #: (wall-clock time, decision) when this rank first ran each cycle's decision
+        self.applied: list[tuple[float, ProbeDecision]] = []
+        self._session = _open(path.with_name(f"{path.name}.session"))
+        mutex = _open(path.with_name(f"{path.name}.session.mutex"))
+        try:
+            fcntl.flock(mutex, fcntl.LOCK_EX)  # held a moment by whoever opens a gate: no session starts twice
+            epoch = self._dir / f"{self._prefix}epoch"
+            if _try(self._session, fcntl.LOCK_EX):  # no live rank: a new session
+                for old in self._dir.glob(glob.escape(self._prefix) + "*"):
+                    old.unlink(missing_ok=True)
+                self._write(epoch, repr(time.time()))
+                fcntl.flock(self._session, fcntl.LOCK_SH)
+            else:
+                fcntl.flock(self._session, fcntl.LOCK_SH)  # nobody holds it exclusively outside the mutex
+            self.epoch = float(epoch.read_text(encoding="ascii"))
+        except (OSError, ValueError):
+            self.close()
+            raise
+        finally:
+            os.close(mutex)
+
+    def gated(self, now: float) -> bool:
+        """Whether the step beginning at `now` (time.time()) takes the gate; the probe records it."""
+        cycle, part = self.schedule.stage(now - self.epoch)
+        if self._stamp_cycle is not None and (cycle != self._stamp_cycle or part >= len(PROBE_WINDOWS)):
+            self._report()
+        if cycle < 0:
+            return True
+        if part < len(PROBE_WINDOWS):
+            self._stamp_cycle = cycle
+            self._stamps.append(now)
+            return PROBE_WINDOWS[part] == GATED
+        if part == len(PROBE_WINDOWS):  # the measurements come in: the mode decided before
+            return cycle == 0 or self.decision(cycle - 1).mode == GATED
+        decision = self.decision(cycle)
+        if not self.applied or self.applied[-1][1].cycle != cycle:
+            self.applied.append((now, decision))
+        return decision.mode == GATED
+
+    def _report(self) -> None:
+        """Write this rank's steps per second in each mode of the cycle its stamps are from."""
+        cycle, self._stamp_cycle = self._stamp_cycle, None
+        assert cycle is not None
+        windows = [(self.epoch + a, self.epoch + b, mode) for a, b, mode in self.schedule.windows(cycle)]
+        rates = window_rates(self._stamps, windows)
+        self._stamps = []
+        with contextlib.suppress(OSError):
+            self._write(self._dir / f"{self._prefix}c{cycle}-{_file_name(self.job)}-{self._me}.json",
+                        json.dumps({"job": self.job, **rates}))
+
+    def decision(self, cycle: int) -> ProbeDecision:
+        """The decision of `cycle`: the file's, else made from the ranks' measurements now and written."""
+        if cycle in self.decisions:
+            return self.decisions[cycle]
+        path = self._dir / f"{self._prefix}c{cycle}-decision.json"
+        found = self._read_decision(path)
+        if found is None:
+            results: dict[str, list[dict[str, float | None]]] = {}
+            for file in self._dir.glob(glob.escape(f"{self._prefix}c{cycle}-") + "*.json"):
+                if file == path:
+                    continue
+                with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+                    data = json.loads(file.read_text(encoding="ascii"))
+                    rates = {m: float(data[m]) if isinstance(data.get(m), int | float) else None
+                             for m in (GATED, FREE)}
+                    results.setdefault(str(data["job"]), []).append(rates)
+            made = decide(cycle, results, self.samples)
+            try:
+                self._write(path, json.dumps(asdict(made)), exclusive=True)
+                found = made
+            except FileExistsError:  # another rank decided first: its decision holds for all
+                found = self._read_decision(path) or made
+            except OSError:
+                found = made
+        self.decisions[cycle] = found
+        return found
+
+    @staticmethod
+    def _read_decision(path: Path) -> ProbeDecision | None:
+        try:
+            data = json.loads(path.read_text(encoding="ascii"))
+            found = ProbeDecision(**data)
+        except (OSError, ValueError, TypeError):
+            return None
+        return found if found.mode in (GATED, FREE) else None
+
+    def _write(self, path: Path, text: str, *, exclusive: bool = False) -> None:
+        """Write `text` to `path` whole (a temporary file renamed, or linked when `exclusive`: FileExistsError
+        if the file exists)."""
+        fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=".probe-")
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as out:
+                out.write(text)
+            if exclusive:
+                os.link(tmp, path)
+            else:
+                os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._session)
+        self._session = -1
+
+
 class DeviceGate:
     """The devices of a host, shared by two paired jobs through files.
 
@@ -91,22 +337,31 @@ class DeviceGate:
         job: this job's name in messages.
         turns: (this job's id, the partner's id): the gate is the pair's (see the module docstring), shared by
             this job's ranks. None: a plain exclusive lock on `path`, one holder at a time.
+        probe: with `turns`, measure the pair gated and free and run the better (`GateProbe`); None: always
+            gated.
+        samples: with `probe`, samples per step of each job id in `turns` (default 1 each).
 
     Raises:
         PlannerFileError: a file cannot be created or opened.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
-                 job: str = "this job", turns: tuple[str, str] | None = None) -> None:
+                 job: str = "this job", turns: tuple[str, str] | None = None,
+                 probe: ProbeSchedule | None = None, samples: Mapping[str, int] | None = None) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.path = Path(path)
         self.timeout_s = float(timeout_s)
         self.job = job
+        if probe is not None and turns is None:
+            raise ValueError("a probe needs turns: it measures a pair of jobs")
         self.turns = turns
         self._fds: dict[str, int] = {}
         self.held = False
-        self.acquisitions = 0  # times taken: this rank's turn number (once per training step)
+        self._free_step = False  # this step runs without the gate (the probe's choice)
+        self.steps = 0  # calls that began a step: this rank's turn number (once per training step)
+        self.acquisitions = 0  # times taken
+        self.probe: GateProbe | None = None
         self.waited_s = 0.0  # seconds spent waiting for the partner, in all
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,14 +371,23 @@ class DeviceGate:
                 for key, name in (("mine", me), ("theirs", partner), ("waiting", f"{me}.wait"),
                                   ("partner waiting", f"{partner}.wait")):
                     self._fds[key] = _open(self.path.with_name(f"{self.path.name}.{name}"))
-        except OSError as exc:
+            if probe is not None:
+                assert turns is not None
+                self.probe = GateProbe(self.path, probe, turns[0], samples or dict.fromkeys(turns, 1))
+        except (OSError, ValueError) as exc:
             self.close()
-            raise PlannerFileError(f"cannot create the crossover gate {self.path}: {exc.strerror or exc}; give a "
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise PlannerFileError(f"cannot create the crossover gate {self.path}: {reason}; give a "
                                    "writable gate directory (crossover_dir= or PLANNER_GATE_DIR)") from None
 
     def acquire(self) -> float:
-        """Take the gate (a no-op if this gate already holds it); returns the seconds waited."""
-        if self.held:
+        """Take the gate for a step (a no-op if this gate already holds it, or runs this step free); returns the
+        seconds waited."""
+        if self.held or self._free_step:
+            return 0.0
+        self.steps += 1
+        if self.probe is not None and not self.probe.gated(time.time()):
+            self._free_step = True
             return 0.0
         gate = self._fd("gate")
         started = time.perf_counter()
@@ -146,7 +410,7 @@ class DeviceGate:
         self.acquisitions += 1
         # who took it last (for the partner's messages), and for the turns which job and its how-manieth turn
         me = self.turns[0] if self.turns else "-"
-        os.pwrite(gate, f"{os.getpid():<12} {me:<48} {self.acquisitions:<16}\n".encode(), 0)
+        os.pwrite(gate, f"{os.getpid():<12} {me:<48} {self.steps:<16}\n".encode(), 0)
         waited = time.perf_counter() - started
         self.waited_s += waited
         return waited
@@ -155,7 +419,7 @@ class DeviceGate:
         if self.turns is None:
             return _try(self._fd("gate"), fcntl.LOCK_EX)
         last = self._last()
-        if (last is not None and last[0] == self.turns[0] and last[1] != self.acquisitions + 1
+        if (last is not None and last[0] == self.turns[0] and last[1] != self.steps
                 and not _free(self._fd("partner waiting"))):
             return False  # this job computed last (and not this turn: no sibling rank opened it), the partner waits
         mine = self._fd("mine")
@@ -171,6 +435,7 @@ class DeviceGate:
         if self.held:
             fcntl.flock(self._fd("mine" if self.turns is not None else "gate"), fcntl.LOCK_UN)
         self.held = False
+        self._free_step = False
 
     def _read(self) -> list[str]:
         try:
@@ -192,6 +457,8 @@ class DeviceGate:
         """Release and close the files."""
         with contextlib.suppress(OSError, ValueError):
             self.release()
+        if self.probe is not None:
+            self.probe.close()
         for fd in self._fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -217,14 +484,16 @@ class DeviceGate:
 
 def crossover_gate(crossover: Any, plan: Plan, *, job: str | None = None,
                    gate_dir: str | os.PathLike[str] | None = None,
-                   timeout_s: float = DEFAULT_GATE_TIMEOUT_S) -> DeviceGate | None:
+                   timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
+                   probe: ProbeSchedule | bool = True) -> DeviceGate | None:
     """The gate this rank of the job running `plan` takes, from `crossover` (see `GradientExchange`): None for
     no crossover or a job the pairing leaves alone.
 
     The job is the pairing's job whose plan fingerprint is `plan`'s (or the one called `job`, needed when two
     jobs run the same plan). Its gate is `<gate_dir>/<pairing>-pair<P>-<host>.lock` (and the files beside it):
     <pairing> a digest of the pairing plan, P the pair, <host> this host's name, so that a gate folder on a
-    shared file system still gives each host its own gate.
+    shared file system still gives each host its own gate. `probe`: True (the default `ProbeSchedule`) or a
+    schedule: the pair measures gated and free running and runs the better; False: always gated.
 
     Raises:
         PlanMismatchError: no job of the pairing runs `plan`, or several do and `job` does not say which.
@@ -266,5 +535,9 @@ def crossover_gate(crossover: Any, plan: Plan, *, job: str | None = None,
     partner = pairing.partner(index)
     assert partner is not None
     host = _file_name(socket.gethostname()) or "host"
+    schedule = (ProbeSchedule() if probe is True else probe) if probe is not False else None
+    if schedule is not None and not isinstance(schedule, ProbeSchedule):
+        raise TypeError(f"probe must be True, False or a ProbeSchedule, got {type(probe).__name__}")
     return DeviceGate(directory / f"{digest}-pair{pair}-{host}.lock", timeout_s=timeout_s,
-                      job=pairing.jobs[index].name, turns=(f"job{index}", f"job{partner}"))
+                      job=pairing.jobs[index].name, turns=(f"job{index}", f"job{partner}"), probe=schedule,
+                      samples={f"job{k}": pairing.jobs[k].samples for k in (index, partner)})

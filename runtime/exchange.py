@@ -61,7 +61,7 @@ from planner.contracts.plan import Group, Plan
 from planner.costmodel.problem import topk_count
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk, take_topk
 from planner.types import DistributedError, PlanMismatchError, Strategy
-from runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, crossover_gate
+from runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, ProbeSchedule, crossover_gate
 from runtime.retune import resolve_plan
 
 if TYPE_CHECKING:
@@ -357,6 +357,10 @@ class GradientExchange:
         crossover_job: this job's name in the pairing plan (needed only when several of its jobs run one plan).
         crossover_dir: the directory of the gate files (default: $PLANNER_GATE_DIR, else <tmp>/planner-gates).
         crossover_timeout_s: how long to wait for the partner to hand the device back (GateTimeoutError then).
+        crossover_probe: True (default): the pair measures its throughput crossed over and side by side now and
+            then (`runtime.crossover.ProbeSchedule`: 20 s every 10 min, after 10 s) and runs the better, so
+            crossing over never costs much where the device time-shares well or the collectives need it (gloo
+            on CPU cores); a `ProbeSchedule` to set when; False: always crossed over.
 
     Raises:
         PlanMismatchError: the plan was made for another model, or for another world size, backend or
@@ -386,6 +390,7 @@ class GradientExchange:
         crossover_job: str | None = None,
         crossover_dir: str | os.PathLike[str] | None = None,
         crossover_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
+        crossover_probe: ProbeSchedule | bool = True,
     ) -> None:
         plan = resolve_plan(plan, model, process_group=process_group, model_name=model_name,
                             auto_retune=auto_retune, profile=profile)
@@ -436,7 +441,7 @@ class GradientExchange:
                 self._hooks.append(model.register_forward_pre_hook(_BufferSyncHook(self)))
         # after the buffer broadcast's hook: a rank holds the pair's gate only while it computes locally
         self.gate: DeviceGate | None = crossover_gate(crossover, plan, job=crossover_job, gate_dir=crossover_dir,
-                                                      timeout_s=crossover_timeout_s)
+                                                      timeout_s=crossover_timeout_s, probe=crossover_probe)
         if self.gate is not None:
             self._hooks.append(model.register_forward_pre_hook(_GateHook(self)))
         _LIVE.add(self)

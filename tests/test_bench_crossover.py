@@ -31,17 +31,23 @@ def test_bench_crossover_runs_every_mode(tmp_path: Path, capsys: pytest.CaptureF
     pairing = _pairing(tmp_path)
     capsys.readouterr()
     code = main(["bench", "--strategy", "crossover", "--pairing", str(pairing), "--steps", "4", "--warmup", "1",
-                 "--repeats", "1", "--gate-dir", str(tmp_path / "gates"), "--json"])
+                 "--repeats", "1", "--gate-dir", str(tmp_path / "gates"), "--probe-window", "0.2", "--json"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    assert [m["mode"] for m in out["modes"]] == ["sequential", "side-by-side", "crossover"]
+    modes = ["sequential", "side-by-side", "crossover", "probed"]
+    assert [m["mode"] for m in out["modes"]] == modes
     for mode in out["modes"]:
         assert mode["samples_per_s"] > 0 and mode["predicted_samples_per_s"] > 0
     runs = out["runs"]
-    assert {(r["mode"], r["job"]) for r in runs} == {(m, j) for m in ("sequential", "side-by-side", "crossover")
-                                                     for j in ("digits", "digits-2")}
-    assert all(len(r["stamps"]) == 5 for r in runs)
-    assert all(r["gate_wait_s"] == 0 for r in runs if r["mode"] != "crossover")
+    assert {(r["mode"], r["job"]) for r in runs} == {(m, j) for m in modes for j in ("digits", "digits-2")}
+    assert all(len(r["stamps"]) == 5 for r in runs if r["mode"] != "probed")
+    assert all(r["gate_wait_s"] == 0 for r in runs if r["mode"] not in ("crossover", "probed"))
+    # probed: both jobs ran the one decision the pair's probe made, and 4 steps after it
+    probed = [r for r in runs if r["mode"] == "probed"]
+    assert len({r["decision"] for r in probed}) == 1 and probed[0]["decision"] in ("gated", "free")
+    assert all(sum(t > r["decided_at"] for t in r["stamps"]) == 4 for r in probed)
+    (summary,) = [m for m in out["modes"] if m["mode"] == "probed"]
+    assert [d[0] for d in summary["decisions"]] == [probed[0]["decision"]]
     assert len(list((tmp_path / "gates").glob("*.lock"))) == 1  # the pair's gate on this host
 
 
@@ -61,6 +67,12 @@ def test_the_summary_counts_only_the_window_both_jobs_ran_in(tmp_path: Path) -> 
         JobRun("digits-2", "side-by-side", 0, (0.5, 1.2, 1.9, 2.0), 0.0),
         JobRun("digits", "crossover", 0, (0.0, 1.0), 0.2),
         JobRun("digits-2", "crossover", 0, (0.0, 1.0), 0.0),
+        # probed: the window opens when both run the decision (3.0, the later) and ends at 5.0: "digits" finishes 4
+        # steps in it, "digits-2" 2
+        JobRun("digits", "probed", 0, (0.0, 1.0, 2.0, 2.5, 3.5, 4.0, 4.5, 5.0), 0.0, decided_at=2.4,
+               decision="free", probed_samples_per_s=(50.0, 60.0)),
+        JobRun("digits-2", "probed", 0, (0.5, 2.0, 3.0, 4.0, 5.0, 6.0), 0.0, decided_at=3.0, decision="free",
+               probed_samples_per_s=(50.0, 60.0)),
     ]
     by_mode = {s.mode: s for s in summarise_crossover(config, runs)}
     assert by_mode["sequential"].samples_per_s == pytest.approx(32 / 0.4)  # 16 + 16 samples per 0.1 + 0.3 s
@@ -71,6 +83,10 @@ def test_the_summary_counts_only_the_window_both_jobs_ran_in(tmp_path: Path) -> 
     assert by_mode["crossover"].speedup == pytest.approx(32.0 / 112.0)
     assert by_mode["sequential"].predicted_samples_per_s == pytest.approx(32 / 0.2)
     assert by_mode["crossover"].predicted_samples_per_s == pytest.approx(2 * 16 / 0.15)
+    assert by_mode["probed"].samples_per_s == pytest.approx((4 * 16 + 2 * 16) / 2.0)
+    assert by_mode["probed"].step_s == pytest.approx({"digits": 0.5, "digits-2": 1.0})
+    assert by_mode["probed"].decisions == (("free", 50.0, 60.0),)
+    assert by_mode["probed"].speedup == pytest.approx(48.0 / 112.0)
     assert by_mode["side-by-side"].predicted_best_samples_per_s is None  # a pairing without the interleaved case
     both = replace(config, predicted={n: {**p, "side_by_side_interleaved_s": 0.125}
                                       for n, p in config.predicted.items()})

@@ -25,6 +25,7 @@ from planner.contracts.plan import Plan, Prediction
 from planner.platform.launch import run_distributed, run_jobs
 from planner.types import DistributedError, PlanMismatchError, PlannerFileError, Strategy
 from runtime import GradientExchange
+from runtime.crossover import ProbeSchedule
 from tests.factories import plan_with_groups
 
 STEPS = 6
@@ -68,11 +69,11 @@ def write_pairing(tmp_path: Path, kinds: list[str], strategies: list[Strategy] |
 
 
 def _job_worker(rank: int, world_size: int, kind: str, plan_path: str, pairing: str | None, gate_dir: str,
-                die_at: int | None) -> dict[str, Any]:
+                die_at: int | None, probe: ProbeSchedule | bool = False) -> dict[str, Any]:
     model = build(kind)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     exchange = GradientExchange.from_file(model, plan_path, crossover=pairing, crossover_dir=gate_dir,
-                                          crossover_timeout_s=60.0)
+                                          crossover_timeout_s=60.0, crossover_probe=probe)
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 * rank + step)
         x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
@@ -87,22 +88,35 @@ def _job_worker(rank: int, world_size: int, kind: str, plan_path: str, pairing: 
         opt.zero_grad(set_to_none=True)
         time.sleep(0.001)
     taken = exchange.gate.acquisitions if exchange.gate is not None else None
+    steps = exchange.gate.steps if exchange.gate is not None else None
     exchange.close()
-    return {"params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()}, "gate": taken}
+    return {"params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()}, "gate": taken,
+            "steps": steps}
 
 
-@pytest.mark.parametrize("strategies", [[Strategy.DENSE, Strategy.DENSE], [Strategy.TOPK, Strategy.DENSE]],
-                         ids=["dense+dense", "topk+dense"])
-def test_crossing_over_changes_timing_only(tmp_path: Path, strategies: list[Strategy]) -> None:
+#: A probe that switches between free and gated steps every few milliseconds, within the test's few steps.
+FLICKER = ProbeSchedule(warmup_s=0.0, window_s=0.004, every_s=0.01)
+
+
+@pytest.mark.parametrize(("strategies", "probe"), [([Strategy.DENSE, Strategy.DENSE], False),
+                                                   ([Strategy.TOPK, Strategy.DENSE], False),
+                                                   ([Strategy.TOPK, Strategy.DENSE], FLICKER)],
+                         ids=["dense+dense", "topk+dense", "topk+dense probing"])
+def test_crossing_over_changes_timing_only(tmp_path: Path, strategies: list[Strategy],
+                                           probe: ProbeSchedule | bool) -> None:
     pairing, (wide, deep) = write_pairing(tmp_path, ["wide", "deep"], strategies)
     assert PairingPlan.load(pairing).pairs == ((0, 1),)
     gates = str(tmp_path / "gates")
-    crossed = run_jobs([(_job_worker, 2, ("wide", wide, pairing, gates, None)),
-                        (_job_worker, 2, ("deep", deep, pairing, gates, None))])
+    crossed = run_jobs([(_job_worker, 2, ("wide", wide, pairing, gates, None, probe)),
+                        (_job_worker, 2, ("deep", deep, pairing, gates, None, probe))])
     for kind, path, together in (("wide", wide, crossed[0]), ("deep", deep, crossed[1])):
         alone = run_distributed(_job_worker, 2, kind, path, None, gates, None)
         for rank in range(2):
-            assert together[rank]["gate"] == STEPS  # every step took the device's gate once
+            assert together[rank]["steps"] == STEPS
+            if probe is False:
+                assert together[rank]["gate"] == STEPS  # every step took the device's gate once
+            else:  # some steps ran free
+                assert 0 <= together[rank]["gate"] <= STEPS
             assert alone[rank]["gate"] is None
             for name, value in alone[rank]["params"].items():
                 assert (together[rank]["params"][name] == value).all(), f"{kind} rank {rank} {name}"

@@ -10,7 +10,10 @@ behind `--link` rank r of every job also shares host r's shaped network card.
 - sequential: each job alone; the pair's throughput at equal progress (each job one iteration per turn) is
   (samples_A + samples_B) / (t_A + t_B), what running them one after the other gives;
 - side-by-side: both at once, no gate: the kernel shares the cores and the network card;
-- crossover: both at once, each rank taking the pair's gate for forward and backward.
+- crossover: both at once, each rank taking the pair's gate for forward and backward;
+- probed: both at once, the runtime's default: the pair measures itself gated and free for four windows of
+  `probe_window_s` (`runtime.crossover.ProbeSchedule`) and runs the mode that made more samples per second.
+  Only the steps after both jobs have the decision count, so the row shows the steady state, not the probe.
 
 Steps are timed on rank 0 of each job (wall clock, the same host clock for both). For the two concurrent
 modes the jobs start together (after their warm-up steps each job's rank 0 marks itself ready and waits for
@@ -38,6 +41,7 @@ from planner.console import console, progress
 from planner.contracts.plan import Plan
 from planner.models import build_workload
 from planner.types import DistributedError
+from runtime.crossover import ProbeSchedule
 
 if TYPE_CHECKING:
     from planner.platform.link import LinkRate
@@ -45,7 +49,11 @@ if TYPE_CHECKING:
 __all__ = ["MODES", "CrossoverBenchConfig", "CrossoverJob", "JobRun", "ModeSummary", "crossover_job_worker",
            "print_crossover_bench", "run_crossover_bench", "summarise_crossover"]
 
-MODES = ("sequential", "side-by-side", "crossover")
+MODES = ("sequential", "side-by-side", "crossover", "probed")
+#: The modes that take the pair's gate.
+GATED_MODES = ("crossover", "probed")
+#: How long a probed run goes on after its probe should have decided, waiting for the decision (seconds).
+PROBE_GRACE_S = 60.0
 #: How long a job's rank 0 waits for the other job to be ready before giving up (seconds).
 READY_TIMEOUT_S = 300.0
 #: Distinct batches made before the clock starts and reused.
@@ -83,7 +91,13 @@ class CrossoverBenchConfig:
     lr: float = 0.01
     link: LinkRate | None = None
     gate_dir: str | None = None
+    #: the probed mode's windows (seconds); its warm-up is one window
+    probe_window_s: float = 2.0
     show_progress: bool = True
+
+    @property
+    def probe(self) -> ProbeSchedule:
+        return ProbeSchedule(warmup_s=self.probe_window_s, window_s=self.probe_window_s, every_s=None)
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,11 @@ class JobRun:
     repeat: int
     stamps: tuple[float, ...]  # wall clock (time.time) at the start and after every timed step
     gate_wait_s: float  # seconds rank 0 waited for the pair's gate
+    #: probed: when rank 0 first ran the probe's decision (wall clock), the decision, and the pair's samples per
+    #: second the probe measured (gated, free)
+    decided_at: float | None = None
+    decision: str | None = None
+    probed_samples_per_s: tuple[float | None, float | None] | None = None
 
     def steps_within(self, start: float, end: float) -> int:
         return sum(1 for t in self.stamps[1:] if start < t <= end)
@@ -115,10 +134,12 @@ class ModeSummary:
     samples_range: tuple[float, float]
     predicted_samples_per_s: float
     gate_wait_s: dict[str, float]  # job -> rank 0's seconds waiting for the gate per iteration (median)
-    speedup: float = 1.0  # total against the better baseline of the two others (crossover only)
+    speedup: float = 1.0  # total against the better baseline of sequential and side by side (gated modes)
     #: side by side: the model's best case (the jobs interleaved; `predicted_*` is lockstep), when predicted
     predicted_best_step_s: dict[str, float] | None = None
     predicted_best_samples_per_s: float | None = None
+    #: probed: each repeat's decision, and the pair's samples/s its probe measured gated and free
+    decisions: tuple[tuple[str, float | None, float | None], ...] = ()
 
 
 def _pin(rank: int) -> None:
@@ -148,8 +169,9 @@ def crossover_job_worker(rank: int, world_size: int, config: CrossoverBenchConfi
     model = wl.module
     opt = torch.optim.SGD(model.parameters(), lr=config.lr)
     exchange = GradientExchange(model, spec.plan, model_name=spec.model,
-                                crossover=config.pairing if mode == "crossover" else None,
-                                crossover_job=spec.name, crossover_dir=config.gate_dir)
+                                crossover=config.pairing if mode in GATED_MODES else None,
+                                crossover_job=spec.name, crossover_dir=config.gate_dir,
+                                crossover_probe=config.probe if mode == "probed" else False)
     gen = torch.Generator().manual_seed(1000 * job + rank)
     batches = [wl.make_batch(spec.batch, gen) for _ in range(BATCHES)]
 
@@ -168,13 +190,30 @@ def crossover_job_worker(rank: int, world_size: int, config: CrossoverBenchConfi
         dist.barrier()
         waited = exchange.gate.waited_s if exchange.gate is not None else 0.0
         stamps = [time.time()]
-        for i in range(config.steps):
-            step(i)
-            stamps.append(time.time())
+        probe = exchange.gate.probe if exchange.gate is not None else None
+        if probe is None:
+            for i in range(config.steps):
+                step(i)
+                stamps.append(time.time())
+        else:  # until the decision has run `steps` steps (or the probe never decides)
+            give_up = probe.epoch + probe.schedule.warmup_s + 6 * probe.schedule.window_s + PROBE_GRACE_S
+            i = 0
+            while not (probe.applied and sum(t > probe.applied[0][0] for t in stamps) >= config.steps):
+                if stamps[-1] > give_up:
+                    break
+                step(i)
+                stamps.append(time.time())
+                i += 1
         waited = (exchange.gate.waited_s if exchange.gate is not None else 0.0) - waited
     finally:
         exchange.close()
-    return JobRun(spec.name, mode, repeat, tuple(stamps), waited) if rank == 0 else None
+    if rank != 0:
+        return None
+    if probe is None or not probe.applied:
+        return JobRun(spec.name, mode, repeat, tuple(stamps), waited)
+    at, decision = probe.applied[0]
+    return JobRun(spec.name, mode, repeat, tuple(stamps), waited, decided_at=at, decision=decision.mode,
+                  probed_samples_per_s=(decision.gated_samples_per_s, decision.free_samples_per_s))
 
 
 def run_crossover_bench(config: CrossoverBenchConfig) -> list[JobRun]:
@@ -206,26 +245,34 @@ def run_crossover_bench(config: CrossoverBenchConfig) -> list[JobRun]:
 
 def _timeout(config: CrossoverBenchConfig) -> float:
     slowest = max(max(t for t in p.values() if t is not None) for p in config.predicted.values())
-    return 120.0 + 20 * slowest * (config.steps + config.warmup)
+    return 120.0 + 20 * slowest * (config.steps + config.warmup) + 10 * config.probe_window_s
 
 
 def summarise_crossover(config: CrossoverBenchConfig, runs: list[JobRun]) -> list[ModeSummary]:
     """Per mode: medians over the repeats (see the module docstring for the windows)."""
     samples = {j.name: j.samples for j in config.jobs}
-    key = {"sequential": "alone_s", "side-by-side": "side_by_side_s", "crossover": "crossover_s"}
+    key = {"sequential": "alone_s", "side-by-side": "side_by_side_s", "crossover": "crossover_s",
+           "probed": "crossover_s"}
     out = []
     for mode in MODES:
         totals, steps, waits = [], {n: [] for n in samples}, {n: [] for n in samples}  # type: ignore[var-annotated]
+        decisions = []
         for repeat in range(config.repeats):
             mine = {r.job: r for r in runs if r.mode == mode and r.repeat == repeat}
             if len(mine) != len(samples):
                 continue
+            if mode == "probed":
+                first = next(iter(mine.values()))
+                if any(r.decided_at is None for r in mine.values()):
+                    continue  # the probe never decided: no steady state to count
+                decisions.append((first.decision or "?", *(first.probed_samples_per_s or (None, None))))
             if mode == "sequential":
                 for n, r in mine.items():
                     steps[n].append(r.step_s)
                 totals.append(sum(samples.values()) / sum(r.step_s for r in mine.values()))
             else:
-                start = max(r.stamps[0] for r in mine.values())
+                # probed: from when both jobs run the probe's decision
+                start = max(r.stamps[0] if r.decided_at is None else r.decided_at for r in mine.values())
                 end = min(r.stamps[-1] for r in mine.values())
                 total = 0.0
                 for n, r in mine.items():
@@ -235,6 +282,8 @@ def summarise_crossover(config: CrossoverBenchConfig, runs: list[JobRun]) -> lis
                 totals.append(total)
             for n, r in mine.items():
                 waits[n].append(r.gate_wait_s / (len(r.stamps) - 1))
+        if not totals:
+            continue
         predicted = {n: float(config.predicted[n][key[mode]] or 0.0) for n in samples}
         interleaved = {n: config.predicted[n].get("side_by_side_interleaved_s") for n in samples}
         best_step = ({n: float(t) for n, t in interleaved.items() if t is not None}
@@ -250,8 +299,9 @@ def summarise_crossover(config: CrossoverBenchConfig, runs: list[JobRun]) -> lis
             gate_wait_s={n: statistics.median(v) for n, v in waits.items()},
             predicted_best_step_s=best_step,
             predicted_best_samples_per_s=None if best_step is None else sum(samples[n] / best_step[n]
-                                                                           for n in samples)))
-    best = max(s.samples_per_s for s in out if s.mode != "crossover")
+                                                                           for n in samples),
+            decisions=tuple(decisions)))
+    best = max(s.samples_per_s for s in out if s.mode not in GATED_MODES)
     return [ModeSummary(**{**asdict(s), "speedup": s.samples_per_s / best}) for s in out]
 
 
@@ -285,8 +335,20 @@ def print_crossover_bench(config: CrossoverBenchConfig, runs: list[JobRun], as_j
             s.mode,
             *(f"{s.step_s[j.name] * 1e3:.1f} ({pred_step(j.name)})" for j in config.jobs),
             f"{s.samples_per_s:,.0f}", f"{s.samples_range[0]:,.0f}-{s.samples_range[1]:,.0f}",
-            total, f"{s.speedup:.2f}x" if s.mode == "crossover" else "-",
-            " / ".join(f"{s.gate_wait_s[j.name] * 1e3:.1f}" for j in config.jobs) if s.mode == "crossover" else "-",
-            style="bold" if s.mode == "crossover" else None,
+            total, f"{s.speedup:.2f}x" if s.mode in GATED_MODES else "-",
+            " / ".join(f"{s.gate_wait_s[j.name] * 1e3:.1f}" for j in config.jobs) if s.mode in GATED_MODES else "-",
+            style="bold" if s.mode in GATED_MODES else None,
         )
     console.print(table)
+    for s in summaries:
+        if s.decisions:
+            console.print(f"probed: {_decisions(s.decisions)} (windows of {config.probe_window_s:g} s)")
+
+
+def _decisions(decisions: tuple[tuple[str, float | None, float | None], ...]) -> str:
+    """Each repeat's probe: the mode it chose and the pair's samples/s it measured in each mode."""
+    def samples(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.0f}"
+
+    return "; ".join(f"ran {mode} (measured gated {samples(gated)}, free {samples(free)} samples/s)"
+                     for mode, gated, free in decisions)

@@ -1015,6 +1015,9 @@ class BenchCommand(Command):
                                     "jobs' plans are the ones it names")
         crossover.add_argument("--gate-dir", type=Path, default=None,
                                help="where the jobs' device gates live (default: a fresh temporary folder)")
+        crossover.add_argument("--probe-window", type=_positive_float, default=None, metavar="S",
+                               help="the probed mode's windows in seconds: it runs the pair gated and free for two "
+                                    "windows each, then the better (default 2)")
         _add_link(parser)
         _add_slowdown(parser)
         parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -1024,7 +1027,8 @@ class BenchCommand(Command):
         from planner.contracts.plan import Plan
         from planner.platform.launch import under_torchrun
 
-        crossover_only = [flag for flag, value in (("--pairing", args.pairing), ("--gate-dir", args.gate_dir))
+        crossover_only = [flag for flag, value in (("--pairing", args.pairing), ("--gate-dir", args.gate_dir),
+                                                   ("--probe-window", args.probe_window))
                           if value is not None]
         if crossover_only and args.strategy != CROSSOVER:
             raise PlannerError(f"{crossover_only[0]} applies to --strategy crossover only")
@@ -1117,7 +1121,7 @@ class BenchCommand(Command):
             pairing=str(args.pairing), jobs=tuple(jobs),
             predicted={pairing.jobs[i].name: pairing.predicted[i].to_dict() for i in pairing.pairs[0]},
             steps=args.steps, warmup=args.warmup, repeats=args.repeats or 3, link=args.link, gate_dir=gate_dir,
-            show_progress=not args.json)
+            probe_window_s=args.probe_window or 2.0, show_progress=not args.json)
         print_crossover_bench(config, run_crossover_bench(config), args.json)
         return 0
 
