@@ -14,6 +14,9 @@ behind `--link` rank r of every job also shares host r's shaped network card.
 - probed: both at once, the runtime's default: the pair measures itself gated and free for four windows of
   `probe_window_s` (`runtime.crossover.ProbeSchedule`) and runs the mode that made more samples per second.
   Only the steps after both jobs have the decision count, so the row shows the steady state, not the probe.
+  So that the concurrent modes compare like with like, side by side and crossed over also start their clocks
+  only after running together that long (`settle_s`, six windows): two jobs started together begin in
+  lockstep and take seconds to drift apart.
 
 Steps are timed on rank 0 of each job (wall clock, the same host clock for both). For the two concurrent
 modes the jobs start together (after their warm-up steps each job's rank 0 marks itself ready and waits for
@@ -96,6 +99,12 @@ class CrossoverBenchConfig:
     show_progress: bool = True
 
     @property
+    def settle_s(self) -> float:
+        """Seconds the side-by-side and crossover runs go on together before their clocks start: about when the
+        probed run decides (its warm-up, four windows and the window in which the measurements come in)."""
+        return 6 * self.probe_window_s
+
+    @property
     def probe(self) -> ProbeSchedule:
         return ProbeSchedule(warmup_s=self.probe_window_s, window_s=self.probe_window_s, every_s=None)
 
@@ -157,6 +166,13 @@ def _wait_for_partners(ready_dir: str, job: str, names: list[str]) -> None:
         time.sleep(0.01)
 
 
+def _rank0_says(go_on: bool) -> bool:
+    """Rank 0's `go_on`, on every rank of the job (so that all run the same steps)."""
+    flag = torch.tensor([int(go_on)])
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
 def crossover_job_worker(rank: int, world_size: int, config: CrossoverBenchConfig, job: int, mode: str,
                          repeat: int, ready_dir: str, together: list[str]) -> JobRun | None:
     """One job's rank in one run: warm up, start with the jobs in `together`, time `config.steps` steps."""
@@ -188,22 +204,27 @@ def crossover_job_worker(rank: int, world_size: int, config: CrossoverBenchConfi
         if rank == 0:
             _wait_for_partners(ready_dir, spec.name, together)
         dist.barrier()
+        probe = exchange.gate.probe if exchange.gate is not None else None
+        i = config.warmup
+        if mode in ("side-by-side", "crossover"):  # settle as long as the probed run takes to decide
+            settled = time.time() + config.settle_s
+            while _rank0_says(time.time() < settled):
+                step(i)
+                i += 1
         waited = exchange.gate.waited_s if exchange.gate is not None else 0.0
         stamps = [time.time()]
-        probe = exchange.gate.probe if exchange.gate is not None else None
         if probe is None:
-            for i in range(config.steps):
+            for _ in range(config.steps):
                 step(i)
-                stamps.append(time.time())
-        else:  # until the decision has run `steps` steps (or the probe never decides)
-            give_up = probe.epoch + probe.schedule.warmup_s + 6 * probe.schedule.window_s + PROBE_GRACE_S
-            i = 0
-            while not (probe.applied and sum(t > probe.applied[0][0] for t in stamps) >= config.steps):
-                if stamps[-1] > give_up:
-                    break
-                step(i)
-                stamps.append(time.time())
                 i += 1
+                stamps.append(time.time())
+        else:  # until rank 0 has run the decision `steps` steps (or the probe never decided)
+            give_up = probe.epoch + probe.schedule.warmup_s + 6 * probe.schedule.window_s + PROBE_GRACE_S
+            while _rank0_says(not (probe.applied and sum(t > probe.applied[0][0] for t in stamps) >= config.steps)
+                              and stamps[-1] < give_up):
+                step(i)
+                i += 1
+                stamps.append(time.time())
         waited = (exchange.gate.waited_s if exchange.gate is not None else 0.0) - waited
     finally:
         exchange.close()
@@ -245,7 +266,7 @@ def run_crossover_bench(config: CrossoverBenchConfig) -> list[JobRun]:
 
 def _timeout(config: CrossoverBenchConfig) -> float:
     slowest = max(max(t for t in p.values() if t is not None) for p in config.predicted.values())
-    return 120.0 + 20 * slowest * (config.steps + config.warmup) + 10 * config.probe_window_s
+    return 120.0 + 20 * slowest * (config.steps + config.warmup) + 10 * config.probe_window_s + config.settle_s
 
 
 def summarise_crossover(config: CrossoverBenchConfig, runs: list[JobRun]) -> list[ModeSummary]:
