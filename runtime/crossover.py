@@ -54,12 +54,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import torch
+
 from planner.contracts.pairing import PairingPlan, check_job_plan, plan_fingerprint
 from planner.contracts.plan import Plan
 from planner.types import GateTimeoutError, PlanMismatchError, PlannerFileError
 
 __all__ = ["DEFAULT_GATE_TIMEOUT_S", "FREE", "GATED", "GATE_DIR_ENV", "PROBE_WINDOWS", "DeviceGate", "GateProbe",
-           "ProbeDecision", "ProbeSchedule", "crossover_gate", "decide", "window_rates"]
+           "ProbeDecision", "ProbeSchedule", "crossover_gate", "decide", "device_idle", "window_rates"]
 
 #: The environment variable naming the directory of the gate files (default <tmp>/planner-gates).
 GATE_DIR_ENV = "PLANNER_GATE_DIR"
@@ -197,11 +199,12 @@ def decide(cycle: int, results: Mapping[str, Sequence[Mapping[str, float | None]
 
 class GateProbe:
     """One rank's part in its pair's probe (see `ProbeSchedule`), through files beside the gate `path`:
-    `<gate>.session` (every rank of both jobs holds a shared lock on it while it has the gate open; the first
-    to find it unlocked starts a new session: it removes the last session's files and writes the start time),
-    `<gate>.probe-epoch`, `<gate>.probe-c<cycle>-<job>-<pid>-<token>.json` (a rank's steps per second in each mode)
-    and `<gate>.probe-c<cycle>-decision.json` (the first rank past the cycle's probe writes it; the rest read
-    it).
+
+    - `<gate>.session`: every rank of both jobs holds a shared lock on it while it has the gate open. The first
+      to find it unlocked starts a new session: it removes the last session's files and writes
+      `<gate>.probe-epoch`, the start time and its schedule, which every rank joining the session follows.
+    - `<gate>.probe-c<cycle>-<job>-<pid>-<token>.json`: a rank's steps per second in each mode.
+    - `<gate>.probe-c<cycle>-decision.json`: the first rank past the cycle's probe writes it; the rest read it.
 
     Args:
         path: the gate file.
@@ -230,11 +233,17 @@ class GateProbe:
             if _try(self._session, fcntl.LOCK_EX):  # no live rank: a new session
                 for old in self._dir.glob(glob.escape(self._prefix) + "*"):
                     old.unlink(missing_ok=True)
-                self._write(epoch, repr(time.time()))
+                self._write(epoch, json.dumps({"epoch": time.time(), **asdict(schedule)}))
                 fcntl.flock(self._session, fcntl.LOCK_SH)
             else:
                 fcntl.flock(self._session, fcntl.LOCK_SH)  # nobody holds it exclusively outside the mutex
-            self.epoch = float(epoch.read_text(encoding="ascii"))
+            # the session's start and schedule, the first rank's: the two jobs switch together whatever each asked
+            try:
+                session = json.loads(epoch.read_text(encoding="ascii"))
+                self.epoch = float(session.pop("epoch"))
+                self.schedule = ProbeSchedule(**session)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                raise ValueError(f"the probe's session file {epoch} is damaged (delete it)") from None
         except (OSError, ValueError):
             self.close()
             raise
@@ -480,6 +489,14 @@ class DeviceGate:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def device_idle(device: torch.device) -> None:
+    """Return once `device` has run the work queued on its current stream: a CUDA device runs kernels after the
+    host queues them, so a rank's compute phase ends when the device has run its backward, not when the host has
+    queued it (the collectives, on their own streams, go on). A CPU has run its work when the call returns."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def crossover_gate(crossover: Any, plan: Plan, *, job: str | None = None,

@@ -61,7 +61,7 @@ from planner.contracts.plan import Group, Plan
 from planner.costmodel.problem import topk_count
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk, take_topk
 from planner.types import DistributedError, PlanMismatchError, Strategy
-from runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, ProbeSchedule, crossover_gate
+from runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, ProbeSchedule, crossover_gate, device_idle
 from runtime.retune import resolve_plan
 
 if TYPE_CHECKING:
@@ -444,6 +444,7 @@ class GradientExchange:
                                                       timeout_s=crossover_timeout_s, probe=crossover_probe)
         if self.gate is not None:
             self._hooks.append(model.register_forward_pre_hook(_GateHook(self)))
+        self._device = next((p.device for st in self._groups for p in st.params), torch.device("cpu"))
         _LIVE.add(self)
 
     @classmethod
@@ -707,7 +708,9 @@ class GradientExchange:
                 if not st.prepared:
                     self._prepare(st)
             self._launch_prepared()
-            if self.gate is not None:  # compute is done: the partner computes while these collectives run
+            if self.gate is not None:  # the partner computes while these collectives run
+                if self.gate.held:  # once the device has run this backward (CUDA runs it after queuing it)
+                    device_idle(self._device)
                 self.gate.release()
             try:
                 used = self._used_anywhere() if self.find_unused_parameters else None

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from planner.types import PlannerFileError
 from runtime.crossover import (
     FREE,
     GATED,
@@ -18,6 +19,7 @@ from runtime.crossover import (
     ProbeDecision,
     ProbeSchedule,
     decide,
+    device_idle,
     window_rates,
 )
 
@@ -159,3 +161,34 @@ def test_a_free_step_leaves_the_gate_to_the_partner(tmp_path: Path) -> None:
         gate.close()
     with pytest.raises(ValueError, match="a probe needs turns"):
         DeviceGate(path, probe=free)
+
+
+def test_a_rank_joining_a_session_follows_its_schedule(tmp_path: Path) -> None:
+    path = tmp_path / "pair0.lock"
+    first = GateProbe(path, SCHEDULE, "job0", {"job0": 1, "job1": 1})
+    joined = GateProbe(path, ProbeSchedule(), "job1", {"job0": 1, "job1": 1})  # asks for the default schedule
+    assert joined.schedule == SCHEDULE  # but switches with the session's
+    joined.close()
+    first.close()
+    (tmp_path / "pair0.lock.probe-epoch").write_text("[1, 2]")
+    held = GateProbe(path, SCHEDULE, "job0", {"job0": 1, "job1": 1})  # a new session rewrites it
+    with pytest.raises(PlannerFileError, match=r"probe-epoch is damaged \(delete it\)"):
+        (tmp_path / "pair0.lock.probe-epoch").write_text("{}")
+        DeviceGate(path, turns=("job1", "job0"), probe=SCHEDULE)  # joins the live session: its file is damaged
+    held.close()
+
+
+def test_the_gate_is_handed_over_once_a_cuda_device_has_run_the_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    synced: list[object] = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            synced.append("stream")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: synced.append(device) or Stream())
+    device_idle(torch.device("cpu"))
+    assert synced == []  # a CPU has run its work when the call returns
+    device_idle(torch.device("cuda", 1))
+    assert synced == [torch.device("cuda", 1), "stream"]

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import runtime.exchange
 from planner.commands.pair import make_pairing
 from planner.contracts.layers import gradient_layers, groups_for
 from planner.contracts.pairing import PairingJob, PairingPlan
@@ -153,7 +154,8 @@ def test_a_killed_job_releases_its_devices(tmp_path: Path) -> None:
     assert [r["gate"] for r in again] == [STEPS, STEPS]
 
 
-def test_a_job_the_pairing_leaves_alone_has_no_gate_and_unknown_plans_are_refused(tmp_path: Path) -> None:
+def test_a_job_the_pairing_leaves_alone_has_no_gate_and_unknown_plans_are_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     wide_plan, deep_plan = job_plan("wide", world_size=1), job_plan("deep", world_size=1)
     # a third job that takes far longer than either: pairing it would only slow the pair
     lone_plan = replace(job_plan("other", world_size=1), predicted=Prediction(iteration_s=5.0, compute_s=5.0,
@@ -178,7 +180,10 @@ def test_a_job_the_pairing_leaves_alone_has_no_gate_and_unknown_plans_are_refuse
     assert paired.gate is not None and not paired.gate.held
     F.cross_entropy(model(torch.randn(4, 10)), torch.tensor([0, 1, 2, 3])).backward()
     assert paired.gate.held
+    idle: list[tuple[torch.device, bool]] = []  # the device waited on, and whether the gate was held then
+    monkeypatch.setattr(runtime.exchange, "device_idle", lambda device: idle.append((device, paired.gate.held)))
     paired.synchronize()
+    assert idle == [(torch.device("cpu"), True)]  # the device has run the backward before the gate goes
     assert not paired.gate.held and paired.gate.acquisitions == 1
     with torch.no_grad():
         model(torch.randn(2, 10))  # an evaluation forward does not take the device
