@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from planner.contracts.jsonio import write_json_atomic
 from planner.contracts.pairing import PairingPlan, check_job_plan, plan_fingerprint
 from planner.contracts.plan import Plan
 from planner.types import GateTimeoutError, PlanMismatchError, PlannerFileError
@@ -233,7 +234,7 @@ class GateProbe:
             if _try(self._session, fcntl.LOCK_EX):  # no live rank: a new session
                 for old in self._dir.glob(glob.escape(self._prefix) + "*"):
                     old.unlink(missing_ok=True)
-                self._write(epoch, json.dumps({"epoch": time.time(), **asdict(schedule)}))
+                write_json_atomic(epoch, {"epoch": time.time(), **asdict(schedule)}, "crossover probe file")
                 fcntl.flock(self._session, fcntl.LOCK_SH)
             else:
                 fcntl.flock(self._session, fcntl.LOCK_SH)  # nobody holds it exclusively outside the mutex
@@ -275,9 +276,9 @@ class GateProbe:
         windows = [(self.epoch + a, self.epoch + b, mode) for a, b, mode in self.schedule.windows(cycle)]
         rates = window_rates(self._stamps, windows)
         self._stamps = []
-        with contextlib.suppress(OSError):
-            self._write(self._dir / f"{self._prefix}c{cycle}-{_file_name(self.job)}-{self._me}.json",
-                        json.dumps({"job": self.job, **rates}))
+        with contextlib.suppress(PlannerFileError):  # a rank that cannot write leaves the decision to the others
+            write_json_atomic(self._dir / f"{self._prefix}c{cycle}-{_file_name(self.job)}-{self._me}.json",
+                              {"job": self.job, **rates}, "crossover probe file")
 
     def decision(self, cycle: int) -> ProbeDecision:
         """The decision of `cycle`: the file's, else made from the ranks' measurements now and written."""
@@ -297,7 +298,7 @@ class GateProbe:
                     results.setdefault(str(data["job"]), []).append(rates)
             made = decide(cycle, results, self.samples)
             try:
-                self._write(path, json.dumps(asdict(made)), exclusive=True)
+                self._create(path, json.dumps(asdict(made)))
                 found = made
             except FileExistsError:  # another rank decided first: its decision holds for all
                 found = self._read_decision(path) or made
@@ -315,17 +316,13 @@ class GateProbe:
             return None
         return found if found.mode in (GATED, FREE) else None
 
-    def _write(self, path: Path, text: str, *, exclusive: bool = False) -> None:
-        """Write `text` to `path` whole (a temporary file renamed, or linked when `exclusive`: FileExistsError
-        if the file exists)."""
+    def _create(self, path: Path, text: str) -> None:
+        """Create `path` holding `text`, whole (a temporary file linked to it); FileExistsError if it exists."""
         fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=".probe-")
         try:
             with os.fdopen(fd, "w", encoding="ascii") as out:
                 out.write(text)
-            if exclusive:
-                os.link(tmp, path)
-            else:
-                os.replace(tmp, path)
+            os.link(tmp, path)
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
