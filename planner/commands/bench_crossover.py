@@ -118,8 +118,8 @@ class JobRun:
     repeat: int
     stamps: tuple[float, ...]  # wall clock (time.time) at the start and after every timed step
     gate_wait_s: float  # seconds rank 0 waited for the pair's gate
-    #: probed: when rank 0 first ran the probe's decision (wall clock), the decision, and the pair's samples per
-    #: second the probe measured (gated, free)
+    #: probed: when rank 0's timed steps under the probe's decision began (wall clock), the decision, and the
+    #: pair's samples per second the probe measured (gated, free)
     decided_at: float | None = None
     decision: str | None = None
     probed_samples_per_s: tuple[float | None, float | None] | None = None
@@ -218,10 +218,14 @@ def crossover_job_worker(rank: int, world_size: int, config: CrossoverBenchConfi
                 step(i)
                 i += 1
                 stamps.append(time.time())
-        else:  # until rank 0 has run the decision `steps` steps (or the probe never decided)
+        else:  # until rank 0 runs the probe's decision (or gives up on it), then `steps` more: the timed ones
             give_up = probe.epoch + probe.schedule.warmup_s + 6 * probe.schedule.window_s + PROBE_GRACE_S
-            while _rank0_says(not (probe.applied and sum(t > probe.applied[0][0] for t in stamps) >= config.steps)
-                              and stamps[-1] < give_up):
+            while _rank0_says(not probe.applied and time.time() < give_up):
+                step(i)
+                i += 1
+                stamps.append(time.time())
+            decided_at = time.time() if probe.applied else None  # no broadcast per step from here, as elsewhere
+            for _ in range(config.steps):
                 step(i)
                 i += 1
                 stamps.append(time.time())
@@ -232,8 +236,8 @@ def crossover_job_worker(rank: int, world_size: int, config: CrossoverBenchConfi
         return None
     if probe is None or not probe.applied:
         return JobRun(spec.name, mode, repeat, tuple(stamps), waited)
-    at, decision = probe.applied[0]
-    return JobRun(spec.name, mode, repeat, tuple(stamps), waited, decided_at=at, decision=decision.mode,
+    decision = probe.applied[0][1]
+    return JobRun(spec.name, mode, repeat, tuple(stamps), waited, decided_at=decided_at, decision=decision.mode,
                   probed_samples_per_s=(decision.gated_samples_per_s, decision.free_samples_per_s))
 
 
