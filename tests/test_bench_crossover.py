@@ -102,6 +102,10 @@ def test_bench_crossover_bad_input_gives_one_line(tmp_path: Path) -> None:
                     "--pairing applies to --strategy crossover only")
     _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing), "--plan",
                          str(tmp_path / "digits.json")), "--plan does not apply to --strategy crossover")
+    _one_clear_line(_cli("bench", "--plan", str(tmp_path / "digits.json"), "--probe-window", "2"),
+                    "--probe-window applies to --strategy crossover only")
+    _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing), "--probe-window", "0"),
+                    "expected a finite number > 0")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing), "--gate-dir",
