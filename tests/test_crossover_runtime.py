@@ -32,8 +32,30 @@ from tests.factories import plan_with_groups
 STEPS = 6
 
 
+class Shaped(nn.Module):
+    """Shaped like real models: a tied weight, a frozen layer, BatchNorm, an unused parameter, and parameters
+    registered in another order than used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(12, 4)  # registered first, used last
+        self.frozen = nn.Linear(10, 10)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Linear(10, 12)
+        self.norm = nn.BatchNorm1d(12)
+        self.unused = nn.Linear(3, 3)
+        self.tail = nn.Linear(10, 12, bias=False)
+        self.tail.weight = self.body.weight  # tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.body(self.frozen(x))))
+        return self.head(h + torch.tanh(self.tail(x)))
+
+
 def build(kind: str) -> nn.Module:
-    torch.manual_seed({"wide": 1, "deep": 2, "other": 3}[kind])
+    torch.manual_seed({"wide": 1, "deep": 2, "other": 3, "shaped": 4}[kind])
+    if kind == "shaped":
+        return Shaped()
     if kind == "wide":
         return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
     if kind == "deep":
@@ -102,15 +124,16 @@ FLICKER = ProbeSchedule(warmup_s=0.0, window_s=0.004, every_s=0.01)
 @pytest.mark.parametrize(("strategies", "probe"), [([Strategy.DENSE, Strategy.DENSE], False),
                                                    ([Strategy.TOPK, Strategy.DENSE], False),
                                                    ([Strategy.TOPK, Strategy.DENSE], FLICKER)],
-                         ids=["dense+dense", "topk+dense", "topk+dense probing"])
+                         ids=["dense+dense", "topk+dense", "topk+shaped probing"])
 def test_crossing_over_changes_timing_only(tmp_path: Path, strategies: list[Strategy],
                                            probe: ProbeSchedule | bool) -> None:
-    pairing, (wide, deep) = write_pairing(tmp_path, ["wide", "deep"], strategies)
+    second = "deep" if probe is False else "shaped"
+    pairing, (wide, deep) = write_pairing(tmp_path, ["wide", second], strategies)
     assert PairingPlan.load(pairing).pairs == ((0, 1),)
     gates = str(tmp_path / "gates")
     crossed = run_jobs([(_job_worker, 2, ("wide", wide, pairing, gates, None, probe)),
-                        (_job_worker, 2, ("deep", deep, pairing, gates, None, probe))])
-    for kind, path, together in (("wide", wide, crossed[0]), ("deep", deep, crossed[1])):
+                        (_job_worker, 2, (second, deep, pairing, gates, None, probe))])
+    for kind, path, together in (("wide", wide, crossed[0]), (second, deep, crossed[1])):
         alone = run_distributed(_job_worker, 2, kind, path, None, gates, None)
         for rank in range(2):
             assert together[rank]["steps"] == STEPS
