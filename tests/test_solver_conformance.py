@@ -43,7 +43,7 @@ from planner.solvers.placement import (
     placement_lower_bound,
     random_placement_problem,
 )
-from planner.types import SolverError, Strategy
+from planner.types import GROUPING_STRATEGIES, SolverError, Strategy
 from tests.test_solvers import brute_force
 
 RTOL = 1e-9
@@ -51,7 +51,7 @@ RTOL = 1e-9
 
 def _grouping_cases() -> list[tuple[GroupingSolver, Strategy]]:
     cases: list[tuple[GroupingSolver, Strategy]] = [(DenseDP(), Strategy.DENSE), (TopkParetoDP(), Strategy.TOPK)]
-    cases += [(solver, strategy) for strategy in Strategy for solver in BASELINES[strategy]]
+    cases += [(solver, strategy) for strategy in GROUPING_STRATEGIES for solver in BASELINES[strategy]]
     return cases
 
 

@@ -21,7 +21,7 @@ from rich.table import Table
 from planner.console import console, err_console, progress
 from planner.contracts.abs import TRIGGERS
 from planner.contracts.jsonio import check_output_path, ensure_folder
-from planner.types import InverseMethod, PlannerError, Strategy
+from planner.types import GROUPING_STRATEGIES, InverseMethod, PlannerError, Strategy
 
 __all__ = ["Command", "main"]
 
@@ -599,7 +599,8 @@ class SimulateCommand(Command):
                             help=CLUSTER_HELP + "; default: the profile's own network, scaled by the ring model")
         parser.add_argument("--world-sizes", default="8,64,512", metavar="LIST",
                             help="e.g. 8,64,512 or 4,8,...,1024 (doubling); multiples of the GPUs per node")
-        parser.add_argument("--strategy", choices=[*(s.value for s in Strategy), KFAC], default=Strategy.DENSE.value)
+        parser.add_argument("--strategy", choices=[*(s.value for s in GROUPING_STRATEGIES), KFAC],
+                            default=Strategy.DENSE.value)
         parser.add_argument("--density", type=_density, default=None, help="top-k density (default 0.01)")
         _kfac_options(parser)
         parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -835,7 +836,8 @@ class TuneCommand(Command):
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("profile", type=Path, help="profile file from `planner profile`")
-        parser.add_argument("--strategy", choices=[*(s.value for s in Strategy), KFAC], default=Strategy.DENSE.value)
+        parser.add_argument("--strategy", choices=[*(s.value for s in GROUPING_STRATEGIES), KFAC],
+                            default=Strategy.DENSE.value)
         parser.add_argument("--density", type=_density, default=None, help="starting top-k density (default 0.01)")
         _kfac_options(parser)
         parser.add_argument("--model", default=None, help="model (default: the profile's)")

@@ -18,7 +18,7 @@ from planner.costmodel.costs import AffineCost, PiecewiseLinearCost
 from planner.costmodel.problem import GradientProblem
 from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DenseDP, GroupingSolver, TopkParetoDP, lower_bound
-from planner.types import SolverError, Strategy
+from planner.types import GROUPING_STRATEGIES, SolverError, Strategy
 
 __all__ = ["random_problem", "time_solvers"]
 
@@ -96,7 +96,7 @@ def time_solvers(num_layers: int = 1000, repeats: int = 5, seed: int = 0,
     if repeats < 1:
         raise SolverError(f"`repeats >= 1` must hold, but got repeats={repeats}")
     rows: list[dict[str, Any]] = []
-    for strategy, sigma in ((st, sg) for st in Strategy for sg in interference):
+    for strategy, sigma in ((st, sg) for st in GROUPING_STRATEGIES for sg in interference):
         problem = random_problem(num_layers, strategy, seed=seed, interference=sigma)
         bound = lower_bound(problem)
         for solver in (_exact_solver(strategy), *BASELINES[strategy]):

@@ -6,17 +6,21 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
       "schema_version": 1,
       "kind": "planner.plan",
       "created": "2026-11-22T12:00:00+00:00",
-      "strategy": "dense" | "topk",
-      "density": null | 0.01,                        # top-k fraction, null for dense
-      "selector": null | "exact" | "sampled",        # top-k selector (planner.kernels.topk), null for dense;
-                                                     # optional: absent reads as "exact" for top-k
+      "strategy": "dense" | "topk" | "mixed",
+      "density": null | 0.01,                        # top-k fraction, null for dense and mixed
+      "selector": null | "exact" | "sampled",        # top-k selector (planner.kernels.topk) of a top-k plan or
+                                                     # of a mixed plan's top-k groups, else null; optional:
+                                                     # absent reads as "exact" where there is top-k
+      "compressors": null | ["dense", "fp16", ...],  # mixed plans: the compressors the solver could choose from
+                                                     # (the accuracy budget); optional, absent: null
       "model":   {"name", "fingerprint", "num_params", "numel"},
       "cluster": {"world_size", "backend", "device", "host_count"},
       "source":  {"profile": "profiles/resnet18.json", "profiled": "<date of the profile>"},
       "solver":  {"name": "dense-dp", "seconds": 0.004},
       "groups": [                                    # in the order gradients become ready
         {"layers": ["fc"], "params": ["fc.weight", "fc.bias"], "numel": 5130, "k": null}, ...
-      ],
+      ],                                             # a mixed plan's groups add "compressor": "powersgd:4"
+                                                     # (dense, fp16, powersgd:R, topk:D; k for top-k only)
       "predicted": {
         "plan":      {"iteration_s", "compute_s", "exposed_comm_s", "comm_s", "selection_s", "decode_s", "num_groups",
                       "pack_s", "interference_s"},          # the last two optional (0 when absent)
@@ -31,6 +35,11 @@ A top-k plan names the selector whose measured cost its predictions use: "exact"
 "sampled" (threshold from a random sample, exact top-k of the candidates above it); both send the same
 entries, so the selector changes the time, not the decisions' meaning. Plans written before the field
 existed used the exact selector.
+
+A mixed plan (`planner solve --strategy mixed --compressors ...`) sends each group with its own compressor
+(`planner.types.Compressor`): fp32 allreduce, fp16 allreduce, PowerSGD at rank R or top-k at density D. Its
+top-k groups carry k and share the plan's selector. Dense and top-k plans have no per-group compressor (all
+groups are sent the plan's way), and read as they always did.
 
 A K-FAC plan (`planner solve --strategy kfac`) has dense gradient groups and a `kfac` section with the
 factor fusion buffers, the owner of every factor's inversion, the update intervals and predictions.
@@ -61,9 +70,17 @@ from planner.contracts.jsonio import (
 )
 from planner.contracts.kfac import KFACSection
 from planner.costmodel.problem import Prediction
-from planner.types import PlanMismatchError, SchemaError, Strategy
+from planner.types import (
+    DENSE_COMPRESSOR,
+    Compressor,
+    CompressorError,
+    CompressorKind,
+    PlanMismatchError,
+    SchemaError,
+    Strategy,
+)
 
-__all__ = ["PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "Group", "Plan", "check_selector"]
+__all__ = ["PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "Group", "Plan", "check_selector", "parse_compressor"]
 
 PLAN_SCHEMA_VERSION = 1
 PLAN_KIND = "planner.plan"
@@ -80,22 +97,36 @@ def check_selector(selector: object, where: str) -> str:
     return selector
 
 
+def parse_compressor(text: object, where: str) -> Compressor:
+    """The compressor `text` names, or a SchemaError naming `where`."""
+    try:
+        return Compressor.parse(text)  # type: ignore[arg-type]
+    except CompressorError as exc:
+        raise SchemaError(f"{where}: {exc}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Group:
-    """One collective: contiguous layers (ready order), their parameters, size, and k for top-k."""
+    """One collective: contiguous layers (ready order), their parameters, size, k for top-k, and (mixed plans
+    only) how it is sent."""
 
     layers: tuple[str, ...]
     params: tuple[str, ...]
     numel: int
     k: int | None = None
+    compressor: Compressor | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "params": list(self.params), "numel": self.numel, "k": self.k}
+        out: dict[str, Any] = {"layers": list(self.layers), "params": list(self.params), "numel": self.numel,
+                               "k": self.k}
+        if self.compressor is not None:
+            out["compressor"] = str(self.compressor)
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> Group:
         expect(data, dict, where)
-        check_fields(data, where, ["layers", "params", "numel", "k"])
+        check_fields(data, where, ["layers", "params", "numel", "k"], optional=["compressor"])
         layers = tuple(expect(x, str, f"{where}.layers[]") for x in expect(data["layers"], list, f"{where}.layers"))
         params = tuple(expect(x, str, f"{where}.params[]") for x in expect(data["params"], list, f"{where}.params"))
         numel = expect_int(data["numel"], f"{where}.numel", 1, MAX_NUMEL)
@@ -105,7 +136,10 @@ class Group:
                               f"and params={list(params)}")
         if k is not None and not 0 < k <= numel:
             raise SchemaError(f"{where}: `0 < k <= numel` must hold, but got (k={k}, numel={numel})")
-        return cls(layers=layers, params=params, numel=numel, k=k)
+        compressor = data.get("compressor")
+        if compressor is not None:
+            compressor = parse_compressor(compressor, f"{where}.compressor")
+        return cls(layers=layers, params=params, numel=numel, k=k, compressor=compressor)
 
 
 def _prediction_from_dict(data: Any, where: str) -> Prediction:
@@ -136,19 +170,23 @@ class Plan:
     created: str
     kfac: KFACSection | None = None
     abs: ABSSection | None = None
-    #: The top-k selector ("exact" or "sampled"); None for dense plans. A top-k plan made without one
-    #: gets "exact", the selector every plan used before there was a choice.
+    #: The top-k selector ("exact" or "sampled") of a top-k plan or of a mixed plan's top-k groups; None
+    #: otherwise. A top-k plan made without one gets "exact", the selector every plan used before there
+    #: was a choice.
     selector: str | None = None
+    #: Mixed plans: the compressors the solver could choose from (None: not recorded, or not mixed).
+    compressors: tuple[Compressor, ...] | None = None
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         if not self.groups:
             raise SchemaError("a plan needs at least one group")
-        if self.strategy is Strategy.TOPK:
+        self._check_compressors()
+        if self.sends_topk:
             object.__setattr__(self, "selector", check_selector(self.selector or "exact", "plan.selector"))
         elif self.selector is not None:
-            raise SchemaError(f"only a top-k plan has a selector, but this {self.strategy.value} plan has "
-                              f"selector={self.selector!r}")
+            raise SchemaError(f"only a plan with top-k groups has a selector, but this {self.strategy.value} plan "
+                              f"has selector={self.selector!r}")
         if self.kfac is not None:
             if self.strategy is not Strategy.DENSE:
                 raise SchemaError("a K-FAC plan exchanges gradients densely: its strategy must be 'dense'")
@@ -168,6 +206,8 @@ class Plan:
                 raise SchemaError(f"a top-k plan needs `0 < density <= 1`, but got density={self.density}")
             if any(g.k is None for g in self.groups):
                 raise SchemaError("every group of a top-k plan needs k")
+        elif self.strategy is Strategy.DENSE and any(g.k is not None for g in self.groups):
+            raise SchemaError("a dense plan's groups have no k; only top-k groups do")
         elif self.density is not None:
             raise SchemaError(f"only a top-k plan has a density, but this {self.strategy.value} plan has "
                               f"density={self.density}")
@@ -189,9 +229,57 @@ class Plan:
                 f"{self.model.name} has {self.model.num_params} of {self.model.numel:,}: every trainable "
                 "parameter must be in one group; re-plan with `planner solve`")
 
+    def _check_compressors(self) -> None:
+        """A mixed plan names every group's compressor, with k exactly for its top-k groups; the others none."""
+        if self.strategy is not Strategy.MIXED:
+            named = [i for i, g in enumerate(self.groups) if g.compressor is not None]
+            if named:
+                raise SchemaError(f"only a mixed plan names a compressor per group, but this {self.strategy.value} "
+                                  f"plan names one in group {named[0]}")
+            if self.compressors is not None:
+                raise SchemaError(f"only a mixed plan lists its compressors, but this {self.strategy.value} plan "
+                                  "has plan.compressors")
+            return
+        for i, g in enumerate(self.groups):
+            if g.compressor is None:
+                raise SchemaError(f"plan.groups[{i}] of a mixed plan needs a compressor (dense, fp16, powersgd:R or "
+                                  "topk:D)")
+            topk = g.compressor.kind is CompressorKind.TOPK
+            if topk and g.k is None:
+                raise SchemaError(f"plan.groups[{i}] is sent by {g.compressor} and needs k")
+            if not topk and g.k is not None:
+                raise SchemaError(f"plan.groups[{i}] is sent by {g.compressor}: only top-k groups have k, but got "
+                                  f"k={g.k}")
+        if self.compressors is not None:
+            allowed = set(self.compressors)
+            used = [str(g.compressor) for g in self.groups if g.compressor not in allowed]
+            if used:
+                raise SchemaError(f"plan.compressors lists {', '.join(map(str, self.compressors))}, but a group is "
+                                  f"sent by {used[0]}")
+
+    def compressor_of(self, group: Group) -> Compressor:
+        """How `group` is sent: its own compressor in a mixed plan, else the plan's way (dense, or top-k at the
+        plan's density)."""
+        match self.strategy:
+            case Strategy.MIXED:
+                assert group.compressor is not None
+                return group.compressor
+            case Strategy.TOPK:
+                assert self.density is not None
+                return Compressor(CompressorKind.TOPK, density=self.density)
+            case _:
+                return DENSE_COMPRESSOR
+
+    @property
+    def sends_topk(self) -> bool:
+        """Whether some group is sent by top-k (then the plan has a selector)."""
+        if self.strategy is Strategy.MIXED:
+            return any(g.compressor is not None and g.compressor.kind is CompressorKind.TOPK for g in self.groups)
+        return self.strategy is Strategy.TOPK
+
     # -- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "schema_version": self.schema_version,
             "kind": PLAN_KIND,
             "created": self.created,
@@ -211,6 +299,9 @@ class Plan:
             "kfac": None if self.kfac is None else self.kfac.to_dict(),
             "abs": None if self.abs is None else self.abs.to_dict(),
         }
+        if self.compressors is not None:
+            out["compressors"] = [str(c) for c in self.compressors]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
@@ -223,8 +314,8 @@ class Plan:
         if data.get("kind") != PLAN_KIND:
             raise SchemaError(f"not a plan: kind is {data.get('kind')!r}, expected {PLAN_KIND!r}")
         fields = ["schema_version", "kind", "created", "strategy", "density", "model", "cluster", "source", "solver"]
-        data = {"kfac": None, "abs": None, "selector": None, **data}
-        check_fields(data, "plan", [*fields, "groups", "predicted", "kfac", "abs", "selector"])
+        data = {"kfac": None, "abs": None, "selector": None, "compressors": None, **data}
+        check_fields(data, "plan", [*fields, "groups", "predicted", "kfac", "abs", "selector", "compressors"])
         try:
             strategy = Strategy(data["strategy"])
         except ValueError:
@@ -247,6 +338,10 @@ class Plan:
         check_fields(predicted, "plan.predicted", ["plan", "baselines", "lower_bound_s"])
         baselines = expect(predicted["baselines"], dict, "plan.predicted.baselines")
         groups = expect(data["groups"], list, "plan.groups")
+        compressors = data["compressors"]
+        if compressors is not None:
+            compressors = tuple(parse_compressor(c, f"plan.compressors[{i}]")
+                                for i, c in enumerate(expect(compressors, list, "plan.compressors")))
         return cls(
             schema_version=version,
             created=expect(data["created"], str, "plan.created"),
@@ -268,6 +363,7 @@ class Plan:
             lower_bound_s=expect_time(predicted["lower_bound_s"], "plan.predicted.lower_bound_s"),
             kfac=None if data["kfac"] is None else KFACSection.from_dict(data["kfac"]),
             abs=None if data["abs"] is None else ABSSection.from_dict(data["abs"]),
+            compressors=compressors,
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -288,6 +384,9 @@ class Plan:
         """The commands that make a fresh plan for `model` (a `--model` value; default this plan's) and
         the current cluster."""
         density = f" --density {self.density}" if self.strategy is Strategy.TOPK else ""
+        if self.strategy is Strategy.MIXED:
+            named = self.compressors or tuple(dict.fromkeys(self.compressor_of(g) for g in self.groups))
+            density = " --compressors " + ",".join(map(str, named))
         strategy = "kfac" if self.kfac is not None else "abs" if self.abs is not None else self.strategy.value
         batch = f" --global-batch {self.abs.global_batch}" if self.abs is not None else ""
         return (

@@ -42,7 +42,7 @@ import numpy as np
 from planner.costmodel.costs import AffineCost, CostModel
 from planner.costmodel.problem import INDEX_BYTES, GradientProblem, Grouping, advance, advance_many, topk_count_many
 from planner.costmodel.simulator import simulate
-from planner.types import SolverError, Strategy
+from planner.types import GROUPING_STRATEGIES, SolverError, Strategy
 
 __all__ = [
     "BASELINES",
@@ -1036,7 +1036,8 @@ def solve_exact(problem: GradientProblem) -> Grouping:
         case Strategy.TOPK:
             return TopkParetoDP().solve(problem)
         case other:
-            raise SolverError(f"no exact solver for strategy={other!r}; known: {[s.value for s in Strategy]}")
+            known = [s.value for s in GROUPING_STRATEGIES]
+            raise SolverError(f"no exact solver for strategy={other!r}; known: {known}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1304,8 +1305,9 @@ def lower_bound(problem: GradientProblem) -> float:
 
     Each "min over groupings of a sum of per-group costs" is an O(L^2) dynamic program (all tails at once).
     """
-    if problem.strategy not in (Strategy.DENSE, Strategy.TOPK):
-        raise SolverError(f"no lower bound for strategy={problem.strategy!r}; known: {[s.value for s in Strategy]}")
+    if problem.strategy not in GROUPING_STRATEGIES:
+        known = [s.value for s in GROUPING_STRATEGIES]
+        raise SolverError(f"no lower bound for strategy={problem.strategy!r}; known: {known}")
     prefix = _prefix_numel(problem)
     fixed = problem.forward_s + problem.update_s
     total_backward = float(np.sum(np.asarray(problem.backward_s, dtype=float)))
