@@ -12,11 +12,13 @@ from planner.contracts.kfac import KFACSection, kfac_layers
 from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Group, Plan
 from planner.contracts.profile import (
+    CompressTiming,
     DimCurve,
     FittedCurve,
     KFACLayerTiming,
     KFACTiming,
     LayerTiming,
+    PowerSGDLayerTiming,
     Profile,
     TopkTiming,
 )
@@ -60,7 +62,28 @@ def synthetic_profile(model: str = "mlp", world_size: int = 2) -> Profile:
         },
         topk=TopkTiming(select=select, decode=decode),
         kfac=synthetic_kfac_timing(wl.module),
+        compress=synthetic_compress_timing(wl.module, [lt.name for lt in layers]),
     )
+
+
+def synthetic_compress_timing(module: nn.Module, ready_order: list[str], ranks: tuple[int, ...] = (1, 2, 4)
+                              ) -> CompressTiming:
+    """Made-up fp16 and PowerSGD costs: casts 0.3 ns per element; PowerSGD's steps 20 us per tensor plus
+    1 ns per element and rank (its matmuls), the decompression the same."""
+    params = dict(module.named_parameters())
+    specs = {s.name: s for s in gradient_layers(module)}
+    numels = [1 << s for s in range(10, 25, 2)]
+    rows = []
+    for name in ready_order:
+        shapes = tuple(tuple(params[p].shape) for p in specs[name].params)
+        numel = specs[name].numel
+        for r in ranks:
+            work = 2e-5 * len(shapes) + numel * r * 1e-9
+            rows.append(PowerSGDLayerTiming(layer=name, rank=r, shapes=shapes, compress_s=work, middle_s=work,
+                                            decompress_s=work))
+    return CompressTiming(fp16_cast=FittedCurve.fit([(n, 5e-6 + n * 3e-10) for n in numels]),
+                          fp16_uncast=FittedCurve.fit([(n, 5e-6 + n * 3e-10) for n in numels]),
+                          powersgd=tuple(rows))
 
 
 def synthetic_kfac_timing(module: object) -> KFACTiming:

@@ -314,6 +314,8 @@ class ProfileCommand(Command):
         parser.add_argument("--repeats", type=_positive, default=10, help="measured iterations per layer")
         parser.add_argument("--warmup", type=_nonnegative_int, default=3, help="unmeasured iterations first")
         parser.add_argument("--densities", default="0.001,0.01,0.1,1.0", help="top-k densities to measure")
+        parser.add_argument("--powersgd-ranks", default="1,2,4", metavar="LIST",
+                            help="PowerSGD ranks to measure (with fp16), e.g. 1,2,4; none: measure neither")
         parser.add_argument("--only", choices=["comm"], default=None, help="re-measure only the network of -o")
         parser.add_argument("--kfac", action="store_true",
                             help="also measure K-FAC costs (factors, preconditioning, inversion against dimension)")
@@ -343,13 +345,14 @@ class ProfileCommand(Command):
             densities = tuple(_density(d) for d in args.densities.split(","))
         except argparse.ArgumentTypeError as exc:
             raise PlannerError(f"--densities: {exc}") from None
+        ranks = _powersgd_ranks(args.powersgd_ranks)
         check_output_path(args.output, "profile")  # before minutes of measuring, not after
         base = Profile.load(args.output) if args.only == "comm" and args.output.exists() else None
         config = ProfileConfig(
             model=args.model, output=args.output, batch_size=args.batch_size, nproc=args.nproc,
             backend=args.backend, repeats=args.repeats, warmup=args.warmup, densities=densities,
             only_comm=args.only == "comm", base=base, kfac=args.kfac, max_dim=args.max_dim, link=args.link,
-            kfac_skip=args.kfac_skip, slowdown=args.slowdown,
+            kfac_skip=args.kfac_skip, slowdown=args.slowdown, powersgd_ranks=ranks,
         )
         profile = run_profile(config)
         profile.save(args.output)
@@ -359,6 +362,22 @@ class ProfileCommand(Command):
                               "again without --only to measure it on this one", markup=False)
         console.print(f"wrote profile {args.output}")
         return 0
+
+
+def _powersgd_ranks(text: str) -> tuple[int, ...]:
+    """`--powersgd-ranks`: "1,2,4" as (1, 2, 4), "none" as ()."""
+    from planner.types import MAX_POWERSGD_RANK
+
+    if text.strip().lower() == "none":
+        return ()
+    ranks = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or len(part) > 5 or not 1 <= int(part) <= MAX_POWERSGD_RANK:
+            raise PlannerError(f"--powersgd-ranks must list whole numbers in 1..{MAX_POWERSGD_RANK} (e.g. 1,2,4) or "
+                               f"be none, but got {text!r}")
+        ranks.append(int(part))
+    return tuple(sorted(set(ranks)))
 
 
 def print_rows(rows: list[dict], title: str) -> None:

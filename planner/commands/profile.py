@@ -20,6 +20,7 @@ from planner.platform.slowdown import Slowdown
 from planner.platform.timing import median
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import log_sizes, measure_collectives
+from profilers.compress import DEFAULT_POWERSGD_RANKS, compress_points, measure_compress
 from profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_interference
 from profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
 from profilers.layers import (
@@ -61,6 +62,7 @@ class ProfileConfig:
     kfac: bool = False
     max_dim: int = DEFAULT_MAX_DIM
     kfac_skip: str | None = None  # regular expression of K-FAC layers to leave out (as skip_layers)
+    powersgd_ranks: tuple[int, ...] = DEFAULT_POWERSGD_RANKS  # () measures no compressor (fp16 and PowerSGD)
     base: Profile | None = field(default=None, repr=False)
     show_progress: bool = True
     link: LinkRate | None = None
@@ -119,7 +121,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         curves = measure_collectives(
             colls, sizes, device, repeats=config.comm_repeats, warmup=2, on_point=lambda: bar.advance(task)
         )
-        topk = pack = interference = in_situ = None
+        topk = pack = interference = in_situ = compress = None
         if not config.only_comm:
             task = bar.add_task("top-k selection and decode", total=len(config.densities) * len(topk_sizes))
             topk = measure_topk(
@@ -129,6 +131,14 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             task = bar.add_task("packing", total=len(topk_sizes))
             pack = measure_packing(topk_sizes, world_size, device, repeats=5, warmup=1,
                                    on_point=lambda: bar.advance(task))
+            assert layer_results is not None
+            if config.powersgd_ranks:
+                params = dict(workload.module.named_parameters())
+                shaped = [(lt.name, tuple(tuple(params[p].shape) for p in lt.params)) for lt in layer_results[0]]
+                task = bar.add_task("fp16 and PowerSGD", total=compress_points(topk_sizes, shaped,
+                                                                              config.powersgd_ranks))
+                compress = measure_compress(topk_sizes, shaped, config.powersgd_ranks, world_size, device,
+                                            repeats=5, warmup=1, on_point=lambda: bar.advance(task))
             runtimes = 1 + (world_size > 1) + len(topk.selectors())  # the runtime, DDP, each selector
             task = bar.add_task("the runtime in real steps", total=IN_SITU_REPEATS * runtimes)
             assert layer_results is not None
@@ -185,6 +195,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         interference=interference,
         throughput=throughput,
         in_situ=in_situ,
+        compress=compress,
     )
 
 

@@ -38,8 +38,17 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
         "pack": {"factor", "measured_s", "modelled_s"},           # the runtime's hooks in real backward
         "select": {"exact": {...}, "sampled": {...}},             # passes, against the micro-benchmarks
         "decode": {...},                                          # (see below)
-        "ddp_pack": {...}                                         # optional: DDP's own bucket copies
-      }
+        "ddp_pack": {...},                                        # optional: DDP's own bucket copies
+        "compress": {"fp16": {"prepare": {...}, "decode": {...}}, # optional: each compressor's work
+                     "powersgd:4": {...}, ...}
+      },
+      "compress": {                                               # null or absent: fp16 and PowerSGD not
+        "fp16_cast": {"points": [[numel, seconds], ...], ...},    # measured (fp32 -> fp16 / world size)
+        "fp16_uncast": {"points": ..., ...},                      # fp16 -> fp32
+        "powersgd": [                                             # per layer (ready order) and rank
+          {"layer", "rank", "shapes": [[64, 3, 3, 3], [64]], "compress_s", "middle_s", "decompress_s"}, ...
+        ]
+      },
       "kfac": {                                                   # null or absent when not measured
         "layers": [                                               # Linear/Conv2d layers, forward order
           {"name", "a_dim", "g_dim", "a_compute_s", "g_compute_s", "fold_s",
@@ -61,6 +70,12 @@ factor-update step), `g_compute_s` the time for G from its output gradient (adde
 factor allreduces, on a factor-update step), `precondition_eigen_s` / `precondition_inverse_s` the
 time to precondition its gradient (every step) with eigendecompositions or with inverses. Inversion
 and eigendecomposition times are measured against the matrix dimension d, modelled as alpha + beta*d^3.
+
+Compressors: `fp16_cast` and `fp16_uncast` time `planner.kernels.compress.fp16_compress` and
+`fp16_decompress` against the elements of a group; `powersgd` times `PowerSGDGroup.compress`, `middle` and
+`decompress` on each layer's own tensors (their shapes are recorded: they decide what is compressed and how
+large P and Q are) at each rank measured. PowerSGD's work is per tensor, so a group costs the sum over its
+layers. A profile without `compress` plans dense and top-k groups only.
 
 Interference: `planner profile` times the model's backward pass alone and while a chain of collectives
 is in flight on the same workers (as it is during a real step); sigma = with / alone - 1, at least 0.
@@ -88,6 +103,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -104,21 +120,34 @@ from planner.contracts.jsonio import (
     read_json,
     write_json_atomic,
 )
-from planner.contracts.plan import SELECTORS, check_selector
+from planner.contracts.plan import SELECTORS, check_selector, parse_compressor
 from planner.costmodel.costs import AffineCost, CostModel, PiecewiseLinearCost, ScaledCost, fit_affine
+from planner.costmodel.mixed import CompressorCosts, MixedProblem, Sum, costs_of
 from planner.costmodel.problem import GradientProblem
-from planner.types import Collective, InvalidProfileError, InverseMethod, SchemaError, Strategy
+from planner.kernels.compress import PowerSGDLayout
+from planner.types import (
+    MAX_POWERSGD_RANK,
+    Collective,
+    Compressor,
+    CompressorKind,
+    InvalidProfileError,
+    InverseMethod,
+    SchemaError,
+    Strategy,
+)
 
 __all__ = [
     "PROFILE_KIND",
     "PROFILE_SCHEMA_VERSION",
     "Calibration",
+    "CompressTiming",
     "DimCurve",
     "FittedCurve",
     "InSitu",
     "KFACLayerTiming",
     "KFACTiming",
     "LayerTiming",
+    "PowerSGDLayerTiming",
     "Profile",
     "TopkTiming",
     "WorkerThroughput",
@@ -432,6 +461,81 @@ def _select_points(data: Any, where: str, what: str = "numel") -> SelectPoints:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PowerSGDLayerTiming:
+    """PowerSGD's work on one layer's tensors at one rank: its three steps (planner.kernels.compress)."""
+
+    layer: str
+    rank: int
+    shapes: tuple[tuple[int, ...], ...]
+    compress_s: float
+    middle_s: float
+    decompress_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer, "rank": self.rank, "shapes": [list(s) for s in self.shapes],
+                "compress_s": self.compress_s, "middle_s": self.middle_s, "decompress_s": self.decompress_s}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> PowerSGDLayerTiming:
+        expect(data, dict, where)
+        check_fields(data, where, ["layer", "rank", "shapes", "compress_s", "middle_s", "decompress_s"])
+        shapes = []
+        for i, shape in enumerate(expect(data["shapes"], list, f"{where}.shapes")):
+            dims = tuple(expect_int(d, f"{where}.shapes[{i}][]", 1, MAX_NUMEL, InvalidProfileError)
+                         for d in expect(shape, list, f"{where}.shapes[{i}]"))
+            if len(dims) > 8 or math.prod(dims) > MAX_NUMEL:
+                raise InvalidProfileError(f"{where}.shapes[{i}] must have at most 8 dimensions and {MAX_NUMEL} "
+                                          f"elements, got {list(dims)}")
+            shapes.append(dims)
+        if not shapes:
+            raise InvalidProfileError(f"{where}.shapes is empty: a layer has at least one tensor")
+        return cls(layer=expect(data["layer"], str, f"{where}.layer"),
+                   rank=expect_int(data["rank"], f"{where}.rank", 1, MAX_POWERSGD_RANK, InvalidProfileError),
+                   shapes=tuple(shapes), compress_s=_time(data["compress_s"], f"{where}.compress_s"),
+                   middle_s=_time(data["middle_s"], f"{where}.middle_s"),
+                   decompress_s=_time(data["decompress_s"], f"{where}.decompress_s"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressTiming:
+    """What fp16 and PowerSGD cost on this device (see the module docstring)."""
+
+    fp16_cast: FittedCurve
+    fp16_uncast: FittedCurve
+    powersgd: tuple[PowerSGDLayerTiming, ...] = ()
+
+    def __post_init__(self) -> None:
+        seen: set[tuple[str, int]] = set()
+        for row in self.powersgd:
+            if (row.layer, row.rank) in seen:
+                raise InvalidProfileError(f"profile.compress.powersgd times layer {row.layer!r} at rank {row.rank} "
+                                          "twice")
+            seen.add((row.layer, row.rank))
+
+    def ranks(self) -> list[int]:
+        """The PowerSGD ranks measured."""
+        return sorted({row.rank for row in self.powersgd})
+
+    def powersgd_at(self, rank: int) -> dict[str, PowerSGDLayerTiming]:
+        """Layer name -> its timing at `rank` (empty if that rank was not measured)."""
+        return {row.layer: row for row in self.powersgd if row.rank == rank}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fp16_cast": self.fp16_cast.to_dict(), "fp16_uncast": self.fp16_uncast.to_dict(),
+                "powersgd": [row.to_dict() for row in self.powersgd]}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> CompressTiming:
+        expect(data, dict, where)
+        check_fields(data, where, ["fp16_cast", "fp16_uncast", "powersgd"])
+        rows = expect(data["powersgd"], list, f"{where}.powersgd")
+        return cls(fp16_cast=FittedCurve.from_dict(data["fp16_cast"], f"{where}.fp16_cast"),
+                   fp16_uncast=FittedCurve.from_dict(data["fp16_uncast"], f"{where}.fp16_uncast"),
+                   powersgd=tuple(PowerSGDLayerTiming.from_dict(r, f"{where}.powersgd[{i}]")
+                                  for i, r in enumerate(rows)))
+
+
+@dataclass(frozen=True, kw_only=True)
 class DimCurve:
     """Seconds against a matrix dimension d (raw points) and the fit alpha + beta * d^3."""
 
@@ -640,6 +744,9 @@ class InSitu:
     select: dict[str, Calibration] = field(default_factory=dict)
     decode: Calibration | None = None
     ddp_pack: Calibration | None = None
+    #: Per compressor named as text ("fp16", "powersgd:4"): its work in the backward pass (prepare, with
+    #: PowerSGD's middle round) and in synchronize (decode), against the micro-benchmarks.
+    compress: dict[str, dict[str, Calibration]] = field(default_factory=dict)
 
     def pack_factor(self, runtime: str = "planner") -> float:
         found = self.ddp_pack if runtime == "ddp" else self.pack
@@ -652,19 +759,33 @@ class InSitu:
     def decode_factor(self) -> float:
         return 1.0 if self.decode is None else self.decode.factor
 
+    def compress_factor(self, compressor: str, part: str) -> float:
+        """The calibration of `compressor`'s "prepare" or "decode" work (1 when not calibrated)."""
+        found = self.compress.get(compressor, {}).get(part)
+        return 1.0 if found is None else found.factor
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "pack": None if self.pack is None else self.pack.to_dict(),
             "select": {name: c.to_dict() for name, c in self.select.items()},
             "decode": None if self.decode is None else self.decode.to_dict(),
             "ddp_pack": None if self.ddp_pack is None else self.ddp_pack.to_dict(),
+            "compress": {name: {part: c.to_dict() for part, c in parts.items()}
+                         for name, parts in self.compress.items()},
         }
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> InSitu:
         expect(data, dict, where)
-        data = {"ddp_pack": None, **data}
-        check_fields(data, where, ["pack", "select", "decode", "ddp_pack"])
+        data = {"ddp_pack": None, "compress": {}, **data}
+        check_fields(data, where, ["pack", "select", "decode", "ddp_pack", "compress"])
+        compress: dict[str, dict[str, Calibration]] = {}
+        for name, parts in expect(data["compress"], dict, f"{where}.compress").items():
+            key = str(parse_compressor(name, f"a compressor in {where}.compress"))
+            expect(parts, dict, f"{where}.compress.{name}")
+            check_fields(parts, f"{where}.compress.{name}", [], optional=["prepare", "decode"])
+            compress[key] = {part: Calibration.from_dict(c, f"{where}.compress.{name}.{part}")
+                             for part, c in parts.items()}
         select = {}
         for name, c in expect(data["select"], dict, f"{where}.select").items():
             select[check_selector(name, f"a selector in {where}.select")] = Calibration.from_dict(
@@ -674,6 +795,7 @@ class InSitu:
             select=select,
             decode=None if data["decode"] is None else Calibration.from_dict(data["decode"], f"{where}.decode"),
             ddp_pack=None if data["ddp_pack"] is None else Calibration.from_dict(data["ddp_pack"], f"{where}.ddp_pack"),
+            compress=compress,
         )
 
 
@@ -721,6 +843,11 @@ class WorkerThroughput:
         return cls(batch_sizes=sizes, step_s=rows)
 
 
+def _plus(first: CostModel | None, second: CostModel) -> CostModel:
+    """`second`, plus `first` when there is one."""
+    return second if first is None else Sum(parts=(first, second))
+
+
 def _interference(data: Any) -> dict[Collective, float]:
     """{"allreduce": sigma, ...} as checked values: known collectives, finite numbers >= 0."""
     out = {}
@@ -760,6 +887,7 @@ class Profile:
     interference: dict[Collective, float] | None = None
     in_situ: InSitu | None = None
     throughput: WorkerThroughput | None = None
+    compress: CompressTiming | None = None
     element_bytes: int = 4
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -850,6 +978,94 @@ class Profile:
             case _:
                 raise SchemaError(f"unknown strategy {strategy!r}")
 
+    def mixed_problem(self, compressors: Sequence[Compressor], *, selector: str = "exact",
+                      runtime: str = "planner") -> MixedProblem:
+        """The instance of the mixed solver: every group may be sent by any of `compressors` (top-k ones with
+        `selector`'s selection cost). `runtime` as for `problem` ("ddp": DDP's buckets and packing).
+
+        Raises:
+            InvalidProfileError: a compressor the profile did not measure: top-k without top-k points or at
+                a density outside the measured ones, fp16 or PowerSGD without compressor timings, or a
+                PowerSGD rank not measured.
+            SchemaError: no compressor, or one named twice.
+        """
+        if not compressors:
+            raise SchemaError("name at least one compressor, e.g. --compressors dense,fp16")
+        if len(set(compressors)) != len(compressors):
+            raise SchemaError(f"each compressor may be named once, but got {', '.join(map(str, compressors))}")
+        dense = self.problem(Strategy.DENSE, runtime=runtime)
+        pack = None if self.pack is None else self._calibrated(
+            self.pack.model, self.in_situ.pack_factor(runtime) if self.in_situ else 1.0)
+        costs: list[CompressorCosts] = []
+        sigma = 0.0
+        for c in compressors:
+            match c.kind:
+                case CompressorKind.DENSE:
+                    costs.append(costs_of(dense))
+                case CompressorKind.TOPK:
+                    assert c.density is not None
+                    self._check_topk(c, selector)
+                    costs.append(costs_of(self.problem(Strategy.TOPK, c.density, selector=selector, runtime=runtime)))
+                case CompressorKind.FP16:
+                    timing = self._compress_timing(c)
+                    costs.append(CompressorCosts(
+                        compressor=c, collective=Collective.ALLREDUCE, comm=dense.comm,
+                        prepare=_plus(pack, self._calibrated(timing.fp16_cast.model, self._factor(c, "prepare"))),
+                        decode=self._calibrated(timing.fp16_uncast.model, self._factor(c, "decode"))))
+                case CompressorKind.POWERSGD:
+                    costs.append(self._powersgd_costs(c, dense.comm, pack))
+            collective = Collective.ALLGATHER if c.kind is CompressorKind.TOPK else Collective.ALLREDUCE
+            sigma = max(sigma, self.interference_for(collective))
+        return MixedProblem(forward_s=dense.forward_s, update_s=dense.update_s, backward_s=dense.backward_s,
+                            numel=dense.numel, world_size=dense.world_size, element_bytes=dense.element_bytes,
+                            compressors=tuple(costs), interference=sigma, names=dense.names)
+
+    def _factor(self, compressor: Compressor, part: str) -> float:
+        return 1.0 if self.in_situ is None else self.in_situ.compress_factor(str(compressor), part)
+
+    def _compress_timing(self, compressor: Compressor) -> CompressTiming:
+        if self.compress is None:
+            raise InvalidProfileError(f"this profile has no fp16 or PowerSGD measurements, so it cannot plan "
+                                      f"{compressor}; profile again with this planner (`planner profile`)")
+        return self.compress
+
+    def _check_topk(self, compressor: Compressor, selector: str) -> None:
+        if self.topk is None:
+            raise InvalidProfileError(f"this profile has no top-k measurements, so it cannot plan {compressor}; "
+                                      "profile again without `--only comm`")
+        densities = self.topk.densities(selector)
+        assert compressor.density is not None
+        if densities and not densities[0] <= compressor.density <= densities[-1]:
+            raise InvalidProfileError(
+                f"this profile measured top-k at densities {densities[0]:g} to {densities[-1]:g}, not at "
+                f"{compressor}; profile again with --densities including {compressor.density:g}")
+
+    def _powersgd_costs(self, compressor: Compressor, comm: CostModel, pack: CostModel | None) -> CompressorCosts:
+        """PowerSGD at `compressor.rank` per layer: the measured steps, and what each layer sends."""
+        assert compressor.rank is not None
+        timing = self._compress_timing(compressor)
+        rows = timing.powersgd_at(compressor.rank)
+        missing = [lt.name for lt in self.layers if lt.name not in rows]
+        if missing:
+            measured = ", ".join(map(str, timing.ranks())) or "none"
+            raise InvalidProfileError(
+                f"this profile did not measure {compressor} (PowerSGD ranks measured: {measured}"
+                + (f"; layer {missing[0]!r} is missing" if rows else "")
+                + f"); profile again with --powersgd-ranks including {compressor.rank}")
+        prepare, decode = self._factor(compressor, "prepare"), self._factor(compressor, "decode")
+        send, second, matrices = [], [], []
+        for lt in self.layers:
+            layout = PowerSGDLayout.of(rows[lt.name].shapes, compressor.rank)
+            send.append(layout.send_numel)
+            second.append(layout.q_numel)
+            matrices.append(len(layout.matrices))
+        return CompressorCosts(
+            compressor=compressor, collective=Collective.ALLREDUCE, comm=comm, prepare=pack, second_comm=comm,
+            layer_prepare=tuple(rows[lt.name].compress_s * prepare for lt in self.layers),
+            layer_middle=tuple(rows[lt.name].middle_s * prepare for lt in self.layers),
+            layer_decode=tuple(rows[lt.name].decompress_s * decode for lt in self.layers),
+            layer_send=tuple(send), layer_second=tuple(second), layer_matrices=tuple(matrices))
+
     @staticmethod
     def _calibrated(model: CostModel, factor: float) -> CostModel:
         return model if factor == 1.0 else ScaledCost(inner=model, factor=factor)
@@ -888,6 +1104,7 @@ class Profile:
             },
             "in_situ": None if self.in_situ is None else self.in_situ.to_dict(),
             "throughput": None if self.throughput is None else self.throughput.to_dict(),
+            "compress": None if self.compress is None else self.compress.to_dict(),
         }
 
     @property
@@ -913,13 +1130,13 @@ class Profile:
         if data.get("kind") != PROFILE_KIND:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
         data = {"kfac": None, "step_s": None, "pack": None, "interference": None, "in_situ": None,
-                "throughput": None, **data}
+                "throughput": None, "compress": None, **data}
         check_fields(
             data,
             "profile",
             ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
              "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s",
-             "pack", "interference", "in_situ", "throughput"],
+             "pack", "interference", "in_situ", "throughput", "compress"],
         )
         collectives = {}
         for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
@@ -955,6 +1172,8 @@ class Profile:
             interference=None if data["interference"] is None else _interference(data["interference"]),
             in_situ=None if data["in_situ"] is None else InSitu.from_dict(data["in_situ"], "profile.in_situ"),
             throughput=None if data["throughput"] is None else WorkerThroughput.from_dict(data["throughput"]),
+            compress=(None if data["compress"] is None
+                      else CompressTiming.from_dict(data["compress"], "profile.compress")),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -1,0 +1,488 @@
+"""The exact solver of groupings x a compressor per group (`planner.costmodel.mixed.MixedProblem`).
+
+`MixedParetoDP` extends the Pareto-front search of `TopkParetoDP` (planner/solvers/grouping.py) from one way
+of sending to several: the state of a prefix is the same four clocks (compute C, channel E, the decode chain
+V with decodes stretched by 1 + sigma, the decode sum D), and a state is extended by every group that can
+follow it with every compressor. A group (layers m..j, compressor c) of work W = B + prepare, first
+collective T1, and, for a PowerSGD group with a compressed matrix, a middle round M and a second collective
+T2, leads to
+
+    C1 = advance(C, E, W)   E1 = max(C1, E) + T1
+    C2 = E1 + M             E2 = C2 + T2            (C2, E2 = C1, E1 without a second round)
+    V' = max(V, E2) + (1 + sigma) d                 D' = D + d
+
+and the iteration is F + `_final_end`(C, E, V, D) + U, as for top-k. Every step is non-decreasing in every
+clock, so a state that another state of the same prefix dominates in all four never leads to a better
+iteration: keeping the Pareto front per prefix (with back-pointers to the group and its compressor) is exact.
+
+Two exact reductions keep it small:
+
+- compute-bound states: after a prefix of m < L layers, a state whose lag E - C is at most
+  lead_m (1 + sigma), lead_m = b_m + the least preparation of layer m alone under any compressor, ends the
+  work of any next group after the channel frees up, so (C, E) may be replaced by (kappa, kappa),
+  kappa = (C + sigma E) / (1 + sigma) (the argument of `TopkParetoDP`; a second round starts from E1, which
+  is the same from either);
+- branch and bound: a state cannot finish before max(C + D + the least compute left, max(E, C + lead_m) +
+  the least communication left, (sigma E + V) / (1 + sigma)), the "least left" being minima over every
+  grouping and compressor of the remaining layers (dynamic programs over suffixes); states above the
+  iteration of a good solution are dropped. That solution is the best of the single-compressor groupings
+  (per layer, one group, DDP's buckets) and of a beam of this search (the few states with the lowest bounds
+  per prefix).
+
+Solutions are checked against brute force over groupings x compressors (tests/test_mixed.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.costmodel.mixed import Choice, MixedProblem, simulate_mixed, validate_choice
+from planner.costmodel.problem import Grouping, advance_many, groups_of
+from planner.solvers.grouping import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _final_end, _pareto_front
+from planner.types import SolverError
+
+__all__ = ["MixedParetoDP", "MixedSolution", "ddp_buckets", "mixed_lower_bound"]
+
+#: States kept per prefix by the beam that finds the first upper bound, and by the wider one that stands in
+#: when the exact search runs out of budget.
+_BEAM, _WIDE_BEAM = 8, 32
+#: Seconds the exact search may take before it gives up and the solver returns the best solution found, with
+#: its gap to the lower bound.
+DEFAULT_TIME_LIMIT_S = 1.0
+#: Relative slack of the pruning: rounding must never prune an optimal state.
+_PRUNE_RTOL = 1e-9
+
+
+@dataclass(frozen=True)
+class MixedSolution:
+    """A grouping, the compressor (index into the problem's) of each group, and the predicted iteration.
+
+    `proven`: the search finished, so no solution is faster under the model; otherwise it stopped at its
+    budget and `iteration_s` is within `gap` of the lower bound `lower_bound_s`.
+    """
+
+    grouping: Grouping
+    choice: Choice
+    iteration_s: float
+    proven: bool = True
+    lower_bound_s: float | None = None
+
+    @property
+    def gap(self) -> float:
+        """How far the solution may be from the optimum: 0 when proven, else (iteration - bound) / bound."""
+        if self.proven or not self.lower_bound_s:
+            return 0.0
+        return max(0.0, self.iteration_s / self.lower_bound_s - 1)
+
+
+def ddp_buckets(problem: MixedProblem, cap_bytes: int = DDP_BUCKET_BYTES,
+                first_cap_bytes: int | None = DDP_FIRST_BUCKET_BYTES) -> Grouping:
+    """DDP's buckets over the problem's layers in ready order (as `FixedBuckets`: closed at >= the cap, the first
+    bucket at its own cap); `cap_bytes` at least the model's bytes gives one bucket."""
+    ends: list[int] = []
+    cap = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    size = 0
+    for i, numel in enumerate(problem.numel):
+        size += numel * problem.element_bytes
+        if size >= cap:
+            ends.append(i + 1)
+            size, cap = 0, cap_bytes
+    if not ends or ends[-1] != problem.num_layers:
+        ends.append(problem.num_layers)
+    return tuple(ends)
+
+
+#: Weights w of the Lagrangian bounds (w = 1: the compute path, w = 0: the channel path).
+_WEIGHTS = np.linspace(0.0, 1.0, 11)
+#: Lengths of the next group at which `_Tables.opened` bounds the completions (about 30% apart).
+_OPEN_LENGTHS = np.unique(np.round(1.3 ** np.arange(40)).astype(np.int64))
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """Per problem: prefix sums, lead times and the Lagrangian suffix bounds (see `_bounds`)."""
+
+    backward: np.ndarray  # Q[m]
+    lead: np.ndarray  # lead[m], lead[L] = 0
+    rest: np.ndarray  # rest[w, m]: least sum over groupings of layers m..L-1 of w * compute + (1 - w) * channel
+    opened: np.ndarray  # opened[w, m, l]: the same over the groupings whose first group has >= open_lengths[l]
+    open_lengths: np.ndarray
+    late: np.ndarray  # late[m]: max over j >= m of Q[j + 1] + least preparation of layer j + rest[0, j]
+    rest_last: np.ndarray  # as rest, with the last group's collectives, middle round and decode on the compute path
+    queued: np.ndarray  # queued[0, m]: the channel path with the decodes to come after a last second round;
+                        # queued[1, m]: with the last group's decode after its collectives (see `_bounds`)
+    front_compute: np.ndarray  # (L + 1, F): the Pareto front of (compute, channel) sums over the groupings of
+    front_channel: np.ndarray  # layers m..L-1 (by compute ascending, inf padding; see `_suffix_fronts`)
+    front_key: np.ndarray  # compute - channel along each front (ascending)
+
+
+def _tables(problem: MixedProblem, allowed: Sequence[int]) -> _Tables:
+    """The suffix minima of `_bounds` (dynamic programs over the groupings and compressors of every suffix)."""
+    num_layers = problem.num_layers
+    sigma = problem.interference
+    weights = _WEIGHTS[:, None]
+    rest = np.zeros((_WEIGHTS.size, num_layers + 1))
+    rest_last = np.zeros((_WEIGHTS.size, num_layers + 1))
+    lengths = _OPEN_LENGTHS[: np.searchsorted(_OPEN_LENGTHS, num_layers, side="right")]
+    opened = np.full((_WEIGHTS.size, num_layers + 1, lengths.size), np.inf)
+    lead = np.full(num_layers + 1, np.inf)
+    own = np.full(num_layers, np.inf)  # least preparation of each layer alone
+    queued = np.zeros((2, num_layers + 1))
+    lead[num_layers] = 0.0
+    for i in range(num_layers - 1, -1, -1):
+        ends = np.arange(i + 1, num_layers + 1)
+        starts = np.full(ends.shape, i)
+        best = np.full((_WEIGHTS.size, ends.size), np.inf)  # (weights, groups i..j): first group and the rest
+        best_last = np.full((_WEIGHTS.size, ends.size), np.inf)
+        last = ends == num_layers
+        best_queued = np.full((2, ends.size), np.inf)
+        for c in allowed:
+            costs = problem.costs(c, starts, ends)
+            channel = costs.first + costs.second
+            compute = costs.prepare + costs.middle + costs.decode + sigma / (1 + sigma) * channel
+            best = np.minimum(best, weights * compute + (1 - weights) * channel + rest[:, ends])
+            compute = costs.prepare + costs.middle + np.where(last, channel + costs.decode,
+                                                              sigma / (1 + sigma) * channel)
+            best_last = np.minimum(best_last, weights * compute + (1 - weights) * channel + rest_last[:, ends])
+            own[i] = min(own[i], float(costs.prepare[0]))
+            busy = costs.first + costs.middle + costs.second  # the channel is idle during a middle round
+            after_second = np.where(costs.second_round, costs.first + costs.middle + costs.decode, np.inf)
+            best_queued[0] = np.minimum(best_queued[0], np.where(last, after_second, busy + costs.decode
+                                                                  + queued[0, ends]))
+            best_queued[1] = np.minimum(best_queued[1], np.where(last, busy + costs.decode, busy + queued[1, ends]))
+        queued[:, i] = best_queued.min(axis=1)
+        rest_last[:, i] = best_last.min(axis=1)
+        longer = np.minimum.accumulate(best[:, ::-1], axis=1)[:, ::-1]  # first group at least this long
+        rest[:, i] = longer[:, 0]
+        fits = lengths <= ends.size
+        opened[:, i, fits] = longer[:, lengths[fits] - 1]
+        lead[i] = problem.backward_s[i] + own[i]
+    backward = problem.prefix_backward
+    late = np.append(np.maximum.accumulate((backward[1:] + own + rest[0, :-1])[::-1])[::-1], 0.0)
+    front_compute, front_channel = _suffix_fronts(problem, allowed)
+    with np.errstate(invalid="ignore"):
+        key = np.where(np.isfinite(front_compute), front_compute - front_channel, np.inf)
+    return _Tables(backward=backward, lead=lead, rest=rest, opened=opened, open_lengths=lengths, late=late,
+                   rest_last=rest_last, queued=queued, front_compute=front_compute, front_channel=front_channel,
+                   front_key=key)
+
+
+#: Points kept per suffix front (`_suffix_fronts`); runs of neighbours beyond that are merged into their corner.
+_FRONT_POINTS = 48
+
+
+def _suffix_fronts(problem: MixedProblem, allowed: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """For every suffix m..L-1, the pairs (compute path, channel path) of its groupings x compressors that no
+    other pair beats in both: compute = sum of preparation + middle + decode + sigma / (1 + sigma) * the
+    group's collectives, channel = sum of first collective + middle round + second collective (the channel
+    is idle during a middle round), plus the last group's decode. Both hold for the same completion, so a
+    state's bound is the least over the front of max(its compute part + compute, its channel part + channel).
+
+    A front longer than `_FRONT_POINTS` is thinned: a run of neighbours is replaced by its corner (the least
+    compute and the least channel of the run), which beats each of them, so the bound stays a bound."""
+    num_layers = problem.num_layers
+    sigma = problem.interference
+    comp = np.full((num_layers + 1, _FRONT_POINTS), np.inf)
+    chan = np.full((num_layers + 1, _FRONT_POINTS), np.inf)
+    for i in range(num_layers - 1, -1, -1):
+        ends = np.arange(i + 1, num_layers + 1)
+        starts = np.full(ends.shape, i)
+        last = ends == num_layers
+        xs, ys = [], []
+        for c in allowed:
+            costs = problem.costs(c, starts, ends)
+            busy = costs.first + costs.second
+            group_comp = costs.prepare + costs.middle + costs.decode + sigma / (1 + sigma) * busy
+            group_chan = busy + costs.middle + np.where(last, costs.decode, 0.0)
+            rest = np.where(last[:, None], 0.0, comp[np.minimum(ends, num_layers)])  # (groups, F)
+            rest_chan = np.where(last[:, None], 0.0, chan[np.minimum(ends, num_layers)])
+            rest[last, 1:] = np.inf  # the last group has one completion: itself
+            rest_chan[last, 1:] = np.inf
+            xs.append((group_comp[:, None] + rest).ravel())
+            ys.append((group_chan[:, None] + rest_chan).ravel())
+        x, y = np.concatenate(xs), np.concatenate(ys)
+        ok = np.isfinite(x) & np.isfinite(y)
+        x, y = x[ok], y[ok]
+        order = np.lexsort((y, x))
+        x, y = x[order], y[order]
+        keep = np.concatenate(([True], y[1:] < np.minimum.accumulate(y)[:-1]))
+        x, y = x[keep], y[keep]
+        if x.size > _FRONT_POINTS:  # corners of runs: the first's compute, the last's channel
+            cuts = np.linspace(0, x.size, _FRONT_POINTS + 1).astype(np.int64)
+            x, y = x[cuts[:-1]], y[cuts[1:] - 1]
+        comp[i, : x.size], chan[i, : y.size] = x, y
+    return comp, chan
+
+
+def _front_bound(tables: _Tables, m: int, compute: np.ndarray, channel: np.ndarray) -> np.ndarray:
+    """min over the front of suffix m of max(compute + a, channel + b): at the crossing of the two (a rises and
+    b falls along the front, so compute + a - channel - b rises)."""
+    key = tables.front_key[m]
+    a, b = tables.front_compute[m], tables.front_channel[m]
+    size = int(np.sum(np.isfinite(a)))
+    k = np.searchsorted(key[:size], channel - compute)
+    lo, hi = np.clip(k - 1, 0, size - 1), np.clip(k, 0, size - 1)
+    return np.minimum(np.maximum(compute + a[lo], channel + b[lo]), np.maximum(compute + a[hi], channel + b[hi]))
+
+
+def _bounds(tables: _Tables, m: int, num_layers: int, sigma: float, comp: np.ndarray, chan: np.ndarray,
+            dec: np.ndarray, dsum: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """No completion of these states of prefix m ends before this (seconds from the start of backward).
+
+    For any completion, with W the compute work left (backward, preparation, middle rounds, the decodes D
+    pending and those to come) and T its collectives: the compute stream and the channel are both busy
+    after C, the channel for at least (E - C)+ + T, and the work overlapped w_o runs 1 + sigma times
+    slower, so X >= C + W + sigma ((E - C)+ + T) / (1 + sigma) (the compute path); and every collective
+    left follows max(E, C + lead_m) on the channel: X >= max(E, C + lead_m) + T (the channel path). Both
+    hold for the same completion, so X >= every mix w * compute path + (1 - w) * channel path, and the least
+    mix over completions is the state's part plus rest[w, m]. A second compute path: the last group's first
+    collective starts after every group's preparation and the middle rounds before it, and its middle round,
+    second collective and decode follow it (`_Tables.rest_last`). On the channel, a group's middle round is
+    idle time between its two collectives, so the channel path grows by the middle rounds, and the decodes
+    follow it (`_Tables.queued`). Also X >= (sigma E + V) / (1 + sigma), and for
+    every layer j >= m, the group holding j sends no earlier than C + b_m + ... + b_j + its preparation, and
+    the channel then carries at least the least communication of layers j..L-1 (`_Tables.late`).
+    """
+    if m == num_layers:
+        return _final_end(comp, chan, dec, dsum, sigma)
+    compute, channel = _paths(tables, m, sigma, comp, chan, dsum)
+    chosen = slice(None) if rows is None else rows
+    weights = _WEIGHTS[chosen, None]
+    bound = np.max(weights * compute + (1 - weights) * channel + tables.rest[chosen, m : m + 1], axis=0)
+    bound = np.maximum(bound, _front_bound(tables, m, compute, channel))
+    # The last group's collectives, middle round and decode follow everything else's preparation (stretched by
+    # the collectives before it, as on the compute path).
+    ahead = comp + (tables.backward[-1] - tables.backward[m]) + sigma / (1 + sigma) * np.maximum(chan - comp, 0.0)
+    bound = np.maximum(bound, np.max(weights * ahead + (1 - weights) * channel + tables.rest_last[chosen, m : m + 1],
+                                     axis=0))
+    bound = np.maximum(bound, comp + (tables.late[m] - tables.backward[m]))
+    # The channel path with its idle middle rounds, then the decodes: after a last second round every decode
+    # (pending and to come) runs after its middle round; otherwise the last decode follows its collective.
+    bound = np.maximum(bound, channel + np.minimum(dsum + tables.queued[0, m], tables.queued[1, m]))
+    return np.maximum(bound, (sigma * chan + dec) / (1 + sigma))
+
+
+#: The weights `_search` tries first (w = 0, 0.5, 1: a weaker bound, cheap), before all of them.
+_FEW_WEIGHTS = np.array([0, _WEIGHTS.size // 2, _WEIGHTS.size - 1])
+
+
+def _paths(tables: _Tables, m: int, sigma: float, comp: np.ndarray, chan: np.ndarray, dsum: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """The states' own parts of the compute and channel paths of `_bounds`."""
+    compute = comp + dsum + (tables.backward[-1] - tables.backward[m]) + sigma / (1 + sigma) * np.maximum(
+        chan - comp, 0.0)
+    return compute, np.maximum(chan, comp + tables.lead[m])
+
+
+def _expiry(tables: _Tables, m: int, sigma: float, comp: np.ndarray, chan: np.ndarray, dsum: np.ndarray,
+            limit: float) -> np.ndarray:
+    """For new states of prefix m < L: the first layer at which extending them is pointless, m - 1 plus the
+    least length of the next group from which on every completion is bounded above `limit` (`_bounds` over the
+    completions whose first group is at least that long: non-decreasing in the length). A huge number where
+    no such length is known."""
+    compute, channel = _paths(tables, m, sigma, comp, chan, dsum)
+    weights = _WEIGHTS[:, None, None]
+    mixed = weights * compute[None, None, :] + (1 - weights) * channel[None, None, :]  # (w, 1, states)
+    bound = np.max(mixed + tables.opened[:, m, :, None], axis=0)  # (lengths, states)
+    beyond = bound > limit
+    first = np.where(beyond.any(axis=0), np.argmax(beyond, axis=0), tables.open_lengths.size)
+    lengths = np.append(tables.open_lengths, np.iinfo(np.int64).max // 4)
+    return m - 1 + lengths[first]
+
+
+def mixed_lower_bound(problem: MixedProblem, allowed: Sequence[int] | None = None) -> float:
+    """An iteration time no grouping and choice of compressors (among `allowed`, default all) can beat."""
+    picks = list(range(len(problem.compressors))) if allowed is None else list(allowed)
+    tables = _tables(problem, picks)
+    zero = np.zeros(1)
+    root = float(_bounds(tables, 0, problem.num_layers, problem.interference, zero, zero, zero, zero)[0])
+    return problem.forward_s + root + problem.update_s
+
+
+class MixedParetoDP:
+    """Exact grouping x compressor per group for a `MixedProblem` (see the module docstring).
+
+    Args:
+        prune: branch and bound (exact; off only to test that it is).
+        allowed: indices of the compressors it may choose (default: all of the problem's); a single one
+            gives the best plan with that compressor everywhere.
+        time_limit_s: seconds the exact search may take; past them the best solution found by the heuristics
+            (the single-compressor groupings and a wider beam of the search) is returned, not proven optimal,
+            with its gap to the lower bound (`MixedSolution.gap`). None: no limit.
+        budget: the same limit in candidate states made (deterministic, for tests); None: no limit.
+    """
+
+    name = "mixed-pareto-dp"
+    exact = True
+    description = "exact Pareto-front dynamic program over groupings and a compressor per group"
+
+    def __init__(self, *, prune: bool = True, allowed: Sequence[int] | None = None,
+                 time_limit_s: float | None = DEFAULT_TIME_LIMIT_S, budget: int | None = None) -> None:
+        self.prune = prune
+        self.allowed = None if allowed is None else tuple(allowed)
+        self.time_limit_s = time_limit_s
+        self.budget = budget
+
+    def __repr__(self) -> str:
+        return (f"MixedParetoDP(prune={self.prune}, allowed={self.allowed}, time_limit_s={self.time_limit_s}, "
+                f"budget={self.budget})")
+
+    def solve(self, problem: MixedProblem) -> MixedSolution:
+        allowed = tuple(range(len(problem.compressors))) if self.allowed is None else self.allowed
+        if not allowed or any(not 0 <= c < len(problem.compressors) for c in allowed):
+            raise SolverError(f"allowed compressors must be indices in 0..{len(problem.compressors) - 1}, but got "
+                              f"{list(allowed)}")
+        fixed = problem.forward_s + problem.update_s
+        tables = _tables(problem, allowed)
+        if not self.prune:
+            found = _search(problem, tables, allowed, np.inf)
+            assert found is not None
+            return MixedSolution(found[0], found[1], fixed + found[2])
+        candidates = [_evaluated(problem, g, (c,) * len(g)) for c in allowed
+                      for g in dict.fromkeys((tuple(range(1, problem.num_layers + 1)), (problem.num_layers,),
+                                              ddp_buckets(problem)))]
+        best = min(candidates, key=lambda s: s.iteration_s)
+        beamed = _search(problem, tables, allowed, (best.iteration_s - fixed) * (1 + _PRUNE_RTOL), beam=_BEAM)
+        if beamed is not None and fixed + beamed[2] < best.iteration_s:
+            best = MixedSolution(beamed[0], beamed[1], fixed + beamed[2])
+        try:
+            deadline = None if self.time_limit_s is None else time.perf_counter() + self.time_limit_s
+            found = _search(problem, tables, allowed, (best.iteration_s - fixed) * (1 + _PRUNE_RTOL),
+                            budget=self.budget, deadline=deadline)
+        except _OutOfBudget:
+            wide = _search(problem, tables, allowed, (best.iteration_s - fixed) * (1 + _PRUNE_RTOL), beam=_WIDE_BEAM)
+            if wide is not None and fixed + wide[2] < best.iteration_s:
+                best = MixedSolution(wide[0], wide[1], fixed + wide[2])
+            return MixedSolution(best.grouping, best.choice, best.iteration_s, proven=False,
+                                 lower_bound_s=mixed_lower_bound(problem, allowed))
+        if found is None or fixed + found[2] >= best.iteration_s:  # only rounding prunes everything within it
+            return best
+        return MixedSolution(found[0], found[1], fixed + found[2])
+
+
+def _evaluated(problem: MixedProblem, grouping: Grouping, choice: Choice) -> MixedSolution:
+    return MixedSolution(grouping, choice, simulate_mixed(problem, grouping, choice).iteration_s)
+
+
+class _OutOfBudget(Exception):
+    """The search made more candidate states than its budget allows."""
+
+
+def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limit: float,
+            beam: int | None = None, budget: int | None = None, deadline: float | None = None
+            ) -> tuple[Grouping, Choice, float] | None:
+    """The best solution whose states all have bounds <= `limit` and its X_G; None if none. With `beam`, only
+    that many states with the lowest bounds are kept per prefix (a heuristic).
+
+    Raises:
+        _OutOfBudget: more than `budget` candidate states were made, or the clock passed `deadline`
+            (`time.perf_counter()`; None: no limit).
+    """
+    num_layers = problem.num_layers
+    sigma = problem.interference
+    backward = tables.backward
+    bounded = bool(np.isfinite(limit))
+    capacity = 64
+    comp, chan, dec, dsum = (np.zeros(capacity) for _ in range(4))
+    length = np.zeros(capacity, dtype=np.int64)
+    parent = np.full(capacity, -1, dtype=np.int64)
+    pick = np.full(capacity, -1, dtype=np.int64)
+    expire = np.full(capacity, num_layers + 1, dtype=np.int64)
+    count = 1  # state 0: the empty prefix
+    active = np.zeros(1, dtype=np.int64)
+    made = 0  # candidate states so far
+    for j in range(num_layers):
+        m = j + 1
+        active = active[expire[active] > j]
+        if active.size == 0:
+            break
+        first = length[active]
+        starts, block = np.unique(first, return_inverse=True)
+        ends = np.full(starts.shape, m)
+        parts = []
+        for c in allowed:
+            costs = problem.costs(c, starts, ends)
+            work = (backward[m] - backward[starts] + costs.prepare)[block]
+            a_comp, a_chan = comp[active], chan[active]
+            c1 = advance_many(a_comp, a_chan, work, sigma)
+            e1 = np.maximum(c1, a_chan) + costs.first[block]
+            second = costs.second_round[block]
+            c2 = np.where(second, e1 + costs.middle[block], c1)
+            e2 = np.where(second, c2 + costs.second[block], e1)
+            decode = costs.decode[block]
+            parts.append((c2, e2, np.maximum(dec[active], e2) + (1 + sigma) * decode, dsum[active] + decode, active,
+                          np.full(active.shape, c)))
+        new_comp, new_chan, new_dec, new_dsum, origin, chosen = (np.concatenate(x) for x in zip(*parts, strict=True))
+        made += new_comp.size
+        if (budget is not None and made > budget) or (deadline is not None and time.perf_counter() > deadline):
+            raise _OutOfBudget
+        if m < num_layers:
+            # A decode chain that the compute path will overtake anyway: V_m + (1 + sigma) * (decodes to come)
+            # <= C_G + (1 + sigma) D_G, so V_m never decides the end; E stands in for it.
+            overtaken = new_dec <= new_comp + (1 + sigma) * new_dsum + (backward[-1] - backward[m])
+            new_dec = np.where(overtaken, new_chan, new_dec)
+            # compute-bound states: canonical (kappa, kappa)
+            bound_by_compute = new_chan - new_comp <= tables.lead[m] * (1 + sigma)
+            kappa = (new_comp + sigma * new_chan) / (1 + sigma) if sigma else new_comp
+            new_comp = np.where(bound_by_compute, kappa, new_comp)
+            new_chan = np.where(bound_by_compute, kappa, new_chan)
+        kept = np.arange(new_comp.size)
+        if bounded:
+            kept = np.flatnonzero(_bounds(tables, m, num_layers, sigma, new_comp, new_chan, new_dec, new_dsum,
+                                          _FEW_WEIGHTS) <= limit)
+            if kept.size == 0:
+                continue
+            kept = kept[_bounds(tables, m, num_layers, sigma, new_comp[kept], new_chan[kept], new_dec[kept],
+                                new_dsum[kept]) <= limit]
+            if kept.size == 0:
+                continue
+        front = kept[_pareto_front(new_comp[kept], new_chan[kept], new_dec[kept], new_dsum[kept])]
+        if beam is not None and front.size > beam:
+            bound = _bounds(tables, m, num_layers, sigma, new_comp[front], new_chan[front], new_dec[front],
+                            new_dsum[front])
+            front = front[np.sort(np.argpartition(bound, beam)[:beam])]
+        size = front.size
+        if count + size > capacity:
+            capacity = 2 * (count + size)
+            comp, chan, dec, dsum = (np.resize(x, capacity) for x in (comp, chan, dec, dsum))
+            length, parent, pick, expire = (np.resize(x, capacity) for x in (length, parent, pick, expire))
+        block_slice = slice(count, count + size)
+        if bounded and m < num_layers:
+            expire[block_slice] = _expiry(tables, m, sigma, new_comp[front], new_chan[front], new_dsum[front], limit)
+        else:
+            expire[block_slice] = num_layers + 1
+        comp[block_slice], chan[block_slice] = new_comp[front], new_chan[front]
+        dec[block_slice], dsum[block_slice] = new_dec[front], new_dsum[front]
+        length[block_slice], parent[block_slice], pick[block_slice] = m, origin[front], chosen[front]
+        if m < num_layers:
+            active = np.concatenate((active, np.arange(count, count + size)))
+        count += size
+    finals = np.flatnonzero(length[:count] == num_layers)
+    if finals.size == 0:
+        return None
+    ends_at = _final_end(comp[finals], chan[finals], dec[finals], dsum[finals], sigma)
+    best = int(np.argmin(ends_at))
+    state = int(finals[best])
+    ends_of: list[int] = []
+    picks: list[int] = []
+    while state > 0:
+        ends_of.append(int(length[state]))
+        picks.append(int(pick[state]))
+        state = int(parent[state])
+    return tuple(reversed(ends_of)), tuple(reversed(picks)), float(ends_at[best])
+
+
+def check_solution(problem: MixedProblem, grouping: Sequence[int], choice: Sequence[int]) -> MixedSolution:
+    """A grouping and choice of `problem`, checked, with its simulated iteration time."""
+    ends, picks = validate_choice(problem, grouping, choice)
+    return _evaluated(problem, ends, picks)
+
+
+def describe(problem: MixedProblem, solution: MixedSolution) -> list[tuple[range, str]]:
+    """Each group's layer range and compressor name."""
+    return [(r, str(problem.compressors[c].compressor)) for r, c in zip(groups_of(solution.grouping),
+                                                                      solution.choice, strict=True)]
