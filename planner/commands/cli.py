@@ -30,6 +30,11 @@ KFAC = "kfac"
 #: `--strategy abs`: dense gradient groups plus an ABS-SGD section (round trigger, micro-batch).
 ABS = "abs"
 CROSSOVER = "crossover"
+#: `--strategy auto`: every allowed way of sending solved, the plan predicted fastest kept.
+AUTO = "auto"
+COMPRESSORS_HELP = ("what a group may be sent as (the accuracy budget): a list of dense, fp16, powersgd:R, topk:D "
+                    "(e.g. dense,fp16,powersgd:4,topk:0.01) or a preset: exact (dense), light (dense,fp16), lowrank "
+                    "(light and powersgd:1,2,4), all (lowrank and topk:0.01); default light")
 
 CLUSTER_HELP = (
     "plan for a cluster you describe: a preset (eth10-8, aws-p3-32, ib100-64, dgx-a100-512), a JSON file, "
@@ -156,6 +161,10 @@ def print_plan(plan: object, title: str | None = None) -> None:
     tag = plan.strategy.value
     if plan.strategy is Strategy.TOPK:
         tag += f" (density {plan.density:g}, {plan.selector} selector)"
+    if plan.strategy is Strategy.MIXED:
+        used = dict.fromkeys(str(plan.compressor_of(g)) for g in plan.groups)
+        allowed = ", ".join(map(str, plan.compressors)) if plan.compressors else "not recorded"
+        tag += f" (sends {', '.join(used)}; allowed {allowed})"
     table = Table(title=title or f"{plan.model.name}: {tag} plan, {plan.cluster.describe()}")
     for col in ("grouping", "groups", "iteration ms", "exposed comm ms", "vs ddp-25mb", "gap to bound"):
         table.add_column(col, justify="left" if col == "grouping" else "right")
@@ -469,11 +478,15 @@ class SolveCommand(Command):
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("profile", type=Path, help="profile file from `planner profile`")
-        parser.add_argument("--strategy", choices=[*(s.value for s in Strategy), KFAC, ABS],
+        parser.add_argument("--strategy", choices=[*(s.value for s in Strategy), AUTO, KFAC, ABS],
                             default=Strategy.DENSE.value,
-                            help="gradient exchange (dense, topk); kfac: dense gradients plus a K-FAC section; abs: "
-                                 "ABS-SGD for workers of different speeds (needs --global-batch)")
+                            help="gradient exchange: dense, topk, mixed (a compressor per group, from --compressors), "
+                                 "auto (each of those the compressors allow, the fastest kept); kfac: dense gradients "
+                                 "plus a K-FAC section; abs: ABS-SGD for workers of different speeds (needs "
+                                 "--global-batch)")
         parser.add_argument("--density", type=_density, default=None, help="top-k density (default 0.01)")
+        parser.add_argument("--compressors", default=None, metavar="LIST|PRESET",
+                            help=f"--strategy mixed and auto: {COMPRESSORS_HELP}")
         # Checked in run(), not by argparse `choices`, so a bad name is one line (no usage block).
         parser.add_argument("--selector", default="auto", metavar="{auto,exact,sampled}",
                             help="top-k selector: exact torch.topk, sampled threshold, or auto (default): the one "
@@ -487,7 +500,9 @@ class SolveCommand(Command):
                           help="steps between inverse updates, a multiple of the factor interval (default 10)")
         kfac.add_argument("--placement-solver", choices=["cp-sat", "ilp-cbc"], default="cp-sat",
                           help="exact placement model in OR-Tools CP-SAT (default) or pulp/CBC")
-        kfac.add_argument("--time-limit", type=float, default=2.0, help="seconds for the placement solver")
+        parser.add_argument("--time-limit", type=float, default=None,
+                            help="seconds for the exact K-FAC placement (default 2) or the mixed search (default 1); "
+                                 "past them the best solution found is kept, with its gap to the lower bound")
         abs_sgd = parser.add_argument_group("ABS-SGD (--strategy abs)")
         abs_sgd.add_argument("--global-batch", type=_positive, default=None,
                              help="samples per round to aim at, summed over the workers (the synchronous "
@@ -505,6 +520,8 @@ class SolveCommand(Command):
 
         is_kfac = args.strategy == KFAC
         is_abs = args.strategy == ABS
+        is_auto = args.strategy == AUTO
+        is_mixed = args.strategy == Strategy.MIXED.value
         if is_abs and args.global_batch is None:
             raise PlannerError("--strategy abs needs --global-batch B: the samples per round, summed over the "
                                "workers (e.g. the batch you train with now)")
@@ -521,17 +538,28 @@ class SolveCommand(Command):
             given = [flag for flag, value in kfac_only if value is not None]
             if given:
                 raise PlannerError(f"{given[0]} applies to --strategy kfac only")
-        strategy = Strategy.DENSE if is_kfac or is_abs else Strategy(args.strategy)
+        if args.compressors is not None and not (is_mixed or is_auto):
+            raise PlannerError("--compressors applies to --strategy mixed and auto only")
+        if args.time_limit is not None and not (is_kfac or is_mixed or is_auto):
+            raise PlannerError("--time-limit applies to --strategy kfac, mixed and auto only")
+        if args.time_limit is not None and not (math.isfinite(args.time_limit) and args.time_limit > 0):
+            raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
+        strategy = Strategy.DENSE if is_kfac or is_abs or is_auto else Strategy(args.strategy)
         if args.density is not None and strategy is not Strategy.TOPK:
-            raise PlannerError("--density applies to --strategy topk only")
+            hint = "; name top-k in --compressors instead (e.g. topk:0.01)" if is_mixed or is_auto else ""
+            raise PlannerError(f"--density applies to --strategy topk only{hint}")
         from planner.contracts.plan import SELECTORS
 
         if args.selector not in ("auto", *SELECTORS):
             raise PlannerError(f"--selector must be one of auto, {', '.join(SELECTORS)}, but got {args.selector!r}")
-        if args.selector != "auto" and strategy is not Strategy.TOPK:
-            raise PlannerError("--selector applies to --strategy topk only")
-        if not args.time_limit > 0:
-            raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
+        compressors = None
+        if is_mixed or is_auto:
+            from planner.strategies.mixed import parse_compressors
+
+            compressors = parse_compressors(args.compressors or "light")
+        topk_allowed = strategy is Strategy.TOPK or any(c.kind.value == "topk" for c in compressors or ())
+        if args.selector != "auto" and not topk_allowed:
+            raise PlannerError("--selector applies to top-k plans only (--strategy topk, or topk:D in --compressors)")
         density = (args.density or 0.01) if strategy is Strategy.TOPK else None
         check_output_path(args.output, "plan")
         profile = Profile.load(args.profile)
@@ -541,6 +569,7 @@ class SolveCommand(Command):
             spec = parse_cluster(args.cluster)
             profile = profile_for_cluster(profile, spec)
             console.print(f"what-if cluster {spec.describe()}")
+        selector = None if args.selector == "auto" else args.selector
         if is_kfac:
             from planner.strategies.kfac import (
                 DEFAULT_FACTOR_UPDATE_STEPS,
@@ -554,7 +583,7 @@ class SolveCommand(Command):
                 factor_update_steps=args.factor_update_steps or DEFAULT_FACTOR_UPDATE_STEPS,
                 inv_update_steps=args.inv_update_steps or DEFAULT_INV_UPDATE_STEPS,
                 placement_solver=args.placement_solver,
-                time_limit_s=args.time_limit,
+                time_limit_s=args.time_limit or 2.0,
                 source=str(args.profile),
             )
         elif is_abs:
@@ -562,13 +591,68 @@ class SolveCommand(Command):
 
             plan = make_abs_plan(profile, args.global_batch, trigger=args.trigger or "batch",
                                  source=str(args.profile))
+        elif is_auto:
+            from planner.strategies.mixed import solve_auto
+
+            assert compressors is not None
+            choice = solve_auto(profile, compressors, source=str(args.profile), selector=selector,
+                                time_limit_s=args.time_limit or 1.0)
+            print_auto(choice)
+            plan = choice.plan
+        elif is_mixed:
+            from planner.strategies.mixed import make_mixed_plan
+
+            assert compressors is not None
+            plan = make_mixed_plan(profile, compressors, source=str(args.profile), selector=selector,
+                                   time_limit_s=args.time_limit or 1.0)
         else:
-            selector = None if args.selector == "auto" else args.selector
             plan = make_plan(profile, strategy, density, source=str(args.profile), selector=selector)
         plan.save(args.output)
         print_plan(plan)
+        if plan.strategy is Strategy.MIXED:
+            print_mixed_groups(plan, profile)
         console.print(f"wrote plan {args.output}")
         return 0
+
+
+def print_auto(choice: object) -> None:
+    """The strategies `--strategy auto` solved, their predicted iterations, and which it kept."""
+    from planner.strategies.mixed import AutoChoice
+
+    assert isinstance(choice, AutoChoice)
+    table = Table(title="--strategy auto: every allowed way of sending, solved exactly, predicted iteration")
+    for col in ("candidate", "iteration ms", "vs ddp-25mb", ""):
+        table.add_column(col, justify="left" if col in ("candidate", "") else "right")
+    for name, plan in choice.candidates.items():
+        ref = plan.baselines.get("ddp-25mb", plan.predicted).iteration_s
+        kept = plan is choice.plan
+        table.add_row(name, _ms(plan.predicted.iteration_s), f"{ref / plan.predicted.iteration_s:.2f}x",
+                      "kept" if kept else "", style="bold" if kept else None)
+    console.print(table)
+    console.print(choice.reason)
+
+
+def print_mixed_groups(plan: object, profile: object) -> None:
+    """Which compressor each group of a mixed plan got, and what switching it alone would cost."""
+    from planner.contracts.plan import Plan
+    from planner.strategies.mixed import explain
+
+    assert isinstance(plan, Plan)
+    reasons = explain(plan, profile)  # type: ignore[arg-type]
+    table = Table(title="the compressor of each group (ready order), and the best other one: the predicted iteration "
+                        "were that group alone sent by it")
+    for col in ("#", "layers", "elements", "sent as", "next best", "iteration ms", "change ms"):
+        table.add_column(col, justify="right" if col in ("#", "elements", "iteration ms", "change ms") else "left")
+    base = plan.predicted.iteration_s
+    for r in reasons:
+        layers = ", ".join(r.layers) if len(r.layers) <= 3 else f"{r.layers[0]} ... {r.layers[-1]} ({len(r.layers)})"
+        if r.alternatives:
+            name, t = min(r.alternatives.items(), key=lambda kv: kv[1])
+            table.add_row(str(r.index), layers, f"{r.numel:,}", str(r.compressor), name, _ms(t),
+                          f"{(t - base) * 1e3:+.2f}")
+        else:
+            table.add_row(str(r.index), layers, f"{r.numel:,}", str(r.compressor), "-", "", "")
+    console.print(table)
 
 
 def print_kfac_layout(plan: object) -> None:

@@ -1,0 +1,235 @@
+"""From a profile to a mixed plan: the grouping and a compressor per group, solved exactly among the compressors
+the user allows (the accuracy budget), beside what users would do instead under the same model.
+
+Baselines (names in the plan's `predicted.baselines`):
+
+- "ddp-25mb": PyTorch DDP, fp32 allreduce on its own buckets, moved at DDP's own measured cost;
+- "ddp+C" for every allowed compressor C but dense: DDP with C's communication hook on its buckets (what
+  `fp16_compress_hook`, `powerSGD_hook` and the project's top-k hook do). On gloo DDP's PowerSGD hook
+  aborts with a collective mismatch when a step has several buckets (its second round is launched from a
+  callback thread, racing the next bucket's allreduce), so there it runs, and is predicted, with one
+  bucket holding every gradient;
+- "only:C" for every allowed compressor C: the best plan that sends every group with C (the exact solver
+  restricted to it), under the same model as the mixed plan.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from planner.contracts.layers import LayerSpec
+from planner.contracts.plan import Group, Plan
+from planner.contracts.profile import Profile
+from planner.costmodel.mixed import MixedProblem, simulate_mixed
+from planner.costmodel.problem import Grouping, Prediction, groups_of, topk_count
+from planner.solvers import DDP_BASELINE
+from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
+from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, SchemaError, Strategy
+
+__all__ = ["PRESETS", "AutoChoice", "GroupReason", "ddp_hook_name", "explain", "make_mixed_plan", "mixed_groups",
+           "parse_compressors", "solve_auto"]
+
+#: Named sets of compressors (`--compressors PRESET`), from the most accurate to the most compressed.
+PRESETS: dict[str, tuple[str, ...]] = {
+    "exact": ("dense",),
+    "light": ("dense", "fp16"),
+    "lowrank": ("dense", "fp16", "powersgd:1", "powersgd:2", "powersgd:4"),
+    "all": ("dense", "fp16", "powersgd:1", "powersgd:2", "powersgd:4", "topk:0.01"),
+}
+
+
+def parse_compressors(text: str) -> tuple[Compressor, ...]:
+    """`--compressors`: a preset name or a comma-separated list ("dense,fp16,powersgd:4,topk:0.01").
+
+    Raises:
+        CompressorError: an unknown compressor or one with a bad parameter.
+        SchemaError: an empty list, or a compressor named twice.
+    """
+    names = PRESETS.get(text.strip().lower()) or tuple(p for p in text.split(",") if p.strip())
+    if not names:
+        raise SchemaError(f"--compressors needs a preset ({', '.join(PRESETS)}) or a list such as dense,fp16")
+    compressors = tuple(Compressor.parse(n) for n in names)
+    if len(set(compressors)) != len(compressors):
+        raise SchemaError(f"--compressors names a compressor twice: {text}")
+    return compressors
+
+
+def ddp_hook_name(compressor: Compressor) -> str:
+    """The baseline name of DDP with `compressor`'s communication hook ("ddp-25mb" for plain DDP)."""
+    return DDP_BASELINE if compressor.kind is CompressorKind.DENSE else f"ddp+{compressor}"
+
+
+def ddp_hook_grouping(problem: MixedProblem, compressor: Compressor, backend: str) -> Grouping:
+    """The buckets DDP with `compressor`'s hook runs: its default buckets, but one bucket for PowerSGD on gloo."""
+    if compressor.kind is CompressorKind.POWERSGD and backend == "gloo":
+        return (problem.num_layers,)
+    return ddp_buckets(problem)
+
+
+def mixed_groups(layers: Sequence[LayerSpec], problem: MixedProblem, solution: MixedSolution) -> tuple[Group, ...]:
+    """The plan's groups of `solution`, each with its compressor (and k for top-k)."""
+    out = []
+    for r, which in zip(groups_of(solution.grouping), solution.choice, strict=True):
+        members = [layers[i] for i in r]
+        numel = sum(m.numel for m in members)
+        compressor = problem.compressors[which].compressor
+        k = None
+        if compressor.kind is CompressorKind.TOPK:
+            assert compressor.density is not None
+            k = topk_count(numel, compressor.density)
+        out.append(Group(layers=tuple(m.name for m in members), params=tuple(p for m in members for p in m.params),
+                         numel=numel, k=k, compressor=compressor))
+    return tuple(out)
+
+
+def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, source: str = "",
+                    selector: str | None = None, time_limit_s: float | None = 1.0) -> Plan:
+    """The exact mixed plan among `compressors`, with the baselines and the lower bound.
+
+    Args:
+        selector: the top-k selector of top-k groups ("exact", "sampled"); None: each one the profile measured,
+            keeping the plan predicted faster (as `make_plan`).
+        time_limit_s: seconds the exact search may take (`MixedParetoDP`); past them the best solution found is
+            kept and the plan's solver name says it is within a gap of the lower bound.
+
+    Raises:
+        InvalidProfileError: a compressor the profile did not measure.
+        SchemaError, CompressorError: no compressors, a repeated one, an unknown selector.
+    """
+    chosen = tuple(compressors)
+    topk = any(c.kind is CompressorKind.TOPK for c in chosen)
+    if selector is not None and not topk:
+        raise SchemaError(f"a selector applies to top-k compressors only, but got selector={selector!r} for "
+                          f"{', '.join(map(str, chosen))}")
+    measured = profile.topk.selectors() if profile.topk is not None else []
+    selectors = [selector] if selector is not None or not topk else (measured or ["exact"])
+    plans = [_solve(profile, chosen, s, source=source, time_limit_s=time_limit_s) for s in selectors]
+    best = min(plans, key=lambda p: p.predicted.iteration_s)
+    return replace(best, solve_seconds=sum(p.solve_seconds for p in plans))
+
+
+def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str | None, *, source: str,
+           time_limit_s: float | None) -> Plan:
+    problem = profile.mixed_problem(compressors, selector=selector or "exact")
+    t0 = time.perf_counter()
+    solution = MixedParetoDP(time_limit_s=time_limit_s).solve(problem)
+    seconds = time.perf_counter() - t0
+    layers = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in profile.layers]
+    baselines: dict[str, Prediction] = {}
+    backend = profile.cluster.backend
+    for c in dict.fromkeys((DENSE_COMPRESSOR, *compressors)):  # plain DDP first, always
+        ddp = profile.mixed_problem([c], selector=selector or "exact", runtime="ddp")
+        grouping = ddp_hook_grouping(ddp, c, backend)
+        baselines[ddp_hook_name(c)] = simulate_mixed(ddp, grouping, (0,) * len(grouping))
+    # A bound for the DDP rows too: DDP moves gradients into its buckets at its own (lower) cost.
+    ddp_all = profile.mixed_problem(tuple(dict.fromkeys((DENSE_COMPRESSOR, *compressors))),
+                                    selector=selector or "exact", runtime="ddp")
+    bound = min(mixed_lower_bound(problem), mixed_lower_bound(ddp_all))
+    for i, c in enumerate(compressors):
+        only = MixedParetoDP(allowed=(i,), time_limit_s=time_limit_s).solve(problem)
+        baselines[f"only:{c}"] = simulate_mixed(problem, only.grouping, only.choice)
+    name = "mixed-pareto-dp" if solution.proven else f"mixed-pareto-dp (time limit; within {solution.gap:.1%})"
+    groups = mixed_groups(layers, problem, solution)
+    sends_topk = any(g.k is not None for g in groups)
+    return Plan(
+        strategy=Strategy.MIXED,
+        density=None,
+        selector=(selector or "exact") if sends_topk else None,
+        compressors=compressors,
+        model=profile.model,
+        cluster=profile.cluster,
+        groups=groups,
+        predicted=simulate_mixed(problem, solution.grouping, solution.choice),
+        baselines=baselines,
+        lower_bound_s=bound,
+        solver=name,
+        solve_seconds=seconds,
+        source_profile=source,
+        profiled=profile.created,
+        created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    )
+
+
+@dataclass(frozen=True)
+class GroupReason:
+    """Why a group got its compressor: the predicted iteration were it alone sent by each other allowed
+    compressor (the rest of the plan unchanged), against the plan's."""
+
+    index: int
+    layers: tuple[str, ...]
+    numel: int
+    compressor: Compressor
+    alternatives: dict[str, float]  # compressor name -> predicted iteration (seconds) with this group switched
+
+
+def explain(plan: Plan, profile: Profile) -> list[GroupReason]:
+    """Per group of a mixed plan: the iteration with its compressor switched to each other one it could have had.
+
+    Raises:
+        PlanMismatchError: the plan's layers are not the profile's.
+    """
+    from planner.contracts.layers import plan_grouping
+
+    if plan.strategy is not Strategy.MIXED or plan.compressors is None:
+        raise SchemaError("only a mixed plan that lists its compressors can be explained")
+    grouping = plan_grouping(plan, profile)
+    problem = profile.mixed_problem(plan.compressors, selector=plan.selector or "exact")
+    choice = [problem.index_of(plan.compressor_of(g)) for g in plan.groups]
+    reasons = []
+    for i, g in enumerate(plan.groups):
+        alternatives = {}
+        for j, c in enumerate(problem.compressors):
+            if j == choice[i]:
+                continue
+            switched = (*choice[:i], j, *choice[i + 1 :])
+            alternatives[str(c.compressor)] = simulate_mixed(problem, grouping, switched).iteration_s
+        reasons.append(GroupReason(index=i, layers=g.layers, numel=g.numel, compressor=plan.compressor_of(g),
+                                   alternatives=alternatives))
+    return reasons
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What `--strategy auto` solved and kept: the plan predicted fastest among the candidates, and why."""
+
+    plan: Plan
+    candidates: dict[str, Plan]
+    reason: str
+
+
+def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: str = "",
+               selector: str | None = None, time_limit_s: float | None = 1.0) -> AutoChoice:
+    """Every way of sending that `compressors` allow, each solved exactly: a dense plan (if dense is allowed), a
+    top-k plan per allowed density, and the mixed plan over all of them; the one with the least predicted
+    iteration is kept (on a tie the first: dense, then top-k, then mixed).
+
+    Raises:
+        InvalidProfileError: a compressor the profile did not measure.
+    """
+    from planner.strategies.gradients import make_plan
+
+    allowed = tuple(compressors)
+    candidates: dict[str, Plan] = {}
+    if DENSE_COMPRESSOR in allowed:
+        candidates["dense"] = make_plan(profile, Strategy.DENSE, source=source)
+    for c in allowed:
+        if c.kind is CompressorKind.TOPK:
+            candidates[f"topk at {c.density:g}"] = make_plan(profile, Strategy.TOPK, c.density, source=source,
+                                                             selector=selector)
+    if len(allowed) > 1 or not candidates:
+        candidates[f"mixed over {', '.join(map(str, allowed))}"] = make_mixed_plan(
+            profile, allowed, source=source, selector=selector, time_limit_s=time_limit_s)
+    ranked = sorted(candidates.items(), key=lambda kv: kv[1].predicted.iteration_s)
+    (name, best), runner_up = ranked[0], ranked[1:2]
+    reason = f"kept {name}: {best.predicted.iteration_s * 1e3:,.2f} ms predicted"
+    if runner_up:
+        other, plan = runner_up[0]
+        reason += (f", {plan.predicted.iteration_s / best.predicted.iteration_s:.3f}x faster than {other} "
+                   f"({plan.predicted.iteration_s * 1e3:,.2f} ms)")
+    if best.strategy is Strategy.MIXED:
+        used = dict.fromkeys(str(best.compressor_of(g)) for g in best.groups)
+        reason += f"; its groups are sent as {', '.join(used)}"
+    return AutoChoice(plan=best, candidates=candidates, reason=reason)
