@@ -53,14 +53,16 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from planner.contracts.plan import Group, Plan
 from planner.costmodel.problem import topk_count
+from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compress, fp16_decompress
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk, take_topk
-from planner.types import DistributedError, PlanMismatchError, Strategy
+from planner.types import CompressorKind, DistributedError, PlanMismatchError, Strategy
 from runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, ProbeSchedule, crossover_gate, device_idle
 from runtime.retune import resolve_plan
 
@@ -187,14 +189,17 @@ class _GroupState:
         "as_view",
         "clip",
         "flat",
+        "half",
         "index",
         "k",
         "k_max",
         "k_now",
+        "kind",
         "names",
         "num_ready",
         "numel",
         "params",
+        "powersgd",
         "prepared",
         "ready",
         "recv",
@@ -204,6 +209,7 @@ class _GroupState:
         "velocity",
         "views",
         "work",
+        "work2",
     )
 
     def __init__(
@@ -211,13 +217,17 @@ class _GroupState:
         index: int,
         group: Group,
         params: list[nn.Parameter],
-        topk: bool,
+        kind: CompressorKind,
         world_size: int,
         *,
         momentum: bool = False,
         clip: float | None = None,
         k_max: int | None = None,
+        rank: int | None = None,
+        seed: int = 0,
     ) -> None:
+        topk = kind is CompressorKind.TOPK
+        self.kind = kind
         self.index = index
         self.names = group.params
         self.params = params
@@ -227,7 +237,9 @@ class _GroupState:
         self.k_max = k_max if k_max is not None else self.k  # what send/recv are allocated for
         self.clip = clip  # this group's share of the local clipping threshold, or None
         device = params[0].device
-        needs_buffer = topk or world_size > 1 or momentum or clip is not None
+        # Dense on one worker without momentum or clipping leaves the gradients as they are; every lossy or
+        # compressing way computes (a single worker too: its arithmetic is part of the method).
+        needs_buffer = kind is not CompressorKind.DENSE or world_size > 1 or momentum or clip is not None
         self.flat: Tensor | None = torch.zeros(self.numel, dtype=torch.float32, device=device) if needs_buffer else None
         self.views = _views(self.flat, params) if self.flat is not None else []
         self.as_view = [p.dtype == torch.float32 for p in params]
@@ -240,10 +252,16 @@ class _GroupState:
             self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device)
             self.allocate(self.k_max, world_size)
         self.residual_views = _views(self.residual, params) if self.residual is not None else []
+        self.half = torch.empty(self.numel, dtype=torch.float16, device=device) if kind is CompressorKind.FP16 else None
+        self.powersgd: PowerSGDGroup | None = None
+        if kind is CompressorKind.POWERSGD:
+            assert rank is not None
+            self.powersgd = PowerSGDGroup(PowerSGDLayout.of([p.shape for p in params], rank), device, seed)
         self.ready = [False] * len(params)
         self.num_ready = 0
         self.prepared = False
         self.work: Any = None
+        self.work2: Any = None  # PowerSGD's second allreduce (of the Qs)
 
     def allocate(self, k: int, world_size: int) -> None:
         """(Re)allocate the send and receive buffers for messages of up to k values."""
@@ -253,11 +271,16 @@ class _GroupState:
         if world_size > 1:
             self.recv = torch.empty(world_size * 2 * k, dtype=torch.float32, device=device)
 
+    @property
+    def topk(self) -> bool:
+        return self.kind is CompressorKind.TOPK
+
     def reset(self) -> None:
         self.ready = [False] * len(self.params)
         self.num_ready = 0
         self.prepared = False
         self.work = None
+        self.work2 = None
 
 
 class _BufferSyncHook:
@@ -397,7 +420,6 @@ class GradientExchange:
         self.plan = plan
         self.process_group = process_group
         self.world_size = _world_size(process_group)
-        self._topk = plan.strategy is Strategy.TOPK
         self._selector: str = getattr(plan, "selector", None) or "exact"
         self.momentum = float(momentum)
         self.nesterov = nesterov
@@ -414,14 +436,18 @@ class GradientExchange:
             self._optimizer_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         total = sum(g.numel for g in plan.groups)
         self._step = 0
-        self._groups = [
-            _GroupState(
-                i, g, [params[n] for n in g.params], self._topk, self.world_size, momentum=self.momentum > 0,
+        # PowerSGD's first random Qs: one seed per group, drawn in plan order as PyTorch's hook draws one per bucket
+        # (`PowerSGDState.rng`, a RandomState of seed 0), so every rank draws the same.
+        seeds = np.random.RandomState(0)
+        self._groups = []
+        for i, g in enumerate(plan.groups):
+            compressor = plan.compressor_of(g)
+            self._groups.append(_GroupState(
+                i, g, [params[n] for n in g.params], compressor.kind, self.world_size, momentum=self.momentum > 0,
                 clip=None if clip_norm is None else clip_norm * math.sqrt(g.numel / total / self.world_size),
-                k_max=self._k_at(g.numel, g.k, 0) if self._warmup is not None else None,
-            )
-            for i, g in enumerate(plan.groups)
-        ]
+                k_max=self._k_at(g.numel, g.k, 0) if self._warmup is not None else None, rank=compressor.rank,
+                seed=int(seeds.randint(1_000_000_000)) if compressor.kind is CompressorKind.POWERSGD else 0,
+            ))
         self._set_step(0)
         self._next_launch = 0
         self._active = False
@@ -609,11 +635,12 @@ class GradientExchange:
         if st.flat is None:
             return
         plain = st.clip is None and st.velocity is None
-        if self._topk and plain:
+        if st.topk and plain:
             if grad is not None:
                 st.residual_views[j].add_(grad)
             return
-        write_scaled(grad, st.views[j], 1.0 / self.world_size if plain and not self._topk else 1.0)
+        scaled = plain and st.kind is CompressorKind.DENSE  # fp16 and PowerSGD take the sum as PyTorch's hooks do
+        write_scaled(grad, st.views[j], 1.0 / self.world_size if scaled else 1.0)
 
     def _prepare(self, st: _GroupState) -> None:
         """Complete the group for its collective: gather the parameters that had no gradient (zeros), then clip,
@@ -626,7 +653,7 @@ class GradientExchange:
             st.prepared = True
             return
         plain = st.clip is None and st.velocity is None
-        if self._topk and plain:
+        if st.topk and plain:
             residual = st.residual
             assert residual is not None
             self._select(st, lambda k: take_topk(residual, k, selector=self._selector))
@@ -635,8 +662,12 @@ class GradientExchange:
         if st.clip is not None:  # as clip_grad_norm_, without a host sync: scale by min(1, c / norm)
             st.flat.mul_(torch.clamp(st.clip / (torch.linalg.vector_norm(st.flat) + 1e-6), max=1.0))
         source = st.flat if st.velocity is None else self._apply_momentum(st)
-        if self._topk:
+        if st.topk:
             self._select(st, lambda k: select_topk(source, st.residual, k, selector=self._selector))
+        elif st.half is not None:
+            fp16_compress(source, st.half, self.world_size)
+        elif st.powersgd is not None:
+            st.powersgd.compress(source)
         elif not plain:  # clipped or with momentum: what is sent, divided by the world size
             torch.mul(source, 1.0 / self.world_size, out=st.flat)
         st.prepared = True
@@ -663,19 +694,37 @@ class GradientExchange:
         while self._next_launch < len(self._groups) and self._groups[self._next_launch].prepared:
             st = self._groups[self._next_launch]
             st.work = self._start_collective(st)
+            if st.powersgd is not None:
+                self._second_round(st)
             self._next_launch += 1
+
+    def _second_round(self, st: _GroupState) -> None:
+        """PowerSGD's middle round, right after its first allreduce (the compute stream waits for it, so every rank
+        launches the allreduce of the Qs at the same point in plan order): orthogonalise the Ps, Q = M^T P."""
+        assert st.powersgd is not None
+        if not st.powersgd.layout.compresses:  # nothing approximated: the first allreduce was all
+            return
+        if st.work is not None:
+            st.work.wait()
+        q = st.powersgd.middle(self.world_size)
+        if self.world_size > 1:
+            st.work2 = dist.all_reduce(q, group=self.process_group, async_op=True)
 
     def _start_collective(self, st: _GroupState) -> Any:
         """Start the group's async collective and return its work handle (None on world size 1)."""
         if self.world_size == 1:
             return None
-        if self._topk:
+        if st.topk:
             assert st.recv is not None and st.send is not None and st.k_now is not None
             if st.k_now == st.k_max:
                 return all_gather_flat(st.recv, st.send, group=self.process_group, async_op=True)
             size = 2 * st.k_now
             return all_gather_flat(st.recv[: self.world_size * size], st.send[:size], group=self.process_group,
                                    async_op=True)
+        if st.half is not None:
+            return dist.all_reduce(st.half, group=self.process_group, async_op=True)
+        if st.powersgd is not None:
+            return dist.all_reduce(st.powersgd.send, group=self.process_group, async_op=True)
         return dist.all_reduce(st.flat, group=self.process_group, async_op=True)
 
     def drain(self, timeout_s: float | None = None) -> None:
@@ -684,14 +733,14 @@ class GradientExchange:
         at interpreter exit for every live exchange. A collective that fails or times out (a peer is gone)
         is left as it is."""
         wait = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
-        for st in self._groups:
-            if st.work is None:
+        for work in (w for st in self._groups for w in (st.work, st.work2)):
+            if work is None:
                 continue
             with contextlib.suppress(RuntimeError):
                 if wait is None:
-                    st.work.wait()
+                    work.wait()
                 else:
-                    st.work.wait(wait)
+                    work.wait(wait)
 
     # -- the step --------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -745,7 +794,15 @@ class GradientExchange:
         (only of the parameters some rank had a gradient for, when `used` says)."""
         if st.flat is None:  # dense on world size 1: the local gradient already is the average
             return
-        if self._topk:
+        if st.half is not None:
+            fp16_decompress(st.half, st.flat)
+        elif st.powersgd is not None:
+            if not st.powersgd.layout.compresses:  # no second round: its middle only averages what was sent whole
+                st.powersgd.middle(self.world_size)
+            elif st.work2 is not None:
+                st.work2.wait()
+            st.powersgd.decompress(st.flat, self.world_size)
+        elif st.topk:
             assert st.k_now is not None and st.send is not None
             gathered = st.send if st.recv is None else st.recv
             if st.k_now != st.k_max:
@@ -775,16 +832,18 @@ class GradientExchange:
     def _layout_digest(self) -> str:
         h = hashlib.sha256(self.plan.strategy.value.encode())
         for g in self.plan.groups:
-            h.update(f"{','.join(g.params)}:{g.k}\n".encode())
+            sent = "" if g.compressor is None else f":{g.compressor}"  # dense and top-k plans keep their old digest
+            h.update(f"{','.join(g.params)}:{g.k}{sent}\n".encode())
         return h.hexdigest()[:16]
 
     def state_dict(self) -> dict[str, Any]:
-        """What resuming needs (copies, tied to the plan): this rank's residuals, velocities and the step count.
+        """What resuming needs (copies, tied to the plan): this rank's residuals, velocities, PowerSGD's state and
+        the step count.
 
-        Residuals (top-k) and velocities (momentum) are keyed by group index; the step count drives the
-        density warm-up.
+        Residuals (top-k), velocities (momentum) and PowerSGD's errors and Qs (with whether its Qs are still to
+        be drawn) are keyed by group index; the step count drives the density warm-up.
         """
-        return {
+        state: dict[str, Any] = {
             "kind": STATE_KIND,
             "model_fingerprint": self.plan.model.fingerprint,
             "layout": self._layout_digest(),
@@ -792,6 +851,12 @@ class GradientExchange:
             "velocities": {st.index: st.velocity.detach().clone() for st in self._groups if st.velocity is not None},
             "step": self._step,
         }
+        powersgd = {st.index: {"error": st.powersgd.error.detach().clone(), "q": st.powersgd.q.detach().clone(),
+                               "fresh": st.powersgd.fresh}
+                    for st in self._groups if st.powersgd is not None}
+        if powersgd:
+            state["powersgd"] = powersgd
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` saved for the same model and plan groups (PlanMismatchError else).
@@ -816,6 +881,7 @@ class GradientExchange:
             )
         residuals = self._saved_buffers(state, "residuals", "residual", replan)
         velocities = self._saved_buffers(state, "velocities", "velocity", replan)
+        powersgd = self._saved_powersgd(state, replan)
         step = state.get("step", 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise PlanMismatchError(f"the state's step count must be an integer >= 0, but got step={step!r}; {replan}")
@@ -827,7 +893,34 @@ class GradientExchange:
                     st.velocity.copy_(velocities[st.index])
                 else:
                     st.velocity.zero_()
+            if st.powersgd is not None:
+                saved = powersgd[st.index]
+                st.powersgd.error.copy_(saved["error"])
+                st.powersgd.q.copy_(saved["q"])
+                st.powersgd.fresh = bool(saved["fresh"])
         self._set_step(step)
+
+    def _saved_powersgd(self, state: dict[str, Any], replan: str) -> dict[int, dict[str, Any]]:
+        """The state's PowerSGD errors and Qs, checked against this exchange's PowerSGD groups."""
+        saved = state.get("powersgd", {})
+        if not isinstance(saved, dict):
+            raise PlanMismatchError(f"the state's powersgd entry must be a dict by group, but got "
+                                    f"{type(saved).__name__}; {replan}")
+        saved = {int(i): v for i, v in saved.items()}
+        expected = {st.index: st.powersgd for st in self._groups if st.powersgd is not None}
+        if set(saved) != set(expected):
+            raise PlanMismatchError(f"the state holds PowerSGD state for groups {sorted(saved)}, but the plan's "
+                                    f"PowerSGD groups are {sorted(expected)}; {replan}")
+        for i, group in expected.items():
+            entry = saved[i]
+            if (not isinstance(entry, dict) or set(entry) != {"error", "q", "fresh"}
+                    or not isinstance(entry["error"], Tensor) or not isinstance(entry["q"], Tensor)):
+                raise PlanMismatchError(f"PowerSGD state of group {i} must hold error, q and fresh; {replan}")
+            if entry["error"].shape != group.error.shape or entry["q"].shape != group.q.shape:
+                raise PlanMismatchError(f"PowerSGD state of group {i} has shapes {tuple(entry['error'].shape)} and "
+                                        f"{tuple(entry['q'].shape)}, expected {tuple(group.error.shape)} and "
+                                        f"{tuple(group.q.shape)}; {replan}")
+        return saved
 
     def _saved_buffers(self, state: dict[str, Any], key: str, what: str, replan: str) -> dict[int, Tensor]:
         """The state's per-group `key` ("residuals" or "velocities"), checked against this exchange's groups.
