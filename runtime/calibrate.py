@@ -20,15 +20,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.contracts.profile import Calibration, FittedCurve, InSitu, LayerTiming, TopkTiming
+from planner.contracts.plan import Group
+from planner.contracts.profile import Calibration, CompressTiming, FittedCurve, InSitu, LayerTiming, TopkTiming
 from planner.costmodel.costs import CostModel
 from planner.models import Workload
 from planner.platform.timing import gathered, median, stream_seconds, time_call
-from planner.types import Strategy
+from planner.types import Compressor, CompressorKind, Strategy
 from runtime.ddp_hooks import has_unused_parameters, silent_hook
 from runtime.exchange import GradientExchange, write_scaled
 
-__all__ = ["measure_in_situ", "measure_packing"]
+__all__ = ["in_situ_runs", "measure_in_situ", "measure_packing"]
 
 
 def measure_packing(
@@ -60,6 +61,9 @@ class _SilentExchange(GradientExchange):
                 st.recv[r * size : (r + 1) * size].copy_(st.send[:size])
         return None
 
+    def _start_second(self, q: Any) -> Any:
+        return None
+
 
 def measure_in_situ(
     workload: Workload,
@@ -71,23 +75,24 @@ def measure_in_situ(
     topk: TopkTiming | None,
     density: float,
     repeats: int,
+    compress: CompressTiming | None = None,
     process_group: Any = None,
     on_point: Callable[[], object] = lambda: None,
 ) -> InSitu:
-    """Calibrate packing, each selector and decoding against the runtime in real steps (every rank calls it).
+    """Calibrate packing, each selector, decoding and each compressor against the runtime in real steps (every
+    rank calls it).
 
-    For dense and for top-k at `density` with each selector `topk` measured, the runtime with one group per
-    layer (in `layers`' ready order) and a plain copy of the model run alternately, `repeats` steps each
-    after one of each unmeasured. The runtime's extra backward time (its hooks pack or select) and its
-    synchronize time (top-k: decoding) are compared with the curves' sum over the same groups; medians are
-    over every rank's samples. With more than one worker, PyTorch DDP with a comm hook that sends nothing
-    is measured the same way against packing on its default buckets (`InSitu.ddp_pack`). `on_point` is
+    For dense, for top-k at `density` with each selector `topk` measured, and for fp16 and each PowerSGD rank
+    `compress` measured, the runtime with one group per layer (in `layers`' ready order) and a plain copy of
+    the model run alternately, `repeats` steps each after one of each unmeasured. The runtime's extra backward
+    time (its hooks pack, select or compress) and its synchronize time (decoding) are compared with the
+    curves' sum over the same groups (a compressor's packing, calibrated first, is taken off its extra time);
+    medians are over every rank's samples. With more than one worker, PyTorch DDP with a comm hook that sends
+    nothing is measured the same way against packing on its default buckets (`InSitu.ddp_pack`). `on_point` is
     called after each pair of steps.
     """
-    from planner.contracts.fingerprint import ClusterInfo, model_info
     from planner.contracts.layers import LayerSpec, groups_for
-    from planner.contracts.plan import Plan
-    from planner.costmodel.problem import Prediction, topk_count
+    from planner.costmodel.problem import topk_count
 
     specs = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in layers]
     per_layer = tuple(range(1, len(specs) + 1))
@@ -98,7 +103,8 @@ def measure_in_situ(
         configs += [(Strategy.TOPK, selector) for selector in topk.selectors()]
     inputs, targets = (t.to(device) for t in workload.batch(seed=2468))
     plain = workload.module.to(device)
-    name = workload.name
+    run = functools.partial(_silent_seconds, workload, plain, inputs, targets, device, world_size, repeats,
+                            process_group, on_point)
     pack_calibration = decode_calibration = ddp_calibration = None
     select_calibration: dict[str, Calibration] = {}
     sizes = [s.numel for s in specs]
@@ -109,27 +115,7 @@ def measure_in_situ(
                                           modelled_s=sum(pack.cost(n) for n in _ddp_buckets(sizes)))
             continue
         d = density if strategy is Strategy.TOPK else None
-        plan = Plan(
-            strategy=strategy, density=d, selector=selector, model=model_info(plain, name),
-            cluster=ClusterInfo(world_size=world_size, backend=dist.get_backend(process_group), device=str(device)),
-            groups=groups_for(specs, per_layer, strategy, d),
-            predicted=Prediction(iteration_s=0, compute_s=0, exposed_comm_s=0, comm_s=0), baselines={},
-            lower_bound_s=0.0, solver="in-situ", solve_seconds=0.0, source_profile="", profiled="", created="",
-        )
-        hooked = copy.deepcopy(plain)
-        exchange = _SilentExchange(hooked, plan, process_group=process_group)
-        extra, finish = [], []
-        try:
-            for i in range(repeats + 1):
-                alone, with_hooks = _pair(workload, plain, hooked, inputs, targets, device, flip=bool(i % 2))
-                synchronize = stream_seconds(exchange.synchronize, device)
-                if i:
-                    extra.append(with_hooks - alone)
-                    finish.append(synchronize)
-                    on_point()
-        finally:
-            exchange.close()
-        extra_s, finish_s = median(gathered(extra, process_group)), median(gathered(finish, process_group))
+        extra_s, finish_s = run(strategy, groups_for(specs, per_layer, strategy, d), d, selector)
         if strategy is Strategy.DENSE:
             pack_calibration = Calibration(measured_s=max(0.0, extra_s), modelled_s=sum(pack.cost(n) for n in sizes))
             continue
@@ -141,8 +127,72 @@ def measure_in_situ(
             decode = topk.decode.model
             decode_calibration = Calibration(
                 measured_s=finish_s, modelled_s=sum(decode.cost(world_size * topk_count(n, density)) for n in sizes))
+    compress_calibration: dict[str, dict[str, Calibration]] = {}
+    packing = (pack_calibration.factor if pack_calibration is not None else 1.0) * sum(pack.cost(n) for n in sizes)
+    for compressor, prepare_s, decode_s in _compressor_work(compress, specs):
+        groups = tuple(Group(layers=(s.name,), params=s.params, numel=s.numel, compressor=compressor) for s in specs)
+        extra_s, finish_s = run(Strategy.MIXED, groups, None, None)
+        compress_calibration[str(compressor)] = {
+            "prepare": Calibration(measured_s=max(0.0, extra_s - packing), modelled_s=prepare_s),
+            "decode": Calibration(measured_s=max(0.0, finish_s), modelled_s=decode_s),
+        }
     return InSitu(pack=pack_calibration, select=select_calibration, decode=decode_calibration,
-                  ddp_pack=ddp_calibration)
+                  ddp_pack=ddp_calibration, compress=compress_calibration)
+
+
+def in_situ_runs(world_size: int, topk: TopkTiming | None, compress: CompressTiming | None) -> int:
+    """How many configurations `measure_in_situ` runs (each `repeats` times): dense, DDP on several workers, each
+    top-k selector, fp16 and each PowerSGD rank."""
+    compressors = 0 if compress is None else 1 + len(compress.ranks())
+    return 1 + (world_size > 1) + (len(topk.selectors()) if topk is not None else 0) + compressors
+
+
+def _compressor_work(compress: CompressTiming | None, specs: Sequence[Any]) -> list[tuple[Compressor, float, float]]:
+    """Each compressor the profile measured, with its modelled work over one group per layer: the compute-stream
+    part (fp16's cast; PowerSGD's compression and middle round) and the decoding."""
+    if compress is None:
+        return []
+    out = [(Compressor(CompressorKind.FP16), sum(compress.fp16_cast.model.cost(s.numel) for s in specs),
+            sum(compress.fp16_uncast.model.cost(s.numel) for s in specs))]
+    for rank in compress.ranks():
+        rows = compress.powersgd_at(rank)
+        if all(s.name in rows for s in specs):
+            out.append((Compressor(CompressorKind.POWERSGD, rank=rank),
+                        sum(rows[s.name].compress_s + rows[s.name].middle_s for s in specs),
+                        sum(rows[s.name].decompress_s for s in specs)))
+    return out
+
+
+def _silent_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                    device: torch.device, world_size: int, repeats: int, process_group: Any,
+                    on_point: Callable[[], object], strategy: Strategy, groups: tuple[Group, ...],
+                    density: float | None, selector: str | None) -> tuple[float, float]:
+    """Medians over every rank of how much longer the backward pass is with the runtime (sending nothing) than
+    without it, and of its synchronize call, for a plan of `groups`."""
+    from planner.contracts.fingerprint import ClusterInfo, model_info
+    from planner.contracts.plan import Plan
+    from planner.costmodel.problem import Prediction
+
+    plan = Plan(
+        strategy=strategy, density=density, selector=selector, model=model_info(plain, workload.name),
+        cluster=ClusterInfo(world_size=world_size, backend=dist.get_backend(process_group), device=str(device)),
+        groups=groups, predicted=Prediction(iteration_s=0, compute_s=0, exposed_comm_s=0, comm_s=0), baselines={},
+        lower_bound_s=0.0, solver="in-situ", solve_seconds=0.0, source_profile="", profiled="", created="",
+    )
+    hooked = copy.deepcopy(plain)
+    exchange = _SilentExchange(hooked, plan, process_group=process_group)
+    extra, finish = [], []
+    try:
+        for i in range(repeats + 1):
+            alone, with_hooks = _pair(workload, plain, hooked, inputs, targets, device, flip=bool(i % 2))
+            synchronize = stream_seconds(exchange.synchronize, device)
+            if i:
+                extra.append(with_hooks - alone)
+                finish.append(synchronize)
+                on_point()
+    finally:
+        exchange.close()
+    return median(gathered(extra, process_group)), median(gathered(finish, process_group))
 
 
 def _ddp_extra_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,

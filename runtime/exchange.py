@@ -706,9 +706,13 @@ class GradientExchange:
             return
         if st.work is not None:
             st.work.wait()
-        q = st.powersgd.middle(self.world_size)
-        if self.world_size > 1:
-            st.work2 = dist.all_reduce(q, group=self.process_group, async_op=True)
+        st.work2 = self._start_second(st.powersgd.middle(self.world_size))
+
+    def _start_second(self, q: Tensor) -> Any:
+        """Start the allreduce of a PowerSGD group's Qs; its work handle (None on world size 1)."""
+        if self.world_size == 1:
+            return None
+        return dist.all_reduce(q, group=self.process_group, async_op=True)
 
     def _start_collective(self, st: _GroupState) -> Any:
         """Start the group's async collective and return its work handle (None on world size 1)."""

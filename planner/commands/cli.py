@@ -438,10 +438,19 @@ def print_profile(profile: object) -> None:
         console.print(f"packing a dense group: {profile.pack.alpha_s * 1e6:.1f} us + "
                       f"{profile.pack.beta_s_per_byte * 1e9:.3f} ns per element (median fit error "
                       f"{profile.pack.fit_error:.1%})")
+    if profile.compress is not None:
+        comp = profile.compress
+        shapes = {row.shapes for row in comp.powersgd}
+        ranks = ", ".join(map(str, comp.ranks())) or "none"
+        console.print(f"fp16: cast {comp.fp16_cast.beta_s_per_byte * 1e9:.3f} ns and back "
+                      f"{comp.fp16_uncast.beta_s_per_byte * 1e9:.3f} ns per element; PowerSGD measured at ranks "
+                      f"{ranks} on {len(shapes)} distinct layer shapes")
     if profile.in_situ is not None:
         situ = profile.in_situ
         parts = [("packing", situ.pack), *((f"{n} selection", c) for n, c in situ.select.items()),
-                 ("decoding", situ.decode), ("DDP's bucket copies", situ.ddp_pack)]
+                 ("decoding", situ.decode), ("DDP's bucket copies", situ.ddp_pack),
+                 *((f"{name} {'compression' if part == 'prepare' else 'decompression'}", c)
+                   for name, calibrations in situ.compress.items() for part, c in calibrations.items())]
         shown = ", ".join(f"{what} {c.factor:.2f}x ({_ms(c.measured_s)} ms measured / {_ms(c.modelled_s)} ms "
                           "micro-benchmarked)" for what, c in parts if c is not None)
         console.print(f"in real steps (one group per layer, nothing sent): {shown}")

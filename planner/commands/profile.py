@@ -32,7 +32,7 @@ from profilers.layers import (
 )
 from profilers.probe import current_cluster
 from profilers.topk import measure_topk
-from runtime.calibrate import measure_in_situ, measure_packing
+from runtime.calibrate import in_situ_runs, measure_in_situ, measure_packing
 
 __all__ = ["DEFAULT_DENSITIES", "ProfileConfig", "profile_worker", "run_profile"]
 
@@ -139,13 +139,12 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                                                                               config.powersgd_ranks))
                 compress = measure_compress(topk_sizes, shaped, config.powersgd_ranks, world_size, device,
                                             repeats=5, warmup=1, on_point=lambda: bar.advance(task))
-            runtimes = 1 + (world_size > 1) + len(topk.selectors())  # the runtime, DDP, each selector
-            task = bar.add_task("the runtime in real steps", total=IN_SITU_REPEATS * runtimes)
-            assert layer_results is not None
+            task = bar.add_task("the runtime in real steps",
+                                total=IN_SITU_REPEATS * in_situ_runs(world_size, topk, compress))
             in_situ = measure_in_situ(
                 workload, device, layer_results[0], world_size, pack=pack.model, topk=topk,
                 density=min(config.densities, key=lambda d: abs(math.log(d / IN_SITU_DENSITY))),
-                repeats=IN_SITU_REPEATS, on_point=lambda: bar.advance(task),
+                repeats=IN_SITU_REPEATS, compress=compress, on_point=lambda: bar.advance(task),
             )
             if world_size > 1:
                 interfering = [Collective.ALLREDUCE, Collective.ALLGATHER]
