@@ -53,10 +53,11 @@ def test_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     _planner("solve", str(prof), "--strategy", "topk", "--density", "0.01", "-o", str(topk))
     assert Plan.load(topk).strategy is Strategy.TOPK
 
-    res = _planner("bench", "--plan", str(dense), "--plan", str(topk), "--steps", "3", "--warmup", "1", "--json")
+    res = _planner("bench", "--plan", str(dense), "--plan", str(topk), "--steps", "3", "--warmup", "1", "--json",
+                   "--peers", "none")
     rows = json.loads(res.stdout)
     assert [r["name"] for r in rows] == ["ddp", "local (no communication)", "per-layer dense", "plan dense",
-                                         "per-layer topk@0.01", "plan topk@0.01", "ddp topk@0.01 hook"]
+                                         "per-layer topk@0.01", "plan topk@0.01", "ddp+topk:0.01"]
     for r in rows:
         assert r["steps"] == 3 and r["median_s"] > 0 and r["predicted_s"] > 0
     assert rows[0]["speedup"] == 1.0 and rows[0]["reference"] == "ddp"

@@ -21,13 +21,14 @@ from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Group, Plan
 from planner.costmodel.problem import topk_count
 from planner.models import build_workload
-from planner.types import PlanMismatchError, Strategy
+from planner.types import Compressor, CompressorKind, PlanMismatchError, Strategy
 
 if TYPE_CHECKING:
     from planner.platform.link import LinkRate
     from planner.platform.slowdown import Slowdown
 
 __all__ = [
+    "DEFAULT_PEERS",
     "LOCAL",
     "BenchConfig",
     "BenchResult",
@@ -41,12 +42,19 @@ __all__ = [
 ]
 
 
+#: The DDP hooks `planner bench` runs beside DDP unless told otherwise (`--peers`).
+DEFAULT_PEERS = (Compressor.parse("fp16"), Compressor.parse("powersgd:1"), Compressor.parse("powersgd:4"))
+
+
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
     """Which plans to run, on which model, and how many steps."""
 
     plans: tuple[Plan, ...]
     model: str
+    #: What users run instead, as PyTorch's own DDP communication hooks: fp16, PowerSGD at a rank (see
+    #: `peer_variants`); the project's top-k hook joins for every top-k density a plan uses.
+    peers: tuple[Compressor, ...] = DEFAULT_PEERS
     batch_size: int | None = None
     nproc: int = 2
     steps: int = 20
@@ -140,16 +148,17 @@ def per_layer_plan(plan: Plan, module: torch.nn.Module) -> Plan:
 
 @dataclass(frozen=True)
 class Variant:
-    """One benched configuration: DDP (plan None), DDP with the top-k hook at a top-k plan's density and
-    selector (`ddp_hook`), the runtime executing `plan`, or local steps that communicate nothing (`local`:
-    each rank trains on its own, the compute every prediction is built on); `predicted_s` is the model's
-    time for it."""
+    """One benched configuration: DDP (plan None), DDP with a communication hook (`hook`: PyTorch's fp16 or
+    PowerSGD hook, or the project's top-k hook), the runtime executing `plan`, or local steps that communicate
+    nothing (`local`: each rank trains on its own, the compute every prediction is built on); `predicted_s` is
+    the model's time for it."""
 
     name: str
     plan: Plan | None
     predicted_s: float | None
-    ddp_hook: bool = False
+    hook: Compressor | None = None
     local: bool = False
+    selector: str = "exact"
 
 
 #: Name of the variant of local steps (no communication).
@@ -172,37 +181,103 @@ def machine_drift(results: list[BenchResult]) -> float | None:
     return local.median_s / local.predicted_s - 1
 
 
-def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module) -> list[Variant]:
-    """Every variant the bench runs: DDP, then per plan one group per layer and the plan itself, and for a
-    top-k plan DDP with the top-k hook (predicted as the plan's "ddp-25mb" baseline: top-k on 25 MB buckets)."""
+def plan_tag(plan: Plan) -> str:
+    """How the bench names a plan's way of sending: dense, topk@D, the one compressor a mixed plan was allowed,
+    or mixed."""
+    match plan.strategy:
+        case Strategy.TOPK:
+            return f"topk@{plan.density:g}"
+        case Strategy.MIXED:
+            return str(plan.compressors[0]) if plan.compressors and len(plan.compressors) == 1 else "mixed"
+        case _:
+            return plan.strategy.value
+
+
+def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
+                   peers: tuple[Compressor, ...] = DEFAULT_PEERS) -> list[Variant]:
+    """Every variant the bench runs: DDP; local steps (with a dense plan); per plan one group per layer (dense and
+    top-k plans) and the plan itself; then DDP with each peer hook and with the top-k hook at every density a
+    plan uses, each predicted by the first plan that predicts it (a top-k plan's "ddp-25mb" baseline, a mixed
+    plan's "ddp+C")."""
     dense = next((p for p in plans if p.strategy is Strategy.DENSE), None)
     ddp_pred = (dense or plans[0]).baselines.get("ddp-25mb") if plans else None
     out = [Variant("ddp", None, ddp_pred.iteration_s if ddp_pred else None)]
     if dense is not None:
         out.append(Variant(LOCAL, None, local_prediction(dense), local=True))
+    hooks: dict[Compressor, tuple[float | None, str]] = {c: (None, "exact") for c in peers}
+    names: set[str] = set()
     for plan in plans:
-        tag = plan.strategy.value if plan.strategy is Strategy.DENSE else f"topk@{plan.density:g}"
-        pl = per_layer_plan(plan, module)
-        out.append(Variant(f"per-layer {tag}", pl, pl.predicted.iteration_s))
+        tag = plan_tag(plan)
+        if f"plan {tag}" in names:
+            tag += f" #{sum(n.startswith(f'plan {tag}') for n in names) + 1}"
+        names.add(f"plan {tag}")
+        if plan.strategy is not Strategy.MIXED:
+            pl = per_layer_plan(plan, module)
+            out.append(Variant(f"per-layer {tag}", pl, pl.predicted.iteration_s))
         out.append(Variant(f"plan {tag}", plan, plan.predicted.iteration_s))
         if plan.strategy is Strategy.TOPK:
+            assert plan.density is not None
             hooked = plan.baselines.get("ddp-25mb")
-            out.append(Variant(f"ddp {tag} hook", plan, hooked.iteration_s if hooked else None, ddp_hook=True))
+            c = Compressor(CompressorKind.TOPK, density=plan.density)
+            if hooks.get(c, (None, ""))[0] is None:
+                hooks[c] = (hooked.iteration_s if hooked else None, plan.selector or "exact")
+        for name, prediction in plan.baselines.items():
+            if name.startswith("ddp+"):
+                c = Compressor.parse(name.removeprefix("ddp+"))
+                wanted = c in hooks or c.kind is CompressorKind.TOPK  # the peers asked for, and top-k's hook
+                if wanted and hooks.get(c, (None, ""))[0] is None:
+                    hooks[c] = (prediction.iteration_s, plan.selector or "exact")
+    out += [Variant(f"ddp+{c}", None, predicted, hook=c, selector=selector)
+            for c, (predicted, selector) in hooks.items()]
     return out
+
+
+def ddp_with_hook(module: torch.nn.Module, hook: Compressor | None, *, find_unused: bool,
+                  selector: str = "exact") -> torch.nn.Module:
+    """`module` in DDP with `hook`'s communication hook: PyTorch's `fp16_compress_hook` or `powerSGD_hook` (rank r,
+    error feedback and warm start, compressing from the third iteration, the earliest DDP allows), or the
+    project's top-k hook. On gloo DDP's PowerSGD hook aborts with a collective mismatch when a step has several
+    buckets (its second round is launched from a callback thread while the next bucket's allreduce is
+    launched from the backward pass), so there it runs with one bucket holding every gradient."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from runtime import TopkHookState, topk_hook
+
+    one_bucket = hook is not None and hook.kind is CompressorKind.POWERSGD and dist.get_backend() == "gloo"
+    size_mb = sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
+    wrapped = DistributedDataParallel(module, find_unused_parameters=find_unused,
+                                      bucket_cap_mb=size_mb + 1 if one_bucket else None)
+    if hook is None:
+        return wrapped
+    match hook.kind:
+        case CompressorKind.FP16:
+            wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        case CompressorKind.POWERSGD:
+            state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=hook.rank, start_powerSGD_iter=2)
+            wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        case CompressorKind.TOPK:
+            assert hook.density is not None
+            wrapped.register_comm_hook(TopkHookState(hook.density, selector=selector), topk_hook)
+        case _:
+            pass
+    return wrapped
+
+
+#: Warm-up steps of a DDP PowerSGD variant at least (its hook allreduces plainly for two iterations).
+POWERSGD_HOOK_WARMUP = 2
 
 
 def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchResult] | None:
     """Run every variant on this rank; rank 0 returns the results."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from runtime import GradientExchange, TopkHookState, topk_hook
+    from runtime import GradientExchange
     from runtime.ddp_hooks import has_unused_parameters
 
     torch.manual_seed(0)
     base = build_workload(config.model, batch_size=config.batch_size)
     for given in config.plans:
         given.check_compatible(model_info(base.module, config.model), world_size)
-    variants = bench_variants(config.plans, base.module)
+    variants = bench_variants(config.plans, base.module, config.peers)
     gen = torch.Generator().manual_seed(1000 + rank)
     batch = base.make_batch(base.batch_size, gen)
     # A model with parameters the loss does not use: DDP and the exchange must be told (as a user would).
@@ -214,12 +289,8 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
         if v.local:
             model: torch.nn.Module = wl.module
             exchange = None
-        elif plan is None or v.ddp_hook:
-            wrapped = DistributedDataParallel(wl.module, find_unused_parameters=unused)
-            if plan is not None:
-                assert plan.density is not None
-                wrapped.register_comm_hook(TopkHookState(plan.density, selector=plan.selector or "exact"), topk_hook)
-            model = wrapped
+        elif plan is None:
+            model = ddp_with_hook(wl.module, v.hook, find_unused=unused, selector=v.selector)
             exchange = None
         else:
             model = wl.module
@@ -237,7 +308,9 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     with progress(enabled=show) as bar:
         task = bar.add_task("bench steps", total=n * (config.warmup + config.steps))
         for i in range(n):
-            for _ in range(config.warmup):
+            hook = variants[i].hook
+            powersgd = hook is not None and hook.kind is CompressorKind.POWERSGD
+            for _ in range(max(config.warmup, POWERSGD_HOOK_WARMUP) if powersgd else config.warmup):
                 step(i)
                 bar.advance(task)
         while any(len(t) < config.steps for t in times):

@@ -1109,6 +1109,10 @@ class BenchCommand(Command):
                             help="measured steps per variant (default 20; fewer give a noisier median)")
         parser.add_argument("--warmup", type=_nonnegative_int, default=5,
                             help="unmeasured steps per variant (--strategy kfac: one window of inv_update_steps)")
+        parser.add_argument("--peers", default=None, metavar="LIST",
+                            help="--strategy gradients: PyTorch's DDP hooks to run beside DDP: fp16, powersgd:R "
+                                 "(default fp16,powersgd:1,powersgd:4), or none; DDP with the project's top-k hook "
+                                 "runs for every top-k density a plan uses")
         abs_sgd = parser.add_argument_group("ABS-SGD (--strategy abs)")
         abs_sgd.add_argument("--samples", type=_positive, default=None,
                              help="samples per run, summed over the workers (default 80000)")
@@ -1159,6 +1163,8 @@ class BenchCommand(Command):
                     if value is not None]
         if abs_only and args.strategy != ABS:
             raise PlannerError(f"{abs_only[0]} applies to --strategy abs only")
+        if args.peers is not None and args.strategy != "gradients":
+            raise PlannerError("--peers applies to --strategy gradients only")
         if args.strategy == KFAC:
             return self._run_kfac(args, plans)
         if args.strategy == ABS:
@@ -1166,7 +1172,7 @@ class BenchCommand(Command):
         config = BenchConfig(
             plans=plans, model=args.model or plans[0].model.name, batch_size=args.batch_size,
             nproc=args.nproc or plans[0].cluster.world_size, steps=args.steps, warmup=args.warmup,
-            show_progress=not args.json, link=args.link, slowdown=args.slowdown,
+            show_progress=not args.json, link=args.link, slowdown=args.slowdown, peers=_peers(args.peers),
         )
         _note_link_mismatch(plans, args.link)
         results = run_bench(config)
@@ -1278,6 +1284,23 @@ class BenchCommand(Command):
         if results is not None:
             print_bench(results, args.json, title=title, lower_bound_s=plan.kfac.lower_bound_s)
         return 0
+
+
+def _peers(text: str | None) -> tuple:
+    """`--peers`: the DDP hooks to run (fp16, powersgd:R), the default ones when not given, none for none."""
+    from planner.commands.bench import DEFAULT_PEERS
+    from planner.types import Compressor, CompressorKind
+
+    if text is None:
+        return DEFAULT_PEERS
+    if text.strip().lower() == "none":
+        return ()
+    peers = tuple(dict.fromkeys(Compressor.parse(part) for part in text.split(",") if part.strip()))
+    wrong = [str(c) for c in peers if c.kind not in (CompressorKind.FP16, CompressorKind.POWERSGD)]
+    if wrong or not peers:
+        raise PlannerError(f"--peers lists PyTorch's DDP hooks: fp16 and powersgd:R (e.g. fp16,powersgd:4) or none, "
+                           f"but got {text!r}; the top-k hook runs for every top-k density a plan uses")
+    return peers
 
 
 def _note_link_mismatch(plans: tuple, link: object) -> None:
