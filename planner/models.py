@@ -17,7 +17,7 @@ from torch import nn
 
 from planner.types import ModelLoadError, PlannerError, UnknownModelError
 
-__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "Batch", "Workload", "build_workload"]
+__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "Batch", "Workload", "build_workload", "digits_data"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """An (inputs, targets) pair."""
@@ -364,6 +364,11 @@ def _digits_data() -> Batch:
         raise PlannerError("the digits model needs scikit-learn: pip install scikit-learn") from None
     data = load_digits()
     return torch.tensor(data.data, dtype=torch.float32) / 16.0, torch.tensor(data.target, dtype=torch.long)
+
+
+def digits_data() -> Batch:
+    """All of scikit-learn's digits as (pixels [1797, 64] in [0, 1], classes [1797])."""
+    return _digits_data()
 
 
 def _digits_batch(batch_size: int, generator: torch.Generator) -> Batch:

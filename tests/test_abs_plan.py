@@ -327,7 +327,7 @@ def test_bench_abs_bad_input_gives_one_line(tmp_path: Path) -> None:
     dense = tmp_path / "dense.json"
     assert main(["solve", str(prof), "-o", str(dense)]) == 0
     _one_clear_line(_cli("bench", "--strategy", "abs", "--plan", str(dense)), "has no abs section")
-    _one_clear_line(_cli("bench", "--plan", str(dense), "--samples", "10"), "applies to --strategy abs only")
+    _one_clear_line(_cli("bench", "--plan", str(dense), "--samples", "10"), "with --target-loss L")
     plan = digits_plan(tmp_path)
     _one_clear_line(_cli("bench", "--strategy", "abs", "--plan", str(plan), "--nproc", "3"),
                     "made for world size 2")

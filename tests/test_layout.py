@@ -81,7 +81,7 @@ def test_the_import_graph_has_no_circle() -> None:
 #: Each layer and the layers it may import (besides itself). The base is what every layer stands on:
 #: errors and enums, the console, the built-in models, the kernels that both the profilers and the
 #: runtime run, and the platform (launching workers, the emulated link, timing).
-BASE = {"planner.types", "planner.console", "planner.models", "planner.kernels", "planner.platform"}
+BASE = {"planner.types", "planner.console", "planner.models", "planner.tasks", "planner.kernels", "planner.platform"}
 MAY_IMPORT = {
     "base": set(),
     "costmodel": {"base"},

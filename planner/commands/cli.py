@@ -1113,20 +1113,29 @@ class BenchCommand(Command):
                             help="--strategy gradients: PyTorch's DDP hooks to run beside DDP: fp16, powersgd:R "
                                  "(default fp16,powersgd:1,powersgd:4), or none; DDP with the project's top-k hook "
                                  "runs for every top-k density a plan uses")
-        abs_sgd = parser.add_argument_group("ABS-SGD (--strategy abs)")
+        abs_sgd = parser.add_argument_group("time to a target loss: ABS-SGD (--strategy abs), or gradient plans "
+                                            "with --target-loss")
         abs_sgd.add_argument("--samples", type=_positive, default=None,
-                             help="samples per run, summed over the workers (default 80000)")
+                             help="samples per run, summed over the workers (default: abs 80000, digits task 40000, "
+                                  "teacher task 8000)")
         abs_sgd.add_argument("--repeats", type=_positive, default=None,
-                             help="runs of each variant, round-robin (default 3; also --strategy crossover)")
+                             help="runs of each variant, round-robin (default 3 for abs, 1 for gradient plans; also "
+                                  "--strategy crossover)")
         abs_sgd.add_argument("--target-loss", type=_positive_float, default=None,
-                             help="evaluation loss to reach (default 0.05)")
-        abs_sgd.add_argument("--lr", type=_positive_float, default=None, help="SGD learning rate (default 0.4)")
+                             help="evaluation loss to reach (abs: default 0.05); with gradient plans it runs DDP, its "
+                                  "hooks and the plans to this loss instead of timing steps")
+        abs_sgd.add_argument("--task", choices=["digits", "teacher"], default=None,
+                             help="gradient plans with --target-loss: digits (the built-in digits model) or teacher "
+                                  "(the model learns a fixed random teacher's labels); default digits for the digits "
+                                  "model, teacher otherwise")
+        abs_sgd.add_argument("--lr", type=_positive_float, default=None,
+                             help="SGD learning rate (default: abs 0.4, gradient plans 0.05)")
         abs_sgd.add_argument("--speed-change", type=_slowdown, default=None, metavar="RANK=FACTOR",
                              help="halfway through every run, slowed workers change to these factors (e.g. "
                                   "--slowdown 1=1.5 --speed-change 1=3)")
         abs_sgd.add_argument("--momentum", type=_nonnegative_float, default=None,
-                             help="SGD momentum (default 0: a one-round delay with momentum 0.9 costs about twice "
-                                  "the updates)")
+                             help="SGD momentum (abs default 0: a one-round delay with momentum 0.9 costs about "
+                                  "twice the updates; gradient plans default 0.9)")
         crossover = parser.add_argument_group("crossover (--strategy crossover)")
         crossover.add_argument("--pairing", type=Path, default=None,
                                help="the pairing plan of two jobs (`planner pair PLAN PLAN --batch N -o P`); the "
@@ -1157,18 +1166,27 @@ class BenchCommand(Command):
         plans = tuple(Plan.load(p) for p in args.plan)
         if under_torchrun():  # one rank of torchrun's group, maybe across hosts: its size is the world size
             args.nproc = int(os.environ["WORLD_SIZE"])
-        abs_only = [flag for flag, value in (("--samples", args.samples), ("--repeats", args.repeats),
-                                             ("--target-loss", args.target_loss), ("--lr", args.lr),
-                                             ("--momentum", args.momentum), ("--speed-change", args.speed_change))
-                    if value is not None]
-        if abs_only and args.strategy != ABS:
-            raise PlannerError(f"{abs_only[0]} applies to --strategy abs only")
+        to_target = args.strategy == "gradients" and args.target_loss is not None
+        runs = [flag for flag, value in (("--samples", args.samples), ("--repeats", args.repeats),
+                                         ("--target-loss", args.target_loss), ("--lr", args.lr),
+                                         ("--momentum", args.momentum)) if value is not None]
+        if runs and args.strategy not in (ABS, "gradients"):
+            raise PlannerError(f"{runs[0]} applies to --strategy abs, or to gradient plans with --target-loss")
+        if runs and args.strategy == "gradients" and not to_target:
+            raise PlannerError(f"{runs[0]} applies to --strategy abs, or to gradient plans with --target-loss L (the "
+                               "time-to-target bench)")
+        if args.speed_change is not None and args.strategy != ABS:
+            raise PlannerError("--speed-change applies to --strategy abs only")
+        if args.task is not None and not to_target:
+            raise PlannerError("--task applies to the time-to-target bench of gradient plans (--target-loss L)")
         if args.peers is not None and args.strategy != "gradients":
             raise PlannerError("--peers applies to --strategy gradients only")
         if args.strategy == KFAC:
             return self._run_kfac(args, plans)
         if args.strategy == ABS:
             return self._run_abs(args, plans)
+        if to_target:
+            return self._run_to_target(args, plans)
         config = BenchConfig(
             plans=plans, model=args.model or plans[0].model.name, batch_size=args.batch_size,
             nproc=args.nproc or plans[0].cluster.world_size, steps=args.steps, warmup=args.warmup,
@@ -1178,6 +1196,29 @@ class BenchCommand(Command):
         results = run_bench(config)
         if results is not None:  # None on torchrun ranks other than 0: rank 0 prints
             print_bench(results, args.json)
+        return 0
+
+    @staticmethod
+    def _run_to_target(args: argparse.Namespace, plans: tuple) -> int:
+        from planner.commands.bench_target import (
+            TASK_DEFAULTS,
+            TargetBenchConfig,
+            print_target_bench,
+            run_target_bench,
+        )
+
+        model = args.model or plans[0].model.name
+        task = args.task or ("digits" if model == "digits" else "teacher")
+        samples, _, lr = TASK_DEFAULTS.get(task, TASK_DEFAULTS["teacher"])
+        config = TargetBenchConfig(
+            plans=plans, model=model, task=task, target_loss=args.target_loss, samples=args.samples or samples,
+            lr=args.lr or lr, momentum=0.9 if args.momentum is None else args.momentum, repeats=args.repeats or 1,
+            peers=_peers(args.peers), nproc=args.nproc or plans[0].cluster.world_size, batch_size=args.batch_size,
+            show_progress=not args.json, link=args.link, slowdown=args.slowdown)
+        _note_link_mismatch(plans, args.link)
+        runs = run_target_bench(config)
+        if runs is not None:
+            print_target_bench(config, runs, args.json)
         return 0
 
     @staticmethod

@@ -1,0 +1,255 @@
+"""`planner bench --plan P ... --target-loss L`: wall-clock time to a target evaluation loss of DDP, PyTorch's DDP
+hooks and the plans, on a task whose loss means something (`planner.tasks`: the digits, or a student of a fixed
+random teacher).
+
+Every variant of the step-time bench but the local steps and the one-group-per-layer rows runs from the same
+initial weights on the same batches (each rank its own, the same for every variant) until it has applied
+`samples` samples (summed over the workers), round-robin over the variants and repeats so that the noise of a
+shared machine falls on all of them alike. The optimizer is SGD with momentum for every variant, as a user would
+run it: DDP and its hooks apply momentum in the optimizer (PowerSGD's paper does too), and so do the planner's
+dense, fp16 and PowerSGD plans; a plan with top-k groups applies it in the exchange (Deep Gradient Compression's
+momentum correction, the runtime's way for top-k) with the optimizer's momentum at 0.
+
+During a run rank 0 keeps a copy of the parameters and buffers every `snapshot_every_s`; after the run it
+evaluates them on the task's held-out batch (in eval mode), so the loss curve costs the run no time. The time to
+target is the first snapshot at or below the target loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from rich.table import Table
+
+from planner.commands.bench import DEFAULT_PEERS, LOCAL, Variant, bench_variants, ddp_with_hook
+from planner.console import console, progress
+from planner.contracts.fingerprint import model_info
+from planner.contracts.plan import Plan
+from planner.tasks import Task, build_task
+from planner.types import Compressor, PlanMismatchError, PlannerError
+
+if TYPE_CHECKING:
+    from planner.platform.link import LinkRate
+    from planner.platform.slowdown import Slowdown
+
+__all__ = ["TASK_DEFAULTS", "TargetBenchConfig", "TargetRun", "TargetSummary", "print_target_bench",
+           "run_target_bench", "summarise_target"]
+
+#: Per task: (samples per run, target loss, learning rate), the defaults of the bench (momentum 0.9).
+TASK_DEFAULTS: dict[str, tuple[int, float, float]] = {"digits": (40_000, 0.1, 0.05), "teacher": (8_000, 2.0, 0.05)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetBenchConfig:
+    """Which plans and peers to run to a target loss, on which model and task, and how long."""
+
+    plans: tuple[Plan, ...]
+    model: str
+    task: str
+    target_loss: float
+    samples: int
+    lr: float
+    momentum: float = 0.9
+    repeats: int = 1
+    peers: tuple[Compressor, ...] = DEFAULT_PEERS
+    nproc: int = 2
+    batch_size: int | None = None
+    snapshot_every_s: float = 0.25
+    show_progress: bool = True
+    link: LinkRate | None = None
+    slowdown: Slowdown | None = None
+
+
+@dataclass(frozen=True)
+class TargetRun:
+    """One run of one variant: its wall time, samples and steps applied, and rank 0's loss curve."""
+
+    variant: str
+    repeat: int
+    wall_s: float
+    samples: int
+    steps: int
+    curve: tuple[tuple[float, int, float], ...]  # (seconds, samples applied, evaluation loss)
+
+    def time_to(self, target: float) -> tuple[float, int] | None:
+        """Seconds and samples at the first evaluation at or below `target` (None: not reached)."""
+        return next(((t, n) for t, n, loss in self.curve if loss <= target), None)
+
+
+@dataclass(frozen=True)
+class TargetSummary:
+    """The runs of one variant (medians over the repeats)."""
+
+    variant: str
+    runs: int
+    reached: int
+    time_to_target_s: float | None  # median over the runs that reached it
+    samples_to_target: float | None
+    final_loss: float
+    step_s: float  # median wall time per step
+    predicted_step_s: float | None
+    speedup: float | None = None  # the best peer's time to target over this one's
+
+
+def _variants(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Compressor, ...]) -> list[Variant]:
+    """DDP, the plans and the hooks of the step-time bench, without the local steps and the per-layer rows."""
+    return [v for v in bench_variants(plans, module, peers) if v.name != LOCAL and not v.name.startswith("per-layer")]
+
+
+def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, repeat: int, task: Task) -> TargetRun:
+    """One run of `variant` on this rank, from the task's initial weights."""
+    from runtime import GradientExchange
+    from runtime.ddp_hooks import has_unused_parameters
+
+    wl = task.workload
+    initial = wl.module
+    student = copy.deepcopy(initial)
+    b = wl.batch_size
+    gen = torch.Generator().manual_seed(1_000_003 * repeat + 7919 * rank)
+    x0, y0 = wl.make_batch(b, torch.Generator().manual_seed(rank))
+    unused = has_unused_parameters(student, lambda m: wl.loss_fn(m(x0), y0))
+    exchange = None
+    plan = variant.plan
+    exchange_momentum = plan is not None and plan.sends_topk
+    opt_momentum = 0.0 if exchange_momentum else config.momentum
+    if plan is None:
+        model = ddp_with_hook(student, variant.hook, find_unused=unused, selector=variant.selector)
+        opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=opt_momentum)
+    else:
+        model = student
+        opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=opt_momentum)
+        exchange = GradientExchange(model, plan, model_name=config.model, find_unused_parameters=unused,
+                                    momentum=config.momentum if exchange_momentum else 0.0,
+                                    optimizer=opt if exchange_momentum else None)
+    snapshots: list[tuple[float, int, dict[str, torch.Tensor]]] = []
+    last = -float("inf")
+    applied = steps = 0
+    dist.barrier()
+    start = time.perf_counter()
+    while applied < config.samples:
+        now = time.perf_counter() - start
+        if rank == 0 and now - last >= config.snapshot_every_s:
+            snapshots.append((now, applied, {k: v.detach().clone() for k, v in student.state_dict().items()}))
+            last = now
+        x, y = wl.make_batch(b, gen)
+        opt.zero_grad(set_to_none=True)
+        wl.loss_fn(model(x), y).backward()
+        if exchange is not None:
+            exchange.synchronize()
+        opt.step()
+        applied += b * world
+        steps += 1
+    wall = time.perf_counter() - start
+    if exchange is not None:
+        exchange.close()
+    if rank == 0:
+        snapshots.append((wall, applied, {k: v.detach().clone() for k, v in student.state_dict().items()}))
+    curve = _evaluate(task, initial, snapshots, config.target_loss) if rank == 0 else ()
+    return TargetRun(variant=variant.name, repeat=repeat, wall_s=wall, samples=applied, steps=steps, curve=curve)
+
+
+def _evaluate(task: Task, initial: torch.nn.Module, snapshots: list[tuple[float, int, dict[str, torch.Tensor]]],
+              target: float) -> tuple[tuple[float, int, float], ...]:
+    """The evaluation loss of each snapshot until the first at or below the target, and of the last."""
+    module = copy.deepcopy(initial)
+    module.eval()
+    curve: list[tuple[float, int, float]] = []
+    for i, (t, n, state) in enumerate(snapshots):
+        if curve and curve[-1][2] <= target and i + 1 < len(snapshots):
+            continue  # reached: only the final loss is left to evaluate
+        module.load_state_dict(state)
+        curve.append((t, n, task.eval_loss(module)))
+    return tuple(curve)
+
+
+def target_bench_worker(rank: int, world_size: int, config: TargetBenchConfig) -> list[TargetRun] | None:
+    """Every run, round-robin over the variants and repeats; rank 0 returns them."""
+    torch.manual_seed(0)
+    task = build_task(config.model, config.task, batch_size=config.batch_size)  # the data, once per process
+    for plan in config.plans:
+        plan.check_compatible(model_info(task.workload.module, config.model), world_size)
+    variants = _variants(config.plans, task.workload.module, config.peers)
+    runs = []
+    with progress(enabled=config.show_progress and rank == 0) as bar:
+        tick = bar.add_task("runs to the target loss", total=config.repeats * len(variants))
+        for repeat in range(config.repeats):
+            for variant in variants:
+                runs.append(_run(rank, world_size, config, variant, repeat, task))
+                bar.advance(tick)
+    return runs if rank == 0 else None
+
+
+def summarise_target(config: TargetBenchConfig, runs: list[TargetRun], predicted: dict[str, float | None]
+                     ) -> list[TargetSummary]:
+    """Medians over the repeats of each variant, and each one's speed-up over the best of DDP and its hooks."""
+    out = []
+    for name in dict.fromkeys(r.variant for r in runs):
+        mine = [r for r in runs if r.variant == name]
+        hits = [hit for r in mine if (hit := r.time_to(config.target_loss)) is not None]
+        out.append(TargetSummary(
+            variant=name, runs=len(mine), reached=len(hits),
+            time_to_target_s=statistics.median(t for t, _ in hits) if hits else None,
+            samples_to_target=statistics.median(n for _, n in hits) if hits else None,
+            final_loss=statistics.median(r.curve[-1][2] for r in mine),
+            step_s=statistics.median(r.wall_s / r.steps for r in mine),
+            predicted_step_s=predicted.get(name)))
+    peers = [s.time_to_target_s for s in out if s.variant.startswith("ddp") and s.time_to_target_s is not None]
+    best = min(peers) if peers else None
+    return [s if best is None or s.time_to_target_s is None else
+            TargetSummary(**{**asdict(s), "speedup": best / s.time_to_target_s}) for s in out]
+
+
+def run_target_bench(config: TargetBenchConfig) -> list[TargetRun] | None:
+    """Run every variant to the target on `config.nproc` local gloo workers (or torchrun's group): rank 0's runs."""
+    from planner.platform.launch import run_job
+
+    if not config.target_loss > 0 or config.samples < 1 or config.repeats < 1 or not config.lr > 0:
+        raise PlannerError(f"need --target-loss > 0, --samples >= 1, --repeats >= 1 and --lr > 0, got "
+                           f"{config.target_loss}, {config.samples}, {config.repeats}, {config.lr}")
+    if not 0 <= config.momentum < 1:
+        raise PlannerError(f"`0 <= --momentum < 1` must hold, but got {config.momentum}")
+    for plan in config.plans:
+        if plan.cluster.world_size != config.nproc:
+            raise PlanMismatchError(f"the plan was made for world size {plan.cluster.world_size}, but --nproc is "
+                                    f"{config.nproc}; re-plan: {plan.replan_command()}")
+        if plan.kfac is not None or plan.abs is not None:
+            raise PlannerError("--target-loss with gradient plans runs dense, top-k and mixed plans; K-FAC and "
+                               "ABS-SGD plans have their own benches (--strategy kfac, --strategy abs)")
+    build_task(config.model, config.task, batch_size=config.batch_size)  # a bad task is one line, before starting
+    return run_job(target_bench_worker, config.nproc, config, backend="gloo", link=config.link,
+                   slowdown=config.slowdown)
+
+
+def print_target_bench(config: TargetBenchConfig, runs: list[TargetRun], as_json: bool) -> None:
+    task = build_task(config.model, config.task, batch_size=config.batch_size)
+    predicted = {v.name: v.predicted_s for v in _variants(config.plans, task.workload.module, config.peers)}
+    summaries = summarise_target(config, runs, predicted)
+    if as_json:
+        console.print_json(json.dumps({"target_loss": config.target_loss, "samples": config.samples,
+                                       "task": config.task, "variants": [asdict(s) for s in summaries],
+                                       "runs": [asdict(r) for r in runs]}))
+        return
+    table = Table(title=f"time to evaluation loss <= {config.target_loss:g} on {config.model} ({config.task} task), "
+                        f"{config.nproc} workers, SGD lr {config.lr:g} momentum {config.momentum:g}, median of "
+                        f"{config.repeats} run(s) of {config.samples:,} samples")
+    for col in ("variant", "time to target s", "samples to target", "vs best DDP/hook", "final loss",
+                "median step ms", "predicted step ms"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for s in summaries:
+        reached = f"{s.time_to_target_s:.2f}" if s.time_to_target_s is not None else "not reached"
+        if s.time_to_target_s is not None and s.reached < s.runs:
+            reached += f" ({s.reached}/{s.runs})"
+        table.add_row(s.variant, reached,
+                      f"{s.samples_to_target:,.0f}" if s.samples_to_target is not None else "-",
+                      f"{s.speedup:.2f}x" if s.speedup is not None else "-", f"{s.final_loss:.3f}",
+                      f"{s.step_s * 1e3:,.1f}",
+                      f"{s.predicted_step_s * 1e3:,.1f}" if s.predicted_step_s is not None else "-",
+                      style="bold" if s.variant.startswith("plan") else None)
+    console.print(table)

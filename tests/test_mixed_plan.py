@@ -1,0 +1,140 @@
+"""Mixed plans from a profile: `planner solve --strategy mixed|auto`, their baselines, the explanation table, and
+bad input (one clear line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from planner.commands.cli import main
+from planner.contracts.plan import Plan
+from planner.costmodel.mixed import simulate_mixed
+from planner.strategies.mixed import PRESETS, explain, make_mixed_plan, parse_compressors, solve_auto
+from planner.types import Collective, Compressor, CompressorError, Strategy
+from tests.factories import synthetic_profile
+
+
+def _profile(tmp_path: Path, model: str = "mlp", sigma: float = 0.4) -> Path:
+    prof = replace(synthetic_profile(model), interference={Collective.ALLREDUCE: sigma, Collective.ALLGATHER: sigma})
+    path = tmp_path / f"{model}.json"
+    prof.save(path)
+    return path
+
+
+def test_mixed_plan_is_no_worse_than_any_compressor_alone_and_explains_itself(tmp_path: Path) -> None:
+    profile = synthetic_profile("resnet18")
+    compressors = parse_compressors("all")
+    plan = make_mixed_plan(profile, compressors, source="synthetic")
+    assert plan.strategy is Strategy.MIXED and plan.compressors == compressors
+    assert {plan.compressor_of(g) for g in plan.groups} <= set(compressors)
+    for c in compressors:
+        only = plan.baselines[f"only:{c}"]
+        assert plan.predicted.iteration_s <= only.iteration_s * (1 + 1e-9)
+    assert {"ddp-25mb", "ddp+fp16", "ddp+powersgd:1", "ddp+powersgd:4", "ddp+topk:0.01"} <= set(plan.baselines)
+    assert plan.lower_bound_s <= plan.predicted.iteration_s
+    # The plan's prediction is the simulated time of its own groups under the mixed model.
+    problem = profile.mixed_problem(compressors, selector=plan.selector or "exact")
+    reasons = explain(plan, profile)
+    assert len(reasons) == len(plan.groups)
+    for r in reasons:
+        assert set(r.alternatives) == {str(c) for c in compressors} - {str(r.compressor)}
+        # switching one group alone never beats the exact plan
+        assert min(r.alternatives.values()) >= plan.predicted.iteration_s * (1 - 1e-9)
+    choice = tuple(problem.index_of(plan.compressor_of(g)) for g in plan.groups)
+    from planner.contracts.layers import plan_grouping
+
+    assert simulate_mixed(problem, plan_grouping(plan, profile), choice).iteration_s == pytest.approx(
+        plan.predicted.iteration_s, rel=1e-12)
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan
+
+
+def test_auto_keeps_the_fastest_candidate() -> None:
+    profile = synthetic_profile("vgg16")
+    choice = solve_auto(profile, parse_compressors("dense,fp16,topk:0.01"))
+    assert set(choice.candidates) == {"dense", "topk at 0.01", "mixed over dense, fp16, topk:0.01"}
+    assert choice.plan.predicted.iteration_s == min(p.predicted.iteration_s for p in choice.candidates.values())
+    assert "kept" in choice.reason
+    # dense alone: one candidate, the dense plan
+    assert list(solve_auto(profile, parse_compressors("exact")).candidates) == ["dense"]
+
+
+def test_presets_and_lists_parse() -> None:
+    assert [str(c) for c in parse_compressors("light")] == list(PRESETS["light"])
+    assert parse_compressors("dense, fp16 ,powersgd:2") == (Compressor.parse("dense"), Compressor.parse("fp16"),
+                                                             Compressor.parse("powersgd:2"))
+    with pytest.raises(CompressorError, match="unknown compressor"):
+        parse_compressors("dense,zip")
+
+
+def test_cli_solve_mixed_and_auto_write_plans(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = _profile(tmp_path)
+    out = tmp_path / "mixed.json"
+    assert main(["solve", str(prof), "--strategy", "mixed", "--compressors", "dense,fp16,powersgd:1,topk:0.01", "-o",
+                 str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "next best" in text and "only:powersgd:1" in text and "ddp+fp16" in text
+    plan = Plan.load(out)
+    assert plan.strategy is Strategy.MIXED and all(g.compressor is not None for g in plan.groups)
+    assert main(["show", str(out), "--groups"]) == 0
+    assert "mixed" in capsys.readouterr().out
+    auto = tmp_path / "auto.json"
+    assert main(["solve", str(prof), "--strategy", "auto", "--compressors", "light", "-o", str(auto)]) == 0
+    assert "--strategy auto" in capsys.readouterr().out
+    assert Plan.load(auto).predicted.iteration_s <= plan.baselines["ddp-25mb"].iteration_s * 10
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--strategy", "mixed", "--compressors", "zip"], "unknown compressor 'zip'"),
+    (["--strategy", "mixed", "--compressors", "powersgd:0"], "rank must be a whole number"),
+    (["--strategy", "mixed", "--compressors", "topk:2"], "`0 < density <= 1`"),
+    (["--strategy", "mixed", "--compressors", "powersgd:8"], "did not measure powersgd:8"),
+    (["--strategy", "mixed", "--compressors", "dense,topk:0.00001"], "densities 0.001 to 1"),
+    (["--strategy", "mixed", "--compressors", "dense,dense"], "twice"),
+    (["--strategy", "mixed", "--density", "0.1"], "--density applies to --strategy topk only"),
+    (["--strategy", "dense", "--compressors", "fp16"], "applies to --strategy mixed and auto only"),
+    (["--strategy", "mixed", "--compressors", "fp16", "--selector", "sampled"], "--selector applies"),
+    (["--strategy", "auto", "--time-limit", "0"], "--time-limit > 0"),
+])
+def test_cli_bad_compressors_give_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+                                           message: str) -> None:
+    prof = _profile(tmp_path)
+    out = tmp_path / "plan.json"
+    assert main(["solve", str(prof), *argv, "-o", str(out)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists()
+
+
+def test_a_profile_without_compressor_timings_plans_dense_and_topk_only(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    old = replace(synthetic_profile("mlp"), compress=None)
+    path = tmp_path / "old.json"
+    old.save(path)
+    assert main(["solve", str(path), "--strategy", "mixed", "--compressors", "dense,fp16", "-o",
+                 str(tmp_path / "p.json")]) == 2
+    assert "no fp16 or PowerSGD measurements" in capsys.readouterr().err
+    assert main(["solve", str(path), "--strategy", "mixed", "--compressors", "dense,topk:0.01", "-o",
+                 str(tmp_path / "p.json")]) == 0
+
+
+def test_a_plan_naming_a_bad_compressor_is_refused_in_one_line(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    plan = make_mixed_plan(synthetic_profile("mlp"), parse_compressors("light"))
+    doc = plan.to_dict()
+    for bad, message in (("powersgd:-1", "plan.groups[0].compressor"), ("gzip", "unknown compressor"),
+                         (7, "named by text")):
+        doc["groups"][0]["compressor"] = bad
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(doc))
+        assert main(["show", str(path)]) == 2
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(err) == 1 and message in err[0], err
+    doc["groups"][0]["compressor"] = "fp16"
+    doc["groups"][0]["k"] = 3
+    path.write_text(json.dumps(doc))
+    assert main(["show", str(path)]) == 2
+    assert "only top-k groups have k" in capsys.readouterr().err
