@@ -1117,7 +1117,7 @@ class BenchCommand(Command):
                                             "with --target-loss")
         abs_sgd.add_argument("--samples", type=_positive, default=None,
                              help="samples per run, summed over the workers (default: abs 80000, digits task 40000, "
-                                  "teacher task 8000)")
+                                  "teacher task 4000)")
         abs_sgd.add_argument("--repeats", type=_positive, default=None,
                              help="runs of each variant, round-robin (default 3 for abs, 1 for gradient plans; also "
                                   "--strategy crossover)")
@@ -1129,7 +1129,8 @@ class BenchCommand(Command):
                                   "(the model learns a fixed random teacher's labels); default digits for the digits "
                                   "model, teacher otherwise")
         abs_sgd.add_argument("--lr", type=_positive_float, default=None,
-                             help="SGD learning rate (default: abs 0.4, gradient plans 0.05)")
+                             help="SGD learning rate (default: abs 0.4; gradient plans the task's: digits 0.05, "
+                                  "teacher 0.5 for token models, 0.02 for image models)")
         abs_sgd.add_argument("--speed-change", type=_slowdown, default=None, metavar="RANK=FACTOR",
                              help="halfway through every run, slowed workers change to these factors (e.g. "
                                   "--slowdown 1=1.5 --speed-change 1=3)")
@@ -1201,7 +1202,7 @@ class BenchCommand(Command):
     @staticmethod
     def _run_to_target(args: argparse.Namespace, plans: tuple) -> int:
         from planner.commands.bench_target import (
-            TASK_DEFAULTS,
+            TASK_SAMPLES,
             TargetBenchConfig,
             print_target_bench,
             run_target_bench,
@@ -1209,10 +1210,10 @@ class BenchCommand(Command):
 
         model = args.model or plans[0].model.name
         task = args.task or ("digits" if model == "digits" else "teacher")
-        samples, _, lr = TASK_DEFAULTS.get(task, TASK_DEFAULTS["teacher"])
         config = TargetBenchConfig(
-            plans=plans, model=model, task=task, target_loss=args.target_loss, samples=args.samples or samples,
-            lr=args.lr or lr, momentum=0.9 if args.momentum is None else args.momentum, repeats=args.repeats or 1,
+            plans=plans, model=model, task=task, target_loss=args.target_loss,
+            samples=args.samples or TASK_SAMPLES[task], lr=args.lr,
+            momentum=0.9 if args.momentum is None else args.momentum, repeats=args.repeats or 1,
             peers=_peers(args.peers), nproc=args.nproc or plans[0].cluster.world_size, batch_size=args.batch_size,
             show_progress=not args.json, link=args.link, slowdown=args.slowdown)
         _note_link_mismatch(plans, args.link)

@@ -1,0 +1,92 @@
+"""The tasks whose loss means something (planner.tasks) and `planner bench --target-loss` for gradient plans."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.commands.cli import main
+from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.tasks import TOKEN_LABELS, build_task
+from planner.types import PlannerError
+from tests.factories import synthetic_plan, synthetic_profile
+
+
+def test_digits_task_is_the_digits() -> None:
+    task = build_task("digits", "digits")
+    x, y = task.eval_batch
+    assert x.shape == (1797, 64) and y.shape == (1797,) and set(y.tolist()) == set(range(10))
+    assert task.eval_loss(task.workload.module) == pytest.approx(2.3, abs=0.2)  # untrained: about ln 10
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn", "bert-tiny"])
+def test_teacher_labels_spread_and_are_learnable_inputs(model: str) -> None:
+    """The teacher labels held-out inputs of the model's own kind with many classes (not all one), the same way
+    every time (every rank and variant trains on the same data)."""
+    task = build_task(model, "teacher")
+    x, y = task.eval_batch
+    assert len(x) == len(y) and torch.isfinite(torch.tensor(task.eval_loss(task.workload.module)))
+    assert len(set(y.flatten().tolist())) >= 5
+    if not x.is_floating_point():
+        assert int(y.max()) < TOKEN_LABELS
+    batch_x, batch_y = task.workload.make_batch(4, torch.Generator().manual_seed(0))
+    again_x, again_y = build_task(model, "teacher").workload.make_batch(4, torch.Generator().manual_seed(0))
+    assert torch.equal(batch_x, again_x) and torch.equal(batch_y, again_y)
+
+
+def test_unknown_or_mismatched_tasks_are_refused() -> None:
+    with pytest.raises(PlannerError, match="unknown task"):
+        build_task("mlp", "imagenet")
+    with pytest.raises(PlannerError, match="trains the built-in digits model"):
+        build_task("mlp", "digits")
+
+
+def test_bench_runs_every_variant_to_the_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dense, mixed = tmp_path / "dense.json", tmp_path / "mixed.json"
+    synthetic_plan("digits").save(dense)
+    make_mixed_plan(synthetic_profile("digits"), parse_compressors("fp16,powersgd:1")).save(mixed)
+    assert main(["bench", "--plan", str(dense), "--plan", str(mixed), "--target-loss", "1.5", "--samples", "3000",
+                 "--peers", "fp16", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["task"] == "digits" and doc["target_loss"] == 1.5
+    names = [v["variant"] for v in doc["variants"]]
+    assert names == ["ddp", "plan dense", "plan mixed", "ddp+fp16"]
+    runs = {r["variant"]: r for r in doc["runs"]}
+    for r in runs.values():
+        assert r["samples"] >= 3000 and r["steps"] > 0 and r["curve"][0][1] == 0  # from the same start
+        assert r["curve"][0][2] == pytest.approx(runs["ddp"]["curve"][0][2])  # same initial weights
+    # DDP and the dense plan apply the same averaged gradients: the same final loss up to rounding.
+    assert runs["plan dense"]["curve"][-1][2] == pytest.approx(runs["ddp"]["curve"][-1][2], rel=1e-3)
+    for v in doc["variants"]:  # the lossless ones reach it; PowerSGD at rank 1 learns, more slowly at first
+        if v["variant"] != "plan mixed":
+            assert v["reached"] == 1 and v["time_to_target_s"] > 0, v
+    assert runs["plan mixed"]["curve"][-1][2] < runs["plan mixed"]["curve"][0][2] - 0.3
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--task", "teacher"], "--task applies to the time-to-target bench"),
+    (["--samples", "100"], "with --target-loss L"),
+    (["--target-loss", "1", "--task", "imagenet"], "invalid choice"),
+    (["--target-loss", "1", "--speed-change", "1=2"], "--speed-change applies to --strategy abs only"),
+    (["--target-loss", "1", "--task", "digits", "--model", "mlp"], "trains the built-in digits model"),
+])
+def test_bench_target_bad_input_gives_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+                                               message: str) -> None:
+    dense = tmp_path / "dense.json"
+    synthetic_plan("digits").save(dense)
+    with pytest.raises(SystemExit) if message == "invalid choice" else _no_raise():
+        code = main(["bench", "--plan", str(dense), *argv])
+        assert code == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and message in err[0], err
+
+
+class _no_raise:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
