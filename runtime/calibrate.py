@@ -129,21 +129,38 @@ def measure_in_situ(
                 measured_s=finish_s, modelled_s=sum(decode.cost(world_size * topk_count(n, density)) for n in sizes))
     compress_calibration: dict[str, dict[str, Calibration]] = {}
     packing = (pack_calibration.factor if pack_calibration is not None else 1.0) * sum(pack.cost(n) for n in sizes)
-    for compressor, prepare_s, decode_s in _compressor_work(compress, specs):
+    work = _compressor_work(compress, specs)
+    for compressor, prepare_s, decode_s in work:
         groups = tuple(Group(layers=(s.name,), params=s.params, numel=s.numel, compressor=compressor) for s in specs)
         extra_s, finish_s = run(Strategy.MIXED, groups, None, None)
         compress_calibration[str(compressor)] = {
             "prepare": Calibration(measured_s=max(0.0, extra_s - packing), modelled_s=prepare_s),
             "decode": Calibration(measured_s=max(0.0, finish_s), modelled_s=decode_s),
         }
+    if world_size > 1 and any(c.kind is CompressorKind.POWERSGD for c, _, _ in work):
+        # PyTorch's PowerSGD hook on DDP's one bucket (as the bench runs it on gloo): its own way of doing the
+        # same arithmetic (a copy of the bucket, a new error tensor each step, its callbacks) in real steps, on
+        # a process group of this rank alone so that nothing is sent.
+        solos = [dist.new_group([r]) for r in range(world_size)]  # every rank makes every group, in order
+        alone = solos[dist.get_rank(process_group) if process_group is not None else dist.get_rank()]
+        ddp_packing = (ddp_calibration.factor if ddp_calibration is not None else 1.0) * pack.cost(sum(sizes))
+        for compressor, prepare_s, decode_s in work:
+            if compressor.kind is not CompressorKind.POWERSGD:
+                continue
+            assert compressor.rank is not None
+            extra_s = _ddp_powersgd_extra_seconds(workload, plain, inputs, targets, device, repeats, alone,
+                                                  compressor.rank, process_group, on_point)
+            compress_calibration[f"ddp+{compressor}"] = {
+                "prepare": Calibration(measured_s=max(0.0, extra_s - ddp_packing), modelled_s=prepare_s + decode_s)}
     return InSitu(pack=pack_calibration, select=select_calibration, decode=decode_calibration,
                   ddp_pack=ddp_calibration, compress=compress_calibration)
 
 
 def in_situ_runs(world_size: int, topk: TopkTiming | None, compress: CompressTiming | None) -> int:
     """How many configurations `measure_in_situ` runs (each `repeats` times): dense, DDP on several workers, each
-    top-k selector, fp16 and each PowerSGD rank."""
-    compressors = 0 if compress is None else 1 + len(compress.ranks())
+    top-k selector, fp16 and each PowerSGD rank (on several workers also PyTorch's PowerSGD hook at each)."""
+    ranks = 0 if compress is None else len(compress.ranks())
+    compressors = 0 if compress is None else 1 + ranks * (2 if world_size > 1 else 1)
     return 1 + (world_size > 1) + (len(topk.selectors()) if topk is not None else 0) + compressors
 
 
@@ -209,6 +226,31 @@ def _ddp_extra_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch
         alone, with_ddp = _pair(workload, plain, wrapped, inputs, targets, device, flip=bool(i % 2))
         if i:
             extra.append(with_ddp - alone)
+            on_point()
+    return median(gathered(extra, group))
+
+
+def _ddp_powersgd_extra_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch.Tensor,
+                                targets: torch.Tensor, device: torch.device, repeats: int, alone: Any, rank: int,
+                                group: Any, on_point: Callable[[], object]) -> float:
+    """Median over the ranks of `group` of how much longer DDP's backward pass is than `plain`'s with PyTorch's
+    PowerSGD hook at `rank` on one bucket, on the process group `alone` (this rank only: nothing is sent)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    size_mb = sum(p.numel() * p.element_size() for p in plain.parameters()) / 2**20
+    unused = has_unused_parameters(plain, lambda m: workload.loss_fn(m(inputs), targets))
+    wrapped = DistributedDataParallel(copy.deepcopy(plain), process_group=alone, bucket_cap_mb=size_mb + 1,
+                                      find_unused_parameters=unused)
+    state = powerSGD_hook.PowerSGDState(alone, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+    wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    for _ in range(2):  # the hook allreduces plainly for two iterations
+        _backward_seconds(workload, wrapped, inputs, targets, device)
+    extra = []
+    for i in range(repeats + 1):
+        alone_s, with_ddp = _pair(workload, plain, wrapped, inputs, targets, device, flip=bool(i % 2))
+        if i:
+            extra.append(with_ddp - alone_s)
             on_point()
     return median(gathered(extra, group))
 

@@ -449,7 +449,8 @@ def print_profile(profile: object) -> None:
         situ = profile.in_situ
         parts = [("packing", situ.pack), *((f"{n} selection", c) for n, c in situ.select.items()),
                  ("decoding", situ.decode), ("DDP's bucket copies", situ.ddp_pack),
-                 *((f"{name} {'compression' if part == 'prepare' else 'decompression'}", c)
+                 *((f"PyTorch's {name.removeprefix('ddp+')} hook on DDP" if name.startswith("ddp+") else
+                    f"{name} {'compression' if part == 'prepare' else 'decompression'}", c)
                    for name, calibrations in situ.compress.items() for part, c in calibrations.items())]
         shown = ", ".join(f"{what} {c.factor:.2f}x ({_ms(c.measured_s)} ms measured / {_ms(c.modelled_s)} ms "
                           "micro-benchmarked)" for what, c in parts if c is not None)

@@ -745,7 +745,8 @@ class InSitu:
     decode: Calibration | None = None
     ddp_pack: Calibration | None = None
     #: Per compressor named as text ("fp16", "powersgd:4"): its work in the backward pass (prepare, with
-    #: PowerSGD's middle round) and in synchronize (decode), against the micro-benchmarks.
+    #: PowerSGD's middle round) and in synchronize (decode), against the micro-benchmarks; "ddp+powersgd:R":
+    #: PyTorch's PowerSGD hook on DDP's one bucket, all its work against the same micro-benchmarks.
     compress: dict[str, dict[str, Calibration]] = field(default_factory=dict)
 
     def pack_factor(self, runtime: str = "planner") -> float:
@@ -781,7 +782,9 @@ class InSitu:
         check_fields(data, where, ["pack", "select", "decode", "ddp_pack", "compress"])
         compress: dict[str, dict[str, Calibration]] = {}
         for name, parts in expect(data["compress"], dict, f"{where}.compress").items():
-            key = str(parse_compressor(name, f"a compressor in {where}.compress"))
+            hook = isinstance(name, str) and name.startswith("ddp+")  # PyTorch's hook on DDP, not the runtime
+            key = ("ddp+" if hook else "") + str(parse_compressor(name.removeprefix("ddp+") if hook else name,
+                                                                  f"a compressor in {where}.compress"))
             expect(parts, dict, f"{where}.compress.{name}")
             check_fields(parts, f"{where}.compress.{name}", [], optional=["prepare", "decode"])
             compress[key] = {part: Calibration.from_dict(c, f"{where}.compress.{name}.{part}")
@@ -1013,7 +1016,7 @@ class Profile:
                         prepare=_plus(pack, self._calibrated(timing.fp16_cast.model, self._factor(c, "prepare"))),
                         decode=self._calibrated(timing.fp16_uncast.model, self._factor(c, "decode"))))
                 case CompressorKind.POWERSGD:
-                    costs.append(self._powersgd_costs(c, dense.comm, pack))
+                    costs.append(self._powersgd_costs(c, dense.comm, pack, runtime))
             collective = Collective.ALLGATHER if c.kind is CompressorKind.TOPK else Collective.ALLREDUCE
             sigma = max(sigma, self.interference_for(collective))
         return MixedProblem(forward_s=dense.forward_s, update_s=dense.update_s, backward_s=dense.backward_s,
@@ -1040,8 +1043,10 @@ class Profile:
                 f"this profile measured top-k at densities {densities[0]:g} to {densities[-1]:g}, not at "
                 f"{compressor}; profile again with --densities including {compressor.density:g}")
 
-    def _powersgd_costs(self, compressor: Compressor, comm: CostModel, pack: CostModel | None) -> CompressorCosts:
-        """PowerSGD at `compressor.rank` per layer: the measured steps, and what each layer sends."""
+    def _powersgd_costs(self, compressor: Compressor, comm: CostModel, pack: CostModel | None,
+                        runtime: str = "planner") -> CompressorCosts:
+        """PowerSGD at `compressor.rank` per layer: the measured steps, and what each layer sends. For DDP's hook
+        (`runtime` "ddp") every step is scaled by the hook's own calibration when the profile has one."""
         assert compressor.rank is not None
         timing = self._compress_timing(compressor)
         rows = timing.powersgd_at(compressor.rank)
@@ -1053,6 +1058,9 @@ class Profile:
                 + (f"; layer {missing[0]!r} is missing" if rows else "")
                 + f"); profile again with --powersgd-ranks including {compressor.rank}")
         prepare, decode = self._factor(compressor, "prepare"), self._factor(compressor, "decode")
+        hook = f"ddp+{compressor}"
+        if runtime == "ddp" and self.in_situ is not None and hook in self.in_situ.compress:
+            prepare = decode = self.in_situ.compress_factor(hook, "prepare")
         send, second, matrices = [], [], []
         for lt in self.layers:
             layout = PowerSGDLayout.of(rows[lt.name].shapes, compressor.rank)
