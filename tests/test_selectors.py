@@ -363,7 +363,7 @@ def test_old_plan_without_selector_loads_as_exact() -> None:
     [
         ("topk", "fast", "plan.selector must be one of exact, sampled, but got 'fast'"),
         ("topk", 3, "plan.selector must be one of exact, sampled, but got 3"),
-        ("dense", "exact", "only a top-k plan has a selector"),
+        ("dense", "exact", "only a plan with top-k groups has a selector"),
     ],
 )
 def test_plan_rejects_bad_selectors(strategy: str, selector: object, message: str) -> None:
@@ -422,7 +422,7 @@ def test_cli_bad_selector_gives_one_line(tmp_path: Path) -> None:
     _one_clear_line(_cli("solve", str(prof), "--strategy", "topk", "--selector", "fast", "-o", str(out)),
                     "--selector must be one of auto, exact, sampled, but got 'fast'")
     _one_clear_line(_cli("solve", str(prof), "--selector", "exact", "-o", str(out)),
-                    "--selector applies to --strategy topk only")
+                    "--selector applies to top-k plans only")
     _one_clear_line(_cli("solve", str(prof), "--strategy", "topk", "--selector", "sampled", "-o", str(out)),
                     "no top-k selection points for the sampled selector")
     assert not out.exists()

@@ -148,7 +148,7 @@ def test_numpy_group_ends_are_accepted() -> None:
 @st.composite
 def _problem_and_grouping(draw: st.DrawFn) -> tuple[GradientProblem, tuple[int, ...]]:
     num_layers = draw(st.integers(1, 8))
-    strategy = draw(st.sampled_from(list(Strategy)))
+    strategy = draw(st.sampled_from(list(GROUPING_STRATEGIES)))
     topk = strategy is Strategy.TOPK
     times = st.floats(0.0, 10.0, allow_nan=False)
     cuts = draw(st.sets(st.integers(1, num_layers - 1))) if num_layers > 1 else set()
