@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.costmodel.mixed import Choice, MixedProblem, simulate_mixed, validate_choice
+from planner.costmodel.mixed import Choice, GroupCosts, MixedProblem, simulate_mixed, validate_choice
 from planner.costmodel.problem import Grouping, advance_many, groups_of
 from planner.solvers.grouping import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _final_end, _pareto_front
 from planner.types import SolverError
@@ -368,6 +368,37 @@ def _evaluated(problem: MixedProblem, grouping: Grouping, choice: Choice) -> Mix
     return MixedSolution(grouping, choice, simulate_mixed(problem, grouping, choice).iteration_s)
 
 
+def _dominated(every: list[GroupCosts]) -> np.ndarray:
+    """(compressors, groups): whether another compressor's transition is never later in any clock for that group
+    (its preparation, collectives, middle round and decode no larger, and no second round where this one has
+    none), the first of equal ones kept. Exact: a dominated compressor's states are dominated."""
+    count = len(every)
+    beaten = np.zeros((count, every[0].prepare.size), dtype=bool)
+    for i, a in enumerate(every):
+        for j, b in enumerate(every):
+            if i == j:
+                continue
+            no_later = ((b.prepare <= a.prepare) & (b.first <= a.first) & (b.decode <= a.decode)
+                        & (~b.second_round | (a.second_round & (b.middle <= a.middle) & (b.second <= a.second))))
+            equal = ((b.prepare == a.prepare) & (b.first == a.first) & (b.decode == a.decode)
+                     & (b.second_round == a.second_round) & (b.middle == a.middle) & (b.second == a.second))
+            beaten[i] |= no_later & ~(equal & (j > i))
+    return beaten
+
+
+def _extend(comp: np.ndarray, chan: np.ndarray, dec: np.ndarray, dsum: np.ndarray, origin: np.ndarray, which: int,
+            costs: GroupCosts, where: np.ndarray, backward: np.ndarray, sigma: float) -> tuple[np.ndarray, ...]:
+    """The states that states (comp, chan, dec, dsum) lead to through the groups `where` (indices into `costs`)
+    sent by compressor `which` (see the module docstring), with their parents and compressor."""
+    c1 = advance_many(comp, chan, backward + costs.prepare[where], sigma)
+    e1 = np.maximum(c1, chan) + costs.first[where]
+    second = costs.second_round[where]
+    c2 = np.where(second, e1 + costs.middle[where], c1)
+    e2 = np.where(second, c2 + costs.second[where], e1)
+    decode = costs.decode[where]
+    return c2, e2, np.maximum(dec, e2) + (1 + sigma) * decode, dsum + decode, origin, np.full(origin.shape, which)
+
+
 class _OutOfBudget(Exception):
     """The search made more candidate states than its budget allows."""
 
@@ -404,19 +435,17 @@ def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limi
         starts, block = np.unique(first, return_inverse=True)
         ends = np.full(starts.shape, m)
         parts = []
-        for c in allowed:
-            costs = problem.costs(c, starts, ends)
-            work = (backward[m] - backward[starts] + costs.prepare)[block]
-            a_comp, a_chan = comp[active], chan[active]
-            c1 = advance_many(a_comp, a_chan, work, sigma)
-            e1 = np.maximum(c1, a_chan) + costs.first[block]
-            second = costs.second_round[block]
-            c2 = np.where(second, e1 + costs.middle[block], c1)
-            e2 = np.where(second, c2 + costs.second[block], e1)
-            decode = costs.decode[block]
-            parts.append((c2, e2, np.maximum(dec[active], e2) + (1 + sigma) * decode, dsum[active] + decode, active,
-                          np.full(active.shape, c)))
+        every = [problem.costs(c, starts, ends) for c in allowed]
+        beaten = _dominated(every)  # (compressors, blocks): another compressor sends these groups no later
+        for i, (c, costs) in enumerate(zip(allowed, every, strict=True)):
+            if beaten[i].all():
+                continue
+            rows = np.flatnonzero(~beaten[i][block])
+            sub, where = active[rows], block[rows]
+            parts.append(_extend(comp[sub], chan[sub], dec[sub], dsum[sub], sub, c, costs, where,
+                                 backward[m] - backward[starts[where]], sigma))
         new_comp, new_chan, new_dec, new_dsum, origin, chosen = (np.concatenate(x) for x in zip(*parts, strict=True))
+
         made += new_comp.size
         if (budget is not None and made > budget) or (deadline is not None and time.perf_counter() > deadline):
             raise _OutOfBudget
