@@ -138,3 +138,19 @@ def test_a_plan_naming_a_bad_compressor_is_refused_in_one_line(tmp_path: Path,
     path.write_text(json.dumps(doc))
     assert main(["show", str(path)]) == 2
     assert "only top-k groups have k" in capsys.readouterr().err
+
+
+def test_retune_and_report_take_mixed_plans(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = _profile(tmp_path)
+    plan = tmp_path / "mixed.json"
+    assert main(["solve", str(prof), "--strategy", "mixed", "--compressors", "dense,fp16,powersgd:1", "-o",
+                 str(plan)]) == 0
+    retuned = tmp_path / "retuned.json"
+    assert main(["retune", str(plan), "--no-probe", "-o", str(retuned)]) == 0
+    again = Plan.load(retuned)
+    assert again.strategy is Strategy.MIXED and again.compressors == Plan.load(plan).compressors
+    assert "predicted gain of re-tuning: 1.000x" in capsys.readouterr().out  # same cluster: nothing to gain
+    report = tmp_path / "report"
+    assert main(["report", str(plan), "-o", str(report)]) == 0
+    assert (report / "timeline.png").stat().st_size > 0 and (report / "report.html").exists()
+    assert "not mixed ones" in capsys.readouterr().err

@@ -66,6 +66,8 @@ COLORS: dict[str, str] = {
     "backward": "#3182bd",
     "selection": "#e6550d",
     "decode": "#fdae6b",
+    "compress": "#fd8d3c",
+    "middle": "#a63603",
     "factor": "#9e9ac8",
     "fold": "#54278f",
     "precondition": "#cbc9e2",
@@ -86,6 +88,8 @@ _KIND_NAMES: dict[str, str] = {
     "backward": "backward (per group)",
     "selection": "top-k selection",
     "decode": "top-k decode",
+    "compress": "compression (fp16, PowerSGD, top-k)",
+    "middle": "PowerSGD's middle round",
     "factor": "K-FAC factor (A, G)",
     "fold": "fold factors",
     "precondition": "precondition",
@@ -185,9 +189,52 @@ def gantt_lanes(plan: Plan, profile: Profile) -> GanttData:
         PlanMismatchError: the plan's layers (or K-FAC layers, or owner ranks) do not match the profile.
     """
     grouping = plan_grouping(plan, profile)
+    if plan.strategy is Strategy.MIXED:
+        return _mixed_lanes(plan, profile, grouping)
     if plan.kfac is None:
         return _gradient_lanes(plan, profile, grouping)
     return _kfac_lanes(plan, profile, grouping)
+
+
+def _mixed_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
+    """The bars of a mixed plan: each group's backward and compression, PowerSGD's middle rounds, its
+    collectives (two for PowerSGD) and its decoding (`planner.costmodel.mixed.timeline_mixed`)."""
+    from planner.costmodel.mixed import simulate_mixed, timeline_mixed
+
+    assert plan.compressors is not None
+    problem = profile.mixed_problem(plan.compressors, selector=plan.selector or "exact")
+    choice = [problem.index_of(plan.compressor_of(g)) for g in plan.groups]
+    events = timeline_mixed(problem, grouping, choice)
+    f = problem.forward_s
+    bars = [Bar(lane="compute", start_s=0.0, end_s=f, kind="forward", label="forward")]
+    channel = []
+    compute = 0.0
+    for e in events:
+        bars.append(Bar(lane="compute", start_s=f + compute, end_s=f + e.ready_s, kind="backward", label=f"g{e.index}"))
+        bars.append(Bar(lane="compute", start_s=f + e.ready_s, end_s=f + e.prepared_s, kind="compress",
+                        label=f"{e.compressor} g{e.index}"))
+        channel.append(Bar(lane="channel", start_s=f + e.comm_start_s, end_s=f + e.comm_end_s, kind="collective",
+                           label=f"g{e.index}"))
+        if e.second_start_s != e.comm_end_s or e.middle_s or e.second_s:
+            bars.append(Bar(lane="compute", start_s=f + e.second_start_s, end_s=f + e.second_start_s + e.middle_s,
+                            kind="middle", label=f"middle g{e.index}"))
+            channel.append(Bar(lane="channel", start_s=f + e.second_end_s - e.second_s, end_s=f + e.second_end_s,
+                               kind="collective", label=f"Q g{e.index}"))
+        compute = e.compute_end_s
+    bars += [Bar(lane="compute", start_s=f + e.decode_start_s, end_s=f + e.decode_end_s, kind="decode",
+                 label=f"decode g{e.index}") for e in events if e.decode_s > 0]
+    decoding = sum(e.decode_end_s - e.decode_start_s for e in events)
+    compute_end = f + events[-1].compute_end_s + decoding
+    clock = f + max(events[-1].decode_end_s, events[-1].second_end_s)
+    bars.append(Bar(lane="compute", start_s=clock, end_s=clock + problem.update_s, kind="update", label="update"))
+    step = clock + problem.update_s
+    predicted = simulate_mixed(problem, grouping, choice)
+    assert math.isclose(step, predicted.iteration_s, rel_tol=1e-9, abs_tol=1e-12), (step, predicted)
+    sent = ", ".join(dict.fromkeys(str(e.compressor) for e in events))
+    title = (f"{plan.model.name}: mixed plan ({sent}), predicted iteration {_ms(step)} ms, {len(events)} groups, "
+             f"exposed communication {_ms(max(0.0, clock - compute_end))} ms\n{profile.cluster.describe()}")
+    return GanttData(title=title, bars=tuple(bars + channel), step_s=step, step_name="iteration",
+                     compute_end_s=compute_end, comm_end_s=clock)
 
 
 def _gradient_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:

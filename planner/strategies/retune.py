@@ -19,7 +19,7 @@ from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import FittedCurve, Profile
 from planner.costmodel.simulator import simulate
-from planner.types import Collective, InvalidProfileError, PlanMismatchError, PlannerError, SolverError
+from planner.types import Collective, InvalidProfileError, PlanMismatchError, PlannerError, SolverError, Strategy
 
 __all__ = ["PlanChanges", "compare_plans", "current_profile", "load_source_profile", "retune_plan"]
 
@@ -71,6 +71,11 @@ def retune_plan(
     from planner.strategies.kfac import make_kfac_plan
 
     current = current_profile(profile, cluster=cluster, collectives=collectives)
+    if plan.strategy is Strategy.MIXED:
+        from planner.strategies.mixed import make_mixed_plan
+
+        allowed = plan.compressors or tuple(dict.fromkeys(plan.compressor_of(g) for g in plan.groups))
+        return make_mixed_plan(current, allowed, source=plan.source_profile, selector=plan.selector)
     if plan.kfac is None:
         return make_plan(current, plan.strategy, plan.density, source=plan.source_profile, selector=plan.selector)
     solver = plan.kfac.placement_solver if plan.kfac.placement_solver in ("ilp-cbc", "cp-sat") else "cp-sat"
@@ -157,15 +162,28 @@ def _kfac_prediction(section: KFACSection, profile: Profile) -> tuple[float | No
     return predicted.step_s, ""
 
 
+def _gradient_prediction(old: Plan, new: Plan, current: Profile) -> float:
+    """The old gradient plan's groups (and compressors) predicted under the new plan's model on `current`."""
+    grouping = plan_grouping(old, current)
+    if new.strategy is Strategy.MIXED:
+        from planner.costmodel.mixed import simulate_mixed
+
+        allowed = new.compressors or tuple(dict.fromkeys(new.compressor_of(g) for g in new.groups))
+        mixed = current.mixed_problem(tuple(dict.fromkeys((*allowed, *(old.compressor_of(g) for g in old.groups)))),
+                                      selector=new.selector or "exact")
+        return simulate_mixed(mixed, grouping, [mixed.index_of(old.compressor_of(g)) for g in old.groups]).iteration_s
+    problem = current.problem(new.strategy, new.density, selector=new.selector or "exact")
+    return simulate(problem, grouping).iteration_s
+
+
 def compare_plans(old: Plan, new: Plan, current: Profile) -> PlanChanges:
     """What changed from `old` to `new`, both predicted with `current`, the profile `new` was solved from
     (`current_profile`: the stored profile with the new cluster's collectives)."""
     old_groups = tuple(g.layers for g in old.groups)
     new_groups = tuple(g.layers for g in new.groups)
     if new.kfac is None:
-        problem = current.problem(new.strategy, new.density, selector=new.selector or "exact")
         try:
-            old_s: float | None = simulate(problem, plan_grouping(old, current)).iteration_s
+            old_s: float | None = _gradient_prediction(old, new, current)
             why = ""
         except PlannerError as exc:
             old_s, why = None, str(exc)
