@@ -53,7 +53,7 @@ class BenchConfig:
     plans: tuple[Plan, ...]
     model: str
     #: What users run instead, as PyTorch's own DDP communication hooks: fp16, PowerSGD at a rank (see
-    #: `peer_variants`); the project's top-k hook joins for every top-k density a plan uses.
+    #: `bench_variants`); the project's top-k hook joins for every top-k density a plan uses.
     peers: tuple[Compressor, ...] = DEFAULT_PEERS
     batch_size: int | None = None
     nproc: int = 2
@@ -238,7 +238,10 @@ def ddp_with_hook(module: torch.nn.Module, hook: Compressor | None, *, find_unus
     error feedback and warm start, compressing from the third iteration, the earliest DDP allows), or the
     project's top-k hook. On gloo DDP's PowerSGD hook aborts with a collective mismatch when a step has several
     buckets (its second round is launched from a callback thread while the next bucket's allreduce is
-    launched from the backward pass), so there it runs with one bucket holding every gradient."""
+    launched from the backward pass), so there it runs with one bucket holding every gradient; and with
+    `find_unused` its second round races DDP's allreduce of the used-parameter map (a collective mismatch or a
+    hang), so there it runs with `static_graph=True`: DDP finds the unused parameters in the first iteration,
+    while the hook still allreduces plainly, and sends no map after it."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
@@ -246,7 +249,8 @@ def ddp_with_hook(module: torch.nn.Module, hook: Compressor | None, *, find_unus
 
     one_bucket = hook is not None and hook.kind is CompressorKind.POWERSGD and dist.get_backend() == "gloo"
     size_mb = sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
-    wrapped = DistributedDataParallel(module, find_unused_parameters=find_unused,
+    static = one_bucket and find_unused
+    wrapped = DistributedDataParallel(module, find_unused_parameters=find_unused and not static, static_graph=static,
                                       bucket_cap_mb=size_mb + 1 if one_bucket else None)
     if hook is None:
         return wrapped
