@@ -899,6 +899,10 @@ class ReportCommand(Command):
         profile = load_source_profile(plan, args.profile)
         bench = read_bench_json(args.bench) if args.bench is not None else None
         scaling = None
+        if plan.strategy is Strategy.MIXED and not args.no_scaling:
+            err_console.print("note: the scaling picture covers dense, top-k and K-FAC plans, not mixed ones; "
+                              "leaving it out", markup=False)
+            args.no_scaling = True
         if not args.no_scaling:
             first = plan.cluster.world_size
             sizes = parse_world_sizes(args.world_sizes or f"{first},{2 * first},...,{first << 8}")
@@ -1398,14 +1402,16 @@ DEMO_LINK = "1gbit"
 
 class DemoCommand(Command):
     name = "demo"
-    help = "the main job: profile, solve (dense and top-k), write plans, bench, compare"
+    help = "the main job: profile, solve (--strategy auto: dense, top-k and mixed), write plans, bench, compare"
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
         from planner.models import DEFAULT_MODEL
 
         parser.add_argument("--model", default=DEFAULT_MODEL)
         parser.add_argument("--nproc", type=_positive, default=2)
-        parser.add_argument("--density", type=_density, default=0.01)
+        parser.add_argument("--compressors", default="all", metavar="LIST|PRESET",
+                            help=f"what the plans may send: {COMPRESSORS_HELP.removesuffix('; default light')}; "
+                                 "default all")
         parser.add_argument("--steps", type=_positive, default=20)
         parser.add_argument("--plans-dir", type=Path, default=Path("plans"))
         parser.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
@@ -1417,8 +1423,9 @@ class DemoCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from planner.commands.bench import BenchConfig, run_bench
         from planner.commands.profile import ProfileConfig, run_profile
-        from planner.strategies.gradients import make_plan
+        from planner.strategies.mixed import parse_compressors, solve_auto
 
+        compressors = parse_compressors(args.compressors)
         link = self._demo_link(args.link)
         ensure_folder(args.profiles_dir, "profiles folder")
         ensure_folder(args.plans_dir, "plans folder")
@@ -1434,17 +1441,21 @@ class DemoCommand(Command):
         profile.save(prof_path)
         print_profile(profile)
         console.print(f"wrote profile {prof_path}")
-        console.rule("2/3 solve")
-        plans = []
-        for strategy, density in ((Strategy.DENSE, None), (Strategy.TOPK, args.density)):
-            plan = make_plan(profile, strategy, density, source=str(prof_path))
-            path = args.plans_dir / f"{stem}-{args.nproc}w{where}-{strategy.value}.json"
+        console.rule(f"2/3 solve: --strategy auto over {', '.join(map(str, compressors))}")
+        choice = solve_auto(profile, compressors, source=str(prof_path))
+        for name, plan in choice.candidates.items():
+            kind = plan.strategy.value + (f"{plan.density:g}" if plan.strategy is Strategy.TOPK else "")
+            path = args.plans_dir / f"{stem}-{args.nproc}w{where}-{kind}.json"
             plan.save(path)
-            print_plan(plan)
-            console.print(f"wrote plan {path}")
-            plans.append(plan)
-        console.rule("3/3 bench")
-        results = run_bench(BenchConfig(plans=tuple(plans), model=args.model, nproc=args.nproc, steps=args.steps,
+            console.print(f"wrote plan {path} ({name})")
+        print_auto(choice)
+        print_plan(choice.plan)
+        if choice.plan.strategy is Strategy.MIXED:
+            print_mixed_groups(choice.plan, profile)
+        console.rule("3/3 bench: DDP, PyTorch's DDP hooks and the plans")
+        dense = choice.candidates.get("dense")
+        plans = (choice.plan,) if dense is None or dense is choice.plan else (dense, choice.plan)
+        results = run_bench(BenchConfig(plans=plans, model=args.model, nproc=args.nproc, steps=args.steps,
                                         link=link, slowdown=args.slowdown))
         assert results is not None
         print_bench(results, as_json=False, title=f"bench {on}: median step time (slowest rank per step)")
