@@ -154,3 +154,21 @@ def test_retune_and_report_take_mixed_plans(tmp_path: Path, capsys: pytest.Captu
     assert main(["report", str(plan), "-o", str(report)]) == 0
     assert (report / "timeline.png").stat().st_size > 0 and (report / "report.html").exists()
     assert "not mixed ones" in capsys.readouterr().err
+
+
+def test_auto_says_when_ddp_is_predicted_faster_than_every_plan() -> None:
+    """Over a fast network with this runtime's packing 10x DDP's, no plan beats DDP: `--strategy auto` says to keep
+    it; behind a slow link the plan wins and it says nothing of the kind."""
+    from planner.contracts.profile import Calibration, FittedCurve, InSitu
+    from tests.test_interference import measured_profile
+
+    fast = FittedCurve.fit([(1 << s, 1e-6 + 1e-12 * (1 << s)) for s in range(10, 27, 2)])
+    prof = replace(measured_profile("mlp"), in_situ=InSitu(pack=Calibration(measured_s=0.1, modelled_s=0.01),
+                                                           ddp_pack=Calibration(measured_s=0.01, modelled_s=0.01)))
+    prof = replace(prof, collectives={**prof.collectives, Collective.ALLREDUCE: fast, Collective.ALLGATHER: fast})
+    choice = solve_auto(prof, parse_compressors("light"))
+    assert choice.ddp_faster is not None and choice.ddp_faster[0] in ("ddp", "ddp+fp16")
+    assert choice.ddp_faster[1] < choice.plan.predicted.iteration_s
+    assert "keep plain DDP" in choice.reason or "keep DDP with that hook" in choice.reason
+    slow = solve_auto(synthetic_profile("vgg16"), parse_compressors("all"))
+    assert slow.ddp_faster is None and "keep" not in slow.reason

@@ -627,17 +627,26 @@ class SolveCommand(Command):
 
 def print_auto(choice: object) -> None:
     """The strategies `--strategy auto` solved, their predicted iterations, and which it kept."""
-    from planner.strategies.mixed import AutoChoice
+    from planner.strategies.mixed import AutoChoice, ddp_predictions
 
     assert isinstance(choice, AutoChoice)
-    table = Table(title="--strategy auto: every allowed way of sending, solved exactly, predicted iteration")
-    for col in ("candidate", "iteration ms", "vs ddp-25mb", ""):
+    ddp = ddp_predictions(choice.candidates)
+    reference = ddp.get("ddp")
+    table = Table(title="--strategy auto: every allowed way of sending, solved exactly, beside DDP and its hooks "
+                        "(predicted iteration)")
+    for col in ("candidate", "iteration ms", "vs ddp", ""):
         table.add_column(col, justify="left" if col in ("candidate", "") else "right")
+
+    def ratio(seconds: float) -> str:
+        return "" if reference is None else f"{reference / seconds:.2f}x"
+
     for name, plan in choice.candidates.items():
-        ref = plan.baselines.get("ddp-25mb", plan.predicted).iteration_s
         kept = plan is choice.plan
-        table.add_row(name, _ms(plan.predicted.iteration_s), f"{ref / plan.predicted.iteration_s:.2f}x",
+        table.add_row(name, _ms(plan.predicted.iteration_s), ratio(plan.predicted.iteration_s),
                       "kept" if kept else "", style="bold" if kept else None)
+    for name, seconds in ddp.items():
+        faster = choice.ddp_faster is not None and choice.ddp_faster[0] == name
+        table.add_row(name, _ms(seconds), ratio(seconds), "faster than every plan" if faster else "", style="dim")
     console.print(table)
     console.print(choice.reason)
 

@@ -29,8 +29,8 @@ from planner.solvers import DDP_BASELINE
 from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, SchemaError, Strategy
 
-__all__ = ["PRESETS", "AutoChoice", "GroupReason", "ddp_hook_name", "explain", "make_mixed_plan", "mixed_groups",
-           "parse_compressors", "solve_auto"]
+__all__ = ["PRESETS", "AutoChoice", "GroupReason", "ddp_hook_name", "ddp_predictions", "explain", "make_mixed_plan",
+           "mixed_groups", "parse_compressors", "solve_auto"]
 
 #: Named sets of compressors (`--compressors PRESET`), from the most accurate to the most compressed.
 PRESETS: dict[str, tuple[str, ...]] = {
@@ -198,6 +198,23 @@ class AutoChoice:
     plan: Plan
     candidates: dict[str, Plan]
     reason: str
+    #: The DDP variant (plain DDP, or DDP with an allowed compressor's hook) predicted faster than every plan, and
+    #: its predicted iteration; None when the kept plan is predicted at least as fast as each of them.
+    ddp_faster: tuple[str, float] | None = None
+
+
+def ddp_predictions(candidates: dict[str, Plan]) -> dict[str, float]:
+    """What DDP and its hooks are predicted to take, by the candidates' baselines: "ddp" (plain DDP) and "ddp+C".
+    A dense plan's "ddp-25mb" is plain DDP; a top-k plan's is DDP with the top-k hook at its density."""
+    out: dict[str, float] = {}
+    for plan in candidates.values():
+        for name, prediction in plan.baselines.items():
+            if name == DDP_BASELINE:
+                name = "ddp" if plan.strategy is not Strategy.TOPK else f"ddp+topk:{plan.density:g}"
+            elif not name.startswith("ddp+"):
+                continue
+            out.setdefault(name, prediction.iteration_s)
+    return out
 
 
 def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: str = "",
@@ -232,4 +249,11 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     if best.strategy is Strategy.MIXED:
         used = dict.fromkeys(str(best.compressor_of(g)) for g in best.groups)
         reason += f"; its groups are sent as {', '.join(used)}"
-    return AutoChoice(plan=best, candidates=candidates, reason=reason)
+    ddp = ddp_predictions(candidates)
+    fastest = min(ddp.items(), key=lambda kv: kv[1]) if ddp else None
+    ddp_faster = fastest if fastest is not None and fastest[1] < best.predicted.iteration_s else None
+    if ddp_faster is not None:
+        reason += (f". No plan is predicted faster than {ddp_faster[0]} ({ddp_faster[1] * 1e3:,.2f} ms, "
+                   f"{best.predicted.iteration_s / ddp_faster[1]:.3f}x faster than the plan kept): keep "
+                   f"{'plain DDP' if ddp_faster[0] == 'ddp' else 'DDP with that hook'} here")
+    return AutoChoice(plan=best, candidates=candidates, reason=reason, ddp_faster=ddp_faster)
