@@ -12,12 +12,14 @@ For every (model, link) it runs the commands a user would, on 2 local workers:
 
 and prints one table: each variant's median step, its ratio to DDP in the same run, the prediction and
 |predicted - measured| / measured: DDP, DDP with fp16_compress_hook, with powerSGD_hook at rank 1 and 4, with the
-project's top-k hook, the best single-compressor plan and the mixed plan. With `--target` it also runs
+project's top-k hook, the best single-compressor plan and the mixed plan. With `--target M=T,...` it also runs
 
-    planner bench --model M --plan ... --target-loss T [--task digits|teacher] --samples N [--link L] --json
+    planner bench --model M --plan OUT/M-L-mixed.json [--plan BEST] --target-loss T --samples N [--link L] --json
 
-(the digits model on the digits, the others as students of a fixed random teacher) and prints the time to the
-target loss of the same variants. `--link` needs root; `none` is loopback. The JSON of every run stays in OUT.
+(the digits model on the digits, the others as students of a fixed random teacher; BEST is the fastest
+single-compressor plan in the step bench, left out when it sends what the mixed plan sends) and prints the time
+to the target loss of DDP, its hooks and those plans. `--link` needs root; `none` is loopback. The JSON of every
+run stays in OUT.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ ONLY = ("fp16", "powersgd:1", "powersgd:4", "topk:0.01")
 
 def _run(args: list[str]) -> str:
     """Run `planner ARGS`, echo the command, return its stdout; stop with its stderr on failure."""
-    console.print(f"[dim]$ planner {' '.join(args)}[/dim]")
+    console.print(f"$ planner {' '.join(args)}", style="dim")
     proc = subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"planner {' '.join(args)} failed:\n{proc.stderr.strip()}")
@@ -70,9 +72,32 @@ def step_rows(model: str, link: str, plans: list[str], out: Path, steps: int) ->
     return rows
 
 
+def _sends(plan: Plan) -> tuple:
+    return tuple((g.layers, str(plan.compressor_of(g))) for g in plan.groups)
+
+
+def target_plans(model: str, link: str, plans: list[str], out: Path) -> list[str]:
+    """The plans the time-to-target bench runs: the mixed plan, and the best single-compressor plan (by the step
+    bench's median when it ran, else by prediction) unless it sends exactly what the mixed plan sends."""
+    mixed, singles = Plan.load(plans[0]), {p: Plan.load(p) for p in plans[1:]}
+    steps = out / f"{model}-{link}-bench.json"
+    measured = {r["name"]: r["median_s"] for r in json.loads(steps.read_text())} if steps.exists() else {}
+
+    def speed(path: str) -> float:
+        plan = singles[path]
+        assert plan.compressors is not None
+        return measured.get(f"plan {plan.compressors[0]}", plan.predicted.iteration_s)
+
+    best = min(singles, key=speed)
+    if _sends(singles[best]) == _sends(mixed):
+        console.print(f"{model} {link}: the mixed plan sends what {Path(best).name} sends; it runs once")
+        return plans[:1]
+    return [plans[0], best]
+
+
 def target_rows(model: str, link: str, plans: list[str], out: Path, target: float, samples: int | None,
                 lr: float | None) -> dict:
-    """The time-to-target bench of the same variants."""
+    """The time-to-target bench of DDP, its hooks and `plans`."""
     link_args = [] if link == "none" else ["--link", link]
     plan_args = [arg for p in plans for arg in ("--plan", p)]
     extra = [*(["--samples", str(samples)] if samples else []), *(["--lr", str(lr)] if lr else [])]
@@ -124,13 +149,18 @@ def main() -> None:
     parser.add_argument("--models", default="resnet18,vgg16,lstm")
     parser.add_argument("--links", default="none,1gbit", help="networks: none (loopback) or a rate such as 1gbit")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--target", type=float, default=None, help="also run to this evaluation loss")
+    parser.add_argument("--target", default="", metavar="MODEL=LOSS[,...]",
+                        help="also run these models to these evaluation losses (e.g. digits=0.1,lstm=5)")
     parser.add_argument("--samples", type=int, default=None, help="samples per time-to-target run")
     parser.add_argument("--lr", type=float, default=None, help="learning rate of the time-to-target runs")
     parser.add_argument("--no-steps", action="store_true", help="only the time-to-target runs")
     parser.add_argument("-o", "--output", type=Path, default=Path("bench-results/compressors"))
     args = parser.parse_args()
     args.output.mkdir(parents=True, exist_ok=True)
+    try:
+        targets_of = {m.strip(): float(t) for m, t in (p.split("=", 1) for p in args.target.split(",") if p.strip())}
+    except ValueError:
+        parser.error(f"--target takes MODEL=LOSS pairs such as digits=0.1,lstm=5, not {args.target!r}")
     rows, targets = [], []
     for model in args.models.split(","):
         for link in args.links.split(","):
@@ -140,9 +170,10 @@ def main() -> None:
                           + ", ".join(dict.fromkeys(str(mixed.compressor_of(g)) for g in mixed.groups)))
             if not args.no_steps:
                 rows += step_rows(model, link, plans, args.output, args.steps)
-            if args.target is not None:
-                targets.append((model, link, target_rows(model, link, plans, args.output, args.target, args.samples,
-                                                         args.lr)))
+            if model in targets_of:
+                chosen = target_plans(model, link, plans, args.output)
+                targets.append((model, link, target_rows(model, link, chosen, args.output, targets_of[model],
+                                                         args.samples, args.lr)))
     if rows:
         print_steps(rows)
     for model, link, doc in targets:
