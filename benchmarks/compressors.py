@@ -14,12 +14,14 @@ and prints one table: each variant's median step, its ratio to DDP in the same r
 |predicted - measured| / measured: DDP, DDP with fp16_compress_hook, with powerSGD_hook at rank 1 and 4, with the
 project's top-k hook, the best single-compressor plan and the mixed plan. With `--target M=T,...` it also runs
 
-    planner bench --model M --plan OUT/M-L-mixed.json [--plan BEST] --target-loss T --samples N [--link L] --json
+    planner solve OUT/M-L.json --strategy mixed --compressors B -o OUT/M-L-mixed-B.json   (B: lowrank, light)
+    planner bench --model M --plan OUT/M-L-mixed.json --plan OUT/M-L-mixed-B.json ... [--plan BEST]
+        --target-loss T --samples N [--link L] --json
 
 (the digits model on the digits, the others as students of a fixed random teacher; BEST is the fastest
-single-compressor plan in the step bench, left out when it sends what the mixed plan sends) and prints the time
-to the target loss of DDP, its hooks and those plans. `--link` needs root; `none` is loopback. The JSON of every
-run stays in OUT.
+single-compressor plan in the step bench; a plan that sends what an earlier one sends runs once) and prints the
+time to the target loss of DDP, its hooks and those plans: the mixed plan under three accuracy budgets.
+`--link` needs root; `none` is loopback. The JSON of every run stays in OUT.
 """
 
 from __future__ import annotations
@@ -76,11 +78,21 @@ def _sends(plan: Plan) -> tuple:
     return tuple((g.layers, str(plan.compressor_of(g))) for g in plan.groups)
 
 
+#: The accuracy budgets the time-to-target runs plan with besides "all" (presets of `--compressors`).
+BUDGETS = ("lowrank", "light")
+
+
 def target_plans(model: str, link: str, plans: list[str], out: Path) -> list[str]:
-    """The plans the time-to-target bench runs: the mixed plan, and the best single-compressor plan (by the step
-    bench's median when it ran, else by prediction) unless it sends exactly what the mixed plan sends."""
-    mixed, singles = Plan.load(plans[0]), {p: Plan.load(p) for p in plans[1:]}
-    steps = out / f"{model}-{link}-bench.json"
+    """The plans the time-to-target bench runs: the mixed plan over every compressor, the mixed plans of the
+    smaller budgets (`BUDGETS`), and the fastest single-compressor plan (by the step bench's median when it ran,
+    else by prediction); a plan that sends exactly what an earlier one sends runs once."""
+    tag = f"{model}-{link}"
+    profile = out / f"{tag}.json"
+    budgets = [out / f"{tag}-mixed-{b}.json" for b in BUDGETS]
+    for budget, path in zip(BUDGETS, budgets, strict=True):
+        _run(["solve", str(profile), "--strategy", "mixed", "--compressors", budget, "-o", str(path)])
+    singles = {p: Plan.load(p) for p in plans[1:]}
+    steps = out / f"{tag}-bench.json"
     measured = {r["name"]: r["median_s"] for r in json.loads(steps.read_text())} if steps.exists() else {}
 
     def speed(path: str) -> float:
@@ -88,19 +100,23 @@ def target_plans(model: str, link: str, plans: list[str], out: Path) -> list[str
         assert plan.compressors is not None
         return measured.get(f"plan {plan.compressors[0]}", plan.predicted.iteration_s)
 
-    best = min(singles, key=speed)
-    if _sends(singles[best]) == _sends(mixed):
-        console.print(f"{model} {link}: the mixed plan sends what {Path(best).name} sends; it runs once")
-        return plans[:1]
-    return [plans[0], best]
+    chosen: dict[tuple, str] = {}
+    for path in [plans[0], *map(str, budgets), min(singles, key=speed)]:
+        sends = _sends(Plan.load(path))
+        if sends in chosen:
+            console.print(f"{tag}: {Path(path).name} sends what {Path(chosen[sends]).name} sends; it runs once")
+        else:
+            chosen[sends] = path
+    return list(chosen.values())
 
 
 def target_rows(model: str, link: str, plans: list[str], out: Path, target: float, samples: int | None,
-                lr: float | None) -> dict:
+                lr: float | None, repeats: int | None) -> dict:
     """The time-to-target bench of DDP, its hooks and `plans`."""
     link_args = [] if link == "none" else ["--link", link]
     plan_args = [arg for p in plans for arg in ("--plan", p)]
-    extra = [*(["--samples", str(samples)] if samples else []), *(["--lr", str(lr)] if lr else [])]
+    extra = [*(["--samples", str(samples)] if samples else []), *(["--lr", str(lr)] if lr else []),
+             *(["--repeats", str(repeats)] if repeats else [])]
     text = _run(["bench", "--model", model, *plan_args, "--target-loss", str(target), *extra, *link_args, "--json"])
     (out / f"{model}-{link}-target.json").write_text(text)
     return json.loads(text)
@@ -153,6 +169,7 @@ def main() -> None:
                         help="also run these models to these evaluation losses (e.g. digits=0.1,lstm=5)")
     parser.add_argument("--samples", type=int, default=None, help="samples per time-to-target run")
     parser.add_argument("--lr", type=float, default=None, help="learning rate of the time-to-target runs")
+    parser.add_argument("--repeats", type=int, default=None, help="runs of each variant to the target (default 1)")
     parser.add_argument("--no-steps", action="store_true", help="only the time-to-target runs")
     parser.add_argument("-o", "--output", type=Path, default=Path("bench-results/compressors"))
     args = parser.parse_args()
@@ -173,7 +190,7 @@ def main() -> None:
             if model in targets_of:
                 chosen = target_plans(model, link, plans, args.output)
                 targets.append((model, link, target_rows(model, link, chosen, args.output, targets_of[model],
-                                                         args.samples, args.lr)))
+                                                         args.samples, args.lr, args.repeats)))
     if rows:
         print_steps(rows)
     for model, link, doc in targets:
