@@ -36,6 +36,8 @@ from planner.console import console
 from planner.contracts.plan import Plan
 
 ONLY = ("fp16", "powersgd:1", "powersgd:4", "topk:0.01")
+#: The bench's name of the mixed plan over every compressor.
+MIXED = "plan mixed(all)"
 
 
 def _run(args: list[str]) -> str:
@@ -138,13 +140,13 @@ def print_steps(rows: list[dict]) -> None:
         mine = {r["name"]: r["median_s"] for r in rows if r["model"] == model and r["link"] == link}
         hooks = {n: t for n, t in mine.items() if n.startswith("ddp+")}
         best = min(hooks, key=hooks.__getitem__) if hooks else None
-        singles = {n: t for n, t in mine.items() if n.startswith("plan ") and n != "plan mixed"}
+        singles = {n: t for n, t in mine.items() if n.startswith("plan ") and n != MIXED}
         best_single = min(singles, key=singles.__getitem__) if singles else None
-        line = f"  {model} {link}: mixed {mine['plan mixed'] / mine['ddp']:.2f}x DDP"
+        line = f"  {model} {link}: mixed {mine[MIXED] / mine['ddp']:.2f}x DDP"
         if best:
-            line += f", {mine['plan mixed'] / hooks[best]:.2f}x the best hook ({best})"
+            line += f", {mine[MIXED] / hooks[best]:.2f}x the best hook ({best})"
         if best_single:
-            line += f", {mine['plan mixed'] / singles[best_single]:.2f}x the best single-compressor plan " \
+            line += f", {mine[MIXED] / singles[best_single]:.2f}x the best single-compressor plan " \
                     f"({best_single})"
         console.print(line)
 

@@ -183,12 +183,18 @@ def machine_drift(results: list[BenchResult]) -> float | None:
 
 def plan_tag(plan: Plan) -> str:
     """How the bench names a plan's way of sending: dense, topk@D, the one compressor a mixed plan was allowed,
-    or mixed."""
+    or mixed(the preset or list of compressors it was allowed)."""
+    from planner.strategies.mixed import PRESETS
+
     match plan.strategy:
         case Strategy.TOPK:
             return f"topk@{plan.density:g}"
         case Strategy.MIXED:
-            return str(plan.compressors[0]) if plan.compressors and len(plan.compressors) == 1 else "mixed"
+            allowed = tuple(map(str, plan.compressors or ()))
+            if len(allowed) == 1:
+                return allowed[0]
+            preset = next((name for name, members in PRESETS.items() if members == allowed), None)
+            return f"mixed({preset or ','.join(allowed)})"
         case _:
             return plan.strategy.value
 
