@@ -91,3 +91,22 @@ class _no_raise:
 
     def __exit__(self, *exc: object) -> bool:
         return False
+
+
+def test_snapshots_stay_within_their_cap_and_evenly_spaced() -> None:
+    """A run far longer than the cap allows keeps at most `cap` snapshots, the first one and evenly spaced ones
+    (the time-to-target bench once held every copy of an LSTM and the kernel killed it at 23 GB)."""
+    from planner.commands.bench_target import _Snapshots, snapshot_cap
+
+    snaps = _Snapshots(cap=8, min_interval_s=1.0)
+    state = {"w": torch.zeros(3)}
+    for now in range(1000):
+        if snaps.due(float(now)):
+            snaps.add(float(now), now, state)
+        assert len(snaps.items) < 8
+    times = [t for t, _, _ in snaps.items]
+    assert times[0] == 0.0 and times[-1] >= 1000 - 2 * (times[1] - times[0])
+    assert len({b - a for a, b in zip(times, times[1:], strict=False)}) == 1  # one spacing
+    assert 8 <= snapshot_cap(1 << 40, 0.25) <= snapshot_cap(1 << 20, 0.25)
+    with pytest.raises(ValueError, match="cap >= 2"):
+        _Snapshots(cap=1, min_interval_s=1.0)

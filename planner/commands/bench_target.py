@@ -11,8 +11,10 @@ dense, fp16 and PowerSGD plans; a plan with top-k groups applies it in the excha
 momentum correction, the runtime's way for top-k) with the optimizer's momentum at 0.
 
 During a run rank 0 keeps a copy of the parameters and buffers every `snapshot_every_s`; after the run it
-evaluates them on the task's held-out batch (in eval mode), so the loss curve costs the run no time. The time to
-target is the first snapshot at or below the target loss.
+evaluates them on the task's held-out batch (in eval mode), so the loss curve costs the run no time. The copies
+are held within a share of the memory available (`snapshot_memory_fraction`): when they fill it, every other one
+is dropped and the interval doubles, so a long run of a large model keeps an evenly spaced, coarser curve instead
+of running out of memory. The time to target is the first snapshot at or below the target loss.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class TargetBenchConfig:
     #: Seconds between snapshots of the parameters, at least; taking one is kept under 5% of the run (a copy of
     #: an 80 MB model takes tens of milliseconds on a CPU).
     snapshot_every_s: float = 0.05
+    #: Share of the memory available at the start of a run that its snapshots may take (`_Snapshots`).
+    snapshot_memory_fraction: float = 0.25
     show_progress: bool = True
     link: LinkRate | None = None
     slowdown: Slowdown | None = None
@@ -131,17 +135,16 @@ def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, rep
         exchange = GradientExchange(model, plan, model_name=config.model, find_unused_parameters=unused,
                                     momentum=config.momentum if exchange_momentum else 0.0,
                                     optimizer=opt if exchange_momentum else None)
-    snapshots: list[tuple[float, int, dict[str, torch.Tensor]]] = []
-    last, interval = -float("inf"), config.snapshot_every_s
+    state_bytes = sum(v.numel() * v.element_size() for v in student.state_dict().values())
+    snapshots = _Snapshots(snapshot_cap(state_bytes, config.snapshot_memory_fraction), config.snapshot_every_s)
     applied = steps = 0
     dist.barrier()
     start = time.perf_counter()
     while applied < config.samples:
         now = time.perf_counter() - start
-        if rank == 0 and now - last >= interval:
-            snapshots.append((now, applied, {k: v.detach().clone() for k, v in student.state_dict().items()}))
-            last = now
-            interval = max(config.snapshot_every_s, 20 * (time.perf_counter() - start - now))
+        if rank == 0 and snapshots.due(now):
+            snapshots.add(now, applied, {k: v.detach().clone() for k, v in student.state_dict().items()},
+                          copy_s=time.perf_counter() - start - now)
         x, y = wl.make_batch(b, gen)
         opt.zero_grad(set_to_none=True)
         wl.loss_fn(model(x), y).backward()
@@ -154,9 +157,51 @@ def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, rep
     if exchange is not None:
         exchange.close()
     if rank == 0:
-        snapshots.append((wall, applied, {k: v.detach().clone() for k, v in student.state_dict().items()}))
-    curve = _evaluate(task, initial, snapshots, config.target_loss) if rank == 0 else ()
+        snapshots.items.append((wall, applied, {k: v.detach().clone() for k, v in student.state_dict().items()}))
+    curve = _evaluate(task, initial, snapshots.items, config.target_loss) if rank == 0 else ()
     return TargetRun(variant=variant.name, repeat=repeat, wall_s=wall, samples=applied, steps=steps, curve=curve)
+
+
+def snapshot_cap(state_bytes: int, fraction: float) -> int:
+    """How many copies of a model state of `state_bytes` fit in `fraction` of the memory available now (Linux's
+    MemAvailable; 4 GiB where it cannot be read), at least 8."""
+    available = 4 << 30
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    return max(8, int(fraction * available) // max(1, state_bytes))
+
+
+class _Snapshots:
+    """Copies of the model state during a run, at most `cap` of them, evenly spaced: at `cap` every other one is
+    dropped (the first stays) and the interval doubles. A copy is taken at most every `min_interval_s`, and at
+    most every 20 copy times, so taking them costs the run at most 5% of its time."""
+
+    def __init__(self, cap: int, min_interval_s: float) -> None:
+        if cap < 2:
+            raise ValueError(f"`cap >= 2` must hold, but got cap={cap}")
+        self.cap = cap
+        self.items: list[tuple[float, int, dict[str, torch.Tensor]]] = []
+        self._floor = min_interval_s
+        self._interval = min_interval_s
+        self._last = -float("inf")
+
+    def due(self, now: float) -> bool:
+        return now - self._last >= self._interval
+
+    def add(self, now: float, applied: int, state: dict[str, torch.Tensor], *, copy_s: float = 0.0) -> None:
+        self.items.append((now, applied, state))
+        self._last = now
+        if len(self.items) >= self.cap:
+            self.items = self.items[::2]
+            self._floor = 2 * self._interval
+            self._last = self.items[-1][0]  # the next one follows the last kept at the new spacing
+        self._interval = max(self._floor, 20 * copy_s)
 
 
 def _evaluate(task: Task, initial: torch.nn.Module, snapshots: list[tuple[float, int, dict[str, torch.Tensor]]],
