@@ -478,3 +478,47 @@ def test_cbc_on_near_ties() -> None:
         result = IlpPlacement().solve(problem)
         _check_result(problem, result)
         assert not result.optimal or result.makespan_s <= optimum * (1 + RTOL), problem
+
+
+# Issue 28 item 12: CBC called a placement 3.07e-7 (relative) above the optimum optimal.
+ISSUE_28_PROBLEM = problem_of(
+    [0.00788356102988512, 0.0012293455246355208, 0.0022327751102266444, 0.006390722452048044,
+     0.0028620987920964435, 0.007225758926606202, 0.00306610624309678, 0.006610835689770194],
+    [0.0027930989854277844, 0.0007809055662284465, 0.001035351435967107, 0.004391030345558397,
+     0.0027489216022391393, 0.009598040824763744, 0.0027711605896487412, 0.002066320983565065],
+    world_size=2,
+)
+
+
+@pytest.mark.parametrize("shortcuts", [True, False])
+def test_cbc_optimum_is_exact_on_hundredths_of_a_second(shortcuts: bool) -> None:
+    """With the model in seconds, CBC's incumbent ended 7e-9 s before its last broadcast (inside its absolute
+    feasibility tolerance of 1e-7), and that value pruned the optimum: it answered 0.023689444972 s as optimal
+    where brute force finds 0.023689437703 s. In scaled units it finds the optimum itself."""
+    problem = ISSUE_28_PROBLEM
+    best, optimum = brute_force_placement(problem)
+    assert optimum == pytest.approx(0.023689437703286603, rel=1e-12)
+    result = IlpPlacement(shortcuts=shortcuts).solve(problem)
+    _check_result(problem, result)
+    assert result.optimal
+    assert math.isclose(result.makespan_s, optimum, rel_tol=1e-12), (result, best)
+    assert result.lower_bound_s <= optimum * (1 + 1e-12)
+
+
+def test_cbc_optimal_is_checked_against_its_objective(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unscaled (one model unit per second, as before the fix) CBC's incumbent on the issue's instance is slack:
+    its objective is below the makespan of the placement it encodes. The answer is then called optimal only if
+    it meets that objective, so never wrongly; and the bound stays below the optimum."""
+    problem = ISSUE_28_PROBLEM
+    _, optimum = brute_force_placement(problem)
+    monkeypatch.setattr(placement_module, "_CBC_UNITS", placement_lower_bound(problem))  # scale 1.0
+    result = IlpPlacement(shortcuts=False).solve(problem)
+    _check_result(problem, result)
+    assert result.lower_bound_s <= optimum * (1 + 1e-12)
+    assert not result.optimal or math.isclose(result.makespan_s, optimum, rel_tol=RTOL), result
+
+
+def test_cbc_objective_is_read_from_the_summary() -> None:
+    log = "Result - Optimal solution found\n\nObjective value:                1000.00000000\nEnumerated nodes: 0\n"
+    assert placement_module._cbc_objective(log) == 1000.0
+    assert placement_module._cbc_objective("Result - Stopped on time limit\n") is None

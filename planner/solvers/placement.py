@@ -84,6 +84,10 @@ Placement = tuple[int | None, ...]
 
 #: A makespan within this relative distance of a lower bound is reported as proven optimal.
 _OPTIMAL_RTOL = 1e-9
+#: The ILP's times are scaled so that the lower bound (the least objective CBC can meet) is this many units.
+_CBC_UNITS = 1000.0
+#: Half a unit of the last of the 8 decimals of CBC's "Objective value:" (in model units).
+_CBC_OBJECTIVE_ROUNDING = 5e-9
 #: Weights (lam and mu) of the lower bound's relaxations max(a, b) >= lam a + (1 - lam) b.
 _BOUND_WEIGHTS = np.linspace(0.0, 1.0, 17)
 #: Seconds the start's search on the makespan itself may take, and how many least-loaded workers it tries a
@@ -710,7 +714,9 @@ class IlpPlacement(_ModelPlacement):
     """Exact placement by an integer program solved with CBC through pulp (see the module docstring).
 
     CBC is warm-started from the start; its best bound is read from its log when it stops at the time limit.
-    If CBC fails or finds nothing, the start is returned with its gap to the best known bound.
+    If CBC fails or finds nothing, the start is returned with its gap to the best known bound. Times are scaled
+    so that the lower bound is `_CBC_UNITS` units (CBC's tolerances are absolute), and when CBC says optimal its
+    objective is the bound: the answer is optimal only if its makespan is within `_OPTIMAL_RTOL` of it.
     """
 
     name = "ilp-cbc"
@@ -726,7 +732,16 @@ class IlpPlacement(_ModelPlacement):
     def _solve_model(self, problem: PlacementProblem, columns: _Columns, start: Placement, deadline: float) -> _Outcome:
         import pulp
 
-        c = [problem.inv_s[int(f)] for f in columns.order]
+        # CBC's tolerances are absolute (a row may be violated by 1e-7): in seconds, against makespans of hundredths
+        # of a second, an incumbent whose end undercut its last broadcast by 7e-9 s passed as feasible, and its
+        # value pruned the true optimum. In units where the lower bound is _CBC_UNITS, every objective is at least
+        # that, and those tolerances are at most 1e-10 of it.
+        start_value = makespan(problem, start)
+        reference = placement_lower_bound(problem) or start_value
+        scale = _CBC_UNITS / reference if reference > 0 else 1.0
+        inv = [scale * v for v in problem.inv_s]  # in factor order
+        send = [scale * v for v in problem.bcast_s]
+        c = [inv[int(f)] for f in columns.order]
         width = [int(w) for w in columns.width]
         n, workers = len(c), columns.workers
         model = pulp.LpProblem("placement", pulp.LpMinimize)
@@ -752,15 +767,15 @@ class IlpPlacement(_ModelPlacement):
         load_vars: list[tuple[Any, int, int]] = []
         prefix = 0.0
         for f in range(n):
-            i, bf = int(position[f]), problem.bcast_s[f]
-            prefix += problem.inv_s[f]
+            i, bf = int(position[f]), send[f]
+            prefix += inv[f]
             after = [(channel[f], 1.0), (y[i], bf)] + ([(channel[f - 1], -1.0)] if f else [])
             model += pulp.LpAffineExpression(after) >= bf, f"after{f}"  # e_f >= e_{f-1} + b_f (1 - y_f)
             big = prefix + bf  # when f is not on w the owner constraint must not bind: M >= any load + b_f
             for w in range(width[i]):
-                if problem.inv_s[f] > 0:  # the load grows by c_f x[f, w]
+                if inv[f] > 0:  # the load grows by c_f x[f, w]
                     grown = variable(f"s{f}_{w}", 0, None, pulp.LpContinuous)
-                    terms = [(grown, 1.0), (x[i][w], -problem.inv_s[f])]
+                    terms = [(grown, 1.0), (x[i][w], -inv[f])]
                     model += pulp.LpAffineExpression(terms + ([(loads[w], -1.0)] if loads[w] is not None else [])) \
                         == 0, f"load{f}_{w}"
                     loads[w] = grown
@@ -780,10 +795,10 @@ class IlpPlacement(_ModelPlacement):
         last = 0.0
         for f in range(n):
             last = sent.get(f, last)
-            channel[f].setInitialValue(last)
+            channel[f].setInitialValue(scale * last)
         for v, f, w in load_vars:
-            v.setInitialValue(math.fsum(problem.inv_s[g] for g in range(f + 1) if start[g] == w))
-        end.setInitialValue(timeline.makespan_s)
+            v.setInitialValue(math.fsum(inv[g] for g in range(f + 1) if start[g] == w))
+        end.setInitialValue(scale * start_value)
 
         with tempfile.TemporaryDirectory(prefix="placement-cbc-") as tmp:
             log_path = os.path.join(tmp, "cbc.log")
@@ -794,8 +809,8 @@ class IlpPlacement(_ModelPlacement):
                 # CBC prunes nodes that cannot beat the incumbent by its cutoff increment, by default an absolute
                 # amount chosen from the coefficients: with objectives of hundredths of a second it stopped at
                 # the root on near ties and called a warm start 1.6e-6 above the optimum optimal. Require
-                # improvements of 1e-10 of the start instead (below _OPTIMAL_RTOL).
-                increment = max(1e-15, 1e-10 * makespan(problem, start))
+                # improvements of 1e-10 of the lower bound instead (below _OPTIMAL_RTOL).
+                increment = max(1e-15, 1e-10 * scale * reference)
                 cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=_remaining(deadline - overhead), warmStart=True,
                                         logPath=log_path, options=[f"increment {increment:.3e}"])
             try:
@@ -809,13 +824,27 @@ class IlpPlacement(_ModelPlacement):
         values = [[v.value() or 0.0 for v in row] for row in x]
         placement = _decode(problem, columns, [v.value() or 0.0 for v in y], values)
         if model.sol_status == pulp.LpSolutionOptimal:
-            return _Outcome(placement=placement, bound=makespan(problem, placement), optimal=True)
-        return _Outcome(placement=placement, bound=_cbc_bound(log, pulp.value(model.objective), 0.0),
+            # CBC proved that nothing beats its incumbent's objective by the increment; within its tolerances that
+            # objective may lie below the makespan of the placement decoded from it. So "optimal" is not taken on
+            # trust: the objective is the bound, and `_result` calls the answer optimal only if it meets it.
+            proven = _cbc_objective(log)
+            bound = 0.0 if proven is None else (proven - increment - _CBC_OBJECTIVE_ROUNDING) / scale
+            return _Outcome(placement=placement, bound=bound, optimal=False)
+        return _Outcome(placement=placement, bound=_cbc_bound(log, pulp.value(model.objective), 0.0) / scale,
                         optimal=False)
 
 
+def _cbc_objective(log: str) -> float | None:
+    """The objective of CBC's final incumbent (model units), from its summary's "Objective value:" (None if absent)."""
+    found = re.findall(r"Objective value:\s+([-+0-9.eE]+)", log)
+    try:
+        return float(found[-1]) if found else None
+    except ValueError:
+        return None
+
+
 def _cbc_bound(log: str, objective: float | None, constant: float) -> float:
-    """CBC's best bound in seconds, from the last "best possible" of its log (0.0 when there is none).
+    """CBC's best bound (model units), from the last "best possible" of its log (0.0 when there is none).
 
     The summary's "Lower bound:" has three decimals and may round up, so it is not used; the 8 significant
     digits of "best possible" are lowered by 1e-7 (relative). CBC may leave the objective's constant out:
