@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -539,4 +540,50 @@ def _load_factory(spec: str) -> Workload:
             f"factory --model {spec} returned {type(workload).__name__}, expected a planner.models.Workload "
             "(wrap the module: Workload(name=..., module=..., batch_size=..., make_batch=..., loss_fn=...))"
         )
+    _trial_step(spec, workload)
     return workload
+
+
+def _shapes(value: object) -> str:
+    """The shapes of a tensor or of the tensors in a tuple/list/dict, for messages."""
+    if isinstance(value, torch.Tensor):
+        return "x".join(map(str, value.shape)) or "scalar"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_shapes(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_shapes(v)}" for k, v in value.items()) + "}"
+    return type(value).__name__
+
+
+def _trial_step(spec: str, workload: Workload) -> None:
+    """One step of a user's workload on a copy of its module and a batch of at most 2, before any worker starts:
+    a model that cannot train fails here in one line naming the call (make_batch, forward, loss, backward) and
+    the shapes, instead of in a worker's traceback."""
+    if not any(p.requires_grad for p in workload.module.parameters()):
+        raise ModelLoadError(f"--model {spec}: the module has no trainable parameters, so there are no gradients "
+                             "to exchange; give a model with parameters (requires_grad=True)")
+    n = min(workload.batch_size, 2)
+    where = f"--model {spec}"
+    try:
+        inputs, targets = workload.make_batch(n, torch.Generator().manual_seed(0))
+    except Exception as exc:
+        raise ModelLoadError(f"{where}: make_batch({n}, generator) raised {type(exc).__name__}: {exc}") from exc
+    module = copy.deepcopy(workload.module)  # the trial leaves the user's module (grads, BatchNorm stats) as it was
+    try:
+        output = module(inputs)
+    except Exception as exc:
+        raise ModelLoadError(f"{where}: the forward pass on make_batch's inputs of shape {_shapes(inputs)} raised "
+                             f"{type(exc).__name__}: {exc}") from exc
+    try:
+        loss = workload.loss_fn(output, targets)
+    except Exception as exc:
+        raise ModelLoadError(f"{where}: loss_fn(output of shape {_shapes(output)}, targets of shape "
+                             f"{_shapes(targets)}) raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise ModelLoadError(f"{where}: loss_fn must return a scalar tensor that depends on the parameters, got "
+                             f"{_shapes(loss)}" + ("" if not isinstance(loss, torch.Tensor) or loss.requires_grad
+                                                   else " that does not require grad"))
+    try:
+        loss.backward()
+    except Exception as exc:
+        raise ModelLoadError(f"{where}: backward of the loss raised {type(exc).__name__}: {exc}") from exc

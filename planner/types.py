@@ -23,6 +23,7 @@ __all__ = [
     "PlanMismatchError",
     "PlannerError",
     "PlannerFileError",
+    "RemoteTraceback",
     "SchemaError",
     "SolverError",
     "Strategy",
@@ -68,6 +69,19 @@ class SolverError(PlannerError, RuntimeError):
 
 class DistributedError(PlannerError, RuntimeError):
     """Worker processes failed or the process group is not in the expected state."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback text of an exception raised in a worker; set as `__cause__` of the error the launcher
+    re-raises in the parent (`planner.platform.launch`), with the rank it came from."""
+
+    def __init__(self, text: str, rank: int | None = None) -> None:
+        super().__init__(text)
+        self.text = text
+        self.rank = rank
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.text}"""'
 
 
 class GateTimeoutError(DistributedError):

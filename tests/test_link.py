@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -40,7 +41,8 @@ PLAN = Path(__file__).resolve().parents[1] / "plans" / "lstm-2w-dense.json"
 def _ours(pid: int | None = None) -> list[str]:
     """Namespaces this module's links made for launcher `pid` (default: this process)."""
     prefix = f"{link_mod.NAMESPACE_PREFIX}-{pid or os.getpid()}-"
-    return [n for n in list_namespaces() if n.startswith(prefix)]
+    hosts_files = [p.name for p in Path(tempfile.gettempdir()).glob(f"{prefix}*.hosts")]
+    return [n for n in list_namespaces() if n.startswith(prefix)] + hosts_files
 
 
 # -- rates -------------------------------------------------------------------------------------------
@@ -185,8 +187,32 @@ def _rank1_dies(rank: int, world_size: int) -> None:
 
 @needs_root
 def test_a_killed_worker_leaves_nothing_behind() -> None:
-    with pytest.raises(DistributedError):
+    """And it is named as the cause, whenever its peer's broken connection was noticed."""
+    with pytest.raises(DistributedError, match="worker rank 1 was killed by SIGKILL, likely out of memory"):
         run_distributed(_rank1_dies, 2, timeout=30, link=parse_rate("1gbit"))
+    assert _ours() == []
+
+
+def _peer_names(rank: int, world_size: int) -> list[str]:
+    import socket
+
+    ifname = os.environ["GLOO_SOCKET_IFNAME"]
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", ifname], capture_output=True, text=True).stdout
+    mine = out.split(" inet ")[1].split("/")[0]  # this worker's address on the link, 169.254.S.(rank + 1)
+    peer = f"{mine.rsplit('.', 1)[0]}.{2 - rank}"
+    return [socket.getnameinfo((address, 0, 0, 0) if ":" in address else (address, 0), socket.NI_NAMEREQD)[0]
+            for address in (peer, f"::ffff:{peer}")]
+
+
+@needs_root
+def test_peers_behind_the_link_have_names_so_c10d_does_not_warn() -> None:
+    """c10d looks up the name of every peer that connects to its store, at the IPv4-mapped address; inside the
+    namespaces no DNS answers, so each run printed "hostname of the client socket cannot be retrieved"."""
+    names = run_distributed(_peer_names, 2, timeout=60, link=parse_rate("1gbit"))
+    assert [n[0] for n in names] == [n[1] for n in names]
+    assert names[0][0].endswith("-w1") and names[1][0].endswith("-w0")
+    with open("/etc/hosts") as f:
+        assert "169.254." not in f.read()  # the machine's own file is untouched
     assert _ours() == []
 
 

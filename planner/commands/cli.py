@@ -21,7 +21,7 @@ from rich.table import Table
 from planner.console import console, err_console, progress
 from planner.contracts.abs import TRIGGERS
 from planner.contracts.jsonio import check_output_path, ensure_folder
-from planner.types import GROUPING_STRATEGIES, InverseMethod, PlannerError, Strategy
+from planner.types import GROUPING_STRATEGIES, InverseMethod, PlannerError, RemoteTraceback, Strategy
 
 __all__ = ["Command", "main"]
 
@@ -900,13 +900,13 @@ class ReportCommand(Command):
         from planner.commands.report import read_bench_json, write_report
         from planner.contracts.plan import Plan
         from planner.strategies.cluster import parse_cluster, parse_world_sizes, scaling_table
-
-        ensure_folder(args.output, "report folder")
         from planner.strategies.retune import load_source_profile
 
+        ensure_folder(args.output, "report folder", create=False)
         plan = Plan.load(args.plan)
         profile = load_source_profile(plan, args.profile)
         bench = read_bench_json(args.bench) if args.bench is not None else None
+        ensure_folder(args.output, "report folder")  # once the inputs are known good: a bad one leaves nothing
         scaling = None
         if plan.strategy is Strategy.MIXED and not args.no_scaling:
             err_console.print("note: the scaling picture covers dense, top-k and K-FAC plans, not mixed ones; "
@@ -1432,9 +1432,13 @@ class DemoCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from planner.commands.bench import BenchConfig, run_bench
         from planner.commands.profile import ProfileConfig, run_profile
+        from planner.models import build_workload
         from planner.strategies.mixed import parse_compressors, solve_auto
 
         compressors = parse_compressors(args.compressors)
+        build_workload(args.model)  # an unknown or broken model is one line, before a link or a worker starts
+        if args.slowdown is not None:
+            args.slowdown.check_world_size(args.nproc)
         link = self._demo_link(args.link)
         ensure_folder(args.profiles_dir, "profiles folder")
         ensure_folder(args.plans_dir, "plans folder")
@@ -1443,8 +1447,6 @@ class DemoCommand(Command):
         prof_path = args.profiles_dir / f"{stem}-{args.nproc}w{where}.json"
         on = f"behind an emulated {link.text} link" if link is not None else "over loopback"
         console.rule(f"1/3 profile {args.model} on {args.nproc} workers {on}")
-        if args.slowdown is not None:
-            args.slowdown.check_world_size(args.nproc)
         profile = run_profile(ProfileConfig(model=args.model, output=prof_path, nproc=args.nproc, link=link,
                                             slowdown=args.slowdown))
         profile.save(prof_path)
@@ -1495,6 +1497,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="planner",
         description="Profile, plan and run gradient communication for data-parallel PyTorch training.",
     )
+    parser.add_argument("--verbose", action="store_true",
+                        help="when a worker fails, print its traceback after the one-line error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, cls in Command.registry.items():
         cmd = cls()
@@ -1511,6 +1515,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0] if lines else "(no message)"
+
+
+def _worker_traceback(exc: BaseException, verbose: bool) -> None:
+    """With --verbose, the traceback text of the worker an error came from."""
+    if verbose and isinstance(exc.__cause__, RemoteTraceback):
+        err_console.print(exc.__cause__.text, markup=False, soft_wrap=True, highlight=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1518,6 +1533,17 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._command.run(args))
     except PlannerError as exc:
         err_console.print(f"planner {args.command}: error: {exc}", markup=False, soft_wrap=True)
+        _worker_traceback(exc, args.verbose)
+        return 2
+    except Exception as exc:
+        if not isinstance(exc.__cause__, RemoteTraceback):
+            raise  # the planner's own bug: its traceback is what to report
+        # a worker's error that is not the planner's (the user's model, a collective whose peer died): one line
+        err_console.print(f"planner {args.command}: error: worker rank {exc.__cause__.rank} failed: "
+                          f"{type(exc).__name__}: {_first_line(exc)}"
+                          + ("" if args.verbose else " (--verbose prints its traceback)"),
+                          markup=False, soft_wrap=True)
+        _worker_traceback(exc, args.verbose)
         return 2
     except KeyboardInterrupt:
         err_console.print("planner: interrupted", markup=False)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime as dt
 import html
 import itertools
-import json
 import math
 import numbers
 import os
@@ -34,7 +33,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import NullLocator
 
-from planner.contracts.jsonio import atomic_write, ensure_folder
+from planner.contracts.jsonio import atomic_write, ensure_folder, read_json_value
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
@@ -43,7 +42,7 @@ from planner.costmodel.simulator import simulate, timeline
 from planner.solvers.layout import layout_timelines
 from planner.solvers.placement import InversionTimeline, PlacementProblem, inversion_timeline
 from planner.strategies.kfac import factor_step_timeline, kfac_problem, section_layout
-from planner.types import PlanMismatchError, PlannerFileError, SchemaError, Strategy
+from planner.types import PlanMismatchError, SchemaError, Strategy
 
 __all__ = [
     "BENCH_KEYS",
@@ -628,16 +627,7 @@ def read_bench_json(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     Raises:
         PlannerFileError: the file is missing or unreadable. SchemaError: not a list of bench rows.
     """
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PlannerFileError(f"cannot read bench results {path}: {exc.strerror or exc}") from None
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SchemaError(
-            f"bench results {path} are not JSON ({exc}); write them with `planner bench --json`"
-        ) from None
+    rows = read_json_value(path, "bench results")
     if not isinstance(rows, list):
         raise SchemaError(f"bench results {path} must be a list of rows, but got {type(rows).__name__}")
     try:

@@ -25,12 +25,36 @@ MAX_NUMEL = 2**48
 MAX_WORLD_SIZE = 2**20
 
 
+def is_file(path: str | os.PathLike[str]) -> bool:
+    """`Path.is_file`, but False (not OSError) for a name the file system cannot hold, such as one longer
+    than it allows: a command-line value that may or may not be a path asks this."""
+    try:
+        return Path(path).is_file()
+    except OSError:
+        return False
+
+
 def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     """Parse a JSON object from `path`; `what` ("plan", "profile") names the document in errors. Files over
     `MAX_DOCUMENT_BYTES`, nesting deeper than Python's parser follows and integers longer than
     `MAX_INT_DIGITS` are refused with a SchemaError / PlannerFileError, never the parser's own error."""
+    data = read_json_value(path, what)
+    if not isinstance(data, dict):
+        raise SchemaError(f"{what} file {path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_json_value(path: str | os.PathLike[str], what: str) -> Any:
+    """Any JSON value from `path`, read with the guards of `read_json`: a regular file (a FIFO would wait
+    forever), at most `MAX_DOCUMENT_BYTES`, bounded nesting and integers."""
     p = Path(path)
-    if not p.is_file():
+    try:
+        found = p.is_file()
+    except OSError as exc:  # a name longer than the file system allows, for one
+        raise PlannerFileError(f"cannot read {what} file {p}: {exc.strerror} (check the path)") from None
+    if not found and p.exists():  # a folder, or a FIFO or device that reading would wait on forever
+        raise PlannerFileError(f"{what} file {p} is not a regular file: give a file written by planner")
+    if not found:
         raise PlannerFileError(f"{what} file not found: {p} (check the path)")
     try:
         size = p.stat().st_size
@@ -54,12 +78,10 @@ def read_json(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     except SchemaError as exc:
         raise SchemaError(f"{what} file {p}: {exc}") from None
     except RecursionError:
-        raise SchemaError(f"{what} file {p} nests arrays or objects too deeply to be a {what}: "
+        raise SchemaError(f"{what} file {p} nests arrays or objects too deeply to be a {what} file: "
                           "give a file written by planner") from None
     except ValueError as exc:  # a number Python cannot convert
         raise SchemaError(f"{what} file {p} holds a number no {what} field can: {exc}") from None
-    if not isinstance(data, dict):
-        raise SchemaError(f"{what} file {p} must hold a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -98,15 +120,17 @@ def check_output_path(path: str | os.PathLike[str], what: str = "file") -> Path:
     return p
 
 
-def ensure_folder(path: str | os.PathLike[str], what: str = "output folder") -> Path:
-    """Create the folder `path` (with its parents) if needed; PlannerFileError in one line if it cannot be one."""
+def ensure_folder(path: str | os.PathLike[str], what: str = "output folder", *, create: bool = True) -> Path:
+    """Create the folder `path` (with its parents) if needed; PlannerFileError in one line if it cannot be one.
+    With `create=False`, only the checks: a command asks early, and creates once its inputs are read."""
     if not str(path).strip():
         raise PlannerFileError(f"the {what} path is empty; give a folder")
     p = Path(path)
     try:
         if p.exists() and not p.is_dir():
             raise PlannerFileError(f"the {what} {p} exists and is not a folder; give a folder path")
-        p.mkdir(parents=True, exist_ok=True)
+        if create:
+            p.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         if isinstance(exc, PlannerFileError):
             raise

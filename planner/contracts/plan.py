@@ -148,6 +148,9 @@ def _prediction_from_dict(data: Any, where: str) -> Prediction:
     optional = ["pack_s", "interference_s"]  # absent in plans made before packing and interference were modelled
     check_fields(data, where, fields, optional)
     times = {f: expect_time(data[f], f"{where}.{f}") for f in [*fields, *optional] if f != "num_groups" and f in data}
+    if times["iteration_s"] <= 0:  # every ratio `show` and `bench` print divides by it
+        raise SchemaError(f"{where}.iteration_s must be a time above 0 (a step takes time), "
+                          f"got {data['iteration_s']!r}")
     return Prediction(**times, num_groups=expect(data["num_groups"], int, f"{where}.num_groups"))
 
 

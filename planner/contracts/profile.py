@@ -238,7 +238,9 @@ def _measured_points(data: Any, where: str, size: str) -> list[tuple[int, float]
     for i, p in enumerate(expect(data, list, where)):
         if not isinstance(p, list) or len(p) != 2:
             raise SchemaError(f"{where}[{i}] must be [{size}, seconds], got {p!r}")
-        points.append((expect(p[0], int, f"{where}[{i}][0]"), _time(p[1], f"{where}[{i}][1]")))
+        # a size of 0 divided the solver's per-byte interpolation; a negative one was planned with
+        n = expect_int(p[0], f"{where}[{i}][0] ({size})", 1, MAX_NUMEL * 8, InvalidProfileError)
+        points.append((n, _time(p[1], f"{where}[{i}][1]")))
     return points
 
 

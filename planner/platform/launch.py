@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import signal
 import socket
 import time
 import traceback
@@ -32,7 +33,7 @@ import torch.multiprocessing as mp
 
 from planner.platform.link import LINK_ENV, EmulatedLink, LinkError, LinkRate, enter_namespace
 from planner.platform.slowdown import Slowdown, SlowdownError, ThrottledWorkers, WorkerThrottle, enter_cgroup
-from planner.types import DistributedError, PlannerError
+from planner.types import DistributedError, PlannerError, RemoteTraceback
 
 __all__ = [
     "RemoteTraceback",
@@ -70,17 +71,6 @@ def device_for(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-class RemoteTraceback(Exception):
-    """The traceback text of an exception raised in a worker; set as `__cause__` of the re-raised error."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.text = text
-
-    def __str__(self) -> str:
-        return f'\n"""\n{self.text}"""'
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -96,6 +86,7 @@ class _Network:
     master_addr: str
     ifname: str
     rate: str
+    hosts_file: str | None = None
 
 
 def _worker(
@@ -122,7 +113,7 @@ def _worker(
     master_addr = "127.0.0.1"
     try:
         if network is not None:
-            enter_namespace(network.namespace_path)
+            enter_namespace(network.namespace_path, network.hosts_file)
             os.environ["GLOO_SOCKET_IFNAME"] = network.ifname
             os.environ[LINK_ENV] = network.rate
             master_addr = network.master_addr
@@ -153,11 +144,27 @@ def _worker(
 
 
 def _raise_worker_error(rank: int, exc: BaseException | None, text: str) -> None:
-    """Re-raise a worker's exception in the parent, its traceback text attached as the cause."""
-    remote = RemoteTraceback(f"worker rank {rank} failed:\n{text}")
+    """Re-raise a worker's exception in the parent, its traceback text attached as the cause; a worker that
+    left no exception (it died, or its exception did not pickle) is a DistributedError saying what is known."""
+    remote = RemoteTraceback(f"worker rank {rank} failed:\n{text}", rank)
     if exc is None:
-        raise DistributedError(f"worker rank {rank} failed; its traceback follows") from remote
+        last = text.strip().splitlines()[-1] if text.strip() else "no result and no traceback"
+        raise DistributedError(f"worker rank {rank} {last}") from remote
     raise exc from remote
+
+
+def _death(proc: Any) -> str:
+    """How a worker that sent nothing ended, as the end of "worker rank N ..."."""
+    code = proc.exitcode
+    if code is None or code >= 0:
+        return f"exited with code {code} without a result"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    why = (", likely out of memory (the kernel's OOM killer sends SIGKILL; `dmesg` says): use a smaller "
+           "--batch-size or fewer workers" if -code == signal.SIGKILL else "")
+    return f"was killed by {name}{why}"
 
 
 def _check_picklable(fn: Callable[..., Any]) -> None:
@@ -209,7 +216,7 @@ def run_distributed(
             throttles = [groups.throttle(r) for r in range(world_size)]
         if link is not None:
             net = stack.enter_context(EmulatedLink(link, world_size))
-            networks = [_Network(net.namespace_path(r), net.address(0), net.ifname, link.text)
+            networks = [_Network(net.namespace_path(r), net.address(0), net.ifname, link.text, net.hosts_file)
                         for r in range(world_size)]
         return _spawn(fn, world_size, args, timeout, backend, networks, throttles)
 
@@ -333,7 +340,8 @@ def run_jobs(
         networks: list[_Network | None] = [None] * hosts
         if link is not None:
             net = stack.enter_context(EmulatedLink(link, hosts))
-            networks = [_Network(net.namespace_path(r), net.address(0), net.ifname, link.text) for r in range(hosts)]
+            networks = [_Network(net.namespace_path(r), net.address(0), net.ifname, link.text, net.hosts_file)
+                        for r in range(hosts)]
         return _spawn_jobs([(fn, world_size, args, networks[:world_size], [None] * world_size)
                             for fn, world_size, args in jobs], timeout, backend)
 
@@ -361,11 +369,13 @@ def _collect(procs: list[Any], readers: dict[int, Connection], timeout: float) -
             if message[0] == "ok":
                 results[rank] = message[1]
             else:
-                _, exc, text, when = message
-                failures.append((when, rank, exc, text))
+                _, exc, text, when, *died_of = message
+                failures.append((not died_of, when, rank, exc, text))
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
     if failures:
-        _, rank, exc, text = min(failures, key=lambda f: (f[0], f[1]))
+        # a worker that died is the cause of its peers' broken connections, whenever the parent noticed it;
+        # otherwise the earliest failure is
+        *_, rank, exc, text = min(failures, key=lambda f: f[:3])
         _raise_worker_error(rank, exc, text)
     if pending:
         raise DistributedError(
@@ -389,7 +399,7 @@ def _receive(reader: Connection, proc: Any, died: bool) -> tuple[Any, ...] | Non
     elif not died:
         return None
     proc.join(timeout=1)
-    return ("error", None, f"worker exited with code {proc.exitcode} without a result\n", time.time())
+    return ("error", None, _death(proc) + "\n", time.time(), True)
 
 
 def _rank_of(pending: dict[int, Connection], conn: object) -> int | None:

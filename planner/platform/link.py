@@ -30,6 +30,7 @@ It needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and the `ip` and `tc` programs; 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -37,7 +38,9 @@ import re
 import secrets
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from planner.platform.cleanup import ExitOnSignals, pid_alive
 from planner.types import PlannerError
@@ -68,7 +71,12 @@ WORKER_IFNAME = "eth0"
 _UNITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(kbit|mbit|gbit|tbit)\s*$", re.IGNORECASE)
 _NAME_RE = re.compile(rf"^{NAMESPACE_PREFIX}-(\d+)-([0-9a-f]+)-(hub|w\d+)$")
+_HOSTS_RE = re.compile(rf"^{NAMESPACE_PREFIX}-(\d+)-([0-9a-f]+)-.*\.hosts$")
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000
+_MS_BIND = 4096
+_MS_REC = 16384
+_MS_PRIVATE = 1 << 18
 #: Below this a link is too slow for gradient traffic to finish within any reasonable timeout.
 _MIN_RATE = 10**6
 
@@ -155,6 +163,11 @@ def remove_stale_namespaces() -> list[str]:
         if m and not pid_alive(int(m.group(1))):
             subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
             removed.append(name)
+    for path in Path(tempfile.gettempdir()).glob(f"{NAMESPACE_PREFIX}-*.hosts"):  # see EmulatedLink.hosts_file
+        m = _HOSTS_RE.match(path.name)
+        if m and not pid_alive(int(m.group(1))):
+            with contextlib.suppress(OSError):
+                path.unlink()
     return removed
 
 
@@ -186,6 +199,11 @@ class EmulatedLink:
         # One /24 of 169.254.0.0/16 per run (link-local: never routed); namespaces keep runs apart anyway.
         self.subnet = 1 + secrets.randbelow(250)
         self.created: list[str] = []
+        #: A copy of /etc/hosts that also names every worker's address, bound over /etc/hosts in the workers
+        #: (see `enter_namespace`): c10d looks up the host name of each peer that connects, and inside the
+        #: namespaces no DNS server answers, so without it every run printed c10d's "hostname of the client
+        #: socket cannot be retrieved" once per peer.
+        self.hosts_file: str | None = None
         self._signals = ExitOnSignals()
 
     # -- names ------------------------------------------------------------------------------------
@@ -221,6 +239,7 @@ class EmulatedLink:
             _run("ip", "-n", self.hub, "link", "set", "br0", "up")
             for rank in range(self.world_size):
                 self._add_worker(rank)
+            self._write_hosts_file()
         except BaseException:
             self.destroy()
             raise
@@ -242,11 +261,31 @@ class EmulatedLink:
         _run("tc", "-n", ns, "qdisc", "add", "dev", WORKER_IFNAME, "root", "tbf",
              "rate", f"{self.rate.bits_per_s}bit", "burst", str(_burst_bytes(self.rate)), "latency", "50ms")
 
+    def _write_hosts_file(self) -> None:
+        try:
+            with open("/etc/hosts", encoding="utf-8", errors="replace") as f:
+                system = f.read()
+        except OSError:
+            system = "127.0.0.1 localhost\n"
+        # c10d's store listens on IPv6 and sees its peers at IPv4-mapped addresses (::ffff:a.b.c.d)
+        names = "".join(f"{self.address(r)} {self.namespace(r)}\n::ffff:{self.address(r)} {self.namespace(r)}\n"
+                        for r in range(self.world_size))
+        if not re.search(r"^\s*::1\s", system, re.MULTILINE):
+            names += "::1 localhost\n"
+        fd, path = tempfile.mkstemp(prefix=f"{self.prefix}-", suffix=".hosts")
+        self.hosts_file = path
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(system.rstrip("\n") + "\n" + names)
+
     def destroy(self) -> None:
         """Delete every namespace this link created (their veth pairs and the bridge go with them)."""
         while self.created:
             name = self.created.pop()
             subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+        if self.hosts_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.hosts_file)
+            self.hosts_file = None
         self._signals.disarm()
 
     def __enter__(self) -> EmulatedLink:
@@ -256,9 +295,14 @@ class EmulatedLink:
         self.destroy()
 
 
-def enter_namespace(path: str) -> None:
+def enter_namespace(path: str, hosts_file: str | None = None) -> None:
     """Move the calling thread (call it first thing in a fresh worker process) into the network
-    namespace at `path`; threads it starts afterwards inherit it."""
+    namespace at `path`; threads it starts afterwards inherit it.
+
+    With `hosts_file`, the process also takes a mount namespace of its own in which that file is bound over
+    /etc/hosts (what `ip netns exec` does with /etc/netns/NAME/hosts), so peers' addresses have names. That
+    is only for quiet logs: where it cannot be done, the worker goes on without it.
+    """
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -267,3 +311,7 @@ def enter_namespace(path: str) -> None:
             raise LinkError(f"cannot join network namespace {path}: {os.strerror(err)}")
     finally:
         os.close(fd)
+    # private first, so the bind mount never propagates back to the machine's own mount namespace
+    if (hosts_file is not None and libc.unshare(_CLONE_NEWNS) == 0
+            and libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) == 0):
+        libc.mount(os.fsencode(hosts_file), b"/etc/hosts", None, _MS_BIND, None)

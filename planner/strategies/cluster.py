@@ -48,14 +48,13 @@ import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from planner.contracts.fingerprint import ClusterInfo
-from planner.contracts.jsonio import MAX_WORLD_SIZE, check_fields, expect, read_json
+from planner.contracts.jsonio import MAX_WORLD_SIZE, check_fields, expect, is_file, read_json
 from planner.contracts.profile import DimCurve, FittedCurve, KFACTiming, LayerTiming, Profile, TopkTiming
 from planner.costmodel.costs import AffineCost
 from planner.strategies.gradients import make_plan
@@ -546,7 +545,7 @@ def parse_cluster(text: str) -> ClusterSpec:
     known = ", ".join(PRESETS)
     if not raw:
         raise SchemaError(f"empty cluster: give a preset ({known}), a JSON file, or key=value pairs")
-    if Path(raw).is_file():
+    if is_file(raw):
         return _spec_file(raw)
     head, *rest = (item.strip() for item in raw.split(","))
     base: ClusterSpec | None = None
@@ -554,7 +553,7 @@ def parse_cluster(text: str) -> ClusterSpec:
         rest = [head, *rest]
     elif head in PRESETS:
         base = PRESETS[head]
-    elif head.lower().endswith(".json") or os.sep in head or Path(head).exists():
+    elif head.lower().endswith(".json") or os.sep in head or is_file(head):
         base = _spec_file(head)
     else:
         raise SchemaError(

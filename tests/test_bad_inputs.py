@@ -1,0 +1,223 @@
+"""The last bad inputs and faults a new user met with a traceback: each is now one line naming the cause and
+what to do, exit 2, and nothing written. Through the real CLI (`python -m planner ...`) where workers start."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner.commands.cli import main
+from planner.models import Workload
+from planner.types import SchemaError
+from tests.factories import synthetic_plan, synthetic_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+def _lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def _errors(text: str) -> list[str]:
+    """The lines a failed run printed besides its progress bars."""
+    return [ln for ln in _lines(text) if not ln.startswith("bench steps")]
+
+
+def _in_process(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2, argv
+    err = _lines(capsys.readouterr().err)
+    assert len(err) == 1 and message in err[0], (argv, err)
+    assert "Traceback" not in err[0]
+
+
+# -- documents -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [0, -1024])
+def test_a_collective_measured_at_no_bytes_is_refused(tmp_path: Path, size: int,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A size of 0 divided the solver's interpolation (ZeroDivisionError); a negative one was planned with."""
+    doc = synthetic_profile("mlp").to_dict()
+    doc["collectives"]["allreduce"]["points"][0][0] = size
+    prof, out = tmp_path / "prof.json", tmp_path / "plan.json"
+    prof.write_text(json.dumps(doc))
+    for strategy in ("dense", "topk"):
+        _in_process(["solve", str(prof), "--strategy", strategy, "-o", str(out)],
+                    "collectives.allreduce.points[0][0] (size) must be an integer between 1 and", capsys)
+    assert not out.exists()
+
+
+def test_a_plan_predicting_a_step_of_no_time_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`show` divided by it (ZeroDivisionError)."""
+    for where in ("plan", "baselines"):
+        doc = synthetic_plan("mlp").to_dict()
+        if where == "plan":
+            doc["predicted"]["plan"]["iteration_s"] = 0
+        else:
+            doc["predicted"]["baselines"]["wfbp"]["iteration_s"] = 0.0
+        path = tmp_path / f"{where}.json"
+        path.write_text(json.dumps(doc))
+        _in_process(["show", str(path)], "iteration_s must be a time above 0", capsys)
+
+
+def test_names_longer_than_the_file_system_allows_are_one_line(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    prof = tmp_path / "prof.json"
+    synthetic_profile("mlp").save(prof)
+    long_name = str(tmp_path / ("a" * 300 + ".json"))
+    _in_process(["solve", long_name, "-o", str(tmp_path / "plan.json")], "File name too long", capsys)
+    _in_process(["show", long_name], "File name too long", capsys)
+    digits = "9" * 400
+    for cluster, message in [(f"ib100-64,nodes={digits}", "nodes * gpus_per_node <= 1048576"),
+                             (digits, "unknown cluster preset"), (f"ib100-{digits}", "unknown cluster preset")]:
+        _in_process(["simulate", str(prof), "--cluster", cluster], message, capsys)
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_report_reads_bench_results_with_the_loaders_guards(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Nesting (RecursionError), a 4,400-digit integer (ValueError) and a FIFO (waited on forever)."""
+    prof, plan = tmp_path / "prof.json", tmp_path / "plan.json"
+    synthetic_profile("mlp").save(prof)
+    synthetic_plan("mlp").save(plan)
+    nested, huge, fifo = tmp_path / "nested.json", tmp_path / "huge.json", tmp_path / "fifo"
+    nested.write_text("[" * 100_000 + "]" * 100_000)
+    huge.write_text('[{"median_s": ' + "9" * 4400 + "}]")
+    os.mkfifo(fifo)
+    out = tmp_path / "report"
+    for bench, message in [(nested, "nests arrays or objects too deeply"), (huge, "an integer of 4400 digits"),
+                           (fifo, "is not a regular file")]:
+        _in_process(["report", str(plan), "--profile", str(prof), "--no-scaling", "--bench", str(bench),
+                     "-o", str(out)], message, capsys)
+    assert not out.exists()
+
+
+def test_the_runtime_loads_plans_with_the_guards_of_the_cli(tmp_path: Path) -> None:
+    from planner.models import build_workload
+    from runtime.exchange import GradientExchange
+
+    text = json.dumps(synthetic_plan("mlp").to_dict())
+    assert '"num_groups": 3' in text
+    path = tmp_path / "huge.json"
+    path.write_text(text.replace('"num_groups": 3', '"num_groups": ' + "9" * 4400, 1))
+    with pytest.raises(SchemaError, match="an integer of 4400 digits"):
+        GradientExchange.from_file(build_workload("mlp").module, path)
+
+
+def test_demo_with_an_unknown_model_is_one_line_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    _in_process(["demo", "--model", "resnet19", "--link", "none"], "did you mean 'resnet18'?", capsys)
+
+
+# -- a user's model ------------------------------------------------------------------------------------------------
+def _batch(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 8, generator=generator), torch.randint(0, 4, (n,), generator=generator)
+
+
+def _loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output, targets)
+
+
+def no_parameters() -> Workload:
+    return Workload(name="relu", module=nn.ReLU(), batch_size=4, make_batch=_batch, loss_fn=_loss)
+
+
+def wrong_input_width() -> Workload:
+    return Workload(name="wide", module=nn.Linear(16, 4), batch_size=4, make_batch=_batch, loss_fn=_loss)
+
+
+def _pairs(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 8, generator=generator), torch.randint(0, 4, (n, 2), generator=generator)
+
+
+def wrong_targets() -> Workload:
+    return Workload(name="pairs", module=nn.Linear(8, 4), batch_size=4, make_batch=_pairs, loss_fn=_loss)
+
+
+class _FailsInWorkers(nn.Module):
+    """Trains alone; in a process group, rank 1 dies (SIGKILL, as the OOM killer sends) or raises at its
+    third forward, as PLANNER_TEST_FAULT says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        fault = os.environ.get("PLANNER_TEST_FAULT")
+        if fault and dist.is_initialized() and dist.get_rank() == 1 and self.calls >= 3:
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("boom from the user's forward")
+        return self.fc(x)
+
+
+def fails_in_workers() -> Workload:
+    return Workload(name="faulty", module=_FailsInWorkers(), batch_size=4, make_batch=_batch, loss_fn=_loss)
+
+
+@pytest.mark.parametrize(("factory", "message"), [
+    ("no_parameters", "the module has no trainable parameters"),
+    ("wrong_input_width", "the forward pass on make_batch's inputs of shape 2x8 raised RuntimeError: mat1 and mat2"),
+    ("wrong_targets", "loss_fn(output of shape 2x4, targets of shape 2x2) raised RuntimeError"),
+])
+def test_a_user_model_that_cannot_train_is_one_line_naming_the_call(
+        tmp_path: Path, factory: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "prof.json"
+    _in_process(["profile", "--model", f"tests.test_bad_inputs:{factory}", "-o", str(out)], message, capsys)
+    assert not out.exists()
+
+
+def test_a_trial_step_leaves_the_users_module_as_it_was() -> None:
+    from planner.models import build_workload
+
+    module = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4))
+    before = copy.deepcopy(module.state_dict())
+    factory = Workload(name="bn", module=module, batch_size=4, make_batch=_batch, loss_fn=_loss)
+    sys.modules[__name__].__dict__["_bn_factory"] = lambda: factory
+    try:
+        assert build_workload(f"{__name__}:_bn_factory").module is module
+    finally:
+        del sys.modules[__name__].__dict__["_bn_factory"]
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert all(p.grad is None for p in module.parameters())
+
+
+@pytest.fixture(scope="module")
+def faulty_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("faulty") / "plan.json"
+    synthetic_plan("tests.test_bad_inputs:fails_in_workers").save(path)
+    return path
+
+
+def test_a_worker_killed_during_bench_is_named_not_its_peers_broken_connection(faulty_plan: Path) -> None:
+    proc = _cli("bench", "--plan", str(faulty_plan), "--steps", "5", "--peers", "none",
+                env={"PLANNER_TEST_FAULT": "kill"})
+    err = _errors(proc.stderr)
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    assert "worker rank 1 was killed by SIGKILL, likely out of memory" in err[0]
+    assert "Traceback" not in proc.stderr and "Connection reset" not in proc.stderr
+
+
+def test_a_worker_error_from_the_users_model_is_one_line_and_verbose_shows_its_traceback(faulty_plan: Path) -> None:
+    args = ("bench", "--plan", str(faulty_plan), "--steps", "5", "--peers", "none")
+    proc = _cli(*args, env={"PLANNER_TEST_FAULT": "raise"})
+    err = _errors(proc.stderr)
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    assert "worker rank 1 failed: RuntimeError: boom from the user's forward (--verbose prints" in err[0]
+    verbose = _cli("--verbose", *args, env={"PLANNER_TEST_FAULT": "raise"})
+    assert verbose.returncode == 2
+    assert "Traceback" in verbose.stderr and "in forward" in verbose.stderr
