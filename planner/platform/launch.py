@@ -349,7 +349,7 @@ def run_jobs(
 def _collect(procs: list[Any], readers: dict[int, Connection], timeout: float) -> list[Any]:
     """Wait for every worker's outcome (or death) until `timeout`; after a failure, wait only a grace period."""
     results: dict[int, Any] = {}
-    failures: list[tuple[float, int, BaseException | None, str]] = []
+    failures: list[tuple[bool, float, int, BaseException | None, str]] = []  # (sent something, when, rank, ...)
     deadline = time.monotonic() + timeout
     pending = dict(readers)
     sentinel_rank = {procs[r].sentinel: r for r in pending}
