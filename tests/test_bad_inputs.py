@@ -221,3 +221,42 @@ def test_a_worker_error_from_the_users_model_is_one_line_and_verbose_shows_its_t
     verbose = _cli("--verbose", *args, env={"PLANNER_TEST_FAULT": "raise"})
     assert verbose.returncode == 2
     assert "Traceback" in verbose.stderr and "in forward" in verbose.stderr
+
+
+# -- sparse gradients ----------------------------------------------------------------------------------------------
+class _Bag(nn.Module):
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8, sparse=sparse)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens).mean(dim=1))
+
+
+def _tokens(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, 50, (n, 6), generator=generator), torch.randint(0, 4, (n,), generator=generator)
+
+
+def sparse_embedding() -> Workload:
+    return Workload(name="bag", module=_Bag(sparse=True), batch_size=4, make_batch=_tokens, loss_fn=_loss)
+
+
+def dense_embedding() -> Workload:
+    return Workload(name="bag", module=_Bag(sparse=False), batch_size=4, make_batch=_tokens, loss_fn=_loss)
+
+
+def test_sparse_gradients_are_refused_naming_the_parameter_and_the_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The profile died with "Cannot access data pointer of Tensor that doesn't have storage", and a plan of the
+    dense twin (same fingerprint) was accepted by the runtime, which then crashed."""
+    from planner.types import PlannerError
+    from runtime.exchange import GradientExchange
+
+    out = tmp_path / "prof.json"
+    message = "parameter 'embed.weight' gets sparse gradients (Embedding(..., sparse=True))"
+    _in_process(["profile", "--model", "tests.test_bad_inputs:sparse_embedding", "-o", str(out)], message, capsys)
+    assert not out.exists()
+    twin = synthetic_plan("tests.test_bad_inputs:dense_embedding")
+    with pytest.raises(PlannerError, match="build the module with sparse=False"):
+        GradientExchange(_Bag(sparse=True), twin)

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from planner.contracts.jsonio import MAX_NUMEL, MAX_WORLD_SIZE, check_fields, expect, expect_int
+from planner.types import PlannerError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -93,8 +94,31 @@ class ClusterInfo:
         return "cpu" if self.device.lower().startswith("cpu") else "gpu"
 
 
+def check_dense_gradients(module: nn.Module) -> None:
+    """PlannerError naming the first trainable parameter whose gradient is sparse (`nn.Embedding(...,
+    sparse=True)`, `nn.EmbeddingBag(..., sparse=True)`): every exchange here packs gradients into flat dense
+    buffers, which a sparse tensor has no storage for."""
+    seen: set[int] = set()
+    for mname, mod in module.named_modules():
+        if getattr(mod, "sparse", False) is not True:
+            continue
+        for pname, p in mod.named_parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                full = f"{mname}.{pname}" if mname else pname
+                raise PlannerError(
+                    f"parameter {full!r} gets sparse gradients ({type(mod).__name__}(..., sparse=True)); the "
+                    f"planner exchanges dense gradients only: build the module with sparse=False (DDP then "
+                    f"allreduces it densely too)")
+            seen.add(id(p))
+
+
 def model_info(module: nn.Module, name: str) -> ModelInfo:
-    """Fingerprint `module` from its trainable parameters (registration order), identically on every rank."""
+    """Fingerprint `module` from its trainable parameters (registration order), identically on every rank.
+
+    A model with sparse gradients is refused here (see `check_dense_gradients`), so the profile, the plans,
+    the runtime and the benches all refuse it in the same line.
+    """
+    check_dense_gradients(module)
     h = hashlib.sha256()
     count = numel = 0
     for pname, p in module.named_parameters():
