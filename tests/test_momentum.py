@@ -345,3 +345,19 @@ def test_old_state_without_velocities_loads_as_zeros() -> None:
         without_momentum.load_state_dict(_momentum_exchange(copy.deepcopy(model))[0].state_dict())
     one_line(info)
     without_momentum.load_state_dict(old)  # residuals only: fine
+
+
+def test_bench_runs_top_k_plans_as_the_readme_advises_and_the_rest_with_optimizer_momentum() -> None:
+    """`planner bench` and the time-to-target bench time what a user following "Top-k with momentum" runs."""
+    from planner.commands.bench import sgd_as_advised
+
+    model = tiny_mlp()
+    opt, exchange = sgd_as_advised(model, make_plan(model, "single", Strategy.TOPK, 0.1, world_size=1), lr=0.1,
+                                   momentum=MOMENTUM, find_unused=False)
+    assert opt.param_groups[0]["momentum"] == 0 and exchange.momentum == MOMENTUM
+    assert all(st.velocity is not None for st in exchange._groups)
+    opt, exchange = sgd_as_advised(model, make_plan(model, "single", Strategy.DENSE, None, world_size=1), lr=0.1,
+                                   momentum=MOMENTUM, find_unused=False)
+    assert opt.param_groups[0]["momentum"] == MOMENTUM and exchange.momentum == 0
+    opt, exchange = sgd_as_advised(model, None, lr=0.1, momentum=MOMENTUM, find_unused=False)
+    assert opt.param_groups[0]["momentum"] == MOMENTUM and exchange is None

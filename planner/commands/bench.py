@@ -161,6 +161,8 @@ class Variant:
     selector: str = "exact"
 
 
+#: SGD's momentum in every step bench times (where it goes: `sgd_as_advised`).
+BENCH_MOMENTUM = 0.9
 #: Name of the variant of local steps (no communication).
 LOCAL = "local (no communication)"
 
@@ -274,13 +276,28 @@ def ddp_with_hook(module: torch.nn.Module, hook: Compressor | None, *, find_unus
     return wrapped
 
 
+def sgd_as_advised(model: torch.nn.Module, plan: Plan | None, *, lr: float, momentum: float, find_unused: bool,
+                   model_name: str | None = None) -> tuple[torch.optim.SGD, Any]:
+    """SGD with `momentum` as a user runs each variant: in the optimizer for DDP, its hooks and plans without
+    top-k groups; for a plan that sends top-k, in the exchange (momentum correction) with the optimizer's at 0,
+    as README's "Top-k with momentum" advises. Returns the optimizer and the plan's exchange (None without one)."""
+    from runtime import GradientExchange
+
+    in_exchange = plan is not None and plan.sends_topk
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if in_exchange else momentum)
+    if plan is None:
+        return opt, None
+    exchange = GradientExchange(model, plan, model_name=model_name, find_unused_parameters=find_unused,
+                                momentum=momentum if in_exchange else 0.0, optimizer=opt if in_exchange else None)
+    return opt, exchange
+
+
 #: Warm-up steps of a DDP PowerSGD variant at least (its hook allreduces plainly for two iterations).
 POWERSGD_HOOK_WARMUP = 2
 
 
 def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchResult] | None:
     """Run every variant on this rank; rank 0 returns the results."""
-    from runtime import GradientExchange
     from runtime.ddp_hooks import has_unused_parameters
 
     torch.manual_seed(0)
@@ -294,18 +311,10 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     unused = has_unused_parameters(base.module, lambda m: base.loss_fn(m(batch[0]), batch[1]))
     runners = []
     for v in variants:
-        plan = v.plan
         wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank
-        if v.local:
-            model: torch.nn.Module = wl.module
-            exchange = None
-        elif plan is None:
-            model = ddp_with_hook(wl.module, v.hook, find_unused=unused, selector=v.selector)
-            exchange = None
-        else:
-            model = wl.module
-            exchange = GradientExchange(model, plan, find_unused_parameters=unused)
-        opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+        model = wl.module if v.local or v.plan is not None else ddp_with_hook(wl.module, v.hook, find_unused=unused,
+                                                                               selector=v.selector)
+        opt, exchange = sgd_as_advised(model, v.plan, lr=config.lr, momentum=BENCH_MOMENTUM, find_unused=unused)
         runners.append((wl, model, exchange, opt))
 
     def step(i: int) -> float:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from rich.table import Table
 
-from planner.commands.bench import DEFAULT_PEERS, LOCAL, Variant, bench_variants, ddp_with_hook
+from planner.commands.bench import DEFAULT_PEERS, LOCAL, Variant, bench_variants, ddp_with_hook, sgd_as_advised
 from planner.console import console, progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.plan import Plan
@@ -111,7 +111,6 @@ def _variants(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Com
 
 def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, repeat: int, task: Task) -> TargetRun:
     """One run of `variant` on this rank, from the task's initial weights."""
-    from runtime import GradientExchange
     from runtime.ddp_hooks import has_unused_parameters
 
     wl = task.workload
@@ -122,19 +121,11 @@ def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, rep
     gen = torch.Generator().manual_seed(1_000_003 * repeat + 7919 * rank)
     x0, y0 = wl.make_batch(b, torch.Generator().manual_seed(rank))
     unused = has_unused_parameters(student, lambda m: wl.loss_fn(m(x0), y0))
-    exchange = None
     plan = variant.plan
-    exchange_momentum = plan is not None and plan.sends_topk
-    opt_momentum = 0.0 if exchange_momentum else config.momentum
-    if plan is None:
-        model = ddp_with_hook(student, variant.hook, find_unused=unused, selector=variant.selector)
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=opt_momentum)
-    else:
-        model = student
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=opt_momentum)
-        exchange = GradientExchange(model, plan, model_name=config.model, find_unused_parameters=unused,
-                                    momentum=config.momentum if exchange_momentum else 0.0,
-                                    optimizer=opt if exchange_momentum else None)
+    model = student if plan is not None else ddp_with_hook(student, variant.hook, find_unused=unused,
+                                                           selector=variant.selector)
+    opt, exchange = sgd_as_advised(model, plan, lr=lr, momentum=config.momentum, find_unused=unused,
+                                   model_name=config.model)
     state_bytes = sum(v.numel() * v.element_size() for v in student.state_dict().values())
     snapshots = _Snapshots(snapshot_cap(state_bytes, config.snapshot_memory_fraction), config.snapshot_every_s)
     applied = steps = 0
