@@ -49,8 +49,10 @@ def _capture(workload: Workload, device: torch.device, skip: str | None = None
     order: list[str] = []
     inputs: dict[str, Tensor] = {}
     grads: dict[str, Tensor] = {}
+    calls: dict[str, int] = {}
 
     def forward_hook(name: str, _mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        calls[name] = calls.get(name, 0) + 1
         if name in inputs or not args or not isinstance(args[0], Tensor):
             return
         order.append(name)
@@ -69,6 +71,14 @@ def _capture(workload: Workload, device: torch.device, skip: str | None = None
     finally:
         for h in hooks:
             h.remove()
+    reused = sorted(n for n, count in calls.items() if count > 1)
+    if reused:  # the runtime refuses a factor computed twice in a step: say so now, not after the plan is made
+        pattern = "|".join(f"^{re.escape(n)}$" for n in reused[:3])
+        raise InvalidProfileError(
+            f"K-FAC layers {reused[:3]} run {max(calls[n] for n in reused)} times in one forward pass (a shared "
+            f"layer), and K-FAC takes one input per layer and step; skip them: profile with --kfac-skip "
+            f"'{pattern}' and pass skip_layers='{pattern}' to KFACPreconditioner"
+        )
     unused = sorted(names - set(order))
     if unused:
         pattern = "|".join(f"^{re.escape(n)}$" for n in unused[:3])

@@ -260,3 +260,31 @@ def test_sparse_gradients_are_refused_naming_the_parameter_and_the_fix(
     twin = synthetic_plan("tests.test_bad_inputs:dense_embedding")
     with pytest.raises(PlannerError, match="build the module with sparse=False"):
         GradientExchange(_Bag(sparse=True), twin)
+
+
+# -- K-FAC: a layer called twice per step ---------------------------------------------------------------------------
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.shared(torch.relu(self.shared(x)))))
+
+
+def shared_layer() -> Workload:
+    return Workload(name="twice", module=_Twice(), batch_size=4, make_batch=_batch, loss_fn=_loss)
+
+
+def test_a_layer_called_twice_per_step_is_refused_at_profile_time_naming_kfac_skip() -> None:
+    """It passed `profile --kfac` (the profiler kept the first call) and `solve`, and the runtime refused it."""
+    from planner.models import build_workload
+    from planner.types import InvalidProfileError
+    from profilers.kfac import measure_kfac_layers
+
+    workload = build_workload("tests.test_bad_inputs:shared_layer")
+    with pytest.raises(InvalidProfileError, match=r"\['shared'\] run 2 times .* --kfac-skip '\^shared\$'"):
+        measure_kfac_layers(workload, torch.device("cpu"), repeats=1, warmup=0)
+    timings = measure_kfac_layers(workload, torch.device("cpu"), repeats=1, warmup=0, skip="^shared$")
+    assert [t.name for t in timings] == ["head"]
