@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from planner.contracts.kfac import KFACLayerSpec, kfac_layers
+from planner.contracts.kfac import KFACLayerSpec, kfac_layers, kfac_left_out
 from planner.contracts.profile import DimCurve, KFACLayerTiming, KFACTiming
 from planner.kernels.kfac import (
     covariance,
@@ -244,7 +244,8 @@ def measure_kfac(
         m: measure_inversion(dims, m, device, repeats=max(3, repeats // 2), warmup=1, on_point=on_point)
         for m in InverseMethod
     }
-    return KFACTiming(layers=tuple(layers), inverse=curves[InverseMethod.INVERSE], eigen=curves[InverseMethod.EIGEN])
+    return KFACTiming(layers=tuple(layers), inverse=curves[InverseMethod.INVERSE], eigen=curves[InverseMethod.EIGEN],
+                      left_out=tuple(kfac_left_out(workload.module, skip)), skip=skip)
 
 
 def kfac_points(workload: Workload, max_dim: int = DEFAULT_MAX_DIM, skip: str | None = None) -> int:

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from planner.contracts.kfac import KFACLayerSpec, KFACSection, factor_name, kfac_layers
+from planner.contracts.kfac import KFACLayerSpec, KFACSection, factor_name, kfac_layers, kfac_left_out
 from planner.contracts.plan import Plan
 from planner.kernels.kfac import (
     covariance,
@@ -244,7 +244,8 @@ class KFACPreconditioner:
         factor_update_steps: steps between factor updates; default the plan's, else 1.
         inv_update_steps: steps between inversions, a multiple of factor_update_steps; default the plan's, else 1.
         method: eigendecomposition or damped inverse; default the plan's, else EIGEN.
-        skip_layers: regular expression of layer names to leave alone (matched with `re.search`).
+        skip_layers: regular expression of layer names to leave alone (matched with `re.search`); default the
+            plan's (the `--kfac-skip` it was profiled with), else none.
         process_group: the group to average over; default: the default group, or none (world size 1)
             when torch.distributed is not initialised.
         exchange_gradients: average gradients across ranks in `step()` (through the plan's groups when a
@@ -293,7 +294,12 @@ class KFACPreconditioner:
         self.plan = plan
         self.process_group = process_group
         self.world_size, self.rank = _world_size_and_rank(process_group)
+        planned = kfac if kfac is not None else plan.kfac if plan is not None else None
+        if skip_layers is None and planned is not None:
+            skip_layers = planned.skip
         specs = kfac_layers(model, skip_layers)
+        #: (name, reason) of every module with trainable parameters left to plain SGD (`kfac_left_out`).
+        self.left_out = kfac_left_out(model, skip_layers)
         self.section = self._make_section(specs, plan, kfac, factor_update_steps, inv_update_steps, method)
         self.section.check_layers(specs)
         self.section.check_world_size(self.world_size)

@@ -833,3 +833,52 @@ def test_input_covariance_equals_the_covariance_of_the_rows(module: nn.Module, s
     x = torch.randn(*shape, dtype=torch.float64)
     torch.testing.assert_close(input_covariance(module, x, torch.float64),
                                covariance(input_rows(module, x, torch.float64)), rtol=1e-12, atol=1e-15)
+
+
+def test_the_plans_skip_is_followed_and_what_is_left_out_is_listed_with_the_reason() -> None:
+    """A plan profiled with --kfac-skip records the pattern; the runtime (and so bench) follows it without being
+    told, and lists every module left to plain SGD with why."""
+    from dataclasses import replace as _replace
+
+
+    class Scaled(nn.Linear):  # a subclass of nn.Linear is a Linear layer (the check was `type(mod) is nn.Linear`)
+        pass
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Scaled(4, 8), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    skip = "^1$"
+    section = _replace(KFACSection.simple(kfac_layers(model, skip)), skip=skip)
+    assert [lt.name for lt in section.layers] == ["0", "3"]
+    again = KFACSection.from_dict(section.to_dict())
+    assert again.skip == skip and KFACSection.from_dict({k: v for k, v in section.to_dict().items()
+                                                         if k not in ("skip", "left_out")}).skip is None
+    pre = KFACPreconditioner(model, kfac=section)
+    assert [name for name, _ in pre.left_out] == ["1", "2"]
+    assert "skip pattern '^1$'" in pre.left_out[0][1] and "BatchNorm1d" in pre.left_out[1][1]
+    with pytest.raises(PlanMismatchError, match="K-FAC layers differ"):
+        KFACPreconditioner(model, kfac=_replace(section, skip=None))
+
+
+def test_kfac_left_out_names_attention_grouped_convolutions_tied_and_frozen_weights() -> None:
+    from planner.contracts.kfac import kfac_left_out
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 8)
+            self.attn = nn.MultiheadAttention(8, 2)
+            self.depthwise = nn.Conv2d(8, 8, 3, groups=8)
+            self.conv = nn.Conv2d(8, 4, 1)
+            self.frozen = nn.Linear(8, 8)
+            self.frozen.weight.requires_grad_(False)
+            self.out = nn.Linear(8, 10, bias=False)
+            self.out.weight = self.embed.weight  # tied
+
+    net = Net()
+    reasons = dict(kfac_left_out(net))
+    assert [lt.name for lt in kfac_layers(net)] == ["conv"]
+    assert "functional call" in reasons["attn"] and "functional call" in reasons["attn.out_proj"]
+    assert "groups=8" in reasons["depthwise"]
+    assert "frozen" in reasons["frozen"]
+    assert "tied" in reasons["out"]
+    assert "Embedding" in reasons["embed"]

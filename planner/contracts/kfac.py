@@ -81,35 +81,65 @@ class KFACLayerSpec:
 
 
 def kfac_layers(module: nn.Module, skip: str | None = None) -> list[KFACLayerSpec]:
-    """Linear and Conv2d layers with a trainable weight, in registration (forward) order.
+    """Linear and Conv2d layers (subclasses included) with a trainable weight, in registration (forward) order.
 
-    Grouped convolutions are left alone (their factors are not Kronecker-structured per layer), as is
-    every layer whose qualified name matches the regular expression `skip`, and every layer whose weight
-    another module shares (tied weights: the gradient sums every use, one layer's factors describe one).
-    Those keep their plain gradients.
+    Left out, keeping their plain gradients (`kfac_left_out` lists them with the reason): grouped and
+    depthwise convolutions (their factors are not Kronecker-structured per layer), the projections inside
+    `nn.MultiheadAttention` (it uses their weights in a functional call, so no hook sees their inputs), every
+    layer whose qualified name matches the regular expression `skip`, and every layer whose weight another
+    module shares (tied weights: the gradient sums every use, one layer's factors describe one).
     """
+    return [spec for _, spec, _ in _kfac_classes(module, skip) if spec is not None]
+
+
+def kfac_left_out(module: nn.Module, skip: str | None = None) -> list[tuple[str, str]]:
+    """(name, reason) of every module with trainable parameters of its own that K-FAC leaves to plain SGD."""
+    return [(name, reason) for name, spec, reason in _kfac_classes(module, skip) if spec is None]
+
+
+def _kfac_classes(module: nn.Module, skip: str | None) -> list[tuple[str, KFACLayerSpec | None, str]]:
+    """Every module owning a trainable parameter, in registration order: its K-FAC layer, or None and why not."""
     from torch import nn
 
     pattern = re.compile(skip) if skip else None
     holders: dict[int, int] = {}
+    attention: set[int] = set()
     for mod in module.modules():
         for p in mod.parameters(recurse=False):
             holders[id(p)] = holders.get(id(p), 0) + 1
-    specs = []
+        if isinstance(mod, nn.MultiheadAttention):
+            attention.update(id(child) for child in mod.children())
+    out: list[tuple[str, KFACLayerSpec | None, str]] = []
     for name, mod in module.named_modules():
         name = name or ROOT_NAME
-        if pattern is not None and pattern.search(name):
+        if not any(p.requires_grad for p in mod.parameters(recurse=False)):
             continue
         weight = getattr(mod, "weight", None)
-        if not isinstance(weight, nn.Parameter) or not weight.requires_grad or holders[id(weight)] > 1:
-            continue
         bias = 1 if getattr(mod, "bias", None) is not None else 0
-        if type(mod) is nn.Linear:
-            specs.append(KFACLayerSpec(name=name, a_dim=mod.in_features + bias, g_dim=mod.out_features))
-        elif type(mod) is nn.Conv2d and mod.groups == 1:
+        kind = type(mod).__name__
+        if isinstance(mod, nn.MultiheadAttention) or id(mod) in attention:
+            out.append((name, None, "nn.MultiheadAttention uses its projection weights in a functional call, so "
+                                    "no hook sees their inputs: write the projections as nn.Linear modules to "
+                                    "precondition them"))
+        elif not isinstance(mod, (nn.Linear, nn.Conv2d)):
+            out.append((name, None, f"{kind}: K-FAC here preconditions Linear and Conv2d layers only"))
+        elif isinstance(mod, nn.Conv2d) and mod.groups != 1:
+            out.append((name, None, f"a grouped convolution (groups={mod.groups}): its factors are not one "
+                                    "Kronecker product per layer"))
+        elif pattern is not None and pattern.search(name):
+            out.append((name, None, f"matches the skip pattern {skip!r}"))
+        elif not isinstance(weight, nn.Parameter) or not weight.requires_grad:
+            out.append((name, None, "its weight is frozen"))
+        elif holders[id(weight)] > 1:
+            out.append((name, None, "its weight is shared with another module (tied): one layer's factors do "
+                                    "not describe the summed gradient"))
+        elif isinstance(mod, nn.Linear):
+            out.append((name, KFACLayerSpec(name=name, a_dim=mod.in_features + bias, g_dim=mod.out_features), ""))
+        else:
             kh, kw = mod.kernel_size
-            specs.append(KFACLayerSpec(name=name, a_dim=mod.in_channels * kh * kw + bias, g_dim=mod.out_channels))
-    return specs
+            out.append((name, KFACLayerSpec(name=name, a_dim=mod.in_channels * kh * kw + bias,
+                                            g_dim=mod.out_channels), ""))
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +170,16 @@ class KFACPrediction:
         pre = data.get("precondition_s")
         return cls(**times, num_buffers=expect(data["num_buffers"], int, f"{where}.num_buffers"),
                    precondition_s=None if pre is None else expect_time(pre, f"{where}.precondition_s"))
+
+
+def left_out_from_json(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    """[[layer name, reason], ...] as checked pairs."""
+    out = []
+    for i, pair in enumerate(expect(value, list, where)):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            raise SchemaError(f"{where}[{i}] must be [layer name, reason], got {pair!r}")
+        out.append((pair[0], pair[1]))
+    return tuple(out)
 
 
 def _owner_from_json(value: Any, where: str) -> int | None:
@@ -191,8 +231,17 @@ class KFACSection:
     predicted: KFACPrediction | None = None
     baselines: dict[str, KFACPrediction] | None = None
     lower_bound_s: float | None = None
+    #: The --kfac-skip pattern the profile was measured with (the runtime and bench follow it); None: none.
+    skip: str | None = None
+    #: (name, reason) of the model's modules with trainable parameters that K-FAC leaves to plain SGD.
+    left_out: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.skip is not None:
+            try:
+                re.compile(self.skip)
+            except re.error as exc:
+                raise SchemaError(f"kfac.skip {self.skip!r} is not a regular expression: {exc}") from None
         if self.factor_update_steps < 1 or self.inv_update_steps < 1:
             raise SchemaError(
                 "`factor_update_steps >= 1 and inv_update_steps >= 1` must hold, but got "
@@ -316,6 +365,8 @@ class KFACSection:
                 "baselines": {k: asdict(v) for k, v in (self.baselines or {}).items()},
                 "lower_bound_s": self.lower_bound_s,
             },
+            "skip": self.skip,
+            "left_out": [list(pair) for pair in self.left_out],
         }
 
     @classmethod
@@ -326,7 +377,8 @@ class KFACSection:
             where,
             ["method", "factor_update_steps", "inv_update_steps", "layers", "a_buffers", "g_buffers", "owners",
              "solvers", "predicted"],
-            ["factor_messages", "preconditioners"],  # absent in plans made before these could be chosen
+            # absent in plans made before these could be chosen, or were recorded
+            ["factor_messages", "preconditioners", "skip", "left_out"],
         )
         messages = data.get("factor_messages", _TRIANGLE)
         mixed = None
@@ -389,6 +441,8 @@ class KFACSection:
             predicted=predicted,
             baselines=baselines,
             lower_bound_s=lower,
+            skip=None if data.get("skip") is None else expect(data["skip"], str, f"{where}.skip"),
+            left_out=left_out_from_json(data.get("left_out", []), f"{where}.left_out"),
         )
 
     @classmethod

@@ -120,6 +120,7 @@ from planner.contracts.jsonio import (
     read_json,
     write_json_atomic,
 )
+from planner.contracts.kfac import left_out_from_json
 from planner.contracts.plan import SELECTORS, check_selector, parse_compressor
 from planner.costmodel.costs import AffineCost, CostModel, PiecewiseLinearCost, ScaledCost, fit_affine
 from planner.costmodel.mixed import CompressorCosts, MixedProblem, Sum, costs_of
@@ -683,6 +684,11 @@ class KFACTiming:
     layers: tuple[KFACLayerTiming, ...]
     inverse: DimCurve
     eigen: DimCurve
+    #: (name, reason) of the modules with trainable parameters K-FAC leaves to plain SGD
+    #: (`planner.contracts.kfac.kfac_left_out`); empty in profiles made before they were listed.
+    left_out: tuple[tuple[str, str], ...] = ()
+    #: The --kfac-skip pattern the layers were measured with (None: none).
+    skip: str | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -693,17 +699,22 @@ class KFACTiming:
             "layers": [lt.to_dict() for lt in self.layers],
             "inverse": self.inverse.to_dict(),
             "eigen": self.eigen.to_dict(),
+            "left_out": [list(pair) for pair in self.left_out],
+            "skip": self.skip,
         }
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> KFACTiming:
         expect(data, dict, where)
-        check_fields(data, where, ["layers", "inverse", "eigen"])
+        check_fields(data, where, ["layers", "inverse", "eigen"], ["left_out", "skip"])
         layers = expect(data["layers"], list, f"{where}.layers")
+        skip = data.get("skip")
         return cls(
             layers=tuple(KFACLayerTiming.from_dict(x, f"{where}.layers[{i}]") for i, x in enumerate(layers)),
             inverse=DimCurve.from_dict(data["inverse"], f"{where}.inverse"),
             eigen=DimCurve.from_dict(data["eigen"], f"{where}.eigen"),
+            left_out=left_out_from_json(data.get("left_out", []), f"{where}.left_out"),
+            skip=None if skip is None else expect(skip, str, f"{where}.skip"),
         )
 
 

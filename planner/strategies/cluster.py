@@ -461,8 +461,8 @@ def _scaled_kfac(kfac: KFACTiming, factor: float) -> KFACTiming:
                 fold_whole_s=scaled(lt.fold_whole_s))
         for lt in kfac.layers
     )
-    return KFACTiming(layers=layers, inverse=_scaled_dim_curve(kfac.inverse, factor),
-                      eigen=_scaled_dim_curve(kfac.eigen, factor))
+    return replace(kfac, layers=layers, inverse=_scaled_dim_curve(kfac.inverse, factor),
+                   eigen=_scaled_dim_curve(kfac.eigen, factor))
 
 
 def _collectives_for(spec: ClusterSpec) -> dict[Collective, FittedCurve]:

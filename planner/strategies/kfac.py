@@ -464,6 +464,8 @@ def make_kfac_plan(
         predicted=predicted,
         baselines=baselines,
         lower_bound_s=min(kfac_lower_bound(p, **intervals) for p in (triangles, whole, cheapest)),
+        skip=profile.kfac.skip if profile.kfac is not None else None,
+        left_out=profile.kfac.left_out if profile.kfac is not None else (),
     )
     gradient_plan = make_plan(profile, Strategy.DENSE, source=source)
     return replace(gradient_plan, kfac=section)
