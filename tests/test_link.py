@@ -39,10 +39,15 @@ PLAN = Path(__file__).resolve().parents[1] / "plans" / "lstm-2w-dense.json"
 
 
 def _ours(pid: int | None = None) -> list[str]:
-    """Namespaces this module's links made for launcher `pid` (default: this process)."""
+    """Namespaces and hosts files this module's links made for launcher `pid` (default: this process)."""
     prefix = f"{link_mod.NAMESPACE_PREFIX}-{pid or os.getpid()}-"
     hosts_files = [p.name for p in Path(tempfile.gettempdir()).glob(f"{prefix}*.hosts")]
-    return [n for n in list_namespaces() if n.startswith(prefix)] + hosts_files
+    return _namespaces(pid) + hosts_files
+
+
+def _namespaces(pid: int | None = None) -> list[str]:
+    prefix = f"{link_mod.NAMESPACE_PREFIX}-{pid or os.getpid()}-"
+    return [n for n in list_namespaces() if n.startswith(prefix)]
 
 
 # -- rates -------------------------------------------------------------------------------------------
@@ -99,7 +104,7 @@ def test_without_the_privilege_the_command_says_so_and_exits_2(
 
 
 def test_demo_falls_back_to_loopback_without_the_privilege(monkeypatch: pytest.MonkeyPatch) -> None:
-    from planner.commands.cli import DemoCommand
+    from planner.commands.demo import DemoCommand
 
     monkeypatch.setattr(link_mod, "privilege_problem", lambda: "forced by the test")
     assert DemoCommand._demo_link("1gbit") is None
@@ -254,9 +259,10 @@ def test_ctrl_c_and_sigterm_tear_the_link_down(sig: signal.Signals) -> None:
                             stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
-        while len(_ours(proc.pid)) < 3 and time.monotonic() < deadline:  # hub and two workers
+        while len(_namespaces(proc.pid)) < 3 and time.monotonic() < deadline:  # hub and two workers
             time.sleep(0.2)
-        assert len(_ours(proc.pid)) == 3, proc.stderr.read().decode() if proc.poll() is not None else "no link yet"
+        made = len(_namespaces(proc.pid))
+        assert made == 3, proc.stderr.read().decode() if proc.poll() is not None else "no link yet"
         time.sleep(1.0)  # the workers have started
         proc.send_signal(sig)
         try:

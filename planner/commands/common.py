@@ -1,0 +1,139 @@
+"""What the commands share: the `Command` base class and its registry, argument types and helpers, help
+texts and `--strategy` names."""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from planner.types import InverseMethod
+
+#: `--strategy kfac`: dense gradient groups plus a K-FAC section.
+KFAC = "kfac"
+#: `--strategy abs`: dense gradient groups plus an ABS-SGD section (round trigger, micro-batch).
+ABS = "abs"
+COMPRESSORS_HELP = ("what a group may be sent as (the accuracy budget): a list of dense, fp16, powersgd:R, topk:D "
+                    "(e.g. dense,fp16,powersgd:4,topk:0.01) or a preset: exact (dense), light (dense,fp16), lowrank "
+                    "(light and powersgd:1,2,4), all (lowrank and topk:0.01); default light")
+
+CLUSTER_HELP = (
+    "plan for a cluster you describe: a preset (eth10-8, aws-p3-32, ib100-64, dgx-a100-512), a JSON file, "
+    "key=value pairs (nodes, gpus_per_node, intra_gbps, intra_latency_us, inter_gbps, inter_latency_us, "
+    "algorithm, compute_factor, world_size), PRESET,key=value,... or profile=PATH (a profile measured on "
+    "another cluster)"
+)
+
+#: Columns `planner simulate` shows for K-FAC plans (the fusion:* and placement:* baselines are in --json).
+KFAC_SCALING_COLUMNS = ("kfac-pytorch", "everywhere", "placement:spd-kfac", "sgd")
+
+
+class Command(abc.ABC):
+    """A subcommand: `configure` adds its arguments, `run` does the work and returns the exit status."""
+
+    name: ClassVar[str]
+    help: ClassVar[str]
+    registry: ClassVar[dict[str, type[Command]]] = {}
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        Command.registry[cls.name] = cls
+
+    @abc.abstractmethod
+    def configure(self, parser: argparse.ArgumentParser) -> None: ...
+
+    @abc.abstractmethod
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def _density(text: str) -> float:
+    try:
+        d = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"density must be a number in (0, 1], got {text!r}") from None
+    if not 0 < d <= 1:
+        raise argparse.ArgumentTypeError(f"`0 < density <= 1` must hold, but got {d}")
+    return d
+
+
+def _whole_number_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= `low`."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {v}")
+        return v
+
+    return parse
+
+
+_positive = _whole_number_at_least(1)
+_nonnegative_int = _whole_number_at_least(0)
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    v = _nonnegative_float(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return v
+
+
+def _link_rate(text: str) -> Any:
+    """`--link RATE`: a `planner.platform.link.LinkRate` (argparse turns a bad rate into one line and exit 2)."""
+    from planner.platform.link import LinkError, parse_rate
+
+    try:
+        return parse_rate(text)
+    except LinkError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--link ")) from None
+
+
+LINK_HELP = ("emulate a slower network: each local worker in its own network namespace, its egress shaped to "
+             "RATE (e.g. 1gbit, 200mbit, 10gbit); bandwidth only, needs root")
+
+
+def _add_link(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--link", type=_link_rate, default=None, metavar="RATE", help=LINK_HELP)
+
+
+def _slowdown(text: str) -> Any:
+    """`--slowdown RANK=FACTOR[,...]`: a `planner.platform.slowdown.Slowdown` (a bad one: one line, exit 2)."""
+    from planner.platform.slowdown import SlowdownError, parse_slowdown
+
+    try:
+        return parse_slowdown(text)
+    except SlowdownError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--slowdown: ").removeprefix("--slowdown ")) from None
+
+
+SLOWDOWN_HELP = ("run local workers slower: RANK=FACTOR[,RANK=FACTOR...] (e.g. 1=2) puts each named worker under "
+                 "a CPU quota of 1/FACTOR of a core (a cgroup v1 cpu group), so it computes about FACTOR times "
+                 "slower; needs root")
+
+
+def _add_slowdown(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--slowdown", type=_slowdown, default=None, metavar="RANK=FACTOR", help=SLOWDOWN_HELP)
+
+
+def _kfac_options(parser: argparse.ArgumentParser) -> None:
+    """The K-FAC options of `planner simulate` and `planner tune` (`planner solve` has its own)."""
+    kfac = parser.add_argument_group("K-FAC (--strategy kfac)")
+    kfac.add_argument("--method", choices=[m.value for m in InverseMethod], default=InverseMethod.EIGEN.value)
+    kfac.add_argument("--factor-update-steps", type=_positive, default=1)
+    kfac.add_argument("--inv-update-steps", type=_positive, default=10)

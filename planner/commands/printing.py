@@ -1,0 +1,284 @@
+"""Tables several commands print: a plan (with its K-FAC and ABS-SGD sections), a profile, bench results,
+`--strategy auto`'s choice and a mixed plan's groups."""
+
+from __future__ import annotations
+
+import json
+
+from rich.table import Table
+
+from planner.console import console, err_console
+from planner.types import Strategy
+
+
+def _ms(seconds: float) -> str:
+    """Seconds as milliseconds, two decimals."""
+    return f"{seconds * 1e3:,.2f}"
+
+
+def print_plan(plan: object, title: str | None = None) -> None:
+    """The comparison table of a plan: the plan, each baseline and the lower bound, under the same model."""
+    from planner.contracts.plan import Plan
+
+    assert isinstance(plan, Plan)
+    ref = plan.baselines.get("ddp-25mb", plan.predicted).iteration_s
+    lb = plan.lower_bound_s
+    tag = plan.strategy.value
+    if plan.strategy is Strategy.TOPK:
+        tag += f" (density {plan.density:g}, {plan.selector} selector)"
+    if plan.strategy is Strategy.MIXED:
+        used = dict.fromkeys(str(plan.compressor_of(g)) for g in plan.groups)
+        allowed = ", ".join(map(str, plan.compressors)) if plan.compressors else "not recorded"
+        tag += f" (sends {', '.join(used)}; allowed {allowed})"
+    table = Table(title=title or f"{plan.model.name}: {tag} plan, {plan.cluster.describe()}")
+    for col in ("grouping", "groups", "iteration ms", "exposed comm ms", "vs ddp-25mb", "gap to bound"):
+        table.add_column(col, justify="left" if col == "grouping" else "right")
+    rows = [(f"plan ({plan.solver})", plan.predicted), *plan.baselines.items()]
+    for name, p in rows:
+        table.add_row(
+            name, str(p.num_groups), _ms(p.iteration_s), _ms(p.exposed_comm_s),
+            f"{ref / p.iteration_s:.2f}x", f"{(p.iteration_s - lb) / lb:+.1%}" if lb > 0 else "-",
+            style="bold" if name.startswith("plan") else None,
+        )
+    table.add_row("lower bound", "", _ms(lb), "", f"{ref / lb:.2f}x" if lb > 0 else "-", "")
+    console.print(table)
+    console.print(
+        f"solver {plan.solver} took {plan.solve_seconds * 1e3:.1f} ms; "
+        f"profile {plan.source_profile or '?'} measured {plan.profiled}"
+    )
+    if plan.kfac is not None:
+        print_kfac(plan)
+    if plan.abs is not None:
+        print_abs(plan)
+
+
+def print_abs(plan: object) -> None:
+    """ABS-SGD's trigger, and its predictions beside the synchronous baselines'."""
+    from planner.contracts.plan import Plan
+
+    assert isinstance(plan, Plan) and plan.abs is not None
+    a = plan.abs
+    cap = "no cap" if a.max_micro_batches is None else f"at most {a.max_micro_batches}"
+    trigger = (f"rounds of {a.round_samples} samples, split by measured speed" if a.round_samples is not None
+               else f"a round ends after at least {a.min_micro_batches} once the previous exchange is done ({cap})")
+    table = Table(title=f"ABS-SGD, global batch {a.global_batch}: micro-batches of {a.micro_batch}, {trigger}")
+    for col in ("variant", "round ms", "samples/round", "samples/s", "vs sync-equal", "share per worker",
+                "idle per worker"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    ref = a.predicted["sync-equal"].samples_per_s
+    for name, p in a.predicted.items():
+        table.add_row(name, _ms(p.round_s), f"{sum(p.samples):,.1f}", f"{p.samples_per_s:,.0f}",
+                      f"{p.samples_per_s / ref:.2f}x", " / ".join(f"{s:.0%}" for s in p.shares),
+                      " / ".join(f"{f:.0%}" for f in p.idle_fraction), style="bold" if name == "abs-sgd" else None)
+    console.print(table)
+    from planner.strategies.abs import ON_TARGET
+
+    rounds = sum(a.predicted["abs-sgd"].samples)
+    if rounds > ON_TARGET * a.global_batch:
+        console.print(f"note: ABS-SGD's rounds hold {rounds:,.0f} samples, more than {ON_TARGET:g}x the global batch "
+                      f"{a.global_batch}: the exchange takes longer than the workers need for {a.global_batch} "
+                      "samples, so the rounds grow to hide it (a larger --global-batch matches them)")
+
+
+def print_kfac(plan: object) -> None:
+    """The K-FAC comparison: average step time of the plan, each baseline and the lower bound."""
+    from planner.contracts.plan import Plan
+
+    assert isinstance(plan, Plan) and plan.kfac is not None
+    k = plan.kfac
+    if k.predicted is None:
+        console.print("the kfac section has no predictions")
+        return
+    baselines = k.baselines or {}
+    ref = baselines.get("kfac-pytorch", k.predicted).step_s
+    lb = k.lower_bound_s or 0.0
+    table = Table(title=f"K-FAC ({k.method.value}, factors every {k.factor_update_steps} step(s), inverses every "
+                        f"{k.inv_update_steps}): predicted average step")
+    for col in ("layout", "buffers", "step ms", "factor step ms", "inversion ms", "broadcast ms",
+                "precondition ms", "vs kfac-pytorch", "gap to bound"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for name, p in [("plan", k.predicted), *baselines.items()]:
+        pre = "-" if p.precondition_s is None or name == "sgd" else _ms(p.precondition_s)
+        table.add_row(
+            name, str(p.num_buffers), _ms(p.step_s), _ms(p.factor_step_s), _ms(p.inversion_s), _ms(p.broadcast_s),
+            pre, f"{ref / p.step_s:.2f}x", f"{(p.step_s - lb) / lb:+.1%}" if lb > 0 and name != "sgd" else "-",
+            style="bold" if name == "plan" else None,
+        )
+    table.add_row("lower bound", "", _ms(lb), "", "", "", "", f"{ref / lb:.2f}x" if lb > 0 else "-", "")
+    console.print(table)
+    owners = list(k.owners.values())
+    everywhere = sum(o is None for o in owners)
+    placed = sum(r is not None for r in k.preconditioners.values())
+    gap = "proven optimal" if not k.placement_gap else f"gap {k.placement_gap:.2%}"
+    console.print(
+        f"{len(k.a_buffers)} A + {len(k.g_buffers)} G buffers ({k.fusion_solver}), factors sent "
+        f"{k.describe_messages()}; {len(owners) - everywhere} "
+        f"factors on one owner, {everywhere} everywhere; {placed} of {len(k.preconditioners)} layers "
+        f"preconditioned by one worker, the rest by all ({k.placement_solver}, {gap}); "
+        f"K-FAC solve {k.solve_seconds * 1e3:.1f} ms. 'sgd' is the same step without K-FAC."
+    )
+
+
+#: How far the bench's local steps may be from the profile's before `planner bench` says the machine drifted.
+DRIFT_TOLERANCE = 0.05
+
+
+def print_bench(results: list, as_json: bool, title: str | None = None, lower_bound_s: float | None = None) -> None:
+    """The bench table; `lower_bound_s`: a last row with the model's lower bound (no variant can predict less)."""
+    if as_json:
+        console.print_json(json.dumps([r.to_dict() for r in results]))
+        return
+    table = Table(title=title or "bench: median step time over measured steps (slowest rank per step)")
+    reference = results[0].reference if results else "ddp"
+    for col in ("variant", "median ms", "p25-p75 ms", f"speedup vs {reference}", "predicted ms",
+                "|pred-meas|/meas"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for r in results:
+        table.add_row(
+            r.name, _ms(r.median_s), f"{_ms(r.p25_s)}-{_ms(r.p75_s)}",
+            f"{r.speedup:.2f}x" if r.speedup is not None else "-",
+            _ms(r.predicted_s) if r.predicted_s is not None else "-",
+            f"{r.rel_error:.1%}" if r.rel_error is not None else "-",
+        )
+    if lower_bound_s is not None:
+        table.add_row("lower bound (model)", "", "", "", _ms(lower_bound_s), "")
+    console.print(table)
+    from planner.commands.bench import LOCAL, machine_drift
+
+    drift = machine_drift(results)
+    if drift is not None and abs(drift) > DRIFT_TOLERANCE:
+        err_console.print(f"note: the {LOCAL} steps ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} than "
+                          "the profile predicts: this machine is busier or quieter than when it was profiled, and "
+                          "every prediction is off by about as much", markup=False)
+
+
+#: How far the sum of a profile's parts may be from its whole steps before `planner profile` warns.
+PARTS_TOLERANCE = 0.10
+
+
+def print_profile(profile: object) -> None:
+    from planner.contracts.profile import MAX_FIT_ERROR, Profile
+
+    assert isinstance(profile, Profile)
+    console.print(profile.model.describe(), style="bold")
+    console.print(
+        f"{profile.cluster.describe()}, batch {profile.batch_size}/worker, "
+        f"torch {profile.torch_version}, measured {profile.created}\n"
+        f"forward {_ms(profile.forward_s)} ms, backward {_ms(profile.backward_s)} ms, "
+        f"update {_ms(profile.update_s)} ms, {len(profile.layers)} layers"
+    )
+    if profile.parts_error is not None:
+        assert profile.step_s is not None
+        line = (f"whole local steps {_ms(profile.step_s)} ms; sum of the parts (forward + per-layer backward + "
+                f"update) {_ms(profile.parts_s)} ms, off by {profile.parts_error:.1%}")
+        if profile.parts_error > PARTS_TOLERANCE:
+            err_console.print(f"warning: {line}: predictions from this profile will be off as much; profile "
+                              "again on a quieter machine, or with more --repeats and --warmup", markup=False)
+        else:
+            console.print(line)
+    if profile.throughput is not None:
+        tp = profile.throughput
+        rates = "; ".join(
+            f"rank {r}: " + ", ".join(f"{rate:,.0f}" for rate in tp.samples_per_s(r)) for r in range(len(tp.step_s))
+        )
+        console.print(f"each worker's samples/s at micro-batches {', '.join(map(str, tp.batch_sizes))} (forward and "
+                      f"backward alone): {rates}; fastest/slowest {tp.spread:.2f}x")
+    if profile.interference:
+        slower = ", ".join(f"{sigma:.2f} with an {coll.value}" for coll, sigma in profile.interference.items())
+        console.print(f"compute while communicating: the backward pass runs 1 + sigma times slower while a "
+                      f"collective is in flight, sigma = {slower}")
+    if profile.pack is not None:
+        console.print(f"packing a dense group: {profile.pack.alpha_s * 1e6:.1f} us + "
+                      f"{profile.pack.beta_s_per_byte * 1e9:.3f} ns per element (median fit error "
+                      f"{profile.pack.fit_error:.1%})")
+    if profile.compress is not None:
+        comp = profile.compress
+        shapes = {row.shapes for row in comp.powersgd}
+        ranks = ", ".join(map(str, comp.ranks())) or "none"
+        console.print(f"fp16: cast {comp.fp16_cast.beta_s_per_byte * 1e9:.3f} ns and back "
+                      f"{comp.fp16_uncast.beta_s_per_byte * 1e9:.3f} ns per element; PowerSGD measured at ranks "
+                      f"{ranks} on {len(shapes)} distinct layer shapes")
+    if profile.in_situ is not None:
+        situ = profile.in_situ
+        parts = [("packing", situ.pack), *((f"{n} selection", c) for n, c in situ.select.items()),
+                 ("decoding", situ.decode), ("DDP's bucket copies", situ.ddp_pack),
+                 *((f"PyTorch's {name.removeprefix('ddp+')} hook on DDP" if name.startswith("ddp+") else
+                    f"{name} {'compression' if part == 'prepare' else 'decompression'}", c)
+                   for name, calibrations in situ.compress.items() for part, c in calibrations.items())]
+        shown = ", ".join(f"{what} {c.factor:.2f}x ({_ms(c.measured_s)} ms measured / {_ms(c.modelled_s)} ms "
+                          "micro-benchmarked)" for what, c in parts if c is not None)
+        console.print(f"in real steps (one group per layer, nothing sent): {shown}")
+    table = Table(title="collectives: alpha + beta * bytes, fitted (used where it holds at every point) "
+                        "or interpolated")
+    for col in ("collective", "alpha us", "bandwidth GB/s", "median fit error", "worst", "model used", "points"):
+        table.add_column(col, justify="left" if col == "collective" else "right")
+    for coll, curve in profile.collectives.items():
+        bw = 1 / curve.beta_s_per_byte / 1e9 if curve.beta_s_per_byte > 0 else float("inf")
+        used = "fit" if curve.worst_error <= MAX_FIT_ERROR else "interpolated"
+        table.add_row(coll.value, f"{curve.alpha_s * 1e6:.1f}", f"{bw:.2f}", f"{curve.fit_error:.1%}",
+                      f"{curve.worst_error:.1%}", used, str(len(curve.points)))
+    console.print(table)
+    if profile.kfac is not None:
+        kf = profile.kfac
+        table = Table(title="K-FAC: factor work per layer (forward order) and inversion against dimension d")
+        for col in ("layer", "A dim", "G dim", "A ms", "G ms", "fold ms", "precond eigen ms", "precond inverse ms"):
+            table.add_column(col, justify="left" if col == "layer" else "right")
+        for lt in kf.layers:
+            table.add_row(lt.name, str(lt.a_dim), str(lt.g_dim), _ms(lt.a_compute_s), _ms(lt.g_compute_s),
+                          _ms(lt.fold_s), _ms(lt.precondition_eigen_s), _ms(lt.precondition_inverse_s))
+        console.print(table)
+        for name, dc in (("eigen", kf.eigen), ("inverse", kf.inverse)):
+            used = "fit" if dc.worst_error <= MAX_FIT_ERROR else "interpolated"
+            pts = ", ".join(f"{d}: {_ms(t)}" for d, t in dc.points)
+            console.print(f"{name}: alpha {_ms(dc.alpha_s)} ms + {dc.beta_s_per_dim3 * 1e9:.3g} ns * d^3 "
+                          f"(median fit error {dc.fit_error:.1%}, worst {dc.worst_error:.1%}, {used}); "
+                          f"measured ms at d = {pts}")
+
+
+def print_auto(choice: object) -> None:
+    """The strategies `--strategy auto` solved, their predicted iterations, and which it kept."""
+    from planner.strategies.mixed import AutoChoice, ddp_predictions
+
+    assert isinstance(choice, AutoChoice)
+    ddp = ddp_predictions(choice.candidates)
+    reference = ddp.get("ddp")
+    table = Table(title="--strategy auto: every allowed way of sending, solved exactly, beside DDP and its hooks "
+                        "(predicted iteration)")
+    for col in ("candidate", "iteration ms", "vs ddp", ""):
+        table.add_column(col, justify="left" if col in ("candidate", "") else "right")
+
+    def ratio(seconds: float) -> str:
+        return "" if reference is None else f"{reference / seconds:.2f}x"
+
+    for name, plan in choice.candidates.items():
+        kept = plan is choice.plan
+        table.add_row(name, _ms(plan.predicted.iteration_s), ratio(plan.predicted.iteration_s),
+                      "kept" if kept else "", style="bold" if kept else None)
+    for name, seconds in ddp.items():
+        faster = choice.ddp_faster is not None and choice.ddp_faster[0] == name
+        table.add_row(name, _ms(seconds), ratio(seconds), "faster than every plan" if faster else "", style="dim")
+    console.print(table)
+    console.print(choice.reason)
+
+
+def print_mixed_groups(plan: object, profile: object) -> None:
+    """Which compressor each group of a mixed plan got, and what switching it alone would cost."""
+    from planner.contracts.plan import Plan
+    from planner.strategies.mixed import explain
+
+    assert isinstance(plan, Plan)
+    reasons = explain(plan, profile)  # type: ignore[arg-type]
+    table = Table(title="the compressor of each group (ready order), and the best other one: the predicted iteration "
+                        "were that group alone sent by it")
+    for col in ("#", "layers", "elements", "sent as", "next best", "iteration ms", "change ms"):
+        table.add_column(col, justify="right" if col in ("#", "elements", "iteration ms", "change ms") else "left")
+    base = plan.predicted.iteration_s
+    for r in reasons:
+        layers = ", ".join(r.layers) if len(r.layers) <= 3 else f"{r.layers[0]} ... {r.layers[-1]} ({len(r.layers)})"
+        if r.alternatives:
+            name, t = min(r.alternatives.items(), key=lambda kv: kv[1])
+            table.add_row(str(r.index), layers, f"{r.numel:,}", str(r.compressor), name, _ms(t),
+                          f"{(t - base) * 1e3:+.2f}")
+        else:
+            table.add_row(str(r.index), layers, f"{r.numel:,}", str(r.compressor), "-", "", "")
+    console.print(table)

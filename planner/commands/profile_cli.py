@@ -1,0 +1,94 @@
+"""`planner profile`: its arguments, checked and handed to `planner.commands.profile`, which measures."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from planner.commands.common import Command, _add_link, _add_slowdown, _density, _nonnegative_int, _positive
+from planner.commands.printing import print_profile
+from planner.console import console, err_console
+from planner.contracts.jsonio import check_output_path
+from planner.types import PlannerError
+
+
+class ProfileCommand(Command):
+    name = "profile"
+    help = "measure per-layer compute, collectives and top-k costs on N workers; write a profile"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        from planner.models import DEFAULT_MODEL
+
+        parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name or package.module:factory")
+        parser.add_argument("--batch-size", type=_positive, default=None, help="per-worker batch (model default)")
+        parser.add_argument("--nproc", type=_positive, default=2,
+                            help="local workers to start (ignored under torchrun)")
+        parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+        parser.add_argument("--repeats", type=_positive, default=10, help="measured iterations per layer")
+        parser.add_argument("--warmup", type=_nonnegative_int, default=3, help="unmeasured iterations first")
+        parser.add_argument("--densities", default="0.001,0.01,0.1,1.0", help="top-k densities to measure")
+        parser.add_argument("--powersgd-ranks", default="1,2,4", metavar="LIST",
+                            help="PowerSGD ranks to measure (with fp16), e.g. 1,2,4; none: measure neither")
+        parser.add_argument("--only", choices=["comm"], default=None, help="re-measure only the network of -o")
+        parser.add_argument("--kfac", action="store_true",
+                            help="also measure K-FAC costs (factors, preconditioning, inversion against dimension)")
+        parser.add_argument("--max-dim", type=_positive, default=2048,
+                            help="largest matrix the K-FAC inversion sweep measures; larger ones scale as d^3")
+        parser.add_argument("--kfac-skip", metavar="REGEX", default=None,
+                            help="K-FAC layers to leave out (names matched with re.search), e.g. an unused head; "
+                                 "pass the same skip_layers= to KFACPreconditioner")
+        _add_link(parser)
+        _add_slowdown(parser)
+        parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from planner.commands.profile import ProfileConfig, run_profile
+        from planner.contracts.profile import Profile
+
+        if args.kfac_skip is not None:
+            if not args.kfac:
+                raise PlannerError("--kfac-skip applies to --kfac only")
+            try:
+                re.compile(args.kfac_skip)
+            except re.error as exc:
+                raise PlannerError(
+                    f"--kfac-skip is not a valid regular expression ({exc}): {args.kfac_skip!r}"
+                ) from None
+        try:
+            densities = tuple(_density(d) for d in args.densities.split(","))
+        except argparse.ArgumentTypeError as exc:
+            raise PlannerError(f"--densities: {exc}") from None
+        ranks = _powersgd_ranks(args.powersgd_ranks)
+        check_output_path(args.output, "profile")  # before minutes of measuring, not after
+        base = Profile.load(args.output) if args.only == "comm" and args.output.exists() else None
+        config = ProfileConfig(
+            model=args.model, output=args.output, batch_size=args.batch_size, nproc=args.nproc,
+            backend=args.backend, repeats=args.repeats, warmup=args.warmup, densities=densities,
+            only_comm=args.only == "comm", base=base, kfac=args.kfac, max_dim=args.max_dim, link=args.link,
+            kfac_skip=args.kfac_skip, slowdown=args.slowdown, powersgd_ranks=ranks,
+        )
+        profile = run_profile(config)
+        profile.save(args.output)
+        print_profile(profile)
+        if config.only_comm and profile.interference:
+            err_console.print("note: --only comm kept the interference measured with the old network; profile "
+                              "again without --only to measure it on this one", markup=False)
+        console.print(f"wrote profile {args.output}")
+        return 0
+
+
+def _powersgd_ranks(text: str) -> tuple[int, ...]:
+    """`--powersgd-ranks`: "1,2,4" as (1, 2, 4), "none" as ()."""
+    from planner.types import MAX_POWERSGD_RANK
+
+    if text.strip().lower() == "none":
+        return ()
+    ranks = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or len(part) > 5 or not 1 <= int(part) <= MAX_POWERSGD_RANK:
+            raise PlannerError(f"--powersgd-ranks must list whole numbers in 1..{MAX_POWERSGD_RANK} (e.g. 1,2,4) or "
+                               f"be none, but got {text!r}")
+        ranks.append(int(part))
+    return tuple(sorted(set(ranks)))

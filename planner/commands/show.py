@@ -1,0 +1,73 @@
+"""`planner show`: a plan's comparison table (and its groups), or a profile's summary."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.table import Table
+
+from planner.commands.common import Command
+from planner.commands.printing import print_plan, print_profile
+from planner.console import console
+from planner.types import PlannerError
+
+
+class ShowCommand(Command):
+    name = "show"
+    help = "print a plan's comparison table, or a profile's summary"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("file", type=Path, help="a plan or profile file")
+        parser.add_argument("--groups", action="store_true", help="also list a plan's groups")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from planner.contracts.jsonio import read_json
+        from planner.contracts.plan import PLAN_KIND, Plan
+        from planner.contracts.profile import PROFILE_KIND, Profile
+
+        kind = read_json(args.file, "plan or profile").get("kind")
+        if kind == PLAN_KIND:
+            plan = Plan.load(args.file)
+            print_plan(plan)
+            if args.groups:
+                table = Table(title="groups in ready order")
+                for col in ("#", "layers", "elements", "k"):
+                    table.add_column(col)
+                for i, g in enumerate(plan.groups):
+                    layers = ", ".join(g.layers) if len(g.layers) <= 4 else f"{g.layers[0]} ... {g.layers[-1]}"
+                    table.add_row(str(i), f"{len(g.layers)}: {layers}", f"{g.numel:,}", str(g.k or "-"))
+                console.print(table)
+                if plan.kfac is not None:
+                    print_kfac_layout(plan)
+        elif kind == PROFILE_KIND:
+            print_profile(Profile.load(args.file))
+        else:
+            raise PlannerError(f"{args.file} is neither a plan nor a profile (kind {kind!r})")
+        return 0
+
+
+def print_kfac_layout(plan: object) -> None:
+    """Factor buffers, inversion owners and preconditioners of a K-FAC plan."""
+    from planner.contracts.kfac import factor_name
+    from planner.contracts.plan import Plan
+    from planner.types import FactorKind
+
+    assert isinstance(plan, Plan) and plan.kfac is not None
+    k = plan.kfac
+    for kind, buffers in ((FactorKind.A, k.a_buffers), (FactorKind.G, k.g_buffers)):
+        table = Table(title=f"{kind.value} factor buffers ({'forward' if kind is FactorKind.A else 'backward'} order)")
+        for col in ("#", "layers", "owners", "sent as"):
+            table.add_column(col)
+        for i, names in enumerate(buffers):
+            owners = [k.owners[factor_name(n, kind)] for n in names]
+            sent = {"whole" if k.sends_whole(factor_name(n, kind)) else "upper triangles" for n in names}
+            table.add_row(str(i), ", ".join(names), ", ".join("all" if o is None else str(o) for o in owners),
+                          " / ".join(sorted(sent)))
+        console.print(table)
+    placed = {n: r for n, r in k.preconditioners.items() if r is not None}
+    if placed:
+        console.print("preconditioned by one worker (which keeps the layer's factors and broadcasts the result): "
+                      + ", ".join(f"{n} on {r}" for n, r in placed.items()) + "; every other layer by all workers")
+    else:
+        console.print("every layer preconditioned by every worker")

@@ -1,0 +1,160 @@
+"""`planner solve`: a plan from a profile, for each `--strategy`, and its comparison with the baselines."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from planner.commands.common import ABS, CLUSTER_HELP, COMPRESSORS_HELP, KFAC, Command, _density, _positive
+from planner.commands.printing import print_auto, print_mixed_groups, print_plan
+from planner.console import console
+from planner.contracts.abs import TRIGGERS
+from planner.contracts.jsonio import check_output_path
+from planner.types import InverseMethod, PlannerError, Strategy
+
+#: `--strategy auto`: every allowed way of sending solved, the plan predicted fastest kept.
+AUTO = "auto"
+
+
+class SolveCommand(Command):
+    name = "solve"
+    help = "turn a profile into an optimal plan and compare it with the baselines"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("profile", type=Path, help="profile file from `planner profile`")
+        parser.add_argument("--strategy", choices=[*(s.value for s in Strategy), AUTO, KFAC, ABS],
+                            default=Strategy.DENSE.value,
+                            help="gradient exchange: dense, topk, mixed (a compressor per group, from --compressors), "
+                                 "auto (each of those the compressors allow, the fastest kept); kfac: dense gradients "
+                                 "plus a K-FAC section; abs: ABS-SGD for workers of different speeds (needs "
+                                 "--global-batch)")
+        parser.add_argument("--density", type=_density, default=None, help="top-k density (default 0.01)")
+        parser.add_argument("--compressors", default=None, metavar="LIST|PRESET",
+                            help=f"--strategy mixed and auto: {COMPRESSORS_HELP}")
+        # Checked in run(), not by argparse `choices`, so a bad name is one line (no usage block).
+        parser.add_argument("--selector", default="auto", metavar="{auto,exact,sampled}",
+                            help="top-k selector: exact torch.topk, sampled threshold, or auto (default): the one "
+                                 "predicted faster from the profile's measurements")
+        kfac = parser.add_argument_group("K-FAC (--strategy kfac)")
+        kfac.add_argument("--method", choices=[m.value for m in InverseMethod], default=InverseMethod.EIGEN.value,
+                          help="eigendecomposition (default) or damped inverse of each factor")
+        kfac.add_argument("--factor-update-steps", type=_positive, default=None,
+                          help="steps between factor updates (default 1)")
+        kfac.add_argument("--inv-update-steps", type=_positive, default=None,
+                          help="steps between inverse updates, a multiple of the factor interval (default 10)")
+        kfac.add_argument("--placement-solver", choices=["cp-sat", "ilp-cbc"], default="cp-sat",
+                          help="exact placement model in OR-Tools CP-SAT (default) or pulp/CBC")
+        parser.add_argument("--time-limit", type=float, default=None,
+                            help="seconds for the exact K-FAC placement (default 2) or the mixed search (default 1); "
+                                 "past them the best solution found is kept, with its gap to the lower bound")
+        abs_sgd = parser.add_argument_group("ABS-SGD (--strategy abs)")
+        abs_sgd.add_argument("--global-batch", type=_positive, default=None,
+                             help="samples per round to aim at, summed over the workers (the synchronous "
+                                  "baselines split it per iteration)")
+        abs_sgd.add_argument("--trigger", choices=TRIGGERS, default=None,
+                             help="how rounds end: 'batch' (default) rounds of --global-batch split by measured "
+                                  "speed; 'exchange' once the previous exchange is done (the paper's rule: rounds "
+                                  "grow to hide a slow exchange, up to 1.25x); 'best' whichever is predicted faster")
+        parser.add_argument("--cluster", default=None, metavar="SPEC", help=CLUSTER_HELP)
+        parser.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from planner.contracts.profile import Profile
+        from planner.strategies.gradients import make_plan
+
+        is_kfac = args.strategy == KFAC
+        is_abs = args.strategy == ABS
+        is_auto = args.strategy == AUTO
+        is_mixed = args.strategy == Strategy.MIXED.value
+        if is_abs and args.global_batch is None:
+            raise PlannerError("--strategy abs needs --global-batch B: the samples per round, summed over the "
+                               "workers (e.g. the batch you train with now)")
+        if not is_abs and args.global_batch is not None:
+            raise PlannerError("--global-batch applies to --strategy abs only")
+        if not is_abs and args.trigger is not None:
+            raise PlannerError("--trigger applies to --strategy abs only")
+        if is_abs and args.cluster is not None:
+            raise PlannerError("--cluster does not apply to --strategy abs: its plan needs each worker's measured "
+                               "speed; profile the cluster itself (with --slowdown to emulate slower workers)")
+        if not is_kfac:
+            kfac_only = [("--factor-update-steps", args.factor_update_steps),
+                         ("--inv-update-steps", args.inv_update_steps)]
+            given = [flag for flag, value in kfac_only if value is not None]
+            if given:
+                raise PlannerError(f"{given[0]} applies to --strategy kfac only")
+        if args.compressors is not None and not (is_mixed or is_auto):
+            raise PlannerError("--compressors applies to --strategy mixed and auto only")
+        if args.time_limit is not None and not (is_kfac or is_mixed or is_auto):
+            raise PlannerError("--time-limit applies to --strategy kfac, mixed and auto only")
+        if args.time_limit is not None and not (math.isfinite(args.time_limit) and args.time_limit > 0):
+            raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
+        strategy = Strategy.DENSE if is_kfac or is_abs or is_auto else Strategy(args.strategy)
+        if args.density is not None and strategy is not Strategy.TOPK:
+            hint = "; name top-k in --compressors instead (e.g. topk:0.01)" if is_mixed or is_auto else ""
+            raise PlannerError(f"--density applies to --strategy topk only{hint}")
+        from planner.contracts.plan import SELECTORS
+
+        if args.selector not in ("auto", *SELECTORS):
+            raise PlannerError(f"--selector must be one of auto, {', '.join(SELECTORS)}, but got {args.selector!r}")
+        compressors = None
+        if is_mixed or is_auto:
+            from planner.strategies.mixed import parse_compressors
+
+            compressors = parse_compressors(args.compressors or "light")
+        topk_allowed = strategy is Strategy.TOPK or any(c.kind.value == "topk" for c in compressors or ())
+        if args.selector != "auto" and not topk_allowed:
+            raise PlannerError("--selector applies to top-k plans only (--strategy topk, or topk:D in --compressors)")
+        density = (args.density or 0.01) if strategy is Strategy.TOPK else None
+        check_output_path(args.output, "plan")
+        profile = Profile.load(args.profile)
+        if args.cluster is not None:
+            from planner.strategies.cluster import parse_cluster, profile_for_cluster
+
+            spec = parse_cluster(args.cluster)
+            profile = profile_for_cluster(profile, spec)
+            console.print(f"what-if cluster {spec.describe()}")
+        selector = None if args.selector == "auto" else args.selector
+        if is_kfac:
+            from planner.strategies.kfac import (
+                DEFAULT_FACTOR_UPDATE_STEPS,
+                DEFAULT_INV_UPDATE_STEPS,
+                make_kfac_plan,
+            )
+
+            plan = make_kfac_plan(
+                profile,
+                method=InverseMethod(args.method),
+                factor_update_steps=args.factor_update_steps or DEFAULT_FACTOR_UPDATE_STEPS,
+                inv_update_steps=args.inv_update_steps or DEFAULT_INV_UPDATE_STEPS,
+                placement_solver=args.placement_solver,
+                time_limit_s=args.time_limit or 2.0,
+                source=str(args.profile),
+            )
+        elif is_abs:
+            from planner.strategies.abs import make_abs_plan
+
+            plan = make_abs_plan(profile, args.global_batch, trigger=args.trigger or "batch",
+                                 source=str(args.profile))
+        elif is_auto:
+            from planner.strategies.mixed import solve_auto
+
+            assert compressors is not None
+            choice = solve_auto(profile, compressors, source=str(args.profile), selector=selector,
+                                time_limit_s=args.time_limit or 1.0)
+            print_auto(choice)
+            plan = choice.plan
+        elif is_mixed:
+            from planner.strategies.mixed import make_mixed_plan
+
+            assert compressors is not None
+            plan = make_mixed_plan(profile, compressors, source=str(args.profile), selector=selector,
+                                   time_limit_s=args.time_limit or 1.0)
+        else:
+            plan = make_plan(profile, strategy, density, source=str(args.profile), selector=selector)
+        plan.save(args.output)
+        print_plan(plan)
+        if plan.strategy is Strategy.MIXED:
+            print_mixed_groups(plan, profile)
+        console.print(f"wrote plan {args.output}")
+        return 0
