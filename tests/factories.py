@@ -134,7 +134,7 @@ def plan_with_groups(
     `counts_from_groups`: the plan's model holds the groups' parameters (a plan must hold its model's
     parameters exactly) under `model`'s fingerprint: a plan made for a model that differs from `model` only
     in what the fingerprint does not see, to test the runtime's own checks."""
-    zero = Prediction(iteration_s=0, compute_s=0, exposed_comm_s=0, comm_s=0)
+    dummy = Prediction(iteration_s=1.0, compute_s=1.0, exposed_comm_s=0, comm_s=0)  # a plan file needs a step > 0
     info = model_info(model, name)
     if counts_from_groups:
         info = replace(info, num_params=sum(len(g.params) for g in groups), numel=sum(g.numel for g in groups))
@@ -144,7 +144,7 @@ def plan_with_groups(
         model=info,
         cluster=ClusterInfo(world_size=world_size, backend="gloo", device="cpu"),
         groups=groups,
-        predicted=zero,
+        predicted=dummy,
         baselines={},
         lower_bound_s=0.0,
         solver="test",
