@@ -294,9 +294,9 @@ class KFACPreconditioner:
         self.plan = plan
         self.process_group = process_group
         self.world_size, self.rank = _world_size_and_rank(process_group)
-        planned = kfac if kfac is not None else plan.kfac if plan is not None else None
-        if skip_layers is None and planned is not None:
-            skip_layers = planned.skip
+        if skip_layers is None:  # the pattern the section's layers were profiled with
+            recorded = [s.skip for s in (kfac, plan.kfac if plan is not None else None) if s is not None]
+            skip_layers = next((p for p in recorded if p is not None), None)
         specs = kfac_layers(model, skip_layers)
         #: (name, reason) of every module with trainable parameters left to plain SGD (`kfac_left_out`).
         self.left_out = kfac_left_out(model, skip_layers)

@@ -165,6 +165,6 @@ def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult] | None:
 
     module = build_workload(config.model, batch_size=config.batch_size).module
     plan.check_compatible(model_info(module, config.model), config.nproc)
-    plan.kfac.check_layers(kfac_layers(module))
+    plan.kfac.check_layers(kfac_layers(module, plan.kfac.skip))  # the layers it was profiled with
     return run_job(kfac_bench_worker, config.nproc, config, backend="gloo", link=config.link,
                    slowdown=config.slowdown)

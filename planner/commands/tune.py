@@ -919,7 +919,7 @@ def run_tune(config: TuneConfig) -> TuneResult:
     module = build_workload(config.model_name, batch_size=config.batch_size).module
     untuned.check_compatible(model_info(module, config.model_name), config.nproc)
     if untuned.kfac is not None:
-        untuned.kfac.check_layers(kfac_layers(module))
+        untuned.kfac.check_layers(kfac_layers(module, untuned.kfac.skip))
     results = run_distributed(tune_worker, config.nproc, config, backend="gloo", timeout=config.timeout_s,
                               link=config.link)
     result = results[0]
