@@ -344,3 +344,21 @@ def test_formats_chosen_per_buffer_are_predicted_as_the_runtime_reads_them(model
     if k.mixed_whole is not None:
         assert k.factor_formats() == per_buffer[0] and k.fusion_solver == "packing-dp"
         assert k.lower_bound_s is not None and k.lower_bound_s <= k.predicted.step_s
+
+
+def test_the_plan_carries_what_kfac_leaves_out_and_show_lists_it(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    profile = synthetic_profile("mlp")
+    assert profile.kfac is not None
+    left = (("norm", "LayerNorm: K-FAC here preconditions Linear and Conv2d layers only"),)
+    profile = replace(profile, kfac=replace(profile.kfac, left_out=left, skip="^norm$"))
+    again = Profile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    assert again.kfac is not None and again.kfac.left_out == left and again.kfac.skip == "^norm$"
+    plan = make_kfac_plan(profile)
+    assert plan.kfac is not None and plan.kfac.left_out == left and plan.kfac.skip == "^norm$"
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path).kfac == plan.kfac
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "K-FAC preconditions 4 layers (--kfac-skip '^norm$'); 1 left to plain SGD: norm: LayerNorm" in out

@@ -117,6 +117,20 @@ def print_kfac(plan: object) -> None:
         f"preconditioned by one worker, the rest by all ({k.placement_solver}, {gap}); "
         f"K-FAC solve {k.solve_seconds * 1e3:.1f} ms. 'sgd' is the same step without K-FAC."
     )
+    print_left_out(len(k.layers), k.left_out, k.skip)
+
+
+def print_left_out(preconditioned: int, left_out: tuple[tuple[str, str], ...], skip: str | None) -> None:
+    """How many layers K-FAC preconditions, and every module it leaves to plain SGD, grouped by the reason."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in left_out:
+        by_reason.setdefault(reason, []).append(name)
+    parts = [f"{', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}: {reason}"
+             for reason, names in by_reason.items()]
+    pattern = f" (--kfac-skip {skip!r})" if skip else ""
+    text = f"K-FAC preconditions {preconditioned} layers{pattern}"
+    console.print(text + (f"; {len(left_out)} left to plain SGD: " + "; ".join(parts) if parts else "."),
+                  markup=False, soft_wrap=True)
 
 
 #: How far the bench's local steps may be from the profile's before `planner bench` says the machine drifted.
@@ -233,6 +247,7 @@ def print_profile(profile: object) -> None:
             console.print(f"{name}: alpha {_ms(dc.alpha_s)} ms + {dc.beta_s_per_dim3 * 1e9:.3g} ns * d^3 "
                           f"(median fit error {dc.fit_error:.1%}, worst {dc.worst_error:.1%}, {used}); "
                           f"measured ms at d = {pts}")
+        print_left_out(len(kf.layers), kf.left_out, kf.skip)
 
 
 def print_auto(choice: object) -> None:
