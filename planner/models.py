@@ -540,8 +540,14 @@ def _load_factory(spec: str) -> Workload:
             f"factory --model {spec} returned {type(workload).__name__}, expected a planner.models.Workload "
             "(wrap the module: Workload(name=..., module=..., batch_size=..., make_batch=..., loss_fn=...))"
         )
-    _trial_step(spec, workload)
+    if spec not in _TRIED:  # once per process: workers and benches build the same model many times
+        _trial_step(spec, workload)
+        _TRIED.add(spec)
     return workload
+
+
+#: The `package.module:factory` specs whose trial step passed in this process.
+_TRIED: set[str] = set()
 
 
 def _shapes(value: object) -> str:

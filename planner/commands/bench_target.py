@@ -199,7 +199,7 @@ def _evaluate(task: Task, initial: torch.nn.Module, snapshots: list[tuple[float,
               target: float) -> tuple[tuple[float, int, float], ...]:
     """The evaluation loss of each snapshot until the first at or below the target, and of the last."""
     module = copy.deepcopy(initial)
-    module.eval()
+    module.train(False)  # evaluation mode
     curve: list[tuple[float, int, float]] = []
     for i, (t, n, state) in enumerate(snapshots):
         if curve and curve[-1][2] <= target and i + 1 < len(snapshots):
