@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test lint clean bench-env
 
 $(BIN)/planner: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,5 +27,16 @@ lint: venv
 	$(BIN)/ruff check planner profilers runtime tests
 	$(BIN)/mypy
 
+# A benchmark's environment: the project and the peers its benches run beside it (kfac-pytorch, whose source is in
+# ../shared/peers). Never a dependency of the project: `make test` and `make demo` do not use it.
+BENCH_VENV := .venv-bench
+PEERS ?= ../shared/peers
+
+bench-env:
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -c "import torch" 2>/dev/null || $(BENCH_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(BENCH_VENV)/bin/python -m pip install -q -e ".[test]"
+	$(BENCH_VENV)/bin/python -m pip install -q --no-deps -e $(PEERS)/kfac-pytorch
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -97,11 +97,13 @@ def test_kfac_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     plan = Plan.load(plan_path)
     assert plan.kfac is not None and plan.kfac.placement_solver == "cp-sat"  # the layout solver
 
-    res = _planner("bench", "--strategy", "kfac", "--plan", str(plan_path), "--steps", "4", "--json")
+    res = _planner("bench", "--strategy", "kfac", "--plan", str(plan_path), "--steps", "4", "--peers", "none",
+                   "--json")
     rows = json.loads(res.stdout)
     placed = any(r is not None for r in plan.kfac.preconditioners.values())
-    assert [r["name"] for r in rows] == ["sgd", "everywhere", "kfac-pytorch", "kaisa-mem-opt",
+    comm_opt = "COMM_OPT layout, this runtime"
+    assert [r["name"] for r in rows] == ["sgd", "everywhere", comm_opt, "MEM_OPT layout, this runtime",
                                          *(["plan, everyone preconditions"] if placed else []), "plan"]
     for r in rows:
-        assert r["steps"] == 6 and r["median_s"] > 0 and r["predicted_s"] > 0 and r["reference"] == "kfac-pytorch"
+        assert r["steps"] == 6 and r["median_s"] > 0 and r["predicted_s"] > 0 and r["reference"] == comm_opt
     assert rows[2]["speedup"] == 1.0

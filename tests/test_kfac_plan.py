@@ -238,6 +238,8 @@ def test_cli_solve_kfac_show_and_bad_inputs(tmp_path: Path) -> None:
     _one_clear_line(_cli("bench", "--strategy", "kfac", "--plan", str(dense_path)), "has no kfac section")
     _one_clear_line(_cli("bench", "--strategy", "kfac", "--plan", str(plan_path), "--model", "mlp"),
                     "this plan was made for model cnn")
+    _one_clear_line(_cli("bench", "--strategy", "kfac", "--plan", str(plan_path), "--peers", "fp16"),
+                    "--strategy kfac takes --peers kfac-pytorch")
 
 
 def test_layers_with_shared_weights_keep_plain_gradients() -> None:

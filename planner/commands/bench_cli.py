@@ -50,7 +50,9 @@ class BenchCommand(Command):
         parser.add_argument("--peers", default=None, metavar="LIST",
                             help="--strategy gradients: PyTorch's DDP hooks to run beside DDP: fp16, powersgd:R "
                                  "(default fp16,powersgd:1,powersgd:4), or none; DDP with the project's top-k hook "
-                                 "runs for every top-k density a plan uses")
+                                 "runs for every top-k density a plan uses; --strategy kfac: kfac-pytorch (the "
+                                 "default: the real library in COMM_OPT, MEM_OPT and HYBRID_OPT, where it is "
+                                 "importable) or none")
         abs_sgd = parser.add_argument_group("time to a target loss: ABS-SGD (--strategy abs), or gradient plans "
                                             "with --target-loss")
         abs_sgd.add_argument("--samples", type=_positive, default=None,
@@ -118,8 +120,8 @@ class BenchCommand(Command):
             raise PlannerError("--speed-change applies to --strategy abs only")
         if args.task is not None and not to_target:
             raise PlannerError("--task applies to the time-to-target bench of gradient plans (--target-loss L)")
-        if args.peers is not None and args.strategy != "gradients":
-            raise PlannerError("--peers applies to --strategy gradients only")
+        if args.peers is not None and args.strategy not in ("gradients", KFAC):
+            raise PlannerError("--peers applies to --strategy gradients and kfac only")
         if args.strategy == KFAC:
             return self._run_kfac(args, plans)
         if args.strategy == ABS:
@@ -252,10 +254,14 @@ class BenchCommand(Command):
         from planner.commands.bench_kfac import KFACBenchConfig, run_kfac_bench
 
         plan = BenchCommand._one_plan(args, plans, KFAC, "K-FAC", KFAC)
+        peers = (args.peers or "kfac-pytorch").strip()
+        if peers not in ("kfac-pytorch", "none"):
+            raise PlannerError(f"--strategy kfac takes --peers kfac-pytorch (the default: the real library where it "
+                               f"is importable) or --peers none, not {args.peers!r}")
         config = KFACBenchConfig(
             plan=plan, model=args.model or plan.model.name, batch_size=args.batch_size,
             nproc=args.nproc or plan.cluster.world_size, steps=args.steps, show_progress=not args.json,
-            link=args.link, slowdown=args.slowdown,
+            link=args.link, slowdown=args.slowdown, peer=peers == "kfac-pytorch",
         )
         _note_link_mismatch(plans, args.link)
         title = (f"K-FAC bench: median over windows of {config.window} steps of the average step time "

@@ -14,6 +14,15 @@ Variants, all with the plan's gradient groups (runtime.GradientExchange) and the
   layer (only when the plan gives some layer a preconditioner rank);
 - plan: K-FAC with the plan's factor buffers, inversion owners and preconditioners.
 
+The rows of kfac-pytorch's layouts run in this runtime, with this project's factor kernels, so the bench names
+them as layouts ("COMM_OPT layout, this runtime"): they tell the layout's gain apart from the kernels'. When the
+real kfac-pytorch is importable (installed into a bench environment only; never a dependency), the bench also runs
+its `kfac.preconditioner.KFACPreconditioner` under DDP in COMM_OPT, MEM_OPT and HYBRID_OPT (one row where two of
+them are the same gradient-worker fraction, as MEM_OPT and HYBRID_OPT are at 2 workers), in the same processes and
+interleaved with the other variants, with the plan's intervals, method and skip pattern, its other settings at
+their defaults (factor decay 0.95, KL clip 0.001, as this runtime's). Its gradients travel in DDP's buckets, not
+in the plan's groups. Speed-ups are then against the real COMM_OPT, else against its layout in this runtime.
+
 A K-FAC step is not like the next (factors every `factor_update_steps`, inverses every `inv_update_steps`),
 so the unit of measurement is a window of `inv_update_steps` steps: its time divided by its steps is one
 sample of the average step time the model predicts. Variants run window by window, round-robin, in the
@@ -22,28 +31,36 @@ same processes; each step is timed from a barrier, and a step's time is the slow
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from planner.commands.bench import BenchResult, slowest_rank, timed_step
-from planner.console import progress
+from planner.console import err_console, progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.kfac import KFACSection
 from planner.contracts.plan import Plan
 from planner.models import build_workload
 from planner.strategies.kfac import PLAN_EVERYONE, reference_sections
-from planner.types import PlanMismatchError
+from planner.types import InverseMethod, PlanMismatchError
 
 if TYPE_CHECKING:
     from planner.platform.link import LinkRate
     from planner.platform.slowdown import Slowdown
 
-__all__ = ["KFACBenchConfig", "kfac_bench_worker", "kfac_variants", "run_kfac_bench"]
+__all__ = ["KFACBenchConfig", "kfac_bench_worker", "kfac_variants", "peer_available", "peer_variants",
+           "run_kfac_bench"]
 
 REFERENCE = "kfac-pytorch"
+#: Bench rows of kfac-pytorch's layouts as this runtime runs them (the plan's baselines keep the short names).
+LAYOUT_ROWS = {REFERENCE: "COMM_OPT layout, this runtime", "kaisa-mem-opt": "MEM_OPT layout, this runtime"}
+#: The real kfac-pytorch's distributed strategies, and the row of the first (the speed-ups' reference).
+PEER_STRATEGIES = ("COMM_OPT", "MEM_OPT", "HYBRID_OPT")
+PEER_REFERENCE = "kfac-pytorch COMM_OPT"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +78,8 @@ class KFACBenchConfig:
     show_progress: bool = True
     link: LinkRate | None = None
     slowdown: Slowdown | None = None
+    #: Also run the real kfac-pytorch when it is importable (`peer_available`).
+    peer: bool = True
 
     @property
     def window(self) -> int:
@@ -92,6 +111,49 @@ def kfac_variants(plan: Plan) -> list[tuple[str, KFACSection | None, float | Non
     ]
 
 
+def peer_available() -> bool:
+    """Whether the real kfac-pytorch can be imported here (its `kfac.preconditioner`)."""
+    try:
+        return importlib.util.find_spec("kfac.preconditioner") is not None
+    except (ImportError, ValueError):  # a `kfac` that is not kfac-pytorch's package, or one not installed
+        return False
+
+
+def peer_variants(world_size: int) -> list[tuple[str, str]]:
+    """(row name, kfac-pytorch `DistributedStrategy` name) of the real library's rows: one per distinct
+    gradient-worker fraction (COMM_OPT 1, MEM_OPT 1/world, HYBRID_OPT 1/2), named by every strategy it stands
+    for ("kfac-pytorch MEM_OPT = HYBRID_OPT" at 2 workers)."""
+    fractions = {"COMM_OPT": 1.0, "MEM_OPT": 1.0 / world_size, "HYBRID_OPT": 0.5}
+    rows: dict[float, list[str]] = {}
+    for name in PEER_STRATEGIES:
+        rows.setdefault(fractions[name], []).append(name)
+    return [("kfac-pytorch " + " = ".join(names), names[0]) for names in rows.values()]
+
+
+def _peer_runner(config: KFACBenchConfig, strategy: str) -> tuple:
+    """The real kfac-pytorch preconditioning a fresh copy of the model under DDP, with the plan's intervals,
+    method and skip pattern: (workload, DDP model, its step, SGD)."""
+    from kfac.enums import ComputeMethod, DistributedStrategy
+    from kfac.preconditioner import KFACPreconditioner as PeerPreconditioner
+    from torch.nn.parallel import DistributedDataParallel
+
+    k = config.plan.kfac
+    assert k is not None
+    wl = build_workload(config.model, batch_size=config.batch_size)  # the same weights as every variant's
+    model = DistributedDataParallel(wl.module)
+    peer = PeerPreconditioner(
+        model, factor_update_steps=k.factor_update_steps, inv_update_steps=k.inv_update_steps,
+        damping=config.damping, lr=config.lr, grad_worker_fraction=DistributedStrategy[strategy],
+        compute_method=ComputeMethod.EIGEN if k.method == InverseMethod.EIGEN else ComputeMethod.INVERSE,
+        skip_layers=[k.skip] if k.skip is not None else [])
+    hooked = sorted(re.sub(r"^module\.", "", name) for name, _ in peer._layers.values())
+    if hooked != sorted(spec.name for spec in k.layers):
+        raise PlanMismatchError(f"kfac-pytorch preconditions {len(hooked)} layers of {config.model} where the plan "
+                                f"has {len(k.layers)}, so their steps do not compare; run with --peers none")
+    opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    return wl, model, peer.step, opt
+
+
 def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> list[BenchResult] | None:
     """Run every variant on this rank; rank 0 returns the results."""
     from runtime import GradientExchange, KFACPreconditioner
@@ -101,7 +163,7 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
     base = build_workload(config.model, batch_size=config.batch_size)
     plan.check_compatible(model_info(base.module, config.model), world_size)
     variants = kfac_variants(plan)
-    runners = []
+    runners, closers = [], []
     for _name, section, _pred in variants:
         wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank
         # After backward: the SGD variant waits for its gradient exchange; K-FAC's step() does that and more.
@@ -113,13 +175,18 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
             runtime_part = KFACPreconditioner(wl.module, plan=plan, kfac=section, lr=config.lr, damping=config.damping)
             finish = runtime_part.step
         opt = torch.optim.SGD(wl.module.parameters(), lr=config.lr, momentum=0.9)
-        runners.append((wl, runtime_part, finish, opt))
+        runners.append((wl, wl.module, finish, opt))
+        closers.append(runtime_part.close)
+    peers = peer_variants(world_size) if config.peer and peer_available() else []
+    for name, strategy in peers:
+        runners.append(_peer_runner(config, strategy))
+        variants.append((name, None, None))
     gen = torch.Generator().manual_seed(1000 + rank)
     batch = base.make_batch(base.batch_size, gen)
 
     def step(i: int) -> float:
-        wl, _, finish, opt = runners[i]
-        return timed_step(wl.module, wl.loss_fn, batch, opt, finish)
+        wl, model, finish, opt = runners[i]
+        return timed_step(model, wl.loss_fn, batch, opt, finish)
 
     n, window = len(variants), config.window
     times: list[list[float]] = [[] for _ in range(n)]
@@ -135,17 +202,19 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
                 for _ in range(window):
                     times[i].append(step(i))
                     bar.advance(task)
-    for _, runtime_part, _, _ in runners:
-        runtime_part.close()
+    for close in closers:
+        close()
     slowest = slowest_rank(times)
     if rank != 0:
         return None
+    reference = PEER_REFERENCE if peers else LAYOUT_ROWS[REFERENCE]
     results = []
-    for (name, section, pred), row in zip(variants, slowest, strict=True):
+    for (name, _section, pred), row in zip(variants, slowest, strict=True):
         per_window = [sum(row[w * window:(w + 1) * window]) / window for w in range(config.windows)]
-        results.append(BenchResult.from_samples(name, "sgd" if section is None else "kfac", per_window,
-                                                steps=len(row), predicted_s=pred, reference=REFERENCE))
-    ref = next(r.median_s for r in results if r.name == REFERENCE)
+        strategy = "sgd" if name == "sgd" else "kfac"
+        results.append(BenchResult.from_samples(LAYOUT_ROWS.get(name, name), strategy, per_window,
+                                                steps=len(row), predicted_s=pred, reference=reference))
+    ref = next(r.median_s for r in results if r.name == reference)
     return [replace(r, speedup=ref / r.median_s) for r in results]
 
 
@@ -166,5 +235,9 @@ def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult] | None:
     module = build_workload(config.model, batch_size=config.batch_size).module
     plan.check_compatible(model_info(module, config.model), config.nproc)
     plan.kfac.check_layers(kfac_layers(module, plan.kfac.skip))  # the layers it was profiled with
+    if config.peer and not peer_available():
+        err_console.print("kfac-pytorch is not importable here: the bench runs its layouts in this runtime only; "
+                          "for rows of the real library, install it into a bench environment (make bench-env) and "
+                          "run .venv-bench/bin/planner bench ...")
     return run_job(kfac_bench_worker, config.nproc, config, backend="gloo", link=config.link,
                    slowdown=config.slowdown)
