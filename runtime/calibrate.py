@@ -5,7 +5,9 @@
   against the number of elements;
 - in situ: `GradientExchange` itself (one group per layer, sending nothing) in real steps beside
   steps without it, against what the micro-benchmarked curves predict for the same groups; and
-  PyTorch DDP with a comm hook that sends nothing, against packing on its default buckets.
+  PyTorch DDP with a comm hook that sends nothing, against packing on its default buckets;
+- K-FAC: `KFACPreconditioner`'s factor hooks (sending nothing) in real forward and backward passes,
+  against the per-layer factor micro-benchmarks.
 
 `planner profile` runs these in its workers after the profilers' measurements.
 """
@@ -21,15 +23,24 @@ import torch
 import torch.distributed as dist
 
 from planner.contracts.plan import Group
-from planner.contracts.profile import Calibration, CompressTiming, FittedCurve, InSitu, LayerTiming, TopkTiming
+from planner.contracts.profile import (
+    Calibration,
+    CompressTiming,
+    FittedCurve,
+    InSitu,
+    KFACTiming,
+    LayerTiming,
+    TopkTiming,
+)
 from planner.costmodel.costs import CostModel
 from planner.models import Workload
 from planner.platform.timing import gathered, median, stream_seconds, time_call
 from planner.types import Compressor, CompressorKind, Strategy
 from runtime.ddp_hooks import has_unused_parameters, silent_hook
 from runtime.exchange import GradientExchange, write_scaled
+from runtime.kfac import KFACPreconditioner
 
-__all__ = ["in_situ_runs", "measure_in_situ", "measure_packing"]
+__all__ = ["in_situ_runs", "measure_in_situ", "measure_kfac_in_situ", "measure_packing"]
 
 
 def measure_packing(
@@ -154,6 +165,69 @@ def measure_in_situ(
                 "prepare": Calibration(measured_s=max(0.0, extra_s - ddp_packing), modelled_s=prepare_s + decode_s)}
     return InSitu(pack=pack_calibration, select=select_calibration, decode=decode_calibration,
                   ddp_pack=ddp_calibration, compress=compress_calibration)
+
+
+class _SilentKFAC(KFACPreconditioner):
+    """The K-FAC runtime's factor hooks with nothing sent (each rank's factors stand for the average); `discard`
+    drops a pass's factors where `step()` would average and fold them."""
+
+    def _start_allreduce(self, st: Any) -> Any:
+        return None
+
+    def discard(self) -> None:
+        for st in self._buffers:
+            st.reset()
+        self._next_launch = 0
+        self._active = False
+
+
+def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTiming, *, repeats: int,
+                         process_group: Any = None, on_point: Callable[[], object] = lambda: None) -> Calibration:
+    """Calibrate K-FAC's factor computation against the runtime in real steps (every rank calls it).
+
+    A plain copy of the model and one with `KFACPreconditioner`'s hooks (every pass a factor update, factors
+    as upper triangles, nothing sent; layers under `kfac.skip` left out as profiled) run their forward and
+    backward passes alternately, `repeats` times each after one of each unmeasured. The hooks' extra time
+    (A from each layer's input, G from its output gradient, each packed into its buffer) is compared with the
+    sum of the micro-benchmarked `a_compute_s` and `g_compute_s`; the median is over every rank's samples. The
+    hooks run slower inside a step than alone (the caches hold the step's activations, not only the layer's)."""
+    inputs, targets = (t.to(device) for t in workload.batch(seed=2468))
+    plain = workload.module.to(device)
+    plain.train()
+    hooked = copy.deepcopy(plain)
+    kfac_rt = _SilentKFAC(hooked, skip_layers=kfac.skip, process_group=process_group, exchange_gradients=False,
+                          factor_update_steps=1, inv_update_steps=1)
+
+    def with_hooks() -> float:
+        seconds = _forward_backward_seconds(workload, hooked, inputs, targets, device)
+        kfac_rt.discard()
+        return seconds
+
+    extra = []
+    try:
+        for i in range(repeats + 1):
+            if i % 2:
+                hooks_s = with_hooks()
+                alone = _forward_backward_seconds(workload, plain, inputs, targets, device)
+            else:
+                alone = _forward_backward_seconds(workload, plain, inputs, targets, device)
+                hooks_s = with_hooks()
+            if i:
+                extra.append(hooks_s - alone)
+                on_point()
+    finally:
+        kfac_rt.close()
+    world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+    measured = median(gathered(extra, process_group)) if world > 1 else median(extra)
+    return Calibration(measured_s=max(0.0, measured),
+                       modelled_s=sum(lt.a_compute_s + lt.g_compute_s for lt in kfac.layers))
+
+
+def _forward_backward_seconds(workload: Workload, model: torch.nn.Module, inputs: torch.Tensor,
+                              targets: torch.Tensor, device: torch.device) -> float:
+    """Seconds of one forward and backward pass of `model` (gradients dropped first)."""
+    model.zero_grad(set_to_none=True)
+    return stream_seconds(lambda: workload.loss_fn(model(inputs), targets).backward(), device)
 
 
 def in_situ_runs(world_size: int, topk: TopkTiming | None, compress: CompressTiming | None) -> int:

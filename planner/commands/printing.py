@@ -218,7 +218,8 @@ def print_profile(profile: object) -> None:
                  ("decoding", situ.decode), ("DDP's bucket copies", situ.ddp_pack),
                  *((f"PyTorch's {name.removeprefix('ddp+')} hook on DDP" if name.startswith("ddp+") else
                     f"{name} {'compression' if part == 'prepare' else 'decompression'}", c)
-                   for name, calibrations in situ.compress.items() for part, c in calibrations.items())]
+                   for name, calibrations in situ.compress.items() for part, c in calibrations.items()),
+                 ("K-FAC factor hooks", situ.kfac_factors)]
         shown = ", ".join(f"{what} {c.factor:.2f}x ({_ms(c.measured_s)} ms measured / {_ms(c.modelled_s)} ms "
                           "micro-benchmarked)" for what, c in parts if c is not None)
         console.print(f"in real steps (one group per layer, nothing sent): {shown}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from planner.console import progress
 from planner.contracts.fingerprint import model_info
-from planner.contracts.profile import Profile, WorkerThroughput
+from planner.contracts.profile import InSitu, Profile, WorkerThroughput
 from planner.models import build_workload
 from planner.platform.launch import device_for, resolve_backend
 from planner.platform.link import LinkRate
@@ -32,7 +32,7 @@ from profilers.layers import (
 )
 from profilers.probe import current_cluster
 from profilers.topk import measure_topk
-from runtime.calibrate import in_situ_runs, measure_in_situ, measure_packing
+from runtime.calibrate import in_situ_runs, measure_in_situ, measure_kfac_in_situ, measure_packing
 
 __all__ = ["DEFAULT_DENSITIES", "ProfileConfig", "profile_worker", "run_profile"]
 
@@ -162,6 +162,10 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                 workload, device, repeats=config.repeats, warmup=config.warmup, max_dim=config.max_dim,
                 skip=config.kfac_skip, on_point=lambda: bar.advance(task),
             )
+            task = bar.add_task("K-FAC factor hooks in real steps", total=IN_SITU_REPEATS)
+            hooks = measure_kfac_in_situ(workload, device, kfac, repeats=IN_SITU_REPEATS,
+                                         on_point=lambda: bar.advance(task))
+            in_situ = replace(in_situ or InSitu(), kfac_factors=hooks)
     if rank != 0:
         return None
     cluster = current_cluster(device)

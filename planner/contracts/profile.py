@@ -40,8 +40,9 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
         "decode": {...},                                          # (see below)
         "ddp_pack": {...},                                        # optional: DDP's own bucket copies
         "compress": {"fp16": {"prepare": {...}, "decode": {...}}, # optional: each compressor's work
-                     "powersgd:4": {...}, ...}
-      },
+                     "powersgd:4": {...}, ...},
+        "kfac_factors": {...}                                     # optional: K-FAC's factor hooks in real
+      },                                                          # forward and backward passes
       "compress": {                                               # null or absent: fp16 and PowerSGD not
         "fp16_cast": {"points": [[numel, seconds], ...], ...},    # measured (fp32 -> fp16 / world size)
         "fp16_uncast": {"points": ..., ...},                      # fp16 -> fp32
@@ -761,6 +762,9 @@ class InSitu:
     #: PowerSGD's middle round) and in synchronize (decode), against the micro-benchmarks; "ddp+powersgd:R":
     #: PyTorch's PowerSGD hook on DDP's one bucket, all its work against the same micro-benchmarks.
     compress: dict[str, dict[str, Calibration]] = field(default_factory=dict)
+    #: The K-FAC runtime's factor hooks (A in forward, G in backward, each packed into its buffer) in real
+    #: forward and backward passes, against the per-layer micro-benchmarks (`KFACLayerTiming` a/g_compute_s).
+    kfac_factors: Calibration | None = None
 
     def pack_factor(self, runtime: str = "planner") -> float:
         found = self.ddp_pack if runtime == "ddp" else self.pack
@@ -772,6 +776,10 @@ class InSitu:
 
     def decode_factor(self) -> float:
         return 1.0 if self.decode is None else self.decode.factor
+
+    def kfac_factor(self) -> float:
+        """The calibration of K-FAC's factor computation (1 when not calibrated)."""
+        return 1.0 if self.kfac_factors is None else self.kfac_factors.factor
 
     def compress_factor(self, compressor: str, part: str) -> float:
         """The calibration of `compressor`'s "prepare" or "decode" work (1 when not calibrated)."""
@@ -786,13 +794,14 @@ class InSitu:
             "ddp_pack": None if self.ddp_pack is None else self.ddp_pack.to_dict(),
             "compress": {name: {part: c.to_dict() for part, c in parts.items()}
                          for name, parts in self.compress.items()},
+            "kfac_factors": None if self.kfac_factors is None else self.kfac_factors.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> InSitu:
         expect(data, dict, where)
-        data = {"ddp_pack": None, "compress": {}, **data}
-        check_fields(data, where, ["pack", "select", "decode", "ddp_pack", "compress"])
+        data = {"ddp_pack": None, "compress": {}, "kfac_factors": None, **data}
+        check_fields(data, where, ["pack", "select", "decode", "ddp_pack", "compress", "kfac_factors"])
         compress: dict[str, dict[str, Calibration]] = {}
         for name, parts in expect(data["compress"], dict, f"{where}.compress").items():
             hook = isinstance(name, str) and name.startswith("ddp+")  # PyTorch's hook on DDP, not the runtime
@@ -812,6 +821,8 @@ class InSitu:
             decode=None if data["decode"] is None else Calibration.from_dict(data["decode"], f"{where}.decode"),
             ddp_pack=None if data["ddp_pack"] is None else Calibration.from_dict(data["ddp_pack"], f"{where}.ddp_pack"),
             compress=compress,
+            kfac_factors=None if data["kfac_factors"] is None else Calibration.from_dict(
+                data["kfac_factors"], f"{where}.kfac_factors"),
         )
 
 

@@ -60,6 +60,7 @@ __all__ = [
     "DEFAULT_INV_UPDATE_STEPS",
     "PLAN_EVERYONE",
     "KFACProblem",
+    "calibrated_kfac",
     "kfac_problem",
     "make_kfac_plan",
     "predict_kfac",
@@ -146,7 +147,24 @@ def _checked_kfac(profile: Profile) -> KFACTiming:
     missing = [lt.name for lt in profile.kfac.layers if lt.name not in by_name]
     if missing:
         raise InvalidProfileError(f"profile.kfac names layers without gradient timings: {missing[:3]}")
-    return profile.kfac
+    return calibrated_kfac(profile)
+
+
+def calibrated_kfac(profile: Profile) -> KFACTiming:
+    """The profile's K-FAC timings with the factor hooks' times (A and G, either format) as they run inside
+    real steps: scaled by the in-situ calibration (`InSitu.kfac_factors`) where the profile has one."""
+    assert profile.kfac is not None
+    hooks = profile.in_situ.kfac_factor() if profile.in_situ is not None else 1.0
+    if hooks == 1.0:
+        return profile.kfac
+
+    def scaled(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds * hooks
+
+    return replace(profile.kfac, layers=tuple(
+        replace(lt, a_compute_s=lt.a_compute_s * hooks, g_compute_s=lt.g_compute_s * hooks,
+                a_compute_whole_s=scaled(lt.a_compute_whole_s), g_compute_whole_s=scaled(lt.g_compute_whole_s))
+        for lt in profile.kfac.layers))
 
 
 def kfac_problem(
@@ -622,12 +640,10 @@ def factor_step_timeline(profile: Profile, section: KFACSection, grouping: tuple
             f"the plan's K-FAC layers (name, a_dim, g_dim) differ from the profile's (first difference: {diff}); "
             "profile this model with `planner profile --kfac` and re-plan with `planner solve --strategy kfac`"
         )
-    assert profile.kfac is not None  # kfac_problem checked it
+    kf = calibrated_kfac(profile)  # kfac_problem checked it
     ends = validate_grouping(profile.problem(Strategy.DENSE), grouping)
-    a_cost = {lt.name: lt.a_compute(section.sends_whole(factor_name(lt.name, FactorKind.A)))
-              for lt in profile.kfac.layers}
-    g_cost = {lt.name: lt.g_compute(section.sends_whole(factor_name(lt.name, FactorKind.G)))
-              for lt in profile.kfac.layers}
+    a_cost = {lt.name: lt.a_compute(section.sends_whole(factor_name(lt.name, FactorKind.A))) for lt in kf.layers}
+    g_cost = {lt.name: lt.g_compute(section.sends_whole(factor_name(lt.name, FactorKind.G))) for lt in kf.layers}
     spans: list[ComputeSpan] = []
     # The same additions as kfac_problem, so that the clocks agree to the last bit.
     forward = np.array([lt.forward_s for lt in reversed(profile.layers)])
