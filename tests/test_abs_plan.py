@@ -16,6 +16,7 @@ from planner.contracts.abs import ABSSection, VariantPrediction
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Collective, FittedCurve, Profile, WorkerThroughput
+from planner.costmodel.from_profile import gradient_problem
 from planner.strategies.abs import (
     ON_TARGET,
     _micro_batch_sizes,
@@ -213,7 +214,7 @@ def test_the_plan_is_the_fastest_on_target_round(global_batch: int) -> None:
     # exhaustively over the candidates' grid (both triggers): the most progress per second on target, else the
     # smallest round
     step = micro_batch_costs(prof)
-    problem = prof.problem(Strategy.DENSE)
+    problem = gradient_problem(prof, Strategy.DENSE)
     grouping = plan_grouping(plan, prof)
     exchange = exchange_s(problem, grouping)
     extra = accumulate_s(prof.pack.model if prof.pack is not None else None, problem, grouping)

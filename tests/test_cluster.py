@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from planner.contracts.profile import MAX_FIT_ERROR, Profile
 from planner.costmodel.costs import AffineCost, CostModel
+from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.simulator import simulate
 from planner.strategies.cluster import (
     CURVE_SIZES,
@@ -260,7 +261,7 @@ def test_plans_predict_with_the_scaled_collective_model(profile: Profile, strate
         what_if = profile_for_cluster(profile, shaped)
         plan = make_plan(what_if, strategy, density)
         assert plan.cluster == shaped.cluster_info()
-        problem = replace(what_if.problem(strategy, density), comm=_Model(shaped, collective))
+        problem = replace(gradient_problem(what_if, strategy, density), comm=_Model(shaped, collective))
         assert problem.world_size == world
         ends = tuple(np.cumsum([len(g.layers) for g in plan.groups]))
         reference = simulate(problem, ends)

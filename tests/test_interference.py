@@ -14,6 +14,7 @@ import torch
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Calibration, FittedCurve, InSitu, Profile
 from planner.costmodel.costs import AffineCost, ScaledCost
+from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.simulator import simulate
 from planner.models import build_workload
 from planner.platform.launch import run_distributed
@@ -44,8 +45,8 @@ def test_profile_round_trip_with_packing_and_interference(tmp_path: Path) -> Non
 
 def test_each_strategy_gets_the_interference_of_its_collective() -> None:
     prof = measured_profile()
-    dense = prof.problem(Strategy.DENSE)
-    topk = prof.problem(Strategy.TOPK, 0.01)
+    dense = gradient_problem(prof, Strategy.DENSE)
+    topk = gradient_problem(prof, Strategy.TOPK, 0.01)
     assert dense.interference == 0.8 and topk.interference == 1.3
     assert dense.pack is not None and topk.pack is None  # top-k's selection already adds into its residual
     assert dense.prepare_s(1 << 14) == pytest.approx(3e-6 + 2e-10 * (1 << 14))
@@ -58,7 +59,7 @@ def test_a_profile_without_them_models_neither(tmp_path: Path) -> None:
     path.write_text(json.dumps(doc))
     prof = Profile.load(path)
     assert prof.pack is None and prof.interference is None
-    problem = prof.problem(Strategy.DENSE)
+    problem = gradient_problem(prof, Strategy.DENSE)
     assert problem.pack is None and problem.interference == 0.0
 
 
@@ -198,18 +199,18 @@ def test_in_situ_calibrations_round_trip_and_scale_the_curves(tmp_path: Path) ->
     assert Profile.load(tmp_path / "p.json") == prof
     base = measured_profile()
     n = 1 << 16
-    ours, ddp = prof.problem(Strategy.DENSE), prof.problem(Strategy.DENSE, runtime="ddp")
-    assert ours.prepare_s(n) == pytest.approx(4 * base.problem(Strategy.DENSE).prepare_s(n))
-    assert ddp.prepare_s(n) == pytest.approx(2 * base.problem(Strategy.DENSE).prepare_s(n))
-    plain_topk = base.problem(Strategy.TOPK, 0.01, selector="sampled")
-    topk = prof.problem(Strategy.TOPK, 0.01, selector="sampled")
-    exact = prof.problem(Strategy.TOPK, 0.01, selector="exact")  # not calibrated: as micro-benchmarked
+    ours, ddp = gradient_problem(prof, Strategy.DENSE), gradient_problem(prof, Strategy.DENSE, runtime="ddp")
+    assert ours.prepare_s(n) == pytest.approx(4 * gradient_problem(base, Strategy.DENSE).prepare_s(n))
+    assert ddp.prepare_s(n) == pytest.approx(2 * gradient_problem(base, Strategy.DENSE).prepare_s(n))
+    plain_topk = gradient_problem(base, Strategy.TOPK, 0.01, selector="sampled")
+    topk = gradient_problem(prof, Strategy.TOPK, 0.01, selector="sampled")
+    exact = gradient_problem(prof, Strategy.TOPK, 0.01, selector="exact")  # not calibrated: as micro-benchmarked
     assert plain_topk.select is not None and plain_topk.decode is not None
     assert topk.prepare_s(n) == pytest.approx(1.5 * plain_topk.select.cost(n))
-    assert exact.prepare_s(n) == pytest.approx(base.problem(Strategy.TOPK, 0.01).prepare_s(n))
+    assert exact.prepare_s(n) == pytest.approx(gradient_problem(base, Strategy.TOPK, 0.01).prepare_s(n))
     assert topk.decode is not None and topk.decode.cost(n) == pytest.approx(3 * plain_topk.decode.cost(n))
     # Under DDP's top-k hook DDP copies into its buckets first, then the hook selects.
-    ddp_topk = prof.problem(Strategy.TOPK, 0.01, selector="sampled", runtime="ddp")
+    ddp_topk = gradient_problem(prof, Strategy.TOPK, 0.01, selector="sampled", runtime="ddp")
     assert ddp_topk.prepare_s(n) == pytest.approx(ddp.prepare_s(n) + topk.prepare_s(n))
 
 
@@ -224,7 +225,7 @@ def test_the_ddp_row_is_predicted_with_ddps_own_cost_and_stays_above_the_bound()
     prof = calibrated_profile("resnet18")
     for strategy, density in ((Strategy.DENSE, None), (Strategy.TOPK, 0.01)):
         plan = make_plan(prof, strategy, density, source="test", selector="sampled" if density else None)
-        ddp_problem = prof.problem(strategy, density, selector="sampled", runtime="ddp")
+        ddp_problem = gradient_problem(prof, strategy, density, selector="sampled", runtime="ddp")
         ddp = next(b for b in BASELINES[strategy] if b.name == DDP_BASELINE)
         grouping = ddp.solve(ddp_problem)
         assert plan.baselines[DDP_BASELINE] == simulate(ddp_problem, grouping)

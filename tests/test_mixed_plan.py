@@ -11,6 +11,7 @@ import pytest
 
 from planner.commands.cli import main
 from planner.contracts.plan import Plan
+from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed import simulate_mixed
 from planner.strategies.mixed import PRESETS, explain, make_mixed_plan, parse_compressors, solve_auto
 from planner.types import Collective, Compressor, CompressorError, Strategy
@@ -36,7 +37,7 @@ def test_mixed_plan_is_no_worse_than_any_compressor_alone_and_explains_itself(tm
     assert {"ddp-25mb", "ddp+fp16", "ddp+powersgd:1", "ddp+powersgd:4", "ddp+topk:0.01"} <= set(plan.baselines)
     assert plan.lower_bound_s <= plan.predicted.iteration_s
     # The plan's prediction is the simulated time of its own groups under the mixed model.
-    problem = profile.mixed_problem(compressors, selector=plan.selector or "exact")
+    problem = mixed_problem(profile, compressors, selector=plan.selector or "exact")
     reasons = explain(plan, profile)
     assert len(reasons) == len(plan.groups)
     for r in reasons:

@@ -24,6 +24,7 @@ from planner.commands.report import (
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
+from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.simulator import timeline
 from planner.solvers.layout import layout_timelines
 from planner.strategies.kfac import factor_step_timeline, kfac_problem, section_layout
@@ -90,7 +91,7 @@ def test_gantt_bars_follow_the_simulator(model: str, strategy: Strategy, density
     assert_ordered_and_disjoint(channel)
     assert {b.lane for b in data.bars} == {"compute", "channel"}
 
-    problem = prof.problem(strategy, density)
+    problem = gradient_problem(prof, strategy, density)
     events = timeline(problem, plan_grouping(p, prof))
     f = problem.forward_s
     assert [t for b in channel for t in (b.start_s, b.end_s)] == pytest.approx(

@@ -24,6 +24,7 @@ from planner.commands.cli import main
 from planner.contracts.plan import SELECTORS as PLAN_SELECTORS
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile, TopkTiming
+from planner.costmodel.from_profile import gradient_problem
 from planner.kernels.topk import SELECTORS, select_topk
 from planner.models import build_workload
 from planner.strategies.gradients import make_plan
@@ -250,7 +251,7 @@ def test_profile_round_trip_with_selector_points(tmp_path: Path) -> None:
     exact, sampled = loaded.topk.select_model(0.01, "exact"), loaded.topk.select_model(0.01, "sampled")
     assert sampled.cost(1e5) == pytest.approx(0.1 * exact.cost(1e5))
     assert loaded.topk.select_model(0.01).cost(1e5) == exact.cost(1e5)
-    problem = loaded.problem(Strategy.TOPK, 0.01, selector="sampled")
+    problem = gradient_problem(loaded, Strategy.TOPK, 0.01, selector="sampled")
     assert problem.select is not None and problem.select.cost(1e5) == pytest.approx(sampled.cost(1e5))
 
 
@@ -262,9 +263,9 @@ def test_old_profile_without_sampled_points_loads_as_exact_only(tmp_path: Path) 
     loaded = Profile.load(path)
     assert loaded.topk is not None and loaded.topk.selectors() == ["exact"] and loaded.topk.select_sampled == ()
     with pytest.raises(InvalidProfileError, match="no top-k selection points for the sampled selector"):
-        loaded.problem(Strategy.TOPK, 0.01, selector="sampled")
+        gradient_problem(loaded, Strategy.TOPK, 0.01, selector="sampled")
     with pytest.raises(SchemaError, match="must be one of exact, sampled, but got 'fast'"):
-        loaded.problem(Strategy.TOPK, 0.01, selector="fast")
+        gradient_problem(loaded, Strategy.TOPK, 0.01, selector="fast")
 
 
 def test_profile_rejects_bad_sampled_points(tmp_path: Path) -> None:
@@ -315,7 +316,7 @@ def test_decode_model_reads_the_density(tmp_path: Path) -> None:
     assert at[0.01] == pytest.approx(2e-5) and at[0.1] == pytest.approx(4e-5)
     assert at[0.001] == at[0.01] and at[0.5] == at[0.1]  # the nearest measured density outside the range
     assert at[0.0316] == pytest.approx(2e-5 * (1 + math.log(3.16) / math.log(10)), rel=1e-3)  # log-interpolated
-    problem = loaded.problem(Strategy.TOPK, 0.1)
+    problem = gradient_problem(loaded, Strategy.TOPK, 0.1)
     assert problem.decode is not None and problem.decode.cost(10_000) == pytest.approx(4e-5)
 
 
@@ -327,7 +328,7 @@ def test_old_profile_without_decode_points_decodes_with_the_one_percent_curve(tm
     loaded = Profile.load(path)
     assert loaded.topk is not None and loaded.topk.decode_points == ()
     for density in (0.01, 0.1):
-        decode = loaded.problem(Strategy.TOPK, density).decode
+        decode = gradient_problem(loaded, Strategy.TOPK, density).decode
         assert decode is not None and decode.cost(5000) == loaded.topk.decode.model.cost(5000)
 
 

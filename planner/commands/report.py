@@ -37,6 +37,7 @@ from planner.contracts.jsonio import atomic_write, ensure_folder, read_json_valu
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
+from planner.costmodel.from_profile import gradient_problem, mixed_problem
 from planner.costmodel.problem import Grouping, groups_of
 from planner.costmodel.simulator import simulate, timeline
 from planner.solvers.layout import layout_timelines
@@ -201,7 +202,7 @@ def _mixed_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
     from planner.costmodel.mixed import simulate_mixed, timeline_mixed
 
     assert plan.compressors is not None
-    problem = profile.mixed_problem(plan.compressors, selector=plan.selector or "exact")
+    problem = mixed_problem(profile, plan.compressors, selector=plan.selector or "exact")
     choice = [problem.index_of(plan.compressor_of(g)) for g in plan.groups]
     events = timeline_mixed(problem, grouping, choice)
     f = problem.forward_s
@@ -237,7 +238,7 @@ def _mixed_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
 
 
 def _gradient_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
-    problem = profile.problem(plan.strategy, plan.density, selector=plan.selector or "exact")
+    problem = gradient_problem(profile, plan.strategy, plan.density, selector=plan.selector or "exact")
     events = timeline(problem, grouping)
     f = problem.forward_s
     bars = [Bar(lane="compute", start_s=0.0, end_s=f, kind="forward", label="forward")]
@@ -316,7 +317,7 @@ def _kfac_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
     bars, lanes, makespan = _placement_bars(problem.placement, placement,
                                             layout_timelines(problem.layout, layout)[0])
     shown = len(lanes) - 1
-    grad = profile.problem(Strategy.DENSE)
+    grad = gradient_problem(profile, Strategy.DENSE)
     plain = simulate(grad, grouping).iteration_s + step.precondition_s
     average = (plain + (step.step_s - plain) / section.factor_update_steps
                + makespan / section.inv_update_steps)

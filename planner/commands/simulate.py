@@ -11,6 +11,7 @@ from rich.table import Table
 from planner.commands.common import CLUSTER_HELP, KFAC, KFAC_SCALING_COLUMNS, Command, _density, _kfac_options
 from planner.commands.printing import _ms
 from planner.console import console, progress
+from planner.costmodel.from_profile import gradient_problem
 from planner.types import GROUPING_STRATEGIES, InverseMethod, PlannerError, Strategy
 
 
@@ -48,7 +49,7 @@ class SimulateCommand(Command):
             kfac_problem(profile, InverseMethod(args.method))
         else:
             strategy = Strategy(args.strategy)
-            profile.problem(strategy, (args.density or 0.01) if strategy is Strategy.TOPK else None)
+            gradient_problem(profile, strategy, (args.density or 0.01) if strategy is Strategy.TOPK else None)
         with progress(enabled=not args.json) as bar:
             task = bar.add_task(f"plans for {len(sizes)} world sizes", total=len(sizes))
             rows = scaling_table(

@@ -92,7 +92,7 @@ backward pass (pack, select) or the synchronize call (decode) takes, `modelled_s
 micro-benchmarked curves predict for the same groups, and the solvers use the curves times
 `factor` = measured / modelled. `ddp_pack` does the same for PyTorch DDP (with a comm hook that sends
 nothing) on its 25 MB buckets: the "ddp-25mb" rows of plans are predicted with DDP's own packing cost
-(`Profile.problem(..., runtime="ddp")`), the other rows with this runtime's.
+(`planner.costmodel.from_profile.gradient_problem(..., runtime="ddp")`), the other rows with this runtime's.
 
 `backward_s` of a layer is the time between the previous layer's gradient becoming ready and its own
 (b_i of the timeline model). `fit_error` is the median relative error of the fitted alpha + beta*x.
@@ -104,7 +104,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -123,19 +122,13 @@ from planner.contracts.jsonio import (
 )
 from planner.contracts.kfac import left_out_from_json
 from planner.contracts.plan import SELECTORS, check_selector, parse_compressor
-from planner.costmodel.costs import AffineCost, CostModel, PiecewiseLinearCost, ScaledCost, fit_affine
-from planner.costmodel.mixed import CompressorCosts, MixedProblem, Sum, costs_of
-from planner.costmodel.problem import GradientProblem
-from planner.kernels.compress import PowerSGDLayout
+from planner.costmodel.costs import AffineCost, CostModel, PiecewiseLinearCost, fit_affine
 from planner.types import (
     MAX_POWERSGD_RANK,
     Collective,
-    Compressor,
-    CompressorKind,
     InvalidProfileError,
     InverseMethod,
     SchemaError,
-    Strategy,
 )
 
 __all__ = [
@@ -870,11 +863,6 @@ class WorkerThroughput:
         return cls(batch_sizes=sizes, step_s=rows)
 
 
-def _plus(first: CostModel | None, second: CostModel) -> CostModel:
-    """`second`, plus `first` when there is one."""
-    return second if first is None else Sum(parts=(first, second))
-
-
 def _interference(data: Any) -> dict[Collective, float]:
     """{"allreduce": sigma, ...} as checked values: known collectives, finite numbers >= 0."""
     out = {}
@@ -954,154 +942,6 @@ class Profile:
         return pd.DataFrame(rows)
 
     # -- the solver's instance -----------------------------------------------------------------
-    def problem(self, strategy: Strategy, density: float | None = None, *, selector: str = "exact",
-                runtime: str = "planner") -> GradientProblem:
-        """The gradient-grouping instance this profile describes; top-k selection costs are `selector`'s.
-
-        `runtime` is who moves the gradients: "planner" (`runtime.GradientExchange`: dense packs into its
-        buffers, top-k adds straight into its residuals) or "ddp" (PyTorch DDP copies every gradient into
-        its buckets, at its own measured cost, before the top-k hook selects from them).
-
-        Raises:
-            InvalidProfileError: top-k without top-k measurements (or without `selector`'s).
-            SchemaError: top-k without a density, or an unknown selector.
-        """
-        dense = GradientProblem(
-            strategy=Strategy.DENSE,
-            forward_s=self.forward_s,
-            update_s=self.update_s,
-            backward_s=tuple(lt.backward_s for lt in self.layers),
-            numel=tuple(lt.numel for lt in self.layers),
-            comm=self.curve(Collective.ALLREDUCE).model,
-            world_size=self.cluster.world_size,
-            element_bytes=self.element_bytes,
-            pack=None if self.pack is None or self.cluster.world_size == 1 else self._calibrated(
-                self.pack.model, self.in_situ.pack_factor(runtime) if self.in_situ else 1.0),
-            interference=self.interference_for(Collective.ALLREDUCE),
-            names=tuple(lt.name for lt in self.layers),
-        )
-        match strategy:
-            case Strategy.DENSE:
-                return dense
-            case Strategy.TOPK:
-                if self.topk is None:
-                    raise InvalidProfileError(
-                        "this profile has no top-k measurements; profile again without `--only comm`"
-                    )
-                if density is None:
-                    raise SchemaError("top-k needs a density, e.g. --density 0.01")
-                return replace(
-                    dense,
-                    strategy=strategy,
-                    comm=self.curve(Collective.ALLGATHER).model,
-                    density=density,
-                    select=self._calibrated(self.topk.select_model(density, selector),
-                                            self.in_situ.select_factor(selector) if self.in_situ else 1.0),
-                    decode=self._calibrated(self.topk.decode_model(density),
-                                            self.in_situ.decode_factor() if self.in_situ else 1.0),
-                    pack=dense.pack if runtime == "ddp" else None,
-                    interference=self.interference_for(Collective.ALLGATHER),
-                )
-            case _:
-                raise SchemaError(f"unknown strategy {strategy!r}")
-
-    def mixed_problem(self, compressors: Sequence[Compressor], *, selector: str = "exact",
-                      runtime: str = "planner") -> MixedProblem:
-        """The instance of the mixed solver: every group may be sent by any of `compressors` (top-k ones with
-        `selector`'s selection cost). `runtime` as for `problem` ("ddp": DDP's buckets and packing).
-
-        Raises:
-            InvalidProfileError: a compressor the profile did not measure: top-k without top-k points or at
-                a density outside the measured ones, fp16 or PowerSGD without compressor timings, or a
-                PowerSGD rank not measured.
-            SchemaError: no compressor, or one named twice.
-        """
-        if not compressors:
-            raise SchemaError("name at least one compressor, e.g. --compressors dense,fp16")
-        if len(set(compressors)) != len(compressors):
-            raise SchemaError(f"each compressor may be named once, but got {', '.join(map(str, compressors))}")
-        dense = self.problem(Strategy.DENSE, runtime=runtime)
-        pack = None if self.pack is None else self._calibrated(
-            self.pack.model, self.in_situ.pack_factor(runtime) if self.in_situ else 1.0)
-        costs: list[CompressorCosts] = []
-        sigma = 0.0
-        for c in compressors:
-            match c.kind:
-                case CompressorKind.DENSE:
-                    costs.append(costs_of(dense))
-                case CompressorKind.TOPK:
-                    assert c.density is not None
-                    self._check_topk(c, selector)
-                    costs.append(costs_of(self.problem(Strategy.TOPK, c.density, selector=selector, runtime=runtime)))
-                case CompressorKind.FP16:
-                    timing = self._compress_timing(c)
-                    costs.append(CompressorCosts(
-                        compressor=c, collective=Collective.ALLREDUCE, comm=dense.comm,
-                        prepare=_plus(pack, self._calibrated(timing.fp16_cast.model, self._factor(c, "prepare"))),
-                        decode=self._calibrated(timing.fp16_uncast.model, self._factor(c, "decode"))))
-                case CompressorKind.POWERSGD:
-                    costs.append(self._powersgd_costs(c, dense.comm, pack, runtime))
-            collective = Collective.ALLGATHER if c.kind is CompressorKind.TOPK else Collective.ALLREDUCE
-            sigma = max(sigma, self.interference_for(collective))
-        return MixedProblem(forward_s=dense.forward_s, update_s=dense.update_s, backward_s=dense.backward_s,
-                            numel=dense.numel, world_size=dense.world_size, element_bytes=dense.element_bytes,
-                            compressors=tuple(costs), interference=sigma, names=dense.names)
-
-    def _factor(self, compressor: Compressor, part: str) -> float:
-        return 1.0 if self.in_situ is None else self.in_situ.compress_factor(str(compressor), part)
-
-    def _compress_timing(self, compressor: Compressor) -> CompressTiming:
-        if self.compress is None:
-            raise InvalidProfileError(f"this profile has no fp16 or PowerSGD measurements, so it cannot plan "
-                                      f"{compressor}; profile again with this planner (`planner profile`)")
-        return self.compress
-
-    def _check_topk(self, compressor: Compressor, selector: str) -> None:
-        if self.topk is None:
-            raise InvalidProfileError(f"this profile has no top-k measurements, so it cannot plan {compressor}; "
-                                      "profile again without `--only comm`")
-        densities = self.topk.densities(selector)
-        assert compressor.density is not None
-        if densities and not densities[0] <= compressor.density <= densities[-1]:
-            raise InvalidProfileError(
-                f"this profile measured top-k at densities {densities[0]:g} to {densities[-1]:g}, not at "
-                f"{compressor}; profile again with --densities including {compressor.density:g}")
-
-    def _powersgd_costs(self, compressor: Compressor, comm: CostModel, pack: CostModel | None,
-                        runtime: str = "planner") -> CompressorCosts:
-        """PowerSGD at `compressor.rank` per layer: the measured steps, and what each layer sends. For DDP's hook
-        (`runtime` "ddp") every step is scaled by the hook's own calibration when the profile has one."""
-        assert compressor.rank is not None
-        timing = self._compress_timing(compressor)
-        rows = timing.powersgd_at(compressor.rank)
-        missing = [lt.name for lt in self.layers if lt.name not in rows]
-        if missing:
-            measured = ", ".join(map(str, timing.ranks())) or "none"
-            raise InvalidProfileError(
-                f"this profile did not measure {compressor} (PowerSGD ranks measured: {measured}"
-                + (f"; layer {missing[0]!r} is missing" if rows else "")
-                + f"); profile again with --powersgd-ranks including {compressor.rank}")
-        prepare, decode = self._factor(compressor, "prepare"), self._factor(compressor, "decode")
-        hook = f"ddp+{compressor}"
-        if runtime == "ddp" and self.in_situ is not None and hook in self.in_situ.compress:
-            prepare = decode = self.in_situ.compress_factor(hook, "prepare")
-        send, second, matrices = [], [], []
-        for lt in self.layers:
-            layout = PowerSGDLayout.of(rows[lt.name].shapes, compressor.rank)
-            send.append(layout.send_numel)
-            second.append(layout.q_numel)
-            matrices.append(len(layout.matrices))
-        return CompressorCosts(
-            compressor=compressor, collective=Collective.ALLREDUCE, comm=comm, prepare=pack, second_comm=comm,
-            layer_prepare=tuple(rows[lt.name].compress_s * prepare for lt in self.layers),
-            layer_middle=tuple(rows[lt.name].middle_s * prepare for lt in self.layers),
-            layer_decode=tuple(rows[lt.name].decompress_s * decode for lt in self.layers),
-            layer_send=tuple(send), layer_second=tuple(second), layer_matrices=tuple(matrices))
-
-    @staticmethod
-    def _calibrated(model: CostModel, factor: float) -> CostModel:
-        return model if factor == 1.0 else ScaledCost(inner=model, factor=factor)
-
     def curve(self, collective: Collective) -> FittedCurve:
         if collective not in self.collectives:
             raise InvalidProfileError(f"the profile has no {collective.value} measurements; run `planner profile`")

@@ -37,6 +37,7 @@ from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.costmodel.costs import AffineCost, CostModel, fit_affine
+from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.problem import GradientProblem, advance, groups_of
 from planner.costmodel.simulator import simulate
 from planner.strategies.gradients import make_plan
@@ -215,7 +216,7 @@ def make_abs_plan(profile: Profile, global_batch: int, *, trigger: str = "batch"
                           "needs at least one sample per round; give a larger --global-batch")
     step = micro_batch_costs(profile)
     dense = make_plan(profile, Strategy.DENSE, source=source)
-    problem = profile.problem(Strategy.DENSE)
+    problem = gradient_problem(profile, Strategy.DENSE)
     grouping = plan_grouping(dense, profile)
     exchange = exchange_s(problem, grouping)
     extra = accumulate_s(profile.pack.model if profile.pack is not None else None, problem, grouping)

@@ -9,6 +9,7 @@ from dataclasses import replace
 from planner.contracts.layers import LayerSpec, groups_for
 from planner.contracts.plan import Plan, check_selector
 from planner.contracts.profile import Profile
+from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DDP_BASELINE, GroupingSolver, lower_bound, solve_exact
 from planner.types import SchemaError, Strategy
@@ -62,9 +63,9 @@ def _solve(
     selector: str | None,
 ) -> Plan:
     """One plan under one selection-cost model (`selector` None for dense)."""
-    problem = profile.problem(strategy, density, selector=selector or "exact")
+    problem = gradient_problem(profile, strategy, density, selector=selector or "exact")
     # DDP's row: DDP's buckets, moved by DDP at its own measured cost.
-    ddp_problem = profile.problem(strategy, density, selector=selector or "exact", runtime="ddp")
+    ddp_problem = gradient_problem(profile, strategy, density, selector=selector or "exact", runtime="ddp")
     t0 = time.perf_counter()
     grouping = solver.solve(problem) if solver is not None else solve_exact(problem)
     seconds = time.perf_counter() - t0

@@ -31,6 +31,7 @@ from planner.contracts.kfac import KFACLayerSpec, KFACPrediction, KFACSection, f
 from planner.contracts.plan import Plan
 from planner.contracts.profile import KFACLayerTiming, KFACTiming, Profile
 from planner.costmodel.costs import AffineCost
+from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.problem import groups_of
 from planner.costmodel.simulator import simulate
 from planner.solvers import DenseDP, lower_bound
@@ -177,7 +178,7 @@ def kfac_problem(
     of their upper triangles, and are packed and unpacked at the profile's whole-matrix times; a map from
     factor names says it per factor. `inv_update_steps` weighs the inversion phase in the layout's value."""
     kf = _checked_kfac(profile)
-    grad = profile.problem(Strategy.DENSE)
+    grad = gradient_problem(profile, Strategy.DENSE)
     grouping = DenseDP().solve(grad)
     sgd = simulate(grad, grouping)
     whole = _formats(whole_factors)
@@ -307,7 +308,7 @@ def packing_problem(profile: Profile) -> tuple[PackingProblem, list[str], list[s
     two measured times and the difference charged as that format's packing; a layer's folding is split between
     its factors by d^2."""
     kf = _checked_kfac(profile)
-    grad = profile.problem(Strategy.DENSE)
+    grad = gradient_problem(profile, Strategy.DENSE)
     grouping = DenseDP().solve(grad)
     a_pair = {lt.name: (lt.a_compute(False), lt.a_compute(True)) for lt in kf.layers}
     g_pair = {lt.name: (lt.g_compute(False), lt.g_compute(True)) for lt in kf.layers}
@@ -641,7 +642,7 @@ def factor_step_timeline(profile: Profile, section: KFACSection, grouping: tuple
             "profile this model with `planner profile --kfac` and re-plan with `planner solve --strategy kfac`"
         )
     kf = calibrated_kfac(profile)  # kfac_problem checked it
-    ends = validate_grouping(profile.problem(Strategy.DENSE), grouping)
+    ends = validate_grouping(gradient_problem(profile, Strategy.DENSE), grouping)
     a_cost = {lt.name: lt.a_compute(section.sends_whole(factor_name(lt.name, FactorKind.A))) for lt in kf.layers}
     g_cost = {lt.name: lt.g_compute(section.sends_whole(factor_name(lt.name, FactorKind.G))) for lt in kf.layers}
     spans: list[ComputeSpan] = []

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from planner.contracts.layers import LayerSpec
 from planner.contracts.plan import Group, Plan
 from planner.contracts.profile import Profile
+from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed import MixedProblem, simulate_mixed
 from planner.costmodel.problem import Grouping, Prediction, groups_of, topk_count
 from planner.solvers import DDP_BASELINE
@@ -113,7 +114,7 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
 
 def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str | None, *, source: str,
            time_limit_s: float | None) -> Plan:
-    problem = profile.mixed_problem(compressors, selector=selector or "exact")
+    problem = mixed_problem(profile, compressors, selector=selector or "exact")
     t0 = time.perf_counter()
     solution = MixedParetoDP(time_limit_s=time_limit_s).solve(problem)
     seconds = time.perf_counter() - t0
@@ -121,11 +122,11 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
     baselines: dict[str, Prediction] = {}
     backend = profile.cluster.backend
     for c in dict.fromkeys((DENSE_COMPRESSOR, *compressors)):  # plain DDP first, always
-        ddp = profile.mixed_problem([c], selector=selector or "exact", runtime="ddp")
+        ddp = mixed_problem(profile, [c], selector=selector or "exact", runtime="ddp")
         grouping = ddp_hook_grouping(ddp, c, backend)
         baselines[ddp_hook_name(c)] = simulate_mixed(ddp, grouping, (0,) * len(grouping))
     # A bound for the DDP rows too: DDP moves gradients into its buckets at its own (lower) cost.
-    ddp_all = profile.mixed_problem(tuple(dict.fromkeys((DENSE_COMPRESSOR, *compressors))),
+    ddp_all = mixed_problem(profile, tuple(dict.fromkeys((DENSE_COMPRESSOR, *compressors))),
                                     selector=selector or "exact", runtime="ddp")
     bound = min(mixed_lower_bound(problem), mixed_lower_bound(ddp_all))
     for i, c in enumerate(compressors):
@@ -176,7 +177,7 @@ def explain(plan: Plan, profile: Profile) -> list[GroupReason]:
     if plan.strategy is not Strategy.MIXED or plan.compressors is None:
         raise SchemaError("only a mixed plan that lists its compressors can be explained")
     grouping = plan_grouping(plan, profile)
-    problem = profile.mixed_problem(plan.compressors, selector=plan.selector or "exact")
+    problem = mixed_problem(profile, plan.compressors, selector=plan.selector or "exact")
     choice = [problem.index_of(plan.compressor_of(g)) for g in plan.groups]
     reasons = []
     for i, g in enumerate(plan.groups):

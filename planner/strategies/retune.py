@@ -18,6 +18,7 @@ from planner.contracts.kfac import KFACSection
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import FittedCurve, Profile
+from planner.costmodel.from_profile import gradient_problem, mixed_problem
 from planner.costmodel.simulator import simulate
 from planner.types import Collective, InvalidProfileError, PlanMismatchError, PlannerError, SolverError, Strategy
 
@@ -169,10 +170,10 @@ def _gradient_prediction(old: Plan, new: Plan, current: Profile) -> float:
         from planner.costmodel.mixed import simulate_mixed
 
         allowed = new.compressors or tuple(dict.fromkeys(new.compressor_of(g) for g in new.groups))
-        mixed = current.mixed_problem(tuple(dict.fromkeys((*allowed, *(old.compressor_of(g) for g in old.groups)))),
-                                      selector=new.selector or "exact")
+        compressors = tuple(dict.fromkeys((*allowed, *(old.compressor_of(g) for g in old.groups))))
+        mixed = mixed_problem(current, compressors, selector=new.selector or "exact")
         return simulate_mixed(mixed, grouping, [mixed.index_of(old.compressor_of(g)) for g in old.groups]).iteration_s
-    problem = current.problem(new.strategy, new.density, selector=new.selector or "exact")
+    problem = gradient_problem(current, new.strategy, new.density, selector=new.selector or "exact")
     return simulate(problem, grouping).iteration_s
 
 

@@ -1,0 +1,180 @@
+"""The cost problems a profile poses: the measured curves and in-situ calibrations turned into the instances
+the solvers take (`GradientProblem` for one strategy, `MixedProblem` for a choice of compressors per group).
+
+The profile (`planner.contracts.profile`) is the file format and its checks; this module is how its
+measurements become costs: which curve times which collective, how top-k selection and decoding interpolate
+in density, and how each in-situ calibration scales the micro-benchmarks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from planner.contracts.profile import CompressTiming, Profile
+from planner.costmodel.costs import CostModel, ScaledCost
+from planner.costmodel.mixed import CompressorCosts, MixedProblem, Sum, costs_of
+from planner.costmodel.problem import GradientProblem
+from planner.kernels.compress import PowerSGDLayout
+from planner.types import Collective, Compressor, CompressorKind, InvalidProfileError, SchemaError, Strategy
+
+__all__ = ["gradient_problem", "mixed_problem"]
+
+
+def gradient_problem(profile: Profile, strategy: Strategy, density: float | None = None, *, selector: str = "exact",
+            runtime: str = "planner") -> GradientProblem:
+    """The gradient-grouping instance this profile describes; top-k selection costs are `selector`'s.
+
+    `runtime` is who moves the gradients: "planner" (`runtime.GradientExchange`: dense packs into its
+    buffers, top-k adds straight into its residuals) or "ddp" (PyTorch DDP copies every gradient into
+    its buckets, at its own measured cost, before the top-k hook selects from them).
+
+    Raises:
+        InvalidProfileError: top-k without top-k measurements (or without `selector`'s).
+        SchemaError: top-k without a density, or an unknown selector.
+    """
+    dense = GradientProblem(
+        strategy=Strategy.DENSE,
+        forward_s=profile.forward_s,
+        update_s=profile.update_s,
+        backward_s=tuple(lt.backward_s for lt in profile.layers),
+        numel=tuple(lt.numel for lt in profile.layers),
+        comm=profile.curve(Collective.ALLREDUCE).model,
+        world_size=profile.cluster.world_size,
+        element_bytes=profile.element_bytes,
+        pack=None if profile.pack is None or profile.cluster.world_size == 1 else _calibrated(
+            profile.pack.model, profile.in_situ.pack_factor(runtime) if profile.in_situ else 1.0),
+        interference=profile.interference_for(Collective.ALLREDUCE),
+        names=tuple(lt.name for lt in profile.layers),
+    )
+    match strategy:
+        case Strategy.DENSE:
+            return dense
+        case Strategy.TOPK:
+            if profile.topk is None:
+                raise InvalidProfileError(
+                    "this profile has no top-k measurements; profile again without `--only comm`"
+                )
+            if density is None:
+                raise SchemaError("top-k needs a density, e.g. --density 0.01")
+            return replace(
+                dense,
+                strategy=strategy,
+                comm=profile.curve(Collective.ALLGATHER).model,
+                density=density,
+                select=_calibrated(profile.topk.select_model(density, selector),
+                                        profile.in_situ.select_factor(selector) if profile.in_situ else 1.0),
+                decode=_calibrated(profile.topk.decode_model(density),
+                                        profile.in_situ.decode_factor() if profile.in_situ else 1.0),
+                pack=dense.pack if runtime == "ddp" else None,
+                interference=profile.interference_for(Collective.ALLGATHER),
+            )
+        case _:
+            raise SchemaError(f"unknown strategy {strategy!r}")
+
+
+def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, selector: str = "exact",
+                  runtime: str = "planner") -> MixedProblem:
+    """The instance of the mixed solver: every group may be sent by any of `compressors` (top-k ones with
+    `selector`'s selection cost). `runtime` as for `problem` ("ddp": DDP's buckets and packing).
+
+    Raises:
+        InvalidProfileError: a compressor the profile did not measure: top-k without top-k points or at
+            a density outside the measured ones, fp16 or PowerSGD without compressor timings, or a
+            PowerSGD rank not measured.
+        SchemaError: no compressor, or one named twice.
+    """
+    if not compressors:
+        raise SchemaError("name at least one compressor, e.g. --compressors dense,fp16")
+    if len(set(compressors)) != len(compressors):
+        raise SchemaError(f"each compressor may be named once, but got {', '.join(map(str, compressors))}")
+    dense = gradient_problem(profile, Strategy.DENSE, runtime=runtime)
+    pack = None if profile.pack is None else _calibrated(
+        profile.pack.model, profile.in_situ.pack_factor(runtime) if profile.in_situ else 1.0)
+    costs: list[CompressorCosts] = []
+    sigma = 0.0
+    for c in compressors:
+        match c.kind:
+            case CompressorKind.DENSE:
+                costs.append(costs_of(dense))
+            case CompressorKind.TOPK:
+                assert c.density is not None
+                _check_topk(profile, c, selector)
+                topk = gradient_problem(profile, Strategy.TOPK, c.density, selector=selector, runtime=runtime)
+                costs.append(costs_of(topk))
+            case CompressorKind.FP16:
+                timing = _compress_timing(profile, c)
+                costs.append(CompressorCosts(
+                    compressor=c, collective=Collective.ALLREDUCE, comm=dense.comm,
+                    prepare=_plus(pack, _calibrated(timing.fp16_cast.model, _factor(profile, c, "prepare"))),
+                    decode=_calibrated(timing.fp16_uncast.model, _factor(profile, c, "decode"))))
+            case CompressorKind.POWERSGD:
+                costs.append(_powersgd_costs(profile, c, dense.comm, pack, runtime))
+        collective = Collective.ALLGATHER if c.kind is CompressorKind.TOPK else Collective.ALLREDUCE
+        sigma = max(sigma, profile.interference_for(collective))
+    return MixedProblem(forward_s=dense.forward_s, update_s=dense.update_s, backward_s=dense.backward_s,
+                        numel=dense.numel, world_size=dense.world_size, element_bytes=dense.element_bytes,
+                        compressors=tuple(costs), interference=sigma, names=dense.names)
+
+
+def _factor(profile: Profile, compressor: Compressor, part: str) -> float:
+    return 1.0 if profile.in_situ is None else profile.in_situ.compress_factor(str(compressor), part)
+
+
+def _compress_timing(profile: Profile, compressor: Compressor) -> CompressTiming:
+    if profile.compress is None:
+        raise InvalidProfileError(f"this profile has no fp16 or PowerSGD measurements, so it cannot plan "
+                                  f"{compressor}; profile again with this planner (`planner profile`)")
+    return profile.compress
+
+
+def _check_topk(profile: Profile, compressor: Compressor, selector: str) -> None:
+    if profile.topk is None:
+        raise InvalidProfileError(f"this profile has no top-k measurements, so it cannot plan {compressor}; "
+                                  "profile again without `--only comm`")
+    densities = profile.topk.densities(selector)
+    assert compressor.density is not None
+    if densities and not densities[0] <= compressor.density <= densities[-1]:
+        raise InvalidProfileError(
+            f"this profile measured top-k at densities {densities[0]:g} to {densities[-1]:g}, not at "
+            f"{compressor}; profile again with --densities including {compressor.density:g}")
+
+
+def _powersgd_costs(profile: Profile, compressor: Compressor, comm: CostModel, pack: CostModel | None,
+                    runtime: str = "planner") -> CompressorCosts:
+    """PowerSGD at `compressor.rank` per layer: the measured steps, and what each layer sends. For DDP's hook
+    (`runtime` "ddp") every step is scaled by the hook's own calibration when the profile has one."""
+    assert compressor.rank is not None
+    timing = _compress_timing(profile, compressor)
+    rows = timing.powersgd_at(compressor.rank)
+    missing = [lt.name for lt in profile.layers if lt.name not in rows]
+    if missing:
+        measured = ", ".join(map(str, timing.ranks())) or "none"
+        raise InvalidProfileError(
+            f"this profile did not measure {compressor} (PowerSGD ranks measured: {measured}"
+            + (f"; layer {missing[0]!r} is missing" if rows else "")
+            + f"); profile again with --powersgd-ranks including {compressor.rank}")
+    prepare, decode = _factor(profile, compressor, "prepare"), _factor(profile, compressor, "decode")
+    hook = f"ddp+{compressor}"
+    if runtime == "ddp" and profile.in_situ is not None and hook in profile.in_situ.compress:
+        prepare = decode = profile.in_situ.compress_factor(hook, "prepare")
+    send, second, matrices = [], [], []
+    for lt in profile.layers:
+        layout = PowerSGDLayout.of(rows[lt.name].shapes, compressor.rank)
+        send.append(layout.send_numel)
+        second.append(layout.q_numel)
+        matrices.append(len(layout.matrices))
+    return CompressorCosts(
+        compressor=compressor, collective=Collective.ALLREDUCE, comm=comm, prepare=pack, second_comm=comm,
+        layer_prepare=tuple(rows[lt.name].compress_s * prepare for lt in profile.layers),
+        layer_middle=tuple(rows[lt.name].middle_s * prepare for lt in profile.layers),
+        layer_decode=tuple(rows[lt.name].decompress_s * decode for lt in profile.layers),
+        layer_send=tuple(send), layer_second=tuple(second), layer_matrices=tuple(matrices))
+
+
+def _calibrated(model: CostModel, factor: float) -> CostModel:
+    return model if factor == 1.0 else ScaledCost(inner=model, factor=factor)
+
+
+def _plus(first: CostModel | None, second: CostModel) -> CostModel:
+    """`second`, plus `first` when there is one."""
+    return second if first is None else Sum(parts=(first, second))
