@@ -21,11 +21,13 @@ Design (DESIGN.md, "Runtime principles"):
   compute stream: top-k selects from the residual (error feedback) and packs. Prepared
   groups are *launched* (async collective) strictly in plan order: a group prepared early waits until
   every earlier group is launched, so all ranks issue the same collectives in the same order.
-- Buffers are allocated once. After a step each fp32 parameter's `.grad` is a view into its group's
+- Buffers are allocated once. After a step each parameter's `.grad` is a view into its group's
   flat buffer (as DDP's `gradient_as_bucket_view`): the result of the collective is the gradient, with
   no copy back. If the next backward accumulates into that view (`zero_grad(set_to_none=False)`) the
   copy into the buffer is skipped too; if `.grad` was replaced (the default `set_to_none=True`) it is
-  copied in. Parameters of other dtypes are copied in and out.
+  copied in. A dense group's buffer has its gradients' dtype (bf16 gradients travel as bf16, as in DDP;
+  a group of several dtypes is promoted); lossy groups work in fp32. Parameters of another dtype than
+  their buffer's are copied in and out.
 - A planned parameter with no gradient this step (unused in the forward) counts as zeros: its group
   is prepared and launched by `synchronize()`, and afterwards its `.grad` holds the average over ranks
   (zeros if no rank had a gradient). With `find_unused_parameters=True`, as DDP's option of that name,
@@ -240,9 +242,13 @@ class _GroupState:
         # Dense on one worker without momentum or clipping leaves the gradients as they are; every lossy or
         # compressing way computes (a single worker too: its arithmetic is part of the method).
         needs_buffer = kind is not CompressorKind.DENSE or world_size > 1 or momentum or clip is not None
-        self.flat: Tensor | None = torch.zeros(self.numel, dtype=torch.float32, device=device) if needs_buffer else None
+        # A plain dense group travels in its gradients' own dtype (bf16 as bf16, as DDP's buckets do; mixed dtypes
+        # promoted); every other way computes in fp32 (residuals, velocities, casts and factorisations).
+        plain = kind is CompressorKind.DENSE and not momentum and clip is None
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in params]) if plain else torch.float32
+        self.flat: Tensor | None = torch.zeros(self.numel, dtype=dtype, device=device) if needs_buffer else None
         self.views = _views(self.flat, params) if self.flat is not None else []
-        self.as_view = [p.dtype == torch.float32 for p in params]
+        self.as_view = [p.dtype == dtype for p in params]
         self.residual: Tensor | None = None
         self.velocity = torch.zeros(self.numel, dtype=torch.float32, device=device) if momentum else None
         self.send: Tensor | None = None

@@ -297,3 +297,26 @@ def test_mixed_plans_round_trip_through_json() -> None:
     assert again == plan
     assert [str(again.compressor_of(g)) for g in again.groups] == [SENT_AS[i % 4] for i in range(len(plan.groups))]
     assert again.selector == "exact" and again.sends_topk
+
+
+def _bf16_worker(rank: int, world_size: int) -> str:
+    """A bf16 model's dense groups travel as bf16 and average exactly as DDP's bf16 buckets do."""
+    ours, theirs = mlp().to(torch.bfloat16), mlp().to(torch.bfloat16)
+    ddp = DistributedDataParallel(theirs)
+    exchange = GradientExchange(ours, mixed_plan(ours, ["dense"], per_layer=False))
+    dtypes = {str(st.flat.dtype) for st in exchange._groups if st.flat is not None}
+    for step in range(2):
+        x, y = _batch(rank, step)
+        for model in (ours, ddp):
+            model.zero_grad()
+            nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), y).backward()
+        exchange.synchronize()
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None and p.grad.dtype == torch.bfloat16
+            assert torch.equal(p.grad, q.grad), (p.grad - q.grad).abs().max()
+    exchange.close()
+    return ",".join(sorted(dtypes))
+
+
+def test_bf16_gradients_travel_as_bf16_like_ddp() -> None:
+    assert run_distributed(_bf16_worker, 2) == ["torch.bfloat16"] * 2
