@@ -364,3 +364,17 @@ def test_the_plan_carries_what_kfac_leaves_out_and_show_lists_it(tmp_path: Path,
     assert main(["show", str(path)]) == 0
     out = capsys.readouterr().out
     assert "K-FAC preconditions 4 layers (--kfac-skip '^norm$'); 1 left to plain SGD: norm: LayerNorm" in out
+    # A plan (or profile) made before the layers left out were recorded says so, not "none left out".
+    doc = json.loads(path.read_text())
+    del doc["kfac"]["left_out"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(doc))
+    assert Plan.load(old).kfac.left_out is None  # type: ignore[union-attr]
+    assert main(["show", str(old)]) == 0
+    out = capsys.readouterr().out
+    assert "K-FAC preconditions 4 layers (--kfac-skip '^norm$'); which modules it leaves to plain SGD was not " \
+           "recorded" in " ".join(out.split())
+    prof_doc = profile.to_dict()
+    del prof_doc["kfac"]["left_out"]
+    assert Profile.from_dict(prof_doc).kfac.left_out is None  # type: ignore[union-attr]
+    assert make_kfac_plan(Profile.from_dict(prof_doc)).kfac.left_out is None  # type: ignore[union-attr]

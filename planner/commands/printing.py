@@ -120,14 +120,20 @@ def print_kfac(plan: object) -> None:
     print_left_out(len(k.layers), k.left_out, k.skip)
 
 
-def print_left_out(preconditioned: int, left_out: tuple[tuple[str, str], ...], skip: str | None) -> None:
-    """How many layers K-FAC preconditions, and every module it leaves to plain SGD, grouped by the reason."""
+def print_left_out(preconditioned: int, left_out: tuple[tuple[str, str], ...] | None, skip: str | None) -> None:
+    """How many layers K-FAC preconditions, and every module it leaves to plain SGD, grouped by the reason
+    (`left_out` None: a file made before they were recorded)."""
+    pattern = f" (--kfac-skip {skip!r})" if skip else ""
+    if left_out is None:
+        console.print(f"K-FAC preconditions {preconditioned} layers{pattern}; which modules it leaves to plain SGD "
+                      "was not recorded (a file made before they were listed: profile and solve again to see "
+                      "them).", markup=False, soft_wrap=True)
+        return
     by_reason: dict[str, list[str]] = {}
     for name, reason in left_out:
         by_reason.setdefault(reason, []).append(name)
     parts = [f"{', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}: {reason}"
              for reason, names in by_reason.items()]
-    pattern = f" (--kfac-skip {skip!r})" if skip else ""
     text = f"K-FAC preconditions {preconditioned} layers{pattern}"
     console.print(text + (f"; {len(left_out)} left to plain SGD: " + "; ".join(parts) if parts else "."),
                   markup=False, soft_wrap=True)

@@ -172,8 +172,11 @@ class KFACPrediction:
                    precondition_s=None if pre is None else expect_time(pre, f"{where}.precondition_s"))
 
 
-def left_out_from_json(value: Any, where: str) -> tuple[tuple[str, str], ...]:
-    """[[layer name, reason], ...] as checked pairs."""
+def left_out_from_json(value: Any, where: str) -> tuple[tuple[str, str], ...] | None:
+    """[[layer name, reason], ...] as checked pairs; None (absent or null: files made before the layers left
+    out were listed) stays None, "not recorded", which is not "none"."""
+    if value is None:
+        return None
     out = []
     for i, pair in enumerate(expect(value, list, where)):
         if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
@@ -234,7 +237,7 @@ class KFACSection:
     #: The --kfac-skip pattern the profile was measured with (the runtime and bench follow it); None: none.
     skip: str | None = None
     #: (name, reason) of the model's modules with trainable parameters that K-FAC leaves to plain SGD.
-    left_out: tuple[tuple[str, str], ...] = ()
+    left_out: tuple[tuple[str, str], ...] | None = ()
 
     def __post_init__(self) -> None:
         if self.skip is not None:
@@ -366,7 +369,7 @@ class KFACSection:
                 "lower_bound_s": self.lower_bound_s,
             },
             "skip": self.skip,
-            "left_out": [list(pair) for pair in self.left_out],
+            "left_out": None if self.left_out is None else [list(pair) for pair in self.left_out],
         }
 
     @classmethod
@@ -442,7 +445,7 @@ class KFACSection:
             baselines=baselines,
             lower_bound_s=lower,
             skip=None if data.get("skip") is None else expect(data["skip"], str, f"{where}.skip"),
-            left_out=left_out_from_json(data.get("left_out", []), f"{where}.left_out"),
+            left_out=left_out_from_json(data.get("left_out"), f"{where}.left_out"),
         )
 
     @classmethod

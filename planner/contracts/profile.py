@@ -679,8 +679,8 @@ class KFACTiming:
     inverse: DimCurve
     eigen: DimCurve
     #: (name, reason) of the modules with trainable parameters K-FAC leaves to plain SGD
-    #: (`planner.contracts.kfac.kfac_left_out`); empty in profiles made before they were listed.
-    left_out: tuple[tuple[str, str], ...] = ()
+    #: (`planner.contracts.kfac.kfac_left_out`); None in profiles made before they were listed (not recorded).
+    left_out: tuple[tuple[str, str], ...] | None = ()
     #: The --kfac-skip pattern the layers were measured with (None: none).
     skip: str | None = None
 
@@ -693,7 +693,7 @@ class KFACTiming:
             "layers": [lt.to_dict() for lt in self.layers],
             "inverse": self.inverse.to_dict(),
             "eigen": self.eigen.to_dict(),
-            "left_out": [list(pair) for pair in self.left_out],
+            "left_out": None if self.left_out is None else [list(pair) for pair in self.left_out],
             "skip": self.skip,
         }
 
@@ -707,7 +707,7 @@ class KFACTiming:
             layers=tuple(KFACLayerTiming.from_dict(x, f"{where}.layers[{i}]") for i, x in enumerate(layers)),
             inverse=DimCurve.from_dict(data["inverse"], f"{where}.inverse"),
             eigen=DimCurve.from_dict(data["eigen"], f"{where}.eigen"),
-            left_out=left_out_from_json(data.get("left_out", []), f"{where}.left_out"),
+            left_out=left_out_from_json(data.get("left_out"), f"{where}.left_out"),
             skip=None if skip is None else expect(skip, str, f"{where}.skip"),
         )
 
