@@ -16,7 +16,17 @@ from planner.costmodel.problem import topk_count
 from planner.kernels.topk import SELECTORS, decode, pack, select_topk
 from planner.platform.timing import median, time_call
 
-__all__ = ["measure_topk"]
+__all__ = ["measure_topk", "topk_point_bytes"]
+
+
+def topk_point_bytes(numel: int, density: float, world_size: int) -> int:
+    """Memory one (size, density) point of `measure_topk` takes at its peak, about: the gradient, residual and
+    output (3 x 4 bytes per element), the selectors' working copies and sort (about 28 bytes per element,
+    measured on a CPU), and per selected value its index and value twice (24 bytes) and the P packed
+    messages and their concatenation (16 P bytes). 8 M elements on 2 workers measured 42, 36 and 85 bytes
+    per element at densities 0.01, 0.1 and 1; this gives 40, 46 and 84."""
+    k = topk_count(numel, density)
+    return 40 * numel + (24 + 16 * world_size) * k
 
 
 def measure_topk(
@@ -27,19 +37,31 @@ def measure_topk(
     *,
     repeats: int,
     warmup: int,
+    max_point_bytes: int | None = None,
     on_point: Callable[[], object] = lambda: None,
 ) -> TopkTiming:
     """Median seconds of `select_topk` with each selector for each (size, density), and of `decode` of the
     P*k values gathered at each (size, density). `on_point` is called once per (size, density), after
-    every selector and the decode."""
+    every selector and the decode.
+
+    `max_point_bytes`: a (size, density) point estimated to take more memory (`topk_point_bytes`) is not
+    measured, except the two smallest sizes (a curve needs two points); the cost curves extend the largest
+    measured sizes linearly to it. None: every point."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     select: dict[str, list[tuple[int, float, float]]] = {s: [] for s in SELECTORS}
     decode_points = []
+    smallest = sorted(set(sizes))[:2]
     for n in sizes:
+        fits = [d for d in densities
+                if max_point_bytes is None or n in smallest or topk_point_bytes(n, d, world_size) <= max_point_bytes]
+        for _ in range(len(densities) - len(fits)):
+            on_point()
+        if not fits:
+            continue
         grad = torch.randn(n, generator=gen).to(device)
         residual = torch.zeros(n, device=device)
         out = torch.empty(n, device=device)
-        for d in densities:
+        for d in fits:
             k = topk_count(n, d)
             for selector in SELECTORS:
                 call = partial(select_topk, grad, residual, k, selector=selector)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -283,6 +284,8 @@ def _silent_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch.Te
                 on_point()
     finally:
         exchange.close()
+        del exchange, hooked
+        gc.collect()  # the copy and its hooks form cycles: free them before the next configuration copies again
     return median(gathered(extra, process_group)), median(gathered(finish, process_group))
 
 
@@ -301,6 +304,8 @@ def _ddp_extra_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch
         if i:
             extra.append(with_ddp - alone)
             on_point()
+    del wrapped
+    gc.collect()
     return median(gathered(extra, group))
 
 
@@ -326,6 +331,8 @@ def _ddp_powersgd_extra_seconds(workload: Workload, plain: torch.nn.Module, inpu
         if i:
             extra.append(with_ddp - alone_s)
             on_point()
+    del wrapped, state
+    gc.collect()
     return median(gathered(extra, group))
 
 

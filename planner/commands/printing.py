@@ -11,6 +11,11 @@ from planner.console import console, err_console
 from planner.types import Strategy
 
 
+def gib(n_bytes: float) -> str:
+    """Bytes as GiB with two decimals ("1.25 GiB")."""
+    return f"{n_bytes / 2**30:.2f} GiB"
+
+
 def _ms(seconds: float) -> str:
     """Seconds as milliseconds, two decimals."""
     return f"{seconds * 1e3:,.2f}"
@@ -196,6 +201,9 @@ def print_profile(profile: object) -> None:
                               "again on a quieter machine, or with more --repeats and --warmup", markup=False)
         else:
             console.print(line)
+    if profile.peak_memory:
+        phases = ", ".join(f"{name} {gib(b)}" for name, b in profile.peak_memory.items())
+        console.print(f"peak memory of the busiest worker, per phase of the profile: {phases}", soft_wrap=True)
     if profile.throughput is not None:
         tp = profile.throughput
         rates = "; ".join(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from planner.contracts.profile import InSitu, Profile, WorkerThroughput
 from planner.models import build_workload
 from planner.platform.launch import device_for, resolve_backend
 from planner.platform.link import LinkRate
+from planner.platform.memory import PhaseMemory, available_bytes
 from planner.platform.slowdown import Slowdown
 from planner.platform.timing import median
 from planner.types import Collective, DistributedError, PlannerError
@@ -69,6 +71,21 @@ class ProfileConfig:
     slowdown: Slowdown | None = None
 
 
+#: Share of the memory available to each worker on a host that one top-k point may take (`measure_topk`).
+TOPK_MEMORY_SHARE = 0.5
+
+
+def topk_budget(world_size: int) -> int | None:
+    """Bytes one top-k point may take on every rank (the least over the ranks): `TOPK_MEMORY_SHARE` of the
+    memory available, shared by the workers of a host; None where it cannot be read. Every rank calls it."""
+    mine = available_bytes()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    budget = torch.tensor([-1 if mine is None else int(TOPK_MEMORY_SHARE * mine / max(1, local))],
+                          dtype=torch.int64)
+    dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+    return None if budget.item() < 0 else int(budget.item())
+
+
 def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile | None:
     """Body run on every rank of an initialised process group; rank 0 returns the profile."""
     backend = dist.get_backend()
@@ -93,8 +110,10 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
     sizes = log_sizes(1 << 10, max(numel_total * 4, 1 << 20))
     topk_sizes = log_sizes(1 << 10, max(numel_total, max_layer, 1 << 12), factor=4)  # two sizes at least: fits
     colls = [Collective.ALLREDUCE, Collective.ALLGATHER, Collective.BROADCAST]
+    memory = PhaseMemory()
     with progress(enabled=show) as bar:
         if not config.only_comm:
+            memory.begin("layers")
             task = bar.add_task(f"layers of {config.model}", total=config.warmup + config.repeats)
             run = measure_layers(
                 workload, device, repeats=config.repeats, warmup=config.warmup,
@@ -117,28 +136,32 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             dist.all_gather_object(every, mine)
             throughput = WorkerThroughput(batch_sizes=sizes_tp,
                                           step_s=tuple(tuple(row) for row in every))  # type: ignore[arg-type]
+        memory.begin("collectives")
         task = bar.add_task("collectives", total=len(colls) * len(sizes))
         curves = measure_collectives(
             colls, sizes, device, repeats=config.comm_repeats, warmup=2, on_point=lambda: bar.advance(task)
         )
         topk = pack = interference = in_situ = compress = None
         if not config.only_comm:
+            memory.begin("top-k")
             task = bar.add_task("top-k selection and decode", total=len(config.densities) * len(topk_sizes))
             topk = measure_topk(
                 topk_sizes, config.densities, world_size, device, repeats=5, warmup=1,
-                on_point=lambda: bar.advance(task),
+                max_point_bytes=topk_budget(world_size), on_point=lambda: bar.advance(task),
             )
             task = bar.add_task("packing", total=len(topk_sizes))
             pack = measure_packing(topk_sizes, world_size, device, repeats=5, warmup=1,
                                    on_point=lambda: bar.advance(task))
             assert layer_results is not None
             if config.powersgd_ranks:
+                memory.begin("fp16 and PowerSGD")
                 params = dict(workload.module.named_parameters())
                 shaped = [(lt.name, tuple(tuple(params[p].shape) for p in lt.params)) for lt in layer_results[0]]
                 task = bar.add_task("fp16 and PowerSGD", total=compress_points(topk_sizes, shaped,
                                                                               config.powersgd_ranks))
                 compress = measure_compress(topk_sizes, shaped, config.powersgd_ranks, world_size, device,
                                             repeats=5, warmup=1, on_point=lambda: bar.advance(task))
+            memory.begin("the runtime in real steps")
             task = bar.add_task("the runtime in real steps",
                                 total=IN_SITU_REPEATS * in_situ_runs(world_size, topk, compress))
             in_situ = measure_in_situ(
@@ -147,6 +170,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                 repeats=IN_SITU_REPEATS, compress=compress, on_point=lambda: bar.advance(task),
             )
             if world_size > 1:
+                memory.begin("compute while communicating")
                 interfering = [Collective.ALLREDUCE, Collective.ALLGATHER]
                 task = bar.add_task("compute while communicating", total=len(interfering) * INTERFERENCE_REPEATS)
                 interference = measure_interference(
@@ -156,6 +180,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                 )
         kfac = base.kfac if base is not None else None
         if config.kfac and not config.only_comm:
+            memory.begin("K-FAC")
             task = bar.add_task("K-FAC factors and inversions",
                                 total=kfac_points(workload, config.max_dim, config.kfac_skip))
             kfac = measure_kfac(
@@ -166,8 +191,13 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             hooks = measure_kfac_in_situ(workload, device, kfac, repeats=IN_SITU_REPEATS,
                                          on_point=lambda: bar.advance(task))
             in_situ = replace(in_situ or InSitu(), kfac_factors=hooks)
+        memory.end()
+    peaks: list[object] = [None] * world_size
+    dist.all_gather_object(peaks, memory.peaks)
     if rank != 0:
         return None
+    every_rank: list[dict[str, int]] = peaks  # type: ignore[assignment]
+    peak_memory = {name: max(p.get(name, 0) for p in every_rank) for name in memory.peaks}
     cluster = current_cluster(device)
     created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     if config.only_comm:
@@ -199,6 +229,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         throughput=throughput,
         in_situ=in_situ,
         compress=compress,
+        peak_memory=peak_memory or None,
     )
 
 

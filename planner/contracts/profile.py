@@ -50,6 +50,9 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
           {"layer", "rank", "shapes": [[64, 3, 3, 3], [64]], "compress_s", "middle_s", "decompress_s"}, ...
         ]
       },
+      "peak_memory": {"layers": 812345344, "top-k": ..., ...},    # null or absent: not measured; bytes
+                                                                  # resident at the peak of each phase
+                                                                  # (the busiest worker's)
       "kfac": {                                                   # null or absent when not measured
         "layers": [                                               # Linear/Conv2d layers, forward order
           {"name", "a_dim", "g_dim", "a_compute_s", "g_compute_s", "fold_s",
@@ -863,6 +866,14 @@ class WorkerThroughput:
         return cls(batch_sizes=sizes, step_s=rows)
 
 
+def _peak_memory(data: Any) -> dict[str, int]:
+    """{"phase": bytes, ...} as checked values: names, and whole numbers of bytes >= 0."""
+    out = {}
+    for name, value in expect(data, dict, "profile.peak_memory").items():
+        out[name] = expect_int(value, f"profile.peak_memory.{name}", 0, 1 << 60, SchemaError)
+    return out
+
+
 def _interference(data: Any) -> dict[Collective, float]:
     """{"allreduce": sigma, ...} as checked values: known collectives, finite numbers >= 0."""
     out = {}
@@ -903,6 +914,9 @@ class Profile:
     in_situ: InSitu | None = None
     throughput: WorkerThroughput | None = None
     compress: CompressTiming | None = None
+    #: Peak resident memory of the busiest worker in each phase of `planner profile`, in bytes (None: not
+    #: measured, e.g. on another OS or in profiles made before it was).
+    peak_memory: dict[str, int] | None = None
     element_bytes: int = 4
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -977,6 +991,7 @@ class Profile:
             "in_situ": None if self.in_situ is None else self.in_situ.to_dict(),
             "throughput": None if self.throughput is None else self.throughput.to_dict(),
             "compress": None if self.compress is None else self.compress.to_dict(),
+            "peak_memory": self.peak_memory,
         }
 
     @property
@@ -1002,13 +1017,13 @@ class Profile:
         if data.get("kind") != PROFILE_KIND:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
         data = {"kfac": None, "step_s": None, "pack": None, "interference": None, "in_situ": None,
-                "throughput": None, "compress": None, **data}
+                "throughput": None, "compress": None, "peak_memory": None, **data}
         check_fields(
             data,
             "profile",
             ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
              "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s",
-             "pack", "interference", "in_situ", "throughput", "compress"],
+             "pack", "interference", "in_situ", "throughput", "compress", "peak_memory"],
         )
         collectives = {}
         for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
@@ -1046,6 +1061,7 @@ class Profile:
             throughput=None if data["throughput"] is None else WorkerThroughput.from_dict(data["throughput"]),
             compress=(None if data["compress"] is None
                       else CompressTiming.from_dict(data["compress"], "profile.compress")),
+            peak_memory=None if data["peak_memory"] is None else _peak_memory(data["peak_memory"]),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -1,0 +1,70 @@
+"""What `planner profile` holds in memory: the peak of each phase is measured and kept in the profile, and the
+top-k sweep leaves out the points that would not fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.commands.cli import main
+from planner.contracts.profile import Profile
+from planner.platform.memory import PhaseMemory, available_bytes, peak_rss_bytes, rss_bytes
+from planner.types import SchemaError
+from profilers.topk import measure_topk, topk_point_bytes
+from tests.factories import synthetic_profile
+
+CPU = torch.device("cpu")
+linux = pytest.mark.skipif(peak_rss_bytes() is None, reason="reads /proc (Linux)")
+
+
+@linux
+def test_each_phase_has_its_own_peak() -> None:
+    memory = PhaseMemory()
+    memory.begin("big")
+    big = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+    del big
+    memory.begin("small")
+    small = torch.ones(1 << 10, dtype=torch.uint8)
+    del small
+    memory.end()
+    assert list(memory.peaks) == ["big", "small"]
+    assert memory.peaks["big"] - memory.peaks["small"] > 48 << 20  # the second phase's peak starts afresh
+    rss, available = rss_bytes(), available_bytes()
+    assert rss is not None and available is not None and rss > 0 and available > 0
+
+
+def test_the_topk_sweep_leaves_out_what_does_not_fit() -> None:
+    sizes, densities = [1 << 10, 1 << 12, 1 << 14, 1 << 16], [0.01, 1.0]
+    budget = topk_point_bytes(1 << 14, 0.01, 2)  # the third size fits at 1% only; the fourth not at all
+    assert topk_point_bytes(1 << 14, 1.0, 2) > budget
+    calls: list[int] = []
+    timing = measure_topk(sizes, densities, 2, CPU, repeats=1, warmup=0, max_point_bytes=budget,
+                          on_point=lambda: calls.append(1))
+    measured = {(n, d) for n, d, _ in timing.select}
+    assert measured == {(1 << 10, 0.01), (1 << 10, 1.0), (1 << 12, 0.01), (1 << 12, 1.0), (1 << 14, 0.01)}
+    assert len(calls) == len(sizes) * len(densities)  # progress counts the points left out too
+    # The curves reach the sizes left out by extending the measured ones.
+    assert timing.select_model(1.0).cost(1 << 16) > timing.select_model(1.0).cost(1 << 12) > 0
+    # The two smallest sizes are measured whatever the budget: a curve needs two points.
+    tiny = measure_topk(sizes[:3], [0.01], 2, CPU, repeats=1, warmup=0, max_point_bytes=1)
+    assert {n for n, _, _ in tiny.select} == {1 << 10, 1 << 12}
+
+
+def test_peak_memory_round_trips_is_checked_and_shown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dataclasses import replace
+
+    profile = replace(synthetic_profile("mlp"), peak_memory={"layers": 3 << 30, "top-k": 1 << 29})
+    doc = profile.to_dict()
+    assert Profile.from_dict(json.loads(json.dumps(doc))) == profile
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert main(["show", str(path)]) == 0
+    assert "per phase of the profile: layers 3.00 GiB, top-k 0.50 GiB" in " ".join(capsys.readouterr().out.split())
+    del doc["peak_memory"]  # profiles made before it was measured
+    assert Profile.from_dict(doc).peak_memory is None
+    doc["peak_memory"] = {"layers": -1}
+    with pytest.raises(SchemaError, match=r"peak_memory\.layers must be an integer between 0"):
+        Profile.from_dict(doc)
