@@ -68,3 +68,19 @@ def test_peak_memory_round_trips_is_checked_and_shown(tmp_path: Path, capsys: py
     doc["peak_memory"] = {"layers": -1}
     with pytest.raises(SchemaError, match=r"peak_memory\.layers must be an integer between 0"):
         Profile.from_dict(doc)
+
+
+@linux
+def test_a_profile_that_cannot_fit_is_refused_before_it_starts(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import planner.commands.profile as profile_cmd
+
+    out = tmp_path / "p.json"
+    # An MLP of 1.6 MB of parameters on 2 workers needs (7 + 2) copies each: refused with 20 MB available.
+    monkeypatch.setattr(profile_cmd, "available_bytes", lambda: 20 << 20)
+    proc_args = ["profile", "--model", "mlp", "--nproc", "2", "-o", str(out)]
+    assert main(proc_args) == 2 and not out.exists()
+    with pytest.raises(profile_cmd.PlannerError, match=r"profiling mlp with 2 worker\(s\) on this host needs at "
+                                                        r"least .* but 0\.02 GiB is available: use fewer --nproc"):
+        profile_cmd.check_memory("mlp", None, 2, world_size=2)
+    assert profile_cmd.memory_floor(1000, 4) == 11_000

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from planner.commands.printing import gib
 from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.profile import InSitu, Profile, WorkerThroughput
@@ -233,6 +234,31 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
     )
 
 
+def memory_floor(model_bytes: int, world_size: int) -> int:
+    """Bytes one worker of `planner profile` holds at the least, activations aside: the model, its gradients and
+    momentum, the in-situ runs' copy of the model with its gradients and flat buffer, and the largest
+    collective, an allgather of the whole gradient (P + 1 copies): (7 + P) times the model."""
+    return (7 + world_size) * model_bytes
+
+
+def check_memory(model: str, batch_size: int | None, local_workers: int, *, world_size: int) -> None:
+    """Refuse, before any worker starts, a profile whose workers on this host cannot fit in the memory
+    available (`memory_floor` each); nothing where the memory cannot be read."""
+    available = available_bytes()
+    if available is None:
+        return
+    module = build_workload(model, batch_size=batch_size).module
+    model_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    del module
+    need = local_workers * memory_floor(model_bytes, world_size)
+    if need > available:
+        raise PlannerError(
+            f"profiling {model} with {local_workers} worker(s) on this host needs at least {gib(need)} ("
+            f"{7 + world_size} copies of its {gib(model_bytes)} of parameters per worker: weights, gradients, "
+            f"momentum, the in-situ copy and buffer, the gathered gradient), but {gib(available)} is available: "
+            "use fewer --nproc, free memory, or profile on a larger machine")
+
+
 def run_profile(config: ProfileConfig) -> Profile:
     """Profile under torchrun (this process is one rank) or by starting `config.nproc` local workers."""
     from planner.platform.launch import run_job, under_torchrun
@@ -241,7 +267,11 @@ def run_profile(config: ProfileConfig) -> Profile:
         raise PlannerError(f"--only comm updates an existing profile, but {config.output} does not exist")
     if config.nproc < 1:
         raise PlannerError(f"`--nproc >= 1` must hold, but got --nproc {config.nproc}")
-    profile = run_job(profile_worker, config.nproc, config, backend=resolve_backend(config.backend),
+    backend = resolve_backend(config.backend)
+    if not config.only_comm and backend == "gloo":
+        check_memory(config.model, config.batch_size, config.nproc if not under_torchrun() else
+                     int(os.environ.get("LOCAL_WORLD_SIZE", "1")), world_size=config.nproc)
+    profile = run_job(profile_worker, config.nproc, config, backend=backend,
                       link=config.link, slowdown=config.slowdown)
     if profile is None and under_torchrun():  # not rank 0: nothing to write
         raise SystemExit(0)
