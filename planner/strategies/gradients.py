@@ -9,9 +9,9 @@ from dataclasses import replace
 from planner.contracts.layers import LayerSpec, groups_for
 from planner.contracts.plan import Plan, check_selector
 from planner.contracts.profile import Profile
-from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DDP_BASELINE, GroupingSolver, lower_bound, solve_exact
+from planner.strategies.problems import gradient_problem
 from planner.types import SchemaError, Strategy
 
 __all__ = ["make_plan"]
