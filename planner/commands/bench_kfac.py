@@ -21,7 +21,9 @@ its `kfac.preconditioner.KFACPreconditioner` under DDP in COMM_OPT, MEM_OPT and 
 them are the same gradient-worker fraction, as MEM_OPT and HYBRID_OPT are at 2 workers), in the same processes and
 interleaved with the other variants, with the plan's intervals, method and skip pattern, its other settings at
 their defaults (factor decay 0.95, KL clip 0.001, as this runtime's). Its gradients travel in DDP's buckets, not
-in the plan's groups. Speed-ups are then against the real COMM_OPT, else against its layout in this runtime.
+in the plan's groups, and its copy of the model has in-place activations turned off (kfac-pytorch's backward
+hooks refuse a hooked layer's output modified in place; the values are the same, the memory traffic a little
+higher). Speed-ups are then against the real COMM_OPT, else against its layout in this runtime.
 
 A K-FAC step is not like the next (factors every `factor_update_steps`, inverses every `inv_update_steps`),
 so the unit of measurement is a window of `inv_update_steps` steps: its time divided by its steps is one
@@ -38,6 +40,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from planner.commands.bench import BenchResult, slowest_rank, timed_step
 from planner.console import err_console, progress
@@ -140,6 +143,11 @@ def _peer_runner(config: KFACBenchConfig, strategy: str) -> tuple:
     k = config.plan.kfac
     assert k is not None
     wl = build_workload(config.model, batch_size=config.batch_size)  # the same weights as every variant's
+    # kfac-pytorch's full backward hooks refuse a hooked layer's output changed in place (ReLU(inplace=True)):
+    # the same activations, out of place.
+    for module in wl.module.modules():
+        if isinstance(module, (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.Hardtanh, nn.SiLU, nn.Dropout)):
+            module.inplace = False
     model = DistributedDataParallel(wl.module)
     peer = PeerPreconditioner(
         model, factor_update_steps=k.factor_update_steps, inv_update_steps=k.inv_update_steps,
