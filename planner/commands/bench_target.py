@@ -37,6 +37,7 @@ from planner.commands.bench import DEFAULT_PEERS, LOCAL, Variant, bench_variants
 from planner.console import console, progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.plan import Plan
+from planner.platform.memory import available_bytes
 from planner.tasks import Task, build_task
 from planner.types import Compressor, PlanMismatchError, PlannerError
 
@@ -162,15 +163,7 @@ def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, rep
 def snapshot_cap(state_bytes: int, fraction: float) -> int:
     """How many copies of a model state of `state_bytes` fit in `fraction` of the memory available now (Linux's
     MemAvailable; 4 GiB where it cannot be read), at least 8."""
-    available = 4 << 30
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
+    available = available_bytes() or 4 << 30
     return max(8, int(fraction * available) // max(1, state_bytes))
 
 
