@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,12 +13,13 @@ from planner.contracts.profile import LayerTiming
 from planner.models import Workload
 from planner.platform.timing import Marks, iqr, median, time_call
 
-__all__ = ["LayerRun", "combine_ranks", "measure_layers", "measure_steps"]
+__all__ = ["LayerRun", "LayerSummary", "combine_ranks", "measure_layers"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class LayerRun:
-    """One rank's measurements: per-layer samples in measured ready order, and whole-phase samples."""
+    """One rank's measurements: per-layer samples in measured ready order, whole-phase samples, and whole steps
+    without hooks (`whole`) taken between the hooked ones."""
 
     order: tuple[str, ...]
     params: dict[str, tuple[str, ...]]
@@ -28,6 +29,7 @@ class LayerRun:
     forward_total: list[float]
     backward_total: list[float]
     update: list[float]
+    whole: list[float] = field(default_factory=list)
 
 
 def measure_layers(
@@ -39,10 +41,14 @@ def measure_layers(
     barrier: Callable[[], object] = lambda: None,
     on_step: Callable[[], object] = lambda: None,
 ) -> LayerRun:
-    """Run forward/backward/update `warmup + repeats` times, timing each layer from module and grad hooks.
+    """Run forward/backward/update `warmup + repeats` times, timing each layer from module and grad hooks,
+    and as many whole steps without hooks between them (`LayerRun.whole`).
 
     A layer's backward time is the gap between the previous layer's gradient becoming ready (or the start
     of backward) and its own: b_i of the timeline model. The ready order is read from the hooks, not assumed.
+    Hooked and plain steps alternate (plain first on odd repeats) so both see the machine in the same state:
+    on a shared machine the speed of the same step drifts by tens of percent from one minute to the next,
+    and the whole steps are the cross-check (and the scale, `combine_ranks`) of the sum of the parts.
     """
     model = workload.module.to(device)
     specs = gradient_layers(model)
@@ -58,23 +64,39 @@ def measure_layers(
         if remaining[layer] == 0:
             bmarks.mark(layer)
 
-    handles = []
-    for pname, p in model.named_parameters():
-        if pname in layer_of:
-            handles.append(p.register_post_accumulate_grad_hook(lambda _t, n=pname: on_ready(n)))
-    for s in specs:
-        mod = modules["" if s.name == "<root>" else s.name]
-        handles.append(mod.register_forward_pre_hook(lambda _m, _i, n=s.name: fmarks.mark(">" + n)))
-        handles.append(mod.register_forward_hook(lambda _m, _i, _o, n=s.name: fmarks.mark("<" + n)))
+    def install() -> list[torch.utils.hooks.RemovableHandle]:
+        handles = []
+        for pname, p in model.named_parameters():
+            if pname in layer_of:
+                handles.append(p.register_post_accumulate_grad_hook(lambda _t, n=pname: on_ready(n)))
+        for s in specs:
+            mod = modules["" if s.name == "<root>" else s.name]
+            handles.append(mod.register_forward_pre_hook(lambda _m, _i, n=s.name: fmarks.mark(">" + n)))
+            handles.append(mod.register_forward_hook(lambda _m, _i, _o, n=s.name: fmarks.mark("<" + n)))
+        return handles
 
     inputs, targets = (t.to(device) for t in workload.batch(seed=1234))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def plain_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        workload.loss_fn(model(inputs), targets).backward()
+        optimizer.step()
+
+    def timed_plain() -> float:
+        barrier()
+        return time_call(plain_step, device, repeats=1, warmup=0)[0]
+
     forward: dict[str, list[float]] = {s.name: [] for s in specs}
     backward: dict[str, list[float]] = {s.name: [] for s in specs}
-    forward_total, backward_total, update = [], [], []
+    forward_total, backward_total, update, whole = [], [], [], []
     order: tuple[str, ...] = ()
-    try:
-        for rep in range(warmup + repeats):
+    for rep in range(warmup + repeats):
+        plain_first = rep % 2 == 1
+        if plain_first:
+            whole.append(timed_plain())
+        handles = install()
+        try:
             barrier()
             optimizer.zero_grad(set_to_none=True)
             remaining.update(counts)
@@ -87,31 +109,33 @@ def measure_layers(
             loss.backward()
             bmarks.mark("end")
             step = time_call(optimizer.step, device, repeats=1, warmup=0)
-            on_step()
-            if rep < warmup:
-                continue
-            f = fmarks.seconds()
-            b = bmarks.seconds()
-            forward_total.append(f[-1][1])
-            backward_total.append(b[-1][1])
-            update.extend(step)
-            opened: dict[str, float] = {}
-            for label, t in f[1:-1]:
-                if label[0] == ">":
-                    opened[label[1:]] = t
-                elif label[1:] in opened:
-                    forward[label[1:]].append(t - opened.pop(label[1:]))
-            ready = [(label, t) for label, t in b[1:-1]]
-            this_order = tuple(label for label, _ in ready)
-            if not order:
-                order = this_order
-            prev = 0.0
-            for label, t in ready:
-                backward[label].append(t - prev)
-                prev = t
-    finally:
-        for h in handles:
-            h.remove()
+        finally:
+            for h in handles:
+                h.remove()
+        if not plain_first:
+            whole.append(timed_plain())
+        on_step()
+        if rep < warmup:
+            continue
+        f = fmarks.seconds()
+        b = bmarks.seconds()
+        forward_total.append(f[-1][1])
+        backward_total.append(b[-1][1])
+        update.extend(step)
+        opened: dict[str, float] = {}
+        for label, t in f[1:-1]:
+            if label[0] == ">":
+                opened[label[1:]] = t
+            elif label[1:] in opened:
+                forward[label[1:]].append(t - opened.pop(label[1:]))
+        ready = [(label, t) for label, t in b[1:-1]]
+        this_order = tuple(label for label, _ in ready)
+        if not order:
+            order = this_order
+        prev = 0.0
+        for label, t in ready:
+            backward[label].append(t - prev)
+            prev = t
     # Layers whose gradients never arrived (unused parameters) go last with zero backward time.
     missing = tuple(s.name for s in specs if s.name not in order)
     for name in missing:
@@ -125,35 +149,8 @@ def measure_layers(
         forward_total=forward_total,
         backward_total=backward_total,
         update=update,
+        whole=whole[warmup:],
     )
-
-
-def measure_steps(
-    workload: Workload,
-    device: torch.device,
-    *,
-    repeats: int,
-    warmup: int,
-    barrier: Callable[[], object] = lambda: None,
-) -> list[float]:
-    """Seconds of whole local training steps (zero_grad, forward, backward, update), no hooks, no communication.
-
-    The cross-check of the per-layer measurements: their sum F + sum(b_i) + U should match these steps.
-    """
-    model = workload.module.to(device)
-    inputs, targets = (t.to(device) for t in workload.batch(seed=1234))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        workload.loss_fn(model(inputs), targets).backward()
-        optimizer.step()
-
-    times = []
-    for _ in range(warmup + repeats):
-        barrier()
-        times.extend(time_call(step, device, repeats=1, warmup=0))
-    return times[warmup:]
 
 
 def throughput_batch_sizes(batch_size: int) -> tuple[int, ...]:
@@ -215,27 +212,53 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def combine_ranks(runs: list[LayerRun]) -> tuple[list[LayerTiming], float, float, float]:
-    """Layer timings of the slowest worker (largest median forward + backward + update), in rank 0's ready
-    order, and its F, B, U medians.
+@dataclass(frozen=True)
+class LayerSummary:
+    """What the profile keeps of the layers phase: per-layer timings and F, B, U of the slowest worker, scaled
+    to its whole steps; `step_s` those whole steps (None when none were timed), `scale` the factor applied."""
+
+    layers: list[LayerTiming]
+    forward_s: float
+    backward_s: float
+    update_s: float
+    step_s: float | None
+    scale: float | None
+
+
+def combine_ranks(runs: list[LayerRun]) -> LayerSummary:
+    """Layer timings of the slowest worker (largest median whole step, or forward + backward + update when
+    no whole steps were timed), in rank 0's ready order, and its F, B, U medians, all scaled by one factor so
+    that F + sum(b_i) + U equals the median of its whole steps.
 
     A synchronous step goes at the pace of its slowest worker, so that worker's times are the ones to
     plan with; on workers of equal speed it is whichever one the machine happened to slow down most
-    (two processes sharing a few cores are seldom equal).
+    (two processes sharing a few cores are seldom equal). The scale takes out what the hooks add and what a
+    sum of medians adds over the median of sums; the whole steps ran between the hooked ones, so the machine's
+    drift is not in it.
     """
     first = runs[0]
-    slowest = max(runs, key=lambda r: median(r.forward_total) + median(r.backward_total) + median(r.update))
-    layers = []
-    for name in first.order:
-        b = slowest.backward[name]
-        layers.append(
-            LayerTiming(
-                name=name,
-                params=first.params[name],
-                numel=first.numel[name],
-                forward_s=median(slowest.forward[name]),
-                backward_s=median(b),
-                backward_iqr_s=iqr(b),
-            )
+
+    def parts(r: LayerRun) -> float:
+        return median(r.forward_total) + median(r.backward_total) + median(r.update)
+
+    timed = all(r.whole for r in runs)
+    slowest = max(runs, key=lambda r: median(r.whole) if timed else parts(r))
+    fwd, upd = median(slowest.forward_total), median(slowest.update)
+    backward = {name: median(slowest.backward[name]) for name in first.order}
+    step_s = median(slowest.whole) if timed else None
+    summed = fwd + sum(backward.values()) + upd
+    scale = step_s / summed if step_s is not None and summed > 0 else None
+    k = 1.0 if scale is None else scale
+    layers = [
+        LayerTiming(
+            name=name,
+            params=first.params[name],
+            numel=first.numel[name],
+            forward_s=k * median(slowest.forward[name]),
+            backward_s=k * backward[name],
+            backward_iqr_s=k * iqr(slowest.backward[name]),
         )
-    return layers, median(slowest.forward_total), median(slowest.backward_total), median(slowest.update)
+        for name in first.order
+    ]
+    return LayerSummary(layers=layers, forward_s=k * fwd, backward_s=k * median(slowest.backward_total),
+                        update_s=k * upd, step_s=step_s, scale=scale)

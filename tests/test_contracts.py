@@ -221,6 +221,28 @@ def test_the_whole_step_cross_check_round_trips_and_warns_past_ten_percent(
     assert Profile.load(tmp_path / "old.json").step_s is None
 
 
+def test_parts_scaled_to_the_whole_round_trip_print_their_scale_and_warn_past_ten_percent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dataclasses import replace
+
+    profile = synthetic_profile()
+    scaled = replace(profile, step_s=profile.parts_s, parts_scale=0.95)
+    far = replace(profile, step_s=profile.parts_s, parts_scale=0.8)
+    for p in (scaled, far):
+        p.save(tmp_path / "p.json")
+        assert Profile.load(tmp_path / "p.json") == p
+        assert main(["show", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr()
+    assert "scaled by 0.950 to match" in out.out
+    assert out.err.count("warning: whole local steps") == 1 and "scaled by 0.800" in out.err
+    for bad in (0, -1.0, "1", True):
+        doc = {**scaled.to_dict(), "parts_scale": bad}
+        (tmp_path / "bad.json").write_text(json.dumps(doc))
+        proc = _cli("show", str(tmp_path / "bad.json"))
+        _one_clear_line(proc, "parts_scale")
+
+
 def _layer(doc: dict, index: int, **fields: object) -> dict:
     layers = [dict(layer) for layer in doc["layers"]]
     layers[index].update(fields)

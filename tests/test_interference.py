@@ -162,23 +162,58 @@ def test_interference_is_measured_on_two_processes_and_refuses_a_chain_too_short
     assert all("could not keep allreduces in flight for a whole backward pass" in r for r in refused), refused
 
 
+def _layer_run(order: tuple[str, ...], scale: float, whole: list[float] | None = None) -> object:
+    from profilers.layers import LayerRun
+
+    return LayerRun(
+        order=order, params={"a": ("a.w",), "b": ("b.w",)}, numel={"a": 10, "b": 20},
+        forward={"a": [1.0 * scale, 3.0 * scale], "b": [2.0 * scale]},
+        backward={"a": [4.0 * scale], "b": [5.0 * scale, 7.0 * scale]},
+        forward_total=[3.0 * scale], backward_total=[10.0 * scale], update=[1.0 * scale],
+        whole=whole or [],
+    )
+
+
 def test_the_profile_plans_with_the_slowest_worker() -> None:
     """combine_ranks takes every per-layer and phase time from the worker with the largest median step,
-    in rank 0's ready order."""
-    from profilers.layers import LayerRun, combine_ranks
+    in rank 0's ready order; without whole steps nothing is scaled."""
+    from profilers.layers import combine_ranks
 
-    def run(order: tuple[str, ...], scale: float) -> LayerRun:
-        return LayerRun(
-            order=order, params={"a": ("a.w",), "b": ("b.w",)}, numel={"a": 10, "b": 20},
-            forward={"a": [1.0 * scale, 3.0 * scale], "b": [2.0 * scale]},
-            backward={"a": [4.0 * scale], "b": [5.0 * scale, 7.0 * scale]},
-            forward_total=[3.0 * scale], backward_total=[10.0 * scale], update=[1.0 * scale],
-        )
+    summary = combine_ranks([_layer_run(("b", "a"), 1.0), _layer_run(("a", "b"), 2.0)])  # type: ignore[list-item]
+    assert [lt.name for lt in summary.layers] == ["b", "a"]  # rank 0's ready order
+    assert [(lt.forward_s, lt.backward_s) for lt in summary.layers] == [(4.0, 12.0), (4.0, 8.0)]  # rank 1's medians
+    assert (summary.forward_s, summary.backward_s, summary.update_s) == (6.0, 20.0, 2.0)
+    assert summary.step_s is None and summary.scale is None
 
-    layers, fwd, bwd, upd = combine_ranks([run(("b", "a"), 1.0), run(("a", "b"), 2.0)])
-    assert [lt.name for lt in layers] == ["b", "a"]  # rank 0's ready order
-    assert [(lt.forward_s, lt.backward_s) for lt in layers] == [(4.0, 12.0), (4.0, 8.0)]  # rank 1's medians
-    assert (fwd, bwd, upd) == (6.0, 20.0, 2.0)
+
+def test_the_parts_are_scaled_to_the_whole_steps_of_the_slowest_worker() -> None:
+    """With whole steps timed between the hooked ones, the slowest worker is the one with the slowest whole
+    steps, and its F, every b_i and U are scaled by one factor so that they sum to its median whole step."""
+    from profilers.layers import combine_ranks
+
+    # Rank 0's hooked parts are slower (sum 14 x 2 = 28) but rank 1's whole steps are (median 21 > 20).
+    fast_parts = _layer_run(("b", "a"), 2.0, whole=[20.0, 19.0, 22.0])
+    slow_whole = _layer_run(("a", "b"), 1.0, whole=[21.0, 30.0, 12.0])
+    summary = combine_ranks([fast_parts, slow_whole])  # type: ignore[list-item]
+    parts = 3.0 + (4.0 + 6.0) + 1.0  # rank 1: F + sum of the median b_i + U
+    assert summary.step_s == 21.0 and summary.scale == pytest.approx(21.0 / parts)
+    k = 21.0 / parts
+    assert [(lt.name, lt.forward_s, lt.backward_s) for lt in summary.layers] == [
+        ("b", pytest.approx(2.0 * k), pytest.approx(6.0 * k)), ("a", pytest.approx(2.0 * k), pytest.approx(4.0 * k))]
+    total = summary.forward_s + sum(lt.backward_s for lt in summary.layers) + summary.update_s
+    assert total == pytest.approx(21.0)
+
+
+def test_whole_steps_are_timed_between_the_hooked_ones_and_leave_no_hooks_behind() -> None:
+    from profilers.layers import measure_layers
+
+    workload = build_workload("mlp")
+    model = workload.module
+    run = measure_layers(workload, torch.device("cpu"), repeats=3, warmup=1)
+    assert len(run.whole) == 3 and all(t > 0 for t in run.whole)
+    assert len(run.forward_total) == 3 and len(run.update) == 3
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
 
 
 def calibrated_profile(model: str = "mlp") -> Profile:
@@ -244,7 +279,7 @@ def _in_situ_worker(rank: int, world_size: int) -> InSitu:
     workload = build_workload("mlp")
     cpu = torch.device("cpu")
     run = measure_layers(workload, cpu, repeats=2, warmup=1)
-    layers = combine_ranks([run])[0]
+    layers = combine_ranks([run]).layers
     sizes = [1 << 10, 1 << 14, 1 << 18, 1 << 20]
     topk: TopkTiming = measure_topk(sizes, [0.01], world_size, cpu, repeats=2, warmup=1)
     pack = measure_packing(sizes, world_size, cpu, repeats=2, warmup=1)

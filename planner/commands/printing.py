@@ -192,7 +192,18 @@ def print_profile(profile: object) -> None:
         f"forward {_ms(profile.forward_s)} ms, backward {_ms(profile.backward_s)} ms, "
         f"update {_ms(profile.update_s)} ms, {len(profile.layers)} layers"
     )
-    if profile.parts_error is not None:
+    if profile.parts_scale is not None:
+        assert profile.step_s is not None
+        line = (f"whole local steps {_ms(profile.step_s)} ms, timed between the hooked ones; the per-layer times "
+                f"summed to {_ms(profile.parts_s / profile.parts_scale)} ms and are scaled by "
+                f"{profile.parts_scale:.3f} to match")
+        if abs(profile.parts_scale - 1) > PARTS_TOLERANCE:
+            err_console.print(f"warning: {line}: the timing hooks or the machine's noise moved the parts by more "
+                              f"than {PARTS_TOLERANCE:.0%}; how the step splits into layers is that uncertain. "
+                              "Profile again with more --repeats and --warmup", markup=False)
+        else:
+            console.print(line)
+    elif profile.parts_error is not None:
         assert profile.step_s is not None
         line = (f"whole local steps {_ms(profile.step_s)} ms; sum of the parts (forward + per-layer backward + "
                 f"update) {_ms(profile.parts_s)} ms, off by {profile.parts_error:.1%}")

@@ -20,7 +20,6 @@ from planner.platform.launch import device_for, resolve_backend
 from planner.platform.link import LinkRate
 from planner.platform.memory import PhaseMemory, available_bytes
 from planner.platform.slowdown import Slowdown
-from planner.platform.timing import median
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import log_sizes, measure_collectives
 from profilers.compress import DEFAULT_POWERSGD_RANKS, compress_points, measure_compress
@@ -29,7 +28,6 @@ from profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
 from profilers.layers import (
     combine_ranks,
     measure_layers,
-    measure_steps,
     measure_throughput,
     throughput_batch_sizes,
 )
@@ -95,7 +93,6 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
     base = config.base
 
     layer_results = None
-    step_s = None
     throughput = None
     if not config.only_comm:
         workload = build_workload(config.model, batch_size=config.batch_size)
@@ -123,12 +120,6 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             gathered: list[object] = [None] * world_size
             dist.all_gather_object(gathered, run)
             layer_results = combine_ranks(gathered)  # type: ignore[arg-type]
-            # Cross-check: whole local steps without hooks, against the sum of the per-layer parts.
-            steps = measure_steps(workload, device, repeats=max(3, config.repeats // 2), warmup=1,
-                                  barrier=dist.barrier)
-            all_steps: list[object] = [None] * world_size
-            dist.all_gather_object(all_steps, steps)
-            step_s = max(median(ts) for ts in all_steps)  # type: ignore[arg-type]  # the slowest worker's
             # Each worker's own speed at a few micro-batch sizes (heterogeneous workers differ).
             sizes_tp = throughput_batch_sizes(workload.batch_size)
             mine = measure_throughput(workload, device, sizes_tp, repeats=max(3, config.repeats // 2), warmup=1,
@@ -157,7 +148,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             if config.powersgd_ranks:
                 memory.begin("fp16 and PowerSGD")
                 params = dict(workload.module.named_parameters())
-                shaped = [(lt.name, tuple(tuple(params[p].shape) for p in lt.params)) for lt in layer_results[0]]
+                shaped = [(lt.name, tuple(tuple(params[p].shape) for p in lt.params)) for lt in layer_results.layers]
                 task = bar.add_task("fp16 and PowerSGD", total=compress_points(topk_sizes, shaped,
                                                                               config.powersgd_ranks))
                 compress = measure_compress(topk_sizes, shaped, config.powersgd_ranks, world_size, device,
@@ -166,7 +157,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             task = bar.add_task("the runtime in real steps",
                                 total=IN_SITU_REPEATS * in_situ_runs(world_size, topk, compress))
             in_situ = measure_in_situ(
-                workload, device, layer_results[0], world_size, pack=pack.model, topk=topk,
+                workload, device, layer_results.layers, world_size, pack=pack.model, topk=topk,
                 density=min(config.densities, key=lambda d: abs(math.log(d / IN_SITU_DENSITY))),
                 repeats=IN_SITU_REPEATS, compress=compress, on_point=lambda: bar.advance(task),
             )
@@ -210,21 +201,22 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         )
         return base.with_comm(new)
     assert layer_results is not None
-    layers, fwd, bwd, upd = layer_results
+    summary = layer_results
     return Profile(
         model=info,
         cluster=cluster,
         created=created,
         torch_version=torch.__version__,
         batch_size=workload.batch_size,
-        forward_s=fwd,
-        backward_s=bwd,
-        update_s=upd,
-        layers=tuple(layers),
+        forward_s=summary.forward_s,
+        backward_s=summary.backward_s,
+        update_s=summary.update_s,
+        layers=tuple(summary.layers),
         collectives=curves,
         topk=topk,
         kfac=kfac,
-        step_s=step_s,
+        step_s=summary.step_s,
+        parts_scale=summary.scale,
         pack=pack,
         interference=interference,
         throughput=throughput,

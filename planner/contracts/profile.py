@@ -908,7 +908,11 @@ class Profile:
     collectives: dict[Collective, FittedCurve]
     topk: TopkTiming | None
     kfac: KFACTiming | None = None
+    #: Median of whole local steps without hooks, timed between the hooked ones (None: not timed).
     step_s: float | None = None
+    #: The factor the per-layer times and F, B, U were scaled by so that their sum equals `step_s` (None: not
+    #: scaled, as in profiles made before the whole steps were interleaved with the hooked ones).
+    parts_scale: float | None = None
     pack: FittedCurve | None = None
     interference: dict[Collective, float] | None = None
     in_situ: InSitu | None = None
@@ -928,6 +932,8 @@ class Profile:
                 f"profile.throughput has {len(self.throughput.step_s)} workers but the world size is "
                 f"{self.cluster.world_size}"
             )
+        if self.parts_scale is not None and not (math.isfinite(self.parts_scale) and self.parts_scale > 0):
+            raise InvalidProfileError(f"profile.parts_scale must be a finite number > 0, got {self.parts_scale!r}")
         for coll, sigma in (self.interference or {}).items():
             if not (math.isfinite(sigma) and sigma >= 0):
                 raise InvalidProfileError(f"profile.interference.{coll.value} must be a finite number >= 0, "
@@ -984,6 +990,7 @@ class Profile:
             "topk": None if self.topk is None else self.topk.to_dict(),
             "kfac": None if self.kfac is None else self.kfac.to_dict(),
             "step_s": self.step_s,
+            "parts_scale": self.parts_scale,
             "pack": None if self.pack is None else self.pack.to_dict(),
             "interference": None if self.interference is None else {
                 c.value: sigma for c, sigma in self.interference.items()
@@ -1001,7 +1008,8 @@ class Profile:
 
     @property
     def parts_error(self) -> float | None:
-        """|parts - whole| / whole against the whole steps timed as a cross-check (None if not timed)."""
+        """|parts - whole| / whole against the whole steps timed as a cross-check (None if not timed); about 0
+        when the parts were scaled to the whole (`parts_scale`), whose distance from 1 is then the check."""
         if not self.step_s:
             return None
         return abs(self.parts_s - self.step_s) / self.step_s
@@ -1016,14 +1024,14 @@ class Profile:
             )
         if data.get("kind") != PROFILE_KIND:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
-        data = {"kfac": None, "step_s": None, "pack": None, "interference": None, "in_situ": None,
+        data = {"kfac": None, "step_s": None, "parts_scale": None, "pack": None, "interference": None, "in_situ": None,
                 "throughput": None, "compress": None, "peak_memory": None, **data}
         check_fields(
             data,
             "profile",
             ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
              "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s",
-             "pack", "interference", "in_situ", "throughput", "compress", "peak_memory"],
+             "parts_scale", "pack", "interference", "in_situ", "throughput", "compress", "peak_memory"],
         )
         collectives = {}
         for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
@@ -1055,6 +1063,7 @@ class Profile:
             topk=None if data["topk"] is None else TopkTiming.from_dict(data["topk"], "profile.topk"),
             kfac=None if data["kfac"] is None else KFACTiming.from_dict(data["kfac"], "profile.kfac"),
             step_s=None if data["step_s"] is None else _time(data["step_s"], "profile.step_s"),
+            parts_scale=None if data["parts_scale"] is None else _time(data["parts_scale"], "profile.parts_scale"),
             pack=None if data["pack"] is None else FittedCurve.from_dict(data["pack"], "profile.pack"),
             interference=None if data["interference"] is None else _interference(data["interference"]),
             in_situ=None if data["in_situ"] is None else InSitu.from_dict(data["in_situ"], "profile.in_situ"),
