@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from planner.contracts.fingerprint import ClusterInfo
 from planner.contracts.profile import FittedCurve
-from planner.platform.link import LinkRate, current_link
+from planner.platform.hosts import count_hosts
+from planner.platform.link import HOSTS_ENV, LinkRate, current_link
 from planner.platform.slowdown import current_slowdowns
 from planner.types import Collective
 from profilers.comm import log_sizes, measure_collectives
@@ -52,13 +53,16 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads/worker)"
 
 
-def current_cluster(device: torch.device, process_group: Any = None) -> ClusterInfo:
-    """The cluster this process runs on: the group's world size and backend, the device, the host count."""
+def current_cluster(device: torch.device, process_group: Any = None, *, hosts: int | None = None) -> ClusterInfo:
+    """The cluster this process runs on: the group's world size and backend, the device, the host count
+    (`hosts` when the caller counted them, `planner.platform.hosts.count_hosts`; else what the launcher
+    says: torchrun's node count, or the emulated hosts of `--hosts`, or 1)."""
     if dist.is_available() and dist.is_initialized():
         world_size, backend = dist.get_world_size(process_group), str(dist.get_backend(process_group))
     else:
         world_size, backend = 1, "none"
-    hosts = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("PLANNER_HOSTS", "1")))
+    if hosts is None:
+        hosts = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get(HOSTS_ENV, "1")))
     return ClusterInfo(world_size=world_size, backend=backend, device=device_name(device), host_count=hosts,
                        link=current_link(), slowdown=current_slowdowns())
 
@@ -69,7 +73,8 @@ def probe_worker(rank: int, world_size: int, largest_bytes: int) -> tuple[Cluste
 
     device = device_for(str(dist.get_backend()))
     curves = probe_network(device, largest_bytes=largest_bytes)
-    return (current_cluster(device), curves) if rank == 0 else None
+    hosts = count_hosts()
+    return (current_cluster(device, hosts=hosts), curves) if rank == 0 else None
 
 
 def run_probe(

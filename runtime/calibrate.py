@@ -264,10 +264,12 @@ def _silent_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch.Te
     from planner.contracts.fingerprint import ClusterInfo, model_info
     from planner.contracts.plan import Plan
     from planner.costmodel.problem import Prediction
+    from planner.platform.hosts import count_hosts
 
     plan = Plan(
         strategy=strategy, density=density, selector=selector, model=model_info(plain, workload.name),
-        cluster=ClusterInfo(world_size=world_size, backend=dist.get_backend(process_group), device=str(device)),
+        cluster=ClusterInfo(world_size=world_size, backend=dist.get_backend(process_group), device=str(device),
+                            host_count=count_hosts(process_group)),
         groups=groups, predicted=Prediction(iteration_s=0, compute_s=0, exposed_comm_s=0, comm_s=0), baselines={},
         lower_bound_s=0.0, solver="in-situ", solve_seconds=0.0, source_profile="", profiled="", created="",
     )

@@ -63,6 +63,7 @@ def resolve_plan(
         PlanMismatchError: the plan was made for another model (re-tuning cannot fix that), or for
             another cluster and `auto_retune` is False, or rank 0 could not re-plan.
     """
+    from planner.platform.hosts import count_hosts
     from profilers.probe import current_cluster
 
     info = model_info(model, model_name or type(model).__name__)
@@ -75,11 +76,12 @@ def resolve_plan(
             "averages the gradients itself"
         )
     device = _device_of(model)
-    cluster = current_cluster(device, process_group)
+    cluster = current_cluster(device, process_group, hosts=count_hosts(process_group))
     distributed = dist.is_available() and dist.is_initialized()
     backend = cluster.backend if distributed else None
     try:
-        plan.check_compatible(info, cluster.world_size, backend=backend, device_kind=cluster.device_kind)
+        plan.check_compatible(info, cluster.world_size, backend=backend, device_kind=cluster.device_kind,
+                              hosts=cluster.host_count if distributed else None)
         return plan
     except PlanMismatchError:
         if not auto_retune or info.fingerprint != plan.model.fingerprint:

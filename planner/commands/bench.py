@@ -21,6 +21,7 @@ from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Group, Plan
 from planner.costmodel.problem import topk_count
 from planner.models import build_workload
+from planner.platform.hosts import count_hosts
 from planner.types import Compressor, CompressorKind, PlanMismatchError, Strategy
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class BenchConfig:
     show_progress: bool = True
     link: LinkRate | None = None
     slowdown: Slowdown | None = None
+    hosts: int | None = None  # emulated hosts the local workers are spread over (`--hosts`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,8 +304,9 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
 
     torch.manual_seed(0)
     base = build_workload(config.model, batch_size=config.batch_size)
+    hosts = count_hosts()
     for given in config.plans:
-        given.check_compatible(model_info(base.module, config.model), world_size)
+        given.check_compatible(model_info(base.module, config.model), world_size, hosts=hosts)
     variants = bench_variants(config.plans, base.module, config.peers)
     gen = torch.Generator().manual_seed(1000 + rank)
     batch = base.make_batch(base.batch_size, gen)
@@ -364,4 +367,5 @@ def run_bench(config: BenchConfig) -> list[BenchResult] | None:
             )
     from planner.platform.launch import run_job
 
-    return run_job(bench_worker, config.nproc, config, backend="gloo", link=config.link, slowdown=config.slowdown)
+    return run_job(bench_worker, config.nproc, config, backend="gloo", link=config.link, slowdown=config.slowdown,
+                   hosts=config.hosts)

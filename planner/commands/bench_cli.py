@@ -12,6 +12,7 @@ from planner.commands.common import (
     ABS,
     KFAC,
     Command,
+    _add_hosts,
     _add_link,
     _add_slowdown,
     _nonnegative_float,
@@ -19,6 +20,7 @@ from planner.commands.common import (
     _positive,
     _positive_float,
     _slowdown,
+    check_hosts,
 )
 from planner.commands.printing import print_bench
 from planner.console import err_console
@@ -87,6 +89,7 @@ class BenchCommand(Command):
                                help="the probed mode's windows in seconds: it runs the pair gated and free for two "
                                     "windows each, then the better (default 2)")
         _add_link(parser)
+        _add_hosts(parser)
         _add_slowdown(parser)
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -100,6 +103,8 @@ class BenchCommand(Command):
                           if value is not None]
         if crossover_only and args.strategy != CROSSOVER:
             raise PlannerError(f"{crossover_only[0]} applies to --strategy crossover only")
+        if args.hosts is not None and args.strategy in (ABS, CROSSOVER):
+            raise PlannerError(f"--hosts applies to --strategy gradients and kfac, not yet to {args.strategy}")
         if args.strategy == CROSSOVER:
             return self._run_crossover(args)
         if not args.plan:
@@ -107,6 +112,7 @@ class BenchCommand(Command):
         plans = tuple(Plan.load(p) for p in args.plan)
         if under_torchrun():  # one rank of torchrun's group, maybe across hosts: its size is the world size
             args.nproc = int(os.environ["WORLD_SIZE"])
+        check_hosts(args.hosts, args.nproc or plans[0].cluster.world_size)
         to_target = args.strategy == "gradients" and args.target_loss is not None
         runs = [flag for flag, value in (("--samples", args.samples), ("--repeats", args.repeats),
                                          ("--target-loss", args.target_loss), ("--lr", args.lr),
@@ -132,6 +138,7 @@ class BenchCommand(Command):
             plans=plans, model=args.model or plans[0].model.name, batch_size=args.batch_size,
             nproc=args.nproc or plans[0].cluster.world_size, steps=args.steps, warmup=args.warmup,
             show_progress=not args.json, link=args.link, slowdown=args.slowdown, peers=_peers(args.peers),
+            hosts=args.hosts,
         )
         _note_link_mismatch(plans, args.link)
         results = run_bench(config)
@@ -155,7 +162,7 @@ class BenchCommand(Command):
             samples=args.samples or TASK_SAMPLES[task], lr=args.lr,
             momentum=0.9 if args.momentum is None else args.momentum, repeats=args.repeats or 1,
             peers=_peers(args.peers), nproc=args.nproc or plans[0].cluster.world_size, batch_size=args.batch_size,
-            show_progress=not args.json, link=args.link, slowdown=args.slowdown)
+            show_progress=not args.json, link=args.link, slowdown=args.slowdown, hosts=args.hosts)
         _note_link_mismatch(plans, args.link)
         runs = run_target_bench(config)
         if runs is not None:
@@ -261,7 +268,7 @@ class BenchCommand(Command):
         config = KFACBenchConfig(
             plan=plan, model=args.model or plan.model.name, batch_size=args.batch_size,
             nproc=args.nproc or plan.cluster.world_size, steps=args.steps, show_progress=not args.json,
-            link=args.link, slowdown=args.slowdown, peer=peers == "kfac-pytorch",
+            link=args.link, slowdown=args.slowdown, peer=peers == "kfac-pytorch", hosts=args.hosts,
         )
         _note_link_mismatch(plans, args.link)
         title = (f"K-FAC bench: median over windows of {config.window} steps of the average step time "

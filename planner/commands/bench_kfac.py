@@ -48,6 +48,7 @@ from planner.contracts.fingerprint import model_info
 from planner.contracts.kfac import KFACSection
 from planner.contracts.plan import Plan
 from planner.models import build_workload
+from planner.platform.hosts import count_hosts
 from planner.strategies.kfac import PLAN_EVERYONE, reference_sections
 from planner.types import InverseMethod, PlanMismatchError
 
@@ -81,6 +82,7 @@ class KFACBenchConfig:
     show_progress: bool = True
     link: LinkRate | None = None
     slowdown: Slowdown | None = None
+    hosts: int | None = None  # emulated hosts the local workers are spread over (`--hosts`)
     #: Also run the real kfac-pytorch when it is importable (`peer_available`).
     peer: bool = True
 
@@ -169,7 +171,7 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
     torch.manual_seed(0)
     plan = config.plan
     base = build_workload(config.model, batch_size=config.batch_size)
-    plan.check_compatible(model_info(base.module, config.model), world_size)
+    plan.check_compatible(model_info(base.module, config.model), world_size, hosts=count_hosts())
     variants = kfac_variants(plan)
     runners, closers = [], []
     for _name, section, _pred in variants:
@@ -248,4 +250,4 @@ def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult] | None:
                           "for rows of the real library, install it into a bench environment (make bench-env) and "
                           "run .venv-bench/bin/planner bench ...")
     return run_job(kfac_bench_worker, config.nproc, config, backend="gloo", link=config.link,
-                   slowdown=config.slowdown)
+                   slowdown=config.slowdown, hosts=config.hosts)

@@ -37,6 +37,7 @@ from planner.commands.bench import DEFAULT_PEERS, LOCAL, Variant, bench_variants
 from planner.console import console, progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.plan import Plan
+from planner.platform.hosts import count_hosts
 from planner.platform.memory import available_bytes
 from planner.tasks import Task, build_task
 from planner.types import Compressor, PlanMismatchError, PlannerError
@@ -77,6 +78,7 @@ class TargetBenchConfig:
     show_progress: bool = True
     link: LinkRate | None = None
     slowdown: Slowdown | None = None
+    hosts: int | None = None  # emulated hosts the local workers are spread over (`--hosts`)
 
 
 @dataclass(frozen=True)
@@ -212,8 +214,9 @@ def target_bench_worker(rank: int, world_size: int, config: TargetBenchConfig) -
     """Every run, round-robin over the variants and repeats; rank 0 returns them."""
     torch.manual_seed(0)
     task = build_task(config.model, config.task, batch_size=config.batch_size)  # the data, once per process
+    hosts = count_hosts()
     for plan in config.plans:
-        plan.check_compatible(model_info(task.workload.module, config.model), world_size)
+        plan.check_compatible(model_info(task.workload.module, config.model), world_size, hosts=hosts)
     variants = _variants(config.plans, task.workload.module, config.peers)
     runs = []
     with progress(enabled=config.show_progress and rank == 0) as bar:
@@ -263,7 +266,7 @@ def run_target_bench(config: TargetBenchConfig) -> list[TargetRun] | None:
                                "ABS-SGD plans have their own benches (--strategy kfac, --strategy abs)")
     build_task(config.model, config.task, batch_size=config.batch_size)  # a bad task is one line, before starting
     return run_job(target_bench_worker, config.nproc, config, backend="gloo", link=config.link,
-                   slowdown=config.slowdown)
+                   slowdown=config.slowdown, hosts=config.hosts)
 
 
 def print_target_bench(config: TargetBenchConfig, runs: list[TargetRun], as_json: bool) -> None:

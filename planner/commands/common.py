@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from planner.types import InverseMethod
+from planner.types import InverseMethod, PlannerError
 
 #: `--strategy kfac`: dense gradient groups plus a K-FAC section.
 KFAC = "kfac"
@@ -110,6 +110,23 @@ LINK_HELP = ("emulate a slower network: each local worker in its own network nam
 
 def _add_link(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", type=_link_rate, default=None, metavar="RATE", help=LINK_HELP)
+
+
+HOSTS_HELP = ("emulate H hosts: the --nproc workers split into H network namespaces of equal size, each with its "
+              "own host name; workers of one host talk over its loopback, hosts over the --link RATE (unshaped "
+              "without --link); needs root")
+
+
+def _add_hosts(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hosts", type=_positive, default=None, metavar="H", help=HOSTS_HELP)
+
+
+def check_hosts(hosts: int | None, nproc: int) -> None:
+    """One line (a PlannerError) unless `--hosts` divides `--nproc` into hosts of equal size."""
+    if hosts is not None and nproc % hosts:
+        divisors = [h for h in range(1, min(nproc, 64) + 1) if nproc % h == 0]
+        raise PlannerError(f"--hosts {hosts} does not divide --nproc {nproc} into hosts of equal size: use one of "
+                           f"{', '.join(map(str, divisors))}{' or another divisor' if nproc > 64 else ''}")
 
 
 def _slowdown(text: str) -> Any:

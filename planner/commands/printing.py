@@ -182,7 +182,8 @@ PARTS_TOLERANCE = 0.10
 
 
 def print_profile(profile: object) -> None:
-    from planner.contracts.profile import MAX_FIT_ERROR, Profile
+    from planner.contracts.profile import Profile
+    from planner.costmodel.measured import MAX_FIT_ERROR
 
     assert isinstance(profile, Profile)
     console.print(profile.model.describe(), style="bold")

@@ -16,6 +16,7 @@ from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.profile import InSitu, Profile, WorkerThroughput
 from planner.models import build_workload
+from planner.platform.hosts import count_hosts
 from planner.platform.launch import device_for, resolve_backend
 from planner.platform.link import LinkRate
 from planner.platform.memory import PhaseMemory, available_bytes
@@ -68,6 +69,7 @@ class ProfileConfig:
     show_progress: bool = True
     link: LinkRate | None = None
     slowdown: Slowdown | None = None
+    hosts: int | None = None  # emulated hosts the local workers are spread over (`--hosts`)
 
 
 #: Share of the memory available to each worker on a host that one top-k point may take (`measure_topk`).
@@ -186,11 +188,12 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         memory.end()
     peaks: list[object] = [None] * world_size
     dist.all_gather_object(peaks, memory.peaks)
+    hosts = count_hosts()
     if rank != 0:
         return None
     every_rank: list[dict[str, int]] = peaks  # type: ignore[assignment]
     peak_memory = {name: max(p.get(name, 0) for p in every_rank) for name in memory.peaks}
-    cluster = current_cluster(device)
+    cluster = current_cluster(device, hosts=hosts)
     created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     if config.only_comm:
         assert base is not None
@@ -264,7 +267,7 @@ def run_profile(config: ProfileConfig) -> Profile:
         check_memory(config.model, config.batch_size, config.nproc if not under_torchrun() else
                      int(os.environ.get("LOCAL_WORLD_SIZE", "1")), world_size=config.nproc)
     profile = run_job(profile_worker, config.nproc, config, backend=backend,
-                      link=config.link, slowdown=config.slowdown)
+                      link=config.link, slowdown=config.slowdown, hosts=config.hosts)
     if profile is None and under_torchrun():  # not rank 0: nothing to write
         raise SystemExit(0)
     if not isinstance(profile, Profile):

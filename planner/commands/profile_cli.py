@@ -6,7 +6,16 @@ import argparse
 import re
 from pathlib import Path
 
-from planner.commands.common import Command, _add_link, _add_slowdown, _density, _nonnegative_int, _positive
+from planner.commands.common import (
+    Command,
+    _add_hosts,
+    _add_link,
+    _add_slowdown,
+    _density,
+    _nonnegative_int,
+    _positive,
+    check_hosts,
+)
 from planner.commands.printing import print_profile
 from planner.console import console, err_console
 from planner.contracts.jsonio import check_output_path
@@ -39,6 +48,7 @@ class ProfileCommand(Command):
                             help="K-FAC layers to leave out (names matched with re.search), e.g. an unused head; "
                                  "pass the same skip_layers= to KFACPreconditioner")
         _add_link(parser)
+        _add_hosts(parser)
         _add_slowdown(parser)
         parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
 
@@ -60,13 +70,14 @@ class ProfileCommand(Command):
         except argparse.ArgumentTypeError as exc:
             raise PlannerError(f"--densities: {exc}") from None
         ranks = _powersgd_ranks(args.powersgd_ranks)
+        check_hosts(args.hosts, args.nproc)
         check_output_path(args.output, "profile")  # before minutes of measuring, not after
         base = Profile.load(args.output) if args.only == "comm" and args.output.exists() else None
         config = ProfileConfig(
             model=args.model, output=args.output, batch_size=args.batch_size, nproc=args.nproc,
             backend=args.backend, repeats=args.repeats, warmup=args.warmup, densities=densities,
             only_comm=args.only == "comm", base=base, kfac=args.kfac, max_dim=args.max_dim, link=args.link,
-            kfac_skip=args.kfac_skip, slowdown=args.slowdown, powersgd_ranks=ranks,
+            kfac_skip=args.kfac_skip, slowdown=args.slowdown, powersgd_ranks=ranks, hosts=args.hosts,
         )
         profile = run_profile(config)
         profile.save(args.output)

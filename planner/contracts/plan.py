@@ -154,6 +154,13 @@ def _prediction_from_dict(data: Any, where: str) -> Prediction:
     return Prediction(**times, num_groups=expect(data["num_groups"], int, f"{where}.num_groups"))
 
 
+def _hosts_text(hosts: int, world_size: int) -> str:
+    """"2 hosts of 2 workers", "1 host of 4 workers"."""
+    per = world_size // hosts if hosts and world_size % hosts == 0 else None
+    of = f" of {per} worker{'s' if per != 1 else ''}" if per is not None else f" ({world_size} workers)"
+    return f"{hosts} host{'s' if hosts != 1 else ''}{of}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """Decisions for one model on one cluster, and what they are predicted to cost against the baselines."""
@@ -398,10 +405,11 @@ class Plan:
         )
 
     def check_compatible(
-        self, model: ModelInfo, world_size: int, *, backend: str | None = None, device_kind: str | None = None
+        self, model: ModelInfo, world_size: int, *, backend: str | None = None, device_kind: str | None = None,
+        hosts: int | None = None,
     ) -> None:
-        """Refuse to run on another model, world size, backend or kind of device (cpu or gpu), naming the
-        difference and how to re-plan. `backend` and `device_kind` are checked when given."""
+        """Refuse to run on another model, world size, backend, kind of device (cpu or gpu) or number of hosts,
+        naming the difference and how to re-plan. `backend`, `device_kind` and `hosts` are checked when given."""
         if model.fingerprint != self.model.fingerprint:
             from planner.models import BUILTIN_MODELS
 
@@ -416,6 +424,11 @@ class Plan:
             raise PlanMismatchError(
                 f"this plan was made for world size {self.cluster.world_size}, but the process group has "
                 f"world size {world_size}{retune}"
+            )
+        if hosts is not None and hosts != self.cluster.host_count:
+            raise PlanMismatchError(
+                f"this plan was made for {_hosts_text(self.cluster.host_count, world_size)}, but the process group "
+                f"runs on {_hosts_text(hosts, world_size)}{retune}"
             )
         if backend is not None and backend != self.cluster.backend:
             raise PlanMismatchError(

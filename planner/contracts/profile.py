@@ -110,7 +110,6 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from planner.contracts.fingerprint import ClusterInfo, ModelInfo
@@ -125,7 +124,15 @@ from planner.contracts.jsonio import (
 )
 from planner.contracts.kfac import left_out_from_json
 from planner.contracts.plan import SELECTORS, check_selector, parse_compressor
-from planner.costmodel.costs import AffineCost, CostModel, PiecewiseLinearCost, fit_affine
+from planner.costmodel.costs import AffineCost, CostModel, fit_affine
+from planner.costmodel.measured import (
+    MAX_FIT_ERROR,
+    CubeCost,
+    fitted_or_interpolated,
+    interpolated_in_density,
+    shifted_fit,
+    worst_fit_error,
+)
 from planner.types import (
     MAX_POWERSGD_RANK,
     Collective,
@@ -135,6 +142,7 @@ from planner.types import (
 )
 
 __all__ = [
+    "MAX_FIT_ERROR",
     "PROFILE_KIND",
     "PROFILE_SCHEMA_VERSION",
     "Calibration",
@@ -153,9 +161,6 @@ __all__ = [
 
 PROFILE_SCHEMA_VERSION = 1
 PROFILE_KIND = "planner.profile"
-
-#: Largest relative error of the affine fit at any measured point for the fit to be used as the model.
-MAX_FIT_ERROR = 0.25
 
 
 #: Largest batch size a profile may record.
@@ -263,15 +268,12 @@ class FittedCurve:
     @property
     def worst_error(self) -> float:
         """Largest relative error of the affine fit over the measured points."""
-        return max((abs(self.affine.cost(x) - t) / t for x, t in self.points if t > 0), default=0.0)
+        return worst_fit_error(self.points, self.affine)
 
     @property
     def model(self) -> CostModel:
         """The affine fit where it holds at every point, else interpolation of the measured points."""
-        if self.worst_error <= MAX_FIT_ERROR:
-            return self.affine
-        pts = sorted(dict(self.points).items())
-        return PiecewiseLinearCost(xs=tuple(float(x) for x, _ in pts), ys=tuple(t for _, t in pts))
+        return fitted_or_interpolated(self.points, self.affine)
 
     def corrected(self, alpha_scale: float, beta_scale: float) -> FittedCurve:
         """The curve with its start-up scaled by `alpha_scale` and its per-byte cost by `beta_scale`.
@@ -294,13 +296,9 @@ class FittedCurve:
             )
         if alpha_scale == 1 and beta_scale == 1:
             return self
-        alpha, beta = self.alpha_s * alpha_scale, self.beta_s_per_byte * beta_scale
-        shift_a, shift_b = alpha - self.alpha_s, beta - self.beta_s_per_byte
-        points = tuple((x, max(0.0, t + shift_a + shift_b * x)) for x, t in self.points)
-        fit = AffineCost(alpha=alpha, beta=beta)
-        errors = sorted(abs(fit.cost(x) - t) / t for x, t in points if t > 0)  # as `fit_affine` measures it
-        fit_error = errors[len(errors) // 2] if errors else 0.0
-        return FittedCurve(points=points, alpha_s=alpha, beta_s_per_byte=beta, fit_error=fit_error)
+        new = AffineCost(alpha=self.alpha_s * alpha_scale, beta=self.beta_s_per_byte * beta_scale)
+        points, fit_error = shifted_fit(self.points, self.affine, new)
+        return FittedCurve(points=points, alpha_s=new.alpha, beta_s_per_byte=new.beta, fit_error=fit_error)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -381,14 +379,14 @@ class TopkTiming:
                 "`planner profile`" + (" or use --selector exact" if selector != "exact" else "")
             )
 
-        return _interpolated_in_density(points, density)
+        return interpolated_in_density(points, density)
 
     def decode_model(self, density: float) -> CostModel:
         """Decode seconds against the P * k values gathered, at `density` (interpolated in log(density)
         between measured densities; the 1% curve when the profile has no per-density points)."""
         if not self.decode_points:
             return self.decode.model
-        return _interpolated_in_density(self.decode_points, density)
+        return interpolated_in_density(self.decode_points, density)
 
     def scaled(self, factor: float) -> TopkTiming:
         """Every selection time of every selector multiplied by `factor` (the decode times unchanged)."""
@@ -416,34 +414,6 @@ class TopkTiming:
             decode=FittedCurve.from_dict(data["decode"], f"{where}.decode"),
             decode_points=_select_points(data.get("decode_points", []), f"{where}.decode_points", what="values"),
         )
-
-
-def _interpolated_in_density(points: SelectPoints, density: float) -> PiecewiseLinearCost:
-    """The (size, density, seconds) points as seconds against size at `density`: the curve of the measured
-    density itself, of the nearest one outside the measured range, else interpolated in log(density)
-    between the two around it."""
-    ds = sorted({d for _, d, _ in points})
-
-    def curve(d: float) -> PiecewiseLinearCost:
-        least: dict[int, float] = {}  # the fastest of equal sizes (a k clamped to 1 gives several decodes)
-        for n, dd, t in points:
-            if dd == d:
-                least[n] = min(t, least.get(n, t))
-        pts = sorted(least.items())
-        return PiecewiseLinearCost(xs=tuple(float(n) for n, _ in pts), ys=tuple(t for _, t in pts))
-
-    if density <= ds[0]:
-        return curve(ds[0])
-    if density >= ds[-1]:
-        return curve(ds[-1])
-    hi = next(i for i, d in enumerate(ds) if d >= density)
-    lo_d, hi_d = ds[hi - 1], ds[hi]
-    if hi_d == density:
-        return curve(hi_d)
-    w = (math.log(density) - math.log(lo_d)) / (math.log(hi_d) - math.log(lo_d))
-    a, b = curve(lo_d), curve(hi_d)
-    xs = tuple(sorted(set(a.xs) | set(b.xs)))
-    return PiecewiseLinearCost(xs=xs, ys=tuple((1 - w) * a.cost(x) + w * b.cost(x) for x in xs))
 
 
 def _select_points(data: Any, where: str, what: str = "numel") -> SelectPoints:
@@ -561,7 +531,7 @@ class DimCurve:
     @property
     def model(self) -> CostModel:
         """Seconds against d: the cubic fit where it holds at every point, else interpolation in d^3."""
-        return _CubeOf(inner=self.against_cubes().model)
+        return CubeCost(inner=self.against_cubes().model)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -586,19 +556,6 @@ class DimCurve:
             beta_s_per_dim3=_time(data["beta_s_per_dim3"], f"{where}.beta_s_per_dim3"),
             fit_error=_time(data["fit_error"], f"{where}.fit_error"),
         )
-
-
-@dataclass(frozen=True, kw_only=True)
-class _CubeOf(CostModel):
-    """A cost model of d^3 seen as a function of d."""
-
-    inner: CostModel
-
-    def cost(self, x: float) -> float:
-        return self.inner.cost(x**3)
-
-    def cost_many(self, xs: np.ndarray) -> np.ndarray:
-        return self.inner.cost_many(np.asarray(xs, dtype=float) ** 3)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from planner.platform.link import LINK_ENV, EmulatedLink, LinkError, LinkRate, enter_namespace
+from planner.platform.link import HOSTS_ENV, LINK_ENV, EmulatedLink, LinkError, LinkRate, enter_namespace
 from planner.platform.slowdown import Slowdown, SlowdownError, ThrottledWorkers, WorkerThrottle, enter_cgroup
 from planner.types import DistributedError, PlannerError, RemoteTraceback
 
@@ -85,8 +85,10 @@ class _Network:
     namespace_path: str
     master_addr: str
     ifname: str
-    rate: str
+    rate: str | None
     hosts_file: str | None = None
+    hostname: str | None = None
+    hosts: int | None = None
 
 
 def _worker(
@@ -113,9 +115,12 @@ def _worker(
     master_addr = "127.0.0.1"
     try:
         if network is not None:
-            enter_namespace(network.namespace_path, network.hosts_file)
+            enter_namespace(network.namespace_path, network.hosts_file, network.hostname)
             os.environ["GLOO_SOCKET_IFNAME"] = network.ifname
-            os.environ[LINK_ENV] = network.rate
+            if network.rate is not None:
+                os.environ[LINK_ENV] = network.rate
+            if network.hosts is not None:
+                os.environ[HOSTS_ENV] = str(network.hosts)
             master_addr = network.master_addr
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -183,6 +188,7 @@ def run_distributed(
     backend: str = "gloo",
     link: LinkRate | None = None,
     slowdown: Slowdown | None = None,
+    hosts: int | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` in `world_size` spawned processes, return results by rank.
 
@@ -197,6 +203,9 @@ def run_distributed(
             `LinkUnavailableError`), torn down before the call returns or raises.
         slowdown: run the named workers under a CPU quota, that many times slower (`planner.platform.slowdown`;
             needs root, else `SlowdownUnavailableError`), the groups removed before the call returns or raises.
+        hosts: spread the workers over this many emulated hosts (`planner.platform.link`: a network namespace
+            and host name each, the link between them shaped to `link` when given; needs root), ranks
+            0 .. world_size / hosts - 1 on the first. Workers see it as `PLANNER_HOSTS`.
 
     Returns:
         The return values of `fn`, indexed by rank.
@@ -214,9 +223,11 @@ def run_distributed(
         if slowdown is not None and slowdown.factors:
             groups = stack.enter_context(ThrottledWorkers(slowdown, world_size))
             throttles = [groups.throttle(r) for r in range(world_size)]
-        if link is not None:
-            net = stack.enter_context(EmulatedLink(link, world_size))
-            networks = [_Network(net.namespace_path(r), net.address(0), net.ifname, link.text, net.hosts_file)
+        if link is not None or hosts is not None:
+            net = stack.enter_context(EmulatedLink(link, world_size, hosts))
+            networks = [_Network(net.namespace_path(r), net.address(0), net.ifname,
+                                 None if link is None else link.text, net.hosts_file,
+                                 hostname=None if hosts is None else net.namespace(r), hosts=hosts)
                         for r in range(world_size)]
         return _spawn(fn, world_size, args, timeout, backend, networks, throttles)
 
@@ -234,6 +245,7 @@ def run_job(
     timeout: float = 3600,
     link: LinkRate | None = None,
     slowdown: Slowdown | None = None,
+    hosts: int | None = None,
 ) -> Any:
     """Rank 0's result of `fn(rank, world_size, *args)`, run where the user launched the command.
 
@@ -246,15 +258,17 @@ def run_job(
         raise SlowdownError("--slowdown slows down the workers a command starts itself; under torchrun the "
                             "workers are torchrun's: drop --slowdown")
     if under_torchrun():
-        if link is not None:
-            raise LinkError("--link emulates a network for the workers a command starts itself; under torchrun "
-                            "the network is the real one: drop --link")
+        if link is not None or hosts is not None:
+            what = "--link" if link is not None else "--hosts"
+            raise LinkError(f"{what} emulates a network for the workers a command starts itself; under torchrun "
+                            f"the network and hosts are the real ones: drop {what}")
         dist.init_process_group(backend)
         try:
             return fn(dist.get_rank(), dist.get_world_size(), *args)
         finally:
             dist.destroy_process_group()
-    return run_distributed(fn, nproc, *args, timeout=timeout, backend=backend, link=link, slowdown=slowdown)[0]
+    return run_distributed(fn, nproc, *args, timeout=timeout, backend=backend, link=link, slowdown=slowdown,
+                           hosts=hosts)[0]
 
 
 def _spawn(

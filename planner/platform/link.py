@@ -1,20 +1,24 @@
 """Emulating a slower network on one machine: local workers in network namespaces behind a shaped link.
 
 Over loopback, workers on one machine exchange gradients far faster than GPUs on Ethernet do, so every
-run is compute-bound and planning looks pointless. `EmulatedLink` gives each local worker its own
-network namespace and joins them through a bridge:
+run is compute-bound and planning looks pointless. `EmulatedLink` gives each emulated host its own
+network namespace (by default one host per worker; with `hosts=H`, world_size / H consecutive ranks per
+host) and joins them through a bridge:
 
-    namespace <prefix>-hub:   bridge br0 ── w0, w1, ... (one veth end per worker)
-    namespace <prefix>-<r>:   eth0 (the other veth end), address 169.254.<net>.<r+1>/24, lo
+    namespace <prefix>-hub:   bridge br0 ── w0, w1, ... (one veth end per host)
+    namespace <prefix>-w<h>:  eth0 (the other veth end), address 169.254.<net>.<h+1>/24, lo
 
-Each worker's egress (its `eth0`) is shaped by a token bucket filter to the given rate
-(`tc qdisc add dev eth0 root tbf rate RATE burst B latency 50ms`), so no worker can send faster
-than RATE. Addresses are IPv4 link-local: nothing outside these namespaces routes to them, and nothing
-is created in the host's own namespace.
+Each host's egress (its `eth0`) is shaped by a token bucket filter to the given rate
+(`tc qdisc add dev eth0 root tbf rate RATE burst B latency 50ms`), so no host can send faster
+than RATE; the workers of one host share that rate, as they share a real host's network card, and
+reach each other over the namespace's loopback at memory speed. Each host also has its own host name
+(the namespace's name; a UTS namespace per worker), so the workers see H machines. Addresses are IPv4
+link-local: nothing outside these namespaces routes to them, and nothing is created in the machine's own
+namespace.
 
 Limits: bandwidth only. The kernel here has no `netem`, so no propagation delay or loss is added;
 a tbf queue adds some delay of its own under load, no more. The token bucket holds 2 ms of traffic
-(at least 64 KiB), so after an idle moment that much passes at loopback speed. The rate caps each worker's egress, which
+(at least 64 KiB), so after an idle moment that much passes at loopback speed. The rate caps each host's egress, which
 is what a real NIC does, but both directions of all workers share one machine's CPU.
 
 The launcher (`planner.platform.launch.run_distributed(..., link=...)`) creates the namespaces, moves each
@@ -46,6 +50,7 @@ from planner.platform.cleanup import ExitOnSignals, pid_alive
 from planner.types import PlannerError
 
 __all__ = [
+    "HOSTS_ENV",
     "LINK_ENV",
     "NAMESPACE_PREFIX",
     "EmulatedLink",
@@ -62,6 +67,9 @@ __all__ = [
 #: measures can record the link it ran on (profiles and probes carry it in their cluster provenance).
 LINK_ENV = "PLANNER_LINK"
 
+#: Set in every worker started on emulated hosts (`hosts=`): how many (profiles record it as `host_count`).
+HOSTS_ENV = "PLANNER_HOSTS"
+
 #: Every namespace this module creates is named `planner-<pid>-<token>-<role>`.
 NAMESPACE_PREFIX = "planner"
 
@@ -74,6 +82,7 @@ _NAME_RE = re.compile(rf"^{NAMESPACE_PREFIX}-(\d+)-([0-9a-f]+)-(hub|w\d+)$")
 _HOSTS_RE = re.compile(rf"^{NAMESPACE_PREFIX}-(\d+)-([0-9a-f]+)-.*\.hosts$")
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWNS = 0x00020000
+_CLONE_NEWUTS = 0x04000000
 _MS_BIND = 4096
 _MS_REC = 16384
 _MS_PRIVATE = 1 << 18
@@ -179,27 +188,37 @@ def _burst_bytes(rate: LinkRate) -> int:
 
 
 class EmulatedLink:
-    """Network namespaces for `world_size` local workers joined by a bridge, each worker's egress shaped.
+    """Network namespaces for `hosts` emulated hosts of `world_size` local workers joined by a bridge, each
+    host's egress shaped to `rate` (None: not shaped, hosts apart but at veth speed).
 
     Use as a context manager (or `create()` / `destroy()`); `destroy` is safe to call more than once.
     While it is active, SIGTERM and SIGHUP raise `SystemExit` in the main thread so `with` blocks unwind
     and the namespaces are deleted.
 
     Args:
-        rate: the per-worker egress rate.
+        rate: the per-host egress rate, or None.
         world_size: number of workers (>= 1).
+        hosts: number of emulated hosts, dividing world_size (default: one per worker).
+
+    Raises:
+        LinkError: `hosts` does not divide `world_size`.
     """
 
-    def __init__(self, rate: LinkRate, world_size: int) -> None:
+    def __init__(self, rate: LinkRate | None, world_size: int, hosts: int | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"`world_size >= 1` must hold, but got world_size={world_size}")
+        hosts = world_size if hosts is None else hosts
+        if hosts < 1 or world_size % hosts:
+            raise LinkError(f"--hosts must divide the number of workers ({world_size}) into equal hosts, but got "
+                            f"{hosts}: pick one of {[h for h in range(1, world_size + 1) if world_size % h == 0]}")
         self.rate = rate
         self.world_size = world_size
+        self.hosts = hosts
         self.prefix = f"{NAMESPACE_PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
         # One /24 of 169.254.0.0/16 per run (link-local: never routed); namespaces keep runs apart anyway.
         self.subnet = 1 + secrets.randbelow(250)
         self.created: list[str] = []
-        #: A copy of /etc/hosts that also names every worker's address, bound over /etc/hosts in the workers
+        #: A copy of /etc/hosts that also names every host's address, bound over /etc/hosts in the workers
         #: (see `enter_namespace`): c10d looks up the host name of each peer that connects, and inside the
         #: namespaces no DNS server answers, so without it every run printed c10d's "hostname of the client
         #: socket cannot be retrieved" once per peer.
@@ -211,15 +230,30 @@ class EmulatedLink:
     def hub(self) -> str:
         return f"{self.prefix}-hub"
 
+    @property
+    def per_host(self) -> int:
+        """Workers in each emulated host."""
+        return self.world_size // self.hosts
+
+    def host_of(self, rank: int) -> int:
+        """The emulated host of worker `rank`: ranks 0 .. per_host - 1 on host 0, and so on (as torchrun's
+        multi-node launch numbers them)."""
+        return rank // self.per_host
+
     def namespace(self, rank: int) -> str:
-        return f"{self.prefix}-w{rank}"
+        """The network namespace of worker `rank`'s host; its name is also that host's name."""
+        return self._host_namespace(self.host_of(rank))
+
+    def _host_namespace(self, host: int) -> str:
+        return f"{self.prefix}-w{host}"
 
     def namespace_path(self, rank: int) -> str:
         """The file `setns(2)` opens to join worker `rank`'s namespace."""
         return f"/var/run/netns/{self.namespace(rank)}"
 
     def address(self, rank: int) -> str:
-        return f"169.254.{self.subnet}.{rank + 1}"
+        """The address of worker `rank`'s host (workers of one host share it and talk over its loopback)."""
+        return f"169.254.{self.subnet}.{self.host_of(rank) + 1}"
 
     @property
     def ifname(self) -> str:
@@ -230,15 +264,17 @@ class EmulatedLink:
         """Check the privilege, clear stale namespaces, build the namespaces, bridge and shapers."""
         problem = privilege_problem()
         if problem is not None:
-            raise LinkUnavailableError(f"cannot emulate a {self.rate.text} link: {problem}; run without --link")
+            what, drop = ((f"a {self.rate.text} link", "--link") if self.rate is not None
+                          else (f"{self.hosts} hosts", "--hosts"))
+            raise LinkUnavailableError(f"cannot emulate {what}: {problem}; run without {drop}")
         self._signals.arm()
         try:
             remove_stale_namespaces()
             self._add_namespace(self.hub)
             _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
             _run("ip", "-n", self.hub, "link", "set", "br0", "up")
-            for rank in range(self.world_size):
-                self._add_worker(rank)
+            for host in range(self.hosts):
+                self._add_host(host)
             self._write_hosts_file()
         except BaseException:
             self.destroy()
@@ -249,17 +285,18 @@ class EmulatedLink:
         _run("ip", "netns", "add", name)
         self.created.append(name)
 
-    def _add_worker(self, rank: int) -> None:
-        ns, port = self.namespace(rank), f"w{rank}"
+    def _add_host(self, host: int) -> None:
+        ns, port = self._host_namespace(host), f"w{host}"
         self._add_namespace(ns)
         _run("ip", "-n", ns, "link", "add", WORKER_IFNAME, "type", "veth", "peer", "name", port, "netns", self.hub)
         _run("ip", "-n", self.hub, "link", "set", port, "master", "br0")
         _run("ip", "-n", self.hub, "link", "set", port, "up")
-        _run("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", WORKER_IFNAME)
+        _run("ip", "-n", ns, "addr", "add", f"{self.address(host * self.per_host)}/24", "dev", WORKER_IFNAME)
         _run("ip", "-n", ns, "link", "set", WORKER_IFNAME, "up")
         _run("ip", "-n", ns, "link", "set", "lo", "up")
-        _run("tc", "-n", ns, "qdisc", "add", "dev", WORKER_IFNAME, "root", "tbf",
-             "rate", f"{self.rate.bits_per_s}bit", "burst", str(_burst_bytes(self.rate)), "latency", "50ms")
+        if self.rate is not None:
+            _run("tc", "-n", ns, "qdisc", "add", "dev", WORKER_IFNAME, "root", "tbf",
+                 "rate", f"{self.rate.bits_per_s}bit", "burst", str(_burst_bytes(self.rate)), "latency", "50ms")
 
     def _write_hosts_file(self) -> None:
         try:
@@ -268,8 +305,9 @@ class EmulatedLink:
         except OSError:
             system = "127.0.0.1 localhost\n"
         # c10d's store listens on IPv6 and sees its peers at IPv4-mapped addresses (::ffff:a.b.c.d)
+        firsts = range(0, self.world_size, self.per_host)  # one rank of each host
         names = "".join(f"{self.address(r)} {self.namespace(r)}\n::ffff:{self.address(r)} {self.namespace(r)}\n"
-                        for r in range(self.world_size))
+                        for r in firsts)
         if not re.search(r"^\s*::1\s", system, re.MULTILINE):
             names += "::1 localhost\n"
         fd, path = tempfile.mkstemp(prefix=f"{self.prefix}-", suffix=".hosts")
@@ -295,13 +333,15 @@ class EmulatedLink:
         self.destroy()
 
 
-def enter_namespace(path: str, hosts_file: str | None = None) -> None:
+def enter_namespace(path: str, hosts_file: str | None = None, hostname: str | None = None) -> None:
     """Move the calling thread (call it first thing in a fresh worker process) into the network
     namespace at `path`; threads it starts afterwards inherit it.
 
-    With `hosts_file`, the process also takes a mount namespace of its own in which that file is bound over
-    /etc/hosts (what `ip netns exec` does with /etc/netns/NAME/hosts), so peers' addresses have names. That
-    is only for quiet logs: where it cannot be done, the worker goes on without it.
+    With `hostname`, the process also takes a UTS namespace of its own named so (`socket.gethostname()`
+    then says which emulated host it is on, as on real hosts). With `hosts_file`, it takes a mount namespace
+    of its own in which that file is bound over /etc/hosts (what `ip netns exec` does with
+    /etc/netns/NAME/hosts), so peers' addresses have names. That is only for quiet logs: where it cannot be
+    done, the worker goes on without it.
     """
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     fd = os.open(path, os.O_RDONLY)
@@ -311,6 +351,11 @@ def enter_namespace(path: str, hosts_file: str | None = None) -> None:
             raise LinkError(f"cannot join network namespace {path}: {os.strerror(err)}")
     finally:
         os.close(fd)
+    if hostname is not None:
+        name = hostname.encode()
+        if libc.unshare(_CLONE_NEWUTS) != 0 or libc.sethostname(name, len(name)) != 0:
+            err = ctypes.get_errno()
+            raise LinkError(f"cannot name this worker's emulated host {hostname!r}: {os.strerror(err)}")
     # private first, so the bind mount never propagates back to the machine's own mount namespace
     if (hosts_file is not None and libc.unshare(_CLONE_NEWNS) == 0
             and libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) == 0):
