@@ -63,7 +63,9 @@ from torch import Tensor, nn
 from planner.contracts.plan import Group, Plan
 from planner.costmodel.problem import topk_count
 from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compress, fp16_decompress
+from planner.kernels.hierarchical import HierarchicalWork, HostGroups
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk, take_topk
+from planner.platform.hosts import host_names, ranks_by_host
 from planner.types import CompressorKind, DistributedError, PlanMismatchError, Strategy
 from runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, ProbeSchedule, crossover_gate, device_idle
 from runtime.retune import resolve_plan
@@ -192,6 +194,7 @@ class _GroupState:
         "clip",
         "flat",
         "half",
+        "hierarchical",
         "index",
         "k",
         "k_max",
@@ -230,6 +233,7 @@ class _GroupState:
     ) -> None:
         topk = kind is CompressorKind.TOPK
         self.kind = kind
+        self.hierarchical = group.hierarchical and world_size > 1
         self.index = index
         self.names = group.params
         self.params = params
@@ -390,6 +394,8 @@ class GradientExchange:
             then (`runtime.crossover.ProbeSchedule`: 20 s every 10 min, after 10 s) and runs the better, so
             crossing over never costs much where the device time-shares well or the collectives need it (gloo
             on CPU cores); a `ProbeSchedule` to set when; False: always crossed over.
+        hosts: the ranks (of the process group) on each host, for the plan's hierarchical groups; default: read
+            from the ranks' host names (`planner.platform.hosts`). Its length must be the plan's host count.
 
     Raises:
         PlanMismatchError: the plan was made for another model, or for another world size, backend or
@@ -420,9 +426,12 @@ class GradientExchange:
         crossover_dir: str | os.PathLike[str] | None = None,
         crossover_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
         crossover_probe: ProbeSchedule | bool = True,
+        hosts: Sequence[Sequence[int]] | None = None,
     ) -> None:
+        layout = None if hosts is None else [list(h) for h in hosts]
         plan = resolve_plan(plan, model, process_group=process_group, model_name=model_name,
-                            auto_retune=auto_retune, profile=profile)
+                            auto_retune=auto_retune, profile=profile,
+                            host_count=None if layout is None else len(layout))
         self.plan = plan
         self.process_group = process_group
         self.world_size = _world_size(process_group)
@@ -454,6 +463,13 @@ class GradientExchange:
                 k_max=self._k_at(g.numel, g.k, 0) if self._warmup is not None else None, rank=compressor.rank,
                 seed=int(seeds.randint(1_000_000_000)) if compressor.kind is CompressorKind.POWERSGD else 0,
             ))
+        # Hierarchical groups: the subgroups of each host and across hosts, made once (collective).
+        self._host_groups: HostGroups | None = None
+        self._last_hierarchical: HierarchicalWork | None = None
+        if any(st.hierarchical for st in self._groups):
+            if layout is None:
+                layout = ranks_by_host(host_names(process_group))
+            self._host_groups = HostGroups.build(layout, process_group)
         self._set_step(0)
         self._next_launch = 0
         self._active = False
@@ -731,6 +747,12 @@ class GradientExchange:
             size = 2 * st.k_now
             return all_gather_flat(st.recv[: self.world_size * size], st.send[:size], group=self.process_group,
                                    async_op=True)
+        if st.hierarchical:  # dense or fp16: the same sum, inside each host, across hosts, inside again
+            assert self._host_groups is not None
+            buffer = st.half if st.half is not None else st.flat
+            assert buffer is not None
+            self._last_hierarchical = HierarchicalWork(buffer, self._host_groups, after=self._last_hierarchical)
+            return self._last_hierarchical
         if st.half is not None:
             return dist.all_reduce(st.half, group=self.process_group, async_op=True)
         if st.powersgd is not None:
@@ -780,6 +802,7 @@ class GradientExchange:
             finally:
                 for st in self._groups:
                     st.reset()
+                self._last_hierarchical = None
                 self._next_launch = 0
                 self._active = False
                 self._set_step(self._step + 1)

@@ -43,6 +43,7 @@ def resolve_plan(
     profile: Profile | str | os.PathLike[str] | None = None,
     probe: bool = True,
     time_limit_s: float = 2.0,
+    host_count: int | None = None,
 ) -> Plan:
     """`plan` if it was made for this model, world size, backend and kind of device; else a re-tuned plan
     (with `auto_retune`), identical on every rank of `process_group`.
@@ -58,6 +59,7 @@ def resolve_plan(
         probe: measure the group's network first (every rank takes part); without it the profile's
             network measurements are used as they are.
         time_limit_s: limit of the K-FAC placement solver.
+        host_count: the hosts the group runs on, when the caller knows better than the ranks' host names.
 
     Raises:
         PlanMismatchError: the plan was made for another model (re-tuning cannot fix that), or for
@@ -76,7 +78,8 @@ def resolve_plan(
             "averages the gradients itself"
         )
     device = _device_of(model)
-    cluster = current_cluster(device, process_group, hosts=count_hosts(process_group))
+    cluster = current_cluster(device, process_group,
+                              hosts=count_hosts(process_group) if host_count is None else host_count)
     distributed = dist.is_available() and dist.is_initialized()
     backend = cluster.backend if distributed else None
     try:

@@ -128,8 +128,10 @@ def plan_with_groups(
     kfac: KFACSection | None = None,
     counts_from_groups: bool = False,
     abs_section: ABSSection | None = None,
+    host_count: int = 1,
 ) -> Plan:
-    """A plan with dummy predictions for `model` (named `name`) made of `groups` (and a K-FAC section).
+    """A plan with dummy predictions for `model` (named `name`) made of `groups` (and a K-FAC section), for
+    `world_size` workers on `host_count` hosts.
 
     `counts_from_groups`: the plan's model holds the groups' parameters (a plan must hold its model's
     parameters exactly) under `model`'s fingerprint: a plan made for a model that differs from `model` only
@@ -142,7 +144,7 @@ def plan_with_groups(
         strategy=strategy,
         density=density,
         model=info,
-        cluster=ClusterInfo(world_size=world_size, backend="gloo", device="cpu"),
+        cluster=ClusterInfo(world_size=world_size, backend="gloo", device="cpu", host_count=host_count),
         groups=groups,
         predicted=dummy,
         baselines={},

@@ -115,18 +115,23 @@ class Group:
     numel: int
     k: int | None = None
     compressor: Compressor | None = None
+    #: Sent hierarchically (`planner.kernels.hierarchical`: inside each host, across hosts, inside again)
+    #: rather than by one flat allreduce over every rank; dense and fp16 groups of multi-host plans only.
+    hierarchical: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layers": list(self.layers), "params": list(self.params), "numel": self.numel,
                                "k": self.k}
         if self.compressor is not None:
             out["compressor"] = str(self.compressor)
+        if self.hierarchical:  # plans without it stay as they were
+            out["hierarchical"] = True
         return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> Group:
         expect(data, dict, where)
-        check_fields(data, where, ["layers", "params", "numel", "k"], optional=["compressor"])
+        check_fields(data, where, ["layers", "params", "numel", "k"], optional=["compressor", "hierarchical"])
         layers = tuple(expect(x, str, f"{where}.layers[]") for x in expect(data["layers"], list, f"{where}.layers"))
         params = tuple(expect(x, str, f"{where}.params[]") for x in expect(data["params"], list, f"{where}.params"))
         numel = expect_int(data["numel"], f"{where}.numel", 1, MAX_NUMEL)
@@ -139,7 +144,8 @@ class Group:
         compressor = data.get("compressor")
         if compressor is not None:
             compressor = parse_compressor(compressor, f"{where}.compressor")
-        return cls(layers=layers, params=params, numel=numel, k=k, compressor=compressor)
+        hierarchical = expect(data.get("hierarchical", False), bool, f"{where}.hierarchical")
+        return cls(layers=layers, params=params, numel=numel, k=k, compressor=compressor, hierarchical=hierarchical)
 
 
 def _prediction_from_dict(data: Any, where: str) -> Prediction:
@@ -221,6 +227,7 @@ class Plan:
         elif self.density is not None:
             raise SchemaError(f"only a top-k plan has a density, but this {self.strategy.value} plan has "
                               f"density={self.density}")
+        self._check_hierarchical()
         seen: set[str] = set()
         seen_layers: set[str] = set()
         for g in self.groups:
@@ -266,6 +273,20 @@ class Plan:
             if used:
                 raise SchemaError(f"plan.compressors lists {', '.join(map(str, self.compressors))}, but a group is "
                                   f"sent by {used[0]}")
+
+    def _check_hierarchical(self) -> None:
+        """Hierarchical groups: dense or fp16 only, in a plan for two or more hosts of equal size."""
+        for i, g in enumerate(self.groups):
+            if not g.hierarchical:
+                continue
+            kind = self.compressor_of(g).kind
+            if kind not in (CompressorKind.DENSE, CompressorKind.FP16):
+                raise SchemaError(f"plan.groups[{i}] is hierarchical but sent by {kind.value}; only dense and fp16 "
+                                  "groups are sent hierarchically")
+            hosts, world = self.cluster.host_count, self.cluster.world_size
+            if hosts < 2 or world % hosts:
+                raise SchemaError(f"plan.groups[{i}] is hierarchical, but the plan is for "
+                                  f"{_hosts_text(hosts, world)}: that needs two or more hosts of equal size")
 
     def compressor_of(self, group: Group) -> Compressor:
         """How `group` is sent: its own compressor in a mixed plan, else the plan's way (dense, or top-k at the
