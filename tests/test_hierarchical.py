@@ -4,22 +4,36 @@ is available, on emulated hosts found by their host names."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import itertools
+import json
+import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Group, Plan
-from planner.costmodel.problem import topk_count
+from planner.contracts.profile import FittedCurve, HostTiming, Profile
+from planner.costmodel.costs import AffineCost, CheaperOf, CostModel
+from planner.costmodel.problem import GradientProblem, topk_count
+from planner.costmodel.simulator import simulate
 from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_all_reduce
 from planner.platform.hosts import host_names, ranks_by_host
 from planner.platform.launch import run_distributed
 from planner.platform.link import parse_rate, privilege_problem
-from planner.types import Compressor, SchemaError, Strategy
-from tests.factories import plan_with_groups
+from planner.solvers import PerLayer, solve_exact
+from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, make_plan
+from planner.strategies.problems import hierarchical_groups
+from planner.types import Collective, Compressor, InvalidProfileError, SchemaError, Strategy
+from tests.factories import plan_with_groups, synthetic_profile
+from tests.test_solvers import all_groupings, problems
 
 LAYOUTS = ([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0], [1], [2], [3]], [[0, 1, 2, 3]])
 SIZES = (1, 7, 1000, 1 << 16)
@@ -167,3 +181,94 @@ def test_hierarchical_groups_need_a_multi_host_plan_and_a_dense_or_fp16_group() 
     bad["groups"][0]["hierarchical"] = "yes"
     with pytest.raises(SchemaError, match=r"groups\[0\].hierarchical must be bool"):
         Plan.from_dict(bad)
+
+
+# -- the solver: flat or hierarchical per group ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Chosen(CostModel):
+    """A brute-force choice: the second cost at the sizes listed, the first elsewhere."""
+
+    first: CostModel
+    second: CostModel
+    sizes: frozenset[float]
+
+    def cost(self, x: float) -> float:
+        return (self.second if x in self.sizes else self.first).cost(x)
+
+
+def _brute_force_routes(problem: GradientProblem, flat: CostModel, hierarchical: CostModel) -> float:
+    """The least simulated step over every grouping and every flat/hierarchical choice per group."""
+    best = math.inf
+    for grouping in all_groupings(problem.num_layers):
+        sizes = [float(problem.message_bytes(sum(problem.numel[a:b]))) for a, b in
+                 zip((0, *grouping[:-1]), grouping, strict=True)]
+        for choice in itertools.product((False, True), repeat=len(sizes)):
+            chosen = {s for s, c in zip(sizes, choice, strict=True) if c}
+            if any(s in chosen for s, c in zip(sizes, choice, strict=True) if not c):
+                continue  # two groups of one size routed apart: not expressible by size (and never better)
+            routed = dataclasses.replace(problem, comm=_Chosen(first=flat, second=hierarchical,
+                                                               sizes=frozenset(chosen)))
+            best = min(best, simulate(routed, grouping).iteration_s)
+    return best
+
+
+@settings(deadline=None, max_examples=60)
+@given(data=st.data())
+def test_the_route_per_group_is_exact_against_brute_force_and_never_worse_than_all_flat_or_all_hierarchical(
+    data: st.DataObject,
+) -> None:
+    """Groupings x flat-or-hierarchical per group, with interference and packing in half the instances."""
+    problem = data.draw(problems(strategy=Strategy.DENSE, max_layers=7))
+    flat = problem.comm
+    hierarchical = AffineCost(alpha=data.draw(st.floats(0.0, 0.05)), beta=data.draw(st.floats(0.0, 2e-7)))
+    best = dataclasses.replace(problem, comm=CheaperOf(first=flat, second=hierarchical))
+    grouping = solve_exact(best)
+    value = simulate(best, grouping).iteration_s
+    assert math.isclose(value, _brute_force_routes(problem, flat, hierarchical), rel_tol=1e-9, abs_tol=1e-12)
+    for only in (flat, hierarchical):
+        alone = dataclasses.replace(problem, comm=only)
+        assert value <= simulate(alone, solve_exact(alone)).iteration_s * (1 + 1e-9) + 1e-12
+    routes = hierarchical_groups(best, grouping)
+    assert len(routes) == len(grouping)
+
+
+def _two_host_profile() -> Profile:
+    """The synthetic MLP profile on 2 hosts of 2, where crossing hosts hierarchically costs more to start (three
+    steps) and less per byte (fewer bytes over the slow hop) than one flat allreduce."""
+    base = synthetic_profile("mlp", world_size=4)
+    sizes = [1 << s for s in range(10, 27, 2)]
+
+    def curve(alpha: float, beta: float) -> FittedCurve:
+        return FittedCurve.fit([(s, alpha + beta * s) for s in sizes])
+
+    flat = curve(2e-4, 4e-9)
+    hosts = HostTiming(ranks=((0, 1), (2, 3)), intra=curve(5e-5, 2e-10), inter=curve(2e-4, 1.3e-9),
+                       hierarchical=curve(2e-3, 2.7e-9))
+    return dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, host_count=2), hosts=hosts,
+                               collectives={**base.collectives, Collective.ALLREDUCE: flat})
+
+
+def test_a_two_host_profile_plans_large_groups_hierarchically_and_small_ones_flat(tmp_path: Path) -> None:
+    profile = _two_host_profile()
+    profile.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == profile
+    plan = make_plan(profile, Strategy.DENSE)
+    assert Plan.from_dict(plan.to_dict()) == plan
+    flat, hier = profile.curve(Collective.ALLREDUCE).model, profile.hosts.hierarchical.model  # type: ignore[union-attr]
+    for g in plan.groups:  # each group the cheaper way for its size
+        assert g.hierarchical == (hier.cost(4 * g.numel) < flat.cost(4 * g.numel)), g
+    assert plan.baselines.keys() >= {ALL_FLAT, ALL_HIERARCHICAL}
+    assert plan.predicted.iteration_s <= min(plan.baselines[ALL_FLAT].iteration_s,
+                                             plan.baselines[ALL_HIERARCHICAL].iteration_s) * (1 + 1e-12)
+    # Small groups go flat, large ones hierarchically: one group per layer shows both.
+    per_layer = make_plan(profile, Strategy.DENSE, solver=PerLayer())
+    assert {g.hierarchical for g in per_layer.groups} == {True, False}
+    # The profile's hosts must be its cluster's.
+    with pytest.raises(InvalidProfileError, match="lists 2 hosts of 2 ranks, but the cluster is 1 hosts"):
+        dataclasses.replace(profile, cluster=dataclasses.replace(profile.cluster, host_count=1))
+    doc = profile.to_dict()
+    doc["hosts"]["ranks"] = [[0, 1], [2]]
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(InvalidProfileError, match="two or more hosts of equal size"):
+        Profile.load(tmp_path / "bad.json")

@@ -51,6 +51,12 @@ def print_plan(plan: object, title: str | None = None) -> None:
         f"solver {plan.solver} took {plan.solve_seconds * 1e3:.1f} ms; "
         f"profile {plan.source_profile or '?'} measured {plan.profiled}"
     )
+    hierarchical = [i for i, g in enumerate(plan.groups) if g.hierarchical]
+    if plan.cluster.host_count > 1:
+        console.print(f"{plan.cluster.host_count} hosts: {len(hierarchical)} of {len(plan.groups)} groups cross them "
+                      f"hierarchically (inside each host, across, inside again)"
+                      + (f": groups {', '.join(str(i) for i in hierarchical)}" if hierarchical else "")
+                      + f", {len(plan.groups) - len(hierarchical)} by one flat allreduce")
     if plan.kfac is not None:
         print_kfac(plan)
     if plan.abs is not None:

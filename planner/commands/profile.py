@@ -16,13 +16,13 @@ from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.profile import InSitu, Profile, WorkerThroughput
 from planner.models import build_workload
-from planner.platform.hosts import count_hosts
+from planner.platform.hosts import host_names, ranks_by_host
 from planner.platform.launch import device_for, resolve_backend
 from planner.platform.link import LinkRate
 from planner.platform.memory import PhaseMemory, available_bytes
 from planner.platform.slowdown import Slowdown
 from planner.types import Collective, DistributedError, PlannerError
-from profilers.comm import log_sizes, measure_collectives
+from profilers.comm import host_points, log_sizes, measure_collectives, measure_hosts
 from profilers.compress import DEFAULT_POWERSGD_RANKS, compress_points, measure_compress
 from profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_interference
 from profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
@@ -135,6 +135,12 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         curves = measure_collectives(
             colls, sizes, device, repeats=config.comm_repeats, warmup=2, on_point=lambda: bar.advance(task)
         )
+        layout = ranks_by_host(host_names())
+        host_timing = None
+        if len(layout) > 1 and len({len(h) for h in layout}) == 1:  # hosts of equal size: every level too
+            task = bar.add_task("allreduce inside, across and over hosts", total=host_points(sizes, layout))
+            host_timing = measure_hosts(layout, sizes, device, repeats=config.comm_repeats, warmup=2,
+                                        on_point=lambda: bar.advance(task))
         topk = pack = interference = in_situ = compress = None
         if not config.only_comm:
             memory.begin("top-k")
@@ -188,19 +194,18 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         memory.end()
     peaks: list[object] = [None] * world_size
     dist.all_gather_object(peaks, memory.peaks)
-    hosts = count_hosts()
     if rank != 0:
         return None
     every_rank: list[dict[str, int]] = peaks  # type: ignore[assignment]
     peak_memory = {name: max(p.get(name, 0) for p in every_rank) for name in memory.peaks}
-    cluster = current_cluster(device, hosts=hosts)
+    cluster = current_cluster(device, hosts=len(layout))
     created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     if config.only_comm:
         assert base is not None
         new = Profile(
             model=base.model, cluster=cluster, created=created, torch_version=torch.__version__,
             batch_size=base.batch_size, forward_s=base.forward_s, backward_s=base.backward_s,
-            update_s=base.update_s, layers=base.layers, collectives=curves, topk=None,
+            update_s=base.update_s, layers=base.layers, collectives=curves, topk=None, hosts=host_timing,
         )
         return base.with_comm(new)
     assert layer_results is not None
@@ -226,6 +231,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         in_situ=in_situ,
         compress=compress,
         peak_memory=peak_memory or None,
+        hosts=host_timing,
     )
 
 

@@ -115,6 +115,7 @@ import pandas as pd
 from planner.contracts.fingerprint import ClusterInfo, ModelInfo
 from planner.contracts.jsonio import (
     MAX_NUMEL,
+    MAX_WORLD_SIZE,
     check_fields,
     expect,
     expect_int,
@@ -149,6 +150,7 @@ __all__ = [
     "CompressTiming",
     "DimCurve",
     "FittedCurve",
+    "HostTiming",
     "InSitu",
     "KFACLayerTiming",
     "KFACTiming",
@@ -780,6 +782,50 @@ class InSitu:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostTiming:
+    """The hosts the workers ran on and the allreduce at each level: inside a host (`intra`, None with one worker
+    per host), across hosts among one rank per host (`inter`), and hierarchical (`hierarchical`: inside, across,
+    inside again, `planner.kernels.hierarchical`), each against the bytes per rank of the whole message."""
+
+    ranks: tuple[tuple[int, ...], ...]
+    inter: FittedCurve
+    hierarchical: FittedCurve
+    intra: FittedCurve | None = None
+
+    def __post_init__(self) -> None:
+        sizes = {len(h) for h in self.ranks}
+        if len(self.ranks) < 2 or len(sizes) != 1 or 0 in sizes:
+            raise InvalidProfileError(f"profile.hosts.ranks must list two or more hosts of equal size, got "
+                                      f"{[list(h) for h in self.ranks]}")
+        flat = sorted(r for h in self.ranks for r in h)
+        if flat != list(range(len(flat))):
+            raise InvalidProfileError(f"profile.hosts.ranks must list every rank once, got "
+                                      f"{[list(h) for h in self.ranks]}")
+
+    @property
+    def per_host(self) -> int:
+        return len(self.ranks[0])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ranks": [list(h) for h in self.ranks], "intra": None if self.intra is None else self.intra.to_dict(),
+                "inter": self.inter.to_dict(), "hierarchical": self.hierarchical.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "profile.hosts") -> HostTiming:
+        expect(data, dict, where)
+        check_fields(data, where, ["ranks", "inter", "hierarchical"], optional=["intra"])
+        ranks = tuple(
+            tuple(expect_int(r, f"{where}.ranks[{i}][]", 0, MAX_WORLD_SIZE - 1, InvalidProfileError)
+                  for r in expect(host, list, f"{where}.ranks[{i}]"))
+            for i, host in enumerate(expect(data["ranks"], list, f"{where}.ranks")[:MAX_WORLD_SIZE + 1])
+        )
+        intra = data.get("intra")
+        return cls(ranks=ranks, inter=FittedCurve.from_dict(data["inter"], f"{where}.inter"),
+                   hierarchical=FittedCurve.from_dict(data["hierarchical"], f"{where}.hierarchical"),
+                   intra=None if intra is None else FittedCurve.from_dict(intra, f"{where}.intra"))
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkerThroughput:
     """Each worker's own speed: seconds of one local step (forward, backward, no communication) at a few
     micro-batch sizes, per rank. Workers differ on heterogeneous clusters (or under `--slowdown`)."""
@@ -878,6 +924,8 @@ class Profile:
     #: Peak resident memory of the busiest worker in each phase of `planner profile`, in bytes (None: not
     #: measured, e.g. on another OS or in profiles made before it was).
     peak_memory: dict[str, int] | None = None
+    #: The hosts and the allreduce at each level (None: one host, or hosts of unequal size).
+    hosts: HostTiming | None = None
     element_bytes: int = 4
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -889,6 +937,11 @@ class Profile:
                 f"profile.throughput has {len(self.throughput.step_s)} workers but the world size is "
                 f"{self.cluster.world_size}"
             )
+        if self.hosts is not None and (len(self.hosts.ranks) != self.cluster.host_count
+                                       or len(self.hosts.ranks) * self.hosts.per_host != self.cluster.world_size):
+            raise InvalidProfileError(
+                f"profile.hosts lists {len(self.hosts.ranks)} hosts of {self.hosts.per_host} ranks, but the cluster "
+                f"is {self.cluster.host_count} hosts and {self.cluster.world_size} workers")
         if self.parts_scale is not None and not (math.isfinite(self.parts_scale) and self.parts_scale > 0):
             raise InvalidProfileError(f"profile.parts_scale must be a finite number > 0, got {self.parts_scale!r}")
         for coll, sigma in (self.interference or {}).items():
@@ -926,7 +979,8 @@ class Profile:
 
     def with_comm(self, other: Profile) -> Profile:
         """This profile with the network measurements of `other` (for `--only comm`)."""
-        return replace(self, collectives=other.collectives, cluster=other.cluster, created=other.created)
+        return replace(self, collectives=other.collectives, cluster=other.cluster, created=other.created,
+                       hosts=other.hosts)
 
     # -- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -956,6 +1010,7 @@ class Profile:
             "throughput": None if self.throughput is None else self.throughput.to_dict(),
             "compress": None if self.compress is None else self.compress.to_dict(),
             "peak_memory": self.peak_memory,
+            "hosts": None if self.hosts is None else self.hosts.to_dict(),
         }
 
     @property
@@ -982,13 +1037,13 @@ class Profile:
         if data.get("kind") != PROFILE_KIND:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
         data = {"kfac": None, "step_s": None, "parts_scale": None, "pack": None, "interference": None, "in_situ": None,
-                "throughput": None, "compress": None, "peak_memory": None, **data}
+                "throughput": None, "compress": None, "peak_memory": None, "hosts": None, **data}
         check_fields(
             data,
             "profile",
             ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
              "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s",
-             "parts_scale", "pack", "interference", "in_situ", "throughput", "compress", "peak_memory"],
+             "parts_scale", "pack", "interference", "in_situ", "throughput", "compress", "peak_memory", "hosts"],
         )
         collectives = {}
         for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
@@ -1028,6 +1083,7 @@ class Profile:
             compress=(None if data["compress"] is None
                       else CompressTiming.from_dict(data["compress"], "profile.compress")),
             peak_memory=None if data["peak_memory"] is None else _peak_memory(data["peak_memory"]),
+            hosts=None if data["hosts"] is None else HostTiming.from_dict(data["hosts"]),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from planner.types import SchemaError
 
-__all__ = ["AffineCost", "CostModel", "PiecewiseLinearCost", "ScaledCost", "fit_affine"]
+__all__ = ["AffineCost", "CheaperOf", "CostModel", "PiecewiseLinearCost", "ScaledCost", "fit_affine"]
 
 
 class CostModel(abc.ABC):
@@ -128,6 +128,28 @@ class ScaledCost(CostModel):
 
     def lines(self) -> tuple[tuple[float, float], ...]:
         return tuple((self.factor * a, self.factor * b) for a, b in self.inner.lines())
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheaperOf(CostModel):
+    """The cheaper of two ways at each size (`first` on a tie): a group sent flat or hierarchically, whichever
+    costs less for its size. `second_wins(x)` says which was taken."""
+
+    first: CostModel
+    second: CostModel
+
+    def cost(self, x: float) -> float:
+        return min(self.first.cost(x), self.second.cost(x))
+
+    def cost_many(self, xs: np.ndarray) -> np.ndarray:
+        return np.minimum(self.first.cost_many(xs), self.second.cost_many(xs))
+
+    def second_wins(self, x: float) -> bool:
+        return self.second.cost(x) < self.first.cost(x)
+
+    def lines(self) -> tuple[tuple[float, float], ...]:
+        """A line below both costs is below the cheaper: the lower intercept with the lower slope of every pair."""
+        return tuple((min(a1, a2), min(b1, b2)) for a1, b1 in self.first.lines() for a2, b2 in self.second.lines())
 
 
 def fit_affine(points: Sequence[tuple[float, float]]) -> tuple[AffineCost, float]:

@@ -11,10 +11,14 @@ from planner.contracts.plan import Plan, check_selector
 from planner.contracts.profile import Profile
 from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DDP_BASELINE, GroupingSolver, lower_bound, solve_exact
-from planner.strategies.problems import gradient_problem
+from planner.strategies.problems import gradient_problem, hierarchical_groups
 from planner.types import SchemaError, Strategy
 
-__all__ = ["make_plan"]
+__all__ = ["ALL_FLAT", "ALL_HIERARCHICAL", "make_plan"]
+
+#: Baseline rows of a plan for several hosts: the exact grouping with every group flat, and hierarchical.
+ALL_FLAT = "plan, all flat"
+ALL_HIERARCHICAL = "plan, all hierarchical"
 
 
 def make_plan(
@@ -62,24 +66,35 @@ def _solve(
     solver: GroupingSolver | None,
     selector: str | None,
 ) -> Plan:
-    """One plan under one selection-cost model (`selector` None for dense)."""
+    """One plan under one selection-cost model (`selector` None for dense). On a profile of several hosts a
+    dense group goes flat or hierarchically, whichever is cheaper for it; the baselines then run flat, as the
+    systems they stand for do, beside the exact plan all flat and all hierarchical."""
     problem = gradient_problem(profile, strategy, density, selector=selector or "exact")
+    flat = gradient_problem(profile, strategy, density, selector=selector or "exact", route="flat")
     # DDP's row: DDP's buckets, moved by DDP at its own measured cost.
     ddp_problem = gradient_problem(profile, strategy, density, selector=selector or "exact", runtime="ddp")
     t0 = time.perf_counter()
     grouping = solver.solve(problem) if solver is not None else solve_exact(problem)
     seconds = time.perf_counter() - t0
     layers = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in profile.layers]
+    groups = groups_for(layers, grouping, strategy, density)
+    routed = hierarchical_groups(problem, grouping)
+    groups = tuple(replace(g, hierarchical=h) for g, h in zip(groups, routed, strict=True))
+    baselines = {b.name: simulate(ddp_problem if b.name == DDP_BASELINE else flat, b.solve(flat))
+                 for b in BASELINES[strategy]}
+    if strategy is Strategy.DENSE and profile.hosts is not None:
+        hierarchical = gradient_problem(profile, strategy, route="hierarchical")
+        baselines[ALL_FLAT] = simulate(flat, solve_exact(flat))
+        baselines[ALL_HIERARCHICAL] = simulate(hierarchical, solve_exact(hierarchical))
     return Plan(
         strategy=strategy,
         density=density if strategy is Strategy.TOPK else None,
         selector=selector,
         model=profile.model,
         cluster=profile.cluster,
-        groups=groups_for(layers, grouping, strategy, density),
+        groups=groups,
         predicted=simulate(problem, grouping),
-        baselines={b.name: simulate(ddp_problem if b.name == DDP_BASELINE else problem, b.solve(problem))
-                   for b in BASELINES[strategy]},
+        baselines=baselines,
         lower_bound_s=min(lower_bound(problem), lower_bound(ddp_problem)),  # a bound for DDP's row too
         solver=solver.name if solver is not None else f"{strategy.value}-exact",
         solve_seconds=seconds,

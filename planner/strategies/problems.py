@@ -11,22 +11,30 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from planner.contracts.profile import CompressTiming, Profile
-from planner.costmodel.costs import CostModel, ScaledCost
+from planner.costmodel.costs import CheaperOf, CostModel, ScaledCost
 from planner.costmodel.mixed import CompressorCosts, MixedProblem, Sum, costs_of
 from planner.costmodel.problem import GradientProblem
 from planner.kernels.compress import PowerSGDLayout
 from planner.types import Collective, Compressor, CompressorKind, InvalidProfileError, SchemaError, Strategy
 
-__all__ = ["gradient_problem", "mixed_problem"]
+__all__ = ["ROUTES", "gradient_problem", "hierarchical_groups", "mixed_problem"]
+
+
+#: How a dense group may cross hosts: "best" (per group, flat or hierarchical, whichever the profile's curves
+#: predict cheaper for its size), "flat" (one allreduce over every rank) or "hierarchical".
+ROUTES = ("best", "flat", "hierarchical")
 
 
 def gradient_problem(profile: Profile, strategy: Strategy, density: float | None = None, *, selector: str = "exact",
-            runtime: str = "planner") -> GradientProblem:
+            runtime: str = "planner", route: str = "best") -> GradientProblem:
     """The gradient-grouping instance this profile describes; top-k selection costs are `selector`'s.
 
     `runtime` is who moves the gradients: "planner" (`runtime.GradientExchange`: dense packs into its
     buffers, top-k adds straight into its residuals) or "ddp" (PyTorch DDP copies every gradient into
-    its buckets, at its own measured cost, before the top-k hook selects from them).
+    its buckets, at its own measured cost, before the top-k hook selects from them; always flat).
+    `route` (one of ROUTES) is how dense groups cross hosts, where the profile measured several
+    (`profile.hosts`); the per-group choice of "best" is exact, since a shorter collective never makes a
+    step longer on the timeline model, and `hierarchical_groups` reads it back.
 
     Raises:
         InvalidProfileError: top-k without top-k measurements (or without `selector`'s).
@@ -38,7 +46,7 @@ def gradient_problem(profile: Profile, strategy: Strategy, density: float | None
         update_s=profile.update_s,
         backward_s=tuple(lt.backward_s for lt in profile.layers),
         numel=tuple(lt.numel for lt in profile.layers),
-        comm=profile.curve(Collective.ALLREDUCE).model,
+        comm=_dense_comm(profile, route if runtime == "planner" else "flat"),
         world_size=profile.cluster.world_size,
         element_bytes=profile.element_bytes,
         pack=None if profile.pack is None or profile.cluster.world_size == 1 else _calibrated(
@@ -70,6 +78,28 @@ def gradient_problem(profile: Profile, strategy: Strategy, density: float | None
             )
         case _:
             raise SchemaError(f"unknown strategy {strategy!r}")
+
+
+def _dense_comm(profile: Profile, route: str) -> CostModel:
+    """The allreduce cost of a dense group sent by `route` (flat where the profile knows one host only)."""
+    if route not in ROUTES:
+        raise SchemaError(f"unknown route {route!r}; known: {', '.join(ROUTES)}")
+    flat = profile.curve(Collective.ALLREDUCE).model
+    if profile.hosts is None or route == "flat":
+        return flat
+    hierarchical = profile.hosts.hierarchical.model
+    return hierarchical if route == "hierarchical" else CheaperOf(first=flat, second=hierarchical)
+
+
+def hierarchical_groups(problem: GradientProblem, grouping: Sequence[int]) -> tuple[bool, ...]:
+    """Per group of `grouping` (end indices): whether `problem` sends it hierarchically (its comm is the cheaper
+    of flat and hierarchical, and hierarchical won at the group's size; all False otherwise)."""
+    comm, out, start = problem.comm, [], 0
+    for end in grouping:
+        numel = sum(problem.numel[start:end])
+        out.append(isinstance(comm, CheaperOf) and comm.second_wins(problem.message_bytes(numel)))
+        start = end
+    return tuple(out)
 
 
 def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, selector: str = "exact",

@@ -94,8 +94,11 @@ def retune_plan(
 def current_profile(
     profile: Profile, *, cluster: ClusterInfo, collectives: dict[Collective, FittedCurve] | None = None
 ) -> Profile:
-    """The stored per-layer profile with the cluster it now runs on and the collectives measured there."""
-    return replace(profile, collectives={**profile.collectives, **(collectives or {})}, cluster=cluster)
+    """The stored per-layer profile with the cluster it now runs on and the collectives measured there (the
+    profile's per-host levels only if the hosts are the same)."""
+    same_hosts = (cluster.host_count, cluster.world_size) == (profile.cluster.host_count, profile.cluster.world_size)
+    return replace(profile, collectives={**profile.collectives, **(collectives or {})}, cluster=cluster,
+                   hosts=profile.hosts if same_hosts else None)
 
 
 @dataclass(frozen=True, kw_only=True)
