@@ -264,7 +264,22 @@ def print_profile(profile: object) -> None:
         used = "fit" if curve.worst_error <= MAX_FIT_ERROR else "interpolated"
         table.add_row(coll.value, f"{curve.alpha_s * 1e6:.1f}", f"{bw:.2f}", f"{curve.fit_error:.1%}",
                       f"{curve.worst_error:.1%}", used, str(len(curve.points)))
+    if profile.hosts is not None:
+        h = profile.hosts
+        levels = [("allreduce inside a host", h.intra), (f"allreduce across hosts (a 1/{h.per_host} shard)", h.inter),
+                  ("hierarchical allreduce", h.hierarchical)]
+        for name, curve in levels:
+            if curve is None:
+                continue
+            bw = 1 / curve.beta_s_per_byte / 1e9 if curve.beta_s_per_byte > 0 else float("inf")
+            used = "fit" if curve.worst_error <= MAX_FIT_ERROR else "interpolated"
+            table.add_row(name, f"{curve.alpha_s * 1e6:.1f}", f"{bw:.2f}", f"{curve.fit_error:.1%}",
+                          f"{curve.worst_error:.1%}", used, str(len(curve.points)))
     console.print(table)
+    if profile.hosts is not None:
+        console.print(f"{len(profile.hosts.ranks)} hosts of {profile.hosts.per_host}: ranks "
+                      + "; ".join(", ".join(map(str, host)) for host in profile.hosts.ranks)
+                      + " (bytes on every level are the whole message's)")
     if profile.kfac is not None:
         kf = profile.kfac
         table = Table(title="K-FAC: factor work per layer (forward order) and inversion against dimension d")

@@ -20,7 +20,10 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
       "groups": [                                    # in the order gradients become ready
         {"layers": ["fc"], "params": ["fc.weight", "fc.bias"], "numel": 5130, "k": null}, ...
       ],                                             # a mixed plan's groups add "compressor": "powersgd:4"
-                                                     # (dense, fp16, powersgd:R, topk:D; k for top-k only)
+                                                     # (dense, fp16, powersgd:R, topk:D; k for top-k only);
+                                                     # "hierarchical": true sends a dense or fp16 group of a
+                                                     # multi-host plan inside each host, across, inside again
+                                                     # (absent: one flat allreduce)
       "predicted": {
         "plan":      {"iteration_s", "compute_s", "exposed_comm_s", "comm_s", "selection_s", "decode_s", "num_groups",
                       "pack_s", "interference_s"},          # the last two optional (0 when absent)
@@ -40,6 +43,10 @@ A mixed plan (`planner solve --strategy mixed --compressors ...`) sends each gro
 (`planner.types.Compressor`): fp32 allreduce, fp16 allreduce, PowerSGD at rank R or top-k at density D. Its
 top-k groups carry k and share the plan's selector. Dense and top-k plans have no per-group compressor (all
 groups are sent the plan's way), and read as they always did.
+
+A plan for several hosts (`cluster.host_count` > 1, from a profile that measured them) sends each dense group
+flat or hierarchically (`planner.kernels.hierarchical`), whichever its profile predicts cheaper for its size;
+the runtime refuses it on another number of hosts.
 
 A K-FAC plan (`planner solve --strategy kfac`) has dense gradient groups and a `kfac` section with the
 factor fusion buffers, the owner of every factor's inversion, the update intervals and predictions.

@@ -24,7 +24,9 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
                                                                   # at density 1% (or the nearest measured)
         "decode_points": [[values, density, seconds], ...]        # at every measured density; [] or
       },                                                          # absent: `decode` serves every density
-      "step_s": 0.8,                                              # whole local steps, timed as a cross-check
+      "step_s": 0.8,                                              # whole local steps, timed between hooked ones
+      "parts_scale": 0.97,                                        # the factor forward_s, the layers' times and
+                                                                  # update_s were scaled by to sum to step_s
       "throughput": {"batch_sizes": [8, 16, 32],                  # null or absent: not measured
                      "step_s": [[s, s, s], [s, s, s]]},           # per rank: a local step at each micro-batch
       "pack": {"points": [[numel, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"},
@@ -50,6 +52,11 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
           {"layer", "rank", "shapes": [[64, 3, 3, 3], [64]], "compress_s", "middle_s", "decompress_s"}, ...
         ]
       },
+      "hosts": {"ranks": [[0, 1], [2, 3]],                        # null or absent: one host (or hosts of
+                "intra": {...}, "inter": {...},                   # unequal size); the allreduce inside each
+                "hierarchical": {...}},                           # host, across them (one shard) and both
+                                                                  # (planner.kernels.hierarchical), against
+                                                                  # the whole message's bytes per rank
       "peak_memory": {"layers": 812345344, "top-k": ..., ...},    # null or absent: not measured; bytes
                                                                   # resident at the peak of each phase
                                                                   # (the busiest worker's)
