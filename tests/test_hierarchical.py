@@ -9,6 +9,8 @@ import datetime
 import itertools
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -272,3 +274,19 @@ def test_a_two_host_profile_plans_large_groups_hierarchically_and_small_ones_fla
     (tmp_path / "bad.json").write_text(json.dumps(doc))
     with pytest.raises(InvalidProfileError, match="two or more hosts of equal size"):
         Profile.load(tmp_path / "bad.json")
+
+
+def test_solve_routes_every_group_one_way_when_asked_and_refuses_it_without_hosts(tmp_path: Path) -> None:
+    from planner.commands.cli import main
+
+    _two_host_profile().save(tmp_path / "p.json")
+    for route, expected in (("flat", {False}), ("hierarchical", {True})):
+        assert main(["solve", str(tmp_path / "p.json"), "--strategy", "dense", "--route", route,
+                     "-o", str(tmp_path / f"{route}.json")]) == 0
+        assert {g.hierarchical for g in Plan.load(tmp_path / f"{route}.json").groups} == expected
+    synthetic_profile("mlp").save(tmp_path / "one.json")
+    proc = subprocess.run([sys.executable, "-m", "planner", "solve", str(tmp_path / "one.json"), "--strategy",
+                           "dense", "--route", "hierarchical", "-o", str(tmp_path / "x.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "needs a profile of several hosts" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.json").exists()

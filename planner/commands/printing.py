@@ -268,9 +268,10 @@ def print_profile(profile: object) -> None:
         h = profile.hosts
         levels = [("allreduce inside a host", h.intra), (f"allreduce across hosts (a 1/{h.per_host} shard)", h.inter),
                   ("hierarchical allreduce", h.hierarchical)]
-        for name, curve in levels:
-            if curve is None:
+        for name, level in levels:
+            if level is None:
                 continue
+            curve = level
             bw = 1 / curve.beta_s_per_byte / 1e9 if curve.beta_s_per_byte > 0 else float("inf")
             used = "fit" if curve.worst_error <= MAX_FIT_ERROR else "interpolated"
             table.add_row(name, f"{curve.alpha_s * 1e6:.1f}", f"{bw:.2f}", f"{curve.fit_error:.1%}",

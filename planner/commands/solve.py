@@ -56,6 +56,9 @@ class SolveCommand(Command):
                              help="how rounds end: 'batch' (default) rounds of --global-batch split by measured "
                                   "speed; 'exchange' once the previous exchange is done (the paper's rule: rounds "
                                   "grow to hide a slow exchange, up to 1.25x); 'best' whichever is predicted faster")
+        parser.add_argument("--route", choices=["best", "flat", "hierarchical"], default="best",
+                            help="--strategy dense on a profile of several hosts: send each group flat or "
+                                 "hierarchically, whichever is cheaper (best, the default), or every group one way")
         parser.add_argument("--cluster", default=None, metavar="SPEC", help=CLUSTER_HELP)
         parser.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
 
@@ -83,6 +86,8 @@ class SolveCommand(Command):
             given = [flag for flag, value in kfac_only if value is not None]
             if given:
                 raise PlannerError(f"{given[0]} applies to --strategy kfac only")
+        if args.route != "best" and args.strategy != Strategy.DENSE.value:
+            raise PlannerError("--route applies to --strategy dense only")
         if args.compressors is not None and not (is_mixed or is_auto):
             raise PlannerError("--compressors applies to --strategy mixed and auto only")
         if args.time_limit is not None and not (is_kfac or is_mixed or is_auto):
@@ -151,7 +156,7 @@ class SolveCommand(Command):
             plan = make_mixed_plan(profile, compressors, source=str(args.profile), selector=selector,
                                    time_limit_s=args.time_limit or 1.0)
         else:
-            plan = make_plan(profile, strategy, density, source=str(args.profile), selector=selector)
+            plan = make_plan(profile, strategy, density, source=str(args.profile), selector=selector, route=args.route)
         plan.save(args.output)
         print_plan(plan)
         if plan.strategy is Strategy.MIXED:

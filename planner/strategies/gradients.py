@@ -12,7 +12,7 @@ from planner.contracts.profile import Profile
 from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DDP_BASELINE, GroupingSolver, lower_bound, solve_exact
 from planner.strategies.problems import gradient_problem, hierarchical_groups
-from planner.types import SchemaError, Strategy
+from planner.types import InvalidProfileError, SchemaError, Strategy
 
 __all__ = ["ALL_FLAT", "ALL_HIERARCHICAL", "make_plan"]
 
@@ -29,10 +29,13 @@ def make_plan(
     source: str = "",
     solver: GroupingSolver | None = None,
     selector: str | None = None,
+    route: str = "best",
 ) -> Plan:
     """The optimal plan for `profile` (or the grouping of `solver`, e.g. a baseline, when given).
 
     Args:
+        route: how dense groups cross hosts on a profile of several (`planner.strategies.problems.ROUTES`):
+            "best" per group, or every group "flat" or "hierarchical".
         selector: top-k only: the selector whose measured selection cost the plan assumes ("exact",
             "sampled"). None ("auto") solves once with each selector the profile measured and keeps the
             plan with the lower predicted iteration time (exact on a tie); its baselines and lower bound
@@ -46,7 +49,9 @@ def make_plan(
         if selector is not None:
             raise SchemaError(f"a selector applies to top-k plans only, but got selector={selector!r} for "
                               f"strategy {strategy.value}")
-        return _solve(profile, strategy, density, source=source, solver=solver, selector=None)
+        return _solve(profile, strategy, density, source=source, solver=solver, selector=None, route=route)
+    if route != "best":
+        raise SchemaError(f"--route applies to dense plans; top-k groups are allgathered flat, got route={route!r}")
     if selector is not None:
         check_selector(selector, "selector")
         return _solve(profile, strategy, density, source=source, solver=solver, selector=selector)
@@ -65,11 +70,15 @@ def _solve(
     source: str,
     solver: GroupingSolver | None,
     selector: str | None,
+    route: str = "best",
 ) -> Plan:
     """One plan under one selection-cost model (`selector` None for dense). On a profile of several hosts a
     dense group goes flat or hierarchically, whichever is cheaper for it; the baselines then run flat, as the
     systems they stand for do, beside the exact plan all flat and all hierarchical."""
-    problem = gradient_problem(profile, strategy, density, selector=selector or "exact")
+    if route != "best" and profile.hosts is None:
+        raise InvalidProfileError(f"route {route!r} needs a profile of several hosts (`planner profile --hosts H`, or "
+                                  "under torchrun across hosts); this one measured one host")
+    problem = gradient_problem(profile, strategy, density, selector=selector or "exact", route=route)
     flat = gradient_problem(profile, strategy, density, selector=selector or "exact", route="flat")
     # DDP's row: DDP's buckets, moved by DDP at its own measured cost.
     ddp_problem = gradient_problem(profile, strategy, density, selector=selector or "exact", runtime="ddp")
@@ -78,7 +87,8 @@ def _solve(
     seconds = time.perf_counter() - t0
     layers = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in profile.layers]
     groups = groups_for(layers, grouping, strategy, density)
-    routed = hierarchical_groups(problem, grouping)
+    routed = (hierarchical_groups(problem, grouping) if route != "hierarchical"
+              else tuple(True for _ in grouping))
     groups = tuple(replace(g, hierarchical=h) for g, h in zip(groups, routed, strict=True))
     baselines = {b.name: simulate(ddp_problem if b.name == DDP_BASELINE else flat, b.solve(flat))
                  for b in BASELINES[strategy]}
