@@ -6,7 +6,16 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from planner.commands.common import COMPRESSORS_HELP, LINK_HELP, Command, _add_slowdown, _link_rate, _positive
+from planner.commands.common import (
+    COMPRESSORS_HELP,
+    LINK_HELP,
+    Command,
+    _add_hosts,
+    _add_slowdown,
+    _link_rate,
+    _positive,
+    check_hosts,
+)
 from planner.commands.printing import print_auto, print_bench, print_mixed_groups, print_plan, print_profile
 from planner.console import console
 from planner.contracts.jsonio import ensure_folder
@@ -34,6 +43,7 @@ class DemoCommand(Command):
         parser.add_argument("--link", default=DEMO_LINK, metavar="RATE|none",
                             help=f"{LINK_HELP}; default {DEMO_LINK} where this process may make network namespaces, "
                                  "else loopback; none: loopback")
+        _add_hosts(parser)
         _add_slowdown(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -46,16 +56,19 @@ class DemoCommand(Command):
         build_workload(args.model)  # an unknown or broken model is one line, before a link or a worker starts
         if args.slowdown is not None:
             args.slowdown.check_world_size(args.nproc)
+        check_hosts(args.hosts, args.nproc)
         link = self._demo_link(args.link)
         ensure_folder(args.profiles_dir, "profiles folder")
         ensure_folder(args.plans_dir, "plans folder")
         stem = args.model.replace(":", "_").replace("/", "_")
-        where = f"-{link.text}" if link is not None else ""
+        where = (f"-{link.text}" if link is not None else "") + (f"-{args.hosts}h" if args.hosts else "")
         prof_path = args.profiles_dir / f"{stem}-{args.nproc}w{where}.json"
         on = f"behind an emulated {link.text} link" if link is not None else "over loopback"
+        if args.hosts:
+            on = f"on {args.hosts} emulated hosts, {'between them ' if link is not None else ''}{on}"
         console.rule(f"1/3 profile {args.model} on {args.nproc} workers {on}")
         profile = run_profile(ProfileConfig(model=args.model, output=prof_path, nproc=args.nproc, link=link,
-                                            slowdown=args.slowdown))
+                                            slowdown=args.slowdown, hosts=args.hosts))
         profile.save(prof_path)
         print_profile(profile)
         console.print(f"wrote profile {prof_path}")
@@ -74,7 +87,7 @@ class DemoCommand(Command):
         dense = choice.candidates.get("dense")
         plans = (choice.plan,) if dense is None or dense is choice.plan else (dense, choice.plan)
         results = run_bench(BenchConfig(plans=plans, model=args.model, nproc=args.nproc, steps=args.steps,
-                                        link=link, slowdown=args.slowdown))
+                                        link=link, slowdown=args.slowdown, hosts=args.hosts))
         assert results is not None
         print_bench(results, as_json=False, title=f"bench {on}: median step time (slowest rank per step)")
         return 0
