@@ -102,8 +102,10 @@ def test_kfac_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     rows = json.loads(res.stdout)
     placed = any(r is not None for r in plan.kfac.preconditioners.values())
     comm_opt = "COMM_OPT layout, this runtime"
-    assert [r["name"] for r in rows] == ["sgd", "everywhere", comm_opt, "MEM_OPT layout, this runtime",
+    assert [r["name"] for r in rows] == ["local (no communication)", "sgd", "everywhere", comm_opt,
+                                         "MEM_OPT layout, this runtime",
                                          *(["plan, everyone preconditions"] if placed else []), "plan"]
     for r in rows:
         assert r["steps"] == 6 and r["median_s"] > 0 and r["predicted_s"] > 0 and r["reference"] == comm_opt
-    assert rows[2]["speedup"] == 1.0
+    assert rows[3]["speedup"] == 1.0
+    assert rows[0]["predicted_s"] == pytest.approx(Profile.load(prof).parts_s, rel=1e-9)  # the profile's compute

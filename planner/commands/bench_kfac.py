@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from planner.commands.bench import BenchResult, slowest_rank, timed_step
+from planner.commands.bench import LOCAL, BenchResult, local_prediction, slowest_rank, timed_step
 from planner.console import err_console, progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.kfac import KFACSection
@@ -109,6 +109,7 @@ def kfac_variants(plan: Plan) -> list[tuple[str, KFACSection | None, float | Non
         return None if p is None else p.step_s
 
     return [
+        (LOCAL, None, local_prediction(plan)),
         ("sgd", None, predicted("sgd")),
         *((name, refs[name], predicted(name)) for name in ("everywhere", REFERENCE, "kaisa-mem-opt", PLAN_EVERYONE)
           if name in refs),
@@ -174,10 +175,14 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
     plan.check_compatible(model_info(base.module, config.model), world_size, hosts=count_hosts())
     variants = kfac_variants(plan)
     runners, closers = [], []
-    for _name, section, _pred in variants:
+    for name, section, _pred in variants:
         wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank
         # After backward: the SGD variant waits for its gradient exchange; K-FAC's step() does that and more.
         runtime_part: GradientExchange | KFACPreconditioner
+        if name == LOCAL:  # each rank on its own: the compute every prediction is built on
+            opt = torch.optim.SGD(wl.module.parameters(), lr=config.lr, momentum=0.9)
+            runners.append((wl, wl.module, lambda: None, opt))
+            continue
         if section is None:
             runtime_part = GradientExchange(wl.module, plan)
             finish = runtime_part.synchronize
@@ -221,7 +226,7 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
     results = []
     for (name, _section, pred), row in zip(variants, slowest, strict=True):
         per_window = [sum(row[w * window:(w + 1) * window]) / window for w in range(config.windows)]
-        strategy = "sgd" if name == "sgd" else "kfac"
+        strategy = "local" if name == LOCAL else "sgd" if name == "sgd" else "kfac"
         results.append(BenchResult.from_samples(LAYOUT_ROWS.get(name, name), strategy, per_window,
                                                 steps=len(row), predicted_s=pred, reference=reference))
     ref = next(r.median_s for r in results if r.name == reference)
