@@ -200,7 +200,12 @@ def plan_tag(plan: Plan) -> str:
             preset = next((name for name, members in PRESETS.items() if members == allowed), None)
             return f"mixed({preset or ','.join(allowed)})"
         case _:
-            return plan.strategy.value
+            if plan.cluster.host_count < 2:
+                return plan.strategy.value
+            routed = sum(g.hierarchical for g in plan.groups)
+            route = ("flat" if routed == 0 else "hierarchical" if routed == len(plan.groups)
+                     else f"{routed} of {len(plan.groups)} groups hierarchical")
+            return f"{plan.strategy.value}, {route}"
 
 
 def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
@@ -216,14 +221,16 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
         out.append(Variant(LOCAL, None, local_prediction(dense), local=True))
     hooks: dict[Compressor, tuple[float | None, str]] = {c: (None, "exact") for c in peers}
     names: set[str] = set()
+    per_layer: set[Strategy] = set()
     for plan in plans:
         tag = plan_tag(plan)
         if f"plan {tag}" in names:
             tag += f" #{sum(n.startswith(f'plan {tag}') for n in names) + 1}"
         names.add(f"plan {tag}")
-        if plan.strategy is not Strategy.MIXED:
+        if plan.strategy is not Strategy.MIXED and plan.strategy not in per_layer:  # one per strategy
+            per_layer.add(plan.strategy)
             pl = per_layer_plan(plan, module)
-            out.append(Variant(f"per-layer {tag}", pl, pl.predicted.iteration_s))
+            out.append(Variant(f"per-layer {plan_tag(pl)}", pl, pl.predicted.iteration_s))
         out.append(Variant(f"plan {tag}", plan, plan.predicted.iteration_s))
         if plan.strategy is Strategy.TOPK:
             assert plan.density is not None
