@@ -290,3 +290,27 @@ def test_solve_routes_every_group_one_way_when_asked_and_refuses_it_without_host
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "needs a profile of several hosts" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.json").exists()
+
+
+def test_the_bench_names_a_multi_host_plan_by_how_its_groups_cross_hosts() -> None:
+    from planner.commands.bench import bench_variants, plan_tag
+
+    profile = _two_host_profile()
+    best = make_plan(profile, Strategy.DENSE, solver=PerLayer())
+    flat = make_plan(profile, Strategy.DENSE, route="flat")
+    assert plan_tag(best) == f"dense, {sum(g.hierarchical for g in best.groups)} of {len(best.groups)} groups " \
+                             "hierarchical"
+    assert plan_tag(flat) == "dense, flat" and plan_tag(synthetic_profile_plan()) == "dense"
+    names = [v.name for v in bench_variants((best, flat), _mlp_module(), peers=())]
+    assert names.count("per-layer dense, flat") == 1  # one per-layer row per strategy
+    assert "plan dense, flat" in names and f"plan {plan_tag(best)}" in names
+
+
+def synthetic_profile_plan() -> Plan:
+    return make_plan(synthetic_profile("mlp"), Strategy.DENSE)
+
+
+def _mlp_module() -> torch.nn.Module:
+    from planner.models import build_workload
+
+    return build_workload("mlp").module
