@@ -17,7 +17,8 @@ of the additions (fp32 rounding), which the tests check against a flat allreduce
 `HostGroups.build` makes the subgroups once (a collective: every rank of the group calls it, in the same order);
 `hierarchical_all_reduce` runs the three steps, blocking; `HierarchicalWork` runs them on a thread of their own
 so that the caller can go on computing (the runtime launches groups from backward hooks), and is waited on as
-an async collective's work handle is.
+an async collective's work handle is. Tested on gloo (CPU); on NCCL the thread issues the collectives on its
+device's default stream, which is not yet checked on a GPU.
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ class HierarchicalWork:
 
     def _run(self, flat: Tensor, groups: HostGroups, after: HierarchicalWork | None) -> None:
         try:
+            if flat.is_cuda:  # a new thread starts on device 0: the buffer's device, for NCCL's streams
+                torch.cuda.set_device(flat.device)
             if after is not None:
                 after._thread.join()
             hierarchical_all_reduce(flat, groups)
