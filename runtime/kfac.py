@@ -44,6 +44,7 @@ import math
 import os
 import re
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, SupportsFloat
@@ -340,6 +341,9 @@ class KFACPreconditioner:
         if self._allreduce_grads and plan is not None:
             self.exchange = GradientExchange(model, plan, process_group=process_group)
         self._steps = 0
+        #: Host seconds spent in the factor hooks (computing and packing A and G) since construction: on a CPU
+        #: the factors' compute time, what `planner bench` sets beside the profile's; on a GPU only the launches.
+        self.factor_seconds = 0.0
         self._next_launch = 0
         self._active = False  # a factor was computed since the last step()
         self._have_factors = False
@@ -425,16 +429,20 @@ class KFACPreconditioner:
         if not args or not isinstance(args[0], Tensor):
             return
         dtype = layer.a.inv_flat.dtype
+        started = time.perf_counter()
         with torch.no_grad():
             a = layer.input_covariance(args[0], dtype)
             self._factor_ready(layer.a, a)
+        self.factor_seconds += time.perf_counter() - started
         if isinstance(output, Tensor) and output.requires_grad:
             output.register_hook(functools.partial(self._output_grad_hook, layer))
 
     def _output_grad_hook(self, layer: _Layer, grad: Tensor) -> None:
         """Tensor hook on a layer's output: compute G from the gradient."""
+        started = time.perf_counter()
         with torch.no_grad():
             self._factor_ready(layer.g, covariance(layer.output_grads(grad, layer.g.inv_flat.dtype)))
+        self.factor_seconds += time.perf_counter() - started
 
     def _factor_ready(self, factor: _Factor, value: Tensor) -> None:
         """Pack a fresh factor into its buffer; allreduce the buffer when complete, in buffer order."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from planner.commands.bench_kfac import FACTOR_HOOKS, FACTOR_HOOKS_STRATEGY
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.models import Workload
@@ -104,7 +105,13 @@ def test_kfac_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     comm_opt = "COMM_OPT layout, this runtime"
     assert [r["name"] for r in rows] == ["local (no communication)", "sgd", "everywhere", comm_opt,
                                          "MEM_OPT layout, this runtime",
-                                         *(["plan, everyone preconditions"] if placed else []), "plan"]
+                                         *(["plan, everyone preconditions"] if placed else []), "plan",
+                                         FACTOR_HOOKS]
+    # Not a step: the plan's factor hooks on each factor-update step (every step here), beside the profile's.
+    hooks = rows.pop()
+    assert hooks["strategy"] == FACTOR_HOOKS_STRATEGY and hooks["speedup"] is None
+    assert hooks["predicted_s"] == pytest.approx(plan.kfac.predicted.factor_compute_s, rel=1e-12)
+    assert 0 < hooks["median_s"] < rows[-1]["median_s"] and hooks["steps"] == 6
     for r in rows:
         assert r["steps"] == 6 and r["median_s"] > 0 and r["predicted_s"] > 0 and r["reference"] == comm_opt
     assert rows[3]["speedup"] == 1.0

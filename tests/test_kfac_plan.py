@@ -18,6 +18,7 @@ from planner.solvers.fusion import FUSION_BASELINES, simulate_fusion
 from planner.solvers.layout import KaisaCommOpt, KaisaMemOpt, layout_timelines
 from planner.solvers.placement import makespan
 from planner.strategies.kfac import (
+    calibrated_kfac,
     kfac_lower_bound,
     kfac_problem,
     make_kfac_plan,
@@ -62,6 +63,9 @@ def test_kfac_plan_round_trips_and_old_plans_load(tmp_path: Path) -> None:
     doc = synthetic_plan("mlp").to_dict()
     del doc["kfac"]
     assert Plan.from_dict(doc).kfac is None
+    old = plan.to_dict()  # made before predictions carried the factors' compute
+    del old["kfac"]["predicted"]["plan"]["factor_compute_s"]
+    assert Plan.from_dict(old).kfac.predicted.factor_compute_s is None
 
 
 def test_kfac_section_validation() -> None:
@@ -133,8 +137,8 @@ def test_prediction_follows_the_timeline_model(mode: str) -> None:
     assert pred.precondition_s == pytest.approx(preconditioning.makespan_s, rel=TOL)
     assert pred.step_s == pytest.approx(pred.plain_step_s + (factor - pred.plain_step_s) / 2
                                         + inversion.makespan_s / 4, rel=TOL)
-    kf = profile.kfac
-    assert kf is not None
+    kf = calibrated_kfac(profile)
+    assert pred.factor_compute_s == pytest.approx(sum(lt.a_compute_s + lt.g_compute_s for lt in kf.layers), rel=TOL)
     assert pred.plain_step_s == pytest.approx(problem.sgd_step_s + preconditioning.makespan_s, rel=TOL)
     if mode == "everyone":
         assert preconditioning.makespan_s == pytest.approx(sum(lt.precondition_eigen_s for lt in kf.layers), rel=TOL)

@@ -539,6 +539,32 @@ def test_kl_clipping_scales_all_layers_by_one_factor() -> None:
         torch.testing.assert_close(clipped[name], unclipped[name] * scale, rtol=1e-5, atol=1e-7)
 
 
+def test_factor_seconds_count_the_factor_hooks_on_factor_update_steps_only() -> None:
+    """`factor_seconds` grows by the hooks' time on a factor-update step (and by no more than the step took),
+    not on the steps between, nor in eval mode or under no_grad."""
+    import time
+
+    model = build_knet()
+    x, y = full_batch(0)
+    with KFACPreconditioner(model, skip_layers=SKIP, factor_update_steps=2, inv_update_steps=2) as precond:
+        assert precond.factor_seconds == 0.0
+        spent = []
+        for _ in range(4):
+            before, started = precond.factor_seconds, time.perf_counter()
+            F.cross_entropy(model(x), y).backward()
+            took = time.perf_counter() - started
+            precond.step()
+            spent.append(precond.factor_seconds - before)
+            assert spent[-1] <= took
+        assert spent[0] > 0 and spent[2] > 0 and spent[1] == 0 and spent[3] == 0
+        before = precond.factor_seconds
+        with torch.no_grad():
+            model(x)
+        model.eval()
+        F.cross_entropy(model(x), y).backward()
+        assert precond.factor_seconds == before
+
+
 def test_a_large_factor_without_a_plan_is_warned_about(recwarn: pytest.WarningsRecorder) -> None:
     """A factor wide enough that inverting it every step may look like a hang draws one warning that says what
     to do; a model of small layers, or a skipped large layer, draws none."""

@@ -29,6 +29,12 @@ A K-FAC step is not like the next (factors every `factor_update_steps`, inverses
 so the unit of measurement is a window of `inv_update_steps` steps: its time divided by its steps is one
 sample of the average step time the model predicts. Variants run window by window, round-robin, in the
 same processes; each step is timed from a barrier, and a step's time is the slowest rank's.
+
+After the plan's row, one row that is not a step: the plan's factor hooks (computing and packing A and G, the
+runtime's `factor_seconds`) on each measured factor-update step, slowest rank, beside the profile's calibrated
+time for them. The factors are most of what a K-FAC step adds to sgd on a CPU, and their kernels drift apart
+from the rest of the compute on a shared machine: this row says how much of a K-FAC row's error that is, as the
+local row does for the compute.
 """
 
 from __future__ import annotations
@@ -56,8 +62,8 @@ if TYPE_CHECKING:
     from planner.platform.link import LinkRate
     from planner.platform.slowdown import Slowdown
 
-__all__ = ["KFACBenchConfig", "kfac_bench_worker", "kfac_variants", "peer_available", "peer_variants",
-           "run_kfac_bench"]
+__all__ = ["FACTOR_HOOKS", "FACTOR_HOOKS_STRATEGY", "KFACBenchConfig", "kfac_bench_worker", "kfac_variants",
+           "peer_available", "peer_variants", "run_kfac_bench"]
 
 REFERENCE = "kfac-pytorch"
 #: Bench rows of kfac-pytorch's layouts as this runtime runs them (the plan's baselines keep the short names).
@@ -65,6 +71,10 @@ LAYOUT_ROWS = {REFERENCE: "COMM_OPT layout, this runtime", "kaisa-mem-opt": "MEM
 #: The real kfac-pytorch's distributed strategies, and the row of the first (the speed-ups' reference).
 PEER_STRATEGIES = ("COMM_OPT", "MEM_OPT", "HYBRID_OPT")
 PEER_REFERENCE = "kfac-pytorch COMM_OPT"
+#: The row (not a step) of the plan's factor hooks: computing and packing A and G on a factor-update step, the
+#: largest compute term the K-FAC rows add to the sgd row, beside the profile's calibrated time for it.
+FACTOR_HOOKS = "factor hooks in the plan's steps (A and G)"
+FACTOR_HOOKS_STRATEGY = "kfac-factors"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +185,7 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
     plan.check_compatible(model_info(base.module, config.model), world_size, hosts=count_hosts())
     variants = kfac_variants(plan)
     runners, closers = [], []
+    plan_runtime: KFACPreconditioner | None = None  # the plan's, whose factor hooks are timed
     for name, section, _pred in variants:
         wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank
         # After backward: the SGD variant waits for its gradient exchange; K-FAC's step() does that and more.
@@ -189,6 +200,8 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
         else:
             runtime_part = KFACPreconditioner(wl.module, plan=plan, kfac=section, lr=config.lr, damping=config.damping)
             finish = runtime_part.step
+            if name == "plan":
+                plan_runtime = runtime_part
         opt = torch.optim.SGD(wl.module.parameters(), lr=config.lr, momentum=0.9)
         runners.append((wl, wl.module, finish, opt))
         closers.append(runtime_part.close)
@@ -199,9 +212,19 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
     gen = torch.Generator().manual_seed(1000 + rank)
     batch = base.make_batch(base.batch_size, gen)
 
-    def step(i: int) -> float:
+    plan_index = next(i for i, (name, _, _) in enumerate(variants) if name == "plan")
+    hook_times: list[float] = []  # the plan's factor hooks on each measured factor-update step
+
+    def step(i: int, measured: bool = False) -> float:
         wl, model, finish, opt = runners[i]
-        return timed_step(model, wl.loss_fn, batch, opt, finish)
+        if i != plan_index or plan_runtime is None:
+            return timed_step(model, wl.loss_fn, batch, opt, finish)
+        factor_step = plan_runtime.steps % plan_runtime.factor_update_steps == 0
+        before = plan_runtime.factor_seconds
+        seconds = timed_step(model, wl.loss_fn, batch, opt, finish)
+        if measured and factor_step:
+            hook_times.append(plan_runtime.factor_seconds - before)
+        return seconds
 
     n, window = len(variants), config.window
     times: list[list[float]] = [[] for _ in range(n)]
@@ -215,11 +238,12 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
         for _ in range(config.windows):
             for i in range(n):
                 for _ in range(window):
-                    times[i].append(step(i))
+                    times[i].append(step(i, measured=True))
                     bar.advance(task)
     for close in closers:
         close()
     slowest = slowest_rank(times)
+    slowest_hooks = slowest_rank([hook_times])[0] if hook_times else []
     if rank != 0:
         return None
     reference = PEER_REFERENCE if peers else LAYOUT_ROWS[REFERENCE]
@@ -230,7 +254,14 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
         results.append(BenchResult.from_samples(LAYOUT_ROWS.get(name, name), strategy, per_window,
                                                 steps=len(row), predicted_s=pred, reference=reference))
     ref = next(r.median_s for r in results if r.name == reference)
-    return [replace(r, speedup=ref / r.median_s) for r in results]
+    results = [replace(r, speedup=ref / r.median_s) for r in results]
+    if slowest_hooks and not batch[0].is_cuda:  # on a GPU the hooks only launch kernels
+        assert plan.kfac is not None
+        predicted = plan.kfac.predicted
+        results.insert(next(i for i, r in enumerate(results) if r.name == "plan") + 1, BenchResult.from_samples(
+            FACTOR_HOOKS, FACTOR_HOOKS_STRATEGY, slowest_hooks, steps=len(slowest_hooks), reference=reference,
+            predicted_s=None if predicted is None else predicted.factor_compute_s))
+    return results
 
 
 def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult] | None:

@@ -175,12 +175,20 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
         table.add_row("lower bound (model)", "", "", "", _ms(lower_bound_s), "")
     console.print(table)
     from planner.commands.bench import LOCAL, machine_drift
+    from planner.commands.bench_kfac import FACTOR_HOOKS_STRATEGY
 
     drift = machine_drift(results)
     if drift is not None and abs(drift) > DRIFT_TOLERANCE:
         err_console.print(f"note: the {LOCAL} steps ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} than "
                           "the profile predicts: this machine is busier or quieter than when it was profiled, and "
                           "every prediction is off by about as much", markup=False)
+    hooks = next((r for r in results if r.strategy == FACTOR_HOOKS_STRATEGY and r.predicted_s), None)
+    if hooks is not None and hooks.rel_error is not None and hooks.rel_error > DRIFT_TOLERANCE:
+        off = hooks.median_s - hooks.predicted_s
+        err_console.print(f"note: the plan's factor hooks took {_ms(hooks.median_s)} ms per factor-update step, "
+                          f"{_ms(abs(off))} ms {'more' if off > 0 else 'less'} than the profile's calibrated "
+                          f"{_ms(hooks.predicted_s)} ms: the K-FAC rows' predictions are off by about as much "
+                          "(profile again to measure the factors as they run now)", markup=False)
 
 
 #: How far the sum of a profile's parts may be from its whole steps before `planner profile` warns.

@@ -149,7 +149,8 @@ class KFACPrediction:
     step_s is the average over the update intervals: every step pays plain_step_s, one step in
     factor_update_steps pays factor_step_s instead, one in inv_update_steps also pays inversion_s.
     precondition_s is the preconditioning phase every step pays (within plain_step_s); None in plans made
-    before it was placed.
+    before it was placed. factor_compute_s is the A and G factors' computation on a factor-update step (within
+    factor_step_s), what `planner bench` sets beside the runtime's `factor_seconds`; None in older plans.
     """
 
     step_s: float
@@ -160,16 +161,20 @@ class KFACPrediction:
     broadcast_s: float
     num_buffers: int
     precondition_s: float | None = None
+    factor_compute_s: float | None = None
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> KFACPrediction:
         expect(data, dict, where)
         fields = ["step_s", "plain_step_s", "factor_step_s", "inversion_s", "factor_comm_s", "broadcast_s"]
-        check_fields(data, where, [*fields, "num_buffers"], ["precondition_s"])
+        check_fields(data, where, [*fields, "num_buffers"], ["precondition_s", "factor_compute_s"])
         times = {f: expect_time(data[f], f"{where}.{f}") for f in fields}
-        pre = data.get("precondition_s")
+
+        def optional(name: str) -> float | None:
+            return None if data.get(name) is None else expect_time(data[name], f"{where}.{name}")
+
         return cls(**times, num_buffers=expect(data["num_buffers"], int, f"{where}.num_buffers"),
-                   precondition_s=None if pre is None else expect_time(pre, f"{where}.precondition_s"))
+                   precondition_s=optional("precondition_s"), factor_compute_s=optional("factor_compute_s"))
 
 
 def left_out_from_json(value: Any, where: str) -> tuple[tuple[str, str], ...] | None:

@@ -113,6 +113,8 @@ class KFACProblem:
     fold_s: float
     tail_s: float
     gradient_lower_bound_s: float
+    #: the A and G factors' computation (with packing) on a factor-update step, in-situ calibrated
+    factor_compute_s: float = 0.0
 
     @property
     def placement(self) -> PlacementProblem:
@@ -252,6 +254,7 @@ def kfac_problem(
         fold_s=sum(_layer_fold(lt, whole(lt.name, FactorKind.A), whole(lt.name, FactorKind.G)) for lt in kf.layers),
         tail_s=profile.update_s,
         gradient_lower_bound_s=lower_bound(grad),
+        factor_compute_s=sum(a_cost.values()) + sum(g_cost.values()),
     )
     return problem
 
@@ -290,6 +293,7 @@ def predict_kfac(
         broadcast_s=sum(problem.placement.bcast_s[f] for f, _, _ in inversion.broadcasts),
         num_buffers=timeline.num_buffers,
         precondition_s=pre,
+        factor_compute_s=problem.factor_compute_s,
     )
 
 
