@@ -63,7 +63,7 @@ from torch import Tensor, nn
 from planner.contracts.plan import Group, Plan
 from planner.costmodel.problem import topk_count
 from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compress, fp16_decompress
-from planner.kernels.hierarchical import HierarchicalWork, HostGroups
+from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_topk_sum
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk, take_topk
 from planner.platform.hosts import host_names, ranks_by_host
 from planner.types import CompressorKind, DistributedError, PlanMismatchError, Strategy
@@ -740,6 +740,14 @@ class GradientExchange:
         """Start the group's async collective and return its work handle (None on world size 1)."""
         if self.world_size == 1:
             return None
+        if st.topk and st.hierarchical:  # merged inside each host, across hosts once per host, into flat
+            assert st.send is not None and st.k_now is not None and st.flat is not None
+            assert self._host_groups is not None
+            k, send, out, groups = st.k_now, st.send[: 2 * st.k_now], st.flat, self._host_groups
+            self._last_hierarchical = HierarchicalWork(
+                send, groups, after=self._last_hierarchical,
+                run=lambda: hierarchical_topk_sum(send, k, out, groups, self.world_size))
+            return self._last_hierarchical
         if st.topk:
             assert st.recv is not None and st.send is not None and st.k_now is not None
             if st.k_now == st.k_max:
@@ -835,6 +843,8 @@ class GradientExchange:
             elif st.work2 is not None:
                 st.work2.wait()
             st.powersgd.decompress(st.flat, self.world_size)
+        elif st.topk and st.hierarchical:
+            pass  # the exchange wrote the average into flat
         elif st.topk:
             assert st.k_now is not None and st.send is not None
             gathered = st.send if st.recv is None else st.recv

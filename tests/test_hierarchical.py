@@ -27,7 +27,8 @@ from planner.contracts.profile import FittedCurve, HostTiming, Profile
 from planner.costmodel.costs import AffineCost, CheaperOf, CostModel
 from planner.costmodel.problem import GradientProblem, topk_count
 from planner.costmodel.simulator import simulate
-from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_all_reduce
+from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_all_reduce, hierarchical_topk_sum
+from planner.kernels.topk import decode, pack
 from planner.platform.hosts import host_names, ranks_by_host
 from planner.platform.launch import run_distributed
 from planner.platform.link import parse_rate, privilege_problem
@@ -98,6 +99,48 @@ def test_hosts_of_unequal_size_or_missing_ranks_are_refused() -> None:
     assert "hosts of equal size" in errors[0] and "every rank of the group of 3 once" in errors[1]
 
 
+def _compare_topk(rank: int, world_size: int) -> list[tuple[str, float, int, int, int]]:
+    """(case, max |hierarchical - flat| / max |flat|, U, the largest union, ranks per host) of top-k messages
+    whose indices overlap fully, partly or not at all across ranks, on hosts given explicitly."""
+    out = []
+    numel = 1000
+    for layout in ([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0], [1], [2], [3]], [[0, 1, 2, 3]]):
+        groups = HostGroups.build(layout)
+        for overlap, k in (("same", 50), ("partial", 50), ("disjoint", 50), ("partial", 1), ("disjoint", 250)):
+            gen = torch.Generator().manual_seed(7 * rank + k)
+            if overlap == "same":
+                indices = torch.arange(0, 2 * k, 2, dtype=torch.int32)
+            elif overlap == "disjoint":
+                indices = torch.arange(rank * k, (rank + 1) * k, dtype=torch.int32)
+            else:  # half shared by every rank, half the rank's own
+                shared, own = torch.arange(k // 2), torch.arange(500 + rank * k, 500 + rank * k + k - k // 2)
+                indices = torch.cat([shared, own]).to(torch.int32)
+            send = pack(torch.randn(k, generator=gen), indices)
+            gathered = send.new_empty(world_size * 2 * k)
+            dist.all_gather_into_tensor(gathered, send)
+            flat = decode(gathered, k, numel, world_size)
+            everyone = gathered.view(world_size, 2 * k)[:, k:].contiguous().view(torch.int32)
+            largest = max(torch.unique(everyone[host].reshape(-1)).numel() for host in layout)
+            mine = torch.full((numel,), float("nan"))
+            sent = hierarchical_topk_sum(send, k, mine, groups, world_size)
+            error = float((mine - flat).abs().max() / flat.abs().max())
+            out.append((f"{layout} {overlap} k={k}", error, sent, largest, len(layout[0])))
+    return out
+
+
+def test_hierarchical_topk_equals_the_flat_allgather_and_sends_each_hosts_union_once() -> None:
+    """The same average as the flat exchange; each host sends its union of indices (padded to the largest
+    union, rounded up to a multiple of the host size): k when its ranks pick the same entries, L k when
+    they pick disjoint ones."""
+    results = run_distributed(_compare_topk, 4, timeout=120)
+    for case, error, sent, largest, per_host in results[0]:
+        assert error <= 1e-6, f"{case}: relative error {error:.2e}"
+        assert sent == (0 if per_host == 4 else math.ceil(largest / per_host) * per_host), case
+    by_case = {case: sent for case, _, sent, _, _ in results[0]}
+    assert by_case["[[0, 1], [2, 3]] same k=50"] == 50 and by_case["[[0, 1], [2, 3]] disjoint k=50"] == 100
+    assert all(r == results[0] for r in results)  # every rank reports the same
+
+
 # -- the runtime ----------------------------------------------------------------------------------------------------
 
 def _hierarchical_plan(model: torch.nn.Module, sent_as: list[str], hierarchical: list[bool]) -> Plan:
@@ -119,15 +162,15 @@ def _mlp() -> torch.nn.Module:
 
 
 def _runtime_worker(rank: int, world_size: int, explicit: bool) -> list[float]:
-    """Dense groups (half of them hierarchical) against DDP, and fp16 groups hierarchical against the same groups
-    flat, over three steps of SGD: the largest relative gradient differences."""
+    """Dense groups (half of them hierarchical) against DDP, and fp16 and top-k groups hierarchical against the
+    same groups flat, over three steps of SGD: the largest relative gradient differences."""
     from torch.nn.parallel import DistributedDataParallel
 
     from runtime import GradientExchange
 
     hosts = [[0, 1], [2, 3]] if explicit else None
     errors = []
-    for sent_as, reference in ((["dense"], "ddp"), (["fp16"], "flat")):
+    for sent_as, reference in ((["dense"], "ddp"), (["fp16"], "flat"), (["topk:0.3"], "flat")):
         ours, theirs = _mlp(), _mlp()
         exchange = GradientExchange(ours, _hierarchical_plan(ours, sent_as, [True, False]), hosts=hosts)
         if reference == "ddp":
@@ -168,12 +211,12 @@ def test_hierarchical_groups_on_two_emulated_hosts_found_by_name() -> None:
     assert max(max(e) for e in errors) <= 1e-3
 
 
-def test_hierarchical_groups_need_a_multi_host_plan_and_a_dense_or_fp16_group() -> None:
+def test_hierarchical_groups_need_a_multi_host_plan_and_a_dense_fp16_or_topk_group() -> None:
     model = _mlp()
-    plan = _hierarchical_plan(model, ["dense", "fp16"], [True])
+    plan = _hierarchical_plan(model, ["dense", "fp16", "topk:0.1"], [True])
     assert Plan.from_dict(plan.to_dict()) == plan
-    with pytest.raises(SchemaError, match=r"groups\[0\] is hierarchical but sent by topk"):
-        _hierarchical_plan(model, ["topk:0.1"], [True])
+    with pytest.raises(SchemaError, match=r"groups\[0\] is hierarchical but sent by powersgd"):
+        _hierarchical_plan(model, ["powersgd:1"], [True])
     one_host = plan.to_dict()
     one_host["cluster"]["host_count"] = 1
     with pytest.raises(SchemaError, match="is hierarchical, but the plan is for 1 host of 4 workers"):
@@ -305,6 +348,12 @@ def test_the_bench_names_a_multi_host_plan_by_how_its_groups_cross_hosts() -> No
     names = [v.name for v in bench_variants((best, flat), _mlp_module(), peers=())]
     assert names.count("per-layer dense, flat") == 1  # one per-layer row per strategy
     assert "plan dense, flat" in names and f"plan {plan_tag(best)}" in names
+    # A top-k plan (flat: the solver models top-k flat) also runs with its groups hierarchical, unpredicted.
+    topk = make_plan(profile, Strategy.TOPK, 0.01)
+    variants = {v.name: v for v in bench_variants((topk,), _mlp_module(), peers=())}
+    twin = variants["plan topk@0.01, hierarchical (not modelled)"]
+    assert "plan topk@0.01, flat" in variants and twin.predicted_s is None and twin.plan is not None
+    assert all(g.hierarchical for g in twin.plan.groups) and twin.plan.groups != topk.groups
 
 
 def synthetic_profile_plan() -> Plan:

@@ -192,7 +192,7 @@ def plan_tag(plan: Plan) -> str:
 
     match plan.strategy:
         case Strategy.TOPK:
-            return f"topk@{plan.density:g}"
+            return f"topk@{plan.density:g}" + ("" if plan.cluster.host_count < 2 else f", {_route(plan)}")
         case Strategy.MIXED:
             allowed = tuple(map(str, plan.compressors or ()))
             if len(allowed) == 1:
@@ -202,10 +202,14 @@ def plan_tag(plan: Plan) -> str:
         case _:
             if plan.cluster.host_count < 2:
                 return plan.strategy.value
-            routed = sum(g.hierarchical for g in plan.groups)
-            route = ("flat" if routed == 0 else "hierarchical" if routed == len(plan.groups)
-                     else f"{routed} of {len(plan.groups)} groups hierarchical")
-            return f"{plan.strategy.value}, {route}"
+            return f"{plan.strategy.value}, {_route(plan)}"
+
+
+def _route(plan: Plan) -> str:
+    """How a multi-host plan's groups cross hosts: flat, hierarchical, or how many of them hierarchically."""
+    routed = sum(g.hierarchical for g in plan.groups)
+    return ("flat" if routed == 0 else "hierarchical" if routed == len(plan.groups)
+            else f"{routed} of {len(plan.groups)} groups hierarchical")
 
 
 def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
@@ -232,6 +236,12 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
             pl = per_layer_plan(plan, module)
             out.append(Variant(f"per-layer {plan_tag(pl)}", pl, pl.predicted.iteration_s))
         out.append(Variant(f"plan {tag}", plan, plan.predicted.iteration_s))
+        if plan.strategy is Strategy.TOPK and plan.cluster.host_count > 1 and not any(g.hierarchical
+                                                                                    for g in plan.groups):
+            # The same groups merged inside each host and sent across once per host; not in the solver's model
+            # (how much a host's ranks' picks overlap is the data's), so measured only.
+            twin = replace(plan, groups=tuple(replace(g, hierarchical=True) for g in plan.groups))
+            out.append(Variant(f"plan {plan_tag(twin)} (not modelled)", twin, None))
         if plan.strategy is Strategy.TOPK:
             assert plan.density is not None
             hooked = plan.baselines.get("ddp-25mb")

@@ -14,18 +14,27 @@ At 2 hosts of 2 that is M instead of 1.5 M over the slow hop; in exchange it add
 allgather inside each host, at memory speed. The sums are the same as the flat allreduce's up to the order
 of the additions (fp32 rounding), which the tests check against a flat allreduce.
 
+Top-k messages (`hierarchical_topk_sum`) cross the slow hop once per host, merged: each rank's k (value, index)
+pairs are gathered inside the host, summed where indices coincide (the host's union, u <= L k pairs), and the
+hosts exchange their unions, sharded over the L ranks of each host as the dense shards are, then gather the
+shards inside the host and sum every pair into the dense average. A flat ring allgather carries (N - 1) k pairs
+over the slow link into each host; the hierarchical one brings (H - 1) U pairs into each host, with U the
+largest union (rounded up to a multiple of L): between (H - 1) k, when the workers of a host pick the same
+entries, and (H - 1) L k, when they pick disjoint ones. The selected values are the ranks' own, as in the flat
+exchange; the average is the same up to the order of the additions.
+
 `HostGroups.build` makes the subgroups once (a collective: every rank of the group calls it, in the same order);
-`hierarchical_all_reduce` runs the three steps, blocking; `HierarchicalWork` runs them on a thread of their own
-so that the caller can go on computing (the runtime launches groups from backward hooks), and is waited on as
-an async collective's work handle is. Tested on gloo (CPU); on NCCL the thread issues the collectives on its
-device's default stream, which is not yet checked on a GPU.
+`hierarchical_all_reduce` runs the three steps, blocking; `HierarchicalWork` runs them (or the top-k exchange)
+on a thread of its own so that the caller can go on computing (the runtime launches groups from backward
+hooks), and is waited on as an async collective's work handle is. Tested on gloo (CPU); on NCCL the thread
+issues the collectives on its device's default stream, which is not yet checked on a GPU.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["HierarchicalWork", "HostGroups", "hierarchical_all_reduce"]
+__all__ = ["HierarchicalWork", "HostGroups", "hierarchical_all_reduce", "hierarchical_topk_sum"]
 
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -119,8 +128,63 @@ def hierarchical_all_reduce(flat: Tensor, groups: HostGroups) -> None:
         flat.copy_(padded[:n])
 
 
+def hierarchical_topk_sum(send: Tensor, k: int, out: Tensor, groups: HostGroups, world_size: int) -> int:
+    """Average every rank's top-k message into `out` as `planner.kernels.topk.decode` does after a flat allgather:
+    gathered and merged inside each host, exchanged across hosts once per host (the module docstring).
+
+    Args:
+        send: this rank's message, k fp32 values then k int32 indices bit-cast to fp32 (`topk.pack`), 2k long.
+        k: values per rank (the same on every rank).
+        out: dense fp32 vector, overwritten with the sum of every rank's values at their indices / world_size.
+        world_size: ranks in the parent group (the divisor of the average).
+
+    Returns:
+        U, the pairs each host sent across (its union padded to the largest union, a multiple of the host size);
+        0 on one host.
+    """
+    if send.dim() != 1 or send.numel() != 2 * k or send.dtype != torch.float32:
+        raise ValueError(f"hierarchical_topk_sum takes a packed fp32 message of 2k = {2 * k}, got {send.dtype} "
+                         f"{tuple(send.shape)}")
+    size = groups.local_size
+    if groups.local is not None:
+        host_msgs = send.new_empty(size * 2 * k)
+        _all_gather_flat(host_msgs, send, group=groups.local)
+    else:
+        host_msgs = send
+    msgs = host_msgs.view(size, 2 * k)
+    values = msgs[:, :k].reshape(-1)
+    indices = msgs[:, k:].contiguous().view(torch.int32).reshape(-1)
+    # The host's union: every rank of the host computes the same one from the same gathered pairs.
+    union, where = torch.unique(indices, return_inverse=True)
+    sums = values.new_zeros(union.numel()).index_add_(0, where, values)
+    out.zero_()
+    if groups.cross is None:  # one host: nothing crosses
+        out.index_add_(0, union.long(), sums, alpha=1.0 / world_size)
+        return 0
+    largest = torch.tensor([union.numel()], dtype=torch.int64, device=send.device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=groups.cross)
+    shard = math.ceil(int(largest.item()) / size)
+    padded = send.new_zeros(2 * shard * size)  # (value 0 at index 0) pairs pad each host to the largest union
+    padded[: union.numel()] = sums
+    padded[shard * size:].view(torch.int32)[: union.numel()] = union
+    mine = torch.cat([padded[groups.local_rank * shard:(groups.local_rank + 1) * shard],
+                      padded[shard * size + groups.local_rank * shard:shard * size + (groups.local_rank + 1) * shard]])
+    across = send.new_empty(groups.host_count * 2 * shard)
+    _all_gather_flat(across, mine, group=groups.cross)
+    if groups.local is not None:
+        everything = send.new_empty(size * groups.host_count * 2 * shard)
+        _all_gather_flat(everything, across, group=groups.local)
+    else:
+        everything = across
+    pairs = everything.view(-1, 2 * shard)
+    out.index_add_(0, pairs[:, shard:].contiguous().view(torch.int32).reshape(-1).long(), pairs[:, :shard].reshape(-1),
+                   alpha=1.0 / world_size)
+    return shard * size
+
+
 class HierarchicalWork:
-    """`hierarchical_all_reduce(flat, groups)` on a thread of its own; `wait()` as an async collective's handle.
+    """`hierarchical_all_reduce(flat, groups)` (or another exchange over the host groups, `run`) on a thread of
+    its own; `wait()` as an async collective's handle.
 
     The three steps use three process groups and each must be issued in the same order on every rank, so
     each step waits for the one before it: on a thread, the caller is not held up. Groups started one after
@@ -128,19 +192,21 @@ class HierarchicalWork:
     every rank issues them in the same order.
     """
 
-    def __init__(self, flat: Tensor, groups: HostGroups, after: HierarchicalWork | None = None) -> None:
+    def __init__(self, flat: Tensor, groups: HostGroups, after: HierarchicalWork | None = None, *,
+                 run: Callable[[], object] | None = None) -> None:
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(flat, groups, after), daemon=True,
-                                        name="planner-hierarchical-allreduce")
+        work = run if run is not None else lambda: hierarchical_all_reduce(flat, groups)
+        self._thread = threading.Thread(target=self._run, args=(flat, work, after), daemon=True,
+                                        name="planner-hierarchical-exchange")
         self._thread.start()
 
-    def _run(self, flat: Tensor, groups: HostGroups, after: HierarchicalWork | None) -> None:
+    def _run(self, flat: Tensor, work: Callable[[], object], after: HierarchicalWork | None) -> None:
         try:
             if flat.is_cuda:  # a new thread starts on device 0: the buffer's device, for NCCL's streams
                 torch.cuda.set_device(flat.device)
             if after is not None:
                 after._thread.join()
-            hierarchical_all_reduce(flat, groups)
+            work()
         except BaseException as exc:  # re-raised in wait(), on the caller's thread
             self._error = exc
 
