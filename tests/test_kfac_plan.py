@@ -26,7 +26,7 @@ from planner.strategies.kfac import (
     reference_sections,
     section_layout,
 )
-from planner.types import FactorKind, InvalidProfileError, InverseMethod, PlanMismatchError, SchemaError
+from planner.types import Collective, FactorKind, InvalidProfileError, InverseMethod, PlanMismatchError, SchemaError
 from tests.factories import synthetic_kfac_plan, synthetic_plan, synthetic_profile
 from tests.test_contracts import _cli, _one_clear_line
 
@@ -124,15 +124,24 @@ def test_plan_is_never_worse_than_its_baselines(model: str, world_size: int) -> 
 def test_prediction_follows_the_timeline_model(mode: str) -> None:
     """The average step is plain + (factor - plain)/T_f + inversion/T_i, from the fusion and layout models; with
     every worker preconditioning every layer, the preconditioning phase is the sum of the layers' times."""
-    profile = synthetic_profile("cnn", world_size=2)
+    profile = replace(synthetic_profile("cnn", world_size=2), interference={Collective.ALLREDUCE: 0.5})
     problem = kfac_problem(profile, InverseMethod.EIGEN)
     buffers = FUSION_BASELINES[0].solve(problem.fusion)
     layout = (KaisaCommOpt() if mode == "everyone" else KaisaMemOpt()).solve(problem.layout).layout
     pred = predict_kfac(problem, buffers, layout, factor_update_steps=2, inv_update_steps=4)
     inversion, preconditioning = layout_timelines(problem.layout, layout)
     timeline = simulate_fusion(problem.fusion, buffers)
-    factor = max(problem.compute_end_s, timeline.end_s) + problem.fold_s + preconditioning.makespan_s + problem.tail_s
+    # Collectives in flight during forward and backward slow them by sigma per busy second of the channel.
+    sigma = profile.interference_for(Collective.ALLREDUCE)
+    busy = sum(max(0.0, min(e.end_s, problem.compute_end_s) - e.start_s) for e in timeline.events)
+    assert problem.interference == sigma > 0 and busy > 0
+    assert pred.interference_s == pytest.approx(sigma * busy / (1 + sigma), rel=TOL)
+    stretched = problem.compute_end_s + pred.interference_s
+    factor = max(stretched, timeline.end_s) + problem.fold_s + preconditioning.makespan_s + problem.tail_s
     assert pred.factor_step_s == pytest.approx(factor, rel=TOL)
+    quiet = predict_kfac(replace(problem, interference=0.0), buffers, layout, factor_update_steps=2,
+                         inv_update_steps=4)
+    assert quiet.interference_s == 0 and quiet.factor_step_s <= pred.factor_step_s
     assert pred.inversion_s == pytest.approx(inversion.makespan_s, rel=TOL)
     assert pred.precondition_s == pytest.approx(preconditioning.makespan_s, rel=TOL)
     assert pred.step_s == pytest.approx(pred.plain_step_s + (factor - pred.plain_step_s) / 2

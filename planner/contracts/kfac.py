@@ -150,7 +150,9 @@ class KFACPrediction:
     factor_update_steps pays factor_step_s instead, one in inv_update_steps also pays inversion_s.
     precondition_s is the preconditioning phase every step pays (within plain_step_s); None in plans made
     before it was placed. factor_compute_s is the A and G factors' computation on a factor-update step (within
-    factor_step_s), what `planner bench` sets beside the runtime's `factor_seconds`; None in older plans.
+    factor_step_s), what `planner bench` sets beside the runtime's `factor_seconds`; interference_s how much
+    longer forward and backward run on a factor-update step because collectives were in flight (within
+    factor_step_s). Both None in older plans.
     """
 
     step_s: float
@@ -162,19 +164,21 @@ class KFACPrediction:
     num_buffers: int
     precondition_s: float | None = None
     factor_compute_s: float | None = None
+    interference_s: float | None = None
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> KFACPrediction:
         expect(data, dict, where)
         fields = ["step_s", "plain_step_s", "factor_step_s", "inversion_s", "factor_comm_s", "broadcast_s"]
-        check_fields(data, where, [*fields, "num_buffers"], ["precondition_s", "factor_compute_s"])
+        check_fields(data, where, [*fields, "num_buffers"], ["precondition_s", "factor_compute_s", "interference_s"])
         times = {f: expect_time(data[f], f"{where}.{f}") for f in fields}
 
         def optional(name: str) -> float | None:
             return None if data.get(name) is None else expect_time(data[name], f"{where}.{name}")
 
         return cls(**times, num_buffers=expect(data["num_buffers"], int, f"{where}.num_buffers"),
-                   precondition_s=optional("precondition_s"), factor_compute_s=optional("factor_compute_s"))
+                   precondition_s=optional("precondition_s"), factor_compute_s=optional("factor_compute_s"),
+                   interference_s=optional("interference_s"))
 
 
 def left_out_from_json(value: Any, where: str) -> tuple[tuple[str, str], ...] | None:

@@ -34,7 +34,15 @@ from planner.costmodel.costs import AffineCost
 from planner.costmodel.problem import groups_of
 from planner.costmodel.simulator import simulate
 from planner.solvers import DenseDP, lower_bound
-from planner.solvers.fusion import FUSION_BASELINES, FactorBuffers, FixedBytes, FusionDP, FusionProblem, simulate_fusion
+from planner.solvers.fusion import (
+    FUSION_BASELINES,
+    FactorBuffers,
+    FixedBytes,
+    FusionDP,
+    FusionProblem,
+    FusionTimeline,
+    simulate_fusion,
+)
 from planner.solvers.layout import (
     CpSatLayout,
     EveryoneLayout,
@@ -62,6 +70,7 @@ __all__ = [
     "PLAN_EVERYONE",
     "KFACProblem",
     "calibrated_kfac",
+    "interference_stretch",
     "kfac_problem",
     "make_kfac_plan",
     "predict_kfac",
@@ -115,6 +124,8 @@ class KFACProblem:
     gradient_lower_bound_s: float
     #: the A and G factors' computation (with packing) on a factor-update step, in-situ calibrated
     factor_compute_s: float = 0.0
+    #: sigma: compute runs (1 + sigma) times slower while a collective is in flight (the profile's allreduce)
+    interference: float = 0.0
 
     @property
     def placement(self) -> PlacementProblem:
@@ -255,6 +266,7 @@ def kfac_problem(
         tail_s=profile.update_s,
         gradient_lower_bound_s=lower_bound(grad),
         factor_compute_s=sum(a_cost.values()) + sum(g_cost.values()),
+        interference=profile.interference_for(Collective.ALLREDUCE),
     )
     return problem
 
@@ -282,7 +294,8 @@ def predict_kfac(
     timeline = simulate_fusion(problem.fusion, buffers)
     inversion, preconditioning = layout_timelines(problem.layout, layout)
     pre = preconditioning.makespan_s
-    factor_step = max(problem.compute_end_s, timeline.end_s) + problem.fold_s + pre + problem.tail_s
+    stretch = interference_stretch(problem.compute_end_s, timeline, problem.interference)
+    factor_step = max(problem.compute_end_s + stretch, timeline.end_s) + problem.fold_s + pre + problem.tail_s
     plain = problem.plain_step_s + pre
     return KFACPrediction(
         step_s=plain + (factor_step - plain) / factor_update_steps + inversion.makespan_s / inv_update_steps,
@@ -294,7 +307,18 @@ def predict_kfac(
         num_buffers=timeline.num_buffers,
         precondition_s=pre,
         factor_compute_s=problem.factor_compute_s,
+        interference_s=stretch,
     )
+
+
+def interference_stretch(compute_end_s: float, channel: FusionTimeline, interference: float) -> float:
+    """How much longer a factor-update step's forward and backward run because collectives (factor buffers and
+    gradient groups) were in flight during them: compute runs (1 + sigma) times slower while the channel is busy,
+    so b busy seconds before `compute_end_s` cost sigma b / (1 + sigma) more. The channel's times are those of
+    the unstretched compute stream (the stretch does not move when factors are ready), and the fusion and packing
+    solvers choose buffers and formats without this term."""
+    busy = sum(max(0.0, min(e.end_s, compute_end_s) - e.start_s) for e in channel.events)
+    return interference * busy / (1 + interference)
 
 
 def kfac_lower_bound(problem: KFACProblem, *, factor_update_steps: int, inv_update_steps: int) -> float:
@@ -575,7 +599,6 @@ def _layout_stub(section: KFACSection, world_size: int, *, whole: bool) -> KFACP
 import itertools  # noqa: E402
 
 from planner.costmodel.simulator import validate_grouping  # noqa: E402
-from planner.solvers.fusion import FusionTimeline  # noqa: E402
 from planner.types import PlanMismatchError  # noqa: E402
 
 __all__ += ["ComputeSpan", "FactorStepTimeline", "factor_step_timeline"]
@@ -603,7 +626,8 @@ class FactorStepTimeline:
     Attributes:
         compute: the compute stream up to the end of backward, span by span in time order.
         channel: the factor buffers and gradient collectives on the channel (same clock).
-        compute_end_s: end of backward (with the G factors).
+        compute_end_s: end of backward (with the G factors), as the compute stream would run alone.
+        interference_s: how much longer it runs because collectives were in flight (`interference_stretch`).
         fold_s, precondition_s, update_s: the work after the channel is done, in that order.
     """
 
@@ -613,11 +637,12 @@ class FactorStepTimeline:
     fold_s: float
     precondition_s: float
     update_s: float
+    interference_s: float = 0.0
 
     @property
     def comm_end_s(self) -> float:
         """When the compute stream can fold the factors: the end of backward and of every collective."""
-        return max(self.compute_end_s, self.channel.end_s)
+        return max(self.compute_end_s + self.interference_s, self.channel.end_s)
 
     @property
     def step_s(self) -> float:
@@ -680,10 +705,12 @@ def factor_step_timeline(profile: Profile, section: KFACSection, grouping: tuple
         tuple(itertools.accumulate(len(b) for b in section.a_buffers)),
         tuple(itertools.accumulate(len(b) for b in section.g_buffers)),
     )
+    channel = simulate_fusion(fusion, buffers)
     return FactorStepTimeline(
         compute=tuple(spans),
-        channel=simulate_fusion(fusion, buffers),
+        channel=channel,
         compute_end_s=clock,
+        interference_s=interference_stretch(clock, channel, problem.interference),
         fold_s=problem.fold_s,
         precondition_s=layout_timelines(problem.layout, section_layout(section))[1].makespan_s,
         update_s=profile.update_s,
