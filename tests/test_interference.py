@@ -307,3 +307,22 @@ def test_machine_drift_compares_the_local_steps_with_the_profile() -> None:
     assert machine_drift([row("ddp", 1.0, 0.9)]) is None
     assert machine_drift([row("ddp", 1.0, 0.9), row(LOCAL, 0.6, 0.5)]) == pytest.approx(0.2)
     assert machine_drift([row(LOCAL, 0.45, 0.5)]) == pytest.approx(-0.1)
+
+
+def test_the_bench_notes_factor_hooks_that_ran_apart_from_the_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    from planner.commands.bench import BenchResult
+    from planner.commands.bench_kfac import FACTOR_HOOKS, FACTOR_HOOKS_STRATEGY
+    from planner.commands.printing import print_bench
+
+    def rows(hooks_s: float) -> list[BenchResult]:
+        plan = BenchResult.from_samples("plan", "kfac", [0.7], steps=3, predicted_s=0.6, reference="plan")
+        hooks = BenchResult.from_samples(FACTOR_HOOKS, FACTOR_HOOKS_STRATEGY, [hooks_s], steps=3, predicted_s=0.3,
+                                         reference="plan")
+        return [plan, hooks]
+
+    print_bench(rows(0.4), as_json=False)
+    err = capsys.readouterr().err
+    assert "factor hooks took 400.00 ms per factor-update step, 100.00 ms more than the profile's 300.00 ms" in \
+        " ".join(err.split())
+    print_bench(rows(0.31), as_json=False)  # within 5%: nothing to say
+    assert "factor hooks" not in capsys.readouterr().err

@@ -186,9 +186,11 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
     if hooks is not None and hooks.rel_error is not None and hooks.rel_error > DRIFT_TOLERANCE:
         off = hooks.median_s - hooks.predicted_s
         err_console.print(f"note: the plan's factor hooks took {_ms(hooks.median_s)} ms per factor-update step, "
-                          f"{_ms(abs(off))} ms {'more' if off > 0 else 'less'} than the profile's calibrated "
-                          f"{_ms(hooks.predicted_s)} ms: the K-FAC rows' predictions are off by about as much "
-                          "(profile again to measure the factors as they run now)", markup=False)
+                          f"{_ms(abs(off))} ms {'more' if off > 0 else 'less'} than the profile's "
+                          f"{_ms(hooks.predicted_s)} ms, measured with nothing sent. Collectives in flight slow "
+                          "them, which the predictions charge separately (interference); the rest is the machine "
+                          "since the profile, and the K-FAC rows are off by about as much (profile again to "
+                          "measure the factors as they run now)", markup=False)
 
 
 #: How far the sum of a profile's parts may be from its whole steps before `planner profile` warns.
