@@ -219,7 +219,9 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
     plan uses, each predicted by the first plan that predicts it (a top-k plan's "ddp-25mb" baseline, a mixed
     plan's "ddp+C")."""
     dense = next((p for p in plans if p.strategy is Strategy.DENSE), None)
-    ddp_pred = (dense or plans[0]).baselines.get("ddp-25mb") if plans else None
+    # Plain DDP's prediction: a dense or mixed plan's "ddp-25mb" (a top-k plan's is DDP with the top-k hook).
+    plain = next((p for p in plans if p.strategy is not Strategy.TOPK), None)
+    ddp_pred = (dense or plain).baselines.get("ddp-25mb") if (dense or plain) is not None else None
     out = [Variant("ddp", None, ddp_pred.iteration_s if ddp_pred else None)]
     if dense is not None:
         out.append(Variant(LOCAL, None, local_prediction(dense), local=True))

@@ -56,7 +56,7 @@ def print_plan(plan: object, title: str | None = None) -> None:
         console.print(f"{plan.cluster.host_count} hosts: {len(hierarchical)} of {len(plan.groups)} groups cross them "
                       f"hierarchically (inside each host, across, inside again)"
                       + (f": groups {', '.join(str(i) for i in hierarchical)}" if hierarchical else "")
-                      + f"; {len(plan.groups) - len(hierarchical)} by one flat allreduce")
+                      + f"; {len(plan.groups) - len(hierarchical)} by one flat collective")
     if plan.kfac is not None:
         print_kfac(plan)
     if plan.abs is not None:
