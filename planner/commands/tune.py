@@ -230,6 +230,8 @@ class TuneConfig:
         timeout_s: limit of the whole job (and of every collective) in seconds.
         show_progress: progress bars on stderr (rank 0).
         link: run the workers behind an emulated link of this rate (`planner.platform.link`); None: loopback.
+        hosts: spread the workers over this many emulated hosts (`--hosts`); None: one machine as it is. A
+            profile of several hosts is tuned on as many.
     """
 
     profile: Profile
@@ -258,6 +260,7 @@ class TuneConfig:
     timeout_s: float = 24 * 3600.0
     show_progress: bool = True
     link: LinkRate | None = None
+    hosts: int | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -915,13 +918,19 @@ def run_tune(config: TuneConfig) -> TuneResult:
             f"the profile was measured on world size {profile.cluster.world_size}, but nproc is {config.nproc}; "
             f"profile again: planner profile --model {config.model_name} --nproc {config.nproc}"
         )
+    if profile.cluster.host_count != (config.hosts or 1):
+        raise PlanMismatchError(
+            f"the profile was measured on {profile.cluster.host_count} host(s), but the tuning runs on "
+            f"{config.hosts or 1}: tune on as many, --hosts {profile.cluster.host_count}, or profile again"
+        )
     untuned = params_to_plan(profile, config, untuned_params(config))  # fails early, before any process starts
     module = build_workload(config.model_name, batch_size=config.batch_size).module
-    untuned.check_compatible(model_info(module, config.model_name), config.nproc)
+    # The plans' hierarchical groups need the hosts they were made for; --hosts emulates them.
+    untuned.check_compatible(model_info(module, config.model_name), config.nproc, hosts=config.hosts or 1)
     if untuned.kfac is not None:
         untuned.kfac.check_layers(kfac_layers(module, untuned.kfac.skip))
     results = run_distributed(tune_worker, config.nproc, config, backend="gloo", timeout=config.timeout_s,
-                              link=config.link)
+                              link=config.link, hosts=config.hosts)
     result = results[0]
     assert isinstance(result, TuneResult)
     if config.output is not None:

@@ -8,7 +8,17 @@ from pathlib import Path
 
 from rich.table import Table
 
-from planner.commands.common import KFAC, Command, _add_link, _density, _kfac_options, _nonnegative_int, _positive
+from planner.commands.common import (
+    KFAC,
+    Command,
+    _add_hosts,
+    _add_link,
+    _density,
+    _kfac_options,
+    _nonnegative_int,
+    _positive,
+    check_hosts,
+)
 from planner.commands.printing import _ms, print_bench
 from planner.console import console
 from planner.contracts.jsonio import check_output_path
@@ -47,6 +57,7 @@ class TuneCommand(Command):
         parser.add_argument("--batch-size", type=_positive, default=None)
         parser.add_argument("--nproc", type=_positive, default=None, help="workers (default: the profile's world size)")
         _add_link(parser)
+        _add_hosts(parser)
         parser.add_argument("--trials", type=_positive, default=20,
                             help="finished trials the study should hold (running again resumes up to it)")
         parser.add_argument("--study", type=Path, default=None,
@@ -89,6 +100,7 @@ class TuneCommand(Command):
             factor_update_steps=args.factor_update_range, inv_update_steps=args.inv_update_range,
         )
         is_kfac = args.strategy == KFAC
+        check_hosts(args.hosts, args.nproc or profile.cluster.world_size)
         check_output_path(args.output, "plan")
         check_study_file(args.study or args.output.with_suffix(".db"))
         config = TuneConfig(
@@ -99,7 +111,7 @@ class TuneCommand(Command):
             batch_size=args.batch_size, nproc=args.nproc or profile.cluster.world_size, trials=args.trials,
             storage=args.study or args.output.with_suffix(".db"), study_name=args.study_name, steps=args.steps,
             rungs=args.rungs, warmup=args.warmup, compare_steps=args.compare_steps, seed=args.seed, space=space,
-            output=args.output, link=args.link,
+            output=args.output, link=args.link, hosts=args.hosts,
         )
         result = run_tune(config)
         print_trials(result.trials, result.best_trial)
