@@ -336,6 +336,42 @@ def test_solve_routes_every_group_one_way_when_asked_and_refuses_it_without_host
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.json").exists()
 
 
+def test_tune_runs_a_multi_host_profile_on_as_many_hosts_and_refuses_otherwise_in_one_line(tmp_path: Path) -> None:
+    _two_host_profile().save(tmp_path / "p.json")
+    for extra, message in (([], "measured on 2 host(s), but the tuning runs on 1: tune on as many, --hosts 2"),
+                           (["--hosts", "3"], "--hosts 3 does not divide --nproc 4")):
+        proc = subprocess.run([sys.executable, "-m", "planner", "tune", str(tmp_path / "p.json"), *extra,
+                               "-o", str(tmp_path / "t.json")], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "t.json").exists() and not (tmp_path / "t.db").exists()
+
+
+def test_a_two_host_profile_gives_the_what_if_model_its_links_per_level(tmp_path: Path) -> None:
+    """Inside a node from the allreduce inside a host, the network from the allreduce across hosts (ring model);
+    the what-if table at 8, 64 and 512 workers on nodes of 8 then runs from it."""
+    from planner.commands.cli import main
+    from planner.strategies.cluster import parse_cluster, spec_from_profile
+
+    profile = _two_host_profile()
+    assert profile.hosts is not None and profile.hosts.intra is not None
+    spec = spec_from_profile(profile, "p.json")
+    intra, inter = profile.hosts.intra, profile.hosts.inter
+    assert (spec.nodes, spec.gpus_per_node, spec.algorithm) == (2, 2, "ring")
+    assert spec.intra_latency_us == pytest.approx(intra.alpha_s / 2 * 1e6)  # 2(G-1) latencies, G = 2
+    assert spec.intra_gbps == pytest.approx(8 / (intra.beta_s_per_byte / 1.0) / 1e9)  # 2(G-1)/G = 1
+    assert spec.inter_latency_us == pytest.approx(inter.alpha_s / 2 * 1e6)
+    assert spec.inter_gbps == pytest.approx(8 / inter.beta_s_per_byte / 1e9)
+    assert spec.inter_gbps < spec.intra_gbps and "per level" in spec.source
+    one_level = spec_from_profile(dataclasses.replace(profile, hosts=None, cluster=profile.cluster))
+    assert one_level.inter_gbps == one_level.intra_gbps  # one curve: one link for both
+    profile.save(tmp_path / "p.json")
+    eight = parse_cluster(f"profile={tmp_path / 'p.json'},gpus_per_node=8")
+    assert eight.gpus_per_node == 8 and eight.inter_gbps == pytest.approx(spec.inter_gbps)
+    assert main(["simulate", str(tmp_path / "p.json"), "--cluster", f"profile={tmp_path / 'p.json'},gpus_per_node=8",
+                 "--world-sizes", "8,64,512", "--json"]) == 0
+
+
 def test_the_bench_names_a_multi_host_plan_by_how_its_groups_cross_hosts() -> None:
     from planner.commands.bench import bench_variants, plan_tag
 
@@ -354,6 +390,11 @@ def test_the_bench_names_a_multi_host_plan_by_how_its_groups_cross_hosts() -> No
     twin = variants["plan topk@0.01, hierarchical (not modelled)"]
     assert "plan topk@0.01, flat" in variants and twin.predicted_s is None and twin.plan is not None
     assert all(g.hierarchical for g in twin.plan.groups) and twin.plan.groups != topk.groups
+    # DDP's row is plain DDP: a top-k plan's "ddp-25mb" baseline is DDP with the top-k hook, not that.
+    assert variants["ddp"].predicted_s is None
+    assert variants["ddp+topk:0.01"].predicted_s == topk.baselines["ddp-25mb"].iteration_s
+    both = {v.name: v for v in bench_variants((topk, flat), _mlp_module(), peers=())}
+    assert both["ddp"].predicted_s == flat.baselines["ddp-25mb"].iteration_s
 
 
 def synthetic_profile_plan() -> Plan:

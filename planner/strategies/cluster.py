@@ -386,6 +386,10 @@ def spec_from_profile(profile: Profile, path: str = "") -> ClusterSpec:
     (2(G-1) + 2(N-1)) a + (2(G-1)/G + 2(N-1)/N) n b when intra and inter links share (a, b). One curve gives two
     numbers, so intra and inter links cannot be told apart and both get the same latency and bandwidth: with
     one host these are the node's links, used for the network too; with one GPU per host, the network's.
+
+    A profile of several hosts of several workers measured each level (`Profile.hosts`): then the links inside
+    a node come from the allreduce inside a host, 2(G-1) a_i + 2(G-1)/G n b_i, and the network's from the
+    allreduce across hosts (every local index's shard at once, the node's n bytes), 2(N-1) a_e + 2(N-1)/N n b_e.
     """
     where = f"profile {path}" if path else "the profile"
     world, hosts = profile.cluster.world_size, profile.cluster.host_count
@@ -400,6 +404,8 @@ def spec_from_profile(profile: Profile, path: str = "") -> ClusterSpec:
             f"unknown: describe the cluster with key=value pairs instead"
         )
     nodes, gpus = hosts, world // hosts
+    if profile.hosts is not None and profile.hosts.intra is not None:
+        return _spec_from_levels(profile, path, where, nodes, gpus)
     fit = profile.curve(Collective.ALLREDUCE)
     if fit.beta_s_per_byte <= 0:
         raise SchemaError(
@@ -424,6 +430,42 @@ def spec_from_profile(profile: Profile, path: str = "") -> ClusterSpec:
         source=(
             f"ring model fitted to the allreduce of {where} (alpha={fit.alpha_s:.3g} s, "
             f"beta={fit.beta_s_per_byte:.3g} s/byte, world size {world}, {hosts} host(s))"
+        ),
+        comm_profile=path or None,
+    )
+
+
+def _spec_from_levels(profile: Profile, path: str, where: str, nodes: int, gpus: int) -> ClusterSpec:
+    """`spec_from_profile` for a profile that measured the allreduce inside a host and across hosts."""
+    assert profile.hosts is not None and profile.hosts.intra is not None
+    links = []
+    for level, curve, members in (("inside a host", profile.hosts.intra, gpus), ("across hosts", profile.hosts.inter,
+                                                                                  nodes)):
+        if curve.beta_s_per_byte <= 0:
+            raise SchemaError(
+                f"{where}: the allreduce {level} has no per-byte cost (beta_s_per_byte={curve.beta_s_per_byte}), so "
+                f"no bandwidth follows from it: profile again with larger messages"
+            )
+        latency_us = max(0.0, curve.alpha_s) / (2 * (members - 1)) * 1e6
+        gbps = 8.0 / (curve.beta_s_per_byte / (2 * (members - 1) / members) * 1e9)
+        links.append((gbps, latency_us))
+    (intra_gbps, intra_us), (inter_gbps, inter_us) = links
+    return ClusterSpec(
+        name="measured",
+        nodes=nodes,
+        gpus_per_node=gpus,
+        intra_gbps=intra_gbps,
+        intra_latency_us=intra_us,
+        inter_gbps=inter_gbps,
+        inter_latency_us=inter_us,
+        algorithm="ring",
+        device=profile.cluster.device,
+        backend=profile.cluster.backend,
+        source=(
+            f"ring model fitted per level to the allreduce of {where}: inside a host (alpha="
+            f"{profile.hosts.intra.alpha_s:.3g} s, beta={profile.hosts.intra.beta_s_per_byte:.3g} s/byte) and "
+            f"across hosts (alpha={profile.hosts.inter.alpha_s:.3g} s, beta={profile.hosts.inter.beta_s_per_byte:.3g} "
+            f"s/byte), {nodes} hosts of {gpus}"
         ),
         comm_profile=path or None,
     )
