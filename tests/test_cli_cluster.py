@@ -93,3 +93,17 @@ def test_retune_refuses_a_missing_profile_in_one_line(tmp_path: Path) -> None:
     assert main(["solve", str(prof), "-o", str(plan_path)]) == 0
     prof.unlink()
     _one_clear_line(_cli("retune", str(plan_path), "--no-probe"), "does not exist")
+
+
+def test_what_if_profiles_keep_the_workers_speeds_only_at_their_own_world_size(tmp_path: Path) -> None:
+    """Real profiles record each worker's speed (`throughput`); a what-if cluster of another size has other
+    workers, so the speeds are dropped there (and `simulate` works), and kept, scaled, at the same size."""
+    from planner.contracts.profile import WorkerThroughput
+
+    speeds = WorkerThroughput(batch_sizes=(8, 16), step_s=((0.1, 0.2), (0.15, 0.3)))
+    profile = replace(synthetic_profile("mlp", world_size=2), throughput=speeds)
+    same = profile_for_cluster(profile, replace(PRESETS["eth10-8"], nodes=1, gpus_per_node=2, compute_factor=0.5))
+    assert same.throughput is not None and same.throughput.step_s == ((0.05, 0.1), (0.075, 0.15))
+    assert profile_for_cluster(profile, PRESETS["eth10-8"]).throughput is None
+    profile.save(tmp_path / "prof.json")
+    assert main(["simulate", str(tmp_path / "prof.json"), "--world-sizes", "2,8", "--json"]) == 0

@@ -521,8 +521,14 @@ def profile_for_cluster(profile: Profile, spec: ClusterSpec) -> Profile:
     """`profile` as if measured on `spec`: its collectives, its cluster, and every compute time scaled.
 
     The interference measured on the profiled machine does not carry over to another cluster: it is dropped
-    (no slowdown of compute while communicating is modelled there)."""
+    (no slowdown of compute while communicating is modelled there). So are the per-worker speeds
+    (`Profile.throughput`) at another world size: the profiled workers' speeds say nothing about the others
+    (at the same world size they are kept, scaled)."""
     f = spec.compute_factor
+    throughput = profile.throughput
+    if throughput is not None:
+        throughput = (replace(throughput, step_s=tuple(tuple(t * f for t in row) for row in throughput.step_s))
+                      if len(throughput.step_s) == spec.world_size else None)
     return replace(
         profile,
         cluster=spec.cluster_info(),
@@ -536,6 +542,7 @@ def profile_for_cluster(profile: Profile, spec: ClusterSpec) -> Profile:
         pack=None if profile.pack is None else _scaled_curve(profile.pack, f),
         interference=None,  # measured on the profiled devices and network, unknown on `spec`
         hosts=None,  # the measured hosts' levels are not `spec`'s: the cluster model prices its collectives
+        throughput=throughput,
     )
 
 
