@@ -220,8 +220,8 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
     plan's "ddp+C")."""
     dense = next((p for p in plans if p.strategy is Strategy.DENSE), None)
     # Plain DDP's prediction: a dense or mixed plan's "ddp-25mb" (a top-k plan's is DDP with the top-k hook).
-    plain = next((p for p in plans if p.strategy is not Strategy.TOPK), None)
-    ddp_pred = (dense or plain).baselines.get("ddp-25mb") if (dense or plain) is not None else None
+    plain = dense or next((p for p in plans if p.strategy is not Strategy.TOPK), None)
+    ddp_pred = plain.baselines.get("ddp-25mb") if plain is not None else None
     out = [Variant("ddp", None, ddp_pred.iteration_s if ddp_pred else None)]
     if dense is not None:
         out.append(Variant(LOCAL, None, local_prediction(dense), local=True))

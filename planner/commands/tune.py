@@ -900,8 +900,9 @@ class TuneResult:
     resumed_from: int
 
 
-def run_tune(config: TuneConfig) -> TuneResult:
-    """Run the study in one job of `config.nproc` local gloo workers, compare, and write the tuned plan.
+def run_tune(config: TuneConfig) -> TuneResult | None:
+    """Run the study in one job of `config.nproc` local gloo workers (or, under torchrun, on torchrun's group,
+    maybe across hosts: rank 0 leads and writes; the other ranks get None), compare, and write the tuned plan.
 
     Raises:
         PlanMismatchError: the profile was made for another world size or model, or the study for another job.
@@ -910,15 +911,16 @@ def run_tune(config: TuneConfig) -> TuneResult:
     from planner.contracts.fingerprint import model_info
     from planner.contracts.kfac import kfac_layers
     from planner.models import build_workload
-    from planner.platform.launch import run_distributed
+    from planner.platform.launch import run_job, under_torchrun
 
     profile = config.profile
+    torchrun = under_torchrun()  # then the hosts are real ones: the plans' runtime reads them from host names
     if profile.cluster.world_size != config.nproc:
         raise PlanMismatchError(
             f"the profile was measured on world size {profile.cluster.world_size}, but nproc is {config.nproc}; "
             f"profile again: planner profile --model {config.model_name} --nproc {config.nproc}"
         )
-    if profile.cluster.host_count != (config.hosts or 1):
+    if not torchrun and profile.cluster.host_count != (config.hosts or 1):
         raise PlanMismatchError(
             f"the profile was measured on {profile.cluster.host_count} host(s), but the tuning runs on "
             f"{config.hosts or 1}: tune on as many, --hosts {profile.cluster.host_count}, or profile again"
@@ -926,12 +928,14 @@ def run_tune(config: TuneConfig) -> TuneResult:
     untuned = params_to_plan(profile, config, untuned_params(config))  # fails early, before any process starts
     module = build_workload(config.model_name, batch_size=config.batch_size).module
     # The plans' hierarchical groups need the hosts they were made for; --hosts emulates them.
-    untuned.check_compatible(model_info(module, config.model_name), config.nproc, hosts=config.hosts or 1)
+    untuned.check_compatible(model_info(module, config.model_name), config.nproc,
+                             hosts=None if torchrun else config.hosts or 1)
     if untuned.kfac is not None:
         untuned.kfac.check_layers(kfac_layers(module, untuned.kfac.skip))
-    results = run_distributed(tune_worker, config.nproc, config, backend="gloo", timeout=config.timeout_s,
-                              link=config.link, hosts=config.hosts)
-    result = results[0]
+    result = run_job(tune_worker, config.nproc, config, backend="gloo", timeout=config.timeout_s,
+                     link=config.link, hosts=config.hosts)
+    if result is None:  # a rank of torchrun's group other than 0
+        return None
     assert isinstance(result, TuneResult)
     if config.output is not None:
         result.tuned_plan.save(config.output)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,6 +90,7 @@ class TuneCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from planner.commands.tune import TuneConfig, TuneSpace, check_study_file, run_tune, same_decisions
         from planner.contracts.profile import Profile
+        from planner.platform.launch import under_torchrun
 
         if args.density is not None and args.strategy != Strategy.TOPK.value:
             raise PlannerError("--density applies to --strategy topk only")
@@ -100,7 +102,10 @@ class TuneCommand(Command):
             factor_update_steps=args.factor_update_range, inv_update_steps=args.inv_update_range,
         )
         is_kfac = args.strategy == KFAC
-        check_hosts(args.hosts, args.nproc or profile.cluster.world_size)
+        nproc = args.nproc or profile.cluster.world_size
+        if under_torchrun():  # torchrun's group, maybe across hosts: its size is the world size
+            nproc = int(os.environ["WORLD_SIZE"])
+        check_hosts(args.hosts, nproc)
         check_output_path(args.output, "plan")
         check_study_file(args.study or args.output.with_suffix(".db"))
         config = TuneConfig(
@@ -108,12 +113,14 @@ class TuneCommand(Command):
             density=(args.density or 0.01) if args.strategy == Strategy.TOPK.value else None,
             method=InverseMethod(args.method), factor_update_steps=args.factor_update_steps if is_kfac else 1,
             inv_update_steps=args.inv_update_steps if is_kfac else 10, model=args.model,
-            batch_size=args.batch_size, nproc=args.nproc or profile.cluster.world_size, trials=args.trials,
+            batch_size=args.batch_size, nproc=nproc, trials=args.trials,
             storage=args.study or args.output.with_suffix(".db"), study_name=args.study_name, steps=args.steps,
             rungs=args.rungs, warmup=args.warmup, compare_steps=args.compare_steps, seed=args.seed, space=space,
             output=args.output, link=args.link, hosts=args.hosts,
         )
         result = run_tune(config)
+        if result is None:  # not rank 0 of torchrun's group: rank 0 prints and writes
+            return 0
         print_trials(result.trials, result.best_trial)
         if result.resumed_from:
             console.print(f"resumed a study that held {result.resumed_from} finished trial(s): {config.storage}")
