@@ -404,51 +404,20 @@ def spec_from_profile(profile: Profile, path: str = "") -> ClusterSpec:
             f"unknown: describe the cluster with key=value pairs instead"
         )
     nodes, gpus = hosts, world // hosts
-    if profile.hosts is not None and profile.hosts.intra is not None:
-        return _spec_from_levels(profile, path, where, nodes, gpus)
-    fit = profile.curve(Collective.ALLREDUCE)
-    if fit.beta_s_per_byte <= 0:
-        raise SchemaError(
-            f"{where}: the allreduce fit has no per-byte cost (beta_s_per_byte={fit.beta_s_per_byte}), so no "
-            f"bandwidth follows from it: measure again with larger messages (`planner profile --only comm`)"
-        )
-    latency_terms = 2 * (gpus - 1) + 2 * (nodes - 1)
-    byte_terms = 2 * (gpus - 1) / gpus + 2 * (nodes - 1) / nodes
-    latency_us = fit.alpha_s / latency_terms * 1e6
-    gbps = 8.0 / (fit.beta_s_per_byte / byte_terms * 1e9)
-    return ClusterSpec(
-        name="measured",
-        nodes=nodes,
-        gpus_per_node=gpus,
-        intra_gbps=gbps,
-        intra_latency_us=latency_us,
-        inter_gbps=gbps,
-        inter_latency_us=latency_us,
-        algorithm="ring",
-        device=profile.cluster.device,
-        backend=profile.cluster.backend,
-        source=(
-            f"ring model fitted to the allreduce of {where} (alpha={fit.alpha_s:.3g} s, "
-            f"beta={fit.beta_s_per_byte:.3g} s/byte, world size {world}, {hosts} host(s))"
-        ),
-        comm_profile=path or None,
-    )
-
-
-def _spec_from_levels(profile: Profile, path: str, where: str, nodes: int, gpus: int) -> ClusterSpec:
-    """`spec_from_profile` for a profile that measured the allreduce inside a host and across hosts."""
-    assert profile.hosts is not None and profile.hosts.intra is not None
-    links = []
-    for level, curve, members in (("inside a host", profile.hosts.intra, gpus), ("across hosts", profile.hosts.inter,
-                                                                                  nodes)):
-        if curve.beta_s_per_byte <= 0:
-            raise SchemaError(
-                f"{where}: the allreduce {level} has no per-byte cost (beta_s_per_byte={curve.beta_s_per_byte}), so "
-                f"no bandwidth follows from it: profile again with larger messages"
-            )
-        latency_us = max(0.0, curve.alpha_s) / (2 * (members - 1)) * 1e6
-        gbps = 8.0 / (curve.beta_s_per_byte / (2 * (members - 1) / members) * 1e9)
-        links.append((gbps, latency_us))
+    if profile.hosts is not None and profile.hosts.intra is not None:  # each level measured: a link each
+        intra, inter = profile.hosts.intra, profile.hosts.inter
+        links = (_ring_link(intra, 2 * (gpus - 1), 2 * (gpus - 1) / gpus, f"{where}: the allreduce inside a host"),
+                 _ring_link(inter, 2 * (nodes - 1), 2 * (nodes - 1) / nodes, f"{where}: the allreduce across hosts"))
+        source = (f"ring model fitted per level to the allreduce of {where}: inside a host (alpha={intra.alpha_s:.3g} "
+                  f"s, beta={intra.beta_s_per_byte:.3g} s/byte) and across hosts (alpha={inter.alpha_s:.3g} s, "
+                  f"beta={inter.beta_s_per_byte:.3g} s/byte), {nodes} hosts of {gpus}")
+    else:  # one curve: one link for both levels
+        fit = profile.curve(Collective.ALLREDUCE)
+        link = _ring_link(fit, 2 * (gpus - 1) + 2 * (nodes - 1), 2 * (gpus - 1) / gpus + 2 * (nodes - 1) / nodes,
+                          f"{where}: the allreduce fit", "(`planner profile --only comm`)")
+        links = (link, link)
+        source = (f"ring model fitted to the allreduce of {where} (alpha={fit.alpha_s:.3g} s, "
+                  f"beta={fit.beta_s_per_byte:.3g} s/byte, world size {world}, {hosts} host(s))")
     (intra_gbps, intra_us), (inter_gbps, inter_us) = links
     return ClusterSpec(
         name="measured",
@@ -461,14 +430,20 @@ def _spec_from_levels(profile: Profile, path: str, where: str, nodes: int, gpus:
         algorithm="ring",
         device=profile.cluster.device,
         backend=profile.cluster.backend,
-        source=(
-            f"ring model fitted per level to the allreduce of {where}: inside a host (alpha="
-            f"{profile.hosts.intra.alpha_s:.3g} s, beta={profile.hosts.intra.beta_s_per_byte:.3g} s/byte) and "
-            f"across hosts (alpha={profile.hosts.inter.alpha_s:.3g} s, beta={profile.hosts.inter.beta_s_per_byte:.3g} "
-            f"s/byte), {nodes} hosts of {gpus}"
-        ),
+        source=source,
         comm_profile=path or None,
     )
+
+
+def _ring_link(curve: FittedCurve, latency_terms: float, byte_terms: float, what: str, how: str = "") -> tuple[
+        float, float]:
+    """(Gbit/s, latency in us) of the link whose ring allreduce costs latency_terms a + byte_terms n b = `curve`."""
+    if curve.beta_s_per_byte <= 0:
+        raise SchemaError(
+            f"{what} has no per-byte cost (beta_s_per_byte={curve.beta_s_per_byte}), so no bandwidth follows from "
+            f"it: measure again with larger messages{' ' + how if how else ''}"
+        )
+    return 8.0 / (curve.beta_s_per_byte / byte_terms * 1e9), curve.alpha_s / latency_terms * 1e6
 
 
 def _scaled_curve(curve: FittedCurve, factor: float) -> FittedCurve:
