@@ -278,7 +278,7 @@ class _GroupState:
         device = self.params[0].device
         self.k_max = k
         self.send = torch.empty(2 * k, dtype=torch.float32, device=device)
-        if world_size > 1:
+        if world_size > 1 and not self.hierarchical:  # a hierarchical exchange gathers into buffers of its own
             self.recv = torch.empty(world_size * 2 * k, dtype=torch.float32, device=device)
 
     @property
