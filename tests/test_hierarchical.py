@@ -407,9 +407,10 @@ def _mlp_module() -> torch.nn.Module:
     return build_workload("mlp").module
 
 
-def _shaped_worker(rank: int, world_size: int) -> float:
+def _shaped_worker(rank: int, world_size: int, sent_as: str) -> float:
     """A model shaped like real ones (tied weight, unused parameter, frozen layer, BatchNorm, a 1-D bias beside 4-D
-    conv weights), every group hierarchical, against DDP over two steps: the largest relative gradient difference."""
+    conv weights), every group hierarchical, against DDP over two steps: the largest relative gradient difference.
+    Top-k at density 1 picks every entry, so its merged exchange must give DDP's average too."""
     from torch.nn.parallel import DistributedDataParallel
 
     from runtime import GradientExchange
@@ -418,9 +419,10 @@ def _shaped_worker(rank: int, world_size: int) -> float:
     torch.manual_seed(0)
     ours = ShapedConv()
     theirs = copy.deepcopy(ours)
-    exchange = GradientExchange(ours, _hierarchical_plan(ours, ["dense"], [True]), hosts=[[0, 1], [2, 3]],
+    exchange = GradientExchange(ours, _hierarchical_plan(ours, [sent_as], [True]), hosts=[[0, 1], [2, 3]],
                                 find_unused_parameters=True)
     ddp = DistributedDataParallel(theirs, find_unused_parameters=True)
+    assert all(st.hierarchical and st.topk == sent_as.startswith("topk") for st in exchange._groups)
     worst = 0.0
     for step in range(2):
         g = torch.Generator().manual_seed(10 * rank + step)
@@ -437,5 +439,6 @@ def _shaped_worker(rank: int, world_size: int) -> float:
     return worst
 
 
-def test_hierarchical_groups_on_a_model_shaped_like_real_ones_equal_ddp() -> None:
-    assert max(run_distributed(_shaped_worker, 4, timeout=120)) <= 1e-5
+@pytest.mark.parametrize("sent_as", ["dense", "topk:1"])
+def test_hierarchical_groups_on_a_model_shaped_like_real_ones_equal_ddp(sent_as: str) -> None:
+    assert max(run_distributed(_shaped_worker, 4, sent_as, timeout=120)) <= 1e-5
