@@ -167,8 +167,7 @@ def hierarchical_topk_sum(send: Tensor, k: int, out: Tensor, groups: HostGroups,
     padded = send.new_zeros(2 * shard * size)  # (value 0 at index 0) pairs pad each host to the largest union
     padded[: union.numel()] = sums
     padded[shard * size:].view(torch.int32)[: union.numel()] = union
-    mine = torch.cat([padded[groups.local_rank * shard:(groups.local_rank + 1) * shard],
-                      padded[shard * size + groups.local_rank * shard:shard * size + (groups.local_rank + 1) * shard]])
+    mine = padded.view(2, size, shard)[:, groups.local_rank].reshape(-1)  # this rank's shard: values, indices
     across = send.new_empty(groups.host_count * 2 * shard)
     _all_gather_flat(across, mine, group=groups.cross)
     if groups.local is not None:
