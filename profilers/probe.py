@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import os
 import platform
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from planner.contracts.fingerprint import ClusterInfo
-from planner.contracts.profile import FittedCurve
-from planner.platform.hosts import count_hosts
+from planner.contracts.profile import FittedCurve, HostTiming
+from planner.platform.hosts import count_hosts, host_names, ranks_by_host
 from planner.platform.link import HOSTS_ENV, LinkRate, current_link
 from planner.platform.slowdown import current_slowdowns
 from planner.types import Collective
-from profilers.comm import log_sizes, measure_collectives
+from profilers.comm import log_sizes, measure_collectives, measure_hosts
 
-__all__ = ["PROBE_COLLECTIVES", "current_cluster", "device_name", "probe_network", "probe_worker", "run_probe"]
+__all__ = ["PROBE_COLLECTIVES", "Probed", "current_cluster", "device_name", "probe_hosts", "probe_network",
+           "probe_worker", "run_probe"]
 
 PROBE_COLLECTIVES = (Collective.ALLREDUCE, Collective.ALLGATHER, Collective.BROADCAST)
 
@@ -44,6 +46,17 @@ def probe_network(
     return measure_collectives(
         PROBE_COLLECTIVES, sizes, device, repeats=repeats, warmup=1, process_group=process_group
     )
+
+
+def probe_hosts(device: torch.device, *, largest_bytes: int = 4 << 20, repeats: int = 5) -> HostTiming | None:
+    """The allreduce at each level of the hosts the default group's ranks run on (inside a host, across hosts,
+    hierarchical; `profilers.comm.measure_hosts`) at the probe's sizes; None on one host, or on hosts of unequal
+    size (which no plan crosses hierarchically). Every rank of the default group calls it."""
+    layout = ranks_by_host(host_names())
+    if len(layout) < 2 or len({len(h) for h in layout}) != 1:
+        return None
+    sizes = log_sizes(1 << 10, largest_bytes, factor=16)
+    return measure_hosts(layout, sizes, device, repeats=repeats, warmup=1)
 
 
 def device_name(device: torch.device) -> str:
@@ -67,21 +80,34 @@ def current_cluster(device: torch.device, process_group: Any = None, *, hosts: i
                        link=current_link(), slowdown=current_slowdowns())
 
 
-def probe_worker(rank: int, world_size: int, largest_bytes: int) -> tuple[ClusterInfo, dict] | None:
-    """Body run on every rank of an initialised default group; rank 0 returns the cluster and the curves."""
+@dataclass(frozen=True)
+class Probed:
+    """What the probe measured: the cluster, its collectives and, across several hosts, each level's allreduce."""
+
+    cluster: ClusterInfo
+    collectives: dict[Collective, FittedCurve]
+    hosts: HostTiming | None = None
+
+
+def probe_worker(rank: int, world_size: int, largest_bytes: int) -> Probed | None:
+    """Body run on every rank of an initialised default group; rank 0 returns what was measured."""
     from planner.platform.launch import device_for
 
     device = device_for(str(dist.get_backend()))
     curves = probe_network(device, largest_bytes=largest_bytes)
+    levels = probe_hosts(device, largest_bytes=largest_bytes)
     hosts = count_hosts()
-    return (current_cluster(device, hosts=hosts), curves) if rank == 0 else None
+    return Probed(current_cluster(device, hosts=hosts), curves, levels) if rank == 0 else None
 
 
 def run_probe(
-    nproc: int, backend: str = "auto", largest_bytes: int = 4 << 20, link: LinkRate | None = None
-) -> tuple[ClusterInfo, dict] | None:
+    nproc: int, backend: str = "auto", largest_bytes: int = 4 << 20, link: LinkRate | None = None,
+    hosts: int | None = None,
+) -> Probed | None:
     """Probe the network under torchrun (this process is one rank; only rank 0 gets the result, the others
-    None) or on `nproc` local workers started here (behind an emulated `link` when given)."""
+    None) or on `nproc` local workers started here (spread over `hosts` emulated hosts, behind an emulated
+    `link` when given)."""
     from planner.platform.launch import resolve_backend, run_job
 
-    return run_job(probe_worker, nproc, largest_bytes, backend=resolve_backend(backend), timeout=600, link=link)
+    return run_job(probe_worker, nproc, largest_bytes, backend=resolve_backend(backend), timeout=600, link=link,
+                   hosts=hosts)

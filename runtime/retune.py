@@ -92,13 +92,15 @@ def resolve_plan(
     if not distributed:
         return _retune(plan, profile, cluster, None, time_limit_s)
 
-    from profilers.probe import probe_network
+    from profilers.probe import probe_hosts, probe_network
 
     curves = probe_network(device, process_group=process_group) if probe else None
+    # Each host level too, so dense groups may cross hosts hierarchically (measured on the default group only).
+    levels = probe_hosts(device) if probe and process_group is None and host_count is None else None
     payload: dict[str, Any] = {}
     if dist.get_rank(process_group) == 0:
         try:
-            payload = _retune(plan, profile, cluster, curves, time_limit_s).to_dict()
+            payload = _retune(plan, profile, cluster, curves, time_limit_s, levels).to_dict()
         except PlannerError as exc:
             payload = {"error": f"rank 0 could not re-tune the plan: {exc}"}
     data = broadcast_json(payload, group=process_group, device=device if device.type == "cuda" else None)
@@ -107,8 +109,8 @@ def resolve_plan(
     return Plan.from_dict(data)
 
 
-def _retune(plan: Plan, profile: Any, cluster: Any, curves: Any, time_limit_s: float) -> Plan:
+def _retune(plan: Plan, profile: Any, cluster: Any, curves: Any, time_limit_s: float, levels: Any = None) -> Plan:
     from planner.strategies.retune import load_source_profile, retune_plan
 
     stored = load_source_profile(plan, profile)
-    return retune_plan(plan, stored, cluster=cluster, collectives=curves, time_limit_s=time_limit_s)
+    return retune_plan(plan, stored, cluster=cluster, collectives=curves, hosts=levels, time_limit_s=time_limit_s)

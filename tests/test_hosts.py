@@ -80,9 +80,36 @@ def test_hosts_without_the_privilege_says_so_and_exits_2(monkeypatch: pytest.Mon
     assert _ours() == []
 
 
-def test_hosts_are_refused_where_the_bench_does_not_run_them_yet(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--strategy", "abs", "--plan", str(PLAN), "--hosts", "2"]) == 2
-    assert "--hosts applies to --strategy gradients and kfac, not yet to abs" in capsys.readouterr().err
+def test_an_abs_plan_for_one_host_is_refused_on_two_before_any_worker_starts(tmp_path: Path) -> None:
+    from planner.strategies.abs import make_abs_plan
+    from tests.test_abs_plan import slowed_profile
+
+    plan = tmp_path / "abs.json"
+    make_abs_plan(slowed_profile(), 64, source="p.json").save(plan)
+    proc = _cli("bench", "--strategy", "abs", "--plan", str(plan), "--hosts", "2", "--samples", "100")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "made for 1 host of 2 workers, but the process group runs on 2 hosts of 1 worker" in lines[0]
+    assert _ours() == []
+
+
+def _host(rank: int, world_size: int, job: str) -> tuple[str, str]:
+    return job, socket.gethostname()
+
+
+@needs_root
+def test_two_jobs_on_emulated_hosts_share_them_rank_by_rank() -> None:
+    """`--hosts` for the crossover bench: rank r of both jobs on the same emulated host, hosts of two ranks."""
+    from planner.platform.launch import run_jobs
+
+    first, second = run_jobs([(_host, 4, ("a",)), (_host, 4, ("b",))], hosts=2, timeout=60)
+    assert [job for job, _ in first] == ["a"] * 4 and [job for job, _ in second] == ["b"] * 4
+    names = [name for _, name in first]
+    assert [name for _, name in second] == names
+    assert names[0] == names[1] != names[2] == names[3] and socket.gethostname() not in names
+    with pytest.raises(ValueError, match="jobs of one world size"):
+        run_jobs([(_host, 4, ("a",)), (_host, 2, ("b",))], hosts=2)
+    assert _ours() == []
 
 
 def test_a_plan_for_two_hosts_is_refused_on_one_naming_both() -> None:
@@ -143,4 +170,35 @@ def test_a_profile_on_two_emulated_hosts_records_them_and_its_plan_is_refused_on
     proc = _cli("bench", "--plan", str(plan), "--steps", "1", "--warmup", "0", "--peers", "none")
     assert proc.returncode == 2
     assert "made for 2 hosts of 1 worker, but the process group runs on 1 host of 2 workers" in proc.stderr
+    assert _ours() == []
+
+
+def test_retune_hosts_needs_the_probe_and_hosts_dividing_the_workers(tmp_path: Path) -> None:
+    from tests.factories import synthetic_profile
+
+    prof, plan = tmp_path / "prof.json", tmp_path / "plan.json"
+    synthetic_profile("mlp").save(prof)
+    assert main(["solve", str(prof), "-o", str(plan)]) == 0
+    for args, says in [(["--no-probe", "--hosts", "2"], "--hosts spreads the workers that retune probes with"),
+                       (["--cluster", "eth10-8", "--hosts", "2"], "it needs the probe (drop --cluster"),
+                       (["--nproc", "4", "--hosts", "3"], "--hosts 3 does not divide --nproc 4")]:
+        proc = _cli("retune", str(plan), *args)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr
+    assert not (tmp_path / "plan-retuned.json").exists() and _ours() == []
+
+
+@needs_root
+def test_retune_on_two_emulated_hosts_probes_each_level_and_plans_for_them(tmp_path: Path) -> None:
+    from tests.factories import synthetic_profile
+
+    prof, plan, new = tmp_path / "prof.json", tmp_path / "plan.json", tmp_path / "new.json"
+    synthetic_profile("mlp").save(prof)
+    assert main(["solve", str(prof), "-o", str(plan)]) == 0
+    proc = _cli("retune", str(plan), "--nproc", "4", "--hosts", "2", "-o", str(new))
+    assert proc.returncode == 0, proc.stderr
+    assert "probed world size 4 on 2 hosts, gloo" in proc.stdout and "allreduce inside a host" in proc.stdout
+    assert "2 hosts:" in proc.stdout  # the plan says how its groups cross them
+    retuned = Plan.load(new)
+    assert (retuned.cluster.world_size, retuned.cluster.host_count) == (4, 2)
     assert _ours() == []

@@ -12,10 +12,11 @@ import torch.distributed as dist
 
 from planner.contracts.fingerprint import ClusterInfo
 from planner.contracts.plan import Plan
-from planner.contracts.profile import FittedCurve
+from planner.contracts.profile import FittedCurve, HostTiming
 from planner.models import build_workload
 from planner.platform.launch import run_distributed
-from planner.strategies.gradients import make_plan
+from planner.platform.link import privilege_problem
+from planner.strategies.gradients import ALL_HIERARCHICAL, make_plan
 from planner.strategies.kfac import make_kfac_plan
 from planner.strategies.retune import compare_plans, current_profile, load_source_profile, retune_plan
 from planner.types import Collective, InvalidProfileError, PlanMismatchError, Strategy
@@ -66,6 +67,32 @@ def test_retune_keeps_the_kind_of_plan_and_targets_the_new_cluster(tmp_path: Pat
     else:
         # A 50x dearer start-up merges groups: the plan changed and says by how much it should gain.
         assert changes.groups_changed and len(new.groups) < len(plan.groups) and changes.gain > 1
+
+
+def _levels(alpha_s: float, ranks: tuple[tuple[int, ...], ...] = ((0, 1), (2, 3))) -> HostTiming:
+    """Host levels whose hierarchical allreduce costs `alpha_s` + 1 ns a byte (inside and across: a tenth)."""
+    curve = FittedCurve.fit([(s, alpha_s + s * 1e-9) for s in (1 << 10, 1 << 16, 1 << 22)])
+    part = FittedCurve.fit([(s, alpha_s / 10 + s * 1e-10) for s in (1 << 10, 1 << 16, 1 << 22)])
+    return HostTiming(ranks=ranks, intra=part, inter=part, hierarchical=curve)
+
+
+def test_host_levels_probed_on_the_new_cluster_decide_how_its_groups_cross_hosts(tmp_path: Path) -> None:
+    plan, _ = _saved_plan(tmp_path)
+    profile = load_source_profile(plan)
+    two_hosts = ClusterInfo(world_size=4, backend="gloo", device="cpu (synthetic)", host_count=2)
+    slow = FittedCurve.fit([(s, 5e-3 + s * 1e-8) for s in (1 << 10, 1 << 16, 1 << 22)])
+    # Hierarchical cheaper than the flat allreduce at every size: every group crosses hosts hierarchically.
+    cheap = retune_plan(plan, profile, cluster=two_hosts, collectives={Collective.ALLREDUCE: slow},
+                        hosts=_levels(1e-4))
+    assert cheap.cluster.host_count == 2 and cheap.groups and all(g.hierarchical for g in cheap.groups)
+    # Dearer at every size: flat, as without host levels at all.
+    dear = retune_plan(plan, profile, cluster=two_hosts, collectives={Collective.ALLREDUCE: slow},
+                       hosts=_levels(1.0))
+    none = retune_plan(plan, profile, cluster=two_hosts, collectives={Collective.ALLREDUCE: slow})
+    assert not any(g.hierarchical for g in dear.groups) and not any(g.hierarchical for g in none.groups)
+    assert current_profile(profile, cluster=two_hosts, hosts=_levels(1e-4)).hosts == _levels(1e-4)
+    with pytest.raises(ValueError, match="measured on 3 hosts of 1, but the cluster is"):
+        current_profile(profile, cluster=two_hosts, hosts=_levels(1e-4, ((0,), (1,), (2,))))
 
 
 def test_old_kfac_owners_beyond_the_new_world_cannot_be_predicted(tmp_path: Path) -> None:
@@ -134,6 +161,18 @@ def test_auto_retune_without_the_profile_fails_on_every_rank_instead_of_hanging(
     path.unlink()
     with pytest.raises(PlanMismatchError, match=r"rank 0 could not re-tune the plan: .*does not exist"):
         run_distributed(_exchange_worker, 3, plan.to_dict(), str(path), True, timeout=60)
+
+
+@pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated hosts here: {privilege_problem()}")
+def test_auto_retune_on_two_emulated_hosts_measures_each_level_and_exchanges_correctly(tmp_path: Path) -> None:
+    plan, path = _saved_plan(tmp_path)
+    results = run_distributed(_exchange_worker, 4, plan.to_dict(), str(path), True, hosts=2, timeout=180)
+    docs = {doc for doc, _ in results}
+    assert len(docs) == 1, "ranks run different plans"
+    new = Plan.from_dict(json.loads(docs.pop()))
+    assert (new.cluster.world_size, new.cluster.host_count) == (4, 2)
+    assert ALL_HIERARCHICAL in new.baselines  # solved with the host levels the ranks probed
+    assert max(err for _, err in results) < 1e-5
 
 
 def _kfac_worker(rank: int, world_size: int, plan_doc: dict, profile: str) -> tuple[str, list[Any]]:

@@ -72,6 +72,7 @@ class ABSBenchConfig:
     show_progress: bool = True
     link: LinkRate | None = None
     slowdown: Slowdown | None = None
+    hosts: int | None = None  # emulated hosts the local workers are spread over (`--hosts`)
     #: Halfway through every run (once half the samples are applied), these slowed workers change to these
     #: factors: a speed change the static split of sync-proportional does not follow.
     speed_change: Slowdown | None = None
@@ -318,11 +319,12 @@ def run_abs_bench(config: ABSBenchConfig) -> list[ABSRun] | None:
         if unslowed:
             raise PlannerError(f"--speed-change names rank(s) {unslowed} that --slowdown does not slow; a worker "
                                "changes speed from a --slowdown (e.g. --slowdown 1=1.5 --speed-change 1=3)")
-    from planner.platform.launch import run_job
+    from planner.platform.launch import run_job, under_torchrun
 
-    plan.check_compatible(model_info(build_workload(config.model).module, config.model), config.nproc)
+    plan.check_compatible(model_info(build_workload(config.model).module, config.model), config.nproc,
+                          hosts=None if under_torchrun() else config.hosts or 1)
     return run_job(abs_bench_worker, config.nproc, config, backend="gloo", link=config.link,
-                   slowdown=config.slowdown)
+                   slowdown=config.slowdown, hosts=config.hosts)
 
 
 def print_abs_bench(config: ABSBenchConfig, runs: list[ABSRun], as_json: bool) -> None:

@@ -103,8 +103,6 @@ class BenchCommand(Command):
                           if value is not None]
         if crossover_only and args.strategy != CROSSOVER:
             raise PlannerError(f"{crossover_only[0]} applies to --strategy crossover only")
-        if args.hosts is not None and args.strategy in (ABS, CROSSOVER):
-            raise PlannerError(f"--hosts applies to --strategy gradients and kfac, not yet to {args.strategy}")
         if args.strategy == CROSSOVER:
             return self._run_crossover(args)
         if not args.plan:
@@ -216,6 +214,8 @@ class BenchCommand(Command):
             if entry.samples % entry.world_size:
                 raise PlannerError(f"job {entry.name} has {entry.samples} samples per iteration, not a multiple of "
                                    f"its {entry.world_size} workers; re-run planner pair with --batch a multiple")
+            check_hosts(args.hosts, entry.world_size)
+            plan.check_compatible(plan.model, entry.world_size, hosts=args.hosts or 1)
             jobs.append(CrossoverJob(name=entry.name, plan=plan, model=plan.model.name,
                                      batch=entry.samples // entry.world_size))
         gate_dir = None
@@ -229,7 +229,8 @@ class BenchCommand(Command):
         config = CrossoverBenchConfig(
             pairing=str(args.pairing), jobs=tuple(jobs),
             predicted={pairing.jobs[i].name: pairing.predicted[i].to_dict() for i in pairing.pairs[0]},
-            steps=args.steps, warmup=args.warmup, repeats=args.repeats or 3, link=args.link, gate_dir=gate_dir,
+            steps=args.steps, warmup=args.warmup, repeats=args.repeats or 3, link=args.link, hosts=args.hosts,
+            gate_dir=gate_dir,
             probe_window_s=args.probe_window or 2.0, show_progress=not args.json)
         print_crossover_bench(config, run_crossover_bench(config), args.json)
         return 0
@@ -244,7 +245,8 @@ class BenchCommand(Command):
                  if v is not None}
         config = ABSBenchConfig(plan=plan, model=args.model or plan.model.name,
                                 nproc=args.nproc or plan.cluster.world_size, show_progress=not args.json,
-                                link=args.link, slowdown=args.slowdown, speed_change=args.speed_change, **given)
+                                link=args.link, slowdown=args.slowdown, speed_change=args.speed_change,
+                                hosts=args.hosts, **given)
         _note_link_mismatch(plans, args.link)
         if plan.cluster.slowdown != (args.slowdown.text if args.slowdown is not None else None):
             made = plan.cluster.slowdown or "no slowed worker"

@@ -93,6 +93,7 @@ class CrossoverBenchConfig:
     repeats: int = 3
     lr: float = 0.01
     link: LinkRate | None = None
+    hosts: int | None = None  # emulated hosts each job's workers are spread over (`--hosts`)
     gate_dir: str | None = None
     #: the probed mode's windows (seconds); its warm-up is one window
     probe_window_s: float = 2.0
@@ -256,13 +257,13 @@ def run_crossover_bench(config: CrossoverBenchConfig) -> list[JobRun]:
                         for index, spec in enumerate(config.jobs):
                             (result,) = run_jobs([(crossover_job_worker, spec.world_size,
                                                    (config, index, mode, repeat, ready, [spec.name]))],
-                                                 link=config.link, timeout=_timeout(config))
+                                                 link=config.link, hosts=config.hosts, timeout=_timeout(config))
                             runs.append(result[0])
                     else:
                         results = run_jobs([(crossover_job_worker, spec.world_size,
                                              (config, index, mode, repeat, ready, names))
                                             for index, spec in enumerate(config.jobs)],
-                                           link=config.link, timeout=_timeout(config))
+                                           link=config.link, hosts=config.hosts, timeout=_timeout(config))
                         runs += [r[0] for r in results]
                 bar.advance(task)
     return runs

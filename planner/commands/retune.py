@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from planner.commands.common import CLUSTER_HELP, Command, _add_link, _positive
+from planner.commands.common import CLUSTER_HELP, Command, _add_hosts, _add_link, _positive, check_hosts
 from planner.commands.printing import _ms, print_plan
 from planner.console import console
 from planner.contracts.jsonio import check_output_path
@@ -31,6 +31,7 @@ class RetuneCommand(Command):
                             help="re-tune for a described cluster instead of probing: " + CLUSTER_HELP)
         parser.add_argument("--time-limit", type=float, default=2.0, help="seconds for the K-FAC placement solver")
         _add_link(parser)
+        _add_hosts(parser)
         parser.add_argument("-o", "--output", type=Path, default=None,
                             help="plan file to write (default: PLAN with -retuned before .json)")
 
@@ -45,9 +46,13 @@ class RetuneCommand(Command):
         if args.link is not None and (args.cluster is not None or args.no_probe):
             raise PlannerError("--link shapes the network that retune probes: it needs the probe (drop --cluster "
                                "and --no-probe)")
+        if args.hosts is not None and (args.cluster is not None or args.no_probe):
+            raise PlannerError("--hosts spreads the workers that retune probes with: it needs the probe (drop "
+                               "--cluster and --no-probe)")
         if not args.time_limit > 0:
             raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
         plan = Plan.load(args.plan)
+        check_hosts(args.hosts, args.nproc or plan.cluster.world_size)
         profile = load_source_profile(plan, args.profile)
         output = check_output_path(args.output or args.plan.with_name(args.plan.stem + "-retuned.json"), "plan")
         if args.cluster is not None:
@@ -62,14 +67,21 @@ class RetuneCommand(Command):
             from profilers.probe import run_probe
 
             nproc = args.nproc or plan.cluster.world_size
-            with console.status(f"probing the network on {nproc} workers"):
-                probed = run_probe(nproc, args.backend, link=args.link)
+            where = f" on {args.hosts} emulated hosts" if args.hosts else ""
+            with console.status(f"probing the network on {nproc} workers{where}"):
+                probed = run_probe(nproc, args.backend, link=args.link, hosts=args.hosts)
             if probed is None:  # a torchrun rank other than 0: rank 0 reports
                 return 0
-            cluster, curves = probed
-            current = current_profile(profile, cluster=cluster, collectives=curves)
-            console.print(f"probed {cluster.describe()}: " + "; ".join(
-                f"{c.value} {_link(curve)}" for c, curve in curves.items()))
+            current = current_profile(profile, cluster=probed.cluster, collectives=probed.collectives,
+                                      hosts=probed.hosts)
+            console.print(f"probed {probed.cluster.describe()}: " + "; ".join(
+                f"{c.value} {_link(curve)}" for c, curve in probed.collectives.items()))
+            if probed.hosts is not None:
+                levels = probed.hosts
+                named = [("inside a host", levels.intra), (f"across hosts (a 1/{levels.per_host} shard)", levels.inter),
+                         ("hierarchical", levels.hierarchical)]
+                console.print("allreduce " + "; ".join(f"{name} {_link(curve)}" for name, curve in named
+                                                       if curve is not None))
         new = retune_plan(plan, current, cluster=current.cluster, time_limit_s=args.time_limit)
         new = replace(new, source_profile=plan.source_profile if args.profile is None else str(args.profile))
         changes = compare_plans(plan, new, current)

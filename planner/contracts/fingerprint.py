@@ -86,7 +86,8 @@ class ClusterInfo:
     def describe(self) -> str:
         where = f" behind an emulated {self.link} link" if self.link else ""
         slowed = f", workers slowed {self.slowdown}" if self.slowdown else ""
-        return f"world size {self.world_size}, {self.backend} on {self.device}{where}{slowed}"
+        hosts = f" on {self.host_count} hosts" if self.host_count > 1 else ""
+        return f"world size {self.world_size}{hosts}, {self.backend} on {self.device}{where}{slowed}"
 
     @property
     def device_kind(self) -> str:

@@ -337,25 +337,32 @@ def run_jobs(
     timeout: float = 120,
     backend: str = "gloo",
     link: LinkRate | None = None,
+    hosts: int | None = None,
 ) -> list[list[Any]]:
     """Run several distributed jobs at once on this machine, each `(fn, world_size, args)` with its own process
     group, as separate launches would; returns each job's results by rank.
 
     Behind an emulated `link`, rank r of every job lives in the same namespace (host r), so the jobs share
-    each host's shaped egress, as jobs sharing machines share their network cards. The first failing worker's
-    exception is raised (and every worker of every job killed), as `run_distributed` does.
+    each host's shaped egress, as jobs sharing machines share their network cards. With `hosts` (jobs of one
+    world size), rank r of every job lives on emulated host r // (world_size / hosts), as `run_distributed`
+    spreads one job. The first failing worker's exception is raised (and every worker of every job killed), as
+    `run_distributed` does.
     """
     if not jobs or any(world_size < 1 for _, world_size, _ in jobs):
         raise ValueError(f"every job needs `world_size >= 1`, got {[w for _, w, _ in jobs]}")
+    if hosts is not None and len({world_size for _, world_size, _ in jobs}) != 1:
+        raise ValueError(f"emulated hosts need jobs of one world size, got {[w for _, w, _ in jobs]}")
     for fn, _, _ in jobs:
         _check_picklable(fn)
-    hosts = max(world_size for _, world_size, _ in jobs)
+    workers = max(world_size for _, world_size, _ in jobs)
     with contextlib.ExitStack() as stack:
-        networks: list[_Network | None] = [None] * hosts
-        if link is not None:
-            net = stack.enter_context(EmulatedLink(link, hosts))
-            networks = [_Network(net.namespace_path(r), net.address(0), net.ifname, link.text, net.hosts_file)
-                        for r in range(hosts)]
+        networks: list[_Network | None] = [None] * workers
+        if link is not None or hosts is not None:
+            net = stack.enter_context(EmulatedLink(link, workers, hosts))
+            networks = [_Network(net.namespace_path(r), net.address(0), net.ifname,
+                                 None if link is None else link.text, net.hosts_file,
+                                 hostname=None if hosts is None else net.namespace(r), hosts=hosts)
+                        for r in range(workers)]
         return _spawn_jobs([(fn, world_size, args, networks[:world_size], [None] * world_size)
                             for fn, world_size, args in jobs], timeout, backend)
 

@@ -17,7 +17,7 @@ from planner.contracts.fingerprint import ClusterInfo
 from planner.contracts.kfac import KFACSection
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
-from planner.contracts.profile import FittedCurve, Profile
+from planner.contracts.profile import FittedCurve, HostTiming, Profile
 from planner.costmodel.simulator import simulate
 from planner.strategies.problems import gradient_problem, mixed_problem
 from planner.types import Collective, InvalidProfileError, PlanMismatchError, PlannerError, SolverError, Strategy
@@ -56,6 +56,7 @@ def retune_plan(
     *,
     cluster: ClusterInfo,
     collectives: dict[Collective, FittedCurve] | None = None,
+    hosts: HostTiming | None = None,
     time_limit_s: float = 2.0,
 ) -> Plan:
     """The plan of the same kind as `plan`, solved from `profile` for `cluster` with `collectives`.
@@ -66,12 +67,14 @@ def retune_plan(
         cluster: where the new plan will run.
         collectives: measured on that cluster (e.g. `profilers.probe.probe_network`); those not given
             keep the profile's. Without any, the profile's own network is used as it is.
+        hosts: each host level's allreduce measured on that cluster (`profilers.probe.probe_hosts`), so dense
+            groups may cross hosts hierarchically; see `current_profile`.
         time_limit_s: limit of the K-FAC placement solver.
     """
     from planner.strategies.gradients import make_plan
     from planner.strategies.kfac import make_kfac_plan
 
-    current = current_profile(profile, cluster=cluster, collectives=collectives)
+    current = current_profile(profile, cluster=cluster, collectives=collectives, hosts=hosts)
     if plan.strategy is Strategy.MIXED:
         from planner.strategies.mixed import make_mixed_plan
 
@@ -92,13 +95,22 @@ def retune_plan(
 
 
 def current_profile(
-    profile: Profile, *, cluster: ClusterInfo, collectives: dict[Collective, FittedCurve] | None = None
+    profile: Profile,
+    *,
+    cluster: ClusterInfo,
+    collectives: dict[Collective, FittedCurve] | None = None,
+    hosts: HostTiming | None = None,
 ) -> Profile:
-    """The stored per-layer profile with the cluster it now runs on and the collectives measured there (the
-    profile's per-host levels only if the hosts are the same)."""
+    """The stored per-layer profile with the cluster it now runs on and the collectives measured there: each
+    host level's allreduce as measured there (`hosts`), else the profile's own if the hosts are the same, else
+    none (every group then crosses hosts flat)."""
+    if hosts is not None and (len(hosts.ranks), len(hosts.ranks) * hosts.per_host) != (cluster.host_count,
+                                                                                       cluster.world_size):
+        raise ValueError(f"the host levels were measured on {len(hosts.ranks)} hosts of {hosts.per_host}, but the "
+                         f"cluster is {cluster.describe()}")
     same_hosts = (cluster.host_count, cluster.world_size) == (profile.cluster.host_count, profile.cluster.world_size)
     return replace(profile, collectives={**profile.collectives, **(collectives or {})}, cluster=cluster,
-                   hosts=profile.hosts if same_hosts else None)
+                   hosts=hosts if hosts is not None else profile.hosts if same_hosts else None)
 
 
 @dataclass(frozen=True, kw_only=True)
