@@ -94,7 +94,9 @@ def test_an_abs_plan_for_one_host_is_refused_on_two_before_any_worker_starts(tmp
 
 
 def _host(rank: int, world_size: int, job: str) -> tuple[str, str]:
-    return job, socket.gethostname()
+    names = host_names()  # a collective: no rank leaves while another still joins the group
+    assert names[rank] == socket.gethostname()
+    return job, names[rank]
 
 
 @needs_root
@@ -202,3 +204,37 @@ def test_retune_on_two_emulated_hosts_probes_each_level_and_plans_for_them(tmp_p
     retuned = Plan.load(new)
     assert (retuned.cluster.world_size, retuned.cluster.host_count) == (4, 2)
     assert _ours() == []
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--intra-link", "10gbit", "--link", "1gbit"], "--intra-link shapes the loopback inside each emulated host: "
+                                                    "it needs --hosts H"),
+    (["--intra-link", "10gbit", "--hosts", "2"], "--intra-link needs --link RATE too"),
+    (["--intra-link", "fast", "--hosts", "2", "--link", "1gbit"], "argument --intra-link: must be a rate"),
+])
+def test_intra_link_without_what_it_needs_is_one_line_and_nothing_is_made(args: list[str], says: str,
+                                                                         tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    proc = _cli("profile", "--model", "mlp", "--nproc", "4", *args, "-o", str(out))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr
+    assert not out.exists() and _ours() == []
+
+
+@needs_root
+def test_intra_link_shapes_inside_each_host_and_workers_record_both_rates() -> None:
+    numel = 1 << 20  # 4 MiB: inside a host at 200 Mbit/s about 0.34 s (both directions share its loopback)
+    link = dataclasses.replace(parse_rate("1gbit"), intra=parse_rate("200mbit"))
+    results = run_distributed(_where, 4, numel, hosts=2, link=link, timeout=120)
+    same, across = max(r[3] for r in results), max(r[4] for r in results)
+    assert same >= 0.15, f"an allreduce of 4 MiB inside a 200mbit host took {same:.3f} s"
+    assert same >= 2 * across, f"inside a host {same:.3f} s, across hosts {across:.3f} s"
+    assert _ours() == []
+
+
+def test_a_link_with_its_inside_rate_is_recorded_with_both() -> None:
+    link = dataclasses.replace(parse_rate("1gbit"), intra=parse_rate("10gbit"))
+    assert (link.label, link.text, parse_rate("1gbit").label) == ("1gbit (10gbit inside hosts)", "1gbit", "1gbit")
+    cluster = dataclasses.replace(Plan.load(PLAN).cluster, world_size=4, host_count=2, link=link.label)
+    assert cluster.describe().startswith("world size 4 on 2 hosts, gloo on ")
+    assert cluster.describe().endswith("behind an emulated 1gbit (10gbit inside hosts) link")

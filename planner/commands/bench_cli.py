@@ -300,7 +300,7 @@ def _peers(text: str | None) -> tuple:
 
 def _note_link_mismatch(plans: tuple, link: object) -> None:
     """Say so when a plan was made for another network than the bench runs on (its predictions assume that one)."""
-    here = getattr(link, "text", None)
+    here = getattr(link, "label", None)
     for plan in plans:
         if plan.cluster.link != here:
             made = f"a {plan.cluster.link} link" if plan.cluster.link else "loopback (no --link)"

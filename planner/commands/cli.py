@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import NoReturn
 
-from planner.commands.common import Command
+from planner.commands.common import Command, merge_intra_link
 from planner.console import err_console
 from planner.types import PlannerError, RemoteTraceback
 
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        merge_intra_link(args)
         return int(args._command.run(args))
     except PlannerError as exc:
         err_console.print(f"planner {args.command}: error: {exc}", markup=False, soft_wrap=True)

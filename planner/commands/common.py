@@ -119,6 +119,29 @@ HOSTS_HELP = ("emulate H hosts: the --nproc workers split into H network namespa
 
 def _add_hosts(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", type=_positive, default=None, metavar="H", help=HOSTS_HELP)
+    parser.add_argument("--intra-link", type=_link_rate, default=None, metavar="RATE",
+                        help="with --hosts and --link: shape each emulated host's loopback too, to RATE shared by "
+                             "its workers (e.g. 10gbit); unshaped without it")
+
+
+def merge_intra_link(args: argparse.Namespace) -> None:
+    """Fold `--intra-link` into `args.link` (a LinkRate, or None; `demo` parses its own and calls
+    `intra_linked`), or one line (a PlannerError) saying what it needs."""
+    if hasattr(args, "intra_link") and not isinstance(getattr(args, "link", None), str):
+        args.link = intra_linked(getattr(args, "link", None), args.intra_link, getattr(args, "hosts", None))
+
+
+def intra_linked(link: Any, intra: Any, hosts: int | None) -> Any:
+    """`link` (a LinkRate or None) with `intra` as the rate inside each emulated host, when given."""
+    if intra is None:
+        return link
+    if hosts is None:
+        raise PlannerError("--intra-link shapes the loopback inside each emulated host: it needs --hosts H")
+    if link is None:
+        raise PlannerError("--intra-link needs --link RATE too: the rate between hosts, slower than inside one")
+    from dataclasses import replace
+
+    return replace(link, intra=intra)
 
 
 def check_hosts(hosts: int | None, nproc: int) -> None:

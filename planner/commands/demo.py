@@ -15,6 +15,7 @@ from planner.commands.common import (
     _link_rate,
     _positive,
     check_hosts,
+    intra_linked,
 )
 from planner.commands.printing import print_auto, print_bench, print_mixed_groups, print_plan, print_profile
 from planner.console import console
@@ -57,13 +58,15 @@ class DemoCommand(Command):
         if args.slowdown is not None:
             args.slowdown.check_world_size(args.nproc)
         check_hosts(args.hosts, args.nproc)
-        link = self._demo_link(args.link)
+        link = intra_linked(self._demo_link(args.link), args.intra_link, args.hosts)
         ensure_folder(args.profiles_dir, "profiles folder")
         ensure_folder(args.plans_dir, "plans folder")
         stem = args.model.replace(":", "_").replace("/", "_")
-        where = (f"-{link.text}" if link is not None else "") + (f"-{args.hosts}h" if args.hosts else "")
+        where = "".join([f"-{link.text}" if link is not None else "",
+                         f"-{link.intra.text}" if link is not None and link.intra is not None else "",
+                         f"-{args.hosts}h" if args.hosts else ""])
         prof_path = args.profiles_dir / f"{stem}-{args.nproc}w{where}.json"
-        on = f"behind an emulated {link.text} link" if link is not None else "over loopback"
+        on = f"behind an emulated {link.label} link" if link is not None else "over loopback"
         if args.hosts:
             on = f"on {args.hosts} emulated hosts, {'between them ' if link is not None else ''}{on}"
         console.rule(f"1/3 profile {args.model} on {args.nproc} workers {on}")

@@ -226,7 +226,7 @@ def run_distributed(
         if link is not None or hosts is not None:
             net = stack.enter_context(EmulatedLink(link, world_size, hosts))
             networks = [_Network(net.namespace_path(r), net.address(0), net.ifname,
-                                 None if link is None else link.text, net.hosts_file,
+                                 None if link is None else link.label, net.hosts_file,
                                  hostname=None if hosts is None else net.namespace(r), hosts=hosts)
                         for r in range(world_size)]
         return _spawn(fn, world_size, args, timeout, backend, networks, throttles)
@@ -360,7 +360,7 @@ def run_jobs(
         if link is not None or hosts is not None:
             net = stack.enter_context(EmulatedLink(link, workers, hosts))
             networks = [_Network(net.namespace_path(r), net.address(0), net.ifname,
-                                 None if link is None else link.text, net.hosts_file,
+                                 None if link is None else link.label, net.hosts_file,
                                  hostname=None if hosts is None else net.namespace(r), hosts=hosts)
                         for r in range(workers)]
         return _spawn_jobs([(fn, world_size, args, networks[:world_size], [None] * world_size)

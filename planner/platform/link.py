@@ -16,6 +16,9 @@ reach each other over the namespace's loopback at memory speed. Each host also h
 link-local: nothing outside these namespaces routes to them, and nothing is created in the machine's own
 namespace.
 
+With `--intra-link RATE` (a `LinkRate.intra`), each host's loopback is shaped the same way, so the workers
+of one host share that rate among them (a host's bus, slower than memory but faster than the network).
+
 Limits: bandwidth only. The kernel here has no `netem`, so no propagation delay or loss is added;
 a tbf queue adds some delay of its own under load, no more. The token bucket holds 2 ms of traffic
 (at least 64 KiB), so after an idle moment that much passes at loopback speed. The rate caps each host's egress, which
@@ -100,14 +103,21 @@ class LinkUnavailableError(LinkError):
 
 @dataclass(frozen=True)
 class LinkRate:
-    """A link rate in bits per second, and the text the user gave (how profiles and plans record it)."""
+    """A link rate in bits per second, and the text the user gave; with emulated hosts, `intra` the rate of
+    the loopback inside each host (`--intra-link`), None for unshaped."""
 
     bits_per_s: int
     text: str
+    intra: LinkRate | None = None
 
     @property
     def bytes_per_s(self) -> float:
         return self.bits_per_s / 8
+
+    @property
+    def label(self) -> str:
+        """How profiles and plans record it: "1gbit", or "1gbit (10gbit inside hosts)"."""
+        return self.text + (f" ({self.intra.text} inside hosts)" if self.intra is not None else "")
 
 
 def parse_rate(text: str) -> LinkRate:
@@ -297,6 +307,12 @@ class EmulatedLink:
         if self.rate is not None:
             _run("tc", "-n", ns, "qdisc", "add", "dev", WORKER_IFNAME, "root", "tbf",
                  "rate", f"{self.rate.bits_per_s}bit", "burst", str(_burst_bytes(self.rate)), "latency", "50ms")
+        if self.rate is not None and self.rate.intra is not None:
+            # Inside the host: its workers reach each other over this namespace's loopback, one device for every
+            # flow, as they would share a host's bus. Loopback packets are up to 64 KiB: the bucket holds several.
+            intra = self.rate.intra
+            _run("tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{intra.bits_per_s}bit",
+                 "burst", str(max(256 << 10, _burst_bytes(intra))), "latency", "50ms")
 
     def _write_hosts_file(self) -> None:
         try:
