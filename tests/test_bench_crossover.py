@@ -107,7 +107,7 @@ def test_bench_crossover_bad_input_gives_one_line(tmp_path: Path) -> None:
     _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing), "--probe-window", "0"),
                     "expected a finite number > 0")
     _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing), "--hosts", "3"),
-                    "--hosts 3 does not divide --nproc 2")
+                    "--hosts 3 does not divide job digits's 2 workers")
     _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing), "--hosts", "2"),
                     "made for 1 host of 2 workers, but the process group runs on 2 hosts of 1 worker")
     blocker = tmp_path / "a-file"

@@ -214,7 +214,7 @@ class BenchCommand(Command):
             if entry.samples % entry.world_size:
                 raise PlannerError(f"job {entry.name} has {entry.samples} samples per iteration, not a multiple of "
                                    f"its {entry.world_size} workers; re-run planner pair with --batch a multiple")
-            check_hosts(args.hosts, entry.world_size)
+            check_hosts(args.hosts, entry.world_size, f"job {entry.name}'s {{n}} workers")
             plan.check_compatible(plan.model, entry.world_size, hosts=args.hosts or 1)
             jobs.append(CrossoverJob(name=entry.name, plan=plan, model=plan.model.name,
                                      batch=entry.samples // entry.world_size))

@@ -144,11 +144,13 @@ def intra_linked(link: Any, intra: Any, hosts: int | None) -> Any:
     return replace(link, intra=intra)
 
 
-def check_hosts(hosts: int | None, nproc: int) -> None:
-    """One line (a PlannerError) unless `--hosts` divides `--nproc` into hosts of equal size."""
+def check_hosts(hosts: int | None, nproc: int, workers: str = "--nproc {n}") -> None:
+    """One line (a PlannerError) unless `--hosts` divides `--nproc` (or the `workers` named) into hosts of equal
+    size."""
     if hosts is not None and nproc % hosts:
         divisors = [h for h in range(1, min(nproc, 64) + 1) if nproc % h == 0]
-        raise PlannerError(f"--hosts {hosts} does not divide --nproc {nproc} into hosts of equal size: use one of "
+        named = workers.replace("{n}", str(nproc))
+        raise PlannerError(f"--hosts {hosts} does not divide {named} into hosts of equal size: use one of "
                            f"{', '.join(map(str, divisors))}{' or another divisor' if nproc > 64 else ''}")
 
 
