@@ -162,11 +162,13 @@ def test_two_hosts_of_two_have_their_own_names_and_only_the_link_between_them_is
 def test_a_profile_on_two_emulated_hosts_records_them_and_its_plan_is_refused_on_one(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     assert main(["profile", "--model", "mlp", "--batch-size", "8", "--nproc", "2", "--hosts", "2", "--repeats", "2",
-                 "--warmup", "1", "--densities", "0.01", "--powersgd-ranks", "none", "-o", str(out)]) == 0
+                 "--warmup", "1", "--densities", "0.01", "--powersgd-ranks", "none", "--link", "10gbit",
+                 "--intra-link", "20gbit", "-o", str(out)]) == 0
     from planner.contracts.profile import Profile
 
     profile = Profile.load(out)
-    assert (profile.cluster.world_size, profile.cluster.host_count, profile.cluster.link) == (2, 2, None)
+    assert (profile.cluster.world_size, profile.cluster.host_count) == (2, 2)
+    assert profile.cluster.link == "10gbit (20gbit inside hosts)"
     plan = tmp_path / "plan.json"
     assert main(["solve", str(out), "--strategy", "dense", "-o", str(plan)]) == 0
     proc = _cli("bench", "--plan", str(plan), "--steps", "1", "--warmup", "0", "--peers", "none")
