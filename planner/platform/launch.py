@@ -224,12 +224,18 @@ def run_distributed(
             groups = stack.enter_context(ThrottledWorkers(slowdown, world_size))
             throttles = [groups.throttle(r) for r in range(world_size)]
         if link is not None or hosts is not None:
-            net = stack.enter_context(EmulatedLink(link, world_size, hosts))
-            networks = [_Network(net.namespace_path(r), net.address(0), net.ifname,
-                                 None if link is None else link.label, net.hosts_file,
-                                 hostname=None if hosts is None else net.namespace(r), hosts=hosts)
-                        for r in range(world_size)]
+            networks = _emulated_networks(stack, link, world_size, hosts)
         return _spawn(fn, world_size, args, timeout, backend, networks, throttles)
+
+
+def _emulated_networks(stack: contextlib.ExitStack, link: LinkRate | None, workers: int,
+                       hosts: int | None) -> list[_Network | None]:
+    """Build the emulated link and hosts for `workers` ranks (torn down when `stack` closes): each rank's
+    namespace, address and host name."""
+    net = stack.enter_context(EmulatedLink(link, workers, hosts))
+    return [_Network(net.namespace_path(r), net.address(0), net.ifname, None if link is None else link.label,
+                     net.hosts_file, hostname=None if hosts is None else net.namespace(r), hosts=hosts)
+            for r in range(workers)]
 
 
 def under_torchrun() -> bool:
@@ -358,11 +364,7 @@ def run_jobs(
     with contextlib.ExitStack() as stack:
         networks: list[_Network | None] = [None] * workers
         if link is not None or hosts is not None:
-            net = stack.enter_context(EmulatedLink(link, workers, hosts))
-            networks = [_Network(net.namespace_path(r), net.address(0), net.ifname,
-                                 None if link is None else link.label, net.hosts_file,
-                                 hostname=None if hosts is None else net.namespace(r), hosts=hosts)
-                        for r in range(workers)]
+            networks = _emulated_networks(stack, link, workers, hosts)
         return _spawn_jobs([(fn, world_size, args, networks[:world_size], [None] * world_size)
                             for fn, world_size, args in jobs], timeout, backend)
 
