@@ -557,6 +557,30 @@ def test_run_distributed_reraises_a_worker_error_and_kills_hung_workers() -> Non
     assert time.monotonic() - start < 60
 
 
+def _tensor_result(rank: int, world_size: int) -> torch.Tensor:
+    return torch.arange(1000, dtype=torch.float32)
+
+
+def test_a_workers_tensor_result_is_read_after_the_worker_has_exited() -> None:
+    """A busy parent may read a result only after its worker is gone: the result must travel whole in the pipe
+    (not as a shared-memory handle the parent would fetch from the exited worker)."""
+    import torch.multiprocessing as mp
+
+    from planner.platform.launch import _receive, _worker, free_port
+
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_worker, args=(_tensor_result, 0, 1, free_port(), "gloo", 60.0, (), writer))
+    proc.start()
+    writer.close()
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    message = _receive(reader, proc, died=True)
+    reader.close()
+    assert message is not None and message[0] == "ok", message
+    assert torch.equal(message[1], torch.arange(1000, dtype=torch.float32))
+
+
 @pytest.mark.parametrize(("strategy", "density"), [("dense", None), ("topk", 1.0)])
 def test_exchange_matches_ddp(strategy: str, density: float | None) -> None:
     """Dense plans (and top-k at density 1.0) give DDP's gradients for every grouping: MLP, CNN, a language

@@ -137,11 +137,17 @@ def _worker(
         message = ("ok", fn(rank, world_size, *args))
     except BaseException as exc:
         message = ("error", exc, traceback.format_exc(), time.time())
+    # Plain pickle, not the Connection's own (multiprocessing's ForkingPickler, through which torch shares a
+    # tensor's storage as a file descriptor that the parent fetches from this process later): the worker may
+    # have exited by the time a busy parent reads, and the parent must still get every byte of the result.
     try:
-        conn.send(message)
+        payload = pickle.dumps(message)
     except Exception as exc:  # the value or the exception did not pickle
         text = message[2] if len(message) == 4 else ""
-        conn.send(("error", None, f"{text}could not send the worker's result to the parent: {exc!r}\n", time.time()))
+        payload = pickle.dumps(("error", None, f"{text}could not send the worker's result to the parent: {exc!r}\n",
+                                time.time()))
+    try:
+        conn.send_bytes(payload)
     finally:
         conn.close()
         if joined:
@@ -412,12 +418,14 @@ def _receive(reader: Connection, proc: Any, died: bool) -> tuple[Any, ...] | Non
     """The worker's outcome if it sent one; an error if it died without; None if there is nothing yet."""
     if reader.poll():
         try:
-            message: tuple[Any, ...] = reader.recv()
+            payload = reader.recv_bytes()
         except (EOFError, OSError):
             pass
-        except Exception as exc:  # the result pickled in the worker but does not unpickle here
-            return ("error", None, f"could not read the worker's result: {exc!r}\n", time.time())
         else:
+            try:
+                message: tuple[Any, ...] = pickle.loads(payload)
+            except Exception as exc:  # the result pickled in the worker but does not unpickle here
+                return ("error", None, f"could not read the worker's result: {exc!r}\n", time.time())
             return message
     elif not died:
         return None
