@@ -423,6 +423,8 @@ def _receive(reader: Connection, proc: Any, died: bool) -> tuple[Any, ...] | Non
             pass
         else:
             try:
+                # Our own spawned worker's result over a private pipe (what Connection.recv unpickled before);
+                # never a file: plan and profile files are JSON.
                 message: tuple[Any, ...] = pickle.loads(payload)
             except Exception as exc:  # the result pickled in the worker but does not unpickle here
                 return ("error", None, f"could not read the worker's result: {exc!r}\n", time.time())
