@@ -23,8 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planner.contracts.kfac import KFACSection, kfac_layers
 from planner.contracts.plan import Group
 from planner.contracts.profile import (
+    KFAC_STEP_PARTS,
     Calibration,
     CompressTiming,
     FittedCurve,
@@ -41,7 +43,8 @@ from runtime.ddp_hooks import has_unused_parameters, silent_hook
 from runtime.exchange import GradientExchange, write_scaled
 from runtime.kfac import KFACPreconditioner
 
-__all__ = ["in_situ_runs", "measure_in_situ", "measure_kfac_in_situ", "measure_packing"]
+__all__ = ["in_situ_runs", "kfac_steps_points", "measure_in_situ", "measure_kfac_in_situ",
+           "measure_kfac_steps_in_situ", "measure_packing"]
 
 
 def measure_packing(
@@ -222,6 +225,116 @@ def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTim
     measured = median(gathered(extra, process_group)) if world > 1 else median(extra)
     return Calibration(measured_s=max(0.0, measured),
                        modelled_s=sum(lt.a_compute_s + lt.g_compute_s for lt in kfac.layers))
+
+
+#: About how long `measure_kfac_steps_in_situ` may invert on each rank, per method: every step inverts every
+#: factor, so a model whose inversions take long gets fewer measured steps (one at least).
+KFAC_STEPS_BUDGET_S = 20.0
+
+
+class _TimedKFAC(KFACPreconditioner):
+    """The K-FAC runtime timing what `step()` does after the gradients: folding the new factors, inverting and
+    preconditioning (host seconds; on a GPU each phase is synchronised first)."""
+
+    def __init__(self, *args: Any, device: torch.device, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.device = device
+        self.phase_s: dict[str, float] = {}
+
+    def _timed(self, part: str, fn: Callable[[], None]) -> None:
+        self.phase_s[part] = self.phase_s.get(part, 0.0) + stream_seconds(fn, self.device)
+
+    def _finish_factors(self) -> None:
+        self._timed("fold", super()._finish_factors)
+
+    def _update_inverses(self, communicate: bool) -> None:
+        self._timed("invert", lambda: super(_TimedKFAC, self)._update_inverses(communicate))
+
+    def _precondition(self) -> None:
+        self._timed("precondition", super()._precondition)
+
+
+def measure_kfac_steps_in_situ(
+    workload: Workload, device: torch.device, kfac: KFACTiming, *, steps: int, process_group: Any = None,
+    on_point: Callable[[], object] = lambda: None,
+) -> dict[str, Calibration]:
+    """Calibrate what K-FAC's `step()` does after the gradients, in real training steps (every rank calls it).
+
+    A copy of the model trains with `KFACPreconditioner` on a process group of this rank alone, so nothing is
+    sent and the rank does all the work itself: it folds every factor (upper triangles), inverts every factor and
+    preconditions every layer, every step. It runs one unmeasured step and then up to `steps` measured ones
+    (fewer when inverting every factor is predicted to take long, `KFAC_STEPS_BUDGET_S`), once per inversion
+    method. Each phase is compared with the micro-benchmarks' sum for the same work: `fold_s`, the method's
+    inversion curve at every factor's dimension, and `precondition_s(method)`; medians over every rank's
+    samples. The micro-benchmarks time one layer's kernel in a loop on random matrices; a step runs the kernels on
+    the model's own factors after its forward and backward passes, and the preconditioning also clips and writes
+    `.grad`, with every other worker doing the same on the other cores. Keys: `KFAC_STEP_PARTS`."""
+    from planner.types import InverseMethod
+
+    inputs, targets = (t.to(device) for t in workload.batch(seed=1357))
+    alone = _group_of_this_rank(process_group)
+    dims = [d for lt in kfac.layers for d in (lt.a_dim, lt.g_dim)]
+    modelled = {"fold": sum(lt.fold_s for lt in kfac.layers)}
+    samples: dict[str, list[float]] = {}
+    for method in InverseMethod:
+        curve = (kfac.inverse if method is InverseMethod.INVERSE else kfac.eigen).model
+        modelled[f"invert:{method.value}"] = sum(curve.cost(d) for d in dims)
+        modelled[f"precondition:{method.value}"] = sum(lt.precondition_s(method) for lt in kfac.layers)
+        measured = max(1, min(steps, int(KFAC_STEPS_BUDGET_S / max(modelled[f"invert:{method.value}"], 1e-9)) - 1))
+        model = copy.deepcopy(workload.module).to(device)
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        section = KFACSection.simple(kfac_layers(model, kfac.skip), method=method)  # everything everywhere
+        runtime = _TimedKFAC(model, device=device, kfac=section, skip_layers=kfac.skip, process_group=alone,
+                             lr=1e-4)
+        try:
+            for i in range(measured + 1):
+                runtime.phase_s = {}
+                opt.zero_grad(set_to_none=True)
+                workload.loss_fn(model(inputs), targets).backward()
+                runtime.step()
+                opt.step()
+                if i:
+                    for phase, seconds in runtime.phase_s.items():
+                        part = phase if phase == "fold" else f"{phase}:{method.value}"
+                        samples.setdefault(part, []).append(seconds)
+                    on_point()
+        finally:
+            runtime.close()
+            del runtime, model, opt
+            gc.collect()
+    world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+    out = {}
+    for part in KFAC_STEP_PARTS:
+        mine = samples.get(part, [])
+        if world > 1:  # every rank the same number of samples: as many as its fewest
+            fewest = int(min(gathered([float(len(mine))], process_group)))
+            mine = gathered(mine[:fewest], process_group)
+        if mine:
+            out[part] = Calibration(measured_s=median(mine), modelled_s=modelled[part])
+    return out
+
+
+def kfac_steps_points(kfac: KFACTiming, steps: int) -> int:
+    """How many times `measure_kfac_steps_in_situ` calls `on_point` (its measured steps, both methods)."""
+    from planner.types import InverseMethod
+
+    dims = [d for lt in kfac.layers for d in (lt.a_dim, lt.g_dim)]
+    total = 0
+    for method in InverseMethod:
+        curve = (kfac.inverse if method is InverseMethod.INVERSE else kfac.eigen).model
+        predicted = sum(curve.cost(d) for d in dims)
+        total += max(1, min(steps, int(KFAC_STEPS_BUDGET_S / max(predicted, 1e-9)) - 1))
+    return total
+
+
+def _group_of_this_rank(process_group: Any) -> Any:
+    """A process group of this rank alone (every rank of the default group makes every such group, in order),
+    or None without torch.distributed (a runtime on no group is alone already)."""
+    if not dist.is_initialized():
+        return None
+    solos = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    return solos[dist.get_rank()]
 
 
 def _forward_backward_seconds(workload: Workload, model: torch.nn.Module, inputs: torch.Tensor,

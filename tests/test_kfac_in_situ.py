@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from planner.contracts.profile import Calibration, InSitu, Profile
+from planner.contracts.profile import KFAC_STEP_PARTS, Calibration, InSitu, Profile
 from planner.models import build_workload
 from planner.strategies.kfac import calibrated_kfac, kfac_problem
 from planner.types import InverseMethod, SchemaError
 from profilers.kfac import measure_kfac
-from runtime.calibrate import measure_kfac_in_situ
+from runtime.calibrate import kfac_steps_points, measure_kfac_in_situ, measure_kfac_steps_in_situ
 from tests.factories import synthetic_profile
 
 CPU = torch.device("cpu")
@@ -63,3 +63,88 @@ def test_the_runtime_measures_its_hooks_beside_plain_passes() -> None:
     # The hooks are gone: the plain module runs many passes without K-FAC complaining of factors computed twice.
     for _ in range(2):
         wl.loss_fn(wl.module(wl.batch()[0]), wl.batch()[1]).backward()
+
+
+def _with_step_factors(profile: Profile, **factors: float) -> Profile:
+    """`profile` with K-FAC step calibrations of the given factors (part names with ':' written as '__')."""
+    situ = profile.in_situ or InSitu()
+    steps = {part.replace("__", ":"): Calibration(measured_s=f, modelled_s=1.0) for part, f in factors.items()}
+    return replace(profile, in_situ=replace(situ, kfac_steps=steps))
+
+
+def test_the_step_calibrations_round_trip_and_unknown_parts_are_refused() -> None:
+    profile = _with_step_factors(synthetic_profile("cnn"), fold=0.9, invert__eigen=0.8, precondition__inverse=1.2)
+    doc = profile.to_dict()
+    assert doc["in_situ"]["kfac_steps"]["invert:eigen"]["factor"] == pytest.approx(0.8)
+    assert Profile.from_dict(doc) == profile
+    del doc["in_situ"]["kfac_steps"]  # profiles made before it was measured
+    assert Profile.from_dict(doc).in_situ.kfac_steps == {}  # type: ignore[union-attr]
+    doc["in_situ"]["kfac_steps"] = {"invert:cholesky": {"measured_s": 1.0, "modelled_s": 1.0}}
+    with pytest.raises(SchemaError, match=r"invert:cholesky.*in_situ\.kfac_steps"):
+        Profile.from_dict(doc)
+    doc["in_situ"]["kfac_steps"] = {"fold": {"measured_s": "slow", "modelled_s": 1.0}}
+    with pytest.raises(SchemaError, match=r"kfac_steps\.fold\.measured_s"):
+        Profile.from_dict(doc)
+
+
+def test_each_step_calibration_scales_its_own_part_of_the_model() -> None:
+    base = synthetic_profile("cnn")
+    assert base.kfac is not None
+    calibrated = _with_step_factors(base, fold=0.5, invert__eigen=0.8, invert__inverse=1.4,
+                                    precondition__eigen=1.1, precondition__inverse=1.3)
+    kf = calibrated_kfac(calibrated)
+    for mine, theirs in zip(kf.layers, base.kfac.layers, strict=True):
+        assert mine.fold_s == pytest.approx(0.5 * theirs.fold_s)
+        assert mine.precondition_eigen_s == pytest.approx(1.1 * theirs.precondition_eigen_s)
+        assert mine.precondition_inverse_s == pytest.approx(1.3 * theirs.precondition_inverse_s)
+        assert mine.a_compute_s == theirs.a_compute_s and mine.g_compute_s == theirs.g_compute_s
+    for d in (16, 300, 2000):
+        assert kf.eigen.model.cost(d) == pytest.approx(0.8 * base.kfac.eigen.model.cost(d))
+        assert kf.inverse.model.cost(d) == pytest.approx(1.4 * base.kfac.inverse.model.cost(d))
+    # The problem inverts and preconditions at the calibrated times.
+    plain, scaled = (kfac_problem(p, InverseMethod.EIGEN) for p in (base, calibrated))
+    assert scaled.layout.placement.inv_s == pytest.approx([0.8 * s for s in plain.layout.placement.inv_s])
+    assert scaled.layout.precondition_s == pytest.approx([1.1 * s for s in plain.layout.precondition_s])
+    assert calibrated_kfac(_with_step_factors(base, fold=1.0, invert__eigen=1.0)) is base.kfac
+
+
+def test_the_runtime_times_folding_inverting_and_preconditioning_in_real_steps() -> None:
+    wl = build_workload("cnn")
+    kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
+    calls: list[int] = []
+    cals = measure_kfac_steps_in_situ(wl, CPU, kfac, steps=2, on_point=lambda: calls.append(1))
+    assert len(calls) == kfac_steps_points(kfac, 2) == 4  # two steps per method: the CNN inverts in milliseconds
+    assert set(cals) == set(KFAC_STEP_PARTS)
+    dims = [d for lt in kfac.layers for d in (lt.a_dim, lt.g_dim)]
+    assert cals["fold"].modelled_s == pytest.approx(sum(lt.fold_s for lt in kfac.layers))
+    assert cals["invert:eigen"].modelled_s == pytest.approx(sum(kfac.eigen.model.cost(d) for d in dims))
+    assert cals["precondition:inverse"].modelled_s == pytest.approx(
+        sum(lt.precondition_inverse_s for lt in kfac.layers))
+    assert all(c.measured_s > 0 for c in cals.values())
+    # The user's module is left as it was: no hooks, its own weights.
+    before = [p.detach().clone() for p in wl.module.parameters()]
+    for _ in range(2):
+        wl.loss_fn(wl.module(wl.batch()[0]), wl.batch()[1]).backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, wl.module.parameters(), strict=True))
+
+
+def test_a_long_inversion_gets_one_measured_step() -> None:
+    wl = build_workload("cnn")
+    kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
+    slow = replace(kfac, eigen=kfac.eigen.scaled(1e6))  # minutes per inversion by the curve
+    assert kfac_steps_points(slow, 3) == 1 + kfac_steps_points(kfac, 3) // 2
+
+
+def _steps_worker(rank: int, world_size: int) -> dict[str, float]:
+    wl = build_workload("cnn", batch_size=8)
+    kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
+    cals = measure_kfac_steps_in_situ(wl, CPU, kfac, steps=1)
+    return {part: c.measured_s for part, c in cals.items()}
+
+
+def test_every_rank_gets_the_same_step_calibrations_from_every_ranks_samples() -> None:
+    from planner.platform.launch import run_distributed
+
+    results = run_distributed(_steps_worker, 2)
+    assert set(results[0]) == set(KFAC_STEP_PARTS)
+    assert results[0] == results[1]  # medians over both ranks' samples

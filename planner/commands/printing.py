@@ -193,6 +193,12 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
                           "measure the factors as they run now)", markup=False)
 
 
+#: How `planner profile` and `show` name the parts of `InSitu.kfac_steps`.
+_KFAC_STEP_NAMES = {"fold": "folding", "invert:eigen": "eigendecompositions", "invert:inverse": "inverses",
+                    "precondition:eigen": "preconditioning (eigen)",
+                    "precondition:inverse": "preconditioning (inverse)"}
+
+
 #: How far the sum of a profile's parts may be from its whole steps before `planner profile` warns.
 PARTS_TOLERANCE = 0.10
 
@@ -261,7 +267,8 @@ def print_profile(profile: object) -> None:
                  *((f"PyTorch's {name.removeprefix('ddp+')} hook on DDP" if name.startswith("ddp+") else
                     f"{name} {'compression' if part == 'prepare' else 'decompression'}", c)
                    for name, calibrations in situ.compress.items() for part, c in calibrations.items()),
-                 ("K-FAC factor hooks", situ.kfac_factors)]
+                 ("K-FAC factor hooks", situ.kfac_factors),
+                 *((f"K-FAC {_KFAC_STEP_NAMES.get(part, part)}", c) for part, c in situ.kfac_steps.items())]
         shown = ", ".join(f"{what} {c.factor:.2f}x ({_ms(c.measured_s)} ms measured / {_ms(c.modelled_s)} ms "
                           "micro-benchmarked)" for what, c in parts if c is not None)
         console.print(f"in real steps (one group per layer, nothing sent): {shown}")

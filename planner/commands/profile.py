@@ -34,7 +34,14 @@ from profilers.layers import (
 )
 from profilers.probe import current_cluster
 from profilers.topk import measure_topk
-from runtime.calibrate import in_situ_runs, measure_in_situ, measure_kfac_in_situ, measure_packing
+from runtime.calibrate import (
+    in_situ_runs,
+    kfac_steps_points,
+    measure_in_situ,
+    measure_kfac_in_situ,
+    measure_kfac_steps_in_situ,
+    measure_packing,
+)
 
 __all__ = ["DEFAULT_DENSITIES", "ProfileConfig", "profile_worker", "run_profile"]
 
@@ -44,6 +51,9 @@ INTERFERENCE_REPEATS = 5
 #: Steps with and without the runtime, per configuration (in-situ calibration), and the top-k density
 #: it is calibrated at (the nearest measured one).
 IN_SITU_REPEATS = 8
+#: Measured K-FAC steps per inversion method in the in-situ calibration of folding, inverting and preconditioning
+#: (fewer where inverting every factor takes long).
+KFAC_STEPS_REPEATS = 3
 IN_SITU_DENSITY = 0.01
 
 
@@ -190,7 +200,11 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             task = bar.add_task("K-FAC factor hooks in real steps", total=IN_SITU_REPEATS)
             hooks = measure_kfac_in_situ(workload, device, kfac, repeats=IN_SITU_REPEATS,
                                          on_point=lambda: bar.advance(task))
-            in_situ = replace(in_situ or InSitu(), kfac_factors=hooks)
+            task = bar.add_task("K-FAC folding, inverting, preconditioning in real steps",
+                                total=kfac_steps_points(kfac, KFAC_STEPS_REPEATS))
+            steps = measure_kfac_steps_in_situ(workload, device, kfac, steps=KFAC_STEPS_REPEATS,
+                                               on_point=lambda: bar.advance(task))
+            in_situ = replace(in_situ or InSitu(), kfac_factors=hooks, kfac_steps=steps)
         memory.end()
     peaks: list[object] = [None] * world_size
     dist.all_gather_object(peaks, memory.peaks)

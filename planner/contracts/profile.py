@@ -43,8 +43,12 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
         "ddp_pack": {...},                                        # optional: DDP's own bucket copies
         "compress": {"fp16": {"prepare": {...}, "decode": {...}}, # optional: each compressor's work
                      "powersgd:4": {...}, ...},
-        "kfac_factors": {...}                                     # optional: K-FAC's factor hooks in real
-      },                                                          # forward and backward passes
+        "kfac_factors": {...},                                    # optional: K-FAC's factor hooks in real
+                                                                  # forward and backward passes
+        "kfac_steps": {"fold": {...}, "invert:eigen": {...},      # optional: K-FAC's step() after the
+                       "invert:inverse": {...},                   # gradients in real steps, per part
+                       "precondition:eigen": {...}, "precondition:inverse": {...}}
+      },
       "compress": {                                               # null or absent: fp16 and PowerSGD not
         "fp16_cast": {"points": [[numel, seconds], ...], ...},    # measured (fp32 -> fp16 / world size)
         "fp16_uncast": {"points": ..., ...},                      # fp16 -> fp32
@@ -150,6 +154,7 @@ from planner.types import (
 )
 
 __all__ = [
+    "KFAC_STEP_PARTS",
     "MAX_FIT_ERROR",
     "PROFILE_KIND",
     "PROFILE_SCHEMA_VERSION",
@@ -174,6 +179,8 @@ PROFILE_KIND = "planner.profile"
 
 #: Largest batch size a profile may record.
 MAX_BATCH_SIZE = 2**31
+#: The parts of a K-FAC step after the gradients that the profile calibrates in real steps (`InSitu.kfac_steps`).
+KFAC_STEP_PARTS = ("fold", "invert:eigen", "invert:inverse", "precondition:eigen", "precondition:inverse")
 
 
 def _time(value: Any, where: str) -> float:
@@ -528,6 +535,11 @@ class DimCurve:
         model, err = fit_affine([(d**3, t) for d, t in points])
         return cls(points=tuple(points), alpha_s=model.alpha, beta_s_per_dim3=model.beta, fit_error=err)
 
+    def scaled(self, factor: float) -> DimCurve:
+        """The same curve with every time multiplied by `factor`."""
+        return replace(self, points=tuple((d, t * factor) for d, t in self.points), alpha_s=self.alpha_s * factor,
+                       beta_s_per_dim3=self.beta_s_per_dim3 * factor)
+
     def against_cubes(self) -> FittedCurve:
         """The same measurements as seconds against d^3, where the fit is affine."""
         return FittedCurve(points=tuple((d**3, t) for d, t in self.points), alpha_s=self.alpha_s,
@@ -727,6 +739,15 @@ class InSitu:
     #: The K-FAC runtime's factor hooks (A in forward, G in backward, each packed into its buffer) in real
     #: forward and backward passes, against the per-layer micro-benchmarks (`KFACLayerTiming` a/g_compute_s).
     kfac_factors: Calibration | None = None
+    #: What K-FAC's step() does after the gradients, in real steps against the micro-benchmarks, by part:
+    #: "fold" (`fold_s`), "invert:eigen" and "invert:inverse" (the inversion curves), "precondition:eigen" and
+    #: "precondition:inverse" (`precondition_s`); `KFAC_STEP_PARTS`.
+    kfac_steps: dict[str, Calibration] = field(default_factory=dict)
+
+    def kfac_step_factor(self, part: str) -> float:
+        """The calibration of one part of K-FAC's step (`KFAC_STEP_PARTS`; 1 when not calibrated)."""
+        found = self.kfac_steps.get(part)
+        return 1.0 if found is None else found.factor
 
     def pack_factor(self, runtime: str = "planner") -> float:
         found = self.ddp_pack if runtime == "ddp" else self.pack
@@ -757,13 +778,16 @@ class InSitu:
             "compress": {name: {part: c.to_dict() for part, c in parts.items()}
                          for name, parts in self.compress.items()},
             "kfac_factors": None if self.kfac_factors is None else self.kfac_factors.to_dict(),
+            "kfac_steps": {part: c.to_dict() for part, c in self.kfac_steps.items()},
         }
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> InSitu:
         expect(data, dict, where)
-        data = {"ddp_pack": None, "compress": {}, "kfac_factors": None, **data}
-        check_fields(data, where, ["pack", "select", "decode", "ddp_pack", "compress", "kfac_factors"])
+        data = {"ddp_pack": None, "compress": {}, "kfac_factors": None, "kfac_steps": {}, **data}
+        check_fields(data, where, ["pack", "select", "decode", "ddp_pack", "compress", "kfac_factors", "kfac_steps"])
+        steps = expect(data["kfac_steps"], dict, f"{where}.kfac_steps")
+        check_fields(steps, f"{where}.kfac_steps", [], optional=list(KFAC_STEP_PARTS))
         compress: dict[str, dict[str, Calibration]] = {}
         for name, parts in expect(data["compress"], dict, f"{where}.compress").items():
             hook = isinstance(name, str) and name.startswith("ddp+")  # PyTorch's hook on DDP, not the runtime
@@ -785,6 +809,7 @@ class InSitu:
             compress=compress,
             kfac_factors=None if data["kfac_factors"] is None else Calibration.from_dict(
                 data["kfac_factors"], f"{where}.kfac_factors"),
+            kfac_steps={part: Calibration.from_dict(c, f"{where}.kfac_steps.{part}") for part, c in steps.items()},
         )
 
 

@@ -55,7 +55,7 @@ import numpy.typing as npt
 
 from planner.contracts.fingerprint import ClusterInfo
 from planner.contracts.jsonio import MAX_WORLD_SIZE, check_fields, expect, is_file, read_json
-from planner.contracts.profile import DimCurve, FittedCurve, KFACTiming, LayerTiming, Profile, TopkTiming
+from planner.contracts.profile import FittedCurve, KFACTiming, LayerTiming, Profile, TopkTiming
 from planner.costmodel.costs import AffineCost
 from planner.strategies.gradients import make_plan
 from planner.strategies.kfac import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
@@ -451,11 +451,6 @@ def _scaled_curve(curve: FittedCurve, factor: float) -> FittedCurve:
                    beta_s_per_byte=curve.beta_s_per_byte * factor)
 
 
-def _scaled_dim_curve(curve: DimCurve, factor: float) -> DimCurve:
-    return replace(curve, points=tuple((d, t * factor) for d, t in curve.points), alpha_s=curve.alpha_s * factor,
-                   beta_s_per_dim3=curve.beta_s_per_dim3 * factor)
-
-
 def _scaled_layer(layer: LayerTiming, factor: float) -> LayerTiming:
     return replace(layer, forward_s=layer.forward_s * factor, backward_s=layer.backward_s * factor,
                    backward_iqr_s=layer.backward_iqr_s * factor)
@@ -478,8 +473,8 @@ def _scaled_kfac(kfac: KFACTiming, factor: float) -> KFACTiming:
                 fold_whole_s=scaled(lt.fold_whole_s))
         for lt in kfac.layers
     )
-    return replace(kfac, layers=layers, inverse=_scaled_dim_curve(kfac.inverse, factor),
-                   eigen=_scaled_dim_curve(kfac.eigen, factor))
+    return replace(kfac, layers=layers, inverse=kfac.inverse.scaled(factor),
+                   eigen=kfac.eigen.scaled(factor))
 
 
 def _collectives_for(spec: ClusterSpec) -> dict[Collective, FittedCurve]:

@@ -165,20 +165,33 @@ def _checked_kfac(profile: Profile) -> KFACTiming:
 
 
 def calibrated_kfac(profile: Profile) -> KFACTiming:
-    """The profile's K-FAC timings with the factor hooks' times (A and G, either format) as they run inside
-    real steps: scaled by the in-situ calibration (`InSitu.kfac_factors`) where the profile has one."""
+    """The profile's K-FAC timings as its work runs inside real steps, where the profile has in-situ calibrations:
+    the factor hooks (A and G, either format) scaled by `InSitu.kfac_factors`; folding, each method's inversion
+    curve and preconditioning by `InSitu.kfac_steps`."""
     assert profile.kfac is not None
-    hooks = profile.in_situ.kfac_factor() if profile.in_situ is not None else 1.0
-    if hooks == 1.0:
+    situ = profile.in_situ
+    if situ is None:
+        return profile.kfac
+    hooks, fold = situ.kfac_factor(), situ.kfac_step_factor("fold")
+    eigen, inverse = (situ.kfac_step_factor(f"precondition:{m.value}") for m in (InverseMethod.EIGEN,
+                                                                                InverseMethod.INVERSE))
+    if hooks == fold == eigen == inverse == 1.0 and all(c.factor == 1.0 for c in situ.kfac_steps.values()):
         return profile.kfac
 
-    def scaled(seconds: float | None) -> float | None:
-        return None if seconds is None else seconds * hooks
+    def scaled(seconds: float | None, factor: float) -> float | None:
+        return None if seconds is None else seconds * factor
 
-    return replace(profile.kfac, layers=tuple(
+    kf = profile.kfac
+    return replace(kf, layers=tuple(
         replace(lt, a_compute_s=lt.a_compute_s * hooks, g_compute_s=lt.g_compute_s * hooks,
-                a_compute_whole_s=scaled(lt.a_compute_whole_s), g_compute_whole_s=scaled(lt.g_compute_whole_s))
-        for lt in profile.kfac.layers))
+                a_compute_whole_s=scaled(lt.a_compute_whole_s, hooks),
+                g_compute_whole_s=scaled(lt.g_compute_whole_s, hooks),
+                fold_s=lt.fold_s * fold, fold_whole_s=scaled(lt.fold_whole_s, fold),
+                precondition_eigen_s=lt.precondition_eigen_s * eigen,
+                precondition_inverse_s=lt.precondition_inverse_s * inverse)
+        for lt in kf.layers),
+        eigen=kf.eigen.scaled(situ.kfac_step_factor("invert:eigen")),
+        inverse=kf.inverse.scaled(situ.kfac_step_factor("invert:inverse")))
 
 
 def kfac_problem(
