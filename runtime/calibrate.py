@@ -43,7 +43,7 @@ from runtime.ddp_hooks import has_unused_parameters, silent_hook
 from runtime.exchange import GradientExchange, write_scaled
 from runtime.kfac import KFACPreconditioner
 
-__all__ = ["in_situ_runs", "kfac_steps_points", "measure_in_situ", "measure_kfac_in_situ",
+__all__ = ["group_of_this_rank", "in_situ_runs", "kfac_steps_points", "measure_in_situ", "measure_kfac_in_situ",
            "measure_kfac_steps_in_situ", "measure_packing"]
 
 
@@ -272,7 +272,7 @@ def measure_kfac_steps_in_situ(
     from planner.types import InverseMethod
 
     inputs, targets = (t.to(device) for t in workload.batch(seed=1357))
-    alone = _group_of_this_rank(process_group)
+    alone = group_of_this_rank(process_group)
     dims = [d for lt in kfac.layers for d in (lt.a_dim, lt.g_dim)]
     modelled = {"fold": sum(lt.fold_s for lt in kfac.layers)}
     samples: dict[str, list[float]] = {}
@@ -328,7 +328,7 @@ def kfac_steps_points(kfac: KFACTiming, steps: int) -> int:
     return total
 
 
-def _group_of_this_rank(process_group: Any) -> Any:
+def group_of_this_rank(process_group: Any) -> Any:
     """A process group of this rank alone (every rank of the default group makes every such group, in order),
     or None without torch.distributed (a runtime on no group is alone already)."""
     if not dist.is_initialized():

@@ -15,6 +15,7 @@ from planner.commands.bench_kfac import FACTOR_HOOKS, FACTOR_HOOKS_STRATEGY
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.models import Workload
+from planner.strategies.kfac import LOCAL_KFAC
 from planner.types import Collective, Strategy
 
 
@@ -103,7 +104,7 @@ def test_kfac_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     rows = json.loads(res.stdout)
     placed = any(r is not None for r in plan.kfac.preconditioners.values())
     comm_opt = "COMM_OPT layout, this runtime"
-    assert [r["name"] for r in rows] == ["local (no communication)", "sgd", "everywhere", comm_opt,
+    assert [r["name"] for r in rows] == ["local (no communication)", LOCAL_KFAC, "sgd", "everywhere", comm_opt,
                                          "MEM_OPT layout, this runtime",
                                          *(["plan, everyone preconditions"] if placed else []), "plan",
                                          FACTOR_HOOKS]
@@ -114,5 +115,8 @@ def test_kfac_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     assert 0 < hooks["median_s"] < rows[-1]["median_s"] and hooks["steps"] == 6
     for r in rows:
         assert r["steps"] == 6 and r["median_s"] > 0 and r["predicted_s"] > 0 and r["reference"] == comm_opt
-    assert rows[3]["speedup"] == 1.0
+    assert rows[4]["speedup"] == 1.0
     assert rows[0]["predicted_s"] == pytest.approx(Profile.load(prof).parts_s, rel=1e-9)  # the profile's compute
+    # K-FAC's work with nothing sent: the profile's calibrated kernels, beside the plan's own prediction of them.
+    assert rows[1]["strategy"] == "local" and rows[1]["predicted_s"] == pytest.approx(
+        plan.kfac.baselines[LOCAL_KFAC].step_s, rel=1e-12)

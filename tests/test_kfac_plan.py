@@ -18,6 +18,7 @@ from planner.solvers.fusion import FUSION_BASELINES, simulate_fusion
 from planner.solvers.layout import KaisaCommOpt, KaisaMemOpt, layout_timelines
 from planner.solvers.placement import makespan
 from planner.strategies.kfac import (
+    LOCAL_KFAC,
     calibrated_kfac,
     kfac_lower_bound,
     kfac_problem,
@@ -391,3 +392,24 @@ def test_the_plan_carries_what_kfac_leaves_out_and_show_lists_it(tmp_path: Path,
     del prof_doc["kfac"]["left_out"]
     assert Profile.from_dict(prof_doc).kfac.left_out is None  # type: ignore[union-attr]
     assert make_kfac_plan(Profile.from_dict(prof_doc)).kfac.left_out is None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("steps", [(1, 1), (1, 5), (2, 4)])
+def test_the_local_kfac_row_adds_every_kernel_to_the_local_step(steps: tuple[int, int]) -> None:
+    """One worker alone: every factor computed and folded on a factor-update step, every factor inverted on an
+    inversion step, every layer preconditioned each step, nothing sent and nothing overlapped."""
+    factor_steps, inv_steps = steps
+    profile = synthetic_profile("cnn")
+    plan = make_kfac_plan(profile, factor_update_steps=factor_steps, inv_update_steps=inv_steps)
+    assert plan.kfac is not None and plan.kfac.baselines is not None
+    local = plan.kfac.baselines[LOCAL_KFAC]
+    kf = calibrated_kfac(profile)
+    method = plan.kfac.method
+    compute = profile.forward_s + profile.backward_s + profile.update_s
+    pre = sum(lt.precondition_s(method) for lt in kf.layers)
+    factors = sum(lt.a_compute_s + lt.g_compute_s + lt.fold_s for lt in kf.layers)  # upper triangles
+    curve = (kf.inverse if method is InverseMethod.INVERSE else kf.eigen).model
+    inversion = sum(curve.cost(d) for lt in kf.layers for d in (lt.a_dim, lt.g_dim))
+    assert local.step_s == pytest.approx(compute + pre + factors / factor_steps + inversion / inv_steps, rel=1e-9)
+    assert local.factor_comm_s == local.broadcast_s == local.interference_s == 0.0
+    assert local.inversion_s == pytest.approx(inversion, rel=1e-12)

@@ -2,6 +2,12 @@
 
 Variants, all with the plan's gradient groups (runtime.GradientExchange) and the same SGD optimizer:
 
+- local (no communication): each rank alone, forward, backward and update (how far the machine moved since
+  the profile);
+- local K-FAC (no communication): each rank alone on a process group of itself, all of K-FAC's work (every
+  factor as an upper triangle, every inversion, every layer preconditioned), nothing sent: how far K-FAC's kernels
+  moved since the profile, which the first row cannot show (plans solved before it was predicted do not run it);
+
 - sgd: no preconditioning (what K-FAC costs on top of plain data-parallel SGD);
 - everywhere: K-FAC, factors in 25 MB buckets, every factor inverted on every worker;
 - kfac-pytorch: K-FAC as kfac-pytorch runs by default (COMM_OPT): whole factors in 25 MB buckets, each
@@ -55,7 +61,7 @@ from planner.contracts.kfac import KFACSection
 from planner.contracts.plan import Plan
 from planner.models import build_workload
 from planner.platform.hosts import count_hosts
-from planner.strategies.kfac import PLAN_EVERYONE, reference_sections
+from planner.strategies.kfac import LOCAL_KFAC, PLAN_EVERYONE, reference_sections
 from planner.types import InverseMethod, PlanMismatchError
 
 if TYPE_CHECKING:
@@ -118,8 +124,15 @@ def kfac_variants(plan: Plan) -> list[tuple[str, KFACSection | None, float | Non
         p = baselines.get(name)
         return None if p is None else p.step_s
 
+    local_kfac = []
+    if LOCAL_KFAC in baselines:  # plans solved before it was predicted have no such row
+        k = plan.kfac
+        section = replace(KFACSection.simple(list(k.layers), method=k.method, factor_update_steps=k.factor_update_steps,
+                                             inv_update_steps=k.inv_update_steps), skip=k.skip)
+        local_kfac.append((LOCAL_KFAC, section, predicted(LOCAL_KFAC)))
     return [
         (LOCAL, None, local_prediction(plan)),
+        *local_kfac,
         ("sgd", None, predicted("sgd")),
         *((name, refs[name], predicted(name)) for name in ("everywhere", REFERENCE, "kaisa-mem-opt", PLAN_EVERYONE)
           if name in refs),
@@ -178,6 +191,7 @@ def _peer_runner(config: KFACBenchConfig, strategy: str) -> tuple:
 def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> list[BenchResult] | None:
     """Run every variant on this rank; rank 0 returns the results."""
     from runtime import GradientExchange, KFACPreconditioner
+    from runtime.calibrate import group_of_this_rank
 
     torch.manual_seed(0)
     plan = config.plan
@@ -186,6 +200,7 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
     variants = kfac_variants(plan)
     runners, closers = [], []
     plan_runtime: KFACPreconditioner | None = None  # the plan's, whose factor hooks are timed
+    alone = group_of_this_rank(None) if any(name == LOCAL_KFAC for name, _, _ in variants) else None
     for name, section, _pred in variants:
         wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank
         # After backward: the SGD variant waits for its gradient exchange; K-FAC's step() does that and more.
@@ -197,6 +212,10 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
         if section is None:
             runtime_part = GradientExchange(wl.module, plan)
             finish = runtime_part.synchronize
+        elif name == LOCAL_KFAC:  # each rank on its own (a group of itself): all of K-FAC's work, nothing sent
+            runtime_part = KFACPreconditioner(wl.module, kfac=section, process_group=alone, lr=config.lr,
+                                              damping=config.damping)
+            finish = runtime_part.step
         else:
             runtime_part = KFACPreconditioner(wl.module, plan=plan, kfac=section, lr=config.lr, damping=config.damping)
             finish = runtime_part.step
@@ -250,7 +269,7 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
     results = []
     for (name, _section, pred), row in zip(variants, slowest, strict=True):
         per_window = [sum(row[w * window:(w + 1) * window]) / window for w in range(config.windows)]
-        strategy = "local" if name == LOCAL else "sgd" if name == "sgd" else "kfac"
+        strategy = "local" if name in (LOCAL, LOCAL_KFAC) else "sgd" if name == "sgd" else "kfac"
         results.append(BenchResult.from_samples(LAYOUT_ROWS.get(name, name), strategy, per_window,
                                                 steps=len(row), predicted_s=pred, reference=reference))
     ref = next(r.median_s for r in results if r.name == reference)

@@ -94,6 +94,7 @@ def print_abs(plan: object) -> None:
 def print_kfac(plan: object) -> None:
     """The K-FAC comparison: average step time of the plan, each baseline and the lower bound."""
     from planner.contracts.plan import Plan
+    from planner.strategies.kfac import LOCAL_KFAC
 
     assert isinstance(plan, Plan) and plan.kfac is not None
     k = plan.kfac
@@ -110,9 +111,11 @@ def print_kfac(plan: object) -> None:
         table.add_column(col, justify="left" if col == "layout" else "right")
     for name, p in [("plan", k.predicted), *baselines.items()]:
         pre = "-" if p.precondition_s is None or name == "sgd" else _ms(p.precondition_s)
+        layout = name not in ("sgd", LOCAL_KFAC)  # the others are not K-FAC on several workers
         table.add_row(
             name, str(p.num_buffers), _ms(p.step_s), _ms(p.factor_step_s), _ms(p.inversion_s), _ms(p.broadcast_s),
-            pre, f"{ref / p.step_s:.2f}x", f"{(p.step_s - lb) / lb:+.1%}" if lb > 0 and name != "sgd" else "-",
+            pre, f"{ref / p.step_s:.2f}x" if name != LOCAL_KFAC else "-",
+            f"{(p.step_s - lb) / lb:+.1%}" if lb > 0 and layout else "-",
             style="bold" if name == "plan" else None,
         )
     table.add_row("lower bound", "", _ms(lb), "", "", "", "", f"{ref / lb:.2f}x" if lb > 0 else "-", "")
@@ -126,7 +129,9 @@ def print_kfac(plan: object) -> None:
         f"{k.describe_messages()}; {len(owners) - everywhere} "
         f"factors on one owner, {everywhere} everywhere; {placed} of {len(k.preconditioners)} layers "
         f"preconditioned by one worker, the rest by all ({k.placement_solver}, {gap}); "
-        f"K-FAC solve {k.solve_seconds * 1e3:.1f} ms. 'sgd' is the same step without K-FAC."
+        f"K-FAC solve {k.solve_seconds * 1e3:.1f} ms. 'sgd' is the same step without K-FAC"
+        + (f"; '{LOCAL_KFAC}' is one worker doing all of K-FAC's work alone, what the bench sets beside the "
+           "profile to show how far K-FAC's kernels moved since." if LOCAL_KFAC in baselines else ".")
     )
     print_left_out(len(k.layers), k.left_out, k.skip)
 
@@ -176,12 +181,20 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
     console.print(table)
     from planner.commands.bench import LOCAL, machine_drift
     from planner.commands.bench_kfac import FACTOR_HOOKS_STRATEGY
+    from planner.strategies.kfac import LOCAL_KFAC
 
     drift = machine_drift(results)
     if drift is not None and abs(drift) > DRIFT_TOLERANCE:
         err_console.print(f"note: the {LOCAL} steps ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} than "
                           "the profile predicts: this machine is busier or quieter than when it was profiled, and "
                           "every prediction is off by about as much", markup=False)
+    local_kfac = next((r for r in results if r.name == LOCAL_KFAC and r.predicted_s), None)
+    if local_kfac is not None and local_kfac.rel_error is not None and local_kfac.rel_error > DRIFT_TOLERANCE:
+        moved = local_kfac.median_s / local_kfac.predicted_s - 1
+        err_console.print(f"note: the {LOCAL_KFAC} steps ran {abs(moved):.0%} {'slower' if moved > 0 else 'faster'} "
+                          "than the profile predicts: K-FAC's kernels (factors, inversions, preconditioning) run "
+                          "differently now than when they were profiled, and the K-FAC rows are off by about as "
+                          "much", markup=False)
     hooks = next((r for r in results if r.strategy == FACTOR_HOOKS_STRATEGY and r.predicted_s), None)
     if hooks is not None and hooks.rel_error is not None and hooks.rel_error > DRIFT_TOLERANCE:
         off = hooks.median_s - hooks.predicted_s

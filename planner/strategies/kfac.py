@@ -67,11 +67,13 @@ from planner.types import Collective, FactorKind, InvalidProfileError, InverseMe
 __all__ = [
     "DEFAULT_FACTOR_UPDATE_STEPS",
     "DEFAULT_INV_UPDATE_STEPS",
+    "LOCAL_KFAC",
     "PLAN_EVERYONE",
     "KFACProblem",
     "calibrated_kfac",
     "interference_stretch",
     "kfac_problem",
+    "local_kfac_prediction",
     "make_kfac_plan",
     "predict_kfac",
     "reference_sections",
@@ -86,6 +88,10 @@ PLAN_EVERYONE = "plan, everyone preconditions"
 PLAN_TRIANGLES, PLAN_WHOLE = "plan, upper triangles", "plan, whole factors"
 #: The best plan with each buffer's format chosen (the plan keeps the fastest of the three).
 PLAN_MIXED = "plan, formats per buffer"
+#: The baseline row of K-FAC's compute with nothing sent: one worker alone computes every factor (as upper
+#: triangles), folds, inverts and preconditions everything. Not a layout: what `planner bench` sets beside the
+#: profile to show how far K-FAC's kernels moved since (as its local row does for forward and backward).
+LOCAL_KFAC = "local K-FAC (no communication)"
 
 
 def triangle_numel(dim: int) -> int:
@@ -453,6 +459,22 @@ def _sgd_prediction(problem: KFACProblem) -> KFACPrediction:
                           broadcast_s=0.0, num_buffers=0)
 
 
+def local_kfac_prediction(problem: KFACProblem, *, factor_update_steps: int,
+                          inv_update_steps: int) -> KFACPrediction:
+    """`LOCAL_KFAC`'s times on `problem` (factors as it sends them): forward, backward and update with every
+    factor computed and folded on a factor-update step, every factor inverted on an inversion step and every
+    layer preconditioned on every step, nothing sent and nothing overlapped."""
+    local = problem.compute_end_s - problem.factor_compute_s + problem.tail_s
+    pre = sum(problem.layout.precondition_s)
+    plain = local + pre
+    factor_step = plain + problem.factor_compute_s + problem.fold_s
+    inversion = sum(problem.placement.inv_s)
+    return KFACPrediction(
+        step_s=plain + (factor_step - plain) / factor_update_steps + inversion / inv_update_steps,
+        plain_step_s=plain, factor_step_s=factor_step, inversion_s=inversion, factor_comm_s=0.0, broadcast_s=0.0,
+        num_buffers=0, precondition_s=pre, factor_compute_s=problem.factor_compute_s, interference_s=0.0)
+
+
 def make_kfac_plan(
     profile: Profile,
     *,
@@ -497,7 +519,7 @@ def make_kfac_plan(
 
     baseline_buffers = {b.name: b.solve(problem.fusion) for b in FUSION_BASELINES}
     baseline_owners = {cls.name: cls().solve(problem.placement).placement for cls in PLACEMENT_BASELINES}
-    baselines = {"sgd": _sgd_prediction(problem)}
+    baselines = {"sgd": _sgd_prediction(problem), LOCAL_KFAC: local_kfac_prediction(triangles, **intervals)}
     baselines.update((name, prediction) for name, (_, _, prediction) in solved.items() if name != chosen)
     for name, bufs in baseline_buffers.items():
         baselines[f"fusion:{name}"] = predict_kfac(problem, bufs, laid.layout, **intervals)
