@@ -273,14 +273,11 @@ def measure_kfac_steps_in_situ(
 
     inputs, targets = (t.to(device) for t in workload.batch(seed=1357))
     alone = group_of_this_rank(process_group)
-    dims = [d for lt in kfac.layers for d in (lt.a_dim, lt.g_dim)]
     modelled = {"fold": sum(lt.fold_s for lt in kfac.layers)}
     samples: dict[str, list[float]] = {}
     for method in InverseMethod:
-        curve = (kfac.inverse if method is InverseMethod.INVERSE else kfac.eigen).model
-        modelled[f"invert:{method.value}"] = sum(curve.cost(d) for d in dims)
+        modelled[f"invert:{method.value}"], measured = _inversion_and_steps(kfac, method, steps)
         modelled[f"precondition:{method.value}"] = sum(lt.precondition_s(method) for lt in kfac.layers)
-        measured = max(1, min(steps, int(KFAC_STEPS_BUDGET_S / max(modelled[f"invert:{method.value}"], 1e-9)) - 1))
         model = copy.deepcopy(workload.module).to(device)
         model.train()
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -319,13 +316,17 @@ def kfac_steps_points(kfac: KFACTiming, steps: int) -> int:
     """How many times `measure_kfac_steps_in_situ` calls `on_point` (its measured steps, both methods)."""
     from planner.types import InverseMethod
 
-    dims = [d for lt in kfac.layers for d in (lt.a_dim, lt.g_dim)]
-    total = 0
-    for method in InverseMethod:
-        curve = (kfac.inverse if method is InverseMethod.INVERSE else kfac.eigen).model
-        predicted = sum(curve.cost(d) for d in dims)
-        total += max(1, min(steps, int(KFAC_STEPS_BUDGET_S / max(predicted, 1e-9)) - 1))
-    return total
+    return sum(_inversion_and_steps(kfac, method, steps)[1] for method in InverseMethod)
+
+
+def _inversion_and_steps(kfac: KFACTiming, method: Any, steps: int) -> tuple[float, int]:
+    """The micro-benchmarked seconds of inverting every factor with `method`, and how many steps (of at most
+    `steps`, one at least) `measure_kfac_steps_in_situ` measures with it within `KFAC_STEPS_BUDGET_S`."""
+    from planner.types import InverseMethod
+
+    curve = (kfac.inverse if method is InverseMethod.INVERSE else kfac.eigen).model
+    seconds = sum(curve.cost(d) for lt in kfac.layers for d in (lt.a_dim, lt.g_dim))
+    return seconds, max(1, min(steps, int(KFAC_STEPS_BUDGET_S / max(seconds, 1e-9)) - 1))
 
 
 def group_of_this_rank(process_group: Any) -> Any:

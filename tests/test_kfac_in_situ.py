@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch import nn
 
 from planner.contracts.profile import KFAC_STEP_PARTS, Calibration, InSitu, Profile
 from planner.models import build_workload
@@ -148,3 +149,41 @@ def test_every_rank_gets_the_same_step_calibrations_from_every_ranks_samples() -
     results = run_distributed(_steps_worker, 2)
     assert set(results[0]) == set(KFAC_STEP_PARTS)
     assert results[0] == results[1]  # medians over both ranks' samples
+
+
+class _Shaped(nn.Module):
+    """Tied embedding and output, a frozen Linear and a BatchNorm, a head the loss never uses, and modules
+    registered in another order than the forward pass uses them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(16, 32, bias=False)
+        self.unused = nn.Linear(16, 3)
+        self.hidden = nn.Linear(16, 16)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.BatchNorm1d(16)
+        self.embed = nn.Embedding(32, 16)
+        self.out.weight = self.embed.weight  # tied
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.frozen(self.embed(tokens)))
+        return self.out(torch.relu(self.hidden(h)))
+
+
+def test_the_step_calibration_runs_on_a_model_shaped_like_a_real_one() -> None:
+    from planner.models import Workload
+
+    gen = torch.Generator().manual_seed(0)
+
+    def make_batch(n: int, g: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        g = g or gen
+        return torch.randint(0, 32, (n,), generator=g), torch.randint(0, 32, (n,), generator=g)
+
+    wl = Workload(name="shaped", module=_Shaped(), batch_size=16, make_batch=make_batch,
+                  loss_fn=nn.functional.cross_entropy)
+    kfac = measure_kfac(wl, CPU, repeats=2, warmup=1, skip="^unused$")  # the unused head skipped, as profile asks
+    assert [lt.name for lt in kfac.layers] == ["hidden"]  # tied and frozen layers keep plain gradients
+    cals = measure_kfac_steps_in_situ(wl, CPU, kfac, steps=1)
+    assert set(cals) == set(KFAC_STEP_PARTS) and all(c.measured_s > 0 for c in cals.values())
+    assert wl.module.out.weight is wl.module.embed.weight  # the user's module is untouched: still tied
