@@ -73,7 +73,7 @@ def measure_collectives(
                 t = time_call(op, device, repeats=1, warmup=0)[0]
                 if i >= warmup:
                     samples.append(t)
-            times = torch.tensor(samples, dtype=torch.float64)
+            times = torch.tensor(samples, dtype=torch.float64, device=device)
             dist.all_reduce(times, op=dist.ReduceOp.MAX, group=process_group)
             points.append((int(max(4, nbytes // 4 * 4)), median(times.tolist())))
             on_point()
@@ -113,7 +113,7 @@ def measure_hosts(
             t = time_call(op, device, repeats=1, warmup=0)[0]
             if i >= warmup:
                 samples.append(t)
-        times = torch.tensor(samples, dtype=torch.float64)
+        times = torch.tensor(samples, dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # over every rank: the level is done when all its groups are
         return median(times.tolist())
 

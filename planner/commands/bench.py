@@ -25,6 +25,8 @@ from planner.platform.hosts import count_hosts
 from planner.types import Compressor, CompressorKind, PlanMismatchError, Strategy
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from planner.platform.link import LinkRate
     from planner.platform.slowdown import Slowdown
 
@@ -34,11 +36,13 @@ __all__ = [
     "BenchConfig",
     "BenchResult",
     "Variant",
+    "bench_backend",
     "bench_variants",
     "bench_worker",
     "local_prediction",
     "machine_drift",
     "per_layer_plan",
+    "refuse_gpu_plans",
     "run_bench",
 ]
 
@@ -112,23 +116,60 @@ def timed_step(
     opt: torch.optim.Optimizer,
     *after_backward: Any,
 ) -> float:
-    """Seconds of one training step from a barrier: forward, backward, `after_backward()` calls, update."""
+    """Seconds of one training step from a barrier: forward, backward, `after_backward()` calls, update. On a GPU
+    the clock is read once the device has finished the step (the barrier, too, waits for queued work)."""
     inputs, targets = batch
+    cuda = inputs.is_cuda
     dist.barrier()
+    if cuda:
+        torch.cuda.synchronize(inputs.device)
     t0 = time.perf_counter()
     opt.zero_grad(set_to_none=True)
     loss_fn(model(inputs), targets).backward()
     for finish in after_backward:
         finish()
     opt.step()
+    if cuda:
+        torch.cuda.synchronize(inputs.device)
     return time.perf_counter() - t0
 
 
-def slowest_rank(times: list[list[float]]) -> list[list[float]]:
-    """Each step's time as the slowest rank's (a collective: every rank calls it)."""
-    all_times = torch.tensor(times, dtype=torch.float64)
+def slowest_rank(times: list[list[float]], device: torch.device | None = None) -> list[list[float]]:
+    """Each step's time as the slowest rank's (a collective: every rank calls it; on `device`, a GPU for nccl)."""
+    all_times = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(all_times, op=dist.ReduceOp.MAX)
     return all_times.tolist()
+
+
+def refuse_gpu_plans(plans: Sequence[Plan], what: str,
+                     instead: str = "on GPUs, bench step times with --strategy gradients or kfac") -> None:
+    """`what` runs its workers on the CPU (gloo) only: a plan made on GPUs is refused in one line rather than
+    measured somewhere else than it was planned for."""
+    if any(p.cluster.backend != "gloo" for p in plans):
+        raise PlanMismatchError(f"{what} runs its workers on the CPU (gloo) only, and the plan was made on GPUs "
+                                f"(backend nccl): {instead}")
+
+
+def bench_backend(plans: tuple[Plan, ...]) -> str:
+    """The backend the bench runs on: the one the plans were profiled on. nccl puts each worker on its own GPU,
+    gloo on the CPU; a plan made on GPUs is not benched on CPUs (its predictions are for the GPUs)."""
+    from planner.platform.launch import check_gpus
+
+    backends = sorted({p.cluster.backend for p in plans})
+    if len(backends) > 1:
+        raise PlanMismatchError(f"the plans were made on different backends ({', '.join(backends)}): bench plans "
+                                f"solved from profiles of the same machine")
+    backend = backends[0]
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise PlanMismatchError("the plan was made on GPUs (backend nccl), and no GPU is visible here: bench it "
+                                    f"where it was profiled, or profile this machine and re-plan: "
+                                    f"{plans[0].replan_command()}")
+        check_gpus(backend, plans[0].cluster.world_size,
+                   fix="bench it where it was profiled, or profile with fewer workers and re-plan")
+    elif backend != "gloo":
+        raise PlanMismatchError(f"the plan was made on backend {backend!r}; the bench runs gloo or nccl")
+    return backend
 
 
 def per_layer_plan(plan: Plan, module: torch.nn.Module) -> Plan:
@@ -319,21 +360,27 @@ POWERSGD_HOOK_WARMUP = 2
 
 def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchResult] | None:
     """Run every variant on this rank; rank 0 returns the results."""
+    from planner.platform.launch import device_for
     from runtime.ddp_hooks import has_unused_parameters
 
     torch.manual_seed(0)
+    backend = dist.get_backend()
+    device = device_for(backend)
     base = build_workload(config.model, batch_size=config.batch_size)
     hosts = count_hosts()
     for given in config.plans:
-        given.check_compatible(model_info(base.module, config.model), world_size, hosts=hosts)
+        given.check_compatible(model_info(base.module, config.model), world_size, hosts=hosts, backend=backend)
     variants = bench_variants(config.plans, base.module, config.peers)
     gen = torch.Generator().manual_seed(1000 + rank)
-    batch = base.make_batch(base.batch_size, gen)
+    inputs, targets = base.make_batch(base.batch_size, gen)
+    batch = (inputs.to(device), targets.to(device))
+    base.module.to(device)
     # A model with parameters the loss does not use: DDP and the exchange must be told (as a user would).
     unused = has_unused_parameters(base.module, lambda m: base.loss_fn(m(batch[0]), batch[1]))
     runners = []
     for v in variants:
         wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank
+        wl.module.to(device)
         model = wl.module if v.local or v.plan is not None else ddp_with_hook(wl.module, v.hook, find_unused=unused,
                                                                                selector=v.selector)
         opt, exchange = sgd_as_advised(model, v.plan, lr=config.lr, momentum=BENCH_MOMENTUM, find_unused=unused)
@@ -362,7 +409,7 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     for _, _, exchange, _ in runners:
         if exchange is not None:
             exchange.close()
-    slowest = slowest_rank(times)
+    slowest = slowest_rank(times, device)
     if rank != 0:
         return None
     results = [
@@ -376,8 +423,9 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
 
 
 def run_bench(config: BenchConfig) -> list[BenchResult] | None:
-    """Bench every variant on `config.nproc` local gloo workers, or on torchrun's group (possibly across
-    hosts) when launched by torchrun; the results on rank 0, None on the other torchrun ranks."""
+    """Bench every variant on `config.nproc` local workers (on the backend the plans were profiled on: gloo on
+    the CPU, nccl on a GPU each), or on torchrun's group (possibly across hosts) when launched by torchrun; the
+    results on rank 0, None on the other torchrun ranks."""
     for plan in config.plans:
         if plan.cluster.world_size != config.nproc:
             raise PlanMismatchError(
@@ -386,5 +434,5 @@ def run_bench(config: BenchConfig) -> list[BenchResult] | None:
             )
     from planner.platform.launch import run_job
 
-    return run_job(bench_worker, config.nproc, config, backend="gloo", link=config.link, slowdown=config.slowdown,
-                   hosts=config.hosts)
+    return run_job(bench_worker, config.nproc, config, backend=bench_backend(config.plans), link=config.link,
+                   slowdown=config.slowdown, hosts=config.hosts)

@@ -52,9 +52,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from planner.commands.bench import LOCAL, BenchResult, local_prediction, slowest_rank, timed_step
+from planner.commands.bench import LOCAL, BenchResult, bench_backend, local_prediction, slowest_rank, timed_step
 from planner.console import err_console, progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.kfac import KFACSection
@@ -159,7 +160,7 @@ def peer_variants(world_size: int) -> list[tuple[str, str]]:
     return [("kfac-pytorch " + " = ".join(names), names[0]) for names in rows.values()]
 
 
-def _peer_runner(config: KFACBenchConfig, strategy: str) -> tuple:
+def _peer_runner(config: KFACBenchConfig, strategy: str, device: torch.device) -> tuple:
     """The real kfac-pytorch preconditioning a fresh copy of the model under DDP, with the plan's intervals,
     method and skip pattern: (workload, DDP model, its step, SGD)."""
     from kfac.enums import ComputeMethod, DistributedStrategy
@@ -174,7 +175,7 @@ def _peer_runner(config: KFACBenchConfig, strategy: str) -> tuple:
     for module in wl.module.modules():
         if isinstance(module, (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.Hardtanh, nn.SiLU, nn.Dropout)):
             module.inplace = False
-    model = DistributedDataParallel(wl.module)
+    model = DistributedDataParallel(wl.module.to(device))
     peer = PeerPreconditioner(
         model, factor_update_steps=k.factor_update_steps, inv_update_steps=k.inv_update_steps,
         damping=config.damping, lr=config.lr, grad_worker_fraction=DistributedStrategy[strategy],
@@ -190,19 +191,23 @@ def _peer_runner(config: KFACBenchConfig, strategy: str) -> tuple:
 
 def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> list[BenchResult] | None:
     """Run every variant on this rank; rank 0 returns the results."""
+    from planner.platform.launch import device_for
     from runtime import GradientExchange, KFACPreconditioner
     from runtime.calibrate import group_of_this_rank
 
     torch.manual_seed(0)
     plan = config.plan
+    backend = dist.get_backend()
+    device = device_for(backend)
     base = build_workload(config.model, batch_size=config.batch_size)
-    plan.check_compatible(model_info(base.module, config.model), world_size, hosts=count_hosts())
+    plan.check_compatible(model_info(base.module, config.model), world_size, hosts=count_hosts(), backend=backend)
     variants = kfac_variants(plan)
     runners, closers = [], []
     plan_runtime: KFACPreconditioner | None = None  # the plan's, whose factor hooks are timed
     alone = group_of_this_rank(None) if any(name == LOCAL_KFAC for name, _, _ in variants) else None
     for name, section, _pred in variants:
         wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank
+        wl.module.to(device)
         # After backward: the SGD variant waits for its gradient exchange; K-FAC's step() does that and more.
         runtime_part: GradientExchange | KFACPreconditioner
         if name == LOCAL:  # each rank on its own: the compute every prediction is built on
@@ -226,10 +231,11 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
         closers.append(runtime_part.close)
     peers = peer_variants(world_size) if config.peer and peer_available() else []
     for name, strategy in peers:
-        runners.append(_peer_runner(config, strategy))
+        runners.append(_peer_runner(config, strategy, device))
         variants.append((name, None, None))
     gen = torch.Generator().manual_seed(1000 + rank)
-    batch = base.make_batch(base.batch_size, gen)
+    inputs, targets = base.make_batch(base.batch_size, gen)
+    batch = (inputs.to(device), targets.to(device))
 
     plan_index = next(i for i, (name, _, _) in enumerate(variants) if name == "plan")
     hook_times: list[float] = []  # the plan's factor hooks on each measured factor-update step
@@ -261,8 +267,8 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
                     bar.advance(task)
     for close in closers:
         close()
-    slowest = slowest_rank(times)
-    slowest_hooks = slowest_rank([hook_times])[0] if hook_times else []
+    slowest = slowest_rank(times, device)
+    slowest_hooks = slowest_rank([hook_times], device)[0] if hook_times else []
     if rank != 0:
         return None
     reference = PEER_REFERENCE if peers else LAYOUT_ROWS[REFERENCE]
@@ -284,8 +290,8 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
 
 
 def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult] | None:
-    """Bench every K-FAC variant on `config.nproc` local gloo workers, or on torchrun's group when launched by
-    torchrun; the results on rank 0, None on the other torchrun ranks."""
+    """Bench every K-FAC variant on `config.nproc` local workers (on the backend the plan was profiled on), or on
+    torchrun's group when launched by torchrun; the results on rank 0, None on the other torchrun ranks."""
     plan = config.plan
     if plan.kfac is None:
         raise PlanMismatchError("the plan has no kfac section; make one with `planner solve PROFILE --strategy kfac`")
@@ -304,5 +310,5 @@ def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult] | None:
         err_console.print("kfac-pytorch is not importable here: the bench runs its layouts in this runtime only; "
                           "for rows of the real library, install it into a bench environment (make bench-env) and "
                           "run .venv-bench/bin/planner bench ...")
-    return run_job(kfac_bench_worker, config.nproc, config, backend="gloo", link=config.link,
+    return run_job(kfac_bench_worker, config.nproc, config, backend=bench_backend((plan,)), link=config.link,
                    slowdown=config.slowdown, hosts=config.hosts)

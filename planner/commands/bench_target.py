@@ -33,7 +33,15 @@ import torch
 import torch.distributed as dist
 from rich.table import Table
 
-from planner.commands.bench import DEFAULT_PEERS, LOCAL, Variant, bench_variants, ddp_with_hook, sgd_as_advised
+from planner.commands.bench import (
+    DEFAULT_PEERS,
+    LOCAL,
+    Variant,
+    bench_variants,
+    ddp_with_hook,
+    refuse_gpu_plans,
+    sgd_as_advised,
+)
 from planner.console import console, progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.plan import Plan
@@ -264,6 +272,7 @@ def run_target_bench(config: TargetBenchConfig) -> list[TargetRun] | None:
         if plan.kfac is not None or plan.abs is not None:
             raise PlannerError("--target-loss with gradient plans runs dense, top-k and mixed plans; K-FAC and "
                                "ABS-SGD plans have their own benches (--strategy kfac, --strategy abs)")
+    refuse_gpu_plans(config.plans, "--target-loss")
     build_task(config.model, config.task, batch_size=config.batch_size)  # a bad task is one line, before starting
     return run_job(target_bench_worker, config.nproc, config, backend="gloo", link=config.link,
                    slowdown=config.slowdown, hosts=config.hosts)

@@ -86,13 +86,18 @@ class ProfileConfig:
 TOPK_MEMORY_SHARE = 0.5
 
 
-def topk_budget(world_size: int) -> int | None:
+def topk_budget(world_size: int, device: torch.device) -> int | None:
     """Bytes one top-k point may take on every rank (the least over the ranks): `TOPK_MEMORY_SHARE` of the
-    memory available, shared by the workers of a host; None where it cannot be read. Every rank calls it."""
-    mine = available_bytes()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    memory available, shared by the workers of a host (on a GPU: of its free memory, its worker's alone); None
+    where it cannot be read. Every rank calls it."""
+    if device.type == "cuda":
+        mine: int | None = torch.cuda.mem_get_info(device)[0]
+        local = 1
+    else:
+        mine = available_bytes()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     budget = torch.tensor([-1 if mine is None else int(TOPK_MEMORY_SHARE * mine / max(1, local))],
-                          dtype=torch.int64)
+                          dtype=torch.int64, device=device)
     dist.all_reduce(budget, op=dist.ReduceOp.MIN)
     return None if budget.item() < 0 else int(budget.item())
 
@@ -157,7 +162,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             task = bar.add_task("top-k selection and decode", total=len(config.densities) * len(topk_sizes))
             topk = measure_topk(
                 topk_sizes, config.densities, world_size, device, repeats=5, warmup=1,
-                max_point_bytes=topk_budget(world_size), on_point=lambda: bar.advance(task),
+                max_point_bytes=topk_budget(world_size, device), on_point=lambda: bar.advance(task),
             )
             task = bar.add_task("packing", total=len(topk_sizes))
             pack = measure_packing(topk_sizes, world_size, device, repeats=5, warmup=1,

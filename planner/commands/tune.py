@@ -908,6 +908,7 @@ def run_tune(config: TuneConfig) -> TuneResult | None:
         PlanMismatchError: the profile was made for another world size or model, or the study for another job.
         SolverError, SchemaError: the starting plan cannot be made from the profile.
     """
+    from planner.commands.bench import refuse_gpu_plans
     from planner.contracts.fingerprint import model_info
     from planner.contracts.kfac import kfac_layers
     from planner.models import build_workload
@@ -926,6 +927,7 @@ def run_tune(config: TuneConfig) -> TuneResult | None:
             f"{config.hosts or 1}: tune on as many, --hosts {profile.cluster.host_count}, or profile again"
         )
     untuned = params_to_plan(profile, config, untuned_params(config))  # fails early, before any process starts
+    refuse_gpu_plans([untuned], "planner tune", instead="on GPUs, use the plan `planner solve` makes")
     module = build_workload(config.model_name, batch_size=config.batch_size).module
     # The plans' hierarchical groups need the hosts they were made for; --hosts emulates them.
     untuned.check_compatible(model_info(module, config.model_name), config.nproc,

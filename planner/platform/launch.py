@@ -38,6 +38,7 @@ from planner.types import DistributedError, PlannerError, RemoteTraceback
 __all__ = [
     "RemoteTraceback",
     "broadcast_json",
+    "check_gpus",
     "device_for",
     "free_port",
     "resolve_backend",
@@ -60,6 +61,27 @@ def resolve_backend(backend: str) -> str:
     if backend == "nccl" and not torch.cuda.is_available():
         raise PlannerError("backend nccl needs CUDA, and no GPU is visible: use --backend gloo")
     return backend
+
+
+def check_gpus(backend: str, workers: int, fix: str | None = None) -> None:
+    """Refuse to start more nccl workers than there are GPUs: NCCL fails on two ranks of one communicator
+    sharing a GPU, with a message that does not say so. `fix`: what the user can do (default: the flags)."""
+    if backend != "nccl":
+        return
+    gpus = torch.cuda.device_count()
+    if workers > gpus:
+        fix = fix or f"use --nproc {gpus} or fewer, or --backend gloo"
+        raise DistributedError(f"backend nccl needs a GPU per worker, and {workers} workers would share {gpus} "
+                               f"GPU{'s' if gpus != 1 else ''}: {fix}")
+
+
+def _gpu_of(backend: str, index: int) -> torch.device | None:
+    """The GPU a worker of `backend` binds its process group to (made current), or None off nccl. Bound, the
+    group knows its device from the start: no guessing it from the rank, no warning at every barrier."""
+    if backend != "nccl":
+        return None
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def device_for(backend: str) -> torch.device:
@@ -122,14 +144,14 @@ def _worker(
             if network.hosts is not None:
                 os.environ[HOSTS_ENV] = str(network.hosts)
             master_addr = network.master_addr
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        gpu = _gpu_of(backend, rank % max(1, torch.cuda.device_count()))
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{master_addr}:{port}",
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
+            device_id=gpu,
         )
         joined = True
         if throttle is not None:  # this thread only: the group's communication threads keep full speed
@@ -274,7 +296,7 @@ def run_job(
             what = "--link" if link is not None else "--hosts"
             raise LinkError(f"{what} emulates a network for the workers a command starts itself; under torchrun "
                             f"the network and hosts are the real ones: drop {what}")
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, device_id=_gpu_of(backend, int(os.environ.get("LOCAL_RANK", 0))))
         try:
             return fn(dist.get_rank(), dist.get_world_size(), *args)
         finally:
@@ -308,6 +330,8 @@ def _spawn_jobs(
     procs: list[list[Any]] = []
     readers: list[dict[int, Connection]] = []
     ports: set[int] = set()
+    for _fn, world_size, *_ in jobs:
+        check_gpus(backend, world_size)
     try:
         for index, (fn, world_size, args, networks, throttles) in enumerate(jobs):
             port = free_port()
