@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,30 @@ def test_plan_refuses_other_model_and_world_size() -> None:
     with pytest.raises(PlanMismatchError, match=r"made for cpu .* on a gpu"):
         plan.check_compatible(same, 2, device_kind="gpu")
     plan.check_compatible(same, 2, backend="gloo", device_kind="cpu")
+
+
+def test_a_plan_records_its_profiles_batch_and_the_step_bench_runs_it(tmp_path: Path) -> None:
+    from planner.commands.bench_cli import _batch_size
+
+    plan = synthetic_plan("mlp")
+    assert plan.batch_size == synthetic_profile("mlp").batch_size
+    doc = plan.to_dict()
+    assert doc["source"]["batch_size"] == plan.batch_size
+    del doc["source"]["batch_size"]  # a plan written before the batch was recorded
+    assert Plan.from_dict(doc).batch_size is None
+    doc["source"]["batch_size"] = 0
+    with pytest.raises(SchemaError, match=r"plan\.source\.batch_size"):
+        Plan.from_dict(doc)
+    older = replace(plan, batch_size=None)
+    assert _batch_size(None, (plan, older)) == plan.batch_size
+    assert _batch_size(None, (older,)) is None  # the model's default
+    assert _batch_size(3, (plan,)) == 3
+    other = replace(plan, batch_size=2 * (plan.batch_size or 1))
+    other_path, plan_path = tmp_path / "other.json", tmp_path / "plan.json"
+    other.save(other_path)
+    plan.save(plan_path)
+    proc = _cli("bench", "--plan", str(plan_path), "--plan", str(other_path))
+    _one_clear_line(proc, "the plans were profiled at different batch sizes")
 
 
 def _mutated(tmp_path: Path, doc: dict, name: str) -> Path:

@@ -133,7 +133,7 @@ class BenchCommand(Command):
         if to_target:
             return self._run_to_target(args, plans)
         config = BenchConfig(
-            plans=plans, model=args.model or plans[0].model.name, batch_size=args.batch_size,
+            plans=plans, model=args.model or plans[0].model.name, batch_size=_batch_size(args.batch_size, plans),
             nproc=args.nproc or plans[0].cluster.world_size, steps=args.steps, warmup=args.warmup,
             show_progress=not args.json, link=args.link, slowdown=args.slowdown, peers=_peers(args.peers),
             hosts=args.hosts,
@@ -268,7 +268,7 @@ class BenchCommand(Command):
             raise PlannerError(f"--strategy kfac takes --peers kfac-pytorch (the default: the real library where it "
                                f"is importable) or --peers none, not {args.peers!r}")
         config = KFACBenchConfig(
-            plan=plan, model=args.model or plan.model.name, batch_size=args.batch_size,
+            plan=plan, model=args.model or plan.model.name, batch_size=_batch_size(args.batch_size, plans),
             nproc=args.nproc or plan.cluster.world_size, steps=args.steps, show_progress=not args.json,
             link=args.link, slowdown=args.slowdown, peer=peers == "kfac-pytorch", hosts=args.hosts,
         )
@@ -296,6 +296,21 @@ def _peers(text: str | None) -> tuple:
         raise PlannerError(f"--peers lists PyTorch's DDP hooks: fp16 and powersgd:R (e.g. fp16,powersgd:4) or none, "
                            f"but got {text!r}; the top-k hook runs for every top-k density a plan uses")
     return peers
+
+
+def _batch_size(given: int | None, plans: tuple) -> int | None:
+    """The per-worker batch a step bench runs: `--batch-size`, else the one the plans were profiled at (what their
+    predictions are for; None: the model's default, for plans that do not record it)."""
+    recorded = sorted({p.batch_size for p in plans if p.batch_size is not None})
+    if given is not None:
+        if recorded and recorded != [given]:
+            err_console.print(f"note: --batch-size {given}, but the plans were profiled at batch "
+                              f"{', '.join(map(str, recorded))}: their predictions are for that batch")
+        return given
+    if len(recorded) > 1:
+        raise PlannerError(f"the plans were profiled at different batch sizes ({', '.join(map(str, recorded))}): "
+                           f"bench them apart, or choose one with --batch-size")
+    return recorded[0] if recorded else None
 
 
 def _note_link_mismatch(plans: tuple, link: object) -> None:

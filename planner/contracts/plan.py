@@ -15,7 +15,8 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
                                                      # (the accuracy budget); optional, absent: null
       "model":   {"name", "fingerprint", "num_params", "numel"},
       "cluster": {"world_size", "backend", "device", "host_count"},
-      "source":  {"profile": "profiles/resnet18.json", "profiled": "<date of the profile>"},
+      "source":  {"profile": "profiles/resnet18.json", "profiled": "<date of the profile>",
+                  "batch_size": 32},                 # the profile's per-worker batch; optional (older plans)
       "solver":  {"name": "dense-dp", "seconds": 0.004},
       "groups": [                                    # in the order gradients become ready
         {"layers": ["fc"], "params": ["fc.weight", "fc.bias"], "numel": 5130, "k": null}, ...
@@ -200,6 +201,9 @@ class Plan:
     selector: str | None = None
     #: Mixed plans: the compressors the solver could choose from (None: not recorded, or not mixed).
     compressors: tuple[Compressor, ...] | None = None
+    #: The per-worker batch of the profile the plan was solved from: what its predictions are for, and what
+    #: `planner bench` runs unless told otherwise (None: a plan written before it was recorded).
+    batch_size: int | None = None
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -327,7 +331,8 @@ class Plan:
             "selector": self.selector,
             "model": self.model.to_dict(),
             "cluster": self.cluster.to_dict(),
-            "source": {"profile": self.source_profile, "profiled": self.profiled},
+            "source": {"profile": self.source_profile, "profiled": self.profiled,
+                       **({} if self.batch_size is None else {"batch_size": self.batch_size})},
             "solver": {"name": self.solver, "seconds": self.solve_seconds},
             "groups": [g.to_dict() for g in self.groups],
             "predicted": {
@@ -370,7 +375,11 @@ class Plan:
         if selector is not None:
             selector = check_selector(selector, "plan.selector")
         source = expect(data["source"], dict, "plan.source")
-        check_fields(source, "plan.source", ["profile", "profiled"])
+        source = {"batch_size": None, **source}
+        check_fields(source, "plan.source", ["profile", "profiled", "batch_size"])
+        batch_size = source["batch_size"]
+        if batch_size is not None:
+            batch_size = expect_int(batch_size, "plan.source.batch_size", 1, MAX_NUMEL)
         solver = expect(data["solver"], dict, "plan.solver")
         check_fields(solver, "plan.solver", ["name", "seconds"])
         predicted = expect(data["predicted"], dict, "plan.predicted")
@@ -403,6 +412,7 @@ class Plan:
             kfac=None if data["kfac"] is None else KFACSection.from_dict(data["kfac"]),
             abs=None if data["abs"] is None else ABSSection.from_dict(data["abs"]),
             compressors=compressors,
+            batch_size=batch_size,
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -110,5 +110,6 @@ def _solve(
         solve_seconds=seconds,
         source_profile=source,
         profiled=profile.created,
+        batch_size=profile.batch_size,
         created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     )

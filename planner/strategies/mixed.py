@@ -150,6 +150,7 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
         solve_seconds=seconds,
         source_profile=source,
         profiled=profile.created,
+        batch_size=profile.batch_size,
         created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     )
 
