@@ -3,7 +3,10 @@ top-k sweep leaves out the points that would not fit."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +87,36 @@ def test_a_profile_that_cannot_fit_is_refused_before_it_starts(tmp_path: Path,
                                                         r"least .* but 0\.02 GiB is available: use fewer --nproc"):
         profile_cmd.check_memory("mlp", None, 2, world_size=2)
     assert profile_cmd.memory_floor(1000, 4) == 11_000
+
+
+
+
+def _returned_on_free() -> float:
+    """MiB of resident memory this process gives back when a 16 MiB tensor it filled is freed: what a step's
+    gradients cost to fault in again at the next step if their memory goes back to the system."""
+    torch.set_num_threads(1)
+    t = torch.ones(16 << 20, dtype=torch.uint8)
+    before = rss_bytes()
+    del t
+    after = rss_bytes()
+    assert before is not None and after is not None
+    return (before - after) / 2**20
+
+
+def _returned_in_worker(rank: int, world_size: int) -> float:
+    return _returned_on_free()
+
+
+@linux
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallopt"), reason="needs glibc's mallopt")
+def test_the_workers_keep_freed_memory_as_a_long_training_run_does() -> None:
+    """On glibc's starting thresholds a fresh process gives every block of 128 KiB or more back when it is
+    freed, so a step's gradients were faulted in again at every step (2,500 page faults per step of the MLP,
+    and its profile's steps 20-35% slower than the bench's, where the thresholds had grown). The workers
+    `planner` starts keep them, as a long run does."""
+    from planner.platform.launch import run_distributed
+
+    fresh = subprocess.run([sys.executable, "-c", "from tests.test_memory import _returned_on_free; "
+                            "print(_returned_on_free())"], capture_output=True, text=True, check=True)
+    assert float(fresh.stdout) > 12, fresh.stdout
+    assert run_distributed(_returned_in_worker, 1)[0] < 4

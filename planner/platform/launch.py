@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from planner.platform.link import HOSTS_ENV, LINK_ENV, EmulatedLink, LinkError, LinkRate, enter_namespace
+from planner.platform.memory import steady_allocator
 from planner.platform.slowdown import Slowdown, SlowdownError, ThrottledWorkers, WorkerThrottle, enter_cgroup
 from planner.types import DistributedError, PlannerError, RemoteTraceback
 
@@ -132,6 +133,7 @@ def _worker(
     fail on the vanished group; the parent reports the earliest failure.
     """
     torch.set_num_threads(1)
+    steady_allocator()
     joined = False
     message: tuple[Any, ...]
     master_addr = "127.0.0.1"
@@ -296,6 +298,7 @@ def run_job(
             what = "--link" if link is not None else "--hosts"
             raise LinkError(f"{what} emulates a network for the workers a command starts itself; under torchrun "
                             f"the network and hosts are the real ones: drop {what}")
+        steady_allocator()
         dist.init_process_group(backend, device_id=_gpu_of(backend, int(os.environ.get("LOCAL_RANK", 0))))
         try:
             return fn(dist.get_rank(), dist.get_world_size(), *args)
