@@ -9,13 +9,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.contracts.profile import FittedCurve, HostTiming
-from planner.kernels.hierarchical import HostGroups, hierarchical_all_reduce
-from planner.kernels.topk import all_gather_flat
+from planner.contracts.profile import FittedCurve, HostTiming, HostTopk
+from planner.costmodel.problem import topk_count
+from planner.kernels.hierarchical import HostGroups, hierarchical_all_reduce, hierarchical_topk_sum
+from planner.kernels.topk import all_gather_flat, pack
+from planner.models import Workload
 from planner.platform.timing import median, time_call
 from planner.types import Collective
 
-__all__ = ["host_points", "log_sizes", "measure_collectives", "measure_hosts"]
+__all__ = ["host_points", "host_union_ratio", "log_sizes", "measure_collectives", "measure_host_topk", "measure_hosts",
+           "measure_union_ratios", "overlapping_picks"]
 
 
 def log_sizes(smallest: int, largest: int, factor: int = 4) -> list[int]:
@@ -81,6 +84,21 @@ def measure_collectives(
     return out
 
 
+def _slowest_median(op: Callable[[], object], nbytes: int, device: torch.device, *, repeats: int,
+                    warmup: int) -> float:
+    """The median over runs of `op` of the slowest rank's seconds (every rank of the default group calls it,
+    each run started together after a barrier); fewer runs from 16 MiB up."""
+    samples = []
+    for i in range(warmup + (repeats if nbytes < (16 << 20) else max(3, repeats // 2))):
+        dist.barrier()
+        t = time_call(op, device, repeats=1, warmup=0)[0]
+        if i >= warmup:
+            samples.append(t)
+    times = torch.tensor(samples, dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # over every rank: the level is done when all its groups are
+    return median(times.tolist())
+
+
 def host_points(sizes: Sequence[int], layout: Sequence[Sequence[int]]) -> int:
     """How many points `measure_hosts` measures (for a progress bar)."""
     return len(sizes) * (3 if len(layout[0]) > 1 else 2)
@@ -107,15 +125,7 @@ def measure_hosts(
     per_host = groups.local_size
 
     def timed(op: Callable[[], object], nbytes: int) -> float:
-        samples = []
-        for i in range(warmup + (repeats if nbytes < (16 << 20) else max(3, repeats // 2))):
-            dist.barrier()
-            t = time_call(op, device, repeats=1, warmup=0)[0]
-            if i >= warmup:
-                samples.append(t)
-        times = torch.tensor(samples, dtype=torch.float64, device=device)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # over every rank: the level is done when all its groups are
-        return median(times.tolist())
+        return _slowest_median(op, nbytes, device, repeats=repeats, warmup=warmup)
 
     curves: dict[str, list[tuple[int, float]]] = {"intra": [], "inter": [], "hierarchical": []}
     for nbytes in sizes:
@@ -133,3 +143,82 @@ def measure_hosts(
     return HostTiming(ranks=groups.hosts, inter=FittedCurve.fit(curves["inter"]),
                       hierarchical=FittedCurve.fit(curves["hierarchical"]),
                       intra=FittedCurve.fit(curves["intra"]) if curves["intra"] else None)
+
+
+def host_union_ratio(grad: torch.Tensor, density: float, groups: HostGroups) -> float:
+    """How much the top-k picks of one host's ranks overlap: the host's union of picks over k, for this
+    rank's flat gradient `grad` at `density`, averaged over every host (1: the ranks of a host pick the same
+    entries; the ranks per host: disjoint picks). Every rank of the default group calls it."""
+    k = topk_count(grad.numel(), density)
+    picks = torch.topk(grad.detach().abs().reshape(-1), k, sorted=False).indices.to(torch.int32)
+    if groups.local is not None:
+        host = picks.new_empty(groups.local_size * k)
+        all_gather_flat(host, picks, group=groups.local)
+    else:
+        host = picks
+    ratio = torch.tensor([torch.unique(host).numel() / k], dtype=torch.float64, device=grad.device)
+    dist.all_reduce(ratio)  # every rank of a host holds its host's ratio: the mean over ranks is over hosts
+    return float(ratio.item()) / dist.get_world_size()
+
+
+def measure_union_ratios(workload: Workload, groups: HostGroups, densities: Sequence[float], device: torch.device,
+                         *, steps: int = 3) -> dict[float, float]:
+    """`host_union_ratio` at each density on the model's real gradients, averaged over `steps` backward passes;
+    each rank draws its own batches, as data-parallel workers do. Every rank of the default group calls it."""
+    model = workload.module.to(device)
+    rank = dist.get_rank()
+    sums = dict.fromkeys(densities, 0.0)
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        inputs, targets = (t.to(device) for t in workload.batch(seed=7919 * (step + 1) + rank))
+        workload.loss(inputs, targets).backward()
+        grad = torch.cat([p.grad.reshape(-1).float() for p in model.parameters() if p.grad is not None])
+        for d in densities:
+            sums[d] += host_union_ratio(grad, d, groups)
+    model.zero_grad(set_to_none=True)
+    return {d: min(float(groups.local_size), total / steps) for d, total in sums.items()}
+
+
+def overlapping_picks(numel: int, k: int, ratio: float, groups: HostGroups, generator: torch.Generator) -> torch.Tensor:
+    """This rank's k int32 picks out of `numel` such that its host's union is about `ratio` k: a share the ranks
+    of a host have in common, the rest each rank's own (`generator` seeded alike on every rank)."""
+    size = groups.local_size
+    union = min(numel, max(k, round(ratio * k)))
+    shared = k if size == 1 else min(k, max(0, -(-(size * k - union) // (size - 1))))
+    order = torch.randperm(numel, generator=generator)
+    own = k - shared
+    start = shared + groups.local_rank * own
+    return torch.cat((order[:shared], order[start:start + own])).to(torch.int32)
+
+
+def measure_host_topk(
+    groups: HostGroups,
+    sizes: Sequence[int],
+    ratios: dict[float, float],
+    device: torch.device,
+    *,
+    repeats: int,
+    warmup: int,
+    on_point: Callable[[], object] = lambda: None,
+) -> tuple[HostTopk, ...]:
+    """The hierarchical top-k exchange (`hierarchical_topk_sum`) at each density of `ratios` (density -> the
+    host's union over k measured on real gradients, `host_union_ratio`), at gradients of `sizes` elements, with
+    picks overlapping as much (`overlapping_picks`); each the slowest rank's median against the bytes of one
+    rank's message (k values, k indices). Every rank of the default group calls it."""
+    world = dist.get_world_size()
+    out = []
+    for density, ratio in ratios.items():
+        points: dict[int, float] = {}
+        for numel in sizes:
+            k = topk_count(numel, density)
+            picks = overlapping_picks(numel, k, ratio, groups, torch.Generator().manual_seed(numel))
+            send = pack(torch.randn(k, device=device), picks.to(device))
+            dense = torch.empty(numel, device=device)
+            nbytes = 2 * 4 * k
+            exchange = functools.partial(hierarchical_topk_sum, send, k, dense, groups, world)
+            t = _slowest_median(exchange, nbytes, device, repeats=repeats, warmup=warmup)
+            points.setdefault(nbytes, t)
+            on_point()
+        if len(points) >= 2:
+            out.append(HostTopk(density=density, union_ratio=ratio, exchange=FittedCurve.fit(sorted(points.items()))))
+    return tuple(out)

@@ -22,6 +22,7 @@ from planner.contracts.plan import Group, Plan
 from planner.costmodel.problem import topk_count
 from planner.models import build_workload
 from planner.platform.hosts import count_hosts
+from planner.strategies.gradients import ALL_HIERARCHICAL
 from planner.types import Compressor, CompressorKind, PlanMismatchError, Strategy
 
 if TYPE_CHECKING:
@@ -279,10 +280,10 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
             pl = per_layer_plan(plan, module)
             out.append(Variant(f"per-layer {plan_tag(pl)}", pl, pl.predicted.iteration_s))
         out.append(Variant(f"plan {tag}", plan, plan.predicted.iteration_s))
-        if plan.strategy is Strategy.TOPK and plan.cluster.host_count > 1 and not any(g.hierarchical
-                                                                                    for g in plan.groups):
-            # The same groups merged inside each host and sent across once per host; not in the solver's model
-            # (how much a host's ranks' picks overlap is the data's), so measured only.
+        if (plan.strategy is Strategy.TOPK and plan.cluster.host_count > 1 and ALL_HIERARCHICAL not in plan.baselines
+                and not any(g.hierarchical for g in plan.groups)):
+            # The same groups merged inside each host and sent across once per host. A profile that measured the
+            # hierarchical top-k exchange lets the solver choose the way per group; without it, measured only.
             twin = replace(plan, groups=tuple(replace(g, hierarchical=True) for g in plan.groups))
             out.append(Variant(f"plan {plan_tag(twin)} (not modelled)", twin, None))
         if plan.strategy is Strategy.TOPK:

@@ -371,8 +371,8 @@ def print_mixed_groups(plan: object, profile: object) -> None:
         layers = ", ".join(r.layers) if len(r.layers) <= 3 else f"{r.layers[0]} ... {r.layers[-1]} ({len(r.layers)})"
         if r.alternatives:
             name, t = min(r.alternatives.items(), key=lambda kv: kv[1])
-            table.add_row(str(r.index), layers, f"{r.numel:,}", str(r.compressor), name, _ms(t),
+            table.add_row(str(r.index), layers, f"{r.numel:,}", r.label, name, _ms(t),
                           f"{(t - base) * 1e3:+.2f}")
         else:
-            table.add_row(str(r.index), layers, f"{r.numel:,}", str(r.compressor), "-", "", "")
+            table.add_row(str(r.index), layers, f"{r.numel:,}", r.label, "-", "", "")
     console.print(table)

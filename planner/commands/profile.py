@@ -15,6 +15,7 @@ from planner.commands.printing import gib
 from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.profile import InSitu, Profile, WorkerThroughput
+from planner.kernels.hierarchical import HostGroups
 from planner.models import build_workload
 from planner.platform.hosts import host_names, ranks_by_host
 from planner.platform.launch import device_for, resolve_backend
@@ -22,7 +23,14 @@ from planner.platform.link import LinkRate
 from planner.platform.memory import PhaseMemory, available_bytes
 from planner.platform.slowdown import Slowdown
 from planner.types import Collective, DistributedError, PlannerError
-from profilers.comm import host_points, log_sizes, measure_collectives, measure_hosts
+from profilers.comm import (
+    host_points,
+    log_sizes,
+    measure_collectives,
+    measure_host_topk,
+    measure_hosts,
+    measure_union_ratios,
+)
 from profilers.compress import DEFAULT_POWERSGD_RANKS, compress_points, measure_compress
 from profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_interference
 from profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
@@ -164,6 +172,16 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                 topk_sizes, config.densities, world_size, device, repeats=5, warmup=1,
                 max_point_bytes=topk_budget(world_size, device), on_point=lambda: bar.advance(task),
             )
+            if host_timing is not None:  # the top-k exchange merged inside each host, at the picks' real overlap
+                memory.begin("hierarchical top-k")
+                groups = HostGroups.build(layout)
+                ratios = measure_union_ratios(workload, groups, config.densities, device)
+                budget = topk_budget(world_size, device)
+                fitting = [n for n in topk_sizes if budget is None or 4 * (n + 4 * (world_size + 2) * n) <= budget
+                           or n == topk_sizes[0]]
+                task = bar.add_task("top-k merged inside hosts", total=len(ratios) * len(fitting))
+                host_timing = replace(host_timing, topk=measure_host_topk(
+                    groups, fitting, ratios, device, repeats=5, warmup=1, on_point=lambda: bar.advance(task)))
             task = bar.add_task("packing", total=len(topk_sizes))
             pack = measure_packing(topk_sizes, world_size, device, repeats=5, warmup=1,
                                    on_point=lambda: bar.advance(task))

@@ -42,7 +42,7 @@ from planner.costmodel.simulator import simulate, timeline
 from planner.solvers.layout import layout_timelines
 from planner.solvers.placement import InversionTimeline, PlacementProblem, inversion_timeline
 from planner.strategies.kfac import factor_step_timeline, kfac_problem, section_layout
-from planner.strategies.problems import gradient_problem, mixed_problem
+from planner.strategies.problems import gradient_problem
 from planner.types import PlanMismatchError, SchemaError, Strategy
 
 __all__ = [
@@ -189,7 +189,7 @@ def gantt_lanes(plan: Plan, profile: Profile) -> GanttData:
         PlanMismatchError: the plan's layers (or K-FAC layers, or owner ranks) do not match the profile.
     """
     grouping = plan_grouping(plan, profile)
-    if plan.strategy is Strategy.MIXED:
+    if plan.strategy is Strategy.MIXED or (plan.strategy is Strategy.TOPK and any(g.hierarchical for g in plan.groups)):
         return _mixed_lanes(plan, profile, grouping)
     if plan.kfac is None:
         return _gradient_lanes(plan, profile, grouping)
@@ -200,10 +200,9 @@ def _mixed_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
     """The bars of a mixed plan: each group's backward and compression, PowerSGD's middle rounds, its
     collectives (two for PowerSGD) and its decoding (`planner.costmodel.mixed.timeline_mixed`)."""
     from planner.costmodel.mixed import simulate_mixed, timeline_mixed
+    from planner.strategies.mixed import plan_choice
 
-    assert plan.compressors is not None
-    problem = mixed_problem(profile, plan.compressors, selector=plan.selector or "exact")
-    choice = [problem.index_of(plan.compressor_of(g)) for g in plan.groups]
+    problem, choice = plan_choice(plan, profile)
     events = timeline_mixed(problem, grouping, choice)
     f = problem.forward_s
     bars = [Bar(lane="compute", start_s=0.0, end_s=f, kind="forward", label="forward")]
@@ -230,8 +229,9 @@ def _mixed_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
     step = clock + problem.update_s
     predicted = simulate_mixed(problem, grouping, choice)
     assert math.isclose(step, predicted.iteration_s, rel_tol=1e-9, abs_tol=1e-12), (step, predicted)
-    sent = ", ".join(dict.fromkeys(str(e.compressor) for e in events))
-    title = (f"{plan.model.name}: mixed plan ({sent}), predicted iteration {_ms(step)} ms, {len(events)} groups, "
+    sent = ", ".join(dict.fromkeys(problem.compressors[c].label for c in choice))
+    kind = "mixed" if plan.strategy is Strategy.MIXED else plan.strategy.value
+    title = (f"{plan.model.name}: {kind} plan ({sent}), predicted iteration {_ms(step)} ms, {len(events)} groups, "
              f"exposed communication {_ms(max(0.0, clock - compute_end))} ms\n{profile.cluster.describe()}")
     return GanttData(title=title, bars=tuple(bars + channel), step_s=step, step_name="iteration",
                      compute_end_s=compute_end, comm_end_s=clock)

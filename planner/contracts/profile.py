@@ -58,9 +58,11 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
       },
       "hosts": {"ranks": [[0, 1], [2, 3]],                        # null or absent: one host (or hosts of
                 "intra": {...}, "inter": {...},                   # unequal size); the allreduce inside each
-                "hierarchical": {...}},                           # host, across them (one shard) and both
+                "hierarchical": {...},                            # host, across them (one shard) and both
                                                                   # (planner.kernels.hierarchical), against
                                                                   # the whole message's bytes per rank
+                "topk": [{"density", "union_ratio",               # optional: hierarchical top-k at each
+                          "exchange": {...}}, ...]},              # density, against one rank's message bytes
       "peak_memory": {"layers": 812345344, "top-k": ..., ...},    # null or absent: not measured; bytes
                                                                   # resident at the peak of each phase
                                                                   # (the busiest worker's)
@@ -163,6 +165,7 @@ __all__ = [
     "DimCurve",
     "FittedCurve",
     "HostTiming",
+    "HostTopk",
     "InSitu",
     "KFACLayerTiming",
     "KFACTiming",
@@ -814,15 +817,50 @@ class InSitu:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostTopk:
+    """The hierarchical top-k exchange at one density (`planner.kernels.hierarchical.hierarchical_topk_sum`):
+    how much the picks of one host's ranks overlap on the model's real gradients, and the exchange timed end
+    to end with picks that overlap as much.
+
+    `union_ratio` is the host's union of picks over k (1: every rank of a host picks the same entries; the
+    ranks per host: disjoint picks), the mean over the hosts and a few real steps. `exchange` is the whole
+    exchange, merging, crossing and decoding included, against the bytes of one rank's message (k values and
+    k indices)."""
+
+    density: float
+    union_ratio: float
+    exchange: FittedCurve
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"density": self.density, "union_ratio": self.union_ratio, "exchange": self.exchange.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> HostTopk:
+        expect(data, dict, where)
+        check_fields(data, where, ["density", "union_ratio", "exchange"])
+        density = float(expect(data["density"], (int, float), f"{where}.density"))
+        ratio = float(expect(data["union_ratio"], (int, float), f"{where}.union_ratio"))
+        if not 0 < density <= 1:
+            raise InvalidProfileError(f"{where}.density must be in (0, 1], got {data['density']!r}")
+        if not (math.isfinite(ratio) and ratio >= 1):
+            raise InvalidProfileError(f"{where}.union_ratio must be >= 1 (a host's union over k), got "
+                                      f"{data['union_ratio']!r}")
+        return cls(density=density, union_ratio=ratio, exchange=FittedCurve.from_dict(data["exchange"],
+                                                                                       f"{where}.exchange"))
+
+
+@dataclass(frozen=True, kw_only=True)
 class HostTiming:
     """The hosts the workers ran on and the allreduce at each level: inside a host (`intra`, None with one worker
     per host), across hosts among one rank per host (`inter`), and hierarchical (`hierarchical`: inside, across,
-    inside again, `planner.kernels.hierarchical`), each against the bytes per rank of the whole message."""
+    inside again, `planner.kernels.hierarchical`), each against the bytes per rank of the whole message; and the
+    hierarchical top-k exchange at each measured density (`topk`, empty where not measured)."""
 
     ranks: tuple[tuple[int, ...], ...]
     inter: FittedCurve
     hierarchical: FittedCurve
     intra: FittedCurve | None = None
+    topk: tuple[HostTopk, ...] = ()
 
     def __post_init__(self) -> None:
         sizes = {len(h) for h in self.ranks}
@@ -833,28 +871,46 @@ class HostTiming:
         if flat != list(range(len(flat))):
             raise InvalidProfileError(f"profile.hosts.ranks must list every rank once, got "
                                       f"{[list(h) for h in self.ranks]}")
+        densities = [t.density for t in self.topk]
+        if len(set(densities)) != len(densities):
+            raise InvalidProfileError(f"profile.hosts.topk lists a density twice: {densities}")
+        if any(t.union_ratio > self.per_host * (1 + 1e-9) for t in self.topk):
+            raise InvalidProfileError(f"profile.hosts.topk: a host's union of picks is at most {self.per_host} k "
+                                      f"(its ranks' picks), got ratios {[t.union_ratio for t in self.topk]}")
 
     @property
     def per_host(self) -> int:
         return len(self.ranks[0])
 
+    def topk_at(self, density: float) -> HostTopk | None:
+        """The hierarchical top-k exchange measured at `density` (None: not measured there)."""
+        return next((t for t in self.topk if math.isclose(t.density, density, rel_tol=1e-9)), None)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"ranks": [list(h) for h in self.ranks], "intra": None if self.intra is None else self.intra.to_dict(),
-                "inter": self.inter.to_dict(), "hierarchical": self.hierarchical.to_dict()}
+        out: dict[str, Any] = {"ranks": [list(h) for h in self.ranks],
+                               "intra": None if self.intra is None else self.intra.to_dict(),
+                               "inter": self.inter.to_dict(), "hierarchical": self.hierarchical.to_dict()}
+        if self.topk:  # profiles without it stay as they were
+            out["topk"] = [t.to_dict() for t in self.topk]
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "profile.hosts") -> HostTiming:
         expect(data, dict, where)
-        check_fields(data, where, ["ranks", "inter", "hierarchical"], optional=["intra"])
+        check_fields(data, where, ["ranks", "inter", "hierarchical"], optional=["intra", "topk"])
         ranks = tuple(
             tuple(expect_int(r, f"{where}.ranks[{i}][]", 0, MAX_WORLD_SIZE - 1, InvalidProfileError)
                   for r in expect(host, list, f"{where}.ranks[{i}]"))
             for i, host in enumerate(expect(data["ranks"], list, f"{where}.ranks")[:MAX_WORLD_SIZE + 1])
         )
         intra = data.get("intra")
+        topk = tuple(HostTopk.from_dict(t, f"{where}.topk[{i}]")
+                     for i, t in enumerate(expect(data.get("topk", []), list, f"{where}.topk")[:64]))
+        if len(data.get("topk", [])) > 64:
+            raise InvalidProfileError(f"{where}.topk lists {len(data['topk'])} densities; at most 64 are read")
         return cls(ranks=ranks, inter=FittedCurve.from_dict(data["inter"], f"{where}.inter"),
                    hierarchical=FittedCurve.from_dict(data["hierarchical"], f"{where}.hierarchical"),
-                   intra=None if intra is None else FittedCurve.from_dict(intra, f"{where}.intra"))
+                   intra=None if intra is None else FittedCurve.from_dict(intra, f"{where}.intra"), topk=topk)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -71,6 +71,8 @@ class CompressorCosts:
         layer_send, layer_second: PowerSGD: elements each layer adds to the first allreduce (tensors sent
             whole, and its Ps) and to the second (its Qs).
         layer_matrices: PowerSGD: matrices each layer has compressed (a group with none has no second round).
+        hierarchical: the group crosses hosts hierarchically (`planner.kernels.hierarchical`); `comm` is then
+            that exchange's cost (for top-k, merging and decoding included, so `decode` is None).
     """
 
     compressor: Compressor
@@ -85,6 +87,12 @@ class CompressorCosts:
     layer_send: tuple[int, ...] = ()
     layer_second: tuple[int, ...] = ()
     layer_matrices: tuple[int, ...] = ()
+    hierarchical: bool = False
+
+    @property
+    def label(self) -> str:
+        """The compressor's name, and how it crosses hosts where that is hierarchical ("fp16 hierarchical")."""
+        return f"{self.compressor} hierarchical" if self.hierarchical else str(self.compressor)
 
     def __post_init__(self) -> None:
         per_layer = (self.layer_prepare, self.layer_middle, self.layer_decode, self.layer_send, self.layer_second,
@@ -173,9 +181,9 @@ class MixedProblem:
                               f"{len(self.numel)})")
         if not self.compressors:
             raise SolverError("a mixed problem needs at least one compressor")
-        named = [str(c.compressor) for c in self.compressors]
+        named = [c.label for c in self.compressors]
         if len(set(named)) != len(named):
-            raise SolverError(f"each compressor may be given once, but got {named}")
+            raise SolverError(f"each compressor may be given once (once flat, once hierarchical), but got {named}")
         for c in self.compressors:
             if c.layer_prepare and len(c.layer_prepare) != len(self.numel):
                 raise SolverError(f"{c.compressor} has per-layer costs for {len(c.layer_prepare)} layers, the problem "
@@ -220,13 +228,19 @@ class MixedProblem:
                    numel=problem.numel, world_size=problem.world_size, element_bytes=problem.element_bytes,
                    interference=problem.interference, names=problem.names, compressors=(costs_of(problem), *more))
 
-    def index_of(self, compressor: Compressor) -> int:
-        """The index of `compressor` in `compressors` (SolverError if the problem has not got it)."""
+    def index_of(self, compressor: Compressor, hierarchical: bool = False) -> int:
+        """The index of `compressor` sent flat (or `hierarchical`) in `compressors` (SolverError if the problem
+        has not got it)."""
         for i, c in enumerate(self.compressors):
-            if c.compressor == compressor:
+            if c.compressor == compressor and c.hierarchical == hierarchical:
                 return i
-        have = ", ".join(str(c.compressor) for c in self.compressors)
-        raise SolverError(f"the problem has no {compressor}; it has {have}")
+        have = ", ".join(c.label for c in self.compressors)
+        way = " hierarchical" if hierarchical else ""
+        raise SolverError(f"the problem has no {compressor}{way}; it has {have}")
+
+    def indices_of(self, compressor: Compressor) -> tuple[int, ...]:
+        """The indices of `compressor`, flat and hierarchical where the problem has both."""
+        return tuple(i for i, c in enumerate(self.compressors) if c.compressor == compressor)
 
     def costs(self, which: int, starts: np.ndarray, ends: np.ndarray) -> GroupCosts:
         """The costs of the groups of layers starts[i]..ends[i] - 1 sent by compressor `which`."""

@@ -19,6 +19,8 @@ __all__ = ["ALL_FLAT", "ALL_HIERARCHICAL", "make_plan"]
 #: Baseline rows of a plan for several hosts: the exact grouping with every group flat, and hierarchical.
 ALL_FLAT = "plan, all flat"
 ALL_HIERARCHICAL = "plan, all hierarchical"
+#: Seconds the exact search over groupings and ways across hosts of a top-k plan may take (`MixedParetoDP`).
+ROUTES_TIME_LIMIT_S = 10.0
 
 
 def make_plan(
@@ -50,13 +52,11 @@ def make_plan(
             raise SchemaError(f"a selector applies to top-k plans only, but got selector={selector!r} for "
                               f"strategy {strategy.value}")
         return _solve(profile, strategy, density, source=source, solver=solver, selector=None, route=route)
-    if route != "best":
-        raise SchemaError(f"--route applies to dense plans; top-k groups are allgathered flat, got route={route!r}")
     if selector is not None:
         check_selector(selector, "selector")
-        return _solve(profile, strategy, density, source=source, solver=solver, selector=selector)
+        return _solve(profile, strategy, density, source=source, solver=solver, selector=selector, route=route)
     measured = profile.topk.selectors() if profile.topk is not None else []
-    plans = [_solve(profile, strategy, density, source=source, solver=solver, selector=s)
+    plans = [_solve(profile, strategy, density, source=source, solver=solver, selector=s, route=route)
              for s in measured or ["exact"]]  # nothing measured: "exact" raises the profile's own error
     best = min(plans, key=lambda p: p.predicted.iteration_s)  # first (exact) on a tie
     return replace(best, solve_seconds=sum(p.solve_seconds for p in plans))
@@ -78,6 +78,17 @@ def _solve(
     if route != "best" and profile.hosts is None:
         raise InvalidProfileError(f"route {route!r} needs a profile of several hosts (`planner profile --hosts H`, or "
                                   "under torchrun across hosts); this one measured one host")
+    if strategy is Strategy.TOPK and profile.hosts is not None and route != "flat":
+        assert density is not None
+        if profile.hosts.topk_at(density) is not None:
+            return _solve_topk_routes(profile, density, source=source, solver=solver, selector=selector or "exact",
+                                      route=route)
+        if route == "hierarchical":
+            measured = ", ".join(f"{t.density:g}" for t in profile.hosts.topk) or "none"
+            raise InvalidProfileError(
+                f"route 'hierarchical' for top-k needs the hierarchical top-k exchange measured at density "
+                f"{density:g} (this profile measured it at: {measured}); profile again with --hosts and "
+                f"--densities including {density:g}")
     problem = gradient_problem(profile, strategy, density, selector=selector or "exact", route=route)
     flat = gradient_problem(profile, strategy, density, selector=selector or "exact", route="flat")
     # DDP's row: DDP's buckets, moved by DDP at its own measured cost.
@@ -107,6 +118,61 @@ def _solve(
         baselines=baselines,
         lower_bound_s=min(lower_bound(problem), lower_bound(ddp_problem)),  # a bound for DDP's row too
         solver=solver.name if solver is not None else f"{strategy.value}-exact",
+        solve_seconds=seconds,
+        source_profile=source,
+        profiled=profile.created,
+        batch_size=profile.batch_size,
+        created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    )
+
+
+def _solve_topk_routes(profile: Profile, density: float, *, source: str, solver: GroupingSolver | None,
+                       selector: str, route: str) -> Plan:
+    """A top-k plan on a profile that measured the hierarchical top-k exchange at `density`: each group flat
+    or hierarchical ("best": whichever the exact search over groupings and ways finds fastest, `MixedParetoDP`
+    on the two ways of one compressor), or every group "hierarchical". With `solver` (a baseline rule) its
+    grouping is kept and every group goes flat, or hierarchical with route "hierarchical". The baselines run
+    flat, as the systems they stand for do, beside the exact plan all flat and all hierarchical."""
+    from planner.costmodel.mixed import simulate_mixed
+    from planner.solvers.mixed import MixedParetoDP, mixed_lower_bound
+    from planner.strategies.mixed import route_baselines
+    from planner.strategies.problems import mixed_problem
+    from planner.types import Compressor, CompressorKind
+
+    compressor = Compressor(CompressorKind.TOPK, density=density)
+    mixed = mixed_problem(profile, [compressor], selector=selector)
+    flat_way, routed_way = mixed.index_of(compressor), mixed.index_of(compressor, hierarchical=True)
+    flat = gradient_problem(profile, Strategy.TOPK, density, selector=selector, route="flat")
+    ddp_problem = gradient_problem(profile, Strategy.TOPK, density, selector=selector, runtime="ddp")
+    t0 = time.perf_counter()
+    if solver is not None:
+        grouping = solver.solve(flat)
+        choice = tuple(routed_way if route == "hierarchical" else flat_way for _ in grouping)
+        name = solver.name
+    else:
+        allowed = (routed_way,) if route == "hierarchical" else (flat_way, routed_way)
+        found = MixedParetoDP(allowed=allowed, time_limit_s=ROUTES_TIME_LIMIT_S).solve(mixed)
+        grouping, choice = found.grouping, found.choice
+        name = (f"{Strategy.TOPK.value}-exact" if found.proven
+                else f"{Strategy.TOPK.value}-routes (time limit; within {found.gap:.1%})")
+    seconds = time.perf_counter() - t0
+    layers = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in profile.layers]
+    groups = tuple(replace(g, hierarchical=c == routed_way)
+                   for g, c in zip(groups_for(layers, grouping, Strategy.TOPK, density), choice, strict=True))
+    baselines = {b.name: simulate(ddp_problem if b.name == DDP_BASELINE else flat, b.solve(flat))
+                 for b in BASELINES[Strategy.TOPK]}
+    baselines.update(route_baselines(mixed, ROUTES_TIME_LIMIT_S))
+    return Plan(
+        strategy=Strategy.TOPK,
+        density=density,
+        selector=selector,
+        model=profile.model,
+        cluster=profile.cluster,
+        groups=groups,
+        predicted=simulate_mixed(mixed, grouping, choice),
+        baselines=baselines,
+        lower_bound_s=min(mixed_lower_bound(mixed), lower_bound(ddp_problem)),
+        solver=name,
         solve_seconds=seconds,
         source_profile=source,
         profiled=profile.created,

@@ -31,7 +31,7 @@ from planner.strategies.problems import mixed_problem
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, SchemaError, Strategy
 
 __all__ = ["PRESETS", "AutoChoice", "GroupReason", "ddp_hook_name", "ddp_predictions", "explain", "make_mixed_plan",
-           "mixed_groups", "parse_compressors", "solve_auto"]
+           "mixed_groups", "parse_compressors", "plan_choice", "route_baselines", "solve_auto"]
 
 #: Named sets of compressors (`--compressors PRESET`), from the most accurate to the most compressed.
 PRESETS: dict[str, tuple[str, ...]] = {
@@ -82,8 +82,21 @@ def mixed_groups(layers: Sequence[LayerSpec], problem: MixedProblem, solution: M
             assert compressor.density is not None
             k = topk_count(numel, compressor.density)
         out.append(Group(layers=tuple(m.name for m in members), params=tuple(p for m in members for p in m.params),
-                         numel=numel, k=k, compressor=compressor))
+                         numel=numel, k=k, compressor=compressor,
+                         hierarchical=problem.compressors[which].hierarchical))
     return tuple(out)
+
+
+def plan_choice(plan: Plan, profile: Profile) -> tuple[MixedProblem, list[int]]:
+    """A mixed plan, or a top-k plan some of whose groups cross hosts hierarchically, as the mixed problem of
+    its compressors on `profile` and the index of each group's compressor and way across hosts.
+
+    Raises:
+        SolverError: a group's way is not in the problem (a hierarchical group on a profile of one host).
+    """
+    allowed = plan.compressors or tuple(dict.fromkeys(plan.compressor_of(g) for g in plan.groups))
+    problem = mixed_problem(profile, allowed, selector=plan.selector or "exact")
+    return problem, [problem.index_of(plan.compressor_of(g), g.hierarchical) for g in plan.groups]
 
 
 def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, source: str = "",
@@ -129,9 +142,11 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
     ddp_all = mixed_problem(profile, tuple(dict.fromkeys((DENSE_COMPRESSOR, *compressors))),
                                     selector=selector or "exact", runtime="ddp")
     bound = min(mixed_lower_bound(problem), mixed_lower_bound(ddp_all))
-    for i, c in enumerate(compressors):
-        only = MixedParetoDP(allowed=(i,), time_limit_s=time_limit_s).solve(problem)
+    for c in compressors:
+        only = MixedParetoDP(allowed=problem.indices_of(c), time_limit_s=time_limit_s).solve(problem)
         baselines[f"only:{c}"] = simulate_mixed(problem, only.grouping, only.choice)
+    if any(c.hierarchical for c in problem.compressors):  # several hosts: the same choice kept to one way
+        baselines.update(route_baselines(problem, time_limit_s))
     name = "mixed-pareto-dp" if solution.proven else f"mixed-pareto-dp (time limit; within {solution.gap:.1%})"
     groups = mixed_groups(layers, problem, solution)
     sends_topk = any(g.k is not None for g in groups)
@@ -155,6 +170,22 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
     )
 
 
+def route_baselines(problem: MixedProblem, time_limit_s: float | None) -> dict[str, Prediction]:
+    """The exact plan of `problem` (which has hierarchical ways) with every group flat, and with every group
+    hierarchical where its compressor can be (`ALL_FLAT`, `ALL_HIERARCHICAL`)."""
+    from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL
+
+    out = {}
+    routed = {c.compressor for c in problem.compressors if c.hierarchical}
+    ways = {ALL_FLAT: tuple(i for i, c in enumerate(problem.compressors) if not c.hierarchical),
+            ALL_HIERARCHICAL: tuple(i for i, c in enumerate(problem.compressors)
+                                    if c.hierarchical or c.compressor not in routed)}
+    for name, allowed in ways.items():
+        best = MixedParetoDP(allowed=allowed, time_limit_s=time_limit_s).solve(problem)
+        out[name] = simulate_mixed(problem, best.grouping, best.choice)
+    return out
+
+
 @dataclass(frozen=True)
 class GroupReason:
     """Why a group got its compressor: the predicted iteration were it alone sent by each other allowed
@@ -165,6 +196,11 @@ class GroupReason:
     numel: int
     compressor: Compressor
     alternatives: dict[str, float]  # compressor name -> predicted iteration (seconds) with this group switched
+    hierarchical: bool = False  # the group crosses hosts hierarchically
+
+    @property
+    def label(self) -> str:
+        return f"{self.compressor} hierarchical" if self.hierarchical else str(self.compressor)
 
 
 def explain(plan: Plan, profile: Profile) -> list[GroupReason]:
@@ -178,8 +214,7 @@ def explain(plan: Plan, profile: Profile) -> list[GroupReason]:
     if plan.strategy is not Strategy.MIXED or plan.compressors is None:
         raise SchemaError("only a mixed plan that lists its compressors can be explained")
     grouping = plan_grouping(plan, profile)
-    problem = mixed_problem(profile, plan.compressors, selector=plan.selector or "exact")
-    choice = [problem.index_of(plan.compressor_of(g)) for g in plan.groups]
+    problem, choice = plan_choice(plan, profile)
     reasons = []
     for i, g in enumerate(plan.groups):
         alternatives = {}
@@ -187,9 +222,9 @@ def explain(plan: Plan, profile: Profile) -> list[GroupReason]:
             if j == choice[i]:
                 continue
             switched = (*choice[:i], j, *choice[i + 1 :])
-            alternatives[str(c.compressor)] = simulate_mixed(problem, grouping, switched).iteration_s
+            alternatives[c.label] = simulate_mixed(problem, grouping, switched).iteration_s
         reasons.append(GroupReason(index=i, layers=g.layers, numel=g.numel, compressor=plan.compressor_of(g),
-                                   alternatives=alternatives))
+                                   alternatives=alternatives, hierarchical=g.hierarchical))
     return reasons
 
 

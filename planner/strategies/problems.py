@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from planner.contracts.profile import CompressTiming, Profile
+from planner.contracts.profile import CompressTiming, HostTiming, Profile
 from planner.costmodel.costs import CheaperOf, CostModel, ScaledCost
 from planner.costmodel.mixed import CompressorCosts, MixedProblem, Sum, costs_of
 from planner.costmodel.problem import GradientProblem
@@ -103,9 +103,15 @@ def hierarchical_groups(problem: GradientProblem, grouping: Sequence[int]) -> tu
 
 
 def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, selector: str = "exact",
-                  runtime: str = "planner") -> MixedProblem:
+                  runtime: str = "planner", hierarchical: bool = True) -> MixedProblem:
     """The instance of the mixed solver: every group may be sent by any of `compressors` (top-k ones with
-    `selector`'s selection cost). `runtime` as for `problem` ("ddp": DDP's buckets and packing).
+    `selector`'s selection cost). `runtime` as for `problem` ("ddp": DDP's buckets and packing, always flat).
+
+    On a profile of several hosts (and unless `hierarchical` is False, or for DDP) each compressor the
+    runtime can send hierarchically comes twice, flat and hierarchical (`CompressorCosts.hierarchical`), so
+    that the solver chooses the way across hosts with the compressor: dense and fp16 by the profile's
+    hierarchical allreduce curve, top-k by its hierarchical top-k exchange at that density where it measured
+    one (`HostTiming.topk_at`). PowerSGD is sent flat.
 
     Raises:
         InvalidProfileError: a compressor the profile did not measure: top-k without top-k points or at
@@ -117,7 +123,8 @@ def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, select
         raise SchemaError("name at least one compressor, e.g. --compressors dense,fp16")
     if len(set(compressors)) != len(compressors):
         raise SchemaError(f"each compressor may be named once, but got {', '.join(map(str, compressors))}")
-    dense = gradient_problem(profile, Strategy.DENSE, runtime=runtime)
+    dense = gradient_problem(profile, Strategy.DENSE, runtime=runtime, route="flat")
+    hosts = profile.hosts if hierarchical and runtime == "planner" else None
     pack = None if profile.pack is None else _calibrated(
         profile.pack.model, profile.in_situ.pack_factor(runtime) if profile.in_situ else 1.0)
     costs: list[CompressorCosts] = []
@@ -139,11 +146,29 @@ def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, select
                     decode=_calibrated(timing.fp16_uncast.model, _factor(profile, c, "decode"))))
             case CompressorKind.POWERSGD:
                 costs.append(_powersgd_costs(profile, c, dense.comm, pack, runtime))
+        if hosts is not None and (routed := _hierarchical_costs(hosts, costs[-1])) is not None:
+            costs.append(routed)
         collective = Collective.ALLGATHER if c.kind is CompressorKind.TOPK else Collective.ALLREDUCE
         sigma = max(sigma, profile.interference_for(collective))
     return MixedProblem(forward_s=dense.forward_s, update_s=dense.update_s, backward_s=dense.backward_s,
                         numel=dense.numel, world_size=dense.world_size, element_bytes=dense.element_bytes,
                         compressors=tuple(costs), interference=sigma, names=dense.names)
+
+
+def _hierarchical_costs(hosts: HostTiming, flat: CompressorCosts) -> CompressorCosts | None:
+    """`flat`'s compressor sent hierarchically (None: the profile has no cost for it, or the runtime cannot)."""
+    c = flat.compressor
+    match c.kind:
+        case CompressorKind.DENSE | CompressorKind.FP16:
+            return replace(flat, comm=hosts.hierarchical.model, hierarchical=True)
+        case CompressorKind.TOPK:
+            assert c.density is not None
+            measured = hosts.topk_at(c.density)
+            if measured is None:
+                return None
+            return replace(flat, comm=measured.exchange.model, decode=None, hierarchical=True)
+        case _:
+            return None
 
 
 def _factor(profile: Profile, compressor: Compressor, part: str) -> float:

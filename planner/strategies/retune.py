@@ -181,13 +181,14 @@ def _kfac_prediction(section: KFACSection, profile: Profile) -> tuple[float | No
 def _gradient_prediction(old: Plan, new: Plan, current: Profile) -> float:
     """The old gradient plan's groups (and compressors) predicted under the new plan's model on `current`."""
     grouping = plan_grouping(old, current)
-    if new.strategy is Strategy.MIXED:
+    if new.strategy is Strategy.MIXED or any(g.hierarchical for g in (*old.groups, *new.groups)):
         from planner.costmodel.mixed import simulate_mixed
 
         allowed = new.compressors or tuple(dict.fromkeys(new.compressor_of(g) for g in new.groups))
         compressors = tuple(dict.fromkeys((*allowed, *(old.compressor_of(g) for g in old.groups))))
         mixed = mixed_problem(current, compressors, selector=new.selector or "exact")
-        return simulate_mixed(mixed, grouping, [mixed.index_of(old.compressor_of(g)) for g in old.groups]).iteration_s
+        choice = [mixed.index_of(old.compressor_of(g), g.hierarchical) for g in old.groups]
+        return simulate_mixed(mixed, grouping, choice).iteration_s
     problem = gradient_problem(current, new.strategy, new.density, selector=new.selector or "exact")
     return simulate(problem, grouping).iteration_s
 

@@ -1,0 +1,205 @@
+"""The way across hosts as a planned choice for top-k and for mixed plans: the profile's measure of how much a
+host's picks overlap and of the hierarchical top-k exchange, the exact search over groupings x ways against
+brute force, and the plans it makes (every group one way when one way is clearly cheaper, never worse than all
+flat or all hierarchical, the way recorded per group and used by every later reading of the plan)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.contracts.plan import Plan
+from planner.contracts.profile import FittedCurve, HostTiming, HostTopk, Profile
+from planner.costmodel.costs import AffineCost
+from planner.costmodel.mixed import CompressorCosts, MixedProblem, simulate_mixed
+from planner.costmodel.problem import topk_count
+from planner.kernels.hierarchical import HostGroups
+from planner.kernels.topk import all_gather_flat
+from planner.platform.launch import run_distributed
+from planner.solvers.mixed import MixedParetoDP
+from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, make_plan
+from planner.strategies.mixed import explain, make_mixed_plan, parse_compressors, plan_choice
+from planner.strategies.problems import mixed_problem
+from planner.types import Collective, Compressor, CompressorKind, InvalidProfileError, Strategy
+from profilers.comm import host_union_ratio, measure_host_topk, overlapping_picks
+from tests.factories import synthetic_profile
+from tests.test_mixed import brute_force
+
+SIZES = [1 << s for s in range(10, 27, 2)]
+
+
+def _curve(alpha: float, beta: float) -> FittedCurve:
+    return FittedCurve.fit([(s, alpha + beta * s) for s in SIZES])
+
+
+def _two_hosts(topk: tuple[HostTopk, ...] = ()) -> Profile:
+    """The synthetic MLP on 2 hosts of 2: hierarchical allreduce dearer to start, cheaper per byte than flat."""
+    base = synthetic_profile("mlp", world_size=4)
+    hosts = HostTiming(ranks=((0, 1), (2, 3)), intra=_curve(5e-5, 2e-10), inter=_curve(2e-4, 1.3e-9),
+                       hierarchical=_curve(2e-3, 2.7e-9), topk=topk)
+    return dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, host_count=2), hosts=hosts,
+                               collectives={**base.collectives, Collective.ALLREDUCE: _curve(2e-4, 4e-9),
+                                            Collective.ALLGATHER: _curve(2e-4, 6e-9)})
+
+
+def _topk_at(density: float, alpha: float, beta: float, ratio: float = 1.5) -> HostTopk:
+    return HostTopk(density=density, union_ratio=ratio, exchange=_curve(alpha, beta))
+
+
+def test_a_profile_keeps_its_hierarchical_top_k_and_refuses_impossible_overlaps(tmp_path: Path) -> None:
+    profile = _two_hosts((_topk_at(0.01, 1e-3, 1e-9, ratio=1.9),))
+    profile.save(tmp_path / "p.json")
+    loaded = Profile.load(tmp_path / "p.json")
+    assert loaded == profile and loaded.hosts is not None
+    assert loaded.hosts.topk_at(0.01) is not None and loaded.hosts.topk_at(0.1) is None
+    # Profiles of before read as having measured none.
+    doc = profile.to_dict()
+    del doc["hosts"]["topk"]
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    assert Profile.load(tmp_path / "old.json").hosts.topk == ()  # type: ignore[union-attr]
+    for ratio, says in ((2.5, "at most 2 k"), (0.5, "must be >= 1")):
+        doc = profile.to_dict()
+        doc["hosts"]["topk"][0]["union_ratio"] = ratio
+        (tmp_path / "bad.json").write_text(json.dumps(doc))
+        with pytest.raises(InvalidProfileError, match=says):
+            Profile.load(tmp_path / "bad.json")
+
+
+def _random_ways(seed: int, sigma: float) -> MixedProblem:
+    """One top-k compressor two ways: flat (allgather, then decode on the compute stream) and hierarchical
+    (one exchange that decodes on its own), with random costs either way round."""
+    rng = np.random.default_rng(seed)
+    layers = int(rng.integers(2, 6))
+    numel = tuple(int(x) for x in rng.integers(1_000, 3_000_000, layers))
+
+    def affine(a: float, b: float) -> AffineCost:
+        return AffineCost(alpha=a * rng.uniform(0.2, 5), beta=b * rng.uniform(0.2, 5))
+
+    topk = Compressor(CompressorKind.TOPK, density=0.01)
+    flat = CompressorCosts(compressor=topk, collective=Collective.ALLGATHER, comm=affine(5e-4, 6e-9),
+                           prepare=affine(5e-5, 4e-9), decode=affine(2e-5, 2e-9))
+    routed = dataclasses.replace(flat, comm=affine(2e-3, 5e-9), decode=None, hierarchical=True)
+    return MixedProblem(forward_s=float(rng.uniform(1e-3, 2e-2)), update_s=float(rng.uniform(1e-4, 1e-2)),
+                        backward_s=tuple(float(x) for x in rng.uniform(1e-4, 5e-3, layers)), numel=numel,
+                        world_size=4, compressors=(flat, routed), interference=sigma)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), sigma=st.sampled_from([0.0, 0.3]))
+def test_the_way_across_hosts_per_top_k_group_is_exact_against_brute_force(seed: int, sigma: float) -> None:
+    problem = _random_ways(seed, sigma)
+    found = MixedParetoDP(time_limit_s=None).solve(problem)
+    assert found.proven
+    assert math.isclose(found.iteration_s, brute_force(problem), rel_tol=1e-9, abs_tol=1e-12)
+    for way in (0, 1):  # never worse than every group one way
+        alone = MixedParetoDP(allowed=(way,), time_limit_s=None).solve(problem)
+        assert math.isclose(alone.iteration_s, brute_force(problem, (way,)), rel_tol=1e-9, abs_tol=1e-12)
+        assert found.iteration_s <= alone.iteration_s * (1 + 1e-12)
+
+
+@pytest.mark.parametrize(("alpha", "beta", "expected"), [(1e-5, 1e-10, {True}), (5e-2, 1e-7, {False})])
+def test_a_top_k_plan_crosses_hosts_hierarchically_where_the_profile_says_it_is_cheaper(
+        alpha: float, beta: float, expected: set[bool], tmp_path: Path) -> None:
+    profile = _two_hosts((_topk_at(0.01, alpha, beta),))
+    plan = make_plan(profile, Strategy.TOPK, 0.01)
+    assert {g.hierarchical for g in plan.groups} == expected
+    assert Plan.from_dict(plan.to_dict()) == plan
+    assert plan.baselines.keys() >= {ALL_FLAT, ALL_HIERARCHICAL, "ddp-25mb", "mgs-greedy"}
+    best_one_way = min(plan.baselines[ALL_FLAT].iteration_s, plan.baselines[ALL_HIERARCHICAL].iteration_s)
+    assert plan.predicted.iteration_s <= best_one_way * (1 + 1e-12)
+    assert plan.lower_bound_s <= plan.predicted.iteration_s * (1 + 1e-12)
+    # The flat exact plan of before is the all-flat row.
+    flat = make_plan(profile, Strategy.TOPK, 0.01, route="flat")
+    assert not any(g.hierarchical for g in flat.groups)
+    assert math.isclose(flat.predicted.iteration_s, plan.baselines[ALL_FLAT].iteration_s, rel_tol=1e-9)
+    # Every later reading of the plan predicts it the same way: its groups, each its own way.
+    problem, choice = plan_choice(plan, profile)
+    grouping = tuple(np.cumsum([len(g.layers) for g in plan.groups]).tolist())
+    assert math.isclose(simulate_mixed(problem, grouping, choice).iteration_s, plan.predicted.iteration_s,
+                        rel_tol=1e-9)
+    every = make_plan(profile, Strategy.TOPK, 0.01, route="hierarchical")
+    assert {g.hierarchical for g in every.groups} == {True}
+    assert math.isclose(every.predicted.iteration_s, plan.baselines[ALL_HIERARCHICAL].iteration_s, rel_tol=1e-9)
+
+
+def test_without_the_exchange_measured_top_k_stays_flat_and_hierarchical_is_refused_in_one_line(
+        tmp_path: Path) -> None:
+    from planner.commands.cli import main
+
+    profile = _two_hosts((_topk_at(0.1, 1e-5, 1e-10),))  # measured at 0.1 only
+    plan = make_plan(profile, Strategy.TOPK, 0.01)
+    assert not any(g.hierarchical for g in plan.groups) and ALL_HIERARCHICAL not in plan.baselines
+    with pytest.raises(InvalidProfileError, match=r"measured it at: 0\.1"):
+        make_plan(profile, Strategy.TOPK, 0.01, route="hierarchical")
+    profile.save(tmp_path / "p.json")
+    assert main(["solve", str(tmp_path / "p.json"), "--strategy", "topk", "--density", "0.1", "--route",
+                 "hierarchical", "-o", str(tmp_path / "h.json")]) == 0
+    assert {g.hierarchical for g in Plan.load(tmp_path / "h.json").groups} == {True}
+    assert main(["solve", str(tmp_path / "p.json"), "--strategy", "topk", "--density", "0.01", "--route",
+                 "hierarchical", "-o", str(tmp_path / "x.json")]) == 2
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_mixed_plan_records_the_way_it_predicted_each_group_and_ddp_hooks_stay_flat() -> None:
+    profile = _two_hosts()
+    compressors = parse_compressors("dense,fp16")
+    plan = make_mixed_plan(profile, compressors)
+    problem, choice = plan_choice(plan, profile)
+    assert {c.label for c in problem.compressors} == {"dense", "dense hierarchical", "fp16", "fp16 hierarchical"}
+    hier = profile.hosts.hierarchical.model  # type: ignore[union-attr]
+    flat = profile.curve(Collective.ALLREDUCE).model
+    for g, c in zip(plan.groups, choice, strict=True):
+        assert problem.compressors[c].hierarchical == g.hierarchical
+        sent = g.numel * (2 if g.compressor == Compressor(CompressorKind.FP16) else 4)
+        if abs(hier.cost(sent) - flat.cost(sent)) > 1e-3 * flat.cost(sent):  # not a near tie: the cheaper way
+            assert g.hierarchical == (hier.cost(sent) < flat.cost(sent)), g
+    assert any(g.hierarchical for g in plan.groups)
+    assert plan.predicted.iteration_s <= min(plan.baselines[ALL_FLAT].iteration_s,
+                                             plan.baselines[ALL_HIERARCHICAL].iteration_s) * (1 + 1e-12)
+    # DDP's fp16 hook is DDP's: one flat allreduce per bucket, whatever the hosts.
+    ddp = mixed_problem(profile, [Compressor(CompressorKind.FP16)], runtime="ddp")
+    assert [c.hierarchical for c in ddp.compressors] == [False]
+    assert ddp.compressors[0].comm.cost(1 << 24) == flat.cost(1 << 24)
+    # Explaining a group names its way, and the other ways it could have had.
+    reasons = explain(plan, profile)
+    routed = next(r for r in reasons if r.hierarchical)
+    assert routed.label.endswith("hierarchical") and routed.compressor.kind.value in routed.label
+    assert any(not name.endswith("hierarchical") for name in routed.alternatives)
+
+
+def _measure(rank: int, world_size: int, layout: list[list[int]]) -> tuple[list[float], tuple[HostTopk, ...]]:
+    groups = HostGroups.build(layout)
+    grads = {
+        "same": torch.arange(1000, dtype=torch.float32),  # every rank the same picks
+        "disjoint": torch.where(torch.arange(1000) % world_size == rank, 1.0 + torch.arange(1000.0), 0.0),
+    }
+    ratios = [host_union_ratio(grads[name], 0.01, groups) for name in ("same", "disjoint")]
+    # Picks made to overlap as measured: the host's union is the ratio times k.
+    for ratio in (1.0, 1.5, 2.0):
+        picks = overlapping_picks(10_000, 100, ratio, groups, torch.Generator().manual_seed(3))
+        assert picks.numel() == 100 and picks.unique().numel() == 100
+        host = picks.new_empty(groups.local_size * 100)
+        all_gather_flat(host, picks, group=groups.local)
+        ratios.append(host.unique().numel() / 100)
+    measured = measure_host_topk(groups, [4096, 65536], {0.01: 1.5, 1.0: 2.0}, torch.device("cpu"), repeats=2,
+                                 warmup=0)
+    return ratios, measured
+
+
+def test_the_profile_measures_the_overlap_of_picks_and_the_exchange_at_it() -> None:
+    results = run_distributed(_measure, 4, [[0, 1], [2, 3]], timeout=120)
+    for ratios, measured in results:
+        assert ratios == pytest.approx([1.0, 2.0, 1.0, 1.5, 2.0])
+        assert [t.density for t in measured] == [0.01, 1.0]
+        assert [t.union_ratio for t in measured] == [1.5, 2.0]
+        for t in measured:  # one point per size, against one rank's message bytes (k values, k indices)
+            assert [x for x, _ in t.exchange.points] == [8 * topk_count(n, t.density) for n in (4096, 65536)]
+            assert all(s > 0 for _, s in t.exchange.points)
