@@ -78,7 +78,7 @@ def _solve(
     if route != "best" and profile.hosts is None:
         raise InvalidProfileError(f"route {route!r} needs a profile of several hosts (`planner profile --hosts H`, or "
                                   "under torchrun across hosts); this one measured one host")
-    if strategy is Strategy.TOPK and profile.hosts is not None and route != "flat":
+    if strategy is Strategy.TOPK and profile.hosts is not None:
         assert density is not None
         if profile.hosts.topk_at(density) is not None:
             return _solve_topk_routes(profile, density, source=source, solver=solver, selector=selector or "exact",
@@ -130,9 +130,10 @@ def _solve_topk_routes(profile: Profile, density: float, *, source: str, solver:
                        selector: str, route: str) -> Plan:
     """A top-k plan on a profile that measured the hierarchical top-k exchange at `density`: each group flat
     or hierarchical ("best": whichever the exact search over groupings and ways finds fastest, `MixedParetoDP`
-    on the two ways of one compressor), or every group "hierarchical". With `solver` (a baseline rule) its
-    grouping is kept and every group goes flat, or hierarchical with route "hierarchical". The baselines run
-    flat, as the systems they stand for do, beside the exact plan all flat and all hierarchical."""
+    on the two ways of one compressor), or every group one way ("flat", "hierarchical"). With `solver` (a
+    baseline rule) its grouping is kept and every group goes flat, or hierarchical with route "hierarchical".
+    The baselines run flat, as the systems they stand for do, beside the exact plan all flat and all
+    hierarchical."""
     from planner.costmodel.mixed import simulate_mixed
     from planner.solvers.mixed import MixedParetoDP, mixed_lower_bound
     from planner.strategies.mixed import route_baselines
@@ -150,7 +151,7 @@ def _solve_topk_routes(profile: Profile, density: float, *, source: str, solver:
         choice = tuple(routed_way if route == "hierarchical" else flat_way for _ in grouping)
         name = solver.name
     else:
-        allowed = (routed_way,) if route == "hierarchical" else (flat_way, routed_way)
+        allowed = {"best": (flat_way, routed_way), "flat": (flat_way,), "hierarchical": (routed_way,)}[route]
         found = MixedParetoDP(allowed=allowed, time_limit_s=ROUTES_TIME_LIMIT_S).solve(mixed)
         grouping, choice = found.grouping, found.choice
         name = (f"{Strategy.TOPK.value}-exact" if found.proven
