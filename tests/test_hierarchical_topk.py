@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from planner.commands.report import gantt_lanes
 from planner.contracts.plan import Plan
 from planner.contracts.profile import FittedCurve, HostTiming, HostTopk, Profile
 from planner.costmodel.costs import AffineCost
@@ -125,6 +126,9 @@ def test_a_top_k_plan_crosses_hosts_hierarchically_where_the_profile_says_it_is_
     grouping = tuple(np.cumsum([len(g.layers) for g in plan.groups]).tolist())
     assert math.isclose(simulate_mixed(problem, grouping, choice).iteration_s, plan.predicted.iteration_s,
                         rel_tol=1e-9)
+    lanes = gantt_lanes(plan, profile)  # report's timeline is the same prediction, its collectives named
+    assert math.isclose(lanes.step_s, plan.predicted.iteration_s, rel_tol=1e-9)
+    assert any(b.label.endswith("hierarchical") for b in lanes.bars if b.lane == "channel") == (expected == {True})
     every = make_plan(profile, Strategy.TOPK, 0.01, route="hierarchical")
     assert {g.hierarchical for g in every.groups} == {True}
     assert math.isclose(every.predicted.iteration_s, plan.baselines[ALL_HIERARCHICAL].iteration_s, rel_tol=1e-9)

@@ -213,7 +213,8 @@ def _mixed_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
         bars.append(Bar(lane="compute", start_s=f + e.ready_s, end_s=f + e.prepared_s, kind="compress",
                         label=f"{e.compressor} g{e.index}"))
         channel.append(Bar(lane="channel", start_s=f + e.comm_start_s, end_s=f + e.comm_end_s, kind="collective",
-                           label=f"g{e.index}"))
+                           label=f"g{e.index}" + (" hierarchical" if problem.compressors[choice[e.index]].hierarchical
+                                                   else "")))
         if e.second_start_s != e.comm_end_s or e.middle_s or e.second_s:
             bars.append(Bar(lane="compute", start_s=f + e.second_start_s, end_s=f + e.second_start_s + e.middle_s,
                             kind="middle", label=f"middle g{e.index}"))
