@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from planner.commands.bench import plan_tag
 from planner.commands.report import gantt_lanes
 from planner.contracts.plan import Plan
 from planner.contracts.profile import FittedCurve, HostTiming, HostTopk, Profile
@@ -172,6 +173,8 @@ def test_a_mixed_plan_records_the_way_it_predicted_each_group_and_ddp_hooks_stay
     ddp = mixed_problem(profile, [Compressor(CompressorKind.FP16)], runtime="ddp")
     assert [c.hierarchical for c in ddp.compressors] == [False]
     assert ddp.compressors[0].comm.cost(1 << 24) == flat.cost(1 << 24)
+    # The bench names the way too (a plan of before, every group flat, ran at DDP's fp16 hook's speed).
+    assert plan_tag(plan).startswith("mixed(light), ") and plan_tag(plan) != "mixed(light), flat"
     # Explaining a group names its way, and the other ways it could have had.
     reasons = explain(plan, profile)
     routed = next(r for r in reasons if r.hierarchical)

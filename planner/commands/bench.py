@@ -229,7 +229,7 @@ def machine_drift(results: list[BenchResult]) -> float | None:
 
 def plan_tag(plan: Plan) -> str:
     """How the bench names a plan's way of sending: dense, topk@D, the one compressor a mixed plan was allowed,
-    or mixed(the preset or list of compressors it was allowed)."""
+    or mixed(the preset or list of compressors it was allowed); on several hosts, how its groups cross them."""
     from planner.strategies.mixed import PRESETS
 
     match plan.strategy:
@@ -237,10 +237,9 @@ def plan_tag(plan: Plan) -> str:
             return f"topk@{plan.density:g}" + ("" if plan.cluster.host_count < 2 else f", {_route(plan)}")
         case Strategy.MIXED:
             allowed = tuple(map(str, plan.compressors or ()))
-            if len(allowed) == 1:
-                return allowed[0]
             preset = next((name for name, members in PRESETS.items() if members == allowed), None)
-            return f"mixed({preset or ','.join(allowed)})"
+            tag = allowed[0] if len(allowed) == 1 else f"mixed({preset or ','.join(allowed)})"
+            return tag if plan.cluster.host_count < 2 else f"{tag}, {_route(plan)}"
         case _:
             if plan.cluster.host_count < 2:
                 return plan.strategy.value
