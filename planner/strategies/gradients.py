@@ -163,6 +163,9 @@ def _solve_topk_routes(profile: Profile, density: float, *, source: str, solver:
     baselines = {b.name: simulate(ddp_problem if b.name == DDP_BASELINE else flat, b.solve(flat))
                  for b in BASELINES[Strategy.TOPK]}
     baselines.update(route_baselines(mixed, ROUTES_TIME_LIMIT_S))
+    predicted = simulate_mixed(mixed, grouping, choice)
+    # The bounds' sums may round a few ulps above an optimum they equal: a bound is never above a found step.
+    bound = min(mixed_lower_bound(mixed), lower_bound(ddp_problem), predicted.iteration_s)
     return Plan(
         strategy=Strategy.TOPK,
         density=density,
@@ -170,9 +173,9 @@ def _solve_topk_routes(profile: Profile, density: float, *, source: str, solver:
         model=profile.model,
         cluster=profile.cluster,
         groups=groups,
-        predicted=simulate_mixed(mixed, grouping, choice),
+        predicted=predicted,
         baselines=baselines,
-        lower_bound_s=min(mixed_lower_bound(mixed), lower_bound(ddp_problem)),
+        lower_bound_s=bound,
         solver=name,
         solve_seconds=seconds,
         source_profile=source,
