@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from dataclasses import replace
+from typing import Any
 
 from planner.contracts.layers import LayerSpec, groups_for
 from planner.contracts.plan import Plan, check_selector
@@ -14,13 +15,19 @@ from planner.solvers import BASELINES, DDP_BASELINE, GroupingSolver, lower_bound
 from planner.strategies.problems import gradient_problem, hierarchical_groups
 from planner.types import InvalidProfileError, SchemaError, Strategy
 
-__all__ = ["ALL_FLAT", "ALL_HIERARCHICAL", "make_plan"]
+__all__ = ["ALL_FLAT", "ALL_HIERARCHICAL", "from_profile", "make_plan"]
 
 #: Baseline rows of a plan for several hosts: the exact grouping with every group flat, and hierarchical.
 ALL_FLAT = "plan, all flat"
 ALL_HIERARCHICAL = "plan, all hierarchical"
 #: Seconds the exact search over groupings and ways across hosts of a top-k plan may take (`MixedParetoDP`).
 ROUTES_TIME_LIMIT_S = 10.0
+
+
+def from_profile(profile: Profile, source: str) -> dict[str, Any]:
+    """The fields every plan takes from the profile it was solved from (`source`: that profile's path)."""
+    return {"model": profile.model, "cluster": profile.cluster, "source_profile": source, "profiled": profile.created,
+            "batch_size": profile.batch_size, "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
 
 
 def make_plan(
@@ -111,18 +118,13 @@ def _solve(
         strategy=strategy,
         density=density if strategy is Strategy.TOPK else None,
         selector=selector,
-        model=profile.model,
-        cluster=profile.cluster,
         groups=groups,
         predicted=simulate(problem, grouping),
         baselines=baselines,
         lower_bound_s=min(lower_bound(problem), lower_bound(ddp_problem)),  # a bound for DDP's row too
         solver=solver.name if solver is not None else f"{strategy.value}-exact",
         solve_seconds=seconds,
-        source_profile=source,
-        profiled=profile.created,
-        batch_size=profile.batch_size,
-        created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **from_profile(profile, source),
     )
 
 
@@ -170,16 +172,11 @@ def _solve_topk_routes(profile: Profile, density: float, *, source: str, solver:
         strategy=Strategy.TOPK,
         density=density,
         selector=selector,
-        model=profile.model,
-        cluster=profile.cluster,
         groups=groups,
         predicted=predicted,
         baselines=baselines,
         lower_bound_s=bound,
         solver=name,
         solve_seconds=seconds,
-        source_profile=source,
-        profiled=profile.created,
-        batch_size=profile.batch_size,
-        created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **from_profile(profile, source),
     )

@@ -15,7 +15,6 @@ Baselines (names in the plan's `predicted.baselines`):
 
 from __future__ import annotations
 
-import datetime as dt
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -27,6 +26,7 @@ from planner.costmodel.mixed import MixedProblem, simulate_mixed
 from planner.costmodel.problem import Grouping, Prediction, groups_of, topk_count
 from planner.solvers import DDP_BASELINE
 from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
+from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, from_profile, make_plan
 from planner.strategies.problems import mixed_problem
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, SchemaError, Strategy
 
@@ -155,26 +155,19 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
         density=None,
         selector=(selector or "exact") if sends_topk else None,
         compressors=compressors,
-        model=profile.model,
-        cluster=profile.cluster,
         groups=groups,
         predicted=simulate_mixed(problem, solution.grouping, solution.choice),
         baselines=baselines,
         lower_bound_s=bound,
         solver=name,
         solve_seconds=seconds,
-        source_profile=source,
-        profiled=profile.created,
-        batch_size=profile.batch_size,
-        created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **from_profile(profile, source),
     )
 
 
 def route_baselines(problem: MixedProblem, time_limit_s: float | None) -> dict[str, Prediction]:
     """The exact plan of `problem` (which has hierarchical ways) with every group flat, and with every group
     hierarchical where its compressor can be (`ALL_FLAT`, `ALL_HIERARCHICAL`)."""
-    from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL
-
     out = {}
     routed = {c.compressor for c in problem.compressors if c.hierarchical}
     ways = {ALL_FLAT: tuple(i for i, c in enumerate(problem.compressors) if not c.hierarchical),
@@ -263,8 +256,6 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     Raises:
         InvalidProfileError: a compressor the profile did not measure.
     """
-    from planner.strategies.gradients import make_plan
-
     allowed = tuple(compressors)
     candidates: dict[str, Plan] = {}
     if DENSE_COMPRESSOR in allowed:
