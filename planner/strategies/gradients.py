@@ -10,12 +10,15 @@ from typing import Any
 from planner.contracts.layers import LayerSpec, groups_for
 from planner.contracts.plan import Plan, check_selector
 from planner.contracts.profile import Profile
+from planner.costmodel.mixed import MixedProblem, simulate_mixed
+from planner.costmodel.problem import Prediction
 from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DDP_BASELINE, GroupingSolver, lower_bound, solve_exact
-from planner.strategies.problems import gradient_problem, hierarchical_groups
-from planner.types import InvalidProfileError, SchemaError, Strategy
+from planner.solvers.mixed import MixedParetoDP, mixed_lower_bound
+from planner.strategies.problems import gradient_problem, hierarchical_groups, mixed_problem
+from planner.types import Compressor, CompressorKind, InvalidProfileError, SchemaError, Strategy
 
-__all__ = ["ALL_FLAT", "ALL_HIERARCHICAL", "from_profile", "make_plan"]
+__all__ = ["ALL_FLAT", "ALL_HIERARCHICAL", "from_profile", "make_plan", "route_baselines"]
 
 #: Baseline rows of a plan for several hosts: the exact grouping with every group flat, and hierarchical.
 ALL_FLAT = "plan, all flat"
@@ -136,12 +139,6 @@ def _solve_topk_routes(profile: Profile, density: float, *, source: str, solver:
     baseline rule) its grouping is kept and every group goes flat, or hierarchical with route "hierarchical".
     The baselines run flat, as the systems they stand for do, beside the exact plan all flat and all
     hierarchical."""
-    from planner.costmodel.mixed import simulate_mixed
-    from planner.solvers.mixed import MixedParetoDP, mixed_lower_bound
-    from planner.strategies.mixed import route_baselines
-    from planner.strategies.problems import mixed_problem
-    from planner.types import Compressor, CompressorKind
-
     compressor = Compressor(CompressorKind.TOPK, density=density)
     mixed = mixed_problem(profile, [compressor], selector=selector)
     flat_way, routed_way = mixed.index_of(compressor), mixed.index_of(compressor, hierarchical=True)
@@ -180,3 +177,17 @@ def _solve_topk_routes(profile: Profile, density: float, *, source: str, solver:
         solve_seconds=seconds,
         **from_profile(profile, source),
     )
+
+
+def route_baselines(problem: MixedProblem, time_limit_s: float | None) -> dict[str, Prediction]:
+    """The exact plan of `problem` (which has hierarchical ways) with every group flat, and with every group
+    hierarchical where its compressor can be (`ALL_FLAT`, `ALL_HIERARCHICAL`)."""
+    out = {}
+    routed = {c.compressor for c in problem.compressors if c.hierarchical}
+    ways = {ALL_FLAT: tuple(i for i, c in enumerate(problem.compressors) if not c.hierarchical),
+            ALL_HIERARCHICAL: tuple(i for i, c in enumerate(problem.compressors)
+                                    if c.hierarchical or c.compressor not in routed)}
+    for name, allowed in ways.items():
+        best = MixedParetoDP(allowed=allowed, time_limit_s=time_limit_s).solve(problem)
+        out[name] = simulate_mixed(problem, best.grouping, best.choice)
+    return out

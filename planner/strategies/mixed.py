@@ -26,12 +26,12 @@ from planner.costmodel.mixed import MixedProblem, simulate_mixed
 from planner.costmodel.problem import Grouping, Prediction, groups_of, topk_count
 from planner.solvers import DDP_BASELINE
 from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
-from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, from_profile, make_plan
+from planner.strategies.gradients import from_profile, make_plan, route_baselines
 from planner.strategies.problems import mixed_problem
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, SchemaError, Strategy
 
 __all__ = ["PRESETS", "AutoChoice", "GroupReason", "ddp_hook_name", "ddp_predictions", "explain", "make_mixed_plan",
-           "mixed_groups", "parse_compressors", "plan_choice", "route_baselines", "solve_auto"]
+           "mixed_groups", "parse_compressors", "plan_choice", "solve_auto"]
 
 #: Named sets of compressors (`--compressors PRESET`), from the most accurate to the most compressed.
 PRESETS: dict[str, tuple[str, ...]] = {
@@ -163,20 +163,6 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
         solve_seconds=seconds,
         **from_profile(profile, source),
     )
-
-
-def route_baselines(problem: MixedProblem, time_limit_s: float | None) -> dict[str, Prediction]:
-    """The exact plan of `problem` (which has hierarchical ways) with every group flat, and with every group
-    hierarchical where its compressor can be (`ALL_FLAT`, `ALL_HIERARCHICAL`)."""
-    out = {}
-    routed = {c.compressor for c in problem.compressors if c.hierarchical}
-    ways = {ALL_FLAT: tuple(i for i, c in enumerate(problem.compressors) if not c.hierarchical),
-            ALL_HIERARCHICAL: tuple(i for i, c in enumerate(problem.compressors)
-                                    if c.hierarchical or c.compressor not in routed)}
-    for name, allowed in ways.items():
-        best = MixedParetoDP(allowed=allowed, time_limit_s=time_limit_s).solve(problem)
-        out[name] = simulate_mixed(problem, best.grouping, best.choice)
-    return out
 
 
 @dataclass(frozen=True)

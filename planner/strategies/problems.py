@@ -103,15 +103,15 @@ def hierarchical_groups(problem: GradientProblem, grouping: Sequence[int]) -> tu
 
 
 def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, selector: str = "exact",
-                  runtime: str = "planner", hierarchical: bool = True) -> MixedProblem:
+                  runtime: str = "planner") -> MixedProblem:
     """The instance of the mixed solver: every group may be sent by any of `compressors` (top-k ones with
     `selector`'s selection cost). `runtime` as for `problem` ("ddp": DDP's buckets and packing, always flat).
 
-    On a profile of several hosts (and unless `hierarchical` is False, or for DDP) each compressor the
-    runtime can send hierarchically comes twice, flat and hierarchical (`CompressorCosts.hierarchical`), so
-    that the solver chooses the way across hosts with the compressor: dense and fp16 by the profile's
-    hierarchical allreduce curve, top-k by its hierarchical top-k exchange at that density where it measured
-    one (`HostTiming.topk_at`). PowerSGD is sent flat.
+    On a profile of several hosts (but for DDP) each compressor the runtime can send hierarchically comes
+    twice, flat and hierarchical (`CompressorCosts.hierarchical`), so that the solver chooses the way across
+    hosts with the compressor: dense and fp16 by the profile's hierarchical allreduce curve, top-k by its
+    hierarchical top-k exchange at that density where it measured one (`HostTiming.topk_at`). PowerSGD is
+    sent flat.
 
     Raises:
         InvalidProfileError: a compressor the profile did not measure: top-k without top-k points or at
@@ -124,7 +124,7 @@ def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, select
     if len(set(compressors)) != len(compressors):
         raise SchemaError(f"each compressor may be named once, but got {', '.join(map(str, compressors))}")
     dense = gradient_problem(profile, Strategy.DENSE, runtime=runtime, route="flat")
-    hosts = profile.hosts if hierarchical and runtime == "planner" else None
+    hosts = profile.hosts if runtime == "planner" else None
     pack = None if profile.pack is None else _calibrated(
         profile.pack.model, profile.in_situ.pack_factor(runtime) if profile.in_situ else 1.0)
     costs: list[CompressorCosts] = []
