@@ -17,8 +17,8 @@ from planner.models import Workload
 from planner.platform.timing import median, time_call
 from planner.types import Collective
 
-__all__ = ["host_points", "host_union_ratio", "log_sizes", "measure_collectives", "measure_host_topk", "measure_hosts",
-           "measure_union_ratios", "overlapping_picks"]
+__all__ = ["host_points", "host_topk_sizes", "host_union_ratio", "log_sizes", "measure_collectives",
+           "measure_host_topk", "measure_hosts", "measure_union_ratios", "overlapping_picks"]
 
 
 def log_sizes(smallest: int, largest: int, factor: int = 4) -> list[int]:
@@ -99,13 +99,20 @@ def _slowest_median(op: Callable[[], object], nbytes: int, device: torch.device,
     return median(times.tolist())
 
 
+def host_topk_sizes(sizes: Sequence[int], world_size: int, max_point_bytes: int | None) -> list[int]:
+    """The gradient sizes of `sizes` at which `measure_host_topk` fits in `max_point_bytes` (None: all; the
+    smallest always): the dense output and, at density up to 1, every rank's picks gathered twice over."""
+    return [n for n in sizes
+            if max_point_bytes is None or n == sizes[0] or 4 * n * (1 + 4 * (world_size + 2)) <= max_point_bytes]
+
+
 def host_points(sizes: Sequence[int], layout: Sequence[Sequence[int]]) -> int:
     """How many points `measure_hosts` measures (for a progress bar)."""
     return len(sizes) * (3 if len(layout[0]) > 1 else 2)
 
 
 def measure_hosts(
-    layout: Sequence[Sequence[int]],
+    groups: HostGroups,
     sizes: Sequence[int],
     device: torch.device,
     *,
@@ -113,7 +120,7 @@ def measure_hosts(
     warmup: int,
     on_point: Callable[[], object] = lambda: None,
 ) -> HostTiming:
-    """The allreduce at each level of hosts `layout` (ranks per host, two or more hosts of equal size): inside
+    """The allreduce at each level of the hosts of `groups` (two or more hosts of equal size): inside
     each host (all hosts at once, as a hierarchical allreduce runs them), across hosts among the ranks of each
     local index (all at once), and the hierarchical allreduce end to end over the default group; each the
     slowest rank's median, at every size in `sizes` (bytes of the whole message per rank).
@@ -121,7 +128,6 @@ def measure_hosts(
     Every rank of the default group calls it. The cross-host curve is timed at the size of one shard of the
     hierarchical allreduce's middle step (bytes / ranks per host), and recorded against the whole message's
     bytes, so all three curves share one axis."""
-    groups = HostGroups.build(layout)
     per_host = groups.local_size
 
     def timed(op: Callable[[], object], nbytes: int) -> float:

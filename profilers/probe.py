@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from planner.contracts.fingerprint import ClusterInfo
 from planner.contracts.profile import FittedCurve, HostTiming
+from planner.kernels.hierarchical import HostGroups
 from planner.platform.hosts import count_hosts, host_names, ranks_by_host
 from planner.platform.link import HOSTS_ENV, LinkRate, current_link
 from planner.platform.slowdown import current_slowdowns
@@ -56,7 +57,7 @@ def probe_hosts(device: torch.device, *, largest_bytes: int = 4 << 20, repeats: 
     if len(layout) < 2 or len({len(h) for h in layout}) != 1:
         return None
     sizes = log_sizes(1 << 10, largest_bytes, factor=16)
-    return measure_hosts(layout, sizes, device, repeats=repeats, warmup=1)
+    return measure_hosts(HostGroups.build(layout), sizes, device, repeats=repeats, warmup=1)
 
 
 def device_name(device: torch.device) -> str:

@@ -25,6 +25,7 @@ from planner.platform.slowdown import Slowdown
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import (
     host_points,
+    host_topk_sizes,
     log_sizes,
     measure_collectives,
     measure_host_topk,
@@ -159,10 +160,11 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             colls, sizes, device, repeats=config.comm_repeats, warmup=2, on_point=lambda: bar.advance(task)
         )
         layout = ranks_by_host(host_names())
-        host_timing = None
+        host_timing = groups = None
         if len(layout) > 1 and len({len(h) for h in layout}) == 1:  # hosts of equal size: every level too
+            groups = HostGroups.build(layout)
             task = bar.add_task("allreduce inside, across and over hosts", total=host_points(sizes, layout))
-            host_timing = measure_hosts(layout, sizes, device, repeats=config.comm_repeats, warmup=2,
+            host_timing = measure_hosts(groups, sizes, device, repeats=config.comm_repeats, warmup=2,
                                         on_point=lambda: bar.advance(task))
         topk = pack = interference = in_situ = compress = None
         if not config.only_comm:
@@ -172,13 +174,10 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                 topk_sizes, config.densities, world_size, device, repeats=5, warmup=1,
                 max_point_bytes=topk_budget(world_size, device), on_point=lambda: bar.advance(task),
             )
-            if host_timing is not None:  # the top-k exchange merged inside each host, at the picks' real overlap
-                memory.begin("hierarchical top-k")
-                groups = HostGroups.build(layout)
+            if host_timing is not None and groups is not None:  # the top-k exchange merged inside each host,
+                memory.begin("hierarchical top-k")                 # at the picks' real overlap
                 ratios = measure_union_ratios(workload, groups, config.densities, device)
-                budget = topk_budget(world_size, device)
-                fitting = [n for n in topk_sizes if budget is None or 4 * (n + 4 * (world_size + 2) * n) <= budget
-                           or n == topk_sizes[0]]
+                fitting = host_topk_sizes(topk_sizes, world_size, topk_budget(world_size, device))
                 task = bar.add_task("top-k merged inside hosts", total=len(ratios) * len(fitting))
                 host_timing = replace(host_timing, topk=measure_host_topk(
                     groups, fitting, ratios, device, repeats=5, warmup=1, on_point=lambda: bar.advance(task)))
