@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,11 +15,13 @@ from planner.costmodel.problem import topk_count
 from planner.kernels.hierarchical import HostGroups, hierarchical_all_reduce, hierarchical_topk_sum
 from planner.kernels.topk import all_gather_flat, pack
 from planner.models import Workload
+from planner.platform.memory import available_bytes
 from planner.platform.timing import median, time_call
 from planner.types import Collective
 
-__all__ = ["host_points", "host_topk_sizes", "host_union_ratio", "log_sizes", "measure_collectives",
-           "measure_host_topk", "measure_hosts", "measure_union_ratios", "overlapping_picks"]
+__all__ = ["TOPK_MEMORY_SHARE", "host_points", "host_topk_sizes", "host_union_ratio", "log_sizes",
+           "measure_collectives", "measure_host_topk", "measure_hosts", "measure_union_ratios", "overlapping_picks",
+           "topk_budget"]
 
 
 def log_sizes(smallest: int, largest: int, factor: int = 4) -> list[int]:
@@ -97,6 +100,26 @@ def _slowest_median(op: Callable[[], object], nbytes: int, device: torch.device,
     times = torch.tensor(samples, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # over every rank: the level is done when all its groups are
     return median(times.tolist())
+
+
+#: Share of the memory available to each worker on a host that one top-k point may take (`measure_topk`).
+TOPK_MEMORY_SHARE = 0.5
+
+
+def topk_budget(world_size: int, device: torch.device) -> int | None:
+    """Bytes one top-k point may take on every rank (the least over the ranks): `TOPK_MEMORY_SHARE` of the
+    memory available, shared by the workers of a host (on a GPU: of its free memory, its worker's alone); None
+    where it cannot be read. Every rank calls it."""
+    if device.type == "cuda":
+        mine: int | None = torch.cuda.mem_get_info(device)[0]
+        local = 1
+    else:
+        mine = available_bytes()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    budget = torch.tensor([-1 if mine is None else int(TOPK_MEMORY_SHARE * mine / max(1, local))],
+                          dtype=torch.int64, device=device)
+    dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+    return None if budget.item() < 0 else int(budget.item())
 
 
 def host_topk_sizes(sizes: Sequence[int], world_size: int, max_point_bytes: int | None) -> list[int]:

@@ -11,23 +11,30 @@ from __future__ import annotations
 
 import os
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from planner.contracts.fingerprint import ClusterInfo
-from planner.contracts.profile import FittedCurve, HostTiming
+from planner.contracts.profile import FittedCurve, HostTiming, Profile
 from planner.kernels.hierarchical import HostGroups
 from planner.platform.hosts import count_hosts, host_names, ranks_by_host
 from planner.platform.link import HOSTS_ENV, LinkRate, current_link
 from planner.platform.slowdown import current_slowdowns
 from planner.types import Collective
-from profilers.comm import log_sizes, measure_collectives, measure_hosts
+from profilers.comm import (
+    host_topk_sizes,
+    log_sizes,
+    measure_collectives,
+    measure_host_topk,
+    measure_hosts,
+    topk_budget,
+)
 
-__all__ = ["PROBE_COLLECTIVES", "Probed", "current_cluster", "device_name", "probe_hosts", "probe_network",
-           "probe_worker", "run_probe"]
+__all__ = ["PROBE_COLLECTIVES", "Probed", "TopkOverlaps", "current_cluster", "device_name", "probe_hosts",
+           "probe_network", "probe_worker", "run_probe"]
 
 PROBE_COLLECTIVES = (Collective.ALLREDUCE, Collective.ALLGATHER, Collective.BROADCAST)
 
@@ -49,15 +56,46 @@ def probe_network(
     )
 
 
-def probe_hosts(device: torch.device, *, largest_bytes: int = 4 << 20, repeats: int = 5) -> HostTiming | None:
+@dataclass(frozen=True)
+class TopkOverlaps:
+    """What the probe needs to time the hierarchical top-k exchange again: how much a host's picks overlap at
+    each density (a host's union over k, `HostTiming.union_ratios`), as measured on hosts of `per_host` ranks, and
+    the model's gradient size (elements), the largest the exchange is timed at. The overlap belongs to the model
+    and its data, so a probe reuses it; on hosts of another size it does not hold, and the probe leaves top-k out."""
+
+    per_host: int
+    ratios: dict[float, float]
+    numel: int
+
+    @classmethod
+    def of(cls, profile: Profile) -> TopkOverlaps | None:
+        """The overlaps `profile` measured (None: it measured none)."""
+        hosts = profile.hosts
+        if hosts is None or not hosts.topk:
+            return None
+        return cls(per_host=hosts.per_host, ratios=hosts.union_ratios(hosts.per_host), numel=profile.model.numel)
+
+
+def probe_hosts(device: torch.device, *, largest_bytes: int = 4 << 20, repeats: int = 5,
+                overlaps: TopkOverlaps | None = None) -> HostTiming | None:
     """The allreduce at each level of the hosts the default group's ranks run on (inside a host, across hosts,
     hierarchical; `profilers.comm.measure_hosts`) at the probe's sizes; None on one host, or on hosts of unequal
-    size (which no plan crosses hierarchically). Every rank of the default group calls it."""
+    size (which no plan crosses hierarchically). With `overlaps` measured on hosts of this size, the hierarchical
+    top-k exchange too, at each of its densities (`profilers.comm.measure_host_topk`), at gradients of 1 Ki
+    elements up to the model's (factor 16) that fit in memory. Every rank of the default group calls it."""
     layout = ranks_by_host(host_names())
     if len(layout) < 2 or len({len(h) for h in layout}) != 1:
         return None
+    groups = HostGroups.build(layout)
     sizes = log_sizes(1 << 10, largest_bytes, factor=16)
-    return measure_hosts(HostGroups.build(layout), sizes, device, repeats=repeats, warmup=1)
+    levels = measure_hosts(groups, sizes, device, repeats=repeats, warmup=1)
+    if overlaps is None or overlaps.per_host != groups.local_size or not overlaps.ratios:
+        return levels
+    world = dist.get_world_size()
+    numels = host_topk_sizes(log_sizes(1 << 10, max(overlaps.numel, 1 << 12), factor=16), world,
+                             topk_budget(world, device))
+    return replace(levels, topk=measure_host_topk(groups, numels, overlaps.ratios, device, repeats=repeats,
+                                                  warmup=1))
 
 
 def device_name(device: torch.device) -> str:
@@ -90,25 +128,26 @@ class Probed:
     hosts: HostTiming | None = None
 
 
-def probe_worker(rank: int, world_size: int, largest_bytes: int) -> Probed | None:
+def probe_worker(rank: int, world_size: int, largest_bytes: int,
+                 overlaps: TopkOverlaps | None = None) -> Probed | None:
     """Body run on every rank of an initialised default group; rank 0 returns what was measured."""
     from planner.platform.launch import device_for
 
     device = device_for(str(dist.get_backend()))
     curves = probe_network(device, largest_bytes=largest_bytes)
-    levels = probe_hosts(device, largest_bytes=largest_bytes)
+    levels = probe_hosts(device, largest_bytes=largest_bytes, overlaps=overlaps)
     hosts = count_hosts()
     return Probed(current_cluster(device, hosts=hosts), curves, levels) if rank == 0 else None
 
 
 def run_probe(
     nproc: int, backend: str = "auto", largest_bytes: int = 4 << 20, link: LinkRate | None = None,
-    hosts: int | None = None,
+    hosts: int | None = None, overlaps: TopkOverlaps | None = None,
 ) -> Probed | None:
     """Probe the network under torchrun (this process is one rank; only rank 0 gets the result, the others
     None) or on `nproc` local workers started here (spread over `hosts` emulated hosts, behind an emulated
-    `link` when given)."""
+    `link` when given); with `overlaps`, the hierarchical top-k exchange too (`probe_hosts`)."""
     from planner.platform.launch import resolve_backend, run_job
 
-    return run_job(probe_worker, nproc, largest_bytes, backend=resolve_backend(backend), timeout=600, link=link,
-                   hosts=hosts)
+    return run_job(probe_worker, nproc, largest_bytes, overlaps, backend=resolve_backend(backend), timeout=600,
+                   link=link, hosts=hosts)

@@ -92,11 +92,20 @@ def resolve_plan(
     if not distributed:
         return _retune(plan, profile, cluster, None, time_limit_s)
 
-    from profilers.probe import probe_hosts, probe_network
+    from planner.strategies.retune import load_source_profile
+    from profilers.probe import TopkOverlaps, probe_hosts, probe_network
 
     curves = probe_network(device, process_group=process_group) if probe else None
-    # Each host level too, so dense groups may cross hosts hierarchically (measured on the default group only).
-    levels = probe_hosts(device) if probe and process_group is None and host_count is None else None
+    # Each host level too, so groups may cross hosts hierarchically (measured on the default group only); the
+    # top-k exchange merged inside hosts at the overlaps the source profile measured (rank 0 reports a profile
+    # that cannot be loaded, below).
+    levels = None
+    if probe and process_group is None and host_count is None:
+        try:
+            overlaps = TopkOverlaps.of(load_source_profile(plan, profile))
+        except (PlannerError, OSError):
+            overlaps = None
+        levels = probe_hosts(device, overlaps=overlaps)
     payload: dict[str, Any] = {}
     if dist.get_rank(process_group) == 0:
         try:

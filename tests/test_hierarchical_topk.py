@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.commands.bench import plan_tag
+from planner.commands.cli import main
 from planner.commands.report import gantt_lanes
 from planner.contracts.plan import Plan
 from planner.contracts.profile import FittedCurve, HostTiming, HostTopk, Profile
@@ -34,6 +35,7 @@ from planner.strategies.problems import mixed_problem
 from planner.types import Collective, Compressor, CompressorKind, InvalidProfileError, Strategy
 from profilers.comm import host_union_ratio, measure_host_topk, measure_union_ratios, overlapping_picks
 from tests.factories import synthetic_profile
+from tests.test_hosts import _cli, _ours, needs_root
 from tests.test_mixed import brute_force
 
 SIZES = [1 << s for s in range(10, 27, 2)]
@@ -222,3 +224,68 @@ def test_the_profile_measures_the_overlap_of_picks_and_the_exchange_at_it() -> N
         for t in measured:  # one point per size, against one rank's message bytes (k values, k indices)
             assert [x for x, _ in t.exchange.points] == [8 * topk_count(n, t.density) for n in (4096, 65536)]
             assert all(s > 0 for _, s in t.exchange.points)
+
+
+def _with_densities(profile: Profile, densities: tuple[float, ...]) -> Profile:
+    """`profile` with its top-k selection measured at `densities` only (fewer exchanges to time)."""
+    assert profile.topk is not None
+    select = tuple(p for p in profile.topk.select if p[1] in densities)
+    return dataclasses.replace(profile, topk=dataclasses.replace(profile.topk, select=select))
+
+
+def test_a_profile_gives_the_overlaps_it_measured_to_hosts_of_the_same_size_only() -> None:
+    from profilers.probe import TopkOverlaps
+
+    profile = _two_hosts((_topk_at(0.01, 1e-4, 1e-9, ratio=1.37), _topk_at(0.1, 1e-4, 1e-9, ratio=1.9)))
+    assert profile.hosts is not None
+    assert profile.hosts.union_ratios(2) == {0.01: 1.37, 0.1: 1.9}
+    assert profile.hosts.union_ratios(4) == {}  # on hosts of another size the overlap is another one
+    overlaps = TopkOverlaps.of(profile)
+    assert overlaps == TopkOverlaps(per_host=2, ratios={0.01: 1.37, 0.1: 1.9}, numel=profile.model.numel)
+    assert TopkOverlaps.of(_two_hosts()) is None
+
+
+@needs_root
+def test_only_comm_on_two_hosts_times_the_top_k_exchange_again_at_the_overlaps_it_has(tmp_path: Path) -> None:
+    # Measured on hosts of 2 at 0.01: reused as it is. Not measured at 0.1: measured on the model given.
+    out = tmp_path / "p.json"
+    _with_densities(_two_hosts((_topk_at(0.01, 1e-4, 1e-9, ratio=1.37),)), (0.01, 0.1)).save(out)
+    proc = _cli("profile", "--model", "mlp", "--nproc", "4", "--hosts", "2", "--only", "comm", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    new = Profile.load(out)
+    assert new.hosts is not None and [t.density for t in new.hosts.topk] == [0.01, 0.1]
+    reused, measured = new.hosts.topk
+    assert reused.union_ratio == 1.37 and 1.0 <= measured.union_ratio <= 2.0
+    for t in new.hosts.topk:  # timed again on this network: not the made-up curve
+        assert t.exchange.points != _curve(1e-4, 1e-9).points and all(s > 0 for _, s in t.exchange.points)
+    assert "did not time the top-k exchange" not in proc.stderr
+    # A profile measured on one host, re-measured on 2 with --model of another model: no overlap to time at.
+    one_host = _with_densities(synthetic_profile("mlp", world_size=4), (0.01,))
+    one_host.save(out)
+    proc = _cli("profile", "--model", "cnn", "--nproc", "4", "--hosts", "2", "--only", "comm", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert Profile.load(out).hosts is not None and Profile.load(out).hosts.topk == ()  # type: ignore[union-attr]
+    note = [line for line in proc.stderr.splitlines() if "did not time the top-k exchange" in line]
+    assert len(note) == 1 and "densities 0.01" in note[0] and "--model cnn is not the profiled model" in note[0]
+    assert _ours() == []
+
+
+@needs_root
+def test_retune_on_two_hosts_times_the_top_k_exchange_at_the_profiles_overlap_or_says_why_not(
+        tmp_path: Path) -> None:
+    prof, plan, new = tmp_path / "prof.json", tmp_path / "plan.json", tmp_path / "new.json"
+    _two_hosts((_topk_at(0.01, 1e-4, 1e-9, ratio=1.37),)).save(prof)
+    assert main(["solve", str(prof), "--strategy", "topk", "--density", "0.01", "-o", str(plan)]) == 0
+    proc = _cli("retune", str(plan), "--nproc", "4", "--hosts", "2", "-o", str(new))
+    assert proc.returncode == 0, proc.stderr
+    assert "top-k merged inside hosts, at the profile's overlap of picks: density 0.01 (union 1.37 k)" in proc.stdout
+    retuned = Plan.load(new)
+    assert ALL_HIERARCHICAL in retuned.baselines  # the way across hosts was a choice for every group
+    # From a profile of one host, the overlap on hosts of 2 is unknown: top-k crosses flat, and retune says so.
+    synthetic_profile("mlp", world_size=4).save(prof)
+    assert main(["solve", str(prof), "--strategy", "topk", "--density", "0.01", "-o", str(plan)]) == 0
+    proc = _cli("retune", str(plan), "--nproc", "4", "--hosts", "2", "-o", str(new))
+    assert proc.returncode == 0, proc.stderr
+    assert "note: top-k groups cross hosts flat" in proc.stderr and "hosts of 2 workers" in proc.stderr
+    assert ALL_HIERARCHICAL not in Plan.load(new).baselines
+    assert _ours() == []

@@ -31,6 +31,7 @@ from profilers.comm import (
     measure_host_topk,
     measure_hosts,
     measure_union_ratios,
+    topk_budget,
 )
 from profilers.compress import DEFAULT_POWERSGD_RANKS, compress_points, measure_compress
 from profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_interference
@@ -91,26 +92,6 @@ class ProfileConfig:
     hosts: int | None = None  # emulated hosts the local workers are spread over (`--hosts`)
 
 
-#: Share of the memory available to each worker on a host that one top-k point may take (`measure_topk`).
-TOPK_MEMORY_SHARE = 0.5
-
-
-def topk_budget(world_size: int, device: torch.device) -> int | None:
-    """Bytes one top-k point may take on every rank (the least over the ranks): `TOPK_MEMORY_SHARE` of the
-    memory available, shared by the workers of a host (on a GPU: of its free memory, its worker's alone); None
-    where it cannot be read. Every rank calls it."""
-    if device.type == "cuda":
-        mine: int | None = torch.cuda.mem_get_info(device)[0]
-        local = 1
-    else:
-        mine = available_bytes()
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    budget = torch.tensor([-1 if mine is None else int(TOPK_MEMORY_SHARE * mine / max(1, local))],
-                          dtype=torch.int64, device=device)
-    dist.all_reduce(budget, op=dist.ReduceOp.MIN)
-    return None if budget.item() < 0 else int(budget.item())
-
-
 def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile | None:
     """Body run on every rank of an initialised process group; rank 0 returns the profile."""
     backend = dist.get_backend()
@@ -167,6 +148,15 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             host_timing = measure_hosts(groups, sizes, device, repeats=config.comm_repeats, warmup=2,
                                         on_point=lambda: bar.advance(task))
         topk = pack = interference = in_situ = compress = None
+        if host_timing is not None and groups is not None:  # the top-k exchange merged inside each host,
+            ratios = (measure_union_ratios(workload, groups, config.densities, device)  # at the picks' real overlap
+                      if not config.only_comm else _known_union_ratios(config, groups, device))
+            if ratios:
+                memory.begin("hierarchical top-k")
+                fitting = host_topk_sizes(topk_sizes, world_size, topk_budget(world_size, device))
+                task = bar.add_task("top-k merged inside hosts", total=len(ratios) * len(fitting))
+                host_timing = replace(host_timing, topk=measure_host_topk(
+                    groups, fitting, ratios, device, repeats=5, warmup=1, on_point=lambda: bar.advance(task)))
         if not config.only_comm:
             memory.begin("top-k")
             task = bar.add_task("top-k selection and decode", total=len(config.densities) * len(topk_sizes))
@@ -174,13 +164,6 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                 topk_sizes, config.densities, world_size, device, repeats=5, warmup=1,
                 max_point_bytes=topk_budget(world_size, device), on_point=lambda: bar.advance(task),
             )
-            if host_timing is not None and groups is not None:  # the top-k exchange merged inside each host,
-                memory.begin("hierarchical top-k")                 # at the picks' real overlap
-                ratios = measure_union_ratios(workload, groups, config.densities, device)
-                fitting = host_topk_sizes(topk_sizes, world_size, topk_budget(world_size, device))
-                task = bar.add_task("top-k merged inside hosts", total=len(ratios) * len(fitting))
-                host_timing = replace(host_timing, topk=measure_host_topk(
-                    groups, fitting, ratios, device, repeats=5, warmup=1, on_point=lambda: bar.advance(task)))
             task = bar.add_task("packing", total=len(topk_sizes))
             pack = measure_packing(topk_sizes, world_size, device, repeats=5, warmup=1,
                                    on_point=lambda: bar.advance(task))
@@ -269,6 +252,35 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         peak_memory=peak_memory or None,
         hosts=host_timing,
     )
+
+
+def _known_union_ratios(config: ProfileConfig, groups: HostGroups, device: torch.device) -> dict[float, float]:
+    """For `--only comm`: how much a host's top-k picks overlap at each density of the base profile's top-k
+    measurements, so that the hierarchical top-k exchange is timed again on the new network. The overlap belongs
+    to the model and its data: it is the base profile's where that was measured on hosts of as many ranks, else
+    measured on the model given as --model when it is the profile's (never the one the file names: loading a
+    profile runs no code); densities of neither are left out (`skipped_topk_densities`). Every rank calls it."""
+    base = config.base
+    assert base is not None
+    if base.topk is None:
+        return {}
+    wanted = base.topk.densities()
+    known = base.hosts.union_ratios(groups.local_size) if base.hosts is not None else {}
+    missing = [d for d in wanted if d not in known]
+    if missing:
+        workload = build_workload(config.model, batch_size=base.batch_size)
+        if model_info(workload.module, config.model).fingerprint == base.model.fingerprint:
+            known = {**known, **measure_union_ratios(workload, groups, missing, device)}
+        del workload
+    return {d: known[d] for d in wanted if d in known}
+
+
+def skipped_topk_densities(base: Profile, new: Profile) -> list[float]:
+    """The densities of `base`'s top-k measurements at which `--only comm` could not time the hierarchical top-k
+    exchange on `new`'s hosts (`_known_union_ratios`), so top-k groups there cross hosts flat."""
+    if new.hosts is None or base.topk is None:
+        return []
+    return [d for d in base.topk.densities() if new.hosts.topk_at(d) is None]
 
 
 def memory_floor(model_bytes: int, world_size: int) -> int:

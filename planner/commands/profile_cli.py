@@ -53,7 +53,7 @@ class ProfileCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.commands.profile import ProfileConfig, run_profile
+        from planner.commands.profile import ProfileConfig, run_profile, skipped_topk_densities
         from planner.contracts.profile import Profile
 
         if args.kfac_skip is not None:
@@ -82,6 +82,14 @@ class ProfileCommand(Command):
         profile = run_profile(config)
         profile.save(args.output)
         print_profile(profile)
+        skipped = skipped_topk_densities(base, profile) if base is not None else []
+        if config.only_comm and skipped:
+            err_console.print(
+                f"note: --only comm did not time the top-k exchange merged inside hosts at densities "
+                f"{', '.join(f'{d:g}' for d in skipped)}: how much a host's picks overlap was not measured on hosts "
+                f"of {profile.hosts.per_host if profile.hosts else '?'} workers, and --model {args.model} is not "
+                "the profiled model, so top-k groups cross hosts flat; pass the profile's --model, or profile again "
+                "without --only", markup=False, soft_wrap=True)
         if config.only_comm and profile.interference:
             err_console.print("note: --only comm kept the interference measured with the old network; profile "
                               "again without --only to measure it on this one", markup=False)

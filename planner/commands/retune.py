@@ -9,9 +9,9 @@ from rich.table import Table
 
 from planner.commands.common import CLUSTER_HELP, Command, _add_hosts, _add_link, _positive, check_hosts
 from planner.commands.printing import _ms, print_plan
-from planner.console import console
+from planner.console import console, err_console
 from planner.contracts.jsonio import check_output_path
-from planner.types import PlannerError
+from planner.types import PlannerError, Strategy
 
 
 class RetuneCommand(Command):
@@ -64,12 +64,13 @@ class RetuneCommand(Command):
         elif args.no_probe:
             current = profile
         else:
-            from profilers.probe import run_probe
+            from profilers.probe import TopkOverlaps, run_probe
 
             nproc = args.nproc or plan.cluster.world_size
             where = f" on {args.hosts} emulated hosts" if args.hosts else ""
+            overlaps = TopkOverlaps.of(profile)
             with console.status(f"probing the network on {nproc} workers{where}"):
-                probed = run_probe(nproc, args.backend, link=args.link, hosts=args.hosts)
+                probed = run_probe(nproc, args.backend, link=args.link, hosts=args.hosts, overlaps=overlaps)
             if probed is None:  # a torchrun rank other than 0: rank 0 reports
                 return 0
             current = current_profile(profile, cluster=probed.cluster, collectives=probed.collectives,
@@ -82,6 +83,16 @@ class RetuneCommand(Command):
                          ("hierarchical", levels.hierarchical)]
                 console.print("allreduce " + "; ".join(f"{name} {_link(curve)}" for name, curve in named
                                                        if curve is not None))
+                if levels.topk:
+                    console.print("top-k merged inside hosts, at the profile's overlap of picks: " + "; ".join(
+                        f"density {t.density:g} (union {t.union_ratio:.2f} k) {_link(t.exchange)}"
+                        for t in levels.topk))
+                elif profile.topk is not None and plan.strategy is not Strategy.DENSE:
+                    measured = "" if overlaps is None else f" (it measured hosts of {overlaps.per_host})"
+                    err_console.print(
+                        f"note: top-k groups cross hosts flat: the profile did not measure how much a host's picks "
+                        f"overlap on hosts of {levels.per_host} workers{measured}; to plan them hierarchically, "
+                        "profile on such hosts (planner profile --hosts)", markup=False, soft_wrap=True)
         new = retune_plan(plan, current, cluster=current.cluster, time_limit_s=args.time_limit)
         new = replace(new, source_profile=plan.source_profile if args.profile is None else str(args.profile))
         changes = compare_plans(plan, new, current)

@@ -886,6 +886,12 @@ class HostTiming:
         """The hierarchical top-k exchange measured at `density` (None: not measured there)."""
         return next((t for t in self.topk if math.isclose(t.density, density, rel_tol=1e-9)), None)
 
+    def union_ratios(self, per_host: int) -> dict[float, float]:
+        """The host's union of top-k picks over k at each measured density, where it holds for hosts of `per_host`
+        ranks (it was measured on such hosts; empty otherwise). It depends on the model and its data, not on the
+        network, so a re-measurement of the network times the exchange again at these overlaps."""
+        return {t.density: t.union_ratio for t in self.topk} if per_host == self.per_host else {}
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ranks": [list(h) for h in self.ranks],
                                "intra": None if self.intra is None else self.intra.to_dict(),
