@@ -11,6 +11,7 @@ same error instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -97,15 +98,12 @@ def resolve_plan(
 
     curves = probe_network(device, process_group=process_group) if probe else None
     # Each host level too, so groups may cross hosts hierarchically (measured on the default group only); the
-    # top-k exchange merged inside hosts at the overlaps the source profile measured (rank 0 reports a profile
-    # that cannot be loaded, below).
+    # top-k exchange merged inside hosts at the overlaps the source profile measured.
     levels = None
     if probe and process_group is None and host_count is None:
-        try:
-            overlaps = TopkOverlaps.of(load_source_profile(plan, profile))
-        except (PlannerError, OSError):
-            overlaps = None
-        levels = probe_hosts(device, overlaps=overlaps)
+        with contextlib.suppress(PlannerError, OSError):  # rank 0 reports it below
+            profile = load_source_profile(plan, profile)  # read once: rank 0 re-solves from it below
+        levels = probe_hosts(device, overlaps=TopkOverlaps.of(profile) if isinstance(profile, Profile) else None)
     payload: dict[str, Any] = {}
     if dist.get_rank(process_group) == 0:
         try:
