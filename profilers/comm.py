@@ -19,9 +19,9 @@ from planner.platform.memory import available_bytes
 from planner.platform.timing import median, time_call
 from planner.types import Collective
 
-__all__ = ["TOPK_MEMORY_SHARE", "host_points", "host_topk_sizes", "host_union_ratio", "log_sizes",
-           "measure_collectives", "measure_host_topk", "measure_hosts", "measure_union_ratios", "overlapping_picks",
-           "topk_budget"]
+__all__ = ["TOPK_MEMORY_SHARE", "collective_runs", "host_runs", "host_topk_sizes", "host_union_ratio",
+           "interleaved_visits", "log_sizes", "measure_collectives", "measure_host_topk", "measure_hosts",
+           "measure_union_ratios", "overlapping_picks", "topk_budget"]
 
 
 def log_sizes(smallest: int, largest: int, factor: int = 4) -> list[int]:
@@ -34,20 +34,66 @@ def log_sizes(smallest: int, largest: int, factor: int = 4) -> list[int]:
         s *= factor
 
 
-def _op(coll: Collective, nbytes: int, device: torch.device, group: Any = None) -> Callable[[], object]:
-    n = max(1, nbytes // 4)
-    x = torch.ones(n, device=device)
+def _op(coll: Collective, x: torch.Tensor, gathered: torch.Tensor | None,
+        group: Any = None) -> Callable[[], object]:
+    """One run of `coll` on the message `x` (`gathered`: the allgather's output, world size times `x`)."""
     match coll:
         case Collective.ALLREDUCE:
             return lambda: dist.all_reduce(x, group=group)
         case Collective.ALLGATHER:
-            out = torch.empty(n * dist.get_world_size(group), device=device)
-            return lambda: all_gather_flat(out, x, group=group)
+            assert gathered is not None
+            return lambda: all_gather_flat(gathered, x, group=group)
         case Collective.BROADCAST:
             src = dist.get_global_rank(group, 0) if group is not None else 0
             return lambda: dist.broadcast(x, src=src, group=group)
         case _:
             raise ValueError(f"unknown collective {coll!r}")
+
+
+def _repetitions(nbytes: int, repeats: int) -> int:
+    """Timed runs at a message of `nbytes`: fewer from 16 MiB up, where a run is slow and steady."""
+    return repeats if nbytes < (16 << 20) else max(3, repeats // 2)
+
+
+def interleaved_visits(counts: Sequence[int], warmup: int) -> list[tuple[int, bool]]:
+    """The order in which `_interleaved_medians` runs its points: (point index, timed) for `warmup` untimed
+    rounds over every point, then rounds in which point i is timed `counts[i]` times in all, spread evenly.
+
+    Rounds over the points, rather than every run of one point in a row, spread a slow spell of a shared
+    machine over every point (a few runs of each) instead of bending the few points it fell on, which the
+    affine fit then carries to every size."""
+    rounds = max(counts, default=0)
+    order = [(i, False) for _ in range(warmup) for i in range(len(counts))]
+    for r in range(rounds):
+        order += [(i, True) for i, c in enumerate(counts) if (r + 1) * c // rounds > r * c // rounds]
+    return order
+
+
+def _interleaved_medians(ops: Sequence[Callable[[], object]], counts: Sequence[int], device: torch.device, *,
+                         warmup: int, process_group: Any = None,
+                         on_run: Callable[[], object] = lambda: None) -> list[float]:
+    """The median over runs of each of `ops` of the slowest rank's seconds, run in `interleaved_visits` order
+    (`counts[i]` timed runs of `ops[i]`), each run started together after a barrier. Every rank of
+    `process_group` calls it; `on_run()` after every run."""
+    samples: list[list[float]] = [[] for _ in ops]
+    for i, timed in interleaved_visits(counts, warmup):
+        dist.barrier(group=process_group)
+        t = time_call(ops[i], device, repeats=1, warmup=0)[0]
+        if timed:
+            samples[i].append(t)
+        on_run()
+    flat = torch.tensor([t for s in samples for t in s], dtype=torch.float64, device=device)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=process_group)  # a run is over when it is over everywhere
+    out, start = [], 0
+    for s in samples:
+        out.append(median(flat[start:start + len(s)].tolist()))
+        start += len(s)
+    return out
+
+
+def collective_runs(collectives: int, sizes: Sequence[int], *, repeats: int, warmup: int) -> int:
+    """How many runs `measure_collectives` makes (for a progress bar: it calls `on_run` after each)."""
+    return collectives * sum(warmup + _repetitions(b, repeats) for b in sizes)
 
 
 def measure_collectives(
@@ -57,34 +103,32 @@ def measure_collectives(
     *,
     repeats: int,
     warmup: int,
-    on_point: Callable[[], object] = lambda: None,
+    on_run: Callable[[], object] = lambda: None,
     process_group: Any = None,
 ) -> dict[Collective, FittedCurve]:
-    """Median seconds of each collective at each size (slowest rank per repetition), with the affine fit.
+    """Median seconds of each collective at each size (slowest rank per run), with the affine fit.
 
-    A barrier precedes every repetition so that ranks start together; the time of a repetition is the
-    largest over ranks, since a collective is over only when it is over everywhere. `process_group`:
-    the group to measure (default: the default group).
+    A barrier precedes every run so that ranks start together; the time of a run is the largest over ranks,
+    since a collective is over only when it is over everywhere. The runs go in rounds over every collective
+    and size (`interleaved_visits`), on slices of one buffer per collective (zeros: a sum of them stays
+    finite however many runs). `process_group`: the group to measure (default: the default group).
     """
-    out = {}
+    largest = max(1, max(sizes) // 4)
+    world = dist.get_world_size(process_group)
+    x = torch.zeros(largest, device=device)
+    gathered = torch.empty(largest * world, device=device) if Collective.ALLGATHER in collectives else None
+    keys, ops, counts = [], [], []
     for coll in collectives:
-        points = []
         for nbytes in sizes:
-            op = _op(coll, nbytes, device, process_group)
-            samples = []
-            # Large messages: fewer repetitions, they are slow and stable.
-            reps = repeats if nbytes < (16 << 20) else max(3, repeats // 2)
-            for i in range(warmup + reps):
-                dist.barrier(group=process_group)
-                t = time_call(op, device, repeats=1, warmup=0)[0]
-                if i >= warmup:
-                    samples.append(t)
-            times = torch.tensor(samples, dtype=torch.float64, device=device)
-            dist.all_reduce(times, op=dist.ReduceOp.MAX, group=process_group)
-            points.append((int(max(4, nbytes // 4 * 4)), median(times.tolist())))
-            on_point()
-        out[coll] = FittedCurve.fit(points)
-    return out
+            n = max(1, nbytes // 4)
+            keys.append((coll, int(max(4, nbytes // 4 * 4))))
+            ops.append(_op(coll, x[:n], None if gathered is None else gathered[:n * world], process_group))
+            counts.append(_repetitions(nbytes, repeats))
+    seconds = _interleaved_medians(ops, counts, device, warmup=warmup, process_group=process_group, on_run=on_run)
+    points: dict[Collective, list[tuple[int, float]]] = {c: [] for c in collectives}
+    for (coll, nbytes), t in zip(keys, seconds, strict=True):
+        points[coll].append((nbytes, t))
+    return {coll: FittedCurve.fit(pts) for coll, pts in points.items()}
 
 
 def _slowest_median(op: Callable[[], object], nbytes: int, device: torch.device, *, repeats: int,
@@ -92,7 +136,7 @@ def _slowest_median(op: Callable[[], object], nbytes: int, device: torch.device,
     """The median over runs of `op` of the slowest rank's seconds (every rank of the default group calls it,
     each run started together after a barrier); fewer runs from 16 MiB up."""
     samples = []
-    for i in range(warmup + (repeats if nbytes < (16 << 20) else max(3, repeats // 2))):
+    for i in range(warmup + _repetitions(nbytes, repeats)):
         dist.barrier()
         t = time_call(op, device, repeats=1, warmup=0)[0]
         if i >= warmup:
@@ -129,9 +173,14 @@ def host_topk_sizes(sizes: Sequence[int], world_size: int, max_point_bytes: int 
             if max_point_bytes is None or n == sizes[0] or 4 * n * (1 + 4 * (world_size + 2)) <= max_point_bytes]
 
 
-def host_points(sizes: Sequence[int], layout: Sequence[Sequence[int]]) -> int:
-    """How many points `measure_hosts` measures (for a progress bar)."""
-    return len(sizes) * (3 if len(layout[0]) > 1 else 2)
+def _host_levels(layout: Sequence[Sequence[int]]) -> int:
+    """The curves `measure_hosts` times: inside a host (when a host has more than one rank), across, end to end."""
+    return 3 if len(layout[0]) > 1 else 2
+
+
+def host_runs(sizes: Sequence[int], layout: Sequence[Sequence[int]], *, repeats: int, warmup: int) -> int:
+    """How many runs `measure_hosts` makes (for a progress bar: it calls `on_run` after each)."""
+    return collective_runs(_host_levels(layout), sizes, repeats=repeats, warmup=warmup)
 
 
 def measure_hosts(
@@ -141,37 +190,42 @@ def measure_hosts(
     *,
     repeats: int,
     warmup: int,
-    on_point: Callable[[], object] = lambda: None,
+    on_run: Callable[[], object] = lambda: None,
 ) -> HostTiming:
     """The allreduce at each level of the hosts of `groups` (two or more hosts of equal size): inside
     each host (all hosts at once, as a hierarchical allreduce runs them), across hosts among the ranks of each
     local index (all at once), and the hierarchical allreduce end to end over the default group; each the
-    slowest rank's median, at every size in `sizes` (bytes of the whole message per rank).
+    slowest rank's median, at every size in `sizes` (bytes of the whole message per rank), in rounds over
+    every level and size (`interleaved_visits`).
 
     Every rank of the default group calls it. The cross-host curve is timed at the size of one shard of the
     hierarchical allreduce's middle step (bytes / ranks per host), and recorded against the whole message's
     bytes, so all three curves share one axis."""
     per_host = groups.local_size
-
-    def timed(op: Callable[[], object], nbytes: int) -> float:
-        return _slowest_median(op, nbytes, device, repeats=repeats, warmup=warmup)
-
-    curves: dict[str, list[tuple[int, float]]] = {"intra": [], "inter": [], "hierarchical": []}
-    for nbytes in sizes:
-        n = max(1, nbytes // 4)
-        whole = int(max(4, nbytes // 4 * 4))
-        x, shard = torch.ones(n, device=device), torch.ones(max(1, -(-n // per_host)), device=device)
-
-        intra = functools.partial(dist.all_reduce, x, group=groups.local)
-        inter = functools.partial(dist.all_reduce, shard, group=groups.cross)
-        hierarchical = functools.partial(hierarchical_all_reduce, x, groups)
-        levels = [("intra", intra)] if groups.local is not None else []
-        for name, op in [*levels, ("inter", inter), ("hierarchical", hierarchical)]:
-            curves[name].append((whole, timed(op, nbytes)))
-            on_point()
+    largest = max(1, max(sizes) // 4)
+    x, shard = torch.zeros(largest, device=device), torch.zeros(-(-largest // per_host), device=device)
+    names = ["intra", "inter", "hierarchical"] if groups.local is not None else ["inter", "hierarchical"]
+    keys, ops, counts = [], [], []
+    for name in names:
+        for nbytes in sizes:
+            n = max(1, nbytes // 4)
+            match name:
+                case "intra":
+                    op = functools.partial(dist.all_reduce, x[:n], group=groups.local)
+                case "inter":
+                    op = functools.partial(dist.all_reduce, shard[:-(-n // per_host)], group=groups.cross)
+                case _:
+                    op = functools.partial(hierarchical_all_reduce, x[:n], groups)
+            keys.append((name, int(max(4, nbytes // 4 * 4))))
+            ops.append(op)
+            counts.append(_repetitions(nbytes, repeats))
+    seconds = _interleaved_medians(ops, counts, device, warmup=warmup, on_run=on_run)
+    curves: dict[str, list[tuple[int, float]]] = {name: [] for name in names}
+    for (name, whole), t in zip(keys, seconds, strict=True):
+        curves[name].append((whole, t))
     return HostTiming(ranks=groups.hosts, inter=FittedCurve.fit(curves["inter"]),
                       hierarchical=FittedCurve.fit(curves["hierarchical"]),
-                      intra=FittedCurve.fit(curves["intra"]) if curves["intra"] else None)
+                      intra=FittedCurve.fit(curves["intra"]) if "intra" in curves else None)
 
 
 def host_union_ratio(grad: torch.Tensor, density: float, groups: HostGroups) -> float:

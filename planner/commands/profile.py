@@ -24,7 +24,8 @@ from planner.platform.memory import PhaseMemory, available_bytes
 from planner.platform.slowdown import Slowdown
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import (
-    host_points,
+    collective_runs,
+    host_runs,
     host_topk_sizes,
     log_sizes,
     measure_collectives,
@@ -136,17 +137,19 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             throughput = WorkerThroughput(batch_sizes=sizes_tp,
                                           step_s=tuple(tuple(row) for row in every))  # type: ignore[arg-type]
         memory.begin("collectives")
-        task = bar.add_task("collectives", total=len(colls) * len(sizes))
+        task = bar.add_task("collectives", total=collective_runs(len(colls), sizes, repeats=config.comm_repeats,
+                                                                 warmup=2))
         curves = measure_collectives(
-            colls, sizes, device, repeats=config.comm_repeats, warmup=2, on_point=lambda: bar.advance(task)
+            colls, sizes, device, repeats=config.comm_repeats, warmup=2, on_run=lambda: bar.advance(task)
         )
         layout = ranks_by_host(host_names())
         host_timing = groups = None
         if len(layout) > 1 and len({len(h) for h in layout}) == 1:  # hosts of equal size: every level too
             groups = HostGroups.build(layout)
-            task = bar.add_task("allreduce inside, across and over hosts", total=host_points(sizes, layout))
+            task = bar.add_task("allreduce inside, across and over hosts",
+                                total=host_runs(sizes, layout, repeats=config.comm_repeats, warmup=2))
             host_timing = measure_hosts(groups, sizes, device, repeats=config.comm_repeats, warmup=2,
-                                        on_point=lambda: bar.advance(task))
+                                        on_run=lambda: bar.advance(task))
         topk = pack = interference = in_situ = compress = None
         if host_timing is not None and groups is not None:  # the top-k exchange merged inside each host,
             ratios = (measure_union_ratios(workload, groups, config.densities, device)  # at the picks' real overlap
