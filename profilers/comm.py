@@ -16,7 +16,7 @@ from planner.kernels.hierarchical import HostGroups, hierarchical_all_reduce, hi
 from planner.kernels.topk import all_gather_flat, pack
 from planner.models import Workload
 from planner.platform.memory import available_bytes
-from planner.platform.timing import median, time_call
+from planner.platform.timing import time_call
 from planner.types import Collective
 
 __all__ = ["TOPK_MEMORY_SHARE", "collective_runs", "host_runs", "host_topk_sizes", "host_union_ratio",
@@ -56,7 +56,7 @@ def _repetitions(nbytes: int, repeats: int) -> int:
 
 
 def interleaved_visits(counts: Sequence[int], warmup: int) -> list[tuple[int, bool]]:
-    """The order in which `_interleaved_medians` runs its points: (point index, timed) for `warmup` untimed
+    """The order in which `_interleaved_means` runs its points: (point index, timed) for `warmup` untimed
     rounds over every point, then rounds in which point i is timed `counts[i]` times in all, spread evenly.
 
     Rounds over the points, rather than every run of one point in a row, spread a slow spell of a shared
@@ -69,12 +69,19 @@ def interleaved_visits(counts: Sequence[int], warmup: int) -> list[tuple[int, bo
     return order
 
 
-def _interleaved_medians(ops: Sequence[Callable[[], object]], counts: Sequence[int], device: torch.device, *,
+def _interleaved_means(ops: Sequence[Callable[[], object]], counts: Sequence[int], device: torch.device, *,
                          warmup: int, process_group: Any = None,
                          on_run: Callable[[], object] = lambda: None) -> list[float]:
-    """The median over runs of each of `ops` of the slowest rank's seconds, run in `interleaved_visits` order
+    """The mean over runs of each of `ops` of the slowest rank's seconds, run in `interleaved_visits` order
     (`counts[i]` timed runs of `ops[i]`), each run started together after a barrier. Every rank of
-    `process_group` calls it; `on_run()` after every run."""
+    `process_group` calls it; `on_run()` after every run.
+
+    The mean, not the median: a step's communication is a sum of collectives, whose expected time is the sum
+    of their means. On a shared CPU machine a collective's time is bimodal (over loopback about 0.6 ms, or
+    3-5 ms on both ranks in a third of the runs), and the median flips between the two from one profile to the
+    next. A sequence of ten allreduces (`benchmarks/collective_statistic.py`, 14 rounds on 2 workers) was
+    predicted within 15% on average by the sum of means, 23% by the sum of medians; the mean was closer in 10 of
+    the 14 rounds."""
     samples: list[list[float]] = [[] for _ in ops]
     for i, timed in interleaved_visits(counts, warmup):
         dist.barrier(group=process_group)
@@ -86,7 +93,7 @@ def _interleaved_medians(ops: Sequence[Callable[[], object]], counts: Sequence[i
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=process_group)  # a run is over when it is over everywhere
     out, start = [], 0
     for s in samples:
-        out.append(median(flat[start:start + len(s)].tolist()))
+        out.append(sum(flat[start:start + len(s)].tolist()) / max(1, len(s)))
         start += len(s)
     return out
 
@@ -106,7 +113,7 @@ def measure_collectives(
     on_run: Callable[[], object] = lambda: None,
     process_group: Any = None,
 ) -> dict[Collective, FittedCurve]:
-    """Median seconds of each collective at each size (slowest rank per run), with the affine fit.
+    """Mean seconds of each collective at each size (slowest rank per run), with the affine fit.
 
     A barrier precedes every run so that ranks start together; the time of a run is the largest over ranks,
     since a collective is over only when it is over everywhere. The runs go in rounds over every collective
@@ -124,17 +131,18 @@ def measure_collectives(
             keys.append((coll, int(max(4, nbytes // 4 * 4))))
             ops.append(_op(coll, x[:n], None if gathered is None else gathered[:n * world], process_group))
             counts.append(_repetitions(nbytes, repeats))
-    seconds = _interleaved_medians(ops, counts, device, warmup=warmup, process_group=process_group, on_run=on_run)
+    seconds = _interleaved_means(ops, counts, device, warmup=warmup, process_group=process_group, on_run=on_run)
     points: dict[Collective, list[tuple[int, float]]] = {c: [] for c in collectives}
     for (coll, nbytes), t in zip(keys, seconds, strict=True):
         points[coll].append((nbytes, t))
     return {coll: FittedCurve.fit(pts) for coll, pts in points.items()}
 
 
-def _slowest_median(op: Callable[[], object], nbytes: int, device: torch.device, *, repeats: int,
+def _slowest_mean(op: Callable[[], object], nbytes: int, device: torch.device, *, repeats: int,
                     warmup: int) -> float:
-    """The median over runs of `op` of the slowest rank's seconds (every rank of the default group calls it,
-    each run started together after a barrier); fewer runs from 16 MiB up."""
+    """The mean over runs of `op` of the slowest rank's seconds (every rank of the default group calls it,
+    each run started together after a barrier; the mean for the reason `_interleaved_means` gives); fewer runs
+    from 16 MiB up."""
     samples = []
     for i in range(warmup + _repetitions(nbytes, repeats)):
         dist.barrier()
@@ -143,7 +151,7 @@ def _slowest_median(op: Callable[[], object], nbytes: int, device: torch.device,
             samples.append(t)
     times = torch.tensor(samples, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # over every rank: the level is done when all its groups are
-    return median(times.tolist())
+    return float(times.mean().item())
 
 
 #: Share of the memory available to each worker on a host that one top-k point may take (`measure_topk`).
@@ -195,7 +203,7 @@ def measure_hosts(
     """The allreduce at each level of the hosts of `groups` (two or more hosts of equal size): inside
     each host (all hosts at once, as a hierarchical allreduce runs them), across hosts among the ranks of each
     local index (all at once), and the hierarchical allreduce end to end over the default group; each the
-    slowest rank's median, at every size in `sizes` (bytes of the whole message per rank), in rounds over
+    slowest rank's mean, at every size in `sizes` (bytes of the whole message per rank), in rounds over
     every level and size (`interleaved_visits`).
 
     Every rank of the default group calls it. The cross-host curve is timed at the size of one shard of the
@@ -219,7 +227,7 @@ def measure_hosts(
             keys.append((name, int(max(4, nbytes // 4 * 4))))
             ops.append(op)
             counts.append(_repetitions(nbytes, repeats))
-    seconds = _interleaved_medians(ops, counts, device, warmup=warmup, on_run=on_run)
+    seconds = _interleaved_means(ops, counts, device, warmup=warmup, on_run=on_run)
     curves: dict[str, list[tuple[int, float]]] = {name: [] for name in names}
     for (name, whole), t in zip(keys, seconds, strict=True):
         curves[name].append((whole, t))
@@ -286,7 +294,7 @@ def measure_host_topk(
 ) -> tuple[HostTopk, ...]:
     """The hierarchical top-k exchange (`hierarchical_topk_sum`) at each density of `ratios` (density -> the
     host's union over k measured on real gradients, `host_union_ratio`), at gradients of `sizes` elements, with
-    picks overlapping as much (`overlapping_picks`); each the slowest rank's median against the bytes of one
+    picks overlapping as much (`overlapping_picks`); each the slowest rank's mean against the bytes of one
     rank's message (k values, k indices). Every rank of the default group calls it."""
     world = dist.get_world_size()
     out = []
@@ -299,7 +307,7 @@ def measure_host_topk(
             dense = torch.empty(numel, device=device)
             nbytes = 2 * 4 * k
             exchange = functools.partial(hierarchical_topk_sum, send, k, dense, groups, world)
-            t = _slowest_median(exchange, nbytes, device, repeats=repeats, warmup=warmup)
+            t = _slowest_mean(exchange, nbytes, device, repeats=repeats, warmup=warmup)
             points.setdefault(nbytes, t)
             on_point()
         if len(points) >= 2:
