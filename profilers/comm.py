@@ -70,8 +70,8 @@ def interleaved_visits(counts: Sequence[int], warmup: int) -> list[tuple[int, bo
 
 
 def _interleaved_means(ops: Sequence[Callable[[], object]], counts: Sequence[int], device: torch.device, *,
-                         warmup: int, process_group: Any = None,
-                         on_run: Callable[[], object] = lambda: None) -> list[float]:
+                       warmup: int, process_group: Any = None,
+                       on_run: Callable[[], object] = lambda: None) -> list[float]:
     """The mean over runs of each of `ops` of the slowest rank's seconds, run in `interleaved_visits` order
     (`counts[i]` timed runs of `ops[i]`), each run started together after a barrier. Every rank of
     `process_group` calls it; `on_run()` after every run.
@@ -96,6 +96,19 @@ def _interleaved_means(ops: Sequence[Callable[[], object]], counts: Sequence[int
         out.append(sum(flat[start:start + len(s)].tolist()) / max(1, len(s)))
         start += len(s)
     return out
+
+
+def _fitted_curves(points: Sequence[tuple[Any, int, Callable[[], object]]], device: torch.device, *, repeats: int,
+                   warmup: int, process_group: Any = None,
+                   on_run: Callable[[], object] = lambda: None) -> dict[Any, FittedCurve]:
+    """The affine fit of each curve over its points (curve key, message bytes, one run), every point timed by
+    `_interleaved_means` with `_repetitions` runs; points keep their order within a curve."""
+    seconds = _interleaved_means([op for _, _, op in points], [_repetitions(b, repeats) for _, b, _ in points],
+                                 device, warmup=warmup, process_group=process_group, on_run=on_run)
+    curves: dict[Any, list[tuple[int, float]]] = {}
+    for (key, nbytes, _), t in zip(points, seconds, strict=True):
+        curves.setdefault(key, []).append((int(max(4, nbytes // 4 * 4)), t))
+    return {key: FittedCurve.fit(pts) for key, pts in curves.items()}
 
 
 def collective_runs(collectives: int, sizes: Sequence[int], *, repeats: int, warmup: int) -> int:
@@ -124,34 +137,18 @@ def measure_collectives(
     world = dist.get_world_size(process_group)
     x = torch.zeros(largest, device=device)
     gathered = torch.empty(largest * world, device=device) if Collective.ALLGATHER in collectives else None
-    keys, ops, counts = [], [], []
-    for coll in collectives:
-        for nbytes in sizes:
-            n = max(1, nbytes // 4)
-            keys.append((coll, int(max(4, nbytes // 4 * 4))))
-            ops.append(_op(coll, x[:n], None if gathered is None else gathered[:n * world], process_group))
-            counts.append(_repetitions(nbytes, repeats))
-    seconds = _interleaved_means(ops, counts, device, warmup=warmup, process_group=process_group, on_run=on_run)
-    points: dict[Collective, list[tuple[int, float]]] = {c: [] for c in collectives}
-    for (coll, nbytes), t in zip(keys, seconds, strict=True):
-        points[coll].append((nbytes, t))
-    return {coll: FittedCurve.fit(pts) for coll, pts in points.items()}
+    points = [(coll, nbytes, _op(coll, x[:max(1, nbytes // 4)],
+                                 None if gathered is None else gathered[:max(1, nbytes // 4) * world], process_group))
+              for coll in collectives for nbytes in sizes]
+    return _fitted_curves(points, device, repeats=repeats, warmup=warmup, process_group=process_group, on_run=on_run)
 
 
 def _slowest_mean(op: Callable[[], object], nbytes: int, device: torch.device, *, repeats: int,
-                    warmup: int) -> float:
+                  warmup: int) -> float:
     """The mean over runs of `op` of the slowest rank's seconds (every rank of the default group calls it,
     each run started together after a barrier; the mean for the reason `_interleaved_means` gives); fewer runs
     from 16 MiB up."""
-    samples = []
-    for i in range(warmup + _repetitions(nbytes, repeats)):
-        dist.barrier()
-        t = time_call(op, device, repeats=1, warmup=0)[0]
-        if i >= warmup:
-            samples.append(t)
-    times = torch.tensor(samples, dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # over every rank: the level is done when all its groups are
-    return float(times.mean().item())
+    return _interleaved_means([op], [_repetitions(nbytes, repeats)], device, warmup=warmup)[0]
 
 
 #: Share of the memory available to each worker on a host that one top-k point may take (`measure_topk`).
@@ -212,28 +209,17 @@ def measure_hosts(
     per_host = groups.local_size
     largest = max(1, max(sizes) // 4)
     x, shard = torch.zeros(largest, device=device), torch.zeros(-(-largest // per_host), device=device)
-    names = ["intra", "inter", "hierarchical"] if groups.local is not None else ["inter", "hierarchical"]
-    keys, ops, counts = [], [], []
-    for name in names:
-        for nbytes in sizes:
-            n = max(1, nbytes // 4)
-            match name:
-                case "intra":
-                    op = functools.partial(dist.all_reduce, x[:n], group=groups.local)
-                case "inter":
-                    op = functools.partial(dist.all_reduce, shard[:-(-n // per_host)], group=groups.cross)
-                case _:
-                    op = functools.partial(hierarchical_all_reduce, x[:n], groups)
-            keys.append((name, int(max(4, nbytes // 4 * 4))))
-            ops.append(op)
-            counts.append(_repetitions(nbytes, repeats))
-    seconds = _interleaved_means(ops, counts, device, warmup=warmup, on_run=on_run)
-    curves: dict[str, list[tuple[int, float]]] = {name: [] for name in names}
-    for (name, whole), t in zip(keys, seconds, strict=True):
-        curves[name].append((whole, t))
-    return HostTiming(ranks=groups.hosts, inter=FittedCurve.fit(curves["inter"]),
-                      hierarchical=FittedCurve.fit(curves["hierarchical"]),
-                      intra=FittedCurve.fit(curves["intra"]) if "intra" in curves else None)
+    points: list[tuple[str, int, Callable[[], object]]] = []
+    for nbytes in sizes:
+        n = max(1, nbytes // 4)
+        if groups.local is not None:
+            points.append(("intra", nbytes, functools.partial(dist.all_reduce, x[:n], group=groups.local)))
+        points.append(("inter", nbytes, functools.partial(dist.all_reduce, shard[:-(-n // per_host)],
+                                                          group=groups.cross)))
+        points.append(("hierarchical", nbytes, functools.partial(hierarchical_all_reduce, x[:n], groups)))
+    curves = _fitted_curves(points, device, repeats=repeats, warmup=warmup, on_run=on_run)
+    return HostTiming(ranks=groups.hosts, inter=curves["inter"], hierarchical=curves["hierarchical"],
+                      intra=curves.get("intra"))
 
 
 def host_union_ratio(grad: torch.Tensor, density: float, groups: HostGroups) -> float:
