@@ -76,7 +76,7 @@ class _SilentExchange(GradientExchange):
                 st.recv[r * size : (r + 1) * size].copy_(st.send[:size])
         return None
 
-    def _start_second(self, q: Any) -> Any:
+    def _start_second(self, st: Any, q: Any) -> Any:
         return None
 
 

@@ -728,13 +728,23 @@ class GradientExchange:
             return
         if st.work is not None:
             st.work.wait()
-        st.work2 = self._start_second(st.powersgd.middle(self.world_size))
+        st.work2 = self._start_second(st, st.powersgd.middle(self.world_size))
 
-    def _start_second(self, q: Tensor) -> Any:
-        """Start the allreduce of a PowerSGD group's Qs; its work handle (None on world size 1)."""
+    def _start_second(self, st: _GroupState, q: Tensor) -> Any:
+        """Start the allreduce of a PowerSGD group's Qs, flat or as the group crosses hosts; its work handle
+        (None on world size 1)."""
         if self.world_size == 1:
             return None
+        if st.hierarchical:
+            return self._start_hierarchical(q)
         return dist.all_reduce(q, group=self.process_group, async_op=True)
+
+    def _start_hierarchical(self, buffer: Tensor) -> HierarchicalWork:
+        """Sum `buffer` inside each host, across hosts, inside again, after the hierarchical exchanges started
+        before it (so that every rank issues them in the same order)."""
+        assert self._host_groups is not None
+        self._last_hierarchical = HierarchicalWork(buffer, self._host_groups, after=self._last_hierarchical)
+        return self._last_hierarchical
 
     def _start_collective(self, st: _GroupState) -> Any:
         """Start the group's async collective and return its work handle (None on world size 1)."""
@@ -755,12 +765,10 @@ class GradientExchange:
             size = 2 * st.k_now
             return all_gather_flat(st.recv[: self.world_size * size], st.send[:size], group=self.process_group,
                                    async_op=True)
-        if st.hierarchical:  # dense or fp16: the same sum, inside each host, across hosts, inside again
-            assert self._host_groups is not None
-            buffer = st.half if st.half is not None else st.flat
+        if st.hierarchical:  # dense, fp16 or PowerSGD's first round: the same sum, by host
+            buffer = st.half if st.half is not None else st.powersgd.send if st.powersgd is not None else st.flat
             assert buffer is not None
-            self._last_hierarchical = HierarchicalWork(buffer, self._host_groups, after=self._last_hierarchical)
-            return self._last_hierarchical
+            return self._start_hierarchical(buffer)
         if st.half is not None:
             return dist.all_reduce(st.half, group=self.process_group, async_op=True)
         if st.powersgd is not None:

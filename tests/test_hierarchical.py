@@ -162,15 +162,16 @@ def _mlp() -> torch.nn.Module:
 
 
 def _runtime_worker(rank: int, world_size: int, explicit: bool) -> list[float]:
-    """Dense groups (half of them hierarchical) against DDP, and fp16 and top-k groups hierarchical against the
-    same groups flat, over three steps of SGD: the largest relative gradient differences."""
+    """Dense groups (half of them hierarchical) against DDP, and fp16, PowerSGD and top-k groups hierarchical
+    against the same groups flat, over three steps of SGD: the largest relative gradient differences."""
     from torch.nn.parallel import DistributedDataParallel
 
     from runtime import GradientExchange
 
     hosts = [[0, 1], [2, 3]] if explicit else None
     errors = []
-    for sent_as, reference in ((["dense"], "ddp"), (["fp16"], "flat"), (["topk:0.3"], "flat")):
+    for sent_as, reference in ((["dense"], "ddp"), (["fp16"], "flat"), (["powersgd:2"], "flat"),
+                               (["topk:0.3"], "flat")):
         ours, theirs = _mlp(), _mlp()
         exchange = GradientExchange(ours, _hierarchical_plan(ours, sent_as, [True, False]), hosts=hosts)
         if reference == "ddp":
@@ -199,7 +200,7 @@ def _runtime_worker(rank: int, world_size: int, explicit: bool) -> list[float]:
     return errors
 
 
-def test_hierarchical_groups_in_the_runtime_equal_ddp_and_flat_fp16() -> None:
+def test_hierarchical_groups_in_the_runtime_equal_ddp_and_their_flat_twins() -> None:
     """On hosts given to the runtime (four workers of this machine as two hosts)."""
     errors = run_distributed(_runtime_worker, 4, True, timeout=120)
     assert max(max(e) for e in errors) <= 1e-3  # fp16's rounding differs with the order of its additions
@@ -211,12 +212,12 @@ def test_hierarchical_groups_on_two_emulated_hosts_found_by_name() -> None:
     assert max(max(e) for e in errors) <= 1e-3
 
 
-def test_hierarchical_groups_need_a_multi_host_plan_and_a_dense_fp16_or_topk_group() -> None:
+def test_hierarchical_groups_need_a_multi_host_plan() -> None:
     model = _mlp()
     plan = _hierarchical_plan(model, ["dense", "fp16", "topk:0.1"], [True])
     assert Plan.from_dict(plan.to_dict()) == plan
-    with pytest.raises(SchemaError, match=r"groups\[0\] is hierarchical but sent by powersgd"):
-        _hierarchical_plan(model, ["powersgd:1"], [True])
+    lowrank = _hierarchical_plan(model, ["powersgd:1"], [True])
+    assert Plan.from_dict(lowrank.to_dict()) == lowrank
     one_host = plan.to_dict()
     one_host["cluster"]["host_count"] = 1
     with pytest.raises(SchemaError, match="is hierarchical, but the plan is for 1 host of 4 workers"):

@@ -289,3 +289,31 @@ def test_retune_on_two_hosts_times_the_top_k_exchange_at_the_profiles_overlap_or
     assert "note: top-k groups cross hosts flat" in proc.stderr and "hosts of 2 workers" in proc.stderr
     assert ALL_HIERARCHICAL not in Plan.load(new).baselines
     assert _ours() == []
+
+
+@pytest.mark.parametrize("flat_scale", [1.0, 30.0])
+def test_powersgd_groups_cross_hosts_by_both_allreduces_and_the_choice_is_exact(flat_scale: float) -> None:
+    """A mixed problem of a two-host profile offers PowerSGD flat and hierarchical, both of its allreduces by the
+    hierarchical curve; the solver's choice of way and grouping equals brute force, and where the flat allreduce
+    costs 30 times more every group crosses hierarchically."""
+    profile = _two_hosts()
+    base = profile.curve(Collective.ALLREDUCE)
+    scaled = FittedCurve.fit([(s, flat_scale * t) for s, t in base.points])
+    profile = dataclasses.replace(profile, collectives={**profile.collectives, Collective.ALLREDUCE: scaled})
+    compressors = parse_compressors("powersgd:1,powersgd:4")
+    problem = mixed_problem(profile, compressors)
+    assert [c.label for c in problem.compressors] == ["powersgd:1", "powersgd:1 hierarchical", "powersgd:4",
+                                                      "powersgd:4 hierarchical"]
+    hier = profile.hosts.hierarchical.model  # type: ignore[union-attr]
+    for c in problem.compressors:
+        assert (c.comm == hier and c.second_comm == hier) == c.hierarchical
+    found = MixedParetoDP(time_limit_s=None).solve(problem)
+    assert found.proven
+    assert math.isclose(found.iteration_s, brute_force(problem), rel_tol=1e-9, abs_tol=1e-12)
+    plan = make_mixed_plan(profile, compressors)
+    assert Plan.from_dict(plan.to_dict()) == plan
+    assert math.isclose(plan.predicted.iteration_s, found.iteration_s, rel_tol=1e-9)
+    assert plan.predicted.iteration_s <= min(plan.baselines[ALL_FLAT].iteration_s,
+                                             plan.baselines[ALL_HIERARCHICAL].iteration_s) * (1 + 1e-12)
+    if flat_scale > 1:
+        assert {g.hierarchical for g in plan.groups} == {True}

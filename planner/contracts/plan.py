@@ -22,9 +22,9 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
         {"layers": ["fc"], "params": ["fc.weight", "fc.bias"], "numel": 5130, "k": null}, ...
       ],                                             # a mixed plan's groups add "compressor": "powersgd:4"
                                                      # (dense, fp16, powersgd:R, topk:D; k for top-k only);
-                                                     # "hierarchical": true sends a dense, fp16 or top-k
-                                                     # group of a multi-host plan inside each host, across,
-                                                     # inside again (absent: one flat collective)
+                                                     # "hierarchical": true sends a group of a multi-host
+                                                     # plan inside each host, across, inside again
+                                                     # (absent: flat collectives)
       "predicted": {
         "plan":      {"iteration_s", "compute_s", "exposed_comm_s", "comm_s", "selection_s", "decode_s", "num_groups",
                       "pack_s", "interference_s"},          # the last two optional (0 when absent)
@@ -47,7 +47,8 @@ groups are sent the plan's way), and read as they always did.
 
 A plan for several hosts (`cluster.host_count` > 1, from a profile that measured them) sends each dense group
 flat or hierarchically (`planner.kernels.hierarchical`), whichever its profile predicts cheaper for its size;
-a top-k group may be marked hierarchical too (merged inside each host, exchanged once per host). The runtime
+a top-k group may be marked hierarchical too (merged inside each host, exchanged once per host), and so may
+an fp16 or PowerSGD group of a mixed plan (each of its allreduces by host). The runtime
 refuses such a plan on another number of hosts.
 
 A K-FAC plan (`planner solve --strategy kfac`) has dense gradient groups and a `kfac` section with the
@@ -125,7 +126,7 @@ class Group:
     k: int | None = None
     compressor: Compressor | None = None
     #: Sent hierarchically (`planner.kernels.hierarchical`: inside each host, across hosts, inside again)
-    #: rather than by one flat collective over every rank; dense, fp16 and top-k groups of multi-host plans only.
+    #: rather than by flat collectives over every rank; groups of multi-host plans only.
     hierarchical: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -287,14 +288,10 @@ class Plan:
                                   f"sent by {used[0]}")
 
     def _check_hierarchical(self) -> None:
-        """Hierarchical groups: dense, fp16 or top-k, in a plan for two or more hosts of equal size."""
+        """Hierarchical groups: in a plan for two or more hosts of equal size."""
         for i, g in enumerate(self.groups):
             if not g.hierarchical:
                 continue
-            kind = self.compressor_of(g).kind
-            if kind not in (CompressorKind.DENSE, CompressorKind.FP16, CompressorKind.TOPK):
-                raise SchemaError(f"plan.groups[{i}] is hierarchical but sent by {kind.value}; only dense, fp16 and "
-                                  "top-k groups are sent hierarchically")
             hosts, world = self.cluster.host_count, self.cluster.world_size
             if hosts < 2 or world % hosts:
                 raise SchemaError(f"plan.groups[{i}] is hierarchical, but the plan is for "

@@ -110,8 +110,8 @@ def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, select
     On a profile of several hosts (but for DDP) each compressor the runtime can send hierarchically comes
     twice, flat and hierarchical (`CompressorCosts.hierarchical`), so that the solver chooses the way across
     hosts with the compressor: dense and fp16 by the profile's hierarchical allreduce curve, top-k by its
-    hierarchical top-k exchange at that density where it measured one (`HostTiming.topk_at`). PowerSGD is
-    sent flat.
+    hierarchical top-k exchange at that density where it measured one (`HostTiming.topk_at`), PowerSGD with
+    both of its allreduces (the Ps and the Qs) by that allreduce curve.
 
     Raises:
         InvalidProfileError: a compressor the profile did not measure: top-k without top-k points or at
@@ -167,8 +167,9 @@ def _hierarchical_costs(hosts: HostTiming, flat: CompressorCosts) -> CompressorC
             if measured is None:
                 return None
             return replace(flat, comm=measured.exchange.model, decode=None, hierarchical=True)
-        case _:
-            return None
+        case CompressorKind.POWERSGD:
+            return replace(flat, comm=hosts.hierarchical.model, second_comm=hosts.hierarchical.model,
+                           hierarchical=True)
 
 
 def _factor(profile: Profile, compressor: Compressor, part: str) -> float:
