@@ -317,3 +317,23 @@ def test_powersgd_groups_cross_hosts_by_both_allreduces_and_the_choice_is_exact(
                                              plan.baselines[ALL_HIERARCHICAL].iteration_s) * (1 + 1e-12)
     if flat_scale > 1:
         assert {g.hierarchical for g in plan.groups} == {True}
+
+
+def test_a_mixed_plan_can_be_made_to_cross_hosts_one_way_and_refuses_that_on_one_host(tmp_path: Path) -> None:
+    profile = _two_hosts()
+    profile.save(tmp_path / "p.json")
+    compressors = parse_compressors("dense,powersgd:4")
+    best = make_mixed_plan(profile, compressors)
+    for route, baseline in (("flat", ALL_FLAT), ("hierarchical", ALL_HIERARCHICAL)):
+        assert main(["solve", str(tmp_path / "p.json"), "--strategy", "mixed", "--compressors", "dense,powersgd:4",
+                     "--route", route, "-o", str(tmp_path / f"{route}.json")]) == 0
+        plan = Plan.load(tmp_path / f"{route}.json")
+        assert {g.hierarchical for g in plan.groups} == {route == "hierarchical"}
+        assert math.isclose(plan.predicted.iteration_s, best.baselines[baseline].iteration_s, rel_tol=1e-9)
+        assert best.predicted.iteration_s <= plan.predicted.iteration_s * (1 + 1e-12)
+        for c in compressors:  # each compressor alone, the same way
+            assert plan.baselines[f"only:{c}"].iteration_s >= plan.predicted.iteration_s * (1 - 1e-12)
+    synthetic_profile("mlp").save(tmp_path / "one.json")
+    assert main(["solve", str(tmp_path / "one.json"), "--strategy", "mixed", "--compressors", "dense,fp16",
+                 "--route", "flat", "-o", str(tmp_path / "x.json")]) == 2
+    assert not (tmp_path / "x.json").exists()

@@ -57,9 +57,10 @@ class SolveCommand(Command):
                                   "speed; 'exchange' once the previous exchange is done (the paper's rule: rounds "
                                   "grow to hide a slow exchange, up to 1.25x); 'best' whichever is predicted faster")
         parser.add_argument("--route", choices=["best", "flat", "hierarchical"], default="best",
-                            help="--strategy dense or topk on a profile of several hosts: send each group flat "
-                                 "or hierarchically, whichever makes the step fastest (best, the default), or "
-                                 "every group one way (mixed plans choose the way with each group's compressor)")
+                            help="--strategy dense, topk or mixed on a profile of several hosts: send each "
+                                 "group flat or hierarchically, whichever makes the step fastest (best, the "
+                                 "default; mixed plans choose the way with each group's compressor), or every "
+                                 "group one way")
         parser.add_argument("--cluster", default=None, metavar="SPEC", help=CLUSTER_HELP)
         parser.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
 
@@ -87,8 +88,9 @@ class SolveCommand(Command):
             given = [flag for flag, value in kfac_only if value is not None]
             if given:
                 raise PlannerError(f"{given[0]} applies to --strategy kfac only")
-        if args.route != "best" and args.strategy not in (Strategy.DENSE.value, Strategy.TOPK.value):
-            raise PlannerError("--route applies to --strategy dense and topk only")
+        if args.route != "best" and args.strategy not in (Strategy.DENSE.value, Strategy.TOPK.value,
+                                                          Strategy.MIXED.value):
+            raise PlannerError("--route applies to --strategy dense, topk and mixed only")
         if args.compressors is not None and not (is_mixed or is_auto):
             raise PlannerError("--compressors applies to --strategy mixed and auto only")
         if args.time_limit is not None and not (is_kfac or is_mixed or is_auto):
@@ -155,7 +157,7 @@ class SolveCommand(Command):
 
             assert compressors is not None
             plan = make_mixed_plan(profile, compressors, source=str(args.profile), selector=selector,
-                                   time_limit_s=args.time_limit or 1.0)
+                                   time_limit_s=args.time_limit or 1.0, route=args.route)
         else:
             plan = make_plan(profile, strategy, density, source=str(args.profile), selector=selector, route=args.route)
         plan.save(args.output)

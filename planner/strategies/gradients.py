@@ -18,7 +18,8 @@ from planner.solvers.mixed import MixedParetoDP, mixed_lower_bound
 from planner.strategies.problems import gradient_problem, hierarchical_groups, mixed_problem
 from planner.types import Compressor, CompressorKind, InvalidProfileError, SchemaError, Strategy
 
-__all__ = ["ALL_FLAT", "ALL_HIERARCHICAL", "from_profile", "make_plan", "route_baselines"]
+__all__ = ["ALL_FLAT", "ALL_HIERARCHICAL", "check_route", "from_profile", "make_plan", "route_baselines",
+           "route_ways"]
 
 #: Baseline rows of a plan for several hosts: the exact grouping with every group flat, and hierarchical.
 ALL_FLAT = "plan, all flat"
@@ -85,9 +86,7 @@ def _solve(
     """One plan under one selection-cost model (`selector` None for dense). On a profile of several hosts a
     dense group goes flat or hierarchically, whichever is cheaper for it; the baselines then run flat, as the
     systems they stand for do, beside the exact plan all flat and all hierarchical."""
-    if route != "best" and profile.hosts is None:
-        raise InvalidProfileError(f"route {route!r} needs a profile of several hosts (`planner profile --hosts H`, or "
-                                  "under torchrun across hosts); this one measured one host")
+    check_route(profile, route)
     if strategy is Strategy.TOPK and profile.hosts is not None:
         assert density is not None
         if profile.hosts.topk_at(density) is not None:
@@ -179,15 +178,28 @@ def _solve_topk_routes(profile: Profile, density: float, *, source: str, solver:
     )
 
 
+def check_route(profile: Profile, route: str) -> None:
+    """Raise InvalidProfileError where `route` forces a way across hosts on a profile of one host."""
+    if route != "best" and profile.hosts is None:
+        raise InvalidProfileError(f"route {route!r} needs a profile of several hosts (`planner profile --hosts H`, or "
+                                  "under torchrun across hosts); this one measured one host")
+
+
+def route_ways(problem: MixedProblem) -> dict[str, tuple[int, ...]]:
+    """The ways of `problem` (indices of its compressors) a plan may use when every group crosses hosts flat
+    ("flat"), or hierarchically where its compressor can ("hierarchical")."""
+    routed = {c.compressor for c in problem.compressors if c.hierarchical}
+    return {"flat": tuple(i for i, c in enumerate(problem.compressors) if not c.hierarchical),
+            "hierarchical": tuple(i for i, c in enumerate(problem.compressors)
+                                  if c.hierarchical or c.compressor not in routed)}
+
+
 def route_baselines(problem: MixedProblem, time_limit_s: float | None) -> dict[str, Prediction]:
     """The exact plan of `problem` (which has hierarchical ways) with every group flat, and with every group
     hierarchical where its compressor can be (`ALL_FLAT`, `ALL_HIERARCHICAL`)."""
     out = {}
-    routed = {c.compressor for c in problem.compressors if c.hierarchical}
-    ways = {ALL_FLAT: tuple(i for i, c in enumerate(problem.compressors) if not c.hierarchical),
-            ALL_HIERARCHICAL: tuple(i for i, c in enumerate(problem.compressors)
-                                    if c.hierarchical or c.compressor not in routed)}
-    for name, allowed in ways.items():
+    ways = route_ways(problem)
+    for name, allowed in ((ALL_FLAT, ways["flat"]), (ALL_HIERARCHICAL, ways["hierarchical"])):
         best = MixedParetoDP(allowed=allowed, time_limit_s=time_limit_s).solve(problem)
         out[name] = simulate_mixed(problem, best.grouping, best.choice)
     return out

@@ -26,7 +26,7 @@ from planner.costmodel.mixed import MixedProblem, simulate_mixed
 from planner.costmodel.problem import Grouping, Prediction, groups_of, topk_count
 from planner.solvers import DDP_BASELINE
 from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
-from planner.strategies.gradients import from_profile, make_plan, route_baselines
+from planner.strategies.gradients import check_route, from_profile, make_plan, route_baselines, route_ways
 from planner.strategies.problems import mixed_problem
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, SchemaError, Strategy
 
@@ -100,7 +100,7 @@ def plan_choice(plan: Plan, profile: Profile) -> tuple[MixedProblem, list[int]]:
 
 
 def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, source: str = "",
-                    selector: str | None = None, time_limit_s: float | None = 1.0) -> Plan:
+                    selector: str | None = None, time_limit_s: float | None = 1.0, route: str = "best") -> Plan:
     """The exact mixed plan among `compressors`, with the baselines and the lower bound.
 
     Args:
@@ -108,9 +108,12 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
             keeping the plan predicted faster (as `make_plan`).
         time_limit_s: seconds the exact search may take (`MixedParetoDP`); past them the best solution found is
             kept and the plan's solver name says it is within a gap of the lower bound.
+        route: on a profile of several hosts, how groups cross them: each group the way the exact search
+            makes the step fastest ("best"), every group flat ("flat"), or every group hierarchically where
+            its compressor can be ("hierarchical").
 
     Raises:
-        InvalidProfileError: a compressor the profile did not measure.
+        InvalidProfileError: a compressor the profile did not measure; a route forced on a profile of one host.
         SchemaError, CompressorError: no compressors, a repeated one, an unknown selector.
     """
     chosen = tuple(compressors)
@@ -120,16 +123,18 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
                           f"{', '.join(map(str, chosen))}")
     measured = profile.topk.selectors() if profile.topk is not None else []
     selectors = [selector] if selector is not None or not topk else (measured or ["exact"])
-    plans = [_solve(profile, chosen, s, source=source, time_limit_s=time_limit_s) for s in selectors]
+    check_route(profile, route)
+    plans = [_solve(profile, chosen, s, source=source, time_limit_s=time_limit_s, route=route) for s in selectors]
     best = min(plans, key=lambda p: p.predicted.iteration_s)
     return replace(best, solve_seconds=sum(p.solve_seconds for p in plans))
 
 
 def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str | None, *, source: str,
-           time_limit_s: float | None) -> Plan:
+           time_limit_s: float | None, route: str = "best") -> Plan:
     problem = mixed_problem(profile, compressors, selector=selector or "exact")
+    ways = None if route == "best" else route_ways(problem)[route]
     t0 = time.perf_counter()
-    solution = MixedParetoDP(time_limit_s=time_limit_s).solve(problem)
+    solution = MixedParetoDP(allowed=ways, time_limit_s=time_limit_s).solve(problem)
     seconds = time.perf_counter() - t0
     layers = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in profile.layers]
     baselines: dict[str, Prediction] = {}
@@ -143,7 +148,8 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
                                     selector=selector or "exact", runtime="ddp")
     bound = min(mixed_lower_bound(problem), mixed_lower_bound(ddp_all))
     for c in compressors:
-        only = MixedParetoDP(allowed=problem.indices_of(c), time_limit_s=time_limit_s).solve(problem)
+        allowed = tuple(i for i in problem.indices_of(c) if ways is None or i in ways)
+        only = MixedParetoDP(allowed=allowed, time_limit_s=time_limit_s).solve(problem)
         baselines[f"only:{c}"] = simulate_mixed(problem, only.grouping, only.choice)
     if any(c.hierarchical for c in problem.compressors):  # several hosts: the same choice kept to one way
         baselines.update(route_baselines(problem, time_limit_s))
