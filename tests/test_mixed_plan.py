@@ -173,3 +173,19 @@ def test_auto_says_when_ddp_is_predicted_faster_than_every_plan() -> None:
     assert "keep plain DDP" in choice.reason or "keep DDP with that hook" in choice.reason
     slow = solve_auto(synthetic_profile("vgg16"), parse_compressors("all"))
     assert slow.ddp_faster is None and "keep" not in slow.reason
+
+
+def test_the_bench_of_a_mixed_plan_alone_has_a_local_row_predicted_as_a_dense_plans() -> None:
+    """The local steps (no communication) tell how far the machine moved since the profile; a mixed plan's DDP
+    row holds the same forward + backward + update as a dense plan of the profile."""
+    from planner.commands.bench import LOCAL, bench_variants, local_prediction
+    from planner.models import build_workload
+    from planner.strategies.gradients import make_plan
+
+    profile = synthetic_profile("mlp")
+    mixed = make_mixed_plan(profile, parse_compressors("dense,fp16,powersgd:4"))
+    local = {v.name: v for v in bench_variants((mixed,), build_workload("mlp").module, peers=())}[LOCAL]
+    assert local.local and local.plan is None
+    assert local.predicted_s == pytest.approx(local_prediction(make_plan(profile, Strategy.DENSE)), rel=1e-9)
+    assert local.predicted_s == pytest.approx(profile.forward_s + profile.backward_s + profile.update_s,
+                                              rel=1e-6)

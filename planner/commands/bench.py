@@ -19,7 +19,7 @@ from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Group, Plan
-from planner.costmodel.problem import topk_count
+from planner.costmodel.problem import Prediction, topk_count
 from planner.models import build_workload
 from planner.platform.hosts import count_hosts
 from planner.strategies.gradients import ALL_HIERARCHICAL
@@ -211,10 +211,11 @@ BENCH_MOMENTUM = 0.9
 LOCAL = "local (no communication)"
 
 
-def local_prediction(plan: Plan) -> float:
-    """The profile's forward + backward + update, as a dense plan's prediction holds it: its compute path
-    less packing and interference (the whole step when nothing is communicated)."""
-    p = plan.predicted
+def local_prediction(plan: Plan | Prediction) -> float:
+    """The profile's forward + backward + update, as a prediction of a plan that compresses nothing (a dense
+    plan's, or DDP's baseline row) holds it: its compute path less packing and interference (the whole step
+    when nothing is communicated)."""
+    p = plan.predicted if isinstance(plan, Plan) else plan
     return p.compute_s - p.pack_s - p.interference_s - p.selection_s - p.decode_s
 
 
@@ -264,8 +265,9 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
     plain = dense or next((p for p in plans if p.strategy is not Strategy.TOPK), None)
     ddp_pred = plain.baselines.get("ddp-25mb") if plain is not None else None
     out = [Variant("ddp", None, ddp_pred.iteration_s if ddp_pred else None)]
-    if dense is not None:
-        out.append(Variant(LOCAL, None, local_prediction(dense), local=True))
+    compute = dense if dense is not None else ddp_pred  # the profile's compute alone, beside the machine's now
+    if compute is not None:
+        out.append(Variant(LOCAL, None, local_prediction(compute), local=True))
     hooks: dict[Compressor, tuple[float | None, str]] = {c: (None, "exact") for c in peers}
     names: set[str] = set()
     per_layer: set[Strategy] = set()
