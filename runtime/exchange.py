@@ -44,6 +44,7 @@ Design (DESIGN.md, "Runtime principles"):
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import datetime
 import functools
@@ -76,6 +77,9 @@ if TYPE_CHECKING:
 __all__ = ["GradientExchange", "write_scaled"]
 
 STATE_KIND = "runtime.gradient_exchange"
+
+#: Steps of each hierarchical top-k group's host union kept (`GradientExchange.host_unions`).
+UNION_HISTORY = 1024
 
 #: How long the drain at interpreter exit waits for each collective still in flight (seconds).
 EXIT_DRAIN_S = 10.0
@@ -466,6 +470,7 @@ class GradientExchange:
         # Hierarchical groups: the subgroups of each host and across hosts, made once (collective).
         self._host_groups: HostGroups | None = None
         self._last_hierarchical: HierarchicalWork | None = None
+        self._unions: dict[int, collections.deque[float]] = {}  # per hierarchical top-k group: U / k, per step
         if any(st.hierarchical for st in self._groups):
             if layout is None:
                 layout = ranks_by_host(host_names(process_group))
@@ -602,6 +607,15 @@ class GradientExchange:
     def step(self) -> int:
         """Number of steps (synchronize calls that exchanged gradients) so far, or loaded by `load_state_dict`."""
         return self._step
+
+    @property
+    def host_unions(self) -> dict[int, list[float]]:
+        """Per hierarchical top-k group (its index in the plan): the pairs each host sent across at each of the
+        latest `UNION_HISTORY` steps, over k (the hosts' largest union of picks, padded to a multiple of the host
+        size: from 1, when a host's workers picked the same entries, to the host size, when they picked disjoint
+        ones). The profile predicts these exchanges at the union it measured (`HostTopk.union_ratio`); this is
+        what training made of it. Copies; empty without such groups."""
+        return {i: list(ratios) for i, ratios in self._unions.items()}
 
     @property
     def current_density(self) -> float | None:
@@ -754,9 +768,12 @@ class GradientExchange:
             assert st.send is not None and st.k_now is not None and st.flat is not None
             assert self._host_groups is not None
             k, send, out, groups = st.k_now, st.send[: 2 * st.k_now], st.flat, self._host_groups
-            self._last_hierarchical = HierarchicalWork(
-                send, groups, after=self._last_hierarchical,
-                run=lambda: hierarchical_topk_sum(send, k, out, groups, self.world_size))
+            unions = self._unions.setdefault(st.index, collections.deque(maxlen=UNION_HISTORY))
+
+            def exchange() -> None:  # on the exchange's thread; one group's exchanges run one after another
+                unions.append(hierarchical_topk_sum(send, k, out, groups, self.world_size) / k)
+
+            self._last_hierarchical = HierarchicalWork(send, groups, after=self._last_hierarchical, run=exchange)
             return self._last_hierarchical
         if st.topk:
             assert st.recv is not None and st.send is not None and st.k_now is not None

@@ -194,6 +194,15 @@ def _runtime_worker(rank: int, world_size: int, explicit: bool) -> list[float]:
                 errors.append(float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)))
             for opt in opts:
                 opt.step()
+        # The host unions the top-k exchanges sent across, one per step, between k and two hosts' worth of picks.
+        unions = exchange.host_unions
+        if sent_as == ["topk:0.3"]:
+            assert sorted(unions) == [0, 2] and all(len(u) == 3 for u in unions.values())
+            for i, u in unions.items():
+                k = exchange._groups[i].k
+                assert k is not None and all(1 <= r <= (2 * k + 2) / k for r in u), (i, u)
+        else:
+            assert unions == {}
         exchange.close()
         if reference == "flat":
             other.close()
@@ -436,6 +445,10 @@ def _shaped_worker(rank: int, world_size: int, sent_as: str) -> float:
             assert (p.grad is None) == (q.grad is None), name
             if p.grad is not None and q.grad is not None:
                 worst = max(worst, float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)))
+    if sent_as == "topk:1":  # every entry picked on every rank: a host's union is k (padded to a multiple of 2)
+        for i, u in exchange.host_unions.items():
+            k = exchange._groups[i].k
+            assert k is not None and list(u) == [2 * math.ceil(k / 2) / k] * 2, (i, u)
     exchange.close()
     return worst
 

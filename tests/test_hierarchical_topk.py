@@ -337,3 +337,26 @@ def test_a_mixed_plan_can_be_made_to_cross_hosts_one_way_and_refuses_that_on_one
     assert main(["solve", str(tmp_path / "one.json"), "--strategy", "mixed", "--compressors", "dense,fp16",
                  "--route", "flat", "-o", str(tmp_path / "x.json")]) == 2
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_bench_reports_the_union_training_sent_beside_the_one_the_profile_measured(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from types import SimpleNamespace
+
+    from planner.commands.bench import BenchResult, measured_union
+    from planner.commands.printing import print_bench, print_profile
+
+    groups = [SimpleNamespace(k=100), SimpleNamespace(k=None), SimpleNamespace(k=300)]
+    fake = SimpleNamespace(plan=SimpleNamespace(groups=groups),
+                           host_unions={0: [1.5] * 10 + [2.0] * 5, 2: [1.0] * 15})
+    assert measured_union(fake, 5) == pytest.approx((100 * 2.0 + 300 * 1.0) / 400)  # the measured steps, by k
+    assert measured_union(SimpleNamespace(plan=None, host_unions={}), 5) is None
+    row = BenchResult(name="plan topk@0.01, hierarchical", strategy="topk", median_s=1.0, p25_s=1.0, p75_s=1.0,
+                      steps=5, predicted_s=None, host_union=1.25)
+    assert row.to_dict()["host_union"] == 1.25
+    assert "host_union" not in dataclasses.replace(row, host_union=None).to_dict()
+    print_bench([row], as_json=False)
+    err = capsys.readouterr().err
+    assert "plan topk@0.01, hierarchical sent 1.25 k pairs across per host" in " ".join(err.split())
+    print_profile(_two_hosts((_topk_at(0.01, 1e-3, 1e-9, ratio=1.9),)))
+    assert "union of picks on the first gradients, 1.90 k at 0.01" in " ".join(capsys.readouterr().out.split())

@@ -87,6 +87,9 @@ class BenchResult:
     predicted_s: float | None
     speedup: float | None = None
     reference: str = "ddp"
+    #: Hierarchical top-k groups: the pairs each host sent across over k, averaged over the measured steps and
+    #: weighted by k (`GradientExchange.host_unions`); the profile predicted them at the union it measured.
+    host_union: float | None = None
 
     @classmethod
     def from_samples(cls, name: str, strategy: str, samples: list[float], *, steps: int, predicted_s: float | None,
@@ -107,6 +110,7 @@ class BenchResult:
             "name": self.name, "strategy": self.strategy, "median_s": self.median_s, "p25_s": self.p25_s,
             "p75_s": self.p75_s, "steps": self.steps, "predicted_s": self.predicted_s,
             "speedup": self.speedup, "reference": self.reference, "rel_error": self.rel_error,
+            **({"host_union": self.host_union} if self.host_union is not None else {}),
         }
 
 
@@ -408,6 +412,7 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
                 for _ in range(min(config.block, config.steps - len(times[i]))):
                     times[i].append(step(i))
                     bar.advance(task)
+    unions = [None if exchange is None else measured_union(exchange, config.steps) for _, _, exchange, _ in runners]
     for _, _, exchange, _ in runners:
         if exchange is not None:
             exchange.close()
@@ -420,8 +425,22 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
                                  predicted_s=v.predicted_s, reference="ddp")
         for v, row in zip(variants, slowest, strict=True)
     ]
+    results = [replace(r, host_union=u) for r, u in zip(results, unions, strict=True)]
     ddp = results[0].median_s
     return [replace(r, speedup=ddp / r.median_s) for r in results]
+
+
+def measured_union(exchange: Any, steps: int) -> float | None:
+    """The pairs each host sent across over k in `exchange`'s hierarchical top-k groups, over its last `steps`
+    steps (the measured ones) and weighted by each group's k; None without such groups. The same on every rank
+    (each host sends its largest union, agreed across hosts)."""
+    unions = exchange.host_unions
+    if not unions:
+        return None
+    ks = {i: exchange.plan.groups[i].k or 0 for i in unions}
+    total = sum(ks.values())
+    means = {i: statistics.fmean(list(u)[-steps:]) for i, u in unions.items() if u}
+    return sum(ks[i] * m for i, m in means.items()) / total if means and total else None
 
 
 def run_bench(config: BenchConfig) -> list[BenchResult] | None:

@@ -183,6 +183,12 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
     from planner.commands.bench_kfac import FACTOR_HOOKS_STRATEGY
     from planner.strategies.kfac import LOCAL_KFAC
 
+    for r in results:
+        if getattr(r, "host_union", None) is not None:
+            err_console.print(f"note: {r.name} sent {r.host_union:.2f} k pairs across per host (its hosts' union of "
+                              "picks, over the measured steps); the profile predicted its hierarchical top-k "
+                              "exchange at the union it measured on the first gradients (`planner show PROFILE` "
+                              "prints it)", markup=False)
     drift = machine_drift(results)
     if drift is not None and abs(drift) > DRIFT_TOLERANCE:
         err_console.print(f"note: the {LOCAL} steps ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} than "
@@ -311,6 +317,9 @@ def print_profile(profile: object) -> None:
         console.print(f"{len(profile.hosts.ranks)} hosts of {profile.hosts.per_host}: ranks "
                       + "; ".join(", ".join(map(str, host)) for host in profile.hosts.ranks)
                       + " (bytes on every level are the whole message's)")
+        if profile.hosts.topk:
+            console.print("top-k merged inside each host: a host's union of picks on the first gradients, "
+                          + ", ".join(f"{t.union_ratio:.2f} k at {t.density:g}" for t in profile.hosts.topk))
     if profile.kfac is not None:
         kf = profile.kfac
         table = Table(title="K-FAC: factor work per layer (forward order) and inversion against dimension d")
