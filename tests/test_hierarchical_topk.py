@@ -191,7 +191,8 @@ def _measure(rank: int, world_size: int, layout: list[list[int]]) -> tuple[list[
         "same": torch.arange(1000, dtype=torch.float32),  # every rank the same picks
         "disjoint": torch.where(torch.arange(1000) % world_size == rank, 1.0 + torch.arange(1000.0), 0.0),
     }
-    ratios = [host_union_ratio(grads[name], 0.01, groups) for name in ("same", "disjoint")]
+    k = topk_count(1000, 0.01)
+    ratios = [host_union_ratio(torch.topk(grads[name].abs(), k).indices, k, groups) for name in ("same", "disjoint")]
     # Picks made to overlap as measured: the host's union is the ratio times k.
     for ratio in (1.0, 1.5, 2.0):
         picks = overlapping_picks(10_000, 100, ratio, groups, torch.Generator().manual_seed(3))
@@ -209,9 +210,38 @@ def _measure(rank: int, world_size: int, layout: list[list[int]]) -> tuple[list[
     shaped = Workload(name="shaped", module=ShapedConv(), batch_size=4,
                       make_batch=lambda n, g: (torch.randn(n, 3, 6, 6, generator=g), torch.randn(n, 4, generator=g)),
                       loss_fn=torch.nn.functional.mse_loss)
-    real = measure_union_ratios(shaped, groups, [0.05, 1.0], torch.device("cpu"), steps=2)
+    real = measure_union_ratios(shaped, groups, [0.05, 1.0], torch.device("cpu"), rounds=2, warmup=0)
     ratios += [real[0.05], real[1.0]]
-    return ratios, measured
+    # Error feedback: the same as picking each rank's top k of gradient plus residual by hand, every rank's
+    # gradients recomputed here from its batches, and the largest host's union averaged over the rounds kept.
+    tiny = _tiny_workload()
+    fed = measure_union_ratios(tiny, groups, [0.1], torch.device("cpu"), rounds=5, warmup=2)[0.1]
+    return [*ratios, fed, _union_by_hand(layout, 0.1, rounds=5, warmup=2)], measured
+
+
+def _tiny_workload() -> Workload:
+    torch.manual_seed(1)
+    return Workload(name="tiny", module=torch.nn.Linear(12, 8), batch_size=3,
+                    make_batch=lambda n, g: (torch.randn(n, 12, generator=g), torch.randn(n, 8, generator=g)),
+                    loss_fn=torch.nn.functional.mse_loss)
+
+
+def _union_by_hand(layout: list[list[int]], density: float, *, rounds: int, warmup: int) -> float:
+    residual: dict[int, torch.Tensor] = {}
+    ratios = []
+    for step in range(rounds):
+        picks = {}
+        for rank in (r for host in layout for r in host):
+            wl = _tiny_workload()
+            x, y = wl.batch(seed=7919 * (step + 1) + rank)
+            wl.loss(x, y).backward()
+            grad = torch.cat([p.grad.reshape(-1) for p in wl.module.parameters() if p.grad is not None])
+            acc = grad + residual.get(rank, torch.zeros_like(grad))
+            k = topk_count(grad.numel(), density)
+            picks[rank] = set(torch.topk(acc.abs(), k).indices.tolist())
+            residual[rank] = acc.index_fill(0, torch.tensor(sorted(picks[rank])), 0.0)
+        ratios.append(max(len(set().union(*(picks[r] for r in host))) / k for host in layout))
+    return sum(ratios[warmup:]) / (rounds - warmup)
 
 
 def test_the_profile_measures_the_overlap_of_picks_and_the_exchange_at_it() -> None:
@@ -219,6 +249,7 @@ def test_the_profile_measures_the_overlap_of_picks_and_the_exchange_at_it() -> N
     for ratios, measured in results:
         assert ratios[:5] == pytest.approx([1.0, 2.0, 1.0, 1.5, 2.0])
         assert 1.0 <= ratios[5] <= 2.0 and ratios[6] == pytest.approx(1.0)  # at density 1 every rank picks all
+        assert 1.0 <= ratios[7] <= 2.0 and ratios[7] == pytest.approx(ratios[8], rel=1e-12)  # error feedback
         assert [t.density for t in measured] == [0.01, 1.0]
         assert [t.union_ratio for t in measured] == [1.5, 2.0]
         for t in measured:  # one point per size, against one rank's message bytes (k values, k indices)

@@ -24,6 +24,7 @@ from planner.platform.memory import PhaseMemory, available_bytes
 from planner.platform.slowdown import Slowdown
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import (
+    UNION_ROUNDS,
     collective_runs,
     host_runs,
     host_topk_sizes,
@@ -152,10 +153,14 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                                         on_run=lambda: bar.advance(task))
         topk = pack = interference = in_situ = compress = None
         if host_timing is not None and groups is not None:  # the top-k exchange merged inside each host,
-            ratios = (measure_union_ratios(workload, groups, config.densities, device)  # at the picks' real overlap
-                      if not config.only_comm else _known_union_ratios(config, groups, device))
+            memory.begin("hierarchical top-k")  # at the picks' real overlap
+            if config.only_comm:
+                ratios = _known_union_ratios(config, groups, device)
+            else:
+                task = bar.add_task("a host's union of top-k picks", total=UNION_ROUNDS)
+                ratios = measure_union_ratios(workload, groups, config.densities, device,
+                                              on_round=lambda: bar.advance(task))
             if ratios:
-                memory.begin("hierarchical top-k")
                 fitting = host_topk_sizes(topk_sizes, world_size, topk_budget(world_size, device))
                 task = bar.add_task("top-k merged inside hosts", total=len(ratios) * len(fitting))
                 host_timing = replace(host_timing, topk=measure_host_topk(
