@@ -228,13 +228,16 @@ class LayerSummary:
 def combine_ranks(runs: list[LayerRun]) -> LayerSummary:
     """Layer timings of the slowest worker (largest median whole step, or forward + backward + update when
     no whole steps were timed), in rank 0's ready order, and its F, B, U medians, all scaled by one factor so
-    that F + sum(b_i) + U equals the median of its whole steps.
+    that F + sum(b_i) + U equals the median over the whole steps of the slowest rank's time at each.
 
     A synchronous step goes at the pace of its slowest worker, so that worker's times are the ones to
     plan with; on workers of equal speed it is whichever one the machine happened to slow down most
-    (two processes sharing a few cores are seldom equal). The scale takes out what the hooks add and what a
-    sum of medians adds over the median of sums; the whole steps ran between the hooked ones, so the machine's
-    drift is not in it.
+    (two processes sharing a few cores are seldom equal). The whole steps started from a barrier on every rank,
+    as a bench step does, so the step time is taken as the bench takes it: each step's slowest rank, then the
+    median. That is longer than the slowest rank's median where the ranks' times scatter (four workers on two
+    cores: 3-13% longer in four runs of the MLP). The scale takes out what the hooks add and what a sum of
+    medians adds over the median of sums; the whole steps ran between the hooked ones, so the machine's drift
+    is not in it.
     """
     first = runs[0]
 
@@ -245,7 +248,8 @@ def combine_ranks(runs: list[LayerRun]) -> LayerSummary:
     slowest = max(runs, key=lambda r: median(r.whole) if timed else parts(r))
     fwd, upd = median(slowest.forward_total), median(slowest.update)
     backward = {name: median(slowest.backward[name]) for name in first.order}
-    step_s = median(slowest.whole) if timed else None
+    steps = min(len(r.whole) for r in runs) if timed else 0
+    step_s = median([max(r.whole[i] for r in runs) for i in range(steps)]) if steps else None
     summed = fwd + sum(backward.values()) + upd
     scale = step_s / summed if step_s is not None and summed > 0 else None
     k = 1.0 if scale is None else scale

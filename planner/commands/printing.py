@@ -187,8 +187,7 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
         if getattr(r, "host_union", None) is not None:
             err_console.print(f"note: {r.name} sent {r.host_union:.2f} k pairs across per host (its hosts' union of "
                               "picks, over the measured steps); the profile predicted its hierarchical top-k "
-                              "exchange at the union it measured on the first gradients (`planner show PROFILE` "
-                              "prints it)", markup=False)
+                              "exchange at the union it measured (`planner show PROFILE` prints it)", markup=False)
     drift = machine_drift(results)
     if drift is not None and abs(drift) > DRIFT_TOLERANCE:
         err_console.print(f"note: the {LOCAL} steps ran {abs(drift):.0%} {'slower' if drift > 0 else 'faster'} than "
@@ -318,7 +317,8 @@ def print_profile(profile: object) -> None:
                       + "; ".join(", ".join(map(str, host)) for host in profile.hosts.ranks)
                       + " (bytes on every level are the whole message's)")
         if profile.hosts.topk:
-            console.print("top-k merged inside each host: a host's union of picks on the first gradients, "
+            console.print("top-k merged inside each host: the largest host's union of picks (each worker's top k "
+                          "of gradient plus residual), "
                           + ", ".join(f"{t.union_ratio:.2f} k at {t.density:g}" for t in profile.hosts.topk))
     if profile.kfac is not None:
         kf = profile.kfac
