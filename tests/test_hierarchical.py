@@ -420,7 +420,8 @@ def _mlp_module() -> torch.nn.Module:
 def _shaped_worker(rank: int, world_size: int, sent_as: str) -> float:
     """A model shaped like real ones (tied weight, unused parameter, frozen layer, BatchNorm, a 1-D bias beside 4-D
     conv weights), every group hierarchical, against DDP over two steps: the largest relative gradient difference.
-    Top-k at density 1 picks every entry, so its merged exchange must give DDP's average too."""
+    Top-k at density 1 picks every entry, so its merged exchange must give DDP's average too; PowerSGD (lossy)
+    is held against the same plan sent flat."""
     from torch.nn.parallel import DistributedDataParallel
 
     from runtime import GradientExchange
@@ -431,16 +432,21 @@ def _shaped_worker(rank: int, world_size: int, sent_as: str) -> float:
     theirs = copy.deepcopy(ours)
     exchange = GradientExchange(ours, _hierarchical_plan(ours, [sent_as], [True]), hosts=[[0, 1], [2, 3]],
                                 find_unused_parameters=True)
-    ddp = DistributedDataParallel(theirs, find_unused_parameters=True)
+    lossy = sent_as.startswith("powersgd")
+    ddp: Any = (GradientExchange(theirs, _hierarchical_plan(theirs, [sent_as], [False]), hosts=[[0, 1], [2, 3]],
+                                 find_unused_parameters=True) if lossy
+                else DistributedDataParallel(theirs, find_unused_parameters=True))
     assert all(st.hierarchical and st.topk == sent_as.startswith("topk") for st in exchange._groups)
     worst = 0.0
     for step in range(2):
         g = torch.Generator().manual_seed(10 * rank + step)
         x, y = torch.randn(4, 3, 6, 6, generator=g), torch.randn(4, 4, generator=g)
-        for model in (ours, ddp):
+        for model in (ours, theirs if lossy else ddp):
             model.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
         exchange.synchronize()
+        if lossy:
+            ddp.synchronize()
         for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
             assert (p.grad is None) == (q.grad is None), name
             if p.grad is not None and q.grad is not None:
@@ -450,9 +456,11 @@ def _shaped_worker(rank: int, world_size: int, sent_as: str) -> float:
             k = exchange._groups[i].k
             assert k is not None and list(u) == [2 * math.ceil(k / 2) / k] * 2, (i, u)
     exchange.close()
+    if lossy:
+        ddp.close()
     return worst
 
 
-@pytest.mark.parametrize("sent_as", ["dense", "topk:1"])
-def test_hierarchical_groups_on_a_model_shaped_like_real_ones_equal_ddp(sent_as: str) -> None:
+@pytest.mark.parametrize("sent_as", ["dense", "topk:1", "powersgd:2"])
+def test_hierarchical_groups_on_a_model_shaped_like_real_ones_equal_ddp_or_their_flat_twin(sent_as: str) -> None:
     assert max(run_distributed(_shaped_worker, 4, sent_as, timeout=120)) <= 1e-5
