@@ -434,13 +434,10 @@ def measured_union(exchange: Any, steps: int) -> float | None:
     """The pairs each host sent across over k in `exchange`'s hierarchical top-k groups, over its last `steps`
     steps (the measured ones) and weighted by each group's k; None without such groups. The same on every rank
     (each host sends its largest union, agreed across hosts)."""
-    unions = exchange.host_unions
-    if not unions:
-        return None
-    ks = {i: exchange.plan.groups[i].k or 0 for i in unions}
+    means = {i: statistics.fmean(u[-steps:]) for i, u in exchange.host_unions.items() if u}
+    ks = {i: exchange.plan.groups[i].k or 0 for i in means}
     total = sum(ks.values())
-    means = {i: statistics.fmean(list(u)[-steps:]) for i, u in unions.items() if u}
-    return sum(ks[i] * m for i, m in means.items()) / total if means and total else None
+    return sum(ks[i] * m for i, m in means.items()) / total if total else None
 
 
 def run_bench(config: BenchConfig) -> list[BenchResult] | None:
