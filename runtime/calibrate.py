@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ from runtime.exchange import GradientExchange, write_scaled
 from runtime.kfac import KFACPreconditioner
 
 __all__ = ["group_of_this_rank", "in_situ_runs", "kfac_steps_points", "measure_in_situ", "measure_kfac_in_situ",
-           "measure_kfac_steps_in_situ", "measure_packing"]
+           "measure_kfac_steps_in_situ", "measure_packing", "slowest_rank_phases"]
 
 
 def measure_packing(
@@ -265,18 +265,25 @@ def measure_kfac_steps_in_situ(
     preconditions every layer, every step. It runs one unmeasured step and then up to `steps` measured ones
     (fewer when inverting every factor is predicted to take long, `KFAC_STEPS_BUDGET_S`), once per inversion
     method. Each phase is compared with the micro-benchmarks' sum for the same work: `fold_s`, the method's
-    inversion curve at every factor's dimension, and `precondition_s(method)`; medians over every rank's
-    samples. The micro-benchmarks time one layer's kernel in a loop on random matrices; a step runs the kernels on
-    the model's own factors after its forward and backward passes, and the preconditioning also clips and writes
-    `.grad`, with every other worker doing the same on the other cores. Keys: `KFAC_STEP_PARTS`."""
+    inversion curve at every factor's dimension, and `precondition_s(method)`. The micro-benchmarks time one layer's
+    kernel in a loop on random matrices; a step runs the kernels on the model's own factors after its forward and
+    backward passes, and the preconditioning also clips and writes `.grad`, with every other worker doing the same
+    on the other cores. Every step starts from a barrier on every rank and is taken as a bench takes it: at each
+    step the rank whose phases took longest in all, then the median of its phases over the steps
+    (`slowest_rank_phases`). Keys: `KFAC_STEP_PARTS`."""
     from planner.types import InverseMethod
 
     inputs, targets = (t.to(device) for t in workload.batch(seed=1357))
     alone = group_of_this_rank(process_group)
+    world = dist.get_world_size(process_group) if dist.is_initialized() else 1
     modelled = {"fold": sum(lt.fold_s for lt in kfac.layers)}
-    samples: dict[str, list[float]] = {}
+    phases: list[dict[str, float]] = []  # this rank's measured steps, every method in turn
     for method in InverseMethod:
         modelled[f"invert:{method.value}"], measured = _inversion_and_steps(kfac, method, steps)
+        if world > 1:  # each rank's own timings may differ: every rank measures as many steps as the fewest
+            count = torch.tensor([measured])
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=process_group)
+            measured = int(count.item())
         modelled[f"precondition:{method.value}"] = sum(lt.precondition_s(method) for lt in kfac.layers)
         model = copy.deepcopy(workload.module).to(device)
         model.train()
@@ -287,28 +294,36 @@ def measure_kfac_steps_in_situ(
         try:
             for i in range(measured + 1):
                 runtime.phase_s = {}
+                if world > 1:
+                    dist.barrier(group=process_group)
                 opt.zero_grad(set_to_none=True)
                 workload.loss_fn(model(inputs), targets).backward()
                 runtime.step()
                 opt.step()
                 if i:
-                    for phase, seconds in runtime.phase_s.items():
-                        part = phase if phase == "fold" else f"{phase}:{method.value}"
-                        samples.setdefault(part, []).append(seconds)
+                    phases.append({phase if phase == "fold" else f"{phase}:{method.value}": seconds
+                                   for phase, seconds in runtime.phase_s.items()})
                     on_point()
         finally:
             runtime.close()
             del runtime, model, opt
             gc.collect()
-    world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-    out = {}
-    for part in KFAC_STEP_PARTS:
-        mine = samples.get(part, [])
-        if world > 1:  # every rank the same number of samples: as many as its fewest
-            fewest = int(min(gathered([float(len(mine))], process_group)))
-            mine = gathered(mine[:fewest], process_group)
-        if mine:
-            out[part] = Calibration(measured_s=median(mine), modelled_s=modelled[part])
+    every_rank: list[Any] = [phases]
+    if world > 1:
+        every_rank = [None] * world
+        dist.all_gather_object(every_rank, phases, group=process_group)
+    slowest = slowest_rank_phases(every_rank)
+    return {part: Calibration(measured_s=median(slowest[part]), modelled_s=modelled[part])
+            for part in KFAC_STEP_PARTS if slowest.get(part)}
+
+
+def slowest_rank_phases(every_rank: Sequence[Sequence[Mapping[str, float]]]) -> dict[str, list[float]]:
+    """Each phase's seconds at every step, taken from that step's slowest rank: the one whose phases took longest
+    in all (`every_rank[r][i]`: rank r's phases at step i; every rank the same steps)."""
+    out: dict[str, list[float]] = {}
+    for step in zip(*every_rank, strict=True):
+        for phase, seconds in max(step, key=lambda phases: sum(phases.values())).items():
+            out.setdefault(phase, []).append(seconds)
     return out
 
 

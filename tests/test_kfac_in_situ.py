@@ -14,7 +14,12 @@ from planner.models import build_workload
 from planner.strategies.kfac import calibrated_kfac, kfac_problem
 from planner.types import InverseMethod, SchemaError
 from profilers.kfac import measure_kfac
-from runtime.calibrate import kfac_steps_points, measure_kfac_in_situ, measure_kfac_steps_in_situ
+from runtime.calibrate import (
+    kfac_steps_points,
+    measure_kfac_in_situ,
+    measure_kfac_steps_in_situ,
+    slowest_rank_phases,
+)
 from tests.factories import synthetic_profile
 
 CPU = torch.device("cpu")
@@ -149,6 +154,51 @@ def test_every_rank_gets_the_same_step_calibrations_from_every_ranks_samples() -
     results = run_distributed(_steps_worker, 2)
     assert set(results[0]) == set(KFAC_STEP_PARTS)
     assert results[0] == results[1]  # medians over both ranks' samples
+
+
+#: Extra seconds rank 1 spends preconditioning in `_slowed_steps_worker`: far above the CNN's own few ms.
+SLOWED_PRECONDITION_S = 0.08
+
+
+def _slowed_steps_worker(rank: int, world_size: int) -> dict[str, float]:
+    import time
+
+    from runtime import calibrate
+
+    if rank == 1:  # this worker's preconditioning runs slower, as one of two processes on shared cores can
+        original = calibrate._TimedKFAC._precondition
+
+        def slower(self: calibrate._TimedKFAC) -> None:
+            original(self)
+            self.phase_s["precondition"] = self.phase_s.get("precondition", 0.0) + SLOWED_PRECONDITION_S
+            time.sleep(SLOWED_PRECONDITION_S)
+
+        calibrate._TimedKFAC._precondition = slower  # type: ignore[method-assign]
+    wl = build_workload("cnn", batch_size=8)
+    kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
+    cals = measure_kfac_steps_in_situ(wl, CPU, kfac, steps=2)
+    return {part: c.measured_s for part, c in cals.items()}
+
+
+def test_the_step_calibration_takes_each_steps_slowest_rank_as_the_bench_does() -> None:
+    from planner.platform.launch import run_distributed
+
+    results = run_distributed(_slowed_steps_worker, 2)
+    assert results[0] == results[1]
+    # Every step's slowest rank is the slowed one: its preconditioning, not a median pooled with the other rank's
+    # (which would come out near half the added time).
+    for method in InverseMethod:
+        assert results[0][f"precondition:{method.value}"] >= SLOWED_PRECONDITION_S
+
+
+def test_slowest_rank_phases_takes_each_steps_rank_with_the_longest_phases_in_all() -> None:
+    rank0 = [{"fold": 1.0, "invert": 5.0}, {"fold": 3.0, "invert": 1.0}]
+    rank1 = [{"fold": 2.0, "invert": 3.0}, {"fold": 2.0, "invert": 3.0}]
+    # Step 0: rank 0 (6 s against 5 s); step 1: rank 1 (5 s against 4 s), whole steps kept together.
+    assert slowest_rank_phases([rank0, rank1]) == {"fold": [1.0, 2.0], "invert": [5.0, 3.0]}
+    assert slowest_rank_phases([rank0]) == {"fold": [1.0, 3.0], "invert": [5.0, 1.0]}
+    with pytest.raises(ValueError):
+        slowest_rank_phases([rank0, rank1[:1]])  # ranks with different step counts are a bug, not a statistic
 
 
 class _Shaped(nn.Module):

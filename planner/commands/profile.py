@@ -65,7 +65,7 @@ INTERFERENCE_REPEATS = 5
 IN_SITU_REPEATS = 8
 #: Measured K-FAC steps per inversion method in the in-situ calibration of folding, inverting and preconditioning
 #: (fewer where inverting every factor takes long).
-KFAC_STEPS_REPEATS = 3
+KFAC_STEPS_REPEATS = 6
 IN_SITU_DENSITY = 0.01
 
 
