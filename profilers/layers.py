@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,7 +14,10 @@ from planner.contracts.profile import LayerTiming
 from planner.models import Workload
 from planner.platform.timing import Marks, iqr, median, time_call
 
-__all__ = ["LayerRun", "LayerSummary", "combine_ranks", "measure_layers"]
+__all__ = ["MAX_LAYER_REPEATS", "LayerRun", "LayerSummary", "combine_ranks", "measure_layers"]
+
+#: The most repeats `measure_layers` extends to when its whole steps should span `min_seconds`.
+MAX_LAYER_REPEATS = 100
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,9 +44,19 @@ def measure_layers(
     warmup: int,
     barrier: Callable[[], object] = lambda: None,
     on_step: Callable[[], object] = lambda: None,
+    min_seconds: float = 0.0,
+    max_repeats: int = MAX_LAYER_REPEATS,
+    agree: Callable[[float], float] = lambda seconds: seconds,
+    on_total: Callable[[int], object] = lambda total: None,
 ) -> LayerRun:
     """Run forward/backward/update `warmup + repeats` times, timing each layer from module and grad hooks,
     and as many whole steps without hooks between them (`LayerRun.whole`).
+
+    With `min_seconds`, a fast model gets more repeats (up to `max_repeats`) so that its measured whole steps span
+    about that long, as estimated from the warm-up's whole steps (none without a warm-up): a 25 ms step timed ten
+    times spans a quarter of a second, and a spell of a shared machine that short moved the median by 15%.
+    `agree` turns this rank's estimate into the one every rank uses (the slowest rank's: the ranks pass barriers
+    together, so they must run as many steps); `on_total` hears the new number of steps, warm-up included.
 
     A layer's backward time is the gap between the previous layer's gradient becoming ready (or the start
     of backward) and its own: b_i of the timeline model. The ready order is read from the hooks, not assumed.
@@ -91,7 +105,8 @@ def measure_layers(
     backward: dict[str, list[float]] = {s.name: [] for s in specs}
     forward_total, backward_total, update, whole = [], [], [], []
     order: tuple[str, ...] = ()
-    for rep in range(warmup + repeats):
+    rep = 0
+    while rep < warmup + repeats:
         plain_first = rep % 2 == 1
         if plain_first:
             whole.append(timed_plain())
@@ -115,7 +130,14 @@ def measure_layers(
         if not plain_first:
             whole.append(timed_plain())
         on_step()
-        if rep < warmup:
+        rep += 1
+        if rep == warmup and min_seconds > 0:
+            step_s = agree(median(whole))
+            wanted = math.ceil(min_seconds / step_s) if step_s > 0 else max_repeats
+            if min(max_repeats, wanted) > repeats:
+                repeats = min(max_repeats, wanted)
+                on_total(warmup + repeats)
+        if rep <= warmup:
             continue
         f = fmarks.seconds()
         b = bmarks.seconds()

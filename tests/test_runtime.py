@@ -879,3 +879,30 @@ def frozen_norm_workload() -> Any:
 
     return Workload(name="frozen-norm", module=FrozenNormReordered(), batch_size=8, make_batch=batch,
                     loss_fn=nn.functional.cross_entropy)
+
+
+def test_the_layer_phase_times_a_fast_model_over_about_min_seconds() -> None:
+    """A fast model gets more repeats, as many as the warm-up's whole steps say fill `min_seconds` (capped), on
+    the estimate every rank agrees on; without `min_seconds` or without a warm-up it runs exactly `repeats`."""
+    from planner.models import build_workload
+    from profilers.layers import measure_layers
+
+    workload = build_workload("mlp", batch_size=4)
+    cpu = torch.device("cpu")
+    estimates: list[float] = []
+    totals: list[int] = []
+
+    def agree(seconds: float) -> float:
+        estimates.append(seconds)
+        return 1.0 / 5  # as if the slowest rank took 0.2 s a step: 2 s is 10 steps
+
+    run = measure_layers(workload, cpu, repeats=3, warmup=2, min_seconds=2.0, agree=agree, on_total=totals.append)
+    assert len(estimates) == 1 and estimates[0] > 0  # once, after the warm-up, on this rank's own steps
+    assert totals == [2 + 10] and len(run.whole) == len(run.update) == 10
+    capped = measure_layers(workload, cpu, repeats=3, warmup=1, min_seconds=1e6, max_repeats=6)
+    assert len(capped.whole) == 6
+    for plain in (measure_layers(workload, cpu, repeats=3, warmup=2),  # no min_seconds
+                  measure_layers(workload, cpu, repeats=3, warmup=0, min_seconds=1e6)):  # no warm-up to go by
+        assert len(plain.whole) == len(plain.update) == len(plain.forward_total) == 3
+    # The cap never cuts the repeats asked for.
+    assert len(measure_layers(workload, cpu, repeats=8, warmup=1, min_seconds=1e6, max_repeats=6).whole) == 8

@@ -55,7 +55,7 @@ from runtime.calibrate import (
     measure_packing,
 )
 
-__all__ = ["DEFAULT_DENSITIES", "ProfileConfig", "profile_worker", "run_profile"]
+__all__ = ["DEFAULT_DENSITIES", "DEFAULT_LAYER_SECONDS", "ProfileConfig", "profile_worker", "run_profile"]
 
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1, 1.0)
 #: Backward passes timed alone and with collectives in flight, per collective (interference).
@@ -67,6 +67,8 @@ IN_SITU_REPEATS = 8
 #: (fewer where inverting every factor takes long).
 KFAC_STEPS_REPEATS = 6
 IN_SITU_DENSITY = 0.01
+#: How long the layer phase's whole steps span at least, by default (`measure_layers`' `min_seconds`).
+DEFAULT_LAYER_SECONDS = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +82,8 @@ class ProfileConfig:
     backend: str = "auto"
     repeats: int = 10
     warmup: int = 3
+    #: the layer phase's whole steps span at least this long: more than `repeats` on a fast model (`measure_layers`)
+    layer_seconds: float = DEFAULT_LAYER_SECONDS
     comm_repeats: int = 7
     densities: tuple[float, ...] = DEFAULT_DENSITIES
     only_comm: bool = False
@@ -92,6 +96,13 @@ class ProfileConfig:
     link: LinkRate | None = None
     slowdown: Slowdown | None = None
     hosts: int | None = None  # emulated hosts the local workers are spread over (`--hosts`)
+
+
+def _slowest_seconds(seconds: float) -> float:
+    """The largest of every rank's `seconds` (every rank calls it)."""
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
 
 
 def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile | None:
@@ -124,7 +135,8 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             task = bar.add_task(f"layers of {config.model}", total=config.warmup + config.repeats)
             run = measure_layers(
                 workload, device, repeats=config.repeats, warmup=config.warmup,
-                barrier=dist.barrier, on_step=lambda: bar.advance(task),
+                barrier=dist.barrier, on_step=lambda: bar.advance(task), min_seconds=config.layer_seconds,
+                agree=_slowest_seconds, on_total=lambda total: bar.update(task, total=total),
             )
             gathered: list[object] = [None] * world_size
             dist.all_gather_object(gathered, run)

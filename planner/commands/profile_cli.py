@@ -12,6 +12,7 @@ from planner.commands.common import (
     _add_link,
     _add_slowdown,
     _density,
+    _nonnegative_float,
     _nonnegative_int,
     _positive,
     check_hosts,
@@ -27,7 +28,9 @@ class ProfileCommand(Command):
     help = "measure per-layer compute, collectives and top-k costs on N workers; write a profile"
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
+        from planner.commands.profile import DEFAULT_LAYER_SECONDS
         from planner.models import DEFAULT_MODEL
+        from profilers.layers import MAX_LAYER_REPEATS
 
         parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name or package.module:factory")
         parser.add_argument("--batch-size", type=_positive, default=None, help="per-worker batch (model default)")
@@ -36,6 +39,9 @@ class ProfileCommand(Command):
         parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
         parser.add_argument("--repeats", type=_positive, default=10, help="measured iterations per layer")
         parser.add_argument("--warmup", type=_nonnegative_int, default=3, help="unmeasured iterations first")
+        parser.add_argument("--layer-seconds", type=_nonnegative_float, default=DEFAULT_LAYER_SECONDS, metavar="S",
+                            help="time whole steps for about S seconds: more than --repeats iterations on a fast "
+                                 f"model (at most {MAX_LAYER_REPEATS}); 0: exactly --repeats")
         parser.add_argument("--densities", default="0.001,0.01,0.1,1.0", help="top-k densities to measure")
         parser.add_argument("--powersgd-ranks", default="1,2,4", metavar="LIST",
                             help="PowerSGD ranks to measure (with fp16), e.g. 1,2,4; none: measure neither")
@@ -75,7 +81,8 @@ class ProfileCommand(Command):
         base = Profile.load(args.output) if args.only == "comm" and args.output.exists() else None
         config = ProfileConfig(
             model=args.model, output=args.output, batch_size=args.batch_size, nproc=args.nproc,
-            backend=args.backend, repeats=args.repeats, warmup=args.warmup, densities=densities,
+            backend=args.backend, repeats=args.repeats, warmup=args.warmup, layer_seconds=args.layer_seconds,
+            densities=densities,
             only_comm=args.only == "comm", base=base, kfac=args.kfac, max_dim=args.max_dim, link=args.link,
             kfac_skip=args.kfac_skip, slowdown=args.slowdown, powersgd_ranks=ranks, hosts=args.hosts,
         )
