@@ -65,7 +65,7 @@ INTERFERENCE_REPEATS = 5
 IN_SITU_REPEATS = 8
 #: Measured K-FAC steps per inversion method in the in-situ calibration of folding, inverting and preconditioning
 #: (fewer where inverting every factor takes long).
-KFAC_STEPS_REPEATS = 6
+KFAC_STEPS_REPEATS = 10
 IN_SITU_DENSITY = 0.01
 #: How long the layer phase's whole steps span at least, by default (`measure_layers`' `min_seconds`).
 DEFAULT_LAYER_SECONDS = 2.0
