@@ -141,10 +141,10 @@ def test_a_long_inversion_gets_one_measured_step() -> None:
     assert kfac_steps_points(slow, 3) == 1 + kfac_steps_points(kfac, 3) // 2
 
 
-def _steps_worker(rank: int, world_size: int) -> dict[str, float]:
+def _steps_worker(rank: int, world_size: int, steps: int = 1) -> dict[str, float]:
     wl = build_workload("cnn", batch_size=8)
     kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
-    cals = measure_kfac_steps_in_situ(wl, CPU, kfac, steps=1)
+    cals = measure_kfac_steps_in_situ(wl, CPU, kfac, steps=steps)
     return {part: c.measured_s for part, c in cals.items()}
 
 
@@ -174,10 +174,7 @@ def _slowed_steps_worker(rank: int, world_size: int) -> dict[str, float]:
             time.sleep(SLOWED_PRECONDITION_S)
 
         calibrate._TimedKFAC._precondition = slower  # type: ignore[method-assign]
-    wl = build_workload("cnn", batch_size=8)
-    kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
-    cals = measure_kfac_steps_in_situ(wl, CPU, kfac, steps=2)
-    return {part: c.measured_s for part, c in cals.items()}
+    return _steps_worker(rank, world_size, steps=2)
 
 
 def test_the_step_calibration_takes_each_steps_slowest_rank_as_the_bench_does() -> None:
