@@ -4,6 +4,10 @@ step; sigma = with / alone - 1 (at least 0), the time the timeline model puts on
 per second of overlapped communication (`GradientProblem.interference`). The chain is long enough to
 outlast the slowed backward pass; a repetition where it did not is measured again with a longer chain.
 
+The other direction is measured in the same passes: the chain's collectives, each stamped when it completes, run
+(1 + kappa) times slower beside the backward pass than a chain alone (`comm stretch`; on a CPU the collectives'
+copies share the cores with compute, so kappa is large over loopback and small where the link is the bottleneck).
+
 What the runtime's own work costs the compute stream (packing, selection, decoding in real steps) is
 measured by the runtime itself: `runtime.calibrate`.
 """
@@ -13,7 +17,9 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +30,7 @@ from planner.models import Workload
 from planner.platform.timing import gathered, median, stream_seconds, time_call
 from planner.types import Collective, DistributedError
 
-__all__ = ["INTERFERENCE_MESSAGE_BYTES", "measure_interference"]
+__all__ = ["INTERFERENCE_MESSAGE_BYTES", "Interference", "measure_interference"]
 
 #: Size of each collective of the chain that runs during the timed backward passes (per rank).
 INTERFERENCE_MESSAGE_BYTES = 4 << 20
@@ -32,6 +38,15 @@ INTERFERENCE_MESSAGE_BYTES = 4 << 20
 _CHAIN_SPAN = 3.0
 #: A chain never holds more collectives than this (tiny models on fast links).
 _MAX_CHAIN = 2000
+
+
+@dataclass(frozen=True)
+class Interference:
+    """Per collective: sigma, how much slower compute runs while one is in flight, and kappa (`comm_stretch`),
+    how much slower a chain of them runs while every worker computes."""
+
+    sigma: dict[Collective, float]
+    comm_stretch: dict[Collective, float]
 
 
 def _chain(coll: Collective, nbytes: int, device: torch.device, group: Any) -> Callable[[int], list[Any]]:
@@ -56,12 +71,16 @@ def measure_interference(
     message_bytes: int = INTERFERENCE_MESSAGE_BYTES,
     process_group: Any = None,
     on_point: Callable[[], object] = lambda: None,
-) -> dict[Collective, float]:
-    """sigma of each collective: the backward pass takes (1 + sigma) times as long while it runs.
+) -> Interference:
+    """sigma of each collective (the backward pass takes (1 + sigma) times as long while it runs) and kappa (a
+    chain of it takes (1 + kappa) times as long while the backward pass runs).
 
     Every rank calls this (it runs collectives). Alone and with a chain alternate, `repeats` times each,
-    after one unmeasured pair; sigma comes from the medians over all ranks' samples. `on_point` is called
-    after each pair.
+    after one unmeasured pair; sigma comes from the medians over all ranks' samples. Each pair also runs a
+    chain alone, a third as long, with nothing computed: a chain's pace is the time from its start to its
+    last collective completed (by the end of the backward pass, when busy) over the collectives completed,
+    and kappa = busy pace / alone pace - 1 (at least 0), from the medians over all ranks' samples (0 when no
+    collective of a busy chain completed within any backward pass). `on_point` is called after each pair.
 
     Raises:
         DistributedError: the chain ended before the backward pass in every attempt (it then cannot tell).
@@ -69,21 +88,34 @@ def measure_interference(
     model = workload.module.to(device)
     inputs, targets = (t.to(device) for t in workload.batch(seed=4321))
 
-    def backward_seconds(chain: Callable[[int], list[Any]] | None, length: int) -> tuple[float, bool]:
-        """Seconds of one backward pass (the forward is not timed), and whether the chain outlasted it."""
+    def backward_seconds(chain: Callable[[int], list[Any]] | None, length: int) -> tuple[float, bool, float | None]:
+        """Seconds of one backward pass (the forward is not timed), whether the chain outlasted it, and the
+        chain's pace within it (None: none of its collectives completed by then)."""
         model.zero_grad(set_to_none=True)
         loss = workload.loss_fn(model(inputs), targets)
         if device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the forward is done; the chain's stream is not waited for
         dist.barrier(group=process_group)
+        started = time.perf_counter()
         works = chain(length) if chain is not None else []
+        stamps = _stamped(works)
         seconds = stream_seconds(loss.backward, device)
+        ended = started + seconds
         outlasted = not works or not works[-1].is_completed()
         for work in works:
             work.wait()
-        return seconds, outlasted
+        return seconds, outlasted, _pace(stamps, started, until=ended)
 
-    out = {}
+    def alone_pace(chain: Callable[[int], list[Any]], length: int) -> float | None:
+        dist.barrier(group=process_group)
+        started = time.perf_counter()
+        works = chain(length)
+        stamps = _stamped(works)
+        for work in works:
+            work.wait()
+        return _pace(stamps, started)
+
+    sigma, kappa = {}, {}
     alone_one = backward_seconds(None, 0)[0]
     for coll in collectives:
         chain = _chain(coll, message_bytes, device, process_group)
@@ -94,13 +126,17 @@ def measure_interference(
         # preempted) is doubled and the pairs measured again, until the chain is as long as allowed.
         for attempt in itertools.count():
             alone, busy = [], []
+            paces: dict[str, list[float]] = {"alone": [], "busy": []}
             outlasted = True
             backward_seconds(chain, length)  # unmeasured: the first pass under load
             for _ in range(repeats):
                 alone.append(backward_seconds(None, 0)[0])
-                seconds, ok = backward_seconds(chain, length)
+                seconds, ok, pace = backward_seconds(chain, length)
                 busy.append(seconds)
                 outlasted &= ok
+                for kind, value in (("busy", pace), ("alone", alone_pace(chain, max(1, length // 3)))):
+                    if value is not None:
+                        paces[kind].append(value)
                 if not attempt:  # progress counts the first attempt; a retry with a longer chain is extra
                     on_point()
             if _agreed(int(outlasted), process_group, device, op=dist.ReduceOp.MIN):
@@ -112,8 +148,37 @@ def measure_interference(
                 )
             length = min(_MAX_CHAIN, 2 * length)
         everyone_alone, everyone_busy = gathered(alone, process_group), gathered(busy, process_group)
-        out[coll] = max(0.0, median(everyone_busy) / median(everyone_alone) - 1.0)
-    return out
+        sigma[coll] = max(0.0, median(everyone_busy) / median(everyone_alone) - 1.0)
+        pace_alone, pace_busy = (_gathered_ragged(paces[k], process_group) for k in ("alone", "busy"))
+        kappa[coll] = (max(0.0, median(pace_busy) / median(pace_alone) - 1.0) if pace_alone and pace_busy
+                       and median(pace_alone) > 0 else 0.0)
+    return Interference(sigma=sigma, comm_stretch=kappa)
+
+
+def _stamped(works: Sequence[Any]) -> list[float | None]:
+    """When each work completes (perf_counter seconds, filled in by its future's callback; None until then)."""
+    stamps: list[float | None] = [None] * len(works)
+
+    def stamp(i: int, _future: Any) -> None:
+        stamps[i] = time.perf_counter()
+
+    for i, work in enumerate(works):
+        work.get_future().add_done_callback(functools.partial(stamp, i))
+    return stamps
+
+
+def _pace(stamps: Sequence[float | None], started: float, until: float = math.inf) -> float | None:
+    """Seconds per collective of a chain started at `started`: to its last completion by `until`, over the
+    collectives completed by then (a chain completes in order); None when none had."""
+    done = [t for t in stamps if t is not None and t <= until]
+    return (max(done) - started) / len(done) if done else None
+
+
+def _gathered_ragged(samples: list[float], group: Any) -> list[float]:
+    """Every rank's samples, however many each has."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, samples, group=group)
+    return [float(x) for xs in everyone for x in xs]
 
 
 def _run_chain(chain: Callable[[int], list[Any]], length: int) -> None:

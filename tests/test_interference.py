@@ -26,6 +26,7 @@ from runtime.exchange import write_scaled
 from tests.factories import synthetic_profile
 
 SIGMAS = {Collective.ALLREDUCE: 0.8, Collective.ALLGATHER: 1.3}
+KAPPAS = {Collective.ALLREDUCE: 0.7, Collective.ALLGATHER: 0.4}
 
 
 def measured_profile(model: str = "mlp") -> Profile:
@@ -34,7 +35,7 @@ def measured_profile(model: str = "mlp") -> Profile:
     prof = synthetic_profile(model)
     assert prof.topk is not None
     topk = dataclasses.replace(prof.topk, select_sampled=tuple((n, d, 0.3 * t) for n, d, t in prof.topk.select))
-    return dataclasses.replace(prof, pack=pack, interference=dict(SIGMAS), topk=topk)
+    return dataclasses.replace(prof, pack=pack, interference=dict(SIGMAS), comm_stretch=dict(KAPPAS), topk=topk)
 
 
 def test_profile_round_trip_with_packing_and_interference(tmp_path: Path) -> None:
@@ -54,27 +55,31 @@ def test_each_strategy_gets_the_interference_of_its_collective() -> None:
 
 def test_a_profile_without_them_models_neither(tmp_path: Path) -> None:
     doc = measured_profile().to_dict()
-    del doc["pack"], doc["interference"]
+    del doc["pack"], doc["interference"], doc["comm_stretch"]
     path = tmp_path / "old.json"
     path.write_text(json.dumps(doc))
     prof = Profile.load(path)
-    assert prof.pack is None and prof.interference is None
+    assert prof.pack is None and prof.interference is None and prof.comm_stretch is None
+    assert prof.comm_stretch_for(Collective.ALLREDUCE) == 0.0
     problem = gradient_problem(prof, Strategy.DENSE)
     assert problem.pack is None and problem.interference == 0.0
 
 
+@pytest.mark.parametrize("field", ["interference", "comm_stretch"])
 @pytest.mark.parametrize(
     ("interference", "error", "match"),
     [
-        ({"allreduce": -0.5}, InvalidProfileError, r"profile\.interference\.allreduce must be a finite number >= 0"),
-        ({"allreduce": "fast"}, SchemaError, r"profile\.interference\.allreduce must be int/float"),
-        ({"telepathy": 0.5}, SchemaError, r"unknown collective 'telepathy' in profile\.interference"),
-        ([0.5], SchemaError, r"profile\.interference must be dict"),
+        ({"allreduce": -0.5}, InvalidProfileError, r"profile\.{field}\.allreduce must be a finite number >= 0"),
+        ({"allreduce": "fast"}, SchemaError, r"profile\.{field}\.allreduce must be int/float"),
+        ({"telepathy": 0.5}, SchemaError, r"unknown collective 'telepathy' in profile\.{field}"),
+        ([0.5], SchemaError, r"profile\.{field} must be dict"),
     ],
 )
-def test_bad_interference_is_refused_naming_the_field(tmp_path: Path, interference: Any, error: type[Exception],
-                                                      match: str) -> None:
-    doc = {**measured_profile().to_dict(), "interference": interference}
+def test_bad_interference_is_refused_naming_the_field(tmp_path: Path, field: str, interference: Any,
+                                                      error: type[Exception], match: str) -> None:
+    """Either direction (sigma: compute slowed; kappa: collectives slowed)."""
+    match = match.replace("{field}", field)
+    doc = {**measured_profile().to_dict(), field: interference}
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(doc))
     with pytest.raises(error, match=match):
@@ -134,7 +139,7 @@ def test_measure_packing_times_every_size() -> None:
     assert all(t > 0 for _, t in curve.points)
 
 
-def _interference_worker(rank: int, world_size: int, chain_cap: int | None) -> dict[Collective, float] | str:
+def _interference_worker(rank: int, world_size: int, chain_cap: int | None) -> Any:
     from profilers import interference
 
     torch.manual_seed(0)
@@ -152,12 +157,13 @@ def _interference_worker(rank: int, world_size: int, chain_cap: int | None) -> d
 
 
 def test_interference_is_measured_on_two_processes_and_refuses_a_chain_too_short() -> None:
-    """sigma for both collectives, the same on every rank; and no sigma at all when the collectives could
+    """sigma and kappa for both collectives, the same on every rank; and neither when the collectives could
     not be kept in flight for a whole backward pass."""
     measured = run_distributed(_interference_worker, 2, None)
     assert measured[0] == measured[1]
-    assert set(measured[0]) == {Collective.ALLREDUCE, Collective.ALLGATHER}
-    assert all(math.isfinite(s) and s >= 0 for s in measured[0].values())
+    for slowdown in (measured[0].sigma, measured[0].comm_stretch):
+        assert set(slowdown) == {Collective.ALLREDUCE, Collective.ALLGATHER}
+        assert all(math.isfinite(s) and s >= 0 for s in slowdown.values())
     refused = run_distributed(_interference_worker, 2, 1)
     assert all("could not keep allreduces in flight for a whole backward pass" in r for r in refused), refused
 
@@ -328,3 +334,13 @@ def test_the_bench_notes_factor_hooks_that_ran_apart_from_the_profile(capsys: py
         " ".join(err.split())
     print_bench(rows(0.31), as_json=False)  # within 5%: nothing to say
     assert "factor hooks" not in capsys.readouterr().err
+
+
+def test_a_chains_pace_counts_the_collectives_completed_by_then() -> None:
+    """Seconds per collective from the chain's start to its last completion by `until`; None when none had."""
+    from profilers.interference import _pace
+
+    assert _pace([1.0, 2.0, 3.5], 0.5) == pytest.approx(1.0)
+    assert _pace([1.0, 2.0, None], 0.0, until=1.5) == pytest.approx(1.0)
+    assert _pace([1.0, None], 0.0, until=0.5) is None
+    assert _pace([], 0.0) is None

@@ -267,6 +267,10 @@ def print_profile(profile: object) -> None:
         slower = ", ".join(f"{sigma:.2f} with an {coll.value}" for coll, sigma in profile.interference.items())
         console.print(f"compute while communicating: the backward pass runs 1 + sigma times slower while a "
                       f"collective is in flight, sigma = {slower}")
+    if profile.comm_stretch:
+        slower = ", ".join(f"{kappa:.2f} for an {coll.value}" for coll, kappa in profile.comm_stretch.items())
+        console.print(f"communicating while computing: a chain of collectives runs 1 + kappa times slower while the "
+                      f"workers run backward passes, kappa = {slower}")
     if profile.pack is not None:
         console.print(f"packing a dense group: {profile.pack.alpha_s * 1e6:.1f} us + "
                       f"{profile.pack.beta_s_per_byte * 1e9:.3f} ns per element (median fit error "

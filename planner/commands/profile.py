@@ -163,7 +163,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                                 total=host_runs(sizes, layout, repeats=config.comm_repeats, warmup=2))
             host_timing = measure_hosts(groups, sizes, device, repeats=config.comm_repeats, warmup=2,
                                         on_run=lambda: bar.advance(task))
-        topk = pack = interference = in_situ = compress = None
+        topk = pack = interference = comm_stretch = in_situ = compress = None
         if host_timing is not None and groups is not None:  # the top-k exchange merged inside each host,
             memory.begin("hierarchical top-k")  # at the picks' real overlap
             if config.only_comm:
@@ -208,11 +208,12 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                 memory.begin("compute while communicating")
                 interfering = [Collective.ALLREDUCE, Collective.ALLGATHER]
                 task = bar.add_task("compute while communicating", total=len(interfering) * INTERFERENCE_REPEATS)
-                interference = measure_interference(
+                both_ways = measure_interference(
                     workload, device, interfering, repeats=INTERFERENCE_REPEATS,
                     message_bytes=min(INTERFERENCE_MESSAGE_BYTES, numel_total * 4),
                     on_point=lambda: bar.advance(task),
                 )
+                interference, comm_stretch = both_ways.sigma, both_ways.comm_stretch
         kfac = base.kfac if base is not None else None
         if config.kfac and not config.only_comm:
             memory.begin("K-FAC")
@@ -266,6 +267,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         parts_scale=summary.scale,
         pack=pack,
         interference=interference,
+        comm_stretch=comm_stretch,
         throughput=throughput,
         in_situ=in_situ,
         compress=compress,

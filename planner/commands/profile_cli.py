@@ -98,8 +98,8 @@ class ProfileCommand(Command):
                 "the profiled model, so top-k groups cross hosts flat; pass the profile's --model, or profile again "
                 "without --only", markup=False, soft_wrap=True)
         if config.only_comm and profile.interference:
-            err_console.print("note: --only comm kept the interference measured with the old network; profile "
-                              "again without --only to measure it on this one", markup=False)
+            err_console.print("note: --only comm kept the interference (both ways) measured with the old network; "
+                              "profile again without --only to measure it on this one", markup=False)
         console.print(f"wrote profile {args.output}")
         return 0
 

@@ -36,6 +36,9 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
       "interference": {"allreduce": 0.9, "allgather": 1.1},       # sigma per collective: compute runs
                                                                   # 1 + sigma times slower while one is in
                                                                   # flight; null or absent: 0
+      "comm_stretch": {"allreduce": 0.7, "allgather": 0.6},       # kappa per collective: a chain of them
+                                                                  # runs 1 + kappa times slower while the
+                                                                  # workers compute; null or absent: 0
       "in_situ": {                                                # null or absent: factors of 1
         "pack": {"factor", "measured_s", "modelled_s"},           # the runtime's hooks in real backward
         "select": {"exact": {...}, "sampled": {...}},             # passes, against the micro-benchmarks
@@ -973,20 +976,25 @@ def _peak_memory(data: Any) -> dict[str, int]:
     return out
 
 
-def _interference(data: Any) -> dict[Collective, float]:
-    """{"allreduce": sigma, ...} as checked values: known collectives, finite numbers >= 0."""
+_SLOWDOWNS = {"interference": "how much slower compute runs while one is in flight",
+              "comm_stretch": "how much slower a chain of them runs while the workers compute"}
+
+
+def _interference(data: Any, field: str = "interference") -> dict[Collective, float]:
+    """{"allreduce": sigma, ...} (or kappa, for `comm_stretch`) as checked values: known collectives, finite
+    numbers >= 0."""
     out = {}
-    for name, sigma in expect(data, dict, "profile.interference").items():
+    for name, sigma in expect(data, dict, f"profile.{field}").items():
         try:
             coll = Collective(name)
         except ValueError:
             raise SchemaError(
-                f"unknown collective {name!r} in profile.interference; known: {[c.value for c in Collective]}"
+                f"unknown collective {name!r} in profile.{field}; known: {[c.value for c in Collective]}"
             ) from None
-        value = float(expect(sigma, (int, float), f"profile.interference.{name}"))
+        value = float(expect(sigma, (int, float), f"profile.{field}.{name}"))
         if not (math.isfinite(value) and value >= 0):
-            raise InvalidProfileError(f"profile.interference.{name} must be a finite number >= 0 (how much slower "
-                                      f"compute runs while one is in flight), got {sigma!r}")
+            raise InvalidProfileError(f"profile.{field}.{name} must be a finite number >= 0 ({_SLOWDOWNS[field]}), "
+                                      f"got {sigma!r}")
         out[coll] = value
     return out
 
@@ -1014,6 +1022,8 @@ class Profile:
     parts_scale: float | None = None
     pack: FittedCurve | None = None
     interference: dict[Collective, float] | None = None
+    #: kappa per collective: a chain of them runs (1 + kappa) times slower while the workers compute (None: 0).
+    comm_stretch: dict[Collective, float] | None = None
     in_situ: InSitu | None = None
     throughput: WorkerThroughput | None = None
     compress: CompressTiming | None = None
@@ -1040,14 +1050,20 @@ class Profile:
                 f"is {self.cluster.host_count} hosts and {self.cluster.world_size} workers")
         if self.parts_scale is not None and not (math.isfinite(self.parts_scale) and self.parts_scale > 0):
             raise InvalidProfileError(f"profile.parts_scale must be a finite number > 0, got {self.parts_scale!r}")
-        for coll, sigma in (self.interference or {}).items():
-            if not (math.isfinite(sigma) and sigma >= 0):
-                raise InvalidProfileError(f"profile.interference.{coll.value} must be a finite number >= 0, "
-                                          f"got {sigma!r}")
+        for name, values in (("interference", self.interference), ("comm_stretch", self.comm_stretch)):
+            for coll, sigma in (values or {}).items():
+                if not (math.isfinite(sigma) and sigma >= 0):
+                    raise InvalidProfileError(f"profile.{name}.{coll.value} must be a finite number >= 0, "
+                                              f"got {sigma!r}")
 
     def interference_for(self, collective: Collective) -> float:
         """sigma of `collective`: how much slower compute runs while one is in flight (0 if not measured)."""
         return (self.interference or {}).get(collective, 0.0)
+
+    def comm_stretch_for(self, collective: Collective) -> float:
+        """kappa of `collective`: how much slower a chain of them runs while the workers compute (0 if not
+        measured)."""
+        return (self.comm_stretch or {}).get(collective, 0.0)
 
     # -- tables ------------------------------------------------------------------------------------
     def layers_frame(self) -> pd.DataFrame:
@@ -1102,6 +1118,9 @@ class Profile:
             "interference": None if self.interference is None else {
                 c.value: sigma for c, sigma in self.interference.items()
             },
+            "comm_stretch": None if self.comm_stretch is None else {
+                c.value: kappa for c, kappa in self.comm_stretch.items()
+            },
             "in_situ": None if self.in_situ is None else self.in_situ.to_dict(),
             "throughput": None if self.throughput is None else self.throughput.to_dict(),
             "compress": None if self.compress is None else self.compress.to_dict(),
@@ -1132,14 +1151,16 @@ class Profile:
             )
         if data.get("kind") != PROFILE_KIND:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
-        data = {"kfac": None, "step_s": None, "parts_scale": None, "pack": None, "interference": None, "in_situ": None,
-                "throughput": None, "compress": None, "peak_memory": None, "hosts": None, **data}
+        data = {"kfac": None, "step_s": None, "parts_scale": None, "pack": None, "interference": None,
+                "comm_stretch": None, "in_situ": None, "throughput": None, "compress": None, "peak_memory": None,
+                "hosts": None, **data}
         check_fields(
             data,
             "profile",
             ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
              "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s",
-             "parts_scale", "pack", "interference", "in_situ", "throughput", "compress", "peak_memory", "hosts"],
+             "parts_scale", "pack", "interference", "comm_stretch", "in_situ", "throughput", "compress",
+             "peak_memory", "hosts"],
         )
         collectives = {}
         for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
@@ -1174,6 +1195,8 @@ class Profile:
             parts_scale=None if data["parts_scale"] is None else _time(data["parts_scale"], "profile.parts_scale"),
             pack=None if data["pack"] is None else FittedCurve.from_dict(data["pack"], "profile.pack"),
             interference=None if data["interference"] is None else _interference(data["interference"]),
+            comm_stretch=(None if data["comm_stretch"] is None
+                          else _interference(data["comm_stretch"], "comm_stretch")),
             in_situ=None if data["in_situ"] is None else InSitu.from_dict(data["in_situ"], "profile.in_situ"),
             throughput=None if data["throughput"] is None else WorkerThroughput.from_dict(data["throughput"]),
             compress=(None if data["compress"] is None

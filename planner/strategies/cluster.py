@@ -511,6 +511,7 @@ def profile_for_cluster(profile: Profile, spec: ClusterSpec) -> Profile:
         kfac=None if profile.kfac is None else _scaled_kfac(profile.kfac, f),
         pack=None if profile.pack is None else _scaled_curve(profile.pack, f),
         interference=None,  # measured on the profiled devices and network, unknown on `spec`
+        comm_stretch=None,  # the same
         hosts=None,  # the measured hosts' levels are not `spec`'s: the cluster model prices its collectives
         throughput=throughput,
     )
