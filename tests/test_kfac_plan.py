@@ -14,7 +14,7 @@ from planner.contracts.kfac import KFACSection, factor_name, kfac_layers
 from planner.contracts.plan import Plan
 from planner.contracts.profile import DimCurve, Profile
 from planner.models import build_workload
-from planner.solvers.fusion import FUSION_BASELINES, simulate_fusion
+from planner.solvers.fusion import FUSION_BASELINES, CommEvent, FusionTimeline, simulate_fusion
 from planner.solvers.layout import KaisaCommOpt, KaisaMemOpt, layout_timelines
 from planner.solvers.placement import makespan
 from planner.strategies.kfac import (
@@ -26,6 +26,7 @@ from planner.strategies.kfac import (
     predict_kfac,
     reference_sections,
     section_layout,
+    stretched_channel_end,
 )
 from planner.types import Collective, FactorKind, InvalidProfileError, InverseMethod, PlanMismatchError, SchemaError
 from tests.factories import synthetic_kfac_plan, synthetic_plan, synthetic_profile
@@ -160,6 +161,62 @@ def test_prediction_follows_the_timeline_model(mode: str) -> None:
     assert list(problem.fusion.g_names) == [lt.name for lt in reversed(kf.layers)]
     assert min(problem.fusion.g_ready_s) >= max(problem.fusion.a_ready_s)
     assert kfac_lower_bound(problem, factor_update_steps=2, inv_update_steps=4) <= pred.step_s
+
+
+def _channel(*events: tuple[float, float]) -> FusionTimeline:
+    """A channel of collectives (ready, seconds alone), each started when ready and the channel is free."""
+    out, free = [], 0.0
+    for i, (ready, seconds) in enumerate(events):
+        start = max(ready, free)
+        free = start + seconds
+        out.append(CommEvent(kind="grad", index=i, members=range(i, i + 1), ready_s=ready, start_s=start,
+                             end_s=free, bytes=1))
+    return FusionTimeline(a_end_s=0.0, end_s=free, factor_comm_s=0.0, grad_comm_s=free, num_buffers=0,
+                          events=tuple(out))
+
+
+def test_collectives_run_slower_while_the_workers_compute() -> None:
+    """kappa stretches the part of each collective before compute ends, and only that part: by hand."""
+    one = _channel((0.0, 1.0))
+    assert stretched_channel_end(one, 1.0, 0.0) == 1.0
+    # Half its work fits in the first second at half speed; the other half then runs at full speed.
+    assert stretched_channel_end(one, 1.0, 1.0) == pytest.approx(1.5, rel=TOL)
+    assert stretched_channel_end(one, 4.0, 1.0) == pytest.approx(2.0, rel=TOL)  # wholly beside compute
+    assert stretched_channel_end(one, 0.0, 3.0) == pytest.approx(1.0, rel=TOL)  # compute had ended
+    # A collective ready after compute ends is not slowed; one delayed behind a slowed one starts later.
+    two = _channel((0.0, 1.0), (0.5, 1.0))
+    assert stretched_channel_end(two, 1.0, 1.0) == pytest.approx(2.5, rel=TOL)
+    late = _channel((0.0, 0.2), (3.0, 1.0))
+    assert stretched_channel_end(late, 2.0, 1.0) == pytest.approx(4.0, rel=TOL)
+
+
+def test_slower_collectives_can_only_lengthen_the_factor_step() -> None:
+    """The prediction with kappa is never shorter than without, never longer than with every collective
+    slowed whole, and `factor_step_timeline` predicts the same factor step as `predict_kfac`."""
+    base = replace(synthetic_profile("cnn", world_size=2), interference={Collective.ALLREDUCE: 0.5})
+    problem = kfac_problem(base, InverseMethod.EIGEN)
+    buffers = FUSION_BASELINES[0].solve(problem.fusion)
+    layout = KaisaMemOpt().solve(problem.layout).layout
+    timeline = simulate_fusion(problem.fusion, buffers)
+    steps = []
+    for kappa in (0.0, 0.5, 2.0):
+        stretched = replace(problem, comm_stretch=kappa)
+        pred = predict_kfac(stretched, buffers, layout, factor_update_steps=1, inv_update_steps=4)
+        compute = problem.compute_end_s + pred.interference_s
+        slowest = compute + timeline.end_s * (1 + kappa)  # an upper bound: every collective slowed, after compute
+        assert pred.factor_step_s <= slowest + problem.fold_s + pred.precondition_s + problem.tail_s
+        steps.append(pred.factor_step_s)
+    assert steps[0] <= steps[1] <= steps[2] and steps[0] < steps[2]
+    profile = replace(base, comm_stretch={Collective.ALLREDUCE: 2.0})
+    assert kfac_problem(profile, InverseMethod.EIGEN).comm_stretch == 2.0
+    plan = make_kfac_plan(profile, source="test", time_limit_s=0.5)
+    assert plan.kfac is not None and plan.kfac.predicted is not None
+    from planner.contracts.layers import plan_grouping
+    from planner.strategies.kfac import factor_step_timeline
+
+    step = factor_step_timeline(profile, plan.kfac, plan_grouping(plan, profile))
+    assert step.comm_stretch == 2.0 and step.channel_end_s >= step.channel.end_s
+    assert step.step_s == pytest.approx(plan.kfac.predicted.factor_step_s, rel=TOL)
 
 
 def test_reference_sections_are_kfac_pytorch_defaults() -> None:

@@ -78,6 +78,7 @@ __all__ = [
     "predict_kfac",
     "reference_sections",
     "section_layout",
+    "stretched_channel_end",
 ]
 
 DEFAULT_FACTOR_UPDATE_STEPS = 1
@@ -132,6 +133,8 @@ class KFACProblem:
     factor_compute_s: float = 0.0
     #: sigma: compute runs (1 + sigma) times slower while a collective is in flight (the profile's allreduce)
     interference: float = 0.0
+    #: kappa: collectives run (1 + kappa) times slower while the workers compute (the profile's allreduce)
+    comm_stretch: float = 0.0
 
     @property
     def placement(self) -> PlacementProblem:
@@ -286,6 +289,7 @@ def kfac_problem(
         gradient_lower_bound_s=lower_bound(grad),
         factor_compute_s=sum(a_cost.values()) + sum(g_cost.values()),
         interference=profile.interference_for(Collective.ALLREDUCE),
+        comm_stretch=profile.comm_stretch_for(Collective.ALLREDUCE),
     )
     return problem
 
@@ -314,7 +318,8 @@ def predict_kfac(
     inversion, preconditioning = layout_timelines(problem.layout, layout)
     pre = preconditioning.makespan_s
     stretch = interference_stretch(problem.compute_end_s, timeline, problem.interference)
-    factor_step = max(problem.compute_end_s + stretch, timeline.end_s) + problem.fold_s + pre + problem.tail_s
+    channel_end = stretched_channel_end(timeline, problem.compute_end_s + stretch, problem.comm_stretch)
+    factor_step = max(problem.compute_end_s + stretch, channel_end) + problem.fold_s + pre + problem.tail_s
     plain = problem.plain_step_s + pre
     return KFACPrediction(
         step_s=plain + (factor_step - plain) / factor_update_steps + inversion.makespan_s / inv_update_steps,
@@ -338,6 +343,24 @@ def interference_stretch(compute_end_s: float, channel: FusionTimeline, interfer
     solvers choose buffers and formats without this term."""
     busy = sum(max(0.0, min(e.end_s, compute_end_s) - e.start_s) for e in channel.events)
     return interference * busy / (1 + interference)
+
+
+def stretched_channel_end(channel: FusionTimeline, compute_end_s: float, comm_stretch: float) -> float:
+    """When the channel is free once collectives in flight while the workers compute run (1 + kappa) times slower:
+    each collective starts when it is ready and the channel is free, and the part of it before `compute_end_s`
+    (the end of backward, stretched by interference) takes 1 + kappa times as long. The ready times are those of
+    the unstretched compute stream, as in `interference_stretch`. kappa = 0 gives `channel.end_s`."""
+    if comm_stretch == 0:
+        return channel.end_s
+    free = 0.0
+    for event in channel.events:
+        start, seconds = max(event.ready_s, free), event.end_s - event.start_s
+        slowed = max(0.0, compute_end_s - start) / (1 + comm_stretch)  # its seconds that fit before compute ends
+        if seconds <= slowed:
+            free = start + seconds * (1 + comm_stretch)
+        else:
+            free = max(start, compute_end_s) + seconds - slowed
+    return free
 
 
 def kfac_lower_bound(problem: KFACProblem, *, factor_update_steps: int, inv_update_steps: int) -> float:
@@ -660,7 +683,8 @@ class FactorStepTimeline:
 
     Attributes:
         compute: the compute stream up to the end of backward, span by span in time order.
-        channel: the factor buffers and gradient collectives on the channel (same clock).
+        channel: the factor buffers and gradient collectives on the channel (same clock, as they would run
+            beside no compute: `channel_end_s` is when the last one ends, slowed by compute).
         compute_end_s: end of backward (with the G factors), as the compute stream would run alone.
         interference_s: how much longer it runs because collectives were in flight (`interference_stretch`).
         fold_s, precondition_s, update_s: the work after the channel is done, in that order.
@@ -673,11 +697,18 @@ class FactorStepTimeline:
     precondition_s: float
     update_s: float
     interference_s: float = 0.0
+    #: kappa: the channel's collectives run (1 + kappa) times slower while backward runs (`stretched_channel_end`)
+    comm_stretch: float = 0.0
+
+    @property
+    def channel_end_s(self) -> float:
+        """When the last collective ends, slowed by compute (`stretched_channel_end`)."""
+        return stretched_channel_end(self.channel, self.compute_end_s + self.interference_s, self.comm_stretch)
 
     @property
     def comm_end_s(self) -> float:
         """When the compute stream can fold the factors: the end of backward and of every collective."""
-        return max(self.compute_end_s + self.interference_s, self.channel.end_s)
+        return max(self.compute_end_s + self.interference_s, self.channel_end_s)
 
     @property
     def step_s(self) -> float:
@@ -746,6 +777,7 @@ def factor_step_timeline(profile: Profile, section: KFACSection, grouping: tuple
         channel=channel,
         compute_end_s=clock,
         interference_s=interference_stretch(clock, channel, problem.interference),
+        comm_stretch=problem.comm_stretch,
         fold_s=problem.fold_s,
         precondition_s=layout_timelines(problem.layout, section_layout(section))[1].makespan_s,
         update_s=profile.update_s,
