@@ -44,7 +44,7 @@ from runtime.exchange import GradientExchange, write_scaled
 from runtime.kfac import KFACPreconditioner
 
 __all__ = ["group_of_this_rank", "in_situ_runs", "kfac_steps_points", "measure_in_situ", "measure_kfac_in_situ",
-           "measure_kfac_steps_in_situ", "measure_packing", "slowest_rank_phases"]
+           "measure_kfac_steps_in_situ", "measure_packing", "slowest_rank_extra", "slowest_rank_phases"]
 
 
 def measure_packing(
@@ -191,10 +191,12 @@ def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTim
 
     A plain copy of the model and one with `KFACPreconditioner`'s hooks (every pass a factor update, factors
     as upper triangles, nothing sent; layers under `kfac.skip` left out as profiled) run their forward and
-    backward passes alternately, `repeats` times each after one of each unmeasured. The hooks' extra time
-    (A from each layer's input, G from its output gradient, each packed into its buffer) is compared with the
-    sum of the micro-benchmarked `a_compute_s` and `g_compute_s`; the median is over every rank's samples. The
-    hooks run slower inside a step than alone (the caches hold the step's activations, not only the layer's)."""
+    backward passes alternately, `repeats` times each after one of each unmeasured, each pass started from a
+    barrier on every rank. The hooks' extra time (A from each layer's input, G from its output gradient, each
+    packed into its buffer) is compared with the sum of the micro-benchmarked `a_compute_s` and `g_compute_s`.
+    It is taken as a bench takes a step: for each pair, the slowest rank's pass with the hooks less the slowest
+    rank's plain pass, then the median over the pairs (`slowest_rank_extra`). The hooks run slower inside a step
+    than alone (the caches hold the step's activations, not only the layer's)."""
     inputs, targets = (t.to(device) for t in workload.batch(seed=2468))
     plain = workload.module.to(device)
     plain.train()
@@ -202,29 +204,45 @@ def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTim
     kfac_rt = _SilentKFAC(hooked, skip_layers=kfac.skip, process_group=process_group, exchange_gradients=False,
                           factor_update_steps=1, inv_update_steps=1)
 
+    world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+
+    def timed(model: torch.nn.Module) -> float:
+        if world > 1:
+            dist.barrier(group=process_group)
+        return _forward_backward_seconds(workload, model, inputs, targets, device)
+
     def with_hooks() -> float:
-        seconds = _forward_backward_seconds(workload, hooked, inputs, targets, device)
+        seconds = timed(hooked)
         kfac_rt.discard()
         return seconds
 
-    extra = []
+    pairs: list[tuple[float, float]] = []  # (with the hooks, plain)
     try:
         for i in range(repeats + 1):
             if i % 2:
                 hooks_s = with_hooks()
-                alone = _forward_backward_seconds(workload, plain, inputs, targets, device)
+                alone = timed(plain)
             else:
-                alone = _forward_backward_seconds(workload, plain, inputs, targets, device)
+                alone = timed(plain)
                 hooks_s = with_hooks()
             if i:
-                extra.append(hooks_s - alone)
+                pairs.append((hooks_s, alone))
                 on_point()
     finally:
         kfac_rt.close()
-    world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-    measured = median(gathered(extra, process_group)) if world > 1 else median(extra)
-    return Calibration(measured_s=max(0.0, measured),
+    every_rank: list[Any] = [pairs]
+    if world > 1:
+        every_rank = [None] * world
+        dist.all_gather_object(every_rank, pairs, group=process_group)
+    return Calibration(measured_s=max(0.0, median(slowest_rank_extra(every_rank))),
                        modelled_s=sum(lt.a_compute_s + lt.g_compute_s for lt in kfac.layers))
+
+
+def slowest_rank_extra(every_rank: Sequence[Sequence[tuple[float, float]]]) -> list[float]:
+    """Per pair of passes (`every_rank[r][i]`: rank r's i-th pair, with the hooks and plain; every rank the same
+    pairs), the slowest rank's pass with the hooks less the slowest rank's plain pass."""
+    return [max(hooked for hooked, _ in pair) - max(alone for _, alone in pair)
+            for pair in zip(*every_rank, strict=True)]
 
 
 #: About how long `measure_kfac_steps_in_situ` may invert on each rank, per method: every step inverts every

@@ -4,6 +4,7 @@ carries the calibration, and the K-FAC problem charges the hooks at the calibrat
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from runtime.calibrate import (
     kfac_steps_points,
     measure_kfac_in_situ,
     measure_kfac_steps_in_situ,
+    slowest_rank_extra,
     slowest_rank_phases,
 )
 from tests.factories import synthetic_profile
@@ -186,6 +188,48 @@ def test_the_step_calibration_takes_each_steps_slowest_rank_as_the_bench_does() 
     # (which would come out near half the added time).
     for method in InverseMethod:
         assert results[0][f"precondition:{method.value}"] >= SLOWED_PRECONDITION_S
+
+
+#: Extra seconds rank 1's passes with the hooks take in `_slowed_hooks_worker`: several times the CNN's own hooks.
+SLOWED_HOOKS_S = 0.5
+
+
+def _slowed_hooks_worker(rank: int, world_size: int) -> float:
+    import time
+
+    from runtime import calibrate
+
+    if rank == 1:  # this worker's factor hooks run slower, as one of two processes on shared cores can
+        original = calibrate._SilentKFAC._forward_hook
+
+        def slower(self: calibrate._SilentKFAC, layer: Any, *args: Any) -> None:
+            original(self, layer, *args)
+            if layer is self._layers[0]:
+                time.sleep(SLOWED_HOOKS_S)
+
+        calibrate._SilentKFAC._forward_hook = slower  # type: ignore[method-assign]
+    wl = build_workload("cnn", batch_size=8)
+    kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
+    return measure_kfac_in_situ(wl, CPU, kfac, repeats=3).measured_s
+
+
+def test_the_hooks_calibration_takes_each_pairs_slowest_rank_as_the_bench_does() -> None:
+    from planner.platform.launch import run_distributed
+
+    results = run_distributed(_slowed_hooks_worker, 2)
+    assert results[0] == results[1]
+    # Rank 1's hooked passes are the slowest: the whole added time, not a median pooled with rank 0's samples
+    # (about half of it). A little below it where rank 1's plain pass came out faster than rank 0's.
+    assert results[0] >= 0.9 * SLOWED_HOOKS_S
+
+
+def test_slowest_rank_extra_subtracts_the_slowest_plain_pass_from_the_slowest_hooked_one() -> None:
+    rank0 = [(5.0, 3.0), (4.0, 3.0)]
+    rank1 = [(6.0, 2.0), (4.5, 3.5)]
+    assert slowest_rank_extra([rank0, rank1]) == [3.0, 1.0]
+    assert slowest_rank_extra([rank0]) == [2.0, 1.0]
+    with pytest.raises(ValueError):
+        slowest_rank_extra([rank0, rank1[:1]])
 
 
 def test_slowest_rank_phases_takes_each_steps_rank_with_the_longest_phases_in_all() -> None:
