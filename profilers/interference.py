@@ -4,9 +4,10 @@ step; sigma = with / alone - 1 (at least 0), the time the timeline model puts on
 per second of overlapped communication (`GradientProblem.interference`). The chain is long enough to
 outlast the slowed backward pass; a repetition where it did not is measured again with a longer chain.
 
-The other direction is measured in the same passes: the chain's collectives, each stamped when it completes, run
-(1 + kappa) times slower beside the backward pass than a chain alone (`comm stretch`; on a CPU the collectives'
-copies share the cores with compute, so kappa is large over loopback and small where the link is the bottleneck).
+The other direction, kappa (`comm_stretch`): a shorter chain, each collective stamped when it completes, runs
+(1 + kappa) times slower while every worker runs forward and backward passes than alone (on a CPU the
+collectives' copies share the cores with compute, so kappa is large over loopback and small where the link is
+the bottleneck).
 
 What the runtime's own work costs the compute stream (packing, selection, decoding in real steps) is
 measured by the runtime itself: `runtime.calibrate`.
@@ -37,6 +38,8 @@ INTERFERENCE_MESSAGE_BYTES = 4 << 20
 #: The chain is planned to last this many times the backward pass alone (sigma up to about 2 fits in).
 _CHAIN_SPAN = 3.0
 #: A chain never holds more collectives than this (tiny models on fast links).
+#: The chains timed for kappa hold a third of the chain of the backward passes, and at least this many.
+_STRETCH_CHAIN = 16
 _MAX_CHAIN = 2000
 
 
@@ -76,11 +79,11 @@ def measure_interference(
     chain of it takes (1 + kappa) times as long while the backward pass runs).
 
     Every rank calls this (it runs collectives). Alone and with a chain alternate, `repeats` times each,
-    after one unmeasured pair; sigma comes from the medians over all ranks' samples. Each pair also runs a
-    chain alone, a third as long, with nothing computed: a chain's pace is the time from its start to its
-    last collective completed (by the end of the backward pass, when busy) over the collectives completed,
-    and kappa = busy pace / alone pace - 1 (at least 0), from the medians over all ranks' samples (0 when no
-    collective of a busy chain completed within any backward pass). `on_point` is called after each pair.
+    after one unmeasured pair; sigma comes from the medians over all ranks' samples. After each pair a
+    chain a third as long (at least `_STRETCH_CHAIN`) runs alone, then again while every rank runs forward
+    and backward passes until it completes: a chain's pace is the time from its start to its last
+    completion over its length, and kappa = busy pace / alone pace - 1 (at least 0), from the medians over all
+    ranks' samples. `on_point` is called after each pair.
 
     Raises:
         DistributedError: the chain ended before the backward pass in every attempt (it then cannot tell).
@@ -88,32 +91,37 @@ def measure_interference(
     model = workload.module.to(device)
     inputs, targets = (t.to(device) for t in workload.batch(seed=4321))
 
-    def backward_seconds(chain: Callable[[int], list[Any]] | None, length: int) -> tuple[float, bool, float | None]:
-        """Seconds of one backward pass (the forward is not timed), whether the chain outlasted it, and the
-        chain's pace within it (None: none of its collectives completed by then)."""
+    def backward_seconds(chain: Callable[[int], list[Any]] | None, length: int) -> tuple[float, bool]:
+        """Seconds of one backward pass (the forward is not timed), and whether the chain outlasted it."""
         model.zero_grad(set_to_none=True)
         loss = workload.loss_fn(model(inputs), targets)
         if device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the forward is done; the chain's stream is not waited for
         dist.barrier(group=process_group)
-        started = time.perf_counter()
         works = chain(length) if chain is not None else []
-        stamps = _stamped(works)
         seconds = stream_seconds(loss.backward, device)
-        ended = started + seconds
         outlasted = not works or not works[-1].is_completed()
         for work in works:
             work.wait()
-        return seconds, outlasted, _pace(stamps, started, until=ended)
+        return seconds, outlasted
 
-    def alone_pace(chain: Callable[[int], list[Any]], length: int) -> float | None:
+    def pace(chain: Callable[[int], list[Any]], length: int, *, busy: bool) -> float:
+        """Seconds per collective of a chain of `length`: alone, or while this rank runs forward and backward
+        passes until it has completed (whole passes: the chain may end in the middle of one)."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         dist.barrier(group=process_group)
         started = time.perf_counter()
         works = chain(length)
         stamps = _stamped(works)
+        while busy and not works[-1].is_completed():
+            model.zero_grad(set_to_none=True)
+            workload.loss_fn(model(inputs), targets).backward()
         for work in works:
             work.wait()
-        return _pace(stamps, started)
+        seconds = _pace(stamps, started)
+        assert seconds is not None  # every work has completed, and its callback ran before wait() returned
+        return seconds
 
     sigma, kappa = {}, {}
     alone_one = backward_seconds(None, 0)[0]
@@ -129,14 +137,14 @@ def measure_interference(
             paces: dict[str, list[float]] = {"alone": [], "busy": []}
             outlasted = True
             backward_seconds(chain, length)  # unmeasured: the first pass under load
+            short = min(length, max(_STRETCH_CHAIN, length // 3))
             for _ in range(repeats):
                 alone.append(backward_seconds(None, 0)[0])
-                seconds, ok, pace = backward_seconds(chain, length)
+                seconds, ok = backward_seconds(chain, length)
                 busy.append(seconds)
                 outlasted &= ok
-                for kind, value in (("busy", pace), ("alone", alone_pace(chain, max(1, length // 3)))):
-                    if value is not None:
-                        paces[kind].append(value)
+                paces["alone"].append(pace(chain, short, busy=False))
+                paces["busy"].append(pace(chain, short, busy=True))
                 if not attempt:  # progress counts the first attempt; a retry with a longer chain is extra
                     on_point()
             if _agreed(int(outlasted), process_group, device, op=dist.ReduceOp.MIN):
@@ -149,9 +157,8 @@ def measure_interference(
             length = min(_MAX_CHAIN, 2 * length)
         everyone_alone, everyone_busy = gathered(alone, process_group), gathered(busy, process_group)
         sigma[coll] = max(0.0, median(everyone_busy) / median(everyone_alone) - 1.0)
-        pace_alone, pace_busy = (_gathered_ragged(paces[k], process_group) for k in ("alone", "busy"))
-        kappa[coll] = (max(0.0, median(pace_busy) / median(pace_alone) - 1.0) if pace_alone and pace_busy
-                       and median(pace_alone) > 0 else 0.0)
+        pace_alone, pace_busy = (median(gathered(paces[k], process_group)) for k in ("alone", "busy"))
+        kappa[coll] = max(0.0, pace_busy / pace_alone - 1.0) if pace_alone > 0 else 0.0
     return Interference(sigma=sigma, comm_stretch=kappa)
 
 
@@ -167,18 +174,11 @@ def _stamped(works: Sequence[Any]) -> list[float | None]:
     return stamps
 
 
-def _pace(stamps: Sequence[float | None], started: float, until: float = math.inf) -> float | None:
-    """Seconds per collective of a chain started at `started`: to its last completion by `until`, over the
-    collectives completed by then (a chain completes in order); None when none had."""
-    done = [t for t in stamps if t is not None and t <= until]
+def _pace(stamps: Sequence[float | None], started: float) -> float | None:
+    """Seconds per collective of a chain started at `started`: to its last completion, over the collectives
+    completed (a chain completes in order); None when none had."""
+    done = [t for t in stamps if t is not None]
     return (max(done) - started) / len(done) if done else None
-
-
-def _gathered_ragged(samples: list[float], group: Any) -> list[float]:
-    """Every rank's samples, however many each has."""
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, samples, group=group)
-    return [float(x) for xs in everyone for x in xs]
 
 
 def _run_chain(chain: Callable[[int], list[Any]], length: int) -> None:
