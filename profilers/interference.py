@@ -38,9 +38,9 @@ INTERFERENCE_MESSAGE_BYTES = 4 << 20
 #: The chain is planned to last this many times the backward pass alone (sigma up to about 2 fits in).
 _CHAIN_SPAN = 3.0
 #: A chain never holds more collectives than this (tiny models on fast links).
+_MAX_CHAIN = 2000
 #: The chains timed for kappa hold a third of the chain of the backward passes, and at least this many.
 _STRETCH_CHAIN = 16
-_MAX_CHAIN = 2000
 
 
 @dataclass(frozen=True)
@@ -113,14 +113,14 @@ def measure_interference(
         dist.barrier(group=process_group)
         started = time.perf_counter()
         works = chain(length)
-        stamps = _stamped(works)
+        stamps, stamped = _stamped(works)
         while busy and not works[-1].is_completed():
             model.zero_grad(set_to_none=True)
             workload.loss_fn(model(inputs), targets).backward()
-        for work in works:
-            work.wait()
+        for done in stamped:
+            done.wait()
         seconds = _pace(stamps, started)
-        assert seconds is not None  # every work has completed, and its callback ran before wait() returned
+        assert seconds is not None  # every stamp is in: each future above completes after its callback ran
         return seconds
 
     sigma, kappa = {}, {}
@@ -162,16 +162,15 @@ def measure_interference(
     return Interference(sigma=sigma, comm_stretch=kappa)
 
 
-def _stamped(works: Sequence[Any]) -> list[float | None]:
-    """When each work completes (perf_counter seconds, filled in by its future's callback; None until then)."""
+def _stamped(works: Sequence[Any]) -> tuple[list[float | None], list[Any]]:
+    """When each work completes (perf_counter seconds, filled in by a callback on its future; None until then),
+    and futures that complete once each callback has run (wait on them, not on the works)."""
     stamps: list[float | None] = [None] * len(works)
 
     def stamp(i: int, _future: Any) -> None:
         stamps[i] = time.perf_counter()
 
-    for i, work in enumerate(works):
-        work.get_future().add_done_callback(functools.partial(stamp, i))
-    return stamps
+    return stamps, [work.get_future().then(functools.partial(stamp, i)) for i, work in enumerate(works)]
 
 
 def _pace(stamps: Sequence[float | None], started: float) -> float | None:
