@@ -76,7 +76,7 @@ def measure_interference(
     on_point: Callable[[], object] = lambda: None,
 ) -> Interference:
     """sigma of each collective (the backward pass takes (1 + sigma) times as long while it runs) and kappa (a
-    chain of it takes (1 + kappa) times as long while the backward pass runs).
+    chain of it takes (1 + kappa) times as long while the workers run forward and backward passes).
 
     Every rank calls this (it runs collectives). Alone and with a chain alternate, `repeats` times each,
     after one unmeasured pair; sigma comes from the medians over all ranks' samples. After each pair a
