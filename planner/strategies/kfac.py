@@ -21,7 +21,7 @@ The average step is plain + (factor - plain) / factor_update_steps + inversion /
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,8 +31,8 @@ from planner.contracts.kfac import KFACLayerSpec, KFACPrediction, KFACSection, f
 from planner.contracts.plan import Plan
 from planner.contracts.profile import KFACLayerTiming, KFACTiming, Profile
 from planner.costmodel.costs import AffineCost
-from planner.costmodel.problem import groups_of
-from planner.costmodel.simulator import simulate
+from planner.costmodel.problem import GradientProblem, Grouping, groups_of
+from planner.costmodel.simulator import timeline as gradient_timeline
 from planner.solvers import DenseDP, lower_bound
 from planner.solvers.fusion import (
     FUSION_BASELINES,
@@ -215,7 +215,7 @@ def kfac_problem(
     kf = _checked_kfac(profile)
     grad = gradient_problem(profile, Strategy.DENSE)
     grouping = DenseDP().solve(grad)
-    sgd = simulate(grad, grouping)
+    sgd_step = stretched_sgd_step(grad, grouping, profile.comm_stretch_for(Collective.ALLREDUCE))
     whole = _formats(whole_factors)
     a_cost = {lt.name: lt.a_compute(whole(lt.name, FactorKind.A)) for lt in kf.layers}
     g_cost = {lt.name: lt.g_compute(whole(lt.name, FactorKind.G)) for lt in kf.layers}
@@ -281,8 +281,8 @@ def kfac_problem(
         method=method,
         fusion=fusion,
         layout=layout,
-        sgd_step_s=sgd.iteration_s,
-        plain_step_s=sgd.iteration_s,
+        sgd_step_s=sgd_step,
+        plain_step_s=sgd_step,
         compute_end_s=compute_end,
         fold_s=sum(_layer_fold(lt, whole(lt.name, FactorKind.A), whole(lt.name, FactorKind.G)) for lt in kf.layers),
         tail_s=profile.update_s,
@@ -345,6 +345,18 @@ def interference_stretch(compute_end_s: float, channel: FusionTimeline, interfer
     return interference * busy / (1 + interference)
 
 
+def stretched_sgd_step(grad: GradientProblem, grouping: Grouping, comm_stretch: float) -> float:
+    """A plain data-parallel step of the dense `grouping` (`simulate`'s iteration) with the part of each allreduce
+    in flight during backward run 1 + kappa times slower (`stretched_end`), as the factor-update step's are:
+    the sgd row's prediction and every K-FAC step's part without factors. The gradient solvers do not charge
+    kappa; the grouping is the one they chose without it."""
+    events = gradient_timeline(grad, grouping)
+    compute_end = events[-1].select_end_s  # C_G: backward and packing, stretched by interference
+    channel_end = stretched_end(((e.select_end_s, e.comm_end_s - e.comm_start_s) for e in events), compute_end,
+                                comm_stretch)
+    return grad.forward_s + max(compute_end, channel_end) + grad.update_s
+
+
 def stretched_channel_end(channel: FusionTimeline, compute_end_s: float, comm_stretch: float) -> float:
     """When the channel is free once collectives in flight while the workers compute run (1 + kappa) times slower:
     each collective starts when it is ready and the channel is free, and the part of it before `compute_end_s`
@@ -352,9 +364,14 @@ def stretched_channel_end(channel: FusionTimeline, compute_end_s: float, comm_st
     the unstretched compute stream, as in `interference_stretch`. kappa = 0 gives `channel.end_s`."""
     if comm_stretch == 0:
         return channel.end_s
+    return stretched_end(((e.ready_s, e.end_s - e.start_s) for e in channel.events), compute_end_s, comm_stretch)
+
+
+def stretched_end(collectives: Iterable[tuple[float, float]], compute_end_s: float, comm_stretch: float) -> float:
+    """`stretched_channel_end` of collectives given as (ready seconds, seconds alone), in channel order."""
     free = 0.0
-    for event in channel.events:
-        start, seconds = max(event.ready_s, free), event.end_s - event.start_s
+    for ready_s, seconds in collectives:
+        start = max(ready_s, free)
         slowed = max(0.0, compute_end_s - start) / (1 + comm_stretch)  # its seconds that fit before compute ends
         if seconds <= slowed:
             free = start + seconds * (1 + comm_stretch)
