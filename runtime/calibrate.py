@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -185,8 +186,14 @@ class _SilentKFAC(KFACPreconditioner):
         self._active = False
 
 
+#: The most pairs of passes `measure_kfac_in_situ` extends to when they should span `min_seconds`.
+MAX_HOOK_PAIRS = 64
+
+
 def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTiming, *, repeats: int,
-                         process_group: Any = None, on_point: Callable[[], object] = lambda: None) -> Calibration:
+                         process_group: Any = None, on_point: Callable[[], object] = lambda: None,
+                         min_seconds: float = 0.0, max_repeats: int = MAX_HOOK_PAIRS,
+                         on_total: Callable[[int], object] = lambda total: None) -> Calibration:
     """Calibrate K-FAC's factor computation against the runtime in real steps (every rank calls it).
 
     A plain copy of the model and one with `KFACPreconditioner`'s hooks (every pass a factor update, factors
@@ -196,7 +203,12 @@ def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTim
     packed into its buffer) is compared with the sum of the micro-benchmarked `a_compute_s` and `g_compute_s`.
     It is taken as a bench takes a step: for each pair, the slowest rank's pass with the hooks less the slowest
     rank's plain pass, then the median over the pairs (`slowest_rank_extra`). The hooks run slower inside a step
-    than alone (the caches hold the step's activations, not only the layer's)."""
+    than alone (the caches hold the step's activations, not only the layer's).
+
+    With `min_seconds`, a model whose pairs of passes are short gets more of them (up to `max_repeats`;
+    `on_total` is told the new count) so that they span about that long: the median of a few differences of
+    short passes is noisy. The count comes from the unmeasured pair on the slowest rank, so every rank runs as
+    many."""
     inputs, targets = (t.to(device) for t in workload.batch(seed=2468))
     plain = workload.module.to(device)
     plain.train()
@@ -218,7 +230,8 @@ def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTim
 
     pairs: list[tuple[float, float]] = []  # (with the hooks, plain)
     try:
-        for i in range(repeats + 1):
+        i = 0
+        while i <= repeats:
             if i % 2:
                 hooks_s = with_hooks()
                 alone = timed(plain)
@@ -228,6 +241,13 @@ def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTim
             if i:
                 pairs.append((hooks_s, alone))
                 on_point()
+            elif min_seconds > 0:
+                pair_s = _slowest(hooks_s + alone, process_group) if world > 1 else hooks_s + alone
+                wanted = min(max_repeats, math.ceil(min_seconds / pair_s) if pair_s > 0 else max_repeats)
+                if wanted > repeats:
+                    repeats = wanted
+                    on_total(repeats)
+            i += 1
     finally:
         kfac_rt.close()
     every_rank: list[Any] = [pairs]
@@ -236,6 +256,13 @@ def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTim
         dist.all_gather_object(every_rank, pairs, group=process_group)
     return Calibration(measured_s=max(0.0, median(slowest_rank_extra(every_rank))),
                        modelled_s=sum(lt.a_compute_s + lt.g_compute_s for lt in kfac.layers))
+
+
+def _slowest(seconds: float, process_group: Any) -> float:
+    """The largest of every rank's `seconds` (every rank of `process_group` calls it)."""
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=process_group)
+    return float(value.item())
 
 
 def slowest_rank_extra(every_rank: Sequence[Sequence[tuple[float, float]]]) -> list[float]:

@@ -223,6 +223,48 @@ def test_the_hooks_calibration_takes_each_pairs_slowest_rank_as_the_bench_does()
     assert results[0] >= 0.9 * SLOWED_HOOKS_S
 
 
+#: Extra seconds rank 1's passes with the hooks take in `_extended_hooks_worker`.
+EXTENDED_SLOW_S = 0.05
+
+
+def _extended_hooks_worker(rank: int, world_size: int, min_seconds: float) -> tuple[int, list[int]]:
+    import time
+
+    from runtime import calibrate
+
+    if rank == 1:  # this worker's pairs of passes are the longer ones: the count must come from them
+        original = calibrate._SilentKFAC._forward_hook
+
+        def slower(self: calibrate._SilentKFAC, layer: Any, *args: Any) -> None:
+            original(self, layer, *args)
+            if layer is self._layers[0]:
+                time.sleep(EXTENDED_SLOW_S)
+
+        calibrate._SilentKFAC._forward_hook = slower  # type: ignore[method-assign]
+    wl = build_workload("cnn", batch_size=8)
+    kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
+    points: list[int] = []
+    totals: list[int] = []
+    measure_kfac_in_situ(wl, CPU, kfac, repeats=2, min_seconds=min_seconds, max_repeats=40,
+                         on_point=lambda: points.append(1), on_total=totals.append)
+    return len(points), totals
+
+
+def test_short_hook_passes_are_measured_for_longer_and_every_rank_as_often() -> None:
+    """With `min_seconds`, pairs of passes are added until they span about that long (the slowest rank's
+    pair sets the count, or the ranks would pass different numbers of barriers), at most `max_repeats`."""
+    from planner.platform.launch import run_distributed
+
+    results = run_distributed(_extended_hooks_worker, 2, 0.6)
+    assert results[0] == results[1]
+    count, totals = results[0]
+    assert totals == [count]
+    # Rank 1's pairs take at least EXTENDED_SLOW_S, so at most 0.6 / 0.05 = 12 of them; more than the two asked.
+    assert 2 < count <= 12
+    assert run_distributed(_extended_hooks_worker, 2, 0.0)[0] == (2, [])  # without it, exactly `repeats`
+    assert run_distributed(_extended_hooks_worker, 2, 1e6)[0] == (40, [40])  # capped
+
+
 def test_slowest_rank_extra_subtracts_the_slowest_plain_pass_from_the_slowest_hooked_one() -> None:
     rank0 = [(5.0, 3.0), (4.0, 3.0)]
     rank1 = [(6.0, 2.0), (4.5, 3.5)]

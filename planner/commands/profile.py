@@ -63,6 +63,9 @@ INTERFERENCE_REPEATS = 5
 #: Steps with and without the runtime, per configuration (in-situ calibration), and the top-k density
 #: it is calibrated at (the nearest measured one).
 IN_SITU_REPEATS = 8
+#: How long the K-FAC hooks calibration's pairs of passes span at least (`measure_kfac_in_situ`'s `min_seconds`):
+#: on the MLP, eight pairs (0.6 s) gave hooks 33-37 ms in one job, 64 pairs (4 s) 34-35 ms.
+KFAC_HOOKS_SECONDS = 4.0
 #: Measured K-FAC steps per inversion method in the in-situ calibration of folding, inverting and preconditioning
 #: (fewer where inverting every factor takes long).
 KFAC_STEPS_REPEATS = 10
@@ -225,7 +228,8 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             )
             task = bar.add_task("K-FAC factor hooks in real steps", total=IN_SITU_REPEATS)
             hooks = measure_kfac_in_situ(workload, device, kfac, repeats=IN_SITU_REPEATS,
-                                         on_point=lambda: bar.advance(task))
+                                         min_seconds=KFAC_HOOKS_SECONDS, on_point=lambda: bar.advance(task),
+                                         on_total=lambda total: bar.update(task, total=total))
             task = bar.add_task("K-FAC folding, inverting, preconditioning in real steps",
                                 total=kfac_steps_points(kfac, KFAC_STEPS_REPEATS))
             steps = measure_kfac_steps_in_situ(workload, device, kfac, steps=KFAC_STEPS_REPEATS,
