@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,9 +34,13 @@ def _lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.strip()]
 
 
+#: A progress bar's last state, as a bench leaves it on a stream that is not a terminal.
+_PROGRESS = re.compile(r"(K-FAC )?bench steps\b.* \d+/\d+ \d+:\d\d:\d\d")
+
+
 def _errors(text: str) -> list[str]:
-    """The lines a failed run printed besides its progress bars."""
-    return [ln for ln in _lines(text) if not ln.startswith("bench steps")]
+    """The lines a failed run printed besides its progress bars ("bench steps  3/280 0:00:00")."""
+    return [ln for ln in _lines(text) if not _PROGRESS.fullmatch(ln.strip())]
 
 
 def _in_process(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -203,8 +208,21 @@ def faulty_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_a_worker_killed_during_bench_is_named_not_its_peers_broken_connection(faulty_plan: Path) -> None:
-    proc = _cli("bench", "--plan", str(faulty_plan), "--steps", "5", "--peers", "none",
+@pytest.fixture(scope="module")
+def faulty_kfac_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.factories import synthetic_kfac_plan
+
+    path = tmp_path_factory.mktemp("faulty") / "kfac.json"
+    synthetic_kfac_plan("tests.test_bad_inputs:fails_in_workers", time_limit_s=0.5).save(path)
+    return path
+
+
+@pytest.mark.parametrize("strategy", ["gradients", "kfac"])
+def test_a_worker_killed_during_bench_is_named_not_its_peers_broken_connection(
+        strategy: str, request: pytest.FixtureRequest) -> None:
+    """Every bench strategy starts its workers through the same launcher (`run_job`)."""
+    plan = request.getfixturevalue("faulty_plan" if strategy == "gradients" else "faulty_kfac_plan")
+    proc = _cli("bench", "--strategy", strategy, "--plan", str(plan), "--steps", "5", "--peers", "none",
                 env={"PLANNER_TEST_FAULT": "kill"})
     err = _errors(proc.stderr)
     assert proc.returncode == 2 and len(err) == 1, proc.stderr
