@@ -38,7 +38,7 @@ from planner.contracts.profile import (
 )
 from planner.costmodel.costs import CostModel
 from planner.models import Workload
-from planner.platform.timing import gathered, median, stream_seconds, time_call
+from planner.platform.timing import gathered, median, slowest, stream_seconds, time_call
 from planner.types import Compressor, CompressorKind, Strategy
 from runtime.ddp_hooks import has_unused_parameters, silent_hook
 from runtime.exchange import GradientExchange, write_scaled
@@ -242,7 +242,7 @@ def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTim
                 pairs.append((hooks_s, alone))
                 on_point()
             elif min_seconds > 0:
-                pair_s = _slowest(hooks_s + alone, process_group) if world > 1 else hooks_s + alone
+                pair_s = slowest(hooks_s + alone, process_group) if world > 1 else hooks_s + alone
                 wanted = min(max_repeats, math.ceil(min_seconds / pair_s) if pair_s > 0 else max_repeats)
                 if wanted > repeats:
                     repeats = wanted
@@ -256,13 +256,6 @@ def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTim
         dist.all_gather_object(every_rank, pairs, group=process_group)
     return Calibration(measured_s=max(0.0, median(slowest_rank_extra(every_rank))),
                        modelled_s=sum(lt.a_compute_s + lt.g_compute_s for lt in kfac.layers))
-
-
-def _slowest(seconds: float, process_group: Any) -> float:
-    """The largest of every rank's `seconds` (every rank of `process_group` calls it)."""
-    value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=process_group)
-    return float(value.item())
 
 
 def slowest_rank_extra(every_rank: Sequence[Sequence[tuple[float, float]]]) -> list[float]:

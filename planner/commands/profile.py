@@ -22,6 +22,7 @@ from planner.platform.launch import device_for, resolve_backend
 from planner.platform.link import LinkRate
 from planner.platform.memory import PhaseMemory, available_bytes
 from planner.platform.slowdown import Slowdown
+from planner.platform.timing import slowest
 from planner.types import Collective, DistributedError, PlannerError
 from profilers.comm import (
     UNION_ROUNDS,
@@ -101,13 +102,6 @@ class ProfileConfig:
     hosts: int | None = None  # emulated hosts the local workers are spread over (`--hosts`)
 
 
-def _slowest_seconds(seconds: float) -> float:
-    """The largest of every rank's `seconds` (every rank calls it)."""
-    value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value.item())
-
-
 def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile | None:
     """Body run on every rank of an initialised process group; rank 0 returns the profile."""
     backend = dist.get_backend()
@@ -139,7 +133,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             run = measure_layers(
                 workload, device, repeats=config.repeats, warmup=config.warmup,
                 barrier=dist.barrier, on_step=lambda: bar.advance(task), min_seconds=config.layer_seconds,
-                agree=_slowest_seconds, on_total=lambda total: bar.update(task, total=total),
+                agree=slowest, on_total=lambda total: bar.update(task, total=total),
             )
             gathered: list[object] = [None] * world_size
             dist.all_gather_object(gathered, run)

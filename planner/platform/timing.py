@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Marks", "gathered", "iqr", "median", "stream_seconds", "time_call"]
+__all__ = ["Marks", "gathered", "iqr", "median", "slowest", "stream_seconds", "time_call"]
 
 
 class Marks:
@@ -104,3 +104,11 @@ def gathered(samples: list[float], group: Any) -> list[float]:
     everyone: list[object] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, samples, group=group)
     return [float(x) for xs in everyone for x in xs]  # type: ignore[attr-defined]
+
+
+def slowest(seconds: float, group: Any = None) -> float:
+    """The largest of every rank's `seconds` (every rank of `group` calls it): the count of a phase's repeats
+    taken from its slowest rank, so that every rank passes as many barriers."""
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return float(value.item())
