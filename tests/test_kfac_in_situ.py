@@ -194,20 +194,25 @@ def test_the_step_calibration_takes_each_steps_slowest_rank_as_the_bench_does() 
 SLOWED_HOOKS_S = 0.5
 
 
-def _slowed_hooks_worker(rank: int, world_size: int) -> float:
+def _slow_hooks_in_this_worker(seconds: float) -> None:
+    """This worker's factor hooks run `seconds` slower per pass, as one of two processes on shared cores can."""
     import time
 
     from runtime import calibrate
 
-    if rank == 1:  # this worker's factor hooks run slower, as one of two processes on shared cores can
-        original = calibrate._SilentKFAC._forward_hook
+    original = calibrate._SilentKFAC._forward_hook
 
-        def slower(self: calibrate._SilentKFAC, layer: Any, *args: Any) -> None:
-            original(self, layer, *args)
-            if layer is self._layers[0]:
-                time.sleep(SLOWED_HOOKS_S)
+    def slower(self: calibrate._SilentKFAC, layer: Any, *args: Any) -> None:
+        original(self, layer, *args)
+        if layer is self._layers[0]:
+            time.sleep(seconds)
 
-        calibrate._SilentKFAC._forward_hook = slower  # type: ignore[method-assign]
+    calibrate._SilentKFAC._forward_hook = slower  # type: ignore[method-assign]
+
+
+def _slowed_hooks_worker(rank: int, world_size: int) -> float:
+    if rank == 1:
+        _slow_hooks_in_this_worker(SLOWED_HOOKS_S)
     wl = build_workload("cnn", batch_size=8)
     kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
     return measure_kfac_in_situ(wl, CPU, kfac, repeats=3).measured_s
@@ -228,19 +233,8 @@ EXTENDED_SLOW_S = 0.05
 
 
 def _extended_hooks_worker(rank: int, world_size: int, min_seconds: float) -> tuple[int, list[int]]:
-    import time
-
-    from runtime import calibrate
-
     if rank == 1:  # this worker's pairs of passes are the longer ones: the count must come from them
-        original = calibrate._SilentKFAC._forward_hook
-
-        def slower(self: calibrate._SilentKFAC, layer: Any, *args: Any) -> None:
-            original(self, layer, *args)
-            if layer is self._layers[0]:
-                time.sleep(EXTENDED_SLOW_S)
-
-        calibrate._SilentKFAC._forward_hook = slower  # type: ignore[method-assign]
+        _slow_hooks_in_this_worker(EXTENDED_SLOW_S)
     wl = build_workload("cnn", batch_size=8)
     kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
     points: list[int] = []
