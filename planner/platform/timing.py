@@ -108,7 +108,9 @@ def gathered(samples: list[float], group: Any) -> list[float]:
 
 def slowest(seconds: float, group: Any = None) -> float:
     """The largest of every rank's `seconds` (every rank of `group` calls it): the count of a phase's repeats
-    taken from its slowest rank, so that every rank passes as many barriers."""
-    value = torch.tensor([seconds], dtype=torch.float64)
+    taken from its slowest rank, so that every rank passes as many barriers. On this rank's GPU for nccl."""
+    nccl = dist.get_backend(group) == "nccl"
+    value = torch.tensor([seconds], dtype=torch.float64,
+                         device=torch.device("cuda", torch.cuda.current_device()) if nccl else None)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return float(value.item())
