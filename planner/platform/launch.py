@@ -15,6 +15,7 @@ slower (see `planner.platform.slowdown`); the cgroups are removed when the call 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import signal
@@ -175,7 +176,15 @@ def _worker(
     finally:
         conn.close()
         if joined:
-            dist.destroy_process_group()
+            leave_group()
+
+
+def leave_group() -> None:
+    """Destroy the process group, after collecting the garbage that still holds it: objects in reference
+    cycles (a DDP model and its hooks, an exchange's pending work) otherwise live until the interpreter shuts
+    down, and gloo's threads then abort the process ("terminate called without an active exception")."""
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _raise_worker_error(rank: int, exc: BaseException | None, text: str) -> None:
@@ -303,7 +312,7 @@ def run_job(
         try:
             return fn(dist.get_rank(), dist.get_world_size(), *args)
         finally:
-            dist.destroy_process_group()
+            leave_group()
     return run_distributed(fn, nproc, *args, timeout=timeout, backend=backend, link=link, slowdown=slowdown,
                            hosts=hosts)[0]
 
