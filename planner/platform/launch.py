@@ -176,10 +176,10 @@ def _worker(
     finally:
         conn.close()
         if joined:
-            leave_group()
+            _leave_group()
 
 
-def leave_group() -> None:
+def _leave_group() -> None:
     """Destroy the process group, after collecting the garbage that still holds it: objects in reference
     cycles (a DDP model and its hooks, an exchange's pending work) otherwise live until the interpreter shuts
     down, and gloo's threads then abort the process ("terminate called without an active exception")."""
@@ -312,7 +312,7 @@ def run_job(
         try:
             return fn(dist.get_rank(), dist.get_world_size(), *args)
         finally:
-            leave_group()
+            _leave_group()
     return run_distributed(fn, nproc, *args, timeout=timeout, backend=backend, link=link, slowdown=slowdown,
                            hosts=hosts)[0]
 
