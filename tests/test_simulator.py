@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel.costs import AffineCost
+from planner.costmodel.costs import AffineCost, ScaledCost
 from planner.costmodel.problem import GradientProblem, advance, advance_many
 from planner.costmodel.simulator import GroupEvent, simulate, timeline, validate_grouping
 from planner.types import GROUPING_STRATEGIES, SolverError, Strategy
@@ -291,3 +291,42 @@ def test_interference_never_makes_a_grouping_faster(sigma: float, seed: int, cut
         for grouping in ((cut, 8), (8,), tuple(range(1, 9))):
             grouping = tuple(dict.fromkeys(grouping))
             assert simulate(slowed, grouping).iteration_s >= simulate(plain, grouping).iteration_s * (1 - 1e-12)
+
+
+def test_collectives_run_slower_only_while_backward_runs_by_hand() -> None:
+    """kappa = 1 on the dense 3-layer problem: a collective runs at half speed until backward ends at C_G = 6."""
+    problem = dataclasses.replace(_three_layers(Strategy.DENSE), comm_stretch=1.0)
+    # One per layer, T = (1.4, 1.8, 2.2). Layer 0's from 2, at half speed all along: ends at 4.8. Layer 1's
+    # from 4.8: 1.2 s at half speed to 6 do 0.6 s of it, the other 1.2 s at full speed: ends at 7.2. Layer 2's
+    # from 7.2, after backward: ends at 9.4. iteration = 1 + 9.4 + 0.5 = 10.9 (9.7 without the stretch).
+    events = timeline(problem, (1, 2, 3))
+    assert [t for e in events for t in (e.comm_start_s, e.comm_end_s)] == pytest.approx([2.0, 4.8, 4.8, 7.2, 7.2, 9.4])
+    prediction = simulate(problem, (1, 2, 3))
+    assert prediction.iteration_s == pytest.approx(10.9)
+    assert prediction.comm_s == pytest.approx(5.4)  # the collectives' own seconds, alone
+    # Grouping (1, 3): layer 0's ends at 4.8, the rest starts after backward and runs at full speed: 10.5.
+    assert simulate(problem, (1, 3)).iteration_s == pytest.approx(10.5)
+    assert timeline(problem, (1, 3))[0].comm_end_s == pytest.approx(4.8)
+
+
+def test_a_comm_stretch_is_for_dense_problems_only() -> None:
+    with pytest.raises(SolverError, match="dense problems only"):
+        dataclasses.replace(_three_layers(Strategy.TOPK), comm_stretch=0.5)
+    with pytest.raises(SolverError, match="comm_stretch >= 0"):
+        dataclasses.replace(_three_layers(Strategy.DENSE), comm_stretch=-0.1)
+
+
+@settings(deadline=None, max_examples=100)
+@given(kappa=st.floats(0.0, 3.0), sigma=st.sampled_from([0.0, 0.7]), seed=st.integers(0, 1000),
+       cut=st.integers(1, 7))
+def test_a_comm_stretch_never_makes_a_grouping_faster(kappa: float, sigma: float, seed: int, cut: int) -> None:
+    """Nor slower than every collective (1 + kappa) times as long all along (a stretch that never stops)."""
+    from planner.commands.solver_bench import random_problem
+
+    plain = random_problem(8, Strategy.DENSE, seed=seed, interference=sigma)
+    slowed = dataclasses.replace(plain, comm_stretch=kappa)
+    always = dataclasses.replace(plain, comm=ScaledCost(inner=plain.comm, factor=1 + kappa))
+    for grouping in dict.fromkeys(((cut, 8), (8,), tuple(range(1, 9)))):
+        at = simulate(slowed, grouping).iteration_s
+        assert simulate(plain, grouping).iteration_s * (1 - 1e-12) <= at
+        assert at <= simulate(always, grouping).iteration_s * (1 + 1e-12)

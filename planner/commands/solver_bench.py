@@ -31,6 +31,7 @@ def random_problem(
     density: float = 0.01,
     world_size: int = 2,
     interference: float = 0.0,
+    comm_stretch: float = 0.0,
 ) -> GradientProblem:
     """A random but realistic `GradientProblem` with `num_layers` layers, reproducible from `seed`.
 
@@ -39,7 +40,8 @@ def random_problem(
     top-k selection is interpolated from 20 us + c * N log2 N (superlinear) with c in [0.02, 0.3] ns,
     decoding is affine. With `interference` > 0 the compute stream runs that much slower while a
     collective is in flight, and dense groups pay a packing cost (2 us + 0.7 ns per element), as a
-    measured CPU profile has them.
+    measured CPU profile has them. `comm_stretch` (dense): collectives run that much slower while backward
+    runs.
     """
     if num_layers < 1:
         raise SolverError(f"`num_layers >= 1` must hold, but got num_layers={num_layers}")
@@ -71,6 +73,7 @@ def random_problem(
         decode=decode,
         pack=AffineCost(alpha=2e-6, beta=0.7e-9) if interference > 0 and not topk else None,
         interference=interference,
+        comm_stretch=comm_stretch,
     )
 
 

@@ -28,6 +28,8 @@ __all__ = [
     "groups_of",
     "topk_count",
     "topk_count_many",
+    "unstretched",
+    "unstretched_many",
 ]
 
 Grouping = tuple[int, ...]
@@ -55,6 +57,10 @@ class GradientProblem:
             copies gradients before selecting (DDP's buckets under the top-k hook).
         interference: sigma >= 0: compute work runs (1 + sigma) times slower while a collective is in flight
             (the collective's own work takes the CPU, memory bandwidth or GPU from it); 0: no interference.
+        comm_stretch: kappa >= 0, the other direction: a collective runs (1 + kappa) times slower while the
+            compute stream works through backward (its copies and reductions share the cores with compute);
+            0: none. Dense only (a top-k step decodes on the compute stream after backward, and its exact
+            search has no room for it), so a top-k problem must have 0.
     """
 
     strategy: Strategy
@@ -70,6 +76,7 @@ class GradientProblem:
     decode: CostModel | None = None
     pack: CostModel | None = None
     interference: float = 0.0
+    comm_stretch: float = 0.0
     names: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -85,6 +92,11 @@ class GradientProblem:
             raise SolverError(f"`world_size >= 1` must hold, but got world_size={self.world_size}")
         if not (math.isfinite(self.interference) and self.interference >= 0):
             raise SolverError(f"`interference >= 0` (finite) must hold, but got interference={self.interference}")
+        if not (math.isfinite(self.comm_stretch) and self.comm_stretch >= 0):
+            raise SolverError(f"`comm_stretch >= 0` (finite) must hold, but got comm_stretch={self.comm_stretch}")
+        if self.strategy is Strategy.TOPK and self.comm_stretch:
+            raise SolverError(f"comm_stretch is charged on dense problems only, but a top-k problem got "
+                              f"comm_stretch={self.comm_stretch}")
         if self.strategy is Strategy.TOPK:
             if self.density is None or not 0 < self.density <= 1:
                 raise SolverError(f"top-k needs `0 < density <= 1`, but got density={self.density}")
@@ -135,6 +147,23 @@ def advance(compute: float, channel: float, work: float, interference: float) ->
     if lag <= 0 or interference == 0:
         return compute + work
     return compute + work + interference * min(work, lag / (1 + interference))
+
+
+def unstretched(t: float, compute_end: float, comm_stretch: float) -> float:
+    """A channel clock kept as if compute never ended (every collective (1 + kappa) times slower), read in real
+    time: the channel runs (1 + kappa) times slower only until the compute stream's work ends at
+    `compute_end`, so what lies beyond it takes 1 / (1 + kappa) of its stretched length. Non-decreasing in
+    `t` and in `compute_end`; t itself when kappa = 0 or t <= compute_end."""
+    if t <= compute_end or comm_stretch == 0:
+        return t
+    return compute_end + (t - compute_end) / (1 + comm_stretch)
+
+
+def unstretched_many(t: np.ndarray, compute_end: np.ndarray, comm_stretch: float) -> np.ndarray:
+    """Vectorised `unstretched` (the solvers' final ends)."""
+    if comm_stretch == 0:
+        return t
+    return np.minimum(t, compute_end + (t - compute_end) / (1 + comm_stretch))
 
 
 def advance_many(compute: np.ndarray, channel: np.ndarray, work: np.ndarray, interference: float) -> np.ndarray:

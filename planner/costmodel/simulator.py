@@ -12,7 +12,13 @@ Clocks (seconds from the start of backward; the forward pass is not on them):
   C_g = advance(C_{g-1}, E_{g-1}, W_g), C_0 = 0 (`planner.costmodel.problem.advance`; C_{g-1} + W_g when sigma = 0).
   From C_{g-1} on, the channel is busy exactly until E_{g-1} (group g-1 launched at C_{g-1} or queued
   behind a collective that ends later), so the two clocks determine the slowdown;
-- communication channel: E_g = max(C_g, E_{g-1}) + T(N_g), E_0 = 0;
+- communication channel: E_g = max(C_g, E_{g-1}) + T(N_g), E_0 = 0. With comm stretch kappa (dense only) a
+  collective runs (1 + kappa) times slower while the compute stream works, which it does without a break
+  from 0 to C_G: the walk keeps E_g = max(C_g, E_{g-1}) + (1 + kappa) T(N_g) as if compute never ended, and
+  reads it in real time at the end (`planner.costmodel.problem.unstretched`: what lies beyond C_G takes
+  1 / (1 + kappa) of its length). The two clocks stay exact for the solvers (`DenseDP`): every transition
+  is the same with T scaled, and the end, max(C_G, C_G + (E_G - C_G) / (1 + kappa)), is non-decreasing in
+  both;
 - top-k decoding, as the runtime's `synchronize` does it once backward is over: group by group in ready
   order, each right after its own allgather, overlapping the later ones: X_g = advance(max(X_{g-1}, E_g),
   E_G, d(P * k_g)), X_0 = C_G (a decode runs 1 + sigma times slower while collectives are still in
@@ -29,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import SupportsIndex
 
-from planner.costmodel.problem import GradientProblem, Grouping, Prediction, advance, groups_of
+from planner.costmodel.problem import GradientProblem, Grouping, Prediction, advance, groups_of, unstretched
 from planner.types import SolverError, Strategy
 
 __all__ = ["GroupEvent", "simulate", "timeline", "validate_ends", "validate_grouping"]
@@ -115,7 +121,7 @@ def validate_grouping(problem: GradientProblem, grouping: Iterable[SupportsIndex
 def timeline(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> list[GroupEvent]:
     """The events of every group of `grouping`, in ready order (see the module docstring for the clocks)."""
     ends = validate_grouping(problem, grouping)
-    sigma = problem.interference
+    sigma, stretch = problem.interference, 1 + problem.comm_stretch
     clocks: list[tuple[range, int, int, float, float, float, float]] = []
     compute = 0.0  # C: the compute stream clock
     channel = 0.0  # E: the communication channel clock
@@ -125,12 +131,14 @@ def timeline(problem: GradientProblem, grouping: Iterable[SupportsIndex]) -> lis
         ready = advance(compute, channel, sum(problem.backward_s[i] for i in layers), sigma)
         select_end = advance(ready, channel, problem.prepare_s(numel), sigma)
         comm_start = max(select_end, channel)
-        comm_end = comm_start + problem.comm.cost(nbytes)
+        comm_end = comm_start + stretch * problem.comm.cost(nbytes)  # as if compute never ended (kappa)
         clocks.append((layers, numel, nbytes, ready, select_end, comm_start, comm_end))
         compute, channel = select_end, comm_end
     events: list[GroupEvent] = []
     decoded = compute  # X_0 = C_G: decoding starts once backward (and the last selection) is over
+    channel = unstretched(channel, compute, problem.comm_stretch)
     for index, (layers, numel, nbytes, ready, select_end, comm_start, comm_end) in enumerate(clocks):
+        comm_start, comm_end = (unstretched(t, compute, problem.comm_stretch) for t in (comm_start, comm_end))
         decode_start = max(decoded, comm_end)
         decoded = advance(decode_start, channel, problem.decode_s(numel), sigma)  # slowed until E_G
         events.append(

@@ -34,13 +34,22 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
 
-from planner.costmodel.costs import AffineCost, CostModel
-from planner.costmodel.problem import INDEX_BYTES, GradientProblem, Grouping, advance, advance_many, topk_count_many
+from planner.costmodel.costs import AffineCost, CostModel, ScaledCost
+from planner.costmodel.problem import (
+    INDEX_BYTES,
+    GradientProblem,
+    Grouping,
+    advance,
+    advance_many,
+    topk_count_many,
+    unstretched,
+    unstretched_many,
+)
 from planner.costmodel.simulator import simulate
 from planner.types import GROUPING_STRATEGIES, SolverError, Strategy
 
@@ -121,6 +130,21 @@ def _prefix_numel(problem: GradientProblem) -> np.ndarray:
 def _prefix_backward(problem: GradientProblem) -> np.ndarray:
     """Q with Q[i] = b_0 + ... + b_{i-1} (Q[0] = 0)."""
     return np.concatenate(([0.0], np.cumsum(np.asarray(problem.backward_s, dtype=float))))
+
+
+def _stretched(problem: GradientProblem) -> GradientProblem:
+    """`problem` with its comm stretch kappa folded into the collectives' cost: every collective (1 + kappa)
+    times as long, as if compute never ended. The solvers search this problem's clocks, which are exact
+    (`planner.costmodel.simulator`), and read its ends in real time with `_dense_end`."""
+    if problem.comm_stretch == 0:
+        return problem
+    return replace(problem, comm=ScaledCost(inner=problem.comm, factor=1 + problem.comm_stretch), comm_stretch=0.0)
+
+
+def _dense_end(comp: np.ndarray, chan: np.ndarray, comm_stretch: float) -> np.ndarray:
+    """X_G of dense states of the stretched problem (`_stretched`) in real time: max(C, E), with what the channel
+    holds beyond C run unstretched. Non-decreasing in both clocks."""
+    return np.maximum(comp, unstretched_many(chan, comp, comm_stretch))
 
 
 def _k_many(problem: GradientProblem, numel: np.ndarray) -> np.ndarray:
@@ -394,7 +418,10 @@ def _lagrangian_suffixes(
 def _iteration_end(problem: GradientProblem, grouping: Grouping) -> float:
     """X_G of `grouping` (seconds from the start of backward), as `planner.costmodel.simulator.simulate` walks it, with
     the group costs computed at once: the solvers evaluate many candidate groupings of long models. Without
-    interference the walk has a closed form (C and E are running sums and maxima); with it, a scalar walk."""
+    interference the walk has a closed form (C and E are running sums and maxima); with it, a scalar walk.
+    A comm stretch is walked on `_stretched`'s clocks and read in real time at the end."""
+    kappa = problem.comm_stretch
+    problem = _stretched(problem)
     ends = np.asarray(grouping, dtype=np.int64)
     prefix = _prefix_numel(problem)
     starts = np.concatenate(([0], ends[:-1]))
@@ -412,7 +439,9 @@ def _iteration_end(problem: GradientProblem, grouping: Grouping) -> float:
         chan = sent + np.maximum.accumulate(comp - (sent - comm))
         decoded = np.cumsum(decode)
         end = float(decoded[-1]) + max(float(comp[-1]), float(np.max(chan - (decoded - decode))))
-        return end if problem.strategy is Strategy.TOPK else max(float(comp[-1]), float(chan[-1]))
+        if problem.strategy is Strategy.TOPK:
+            return end
+        return max(float(comp[-1]), unstretched(float(chan[-1]), float(comp[-1]), kappa))
     clock = queue = 0.0  # C and E
     comm_end = []
     for w, s, t in zip(work.tolist(), prepare.tolist(), comm.tolist(), strict=True):
@@ -422,7 +451,7 @@ def _iteration_end(problem: GradientProblem, grouping: Grouping) -> float:
     decoded_at = clock
     for e, d in zip(comm_end, decode.tolist(), strict=True):
         decoded_at = advance(max(decoded_at, e), queue, d, sigma)
-    return decoded_at if problem.strategy is Strategy.TOPK else max(clock, queue)
+    return decoded_at if problem.strategy is Strategy.TOPK else max(clock, unstretched(queue, clock, kappa))
 
 
 def _ends_from_back_pointers(starts: np.ndarray | list[int], num_layers: int) -> Grouping:
@@ -542,6 +571,10 @@ class DenseDP(_BoundedSolver):
     With group-size bounds the minimum runs over the allowed groups i..j only (rule in the module
     docstring; E* is infinite for a prefix no allowed grouping covers); the argument is unchanged, because
     whether a group is allowed depends on that group alone.
+
+    With comm stretch kappa both programs run on `_stretched`'s clocks (T scaled by 1 + kappa, the same
+    recurrences) and the end is read as max(C_G, C_G + (E_G - C_G) / (1 + kappa)): still non-decreasing in
+    E_G (and, for the search, in C_G), so the same prefixes are the best ones.
     """
 
     name = "dense-dp"
@@ -560,6 +593,9 @@ class DenseDP(_BoundedSolver):
         _require(problem, Strategy.DENSE, type(self).__name__)
         if problem.pack is not None or problem.interference > 0:
             return _pareto_solve(problem, self._bounds, prune=True)
+        kappa = problem.comm_stretch
+        fixed = problem.forward_s + problem.update_s
+        problem = _stretched(problem)
         num_layers = problem.num_layers
         prefix = _prefix_numel(problem)
         ready = np.cumsum(np.asarray(problem.backward_s, dtype=float))  # R_j
@@ -576,7 +612,7 @@ class DenseDP(_BoundedSolver):
             channel[j + 1] = candidates[best]
         if not np.isfinite(channel[-1]):
             raise self._bounds.infeasible(problem)
-        value = problem.forward_s + max(float(ready[-1]), float(channel[-1])) + problem.update_s
+        value = fixed + max(float(ready[-1]), unstretched(float(channel[-1]), float(ready[-1]), kappa))
         return _ends_from_back_pointers(starts, num_layers), value
 
     def __repr__(self) -> str:
@@ -594,8 +630,9 @@ class _ParetoTables:
     rest: np.ndarray  # rest[w, m]: see _lagrangian_suffixes
     opened: np.ndarray  # opened[w, m, c]: the same for a first group of at least open_lengths[c] layers
     open_lengths: np.ndarray
-    volume: _Volumes | None  # least remaining work per clock after each prefix (`_interference_bound`), with sigma
+    volume: _Volumes | None  # least remaining work per clock after each prefix, with sigma or kappa
     bounds: _GroupBounds | None = None  # group-size bounds, None when there are none
+    stretch: float = 0.0  # the problem's comm stretch kappa (the search runs on `_stretched`'s clocks)
 
 
 @dataclass(frozen=True)
@@ -719,7 +756,14 @@ _CLOSED_RTOL = 1e-12
 
 
 def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool) -> tuple[Grouping, float]:
-    """The exact two-clock search of `TopkParetoDP` (either strategy): best grouping and its iteration time."""
+    """The exact two-clock search of `TopkParetoDP` (either strategy): best grouping and its iteration time.
+
+    With comm stretch kappa (dense) the search runs on `_stretched`'s clocks and reads its ends in real time:
+    final ends with `_dense_end`, bounds with `_state_bounds`' stretch term, expiry with its limit moved to
+    match; groupings found elsewhere are walked on the problem as given."""
+    given = problem
+    kappa = problem.comm_stretch
+    problem = _stretched(problem)
     fixed = problem.forward_s + problem.update_s
     prefix = _prefix_numel(problem)
     lead = np.asarray(problem.backward_s, dtype=float) + _prepare_many(problem, np.asarray(problem.numel))
@@ -733,8 +777,9 @@ def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool
         rest=rest,
         opened=lagrangian.opened,
         open_lengths=lagrangian.open_lengths,
-        volume=_Volumes.of(problem, prefix) if problem.interference else None,
+        volume=_Volumes.of(problem, prefix) if problem.interference or kappa else None,
         bounds=bounds if bounds.active else None,
+        stretch=kappa,
     )
     if not prune:
         found = _pareto_search(problem, tables, np.inf)
@@ -745,7 +790,7 @@ def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool
     # Upper bound: the best of the baselines, the Lagrangian groupings and a narrow beam of this search
     # (only groupings the bounds allow).
     groupings = [h.solve(problem) for h in (*BASELINES[problem.strategy], MGWFBPGreedy())] + relaxed
-    candidates = [(g, fixed + _iteration_end(problem, g)) for g in dict.fromkeys(groupings)
+    candidates = [(g, fixed + _iteration_end(given, g)) for g in dict.fromkeys(groupings)
                   if bounds.admits(problem, g)]
     if not candidates:  # no allowed grouping is known: search them all
         found = _pareto_search(problem, tables, np.inf)
@@ -924,7 +969,7 @@ def _pareto_search(
     if decodes:
         ends_at = _final_end(comp[finals], chan[finals], dec[finals], dsum[finals], sigma)
     else:
-        ends_at = np.maximum(comp[finals], chan[finals])
+        ends_at = _dense_end(comp[finals], chan[finals], tables.stretch)
     best = int(np.argmin(ends_at))
     state = int(finals[best])
     ends: list[int] = []
@@ -939,7 +984,12 @@ def _expiry(tables: _ParetoTables, m: int, comp: np.ndarray, chan: np.ndarray, p
     """For new states of prefix m < L: the least length of the next group from which on no extension can
     end within `limit` (the Lagrangian bound of `_state_bounds` with the first group at least that long,
     `_Lagrangian.opened`; non-decreasing in the length, so the state can be retired for good). A huge
-    number where no such length is known."""
+    number where no such length is known. With comm stretch kappa, `_state_bounds`' stretch term exceeds
+    the limit exactly where the Lagrangian bound exceeds (1 + kappa) limit - kappa (least C_G)."""
+    if tables.stretch:
+        assert tables.volume is not None
+        least = comp + tables.volume.compute[m]
+        limit = (1 + tables.stretch) * limit - tables.stretch * least
     late = np.maximum(chan, comp + tables.lead[m])
     start_x = (comp + sigma * chan + pending) / (1 + sigma)
     slope = start_x + tables.backward[-1] - tables.backward[m] - late
@@ -959,9 +1009,13 @@ def _state_bounds(tables: _ParetoTables, m: int, comp: np.ndarray, chan: np.ndar
                   ) -> np.ndarray:
     """No completion of these states of prefix m ends before this (X_G, from the start of backward):
     non-decreasing in every clock. dec and dsum are ignored unless `decodes` (dense: V = E, D = 0). With
-    `rows`, only those weights count (a weaker bound)."""
+    `rows`, only those weights count (a weaker bound).
+
+    With comm stretch kappa (dense), B below bounds max(C_G, E_G) of the stretched clocks, and
+    X_G = max(C_G, (kappa C_G + E_G) / (1 + kappa)) >= max(Q, (kappa Q + B) / (1 + kappa)) for any Q <= C_G
+    (here C plus the least compute left); exact at m = L."""
     if m == num_layers:
-        return _final_end(comp, chan, dec, dsum, sigma) if decodes else np.maximum(comp, chan)
+        return _final_end(comp, chan, dec, dsum, sigma) if decodes else _dense_end(comp, chan, tables.stretch)
     pending = dsum if decodes else 0.0
     # max over w of w * (start of X + rest of backward) + (1 - w) * max(E, C + lead) + rest[w, m]
     late = np.maximum(chan, comp + tables.lead[m])
@@ -974,6 +1028,10 @@ def _state_bounds(tables: _ParetoTables, m: int, comp: np.ndarray, chan: np.ndar
         bound = np.maximum(bound, tables.volume.bound(m, comp, chan, pending, sigma))
     if decodes:  # X_G >= (sigma E_G + V_G) / (1 + sigma) (`_final_end`)
         bound = np.maximum(bound, (sigma * chan + dec) / (1 + sigma))
+    if tables.stretch:
+        assert tables.volume is not None
+        least = comp + tables.volume.compute[m]
+        bound = np.maximum(least, (tables.stretch * least + bound) / (1 + tables.stretch))
     return bound
 
 
@@ -1304,10 +1362,19 @@ def lower_bound(problem: GradientProblem) -> float:
       cheapest tail is sent after the whole backward pass, are the binding ones).
 
     Each "min over groupings of a sum of per-group costs" is an O(L^2) dynamic program (all tails at once).
+
+    With comm stretch kappa (dense): the bound B above of `_stretched`'s clocks bounds max(C_G, E_G) there, and
+    X_G >= max(Q, (kappa Q + B) / (1 + kappa)) with Q = sum b + least packing, a bound on C_G.
     """
     if problem.strategy not in GROUPING_STRATEGIES:
         known = [s.value for s in GROUPING_STRATEGIES]
         raise SolverError(f"no lower bound for strategy={problem.strategy!r}; known: {known}")
+    if problem.comm_stretch:
+        kappa, fixed = problem.comm_stretch, problem.forward_s + problem.update_s
+        least = float(np.sum(np.asarray(problem.backward_s, dtype=float))) + float(
+            _suffix_min_partition(_prefix_numel(problem), lambda n: _prepare_many(problem, n))[0])
+        stretched = lower_bound(_stretched(problem)) - fixed
+        return fixed + max(least, (kappa * least + stretched) / (1 + kappa))
     prefix = _prefix_numel(problem)
     fixed = problem.forward_s + problem.update_s
     total_backward = float(np.sum(np.asarray(problem.backward_s, dtype=float)))
