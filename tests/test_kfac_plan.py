@@ -191,25 +191,12 @@ def test_collectives_run_slower_while_the_workers_compute() -> None:
 
 
 def test_plain_steps_charge_kappa_on_the_gradient_allreduces() -> None:
-    """The sgd row and every K-FAC step's part without factors: the dense gradient groups' allreduces in flight
-    during backward run 1 + kappa times slower, worked out by hand on the simulator's three-layer problem."""
-    from planner.costmodel.costs import AffineCost
-    from planner.costmodel.problem import GradientProblem
+    """The sgd row and every K-FAC step's part without factors are the dense gradient step with the profile's
+    kappa (the simulator's, worked by hand in `test_simulator`), on the grouping DenseDP chose with it."""
     from planner.costmodel.simulator import simulate
-    from planner.strategies.kfac import stretched_sgd_step
+    from planner.solvers import DenseDP
+    from planner.strategies.problems import gradient_problem
     from planner.types import Strategy
-
-    # F = 1, U = 0.5, ready times R = (2, 3, 6), T(x bytes) = 1 + 0.001 x: T = 1.4, 1.8, 2.2 for one layer each.
-    problem = GradientProblem(strategy=Strategy.DENSE, forward_s=1.0, update_s=0.5, backward_s=(2.0, 1.0, 3.0),
-                              numel=(100, 200, 300), comm=AffineCost(alpha=1.0, beta=0.001), world_size=2)
-    # kappa = 0: 3.4, 5.2, then 6 + 2.2 = 8.2 (the simulator's iteration, 9.7).
-    assert stretched_sgd_step(problem, (1, 2, 3), 0.0) == pytest.approx(9.7, rel=TOL)
-    assert simulate(problem, (1, 2, 3)).iteration_s == pytest.approx(9.7, rel=TOL)
-    # kappa = 1: 2 + 2 x 1.4 = 4.8; the second starts at 4.8, 0.6 s of it fit in the 1.2 s left before 6,
-    # the other 1.2 s end at 7.2; the third starts at 7.2 and ends at 9.4, after backward.
-    assert stretched_sgd_step(problem, (1, 2, 3), 1.0) == pytest.approx(1.0 + 9.4 + 0.5, rel=TOL)
-    # One group, ready when backward ends: nothing in flight during it.
-    assert stretched_sgd_step(problem, (3,), 1.0) == pytest.approx(simulate(problem, (3,)).iteration_s, rel=TOL)
 
     base = synthetic_profile("mlp", world_size=2)
     plain = kfac_problem(base, InverseMethod.EIGEN)
@@ -218,6 +205,10 @@ def test_plain_steps_charge_kappa_on_the_gradient_allreduces() -> None:
     plan = make_kfac_plan(replace(base, comm_stretch={Collective.ALLREDUCE: 1.0}), source="test", time_limit_s=0.5)
     assert plan.kfac is not None and plan.kfac.baselines is not None
     assert plan.kfac.baselines["sgd"].step_s == pytest.approx(slowed.sgd_step_s, rel=TOL)
+    grad = gradient_problem(replace(base, comm_stretch={Collective.ALLREDUCE: 1.0}), Strategy.DENSE)
+    assert grad.comm_stretch == 1.0
+    assert slowed.sgd_step_s == pytest.approx(DenseDP().solve_with_value(grad)[1], rel=TOL)
+    assert slowed.sgd_step_s == pytest.approx(simulate(grad, DenseDP().solve(grad)).iteration_s, rel=TOL)
 
 
 def test_slower_collectives_can_only_lengthen_the_factor_step() -> None:

@@ -31,8 +31,8 @@ from planner.contracts.kfac import KFACLayerSpec, KFACPrediction, KFACSection, f
 from planner.contracts.plan import Plan
 from planner.contracts.profile import KFACLayerTiming, KFACTiming, Profile
 from planner.costmodel.costs import AffineCost
-from planner.costmodel.problem import GradientProblem, Grouping, groups_of
-from planner.costmodel.simulator import timeline as gradient_timeline
+from planner.costmodel.problem import groups_of
+from planner.costmodel.simulator import simulate
 from planner.solvers import DenseDP, lower_bound
 from planner.solvers.fusion import (
     FUSION_BASELINES,
@@ -215,7 +215,7 @@ def kfac_problem(
     kf = _checked_kfac(profile)
     grad = gradient_problem(profile, Strategy.DENSE)
     grouping = DenseDP().solve(grad)
-    sgd_step = stretched_sgd_step(grad, grouping, profile.comm_stretch_for(Collective.ALLREDUCE))
+    sgd_step = simulate(grad, grouping).iteration_s  # with the profile's kappa (`gradient_problem`)
     whole = _formats(whole_factors)
     a_cost = {lt.name: lt.a_compute(whole(lt.name, FactorKind.A)) for lt in kf.layers}
     g_cost = {lt.name: lt.g_compute(whole(lt.name, FactorKind.G)) for lt in kf.layers}
@@ -343,18 +343,6 @@ def interference_stretch(compute_end_s: float, channel: FusionTimeline, interfer
     solvers choose buffers and formats without this term."""
     busy = sum(max(0.0, min(e.end_s, compute_end_s) - e.start_s) for e in channel.events)
     return interference * busy / (1 + interference)
-
-
-def stretched_sgd_step(grad: GradientProblem, grouping: Grouping, comm_stretch: float) -> float:
-    """A plain data-parallel step of the dense `grouping` (`simulate`'s iteration) with the part of each allreduce
-    in flight during backward run 1 + kappa times slower (`stretched_end`), as the factor-update step's are:
-    the sgd row's prediction and every K-FAC step's part without factors. The gradient solvers do not charge
-    kappa; the grouping is the one they chose without it."""
-    events = gradient_timeline(grad, grouping)
-    compute_end = events[-1].select_end_s  # C_G: backward and packing, stretched by interference
-    channel_end = stretched_end(((e.select_end_s, e.comm_end_s - e.comm_start_s) for e in events), compute_end,
-                                comm_stretch)
-    return grad.forward_s + max(compute_end, channel_end) + grad.update_s
 
 
 def stretched_channel_end(channel: FusionTimeline, compute_end_s: float, comm_stretch: float) -> float:

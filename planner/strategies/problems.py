@@ -52,6 +52,7 @@ def gradient_problem(profile: Profile, strategy: Strategy, density: float | None
         pack=None if profile.pack is None or profile.cluster.world_size == 1 else _calibrated(
             profile.pack.model, profile.in_situ.pack_factor(runtime) if profile.in_situ else 1.0),
         interference=profile.interference_for(Collective.ALLREDUCE),
+        comm_stretch=profile.comm_stretch_for(Collective.ALLREDUCE),
         names=tuple(lt.name for lt in profile.layers),
     )
     match strategy:
@@ -75,6 +76,7 @@ def gradient_problem(profile: Profile, strategy: Strategy, density: float | None
                                         profile.in_situ.decode_factor() if profile.in_situ else 1.0),
                 pack=dense.pack if runtime == "ddp" else None,
                 interference=profile.interference_for(Collective.ALLGATHER),
+                comm_stretch=0.0,  # charged on dense problems only (`GradientProblem.comm_stretch`)
             )
         case _:
             raise SchemaError(f"unknown strategy {strategy!r}")
