@@ -36,9 +36,9 @@ of n bytes per rank (each line only when its level has more than one member, so 
 Every algorithm is affine in the message size, so `ClusterSpec.curves()` (points on a log grid, then the
 profile's own fit) reproduces ring and tree exactly. "auto", a minimum of two affine functions, is sampled
 at the sizes where they cross too and is then treated like a measured curve: the solvers use its affine fit
-when that is within `planner.costmodel.measured.MAX_FIT_ERROR` at every point, as for a measured NCCL curve, so near the
-crossover the prediction can be off by that fit's error (up to about 12% for the Ethernet presets, eth10-8
-at 16 GPUs and aws-p3-32 at 32, under 5% for the InfiniBand ones); "ring" or "tree" give the exact model.
+when that is within `planner.costmodel.measured.MAX_FIT_ERROR` (5%) at every point, as for a measured NCCL curve,
+and otherwise interpolates the samples, so near the crossover the prediction is off by at most that; "ring" or
+"tree" give the exact model.
 Bandwidths are given in Gbit/s (b = 8 / (gbps * 1e9) s/byte) and latencies in microseconds.
 """
 
