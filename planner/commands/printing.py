@@ -270,7 +270,8 @@ def print_profile(profile: object) -> None:
     if profile.comm_stretch:
         slower = ", ".join(f"{kappa:.2f} for an {coll.value}" for coll, kappa in profile.comm_stretch.items())
         console.print(f"communicating while computing: a chain of collectives runs 1 + kappa times slower while the "
-                      f"workers run forward and backward passes, kappa = {slower}")
+                      f"workers run forward and backward passes, kappa = {slower} (dense plans and K-FAC charge "
+                      f"the allreduce's on collectives in flight during backward)")
     if profile.pack is not None:
         console.print(f"packing a dense group: {profile.pack.alpha_s * 1e6:.1f} us + "
                       f"{profile.pack.beta_s_per_byte * 1e9:.3f} ns per element (median fit error "

@@ -213,8 +213,9 @@ class Prediction:
 
     iteration_s = compute_s + exposed_comm_s, where compute_s is the compute path alone
     (F + backward + selection or packing + decode + U, stretched by interference) and exposed_comm_s the
-    communication not hidden behind it. comm_s is the total busy time of the communication channel;
-    interference_s how much longer the compute path is because collectives were in flight during it.
+    communication not hidden behind it. comm_s is the collectives' own time, each as measured alone (with a
+    comm stretch the channel is busy longer); interference_s how much longer the compute path is because
+    collectives were in flight during it.
     """
 
     iteration_s: float
