@@ -1,6 +1,6 @@
-"""Commands that start workers also run as the ranks of a job torchrun launched (here one host, two ranks,
-`torch.distributed.run --standalone`; on several hosts the same commands run under `--nnodes`): rank 0 writes
-the results, the other ranks write nothing."""
+"""Commands that start workers also run as the ranks of a job torchrun launched (one host, two ranks,
+`torch.distributed.run --standalone`; and, where root can emulate hosts, one torchrun per host under `--nnodes 2`
+as on two real hosts): rank 0 writes the results, the other ranks write nothing."""
 
 from __future__ import annotations
 
@@ -11,12 +11,21 @@ import sys
 from pathlib import Path
 
 from planner.contracts.plan import Plan
+from planner.platform.link import WORKER_IFNAME, EmulatedLink, parse_rate
+from planner.strategies.gradients import make_plan
+from planner.types import Strategy
 from tests.factories import synthetic_profile
+from tests.test_hierarchical import _two_host_profile
+from tests.test_hosts import _ours, needs_root
 from tests.test_tune import MODEL
 
 
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
 def _torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = _clean_env()
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "planner", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -40,3 +49,33 @@ def test_tune_and_bench_run_on_the_group_torchrun_made(tmp_path: Path) -> None:
     proc = _torchrun("tune", str(tmp_path / "p.json"), "--model", MODEL, "--hosts", "2", "-o",
                      str(tmp_path / "x.json"), timeout=120)
     assert proc.returncode != 0 and "drop --hosts" in proc.stderr and not (tmp_path / "x.json").exists()
+
+
+@needs_root
+def test_bench_runs_under_torchrun_on_two_nodes_as_on_two_hosts(tmp_path: Path) -> None:
+    """One torchrun per emulated host (`--nnodes 2 --node_rank h`), each in its host's network namespace under its
+    own host name, the hosts joined by a shaped link, as two real hosts launch it: a plan for 2 hosts of 2 that
+    crosses them hierarchically runs, rank 0 (on the first host) writes the results and the second host nothing."""
+    plan = make_plan(_two_host_profile(), Strategy.DENSE, route="hierarchical")
+    assert plan.cluster.host_count == 2 and all(g.hierarchical for g in plan.groups)
+    plan.save(tmp_path / "plan.json")
+    outs = [tmp_path / f"host{h}.out" for h in range(2)]
+    errs = [tmp_path / f"host{h}.err" for h in range(2)]
+    with EmulatedLink(parse_rate("10gbit"), world_size=4, hosts=2) as link:
+        procs = []
+        for h in range(2):
+            name = link.namespace(2 * h)
+            line = (f"hostname {name} && exec {sys.executable} -m torch.distributed.run --nnodes 2 --node_rank {h} "
+                    f"--nproc_per_node 2 --master_addr {link.address(0)} --master_port 29500 -m planner bench "
+                    f"--plan {tmp_path / 'plan.json'} --steps 2 --warmup 1 --peers none --json")
+            with outs[h].open("w") as out, errs[h].open("w") as err:
+                procs.append(subprocess.Popen(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c", line],
+                                              stdout=out, stderr=err, env={**_clean_env(),
+                                                                           "GLOO_SOCKET_IFNAME": WORKER_IFNAME}))
+        codes = [p.wait(timeout=300) for p in procs]
+    assert codes == [0, 0], [e.read_text()[-2000:] for e in errs]
+    rows = json.loads(outs[0].read_text())  # one document: rank 0's
+    assert {"ddp", "plan dense, hierarchical"} <= {r["name"] for r in rows}
+    assert all(r["median_s"] > 0 for r in rows)
+    assert outs[1].read_text() == ""
+    assert _ours() == []
