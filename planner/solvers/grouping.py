@@ -979,6 +979,13 @@ def _pareto_search(
     return tuple(reversed(ends)), float(ends_at[best])
 
 
+def _least_compute_end(tables: _ParetoTables, m: int, comp: np.ndarray) -> np.ndarray:
+    """A bound on C_G below every completion of states of prefix m: C plus the least compute left after it (the
+    comm stretch's bounds read the stretched channel against it)."""
+    assert tables.volume is not None  # built whenever the problem has a comm stretch
+    return comp + tables.volume.compute[m]
+
+
 def _expiry(tables: _ParetoTables, m: int, comp: np.ndarray, chan: np.ndarray, pending: np.ndarray | float,
             sigma: float, limit: float) -> np.ndarray:
     """For new states of prefix m < L: the least length of the next group from which on no extension can
@@ -987,9 +994,7 @@ def _expiry(tables: _ParetoTables, m: int, comp: np.ndarray, chan: np.ndarray, p
     number where no such length is known. With comm stretch kappa, `_state_bounds`' stretch term exceeds
     the limit exactly where the Lagrangian bound exceeds (1 + kappa) limit - kappa (least C_G)."""
     if tables.stretch:
-        assert tables.volume is not None
-        least = comp + tables.volume.compute[m]
-        limit = (1 + tables.stretch) * limit - tables.stretch * least
+        limit = (1 + tables.stretch) * limit - tables.stretch * _least_compute_end(tables, m, comp)
     late = np.maximum(chan, comp + tables.lead[m])
     start_x = (comp + sigma * chan + pending) / (1 + sigma)
     slope = start_x + tables.backward[-1] - tables.backward[m] - late
@@ -1029,8 +1034,7 @@ def _state_bounds(tables: _ParetoTables, m: int, comp: np.ndarray, chan: np.ndar
     if decodes:  # X_G >= (sigma E_G + V_G) / (1 + sigma) (`_final_end`)
         bound = np.maximum(bound, (sigma * chan + dec) / (1 + sigma))
     if tables.stretch:
-        assert tables.volume is not None
-        least = comp + tables.volume.compute[m]
+        least = _least_compute_end(tables, m, comp)
         bound = np.maximum(least, (tables.stretch * least + bound) / (1 + tables.stretch))
     return bound
 
