@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from planner.commands.bench_crossover import CrossoverBenchConfig, CrossoverJob, JobRun, summarise_crossover
+from planner.commands.bench_crossover import (
+    CrossoverBenchConfig,
+    CrossoverJob,
+    JobRun,
+    print_crossover_bench,
+    summarise_crossover,
+)
 from planner.commands.cli import main
 from planner.contracts.pairing import PairingPlan
 from planner.strategies.gradients import make_plan
@@ -93,6 +99,36 @@ def test_the_summary_counts_only_the_window_both_jobs_ran_in(tmp_path: Path) -> 
     side = {s.mode: s for s in summarise_crossover(both, runs)}["side-by-side"]
     assert side.predicted_best_samples_per_s == pytest.approx(2 * 16 / 0.125)
     assert side.predicted_samples_per_s == pytest.approx(2 * 16 / 0.2)  # lockstep
+
+
+def test_a_run_in_which_the_jobs_never_ran_together_counts_for_nothing(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    pairing = PairingPlan.load(_pairing(tmp_path))
+    plan = make_plan(synthetic_profile("digits"), Strategy.DENSE)
+    jobs = tuple(CrossoverJob(name=j.name, plan=plan, model="digits", batch=8) for j in pairing.jobs)
+    config = CrossoverBenchConfig(pairing="p", jobs=jobs, repeats=2,
+                                  predicted={j.name: {"alone_s": 0.1, "side_by_side_s": 0.2, "crossover_s": 0.15}
+                                             for j in pairing.jobs})
+    runs = [JobRun(n, "sequential", k, (0.0, 0.1), 0.0) for n in ("digits", "digits-2") for k in (0, 1)]
+    runs += [
+        # side by side, repeat 0: "digits" ended (1.0) before "digits-2" began (2.0); repeat 1 overlaps in [0, 1]
+        JobRun("digits", "side-by-side", 0, (0.0, 0.5, 1.0), 0.0),
+        JobRun("digits-2", "side-by-side", 0, (2.0, 2.5, 3.0), 0.0),
+        JobRun("digits", "side-by-side", 1, (0.0, 0.5, 1.0), 0.0),
+        JobRun("digits-2", "side-by-side", 1, (0.0, 0.5, 1.0), 0.0),
+        # probed, both repeats: "digits" ran its timed steps before "digits-2" took the decision
+        *(JobRun("digits", "probed", k, (0.0, 1.0, 1.5, 2.0), 0.0, decided_at=1.0, decision="free") for k in (0, 1)),
+        *(JobRun("digits-2", "probed", k, (0.0, 2.0, 2.5, 3.0), 0.0, decided_at=2.0, decision="free")
+          for k in (0, 1)),
+    ]
+    by_mode = {s.mode: s for s in summarise_crossover(config, runs)}
+    # repeat 1 only: 2 jobs × 2 steps × 16 samples in 1 s
+    assert by_mode["side-by-side"].samples_range == pytest.approx((64.0, 64.0))
+    assert "probed" not in by_mode and "crossover" not in by_mode
+    capsys.readouterr()
+    print_crossover_bench(config, runs, as_json=False)
+    out = capsys.readouterr().out
+    assert "probed: no row: in no run did both jobs get to time steps together" in out
 
 
 def test_bench_crossover_bad_input_gives_one_line(tmp_path: Path) -> None:

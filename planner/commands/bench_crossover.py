@@ -16,7 +16,9 @@ behind `--link` rank r of every job also shares host r's shaped network card.
   Only the steps after both jobs have the decision count, so the row shows the steady state, not the probe.
   So that the concurrent modes compare like with like, side by side and crossed over also start their clocks
   only after running together that long (`settle_s`, six windows): two jobs started together begin in
-  lockstep and take seconds to drift apart.
+  lockstep and take seconds to drift apart. Each job gets there (settled, or the decision taken) at its own
+  step, so it steps on until the other has too and only then starts its clock: otherwise a loaded machine can
+  let one job finish its timed steps before the other starts its own, and leave no window to count.
 
 Steps are timed on rank 0 of each job (wall clock, the same host clock for both). For the two concurrent
 modes the jobs start together (after their warm-up steps each job's rank 0 marks itself ready and waits for
@@ -119,8 +121,8 @@ class JobRun:
     repeat: int
     stamps: tuple[float, ...]  # wall clock (time.time) at the start and after every timed step
     gate_wait_s: float  # seconds rank 0 waited for the pair's gate
-    #: probed: when rank 0's timed steps under the probe's decision began (wall clock), the decision, and the
-    #: pair's samples per second the probe measured (gated, free)
+    #: probed: when rank 0's timed steps under the probe's decision began (wall clock; once every job of the pair
+    #: ran its probe to the end), the decision, and the pair's samples per second the probe measured (gated, free)
     decided_at: float | None = None
     decision: str | None = None
     probed_samples_per_s: tuple[float | None, float | None] | None = None
@@ -199,6 +201,27 @@ def crossover_job_worker(rank: int, world_size: int, config: CrossoverBenchConfi
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    def step_until_partners(mark: str, i: int, stamps: list[float] | None) -> int:
+        """Mark this job `mark` and step on until every job in `together` has: the jobs reach a point (settled,
+        probed) each at its own step, and the clock starts once all have, so that a job that got there late still
+        finds the others running (else the window both ran in may be empty). Returns the next step's index."""
+        if rank == 0:
+            Path(ready_dir, f"{spec.name}.{mark}").touch()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+
+        def all_there() -> bool:
+            return all(Path(ready_dir, f"{n}.{mark}").exists() for n in together)
+
+        while _rank0_says(not all_there() and time.monotonic() < deadline):
+            step(i)
+            i += 1
+            if stamps is not None:
+                stamps.append(time.time())
+        if not _rank0_says(all_there()):
+            raise DistributedError(f"job {spec.name} waited {READY_TIMEOUT_S:.0f} s for the other job to be "
+                                   f"{mark}; it was not")
+        return i
+
     try:
         for i in range(config.warmup):
             step(i)
@@ -212,6 +235,7 @@ def crossover_job_worker(rank: int, world_size: int, config: CrossoverBenchConfi
             while _rank0_says(time.time() < settled):
                 step(i)
                 i += 1
+            i = step_until_partners("settled", i, stamps=None)
         waited = exchange.gate.waited_s if exchange.gate is not None else 0.0
         stamps = [time.time()]
         if probe is None:
@@ -225,6 +249,7 @@ def crossover_job_worker(rank: int, world_size: int, config: CrossoverBenchConfi
                 step(i)
                 i += 1
                 stamps.append(time.time())
+            i = step_until_partners("probed", i, stamps)  # each job takes the decision at its own next step
             decided_at = time.time() if probe.applied else None  # no broadcast per step from here, as elsewhere
             for _ in range(config.steps):
                 step(i)
@@ -302,11 +327,13 @@ def summarise_crossover(config: CrossoverBenchConfig, runs: list[JobRun]) -> lis
                 # probed: from when both jobs run the probe's decision
                 start = max(r.stamps[0] if r.decided_at is None else r.decided_at for r in mine.values())
                 end = min(r.stamps[-1] for r in mine.values())
+                if end <= start:
+                    continue  # one job ended before the other started: they never ran together, nothing to count
                 total = 0.0
                 for n, r in mine.items():
                     done = r.steps_within(start, end)
                     steps[n].append((end - start) / done if done else float("inf"))
-                    total += done * samples[n] / (end - start) if end > start else 0.0
+                    total += done * samples[n] / (end - start)
                 totals.append(total)
             for n, r in mine.items():
                 waits[n].append(r.gate_wait_s / (len(r.stamps) - 1))
@@ -329,7 +356,7 @@ def summarise_crossover(config: CrossoverBenchConfig, runs: list[JobRun]) -> lis
             predicted_best_samples_per_s=None if best_step is None else sum(samples[n] / best_step[n]
                                                                            for n in samples),
             decisions=tuple(decisions)))
-    best = max(s.samples_per_s for s in out if s.mode not in GATED_MODES)
+    best = max(s.samples_per_s for s in out if s.mode not in GATED_MODES)  # sequential always counts
     return [ModeSummary(**{**asdict(s), "speedup": s.samples_per_s / best}) for s in out]
 
 
@@ -368,6 +395,10 @@ def print_crossover_bench(config: CrossoverBenchConfig, runs: list[JobRun], as_j
             style="bold" if s.mode in GATED_MODES else None,
         )
     console.print(table)
+    for mode in MODES:
+        if mode not in {s.mode for s in summaries}:
+            console.print(f"{mode}: no row: in no run did both jobs get to time steps together (the probe never "
+                          "decided, or one job ended before the other began); try more --steps or --repeats")
     for s in summaries:
         if s.decisions:
             console.print(f"probed: {_decisions(s.decisions)} (windows of {config.probe_window_s:g} s)")
