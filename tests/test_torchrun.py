@@ -4,6 +4,7 @@ as on two real hosts): rank 0 writes the results, the other ranks write nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -51,14 +52,10 @@ def test_tune_and_bench_run_on_the_group_torchrun_made(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "drop --hosts" in proc.stderr and not (tmp_path / "x.json").exists()
 
 
-@needs_root
-def test_bench_runs_under_torchrun_on_two_nodes_as_on_two_hosts(tmp_path: Path) -> None:
-    """One torchrun per emulated host (`--nnodes 2 --node_rank h`), each in its host's network namespace under its
-    own host name, the hosts joined by a shaped link, as two real hosts launch it: a plan for 2 hosts of 2 that
-    crosses them hierarchically runs, rank 0 (on the first host) writes the results and the second host nothing."""
-    plan = make_plan(_two_host_profile(), Strategy.DENSE, route="hierarchical")
-    assert plan.cluster.host_count == 2 and all(g.hierarchical for g in plan.groups)
-    plan.save(tmp_path / "plan.json")
+def _on_two_emulated_hosts(tmp_path: Path, *planner_args: str) -> list[str]:
+    """`planner ARGS` launched as two real hosts launch it: one torchrun per emulated host (`--nnodes 2
+    --node_rank h`, 2 ranks each), each in its host's network namespace under its own host name, the hosts joined
+    by a shaped link. Asserts both nodes exit 0 and nothing is left behind; returns each node's stdout."""
     outs = [tmp_path / f"host{h}.out" for h in range(2)]
     errs = [tmp_path / f"host{h}.err" for h in range(2)]
     with EmulatedLink(parse_rate("10gbit"), world_size=4, hosts=2) as link:
@@ -66,16 +63,66 @@ def test_bench_runs_under_torchrun_on_two_nodes_as_on_two_hosts(tmp_path: Path) 
         for h in range(2):
             name = link.namespace(2 * h)
             line = (f"hostname {name} && exec {sys.executable} -m torch.distributed.run --nnodes 2 --node_rank {h} "
-                    f"--nproc_per_node 2 --master_addr {link.address(0)} --master_port 29500 -m planner bench "
-                    f"--plan {tmp_path / 'plan.json'} --steps 2 --warmup 1 --peers none --json")
+                    f"--nproc_per_node 2 --master_addr {link.address(0)} --master_port 29500 -m planner "
+                    + " ".join(planner_args))
             with outs[h].open("w") as out, errs[h].open("w") as err:
                 procs.append(subprocess.Popen(["ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c", line],
                                               stdout=out, stderr=err, env={**_clean_env(),
                                                                            "GLOO_SOCKET_IFNAME": WORKER_IFNAME}))
         codes = [p.wait(timeout=300) for p in procs]
     assert codes == [0, 0], [e.read_text()[-2000:] for e in errs]
-    rows = json.loads(outs[0].read_text())  # one document: rank 0's
+    assert _ours() == []
+    return [o.read_text() for o in outs]
+
+
+@needs_root
+def test_bench_runs_under_torchrun_on_two_nodes_as_on_two_hosts(tmp_path: Path) -> None:
+    """A plan for 2 hosts of 2 that crosses them hierarchically runs under `--nnodes 2`; rank 0 (on the first
+    host) writes the results and the second host nothing."""
+    plan = make_plan(_two_host_profile(), Strategy.DENSE, route="hierarchical")
+    assert plan.cluster.host_count == 2 and all(g.hierarchical for g in plan.groups)
+    plan.save(tmp_path / "plan.json")
+    first, second = _on_two_emulated_hosts(tmp_path, "bench", "--plan", str(tmp_path / "plan.json"),
+                                                "--steps", "2", "--warmup", "1", "--peers", "none", "--json")
+    rows = json.loads(first)  # one document: rank 0's
     assert {"ddp", "plan dense, hierarchical"} <= {r["name"] for r in rows}
     assert all(r["median_s"] > 0 for r in rows)
-    assert outs[1].read_text() == ""
-    assert _ours() == []
+    assert second == ""
+
+
+def _for_two_hosts(plan: Plan) -> Plan:
+    return dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, host_count=2))
+
+
+@needs_root
+def test_the_kfac_and_abs_benches_and_tune_run_under_torchrun_on_two_nodes(tmp_path: Path) -> None:
+    """The other worker-starting commands on torchrun's group across two emulated hosts: K-FAC's bench, ABS-SGD's
+    bench and tune. Rank 0 writes; the second host prints nothing and writes nothing."""
+    from planner.strategies.abs import make_abs_plan
+    from planner.strategies.kfac import make_kfac_plan
+    from tests.test_abs_plan import slowed_profile
+
+    kfac = _for_two_hosts(make_kfac_plan(synthetic_profile("digits", 4), inv_update_steps=2, source="synthetic"))
+    kfac.save(tmp_path / "kfac.json")
+    first, second = _on_two_emulated_hosts(tmp_path, "bench", "--strategy", "kfac", "--plan",
+                                                str(tmp_path / "kfac.json"), "--steps", "2", "--warmup", "1",
+                                                "--peers", "none", "--json")
+    rows = json.loads(first)
+    assert {"sgd", "plan"} <= {r["name"] for r in rows} and all(r["median_s"] > 0 for r in rows)
+    assert second == ""
+
+    _for_two_hosts(make_abs_plan(slowed_profile(world_size=4), 128, source="p.json")).save(tmp_path / "abs.json")
+    first, second = _on_two_emulated_hosts(tmp_path, "bench", "--strategy", "abs", "--plan",
+                                                str(tmp_path / "abs.json"), "--samples", "512", "--repeats", "1",
+                                                "--json")
+    variants = json.loads(first)["variants"]
+    assert {v["variant"] for v in variants} == {"abs-sgd", "sync-equal", "sync-proportional"}
+    assert second == ""
+
+    profile = synthetic_profile(MODEL, world_size=4)
+    dataclasses.replace(profile, cluster=dataclasses.replace(profile.cluster, host_count=2)).save(tmp_path / "p.json")
+    first, second = _on_two_emulated_hosts(
+        tmp_path, "tune", str(tmp_path / "p.json"), "--model", MODEL, "--trials", "2", "--steps", "2", "--rungs",
+        "2", "--warmup", "1", "--compare-steps", "2", "-o", str(tmp_path / "tuned.json"))
+    assert first.count("wrote plan") == 1 and "wrote plan" not in second
+    assert Plan.load(tmp_path / "tuned.json").cluster.host_count == 2
