@@ -57,13 +57,19 @@ def test_bench_crossover_runs_every_mode(tmp_path: Path, capsys: pytest.CaptureF
     assert len(list((tmp_path / "gates").glob("*.lock"))) == 1  # the pair's gate on this host
 
 
-def test_the_summary_counts_only_the_window_both_jobs_ran_in(tmp_path: Path) -> None:
+def _summary_config(tmp_path: Path, repeats: int) -> CrossoverBenchConfig:
+    """The pairing's two digits jobs (8 samples per rank, 2 ranks), each predicted 0.1 s per step alone, 0.2 side
+    by side and 0.15 crossed over."""
     pairing = PairingPlan.load(_pairing(tmp_path))
     plan = make_plan(synthetic_profile("digits"), Strategy.DENSE)
     jobs = tuple(CrossoverJob(name=j.name, plan=plan, model="digits", batch=8) for j in pairing.jobs)
-    config = CrossoverBenchConfig(pairing="p", jobs=jobs, repeats=1,
-                                  predicted={j.name: {"alone_s": 0.1, "side_by_side_s": 0.2, "crossover_s": 0.15}
-                                             for j in pairing.jobs})
+    return CrossoverBenchConfig(pairing="p", jobs=jobs, repeats=repeats,
+                                predicted={j.name: {"alone_s": 0.1, "side_by_side_s": 0.2, "crossover_s": 0.15}
+                                           for j in pairing.jobs})
+
+
+def test_the_summary_counts_only_the_window_both_jobs_ran_in(tmp_path: Path) -> None:
+    config = _summary_config(tmp_path, repeats=1)
     runs = [
         JobRun("digits", "sequential", 0, (0.0, 0.1, 0.2), 0.0),  # 0.1 s per step
         JobRun("digits-2", "sequential", 0, (5.0, 5.3, 5.6), 0.0),  # 0.3 s per step
@@ -103,12 +109,7 @@ def test_the_summary_counts_only_the_window_both_jobs_ran_in(tmp_path: Path) -> 
 
 def test_a_run_in_which_the_jobs_never_ran_together_counts_for_nothing(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    pairing = PairingPlan.load(_pairing(tmp_path))
-    plan = make_plan(synthetic_profile("digits"), Strategy.DENSE)
-    jobs = tuple(CrossoverJob(name=j.name, plan=plan, model="digits", batch=8) for j in pairing.jobs)
-    config = CrossoverBenchConfig(pairing="p", jobs=jobs, repeats=2,
-                                  predicted={j.name: {"alone_s": 0.1, "side_by_side_s": 0.2, "crossover_s": 0.15}
-                                             for j in pairing.jobs})
+    config = _summary_config(tmp_path, repeats=2)
     runs = [JobRun(n, "sequential", k, (0.0, 0.1), 0.0) for n in ("digits", "digits-2") for k in (0, 1)]
     runs += [
         # side by side, repeat 0: "digits" ended (1.0) before "digits-2" began (2.0); repeat 1 overlaps in [0, 1]
