@@ -10,8 +10,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TypeVar
 
 from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
 from planner.platform.link import WORKER_IFNAME, EmulatedLink, parse_rate
 from planner.strategies.gradients import make_plan
 from planner.types import Strategy
@@ -19,6 +21,8 @@ from tests.factories import synthetic_profile
 from tests.test_hierarchical import _two_host_profile
 from tests.test_hosts import _ours, needs_root
 from tests.test_tune import MODEL
+
+PlanOrProfile = TypeVar("PlanOrProfile", Plan, Profile)
 
 
 def _clean_env() -> dict[str, str]:
@@ -82,16 +86,17 @@ def test_bench_runs_under_torchrun_on_two_nodes_as_on_two_hosts(tmp_path: Path) 
     plan = make_plan(_two_host_profile(), Strategy.DENSE, route="hierarchical")
     assert plan.cluster.host_count == 2 and all(g.hierarchical for g in plan.groups)
     plan.save(tmp_path / "plan.json")
-    first, second = _on_two_emulated_hosts(tmp_path, "bench", "--plan", str(tmp_path / "plan.json"),
-                                                "--steps", "2", "--warmup", "1", "--peers", "none", "--json")
+    first, second = _on_two_emulated_hosts(tmp_path, "bench", "--plan", str(tmp_path / "plan.json"), "--steps", "2",
+                                           "--warmup", "1", "--peers", "none", "--json")
     rows = json.loads(first)  # one document: rank 0's
     assert {"ddp", "plan dense, hierarchical"} <= {r["name"] for r in rows}
     assert all(r["median_s"] > 0 for r in rows)
     assert second == ""
 
 
-def _for_two_hosts(plan: Plan) -> Plan:
-    return dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, host_count=2))
+def _for_two_hosts(made: PlanOrProfile) -> PlanOrProfile:
+    """A synthetic plan or profile, as if made on 2 hosts."""
+    return dataclasses.replace(made, cluster=dataclasses.replace(made.cluster, host_count=2))
 
 
 @needs_root
@@ -105,24 +110,22 @@ def test_the_kfac_and_abs_benches_and_tune_run_under_torchrun_on_two_nodes(tmp_p
     kfac = _for_two_hosts(make_kfac_plan(synthetic_profile("digits", 4), inv_update_steps=2, source="synthetic"))
     kfac.save(tmp_path / "kfac.json")
     first, second = _on_two_emulated_hosts(tmp_path, "bench", "--strategy", "kfac", "--plan",
-                                                str(tmp_path / "kfac.json"), "--steps", "2", "--warmup", "1",
-                                                "--peers", "none", "--json")
+                                           str(tmp_path / "kfac.json"), "--steps", "2", "--warmup", "1", "--peers",
+                                           "none", "--json")
     rows = json.loads(first)
     assert {"sgd", "plan"} <= {r["name"] for r in rows} and all(r["median_s"] > 0 for r in rows)
     assert second == ""
 
     _for_two_hosts(make_abs_plan(slowed_profile(world_size=4), 128, source="p.json")).save(tmp_path / "abs.json")
     first, second = _on_two_emulated_hosts(tmp_path, "bench", "--strategy", "abs", "--plan",
-                                                str(tmp_path / "abs.json"), "--samples", "512", "--repeats", "1",
-                                                "--json")
+                                           str(tmp_path / "abs.json"), "--samples", "512", "--repeats", "1", "--json")
     variants = json.loads(first)["variants"]
     assert {v["variant"] for v in variants} == {"abs-sgd", "sync-equal", "sync-proportional"}
     assert second == ""
 
-    profile = synthetic_profile(MODEL, world_size=4)
-    dataclasses.replace(profile, cluster=dataclasses.replace(profile.cluster, host_count=2)).save(tmp_path / "p.json")
+    _for_two_hosts(synthetic_profile(MODEL, world_size=4)).save(tmp_path / "p.json")
     first, second = _on_two_emulated_hosts(
         tmp_path, "tune", str(tmp_path / "p.json"), "--model", MODEL, "--trials", "2", "--steps", "2", "--rungs",
         "2", "--warmup", "1", "--compare-steps", "2", "-o", str(tmp_path / "tuned.json"))
-    assert first.count("wrote plan") == 1 and "wrote plan" not in second
+    assert first.count("wrote plan") == 1 and second == ""
     assert Plan.load(tmp_path / "tuned.json").cluster.host_count == 2
