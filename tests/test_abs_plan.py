@@ -16,6 +16,7 @@ from planner.contracts.abs import ABSSection, VariantPrediction
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Collective, FittedCurve, Profile, WorkerThroughput
+from planner.costmodel.from_profile import gradient_problem
 from planner.strategies.abs import (
     ON_TARGET,
     _micro_batch_sizes,
@@ -30,7 +31,6 @@ from planner.strategies.abs import (
     simulate_abs,
 )
 from planner.strategies.gradients import make_plan
-from planner.strategies.problems import gradient_problem
 from planner.types import InvalidProfileError, SchemaError, Strategy
 from tests.factories import abs_section, synthetic_profile
 from tests.test_contracts import _cli, _one_clear_line

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from planner.contracts.profile import MAX_FIT_ERROR, Profile
 from planner.costmodel.costs import AffineCost, CostModel
+from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.simulator import simulate
 from planner.strategies.cluster import (
     CURVE_SIZES,
@@ -34,7 +35,6 @@ from planner.strategies.cluster import (
 )
 from planner.strategies.gradients import make_plan
 from planner.strategies.kfac import make_kfac_plan
-from planner.strategies.problems import gradient_problem
 from planner.types import Collective, PlannerError, PlannerFileError, SchemaError, Strategy
 from tests.factories import synthetic_profile
 

@@ -25,6 +25,7 @@ from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Group, Plan
 from planner.contracts.profile import FittedCurve, HostTiming, Profile
 from planner.costmodel.costs import AffineCost, CheaperOf, CostModel
+from planner.costmodel.from_profile import hierarchical_groups
 from planner.costmodel.problem import GradientProblem, topk_count
 from planner.costmodel.simulator import simulate
 from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_all_reduce, hierarchical_topk_sum
@@ -34,7 +35,6 @@ from planner.platform.launch import run_distributed
 from planner.platform.link import parse_rate, privilege_problem
 from planner.solvers import PerLayer, solve_exact
 from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, make_plan
-from planner.strategies.problems import hierarchical_groups
 from planner.types import Collective, Compressor, InvalidProfileError, SchemaError, Strategy
 from tests.factories import plan_with_groups, synthetic_profile
 from tests.test_solvers import all_groupings, problems

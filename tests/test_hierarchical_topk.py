@@ -22,6 +22,7 @@ from planner.commands.report import gantt_lanes
 from planner.contracts.plan import Plan
 from planner.contracts.profile import FittedCurve, HostTiming, HostTopk, Profile
 from planner.costmodel.costs import AffineCost
+from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed import CompressorCosts, MixedProblem, simulate_mixed
 from planner.costmodel.problem import topk_count
 from planner.kernels.hierarchical import HostGroups
@@ -31,7 +32,6 @@ from planner.platform.launch import run_distributed
 from planner.solvers.mixed import MixedParetoDP
 from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, make_plan
 from planner.strategies.mixed import explain, make_mixed_plan, parse_compressors, plan_choice
-from planner.strategies.problems import mixed_problem
 from planner.types import Collective, Compressor, CompressorKind, InvalidProfileError, Strategy
 from profilers.comm import host_union_ratio, measure_host_topk, measure_union_ratios, overlapping_picks
 from tests.factories import synthetic_profile

@@ -14,13 +14,13 @@ import torch
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Calibration, FittedCurve, InSitu, Profile
 from planner.costmodel.costs import AffineCost, ScaledCost
+from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.simulator import simulate
 from planner.models import build_workload
 from planner.platform.launch import run_distributed
 from planner.solvers import BASELINES, DDP_BASELINE
 from planner.strategies.cluster import parse_cluster, profile_for_cluster
 from planner.strategies.gradients import make_plan
-from planner.strategies.problems import gradient_problem
 from planner.types import Collective, DistributedError, InvalidProfileError, SchemaError, Strategy
 from runtime.exchange import write_scaled
 from tests.factories import synthetic_profile

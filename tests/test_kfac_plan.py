@@ -193,9 +193,9 @@ def test_collectives_run_slower_while_the_workers_compute() -> None:
 def test_plain_steps_charge_kappa_on_the_gradient_allreduces() -> None:
     """The sgd row and every K-FAC step's part without factors are the dense gradient step with the profile's
     kappa (the simulator's, worked by hand in `test_simulator`), on the grouping DenseDP chose with it."""
+    from planner.costmodel.from_profile import gradient_problem
     from planner.costmodel.simulator import simulate
     from planner.solvers import DenseDP
-    from planner.strategies.problems import gradient_problem
     from planner.types import Strategy
 
     base = synthetic_profile("mlp", world_size=2)

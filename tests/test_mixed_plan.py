@@ -11,9 +11,9 @@ import pytest
 
 from planner.commands.cli import main
 from planner.contracts.plan import Plan
+from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed import simulate_mixed
 from planner.strategies.mixed import PRESETS, explain, make_mixed_plan, parse_compressors, solve_auto
-from planner.strategies.problems import mixed_problem
 from planner.types import Collective, Compressor, CompressorError, Strategy
 from tests.factories import synthetic_profile
 

@@ -24,10 +24,10 @@ from planner.commands.report import (
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
+from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.simulator import timeline
 from planner.solvers.layout import layout_timelines
 from planner.strategies.kfac import factor_step_timeline, kfac_problem, section_layout
-from planner.strategies.problems import gradient_problem
 from planner.types import PlanMismatchError, PlannerError, SchemaError, Strategy
 from tests.factories import synthetic_kfac_plan, synthetic_plan, synthetic_profile
 

@@ -24,10 +24,10 @@ from planner.commands.cli import main
 from planner.contracts.plan import SELECTORS as PLAN_SELECTORS
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile, TopkTiming
+from planner.costmodel.from_profile import gradient_problem
 from planner.kernels.topk import SELECTORS, select_topk
 from planner.models import build_workload
 from planner.strategies.gradients import make_plan
-from planner.strategies.problems import gradient_problem
 from planner.strategies.retune import retune_plan
 from planner.types import InvalidProfileError, SchemaError, Strategy
 from profilers.topk import measure_topk

@@ -37,12 +37,12 @@ from planner.contracts.jsonio import atomic_write, ensure_folder, read_json_valu
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
+from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.problem import Grouping, groups_of
 from planner.costmodel.simulator import simulate, timeline
 from planner.solvers.layout import layout_timelines
 from planner.solvers.placement import InversionTimeline, PlacementProblem, inversion_timeline
 from planner.strategies.kfac import factor_step_timeline, kfac_problem, section_layout
-from planner.strategies.problems import gradient_problem
 from planner.types import PlanMismatchError, SchemaError, Strategy
 
 __all__ = [

@@ -11,7 +11,7 @@ from rich.table import Table
 from planner.commands.common import CLUSTER_HELP, KFAC, KFAC_SCALING_COLUMNS, Command, _density, _kfac_options
 from planner.commands.printing import _ms
 from planner.console import console, progress
-from planner.strategies.problems import gradient_problem
+from planner.costmodel.from_profile import gradient_problem
 from planner.types import GROUPING_STRATEGIES, InverseMethod, PlannerError, Strategy
 
 

@@ -111,7 +111,7 @@ backward pass (pack, select) or the synchronize call (decode) takes, `modelled_s
 micro-benchmarked curves predict for the same groups, and the solvers use the curves times
 `factor` = measured / modelled. `ddp_pack` does the same for PyTorch DDP (with a comm hook that sends
 nothing) on its 25 MB buckets: the "ddp-25mb" rows of plans are predicted with DDP's own packing cost
-(`planner.strategies.problems.gradient_problem(..., runtime="ddp")`), the other rows with this runtime's.
+(`planner.costmodel.from_profile.gradient_problem(..., runtime="ddp")`), the other rows with this runtime's.
 
 `backward_s` of a layer is the time between the previous layer's gradient becoming ready and its own
 (b_i of the timeline model). `fit_error` is the median relative error of the fitted alpha + beta*x.

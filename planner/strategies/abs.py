@@ -37,10 +37,10 @@ from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.costmodel.costs import AffineCost, CostModel, fit_affine
+from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.problem import GradientProblem, advance, groups_of
 from planner.costmodel.simulator import simulate
 from planner.strategies.gradients import make_plan
-from planner.strategies.problems import gradient_problem
 from planner.types import InvalidProfileError, SchemaError, Strategy
 
 __all__ = [

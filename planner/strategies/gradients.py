@@ -10,12 +10,12 @@ from typing import Any
 from planner.contracts.layers import LayerSpec, groups_for
 from planner.contracts.plan import Plan, check_selector
 from planner.contracts.profile import Profile
+from planner.costmodel.from_profile import gradient_problem, hierarchical_groups, mixed_problem
 from planner.costmodel.mixed import MixedProblem, simulate_mixed
 from planner.costmodel.problem import Prediction
 from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DDP_BASELINE, GroupingSolver, lower_bound, solve_exact
 from planner.solvers.mixed import MixedParetoDP, mixed_lower_bound
-from planner.strategies.problems import gradient_problem, hierarchical_groups, mixed_problem
 from planner.types import Compressor, CompressorKind, InvalidProfileError, SchemaError, Strategy
 
 __all__ = ["ALL_FLAT", "ALL_HIERARCHICAL", "check_route", "from_profile", "make_plan", "route_baselines",
@@ -47,7 +47,7 @@ def make_plan(
     """The optimal plan for `profile` (or the grouping of `solver`, e.g. a baseline, when given).
 
     Args:
-        route: how dense groups cross hosts on a profile of several (`planner.strategies.problems.ROUTES`):
+        route: how dense groups cross hosts on a profile of several (`planner.costmodel.from_profile.ROUTES`):
             "best" per group, or every group "flat" or "hierarchical".
         selector: top-k only: the selector whose measured selection cost the plan assumes ("exact",
             "sampled"). None ("auto") solves once with each selector the profile measured and keeps the

@@ -31,6 +31,7 @@ from planner.contracts.kfac import KFACLayerSpec, KFACPrediction, KFACSection, f
 from planner.contracts.plan import Plan
 from planner.contracts.profile import KFACLayerTiming, KFACTiming, Profile
 from planner.costmodel.costs import AffineCost
+from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.problem import groups_of
 from planner.costmodel.simulator import simulate
 from planner.solvers import DenseDP, lower_bound
@@ -61,7 +62,6 @@ from planner.solvers.placement import (
     PlacementProblem,
 )
 from planner.strategies.gradients import make_plan
-from planner.strategies.problems import gradient_problem
 from planner.types import Collective, FactorKind, InvalidProfileError, InverseMethod, SolverError, Strategy
 
 __all__ = [

@@ -22,12 +22,12 @@ from dataclasses import dataclass, replace
 from planner.contracts.layers import LayerSpec
 from planner.contracts.plan import Group, Plan
 from planner.contracts.profile import Profile
+from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed import MixedProblem, simulate_mixed
 from planner.costmodel.problem import Grouping, Prediction, groups_of, topk_count
 from planner.solvers import DDP_BASELINE
 from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
 from planner.strategies.gradients import check_route, from_profile, make_plan, route_baselines, route_ways
-from planner.strategies.problems import mixed_problem
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, SchemaError, Strategy
 
 __all__ = ["PRESETS", "AutoChoice", "GroupReason", "ddp_hook_name", "ddp_predictions", "explain", "make_mixed_plan",

@@ -18,8 +18,8 @@ from planner.contracts.kfac import KFACSection
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import FittedCurve, HostTiming, Profile
+from planner.costmodel.from_profile import gradient_problem, mixed_problem
 from planner.costmodel.simulator import simulate
-from planner.strategies.problems import gradient_problem, mixed_problem
 from planner.types import Collective, InvalidProfileError, PlanMismatchError, PlannerError, SolverError, Strategy
 
 __all__ = ["PlanChanges", "compare_plans", "current_profile", "load_source_profile", "retune_plan"]

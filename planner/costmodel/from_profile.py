@@ -1,9 +1,9 @@
 """The cost problems a profile poses: the measured curves and in-situ calibrations turned into the instances
 the solvers take (`GradientProblem` for one strategy, `MixedProblem` for a choice of compressors per group).
 
-The profile (`planner.contracts.profile`) is the file format and its checks; this module is how its
-measurements become costs: which curve times which collective, how top-k selection and decoding interpolate
-in density, and how each in-situ calibration scales the micro-benchmarks."""
+The profile (`planner.contracts.profile`) is the file format and its checks; this module, in the cost model,
+is how its measurements become costs: which curve times which collective, how top-k selection and decoding
+interpolate in density, and how each in-situ calibration scales the micro-benchmarks."""
 
 from __future__ import annotations
 
