@@ -71,10 +71,10 @@ def interleaved_visits(counts: Sequence[int], warmup: int) -> list[tuple[int, bo
 
 def _interleaved_means(ops: Sequence[Callable[[], object]], counts: Sequence[int], device: torch.device, *,
                        warmup: int, process_group: Any = None,
-                       on_run: Callable[[], object] = lambda: None) -> list[float]:
-    """The mean over runs of each of `ops` of the slowest rank's seconds, run in `interleaved_visits` order
-    (`counts[i]` timed runs of `ops[i]`), each run started together after a barrier. Every rank of
-    `process_group` calls it; `on_run()` after every run.
+                       on_run: Callable[[], object] = lambda: None) -> tuple[list[float], list[tuple[float, ...]]]:
+    """The mean over runs of each of `ops` of the slowest rank's seconds, and those runs' seconds (the samples the
+    profile keeps), run in `interleaved_visits` order (`counts[i]` timed runs of `ops[i]`), each run started
+    together after a barrier. Every rank of `process_group` calls it; `on_run()` after every run.
 
     The mean, not the median: a step's communication is a sum of collectives, whose expected time is the sum
     of their means. On a shared CPU machine a collective's time is bimodal (over loopback about 0.6 ms, or
@@ -91,11 +91,13 @@ def _interleaved_means(ops: Sequence[Callable[[], object]], counts: Sequence[int
         on_run()
     flat = torch.tensor([t for s in samples for t in s], dtype=torch.float64, device=device)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=process_group)  # a run is over when it is over everywhere
-    out, start = [], 0
+    means, runs, start = [], [], 0
     for s in samples:
-        out.append(sum(flat[start:start + len(s)].tolist()) / max(1, len(s)))
+        slowest = tuple(flat[start:start + len(s)].tolist())
+        means.append(sum(slowest) / max(1, len(s)))
+        runs.append(slowest)
         start += len(s)
-    return out
+    return means, runs
 
 
 def _fitted_curves(points: Sequence[tuple[Any, int, Callable[[], object]]], device: torch.device, *, repeats: int,
@@ -103,12 +105,14 @@ def _fitted_curves(points: Sequence[tuple[Any, int, Callable[[], object]]], devi
                    on_run: Callable[[], object] = lambda: None) -> dict[Any, FittedCurve]:
     """The affine fit of each curve over its points (curve key, message bytes, one run), every point timed by
     `_interleaved_means` with `_repetitions` runs; points keep their order within a curve."""
-    seconds = _interleaved_means([op for _, _, op in points], [_repetitions(b, repeats) for _, b, _ in points],
-                                 device, warmup=warmup, process_group=process_group, on_run=on_run)
+    seconds, runs = _interleaved_means([op for _, _, op in points], [_repetitions(b, repeats) for _, b, _ in points],
+                                       device, warmup=warmup, process_group=process_group, on_run=on_run)
     curves: dict[Any, list[tuple[int, float]]] = {}
-    for (key, nbytes, _), t in zip(points, seconds, strict=True):
+    samples: dict[Any, list[tuple[float, ...]]] = {}
+    for (key, nbytes, _), t, run in zip(points, seconds, runs, strict=True):
         curves.setdefault(key, []).append((int(max(4, nbytes // 4 * 4)), t))
-    return {key: FittedCurve.fit(pts) for key, pts in curves.items()}
+        samples.setdefault(key, []).append(run)
+    return {key: FittedCurve.fit(pts, samples[key]) for key, pts in curves.items()}
 
 
 def collective_runs(collectives: int, sizes: Sequence[int], *, repeats: int, warmup: int) -> int:
@@ -144,11 +148,12 @@ def measure_collectives(
 
 
 def _slowest_mean(op: Callable[[], object], nbytes: int, device: torch.device, *, repeats: int,
-                  warmup: int) -> float:
-    """The mean over runs of `op` of the slowest rank's seconds (every rank of the default group calls it,
-    each run started together after a barrier; the mean for the reason `_interleaved_means` gives); fewer runs
-    from 16 MiB up."""
-    return _interleaved_means([op], [_repetitions(nbytes, repeats)], device, warmup=warmup)[0]
+                  warmup: int) -> tuple[float, tuple[float, ...]]:
+    """The mean over runs of `op` of the slowest rank's seconds, and those runs (every rank of the default group
+    calls it, each run started together after a barrier; the mean for the reason `_interleaved_means` gives);
+    fewer runs from 16 MiB up."""
+    means, runs = _interleaved_means([op], [_repetitions(nbytes, repeats)], device, warmup=warmup)
+    return means[0], runs[0]
 
 
 #: Share of the memory available to each worker on a host that one top-k point may take (`measure_topk`).
@@ -308,7 +313,7 @@ def measure_host_topk(
     world = dist.get_world_size()
     out = []
     for density, ratio in ratios.items():
-        points: dict[int, float] = {}
+        points: dict[int, tuple[float, tuple[float, ...]]] = {}
         for numel in sizes:
             k = topk_count(numel, density)
             picks = overlapping_picks(numel, k, ratio, groups, torch.Generator().manual_seed(numel))
@@ -316,9 +321,10 @@ def measure_host_topk(
             dense = torch.empty(numel, device=device)
             nbytes = 2 * 4 * k
             exchange = functools.partial(hierarchical_topk_sum, send, k, dense, groups, world)
-            t = _slowest_mean(exchange, nbytes, device, repeats=repeats, warmup=warmup)
-            points.setdefault(nbytes, t)
+            points.setdefault(nbytes, _slowest_mean(exchange, nbytes, device, repeats=repeats, warmup=warmup))
             on_point()
         if len(points) >= 2:
-            out.append(HostTopk(density=density, union_ratio=ratio, exchange=FittedCurve.fit(sorted(points.items()))))
+            measured = sorted(points.items())
+            curve = FittedCurve.fit([(n, t) for n, (t, _) in measured], [runs for _, (_, runs) in measured])
+            out.append(HostTopk(density=density, union_ratio=ratio, exchange=curve))
     return tuple(out)

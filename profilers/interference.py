@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planner.contracts.profile import SlowdownSamples
 from planner.kernels.topk import all_gather_flat
 from planner.models import Workload
 from planner.platform.timing import gathered, median, stream_seconds, time_call
@@ -46,10 +47,11 @@ _STRETCH_CHAIN = 16
 @dataclass(frozen=True)
 class Interference:
     """Per collective: sigma, how much slower compute runs while one is in flight, and kappa (`comm_stretch`),
-    how much slower a chain of them runs while every worker computes."""
+    how much slower a chain of them runs while every worker computes; and the samples both were taken from."""
 
     sigma: dict[Collective, float]
     comm_stretch: dict[Collective, float]
+    samples: dict[Collective, SlowdownSamples]
 
 
 def _chain(coll: Collective, nbytes: int, device: torch.device, group: Any) -> Callable[[int], list[Any]]:
@@ -79,11 +81,11 @@ def measure_interference(
     chain of it takes (1 + kappa) times as long while the workers run forward and backward passes).
 
     Every rank calls this (it runs collectives). Alone and with a chain alternate, `repeats` times each,
-    after one unmeasured pair; sigma comes from the medians over all ranks' samples. After each pair a
-    chain a third as long (at least `_STRETCH_CHAIN`) runs alone, then again while every rank runs forward
-    and backward passes until it completes: a chain's pace is the time from its start to its last
-    completion over its length, and kappa = busy pace / alone pace - 1 (at least 0), from the medians over all
-    ranks' samples. `on_point` is called after each pair.
+    after one unmeasured pair; sigma comes from the medians over all ranks' samples (`SlowdownSamples.sigma`, the
+    samples kept). After each pair a chain a third as long (at least `_STRETCH_CHAIN`) runs alone, then again
+    while every rank runs forward and backward passes until it completes: a chain's pace is the time from its
+    start to its last completion over its length, and kappa = busy pace / alone pace - 1 (at least 0), from the
+    medians over all ranks' samples. `on_point` is called after each pair.
 
     Raises:
         DistributedError: the chain ended before the backward pass in every attempt (it then cannot tell).
@@ -123,7 +125,7 @@ def measure_interference(
         assert seconds is not None  # every stamp is in: each future above completes after its callback ran
         return seconds
 
-    sigma, kappa = {}, {}
+    sigma, kappa, samples = {}, {}, {}
     alone_one = backward_seconds(None, 0)[0]
     for coll in collectives:
         chain = _chain(coll, message_bytes, device, process_group)
@@ -155,11 +157,13 @@ def measure_interference(
                     f"{message_bytes} bytes were not enough); interference was not measured"
                 )
             length = min(_MAX_CHAIN, 2 * length)
-        everyone_alone, everyone_busy = gathered(alone, process_group), gathered(busy, process_group)
-        sigma[coll] = max(0.0, median(everyone_busy) / median(everyone_alone) - 1.0)
-        pace_alone, pace_busy = (median(gathered(paces[k], process_group)) for k in ("alone", "busy"))
-        kappa[coll] = max(0.0, pace_busy / pace_alone - 1.0) if pace_alone > 0 else 0.0
-    return Interference(sigma=sigma, comm_stretch=kappa)
+        # Every rank's pairs, in the same order for both halves of a pair.
+        samples[coll] = SlowdownSamples(
+            alone_s=tuple(gathered(alone, process_group)), busy_s=tuple(gathered(busy, process_group)),
+            pace_alone_s=tuple(gathered(paces["alone"], process_group)),
+            pace_busy_s=tuple(gathered(paces["busy"], process_group)))
+        sigma[coll], kappa[coll] = samples[coll].sigma(), samples[coll].kappa()
+    return Interference(sigma=sigma, comm_stretch=kappa, samples=samples)
 
 
 def _stamped(works: Sequence[Any]) -> tuple[list[float | None], list[Any]]:

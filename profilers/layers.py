@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from planner.contracts.layers import gradient_layers
-from planner.contracts.profile import LayerTiming
+from planner.contracts.profile import LayerTiming, StepSamples
 from planner.models import Workload
 from planner.platform.timing import Marks, iqr, median, time_call
 
@@ -245,6 +245,8 @@ class LayerSummary:
     update_s: float
     step_s: float | None
     scale: float | None
+    #: The steps these are medians of (None: no whole steps timed, or layers timed a different number of times).
+    steps: StepSamples | None = None
 
 
 def combine_ranks(runs: list[LayerRun]) -> LayerSummary:
@@ -287,4 +289,19 @@ def combine_ranks(runs: list[LayerRun]) -> LayerSummary:
         for name in first.order
     ]
     return LayerSummary(layers=layers, forward_s=k * fwd, backward_s=k * median(slowest.backward_total),
-                        update_s=k * upd, step_s=step_s, scale=scale)
+                        update_s=k * upd, step_s=step_s, scale=scale,
+                        steps=_step_samples(slowest, runs, first.order, steps))
+
+
+def _step_samples(slowest: LayerRun, runs: list[LayerRun], order: tuple[str, ...], steps: int) -> StepSamples | None:
+    """The slowest worker's hooked steps beside every rank's whole steps (the slowest rank's at each), when every
+    list holds one entry per measured step (a layer whose gradient never arrived holds one 0: zero every step)."""
+    if not steps:
+        return None
+    whole = tuple(max(r.whole[i] for r in runs) for i in range(steps))
+    if len(slowest.forward_total) != steps or len(slowest.update) != steps or any(
+            len(slowest.backward[name]) != steps and slowest.backward[name] != [0.0] for name in order):
+        return None
+    per_layer = [slowest.backward[name] if len(slowest.backward[name]) == steps else [0.0] * steps for name in order]
+    return StepSamples(whole_s=whole, forward_s=tuple(slowest.forward_total), update_s=tuple(slowest.update),
+                       backward_s=tuple(tuple(col[i] for col in per_layer) for i in range(steps)))

@@ -94,65 +94,68 @@ def measure_in_situ(
     compress: CompressTiming | None = None,
     process_group: Any = None,
     on_point: Callable[[], object] = lambda: None,
+    on_more: Callable[[int], object] = lambda more: None,
 ) -> InSitu:
     """Calibrate packing, each selector, decoding and each compressor against the runtime in real steps (every
     rank calls it).
 
     For dense, for top-k at `density` with each selector `topk` measured, and for fp16 and each PowerSGD rank
     `compress` measured, the runtime with one group per layer (in `layers`' ready order) and a plain copy of
-    the model run alternately, `repeats` steps each after one of each unmeasured. The runtime's extra backward
-    time (its hooks pack, select or compress) and its synchronize time (decoding) are compared with the
-    curves' sum over the same groups (a compressor's packing, calibrated first, is taken off its extra time);
-    medians are over every rank's samples. With more than one worker, PyTorch DDP with a comm hook that sends
-    nothing is measured the same way against packing on its default buckets (`InSitu.ddp_pack`). `on_point` is
-    called after each pair of steps.
+    the model run alternately, `repeats` pairs of steps after one unmeasured pair. Each pair's difference (the
+    runtime's extra backward time: its hooks pack, select or compress; less packing for a compressor, packing
+    being calibrated first) is a sample, and so is each synchronize call's time (decoding); every rank's samples
+    are kept (`Calibration.samples_s`), against the curves' sum over the same groups. With more than one worker,
+    PyTorch DDP with a comm hook that sends nothing is measured the same way against packing on its default
+    buckets (`InSitu.ddp_pack`). A configuration whose calibration the cost model would not use (its interval
+    includes no effect, or it is implausible: `planner.costmodel.spread.calibration_use`) is measured once more
+    (`on_more` hears how many more pairs), and the second measurement kept. `on_point` is called after each pair.
     """
     from planner.contracts.layers import LayerSpec, groups_for
     from planner.costmodel.problem import topk_count
 
     specs = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in layers]
     per_layer = tuple(range(1, len(specs) + 1))
-    configs: list[tuple[Strategy, str | None]] = [(Strategy.DENSE, None)]
-    if world_size > 1:
-        configs.append((Strategy.DENSE, "ddp"))
-    if topk is not None:
-        configs += [(Strategy.TOPK, selector) for selector in topk.selectors()]
     inputs, targets = (t.to(device) for t in workload.batch(seed=2468))
     plain = workload.module.to(device)
-    run = functools.partial(_silent_seconds, workload, plain, inputs, targets, device, world_size, repeats,
+    run = functools.partial(_silent_samples, workload, plain, inputs, targets, device, world_size, repeats,
                             process_group, on_point)
-    pack_calibration = decode_calibration = ddp_calibration = None
-    select_calibration: dict[str, Calibration] = {}
+
+    def calibrate(measure: Callable[[], Any],
+                  build: Callable[[Any, int], dict[str, Calibration]]) -> dict[str, Calibration]:
+        return _until_usable(measure, build, lambda: on_more(repeats), process_group=process_group)
+
     sizes = [s.numel for s in specs]
-    for strategy, selector in configs:
-        if selector == "ddp":
-            extra_s = _ddp_extra_seconds(workload, plain, inputs, targets, device, repeats, process_group, on_point)
-            ddp_calibration = Calibration(measured_s=max(0.0, extra_s),
-                                          modelled_s=sum(pack.cost(n) for n in _ddp_buckets(sizes)))
-            continue
-        d = density if strategy is Strategy.TOPK else None
-        extra_s, finish_s = run(strategy, groups_for(specs, per_layer, strategy, d), d, selector)
-        if strategy is Strategy.DENSE:
-            pack_calibration = Calibration(measured_s=max(0.0, extra_s), modelled_s=sum(pack.cost(n) for n in sizes))
-            continue
-        assert topk is not None and selector is not None
-        select = topk.select_model(density, selector)
-        select_calibration[selector] = Calibration(measured_s=max(0.0, extra_s),
-                                                   modelled_s=sum(select.cost(n) for n in sizes))
-        if decode_calibration is None:  # the same decode for either selector: calibrate it once
-            decode = topk.decode.model
-            decode_calibration = Calibration(
-                measured_s=finish_s, modelled_s=sum(decode.cost(world_size * topk_count(n, density)) for n in sizes))
+    pack_calibration = calibrate(
+        functools.partial(run, Strategy.DENSE, groups_for(specs, per_layer, Strategy.DENSE, None), None, None),
+        functools.partial(_work_calibrations, sum(pack.cost(n) for n in sizes), 0.0))["prepare"]
+    ddp_calibration = None
+    if world_size > 1:
+        ddp_calibration = calibrate(
+            functools.partial(_ddp_extra_samples, workload, plain, inputs, targets, device, repeats, process_group,
+                              on_point),
+            functools.partial(_hook_calibration, sum(pack.cost(b) for b in _ddp_buckets(sizes)), 0.0))["prepare"]
+    decode_calibration = None
+    select_calibration: dict[str, Calibration] = {}
+    decode_s = 0.0 if topk is None else sum(topk.decode.model.cost(world_size * topk_count(n, density))
+                                            for n in sizes)
+    for selector in topk.selectors() if topk is not None else ():
+        assert topk is not None
+        select_s = sum(topk.select_model(density, selector).cost(n) for n in sizes)
+        found = calibrate(functools.partial(run, Strategy.TOPK, groups_for(specs, per_layer, Strategy.TOPK, density),
+                                            density, selector),
+                          functools.partial(_work_calibrations, select_s, decode_s, names=("select", "decode")))
+        select_calibration[selector] = found["select"]
+        # The same decode for either selector: the first measured, or a later one where that one is usable instead.
+        if decode_calibration is None or (not decode_calibration.use.used and found["decode"].use.used):
+            decode_calibration = found["decode"]
     compress_calibration: dict[str, dict[str, Calibration]] = {}
-    packing = (pack_calibration.factor if pack_calibration is not None else 1.0) * sum(pack.cost(n) for n in sizes)
+    packing = pack_calibration.factor * sum(pack.cost(n) for n in sizes)
     work = _compressor_work(compress, specs)
-    for compressor, prepare_s, decode_s in work:
+    for compressor, prepare_s, unpack_s in work:
         groups = tuple(Group(layers=(s.name,), params=s.params, numel=s.numel, compressor=compressor) for s in specs)
-        extra_s, finish_s = run(Strategy.MIXED, groups, None, None)
-        compress_calibration[str(compressor)] = {
-            "prepare": Calibration(measured_s=max(0.0, extra_s - packing), modelled_s=prepare_s),
-            "decode": Calibration(measured_s=max(0.0, finish_s), modelled_s=decode_s),
-        }
+        compress_calibration[str(compressor)] = calibrate(
+            functools.partial(run, Strategy.MIXED, groups, None, None),
+            functools.partial(_work_calibrations, prepare_s, unpack_s, less_s=packing))
     if world_size > 1 and any(c.kind is CompressorKind.POWERSGD for c, _, _ in work):
         # PyTorch's PowerSGD hook on DDP's one bucket (as the bench runs it on gloo): its own way of doing the
         # same arithmetic (a copy of the bucket, a new error tensor each step, its callbacks) in real steps, on
@@ -160,16 +163,52 @@ def measure_in_situ(
         solos = [dist.new_group([r]) for r in range(world_size)]  # every rank makes every group, in order
         alone = solos[dist.get_rank(process_group) if process_group is not None else dist.get_rank()]
         ddp_packing = (ddp_calibration.factor if ddp_calibration is not None else 1.0) * pack.cost(sum(sizes))
-        for compressor, prepare_s, decode_s in work:
+        for compressor, prepare_s, unpack_s in work:
             if compressor.kind is not CompressorKind.POWERSGD:
                 continue
             assert compressor.rank is not None
-            extra_s = _ddp_powersgd_extra_seconds(workload, plain, inputs, targets, device, repeats, alone,
-                                                  compressor.rank, process_group, on_point)
-            compress_calibration[f"ddp+{compressor}"] = {
-                "prepare": Calibration(measured_s=max(0.0, extra_s - ddp_packing), modelled_s=prepare_s + decode_s)}
+            compress_calibration[f"ddp+{compressor}"] = calibrate(
+                functools.partial(_ddp_powersgd_extra_samples, workload, plain, inputs, targets, device, repeats,
+                                  alone, compressor.rank, process_group, on_point),
+                functools.partial(_hook_calibration, prepare_s + unpack_s, ddp_packing))
     return InSitu(pack=pack_calibration, select=select_calibration, decode=decode_calibration,
                   ddp_pack=ddp_calibration, compress=compress_calibration)
+
+
+def _work_calibrations(prepare_s: float, decode_s: float, got: tuple[list[float], list[float]], attempt: int, *,
+                       less_s: float = 0.0, names: tuple[str, str] = ("prepare", "decode")) -> dict[str, Calibration]:
+    """The two calibrations of one configuration of the runtime (`_silent_samples`' extra backward time, less
+    `less_s` of it that is calibrated apart, and its synchronize time) against their micro-benchmarks."""
+    extra, finish = got
+    return {names[0]: Calibration.of_samples([e - less_s for e in extra], prepare_s, attempt),
+            names[1]: Calibration.of_samples(finish, decode_s, attempt)}
+
+
+def _hook_calibration(modelled_s: float, less_s: float, extra: list[float], attempt: int) -> dict[str, Calibration]:
+    """PyTorch's PowerSGD hook on DDP: its extra backward time less DDP's own packing, against the micro-benchmarks
+    of all of PowerSGD's work."""
+    return {"prepare": Calibration.of_samples([e - less_s for e in extra], modelled_s, attempt)}
+
+
+def _until_usable(measure: Callable[[], Any], build: Callable[[Any, int], dict[str, Calibration]],
+                  before_again: Callable[[], object] = lambda: None, *, process_group: Any = None,
+                  ) -> dict[str, Calibration]:
+    """The calibrations `build` makes of one measurement (`measure()`, every rank's samples); where one of them is
+    not usable (`Calibration.use`) while it had something to calibrate, the configuration is measured once more and
+    those calibrations are taken from the second measurement (attempt 2), used or not: the cost model then falls
+    back on the micro-benchmark, and the profile says so. Every rank calls it (`measure` runs collectives) and
+    measures again when any rank would: each rank micro-benchmarked on its own, so their models differ."""
+    first = build(measure(), 1)
+    again = [name for name, c in first.items() if not c.use.used and c.modelled_s > 0]
+    if dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        again_anywhere = slowest(float(bool(again)), process_group) > 0
+    else:
+        again_anywhere = bool(again)
+    if not again_anywhere:
+        return first
+    before_again()
+    second = build(measure(), 2)
+    return {name: second[name] if name in again else c for name, c in first.items()}
 
 
 class _SilentKFAC(KFACPreconditioner):
@@ -202,8 +241,9 @@ def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTim
     barrier on every rank. The hooks' extra time (A from each layer's input, G from its output gradient, each
     packed into its buffer) is compared with the sum of the micro-benchmarked `a_compute_s` and `g_compute_s`.
     It is taken as a bench takes a step: for each pair, the slowest rank's pass with the hooks less the slowest
-    rank's plain pass, then the median over the pairs (`slowest_rank_extra`). The hooks run slower inside a step
-    than alone (the caches hold the step's activations, not only the layer's).
+    rank's plain pass (`slowest_rank_extra`, the samples kept), then the median over the pairs; a calibration the
+    cost model would not use is measured once more (`_until_usable`; `on_total` hears the doubled count). The hooks
+    run slower inside a step than alone (the caches hold the step's activations, not only the layer's).
 
     With `min_seconds`, a model whose pairs of passes are short gets more of them (up to `max_repeats`;
     `on_total` is told the new count) so that they span about that long: the median of a few differences of
@@ -228,8 +268,9 @@ def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTim
         kfac_rt.discard()
         return seconds
 
-    pairs: list[tuple[float, float]] = []  # (with the hooks, plain)
-    try:
+    def measure() -> list[float]:
+        nonlocal repeats
+        pairs: list[tuple[float, float]] = []  # (with the hooks, plain)
         i = 0
         while i <= repeats:
             if i % 2:
@@ -248,14 +289,19 @@ def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTim
                     repeats = wanted
                     on_total(repeats)
             i += 1
+        every_rank: list[Any] = [pairs]
+        if world > 1:
+            every_rank = [None] * world
+            dist.all_gather_object(every_rank, pairs, group=process_group)
+        return slowest_rank_extra(every_rank)
+
+    modelled = sum(lt.a_compute_s + lt.g_compute_s for lt in kfac.layers)
+    try:
+        return _until_usable(measure, lambda extra, n: {"hooks": Calibration.of_samples(extra, modelled, n)},
+                             lambda: on_total(2 * repeats), process_group=process_group if world > 1 else None,
+                             )["hooks"]
     finally:
         kfac_rt.close()
-    every_rank: list[Any] = [pairs]
-    if world > 1:
-        every_rank = [None] * world
-        dist.all_gather_object(every_rank, pairs, group=process_group)
-    return Calibration(measured_s=max(0.0, median(slowest_rank_extra(every_rank))),
-                       modelled_s=sum(lt.a_compute_s + lt.g_compute_s for lt in kfac.layers))
 
 
 def slowest_rank_extra(every_rank: Sequence[Sequence[tuple[float, float]]]) -> list[float]:
@@ -351,8 +397,8 @@ def measure_kfac_steps_in_situ(
         every_rank = [None] * world
         dist.all_gather_object(every_rank, phases, group=process_group)
     slowest = slowest_rank_phases(every_rank)
-    return {part: Calibration(measured_s=median(slowest[part]), modelled_s=modelled[part])
-            for part in KFAC_STEP_PARTS if slowest.get(part)}
+    return {part: Calibration.of_samples(slowest[part], modelled[part]) for part in KFAC_STEP_PARTS
+            if slowest.get(part)}
 
 
 def slowest_rank_phases(every_rank: Sequence[Sequence[Mapping[str, float]]]) -> dict[str, list[float]]:
@@ -422,12 +468,12 @@ def _compressor_work(compress: CompressTiming | None, specs: Sequence[Any]) -> l
     return out
 
 
-def _silent_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+def _silent_samples(workload: Workload, plain: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                     device: torch.device, world_size: int, repeats: int, process_group: Any,
                     on_point: Callable[[], object], strategy: Strategy, groups: tuple[Group, ...],
-                    density: float | None, selector: str | None) -> tuple[float, float]:
-    """Medians over every rank of how much longer the backward pass is with the runtime (sending nothing) than
-    without it, and of its synchronize call, for a plan of `groups`."""
+                    density: float | None, selector: str | None) -> tuple[list[float], list[float]]:
+    """Every rank's samples of how much longer the backward pass is with the runtime (sending nothing) than
+    without it (one per pair of passes), and of its synchronize call, for a plan of `groups`."""
     from planner.contracts.fingerprint import ClusterInfo, model_info
     from planner.contracts.plan import Plan
     from planner.costmodel.problem import Prediction
@@ -455,13 +501,13 @@ def _silent_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch.Te
         exchange.close()
         del exchange, hooked
         gc.collect()  # the copy and its hooks form cycles: free them before the next configuration copies again
-    return median(gathered(extra, process_group)), median(gathered(finish, process_group))
+    return gathered(extra, process_group), gathered(finish, process_group)
 
 
-def _ddp_extra_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                       device: torch.device, repeats: int, group: Any, on_point: Callable[[], object]) -> float:
-    """Median over ranks of how much longer DDP's backward pass is than `plain`'s, when its comm hook sends
-    nothing: DDP's own work, copying gradients into its buckets and back."""
+def _ddp_extra_samples(workload: Workload, plain: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                       device: torch.device, repeats: int, group: Any, on_point: Callable[[], object]) -> list[float]:
+    """Every rank's samples of how much longer DDP's backward pass is than `plain`'s (one per pair of passes), when
+    its comm hook sends nothing: DDP's own work, copying gradients into its buckets and back."""
     from torch.nn.parallel import DistributedDataParallel
 
     unused = has_unused_parameters(plain, lambda m: workload.loss_fn(m(inputs), targets), group)
@@ -475,13 +521,13 @@ def _ddp_extra_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch
             on_point()
     del wrapped
     gc.collect()
-    return median(gathered(extra, group))
+    return gathered(extra, group)
 
 
-def _ddp_powersgd_extra_seconds(workload: Workload, plain: torch.nn.Module, inputs: torch.Tensor,
+def _ddp_powersgd_extra_samples(workload: Workload, plain: torch.nn.Module, inputs: torch.Tensor,
                                 targets: torch.Tensor, device: torch.device, repeats: int, alone: Any, rank: int,
-                                group: Any, on_point: Callable[[], object]) -> float:
-    """Median over the ranks of `group` of how much longer DDP's backward pass is than `plain`'s with PyTorch's
+                                group: Any, on_point: Callable[[], object]) -> list[float]:
+    """Every rank of `group`'s samples of how much longer DDP's backward pass is than `plain`'s with PyTorch's
     PowerSGD hook at `rank` on one bucket, on the process group `alone` (this rank only: nothing is sent)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
@@ -502,7 +548,7 @@ def _ddp_powersgd_extra_seconds(workload: Workload, plain: torch.nn.Module, inpu
             on_point()
     del wrapped, state
     gc.collect()
-    return median(gathered(extra, group))
+    return gathered(extra, group)
 
 
 def _ddp_buckets(sizes: Sequence[int]) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -258,7 +259,12 @@ def test_in_situ_calibrations_round_trip_and_scale_the_curves(tmp_path: Path) ->
 
 
 def test_a_calibration_never_makes_the_work_free() -> None:
-    assert Calibration(measured_s=0.0, modelled_s=0.01).factor == Calibration.MIN_FACTOR
+    """A measurement of no effect (or none told apart from noise) is not used: the micro-benchmark stands (factor 1),
+    never a clamped floor."""
+    assert Calibration(measured_s=0.0, modelled_s=0.01).factor == 1.0
+    assert Calibration(measured_s=-0.002, modelled_s=0.01).use.why == "no effect was measured"
+    noisy = Calibration.of_samples([-0.004, 0.011, 0.002, -0.001, 0.009, 0.004], modelled_s=0.01)
+    assert not noisy.use.used and noisy.factor == 1.0 and "no effect" in noisy.use.why
     assert Calibration(measured_s=0.5, modelled_s=0.0).factor == 1.0
     with pytest.raises(SchemaError, match="factor"):
         ScaledCost(inner=AffineCost(alpha=0.0, beta=1.0), factor=0.0)
@@ -303,7 +309,10 @@ def test_the_runtime_and_ddp_are_calibrated_in_real_steps_on_two_processes() -> 
     assert first.pack is not None and first.decode is not None and first.ddp_pack is not None
     assert set(first.select) == {"exact", "sampled"}
     for c in (first.pack, first.decode, first.ddp_pack, *first.select.values()):
-        assert c.modelled_s > 0 and c.measured_s >= 0 and c.factor >= Calibration.MIN_FACTOR
+        # every rank's pairs kept (2 ranks x 2 pairs, twice where the first measurement was not usable)
+        assert c.modelled_s > 0 and c.samples_s is not None and len(c.samples_s) == 4
+        assert c.measured_s == pytest.approx(statistics.median(c.samples_s))
+        assert c.factor > 0 and (c.factor == 1.0 or c.use.used)
 
 
 def test_machine_drift_compares_the_local_steps_with_the_profile() -> None:

@@ -39,7 +39,9 @@ def test_the_calibration_round_trips_and_old_profiles_read_without_it() -> None:
     assert Profile.from_dict(doc) == profile
     del doc["in_situ"]["kfac_factors"]  # profiles made before it was measured
     assert Profile.from_dict(doc).in_situ.kfac_factors is None  # type: ignore[union-attr]
-    doc["in_situ"]["kfac_factors"] = {"measured_s": -1.0, "modelled_s": 0.2}
+    doc["in_situ"]["kfac_factors"] = {"measured_s": -1.0, "modelled_s": 0.2}  # a difference of noisy passes
+    assert Profile.from_dict(doc).in_situ.kfac_factors.factor == 1.0  # type: ignore[union-attr]
+    doc["in_situ"]["kfac_factors"] = {"measured_s": "0.3", "modelled_s": 0.2}
     with pytest.raises(SchemaError, match=r"kfac_factors\.measured_s"):
         Profile.from_dict(doc)
 
@@ -65,9 +67,9 @@ def test_the_runtime_measures_its_hooks_beside_plain_passes() -> None:
     kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
     calls: list[int] = []
     cal = measure_kfac_in_situ(wl, CPU, kfac, repeats=3, on_point=lambda: calls.append(1))
-    assert len(calls) == 3
+    assert len(calls) == 3 * cal.attempts  # measured again when the first was not usable
     assert cal.modelled_s == pytest.approx(sum(lt.a_compute_s + lt.g_compute_s for lt in kfac.layers))
-    assert cal.measured_s >= 0 and cal.factor >= Calibration.MIN_FACTOR
+    assert cal.samples_s is not None and len(cal.samples_s) == 3 and cal.factor > 0
     # The hooks are gone: the plain module runs many passes without K-FAC complaining of factors computed twice.
     for _ in range(2):
         wl.loss_fn(wl.module(wl.batch()[0]), wl.batch()[1]).backward()
@@ -239,9 +241,11 @@ def _extended_hooks_worker(rank: int, world_size: int, min_seconds: float) -> tu
     kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
     points: list[int] = []
     totals: list[int] = []
-    measure_kfac_in_situ(wl, CPU, kfac, repeats=2, min_seconds=min_seconds, max_repeats=40,
-                         on_point=lambda: points.append(1), on_total=totals.append)
-    return len(points), totals
+    cal = measure_kfac_in_situ(wl, CPU, kfac, repeats=2, min_seconds=min_seconds, max_repeats=40,
+                               on_point=lambda: points.append(1), on_total=totals.append)
+    # A first measurement that was not usable is measured again (as many pairs): count the first one's.
+    assert len(points) == cal.attempts * len(cal.samples_s or ())
+    return len(cal.samples_s or ()), totals if cal.attempts == 1 else totals[:-1]  # the last: the second one's
 
 
 def test_short_hook_passes_are_measured_for_longer_and_every_rank_as_often() -> None:

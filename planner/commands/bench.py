@@ -90,6 +90,16 @@ class BenchResult:
     #: Hierarchical top-k groups: the pairs each host sent across over k, averaged over the measured steps and
     #: weighted by k (`GradientExchange.host_unions`); the profile predicted them at the union it measured.
     host_union: float | None = None
+    #: The prediction's interval (low, high) from the plan (`Plan.intervals`); None where it has none.
+    predicted_interval: tuple[float, float] | None = None
+
+    @property
+    def inside(self) -> bool | None:
+        """Whether the measured median falls inside the prediction's interval (None without one)."""
+        if self.predicted_interval is None:
+            return None
+        low, high = self.predicted_interval
+        return low <= self.median_s <= high
 
     @classmethod
     def from_samples(cls, name: str, strategy: str, samples: list[float], *, steps: int, predicted_s: float | None,
@@ -111,6 +121,8 @@ class BenchResult:
             "p75_s": self.p75_s, "steps": self.steps, "predicted_s": self.predicted_s,
             "speedup": self.speedup, "reference": self.reference, "rel_error": self.rel_error,
             **({"host_union": self.host_union} if self.host_union is not None else {}),
+            **({} if self.predicted_interval is None else {"predicted_interval": list(self.predicted_interval),
+                                                            "inside": self.inside}),
         }
 
 
@@ -207,6 +219,7 @@ class Variant:
     hook: Compressor | None = None
     local: bool = False
     selector: str = "exact"
+    interval: tuple[float, float] | None = None
 
 
 #: SGD's momentum in every step bench times (where it goes: `sgd_as_advised`).
@@ -268,11 +281,13 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
     # Plain DDP's prediction: a dense or mixed plan's "ddp-25mb" (a top-k plan's is DDP with the top-k hook).
     plain = dense or next((p for p in plans if p.strategy is not Strategy.TOPK), None)
     ddp_pred = plain.baselines.get("ddp-25mb") if plain is not None else None
-    out = [Variant("ddp", None, ddp_pred.iteration_s if ddp_pred else None)]
+    out = [Variant("ddp", None, ddp_pred.iteration_s if ddp_pred else None,
+                   interval=_interval(plain, "ddp-25mb") if ddp_pred else None)]
     compute = dense if dense is not None else ddp_pred  # the profile's compute alone, beside the machine's now
     if compute is not None:
         out.append(Variant(LOCAL, None, local_prediction(compute), local=True))
-    hooks: dict[Compressor, tuple[float | None, str]] = {c: (None, "exact") for c in peers}
+    hooks: dict[Compressor, tuple[float | None, str, tuple[float, float] | None]] = {
+        c: (None, "exact", None) for c in peers}
     names: set[str] = set()
     per_layer: set[Strategy] = set()
     for plan in plans:
@@ -283,8 +298,9 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
         if plan.strategy is not Strategy.MIXED and plan.strategy not in per_layer:  # one per strategy
             per_layer.add(plan.strategy)
             pl = per_layer_plan(plan, module)
-            out.append(Variant(f"per-layer {plan_tag(pl)}", pl, pl.predicted.iteration_s))
-        out.append(Variant(f"plan {tag}", plan, plan.predicted.iteration_s))
+            out.append(Variant(f"per-layer {plan_tag(pl)}", pl, pl.predicted.iteration_s,
+                               interval=_interval(plan, "wfbp") if "wfbp" in plan.baselines else None))
+        out.append(Variant(f"plan {tag}", plan, plan.predicted.iteration_s, interval=_interval(plan, "plan")))
         if (plan.strategy is Strategy.TOPK and plan.cluster.host_count > 1 and ALL_HIERARCHICAL not in plan.baselines
                 and not any(g.hierarchical for g in plan.groups)):
             # The same groups merged inside each host and sent across once per host. A profile that measured the
@@ -295,17 +311,25 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
             assert plan.density is not None
             hooked = plan.baselines.get("ddp-25mb")
             c = Compressor(CompressorKind.TOPK, density=plan.density)
-            if hooks.get(c, (None, ""))[0] is None:
-                hooks[c] = (hooked.iteration_s if hooked else None, plan.selector or "exact")
+            if hooks.get(c, (None, "", None))[0] is None:
+                hooks[c] = (hooked.iteration_s if hooked else None, plan.selector or "exact",
+                            _interval(plan, "ddp-25mb") if hooked else None)
         for name, prediction in plan.baselines.items():
             if name.startswith("ddp+"):
                 c = Compressor.parse(name.removeprefix("ddp+"))
                 wanted = c in hooks or c.kind is CompressorKind.TOPK  # the peers asked for, and top-k's hook
-                if wanted and hooks.get(c, (None, ""))[0] is None:
-                    hooks[c] = (prediction.iteration_s, plan.selector or "exact")
-    out += [Variant(f"ddp+{c}", None, predicted, hook=c, selector=selector)
-            for c, (predicted, selector) in hooks.items()]
+                if wanted and hooks.get(c, (None, "", None))[0] is None:
+                    hooks[c] = (prediction.iteration_s, plan.selector or "exact", _interval(plan, name))
+    out += [Variant(f"ddp+{c}", None, predicted, hook=c, selector=selector, interval=interval)
+            for c, (predicted, selector, interval) in hooks.items()]
     return out
+
+
+def _interval(plan: Plan | None, row: str) -> tuple[float, float] | None:
+    """The interval of one of the plan's rows ("plan" or a baseline's name), where it has one."""
+    if plan is None or plan.intervals is None:
+        return None
+    return plan.intervals.rows.get(row)
 
 
 def ddp_with_hook(module: torch.nn.Module, hook: Compressor | None, *, find_unused: bool,
@@ -425,7 +449,8 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
                                  predicted_s=v.predicted_s, reference="ddp")
         for v, row in zip(variants, slowest, strict=True)
     ]
-    results = [replace(r, host_union=u) for r, u in zip(results, unions, strict=True)]
+    results = [replace(r, host_union=u, predicted_interval=v.interval)
+               for r, u, v in zip(results, unions, variants, strict=True)]
     ddp = results[0].median_s
     return [replace(r, speedup=ddp / r.median_s) for r in results]
 

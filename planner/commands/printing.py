@@ -36,17 +36,24 @@ def print_plan(plan: object, title: str | None = None) -> None:
         allowed = ", ".join(map(str, plan.compressors)) if plan.compressors else "not recorded"
         tag += f" (sends {', '.join(used)}; allowed {allowed})"
     table = Table(title=title or f"{plan.model.name}: {tag} plan, {plan.cluster.describe()}")
-    for col in ("grouping", "groups", "iteration ms", "exposed comm ms", "vs ddp-25mb", "gap to bound"):
+    spread = plan.intervals.rows if plan.intervals is not None else None
+    interval_col = f"{plan.intervals.level:.0%} interval ms" if plan.intervals is not None else None
+    for col in ("grouping", "groups", "iteration ms", *([interval_col] if interval_col else []), "exposed comm ms",
+                "vs ddp-25mb", "gap to bound"):
         table.add_column(col, justify="left" if col == "grouping" else "right")
-    rows = [(f"plan ({plan.solver})", plan.predicted), *plan.baselines.items()]
-    for name, p in rows:
+    rows = [("plan", f"plan ({plan.solver})", plan.predicted),
+            *((name, name, p) for name, p in plan.baselines.items())]
+    for key, name, p in rows:
+        interval = [] if spread is None else [interval_ms(spread.get(key))]
         table.add_row(
-            name, str(p.num_groups), _ms(p.iteration_s), _ms(p.exposed_comm_s),
+            name, str(p.num_groups), _ms(p.iteration_s), *interval, _ms(p.exposed_comm_s),
             f"{ref / p.iteration_s:.2f}x", f"{(p.iteration_s - lb) / lb:+.1%}" if lb > 0 else "-",
             style="bold" if name.startswith("plan") else None,
         )
-    table.add_row("lower bound", "", _ms(lb), "", f"{ref / lb:.2f}x" if lb > 0 else "-", "")
+    table.add_row("lower bound", "", _ms(lb), *([""] if spread is not None else []), "",
+                  f"{ref / lb:.2f}x" if lb > 0 else "-", "")
     console.print(table)
+    print_spread(plan)
     console.print(
         f"solver {plan.solver} took {plan.solve_seconds * 1e3:.1f} ms; "
         f"profile {plan.source_profile or '?'} measured {plan.profiled}"
@@ -61,6 +68,58 @@ def print_plan(plan: object, title: str | None = None) -> None:
         print_kfac(plan)
     if plan.abs is not None:
         print_abs(plan)
+
+
+def interval_ms(pair: tuple[float, float] | None) -> str:
+    """(low, high) seconds as "612.30-655.10" ms; "-" for none."""
+    return "-" if pair is None else f"{_ms(pair[0])}-{_ms(pair[1])}"
+
+
+def _with_interval(seconds: float, pair: tuple[float, float] | None) -> str:
+    """"612.30 ms [598.10, 630.00]", or without an interval "612.30 ms"."""
+    return f"{_ms(seconds)} ms" + ("" if pair is None else f" [{_ms(pair[0])}, {_ms(pair[1])}]")
+
+
+def print_spread(plan: object) -> None:
+    """Where the plan's intervals come from, and its verdict against DDP in one line (or why there is none)."""
+    from planner.contracts.plan import Plan
+    from planner.strategies.intervals import ddp_label
+
+    assert isinstance(plan, Plan)
+    if plan.kfac is not None or plan.abs is not None:
+        return
+    if plan.intervals is None:
+        console.print("no intervals: the profile it was solved from keeps no repeated samples (made before they "
+                      "were kept: profile again), or describes a what-if cluster; the noise of its predictions is not "
+                      "known and the plan was not weighed against DDP beyond it")
+        return
+    spread = plan.intervals
+    console.print(f"intervals: the central {spread.level:.0%} of the predictions over {spread.draws} profiles "
+                  f"resampled from the samples of its {', '.join(spread.sources)}")
+    verdict = plan.verdict
+    if verdict is None:
+        return
+    step, low, high = verdict.variants[verdict.against]
+    against = _with_interval(step, (low, high))
+    mine = _with_interval(plan.predicted.iteration_s, spread.rows.get("plan"))
+    median, low, high = verdict.gain
+    other = f"{ddp_label(verdict.against)} {against}"
+    if verdict.keep == "plan":
+        line = f"verdict: keep the plan: {mine} against {other}: {median:.1%} faster [{low:.1%}, {high:.1%}], beyond " \
+               "the noise"
+    elif high < 0:
+        line = (f"verdict: keep {ddp_label(verdict.keep)}: the plan's {mine} is slower than {other}, by {-median:.1%} "
+                f"[{-high:.1%}, {-low:.1%}]")
+    else:
+        line = (f"verdict: keep {ddp_label(verdict.keep)}: the plan's {mine} against {other}: {median:.1%} faster "
+                f"[{low:.1%}, {high:.1%}], within the noise")
+    if verdict.keep not in ("plan", "ddp"):
+        line += f" ({ddp_label(verdict.keep)} is faster than plain DDP beyond the noise)"
+    lossy = sorted({str(plan.compressor_of(g)) for g in plan.groups if plan.compressor_of(g).lossy})
+    if lossy and verdict.keep == "plan":
+        line += (f"; it sends {', '.join(lossy)}, which changes the gradients: what that costs in samples to reach "
+                 "a loss was not measured (`planner bench --target-loss L` measures it)")
+    console.print(line, style="bold", soft_wrap=True)
 
 
 def print_abs(plan: object) -> None:
@@ -166,19 +225,27 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
         return
     table = Table(title=title or "bench: median step time over measured steps (slowest rank per step)")
     reference = results[0].reference if results else "ddp"
+    spread = any(getattr(r, "predicted_interval", None) is not None for r in results)
     for col in ("variant", "median ms", "p25-p75 ms", f"speedup vs {reference}", "predicted ms",
-                "|pred-meas|/meas"):
+                *(("interval ms", "inside") if spread else ()), "|pred-meas|/meas"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for r in results:
+        interval = getattr(r, "predicted_interval", None)
+        inside = getattr(r, "inside", None)
         table.add_row(
             r.name, _ms(r.median_s), f"{_ms(r.p25_s)}-{_ms(r.p75_s)}",
             f"{r.speedup:.2f}x" if r.speedup is not None else "-",
             _ms(r.predicted_s) if r.predicted_s is not None else "-",
+            *((interval_ms(interval), "-" if inside is None else "yes" if inside else "no") if spread else ()),
             f"{r.rel_error:.1%}" if r.rel_error is not None else "-",
         )
     if lower_bound_s is not None:
-        table.add_row("lower bound (model)", "", "", "", _ms(lower_bound_s), "")
+        table.add_row("lower bound (model)", "", "", "", _ms(lower_bound_s), *(("", "") if spread else ()), "")
     console.print(table)
+    if spread:
+        counted = [r.inside for r in results if getattr(r, "inside", None) is not None]
+        console.print(f"{sum(counted)} of {len(counted)} measured medians fall inside their predictions' intervals "
+                      "(the profile's noise, resampled; the machine's drift since the profile is not in them)")
     from planner.commands.bench import LOCAL, machine_drift
     from planner.commands.bench_kfac import FACTOR_HOOKS_STRATEGY
     from planner.strategies.kfac import LOCAL_KFAC
@@ -344,15 +411,20 @@ def print_profile(profile: object) -> None:
 
 
 def print_auto(choice: object) -> None:
-    """The strategies `--strategy auto` solved, their predicted iterations, and which it kept."""
+    """The strategies `--strategy auto` solved, their predicted iterations (with intervals where the noise was
+    weighed) beside DDP and its hooks, and which it kept."""
     from planner.strategies.mixed import AutoChoice, ddp_predictions
 
     assert isinstance(choice, AutoChoice)
-    ddp = ddp_predictions(choice.candidates)
+    verdict = choice.plan.verdict
+    ddp = ({name: v[0] for name, v in verdict.variants.items()} if verdict is not None
+           else ddp_predictions(choice.candidates))
     reference = ddp.get("ddp")
+    spread = choice.plan.intervals
     table = Table(title="--strategy auto: every allowed way of sending, solved exactly, beside DDP and its hooks "
                         "(predicted iteration)")
-    for col in ("candidate", "iteration ms", "vs ddp", ""):
+    columns = ("candidate", "iteration ms", *((f"{spread.level:.0%} interval ms",) if spread else ()), "vs ddp", "")
+    for col in columns:
         table.add_column(col, justify="left" if col in ("candidate", "") else "right")
 
     def ratio(seconds: float) -> str:
@@ -360,13 +432,20 @@ def print_auto(choice: object) -> None:
 
     for name, plan in choice.candidates.items():
         kept = plan is choice.plan
-        table.add_row(name, _ms(plan.predicted.iteration_s), ratio(plan.predicted.iteration_s),
+        interval = () if spread is None else (interval_ms(plan.intervals.rows.get("plan") if plan.intervals
+                                                          else None),)
+        table.add_row(name, _ms(plan.predicted.iteration_s), *interval, ratio(plan.predicted.iteration_s),
                       "kept" if kept else "", style="bold" if kept else None)
     for name, seconds in ddp.items():
-        faster = choice.ddp_faster is not None and choice.ddp_faster[0] == name
-        table.add_row(name, _ms(seconds), ratio(seconds), "faster than every plan" if faster else "", style="dim")
+        interval = () if verdict is None else (interval_ms(verdict.variants[name][1:]),)
+        note = ""
+        if choice.ddp_faster is not None and choice.ddp_faster[0] == name:
+            note = "faster than every plan"
+        elif verdict is not None and verdict.keep == name:
+            note = "kept: the plan is not faster beyond the noise"
+        table.add_row(name, _ms(seconds), *interval, ratio(seconds), note, style="dim")
     console.print(table)
-    console.print(choice.reason)
+    console.print(choice.reason, soft_wrap=True)
 
 
 def print_mixed_groups(plan: object, profile: object) -> None:

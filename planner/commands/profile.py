@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import math
 import os
 from dataclasses import dataclass, field, replace
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rich.progress import Progress, TaskID
 
 from planner.commands.printing import gib
 from planner.console import progress
@@ -160,7 +162,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                                 total=host_runs(sizes, layout, repeats=config.comm_repeats, warmup=2))
             host_timing = measure_hosts(groups, sizes, device, repeats=config.comm_repeats, warmup=2,
                                         on_run=lambda: bar.advance(task))
-        topk = pack = interference = comm_stretch = in_situ = compress = None
+        topk = pack = interference = comm_stretch = in_situ = compress = slowdown_samples = None
         if host_timing is not None and groups is not None:  # the top-k exchange merged inside each host,
             memory.begin("hierarchical top-k")  # at the picks' real overlap
             if config.only_comm:
@@ -200,6 +202,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                 workload, device, layer_results.layers, world_size, pack=pack.model, topk=topk,
                 density=min(config.densities, key=lambda d: abs(math.log(d / IN_SITU_DENSITY))),
                 repeats=IN_SITU_REPEATS, compress=compress, on_point=lambda: bar.advance(task),
+                on_more=functools.partial(_more, bar, task),
             )
             if world_size > 1:
                 memory.begin("compute while communicating")
@@ -211,6 +214,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                     on_point=lambda: bar.advance(task),
                 )
                 interference, comm_stretch = both_ways.sigma, both_ways.comm_stretch
+                slowdown_samples = both_ways.samples
         kfac = base.kfac if base is not None else None
         if config.kfac and not config.only_comm:
             memory.begin("K-FAC")
@@ -271,7 +275,15 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         compress=compress,
         peak_memory=peak_memory or None,
         hosts=host_timing,
+        steps=summary.steps,
+        slowdown_samples=slowdown_samples,
     )
+
+
+def _more(bar: Progress, task: TaskID, more: int) -> None:
+    """Add `more` to the total of a progress task (a phase measured again)."""
+    total = next(t.total for t in bar.tasks if t.id == task)
+    bar.update(task, total=(total or 0) + more)
 
 
 def _known_union_ratios(config: ProfileConfig, groups: HostGroups, device: torch.device) -> dict[float, float]:

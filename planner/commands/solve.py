@@ -149,7 +149,7 @@ class SolveCommand(Command):
 
             assert compressors is not None
             choice = solve_auto(profile, compressors, source=str(args.profile), selector=selector,
-                                time_limit_s=args.time_limit or 1.0)
+                                time_limit_s=args.time_limit or 1.0, weigh_noise=args.cluster is None)
             print_auto(choice)
             plan = choice.plan
         elif is_mixed:
@@ -160,6 +160,10 @@ class SolveCommand(Command):
                                    time_limit_s=args.time_limit or 1.0, route=args.route)
         else:
             plan = make_plan(profile, strategy, density, source=str(args.profile), selector=selector, route=args.route)
+        if not (is_kfac or is_abs or is_auto) and args.cluster is None:  # auto weighed its candidates already
+            from planner.strategies.intervals import with_intervals
+
+            plan = with_intervals(plan, profile, time_limit_s=args.time_limit or 1.0)
         plan.save(args.output)
         print_plan(plan)
         if plan.strategy is Strategy.MIXED:

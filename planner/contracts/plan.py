@@ -90,7 +90,8 @@ from planner.types import (
     Strategy,
 )
 
-__all__ = ["PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "Group", "Plan", "check_selector", "parse_compressor"]
+__all__ = ["PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "Group", "Intervals", "Plan", "Verdict", "check_selector",
+           "parse_compressor"]
 
 PLAN_SCHEMA_VERSION = 1
 PLAN_KIND = "planner.plan"
@@ -170,6 +171,119 @@ def _prediction_from_dict(data: Any, where: str) -> Prediction:
     return Prediction(**times, num_groups=expect(data["num_groups"], int, f"{where}.num_groups"))
 
 
+#: Most rows a plan's intervals may name.
+MAX_ROWS = 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class Intervals:
+    """Each prediction's interval: its central `level` over `draws` profiles resampled from the samples the profile
+    kept (`planner.costmodel.resample`; `sources` says which measurements had samples). `rows` maps "plan" and the
+    baselines' names to (low, high) seconds (a baseline the planner could not rebuild has none)."""
+
+    level: float
+    draws: int
+    sources: tuple[str, ...]
+    rows: dict[str, tuple[float, float]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"level": self.level, "draws": self.draws, "sources": list(self.sources),
+                "rows": {name: list(pair) for name, pair in self.rows.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "plan.predicted.intervals") -> Intervals:
+        expect(data, dict, where)
+        check_fields(data, where, ["level", "draws", "sources", "rows"])
+        level = float(expect(data["level"], (int, float), f"{where}.level"))
+        if not 0 < level < 1:
+            raise SchemaError(f"{where}.level must be in (0, 1) (the share of draws an interval holds), got "
+                              f"{data['level']!r}")
+        rows = expect(data["rows"], dict, f"{where}.rows")
+        if len(rows) > MAX_ROWS:
+            raise SchemaError(f"{where}.rows names {len(rows)} rows; at most {MAX_ROWS} are read")
+        out = {}
+        for name, pair in rows.items():
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise SchemaError(f"{where}.rows.{name} must be [low, high] in seconds, got {pair!r}")
+            low, high = (expect_time(v, f"{where}.rows.{name}[{i}]") for i, v in enumerate(pair))
+            if low > high:
+                raise SchemaError(f"{where}.rows.{name}: `low <= high` must hold, but got (low={low}, high={high})")
+            out[expect(name, str, f"{where}.rows name")] = (low, high)
+        return cls(level=level, draws=expect_int(data["draws"], f"{where}.draws", 1, 1_000_000),
+                   sources=tuple(expect(x, str, f"{where}.sources[]") for x in expect(data["sources"], list,
+                                                                                    f"{where}.sources")),
+                   rows=out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """Whether to run the plan or DDP, weighed beyond the noise (`planner.strategies.intervals.weigh`).
+
+    `variants` holds each DDP variant weighed ("ddp" for plain DDP, "ddp+C" for DDP with C's hook): its predicted
+    step and interval, (seconds, low, high); `keep` is "plan" or the variant to keep instead; `against` the variant
+    the plan gains least on, and `gain` the plan's gain over it, 1 - plan / variant draw by draw: (median, low, high)
+    at the intervals' level. The plan is kept when `low` > 0."""
+
+    keep: str
+    against: str
+    gain: tuple[float, float, float]
+    variants: dict[str, tuple[float, float, float]]
+
+    def __post_init__(self) -> None:
+        for name, value in (("keep", self.keep), ("against", self.against)):
+            if value not in self.variants and not (name == "keep" and value == "plan"):
+                raise SchemaError(f"plan.predicted.verdict.{name} names {value!r}, which is not among the variants "
+                                  f"weighed ({', '.join(self.variants)})")
+
+    @property
+    def against_s(self) -> float:
+        """The predicted step of the variant the plan gains least on."""
+        return self.variants[self.against][0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"keep": self.keep, "against": self.against, "gain": list(self.gain),
+                "variants": {name: list(v) for name, v in self.variants.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "plan.predicted.verdict") -> Verdict:
+        expect(data, dict, where)
+        check_fields(data, where, ["keep", "against", "gain", "variants"])
+        keep = _ddp_variant(data["keep"], f"{where}.keep", plan_too=True)
+        against = _ddp_variant(data["against"], f"{where}.against")
+        variants = expect(data["variants"], dict, f"{where}.variants")
+        if not variants or len(variants) > MAX_ROWS:
+            raise SchemaError(f"{where}.variants must name 1 to {MAX_ROWS} DDP variants, got {len(variants)}")
+        steps = {}
+        for name, value in variants.items():
+            if not isinstance(value, list) or len(value) != 3:
+                raise SchemaError(f"{where}.variants.{name} must be [seconds, low, high], got {value!r}")
+            step, low, high = (expect_time(v, f"{where}.variants.{name}[{i}]") for i, v in enumerate(value))
+            if not low <= high:
+                raise SchemaError(f"{where}.variants.{name}: `low <= high` must hold, but got (low={low}, "
+                                  f"high={high})")
+            steps[_ddp_variant(name, f"{where}.variants name")] = (step, low, high)
+        gain = expect(data["gain"], list, f"{where}.gain")
+        if len(gain) != 3 or not all(isinstance(g, int | float) and not isinstance(g, bool) and math.isfinite(g)
+                                     and -1e6 < g <= 1 for g in gain):
+            raise SchemaError(f"{where}.gain must be [median, low, high], finite gains (1 - plan / DDP) at most 1, "
+                              f"got {gain!r}")
+        if not gain[1] <= gain[0] <= gain[2]:
+            raise SchemaError(f"{where}.gain: `low <= median <= high` must hold, but got {gain}")
+        return cls(keep=keep, against=against, gain=(float(gain[0]), float(gain[1]), float(gain[2])),
+                   variants=steps)
+
+
+def _ddp_variant(value: Any, where: str, *, plan_too: bool = False) -> str:
+    """"ddp" or "ddp+C" (C a compressor), or with `plan_too` "plan"; else a SchemaError naming `where`."""
+    text = expect(value, str, where)
+    if text == "ddp" or (plan_too and text == "plan"):
+        return text
+    if text.startswith("ddp+"):
+        return f"ddp+{parse_compressor(text.removeprefix('ddp+'), where)}"
+    raise SchemaError(f"{where} must be {'plan, ' if plan_too else ''}ddp or ddp+C (DDP with C's hook, e.g. "
+                      f"ddp+fp16), got {text!r}")
+
+
 def _hosts_text(hosts: int, world_size: int) -> str:
     """"2 hosts of 2 workers", "1 host of 4 workers"."""
     per = world_size // hosts if hosts and world_size % hosts == 0 else None
@@ -205,6 +319,10 @@ class Plan:
     #: The per-worker batch of the profile the plan was solved from: what its predictions are for, and what
     #: `planner bench` runs unless told otherwise (None: a plan written before it was recorded).
     batch_size: int | None = None
+    #: Each prediction's interval from the profile's samples (None: not computed, or the profile kept none).
+    intervals: Intervals | None = None
+    #: Plan or DDP, weighed beyond the noise (None: not weighed).
+    verdict: Verdict | None = None
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -336,6 +454,8 @@ class Plan:
                 "plan": asdict(self.predicted),
                 "baselines": {name: asdict(p) for name, p in self.baselines.items()},
                 "lower_bound_s": self.lower_bound_s,
+                **({} if self.intervals is None else {"intervals": self.intervals.to_dict()}),
+                **({} if self.verdict is None else {"verdict": self.verdict.to_dict()}),
             },
             "kfac": None if self.kfac is None else self.kfac.to_dict(),
             "abs": None if self.abs is None else self.abs.to_dict(),
@@ -380,7 +500,8 @@ class Plan:
         solver = expect(data["solver"], dict, "plan.solver")
         check_fields(solver, "plan.solver", ["name", "seconds"])
         predicted = expect(data["predicted"], dict, "plan.predicted")
-        check_fields(predicted, "plan.predicted", ["plan", "baselines", "lower_bound_s"])
+        check_fields(predicted, "plan.predicted", ["plan", "baselines", "lower_bound_s"],
+                     optional=["intervals", "verdict"])
         baselines = expect(predicted["baselines"], dict, "plan.predicted.baselines")
         groups = expect(data["groups"], list, "plan.groups")
         compressors = data["compressors"]
@@ -410,6 +531,8 @@ class Plan:
             abs=None if data["abs"] is None else ABSSection.from_dict(data["abs"]),
             compressors=compressors,
             batch_size=batch_size,
+            intervals=None if predicted.get("intervals") is None else Intervals.from_dict(predicted["intervals"]),
+            verdict=None if predicted.get("verdict") is None else Verdict.from_dict(predicted["verdict"]),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

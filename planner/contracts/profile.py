@@ -121,16 +121,20 @@ the measured points (DESIGN.md: fitted where the data is linear, interpolated wh
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from planner.contracts.fingerprint import ClusterInfo, ModelInfo
 from planner.contracts.jsonio import (
     MAX_NUMEL,
+    MAX_SECONDS,
     MAX_WORLD_SIZE,
     check_fields,
     expect,
@@ -150,6 +154,7 @@ from planner.costmodel.measured import (
     shifted_fit,
     worst_fit_error,
 )
+from planner.costmodel.spread import CalibrationUse, calibration_use
 from planner.types import (
     MAX_POWERSGD_RANK,
     Collective,
@@ -159,6 +164,7 @@ from planner.types import (
 )
 
 __all__ = [
+    "KFAC_STEP_NAMES",
     "KFAC_STEP_PARTS",
     "MAX_FIT_ERROR",
     "PROFILE_KIND",
@@ -175,6 +181,8 @@ __all__ = [
     "LayerTiming",
     "PowerSGDLayerTiming",
     "Profile",
+    "SlowdownSamples",
+    "StepSamples",
     "TopkTiming",
     "WorkerThroughput",
 ]
@@ -187,10 +195,34 @@ PROFILE_KIND = "planner.profile"
 MAX_BATCH_SIZE = 2**31
 #: The parts of a K-FAC step after the gradients that the profile calibrates in real steps (`InSitu.kfac_steps`).
 KFAC_STEP_PARTS = ("fold", "invert:eigen", "invert:inverse", "precondition:eigen", "precondition:inverse")
+#: How `planner profile` and `show` name the parts of `InSitu.kfac_steps`.
+KFAC_STEP_NAMES = {"fold": "folding", "invert:eigen": "eigendecompositions", "invert:inverse": "inverses",
+                   "precondition:eigen": "preconditioning (eigen)", "precondition:inverse": "preconditioning (inverse)"}
 
 
 def _time(value: Any, where: str) -> float:
     return expect_time(value, where, InvalidProfileError)
+
+
+#: Most samples one measured quantity may keep (a profile keeps them to give its numbers intervals).
+MAX_SAMPLES = 100_000
+
+
+def _samples(value: Any, where: str, *, signed: bool = False) -> tuple[float, ...]:
+    """A non-empty list of seconds as a tuple: durations (>= 0), or with `signed` differences of durations."""
+    items = expect(value, list, where)
+    if not items or len(items) > MAX_SAMPLES:
+        raise InvalidProfileError(f"{where} must list 1 to {MAX_SAMPLES} samples, got {len(items)}")
+    if not signed:
+        return tuple(_time(x, f"{where}[{i}]") for i, x in enumerate(items))
+    out = []
+    for i, x in enumerate(items):
+        v = float(expect(x, (int, float), f"{where}[{i}]"))
+        if not (math.isfinite(v) and abs(v) <= MAX_SECONDS):
+            raise InvalidProfileError(f"{where}[{i}] must be a difference of times within +-{MAX_SECONDS:g} seconds, "
+                                      f"got {x!r}")
+        out.append(v)
+    return tuple(out)
 
 
 def _element_bytes(value: Any, where: str) -> int:
@@ -271,17 +303,26 @@ def _measured_points(data: Any, where: str, size: str) -> list[tuple[int, float]
 
 @dataclass(frozen=True, kw_only=True)
 class FittedCurve:
-    """Raw (size, seconds) points and their alpha + beta*size fit."""
+    """Raw (size, seconds) points and their alpha + beta*size fit; `samples`, where kept, the runs each point's
+    seconds are the mean of (the slowest rank's time in each run), in the order of `points`."""
 
     points: tuple[tuple[int, float], ...]
     alpha_s: float
     beta_s_per_byte: float
     fit_error: float
+    samples: tuple[tuple[float, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.samples is not None and len(self.samples) != len(self.points):
+            raise InvalidProfileError(f"a curve keeps samples for {len(self.samples)} points but has "
+                                      f"{len(self.points)} points")
 
     @classmethod
-    def fit(cls, points: list[tuple[int, float]]) -> FittedCurve:
+    def fit(cls, points: list[tuple[int, float]],
+            samples: list[tuple[float, ...]] | tuple[tuple[float, ...], ...] | None = None) -> FittedCurve:
         model, err = fit_affine(points)
-        return cls(points=tuple(points), alpha_s=model.alpha, beta_s_per_byte=model.beta, fit_error=err)
+        return cls(points=tuple(points), alpha_s=model.alpha, beta_s_per_byte=model.beta, fit_error=err,
+                   samples=None if samples is None else tuple(tuple(s) for s in samples))
 
     @property
     def affine(self) -> AffineCost:
@@ -320,28 +361,40 @@ class FittedCurve:
             return self
         new = AffineCost(alpha=self.alpha_s * alpha_scale, beta=self.beta_s_per_byte * beta_scale)
         points, fit_error = shifted_fit(self.points, self.affine, new)
+        # The moved points are no longer the means of the runs measured: a corrected curve keeps no samples.
         return FittedCurve(points=points, alpha_s=new.alpha, beta_s_per_byte=new.beta, fit_error=fit_error)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "points": [list(p) for p in self.points],
             "alpha_s": self.alpha_s,
             "beta_s_per_byte": self.beta_s_per_byte,
             "fit_error": self.fit_error,
         }
+        if self.samples is not None:  # curves without them stay as they were
+            out["samples"] = [list(s) for s in self.samples]
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> FittedCurve:
         expect(data, dict, where)
-        check_fields(data, where, ["points", "alpha_s", "beta_s_per_byte", "fit_error"])
+        check_fields(data, where, ["points", "alpha_s", "beta_s_per_byte", "fit_error"], optional=["samples"])
         points = _measured_points(data["points"], f"{where}.points", "size")
         if len(points) < 2:
             raise InvalidProfileError(f"{where} needs at least two measured points, got {len(points)}")
+        samples = data.get("samples")
+        if samples is not None:
+            rows = expect(samples, list, f"{where}.samples")
+            if len(rows) != len(points):
+                raise InvalidProfileError(f"{where}.samples must list the runs of each of its {len(points)} points, "
+                                          f"got {len(rows)} lists")
+            samples = tuple(_samples(row, f"{where}.samples[{i}]") for i, row in enumerate(rows))
         return cls(
             points=tuple(points),
             alpha_s=_time(data["alpha_s"], f"{where}.alpha_s"),
             beta_s_per_byte=_time(data["beta_s_per_byte"], f"{where}.beta_s_per_byte"),
             fit_error=_time(data["fit_error"], f"{where}.fit_error"),
+            samples=samples,
         )
 
 
@@ -703,30 +756,56 @@ class KFACTiming:
 class Calibration:
     """One in-situ calibration: the runtime's measured extra time against the micro-benchmarks' prediction.
 
-    `factor` = measured_s / modelled_s, at least `MIN_FACTOR` (a noisy measurement must not make the work
-    free), or 1 when nothing was modelled.
+    `measured_s` is the median of `samples_s` where they are kept: paired differences (a step with the work less
+    the step beside it without, every rank's), or the work's own durations (decoding, K-FAC's step parts). It may
+    be below zero: the difference of two noisy step times. Whether the cost model uses it, and the factor that
+    follows, is `use` (`planner.costmodel.spread.calibration_use`): measured / modelled where it is told apart from
+    no effect and plausible, else 1 (the micro-benchmark). `attempts`: how many times it was measured (a first
+    measurement that was not usable is measured once more, and the last one kept).
     """
 
     measured_s: float
     modelled_s: float
+    samples_s: tuple[float, ...] | None = None
+    attempts: int = 1
 
-    MIN_FACTOR = 0.1
+    @classmethod
+    def of_samples(cls, samples: Sequence[float], modelled_s: float, attempts: int = 1) -> Calibration:
+        """The calibration of `samples` (seconds: paired differences or the work's durations): their median
+        against `modelled_s`, the samples kept."""
+        kept = tuple(float(x) for x in samples)
+        return cls(measured_s=float(np.median(kept)), modelled_s=modelled_s, samples_s=kept, attempts=attempts)
+
+    @functools.cached_property
+    def use(self) -> CalibrationUse:
+        """Whether the measurement is used, the factor applied and the interval of measured / modelled."""
+        return calibration_use(self.measured_s, self.modelled_s, self.samples_s)
 
     @property
     def factor(self) -> float:
-        if self.modelled_s <= 0:
-            return 1.0
-        return max(self.MIN_FACTOR, self.measured_s / self.modelled_s)
+        """What the micro-benchmarked cost is multiplied by (1 where the measurement is not used)."""
+        return self.use.factor
 
     def to_dict(self) -> dict[str, Any]:
-        return {"factor": self.factor, "measured_s": self.measured_s, "modelled_s": self.modelled_s}
+        out: dict[str, Any] = {"factor": self.factor, "measured_s": self.measured_s, "modelled_s": self.modelled_s}
+        if self.samples_s is not None:
+            out["samples_s"] = list(self.samples_s)
+        if self.attempts != 1:
+            out["attempts"] = self.attempts
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> Calibration:
         expect(data, dict, where)
-        check_fields(data, where, ["measured_s", "modelled_s"], optional=["factor"])  # factor: derived
-        return cls(measured_s=_time(data["measured_s"], f"{where}.measured_s"),
-                   modelled_s=_time(data["modelled_s"], f"{where}.modelled_s"))
+        check_fields(data, where, ["measured_s", "modelled_s"], optional=["factor", "samples_s", "attempts"])
+        measured = float(expect(data["measured_s"], (int, float), f"{where}.measured_s"))
+        if not (math.isfinite(measured) and abs(measured) <= MAX_SECONDS):
+            raise InvalidProfileError(f"{where}.measured_s must be a time (or a difference of times) within "
+                                      f"+-{MAX_SECONDS:g} seconds, got {data['measured_s']!r}")
+        samples = data.get("samples_s")
+        return cls(measured_s=measured, modelled_s=_time(data["modelled_s"], f"{where}.modelled_s"),
+                   samples_s=None if samples is None else _samples(samples, f"{where}.samples_s", signed=True),
+                   attempts=expect_int(data.get("attempts", 1), f"{where}.attempts", 1, 100, InvalidProfileError))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -749,6 +828,29 @@ class InSitu:
     #: "fold" (`fold_s`), "invert:eigen" and "invert:inverse" (the inversion curves), "precondition:eigen" and
     #: "precondition:inverse" (`precondition_s`); `KFAC_STEP_PARTS`.
     kfac_steps: dict[str, Calibration] = field(default_factory=dict)
+
+    def named(self) -> list[tuple[str, Calibration]]:
+        """Every calibration with what it calibrates, in words ("packing", "fp16 decompression", ...)."""
+        parts: list[tuple[str, Calibration | None]] = [
+            ("packing", self.pack), *((f"{n} selection", c) for n, c in self.select.items()),
+            ("decoding", self.decode), ("DDP's bucket copies", self.ddp_pack),
+            *((f"PyTorch's {name.removeprefix('ddp+')} hook on DDP" if name.startswith("ddp+") else
+               f"{name} {'compression' if part == 'prepare' else 'decompression'}", c)
+              for name, calibrations in self.compress.items() for part, c in calibrations.items()),
+            ("K-FAC factor hooks", self.kfac_factors),
+            *((f"K-FAC {KFAC_STEP_NAMES.get(part, part)}", c) for part, c in self.kfac_steps.items())]
+        return [(what, c) for what, c in parts if c is not None]
+
+    def mapped(self, fn: Callable[[Calibration], Calibration]) -> InSitu:
+        """The same calibrations, each replaced by `fn` of it (a resampled profile's)."""
+        def one(c: Calibration | None) -> Calibration | None:
+            return None if c is None else fn(c)
+
+        return replace(self, pack=one(self.pack), select={n: fn(c) for n, c in self.select.items()},
+                       decode=one(self.decode), ddp_pack=one(self.ddp_pack),
+                       compress={n: {part: fn(c) for part, c in parts.items()} for n, parts in self.compress.items()},
+                       kfac_factors=one(self.kfac_factors),
+                       kfac_steps={part: fn(c) for part, c in self.kfac_steps.items()})
 
     def kfac_step_factor(self, part: str) -> float:
         """The calibration of one part of K-FAC's step (`KFAC_STEP_PARTS`; 1 when not calibrated)."""
@@ -1000,6 +1102,117 @@ def _interference(data: Any, field: str = "interference") -> dict[Collective, fl
 
 
 @dataclass(frozen=True, kw_only=True)
+class StepSamples:
+    """The steps the layer phase timed, one entry per measured step: the whole local step (the slowest rank's, from a
+    barrier), and the slowest worker's forward, update and each layer's backward time b_i (in the profile's layer
+    order) in the hooked step beside it. The profile's F, b_i and U are their medians, all scaled by one factor so
+    that they sum to the median whole step (`scaled_parts`); a resampled profile draws steps from these."""
+
+    whole_s: tuple[float, ...]
+    forward_s: tuple[float, ...]
+    update_s: tuple[float, ...]
+    backward_s: tuple[tuple[float, ...], ...]  # [step][layer]
+
+    def __post_init__(self) -> None:
+        counts = {len(self.whole_s), len(self.forward_s), len(self.update_s), len(self.backward_s)}
+        if len(counts) != 1 or 0 in counts:
+            raise InvalidProfileError(f"profile.steps must list the same number of steps (one at least) in whole_s, "
+                                      f"forward_s, update_s and backward_s, got {sorted(counts)}")
+        if len({len(row) for row in self.backward_s}) != 1:
+            raise InvalidProfileError("profile.steps.backward_s must list every layer at every step")
+
+    @property
+    def count(self) -> int:
+        return len(self.whole_s)
+
+    def scaled_parts(self, picks: Sequence[int] | np.ndarray | None = None,
+                     ) -> tuple[float, float, tuple[float, ...], float]:
+        """(F, U, (b_i), whole step) over the steps `picks` (default all; repeats allowed: a bootstrap draw): the
+        medians, with F, U and b_i scaled by one factor so that F + sum(b_i) + U is the median whole step."""
+        rows = np.asarray(self.backward_s, dtype=float)
+        idx = np.arange(self.count) if picks is None else np.asarray(picks, dtype=np.int64)
+        fwd = float(np.median(np.asarray(self.forward_s)[idx]))
+        upd = float(np.median(np.asarray(self.update_s)[idx]))
+        backward = np.median(rows[idx], axis=0)
+        whole = float(np.median(np.asarray(self.whole_s)[idx]))
+        summed = fwd + float(backward.sum()) + upd
+        k = whole / summed if summed > 0 else 1.0
+        return k * fwd, k * upd, tuple(float(k * b) for b in backward), whole
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"whole_s": list(self.whole_s), "forward_s": list(self.forward_s), "update_s": list(self.update_s),
+                "backward_s": [list(row) for row in self.backward_s]}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "profile.steps") -> StepSamples:
+        expect(data, dict, where)
+        check_fields(data, where, ["whole_s", "forward_s", "update_s", "backward_s"])
+        rows = expect(data["backward_s"], list, f"{where}.backward_s")
+        if len(rows) > MAX_SAMPLES:
+            raise InvalidProfileError(f"{where}.backward_s lists {len(rows)} steps; at most {MAX_SAMPLES} are read")
+        return cls(whole_s=_samples(data["whole_s"], f"{where}.whole_s"),
+                   forward_s=_samples(data["forward_s"], f"{where}.forward_s"),
+                   update_s=_samples(data["update_s"], f"{where}.update_s"),
+                   backward_s=tuple(_samples(row, f"{where}.backward_s[{i}]") for i, row in enumerate(rows)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlowdownSamples:
+    """The passes and chains sigma and kappa of one collective are taken from, every rank's, in pairs measured one
+    after the other: backward passes alone and with a chain of the collective in flight (sigma = median busy /
+    median alone - 1), and a chain's seconds per collective alone and while every worker computes (kappa)."""
+
+    alone_s: tuple[float, ...]
+    busy_s: tuple[float, ...]
+    pace_alone_s: tuple[float, ...]
+    pace_busy_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.alone_s) != len(self.busy_s) or len(self.pace_alone_s) != len(self.pace_busy_s):
+            raise InvalidProfileError("slowdown samples come in pairs: as many busy as alone, for the passes and for "
+                                      "the chains")
+
+    def sigma(self, picks: Sequence[int] | np.ndarray | None = None) -> float:
+        """sigma over the pairs `picks` (default all)."""
+        return _slowdown(self.alone_s, self.busy_s, picks)
+
+    def kappa(self, picks: Sequence[int] | np.ndarray | None = None) -> float:
+        """kappa over the pairs `picks` (default all)."""
+        return _slowdown(self.pace_alone_s, self.pace_busy_s, picks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"alone_s": list(self.alone_s), "busy_s": list(self.busy_s), "pace_alone_s": list(self.pace_alone_s),
+                "pace_busy_s": list(self.pace_busy_s)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> SlowdownSamples:
+        expect(data, dict, where)
+        names = ["alone_s", "busy_s", "pace_alone_s", "pace_busy_s"]
+        check_fields(data, where, names)
+        return cls(**{name: _samples(data[name], f"{where}.{name}") for name in names})
+
+
+def _slowdown(alone: Sequence[float], busy: Sequence[float], picks: Sequence[int] | np.ndarray | None) -> float:
+    """median(busy) / median(alone) - 1 over the pairs `picks` (default all), at least 0; 0 when alone takes no
+    time."""
+    idx = np.arange(len(alone)) if picks is None else np.asarray(picks, dtype=np.int64)
+    base = float(np.median(np.asarray(alone, dtype=float)[idx]))
+    return max(0.0, float(np.median(np.asarray(busy, dtype=float)[idx])) / base - 1.0) if base > 0 else 0.0
+
+
+def _slowdown_samples(data: Any) -> dict[Collective, SlowdownSamples]:
+    out = {}
+    for name, value in expect(data, dict, "profile.slowdown_samples").items():
+        try:
+            coll = Collective(name)
+        except ValueError:
+            raise SchemaError(f"unknown collective {name!r} in profile.slowdown_samples; known: "
+                              f"{[c.value for c in Collective]}") from None
+        out[coll] = SlowdownSamples.from_dict(value, f"profile.slowdown_samples.{name}")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     """Everything the solvers need about one model on one cluster."""
 
@@ -1032,6 +1245,11 @@ class Profile:
     peak_memory: dict[str, int] | None = None
     #: The hosts and the allreduce at each level (None: one host, or hosts of unequal size).
     hosts: HostTiming | None = None
+    #: The layer phase's steps, which F, the b_i, U and `step_s` are medians of (None: not kept, as in profiles
+    #: made before they were).
+    steps: StepSamples | None = None
+    #: The passes and chains sigma and kappa were taken from, per collective (None: not kept).
+    slowdown_samples: dict[Collective, SlowdownSamples] | None = None
     element_bytes: int = 4
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -1050,6 +1268,9 @@ class Profile:
                 f"is {self.cluster.host_count} hosts and {self.cluster.world_size} workers")
         if self.parts_scale is not None and not (math.isfinite(self.parts_scale) and self.parts_scale > 0):
             raise InvalidProfileError(f"profile.parts_scale must be a finite number > 0, got {self.parts_scale!r}")
+        if self.steps is not None and len(self.steps.backward_s[0]) != len(self.layers):
+            raise InvalidProfileError(f"profile.steps.backward_s lists {len(self.steps.backward_s[0])} layers per "
+                                      f"step, but the profile has {len(self.layers)}")
         for name, values in (("interference", self.interference), ("comm_stretch", self.comm_stretch)):
             for coll, sigma in (values or {}).items():
                 if not (math.isfinite(sigma) and sigma >= 0):
@@ -1126,6 +1347,10 @@ class Profile:
             "compress": None if self.compress is None else self.compress.to_dict(),
             "peak_memory": self.peak_memory,
             "hosts": None if self.hosts is None else self.hosts.to_dict(),
+            "steps": None if self.steps is None else self.steps.to_dict(),
+            "slowdown_samples": None if self.slowdown_samples is None else {
+                c.value: samples.to_dict() for c, samples in self.slowdown_samples.items()
+            },
         }
 
     @property
@@ -1153,14 +1378,14 @@ class Profile:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
         data = {"kfac": None, "step_s": None, "parts_scale": None, "pack": None, "interference": None,
                 "comm_stretch": None, "in_situ": None, "throughput": None, "compress": None, "peak_memory": None,
-                "hosts": None, **data}
+                "hosts": None, "steps": None, "slowdown_samples": None, **data}
         check_fields(
             data,
             "profile",
             ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
              "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s",
              "parts_scale", "pack", "interference", "comm_stretch", "in_situ", "throughput", "compress",
-             "peak_memory", "hosts"],
+             "peak_memory", "hosts", "steps", "slowdown_samples"],
         )
         collectives = {}
         for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
@@ -1203,6 +1428,9 @@ class Profile:
                       else CompressTiming.from_dict(data["compress"], "profile.compress")),
             peak_memory=None if data["peak_memory"] is None else _peak_memory(data["peak_memory"]),
             hosts=None if data["hosts"] is None else HostTiming.from_dict(data["hosts"]),
+            steps=None if data["steps"] is None else StepSamples.from_dict(data["steps"]),
+            slowdown_samples=(None if data["slowdown_samples"] is None
+                              else _slowdown_samples(data["slowdown_samples"])),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -514,6 +514,8 @@ def profile_for_cluster(profile: Profile, spec: ClusterSpec) -> Profile:
         comm_stretch=None,  # the same
         hosts=None,  # the measured hosts' levels are not `spec`'s: the cluster model prices its collectives
         throughput=throughput,
+        steps=None,  # the samples of the profiled steps are not `spec`'s (nor scaled): a what-if has no intervals
+        slowdown_samples=None,
     )
 
 

@@ -1,0 +1,292 @@
+"""Each prediction with its interval, and a verdict that keeps a plan over DDP only when it wins beyond the noise.
+
+A plan's rows (the plan itself and each baseline it prints) are configurations: a grouping, the way each group is
+sent, and who moves it (this runtime or DDP). `plan_rows` rebuilds each one as its predicted step on any profile;
+`ddp_rows` adds what a user would run instead: plain DDP and DDP with the hook of each compressor the plan may
+send by. Evaluated under `DRAWS` profiles resampled from the samples the profile kept
+(`planner.costmodel.resample`), every row gets an interval, and the plan a gain over each DDP variant, draw by draw,
+where what they share (the same compute, the same network) cancels (`PairedGain`).
+
+The verdict (`weigh`): keep the plan when it is faster than every DDP variant in at least 95% of the draws (the
+lower end of the 90% interval of its gain above 0); otherwise keep DDP: plain DDP, or the DDP hook that is faster
+than plain DDP beyond the noise. A verdict within the noise keeps the simpler choice.
+
+A row is rebuilt only where the rebuilt step on the profile itself equals the step the plan printed (the plans of
+older versions, or rows this module does not know, get no interval rather than a wrong one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import numpy as np
+
+from planner.contracts.layers import plan_grouping
+from planner.contracts.plan import Intervals, Plan, Verdict
+from planner.contracts.profile import Profile
+from planner.costmodel.from_profile import gradient_problem, mixed_problem
+from planner.costmodel.mixed import MixedProblem, simulate_mixed
+from planner.costmodel.problem import GradientProblem, Grouping
+from planner.costmodel.resample import resampled_many, spread_sources
+from planner.costmodel.simulator import simulate
+from planner.costmodel.spread import DRAWS, LEVEL, PairedGain, percentile_interval
+from planner.solvers import BASELINES, DDP_BASELINE, solve_exact
+from planner.solvers.mixed import MixedParetoDP
+from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
+
+__all__ = ["Draws", "Problems", "RowStep", "attach", "ddp_label", "ddp_rows", "evaluate", "plan_rows", "weigh",
+           "with_intervals"]
+
+#: Relative difference within which a rebuilt row's step on the profile itself counts as the printed one.
+_SAME = 1e-9
+
+
+class Problems:
+    """The solver instances of one profile, each built once: the rows of a plan share them."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self._made: dict[tuple[object, ...], object] = {}
+
+    def gradient(self, strategy: Strategy, density: float | None = None, *, selector: str = "exact",
+                 runtime: str = "planner", route: str = "best") -> GradientProblem:
+        key = ("gradient", strategy, density, selector, runtime, route)
+        if key not in self._made:
+            self._made[key] = gradient_problem(self.profile, strategy, density, selector=selector, runtime=runtime,
+                                               route=route)
+        return self._made[key]  # type: ignore[return-value]
+
+    def mixed(self, compressors: Sequence[Compressor], *, selector: str = "exact",
+              runtime: str = "planner") -> MixedProblem:
+        key = ("mixed", tuple(compressors), selector, runtime)
+        if key not in self._made:
+            self._made[key] = mixed_problem(self.profile, compressors, selector=selector, runtime=runtime)
+        return self._made[key]  # type: ignore[return-value]
+
+
+#: A row of a plan's table: its predicted step (seconds) on the problems of a profile.
+RowStep = Callable[[Problems], float]
+Key = TypeVar("Key", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class Draws:
+    """Resampled profiles (`planner.costmodel.resample`) and which measurements they drew from."""
+
+    profiles: tuple[Profile, ...]
+    sources: tuple[str, ...]
+
+    @classmethod
+    def of(cls, profile: Profile, count: int = DRAWS, seed: int = 0) -> Draws | None:
+        """`count` draws of `profile`; None when it kept no samples (a profile made before they were kept)."""
+        sources = spread_sources(profile)
+        if not sources:
+            return None
+        return cls(profiles=tuple(resampled_many(profile, count, seed)), sources=sources)
+
+
+def evaluate(rows: Mapping[Key, RowStep], draws: Draws) -> dict[Key, np.ndarray]:
+    """Each row's step under every draw (the same draws, in the same order, for every row)."""
+    out: dict[Key, list[float]] = {name: [] for name in rows}
+    for profile in draws.profiles:
+        problems = Problems(profile)
+        for name, step in rows.items():
+            out[name].append(step(problems))
+    return {name: np.asarray(values) for name, values in out.items()}
+
+
+def ddp_label(variant: str) -> str:
+    """How a DDP variant of the verdict reads: "DDP", "DDP + fp16 hook"."""
+    return "DDP" if variant == "ddp" else f"DDP + {variant.removeprefix('ddp+')} hook"
+
+
+def weigh(plan: np.ndarray, ddp: dict[str, np.ndarray], nominal: dict[str, float]) -> Verdict:
+    """The verdict of a plan's draws against each DDP variant's (the same draws; "ddp" among them).
+
+    The plan is kept when its gain over every variant is beyond the noise. Otherwise DDP is: plain DDP, unless a
+    hook is faster than plain DDP beyond the noise (then the one with the largest median gain over it). `against` is
+    the variant the plan gains least on (at the lower end of the interval), `nominal` the variants' predictions."""
+    gains = {name: PairedGain.of(plan, draws) for name, draws in ddp.items()}
+    against = min(gains, key=lambda name: (gains[name].low, name))
+    gain = gains[against]
+    if gain.beyond_noise:
+        keep = "plan"
+    else:
+        plain = ddp["ddp"]
+        better = {name: PairedGain.of(draws, plain) for name, draws in ddp.items() if name != "ddp"}
+        beyond = [name for name, g in better.items() if g.beyond_noise]
+        keep = max(beyond, key=lambda name: better[name].median) if beyond else "ddp"
+    order = ["ddp", *(name for name in ddp if name != "ddp")]
+    return Verdict(keep=keep, against=against, gain=(gain.median, gain.low, gain.high),
+                   variants={name: (nominal[name], *percentile_interval(ddp[name])) for name in order})
+
+
+def with_intervals(plan: Plan, profile: Profile, draws: Draws | None = None, *,
+                   time_limit_s: float | None = 1.0) -> Plan:
+    """`plan` with each of its rows' intervals and its verdict against DDP, over `draws` of `profile` (made here when
+    None). Unchanged (no intervals, no verdict) for a profile that kept no samples, and for K-FAC and ABS-SGD plans,
+    whose own predictions this does not cover yet. `time_limit_s`: for rows that are exact plans of their own (the
+    best plan with one compressor, the plan all flat), solved again here to know their groupings."""
+    if plan.kfac is not None or plan.abs is not None:
+        return plan
+    draws = draws if draws is not None else Draws.of(profile)
+    if draws is None:
+        return plan
+    own, ddp = plan_rows(plan, profile, time_limit_s=time_limit_s), ddp_rows(plan, profile)
+    values = evaluate({**{("own", k): v for k, v in own.items()}, **{("ddp", k): v for k, v in ddp.items()}}, draws)
+    nominal = Problems(profile)
+    return attach(plan, {k: values["own", k] for k in own}, {k: values["ddp", k] for k in ddp}, draws,
+                  {k: step(nominal) for k, step in ddp.items()})
+
+
+def attach(plan: Plan, own: dict[str, np.ndarray], ddp: dict[str, np.ndarray], draws: Draws,
+           ddp_nominal: dict[str, float]) -> Plan:
+    """`plan` with the intervals of its own rows' draws (`own`: "plan" and baselines) and its verdict against the DDP
+    variants' draws (`ddp`), whose predictions on the profile itself are `ddp_nominal`."""
+    intervals = Intervals(level=LEVEL, draws=len(draws.profiles), sources=draws.sources,
+                          rows={name: percentile_interval(v) for name, v in own.items()})
+    return replace(plan, intervals=intervals, verdict=weigh(own["plan"], ddp, ddp_nominal))
+
+
+def plan_rows(plan: Plan, profile: Profile, *, time_limit_s: float | None = 1.0) -> dict[str, RowStep]:
+    """The plan ("plan") and each baseline it prints that can be rebuilt, as steps on any profile: the same
+    grouping and way of sending each group throughout (a baseline's grouping is found once, on `profile`)."""
+    grouping = plan_grouping(plan, profile)
+    found: dict[str, RowStep] = {}
+    if plan.strategy is Strategy.MIXED or _routed_topk(plan, profile):
+        found["plan"] = _mixed_row(_allowed(plan), plan.selector or "exact", grouping,
+                                   _plan_choice(plan, profile))
+    else:
+        found["plan"] = _grouping_row(plan.strategy, plan.density, plan.selector or "exact", "planner",
+                                      _route(plan), grouping)
+    found.update(_baseline_rows(plan, profile, time_limit_s))
+    nominal = Problems(profile)
+    printed = {"plan": plan.predicted, **plan.baselines}
+    return {name: step for name, step in found.items()
+            if name in printed and math.isclose(step(nominal), printed[name].iteration_s, rel_tol=_SAME)}
+
+
+def ddp_rows(plan: Plan, profile: Profile, compressors: Sequence[Compressor] | None = None) -> dict[str, RowStep]:
+    """What a user would run instead of `plan`, as steps on any profile: plain DDP ("ddp") and DDP with the hook
+    of each compressor other than dense that the plan may send by (or of `compressors`) ("ddp+C"), on DDP's buckets
+    at DDP's own packing cost (one bucket for PowerSGD on gloo, `ddp_hook_grouping`)."""
+    selector = plan.selector or "exact"
+    backend = plan.cluster.backend
+    out: dict[str, RowStep] = {}
+    if plan.strategy is Strategy.MIXED:  # predicted as the mixed plan's own "ddp-25mb" row
+        out["ddp"] = _hook_row(DENSE_COMPRESSOR, selector, backend)
+    else:
+        ddp = next(b for b in BASELINES[Strategy.DENSE] if b.name == DDP_BASELINE)
+        buckets = ddp.solve(gradient_problem(profile, Strategy.DENSE, runtime="ddp"))
+        out["ddp"] = _grouping_row(Strategy.DENSE, None, "exact", "ddp", "flat", buckets)
+    for c in compressors if compressors is not None else _allowed(plan):
+        if c.kind is CompressorKind.TOPK and profile.topk is not None:
+            # The project's top-k hook with the selector this profile predicts faster for it, as a user would pick.
+            nominal = Problems(profile)
+            hooks = [_hook_row(c, s, backend) for s in profile.topk.selectors() or ["exact"]]
+            out[f"ddp+{c}"] = min(hooks, key=lambda step: step(nominal))
+        elif c.kind is not CompressorKind.DENSE:
+            out[f"ddp+{c}"] = _hook_row(c, selector, backend)
+    return out
+
+
+def _allowed(plan: Plan) -> tuple[Compressor, ...]:
+    """The compressors the plan could choose from (those it uses, where it did not record them)."""
+    if plan.strategy is Strategy.MIXED:
+        return plan.compressors or tuple(dict.fromkeys(plan.compressor_of(g) for g in plan.groups))
+    return (plan.compressor_of(plan.groups[0]),)
+
+
+def _routed_topk(plan: Plan, profile: Profile) -> bool:
+    """A top-k plan solved with the way across hosts per group (the profile measured hierarchical top-k at its
+    density): it is predicted on the mixed problem of its compressor's two ways."""
+    return (plan.strategy is Strategy.TOPK and profile.hosts is not None and plan.density is not None
+            and profile.hosts.topk_at(plan.density) is not None)
+
+
+def _route(plan: Plan) -> str:
+    """How a dense plan's groups were chosen to cross hosts: "best" per group (some of each, or one host)."""
+    if plan.cluster.host_count < 2:
+        return "best"
+    routed = sum(g.hierarchical for g in plan.groups)
+    return "hierarchical" if routed == len(plan.groups) else "best"
+
+
+def _plan_choice(plan: Plan, profile: Profile) -> tuple[int, ...]:
+    from planner.strategies.mixed import plan_choice
+
+    return tuple(plan_choice(plan, profile)[1])
+
+
+def _grouping_row(strategy: Strategy, density: float | None, selector: str, runtime: str, route: str,
+                  grouping: Grouping) -> RowStep:
+    def step(problems: Problems) -> float:
+        problem = problems.gradient(strategy, density, selector=selector, runtime=runtime, route=route)
+        return simulate(problem, grouping).iteration_s
+    return step
+
+
+def _mixed_row(compressors: Sequence[Compressor], selector: str, grouping: Grouping, choice: Sequence[int],
+               runtime: str = "planner") -> RowStep:
+    picks = tuple(choice)
+
+    def step(problems: Problems) -> float:
+        return simulate_mixed(problems.mixed(compressors, selector=selector, runtime=runtime), grouping,
+                              picks).iteration_s
+    return step
+
+
+def _hook_row(compressor: Compressor, selector: str, backend: str) -> RowStep:
+    """DDP with `compressor`'s hook (plain DDP for dense) on the buckets DDP runs it with."""
+    from planner.strategies.mixed import ddp_hook_grouping
+
+    def step(problems: Problems) -> float:
+        problem = problems.mixed((compressor,), selector=selector, runtime="ddp")
+        grouping = ddp_hook_grouping(problem, compressor, backend)
+        return simulate_mixed(problem, grouping, (0,) * len(grouping)).iteration_s
+    return step
+
+
+def _baseline_rows(plan: Plan, profile: Profile, time_limit_s: float | None) -> dict[str, RowStep]:
+    """The baselines `plan` prints, rebuilt as the strategy that made it computed them."""
+    from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, route_ways
+
+    names = set(plan.baselines)
+    selector = plan.selector or "exact"
+    out: dict[str, RowStep] = {}
+    if plan.strategy in (Strategy.DENSE, Strategy.TOPK):
+        flat = gradient_problem(profile, plan.strategy, plan.density, selector=selector, route="flat")
+        for b in BASELINES[plan.strategy]:
+            if b.name in names:
+                runtime = "ddp" if b.name == DDP_BASELINE else "planner"
+                out[b.name] = _grouping_row(plan.strategy, plan.density, selector, runtime,
+                                            "best" if runtime == "ddp" else "flat", b.solve(flat))
+        if plan.strategy is Strategy.DENSE and profile.hosts is not None:
+            for name, route in ((ALL_FLAT, "flat"), (ALL_HIERARCHICAL, "hierarchical")):
+                if name in names:
+                    problem = gradient_problem(profile, Strategy.DENSE, route=route)
+                    out[name] = _grouping_row(Strategy.DENSE, None, "exact", "planner", route, solve_exact(problem))
+    allowed = _allowed(plan)
+    mixed_plan = plan.strategy is Strategy.MIXED or _routed_topk(plan, profile)
+    if not mixed_plan:
+        return out
+    mixed = mixed_problem(profile, allowed, selector=selector)
+    if plan.strategy is Strategy.MIXED:
+        for c in dict.fromkeys((DENSE_COMPRESSOR, *allowed)):
+            name = DDP_BASELINE if c.kind is CompressorKind.DENSE else f"ddp+{c}"
+            if name in names:
+                out[name] = _hook_row(c, selector, plan.cluster.backend)
+        for c in allowed:
+            if f"only:{c}" in names:
+                only = MixedParetoDP(allowed=mixed.indices_of(c), time_limit_s=time_limit_s).solve(mixed)
+                out[f"only:{c}"] = _mixed_row(allowed, selector, only.grouping, only.choice)
+    if any(c.hierarchical for c in mixed.compressors):
+        ways = route_ways(mixed)
+        for name, kept in ((ALL_FLAT, ways["flat"]), (ALL_HIERARCHICAL, ways["hierarchical"])):
+            if name in names:
+                best = MixedParetoDP(allowed=kept, time_limit_s=time_limit_s).solve(mixed)
+                out[name] = _mixed_row(allowed, selector, best.grouping, best.choice)
+    return out
