@@ -278,12 +278,6 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
                           "measure the factors as they run now)", markup=False)
 
 
-#: How `planner profile` and `show` name the parts of `InSitu.kfac_steps`.
-_KFAC_STEP_NAMES = {"fold": "folding", "invert:eigen": "eigendecompositions", "invert:inverse": "inverses",
-                    "precondition:eigen": "preconditioning (eigen)",
-                    "precondition:inverse": "preconditioning (inverse)"}
-
-
 #: How far the sum of a profile's parts may be from its whole steps before `planner profile` warns.
 PARTS_TOLERANCE = 0.10
 
@@ -302,8 +296,14 @@ def print_profile(profile: object) -> None:
     )
     if profile.parts_scale is not None:
         assert profile.step_s is not None
-        line = (f"whole local steps {_ms(profile.step_s)} ms, timed between the hooked ones; the per-layer times "
-                f"summed to {_ms(profile.parts_s / profile.parts_scale)} ms and are scaled by "
+        spread = ""
+        if profile.steps is not None:
+            from planner.costmodel.spread import LEVEL, statistic_interval
+
+            low, high = statistic_interval(profile.steps.whole_s)
+            spread = f" [{LEVEL:.0%} interval {_ms(low)}-{_ms(high)} over {profile.steps.count} steps]"
+        line = (f"whole local steps {_ms(profile.step_s)} ms{spread}, timed between the hooked ones; the per-layer "
+                f"times summed to {_ms(profile.parts_s / profile.parts_scale)} ms and are scaled by "
                 f"{profile.parts_scale:.3f} to match")
         if abs(profile.parts_scale - 1) > PARTS_TOLERANCE:
             err_console.print(f"warning: {line}: the timing hooks or the machine's noise moved the parts by more "
@@ -331,11 +331,13 @@ def print_profile(profile: object) -> None:
         console.print(f"each worker's samples/s at micro-batches {', '.join(map(str, tp.batch_sizes))} (forward and "
                       f"backward alone): {rates}; fastest/slowest {tp.spread:.2f}x")
     if profile.interference:
-        slower = ", ".join(f"{sigma:.2f} with an {coll.value}" for coll, sigma in profile.interference.items())
+        slower = ", ".join(f"{sigma:.2f}{_slowdown_interval(profile, coll, 'sigma')} with an {coll.value}"
+                           for coll, sigma in profile.interference.items())
         console.print(f"compute while communicating: the backward pass runs 1 + sigma times slower while a "
                       f"collective is in flight, sigma = {slower}")
     if profile.comm_stretch:
-        slower = ", ".join(f"{kappa:.2f} for an {coll.value}" for coll, kappa in profile.comm_stretch.items())
+        slower = ", ".join(f"{kappa:.2f}{_slowdown_interval(profile, coll, 'kappa')} for an {coll.value}"
+                           for coll, kappa in profile.comm_stretch.items())
         console.print(f"communicating while computing: a chain of collectives runs 1 + kappa times slower while the "
                       f"workers run forward and backward passes, kappa = {slower} (dense plans and K-FAC charge "
                       f"the allreduce's on collectives in flight during backward)")
@@ -351,17 +353,18 @@ def print_profile(profile: object) -> None:
                       f"{comp.fp16_uncast.beta_s_per_byte * 1e9:.3f} ns per element; PowerSGD measured at ranks "
                       f"{ranks} on {len(shapes)} distinct layer shapes")
     if profile.in_situ is not None:
-        situ = profile.in_situ
-        parts = [("packing", situ.pack), *((f"{n} selection", c) for n, c in situ.select.items()),
-                 ("decoding", situ.decode), ("DDP's bucket copies", situ.ddp_pack),
-                 *((f"PyTorch's {name.removeprefix('ddp+')} hook on DDP" if name.startswith("ddp+") else
-                    f"{name} {'compression' if part == 'prepare' else 'decompression'}", c)
-                   for name, calibrations in situ.compress.items() for part, c in calibrations.items()),
-                 ("K-FAC factor hooks", situ.kfac_factors),
-                 *((f"K-FAC {_KFAC_STEP_NAMES.get(part, part)}", c) for part, c in situ.kfac_steps.items())]
-        shown = ", ".join(f"{what} {c.factor:.2f}x ({_ms(c.measured_s)} ms measured / {_ms(c.modelled_s)} ms "
-                          "micro-benchmarked)" for what, c in parts if c is not None)
-        console.print(f"in real steps (one group per layer, nothing sent): {shown}")
+        named = profile.in_situ.named()
+        usable = [(what, c) for what, c in named if c.use.used]
+        shown = ", ".join(f"{what} {c.use.describe()}" for what, c in usable)
+        if usable:
+            console.print(f"in real steps (one group per layer, nothing sent), each as a multiple of its "
+                          f"micro-benchmark [90% interval]: {shown}", soft_wrap=True)
+        for what, c in named:
+            if not c.use.used and c.modelled_s > 0:
+                pairs = f" over {len(c.samples_s)} samples" if c.samples_s else ""
+                again = ", measured twice" if c.attempts > 1 else ""
+                err_console.print(f"note: {what} in real steps was not used ({c.use.describe()}{pairs}{again}: "
+                                  f"{c.use.why}); its micro-benchmark stands in for it", markup=False, soft_wrap=True)
     table = Table(title="collectives: alpha + beta * bytes, fitted (used where it holds at every point) "
                         "or interpolated")
     for col in ("collective", "alpha us", "bandwidth GB/s", "median fit error", "worst", "model used", "points"):
@@ -408,6 +411,24 @@ def print_profile(profile: object) -> None:
                           f"(median fit error {dc.fit_error:.1%}, worst {dc.worst_error:.1%}, {used}); "
                           f"measured ms at d = {pts}")
         print_left_out(len(kf.layers), kf.left_out, kf.skip)
+
+
+def _slowdown_interval(profile: object, collective: object, which: str) -> str:
+    """" [0.81, 1.12]": the interval of sigma or kappa over its pairs resampled, where the profile kept them."""
+    import numpy as np
+
+    from planner.contracts.profile import Profile
+    from planner.costmodel.spread import percentile_interval
+
+    assert isinstance(profile, Profile)
+    samples = (profile.slowdown_samples or {}).get(collective)  # type: ignore[call-overload]
+    if samples is None:
+        return ""
+    rng = np.random.default_rng(0)
+    count = len(samples.alone_s if which == "sigma" else samples.pace_alone_s)
+    draws = [getattr(samples, which)(rng.integers(0, count, size=count)) for _ in range(500)]
+    low, high = percentile_interval(draws)
+    return f" [{low:.2f}, {high:.2f}]"
 
 
 def print_auto(choice: object) -> None:

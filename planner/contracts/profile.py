@@ -13,8 +13,11 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
       "layers": [                                                 # in the order gradients became ready
         {"name", "params": [...], "numel", "forward_s", "backward_s", "backward_iqr_s"}, ...
       ],
+      "steps": {"whole_s": [...], "forward_s": [...],             # optional: the layer phase's measured steps,
+                "update_s": [...], "backward_s": [[b_i...], ...]},# which the numbers above are medians of
       "collectives": {                                            # bytes = message size per rank
-        "allreduce": {"points": [[bytes, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error"}, ...
+        "allreduce": {"points": [[bytes, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error",
+                      "samples": [[s, s, ...], ...]}, ...         # optional: each point's runs (it is their mean)
       },
       "topk": {                                                   # null when not measured
         "select": [[numel, density, seconds], ...],               # the "exact" selector (torch.topk)
@@ -39,8 +42,11 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
       "comm_stretch": {"allreduce": 0.7, "allgather": 0.6},       # kappa per collective: a chain of them
                                                                   # runs 1 + kappa times slower while the
                                                                   # workers compute; null or absent: 0
+      "slowdown_samples": {"allreduce": {"alone_s", "busy_s",     # optional: the pairs sigma and kappa are
+                           "pace_alone_s", "pace_busy_s"}, ...},  # taken from
       "in_situ": {                                                # null or absent: factors of 1
-        "pack": {"factor", "measured_s", "modelled_s"},           # the runtime's hooks in real backward
+        "pack": {"factor", "measured_s", "modelled_s",            # the runtime's hooks in real backward
+                 "samples_s", "attempts"},                        # (optional: the samples, the attempts)
         "select": {"exact": {...}, "sampled": {...}},             # passes, against the micro-benchmarks
         "decode": {...},                                          # (see below)
         "ddp_pack": {...},                                        # optional: DDP's own bucket copies
@@ -109,9 +115,17 @@ meets colder data. `planner profile` runs the runtime itself (`GradientExchange`
 layer, sending nothing) in real steps beside steps without it: `measured_s` is how much longer the
 backward pass (pack, select) or the synchronize call (decode) takes, `modelled_s` what the
 micro-benchmarked curves predict for the same groups, and the solvers use the curves times
-`factor` = measured / modelled. `ddp_pack` does the same for PyTorch DDP (with a comm hook that sends
-nothing) on its 25 MB buckets: the "ddp-25mb" rows of plans are predicted with DDP's own packing cost
-(`planner.costmodel.from_profile.gradient_problem(..., runtime="ddp")`), the other rows with this runtime's.
+`factor` = measured / modelled (1 where the measurement is not used: see "Samples"). `ddp_pack` does the same
+for PyTorch DDP (with a comm hook that sends nothing) on its 25 MB buckets: the "ddp-25mb" rows of plans are
+predicted with DDP's own packing cost (`planner.costmodel.from_profile.gradient_problem(..., runtime="ddp")`), the
+other rows with this runtime's.
+
+Samples: where a number is a statistic of repeated measurements, the profile keeps them (older profiles do not):
+the steps of the layer phase, each collective point's runs, each in-situ calibration's paired differences (or the
+work's own durations), the pairs sigma and kappa come from. `planner.costmodel.resample` draws profiles from them,
+which gives every prediction an interval (`planner.strategies.intervals`). An in-situ calibration whose interval
+includes no effect, or that lies outside 0.5x-20x of its micro-benchmark, is measured once more and, if still so,
+not used: its micro-benchmark stands (`planner.costmodel.spread.calibration_use`).
 
 `backward_s` of a layer is the time between the previous layer's gradient becoming ready and its own
 (b_i of the timeline model). `fit_error` is the median relative error of the fitted alpha + beta*x.
