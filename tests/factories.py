@@ -166,3 +166,35 @@ def abs_section(world_size: int = 2, *, min_micro_batches: int = 1, max_micro_ba
     return ABSSection(global_batch=global_batch, micro_batch=micro_batch, min_micro_batches=min_micro_batches,
                       max_micro_batches=max_micro_batches,
                       predicted={"abs-sgd": dummy, "sync-equal": dummy, "sync-proportional": dummy})
+
+
+def with_samples(profile: Profile, *, spread: float = 0.05, steps: int = 20, runs: int = 7, seed: int = 0) -> Profile:
+    """`profile` with the samples a measured one keeps, drawn around its numbers (relative noise `spread`): `steps`
+    steps of the layer phase (F, b_i, U and the whole step, each step's noise shared by all of its parts, as a
+    busy spell slows a whole step), and `runs` runs at each collective point. The medians and means of the samples
+    become the profile's numbers, as `planner profile` takes them."""
+    import numpy as np
+
+    from planner.contracts.profile import StepSamples
+
+    rng = np.random.default_rng(seed)
+    slow = 1 + spread * np.abs(rng.standard_normal(steps))  # per step: the whole step and its parts together
+
+    def jitter(value: float, size: int) -> np.ndarray:
+        return value * (1 + spread * 0.2 * rng.standard_normal(size))
+
+    backward = np.array([[lt.backward_s for lt in profile.layers]] * steps) * slow[:, None]
+    samples = StepSamples(
+        whole_s=tuple(jitter(profile.forward_s + profile.backward_s + profile.update_s, steps) * slow),
+        forward_s=tuple(jitter(profile.forward_s, steps) * slow),
+        update_s=tuple(jitter(profile.update_s, steps) * slow),
+        backward_s=tuple(tuple(float(b) for b in row) for row in backward))
+    fwd, upd, b, whole = samples.scaled_parts()
+    layers = tuple(replace(lt, backward_s=bi) for lt, bi in zip(profile.layers, b, strict=True))
+
+    def curve(c: FittedCurve) -> FittedCurve:
+        runs_of = [tuple(np.abs(t * (1 + spread * rng.standard_normal(runs)))) for _, t in c.points]
+        return FittedCurve.fit([(n, float(np.mean(r))) for (n, _), r in zip(c.points, runs_of, strict=True)], runs_of)
+
+    return replace(profile, steps=samples, forward_s=fwd, update_s=upd, layers=layers, step_s=whole,
+                   backward_s=sum(b), collectives={k: curve(c) for k, c in profile.collectives.items()})

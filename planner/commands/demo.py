@@ -38,18 +38,22 @@ class DemoCommand(Command):
         parser.add_argument("--compressors", default="all", metavar="LIST|PRESET",
                             help=f"what the plans may send: {COMPRESSORS_HELP.removesuffix('; default light')}; "
                                  "default all")
-        parser.add_argument("--steps", type=_positive, default=20)
+        parser.add_argument("--steps", type=_positive, default=None, help="bench steps per variant (default 20, "
+                                                                             "--quick 10)")
         parser.add_argument("--plans-dir", type=Path, default=Path("plans"))
         parser.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
         parser.add_argument("--link", default=DEMO_LINK, metavar="RATE|none",
                             help=f"{LINK_HELP}; default {DEMO_LINK} where this process may make network namespaces, "
                                  "else loopback; none: loopback")
+        parser.add_argument("--quick", action="store_true",
+                            help="profile with `planner profile --quick` (about a minute for a model like the MLP; "
+                                 "wider intervals) and bench fewer steps")
         _add_hosts(parser)
         _add_slowdown(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.commands.bench import BenchConfig, run_bench
-        from planner.commands.profile import ProfileConfig, run_profile
+        from planner.commands.profile import DEFAULT_EFFORT, QUICK_EFFORT, ProfileConfig, run_profile
         from planner.models import build_workload
         from planner.strategies.mixed import parse_compressors, solve_auto
 
@@ -70,8 +74,9 @@ class DemoCommand(Command):
         if args.hosts:
             on = f"on {args.hosts} emulated hosts, {'between them ' if link is not None else ''}{on}"
         console.rule(f"1/3 profile {args.model} on {args.nproc} workers {on}")
-        profile = run_profile(ProfileConfig(model=args.model, output=prof_path, nproc=args.nproc, link=link,
-                                            slowdown=args.slowdown, hosts=args.hosts))
+        effort = QUICK_EFFORT if args.quick else DEFAULT_EFFORT
+        profile = run_profile(ProfileConfig.at(effort, quick=args.quick, model=args.model, output=prof_path,
+                                               nproc=args.nproc, link=link, slowdown=args.slowdown, hosts=args.hosts))
         profile.save(prof_path)
         print_profile(profile)
         console.print(f"wrote profile {prof_path}")
@@ -89,10 +94,12 @@ class DemoCommand(Command):
         console.rule("3/3 bench: DDP, PyTorch's DDP hooks and the plans")
         dense = choice.candidates.get("dense")
         plans = (choice.plan,) if dense is None or dense is choice.plan else (dense, choice.plan)
-        results = run_bench(BenchConfig(plans=plans, model=args.model, nproc=args.nproc, steps=args.steps,
+        steps = args.steps or (10 if args.quick else 20)
+        results = run_bench(BenchConfig(plans=plans, model=args.model, nproc=args.nproc, steps=steps,
                                         link=link, slowdown=args.slowdown, hosts=args.hosts))
         assert results is not None
         print_bench(results, as_json=False, title=f"bench {on}: median step time (slowest rank per step)")
+        console.print(verdict_against_bench(choice.plan, results), style="bold", soft_wrap=True)
         return 0
 
     @staticmethod
@@ -113,3 +120,29 @@ class DemoCommand(Command):
                           "dominates and plans matter little (run as root to see the slow network)", style="yellow")
             return None
         return parse_rate(DEMO_LINK)
+
+
+def verdict_against_bench(plan: Any, results: list[Any]) -> str:
+    """One line: what the demo kept (the plan, or a DDP variant, from the plan's verdict) and what the bench then
+    measured for it and for the alternative, with the predictions beside them."""
+    from planner.commands.bench import plan_tag
+    from planner.strategies.intervals import ddp_label
+
+    measured = {r.name: r for r in results}
+    mine = measured.get(f"plan {plan_tag(plan)}")
+    verdict = plan.verdict
+    if verdict is None or mine is None:
+        kept = "the plan" if verdict is None else ddp_label(verdict.keep)
+        return f"kept {kept} (its noise not weighed: the profile has no samples)" if verdict is None else f"kept {kept}"
+    against = measured.get(verdict.against)
+    kept = "the plan" if verdict.keep == "plan" else ddp_label(verdict.keep)
+    line = (f"kept {kept}. Measured: the plan {mine.median_s * 1e3:,.2f} ms (predicted "
+            f"{plan.predicted.iteration_s * 1e3:,.2f})")
+    if against is not None:
+        line += (f", {ddp_label(verdict.against)} {against.median_s * 1e3:,.2f} ms (predicted "
+                 f"{verdict.against_s * 1e3:,.2f}): the plan ran {against.median_s / mine.median_s:.2f}x as fast")
+    lossy = sorted({str(plan.compressor_of(g)) for g in plan.groups if plan.compressor_of(g).lossy})
+    if lossy:
+        line += (f"; it sends {', '.join(lossy)}: what that costs in samples to reach a loss was not measured here "
+                 "(`planner bench --target-loss L` measures it)")
+    return line

@@ -288,6 +288,10 @@ def print_profile(profile: object) -> None:
 
     assert isinstance(profile, Profile)
     console.print(profile.model.describe(), style="bold")
+    if profile.quick:
+        err_console.print("note: a quick profile (--quick): fewer repeats and sweeps, so its numbers are noisier and "
+                          "the intervals of plans made from it wider; profile without --quick for the plan you keep",
+                          markup=False, soft_wrap=True)
     console.print(
         f"{profile.cluster.describe()}, batch {profile.batch_size}/worker, "
         f"torch {profile.torch_version}, measured {profile.created}\n"

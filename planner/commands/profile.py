@@ -58,7 +58,8 @@ from runtime.calibrate import (
     measure_packing,
 )
 
-__all__ = ["DEFAULT_DENSITIES", "DEFAULT_LAYER_SECONDS", "ProfileConfig", "profile_worker", "run_profile"]
+__all__ = ["DEFAULT_DENSITIES", "DEFAULT_EFFORT", "DEFAULT_LAYER_SECONDS", "QUICK_EFFORT", "Effort", "ProfileConfig",
+           "profile_worker", "run_profile"]
 
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1, 1.0)
 #: Backward passes timed alone and with collectives in flight, per collective (interference).
@@ -75,6 +76,33 @@ KFAC_STEPS_REPEATS = 10
 IN_SITU_DENSITY = 0.01
 #: How long the layer phase's whole steps span at least, by default (`measure_layers`' `min_seconds`).
 DEFAULT_LAYER_SECONDS = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Effort:
+    """How hard `planner profile` measures: its repetitions and what it sweeps. The command line's flags
+    (--repeats, --warmup, --layer-seconds, --densities, --powersgd-ranks) override the matching fields."""
+
+    repeats: int
+    warmup: int
+    layer_seconds: float
+    comm_repeats: int
+    densities: tuple[float, ...]
+    powersgd_ranks: tuple[int, ...]
+    in_situ_repeats: int  # pairs of steps per in-situ configuration
+    interference_repeats: int  # pairs of passes per collective (sigma, kappa)
+    micro_repeats: int  # runs per point of the top-k, packing and compressor micro-benchmarks
+
+
+#: `planner profile` by default.
+DEFAULT_EFFORT = Effort(repeats=10, warmup=3, layer_seconds=DEFAULT_LAYER_SECONDS, comm_repeats=7,
+                        densities=DEFAULT_DENSITIES, powersgd_ranks=DEFAULT_POWERSGD_RANKS,
+                        in_situ_repeats=IN_SITU_REPEATS, interference_repeats=INTERFERENCE_REPEATS, micro_repeats=5)
+#: `planner profile --quick`: what a plan needs, measured fewer times (top-k at 1% only, PowerSGD at rank 4 only):
+#: under a minute for a model like the built-in MLP on two workers of a 2-core machine. Fewer samples make wider
+#: intervals, and plans made from it say so.
+QUICK_EFFORT = Effort(repeats=5, warmup=1, layer_seconds=0.5, comm_repeats=3, densities=(0.01,), powersgd_ranks=(4,),
+                      in_situ_repeats=4, interference_repeats=3, micro_repeats=3)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +130,20 @@ class ProfileConfig:
     link: LinkRate | None = None
     slowdown: Slowdown | None = None
     hosts: int | None = None  # emulated hosts the local workers are spread over (`--hosts`)
+    #: `--quick`: measured with `QUICK_EFFORT` (recorded in the profile, whose intervals are wider).
+    quick: bool = False
+    in_situ_repeats: int = IN_SITU_REPEATS
+    interference_repeats: int = INTERFERENCE_REPEATS
+    micro_repeats: int = 5
+
+    @classmethod
+    def at(cls, effort: Effort, *, quick: bool = False, **kwargs: object) -> ProfileConfig:
+        """A configuration measuring with `effort` (`kwargs`: the other fields, and any of effort's to override)."""
+        fields = {"repeats": effort.repeats, "warmup": effort.warmup, "layer_seconds": effort.layer_seconds,
+                  "comm_repeats": effort.comm_repeats, "densities": effort.densities,
+                  "powersgd_ranks": effort.powersgd_ranks, "in_situ_repeats": effort.in_situ_repeats,
+                  "interference_repeats": effort.interference_repeats, "micro_repeats": effort.micro_repeats}
+        return cls(quick=quick, **{**fields, **kwargs})  # type: ignore[arg-type]
 
 
 def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile | None:
@@ -175,16 +217,17 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                 fitting = host_topk_sizes(topk_sizes, world_size, topk_budget(world_size, device))
                 task = bar.add_task("top-k merged inside hosts", total=len(ratios) * len(fitting))
                 host_timing = replace(host_timing, topk=measure_host_topk(
-                    groups, fitting, ratios, device, repeats=5, warmup=1, on_point=lambda: bar.advance(task)))
+                    groups, fitting, ratios, device, repeats=config.micro_repeats, warmup=1,
+                    on_point=lambda: bar.advance(task)))
         if not config.only_comm:
             memory.begin("top-k")
             task = bar.add_task("top-k selection and decode", total=len(config.densities) * len(topk_sizes))
             topk = measure_topk(
-                topk_sizes, config.densities, world_size, device, repeats=5, warmup=1,
+                topk_sizes, config.densities, world_size, device, repeats=config.micro_repeats, warmup=1,
                 max_point_bytes=topk_budget(world_size, device), on_point=lambda: bar.advance(task),
             )
             task = bar.add_task("packing", total=len(topk_sizes))
-            pack = measure_packing(topk_sizes, world_size, device, repeats=5, warmup=1,
+            pack = measure_packing(topk_sizes, world_size, device, repeats=config.micro_repeats, warmup=1,
                                    on_point=lambda: bar.advance(task))
             assert layer_results is not None
             if config.powersgd_ranks:
@@ -194,22 +237,24 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                 task = bar.add_task("fp16 and PowerSGD", total=compress_points(topk_sizes, shaped,
                                                                               config.powersgd_ranks))
                 compress = measure_compress(topk_sizes, shaped, config.powersgd_ranks, world_size, device,
-                                            repeats=5, warmup=1, on_point=lambda: bar.advance(task))
+                                            repeats=config.micro_repeats, warmup=1,
+                                            on_point=lambda: bar.advance(task))
             memory.begin("the runtime in real steps")
             task = bar.add_task("the runtime in real steps",
-                                total=IN_SITU_REPEATS * in_situ_runs(world_size, topk, compress))
+                                total=config.in_situ_repeats * in_situ_runs(world_size, topk, compress))
             in_situ = measure_in_situ(
                 workload, device, layer_results.layers, world_size, pack=pack.model, topk=topk,
                 density=min(config.densities, key=lambda d: abs(math.log(d / IN_SITU_DENSITY))),
-                repeats=IN_SITU_REPEATS, compress=compress, on_point=lambda: bar.advance(task),
+                repeats=config.in_situ_repeats, compress=compress, on_point=lambda: bar.advance(task),
                 on_more=functools.partial(_more, bar, task),
             )
             if world_size > 1:
                 memory.begin("compute while communicating")
                 interfering = [Collective.ALLREDUCE, Collective.ALLGATHER]
-                task = bar.add_task("compute while communicating", total=len(interfering) * INTERFERENCE_REPEATS)
+                task = bar.add_task("compute while communicating",
+                                    total=len(interfering) * config.interference_repeats)
                 both_ways = measure_interference(
-                    workload, device, interfering, repeats=INTERFERENCE_REPEATS,
+                    workload, device, interfering, repeats=config.interference_repeats,
                     message_bytes=min(INTERFERENCE_MESSAGE_BYTES, numel_total * 4),
                     on_point=lambda: bar.advance(task),
                 )
@@ -224,8 +269,8 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                 workload, device, repeats=config.repeats, warmup=config.warmup, max_dim=config.max_dim,
                 skip=config.kfac_skip, on_point=lambda: bar.advance(task),
             )
-            task = bar.add_task("K-FAC factor hooks in real steps", total=IN_SITU_REPEATS)
-            hooks = measure_kfac_in_situ(workload, device, kfac, repeats=IN_SITU_REPEATS,
+            task = bar.add_task("K-FAC factor hooks in real steps", total=config.in_situ_repeats)
+            hooks = measure_kfac_in_situ(workload, device, kfac, repeats=config.in_situ_repeats,
                                          min_seconds=KFAC_HOOKS_SECONDS, on_point=lambda: bar.advance(task),
                                          on_total=lambda total: bar.update(task, total=total))
             task = bar.add_task("K-FAC folding, inverting, preconditioning in real steps",
@@ -277,6 +322,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         hosts=host_timing,
         steps=summary.steps,
         slowdown_samples=slowdown_samples,
+        quick=config.quick,
     )
 
 

@@ -28,7 +28,7 @@ class ProfileCommand(Command):
     help = "measure per-layer compute, collectives and top-k costs on N workers; write a profile"
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
-        from planner.commands.profile import DEFAULT_LAYER_SECONDS
+        from planner.commands.profile import DEFAULT_EFFORT, DEFAULT_LAYER_SECONDS, QUICK_EFFORT
         from planner.models import DEFAULT_MODEL
         from profilers.layers import MAX_LAYER_REPEATS
 
@@ -37,14 +37,24 @@ class ProfileCommand(Command):
         parser.add_argument("--nproc", type=_positive, default=2,
                             help="local workers to start (ignored under torchrun)")
         parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-        parser.add_argument("--repeats", type=_positive, default=10, help="measured iterations per layer")
-        parser.add_argument("--warmup", type=_nonnegative_int, default=3, help="unmeasured iterations first")
-        parser.add_argument("--layer-seconds", type=_nonnegative_float, default=DEFAULT_LAYER_SECONDS, metavar="S",
+        parser.add_argument("--quick", action="store_true",
+                            help="measure what a plan needs, fewer times: under a minute for a model like the "
+                                 "built-in MLP (top-k at 1%% and PowerSGD at rank 4 only); wider intervals")
+        parser.add_argument("--repeats", type=_positive, default=None,
+                            help=f"measured iterations per layer (default {DEFAULT_EFFORT.repeats}, --quick "
+                                 f"{QUICK_EFFORT.repeats})")
+        parser.add_argument("--warmup", type=_nonnegative_int, default=None,
+                            help=f"unmeasured iterations first (default {DEFAULT_EFFORT.warmup}, --quick "
+                                 f"{QUICK_EFFORT.warmup})")
+        parser.add_argument("--layer-seconds", type=_nonnegative_float, default=None, metavar="S",
                             help="time whole steps for about S seconds: more than --repeats iterations on a fast "
-                                 f"model (at most {MAX_LAYER_REPEATS}); 0: exactly --repeats")
-        parser.add_argument("--densities", default="0.001,0.01,0.1,1.0", help="top-k densities to measure")
-        parser.add_argument("--powersgd-ranks", default="1,2,4", metavar="LIST",
-                            help="PowerSGD ranks to measure (with fp16), e.g. 1,2,4; none: measure neither")
+                                 f"model (at most {MAX_LAYER_REPEATS}); 0: exactly --repeats (default "
+                                 f"{DEFAULT_LAYER_SECONDS:g}, --quick {QUICK_EFFORT.layer_seconds:g})")
+        parser.add_argument("--densities", default=None,
+                            help="top-k densities to measure (default 0.001,0.01,0.1,1.0, --quick 0.01)")
+        parser.add_argument("--powersgd-ranks", default=None, metavar="LIST",
+                            help="PowerSGD ranks to measure (with fp16), e.g. 1,2,4; none: measure neither (default "
+                                 "1,2,4, --quick 4)")
         parser.add_argument("--only", choices=["comm"], default=None, help="re-measure only the network of -o")
         parser.add_argument("--kfac", action="store_true",
                             help="also measure K-FAC costs (factors, preconditioning, inversion against dimension)")
@@ -59,7 +69,13 @@ class ProfileCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.commands.profile import ProfileConfig, run_profile, skipped_topk_densities
+        from planner.commands.profile import (
+            DEFAULT_EFFORT,
+            QUICK_EFFORT,
+            ProfileConfig,
+            run_profile,
+            skipped_topk_densities,
+        )
         from planner.contracts.profile import Profile
 
         if args.kfac_skip is not None:
@@ -71,20 +87,24 @@ class ProfileCommand(Command):
                 raise PlannerError(
                     f"--kfac-skip is not a valid regular expression ({exc}): {args.kfac_skip!r}"
                 ) from None
-        try:
-            densities = tuple(_density(d) for d in args.densities.split(","))
-        except argparse.ArgumentTypeError as exc:
-            raise PlannerError(f"--densities: {exc}") from None
-        ranks = _powersgd_ranks(args.powersgd_ranks)
+        effort = QUICK_EFFORT if args.quick else DEFAULT_EFFORT
+        densities = effort.densities
+        if args.densities is not None:
+            try:
+                densities = tuple(_density(d) for d in args.densities.split(","))
+            except argparse.ArgumentTypeError as exc:
+                raise PlannerError(f"--densities: {exc}") from None
+        ranks = effort.powersgd_ranks if args.powersgd_ranks is None else _powersgd_ranks(args.powersgd_ranks)
+        given = {name: value for name, value in (("repeats", args.repeats), ("warmup", args.warmup),
+                                                  ("layer_seconds", args.layer_seconds)) if value is not None}
         check_hosts(args.hosts, args.nproc)
         check_output_path(args.output, "profile")  # before minutes of measuring, not after
         base = Profile.load(args.output) if args.only == "comm" and args.output.exists() else None
-        config = ProfileConfig(
-            model=args.model, output=args.output, batch_size=args.batch_size, nproc=args.nproc,
-            backend=args.backend, repeats=args.repeats, warmup=args.warmup, layer_seconds=args.layer_seconds,
-            densities=densities,
-            only_comm=args.only == "comm", base=base, kfac=args.kfac, max_dim=args.max_dim, link=args.link,
-            kfac_skip=args.kfac_skip, slowdown=args.slowdown, powersgd_ranks=ranks, hosts=args.hosts,
+        config = ProfileConfig.at(
+            effort, quick=args.quick, model=args.model, output=args.output, batch_size=args.batch_size,
+            nproc=args.nproc, backend=args.backend, densities=densities, only_comm=args.only == "comm", base=base,
+            kfac=args.kfac, max_dim=args.max_dim, link=args.link, kfac_skip=args.kfac_skip, slowdown=args.slowdown,
+            powersgd_ranks=ranks, hosts=args.hosts, **given,
         )
         profile = run_profile(config)
         profile.save(args.output)

@@ -65,6 +65,7 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
           {"layer", "rank", "shapes": [[64, 3, 3, 3], [64]], "compress_s", "middle_s", "decompress_s"}, ...
         ]
       },
+      "quick": true,                                              # optional: `planner profile --quick`
       "hosts": {"ranks": [[0, 1], [2, 3]],                        # null or absent: one host (or hosts of
                 "intra": {...}, "inter": {...},                   # unequal size); the allreduce inside each
                 "hierarchical": {...},                            # host, across them (one shard) and both
@@ -1264,6 +1265,8 @@ class Profile:
     steps: StepSamples | None = None
     #: The passes and chains sigma and kappa were taken from, per collective (None: not kept).
     slowdown_samples: dict[Collective, SlowdownSamples] | None = None
+    #: Measured by `planner profile --quick`: fewer repeats and sweeps, wider intervals.
+    quick: bool = False
     element_bytes: int = 4
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -1361,6 +1364,7 @@ class Profile:
             "compress": None if self.compress is None else self.compress.to_dict(),
             "peak_memory": self.peak_memory,
             "hosts": None if self.hosts is None else self.hosts.to_dict(),
+            **({"quick": True} if self.quick else {}),
             "steps": None if self.steps is None else self.steps.to_dict(),
             "slowdown_samples": None if self.slowdown_samples is None else {
                 c.value: samples.to_dict() for c, samples in self.slowdown_samples.items()
@@ -1392,14 +1396,14 @@ class Profile:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
         data = {"kfac": None, "step_s": None, "parts_scale": None, "pack": None, "interference": None,
                 "comm_stretch": None, "in_situ": None, "throughput": None, "compress": None, "peak_memory": None,
-                "hosts": None, "steps": None, "slowdown_samples": None, **data}
+                "hosts": None, "steps": None, "slowdown_samples": None, "quick": False, **data}
         check_fields(
             data,
             "profile",
             ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
              "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s",
              "parts_scale", "pack", "interference", "comm_stretch", "in_situ", "throughput", "compress",
-             "peak_memory", "hosts", "steps", "slowdown_samples"],
+             "peak_memory", "hosts", "steps", "slowdown_samples", "quick"],
         )
         collectives = {}
         for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
@@ -1445,6 +1449,7 @@ class Profile:
             steps=None if data["steps"] is None else StepSamples.from_dict(data["steps"]),
             slowdown_samples=(None if data["slowdown_samples"] is None
                               else _slowdown_samples(data["slowdown_samples"])),
+            quick=expect(data["quick"], bool, "profile.quick"),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

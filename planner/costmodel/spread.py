@@ -106,7 +106,8 @@ def calibration_use(measured_s: float, modelled_s: float, samples: Sequence[floa
     Not used: nothing was micro-benchmarked; the interval of the median includes no effect (its lower end at or
     below zero: the work was not told apart from the noise); or measured / modelled lies outside
     `PLAUSIBLE_FACTORS`. The decision is taken on the samples where there are (the interval and their median), so
-    that a resampled `measured_s` is used or not as the measurement was; `factor` is `measured_s` / `modelled_s`.
+    that a resampled `measured_s` is used or not as the measurement was; `factor` is `measured_s` / `modelled_s`,
+    held within `PLAUSIBLE_FACTORS` (a resampled one may stray beyond them).
     """
     if not (modelled_s > 0 and math.isfinite(modelled_s)):
         return CalibrationUse(factor=1.0, measured=math.nan, low=None, high=None, used=False,
@@ -117,10 +118,13 @@ def calibration_use(measured_s: float, modelled_s: float, samples: Sequence[floa
         centre, lo_s, hi_s = _median_and_interval(tuple(samples))
         low, high = lo_s / modelled_s, hi_s / modelled_s
     ratio = centre / modelled_s
-    use = CalibrationUse(factor=measured_s / modelled_s, measured=ratio, low=low, high=high, used=True)
+    # A used measurement lies within the plausible bounds; a resampled one (a draw of `measured_s` from its samples)
+    # may fall beyond them in the tails, where it is held at the bound: work is never free, nor a step's noise.
+    floor, ceiling = PLAUSIBLE_FACTORS
+    factor = min(ceiling, max(floor, measured_s / modelled_s))
+    use = CalibrationUse(factor=factor, measured=ratio, low=low, high=high, used=True)
     if (low if low is not None else ratio) <= 0:
         return _unused(use, "its interval includes no effect" if low is not None else "no effect was measured")
-    floor, ceiling = PLAUSIBLE_FACTORS
     if not floor <= ratio <= ceiling:
         return _unused(use, f"{'below' if ratio < floor else 'above'} the plausible {floor:g}x-{ceiling:g}x of its "
                             "micro-benchmark")

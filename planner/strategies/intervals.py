@@ -37,8 +37,8 @@ from planner.solvers import BASELINES, DDP_BASELINE, solve_exact
 from planner.solvers.mixed import MixedParetoDP
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
-__all__ = ["Draws", "Problems", "RowStep", "attach", "ddp_label", "ddp_rows", "evaluate", "plan_rows", "weigh",
-           "with_intervals"]
+__all__ = ["Draws", "Problems", "RowStep", "attach", "ddp_label", "ddp_rows", "evaluate", "plan_rows",
+           "simplest_unbeaten", "weigh", "with_intervals"]
 
 #: Relative difference within which a rebuilt row's step on the profile itself counts as the printed one.
 _SAME = 1e-9
@@ -122,6 +122,14 @@ def weigh(plan: np.ndarray, ddp: dict[str, np.ndarray], nominal: dict[str, float
     order = ["ddp", *(name for name in ddp if name != "ddp")]
     return Verdict(keep=keep, against=against, gain=(gain.median, gain.low, gain.high),
                    variants={name: (nominal[name], *percentile_interval(ddp[name])) for name in order})
+
+
+def simplest_unbeaten(order: Sequence[str], draws: Mapping[str, np.ndarray], fallback: str) -> str:
+    """The first of `order` (the simplest first) that no other of `draws` is faster than beyond the noise (a verdict
+    within the noise keeps the simpler choice); `fallback` where every one is beaten by another."""
+    return next((name for name in order
+                 if not any(PairedGain.of(draws[other], draws[name]).beyond_noise for other in draws if other != name)),
+                fallback)
 
 
 def with_intervals(plan: Plan, profile: Profile, draws: Draws | None = None, *,

@@ -312,7 +312,7 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
     """Every candidate and the DDP variants under the same draws; the simplest candidate no other beats beyond the
     noise is kept, and weighed against DDP and the hook of every allowed compressor."""
     from planner.costmodel.spread import PairedGain
-    from planner.strategies.intervals import Problems, attach, ddp_rows, evaluate, plan_rows
+    from planner.strategies.intervals import Problems, attach, ddp_rows, evaluate, plan_rows, simplest_unbeaten
 
     # Every candidate's rows and the DDP variants, under the same draws. Each candidate is weighed against plain DDP
     # and DDP with the hook of every allowed compressor, not only its own.
@@ -325,14 +325,9 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
     weighed = {name: attach(plan, {row: values[name, row] for row in own[name]}, ddp_values, draws, ddp_nominal)
                for name, plan in candidates.items()}
     step = {name: values[name, "plan"] for name in candidates}
-
-    def beaten(name: str) -> list[tuple[str, PairedGain]]:
-        return [(other, gain) for other in candidates if other != name
-                and (gain := PairedGain.of(step[other], step[name])).beyond_noise]
-
     order = sorted(candidates, key=lambda name: _simplicity(candidates[name]))  # stable: dense, top-k, mixed
     fastest = min(candidates, key=lambda name: candidates[name].predicted.iteration_s)
-    kept = next((name for name in order if not beaten(name)), fastest)
+    kept = simplest_unbeaten(order, step, fastest)
     plan = weighed[kept]
     reason = f"kept {kept}: {_with_interval(plan, 'plan')}"
     if kept == fastest:

@@ -1,0 +1,376 @@
+"""Every measured number with its uncertainty: the samples a profile keeps, the paired estimator of in-situ
+factors, resampled profiles, predictions with intervals, and a verdict that keeps a plan over DDP only beyond the
+noise (`planner.costmodel.spread`, `planner.costmodel.resample`, `planner.strategies.intervals`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.commands.cli import main
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Calibration, InSitu, Profile, SlowdownSamples
+from planner.costmodel.resample import resampled, resampled_many, spread_sources
+from planner.costmodel.spread import PairedGain, calibration_use, statistic_interval
+from planner.strategies.gradients import make_plan
+from planner.strategies.intervals import Draws, simplest_unbeaten, weigh, with_intervals
+from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.types import Collective, InvalidProfileError, SchemaError, Strategy
+from profilers.layers import LayerRun, combine_ranks
+from runtime.calibrate import _until_usable
+from tests.factories import synthetic_profile, with_samples
+from tests.test_interference import measured_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- the paired estimator of in-situ factors ---------------------------------------------------------------------
+def _pairs(effect_s: float, *, pairs: int = 24, seed: int = 0, jitter_s: float = 0.0005) -> list[float]:
+    """Paired differences of synthetic step times: each pair shares the machine's state of the moment (a drift of
+    several milliseconds between pairs), and each step its own jitter; the step with the work takes `effect_s`
+    more."""
+    rng = np.random.default_rng(seed)
+    drift = 0.010 * rng.standard_normal(pairs)  # shared by both steps of a pair
+    plain = 0.050 + drift + jitter_s * rng.standard_normal(pairs)
+    with_work = 0.050 + drift + effect_s + jitter_s * rng.standard_normal(pairs)
+    return list(with_work - plain)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_paired_estimator_recovers_a_known_effect(seed: int) -> None:
+    """2 ms of work against a 1 ms micro-benchmark: a factor of 2, inside the interval, and used."""
+    cal = Calibration.of_samples(_pairs(0.002, seed=seed), modelled_s=0.001)
+    use = cal.use
+    assert use.used and use.low is not None and use.high is not None
+    assert use.low <= 2.0 <= use.high and use.high - use.low < 1.0
+    assert cal.factor == pytest.approx(cal.measured_s / 0.001)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_with_no_effect_the_interval_straddles_zero_and_the_factor_is_not_used(seed: int) -> None:
+    cal = Calibration.of_samples(_pairs(0.0, seed=seed), modelled_s=0.001)
+    assert cal.use.low is not None and cal.use.high is not None
+    assert cal.use.low <= 0 <= cal.use.high
+    assert not cal.use.used and cal.factor == 1.0 and "no effect" in cal.use.why
+
+
+def test_an_implausible_factor_is_not_used_and_the_bounds_are_named() -> None:
+    far = Calibration.of_samples(_pairs(0.030), modelled_s=0.001)  # 30x its micro-benchmark
+    assert not far.use.used and far.factor == 1.0 and "above the plausible 0.5x-20x" in far.use.why
+    near = Calibration.of_samples(_pairs(0.0002, jitter_s=1e-5), modelled_s=0.001)  # 0.2x: faster than alone
+    assert not near.use.used and "below" in near.use.why
+    assert calibration_use(0.01, 0.0).why == "nothing was micro-benchmarked"
+
+
+def test_a_calibration_not_usable_is_measured_once_more_and_then_left_to_the_micro_benchmark() -> None:
+    answers = iter([_pairs(0.0), _pairs(0.002, seed=3)])
+    again: list[int] = []
+
+    def build(samples: list[float], attempt: int) -> dict[str, Calibration]:
+        return {"x": Calibration.of_samples(samples, 0.001, attempt)}
+
+    found = _until_usable(lambda: next(answers), build, lambda: again.append(1))["x"]
+    assert found.attempts == 2 and found.use.used and again == [1]
+    noise = iter([_pairs(0.0, seed=1), _pairs(0.0, seed=2)])
+    kept = _until_usable(lambda: next(noise), build)["x"]
+    assert kept.attempts == 2 and not kept.use.used and kept.factor == 1.0
+    first = iter([_pairs(0.002)])
+    assert _until_usable(lambda: next(first), build)["x"].attempts == 1  # usable at once: measured once
+
+
+# -- paired gains and the verdict --------------------------------------------------------------------------------
+def test_a_paired_gain_cancels_what_both_share() -> None:
+    rng = np.random.default_rng(0)
+    shared = 0.1 * (1 + 0.2 * rng.standard_normal(500))  # the same compute under every draw, noisy
+    plan, ddp = shared * 0.95, shared
+    gain = PairedGain.of(plan, ddp)
+    assert gain.median == pytest.approx(0.05) and gain.beyond_noise
+    # Unpaired, the two intervals overlap by far: the pairing is what tells them apart.
+    assert np.quantile(plan, 0.95) > np.quantile(ddp, 0.05)
+    same = PairedGain.of(shared * (1 + 0.01 * rng.standard_normal(500)), shared)
+    assert same.low < 0 < same.high and not same.beyond_noise
+
+
+def test_the_verdict_keeps_the_plan_only_beyond_the_noise_and_else_the_simpler_ddp() -> None:
+    rng = np.random.default_rng(1)
+    base = 0.1 * (1 + 0.1 * rng.standard_normal(300))
+    ddp = {"ddp": base, "ddp+fp16": base * 0.9}
+    nominal = {"ddp": 0.1, "ddp+fp16": 0.09}
+    kept = weigh(base * 0.8, ddp, nominal)
+    assert kept.keep == "plan" and kept.against == "ddp+fp16" and kept.gain[1] > 0
+    close = weigh(base * 0.9 * (1 + 0.02 * rng.standard_normal(300)), ddp, nominal)
+    assert close.keep == "ddp+fp16"  # within the noise of the hook, which beats plain DDP beyond it
+    assert close.variants["ddp"] == (0.1, *np.quantile(base, [0.05, 0.95]))
+    level = weigh(base * (1 + 0.02 * rng.standard_normal(300)), {"ddp": base}, {"ddp": 0.1})
+    assert level.keep == "ddp" and level.gain[1] < 0 < level.gain[2]
+
+
+def test_among_plans_the_simplest_not_beaten_beyond_the_noise_is_kept() -> None:
+    rng = np.random.default_rng(2)
+    base = 1 + 0.1 * rng.standard_normal(300)
+    draws = {"dense": base, "mixed": base * (1 + 0.01 * rng.standard_normal(300)), "topk": base * 0.7}
+    assert simplest_unbeaten(["dense", "mixed", "topk"], draws, "topk") == "topk"
+    del draws["topk"]
+    assert simplest_unbeaten(["dense", "mixed"], draws, "mixed") == "dense"  # within the noise: the simpler
+
+
+# -- the samples a profile keeps, and resampled profiles --------------------------------------------------------
+def _run(seed: int, layers: int = 3, steps: int = 9) -> LayerRun:
+    rng = np.random.default_rng(seed)
+    names = [f"l{i}" for i in range(layers)]
+    slow = 1 + 0.3 * rng.random(steps)
+    return LayerRun(order=tuple(names), params={n: (f"{n}.w",) for n in names}, numel=dict.fromkeys(names, 10),
+                    forward={n: list(0.001 * slow) for n in names},
+                    backward={n: list(0.002 * (i + 1) * slow) for i, n in enumerate(names)},
+                    forward_total=list(0.003 * slow), backward_total=list(0.012 * slow), update=list(0.001 * slow),
+                    whole=list(0.017 * slow * (1 + 0.05 * rng.random(steps))))
+
+
+def test_the_kept_steps_give_back_the_profiles_numbers() -> None:
+    summary = combine_ranks([_run(0), _run(1)])
+    assert summary.steps is not None and summary.steps.count == 9
+    fwd, upd, backward, whole = summary.steps.scaled_parts()
+    assert fwd == pytest.approx(summary.forward_s) and upd == pytest.approx(summary.update_s)
+    assert whole == pytest.approx(summary.step_s)
+    assert backward == pytest.approx([lt.backward_s for lt in summary.layers])
+
+
+def test_steps_of_uneven_layers_are_not_kept() -> None:
+    run = _run(0)
+    run.backward["l1"].pop()  # a layer timed one step fewer: its samples do not line up with the steps
+    assert combine_ranks([run]).steps is None
+
+
+def test_a_profile_keeps_its_samples_through_a_file_and_refuses_bad_ones(tmp_path: Path) -> None:
+    prof = with_samples(measured_profile("mlp"))
+    prof = dataclasses.replace(prof, slowdown_samples={Collective.ALLREDUCE: SlowdownSamples(
+        alone_s=(1.0, 1.1), busy_s=(1.8, 1.9), pace_alone_s=(0.1, 0.1), pace_busy_s=(0.15, 0.17))},
+        in_situ=InSitu(pack=Calibration.of_samples([0.002, -0.001, 0.003], 0.001)))
+    prof.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == prof
+    assert spread_sources(prof) == ("steps", "collectives", "in-situ calibrations", "sigma and kappa")
+    doc = prof.to_dict()
+    bad = json.loads(json.dumps(doc))
+    bad["steps"]["whole_s"][0] = -1.0
+    with pytest.raises(InvalidProfileError, match=r"profile\.steps\.whole_s\[0\]"):
+        Profile.from_dict(bad)
+    bad = json.loads(json.dumps(doc))
+    bad["steps"]["backward_s"][0].append(0.1)
+    with pytest.raises(InvalidProfileError, match="every layer at every step"):
+        Profile.from_dict(bad)
+    bad = json.loads(json.dumps(doc))
+    bad["collectives"]["allreduce"]["samples"].pop()
+    with pytest.raises(InvalidProfileError, match=r"collectives\.allreduce\.samples"):
+        Profile.from_dict(bad)
+    bad = json.loads(json.dumps(doc))
+    bad["slowdown_samples"]["allreduce"]["busy_s"].pop()
+    with pytest.raises(InvalidProfileError, match="in pairs"):
+        Profile.from_dict(bad)
+    bad = json.loads(json.dumps(doc))
+    bad["in_situ"]["pack"]["samples_s"] = []
+    with pytest.raises(InvalidProfileError, match=r"pack\.samples_s"):
+        Profile.from_dict(bad)
+
+
+def test_a_profile_without_samples_is_drawn_as_it_is() -> None:
+    prof = synthetic_profile("mlp")
+    assert spread_sources(prof) == () and Draws.of(prof) is None
+    assert resampled(prof, np.random.default_rng(0)) == prof
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10**6), spread=st.floats(0.01, 0.5))
+def test_every_draw_stays_within_what_was_measured(seed: int, spread: float) -> None:
+    prof = with_samples(measured_profile("mlp"), spread=spread, seed=seed)
+    assert prof.steps is not None
+    draw = resampled(prof, np.random.default_rng(seed))
+    assert min(prof.steps.whole_s) <= draw.step_s <= max(prof.steps.whole_s)  # type: ignore[operator]
+    parts = draw.forward_s + sum(lt.backward_s for lt in draw.layers) + draw.update_s
+    assert parts == pytest.approx(draw.step_s)  # the parts still sum to the drawn whole step
+    for coll, curve in draw.collectives.items():
+        measured = prof.collectives[coll]
+        assert measured.samples is not None
+        for (_, t), runs in zip(curve.points, measured.samples, strict=True):
+            assert min(runs) - 1e-15 <= t <= max(runs) + 1e-15
+
+
+def test_draws_are_the_same_for_the_same_seed() -> None:
+    prof = with_samples(measured_profile("mlp"))
+    assert resampled_many(prof, 3, seed=7) == resampled_many(prof, 3, seed=7)
+
+
+# -- predictions with intervals ----------------------------------------------------------------------------------
+def test_every_row_of_a_plan_gets_an_interval_around_its_prediction() -> None:
+    prof = with_samples(measured_profile("resnet18"))
+    for plan in (make_plan(prof, Strategy.DENSE), make_plan(prof, Strategy.TOPK, 0.01),
+                 make_mixed_plan(prof, parse_compressors("dense,fp16,powersgd:4"))):
+        weighed = with_intervals(plan, prof)
+        assert weighed.intervals is not None and weighed.verdict is not None
+        rows = {"plan": plan.predicted, **plan.baselines}
+        assert set(weighed.intervals.rows) == set(rows)
+        for name, (low, high) in weighed.intervals.rows.items():
+            assert low <= high and low <= rows[name].iteration_s * 1.05 and high >= rows[name].iteration_s * 0.95
+        again = Plan.from_dict(json.loads(json.dumps(weighed.to_dict())))
+        assert again == weighed
+
+
+def test_a_noisier_profile_gives_wider_intervals() -> None:
+    def width(spread: float) -> float:
+        prof = with_samples(measured_profile("resnet18"), spread=spread)
+        weighed = with_intervals(make_plan(prof, Strategy.DENSE), prof)
+        assert weighed.intervals is not None
+        low, high = weighed.intervals.rows["plan"]
+        return high - low
+
+    assert width(0.2) > 2 * width(0.02)
+
+
+def _ddp_packing(spread: float, factor: float) -> Profile:
+    """The ResNet-18 profile whose only difference between a dense plan and DDP is DDP's bucket copies: this runtime
+    packs at its micro-benchmark (measured tightly), DDP at `factor` times it, measured with `spread`."""
+    rng = np.random.default_rng(1)
+    modelled = 0.01
+    in_situ = InSitu(pack=Calibration.of_samples(modelled * (1 + 0.02 * rng.standard_normal(24)), modelled),
+                     ddp_pack=Calibration.of_samples(modelled * factor * (1 + spread * rng.standard_normal(24)),
+                                                     modelled))
+    return with_samples(dataclasses.replace(measured_profile("resnet18"), in_situ=in_situ), spread=0.02)
+
+
+def test_a_plan_predicted_faster_than_ddp_within_the_noise_is_not_kept(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """DDP's bucket copies measured at 1.5x their micro-benchmark in both profiles, so the plan is predicted faster
+    than DDP in both; it is kept only where those copies were measured tightly enough."""
+    noisy, tight = _ddp_packing(spread=0.9, factor=1.5), _ddp_packing(spread=0.02, factor=1.5)
+    for prof, keep in ((noisy, "ddp"), (tight, "plan")):
+        plan = make_plan(prof, Strategy.DENSE)
+        assert plan.predicted.iteration_s < plan.baselines["ddp-25mb"].iteration_s
+        assert with_intervals(plan, prof).verdict.keep == keep  # type: ignore[union-attr]
+    noisy.save(tmp_path / "noisy.json")
+    assert main(["solve", str(tmp_path / "noisy.json"), "-o", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    verdict = next(line for line in out.splitlines() if line.startswith("verdict:"))
+    assert verdict.startswith("verdict: keep DDP:") and "within the noise" in verdict
+    saved = Plan.load(tmp_path / "plan.json")
+    assert saved.verdict is not None and saved.verdict.keep == "ddp" and saved.intervals is not None
+
+
+def test_auto_weighs_its_candidates_and_ddp_under_the_same_draws(capsys: pytest.CaptureFixture[str]) -> None:
+    from planner.commands.printing import print_auto
+    from planner.strategies.mixed import solve_auto
+
+    prof = with_samples(measured_profile("resnet18"))
+    choice = solve_auto(prof, parse_compressors("dense,fp16,topk:0.01"))
+    assert all(p.intervals is not None and p.verdict is not None for p in choice.candidates.values())
+    verdict = choice.plan.verdict
+    assert verdict is not None and set(verdict.variants) == {"ddp", "ddp+fp16", "ddp+topk:0.01"}
+    assert "kept" in choice.reason and ("within the noise" in choice.reason or "beyond the noise" in choice.reason)
+    print_auto(choice)
+    assert "90% interval ms" in capsys.readouterr().out
+
+
+def test_plan_files_validate_intervals_and_verdicts_and_older_plans_still_load() -> None:
+    prof = with_samples(measured_profile("mlp"))
+    doc = with_intervals(make_plan(prof, Strategy.DENSE), prof).to_dict()
+    for path, value, message in (
+            (("intervals", "rows", "plan"), [2.0, 1.0], "low <= high"),
+            (("intervals", "level"), 1.5, "level"),
+            (("verdict", "keep"), "plain", "plan, ddp or ddp+C"),
+            (("verdict", "against"), "ddp+gzip", "unknown compressor"),
+            (("verdict", "gain"), [0.1, 0.2, 0.3], "low <= median <= high"),
+            (("verdict", "variants", "ddp"), [0.1, 0.3, 0.2], "low <= high")):
+        bad = json.loads(json.dumps(doc))
+        target = bad["predicted"]
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        with pytest.raises(SchemaError, match=re.escape(message)):
+            Plan.from_dict(bad)
+    for old in sorted((ROOT / "plans").glob("*.json")):
+        plan = Plan.load(old)
+        assert plan.intervals is None and plan.verdict is None
+
+
+def test_the_bench_marks_measurements_inside_their_predicted_interval() -> None:
+    from planner.commands.bench import BenchResult, bench_variants
+    from planner.models import build_workload
+
+    row = BenchResult.from_samples("x", "dense", [0.10, 0.11, 0.12], steps=3, predicted_s=0.1, reference="ddp")
+    assert row.inside is None
+    assert dataclasses.replace(row, predicted_interval=(0.1, 0.12)).inside
+    assert not dataclasses.replace(row, predicted_interval=(0.08, 0.1)).inside
+    prof = with_samples(measured_profile("mlp"))
+    plan = with_intervals(make_plan(prof, Strategy.DENSE), prof)
+    assert plan.intervals is not None
+    variants = {v.name: v for v in bench_variants((plan,), build_workload("mlp").module, peers=())}
+    assert variants["plan dense"].interval == plan.intervals.rows["plan"]
+    assert variants["ddp"].interval == plan.intervals.rows["ddp-25mb"]
+    assert variants["per-layer dense"].interval == plan.intervals.rows["wfbp"]
+
+
+def test_a_what_if_cluster_keeps_no_samples() -> None:
+    from planner.strategies.cluster import parse_cluster, profile_for_cluster
+
+    prof = with_samples(measured_profile("mlp"))
+    what_if = profile_for_cluster(prof, parse_cluster("eth10-8"))
+    assert what_if.steps is None and what_if.slowdown_samples is None
+
+
+def test_statistic_intervals_are_deterministic_and_a_single_sample_is_its_own() -> None:
+    samples = list(np.random.default_rng(0).random(30))
+    assert statistic_interval(samples) == statistic_interval(samples)
+    assert statistic_interval([0.5]) == (0.5, 0.5)
+
+
+# -- quick profiles and progress in logs -------------------------------------------------------------------------
+def test_quick_sets_fewer_repeats_and_flags_override_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import planner.commands.profile as profile_module
+    from planner.commands.profile import QUICK_EFFORT
+
+    seen = []
+
+    def fake(config: profile_module.ProfileConfig) -> Profile:
+        seen.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(profile_module, "run_profile", fake)
+    for argv in (["--quick"], ["--quick", "--repeats", "7", "--densities", "0.1"], []):
+        with pytest.raises(SystemExit):
+            main(["profile", "--model", "mlp", "-o", str(tmp_path / "p.json"), *argv])
+    quick, overridden, default = seen
+    assert quick.quick and quick.repeats == QUICK_EFFORT.repeats and quick.densities == (0.01,)
+    assert quick.in_situ_repeats == QUICK_EFFORT.in_situ_repeats and quick.powersgd_ranks == (4,)
+    assert overridden.repeats == 7 and overridden.densities == (0.1,) and overridden.warmup == QUICK_EFFORT.warmup
+    assert not default.quick and default.repeats == 10 and default.densities == (0.001, 0.01, 0.1, 1.0)
+
+
+def test_a_quick_profile_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    from planner.commands.printing import print_profile
+
+    prof = dataclasses.replace(synthetic_profile("mlp"), quick=True)
+    assert Profile.from_dict(prof.to_dict()).quick
+    print_profile(prof)
+    assert "a quick profile (--quick)" in capsys.readouterr().err
+
+
+def test_progress_prints_lines_where_the_output_is_not_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rich.console import Console
+
+    import planner.console as console_module
+
+    out = io.StringIO()
+    monkeypatch.setattr(console_module, "err_console", Console(file=out, force_terminal=False, width=120))
+    with console_module.progress() as bar:
+        task = bar.add_task("layers of mlp", total=3)
+        for _ in range(3):
+            bar.advance(task)
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("[")]
+    assert lines[0].endswith("layers of mlp: 0/3") and lines[-1].endswith("layers of mlp: 3/3 done")
+    assert len(lines) == 2  # the steps between are quicker than LOG_EVERY_S
