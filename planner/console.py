@@ -19,25 +19,27 @@ __all__ = ["LOG_EVERY_S", "console", "err_console", "progress"]
 console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, highlight=False, markup=False, width=None if sys.stderr.isatty() else 160)
 
-#: Where progress goes to a log rather than a terminal, a phase prints a line when it starts, then at most this
-#: often, and when it is done.
-LOG_EVERY_S = 15.0
+#: Where progress goes to a log rather than a terminal, a phase that runs longer than this prints a line every
+#: this many seconds, and one when it is done.
+LOG_EVERY_S = 10.0
 
 
 class _LoggedProgress(Progress):
     """rich's progress bars, which draw nothing until the end where the output is not a terminal; there (a log, a
-    CI job) each task also prints a line when it starts, at most every `LOG_EVERY_S` seconds while it runs, and
-    when it completes, so that a log shows where a long run is."""
+    CI job) a task that runs longer than `LOG_EVERY_S` also prints a line every `LOG_EVERY_S` seconds and one when
+    it completes, so that a log shows where a long run is (short phases print nothing more)."""
 
     def __init__(self, *columns: Any, log: bool, **kwargs: Any) -> None:
         super().__init__(*columns, **kwargs)
         self._log = log
         self._started = time.monotonic()
-        self._logged: dict[TaskID, float] = {}
+        self._last: dict[TaskID, float] = {}  # when each task started, then when it last printed a line
+        self._printed: set[TaskID] = set()
+        self._finished: set[TaskID] = set()
 
     def add_task(self, description: str, *args: Any, **kwargs: Any) -> TaskID:
         task = super().add_task(description, *args, **kwargs)
-        self._line(task, force=True)
+        self._last[task] = time.monotonic()
         return task
 
     def advance(self, task_id: TaskID, advance: float = 1) -> None:
@@ -48,19 +50,22 @@ class _LoggedProgress(Progress):
         super().update(task_id, *args, **kwargs)
         self._line(task_id)
 
-    def _line(self, task_id: TaskID, *, force: bool = False) -> None:
-        if not self._log or self.disable:
+    def _line(self, task_id: TaskID) -> None:
+        if not self._log or self.disable or task_id in self._finished:
             return
         task = next((t for t in self.tasks if t.id == task_id), None)
         if task is None:
             return
         now = time.monotonic()
         done = task.total is not None and task.completed >= task.total
-        if not (force or done or now - self._logged.get(task_id, now) >= LOG_EVERY_S):
+        if done:
+            self._finished.add(task_id)
+            if task_id not in self._printed:  # a short phase: nothing to report beyond the bars at the end
+                return
+        elif now - self._last.get(task_id, now) < LOG_EVERY_S:
             return
-        if done and self._logged.get(task_id) == -1.0:  # its completion is logged once
-            return
-        self._logged[task_id] = -1.0 if done else now
+        self._last[task_id] = now
+        self._printed.add(task_id)
         total = "?" if task.total is None else f"{task.total:g}"
         elapsed = int(now - self._started)
         self.console.print(f"[{elapsed // 60}:{elapsed % 60:02d}] {task.description}: {task.completed:g}/{total}"

@@ -365,12 +365,38 @@ def test_progress_prints_lines_where_the_output_is_not_a_terminal(monkeypatch: p
 
     import planner.console as console_module
 
-    out = io.StringIO()
-    monkeypatch.setattr(console_module, "err_console", Console(file=out, force_terminal=False, width=120))
-    with console_module.progress() as bar:
-        task = bar.add_task("layers of mlp", total=3)
-        for _ in range(3):
-            bar.advance(task)
-    lines = [line for line in out.getvalue().splitlines() if line.startswith("[")]
-    assert lines[0].endswith("layers of mlp: 0/3") and lines[-1].endswith("layers of mlp: 3/3 done")
-    assert len(lines) == 2  # the steps between are quicker than LOG_EVERY_S
+    def lines(every_s: float) -> list[str]:
+        out = io.StringIO()
+        monkeypatch.setattr(console_module, "err_console", Console(file=out, force_terminal=False, width=120))
+        monkeypatch.setattr(console_module, "LOG_EVERY_S", every_s)
+        with console_module.progress() as bar:
+            task = bar.add_task("layers of mlp", total=3)
+            for _ in range(3):
+                bar.advance(task)
+        return [line for line in out.getvalue().splitlines() if line.startswith("[")]
+
+    long = lines(0.0)  # every step of this phase is "long"
+    assert long[0].endswith("layers of mlp: 1/3") and long[-1].endswith("layers of mlp: 3/3 done")
+    assert lines(60.0) == []  # a phase shorter than LOG_EVERY_S prints nothing more than its bar
+
+
+def test_a_kfac_plan_gets_intervals_and_is_weighed_against_the_reference_layouts() -> None:
+    from planner.strategies.intervals import KFAC_REFERENCES, with_kfac_intervals
+    from planner.strategies.kfac import make_kfac_plan
+
+    prof = with_samples(synthetic_profile("cnn"))
+    plan = make_kfac_plan(prof, inv_update_steps=5, time_limit_s=0.5)
+    weighed = with_kfac_intervals(plan, prof)
+    section = weighed.kfac
+    assert section is not None and section.intervals is not None and section.verdict is not None
+    assert {"plan", "sgd", *KFAC_REFERENCES} <= set(section.intervals)
+    printed = {"plan": plan.kfac.predicted, **plan.kfac.baselines}  # type: ignore[union-attr]
+    for name, (low, high) in section.intervals.items():
+        assert low <= printed[name].step_s * 1.05 and high >= printed[name].step_s * 0.95  # type: ignore[union-attr]
+    assert section.verdict.keep in ("plan", *KFAC_REFERENCES) and section.verdict.against in KFAC_REFERENCES
+    assert Plan.from_dict(json.loads(json.dumps(weighed.to_dict()))) == weighed
+    doc = weighed.to_dict()
+    doc["kfac"]["predicted"]["verdict"]["keep"] = "kfac-tensorflow"
+    with pytest.raises(SchemaError, match="does not predict"):
+        Plan.from_dict(doc)
+    assert with_kfac_intervals(plan, synthetic_profile("cnn")) == plan  # no samples: unchanged

@@ -273,11 +273,13 @@ def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> li
         return None
     reference = PEER_REFERENCE if peers else LAYOUT_ROWS[REFERENCE]
     results = []
+    intervals = (plan.kfac.intervals if plan.kfac is not None else None) or {}
     for (name, _section, pred), row in zip(variants, slowest, strict=True):
         per_window = [sum(row[w * window:(w + 1) * window]) / window for w in range(config.windows)]
         strategy = "local" if name in (LOCAL, LOCAL_KFAC) else "sgd" if name == "sgd" else "kfac"
-        results.append(BenchResult.from_samples(LAYOUT_ROWS.get(name, name), strategy, per_window,
-                                                steps=len(row), predicted_s=pred, reference=reference))
+        results.append(replace(BenchResult.from_samples(LAYOUT_ROWS.get(name, name), strategy, per_window,
+                                                        steps=len(row), predicted_s=pred, reference=reference),
+                               predicted_interval=intervals.get(name)))
     ref = next(r.median_s for r in results if r.name == reference)
     results = [replace(r, speedup=ref / r.median_s) for r in results]
     if slowest_hooks and not batch[0].is_cuda:  # on a GPU the hooks only launch kernels

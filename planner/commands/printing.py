@@ -165,20 +165,36 @@ def print_kfac(plan: object) -> None:
     lb = k.lower_bound_s or 0.0
     table = Table(title=f"K-FAC ({k.method.value}, factors every {k.factor_update_steps} step(s), inverses every "
                         f"{k.inv_update_steps}): predicted average step")
-    for col in ("layout", "buffers", "step ms", "factor step ms", "inversion ms", "broadcast ms",
-                "precondition ms", "vs kfac-pytorch", "gap to bound"):
+    spread = k.intervals
+    for col in ("layout", "buffers", "step ms", *(("90% interval ms",) if spread else ()), "factor step ms",
+                "inversion ms", "broadcast ms", "precondition ms", "vs kfac-pytorch", "gap to bound"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for name, p in [("plan", k.predicted), *baselines.items()]:
         pre = "-" if p.precondition_s is None or name == "sgd" else _ms(p.precondition_s)
         layout = name not in ("sgd", LOCAL_KFAC)  # the others are not K-FAC on several workers
         table.add_row(
-            name, str(p.num_buffers), _ms(p.step_s), _ms(p.factor_step_s), _ms(p.inversion_s), _ms(p.broadcast_s),
+            name, str(p.num_buffers), _ms(p.step_s), *((interval_ms(spread.get(name)),) if spread else ()),
+            _ms(p.factor_step_s), _ms(p.inversion_s), _ms(p.broadcast_s),
             pre, f"{ref / p.step_s:.2f}x" if name != LOCAL_KFAC else "-",
             f"{(p.step_s - lb) / lb:+.1%}" if lb > 0 and layout else "-",
             style="bold" if name == "plan" else None,
         )
-    table.add_row("lower bound", "", _ms(lb), "", "", "", "", f"{ref / lb:.2f}x" if lb > 0 else "-", "")
+    table.add_row("lower bound", "", _ms(lb), *(("",) if spread else ()), "", "", "", "",
+                  f"{ref / lb:.2f}x" if lb > 0 else "-", "")
     console.print(table)
+    if k.verdict is not None and spread is not None:
+        v = k.verdict
+        mine = _with_interval(k.predicted.step_s, spread.get("plan"))
+        other = _with_interval(baselines[v.against].step_s, spread.get(v.against))
+        median, low, high = v.gain
+        if v.keep == "plan":
+            line = (f"verdict: keep the plan's layout: {mine} against {v.against} {other}: {median:.1%} faster "
+                    f"[{low:.1%}, {high:.1%}], beyond the noise")
+        else:
+            line = (f"verdict: keep the {v.keep} layout: the plan's {mine} against {v.against} {other}: "
+                    f"{median:.1%} faster [{low:.1%}, {high:.1%}], not beyond the noise (the simplest reference "
+                    "layout no other beats beyond it)")
+        console.print(line, style="bold", soft_wrap=True)
     owners = list(k.owners.values())
     everywhere = sum(o is None for o in owners)
     placed = sum(r is not None for r in k.preconditioners.values())

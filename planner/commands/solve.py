@@ -160,10 +160,11 @@ class SolveCommand(Command):
                                    time_limit_s=args.time_limit or 1.0, route=args.route)
         else:
             plan = make_plan(profile, strategy, density, source=str(args.profile), selector=selector, route=args.route)
-        if not (is_kfac or is_abs or is_auto) and args.cluster is None:  # auto weighed its candidates already
-            from planner.strategies.intervals import with_intervals
+        if not (is_abs or is_auto) and args.cluster is None:  # auto weighed its candidates already
+            from planner.strategies.intervals import with_intervals, with_kfac_intervals
 
-            plan = with_intervals(plan, profile, time_limit_s=args.time_limit or 1.0)
+            plan = (with_kfac_intervals(plan, profile) if is_kfac
+                    else with_intervals(plan, profile, time_limit_s=args.time_limit or 1.0))
         plan.save(args.output)
         print_plan(plan)
         if plan.strategy is Strategy.MIXED:

@@ -24,6 +24,7 @@ The `kfac` section of a plan (schema in planner/contracts/plan.py):
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -213,6 +214,34 @@ def _name_lists(data: Any, where: str) -> tuple[tuple[str, ...], ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LayoutVerdict:
+    """Whether to run the plan's K-FAC layout or one of the reference layouts it lists, weighed beyond the noise
+    (`planner.strategies.intervals.with_kfac_intervals`): `keep` is "plan" or the reference layout kept; `against`
+    the reference the plan gains least on; `gain` the plan's gain over it, 1 - plan / reference draw by draw:
+    (median, low, high). The plan is kept when `low` > 0."""
+
+    keep: str
+    against: str
+    gain: tuple[float, float, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"keep": self.keep, "against": self.against, "gain": list(self.gain)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> LayoutVerdict:
+        expect(data, dict, where)
+        check_fields(data, where, ["keep", "against", "gain"])
+        gain = expect(data["gain"], list, f"{where}.gain")
+        if len(gain) != 3 or not all(isinstance(g, int | float) and not isinstance(g, bool) and math.isfinite(g)
+                                     and -1e6 < g <= 1 for g in gain) or not gain[1] <= gain[0] <= gain[2]:
+            raise SchemaError(f"{where}.gain must be [median, low, high] with low <= median <= high, finite gains "
+                              f"(1 - plan / reference) at most 1, got {gain!r}")
+        return cls(keep=expect(data["keep"], str, f"{where}.keep"),
+                   against=expect(data["against"], str, f"{where}.against"),
+                   gain=(float(gain[0]), float(gain[1]), float(gain[2])))
+
+
+@dataclass(frozen=True, kw_only=True)
 class KFACSection:
     """K-FAC decisions: factor fusion buffers, inversion owners, update intervals, and predictions.
 
@@ -247,6 +276,11 @@ class KFACSection:
     skip: str | None = None
     #: (name, reason) of the model's modules with trainable parameters that K-FAC leaves to plain SGD.
     left_out: tuple[tuple[str, str], ...] | None = ()
+    #: The interval (low, high) of "plan" and of each baseline that could be rebuilt, over profiles resampled from
+    #: the profile's samples (None: not computed, or the profile kept none).
+    intervals: dict[str, tuple[float, float]] | None = None
+    #: The plan's layout or a reference layout, weighed beyond the noise (None: not weighed).
+    verdict: LayoutVerdict | None = None
 
     def __post_init__(self) -> None:
         if self.skip is not None:
@@ -266,6 +300,13 @@ class KFACSection:
             )
         if not self.layers:
             raise SchemaError("the kfac section names no layers")
+        known = {"plan", *(self.baselines or {})}
+        if self.verdict is not None and not {self.verdict.keep, self.verdict.against} <= known:
+            raise SchemaError(f"kfac.predicted.verdict names a layout the section does not predict: keep "
+                              f"{self.verdict.keep!r}, against {self.verdict.against!r}")
+        unknown = sorted(set(self.intervals or {}) - known)
+        if unknown:
+            raise SchemaError(f"kfac.predicted.intervals names rows the section does not predict: {unknown}")
         names = [lt.name for lt in self.layers]
         if len(set(names)) != len(names):
             raise SchemaError("a layer appears twice in kfac.layers")
@@ -376,6 +417,8 @@ class KFACSection:
                 "plan": asdict(self.predicted),
                 "baselines": {k: asdict(v) for k, v in (self.baselines or {}).items()},
                 "lower_bound_s": self.lower_bound_s,
+                **({} if self.intervals is None else {"intervals": {k: list(v) for k, v in self.intervals.items()}}),
+                **({} if self.verdict is None else {"verdict": self.verdict.to_dict()}),
             },
             "skip": self.skip,
             "left_out": None if self.left_out is None else [list(pair) for pair in self.left_out],
@@ -422,10 +465,23 @@ class KFACSection:
             expect(k, str, f"{where}.preconditioners key"): _owner_from_json(v, f"{where}.preconditioners.{k}")
             for k, v in expect(data.get("preconditioners", {}), dict, f"{where}.preconditioners").items()
         }
-        predicted = baselines = lower = None
+        predicted = baselines = lower = intervals = verdict = None
         if data["predicted"] is not None:
             pred = expect(data["predicted"], dict, f"{where}.predicted")
-            check_fields(pred, f"{where}.predicted", ["plan", "baselines", "lower_bound_s"])
+            check_fields(pred, f"{where}.predicted", ["plan", "baselines", "lower_bound_s"],
+                         ["intervals", "verdict"])
+            if pred.get("intervals") is not None:
+                intervals = {}
+                for k, pair in expect(pred["intervals"], dict, f"{where}.predicted.intervals").items():
+                    if not isinstance(pair, list) or len(pair) != 2:
+                        raise SchemaError(f"{where}.predicted.intervals.{k} must be [low, high], got {pair!r}")
+                    low, high = (expect_time(v, f"{where}.predicted.intervals.{k}") for v in pair)
+                    if low > high:
+                        raise SchemaError(f"{where}.predicted.intervals.{k}: `low <= high` must hold, but got "
+                                          f"(low={low}, high={high})")
+                    intervals[expect(k, str, f"{where}.predicted.intervals name")] = (low, high)
+            if pred.get("verdict") is not None:
+                verdict = LayoutVerdict.from_dict(pred["verdict"], f"{where}.predicted.verdict")
             predicted = KFACPrediction.from_dict(pred["plan"], f"{where}.predicted.plan")
             baselines = {
                 expect(k, str, "baseline name"): KFACPrediction.from_dict(v, f"{where}.predicted.baselines.{k}")
@@ -455,6 +511,8 @@ class KFACSection:
             lower_bound_s=lower,
             skip=None if data.get("skip") is None else expect(data["skip"], str, f"{where}.skip"),
             left_out=left_out_from_json(data.get("left_out"), f"{where}.left_out"),
+            intervals=intervals,
+            verdict=verdict,
         )
 
     @classmethod

@@ -17,13 +17,16 @@ older versions, or rows this module does not know, get no interval rather than a
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
+from planner.contracts.kfac import KFACSection, LayoutVerdict
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Intervals, Plan, Verdict
 from planner.contracts.profile import Profile
@@ -37,8 +40,8 @@ from planner.solvers import BASELINES, DDP_BASELINE, solve_exact
 from planner.solvers.mixed import MixedParetoDP
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
-__all__ = ["Draws", "Problems", "RowStep", "attach", "ddp_label", "ddp_rows", "evaluate", "plan_rows",
-           "simplest_unbeaten", "weigh", "with_intervals"]
+__all__ = ["KFAC_REFERENCES", "Draws", "Problems", "RowStep", "attach", "ddp_label", "ddp_rows", "evaluate",
+           "plan_rows", "simplest_unbeaten", "weigh", "with_intervals", "with_kfac_intervals"]
 
 #: Relative difference within which a rebuilt row's step on the profile itself counts as the printed one.
 _SAME = 1e-9
@@ -298,3 +301,111 @@ def _baseline_rows(plan: Plan, profile: Profile, time_limit_s: float | None) -> 
                 best = MixedParetoDP(allowed=kept, time_limit_s=time_limit_s).solve(mixed)
                 out[name] = _mixed_row(allowed, selector, best.grouping, best.choice)
     return out
+
+
+#: The reference K-FAC layouts a plan is weighed against, the simplest first (every factor inverted and every
+#: layer preconditioned everywhere; kfac-pytorch's default; KAISA's memory-optimal one): `planner.strategies.kfac`.
+KFAC_REFERENCES = ("everywhere", "kfac-pytorch", "kaisa-mem-opt")
+
+
+def with_kfac_intervals(plan: Plan, profile: Profile, draws: Draws | None = None) -> Plan:
+    """A K-FAC plan with the intervals of its average step and of each baseline that can be rebuilt (the reference
+    layouts, the plan with everyone preconditioning, plain SGD, one worker alone), over `draws` of `profile`, and
+    its verdict against the reference layouts: kept where it is faster than each beyond the noise, else the
+    simplest reference no other beats beyond it. Unchanged without samples or without a K-FAC section."""
+    section = plan.kfac
+    if section is None or section.predicted is None:
+        return plan
+    draws = draws if draws is not None else Draws.of(profile)
+    if draws is None:
+        return plan
+    rows, problem = _kfac_rows(section, profile, plan_grouping(plan, profile))
+    values = {name: np.asarray(v) for name, v in evaluate_kfac(rows, problem, draws.profiles).items()}
+    intervals = {name: percentile_interval(v) for name, v in values.items()}
+    references = [name for name in KFAC_REFERENCES if name in values]
+    verdict = None
+    if references:
+        gains = {name: PairedGain.of(values["plan"], values[name]) for name in references}
+        against = min(gains, key=lambda name: (gains[name].low, name))
+        gain = gains[against]
+        keep = "plan" if gain.beyond_noise else simplest_unbeaten(
+            references, {name: values[name] for name in references}, references[0])
+        verdict = LayoutVerdict(keep=keep, against=against, gain=(gain.median, gain.low, gain.high))
+    return replace(plan, kfac=replace(section, intervals=intervals, verdict=verdict))
+
+
+#: A K-FAC row: its average step given the K-FAC problems of one profile, by format ("plan": the section's own
+#: formats, "triangles", "whole"), each built once per profile.
+KFACRow = Callable[[Callable[[str], Any]], float]
+#: The K-FAC problem of a profile in one of those formats.
+KFACProblems = Callable[[Profile, str], Any]
+
+
+def evaluate_kfac(rows: dict[str, KFACRow], problem: KFACProblems, profiles: Sequence[Profile]
+                  ) -> dict[str, list[float]]:
+    """Each K-FAC row on every profile (a profile's problems built once, shared by its rows)."""
+    out: dict[str, list[float]] = {name: [] for name in rows}
+    for profile in profiles:
+        made: dict[str, Any] = {}
+
+        def get(key: str, profile: Profile = profile, made: dict[str, Any] = made) -> Any:
+            if key not in made:
+                made[key] = problem(profile, key)
+            return made[key]
+
+        for name, row in rows.items():
+            out[name].append(row(get))
+    return out
+
+
+def _kfac_rows(section: KFACSection, profile: Profile, grouping: Grouping) -> tuple[dict[str, KFACRow], KFACProblems]:
+    """The K-FAC rows rebuilt as average steps (`KFACRow`) and the problems they read: the section's own buffers
+    and layout, the reference layouts (which depend on sizes alone), the plan's owners with everyone
+    preconditioning, plain SGD and one worker alone; each on the plan's gradient `grouping`, and kept where it gives
+    back the section's own prediction on `profile`."""
+    from planner.strategies.kfac import (
+        LOCAL_KFAC,
+        PLAN_EVERYONE,
+        _reference_layouts,
+        everyone_preconditions,
+        kfac_problem,
+        local_kfac_prediction,
+        predict_kfac,
+        section_layout,
+    )
+
+    steps = {"factor_update_steps": section.factor_update_steps, "inv_update_steps": section.inv_update_steps}
+    names = section.factor_names()
+    formats: bool | dict[str, bool] = (section.whole_factors if section.mixed_whole is None
+                                       else {f: f in section.mixed_whole for f in names})
+    whole_of = {"plan": formats, "triangles": False, "whole": True}
+    buffers = (tuple(itertools.accumulate(len(b) for b in section.a_buffers)),
+               tuple(itertools.accumulate(len(b) for b in section.g_buffers)))
+    layout = section_layout(section)
+
+    def problem(p: Profile, key: str) -> Any:
+        return kfac_problem(p, section.method, whole_factors=whole_of[key], inv_update_steps=section.inv_update_steps,
+                            grouping=grouping)
+
+    rows: dict[str, KFACRow] = {
+        "plan": lambda get: predict_kfac(get("plan"), buffers, layout, **steps).step_s,
+        PLAN_EVERYONE: lambda get: predict_kfac(get("plan"), buffers, everyone_preconditions(get("plan"),
+                                                                                            layout.owners),
+                                                **steps).step_s,
+        "sgd": lambda get: get("triangles").sgd_step_s,
+        LOCAL_KFAC: lambda get: local_kfac_prediction(get("triangles"), **steps).step_s,
+    }
+    for name, (bufs, ref_layout, whole) in _reference_layouts(problem(profile, "triangles"),
+                                                              problem(profile, "whole")).items():
+        rows[name] = functools.partial(_reference_step, "whole" if whole else "triangles", bufs, ref_layout, steps)
+    printed = {"plan": section.predicted, **(section.baselines or {})}
+    nominal = evaluate_kfac(rows, problem, [profile])
+    kept = {name: row for name, row in rows.items() if name in printed and printed[name] is not None
+            and math.isclose(nominal[name][0], printed[name].step_s, rel_tol=_SAME)}  # type: ignore[union-attr]
+    return kept, problem
+
+
+def _reference_step(key: str, buffers: Any, layout: Any, steps: dict[str, int], get: Callable[[str], Any]) -> float:
+    from planner.strategies.kfac import predict_kfac
+
+    return predict_kfac(get(key), buffers, layout, **steps).step_s

@@ -206,15 +206,18 @@ def calibrated_kfac(profile: Profile) -> KFACTiming:
 def kfac_problem(
     profile: Profile, method: InverseMethod = InverseMethod.EIGEN, *,
     whole_factors: bool | Mapping[str, bool] = False, inv_update_steps: int = 1,
+    grouping: tuple[int, ...] | None = None,
 ) -> KFACProblem:
     """The K-FAC instance a profile describes (it needs the K-FAC measurements of `planner profile`).
 
     `whole_factors`: factors (and damped inverses) travel as d^2 values, as kfac-pytorch sends them, instead
     of their upper triangles, and are packed and unpacked at the profile's whole-matrix times; a map from
-    factor names says it per factor. `inv_update_steps` weighs the inversion phase in the layout's value."""
+    factor names says it per factor. `inv_update_steps` weighs the inversion phase in the layout's value.
+    `grouping`: the gradient groups (exclusive ends), when a plan fixed them; by default the optimal ones
+    (`DenseDP`)."""
     kf = _checked_kfac(profile)
     grad = gradient_problem(profile, Strategy.DENSE)
-    grouping = DenseDP().solve(grad)
+    grouping = grouping if grouping is not None else DenseDP().solve(grad)
     sgd_step = simulate(grad, grouping).iteration_s  # with the profile's kappa (`gradient_problem`)
     whole = _formats(whole_factors)
     a_cost = {lt.name: lt.a_compute(whole(lt.name, FactorKind.A)) for lt in kf.layers}
