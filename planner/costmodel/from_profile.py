@@ -76,7 +76,7 @@ def gradient_problem(profile: Profile, strategy: Strategy, density: float | None
                                         profile.in_situ.decode_factor() if profile.in_situ else 1.0),
                 pack=dense.pack if runtime == "ddp" else None,
                 interference=profile.interference_for(Collective.ALLGATHER),
-                comm_stretch=0.0,  # charged on dense problems only (`GradientProblem.comm_stretch`)
+                comm_stretch=profile.comm_stretch_for(Collective.ALLGATHER),
             )
         case _:
             raise SchemaError(f"unknown strategy {strategy!r}")

@@ -133,17 +133,32 @@ def _prefix_backward(problem: GradientProblem) -> np.ndarray:
 
 
 def _stretched(problem: GradientProblem) -> GradientProblem:
-    """`problem` with its comm stretch kappa folded into the collectives' cost: every collective (1 + kappa)
-    times as long, as if compute never ended. The solvers search this problem's clocks, which are exact
-    (`planner.costmodel.simulator`), and read its ends in real time with `_dense_end`."""
+    """`problem` with its comm stretch kappa folded into its costs: every collective, and every top-k decode,
+    (1 + kappa) times as long, as if compute never ended. The solvers search this problem's clocks, which are
+    exact (`planner.costmodel.simulator`), and read its ends in real time with `_real_end`.
+
+    Why the decodes too: after C_G the channel runs at full speed, and the real end of the step is
+    X_G = (kappa C_G + X'_G) / (1 + kappa), X'_G being the end of this problem with the same grouping (the
+    decode chain's terms that end before C_G never decide X_G, so every term may be read through the same
+    affine map; `tests/test_solvers.py` checks it against the simulator's walk)."""
     if problem.comm_stretch == 0:
         return problem
-    return replace(problem, comm=ScaledCost(inner=problem.comm, factor=1 + problem.comm_stretch), comm_stretch=0.0)
+    factor = 1 + problem.comm_stretch
+    decode = None if problem.decode is None else ScaledCost(inner=problem.decode, factor=factor)
+    return replace(problem, comm=ScaledCost(inner=problem.comm, factor=factor), decode=decode, comm_stretch=0.0)
+
+
+def _real_end(comp: np.ndarray | float, end: np.ndarray | float, comm_stretch: float) -> np.ndarray:
+    """X_G in real time of states of the stretched problem (`_stretched`) that end at `end` with compute clock
+    C_G = `comp`: (kappa C_G + end) / (1 + kappa). Non-decreasing in both."""
+    if comm_stretch == 0:
+        return np.asarray(end, dtype=float)
+    return (comm_stretch * np.asarray(comp, dtype=float) + end) / (1 + comm_stretch)
 
 
 def _dense_end(comp: np.ndarray, chan: np.ndarray, comm_stretch: float) -> np.ndarray:
     """X_G of dense states of the stretched problem (`_stretched`) in real time: max(C, E), with what the channel
-    holds beyond C run unstretched. Non-decreasing in both clocks."""
+    holds beyond C run unstretched (= `_real_end` of max(C, E)). Non-decreasing in both clocks."""
     return np.maximum(comp, unstretched_many(chan, comp, comm_stretch))
 
 
@@ -419,7 +434,7 @@ def _iteration_end(problem: GradientProblem, grouping: Grouping) -> float:
     """X_G of `grouping` (seconds from the start of backward), as `planner.costmodel.simulator.simulate` walks it, with
     the group costs computed at once: the solvers evaluate many candidate groupings of long models. Without
     interference the walk has a closed form (C and E are running sums and maxima); with it, a scalar walk.
-    A comm stretch is walked on `_stretched`'s clocks and read in real time at the end."""
+    A comm stretch is walked on `_stretched`'s clocks and read in real time at the end (`_real_end`)."""
     kappa = problem.comm_stretch
     problem = _stretched(problem)
     ends = np.asarray(grouping, dtype=np.int64)
@@ -440,7 +455,7 @@ def _iteration_end(problem: GradientProblem, grouping: Grouping) -> float:
         decoded = np.cumsum(decode)
         end = float(decoded[-1]) + max(float(comp[-1]), float(np.max(chan - (decoded - decode))))
         if problem.strategy is Strategy.TOPK:
-            return end
+            return float(_real_end(float(comp[-1]), end, kappa))
         return max(float(comp[-1]), unstretched(float(chan[-1]), float(comp[-1]), kappa))
     clock = queue = 0.0  # C and E
     comm_end = []
@@ -451,7 +466,9 @@ def _iteration_end(problem: GradientProblem, grouping: Grouping) -> float:
     decoded_at = clock
     for e, d in zip(comm_end, decode.tolist(), strict=True):
         decoded_at = advance(max(decoded_at, e), queue, d, sigma)
-    return decoded_at if problem.strategy is Strategy.TOPK else max(clock, unstretched(queue, clock, kappa))
+    if problem.strategy is Strategy.TOPK:
+        return float(_real_end(clock, decoded_at, kappa))
+    return max(clock, unstretched(queue, clock, kappa))
 
 
 def _ends_from_back_pointers(starts: np.ndarray | list[int], num_layers: int) -> Grouping:
@@ -721,6 +738,12 @@ class TopkParetoDP(_BoundedSolver):
     groups that follow. The Lagrangian bounds run over allowed groupings (infinite after a prefix that no
     allowed grouping completes), and only allowed groupings serve as upper bounds.
 
+    With comm stretch kappa (collectives 1 + kappa times slower until the compute stream's work ends at C_G) the
+    search runs on `_stretched`'s problem, collectives and decodes (1 + kappa) times as long, whose transitions
+    are those above, and reads its end in real time, X_G = (kappa C_G + X'_G) / (1 + kappa): non-decreasing in
+    C_G and in X'_G, so the same Pareto fronts hold the optimum; the bounds are read the same way
+    (`_state_bounds`).
+
     The dense problem with a packing cost or interference has the two clocks C and E (s = packing, d = 0),
     and `DenseDP` solves it with this search.
     """
@@ -758,9 +781,9 @@ _CLOSED_RTOL = 1e-12
 def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool) -> tuple[Grouping, float]:
     """The exact two-clock search of `TopkParetoDP` (either strategy): best grouping and its iteration time.
 
-    With comm stretch kappa (dense) the search runs on `_stretched`'s clocks and reads its ends in real time:
-    final ends with `_dense_end`, bounds with `_state_bounds`' stretch term, expiry with its limit moved to
-    match; groupings found elsewhere are walked on the problem as given."""
+    With comm stretch kappa the search runs on `_stretched`'s clocks and reads its ends in real time: final ends
+    with `_dense_end` (top-k: `_real_end`), bounds with `_state_bounds`' stretch term, expiry with its limit moved
+    to match; groupings found elsewhere are walked on the problem as given."""
     given = problem
     kappa = problem.comm_stretch
     problem = _stretched(problem)
@@ -967,7 +990,8 @@ def _pareto_search(
     if finals.size == 0:
         return None
     if decodes:
-        ends_at = _final_end(comp[finals], chan[finals], dec[finals], dsum[finals], sigma)
+        ends_at = _real_end(comp[finals], _final_end(comp[finals], chan[finals], dec[finals], dsum[finals], sigma),
+                            tables.stretch)
     else:
         ends_at = _dense_end(comp[finals], chan[finals], tables.stretch)
     best = int(np.argmin(ends_at))
@@ -1016,11 +1040,13 @@ def _state_bounds(tables: _ParetoTables, m: int, comp: np.ndarray, chan: np.ndar
     non-decreasing in every clock. dec and dsum are ignored unless `decodes` (dense: V = E, D = 0). With
     `rows`, only those weights count (a weaker bound).
 
-    With comm stretch kappa (dense), B below bounds max(C_G, E_G) of the stretched clocks, and
-    X_G = max(C_G, (kappa C_G + E_G) / (1 + kappa)) >= max(Q, (kappa Q + B) / (1 + kappa)) for any Q <= C_G
-    (here C plus the least compute left); exact at m = L."""
+    With comm stretch kappa, B below bounds X'_G of the stretched problem (dense: max(C_G, E_G)), and
+    X_G = (kappa C_G + X'_G) / (1 + kappa) >= max(Q, (kappa Q + B) / (1 + kappa)) for any Q <= C_G (here C
+    plus the least compute left; X_G >= C_G as well); exact at m = L."""
     if m == num_layers:
-        return _final_end(comp, chan, dec, dsum, sigma) if decodes else _dense_end(comp, chan, tables.stretch)
+        if decodes:
+            return _real_end(comp, _final_end(comp, chan, dec, dsum, sigma), tables.stretch)
+        return _dense_end(comp, chan, tables.stretch)
     pending = dsum if decodes else 0.0
     # max over w of w * (start of X + rest of backward) + (1 - w) * max(E, C + lead) + rest[w, m]
     late = np.maximum(chan, comp + tables.lead[m])
@@ -1367,8 +1393,9 @@ def lower_bound(problem: GradientProblem) -> float:
 
     Each "min over groupings of a sum of per-group costs" is an O(L^2) dynamic program (all tails at once).
 
-    With comm stretch kappa (dense): the bound B above of `_stretched`'s clocks bounds max(C_G, E_G) there, and
-    X_G >= max(Q, (kappa Q + B) / (1 + kappa)) with Q = sum b + least packing, a bound on C_G.
+    With comm stretch kappa: the bound B above of `_stretched`'s problem bounds its end X'_G, and
+    X_G = (kappa C_G + X'_G) / (1 + kappa) >= max(Q, (kappa Q + B) / (1 + kappa)) with Q = sum b + least
+    packing or selection, a bound on C_G.
     """
     if problem.strategy not in GROUPING_STRATEGIES:
         known = [s.value for s in GROUPING_STRATEGIES]
