@@ -11,9 +11,10 @@ T2, leads to
     C2 = E1 + M             E2 = C2 + T2            (C2, E2 = C1, E1 without a second round)
     V' = max(V, E2) + (1 + sigma) d                 D' = D + d
 
-and the iteration is F + `_final_end`(C, E, V, D) + U, as for top-k. Every step is non-decreasing in every
-clock, so a state that another state of the same prefix dominates in all four never leads to a better
-iteration: keeping the Pareto front per prefix (with back-pointers to the group and its compressor) is exact.
+and the iteration is F + `_final_end`(C, E, V, D) + U, as for top-k (`_end` with comm stretch). Every step is
+non-decreasing in every clock, so a state that another state of the same prefix dominates in all four never leads
+to a better iteration: keeping the Pareto front per prefix (with back-pointers to the group and its compressor) is
+exact.
 
 Two exact reductions keep it small:
 
@@ -29,19 +30,29 @@ Two exact reductions keep it small:
   (per layer, one group, DDP's buckets) and of a beam of this search (the few states with the lowest bounds
   per prefix).
 
-Solutions are checked against brute force over groupings x compressors (tests/test_mixed.py).
+With comm stretch kappa (`MixedProblem.comm_stretch`) the channel clock E is kept as if compute never stopped,
+E1 = max(C1, E) + (1 + kappa) T1; a group with a second round waits with the channel read in real time,
+E1 = max(C1, unstretched(E, C1)) + T1, and restarts it, E2 = C2 + (1 + kappa) T2; the decode chain holds its
+decodes (1 + kappa)(1 + sigma) times as long and drops its terms at such a wait (they never decide the end); the
+end is `_end`. Every step stays non-decreasing in every clock, so the fronts stay exact. The bounds are those of
+the stretched problem, read in real time (`_real_bounds`), and, with interference, those of how compute and
+collectives slow each other down (`_mutual_bounds`).
+
+Solutions are checked against brute force over groupings x compressors (tests/test_mixed.py), with and without
+interference and comm stretch.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from planner.costmodel.costs import CostModel, ScaledCost
 from planner.costmodel.mixed import Choice, GroupCosts, MixedProblem, simulate_mixed, validate_choice
-from planner.costmodel.problem import Grouping, advance_many, groups_of
+from planner.costmodel.problem import Grouping, advance_many, groups_of, unstretched_many
 from planner.solvers.grouping import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _final_end, _pareto_front
 from planner.types import SolverError
 
@@ -118,10 +129,88 @@ class _Tables:
     front_compute: np.ndarray  # (L + 1, F): the Pareto front of (compute, channel) sums over the groupings of
     front_channel: np.ndarray  # layers m..L-1 (by compute ascending, inf padding; see `_suffix_fronts`)
     front_key: np.ndarray  # compute - channel along each front (ascending)
+    least: np.ndarray  # least[m]: least compute-stream work after prefix m (backward, preparation, middle rounds)
+    mutual: np.ndarray  # mutual[t, m]: see `_mutual_bounds`
+    stretch: float = 0.0  # the problem's comm stretch kappa: the tables are `_stretched`'s (see `_real_bounds`)
+
+
+def _stretched(problem: MixedProblem) -> MixedProblem:
+    """`problem` with its comm stretch kappa folded into its costs: every collective and every decode (1 + kappa)
+    times as long, as if compute never stopped, and no stretch. The real step is this problem's with every stretch
+    of time in which the compute stream is idle (a second round's wait, and what follows C_G) shrunk by
+    1 + kappa: a wait ends on an idle channel, so what follows it is the same, moved (see `_real_bounds`)."""
+    if not problem.comm_stretch:
+        return problem
+    factor = 1 + problem.comm_stretch
+
+    def scaled(model: CostModel | None) -> CostModel | None:
+        return None if model is None else ScaledCost(inner=model, factor=factor)
+
+    compressors = tuple(replace(c, comm=ScaledCost(inner=c.comm, factor=factor), decode=scaled(c.decode),
+                                second_comm=scaled(c.second_comm),
+                                layer_decode=tuple(factor * t for t in c.layer_decode))
+                        for c in problem.compressors)
+    return replace(problem, compressors=compressors, comm_stretch=0.0)
+
+
+#: Weights t of the channel in `_mutual_bounds` (t = 1: the channel path; the compute's weights follow from t).
+_CHANNEL_WEIGHTS = np.linspace(0.0, 1.0, 11)
+
+
+def _mutual_weights(sigma: float, kappa: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The weights (on backward work, on decodes, on the channel) of `_mutual_bounds`, one triple per t: the
+    grid, and the two t at which a compute weight stops being 1 (where one completion's bound is highest)."""
+    kinks = np.array([sigma / (1 + sigma), (1 + kappa) * sigma / (1 + sigma)])
+    t = np.unique(np.concatenate((_CHANNEL_WEIGHTS, kinks[kinks <= 1])))
+    return np.minimum(1.0, (1 + sigma) * (1 - t / (1 + kappa))), np.minimum(1.0, (1 + sigma) * (1 - t)), t
+
+
+def _mutual_rest(problem: MixedProblem, allowed: Sequence[int]) -> np.ndarray:
+    """mutual[t, m]: the least over groupings x compressors of layers m..L-1 of the sum over groups of
+    y1 (preparation + middle round) + y2 decode + t (collectives), at their costs alone (`_mutual_bounds`)."""
+    num_layers = problem.num_layers
+    y1, y2, y3 = (y[:, None] for y in _mutual_weights(problem.interference, problem.comm_stretch))
+    mutual = np.zeros((y3.size, num_layers + 1))
+    for i in range(num_layers - 1, -1, -1):
+        ends = np.arange(i + 1, num_layers + 1)
+        starts = np.full(ends.shape, i)
+        best = np.full((y3.size, ends.size), np.inf)
+        for c in allowed:
+            costs = problem.costs(c, starts, ends)
+            best = np.minimum(best, y1 * (costs.prepare + costs.middle) + y2 * costs.decode
+                              + y3 * (costs.first + costs.second) + mutual[:, ends])
+        mutual[:, i] = best.min(axis=1)
+    return mutual
+
+
+def _mutual_bounds(tables: _Tables, m: int, sigma: float, comp: np.ndarray, chan: np.ndarray, dsum: np.ndarray
+                   ) -> np.ndarray:
+    """A bound of the states of prefix m < L from how compute and collectives slow each other down.
+
+    After C, let the compute stream work a seconds alone and o beside a busy channel, and the channel c seconds
+    alone, until X: X >= C + a + o + c. Before C_G the compute stream gets through the backward work W (backward,
+    preparation, middle rounds) at rate 1 alone and 1 / (1 + sigma) beside the channel, and the channel through
+    its work at 1 / (1 + kappa) beside it; after C_G the decodes (D pending, and those to come) at 1 / (1 + sigma)
+    beside the channel, which then runs at full speed. The channel's work is what it owes,
+    (E - C)+ / (1 + kappa) (E is kept stretched), and the collectives left, T. For weights (y1, y2, t) with
+    y1, y2, t <= 1, y1 / (1 + sigma) + t / (1 + kappa) <= 1 and y2 / (1 + sigma) + t <= 1, every second of the
+    step is worth at least y1 times the backward work, y2 times the decode work and t times the channel work it
+    gets done, so X >= C + y1 W + y2 (D + decodes) + t ((E - C)+ / (1 + kappa) + T) (linear programming
+    duality; `_mutual_weights` takes the largest y1, y2 for each t). Where sigma kappa is large, a second of
+    overlap gets less done than a second of either alone, which the paths of `_bounds` do not see."""
+    kappa = tables.stretch
+    y1, y2, y3 = (y[:, None] for y in _mutual_weights(sigma, kappa))
+    owed = np.maximum(chan - comp, 0.0) / (1 + kappa)
+    rest_backward = tables.backward[-1] - tables.backward[m]
+    return comp + np.max(y1 * rest_backward + y2 * dsum + y3 * owed + tables.mutual[:, m : m + 1], axis=0)
 
 
 def _tables(problem: MixedProblem, allowed: Sequence[int]) -> _Tables:
-    """The suffix minima of `_bounds` (dynamic programs over the groupings and compressors of every suffix)."""
+    """The suffix minima of `_bounds` (dynamic programs over the groupings and compressors of every suffix), of
+    `_stretched`'s problem, and those of `_mutual_bounds`."""
+    kappa = problem.comm_stretch
+    mutual = _mutual_rest(problem, allowed)
+    problem = _stretched(problem)
     num_layers = problem.num_layers
     sigma = problem.interference
     weights = _WEIGHTS[:, None]
@@ -132,6 +221,7 @@ def _tables(problem: MixedProblem, allowed: Sequence[int]) -> _Tables:
     lead = np.full(num_layers + 1, np.inf)
     own = np.full(num_layers, np.inf)  # least preparation of each layer alone
     queued = np.zeros((2, num_layers + 1))
+    work = np.zeros(num_layers + 1)  # least preparation and middle rounds of layers m..L-1
     lead[num_layers] = 0.0
     for i in range(num_layers - 1, -1, -1):
         ends = np.arange(i + 1, num_layers + 1)
@@ -140,8 +230,10 @@ def _tables(problem: MixedProblem, allowed: Sequence[int]) -> _Tables:
         best_last = np.full((_WEIGHTS.size, ends.size), np.inf)
         last = ends == num_layers
         best_queued = np.full((2, ends.size), np.inf)
+        best_work = np.full(ends.size, np.inf)
         for c in allowed:
             costs = problem.costs(c, starts, ends)
+            best_work = np.minimum(best_work, costs.prepare + costs.middle + work[ends])
             channel = costs.first + costs.second
             compute = costs.prepare + costs.middle + costs.decode + sigma / (1 + sigma) * channel
             best = np.minimum(best, weights * compute + (1 - weights) * channel + rest[:, ends])
@@ -155,6 +247,7 @@ def _tables(problem: MixedProblem, allowed: Sequence[int]) -> _Tables:
                                                                   + queued[0, ends]))
             best_queued[1] = np.minimum(best_queued[1], np.where(last, busy + costs.decode, busy + queued[1, ends]))
         queued[:, i] = best_queued.min(axis=1)
+        work[i] = best_work.min()
         rest_last[:, i] = best_last.min(axis=1)
         longer = np.minimum.accumulate(best[:, ::-1], axis=1)[:, ::-1]  # first group at least this long
         rest[:, i] = longer[:, 0]
@@ -168,7 +261,7 @@ def _tables(problem: MixedProblem, allowed: Sequence[int]) -> _Tables:
         key = np.where(np.isfinite(front_compute), front_compute - front_channel, np.inf)
     return _Tables(backward=backward, lead=lead, rest=rest, opened=opened, open_lengths=lengths, late=late,
                    rest_last=rest_last, queued=queued, front_compute=front_compute, front_channel=front_channel,
-                   front_key=key)
+                   front_key=key, least=backward[-1] - backward + work, mutual=mutual, stretch=kappa)
 
 
 #: Points kept per suffix front (`_suffix_fronts`); runs of neighbours beyond that are merged into their corner.
@@ -243,12 +336,15 @@ def _bounds(tables: _Tables, m: int, num_layers: int, sigma: float, comp: np.nda
     collective starts after every group's preparation and the middle rounds before it, and its middle round,
     second collective and decode follow it (`_Tables.rest_last`). On the channel, a group's middle round is
     idle time between its two collectives, so the channel path grows by the middle rounds, and the decodes
-    follow it (`_Tables.queued`). Also X >= (sigma E + V) / (1 + sigma), and for
-    every layer j >= m, the group holding j sends no earlier than C + b_m + ... + b_j + its preparation, and
-    the channel then carries at least the least communication of layers j..L-1 (`_Tables.late`).
+    follow it (`_Tables.queued`). Also X >= `_final_end` of the state (C, D and the chain's terms only grow),
+    and for every layer j >= m, the group holding j sends no earlier than C + b_m + ... + b_j + its preparation,
+    and the channel then carries at least the least communication of layers j..L-1 (`_Tables.late`).
+
+    Without comm stretch; `_real_bounds` reads these bounds of `_stretched`'s problem for a problem with one.
     """
     if m == num_layers:
         return _final_end(comp, chan, dec, dsum, sigma)
+    last = _final_end(comp, chan, dec, dsum, sigma)
     compute, channel = _paths(tables, m, sigma, comp, chan, dsum)
     chosen = slice(None) if rows is None else rows
     weights = _WEIGHTS[chosen, None]
@@ -263,7 +359,29 @@ def _bounds(tables: _Tables, m: int, num_layers: int, sigma: float, comp: np.nda
     # The channel path with its idle middle rounds, then the decodes: after a last second round every decode
     # (pending and to come) runs after its middle round; otherwise the last decode follows its collective.
     bound = np.maximum(bound, channel + np.minimum(dsum + tables.queued[0, m], tables.queued[1, m]))
-    return np.maximum(bound, (sigma * chan + dec) / (1 + sigma))
+    return np.maximum(bound, last)
+
+
+def _real_bounds(tables: _Tables, m: int, num_layers: int, sigma: float, comp: np.ndarray, chan: np.ndarray,
+                 dec: np.ndarray, dsum: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """`_bounds` of a problem with comm stretch kappa (its tables are `_stretched`'s): no completion of these states
+    of prefix m ends before this.
+
+    The search's states are states of the stretched problem (their channel is kept as if compute never stopped;
+    a wait moves what follows it), so `_bounds` of the stretched problem, B, bounds the end X' of its completions.
+    The real end shrinks by kappa / (1 + kappa) every stretch of time after C in which the compute stream is idle
+    (waits, and after C_G): X = (X' + kappa (C + busy)) / (1 + kappa), busy being the compute stream's busy time
+    after C, at least `_Tables.least`. So X >= (B + kappa q) / (1 + kappa), q = C + least[m], and X >= q + D; at
+    m = L this is X itself (`_end`)."""
+    kappa = tables.stretch
+    if not kappa:
+        return _bounds(tables, m, num_layers, sigma, comp, chan, dec, dsum, rows)
+    least = comp + tables.least[m]
+    stretched = _bounds(tables, m, num_layers, sigma, comp, chan, dec, (1 + kappa) * dsum, rows)
+    bound = np.maximum(least + dsum, (stretched + kappa * least) / (1 + kappa))
+    if m == num_layers or not sigma:  # (without interference the stretched paths hold this bound already)
+        return bound
+    return np.maximum(bound, _mutual_bounds(tables, m, sigma, comp, chan, dsum))
 
 
 #: The weights `_search` tries first (w = 0, 0.5, 1: a weaker bound, cheap), before all of them.
@@ -279,11 +397,17 @@ def _paths(tables: _Tables, m: int, sigma: float, comp: np.ndarray, chan: np.nda
 
 
 def _expiry(tables: _Tables, m: int, sigma: float, comp: np.ndarray, chan: np.ndarray, dsum: np.ndarray,
-            limit: float) -> np.ndarray:
+            limit: float | np.ndarray) -> np.ndarray:
     """For new states of prefix m < L: the first layer at which extending them is pointless, m - 1 plus the
     least length of the next group from which on every completion is bounded above `limit` (`_bounds` over the
     completions whose first group is at least that long: non-decreasing in the length). A huge number where
-    no such length is known."""
+    no such length is known. With comm stretch kappa the bound is `_stretched`'s, read as `_real_bounds` reads it:
+    it exceeds `limit` where the stretched one exceeds (1 + kappa) limit - kappa q."""
+    kappa = tables.stretch
+    if kappa:
+        least = comp + tables.least[m]
+        limit = (1 + kappa) * limit - kappa * least
+        dsum = (1 + kappa) * dsum
     compute, channel = _paths(tables, m, sigma, comp, chan, dsum)
     weights = _WEIGHTS[:, None, None]
     mixed = weights * compute[None, None, :] + (1 - weights) * channel[None, None, :]  # (w, 1, states)
@@ -299,7 +423,7 @@ def mixed_lower_bound(problem: MixedProblem, allowed: Sequence[int] | None = Non
     picks = list(range(len(problem.compressors))) if allowed is None else list(allowed)
     tables = _tables(problem, picks)
     zero = np.zeros(1)
-    root = float(_bounds(tables, 0, problem.num_layers, problem.interference, zero, zero, zero, zero)[0])
+    root = float(_real_bounds(tables, 0, problem.num_layers, problem.interference, zero, zero, zero, zero)[0])
     return problem.forward_s + root + problem.update_s
 
 
@@ -368,18 +492,21 @@ def _evaluated(problem: MixedProblem, grouping: Grouping, choice: Choice) -> Mix
     return MixedSolution(grouping, choice, simulate_mixed(problem, grouping, choice).iteration_s)
 
 
-def _dominated(every: list[GroupCosts]) -> np.ndarray:
+def _dominated(every: list[GroupCosts], kappa: float = 0.0) -> np.ndarray:
     """(compressors, groups): whether another compressor's transition is never later in any clock for that group
     (its preparation, collectives, middle round and decode no larger, and no second round where this one has
-    none), the first of equal ones kept. Exact: a dominated compressor's states are dominated."""
+    none), the first of equal ones kept. Exact: a dominated compressor's states are dominated. With comm stretch
+    kappa a group without a second round never beats one with it: the wait reads the channel in real time, and
+    the stretched clock of the group without one may stay later."""
     count = len(every)
     beaten = np.zeros((count, every[0].prepare.size), dtype=bool)
     for i, a in enumerate(every):
         for j, b in enumerate(every):
             if i == j:
                 continue
-            no_later = ((b.prepare <= a.prepare) & (b.first <= a.first) & (b.decode <= a.decode)
-                        & (~b.second_round | (a.second_round & (b.middle <= a.middle) & (b.second <= a.second))))
+            rounds = (b.second_round == a.second_round) if kappa else (~b.second_round | a.second_round)
+            no_later = ((b.prepare <= a.prepare) & (b.first <= a.first) & (b.decode <= a.decode) & rounds
+                        & (~b.second_round | ((b.middle <= a.middle) & (b.second <= a.second))))
             equal = ((b.prepare == a.prepare) & (b.first == a.first) & (b.decode == a.decode)
                      & (b.second_round == a.second_round) & (b.middle == a.middle) & (b.second == a.second))
             beaten[i] |= no_later & ~(equal & (j > i))
@@ -387,16 +514,44 @@ def _dominated(every: list[GroupCosts]) -> np.ndarray:
 
 
 def _extend(comp: np.ndarray, chan: np.ndarray, dec: np.ndarray, dsum: np.ndarray, origin: np.ndarray, which: int,
-            costs: GroupCosts, where: np.ndarray, backward: np.ndarray, sigma: float) -> tuple[np.ndarray, ...]:
+            costs: GroupCosts, where: np.ndarray, backward: np.ndarray, sigma: float, kappa: float
+            ) -> tuple[np.ndarray, ...]:
     """The states that states (comp, chan, dec, dsum) lead to through the groups `where` (indices into `costs`)
     sent by compressor `which` (see the module docstring), with their parents and compressor."""
+    stretch = 1 + kappa
     c1 = advance_many(comp, chan, backward + costs.prepare[where], sigma)
-    e1 = np.maximum(c1, chan) + costs.first[where]
     second = costs.second_round[where]
+    e1 = np.maximum(c1, chan) + stretch * costs.first[where]
+    if kappa:  # a second round waits for its first collective: the channel runs at full speed meanwhile
+        waited = np.maximum(c1, unstretched_many(chan, c1, kappa)) + costs.first[where]
+        e1 = np.where(second, waited, e1)
     c2 = np.where(second, e1 + costs.middle[where], c1)
-    e2 = np.where(second, c2 + costs.second[where], e1)
+    e2 = np.where(second, c2 + stretch * costs.second[where], e1)
     decode = costs.decode[where]
-    return c2, e2, np.maximum(dec, e2) + (1 + sigma) * decode, dsum + decode, origin, np.full(origin.shape, which)
+    chain = np.maximum(dec, e2)
+    if kappa:  # the chain's terms before a second round's wait never decide the end (`_end`): dropped
+        chain = np.where(second, e2, chain)
+    return c2, e2, chain + stretch * (1 + sigma) * decode, dsum + decode, origin, np.full(origin.shape, which)
+
+
+def _end(comp: np.ndarray, chan: np.ndarray, dec: np.ndarray, dsum: np.ndarray, sigma: float, kappa: float
+         ) -> np.ndarray:
+    """X_G of complete states (seconds from the start of backward), a bound on it for incomplete ones.
+
+    The decodes start at C_G and run 1 + sigma times slower until the channel's real end e_G =
+    max(C_G, unstretched(E_G, C_G)); each starts after its own collectives. With the chain
+    Y = max(C + (1 + sigma) D, max over groups of (e_g + (1 + sigma) * the decodes from g on)) of decodes all
+    slowed, X_G = e_G + (Y - e_G) / (1 + sigma). A chain term whose collective ends before C_G is below the first
+    one, so every term may be read through the same map (kappa C_G + E_g) / (1 + kappa) (`TopkParetoDP`'s), and
+    V, the chain of the stretched E_g with decodes (1 + kappa)(1 + sigma) times as long, holds them all:
+    X_G = (sigma e_G + max(C + (1 + sigma) D, (kappa C + V) / (1 + kappa))) / (1 + sigma); C + D where the
+    channel is idle by C_G (`_final_end` for kappa = 0). Non-decreasing in every clock, and for the states of a
+    prefix a bound on every completion (C, D and the terms of V only grow)."""
+    if not kappa:
+        return _final_end(comp, chan, dec, dsum, sigma)
+    real = np.maximum(comp, (kappa * comp + chan) / (1 + kappa))  # e = max(C, unstretched(E, C))
+    chain = np.maximum(comp + (1 + sigma) * dsum, (kappa * comp + dec) / (1 + kappa))
+    return (sigma * real + chain) / (1 + sigma)
 
 
 class _OutOfBudget(Exception):
@@ -414,7 +569,7 @@ def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limi
             (`time.perf_counter()`; None: no limit).
     """
     num_layers = problem.num_layers
-    sigma = problem.interference
+    sigma, kappa = problem.interference, problem.comm_stretch
     backward = tables.backward
     bounded = bool(np.isfinite(limit))
     capacity = 64
@@ -436,43 +591,43 @@ def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limi
         ends = np.full(starts.shape, m)
         parts = []
         every = [problem.costs(c, starts, ends) for c in allowed]
-        beaten = _dominated(every)  # (compressors, blocks): another compressor sends these groups no later
+        beaten = _dominated(every, kappa)  # (compressors, blocks): another compressor sends these groups no later
         for i, (c, costs) in enumerate(zip(allowed, every, strict=True)):
             if beaten[i].all():
                 continue
             rows = np.flatnonzero(~beaten[i][block])
             sub, where = active[rows], block[rows]
             parts.append(_extend(comp[sub], chan[sub], dec[sub], dsum[sub], sub, c, costs, where,
-                                 backward[m] - backward[starts[where]], sigma))
+                                 backward[m] - backward[starts[where]], sigma, kappa))
         new_comp, new_chan, new_dec, new_dsum, origin, chosen = (np.concatenate(x) for x in zip(*parts, strict=True))
 
         made += new_comp.size
         if (budget is not None and made > budget) or (deadline is not None and time.perf_counter() > deadline):
             raise _OutOfBudget
         if m < num_layers:
-            # A decode chain that the compute path will overtake anyway: V_m + (1 + sigma) * (decodes to come)
-            # <= C_G + (1 + sigma) D_G, so V_m never decides the end; E stands in for it.
-            overtaken = new_dec <= new_comp + (1 + sigma) * new_dsum + (backward[-1] - backward[m])
+            # A decode chain that the compute path will overtake anyway: V_m + (1 + kappa)(1 + sigma) * (decodes to
+            # come) <= C_G + (1 + kappa)(1 + sigma) D_G, so V_m never decides the end (`_end`); E stands in for it.
+            overtaken = new_dec <= new_comp + (1 + kappa) * (1 + sigma) * new_dsum + (backward[-1] - backward[m])
             new_dec = np.where(overtaken, new_chan, new_dec)
-            # compute-bound states: canonical (kappa, kappa)
+            # compute-bound states: canonical (k, k), k = (C + sigma E) / (1 + sigma) (`TopkParetoDP`'s kappa)
             bound_by_compute = new_chan - new_comp <= tables.lead[m] * (1 + sigma)
-            kappa = (new_comp + sigma * new_chan) / (1 + sigma) if sigma else new_comp
-            new_comp = np.where(bound_by_compute, kappa, new_comp)
-            new_chan = np.where(bound_by_compute, kappa, new_chan)
+            settled = (new_comp + sigma * new_chan) / (1 + sigma) if sigma else new_comp
+            new_comp = np.where(bound_by_compute, settled, new_comp)
+            new_chan = np.where(bound_by_compute, settled, new_chan)
         kept = np.arange(new_comp.size)
         if bounded:
-            kept = np.flatnonzero(_bounds(tables, m, num_layers, sigma, new_comp, new_chan, new_dec, new_dsum,
-                                          _FEW_WEIGHTS) <= limit)
+            kept = np.flatnonzero(_real_bounds(tables, m, num_layers, sigma, new_comp, new_chan, new_dec, new_dsum,
+                                               _FEW_WEIGHTS) <= limit)
             if kept.size == 0:
                 continue
-            kept = kept[_bounds(tables, m, num_layers, sigma, new_comp[kept], new_chan[kept], new_dec[kept],
-                                new_dsum[kept]) <= limit]
+            kept = kept[_real_bounds(tables, m, num_layers, sigma, new_comp[kept], new_chan[kept], new_dec[kept],
+                                     new_dsum[kept]) <= limit]
             if kept.size == 0:
                 continue
         front = kept[_pareto_front(new_comp[kept], new_chan[kept], new_dec[kept], new_dsum[kept])]
         if beam is not None and front.size > beam:
-            bound = _bounds(tables, m, num_layers, sigma, new_comp[front], new_chan[front], new_dec[front],
-                            new_dsum[front])
+            bound = _real_bounds(tables, m, num_layers, sigma, new_comp[front], new_chan[front], new_dec[front],
+                                 new_dsum[front])
             front = front[np.sort(np.argpartition(bound, beam)[:beam])]
         size = front.size
         if count + size > capacity:
@@ -493,7 +648,7 @@ def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limi
     finals = np.flatnonzero(length[:count] == num_layers)
     if finals.size == 0:
         return None
-    ends_at = _final_end(comp[finals], chan[finals], dec[finals], dsum[finals], sigma)
+    ends_at = _end(comp[finals], chan[finals], dec[finals], dsum[finals], sigma, kappa)
     best = int(np.argmin(ends_at))
     state = int(finals[best])
     ends_of: list[int] = []
