@@ -51,6 +51,7 @@ from planner.costmodel.problem import (
     unstretched_many,
 )
 from planner.costmodel.simulator import simulate
+from planner.solvers.deadline import Deadline
 from planner.types import GROUPING_STRATEGIES, SolverError, Strategy
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "MGWFBPGreedy",
     "PerLayer",
     "SingleBucket",
+    "Solved",
     "TopkParetoDP",
     "lower_bound",
     "solve_exact",
@@ -89,11 +91,34 @@ _PRUNE_RTOL = 1e-9
 _PREFILTER_MIN_STATES = 256
 
 
+@dataclass(frozen=True)
+class Solved:
+    """A grouping, its predicted iteration time, and what the solver proved about it.
+
+    `proven`: no grouping is faster under the model; otherwise `iteration_s` is within `gap` of `lower_bound_s`
+    (the solver's bound; None: the solver has none, e.g. a baseline rule).
+    """
+
+    grouping: Grouping
+    iteration_s: float
+    proven: bool
+    lower_bound_s: float | None = None
+
+    @property
+    def gap(self) -> float | None:
+        """0 when proven, else (iteration - bound) / bound (None without a bound)."""
+        if self.proven:
+            return 0.0
+        if not self.lower_bound_s:
+            return None
+        return max(0.0, self.iteration_s / self.lower_bound_s - 1)
+
+
 class GroupingSolver(abc.ABC):
     """A way to merge the layers of a `GradientProblem` into contiguous groups.
 
-    Call order: construct once (stateless afterwards), then `solve(problem)` or `solve_with_value(problem)`
-    any number of times.
+    Call order: construct once (stateless afterwards), then `solve(problem)`, `solve_with_value(problem)` or
+    `solve_within(problem, deadline)` any number of times.
 
     Attributes:
         name: short identifier used in plans and reports ("wfbp", "ddp-25mb", ...).
@@ -113,6 +138,12 @@ class GroupingSolver(abc.ABC):
         """The grouping and its predicted iteration time (seconds); solvers that know it override this."""
         grouping = self.solve(problem)
         return grouping, simulate(problem, grouping).iteration_s
+
+    def solve_within(self, problem: GradientProblem, deadline: Deadline | None = None) -> Solved:
+        """The grouping found by `deadline` (None: no limit), and whether it is proven optimal. Exact solvers
+        whose search can run long override this; the others finish (and are optimal if `exact`)."""
+        grouping, value = self.solve_with_value(problem)
+        return Solved(grouping, value, proven=self.exact)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -606,6 +637,14 @@ class DenseDP(_BoundedSolver):
     def solve(self, problem: GradientProblem) -> Grouping:
         return self.solve_with_value(problem)[0]
 
+    def solve_within(self, problem: GradientProblem, deadline: Deadline | None = None) -> Solved:
+        """As `solve_with_value`; the two-clock search (packing or interference) stops at `deadline` with the
+        best grouping found, its gap to the root's bound."""
+        _require(problem, Strategy.DENSE, type(self).__name__)
+        if problem.pack is not None or problem.interference > 0:
+            return _pareto_solve_within(problem, self._bounds, prune=True, deadline=deadline)
+        return Solved(*self.solve_with_value(problem), proven=True)
+
     def solve_with_value(self, problem: GradientProblem) -> tuple[Grouping, float]:
         _require(problem, Strategy.DENSE, type(self).__name__)
         if problem.pack is not None or problem.interference > 0:
@@ -769,6 +808,12 @@ class TopkParetoDP(_BoundedSolver):
         _require(problem, Strategy.TOPK, type(self).__name__)
         return _pareto_solve(problem, self._bounds, prune=self.prune)
 
+    def solve_within(self, problem: GradientProblem, deadline: Deadline | None = None) -> Solved:
+        """As `solve_with_value`; the search stops at `deadline` with the best grouping found, its gap to the
+        root's bound."""
+        _require(problem, Strategy.TOPK, type(self).__name__)
+        return _pareto_solve_within(problem, self._bounds, prune=self.prune, deadline=deadline)
+
 
 #: States kept per prefix by the beam search that finds the first upper bound of the Pareto search.
 _BEAM = 8
@@ -779,7 +824,19 @@ _CLOSED_RTOL = 1e-12
 
 
 def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool) -> tuple[Grouping, float]:
-    """The exact two-clock search of `TopkParetoDP` (either strategy): best grouping and its iteration time.
+    """The exact two-clock search of `TopkParetoDP` (either strategy): best grouping and its iteration time."""
+    solved = _pareto_solve_within(problem, bounds, prune=prune)
+    return solved.grouping, solved.iteration_s
+
+
+class _OutOfTime(Exception):
+    """The search's deadline passed."""
+
+
+def _pareto_solve_within(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool,
+                         deadline: Deadline | None = None) -> Solved:
+    """`_pareto_solve`, stopped at `deadline` (checked once per layer of the beam and of the search): then the best
+    grouping known (baselines, Lagrangian groupings, the beam if it finished), not proven, with the root's bound.
 
     With comm stretch kappa the search runs on `_stretched`'s clocks and reads its ends in real time: final ends
     with `_dense_end` (top-k: `_real_end`), bounds with `_state_bounds`' stretch term, expiry with its limit moved
@@ -808,37 +865,42 @@ def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool
         found = _pareto_search(problem, tables, np.inf)
         if found is None:
             raise bounds.infeasible(problem)
-        return found[0], fixed + found[1]
+        return Solved(found[0], fixed + found[1], proven=True)
 
     # Upper bound: the best of the baselines, the Lagrangian groupings and a narrow beam of this search
     # (only groupings the bounds allow).
     groupings = [h.solve(problem) for h in (*BASELINES[problem.strategy], MGWFBPGreedy())] + relaxed
     candidates = [(g, fixed + _iteration_end(given, g)) for g in dict.fromkeys(groupings)
                   if bounds.admits(problem, g)]
-    if not candidates:  # no allowed grouping is known: search them all
+    if not candidates:  # no allowed grouping is known: search them all (no answer to stop with)
         found = _pareto_search(problem, tables, np.inf)
         if found is None:
             raise bounds.infeasible(problem)
-        return found[0], fixed + found[1]
+        return Solved(found[0], fixed + found[1], proven=True)
     # The root's bound (the empty prefix's): a heuristic that reaches it is optimal, and nothing is searched.
     zero = np.zeros(1)
     root = float(_state_bounds(tables, 0, zero, zero, zero, zero, problem.strategy is Strategy.TOPK,
                                problem.interference, problem.num_layers)[0])
     heuristic, upper = min(candidates, key=lambda gv: gv[1])
+    # The bounds' sums may round a few ulps above an optimum they equal: a bound is never above a found step.
     if upper - fixed <= root * (1 + _CLOSED_RTOL):
-        return heuristic, upper
-    # A narrow beam of this search, within the best heuristic's time, when none is within _BEAM_GAP of the
-    # root's bound (the search then prunes almost everything anyway).
-    best = upper
-    if best - fixed > root * (1 + _BEAM_GAP):
-        beamed = _pareto_search(problem, tables, (best - fixed) * (1 + _PRUNE_RTOL), beam=_BEAM)
-        if beamed is not None:
-            candidates.append((beamed[0], fixed + beamed[1]))
-    heuristic, upper = min(candidates, key=lambda gv: gv[1])
-    found = _pareto_search(problem, tables, (upper - fixed) * (1 + _PRUNE_RTOL))
-    if found is None:  # only rounding can prune every grouping within the best heuristic's time
-        return heuristic, upper
-    return found[0], fixed + found[1]
+        return Solved(heuristic, upper, proven=True, lower_bound_s=min(fixed + root, upper))
+    try:
+        # A narrow beam of this search, within the best heuristic's time, when none is within _BEAM_GAP of the
+        # root's bound (the search then prunes almost everything anyway).
+        best = upper
+        if best - fixed > root * (1 + _BEAM_GAP):
+            beamed = _pareto_search(problem, tables, (best - fixed) * (1 + _PRUNE_RTOL), beam=_BEAM, deadline=deadline)
+            if beamed is not None:
+                candidates.append((beamed[0], fixed + beamed[1]))
+        heuristic, upper = min(candidates, key=lambda gv: gv[1])
+        found = _pareto_search(problem, tables, (upper - fixed) * (1 + _PRUNE_RTOL), deadline=deadline)
+    except _OutOfTime:
+        heuristic, upper = min(candidates, key=lambda gv: gv[1])
+        return Solved(heuristic, upper, proven=False, lower_bound_s=min(fixed + root, upper))
+    if found is not None:  # (None: only rounding can prune every grouping within the best heuristic's time)
+        heuristic, upper = found[0], fixed + found[1]
+    return Solved(heuristic, upper, proven=True, lower_bound_s=min(fixed + root, upper))
 
 
 def _best_other_per_block(blocks: np.ndarray, key: np.ndarray, wide: np.ndarray) -> np.ndarray:
@@ -868,11 +930,15 @@ def _final_end(comp: np.ndarray, chan: np.ndarray, dec: np.ndarray, dsum: np.nda
 
 
 def _pareto_search(
-    problem: GradientProblem, tables: _ParetoTables, limit: float, beam: int | None = None
+    problem: GradientProblem, tables: _ParetoTables, limit: float, beam: int | None = None,
+    deadline: Deadline | None = None,
 ) -> tuple[Grouping, float] | None:
     """The best grouping whose states all have bounds <= `limit`, and its X_G (`_final_end`); None if none.
 
     With `beam`, only that many states with the lowest bounds are kept per prefix: a heuristic.
+
+    Raises:
+        _OutOfTime: `deadline` passed (checked once per layer).
     """
     num_layers = problem.num_layers
     sigma = problem.interference
@@ -896,6 +962,8 @@ def _pareto_search(
     # extend them by and the others no other state of the block dominates for every group (the valley).
     active = np.zeros(1, dtype=np.int64)
     for j in range(num_layers):
+        if deadline is not None and deadline.passed():
+            raise _OutOfTime
         active = active[expire[active] > j]
         # The group extending a state starts at its prefix length: the costs of the groups first..j, per
         # active state (far fewer than j + 1 on real instances).

@@ -44,7 +44,7 @@ interference and comm stretch.
 
 from __future__ import annotations
 
-import time
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -53,6 +53,7 @@ import numpy as np
 from planner.costmodel.costs import CostModel, ScaledCost
 from planner.costmodel.mixed import Choice, GroupCosts, MixedProblem, simulate_mixed, validate_choice
 from planner.costmodel.problem import Grouping, advance_many, groups_of, unstretched_many
+from planner.solvers.deadline import Deadline
 from planner.solvers.grouping import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _final_end, _pareto_front
 from planner.types import SolverError
 
@@ -61,11 +62,13 @@ __all__ = ["MixedParetoDP", "MixedSolution", "ddp_buckets", "mixed_lower_bound"]
 #: States kept per prefix by the beam that finds the first upper bound, and by the wider one that stands in
 #: when the exact search runs out of budget.
 _BEAM, _WIDE_BEAM = 8, 32
-#: Seconds the exact search may take before it gives up and the solver returns the best solution found, with
-#: its gap to the lower bound.
+#: Seconds a solve may take (`MixedParetoDP`) before it returns the best solution found, with its gap to the
+#: lower bound.
 DEFAULT_TIME_LIMIT_S = 1.0
 #: Relative slack of the pruning: rounding must never prune an optimal state.
 _PRUNE_RTOL = 1e-9
+#: Solutions this close (relative) are a tie: the search's is kept over the heuristics' (rounding, not speed).
+_TIE_RTOL = 1e-12
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,8 @@ class MixedSolution:
     """A grouping, the compressor (index into the problem's) of each group, and the predicted iteration.
 
     `proven`: the search finished, so no solution is faster under the model; otherwise it stopped at its
-    budget and `iteration_s` is within `gap` of the lower bound `lower_bound_s`.
+    deadline (or budget) and `iteration_s` is within `gap` of the lower bound `lower_bound_s` (the solver's
+    bound over its allowed compressors; None where a solution was made without a solve).
     """
 
     grouping: Grouping
@@ -165,13 +169,16 @@ def _mutual_weights(sigma: float, kappa: float) -> tuple[np.ndarray, np.ndarray,
     return np.minimum(1.0, (1 + sigma) * (1 - t / (1 + kappa))), np.minimum(1.0, (1 + sigma) * (1 - t)), t
 
 
-def _mutual_rest(problem: MixedProblem, allowed: Sequence[int]) -> np.ndarray:
+def _mutual_rest(problem: MixedProblem, allowed: Sequence[int], deadline: Deadline | None = None) -> np.ndarray:
     """mutual[t, m]: the least over groupings x compressors of layers m..L-1 of the sum over groups of
     y1 (preparation + middle round) + y2 decode + t (collectives), at their costs alone (`_mutual_bounds`)."""
     num_layers = problem.num_layers
     y1, y2, y3 = (y[:, None] for y in _mutual_weights(problem.interference, problem.comm_stretch))
     mutual = np.zeros((y3.size, num_layers + 1))
+    if not (problem.interference and problem.comm_stretch):  # not used (`_real_bounds`)
+        return mutual
     for i in range(num_layers - 1, -1, -1):
+        _check(deadline)
         ends = np.arange(i + 1, num_layers + 1)
         starts = np.full(ends.shape, i)
         best = np.full((y3.size, ends.size), np.inf)
@@ -205,11 +212,21 @@ def _mutual_bounds(tables: _Tables, m: int, sigma: float, comp: np.ndarray, chan
     return comp + np.max(y1 * rest_backward + y2 * dsum + y3 * owed + tables.mutual[:, m : m + 1], axis=0)
 
 
-def _tables(problem: MixedProblem, allowed: Sequence[int]) -> _Tables:
+def _check(deadline: Deadline | None) -> None:
+    """Raise `_OutOfBudget` once `deadline` has passed (None: never)."""
+    if deadline is not None and deadline.passed():
+        raise _OutOfBudget
+
+
+def _tables(problem: MixedProblem, allowed: Sequence[int], deadline: Deadline | None = None) -> _Tables:
     """The suffix minima of `_bounds` (dynamic programs over the groupings and compressors of every suffix), of
-    `_stretched`'s problem, and those of `_mutual_bounds`."""
+    `_stretched`'s problem, and those of `_mutual_bounds`.
+
+    Raises:
+        _OutOfBudget: `deadline` passed (checked once per row of each table).
+    """
     kappa = problem.comm_stretch
-    mutual = _mutual_rest(problem, allowed)
+    mutual = _mutual_rest(problem, allowed, deadline)
     problem = _stretched(problem)
     num_layers = problem.num_layers
     sigma = problem.interference
@@ -224,6 +241,7 @@ def _tables(problem: MixedProblem, allowed: Sequence[int]) -> _Tables:
     work = np.zeros(num_layers + 1)  # least preparation and middle rounds of layers m..L-1
     lead[num_layers] = 0.0
     for i in range(num_layers - 1, -1, -1):
+        _check(deadline)
         ends = np.arange(i + 1, num_layers + 1)
         starts = np.full(ends.shape, i)
         best = np.full((_WEIGHTS.size, ends.size), np.inf)  # (weights, groups i..j): first group and the rest
@@ -256,7 +274,7 @@ def _tables(problem: MixedProblem, allowed: Sequence[int]) -> _Tables:
         lead[i] = problem.backward_s[i] + own[i]
     backward = problem.prefix_backward
     late = np.append(np.maximum.accumulate((backward[1:] + own + rest[0, :-1])[::-1])[::-1], 0.0)
-    front_compute, front_channel = _suffix_fronts(problem, allowed)
+    front_compute, front_channel = _suffix_fronts(problem, allowed, deadline)
     with np.errstate(invalid="ignore"):
         key = np.where(np.isfinite(front_compute), front_compute - front_channel, np.inf)
     return _Tables(backward=backward, lead=lead, rest=rest, opened=opened, open_lengths=lengths, late=late,
@@ -268,7 +286,8 @@ def _tables(problem: MixedProblem, allowed: Sequence[int]) -> _Tables:
 _FRONT_POINTS = 48
 
 
-def _suffix_fronts(problem: MixedProblem, allowed: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+def _suffix_fronts(problem: MixedProblem, allowed: Sequence[int], deadline: Deadline | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """For every suffix m..L-1, the pairs (compute path, channel path) of its groupings x compressors that no
     other pair beats in both: compute = sum of preparation + middle + decode + sigma / (1 + sigma) * the
     group's collectives, channel = sum of first collective + middle round + second collective (the channel
@@ -282,6 +301,7 @@ def _suffix_fronts(problem: MixedProblem, allowed: Sequence[int]) -> tuple[np.nd
     comp = np.full((num_layers + 1, _FRONT_POINTS), np.inf)
     chan = np.full((num_layers + 1, _FRONT_POINTS), np.inf)
     for i in range(num_layers - 1, -1, -1):
+        _check(deadline)
         ends = np.arange(i + 1, num_layers + 1)
         starts = np.full(ends.shape, i)
         last = ends == num_layers
@@ -418,26 +438,50 @@ def _expiry(tables: _Tables, m: int, sigma: float, comp: np.ndarray, chan: np.nd
     return m - 1 + lengths[first]
 
 
-def mixed_lower_bound(problem: MixedProblem, allowed: Sequence[int] | None = None) -> float:
-    """An iteration time no grouping and choice of compressors (among `allowed`, default all) can beat."""
+def mixed_lower_bound(problem: MixedProblem, allowed: Sequence[int] | None = None, *,
+                      deadline: Deadline | None = None) -> float:
+    """An iteration time no grouping and choice of compressors (among `allowed`, default all) can beat. Where
+    `deadline` passes before its tables are built, the compute path alone (`_compute_bound`)."""
     picks = list(range(len(problem.compressors))) if allowed is None else list(allowed)
-    tables = _tables(problem, picks)
+    try:
+        tables = _tables(problem, picks, deadline)
+    except _OutOfBudget:
+        return _compute_bound(problem)
+    return _root_bound(problem, tables)
+
+
+def _root_bound(problem: MixedProblem, tables: _Tables) -> float:
+    """The empty prefix's bound: no solution of the tables' compressors ends sooner."""
     zero = np.zeros(1)
     root = float(_real_bounds(tables, 0, problem.num_layers, problem.interference, zero, zero, zero, zero)[0])
     return problem.forward_s + root + problem.update_s
 
 
+def _compute_bound(problem: MixedProblem) -> float:
+    """F + the whole backward pass + U: a bound that costs nothing, for a solve with no time left for tables."""
+    return problem.forward_s + float(problem.prefix_backward[-1]) + problem.update_s
+
+
+#: The share of what is left of its deadline that the exact search may take; the wide beam that stands in
+#: for it when it runs out has the rest.
+_SEARCH_SHARE = 0.75
+
+
 class MixedParetoDP:
     """Exact grouping x compressor per group for a `MixedProblem` (see the module docstring).
+
+    Call order: construct, then `solve(problem)` any number of times (with a `deadline` shared with other
+    solves of the same plan, and the solutions it must not be worse than, `incumbents`).
 
     Args:
         prune: branch and bound (exact; off only to test that it is).
         allowed: indices of the compressors it may choose (default: all of the problem's); a single one
             gives the best plan with that compressor everywhere.
-        time_limit_s: seconds the exact search may take; past them the best solution found by the heuristics
-            (the single-compressor groupings and a wider beam of the search) is returned, not proven optimal,
-            with its gap to the lower bound (`MixedSolution.gap`). None: no limit.
-        budget: the same limit in candidate states made (deterministic, for tests); None: no limit.
+        time_limit_s: seconds the whole solve may take (tables, beams, search, fallback) where `solve` is given
+            no deadline; past them the best solution found (the incumbents, the single-compressor groupings,
+            a beam of the search) is returned, not proven optimal, with its gap to the lower bound
+            (`MixedSolution.gap`). None: no limit.
+        budget: a limit in candidate states made by the exact search (deterministic, for tests); None: none.
     """
 
     name = "mixed-pareto-dp"
@@ -455,37 +499,63 @@ class MixedParetoDP:
         return (f"MixedParetoDP(prune={self.prune}, allowed={self.allowed}, time_limit_s={self.time_limit_s}, "
                 f"budget={self.budget})")
 
-    def solve(self, problem: MixedProblem) -> MixedSolution:
+    def solve(self, problem: MixedProblem, *, deadline: Deadline | None = None,
+              incumbents: Sequence[MixedSolution] = ()) -> MixedSolution:
+        """The best solution found by `deadline` (default: `time_limit_s` from now), proven optimal when the
+        search finished, and never worse than any of `incumbents` (solutions of `problem` among the allowed
+        compressors: the plans printed beside this one).
+
+        Raises:
+            SolverError: `allowed` names a compressor the problem has not got, or an incumbent uses one it does
+                not allow.
+        """
         allowed = tuple(range(len(problem.compressors))) if self.allowed is None else self.allowed
         if not allowed or any(not 0 <= c < len(problem.compressors) for c in allowed):
             raise SolverError(f"allowed compressors must be indices in 0..{len(problem.compressors) - 1}, but got "
                               f"{list(allowed)}")
+        outside = [s.choice for s in incumbents if not set(s.choice) <= set(allowed)]
+        if outside:
+            raise SolverError(f"an incumbent solution uses compressors {sorted(set(outside[0]) - set(allowed))} "
+                              f"outside the allowed {list(allowed)}")
+        deadline = deadline if deadline is not None else Deadline(self.time_limit_s)
         fixed = problem.forward_s + problem.update_s
-        tables = _tables(problem, allowed)
         if not self.prune:
-            found = _search(problem, tables, allowed, np.inf)
+            found = _search(problem, _tables(problem, allowed), allowed, np.inf)
             assert found is not None
             return MixedSolution(found[0], found[1], fixed + found[2])
         candidates = [_evaluated(problem, g, (c,) * len(g)) for c in allowed
                       for g in dict.fromkeys((tuple(range(1, problem.num_layers + 1)), (problem.num_layers,),
                                               ddp_buckets(problem)))]
+        candidates += [_evaluated(problem, s.grouping, s.choice) for s in incumbents]
         best = min(candidates, key=lambda s: s.iteration_s)
-        beamed = _search(problem, tables, allowed, (best.iteration_s - fixed) * (1 + _PRUNE_RTOL), beam=_BEAM)
-        if beamed is not None and fixed + beamed[2] < best.iteration_s:
-            best = MixedSolution(beamed[0], beamed[1], fixed + beamed[2])
         try:
-            deadline = None if self.time_limit_s is None else time.perf_counter() + self.time_limit_s
-            found = _search(problem, tables, allowed, (best.iteration_s - fixed) * (1 + _PRUNE_RTOL),
-                            budget=self.budget, deadline=deadline)
+            tables = _tables(problem, allowed, deadline)
+        except _OutOfBudget:  # no time for a bound better than the compute path
+            return replace(best, proven=False, lower_bound_s=min(_compute_bound(problem), best.iteration_s))
+        # The bounds' sums may round a few ulps above an optimum they equal: a bound is never above a found step.
+        bound = _root_bound(problem, tables)
+
+        def improved(found: tuple[Grouping, Choice, float] | None) -> None:
+            """Keep what the search found unless it is slower (on a tie, the search's own choice: an incumbent
+            may send a group a dearer way that the end does not see)."""
+            nonlocal best
+            if found is not None and fixed + found[2] <= best.iteration_s * (1 + _TIE_RTOL):
+                best = MixedSolution(found[0], found[1], fixed + found[2])
+
+        def limit() -> float:
+            return (best.iteration_s - fixed) * (1 + _PRUNE_RTOL)
+
+        try:
+            improved(_search(problem, tables, allowed, limit(), beam=_BEAM, deadline=deadline))
+            improved(_search(problem, tables, allowed, limit(), budget=self.budget,
+                             deadline=deadline.share(_SEARCH_SHARE)))
         except _OutOfBudget:
-            wide = _search(problem, tables, allowed, (best.iteration_s - fixed) * (1 + _PRUNE_RTOL), beam=_WIDE_BEAM)
-            if wide is not None and fixed + wide[2] < best.iteration_s:
-                best = MixedSolution(wide[0], wide[1], fixed + wide[2])
-            return MixedSolution(best.grouping, best.choice, best.iteration_s, proven=False,
-                                 lower_bound_s=mixed_lower_bound(problem, allowed))
-        if found is None or fixed + found[2] >= best.iteration_s:  # only rounding prunes everything within it
-            return best
-        return MixedSolution(found[0], found[1], fixed + found[2])
+            with contextlib.suppress(_OutOfBudget):  # what is left of the deadline, for a wider beam
+                improved(_search(problem, tables, allowed, limit(), beam=_WIDE_BEAM, deadline=deadline))
+            return replace(best, proven=False, lower_bound_s=min(bound, best.iteration_s))
+        # Finished: `best` is optimal (a search that prunes everything within it leaves the incumbent, optimal
+        # up to rounding).
+        return replace(best, proven=True, lower_bound_s=min(bound, best.iteration_s))
 
 
 def _evaluated(problem: MixedProblem, grouping: Grouping, choice: Choice) -> MixedSolution:
@@ -555,18 +625,18 @@ def _end(comp: np.ndarray, chan: np.ndarray, dec: np.ndarray, dsum: np.ndarray, 
 
 
 class _OutOfBudget(Exception):
-    """The search made more candidate states than its budget allows."""
+    """The search made more candidate states than its budget allows, or its deadline passed."""
 
 
 def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limit: float,
-            beam: int | None = None, budget: int | None = None, deadline: float | None = None
+            beam: int | None = None, budget: int | None = None, deadline: Deadline | None = None
             ) -> tuple[Grouping, Choice, float] | None:
     """The best solution whose states all have bounds <= `limit` and its X_G; None if none. With `beam`, only
     that many states with the lowest bounds are kept per prefix (a heuristic).
 
     Raises:
-        _OutOfBudget: more than `budget` candidate states were made, or the clock passed `deadline`
-            (`time.perf_counter()`; None: no limit).
+        _OutOfBudget: more than `budget` candidate states were made, or `deadline` passed (checked once per
+            layer; None: no limit).
     """
     num_layers = problem.num_layers
     sigma, kappa = problem.interference, problem.comm_stretch
@@ -602,7 +672,7 @@ def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limi
         new_comp, new_chan, new_dec, new_dsum, origin, chosen = (np.concatenate(x) for x in zip(*parts, strict=True))
 
         made += new_comp.size
-        if (budget is not None and made > budget) or (deadline is not None and time.perf_counter() > deadline):
+        if (budget is not None and made > budget) or (deadline is not None and deadline.passed()):
             raise _OutOfBudget
         if m < num_layers:
             # A decode chain that the compute path will overtake anyway: V_m + (1 + kappa)(1 + sigma) * (decodes to
