@@ -26,8 +26,17 @@ from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed import MixedProblem, simulate_mixed
 from planner.costmodel.problem import Grouping, Prediction, groups_of, topk_count
 from planner.solvers import DDP_BASELINE
+from planner.solvers.deadline import Deadline
 from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
-from planner.strategies.gradients import check_route, from_profile, make_plan, route_baselines, route_ways
+from planner.strategies.gradients import (
+    check_route,
+    from_profile,
+    make_plan,
+    optimality,
+    route_solutions,
+    route_ways,
+    sub_solve_seconds,
+)
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, SchemaError, Strategy
 
 __all__ = ["PRESETS", "AutoChoice", "GroupReason", "ddp_hook_name", "ddp_predictions", "explain", "make_mixed_plan",
@@ -106,8 +115,9 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
     Args:
         selector: the top-k selector of top-k groups ("exact", "sampled"); None: each one the profile measured,
             keeping the plan predicted faster (as `make_plan`).
-        time_limit_s: seconds the exact search may take (`MixedParetoDP`); past them the best solution found is
-            kept and the plan's solver name says it is within a gap of the lower bound.
+        time_limit_s: seconds the solve of one plan may take, its sub-solves (the rows "only:C", all flat, all
+            hierarchical) and lower bounds included (`MixedParetoDP`); past them the best solution found is kept,
+            never slower than those rows, and recorded as not proven optimal, with its gap to the lower bound.
         route: on a profile of several hosts, how groups cross them: each group the way the exact search
             makes the step fastest ("best"), every group flat ("flat"), or every group hierarchically where
             its compressor can be ("hierarchical").
@@ -131,10 +141,25 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
 
 def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str | None, *, source: str,
            time_limit_s: float | None, route: str = "best") -> Plan:
+    """One mixed plan under one selection-cost model. The whole solve (the rows "only:C" and the plans all flat and
+    all hierarchical, each within a share of the limit, then the plan's own search, and the lower bounds) takes at
+    most `time_limit_s`; the plan is never slower than a row it could have used."""
+    deadline = Deadline(time_limit_s)
     problem = mixed_problem(profile, compressors, selector=selector or "exact")
     ways = None if route == "best" else route_ways(problem)[route]
+    usable = set(range(len(problem.compressors))) if ways is None else set(ways)
     t0 = time.perf_counter()
-    solution = MixedParetoDP(allowed=ways, time_limit_s=time_limit_s).solve(problem)
+    subs: dict[str, MixedSolution] = {}
+    hosts = any(c.hierarchical for c in problem.compressors)  # several hosts: the same choice kept to one way too
+    share = sub_solve_seconds(time_limit_s, len(compressors) + (2 if hosts else 0))
+    for c in compressors:
+        allowed = tuple(i for i in problem.indices_of(c) if i in usable)
+        subs[f"only:{c}"] = MixedParetoDP(allowed=allowed).solve(problem, deadline=deadline.within(share))
+    if hosts:
+        subs.update(route_solutions(problem, deadline, share))
+    # The DDP rows (DDP's buckets at DDP's own costs, another runtime's) are not solutions of this problem.
+    incumbents = [s for s in subs.values() if set(s.choice) <= usable]
+    solution = MixedParetoDP(allowed=ways).solve(problem, deadline=deadline, incumbents=incumbents)
     seconds = time.perf_counter() - t0
     layers = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in profile.layers]
     baselines: dict[str, Prediction] = {}
@@ -143,17 +168,15 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
         ddp = mixed_problem(profile, [c], selector=selector or "exact", runtime="ddp")
         grouping = ddp_hook_grouping(ddp, c, backend)
         baselines[ddp_hook_name(c)] = simulate_mixed(ddp, grouping, (0,) * len(grouping))
-    # A bound for the DDP rows too: DDP moves gradients into its buckets at its own (lower) cost.
+    baselines.update({name: simulate_mixed(problem, s.grouping, s.choice) for name, s in subs.items()})
+    predicted = simulate_mixed(problem, solution.grouping, solution.choice)
+    # A bound for every row: over every way (a plan kept to one way has its own, `solution.lower_bound_s`), and
+    # for the DDP rows too (DDP moves gradients into its buckets at its own, lower, cost).
+    every_way = solution.lower_bound_s if ways is None and solution.lower_bound_s is not None else \
+        mixed_lower_bound(problem, deadline=deadline)
     ddp_all = mixed_problem(profile, tuple(dict.fromkeys((DENSE_COMPRESSOR, *compressors))),
-                                    selector=selector or "exact", runtime="ddp")
-    bound = min(mixed_lower_bound(problem), mixed_lower_bound(ddp_all))
-    for c in compressors:
-        allowed = tuple(i for i in problem.indices_of(c) if ways is None or i in ways)
-        only = MixedParetoDP(allowed=allowed, time_limit_s=time_limit_s).solve(problem)
-        baselines[f"only:{c}"] = simulate_mixed(problem, only.grouping, only.choice)
-    if any(c.hierarchical for c in problem.compressors):  # several hosts: the same choice kept to one way
-        baselines.update(route_baselines(problem, time_limit_s))
-    name = "mixed-pareto-dp" if solution.proven else f"mixed-pareto-dp (time limit; within {solution.gap:.1%})"
+                            selector=selector or "exact", runtime="ddp")
+    bound = min(every_way, mixed_lower_bound(ddp_all, deadline=deadline), predicted.iteration_s)
     groups = mixed_groups(layers, problem, solution)
     sends_topk = any(g.k is not None for g in groups)
     return Plan(
@@ -162,11 +185,12 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
         selector=(selector or "exact") if sends_topk else None,
         compressors=compressors,
         groups=groups,
-        predicted=simulate_mixed(problem, solution.grouping, solution.choice),
+        predicted=predicted,
         baselines=baselines,
         lower_bound_s=bound,
-        solver=name,
+        solver=MixedParetoDP.name,
         solve_seconds=seconds,
+        **optimality(solution.proven, predicted.iteration_s, solution.lower_bound_s),
         **from_profile(profile, source),
     )
 
@@ -243,7 +267,8 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
                selector: str | None = None, time_limit_s: float | None = 1.0) -> AutoChoice:
     """Every way of sending that `compressors` allow, each solved exactly: a dense plan (if dense is allowed), a
     top-k plan per allowed density, and the mixed plan over all of them; the one with the least predicted
-    iteration is kept (on a tie the first: dense, then top-k, then mixed).
+    iteration is kept (on a tie the first: dense, then top-k, then mixed). Each candidate's solve takes at most
+    `time_limit_s` (past it, the best found, recorded as not proven optimal).
 
     Raises:
         InvalidProfileError: a compressor the profile did not measure.
@@ -251,11 +276,11 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     allowed = tuple(compressors)
     candidates: dict[str, Plan] = {}
     if DENSE_COMPRESSOR in allowed:
-        candidates["dense"] = make_plan(profile, Strategy.DENSE, source=source)
+        candidates["dense"] = make_plan(profile, Strategy.DENSE, source=source, time_limit_s=time_limit_s)
     for c in allowed:
         if c.kind is CompressorKind.TOPK:
             candidates[f"topk at {c.density:g}"] = make_plan(profile, Strategy.TOPK, c.density, source=source,
-                                                             selector=selector)
+                                                             selector=selector, time_limit_s=time_limit_s)
     if len(allowed) > 1 or not candidates:
         candidates[f"mixed over {', '.join(map(str, allowed))}"] = make_mixed_plan(
             profile, allowed, source=source, selector=selector, time_limit_s=time_limit_s)
