@@ -27,8 +27,12 @@ Two exact reductions keep it small:
   the least communication left, (sigma E + V) / (1 + sigma)), the "least left" being minima over every
   grouping and compressor of the remaining layers (dynamic programs over suffixes); states above the
   iteration of a good solution are dropped. That solution is the best of the single-compressor groupings
-  (per layer, one group, DDP's buckets) and of a beam of this search (the few states with the lowest bounds
-  per prefix).
+  (per layer, one group, DDP's buckets), of the incumbents the caller gives (the rows printed beside the plan)
+  and of a beam of this search (the few states with the lowest bounds per prefix).
+
+A solve stops at its `Deadline` (checked per row of the tables and per layer of the beams and the search): the
+best solution found is returned, not proven, with the root's bound (the compute path alone if the tables did not
+finish); the exact search gets `_SEARCH_SHARE` of what is left, a wider beam the rest.
 
 With comm stretch kappa (`MixedProblem.comm_stretch`) the channel clock E is kept as if compute never stopped,
 E1 = max(C1, E) + (1 + kappa) T1; a group with a second round waits with the channel read in real time,
@@ -284,6 +288,8 @@ def _tables(problem: MixedProblem, allowed: Sequence[int], deadline: Deadline | 
 
 #: Points kept per suffix front (`_suffix_fronts`); runs of neighbours beyond that are merged into their corner.
 _FRONT_POINTS = 48
+#: Above this many pairs, `_suffix_fronts` first drops those that a sample's front beats (the front is the same).
+_PREFILTER_POINTS = 1024
 
 
 def _suffix_fronts(problem: MixedProblem, allowed: Sequence[int], deadline: Deadline | None = None
@@ -320,6 +326,15 @@ def _suffix_fronts(problem: MixedProblem, allowed: Sequence[int], deadline: Dead
         x, y = np.concatenate(xs), np.concatenate(ys)
         ok = np.isfinite(x) & np.isfinite(y)
         x, y = x[ok], y[ok]
+        if x.size > _PREFILTER_POINTS:  # drop most dominated pairs cheaply: against the front of every 16th
+            pivots = np.argsort(x[::16], kind="stable") * 16
+            pivot_y = y[pivots]
+            pivots = pivots[np.concatenate(([True], pivot_y[1:] < np.minimum.accumulate(pivot_y)[:-1]))]
+            px, py = x[pivots], y[pivots]
+            at = np.searchsorted(px, x, side="right") - 1
+            near = np.maximum(at, 0)
+            beaten = (at >= 0) & (py[near] <= y) & ((px[near] < x) | (py[near] < y))
+            x, y = x[~beaten], y[~beaten]
         order = np.lexsort((y, x))
         x, y = x[order], y[order]
         keep = np.concatenate(([True], y[1:] < np.minimum.accumulate(y)[:-1]))
