@@ -86,13 +86,18 @@ MAY_IMPORT = {
     "base": set(),
     "costmodel": {"base"},
     "contracts": {"base", "costmodel"},
+    "readers": {"base", "costmodel", "contracts"},
     "solvers": {"base", "costmodel"},
-    "strategies": {"base", "costmodel", "contracts", "solvers"},
+    "strategies": {"base", "costmodel", "contracts", "readers", "solvers"},
     "profilers": {"base", "costmodel", "contracts"},
-    "runtime": {"base", "costmodel", "contracts", "solvers"},
-    "commands": {"base", "costmodel", "contracts", "solvers", "strategies", "profilers", "runtime"},
+    "runtime": {"base", "costmodel", "contracts", "readers", "solvers"},
+    "commands": {"base", "costmodel", "contracts", "readers", "solvers", "strategies", "profilers", "runtime"},
     "shims": {"contracts", "commands"},
 }
+#: The cost model's readers of a profile: they turn the profile contract's data into the cost model's instances
+#: (`from_profile`) and draw profiles from its samples (`resample`). The contract holds the data and its checks and
+#: stands on the cost model's arithmetic (curves, fits, the statistics of its samples); these stand on both.
+READERS = {"planner.costmodel.from_profile", "planner.costmodel.resample"}
 #: The one way up: the runtime re-plans on attach (re-probing the cluster, then re-solving).
 EXCEPTIONS = {"runtime.retune": {"profilers", "strategies"}}
 
@@ -105,6 +110,8 @@ def layer(module: str) -> str:
         return "shims"
     if ".".join(parts[:2]) in BASE:
         return "base"
+    if module in READERS:
+        return "readers"
     return parts[1]
 
 

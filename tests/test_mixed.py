@@ -38,9 +38,9 @@ def brute_force(problem: MixedProblem, allowed: tuple[int, ...] | None = None) -
     return best
 
 
-def random_mixed(num_layers: int, seed: int, *, sigma: float, kinds: str = "dfpt") -> MixedProblem:
+def random_mixed(num_layers: int, seed: int, *, sigma: float, kinds: str = "dfpt", kappa: float = 0.0) -> MixedProblem:
     """Random costs for up to four compressors: d(ense), f(p16), p(owersgd), t(op-k); PowerSGD's per-layer costs
-    random with some layers (vectors) compressing nothing."""
+    random with some layers (vectors) compressing nothing; comm stretch `kappa`."""
     rng = np.random.default_rng(seed)
     numel = tuple(int(x) for x in rng.integers(1_000, 2_000_000, num_layers))
 
@@ -76,14 +76,16 @@ def random_mixed(num_layers: int, seed: int, *, sigma: float, kinds: str = "dfpt
             decode=affine(3e-5, 2e-8)))
     return MixedProblem(forward_s=rng.uniform(1e-3, 1e-2), update_s=rng.uniform(1e-3, 5e-3),
                         backward_s=tuple(float(x) for x in rng.uniform(1e-4, 8e-3, num_layers)), numel=numel,
-                        world_size=int(rng.integers(2, 9)), compressors=tuple(compressors), interference=sigma)
+                        world_size=int(rng.integers(2, 9)), compressors=tuple(compressors), interference=sigma,
+                        comm_stretch=kappa)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(num_layers=st.integers(1, 6), seed=st.integers(0, 10**6), sigma=st.sampled_from([0.0, 0.4, 1.3]),
-       kinds=st.sampled_from(["dfpt", "dp", "ft", "pt", "p", "dfp"]))
-def test_mixed_dp_equals_brute_force(num_layers: int, seed: int, sigma: float, kinds: str) -> None:
-    problem = random_mixed(num_layers, seed, sigma=sigma, kinds=kinds)
+       kinds=st.sampled_from(["dfpt", "dp", "ft", "pt", "p", "dfp"]), kappa=st.sampled_from([0.0, 0.6, 2.0]))
+def test_mixed_dp_equals_brute_force(num_layers: int, seed: int, sigma: float, kinds: str, kappa: float) -> None:
+    """With interference and comm stretch, PowerSGD's second rounds among them."""
+    problem = random_mixed(num_layers, seed, sigma=sigma, kinds=kinds, kappa=kappa)
     expected = brute_force(problem)
     for solver in (MixedParetoDP(), MixedParetoDP(prune=False)):
         solution = solver.solve(problem)
@@ -106,12 +108,12 @@ def test_restricted_to_one_compressor_equals_brute_force_over_it(seed: int) -> N
 
 
 @pytest.mark.parametrize("strategy", [Strategy.DENSE, Strategy.TOPK])
-@pytest.mark.parametrize("sigma", [0.0, 0.7])
-def test_one_compressor_is_the_single_strategy_timeline(strategy: Strategy, sigma: float) -> None:
+@pytest.mark.parametrize(("sigma", "kappa"), [(0.0, 0.0), (0.7, 0.0), (0.0, 0.9), (0.7, 1.5)])
+def test_one_compressor_is_the_single_strategy_timeline(strategy: Strategy, sigma: float, kappa: float) -> None:
     """A mixed problem holding only a dense (or top-k) problem's compressor predicts what `simulate` does for every
-    grouping, and its exact solution matches DenseDP's (TopkParetoDP's)."""
+    grouping, with interference and comm stretch, and its exact solution matches DenseDP's (TopkParetoDP's)."""
     for seed in range(3):
-        plain = dataclasses.replace(random_problem(7, strategy, seed=seed), interference=sigma)
+        plain = dataclasses.replace(random_problem(7, strategy, seed=seed), interference=sigma, comm_stretch=kappa)
         mixed = MixedProblem.of(plain)
         for grouping in all_groupings(7)[::5]:
             expected = simulate(plain, grouping)
@@ -171,3 +173,14 @@ def test_out_of_budget_returns_the_best_known_with_its_gap() -> None:
         for grouping in ((12,), tuple(range(1, 13)), ddp_buckets(problem)):
             assert stopped.iteration_s <= simulate_mixed(problem, grouping, (c,) * len(grouping)).iteration_s * (
                 1 + 1e-12)
+
+
+@pytest.mark.parametrize(("kinds", "sigma", "kappa"), [("dp", 0.5, 0.8), ("pt", 0.0, 1.5), ("dfpt", 1.3, 0.3)])
+def test_pruning_is_exact_with_comm_stretch(kinds: str, sigma: float, kappa: float) -> None:
+    """On instances too large for brute force, branch and bound with the stretched and the mutual bounds finds
+    the optimum of the search without pruning, and the lower bound stays below it."""
+    problem = random_mixed(12, 7, sigma=sigma, kinds=kinds, kappa=kappa)
+    pruned = MixedParetoDP(time_limit_s=None).solve(problem)
+    plain = MixedParetoDP(prune=False).solve(problem)
+    assert pruned.proven and pruned.iteration_s == pytest.approx(plain.iteration_s, rel=1e-9)
+    assert mixed_lower_bound(problem) <= plain.iteration_s * (1 + 1e-9)

@@ -13,7 +13,8 @@ from planner.commands.cli import main
 from planner.contracts.plan import Plan
 from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed import simulate_mixed
-from planner.strategies.mixed import PRESETS, explain, make_mixed_plan, parse_compressors, solve_auto
+from planner.strategies.auto import solve_auto
+from planner.strategies.mixed import PRESETS, explain, make_mixed_plan, parse_compressors
 from planner.types import Collective, Compressor, CompressorError, Strategy
 from tests.factories import synthetic_profile
 
@@ -189,3 +190,45 @@ def test_the_bench_of_a_mixed_plan_alone_has_a_local_row_predicted_as_a_dense_pl
     assert local.predicted_s == pytest.approx(local_prediction(make_plan(profile, Strategy.DENSE)), rel=1e-9)
     assert local.predicted_s == pytest.approx(profile.forward_s + profile.backward_s + profile.update_s,
                                               rel=1e-6)
+
+
+def test_one_model_for_every_strategy_the_same_dense_grouping_is_predicted_the_same() -> None:
+    """Item 4 of issue #47: sigma and kappa are charged alike in dense, top-k and mixed problems and in their DDP
+    rows. The same grouping sent dense is predicted the same by the dense problem and by every mixed problem that
+    may send it dense (whose collectives are allreduces, or whose allgather is no more interfering); a mixed plan
+    allowed only dense is the dense optimum, one allowed only top-k the top-k optimum, and the DDP rows agree."""
+    from planner.contracts.layers import plan_grouping
+    from planner.costmodel.from_profile import gradient_problem
+    from planner.costmodel.simulator import simulate
+    from planner.strategies.gradients import make_plan
+
+    base = synthetic_profile("resnet18")
+    profile = replace(base, interference={Collective.ALLREDUCE: 1.5, Collective.ALLGATHER: 0.7},
+                      comm_stretch={Collective.ALLREDUCE: 1.5, Collective.ALLGATHER: 0.4})
+    dense = gradient_problem(profile, Strategy.DENSE)
+    assert dense.comm_stretch == 1.5 and gradient_problem(profile, Strategy.TOPK, 0.01).comm_stretch == 0.4
+    layers = dense.num_layers
+    groupings = [(layers,), tuple(range(1, layers + 1)), (layers // 3, layers // 2, layers)]
+    for named in ("dense", "dense,fp16", "dense,powersgd:2", "dense,fp16,powersgd:1,topk:0.01"):
+        mixed = mixed_problem(profile, parse_compressors(named))
+        assert mixed.comm_stretch == 1.5 and mixed.interference == 1.5
+        way = mixed.index_of(Compressor.parse("dense"))
+        for grouping in groupings:
+            expected = simulate(dense, grouping)
+            got = simulate_mixed(mixed, grouping, (way,) * len(grouping))
+            assert got.iteration_s == pytest.approx(expected.iteration_s, rel=1e-12)
+            assert got.exposed_comm_s == pytest.approx(expected.exposed_comm_s, rel=1e-9, abs=1e-15)
+
+    dense_plan = make_plan(profile, Strategy.DENSE)
+    only_dense = make_mixed_plan(profile, parse_compressors("dense"))
+    assert only_dense.predicted.iteration_s == pytest.approx(dense_plan.predicted.iteration_s, rel=1e-9)
+    light = make_mixed_plan(profile, parse_compressors("light"))
+    assert light.baselines["ddp-25mb"].iteration_s == pytest.approx(
+        dense_plan.baselines["ddp-25mb"].iteration_s, rel=1e-12)
+    assert light.predicted.iteration_s <= dense_plan.predicted.iteration_s * (1 + 1e-9)
+    topk_plan = make_plan(profile, Strategy.TOPK, 0.01, selector="exact")
+    only_topk = make_mixed_plan(profile, parse_compressors("topk:0.01"), selector="exact")
+    assert only_topk.predicted.iteration_s == pytest.approx(topk_plan.predicted.iteration_s, rel=1e-9)
+    topk_grouping = plan_grouping(topk_plan, profile)
+    assert simulate(gradient_problem(profile, Strategy.TOPK, 0.01), topk_grouping).iteration_s == pytest.approx(
+        topk_plan.predicted.iteration_s, rel=1e-12)

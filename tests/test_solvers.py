@@ -88,8 +88,8 @@ def problems(
     # a packing cost: the two-clock dense problem.
     interference = draw(st.one_of(st.just(0.0), st.floats(0.0, 3.0)))
     pack = _cost(draw, "affine", 1e6, 0.5) if interference > 0 and draw(st.booleans()) else None
-    # Half the dense instances have a comm stretch (collectives slowed while backward runs).
-    stretch = 0.0 if topk else draw(st.one_of(st.just(0.0), st.floats(0.0, 3.0)))
+    # Half the instances have a comm stretch (collectives slowed while backward runs).
+    stretch = draw(st.one_of(st.just(0.0), st.floats(0.0, 3.0)))
     return GradientProblem(
         strategy=strategy,
         forward_s=draw(times),
@@ -159,20 +159,23 @@ def test_exact_matches_brute_force_on_realistic_instances(
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("kappa", [0.0, 0.8])
-def test_dense_with_comm_stretch_matches_brute_force_on_realistic_instances(seed: int, kappa: float) -> None:
-    """Twelve realistic dense layers whose collectives run 1 + kappa times slower while backward runs, with and
-    without interference and packing (the closed program and the two-clock search)."""
+@pytest.mark.parametrize("strategy", [Strategy.DENSE, Strategy.TOPK])
+def test_comm_stretch_matches_brute_force_on_realistic_instances(seed: int, kappa: float, strategy: Strategy) -> None:
+    """Twelve realistic layers whose collectives run 1 + kappa times slower while backward runs, with and
+    without interference (dense: and packing; the closed program and the two-clock search; top-k: the
+    four-clock search, its decodes after backward)."""
     for sigma in (0.0, 0.5):
-        _check_exact(random_problem(12, Strategy.DENSE, seed=seed, interference=sigma, comm_stretch=kappa))
+        _check_exact(random_problem(12, strategy, seed=seed, interference=sigma, comm_stretch=kappa))
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize(("strategy", "kappa"), [(Strategy.DENSE, 0.0), (Strategy.DENSE, 0.7), (Strategy.TOPK, 0.0)])
+@pytest.mark.parametrize(("strategy", "kappa"), [(Strategy.DENSE, 0.0), (Strategy.DENSE, 0.7), (Strategy.TOPK, 0.0),
+                                                  (Strategy.TOPK, 0.7)])
 @pytest.mark.parametrize("interference", [0.3, 1.0])
 def test_two_clock_pruning_is_exact_with_interference(
     seed: int, strategy: Strategy, kappa: float, interference: float
 ) -> None:
-    """With interference (and, dense, a comm stretch), branch and bound (and, for dense, the canonical states
+    """With interference (and a comm stretch), branch and bound (and, for dense, the canonical states
     and valley of the two-clock search) find the same optimum as the search without pruning, on instances
     too large for brute force."""
     from planner.solvers.grouping import _GroupBounds, _pareto_solve
@@ -210,8 +213,9 @@ def reference_topk_optimum(
     taken from `planner.costmodel.problem.advance`). A state is (C, E, V, D): compute and channel clocks, the decode
     chain V (each group decoded after its allgather, at 1 + sigma times its cost) and the decode sum D; at
     the end the decode chain starts at C and runs 1 + sigma times slower until E (the simulator's model).
-    With comm stretch kappa (dense), collectives take 1 + kappa times their cost, and the part of the channel
-    after the last C is shrunk back by 1 + kappa at the end."""
+    With comm stretch kappa, collectives take 1 + kappa times their cost; dense, the part of the channel after
+    the last C is shrunk back by 1 + kappa at the end; top-k, decodes take 1 + kappa times their cost too, and
+    the end X' so found is read as (kappa C + X') / (1 + kappa) (`planner.solvers.grouping._stretched`)."""
     topk = problem.strategy is Strategy.TOPK
     sigma, kappa = problem.interference, problem.comm_stretch
 
@@ -235,7 +239,7 @@ def reference_topk_optimum(
             if topk:
                 assert problem.select is not None and problem.decode is not None
                 prepare += problem.select.cost(numel)
-                decode = problem.decode.cost(problem.world_size * problem.k(numel))
+                decode = (1 + kappa) * problem.decode.cost(problem.world_size * problem.k(numel))
             comm = (1 + kappa) * problem.comm.cost(problem.message_bytes(numel))
             for comp, chan, chain, total in fronts[start]:
                 new_comp = work_end(comp, chan, backward + prepare)
@@ -249,10 +253,11 @@ def reference_topk_optimum(
 
     def finish(comp: float, chan: float, chain: float, total: float) -> float:
         if comp >= chan:
-            return comp + total
+            return comp + total / (1 + kappa)  # the decodes, stretched above, run at full speed
         if not topk:
             return comp + (chan - comp) / (1 + kappa)
-        return chan + (max(comp + (1 + sigma) * total, chain) - chan) / (1 + sigma)
+        stretched = chan + (max(comp + (1 + sigma) * total, chain) - chan) / (1 + sigma)
+        return (kappa * comp + stretched) / (1 + kappa)
 
     return problem.forward_s + min(finish(*state) for state in fronts[-1]) + problem.update_s
 

@@ -264,7 +264,7 @@ def test_a_plan_predicted_faster_than_ddp_within_the_noise_is_not_kept(tmp_path:
 
 def test_auto_weighs_its_candidates_and_ddp_under_the_same_draws(capsys: pytest.CaptureFixture[str]) -> None:
     from planner.commands.printing import print_auto
-    from planner.strategies.mixed import solve_auto
+    from planner.strategies.auto import solve_auto
 
     prof = with_samples(measured_profile("resnet18"))
     choice = solve_auto(prof, parse_compressors("dense,fp16,topk:0.01"))

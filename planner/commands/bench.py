@@ -203,7 +203,9 @@ def per_layer_plan(plan: Plan, module: torch.nn.Module) -> Plan:
             k = topk_count(s.numel, plan.density)
         groups.append(Group(layers=(name,), params=s.params, numel=s.numel, k=k))
     wfbp = plan.baselines.get("wfbp", plan.predicted)
-    return replace(plan, groups=tuple(groups), solver="wfbp", predicted=wfbp)
+    bound = plan.lower_bound_s
+    gap = max(0.0, wfbp.iteration_s / bound - 1) if bound > 0 else 0.0
+    return replace(plan, groups=tuple(groups), solver="wfbp", predicted=wfbp, optimal=False, gap=gap)
 
 
 @dataclass(frozen=True)

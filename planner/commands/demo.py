@@ -55,7 +55,8 @@ class DemoCommand(Command):
         from planner.commands.bench import BenchConfig, run_bench
         from planner.commands.profile import DEFAULT_EFFORT, QUICK_EFFORT, ProfileConfig, run_profile
         from planner.models import build_workload
-        from planner.strategies.mixed import parse_compressors, solve_auto
+        from planner.strategies.auto import solve_auto
+        from planner.strategies.mixed import parse_compressors
 
         compressors = parse_compressors(args.compressors)
         build_workload(args.model)  # an unknown or broken model is one line, before a link or a worker starts

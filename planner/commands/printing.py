@@ -58,6 +58,7 @@ def print_plan(plan: object, title: str | None = None) -> None:
         f"solver {plan.solver} took {plan.solve_seconds * 1e3:.1f} ms; "
         f"profile {plan.source_profile or '?'} measured {plan.profiled}"
     )
+    console.print(optimality_line(plan))
     hierarchical = [i for i, g in enumerate(plan.groups) if g.hierarchical]
     if plan.cluster.host_count > 1:
         console.print(f"{plan.cluster.host_count} hosts: {len(hierarchical)} of {len(plan.groups)} groups cross them "
@@ -120,6 +121,19 @@ def print_spread(plan: object) -> None:
         line += (f"; it sends {', '.join(lossy)}, which changes the gradients: what that costs in samples to reach "
                  "a loss was not measured (`planner bench --target-loss L` measures it)")
     console.print(line, style="bold", soft_wrap=True)
+
+
+def optimality_line(plan: object) -> str:
+    """One line: whether the solver proved the plan optimal, or how close to the bound its best found is."""
+    from planner.contracts.plan import Plan
+
+    assert isinstance(plan, Plan)
+    what = "gradient groups" if plan.kfac is not None or plan.abs is not None else "plan"
+    if plan.optimal is None:
+        return f"{what}: optimality not recorded (a plan written before it was)"
+    if plan.optimal:
+        return f"{what}: optimal"
+    return f"{what}: best found in {plan.solve_seconds:.2f} s, within {plan.gap or 0.0:.2%} of the bound"
 
 
 def print_abs(plan: object) -> None:
@@ -454,7 +468,7 @@ def _slowdown_interval(profile: object, collective: object, which: str) -> str:
 def print_auto(choice: object) -> None:
     """The strategies `--strategy auto` solved, their predicted iterations (with intervals where the noise was
     weighed) beside DDP and its hooks, and which it kept."""
-    from planner.strategies.mixed import AutoChoice, ddp_predictions
+    from planner.strategies.auto import AutoChoice, ddp_predictions
 
     assert isinstance(choice, AutoChoice)
     verdict = choice.plan.verdict

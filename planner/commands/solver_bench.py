@@ -40,7 +40,7 @@ def random_problem(
     top-k selection is interpolated from 20 us + c * N log2 N (superlinear) with c in [0.02, 0.3] ns,
     decoding is affine. With `interference` > 0 the compute stream runs that much slower while a
     collective is in flight, and dense groups pay a packing cost (2 us + 0.7 ns per element), as a
-    measured CPU profile has them. `comm_stretch` (dense): collectives run that much slower while backward
+    measured CPU profile has them. `comm_stretch`: collectives run that much slower while backward
     runs.
     """
     if num_layers < 1:

@@ -17,7 +17,11 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
       "cluster": {"world_size", "backend", "device", "host_count"},
       "source":  {"profile": "profiles/resnet18.json", "profiled": "<date of the profile>",
                   "batch_size": 32},                 # the profile's per-worker batch; optional (older plans)
-      "solver":  {"name": "dense-dp", "seconds": 0.004},
+      "solver":  {"name": "dense-dp", "seconds": 0.004,
+                  "optimal": true, "gap": 0.0},      # optional (older plans: not recorded): whether the plan is
+                                                     # proven optimal under the model; if not, "gap" is how far
+                                                     # its step may be above the solver's lower bound,
+                                                     # (iteration - bound) / bound, e.g. 0.0023
       "groups": [                                    # in the order gradients become ready
         {"layers": ["fc"], "params": ["fc.weight", "fc.bias"], "numel": 5130, "k": null}, ...
       ],                                             # a mixed plan's groups add "compressor": "powersgd:4"
@@ -323,11 +327,18 @@ class Plan:
     intervals: Intervals | None = None
     #: Plan or DDP, weighed beyond the noise (None: not weighed).
     verdict: Verdict | None = None
+    #: Whether the solver proved the plan optimal under the model (of K-FAC and ABS-SGD plans: their gradient
+    #: groups); None: not recorded (a plan written before it was).
+    optimal: bool | None = None
+    #: How far the plan's step may be above the solver's lower bound, (iteration - bound) / bound: 0 when
+    #: `optimal`, required when not, None when not recorded.
+    gap: float | None = None
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         if not self.groups:
             raise SchemaError("a plan needs at least one group")
+        self._check_optimality()
         self._check_compressors()
         if self.sends_topk:
             object.__setattr__(self, "selector", check_selector(self.selector or "exact", "plan.selector"))
@@ -376,6 +387,29 @@ class Plan:
                 f"the groups hold {len(seen)} parameter tensors of {numel:,} elements, but the model "
                 f"{self.model.name} has {self.model.num_params} of {self.model.numel:,}: every trainable "
                 "parameter must be in one group; re-plan with `planner solve`")
+
+    def _check_optimality(self) -> None:
+        """`optimal` a bool or None; `gap` a finite number >= 0, 0 for an optimal plan, given for one that is not,
+        absent where optimality is not recorded."""
+        if self.optimal is not None and not isinstance(self.optimal, bool):
+            raise SchemaError(f"plan.solver.optimal must be true or false, got {self.optimal!r}")
+        if self.gap is not None:
+            if isinstance(self.gap, bool) or not isinstance(self.gap, int | float) or not math.isfinite(self.gap) \
+                    or self.gap < 0:
+                raise SchemaError(f"plan.solver.gap must be a finite number >= 0 (a fraction of the bound), got "
+                                  f"{self.gap!r}")
+            object.__setattr__(self, "gap", float(self.gap))
+        match self.optimal, self.gap:
+            case None, None:
+                pass
+            case None, _:
+                raise SchemaError("plan.solver.gap needs plan.solver.optimal (whether the plan is proven optimal)")
+            case True, None:
+                object.__setattr__(self, "gap", 0.0)
+            case True, gap if gap != 0:
+                raise SchemaError(f"an optimal plan is at its bound: plan.solver.gap must be 0, got {gap!r}")
+            case False, None:
+                raise SchemaError("a plan not proven optimal needs plan.solver.gap, its distance to the bound")
 
     def _check_compressors(self) -> None:
         """A mixed plan names every group's compressor, with k exactly for its top-k groups; the others none."""
@@ -448,7 +482,8 @@ class Plan:
             "cluster": self.cluster.to_dict(),
             "source": {"profile": self.source_profile, "profiled": self.profiled,
                        **({} if self.batch_size is None else {"batch_size": self.batch_size})},
-            "solver": {"name": self.solver, "seconds": self.solve_seconds},
+            "solver": {"name": self.solver, "seconds": self.solve_seconds,
+                       **({} if self.optimal is None else {"optimal": self.optimal, "gap": self.gap})},
             "groups": [g.to_dict() for g in self.groups],
             "predicted": {
                 "plan": asdict(self.predicted),
@@ -498,7 +533,13 @@ class Plan:
         if batch_size is not None:
             batch_size = expect_int(batch_size, "plan.source.batch_size", 1, MAX_NUMEL)
         solver = expect(data["solver"], dict, "plan.solver")
-        check_fields(solver, "plan.solver", ["name", "seconds"])
+        check_fields(solver, "plan.solver", ["name", "seconds"], optional=["optimal", "gap"])
+        optimal = solver.get("optimal")
+        if optimal is not None:
+            optimal = expect(optimal, bool, "plan.solver.optimal")
+        gap = solver.get("gap")
+        if gap is not None:
+            gap = float(expect(gap, (int, float), "plan.solver.gap"))
         predicted = expect(data["predicted"], dict, "plan.predicted")
         check_fields(predicted, "plan.predicted", ["plan", "baselines", "lower_bound_s"],
                      optional=["intervals", "verdict"])
@@ -533,6 +574,8 @@ class Plan:
             batch_size=batch_size,
             intervals=None if predicted.get("intervals") is None else Intervals.from_dict(predicted["intervals"]),
             verdict=None if predicted.get("verdict") is None else Verdict.from_dict(predicted["verdict"]),
+            optimal=optimal,
+            gap=gap,
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

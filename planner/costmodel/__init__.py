@@ -1,2 +1,5 @@
-"""The cost model: cost curves of message size, the gradient problem a profile poses (`from_profile` reads it
-from a profile), and the simulator that times any grouping on it. Pure arithmetic on numbers: no files, no torch."""
+"""The cost model: cost curves of message size, the gradient problem a profile poses, the simulator that times any
+grouping on it, and the statistics of measured samples (`spread`). Pure arithmetic on numbers: no files, no torch.
+
+Two modules read the profile contract on top of that arithmetic: `from_profile` (the profile's measurements as the
+solvers' instances) and `resample` (profiles drawn from the samples it kept)."""

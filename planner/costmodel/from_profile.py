@@ -76,7 +76,7 @@ def gradient_problem(profile: Profile, strategy: Strategy, density: float | None
                                         profile.in_situ.decode_factor() if profile.in_situ else 1.0),
                 pack=dense.pack if runtime == "ddp" else None,
                 interference=profile.interference_for(Collective.ALLGATHER),
-                comm_stretch=0.0,  # charged on dense problems only (`GradientProblem.comm_stretch`)
+                comm_stretch=profile.comm_stretch_for(Collective.ALLGATHER),
             )
         case _:
             raise SchemaError(f"unknown strategy {strategy!r}")
@@ -115,6 +115,9 @@ def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, select
     hierarchical top-k exchange at that density where it measured one (`HostTiming.topk_at`), PowerSGD with
     both of its allreduces (the Ps and the Qs) by that allreduce curve.
 
+    Interference sigma and comm stretch kappa are each the largest of the collectives the compressors use (one
+    of each per problem, `MixedProblem`); a problem whose compressors all allreduce has the dense problem's.
+
     Raises:
         InvalidProfileError: a compressor the profile did not measure: top-k without top-k points or at
             a density outside the measured ones, fp16 or PowerSGD without compressor timings, or a
@@ -130,7 +133,7 @@ def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, select
     pack = None if profile.pack is None else _calibrated(
         profile.pack.model, profile.in_situ.pack_factor(runtime) if profile.in_situ else 1.0)
     costs: list[CompressorCosts] = []
-    sigma = 0.0
+    sigma = kappa = 0.0
     for c in compressors:
         match c.kind:
             case CompressorKind.DENSE:
@@ -152,9 +155,10 @@ def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, select
             costs.append(routed)
         collective = Collective.ALLGATHER if c.kind is CompressorKind.TOPK else Collective.ALLREDUCE
         sigma = max(sigma, profile.interference_for(collective))
+        kappa = max(kappa, profile.comm_stretch_for(collective))
     return MixedProblem(forward_s=dense.forward_s, update_s=dense.update_s, backward_s=dense.backward_s,
                         numel=dense.numel, world_size=dense.world_size, element_bytes=dense.element_bytes,
-                        compressors=tuple(costs), interference=sigma, names=dense.names)
+                        compressors=tuple(costs), interference=sigma, comm_stretch=kappa, names=dense.names)
 
 
 def _hierarchical_costs(hosts: HostTiming, flat: CompressorCosts) -> CompressorCosts | None:

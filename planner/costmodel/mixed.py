@@ -17,9 +17,22 @@ with sigma the interference (compute runs 1 + sigma times slower while a collect
     decode chain:  X_0 = C_G, X_g = advance(max(X_{g-1}, E2_g), E_G, decode_g)
     iteration = F + max(X_G, E_G) + U
 
+With comm stretch kappa (collectives run 1 + kappa times slower while the compute stream works) the channel is
+kept as `planner.costmodel.simulator` keeps it: as if compute never stopped, E1 = max(C1, E) + (1 + kappa) T1,
+and read in real time where the compute stream stops. It stops at C_G, and where a group with a second round
+waits for its first collective: there the channel is read in real time at C1 (`unstretched`, what it still owes
+runs at full speed), the first collective runs at full speed too, and the middle round restarts the stretched
+clock:
+
+    second round, kappa:  E1 = max(C1, unstretched(E, C1)) + T1    C2 = E1 + middle_g    E2 = C2 + (1 + kappa) T2
+
+The decodes see every collective end in real time.
+
 With a single compressor this is exactly the dense or top-k timeline of `GradientProblem`. The
-interference of a mixed problem is one sigma for the whole step: the largest of the collectives its
-compressors use (a conservative choice; the profile measures sigma per collective).
+interference of a mixed problem is one sigma for the whole step, and its comm stretch one kappa: the largest of
+the collectives its compressors use (a conservative choice; the profile measures both per collective). One
+kappa, not one per compressor: what a queued collective still owes when the compute stream stops depends on
+how much of it has run, which the clocks only hold for one rate.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ from planner.costmodel.problem import (
     advance,
     groups_of,
     topk_count_many,
+    unstretched,
 )
 from planner.types import DENSE_COMPRESSOR, Collective, Compressor, CompressorKind, SolverError, Strategy
 
@@ -160,6 +174,8 @@ class MixedProblem:
         density of top-k compressors and k: as `GradientProblem` (k = ceil(rho N), values and int32 indices).
         compressors: the compressors a group may be sent by (a choice indexes this tuple).
         interference: sigma >= 0 (see the module docstring).
+        comm_stretch: kappa >= 0, collectives (1 + kappa) times slower while the compute stream works (see the
+            module docstring); 0: none.
         names: the layers' names (optional).
     """
 
@@ -171,11 +187,14 @@ class MixedProblem:
     compressors: tuple[CompressorCosts, ...]
     element_bytes: int = 4
     interference: float = 0.0
+    comm_stretch: float = 0.0
     names: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not self.numel:
             raise SolverError("the problem has no layers with gradients")
+        if not (math.isfinite(self.comm_stretch) and self.comm_stretch >= 0):
+            raise SolverError(f"`comm_stretch >= 0` (finite) must hold, but got comm_stretch={self.comm_stretch}")
         if len(self.backward_s) != len(self.numel):
             raise SolverError(f"`len(backward_s) == len(numel)` must hold, but got ({len(self.backward_s)}, "
                               f"{len(self.numel)})")
@@ -222,11 +241,12 @@ class MixedProblem:
 
     @classmethod
     def of(cls, problem: GradientProblem, *more: CompressorCosts) -> MixedProblem:
-        """The mixed problem with `problem`'s layers, times and interference, its compressor (`costs_of`) and
-        `more`."""
+        """The mixed problem with `problem`'s layers, times, interference and comm stretch, its compressor
+        (`costs_of`) and `more`."""
         return cls(forward_s=problem.forward_s, update_s=problem.update_s, backward_s=problem.backward_s,
                    numel=problem.numel, world_size=problem.world_size, element_bytes=problem.element_bytes,
-                   interference=problem.interference, names=problem.names, compressors=(costs_of(problem), *more))
+                   interference=problem.interference, comm_stretch=problem.comm_stretch, names=problem.names,
+                   compressors=(costs_of(problem), *more))
 
     def index_of(self, compressor: Compressor, hierarchical: bool = False) -> int:
         """The index of `compressor` sent flat (or `hierarchical`) in `compressors` (SolverError if the problem
@@ -332,42 +352,84 @@ class MixedEvent:
     second_bytes: float
 
 
+@dataclass(slots=True)
+class _Walked:
+    """One group as `timeline_mixed` walks it (its channel times stretched until read in real time)."""
+
+    layers: range
+    which: int
+    ready: float
+    prepared: float
+    prepare: float
+    middle: float
+    decode: float
+    first: float
+    second: float
+    first_bytes: float
+    second_bytes: float
+    comm_start: float = 0.0
+    comm_end: float = 0.0
+    second_start: float = 0.0
+    done: float = 0.0  # E2: its last collective ends
+    after: float = 0.0  # C2: the compute stream after it
+
+
 def timeline_mixed(problem: MixedProblem, grouping: Sequence[int], choice: Sequence[int]) -> list[MixedEvent]:
     """Walk the groups one by one with scalar arithmetic (the reference the mixed solver is checked against)."""
     ends, picks = validate_choice(problem, grouping, choice)
-    sigma = problem.interference
-    rows = []
+    sigma, kappa = problem.interference, problem.comm_stretch
+    stretch = 1 + kappa
+    rows: list[_Walked] = []
+    # The rows whose channel times are kept stretched (as if compute never stopped), with whether all of them are
+    # (else only the end of a second round); they are read in real time where the compute stream next stops (a
+    # second round's wait, or C_G).
+    stretched: list[tuple[_Walked, bool]] = []
+
+    def settle(compute_end: float) -> None:
+        for row, every in stretched:
+            if every:
+                row.comm_start = unstretched(row.comm_start, compute_end, kappa)
+                row.comm_end = row.second_start = unstretched(row.comm_end, compute_end, kappa)
+            row.done = unstretched(row.done, compute_end, kappa)
+        stretched.clear()
+
     compute = channel = 0.0
     for layers, which in zip(groups_of(ends), picks, strict=True):
         costs = problem.costs(which, np.array([layers.start]), np.array([layers.stop]))
-        prepare, first, middle = float(costs.prepare[0]), float(costs.first[0]), float(costs.middle[0])
-        second, decode = float(costs.second[0]), float(costs.decode[0])
-        backward = float(sum(problem.backward_s[i] for i in layers))
-        ready = advance(compute, channel, backward, sigma)
-        prepared = advance(ready, channel, prepare, sigma)
-        comm_start = max(prepared, channel)
-        comm_end = comm_start + first
+        ready = advance(compute, channel, float(sum(problem.backward_s[i] for i in layers)), sigma)
+        prepare = float(costs.prepare[0])
+        row = _Walked(layers=layers, which=which, ready=ready, prepared=advance(ready, channel, prepare, sigma),
+                      prepare=prepare, middle=float(costs.middle[0]), decode=float(costs.decode[0]),
+                      first=float(costs.first[0]), second=float(costs.second[0]),
+                      first_bytes=float(costs.first_bytes[0]), second_bytes=float(costs.second_bytes[0]))
+        rows.append(row)
         if bool(costs.second_round[0]):  # wait for the first collective, then the middle work with the channel idle
-            second_start = comm_end
-            compute = second_start + middle
-            channel = compute + second
+            settle(row.prepared)  # the compute stream stops: what the channel owes runs at full speed
+            row.comm_start = max(row.prepared, unstretched(channel, row.prepared, kappa))
+            row.comm_end = row.second_start = row.comm_start + row.first
+            compute = row.second_start + row.middle
+            channel = row.done = compute + stretch * row.second
+            stretched.append((row, False))
         else:
-            second_start, compute, channel = comm_end, prepared, comm_end
-        rows.append((layers, which, ready, prepared, comm_start, comm_end, second_start, channel, compute, prepare,
-                     middle, decode, first, second, float(costs.first_bytes[0]), float(costs.second_bytes[0])))
+            row.comm_start = max(row.prepared, channel)
+            row.comm_end = row.second_start = row.done = channel = row.comm_start + stretch * row.first
+            compute = row.prepared
+            stretched.append((row, True))
+        row.after = compute
+    settle(compute)  # C_G: backward is over
+    channel = unstretched(channel, compute, kappa)
     events = []
     decoded = compute  # X_0 = C_G
     for index, row in enumerate(rows):
-        (layers, which, ready, prepared, comm_start, comm_end, second_start, done, after, prepare, middle, decode,
-         first, second, first_bytes, second_bytes) = row
-        start = max(decoded, done)
-        decoded = advance(start, channel, decode, sigma)  # slowed until E_G
+        start = max(decoded, row.done)
+        decoded = advance(start, channel, row.decode, sigma)  # slowed until E_G
         events.append(MixedEvent(
-            index=index, layers=layers, compressor=problem.compressors[which].compressor,
-            numel=int(sum(problem.numel[i] for i in layers)), ready_s=ready, prepared_s=prepared,
-            comm_start_s=comm_start, comm_end_s=comm_end, second_start_s=second_start, second_end_s=done,
-            compute_end_s=after, decode_start_s=start, decode_end_s=decoded, prepare_s=prepare, middle_s=middle,
-            decode_s=decode, first_s=first, second_s=second, first_bytes=first_bytes, second_bytes=second_bytes))
+            index=index, layers=row.layers, compressor=problem.compressors[row.which].compressor,
+            numel=int(sum(problem.numel[i] for i in row.layers)), ready_s=row.ready, prepared_s=row.prepared,
+            comm_start_s=row.comm_start, comm_end_s=row.comm_end, second_start_s=row.second_start,
+            second_end_s=row.done, compute_end_s=row.after, decode_start_s=start, decode_end_s=decoded,
+            prepare_s=row.prepare, middle_s=row.middle, decode_s=row.decode, first_s=row.first, second_s=row.second,
+            first_bytes=row.first_bytes, second_bytes=row.second_bytes))
     return events
 
 

@@ -59,8 +59,8 @@ class GradientProblem:
             (the collective's own work takes the CPU, memory bandwidth or GPU from it); 0: no interference.
         comm_stretch: kappa >= 0, the other direction: a collective runs (1 + kappa) times slower while the
             compute stream works through backward (its copies and reductions share the cores with compute);
-            0: none. Dense only (a top-k step decodes on the compute stream after backward, and its exact
-            search has no room for it), so a top-k problem must have 0.
+            0: none. Charged on both strategies: what a collective still owes when backward (and the last
+            selection) ends runs at full speed, beside top-k's decodes.
     """
 
     strategy: Strategy
@@ -94,9 +94,6 @@ class GradientProblem:
             raise SolverError(f"`interference >= 0` (finite) must hold, but got interference={self.interference}")
         if not (math.isfinite(self.comm_stretch) and self.comm_stretch >= 0):
             raise SolverError(f"`comm_stretch >= 0` (finite) must hold, but got comm_stretch={self.comm_stretch}")
-        if self.strategy is Strategy.TOPK and self.comm_stretch:
-            raise SolverError(f"comm_stretch is charged on dense problems only, but a top-k problem got "
-                              f"comm_stretch={self.comm_stretch}")
         if self.strategy is Strategy.TOPK:
             if self.density is None or not 0 < self.density <= 1:
                 raise SolverError(f"top-k needs `0 < density <= 1`, but got density={self.density}")

@@ -12,13 +12,13 @@ Clocks (seconds from the start of backward; the forward pass is not on them):
   C_g = advance(C_{g-1}, E_{g-1}, W_g), C_0 = 0 (`planner.costmodel.problem.advance`; C_{g-1} + W_g when sigma = 0).
   From C_{g-1} on, the channel is busy exactly until E_{g-1} (group g-1 launched at C_{g-1} or queued
   behind a collective that ends later), so the two clocks determine the slowdown;
-- communication channel: E_g = max(C_g, E_{g-1}) + T(N_g), E_0 = 0. With comm stretch kappa (dense only) a
-  collective runs (1 + kappa) times slower while the compute stream works, which it does without a break
-  from 0 to C_G: the walk keeps E_g = max(C_g, E_{g-1}) + (1 + kappa) T(N_g) as if compute never ended, and
-  reads it in real time at the end (`planner.costmodel.problem.unstretched`: what lies beyond C_G takes
-  1 / (1 + kappa) of its length). The two clocks stay exact for the solvers (`DenseDP`): every transition
-  is the same with T scaled, and the end, max(C_G, C_G + (E_G - C_G) / (1 + kappa)), is non-decreasing in
-  both;
+- communication channel: E_g = max(C_g, E_{g-1}) + T(N_g), E_0 = 0. With comm stretch kappa a collective
+  runs (1 + kappa) times slower while the compute stream works, which it does without a break from 0 to
+  C_G: the walk keeps E_g = max(C_g, E_{g-1}) + (1 + kappa) T(N_g) as if compute never ended, and reads it
+  in real time at the end (`planner.costmodel.problem.unstretched`: what lies beyond C_G takes
+  1 / (1 + kappa) of its length; top-k's decodes then see the collectives end in real time). The clocks stay
+  exact for the solvers (`DenseDP`, `TopkParetoDP`): every transition is the same with T scaled, and the
+  end, read in real time, is non-decreasing in every clock;
 - top-k decoding, as the runtime's `synchronize` does it once backward is over: group by group in ready
   order, each right after its own allgather, overlapping the later ones: X_g = advance(max(X_{g-1}, E_g),
   E_G, d(P * k_g)), X_0 = C_G (a decode runs 1 + sigma times slower while collectives are still in

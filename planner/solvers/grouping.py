@@ -51,6 +51,7 @@ from planner.costmodel.problem import (
     unstretched_many,
 )
 from planner.costmodel.simulator import simulate
+from planner.solvers.deadline import Deadline
 from planner.types import GROUPING_STRATEGIES, SolverError, Strategy
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "MGWFBPGreedy",
     "PerLayer",
     "SingleBucket",
+    "Solved",
     "TopkParetoDP",
     "lower_bound",
     "solve_exact",
@@ -89,11 +91,34 @@ _PRUNE_RTOL = 1e-9
 _PREFILTER_MIN_STATES = 256
 
 
+@dataclass(frozen=True)
+class Solved:
+    """A grouping, its predicted iteration time, and what the solver proved about it.
+
+    `proven`: no grouping is faster under the model; otherwise `iteration_s` is within `gap` of `lower_bound_s`
+    (the solver's bound; None: the solver has none, e.g. a baseline rule).
+    """
+
+    grouping: Grouping
+    iteration_s: float
+    proven: bool
+    lower_bound_s: float | None = None
+
+    @property
+    def gap(self) -> float | None:
+        """0 when proven, else (iteration - bound) / bound (None without a bound)."""
+        if self.proven:
+            return 0.0
+        if not self.lower_bound_s:
+            return None
+        return max(0.0, self.iteration_s / self.lower_bound_s - 1)
+
+
 class GroupingSolver(abc.ABC):
     """A way to merge the layers of a `GradientProblem` into contiguous groups.
 
-    Call order: construct once (stateless afterwards), then `solve(problem)` or `solve_with_value(problem)`
-    any number of times.
+    Call order: construct once (stateless afterwards), then `solve(problem)`, `solve_with_value(problem)` or
+    `solve_within(problem, deadline)` any number of times.
 
     Attributes:
         name: short identifier used in plans and reports ("wfbp", "ddp-25mb", ...).
@@ -114,6 +139,12 @@ class GroupingSolver(abc.ABC):
         grouping = self.solve(problem)
         return grouping, simulate(problem, grouping).iteration_s
 
+    def solve_within(self, problem: GradientProblem, deadline: Deadline | None = None) -> Solved:
+        """The grouping found by `deadline` (None: no limit), and whether it is proven optimal. Exact solvers
+        whose search can run long override this; the others finish (and are optimal if `exact`)."""
+        grouping, value = self.solve_with_value(problem)
+        return Solved(grouping, value, proven=self.exact)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
@@ -133,17 +164,32 @@ def _prefix_backward(problem: GradientProblem) -> np.ndarray:
 
 
 def _stretched(problem: GradientProblem) -> GradientProblem:
-    """`problem` with its comm stretch kappa folded into the collectives' cost: every collective (1 + kappa)
-    times as long, as if compute never ended. The solvers search this problem's clocks, which are exact
-    (`planner.costmodel.simulator`), and read its ends in real time with `_dense_end`."""
+    """`problem` with its comm stretch kappa folded into its costs: every collective, and every top-k decode,
+    (1 + kappa) times as long, as if compute never ended. The solvers search this problem's clocks, which are
+    exact (`planner.costmodel.simulator`), and read its ends in real time with `_real_end`.
+
+    Why the decodes too: after C_G the channel runs at full speed, and the real end of the step is
+    X_G = (kappa C_G + X'_G) / (1 + kappa), X'_G being the end of this problem with the same grouping (the
+    decode chain's terms that end before C_G never decide X_G, so every term may be read through the same
+    affine map; `tests/test_solvers.py` checks it against the simulator's walk)."""
     if problem.comm_stretch == 0:
         return problem
-    return replace(problem, comm=ScaledCost(inner=problem.comm, factor=1 + problem.comm_stretch), comm_stretch=0.0)
+    factor = 1 + problem.comm_stretch
+    decode = None if problem.decode is None else ScaledCost(inner=problem.decode, factor=factor)
+    return replace(problem, comm=ScaledCost(inner=problem.comm, factor=factor), decode=decode, comm_stretch=0.0)
+
+
+def _real_end(comp: np.ndarray | float, end: np.ndarray | float, comm_stretch: float) -> np.ndarray:
+    """X_G in real time of states of the stretched problem (`_stretched`) that end at `end` with compute clock
+    C_G = `comp`: (kappa C_G + end) / (1 + kappa). Non-decreasing in both."""
+    if comm_stretch == 0:
+        return np.asarray(end, dtype=float)
+    return (comm_stretch * np.asarray(comp, dtype=float) + end) / (1 + comm_stretch)
 
 
 def _dense_end(comp: np.ndarray, chan: np.ndarray, comm_stretch: float) -> np.ndarray:
     """X_G of dense states of the stretched problem (`_stretched`) in real time: max(C, E), with what the channel
-    holds beyond C run unstretched. Non-decreasing in both clocks."""
+    holds beyond C run unstretched (= `_real_end` of max(C, E)). Non-decreasing in both clocks."""
     return np.maximum(comp, unstretched_many(chan, comp, comm_stretch))
 
 
@@ -419,7 +465,7 @@ def _iteration_end(problem: GradientProblem, grouping: Grouping) -> float:
     """X_G of `grouping` (seconds from the start of backward), as `planner.costmodel.simulator.simulate` walks it, with
     the group costs computed at once: the solvers evaluate many candidate groupings of long models. Without
     interference the walk has a closed form (C and E are running sums and maxima); with it, a scalar walk.
-    A comm stretch is walked on `_stretched`'s clocks and read in real time at the end."""
+    A comm stretch is walked on `_stretched`'s clocks and read in real time at the end (`_real_end`)."""
     kappa = problem.comm_stretch
     problem = _stretched(problem)
     ends = np.asarray(grouping, dtype=np.int64)
@@ -440,7 +486,7 @@ def _iteration_end(problem: GradientProblem, grouping: Grouping) -> float:
         decoded = np.cumsum(decode)
         end = float(decoded[-1]) + max(float(comp[-1]), float(np.max(chan - (decoded - decode))))
         if problem.strategy is Strategy.TOPK:
-            return end
+            return float(_real_end(float(comp[-1]), end, kappa))
         return max(float(comp[-1]), unstretched(float(chan[-1]), float(comp[-1]), kappa))
     clock = queue = 0.0  # C and E
     comm_end = []
@@ -451,7 +497,9 @@ def _iteration_end(problem: GradientProblem, grouping: Grouping) -> float:
     decoded_at = clock
     for e, d in zip(comm_end, decode.tolist(), strict=True):
         decoded_at = advance(max(decoded_at, e), queue, d, sigma)
-    return decoded_at if problem.strategy is Strategy.TOPK else max(clock, unstretched(queue, clock, kappa))
+    if problem.strategy is Strategy.TOPK:
+        return float(_real_end(clock, decoded_at, kappa))
+    return max(clock, unstretched(queue, clock, kappa))
 
 
 def _ends_from_back_pointers(starts: np.ndarray | list[int], num_layers: int) -> Grouping:
@@ -589,6 +637,14 @@ class DenseDP(_BoundedSolver):
     def solve(self, problem: GradientProblem) -> Grouping:
         return self.solve_with_value(problem)[0]
 
+    def solve_within(self, problem: GradientProblem, deadline: Deadline | None = None) -> Solved:
+        """As `solve_with_value`; the two-clock search (packing or interference) stops at `deadline` with the
+        best grouping found, its gap to the root's bound."""
+        _require(problem, Strategy.DENSE, type(self).__name__)
+        if problem.pack is not None or problem.interference > 0:
+            return _pareto_solve_within(problem, self._bounds, prune=True, deadline=deadline)
+        return Solved(*self.solve_with_value(problem), proven=True)
+
     def solve_with_value(self, problem: GradientProblem) -> tuple[Grouping, float]:
         _require(problem, Strategy.DENSE, type(self).__name__)
         if problem.pack is not None or problem.interference > 0:
@@ -721,6 +777,12 @@ class TopkParetoDP(_BoundedSolver):
     groups that follow. The Lagrangian bounds run over allowed groupings (infinite after a prefix that no
     allowed grouping completes), and only allowed groupings serve as upper bounds.
 
+    With comm stretch kappa (collectives 1 + kappa times slower until the compute stream's work ends at C_G) the
+    search runs on `_stretched`'s problem, collectives and decodes (1 + kappa) times as long, whose transitions
+    are those above, and reads its end in real time, X_G = (kappa C_G + X'_G) / (1 + kappa): non-decreasing in
+    C_G and in X'_G, so the same Pareto fronts hold the optimum; the bounds are read the same way
+    (`_state_bounds`).
+
     The dense problem with a packing cost or interference has the two clocks C and E (s = packing, d = 0),
     and `DenseDP` solves it with this search.
     """
@@ -746,6 +808,12 @@ class TopkParetoDP(_BoundedSolver):
         _require(problem, Strategy.TOPK, type(self).__name__)
         return _pareto_solve(problem, self._bounds, prune=self.prune)
 
+    def solve_within(self, problem: GradientProblem, deadline: Deadline | None = None) -> Solved:
+        """As `solve_with_value`; the search stops at `deadline` with the best grouping found, its gap to the
+        root's bound."""
+        _require(problem, Strategy.TOPK, type(self).__name__)
+        return _pareto_solve_within(problem, self._bounds, prune=self.prune, deadline=deadline)
+
 
 #: States kept per prefix by the beam search that finds the first upper bound of the Pareto search.
 _BEAM = 8
@@ -756,11 +824,23 @@ _CLOSED_RTOL = 1e-12
 
 
 def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool) -> tuple[Grouping, float]:
-    """The exact two-clock search of `TopkParetoDP` (either strategy): best grouping and its iteration time.
+    """The exact two-clock search of `TopkParetoDP` (either strategy): best grouping and its iteration time."""
+    solved = _pareto_solve_within(problem, bounds, prune=prune)
+    return solved.grouping, solved.iteration_s
 
-    With comm stretch kappa (dense) the search runs on `_stretched`'s clocks and reads its ends in real time:
-    final ends with `_dense_end`, bounds with `_state_bounds`' stretch term, expiry with its limit moved to
-    match; groupings found elsewhere are walked on the problem as given."""
+
+class _OutOfTime(Exception):
+    """The search's deadline passed."""
+
+
+def _pareto_solve_within(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool,
+                         deadline: Deadline | None = None) -> Solved:
+    """`_pareto_solve`, stopped at `deadline` (checked once per layer of the beam and of the search): then the best
+    grouping known (baselines, Lagrangian groupings, the beam if it finished), not proven, with the root's bound.
+
+    With comm stretch kappa the search runs on `_stretched`'s clocks and reads its ends in real time: final ends
+    with `_dense_end` (top-k: `_real_end`), bounds with `_state_bounds`' stretch term, expiry with its limit moved
+    to match; groupings found elsewhere are walked on the problem as given."""
     given = problem
     kappa = problem.comm_stretch
     problem = _stretched(problem)
@@ -785,37 +865,42 @@ def _pareto_solve(problem: GradientProblem, bounds: _GroupBounds, *, prune: bool
         found = _pareto_search(problem, tables, np.inf)
         if found is None:
             raise bounds.infeasible(problem)
-        return found[0], fixed + found[1]
+        return Solved(found[0], fixed + found[1], proven=True)
 
     # Upper bound: the best of the baselines, the Lagrangian groupings and a narrow beam of this search
     # (only groupings the bounds allow).
     groupings = [h.solve(problem) for h in (*BASELINES[problem.strategy], MGWFBPGreedy())] + relaxed
     candidates = [(g, fixed + _iteration_end(given, g)) for g in dict.fromkeys(groupings)
                   if bounds.admits(problem, g)]
-    if not candidates:  # no allowed grouping is known: search them all
+    if not candidates:  # no allowed grouping is known: search them all (no answer to stop with)
         found = _pareto_search(problem, tables, np.inf)
         if found is None:
             raise bounds.infeasible(problem)
-        return found[0], fixed + found[1]
+        return Solved(found[0], fixed + found[1], proven=True)
     # The root's bound (the empty prefix's): a heuristic that reaches it is optimal, and nothing is searched.
     zero = np.zeros(1)
     root = float(_state_bounds(tables, 0, zero, zero, zero, zero, problem.strategy is Strategy.TOPK,
                                problem.interference, problem.num_layers)[0])
     heuristic, upper = min(candidates, key=lambda gv: gv[1])
+    # The bounds' sums may round a few ulps above an optimum they equal: a bound is never above a found step.
     if upper - fixed <= root * (1 + _CLOSED_RTOL):
-        return heuristic, upper
-    # A narrow beam of this search, within the best heuristic's time, when none is within _BEAM_GAP of the
-    # root's bound (the search then prunes almost everything anyway).
-    best = upper
-    if best - fixed > root * (1 + _BEAM_GAP):
-        beamed = _pareto_search(problem, tables, (best - fixed) * (1 + _PRUNE_RTOL), beam=_BEAM)
-        if beamed is not None:
-            candidates.append((beamed[0], fixed + beamed[1]))
-    heuristic, upper = min(candidates, key=lambda gv: gv[1])
-    found = _pareto_search(problem, tables, (upper - fixed) * (1 + _PRUNE_RTOL))
-    if found is None:  # only rounding can prune every grouping within the best heuristic's time
-        return heuristic, upper
-    return found[0], fixed + found[1]
+        return Solved(heuristic, upper, proven=True, lower_bound_s=min(fixed + root, upper))
+    try:
+        # A narrow beam of this search, within the best heuristic's time, when none is within _BEAM_GAP of the
+        # root's bound (the search then prunes almost everything anyway).
+        best = upper
+        if best - fixed > root * (1 + _BEAM_GAP):
+            beamed = _pareto_search(problem, tables, (best - fixed) * (1 + _PRUNE_RTOL), beam=_BEAM, deadline=deadline)
+            if beamed is not None:
+                candidates.append((beamed[0], fixed + beamed[1]))
+        heuristic, upper = min(candidates, key=lambda gv: gv[1])
+        found = _pareto_search(problem, tables, (upper - fixed) * (1 + _PRUNE_RTOL), deadline=deadline)
+    except _OutOfTime:
+        heuristic, upper = min(candidates, key=lambda gv: gv[1])
+        return Solved(heuristic, upper, proven=False, lower_bound_s=min(fixed + root, upper))
+    if found is not None:  # (None: only rounding can prune every grouping within the best heuristic's time)
+        heuristic, upper = found[0], fixed + found[1]
+    return Solved(heuristic, upper, proven=True, lower_bound_s=min(fixed + root, upper))
 
 
 def _best_other_per_block(blocks: np.ndarray, key: np.ndarray, wide: np.ndarray) -> np.ndarray:
@@ -845,11 +930,15 @@ def _final_end(comp: np.ndarray, chan: np.ndarray, dec: np.ndarray, dsum: np.nda
 
 
 def _pareto_search(
-    problem: GradientProblem, tables: _ParetoTables, limit: float, beam: int | None = None
+    problem: GradientProblem, tables: _ParetoTables, limit: float, beam: int | None = None,
+    deadline: Deadline | None = None,
 ) -> tuple[Grouping, float] | None:
     """The best grouping whose states all have bounds <= `limit`, and its X_G (`_final_end`); None if none.
 
     With `beam`, only that many states with the lowest bounds are kept per prefix: a heuristic.
+
+    Raises:
+        _OutOfTime: `deadline` passed (checked once per layer).
     """
     num_layers = problem.num_layers
     sigma = problem.interference
@@ -873,6 +962,8 @@ def _pareto_search(
     # extend them by and the others no other state of the block dominates for every group (the valley).
     active = np.zeros(1, dtype=np.int64)
     for j in range(num_layers):
+        if deadline is not None and deadline.passed():
+            raise _OutOfTime
         active = active[expire[active] > j]
         # The group extending a state starts at its prefix length: the costs of the groups first..j, per
         # active state (far fewer than j + 1 on real instances).
@@ -967,7 +1058,8 @@ def _pareto_search(
     if finals.size == 0:
         return None
     if decodes:
-        ends_at = _final_end(comp[finals], chan[finals], dec[finals], dsum[finals], sigma)
+        ends_at = _real_end(comp[finals], _final_end(comp[finals], chan[finals], dec[finals], dsum[finals], sigma),
+                            tables.stretch)
     else:
         ends_at = _dense_end(comp[finals], chan[finals], tables.stretch)
     best = int(np.argmin(ends_at))
@@ -1016,11 +1108,13 @@ def _state_bounds(tables: _ParetoTables, m: int, comp: np.ndarray, chan: np.ndar
     non-decreasing in every clock. dec and dsum are ignored unless `decodes` (dense: V = E, D = 0). With
     `rows`, only those weights count (a weaker bound).
 
-    With comm stretch kappa (dense), B below bounds max(C_G, E_G) of the stretched clocks, and
-    X_G = max(C_G, (kappa C_G + E_G) / (1 + kappa)) >= max(Q, (kappa Q + B) / (1 + kappa)) for any Q <= C_G
-    (here C plus the least compute left); exact at m = L."""
+    With comm stretch kappa, B below bounds X'_G of the stretched problem (dense: max(C_G, E_G)), and
+    X_G = (kappa C_G + X'_G) / (1 + kappa) >= max(Q, (kappa Q + B) / (1 + kappa)) for any Q <= C_G (here C
+    plus the least compute left; X_G >= C_G as well); exact at m = L."""
     if m == num_layers:
-        return _final_end(comp, chan, dec, dsum, sigma) if decodes else _dense_end(comp, chan, tables.stretch)
+        if decodes:
+            return _real_end(comp, _final_end(comp, chan, dec, dsum, sigma), tables.stretch)
+        return _dense_end(comp, chan, tables.stretch)
     pending = dsum if decodes else 0.0
     # max over w of w * (start of X + rest of backward) + (1 - w) * max(E, C + lead) + rest[w, m]
     late = np.maximum(chan, comp + tables.lead[m])
@@ -1367,8 +1461,9 @@ def lower_bound(problem: GradientProblem) -> float:
 
     Each "min over groupings of a sum of per-group costs" is an O(L^2) dynamic program (all tails at once).
 
-    With comm stretch kappa (dense): the bound B above of `_stretched`'s clocks bounds max(C_G, E_G) there, and
-    X_G >= max(Q, (kappa Q + B) / (1 + kappa)) with Q = sum b + least packing, a bound on C_G.
+    With comm stretch kappa: the bound B above of `_stretched`'s problem bounds its end X'_G, and
+    X_G = (kappa C_G + X'_G) / (1 + kappa) >= max(Q, (kappa Q + B) / (1 + kappa)) with Q = sum b + least
+    packing or selection, a bound on C_G.
     """
     if problem.strategy not in GROUPING_STRATEGIES:
         known = [s.value for s in GROUPING_STRATEGIES]

@@ -11,9 +11,10 @@ T2, leads to
     C2 = E1 + M             E2 = C2 + T2            (C2, E2 = C1, E1 without a second round)
     V' = max(V, E2) + (1 + sigma) d                 D' = D + d
 
-and the iteration is F + `_final_end`(C, E, V, D) + U, as for top-k. Every step is non-decreasing in every
-clock, so a state that another state of the same prefix dominates in all four never leads to a better
-iteration: keeping the Pareto front per prefix (with back-pointers to the group and its compressor) is exact.
+and the iteration is F + `_final_end`(C, E, V, D) + U, as for top-k (`_end` with comm stretch). Every step is
+non-decreasing in every clock, so a state that another state of the same prefix dominates in all four never leads
+to a better iteration: keeping the Pareto front per prefix (with back-pointers to the group and its compressor) is
+exact.
 
 Two exact reductions keep it small:
 
@@ -26,22 +27,37 @@ Two exact reductions keep it small:
   the least communication left, (sigma E + V) / (1 + sigma)), the "least left" being minima over every
   grouping and compressor of the remaining layers (dynamic programs over suffixes); states above the
   iteration of a good solution are dropped. That solution is the best of the single-compressor groupings
-  (per layer, one group, DDP's buckets) and of a beam of this search (the few states with the lowest bounds
-  per prefix).
+  (per layer, one group, DDP's buckets), of the incumbents the caller gives (the rows printed beside the plan)
+  and of a beam of this search (the few states with the lowest bounds per prefix).
 
-Solutions are checked against brute force over groupings x compressors (tests/test_mixed.py).
+A solve stops at its `Deadline` (checked per row of the tables and per layer of the beams and the search): the
+best solution found is returned, not proven, with the root's bound (the compute path alone if the tables did not
+finish); the exact search gets `_SEARCH_SHARE` of what is left, a wider beam the rest.
+
+With comm stretch kappa (`MixedProblem.comm_stretch`) the channel clock E is kept as if compute never stopped,
+E1 = max(C1, E) + (1 + kappa) T1; a group with a second round waits with the channel read in real time,
+E1 = max(C1, unstretched(E, C1)) + T1, and restarts it, E2 = C2 + (1 + kappa) T2; the decode chain holds its
+decodes (1 + kappa)(1 + sigma) times as long and drops its terms at such a wait (they never decide the end); the
+end is `_end`. Every step stays non-decreasing in every clock, so the fronts stay exact. The bounds are those of
+the stretched problem, read in real time (`_real_bounds`), and, with interference, those of how compute and
+collectives slow each other down (`_mutual_bounds`).
+
+Solutions are checked against brute force over groupings x compressors (tests/test_mixed.py), with and without
+interference and comm stretch.
 """
 
 from __future__ import annotations
 
-import time
+import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from planner.costmodel.costs import CostModel, ScaledCost
 from planner.costmodel.mixed import Choice, GroupCosts, MixedProblem, simulate_mixed, validate_choice
-from planner.costmodel.problem import Grouping, advance_many, groups_of
+from planner.costmodel.problem import Grouping, advance_many, groups_of, unstretched_many
+from planner.solvers.deadline import Deadline
 from planner.solvers.grouping import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _final_end, _pareto_front
 from planner.types import SolverError
 
@@ -50,11 +66,13 @@ __all__ = ["MixedParetoDP", "MixedSolution", "ddp_buckets", "mixed_lower_bound"]
 #: States kept per prefix by the beam that finds the first upper bound, and by the wider one that stands in
 #: when the exact search runs out of budget.
 _BEAM, _WIDE_BEAM = 8, 32
-#: Seconds the exact search may take before it gives up and the solver returns the best solution found, with
-#: its gap to the lower bound.
+#: Seconds a solve may take (`MixedParetoDP`) before it returns the best solution found, with its gap to the
+#: lower bound.
 DEFAULT_TIME_LIMIT_S = 1.0
 #: Relative slack of the pruning: rounding must never prune an optimal state.
 _PRUNE_RTOL = 1e-9
+#: Solutions this close (relative) are a tie: the search's is kept over the heuristics' (rounding, not speed).
+_TIE_RTOL = 1e-12
 
 
 @dataclass(frozen=True)
@@ -62,7 +80,8 @@ class MixedSolution:
     """A grouping, the compressor (index into the problem's) of each group, and the predicted iteration.
 
     `proven`: the search finished, so no solution is faster under the model; otherwise it stopped at its
-    budget and `iteration_s` is within `gap` of the lower bound `lower_bound_s`.
+    deadline (or budget) and `iteration_s` is within `gap` of the lower bound `lower_bound_s` (the solver's
+    bound over its allowed compressors; None where a solution was made without a solve).
     """
 
     grouping: Grouping
@@ -118,10 +137,101 @@ class _Tables:
     front_compute: np.ndarray  # (L + 1, F): the Pareto front of (compute, channel) sums over the groupings of
     front_channel: np.ndarray  # layers m..L-1 (by compute ascending, inf padding; see `_suffix_fronts`)
     front_key: np.ndarray  # compute - channel along each front (ascending)
+    least: np.ndarray  # least[m]: least compute-stream work after prefix m (backward, preparation, middle rounds)
+    mutual: np.ndarray  # mutual[t, m]: see `_mutual_bounds`
+    stretch: float = 0.0  # the problem's comm stretch kappa: the tables are `_stretched`'s (see `_real_bounds`)
 
 
-def _tables(problem: MixedProblem, allowed: Sequence[int]) -> _Tables:
-    """The suffix minima of `_bounds` (dynamic programs over the groupings and compressors of every suffix)."""
+def _stretched(problem: MixedProblem) -> MixedProblem:
+    """`problem` with its comm stretch kappa folded into its costs: every collective and every decode (1 + kappa)
+    times as long, as if compute never stopped, and no stretch. The real step is this problem's with every stretch
+    of time in which the compute stream is idle (a second round's wait, and what follows C_G) shrunk by
+    1 + kappa: a wait ends on an idle channel, so what follows it is the same, moved (see `_real_bounds`)."""
+    if not problem.comm_stretch:
+        return problem
+    factor = 1 + problem.comm_stretch
+
+    def scaled(model: CostModel | None) -> CostModel | None:
+        return None if model is None else ScaledCost(inner=model, factor=factor)
+
+    compressors = tuple(replace(c, comm=ScaledCost(inner=c.comm, factor=factor), decode=scaled(c.decode),
+                                second_comm=scaled(c.second_comm),
+                                layer_decode=tuple(factor * t for t in c.layer_decode))
+                        for c in problem.compressors)
+    return replace(problem, compressors=compressors, comm_stretch=0.0)
+
+
+#: Weights t of the channel in `_mutual_bounds` (t = 1: the channel path; the compute's weights follow from t).
+_CHANNEL_WEIGHTS = np.linspace(0.0, 1.0, 11)
+
+
+def _mutual_weights(sigma: float, kappa: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The weights (on backward work, on decodes, on the channel) of `_mutual_bounds`, one triple per t: the
+    grid, and the two t at which a compute weight stops being 1 (where one completion's bound is highest)."""
+    kinks = np.array([sigma / (1 + sigma), (1 + kappa) * sigma / (1 + sigma)])
+    t = np.unique(np.concatenate((_CHANNEL_WEIGHTS, kinks[kinks <= 1])))
+    return np.minimum(1.0, (1 + sigma) * (1 - t / (1 + kappa))), np.minimum(1.0, (1 + sigma) * (1 - t)), t
+
+
+def _mutual_rest(problem: MixedProblem, allowed: Sequence[int], deadline: Deadline | None = None) -> np.ndarray:
+    """mutual[t, m]: the least over groupings x compressors of layers m..L-1 of the sum over groups of
+    y1 (preparation + middle round) + y2 decode + t (collectives), at their costs alone (`_mutual_bounds`)."""
+    num_layers = problem.num_layers
+    y1, y2, y3 = (y[:, None] for y in _mutual_weights(problem.interference, problem.comm_stretch))
+    mutual = np.zeros((y3.size, num_layers + 1))
+    if not (problem.interference and problem.comm_stretch):  # not used (`_real_bounds`)
+        return mutual
+    for i in range(num_layers - 1, -1, -1):
+        _check(deadline)
+        ends = np.arange(i + 1, num_layers + 1)
+        starts = np.full(ends.shape, i)
+        best = np.full((y3.size, ends.size), np.inf)
+        for c in allowed:
+            costs = problem.costs(c, starts, ends)
+            best = np.minimum(best, y1 * (costs.prepare + costs.middle) + y2 * costs.decode
+                              + y3 * (costs.first + costs.second) + mutual[:, ends])
+        mutual[:, i] = best.min(axis=1)
+    return mutual
+
+
+def _mutual_bounds(tables: _Tables, m: int, sigma: float, comp: np.ndarray, chan: np.ndarray, dsum: np.ndarray
+                   ) -> np.ndarray:
+    """A bound of the states of prefix m < L from how compute and collectives slow each other down.
+
+    After C, let the compute stream work a seconds alone and o beside a busy channel, and the channel c seconds
+    alone, until X: X >= C + a + o + c. Before C_G the compute stream gets through the backward work W (backward,
+    preparation, middle rounds) at rate 1 alone and 1 / (1 + sigma) beside the channel, and the channel through
+    its work at 1 / (1 + kappa) beside it; after C_G the decodes (D pending, and those to come) at 1 / (1 + sigma)
+    beside the channel, which then runs at full speed. The channel's work is what it owes,
+    (E - C)+ / (1 + kappa) (E is kept stretched), and the collectives left, T. For weights (y1, y2, t) with
+    y1, y2, t <= 1, y1 / (1 + sigma) + t / (1 + kappa) <= 1 and y2 / (1 + sigma) + t <= 1, every second of the
+    step is worth at least y1 times the backward work, y2 times the decode work and t times the channel work it
+    gets done, so X >= C + y1 W + y2 (D + decodes) + t ((E - C)+ / (1 + kappa) + T) (linear programming
+    duality; `_mutual_weights` takes the largest y1, y2 for each t). Where sigma kappa is large, a second of
+    overlap gets less done than a second of either alone, which the paths of `_bounds` do not see."""
+    kappa = tables.stretch
+    y1, y2, y3 = (y[:, None] for y in _mutual_weights(sigma, kappa))
+    owed = np.maximum(chan - comp, 0.0) / (1 + kappa)
+    rest_backward = tables.backward[-1] - tables.backward[m]
+    return comp + np.max(y1 * rest_backward + y2 * dsum + y3 * owed + tables.mutual[:, m : m + 1], axis=0)
+
+
+def _check(deadline: Deadline | None) -> None:
+    """Raise `_OutOfBudget` once `deadline` has passed (None: never)."""
+    if deadline is not None and deadline.passed():
+        raise _OutOfBudget
+
+
+def _tables(problem: MixedProblem, allowed: Sequence[int], deadline: Deadline | None = None) -> _Tables:
+    """The suffix minima of `_bounds` (dynamic programs over the groupings and compressors of every suffix), of
+    `_stretched`'s problem, and those of `_mutual_bounds`.
+
+    Raises:
+        _OutOfBudget: `deadline` passed (checked once per row of each table).
+    """
+    kappa = problem.comm_stretch
+    mutual = _mutual_rest(problem, allowed, deadline)
+    problem = _stretched(problem)
     num_layers = problem.num_layers
     sigma = problem.interference
     weights = _WEIGHTS[:, None]
@@ -132,16 +242,20 @@ def _tables(problem: MixedProblem, allowed: Sequence[int]) -> _Tables:
     lead = np.full(num_layers + 1, np.inf)
     own = np.full(num_layers, np.inf)  # least preparation of each layer alone
     queued = np.zeros((2, num_layers + 1))
+    work = np.zeros(num_layers + 1)  # least preparation and middle rounds of layers m..L-1
     lead[num_layers] = 0.0
     for i in range(num_layers - 1, -1, -1):
+        _check(deadline)
         ends = np.arange(i + 1, num_layers + 1)
         starts = np.full(ends.shape, i)
         best = np.full((_WEIGHTS.size, ends.size), np.inf)  # (weights, groups i..j): first group and the rest
         best_last = np.full((_WEIGHTS.size, ends.size), np.inf)
         last = ends == num_layers
         best_queued = np.full((2, ends.size), np.inf)
+        best_work = np.full(ends.size, np.inf)
         for c in allowed:
             costs = problem.costs(c, starts, ends)
+            best_work = np.minimum(best_work, costs.prepare + costs.middle + work[ends])
             channel = costs.first + costs.second
             compute = costs.prepare + costs.middle + costs.decode + sigma / (1 + sigma) * channel
             best = np.minimum(best, weights * compute + (1 - weights) * channel + rest[:, ends])
@@ -155,6 +269,7 @@ def _tables(problem: MixedProblem, allowed: Sequence[int]) -> _Tables:
                                                                   + queued[0, ends]))
             best_queued[1] = np.minimum(best_queued[1], np.where(last, busy + costs.decode, busy + queued[1, ends]))
         queued[:, i] = best_queued.min(axis=1)
+        work[i] = best_work.min()
         rest_last[:, i] = best_last.min(axis=1)
         longer = np.minimum.accumulate(best[:, ::-1], axis=1)[:, ::-1]  # first group at least this long
         rest[:, i] = longer[:, 0]
@@ -163,19 +278,22 @@ def _tables(problem: MixedProblem, allowed: Sequence[int]) -> _Tables:
         lead[i] = problem.backward_s[i] + own[i]
     backward = problem.prefix_backward
     late = np.append(np.maximum.accumulate((backward[1:] + own + rest[0, :-1])[::-1])[::-1], 0.0)
-    front_compute, front_channel = _suffix_fronts(problem, allowed)
+    front_compute, front_channel = _suffix_fronts(problem, allowed, deadline)
     with np.errstate(invalid="ignore"):
         key = np.where(np.isfinite(front_compute), front_compute - front_channel, np.inf)
     return _Tables(backward=backward, lead=lead, rest=rest, opened=opened, open_lengths=lengths, late=late,
                    rest_last=rest_last, queued=queued, front_compute=front_compute, front_channel=front_channel,
-                   front_key=key)
+                   front_key=key, least=backward[-1] - backward + work, mutual=mutual, stretch=kappa)
 
 
 #: Points kept per suffix front (`_suffix_fronts`); runs of neighbours beyond that are merged into their corner.
 _FRONT_POINTS = 48
+#: Above this many pairs, `_suffix_fronts` first drops those that a sample's front beats (the front is the same).
+_PREFILTER_POINTS = 1024
 
 
-def _suffix_fronts(problem: MixedProblem, allowed: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+def _suffix_fronts(problem: MixedProblem, allowed: Sequence[int], deadline: Deadline | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """For every suffix m..L-1, the pairs (compute path, channel path) of its groupings x compressors that no
     other pair beats in both: compute = sum of preparation + middle + decode + sigma / (1 + sigma) * the
     group's collectives, channel = sum of first collective + middle round + second collective (the channel
@@ -189,6 +307,7 @@ def _suffix_fronts(problem: MixedProblem, allowed: Sequence[int]) -> tuple[np.nd
     comp = np.full((num_layers + 1, _FRONT_POINTS), np.inf)
     chan = np.full((num_layers + 1, _FRONT_POINTS), np.inf)
     for i in range(num_layers - 1, -1, -1):
+        _check(deadline)
         ends = np.arange(i + 1, num_layers + 1)
         starts = np.full(ends.shape, i)
         last = ends == num_layers
@@ -207,6 +326,15 @@ def _suffix_fronts(problem: MixedProblem, allowed: Sequence[int]) -> tuple[np.nd
         x, y = np.concatenate(xs), np.concatenate(ys)
         ok = np.isfinite(x) & np.isfinite(y)
         x, y = x[ok], y[ok]
+        if x.size > _PREFILTER_POINTS:  # drop most dominated pairs cheaply: against the front of every 16th
+            pivots = np.argsort(x[::16], kind="stable") * 16
+            pivot_y = y[pivots]
+            pivots = pivots[np.concatenate(([True], pivot_y[1:] < np.minimum.accumulate(pivot_y)[:-1]))]
+            px, py = x[pivots], y[pivots]
+            at = np.searchsorted(px, x, side="right") - 1
+            near = np.maximum(at, 0)
+            beaten = (at >= 0) & (py[near] <= y) & ((px[near] < x) | (py[near] < y))
+            x, y = x[~beaten], y[~beaten]
         order = np.lexsort((y, x))
         x, y = x[order], y[order]
         keep = np.concatenate(([True], y[1:] < np.minimum.accumulate(y)[:-1]))
@@ -243,12 +371,15 @@ def _bounds(tables: _Tables, m: int, num_layers: int, sigma: float, comp: np.nda
     collective starts after every group's preparation and the middle rounds before it, and its middle round,
     second collective and decode follow it (`_Tables.rest_last`). On the channel, a group's middle round is
     idle time between its two collectives, so the channel path grows by the middle rounds, and the decodes
-    follow it (`_Tables.queued`). Also X >= (sigma E + V) / (1 + sigma), and for
-    every layer j >= m, the group holding j sends no earlier than C + b_m + ... + b_j + its preparation, and
-    the channel then carries at least the least communication of layers j..L-1 (`_Tables.late`).
+    follow it (`_Tables.queued`). Also X >= `_final_end` of the state (C, D and the chain's terms only grow),
+    and for every layer j >= m, the group holding j sends no earlier than C + b_m + ... + b_j + its preparation,
+    and the channel then carries at least the least communication of layers j..L-1 (`_Tables.late`).
+
+    Without comm stretch; `_real_bounds` reads these bounds of `_stretched`'s problem for a problem with one.
     """
     if m == num_layers:
         return _final_end(comp, chan, dec, dsum, sigma)
+    last = _final_end(comp, chan, dec, dsum, sigma)
     compute, channel = _paths(tables, m, sigma, comp, chan, dsum)
     chosen = slice(None) if rows is None else rows
     weights = _WEIGHTS[chosen, None]
@@ -263,7 +394,29 @@ def _bounds(tables: _Tables, m: int, num_layers: int, sigma: float, comp: np.nda
     # The channel path with its idle middle rounds, then the decodes: after a last second round every decode
     # (pending and to come) runs after its middle round; otherwise the last decode follows its collective.
     bound = np.maximum(bound, channel + np.minimum(dsum + tables.queued[0, m], tables.queued[1, m]))
-    return np.maximum(bound, (sigma * chan + dec) / (1 + sigma))
+    return np.maximum(bound, last)
+
+
+def _real_bounds(tables: _Tables, m: int, num_layers: int, sigma: float, comp: np.ndarray, chan: np.ndarray,
+                 dec: np.ndarray, dsum: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """`_bounds` of a problem with comm stretch kappa (its tables are `_stretched`'s): no completion of these states
+    of prefix m ends before this.
+
+    The search's states are states of the stretched problem (their channel is kept as if compute never stopped;
+    a wait moves what follows it), so `_bounds` of the stretched problem, B, bounds the end X' of its completions.
+    The real end shrinks by kappa / (1 + kappa) every stretch of time after C in which the compute stream is idle
+    (waits, and after C_G): X = (X' + kappa (C + busy)) / (1 + kappa), busy being the compute stream's busy time
+    after C, at least `_Tables.least`. So X >= (B + kappa q) / (1 + kappa), q = C + least[m], and X >= q + D; at
+    m = L this is X itself (`_end`)."""
+    kappa = tables.stretch
+    if not kappa:
+        return _bounds(tables, m, num_layers, sigma, comp, chan, dec, dsum, rows)
+    least = comp + tables.least[m]
+    stretched = _bounds(tables, m, num_layers, sigma, comp, chan, dec, (1 + kappa) * dsum, rows)
+    bound = np.maximum(least + dsum, (stretched + kappa * least) / (1 + kappa))
+    if m == num_layers or not sigma:  # (without interference the stretched paths hold this bound already)
+        return bound
+    return np.maximum(bound, _mutual_bounds(tables, m, sigma, comp, chan, dsum))
 
 
 #: The weights `_search` tries first (w = 0, 0.5, 1: a weaker bound, cheap), before all of them.
@@ -279,11 +432,17 @@ def _paths(tables: _Tables, m: int, sigma: float, comp: np.ndarray, chan: np.nda
 
 
 def _expiry(tables: _Tables, m: int, sigma: float, comp: np.ndarray, chan: np.ndarray, dsum: np.ndarray,
-            limit: float) -> np.ndarray:
+            limit: float | np.ndarray) -> np.ndarray:
     """For new states of prefix m < L: the first layer at which extending them is pointless, m - 1 plus the
     least length of the next group from which on every completion is bounded above `limit` (`_bounds` over the
     completions whose first group is at least that long: non-decreasing in the length). A huge number where
-    no such length is known."""
+    no such length is known. With comm stretch kappa the bound is `_stretched`'s, read as `_real_bounds` reads it:
+    it exceeds `limit` where the stretched one exceeds (1 + kappa) limit - kappa q."""
+    kappa = tables.stretch
+    if kappa:
+        least = comp + tables.least[m]
+        limit = (1 + kappa) * limit - kappa * least
+        dsum = (1 + kappa) * dsum
     compute, channel = _paths(tables, m, sigma, comp, chan, dsum)
     weights = _WEIGHTS[:, None, None]
     mixed = weights * compute[None, None, :] + (1 - weights) * channel[None, None, :]  # (w, 1, states)
@@ -294,26 +453,50 @@ def _expiry(tables: _Tables, m: int, sigma: float, comp: np.ndarray, chan: np.nd
     return m - 1 + lengths[first]
 
 
-def mixed_lower_bound(problem: MixedProblem, allowed: Sequence[int] | None = None) -> float:
-    """An iteration time no grouping and choice of compressors (among `allowed`, default all) can beat."""
+def mixed_lower_bound(problem: MixedProblem, allowed: Sequence[int] | None = None, *,
+                      deadline: Deadline | None = None) -> float:
+    """An iteration time no grouping and choice of compressors (among `allowed`, default all) can beat. Where
+    `deadline` passes before its tables are built, the compute path alone (`_compute_bound`)."""
     picks = list(range(len(problem.compressors))) if allowed is None else list(allowed)
-    tables = _tables(problem, picks)
+    try:
+        tables = _tables(problem, picks, deadline)
+    except _OutOfBudget:
+        return _compute_bound(problem)
+    return _root_bound(problem, tables)
+
+
+def _root_bound(problem: MixedProblem, tables: _Tables) -> float:
+    """The empty prefix's bound: no solution of the tables' compressors ends sooner."""
     zero = np.zeros(1)
-    root = float(_bounds(tables, 0, problem.num_layers, problem.interference, zero, zero, zero, zero)[0])
+    root = float(_real_bounds(tables, 0, problem.num_layers, problem.interference, zero, zero, zero, zero)[0])
     return problem.forward_s + root + problem.update_s
+
+
+def _compute_bound(problem: MixedProblem) -> float:
+    """F + the whole backward pass + U: a bound that costs nothing, for a solve with no time left for tables."""
+    return problem.forward_s + float(problem.prefix_backward[-1]) + problem.update_s
+
+
+#: The share of what is left of its deadline that the exact search may take; the wide beam that stands in
+#: for it when it runs out has the rest.
+_SEARCH_SHARE = 0.75
 
 
 class MixedParetoDP:
     """Exact grouping x compressor per group for a `MixedProblem` (see the module docstring).
 
+    Call order: construct, then `solve(problem)` any number of times (with a `deadline` shared with other
+    solves of the same plan, and the solutions it must not be worse than, `incumbents`).
+
     Args:
         prune: branch and bound (exact; off only to test that it is).
         allowed: indices of the compressors it may choose (default: all of the problem's); a single one
             gives the best plan with that compressor everywhere.
-        time_limit_s: seconds the exact search may take; past them the best solution found by the heuristics
-            (the single-compressor groupings and a wider beam of the search) is returned, not proven optimal,
-            with its gap to the lower bound (`MixedSolution.gap`). None: no limit.
-        budget: the same limit in candidate states made (deterministic, for tests); None: no limit.
+        time_limit_s: seconds the whole solve may take (tables, beams, search, fallback) where `solve` is given
+            no deadline; past them the best solution found (the incumbents, the single-compressor groupings,
+            a beam of the search) is returned, not proven optimal, with its gap to the lower bound
+            (`MixedSolution.gap`). None: no limit.
+        budget: a limit in candidate states made by the exact search (deterministic, for tests); None: none.
     """
 
     name = "mixed-pareto-dp"
@@ -331,55 +514,84 @@ class MixedParetoDP:
         return (f"MixedParetoDP(prune={self.prune}, allowed={self.allowed}, time_limit_s={self.time_limit_s}, "
                 f"budget={self.budget})")
 
-    def solve(self, problem: MixedProblem) -> MixedSolution:
+    def solve(self, problem: MixedProblem, *, deadline: Deadline | None = None,
+              incumbents: Sequence[MixedSolution] = ()) -> MixedSolution:
+        """The best solution found by `deadline` (default: `time_limit_s` from now), proven optimal when the
+        search finished, and never worse than any of `incumbents` (solutions of `problem` among the allowed
+        compressors: the plans printed beside this one).
+
+        Raises:
+            SolverError: `allowed` names a compressor the problem has not got, or an incumbent uses one it does
+                not allow.
+        """
         allowed = tuple(range(len(problem.compressors))) if self.allowed is None else self.allowed
         if not allowed or any(not 0 <= c < len(problem.compressors) for c in allowed):
             raise SolverError(f"allowed compressors must be indices in 0..{len(problem.compressors) - 1}, but got "
                               f"{list(allowed)}")
+        outside = [s.choice for s in incumbents if not set(s.choice) <= set(allowed)]
+        if outside:
+            raise SolverError(f"an incumbent solution uses compressors {sorted(set(outside[0]) - set(allowed))} "
+                              f"outside the allowed {list(allowed)}")
+        deadline = deadline if deadline is not None else Deadline(self.time_limit_s)
         fixed = problem.forward_s + problem.update_s
-        tables = _tables(problem, allowed)
         if not self.prune:
-            found = _search(problem, tables, allowed, np.inf)
+            found = _search(problem, _tables(problem, allowed), allowed, np.inf)
             assert found is not None
             return MixedSolution(found[0], found[1], fixed + found[2])
         candidates = [_evaluated(problem, g, (c,) * len(g)) for c in allowed
                       for g in dict.fromkeys((tuple(range(1, problem.num_layers + 1)), (problem.num_layers,),
                                               ddp_buckets(problem)))]
+        candidates += [_evaluated(problem, s.grouping, s.choice) for s in incumbents]
         best = min(candidates, key=lambda s: s.iteration_s)
-        beamed = _search(problem, tables, allowed, (best.iteration_s - fixed) * (1 + _PRUNE_RTOL), beam=_BEAM)
-        if beamed is not None and fixed + beamed[2] < best.iteration_s:
-            best = MixedSolution(beamed[0], beamed[1], fixed + beamed[2])
         try:
-            deadline = None if self.time_limit_s is None else time.perf_counter() + self.time_limit_s
-            found = _search(problem, tables, allowed, (best.iteration_s - fixed) * (1 + _PRUNE_RTOL),
-                            budget=self.budget, deadline=deadline)
+            tables = _tables(problem, allowed, deadline)
+        except _OutOfBudget:  # no time for a bound better than the compute path
+            return replace(best, proven=False, lower_bound_s=min(_compute_bound(problem), best.iteration_s))
+        # The bounds' sums may round a few ulps above an optimum they equal: a bound is never above a found step.
+        bound = _root_bound(problem, tables)
+
+        def improved(found: tuple[Grouping, Choice, float] | None) -> None:
+            """Keep what the search found unless it is slower (on a tie, the search's own choice: an incumbent
+            may send a group a dearer way that the end does not see)."""
+            nonlocal best
+            if found is not None and fixed + found[2] <= best.iteration_s * (1 + _TIE_RTOL):
+                best = MixedSolution(found[0], found[1], fixed + found[2])
+
+        def limit() -> float:
+            return (best.iteration_s - fixed) * (1 + _PRUNE_RTOL)
+
+        try:
+            improved(_search(problem, tables, allowed, limit(), beam=_BEAM, deadline=deadline))
+            improved(_search(problem, tables, allowed, limit(), budget=self.budget,
+                             deadline=deadline.share(_SEARCH_SHARE)))
         except _OutOfBudget:
-            wide = _search(problem, tables, allowed, (best.iteration_s - fixed) * (1 + _PRUNE_RTOL), beam=_WIDE_BEAM)
-            if wide is not None and fixed + wide[2] < best.iteration_s:
-                best = MixedSolution(wide[0], wide[1], fixed + wide[2])
-            return MixedSolution(best.grouping, best.choice, best.iteration_s, proven=False,
-                                 lower_bound_s=mixed_lower_bound(problem, allowed))
-        if found is None or fixed + found[2] >= best.iteration_s:  # only rounding prunes everything within it
-            return best
-        return MixedSolution(found[0], found[1], fixed + found[2])
+            with contextlib.suppress(_OutOfBudget):  # what is left of the deadline, for a wider beam
+                improved(_search(problem, tables, allowed, limit(), beam=_WIDE_BEAM, deadline=deadline))
+            return replace(best, proven=False, lower_bound_s=min(bound, best.iteration_s))
+        # Finished: `best` is optimal (a search that prunes everything within it leaves the incumbent, optimal
+        # up to rounding).
+        return replace(best, proven=True, lower_bound_s=min(bound, best.iteration_s))
 
 
 def _evaluated(problem: MixedProblem, grouping: Grouping, choice: Choice) -> MixedSolution:
     return MixedSolution(grouping, choice, simulate_mixed(problem, grouping, choice).iteration_s)
 
 
-def _dominated(every: list[GroupCosts]) -> np.ndarray:
+def _dominated(every: list[GroupCosts], kappa: float = 0.0) -> np.ndarray:
     """(compressors, groups): whether another compressor's transition is never later in any clock for that group
     (its preparation, collectives, middle round and decode no larger, and no second round where this one has
-    none), the first of equal ones kept. Exact: a dominated compressor's states are dominated."""
+    none), the first of equal ones kept. Exact: a dominated compressor's states are dominated. With comm stretch
+    kappa a group without a second round never beats one with it: the wait reads the channel in real time, and
+    the stretched clock of the group without one may stay later."""
     count = len(every)
     beaten = np.zeros((count, every[0].prepare.size), dtype=bool)
     for i, a in enumerate(every):
         for j, b in enumerate(every):
             if i == j:
                 continue
-            no_later = ((b.prepare <= a.prepare) & (b.first <= a.first) & (b.decode <= a.decode)
-                        & (~b.second_round | (a.second_round & (b.middle <= a.middle) & (b.second <= a.second))))
+            rounds = (b.second_round == a.second_round) if kappa else (~b.second_round | a.second_round)
+            no_later = ((b.prepare <= a.prepare) & (b.first <= a.first) & (b.decode <= a.decode) & rounds
+                        & (~b.second_round | ((b.middle <= a.middle) & (b.second <= a.second))))
             equal = ((b.prepare == a.prepare) & (b.first == a.first) & (b.decode == a.decode)
                      & (b.second_round == a.second_round) & (b.middle == a.middle) & (b.second == a.second))
             beaten[i] |= no_later & ~(equal & (j > i))
@@ -387,34 +599,62 @@ def _dominated(every: list[GroupCosts]) -> np.ndarray:
 
 
 def _extend(comp: np.ndarray, chan: np.ndarray, dec: np.ndarray, dsum: np.ndarray, origin: np.ndarray, which: int,
-            costs: GroupCosts, where: np.ndarray, backward: np.ndarray, sigma: float) -> tuple[np.ndarray, ...]:
+            costs: GroupCosts, where: np.ndarray, backward: np.ndarray, sigma: float, kappa: float
+            ) -> tuple[np.ndarray, ...]:
     """The states that states (comp, chan, dec, dsum) lead to through the groups `where` (indices into `costs`)
     sent by compressor `which` (see the module docstring), with their parents and compressor."""
+    stretch = 1 + kappa
     c1 = advance_many(comp, chan, backward + costs.prepare[where], sigma)
-    e1 = np.maximum(c1, chan) + costs.first[where]
     second = costs.second_round[where]
+    e1 = np.maximum(c1, chan) + stretch * costs.first[where]
+    if kappa:  # a second round waits for its first collective: the channel runs at full speed meanwhile
+        waited = np.maximum(c1, unstretched_many(chan, c1, kappa)) + costs.first[where]
+        e1 = np.where(second, waited, e1)
     c2 = np.where(second, e1 + costs.middle[where], c1)
-    e2 = np.where(second, c2 + costs.second[where], e1)
+    e2 = np.where(second, c2 + stretch * costs.second[where], e1)
     decode = costs.decode[where]
-    return c2, e2, np.maximum(dec, e2) + (1 + sigma) * decode, dsum + decode, origin, np.full(origin.shape, which)
+    chain = np.maximum(dec, e2)
+    if kappa:  # the chain's terms before a second round's wait never decide the end (`_end`): dropped
+        chain = np.where(second, e2, chain)
+    return c2, e2, chain + stretch * (1 + sigma) * decode, dsum + decode, origin, np.full(origin.shape, which)
+
+
+def _end(comp: np.ndarray, chan: np.ndarray, dec: np.ndarray, dsum: np.ndarray, sigma: float, kappa: float
+         ) -> np.ndarray:
+    """X_G of complete states (seconds from the start of backward), a bound on it for incomplete ones.
+
+    The decodes start at C_G and run 1 + sigma times slower until the channel's real end e_G =
+    max(C_G, unstretched(E_G, C_G)); each starts after its own collectives. With the chain
+    Y = max(C + (1 + sigma) D, max over groups of (e_g + (1 + sigma) * the decodes from g on)) of decodes all
+    slowed, X_G = e_G + (Y - e_G) / (1 + sigma). A chain term whose collective ends before C_G is below the first
+    one, so every term may be read through the same map (kappa C_G + E_g) / (1 + kappa) (`TopkParetoDP`'s), and
+    V, the chain of the stretched E_g with decodes (1 + kappa)(1 + sigma) times as long, holds them all:
+    X_G = (sigma e_G + max(C + (1 + sigma) D, (kappa C + V) / (1 + kappa))) / (1 + sigma); C + D where the
+    channel is idle by C_G (`_final_end` for kappa = 0). Non-decreasing in every clock, and for the states of a
+    prefix a bound on every completion (C, D and the terms of V only grow)."""
+    if not kappa:
+        return _final_end(comp, chan, dec, dsum, sigma)
+    real = np.maximum(comp, (kappa * comp + chan) / (1 + kappa))  # e = max(C, unstretched(E, C))
+    chain = np.maximum(comp + (1 + sigma) * dsum, (kappa * comp + dec) / (1 + kappa))
+    return (sigma * real + chain) / (1 + sigma)
 
 
 class _OutOfBudget(Exception):
-    """The search made more candidate states than its budget allows."""
+    """The search made more candidate states than its budget allows, or its deadline passed."""
 
 
 def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limit: float,
-            beam: int | None = None, budget: int | None = None, deadline: float | None = None
+            beam: int | None = None, budget: int | None = None, deadline: Deadline | None = None
             ) -> tuple[Grouping, Choice, float] | None:
     """The best solution whose states all have bounds <= `limit` and its X_G; None if none. With `beam`, only
     that many states with the lowest bounds are kept per prefix (a heuristic).
 
     Raises:
-        _OutOfBudget: more than `budget` candidate states were made, or the clock passed `deadline`
-            (`time.perf_counter()`; None: no limit).
+        _OutOfBudget: more than `budget` candidate states were made, or `deadline` passed (checked once per
+            layer; None: no limit).
     """
     num_layers = problem.num_layers
-    sigma = problem.interference
+    sigma, kappa = problem.interference, problem.comm_stretch
     backward = tables.backward
     bounded = bool(np.isfinite(limit))
     capacity = 64
@@ -436,43 +676,43 @@ def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limi
         ends = np.full(starts.shape, m)
         parts = []
         every = [problem.costs(c, starts, ends) for c in allowed]
-        beaten = _dominated(every)  # (compressors, blocks): another compressor sends these groups no later
+        beaten = _dominated(every, kappa)  # (compressors, blocks): another compressor sends these groups no later
         for i, (c, costs) in enumerate(zip(allowed, every, strict=True)):
             if beaten[i].all():
                 continue
             rows = np.flatnonzero(~beaten[i][block])
             sub, where = active[rows], block[rows]
             parts.append(_extend(comp[sub], chan[sub], dec[sub], dsum[sub], sub, c, costs, where,
-                                 backward[m] - backward[starts[where]], sigma))
+                                 backward[m] - backward[starts[where]], sigma, kappa))
         new_comp, new_chan, new_dec, new_dsum, origin, chosen = (np.concatenate(x) for x in zip(*parts, strict=True))
 
         made += new_comp.size
-        if (budget is not None and made > budget) or (deadline is not None and time.perf_counter() > deadline):
+        if (budget is not None and made > budget) or (deadline is not None and deadline.passed()):
             raise _OutOfBudget
         if m < num_layers:
-            # A decode chain that the compute path will overtake anyway: V_m + (1 + sigma) * (decodes to come)
-            # <= C_G + (1 + sigma) D_G, so V_m never decides the end; E stands in for it.
-            overtaken = new_dec <= new_comp + (1 + sigma) * new_dsum + (backward[-1] - backward[m])
+            # A decode chain that the compute path will overtake anyway: V_m + (1 + kappa)(1 + sigma) * (decodes to
+            # come) <= C_G + (1 + kappa)(1 + sigma) D_G, so V_m never decides the end (`_end`); E stands in for it.
+            overtaken = new_dec <= new_comp + (1 + kappa) * (1 + sigma) * new_dsum + (backward[-1] - backward[m])
             new_dec = np.where(overtaken, new_chan, new_dec)
-            # compute-bound states: canonical (kappa, kappa)
+            # compute-bound states: canonical (k, k), k = (C + sigma E) / (1 + sigma) (`TopkParetoDP`'s kappa)
             bound_by_compute = new_chan - new_comp <= tables.lead[m] * (1 + sigma)
-            kappa = (new_comp + sigma * new_chan) / (1 + sigma) if sigma else new_comp
-            new_comp = np.where(bound_by_compute, kappa, new_comp)
-            new_chan = np.where(bound_by_compute, kappa, new_chan)
+            settled = (new_comp + sigma * new_chan) / (1 + sigma) if sigma else new_comp
+            new_comp = np.where(bound_by_compute, settled, new_comp)
+            new_chan = np.where(bound_by_compute, settled, new_chan)
         kept = np.arange(new_comp.size)
         if bounded:
-            kept = np.flatnonzero(_bounds(tables, m, num_layers, sigma, new_comp, new_chan, new_dec, new_dsum,
-                                          _FEW_WEIGHTS) <= limit)
+            kept = np.flatnonzero(_real_bounds(tables, m, num_layers, sigma, new_comp, new_chan, new_dec, new_dsum,
+                                               _FEW_WEIGHTS) <= limit)
             if kept.size == 0:
                 continue
-            kept = kept[_bounds(tables, m, num_layers, sigma, new_comp[kept], new_chan[kept], new_dec[kept],
-                                new_dsum[kept]) <= limit]
+            kept = kept[_real_bounds(tables, m, num_layers, sigma, new_comp[kept], new_chan[kept], new_dec[kept],
+                                     new_dsum[kept]) <= limit]
             if kept.size == 0:
                 continue
         front = kept[_pareto_front(new_comp[kept], new_chan[kept], new_dec[kept], new_dsum[kept])]
         if beam is not None and front.size > beam:
-            bound = _bounds(tables, m, num_layers, sigma, new_comp[front], new_chan[front], new_dec[front],
-                            new_dsum[front])
+            bound = _real_bounds(tables, m, num_layers, sigma, new_comp[front], new_chan[front], new_dec[front],
+                                 new_dsum[front])
             front = front[np.sort(np.argpartition(bound, beam)[:beam])]
         size = front.size
         if count + size > capacity:
@@ -493,7 +733,7 @@ def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limi
     finals = np.flatnonzero(length[:count] == num_layers)
     if finals.size == 0:
         return None
-    ends_at = _final_end(comp[finals], chan[finals], dec[finals], dsum[finals], sigma)
+    ends_at = _end(comp[finals], chan[finals], dec[finals], dsum[finals], sigma, kappa)
     best = int(np.argmin(ends_at))
     state = int(finals[best])
     ends_of: list[int] = []

@@ -263,7 +263,7 @@ def _hook_row(compressor: Compressor, selector: str, backend: str) -> RowStep:
 
 def _baseline_rows(plan: Plan, profile: Profile, time_limit_s: float | None) -> dict[str, RowStep]:
     """The baselines `plan` prints, rebuilt as the strategy that made it computed them."""
-    from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, route_ways
+    from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, route_ways, sub_solve_seconds
 
     names = set(plan.baselines)
     selector = plan.selector or "exact"
@@ -285,6 +285,9 @@ def _baseline_rows(plan: Plan, profile: Profile, time_limit_s: float | None) -> 
     if not mixed_plan:
         return out
     mixed = mixed_problem(profile, allowed, selector=selector)
+    hosts = any(c.hierarchical for c in mixed.compressors)
+    # Each of these rows solved again as the plan's solve did: within its share of the plan's limit.
+    share = sub_solve_seconds(time_limit_s, (len(allowed) if plan.strategy is Strategy.MIXED else 0) + 2 * hosts)
     if plan.strategy is Strategy.MIXED:
         for c in dict.fromkeys((DENSE_COMPRESSOR, *allowed)):
             name = DDP_BASELINE if c.kind is CompressorKind.DENSE else f"ddp+{c}"
@@ -292,13 +295,13 @@ def _baseline_rows(plan: Plan, profile: Profile, time_limit_s: float | None) -> 
                 out[name] = _hook_row(c, selector, plan.cluster.backend)
         for c in allowed:
             if f"only:{c}" in names:
-                only = MixedParetoDP(allowed=mixed.indices_of(c), time_limit_s=time_limit_s).solve(mixed)
+                only = MixedParetoDP(allowed=mixed.indices_of(c), time_limit_s=share).solve(mixed)
                 out[f"only:{c}"] = _mixed_row(allowed, selector, only.grouping, only.choice)
-    if any(c.hierarchical for c in mixed.compressors):
+    if hosts:
         ways = route_ways(mixed)
         for name, kept in ((ALL_FLAT, ways["flat"]), (ALL_HIERARCHICAL, ways["hierarchical"])):
             if name in names:
-                best = MixedParetoDP(allowed=kept, time_limit_s=time_limit_s).solve(mixed)
+                best = MixedParetoDP(allowed=kept, time_limit_s=share).solve(mixed)
                 out[name] = _mixed_row(allowed, selector, best.grouping, best.choice)
     return out
 

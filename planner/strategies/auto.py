@@ -1,0 +1,166 @@
+"""`--strategy auto`: every way of sending the allowed compressors permit, solved, and the plan to keep.
+
+The candidates (a dense plan, a top-k plan per allowed density, the mixed plan over all of them) are predicted
+under the same profiles resampled from the samples the profile kept (`planner.strategies.intervals`): the plan kept
+is the simplest that no other candidate beats beyond the noise, and it is weighed against DDP and DDP with the hook
+of every allowed compressor (its `Plan.verdict`). A profile without samples gives predictions without their noise:
+the fastest predicted is kept, beside DDP's predictions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
+from planner.solvers import DDP_BASELINE
+from planner.strategies.gradients import make_plan
+from planner.strategies.mixed import make_mixed_plan
+from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
+
+__all__ = ["AutoChoice", "ddp_predictions", "solve_auto"]
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What `--strategy auto` solved and kept: the plan it keeps among the candidates, and why.
+
+    Where the profile kept samples, every candidate carries its intervals and verdict against DDP
+    (`planner.strategies.intervals`), the kept plan is the simplest that no other candidate beats beyond the noise,
+    and its verdict weighs it against plain DDP and DDP with the hook of every allowed compressor."""
+
+    plan: Plan
+    candidates: dict[str, Plan]
+    reason: str
+    #: Without samples (the noise unknown): the DDP variant predicted faster than every plan, and its predicted
+    #: iteration; None when the kept plan is predicted at least as fast as each of them, or the noise was weighed.
+    ddp_faster: tuple[str, float] | None = None
+
+
+def ddp_predictions(candidates: dict[str, Plan]) -> dict[str, float]:
+    """What DDP and its hooks are predicted to take, by the candidates' baselines: "ddp" (plain DDP) and "ddp+C".
+    A dense plan's "ddp-25mb" is plain DDP; a top-k plan's is DDP with the top-k hook at its density."""
+    out: dict[str, float] = {}
+    for plan in candidates.values():
+        for name, prediction in plan.baselines.items():
+            if name == DDP_BASELINE:
+                name = "ddp" if plan.strategy is not Strategy.TOPK else f"ddp+topk:{plan.density:g}"
+            elif not name.startswith("ddp+"):
+                continue
+            out.setdefault(name, prediction.iteration_s)
+    return out
+
+
+def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: str = "",
+               selector: str | None = None, time_limit_s: float | None = 1.0, weigh_noise: bool = True) -> AutoChoice:
+    """Every way of sending that `compressors` allow, each solved exactly: a dense plan (if dense is allowed), a
+    top-k plan per allowed density, and the mixed plan over all of them. Each candidate's solve takes at most
+    `time_limit_s` (past it, the best found, recorded as not proven optimal).
+
+    Where the profile kept samples, the candidates are predicted under the same resampled profiles: the one kept
+    is the simplest (dense, then a plan sending lossless groups only, then the others, each in that order) that no
+    other candidate is faster than beyond the noise, and it is weighed against DDP and its hooks (`Plan.verdict`).
+    Without samples (or with `weigh_noise` False: a what-if cluster, not measured), the one with the least predicted
+    iteration is kept (on a tie the first: dense, then top-k, then mixed) and compared with DDP's predictions alone.
+
+    Raises:
+        InvalidProfileError: a compressor the profile did not measure.
+    """
+    from planner.strategies.intervals import Draws
+
+    allowed = tuple(compressors)
+    candidates: dict[str, Plan] = {}
+    if DENSE_COMPRESSOR in allowed:
+        candidates["dense"] = make_plan(profile, Strategy.DENSE, source=source, time_limit_s=time_limit_s)
+    for c in allowed:
+        if c.kind is CompressorKind.TOPK:
+            candidates[f"topk at {c.density:g}"] = make_plan(profile, Strategy.TOPK, c.density, source=source,
+                                                             selector=selector, time_limit_s=time_limit_s)
+    if len(allowed) > 1 or not candidates:
+        candidates[f"mixed over {', '.join(map(str, allowed))}"] = make_mixed_plan(
+            profile, allowed, source=source, selector=selector, time_limit_s=time_limit_s)
+    draws = Draws.of(profile) if weigh_noise else None
+    if draws is None:
+        return _auto_by_prediction(candidates)
+    return _auto_beyond_noise(profile, candidates, allowed, draws, time_limit_s)
+
+
+def _auto_by_prediction(candidates: dict[str, Plan]) -> AutoChoice:
+    """The candidate predicted fastest, beside DDP's predictions (a profile without samples: no noise to weigh)."""
+    ranked = sorted(candidates.items(), key=lambda kv: kv[1].predicted.iteration_s)
+    (name, best), runner_up = ranked[0], ranked[1:2]
+    reason = f"kept {name}: {best.predicted.iteration_s * 1e3:,.2f} ms predicted"
+    if runner_up:
+        other, plan = runner_up[0]
+        reason += (f", {plan.predicted.iteration_s / best.predicted.iteration_s:.3f}x faster than {other} "
+                   f"({plan.predicted.iteration_s * 1e3:,.2f} ms)")
+    if best.strategy is Strategy.MIXED:
+        used = dict.fromkeys(str(best.compressor_of(g)) for g in best.groups)
+        reason += f"; its groups are sent as {', '.join(used)}"
+    reason += " (the profile has no repeated samples, so the noise of these predictions was not weighed)"
+    ddp = ddp_predictions(candidates)
+    fastest = min(ddp.items(), key=lambda kv: kv[1]) if ddp else None
+    ddp_faster = fastest if fastest is not None and fastest[1] < best.predicted.iteration_s else None
+    if ddp_faster is not None:
+        reason += (f". No plan is predicted faster than {ddp_faster[0]} ({ddp_faster[1] * 1e3:,.2f} ms, "
+                   f"{best.predicted.iteration_s / ddp_faster[1]:.3f}x faster than the plan kept): keep "
+                   f"{'plain DDP' if ddp_faster[0] == 'ddp' else 'DDP with that hook'} here")
+    return AutoChoice(plan=best, candidates=candidates, reason=reason, ddp_faster=ddp_faster)
+
+
+def _simplicity(plan: Plan) -> int:
+    """0: a dense plan; 1: a plan that sends every group losslessly (dense, fp16); 2: a plan with lossy groups."""
+    if plan.strategy is Strategy.DENSE:
+        return 0
+    return 2 if any(plan.compressor_of(g).lossy for g in plan.groups) else 1
+
+
+def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: tuple[Compressor, ...],
+                       draws: Any, time_limit_s: float | None) -> AutoChoice:
+    """Every candidate and the DDP variants under the same draws; the simplest candidate no other beats beyond the
+    noise is kept, and weighed against DDP and the hook of every allowed compressor."""
+    from planner.costmodel.spread import PairedGain
+    from planner.strategies.intervals import Problems, attach, ddp_rows, evaluate, plan_rows, simplest_unbeaten
+
+    # Every candidate's rows and the DDP variants, under the same draws. Each candidate is weighed against plain DDP
+    # and DDP with the hook of every allowed compressor, not only its own.
+    own = {name: plan_rows(plan, profile, time_limit_s=time_limit_s) for name, plan in candidates.items()}
+    ddp = ddp_rows(next(iter(candidates.values())), profile, allowed)
+    values = evaluate({**{(name, row): step for name, steps in own.items() for row, step in steps.items()},
+                       **{("", row): step for row, step in ddp.items()}}, draws)
+    nominal = Problems(profile)
+    ddp_values, ddp_nominal = {row: values["", row] for row in ddp}, {row: step(nominal) for row, step in ddp.items()}
+    weighed = {name: attach(plan, {row: values[name, row] for row in own[name]}, ddp_values, draws, ddp_nominal)
+               for name, plan in candidates.items()}
+    step = {name: values[name, "plan"] for name in candidates}
+    order = sorted(candidates, key=lambda name: _simplicity(candidates[name]))  # stable: dense, top-k, mixed
+    fastest = min(candidates, key=lambda name: candidates[name].predicted.iteration_s)
+    kept = simplest_unbeaten(order, step, fastest)
+    plan = weighed[kept]
+    reason = f"kept {kept}: {_with_interval(plan, 'plan')}"
+    if kept == fastest:
+        others = [name for name in candidates if name != kept]
+        if others:
+            second = min(others, key=lambda name: candidates[name].predicted.iteration_s)
+            gain = PairedGain.of(step[kept], step[second])
+            reason += (f", the fastest predicted: {gain.describe()} faster than {second} "
+                       f"({_with_interval(weighed[second], 'plan')})"
+                       + (", beyond the noise" if gain.beyond_noise else ", within the noise"))
+    else:
+        gain = PairedGain.of(step[fastest], step[kept])
+        reason += (f", the simplest within the noise of the fastest: {fastest} "
+                   f"({_with_interval(weighed[fastest], 'plan')}) is {gain.describe()} faster, not beyond the noise")
+    if plan.strategy is Strategy.MIXED:
+        used = dict.fromkeys(str(plan.compressor_of(g)) for g in plan.groups)
+        reason += f"; its groups are sent as {', '.join(used)}"
+    return AutoChoice(plan=plan, candidates=weighed, reason=reason)
+
+
+def _with_interval(plan: Plan, row: str) -> str:
+    """A row's prediction and its interval: "66.29 ms [62.53, 71.41]"."""
+    seconds = plan.predicted.iteration_s if row == "plan" else plan.baselines[row].iteration_s
+    pair = plan.intervals.rows.get(row) if plan.intervals is not None else None
+    text = f"{seconds * 1e3:,.2f} ms"
+    return text if pair is None else f"{text} [{pair[0] * 1e3:,.2f}, {pair[1] * 1e3:,.2f}]"
