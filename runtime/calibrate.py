@@ -298,7 +298,7 @@ def measure_kfac_in_situ(workload: Workload, device: torch.device, kfac: KFACTim
     modelled = sum(lt.a_compute_s + lt.g_compute_s for lt in kfac.layers)
     try:
         return _until_usable(measure, lambda extra, n: {"hooks": Calibration.of_samples(extra, modelled, n)},
-                             lambda: on_total(2 * repeats), process_group=process_group if world > 1 else None,
+                             lambda: on_total(2 * repeats), process_group=process_group,
                              )["hooks"]
     finally:
         kfac_rt.close()

@@ -212,5 +212,28 @@ def expect_int(value: Any, where: str, low: int, high: int, error: type[SchemaEr
     return int(v)
 
 
+def expect_interval(value: Any, where: str) -> tuple[float, float]:
+    """[low, high] in seconds, low <= high (else a SchemaError naming `where`)."""
+    if not isinstance(value, list) or len(value) != 2:
+        raise SchemaError(f"{where} must be [low, high] in seconds, got {value!r}")
+    low, high = (expect_time(v, f"{where}[{i}]") for i, v in enumerate(value))
+    if low > high:
+        raise SchemaError(f"{where}: `low <= high` must hold, but got (low={low}, high={high})")
+    return low, high
+
+
+def expect_gain(value: Any, where: str) -> tuple[float, float, float]:
+    """A gain's [median, low, high]: 1 - plan / alternative, finite and at most 1, low <= median <= high (else a
+    SchemaError naming `where`)."""
+    gain = expect(value, list, where)
+    if len(gain) != 3 or not all(isinstance(g, int | float) and not isinstance(g, bool) and math.isfinite(g)
+                                 and -1e6 < g <= 1 for g in gain):
+        raise SchemaError(f"{where} must be [median, low, high], finite gains (1 - plan / alternative) at most 1, "
+                          f"got {value!r}")
+    if not gain[1] <= gain[0] <= gain[2]:
+        raise SchemaError(f"{where}: `low <= median <= high` must hold, but got {gain}")
+    return float(gain[0]), float(gain[1]), float(gain[2])
+
+
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)

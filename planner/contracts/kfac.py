@@ -24,12 +24,11 @@ The `kfac` section of a plan (schema in planner/contracts/plan.py):
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from planner.contracts.jsonio import check_fields, expect, expect_time
+from planner.contracts.jsonio import check_fields, expect, expect_gain, expect_interval, expect_time
 from planner.types import ROOT_NAME, FactorKind, InverseMethod, PlanMismatchError, SchemaError
 
 if TYPE_CHECKING:
@@ -231,14 +230,9 @@ class LayoutVerdict:
     def from_dict(cls, data: Any, where: str) -> LayoutVerdict:
         expect(data, dict, where)
         check_fields(data, where, ["keep", "against", "gain"])
-        gain = expect(data["gain"], list, f"{where}.gain")
-        if len(gain) != 3 or not all(isinstance(g, int | float) and not isinstance(g, bool) and math.isfinite(g)
-                                     and -1e6 < g <= 1 for g in gain) or not gain[1] <= gain[0] <= gain[2]:
-            raise SchemaError(f"{where}.gain must be [median, low, high] with low <= median <= high, finite gains "
-                              f"(1 - plan / reference) at most 1, got {gain!r}")
         return cls(keep=expect(data["keep"], str, f"{where}.keep"),
                    against=expect(data["against"], str, f"{where}.against"),
-                   gain=(float(gain[0]), float(gain[1]), float(gain[2])))
+                   gain=expect_gain(data["gain"], f"{where}.gain"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -471,15 +465,9 @@ class KFACSection:
             check_fields(pred, f"{where}.predicted", ["plan", "baselines", "lower_bound_s"],
                          ["intervals", "verdict"])
             if pred.get("intervals") is not None:
-                intervals = {}
-                for k, pair in expect(pred["intervals"], dict, f"{where}.predicted.intervals").items():
-                    if not isinstance(pair, list) or len(pair) != 2:
-                        raise SchemaError(f"{where}.predicted.intervals.{k} must be [low, high], got {pair!r}")
-                    low, high = (expect_time(v, f"{where}.predicted.intervals.{k}") for v in pair)
-                    if low > high:
-                        raise SchemaError(f"{where}.predicted.intervals.{k}: `low <= high` must hold, but got "
-                                          f"(low={low}, high={high})")
-                    intervals[expect(k, str, f"{where}.predicted.intervals name")] = (low, high)
+                intervals = {expect(k, str, f"{where}.predicted.intervals name"):
+                             expect_interval(pair, f"{where}.predicted.intervals.{k}")
+                             for k, pair in expect(pred["intervals"], dict, f"{where}.predicted.intervals").items()}
             if pred.get("verdict") is not None:
                 verdict = LayoutVerdict.from_dict(pred["verdict"], f"{where}.predicted.verdict")
             predicted = KFACPrediction.from_dict(pred["plan"], f"{where}.predicted.plan")

@@ -77,7 +77,9 @@ from planner.contracts.jsonio import (
     MAX_NUMEL,
     check_fields,
     expect,
+    expect_gain,
     expect_int,
+    expect_interval,
     expect_time,
     read_json,
     write_json_atomic,
@@ -205,14 +207,8 @@ class Intervals:
         rows = expect(data["rows"], dict, f"{where}.rows")
         if len(rows) > MAX_ROWS:
             raise SchemaError(f"{where}.rows names {len(rows)} rows; at most {MAX_ROWS} are read")
-        out = {}
-        for name, pair in rows.items():
-            if not isinstance(pair, list) or len(pair) != 2:
-                raise SchemaError(f"{where}.rows.{name} must be [low, high] in seconds, got {pair!r}")
-            low, high = (expect_time(v, f"{where}.rows.{name}[{i}]") for i, v in enumerate(pair))
-            if low > high:
-                raise SchemaError(f"{where}.rows.{name}: `low <= high` must hold, but got (low={low}, high={high})")
-            out[expect(name, str, f"{where}.rows name")] = (low, high)
+        out = {expect(name, str, f"{where}.rows name"): expect_interval(pair, f"{where}.rows.{name}")
+               for name, pair in rows.items()}
         return cls(level=level, draws=expect_int(data["draws"], f"{where}.draws", 1, 1_000_000),
                    sources=tuple(expect(x, str, f"{where}.sources[]") for x in expect(data["sources"], list,
                                                                                     f"{where}.sources")),
@@ -261,20 +257,10 @@ class Verdict:
         for name, value in variants.items():
             if not isinstance(value, list) or len(value) != 3:
                 raise SchemaError(f"{where}.variants.{name} must be [seconds, low, high], got {value!r}")
-            step, low, high = (expect_time(v, f"{where}.variants.{name}[{i}]") for i, v in enumerate(value))
-            if not low <= high:
-                raise SchemaError(f"{where}.variants.{name}: `low <= high` must hold, but got (low={low}, "
-                                  f"high={high})")
-            steps[_ddp_variant(name, f"{where}.variants name")] = (step, low, high)
-        gain = expect(data["gain"], list, f"{where}.gain")
-        if len(gain) != 3 or not all(isinstance(g, int | float) and not isinstance(g, bool) and math.isfinite(g)
-                                     and -1e6 < g <= 1 for g in gain):
-            raise SchemaError(f"{where}.gain must be [median, low, high], finite gains (1 - plan / DDP) at most 1, "
-                              f"got {gain!r}")
-        if not gain[1] <= gain[0] <= gain[2]:
-            raise SchemaError(f"{where}.gain: `low <= median <= high` must hold, but got {gain}")
-        return cls(keep=keep, against=against, gain=(float(gain[0]), float(gain[1]), float(gain[2])),
-                   variants=steps)
+            step = expect_time(value[0], f"{where}.variants.{name}[0]")
+            steps[_ddp_variant(name, f"{where}.variants name")] = (
+                step, *expect_interval(value[1:], f"{where}.variants.{name}[1:]"))
+        return cls(keep=keep, against=against, gain=expect_gain(data["gain"], f"{where}.gain"), variants=steps)
 
 
 def _ddp_variant(value: Any, where: str, *, plan_too: bool = False) -> str:

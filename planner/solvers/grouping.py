@@ -1133,20 +1133,24 @@ def _state_bounds(tables: _ParetoTables, m: int, comp: np.ndarray, chan: np.ndar
     return bound
 
 
+def beaten_by_a_sample(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Which of the pairs (x, y) the Pareto front of every 16th pair dominates (a cheap first cut: the survivors
+    hold the whole front of all the pairs, and usually few others)."""
+    pivots = np.argsort(x[::16], kind="stable") * 16
+    pivot_y = y[pivots]
+    pivots = pivots[np.concatenate(([True], pivot_y[1:] < np.minimum.accumulate(pivot_y)[:-1]))]
+    px, py = x[pivots], y[pivots]
+    at = np.searchsorted(px, x, side="right") - 1
+    near = np.maximum(at, 0)
+    return np.asarray((at >= 0) & (py[near] <= y) & ((px[near] < x) | (py[near] < y)))
+
+
 def _pareto_front_2d(comp: np.ndarray, chan: np.ndarray) -> np.ndarray:
     """Indices of the states no other one dominates in (C, E), by C ascending (large sets are first tested
     against the front of a sample of them, so that only the survivors are sorted)."""
     kept = np.arange(comp.size)
     if comp.size > _PREFILTER_MIN_STATES:
-        # Drop most dominated states cheaply: test them against the front of every 16th state.
-        pivots = np.argsort(comp[::16], kind="stable") * 16
-        pivot_chan = chan[pivots]
-        pivots = pivots[np.concatenate(([True], pivot_chan[1:] < np.minimum.accumulate(pivot_chan)[:-1]))]
-        pivot_comp, pivot_chan = comp[pivots], chan[pivots]
-        at = np.searchsorted(pivot_comp, comp, side="right") - 1
-        below = np.maximum(at, 0)
-        beaten = (at >= 0) & (pivot_chan[below] <= chan) & ((pivot_comp[below] < comp) | (pivot_chan[below] < chan))
-        kept = np.flatnonzero(~beaten)
+        kept = np.flatnonzero(~beaten_by_a_sample(comp, chan))
     # By C ascending, keep the states whose E is below every earlier one. (Ties in C in the wrong order
     # only keep a dominated state, which costs time, not exactness.)
     order = kept[np.argsort(comp[kept], kind="stable")]

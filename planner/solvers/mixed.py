@@ -58,7 +58,13 @@ from planner.costmodel.costs import CostModel, ScaledCost
 from planner.costmodel.mixed import Choice, GroupCosts, MixedProblem, simulate_mixed, validate_choice
 from planner.costmodel.problem import Grouping, advance_many, groups_of, unstretched_many
 from planner.solvers.deadline import Deadline
-from planner.solvers.grouping import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, _final_end, _pareto_front
+from planner.solvers.grouping import (
+    DDP_BUCKET_BYTES,
+    DDP_FIRST_BUCKET_BYTES,
+    _final_end,
+    _pareto_front,
+    beaten_by_a_sample,
+)
 from planner.types import SolverError
 
 __all__ = ["MixedParetoDP", "MixedSolution", "ddp_buckets", "mixed_lower_bound"]
@@ -327,13 +333,7 @@ def _suffix_fronts(problem: MixedProblem, allowed: Sequence[int], deadline: Dead
         ok = np.isfinite(x) & np.isfinite(y)
         x, y = x[ok], y[ok]
         if x.size > _PREFILTER_POINTS:  # drop most dominated pairs cheaply: against the front of every 16th
-            pivots = np.argsort(x[::16], kind="stable") * 16
-            pivot_y = y[pivots]
-            pivots = pivots[np.concatenate(([True], pivot_y[1:] < np.minimum.accumulate(pivot_y)[:-1]))]
-            px, py = x[pivots], y[pivots]
-            at = np.searchsorted(px, x, side="right") - 1
-            near = np.maximum(at, 0)
-            beaten = (at >= 0) & (py[near] <= y) & ((px[near] < x) | (py[near] < y))
+            beaten = beaten_by_a_sample(x, y)
             x, y = x[~beaten], y[~beaten]
         order = np.lexsort((y, x))
         x, y = x[order], y[order]
