@@ -400,3 +400,18 @@ def test_a_kfac_plan_gets_intervals_and_is_weighed_against_the_reference_layouts
     with pytest.raises(SchemaError, match="does not predict"):
         Plan.from_dict(doc)
     assert with_kfac_intervals(plan, synthetic_profile("cnn")) == plan  # no samples: unchanged
+
+
+def test_the_bench_predicts_a_hook_no_plan_prints_from_the_verdict_that_weighed_it() -> None:
+    from planner.commands.bench import bench_variants
+    from planner.models import build_workload
+    from planner.strategies.auto import solve_auto
+
+    prof = with_samples(measured_profile("mlp"))
+    kept = solve_auto(prof, parse_compressors("dense,fp16,powersgd:4")).candidates["dense"]
+    assert kept.verdict is not None and "ddp+fp16" not in kept.baselines
+    variants = {v.name: v for v in bench_variants((kept,), build_workload("mlp").module,
+                                                  peers=parse_compressors("fp16,powersgd:1"))}
+    step, low, high = kept.verdict.variants["ddp+fp16"]
+    assert variants["ddp+fp16"].predicted_s == step and variants["ddp+fp16"].interval == (low, high)
+    assert variants["ddp+powersgd:1"].predicted_s is None  # weighed by no plan

@@ -322,9 +322,22 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
                 wanted = c in hooks or c.kind is CompressorKind.TOPK  # the peers asked for, and top-k's hook
                 if wanted and hooks.get(c, (None, "", None))[0] is None:
                     hooks[c] = (prediction.iteration_s, plan.selector or "exact", _interval(plan, name))
+    # A hook no plan's table predicts: the verdict's prediction of it, where a plan weighed itself against it.
+    for c, (predicted, selector, _) in list(hooks.items()):
+        weighed = _weighed(plans, f"ddp+{c}")
+        if predicted is None and weighed is not None:
+            hooks[c] = (weighed[0], selector, (weighed[1], weighed[2]))
+    if out[0].predicted_s is None and (weighed := _weighed(plans, "ddp")) is not None:
+        out[0] = replace(out[0], predicted_s=weighed[0], interval=(weighed[1], weighed[2]))
     out += [Variant(f"ddp+{c}", None, predicted, hook=c, selector=selector, interval=interval)
             for c, (predicted, selector, interval) in hooks.items()]
     return out
+
+
+def _weighed(plans: tuple[Plan, ...], variant: str) -> tuple[float, float, float] | None:
+    """A DDP variant's (step, low, high) from the first plan whose verdict weighed it (None: none did)."""
+    return next((p.verdict.variants[variant] for p in plans if p.verdict is not None and variant in p.verdict.variants),
+                None)
 
 
 def _interval(plan: Plan | None, row: str) -> tuple[float, float] | None:
