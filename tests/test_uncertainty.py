@@ -209,10 +209,12 @@ def test_draws_are_the_same_for_the_same_seed() -> None:
 
 # -- predictions with intervals ----------------------------------------------------------------------------------
 def test_every_row_of_a_plan_gets_an_interval_around_its_prediction() -> None:
+    """Every row is rebuilt, the exact ones solved again (without a time limit here: a row solved within a share of
+    a limit may come out another way the second time, and then gets no interval rather than a wrong one)."""
     prof = with_samples(measured_profile("resnet18"))
     for plan in (make_plan(prof, Strategy.DENSE), make_plan(prof, Strategy.TOPK, 0.01),
-                 make_mixed_plan(prof, parse_compressors("dense,fp16,powersgd:4"))):
-        weighed = with_intervals(plan, prof)
+                 make_mixed_plan(prof, parse_compressors("dense,fp16,powersgd:4"), time_limit_s=None)):
+        weighed = with_intervals(plan, prof, time_limit_s=None)
         assert weighed.intervals is not None and weighed.verdict is not None
         rows = {"plan": plan.predicted, **plan.baselines}
         assert set(weighed.intervals.rows) == set(rows)
@@ -400,3 +402,34 @@ def test_a_kfac_plan_gets_intervals_and_is_weighed_against_the_reference_layouts
     with pytest.raises(SchemaError, match="does not predict"):
         Plan.from_dict(doc)
     assert with_kfac_intervals(plan, synthetic_profile("cnn")) == plan  # no samples: unchanged
+
+
+def test_the_bench_predicts_a_hook_no_plan_prints_from_the_verdict_that_weighed_it() -> None:
+    from planner.commands.bench import bench_variants
+    from planner.models import build_workload
+    from planner.strategies.auto import solve_auto
+
+    prof = with_samples(measured_profile("mlp"))
+    kept = solve_auto(prof, parse_compressors("dense,fp16,powersgd:4")).candidates["dense"]
+    assert kept.verdict is not None and "ddp+fp16" not in kept.baselines
+    variants = {v.name: v for v in bench_variants((kept,), build_workload("mlp").module,
+                                                  peers=parse_compressors("fp16,powersgd:1"))}
+    step, low, high = kept.verdict.variants["ddp+fp16"]
+    assert variants["ddp+fp16"].predicted_s == step and variants["ddp+fp16"].interval == (low, high)
+    assert variants["ddp+powersgd:1"].predicted_s is None  # weighed by no plan
+
+
+def test_the_bench_runs_the_ddp_hook_a_verdict_weighed_with_its_selector() -> None:
+    from planner.commands.bench import bench_variants
+    from planner.models import build_workload
+    from planner.strategies.auto import solve_auto
+
+    prof = with_samples(measured_profile("mlp"))
+    kept = solve_auto(prof, parse_compressors("dense,topk:0.01")).candidates["dense"]
+    assert kept.verdict is not None and kept.verdict.topk_selector in ("exact", "sampled")
+    assert Plan.from_dict(json.loads(json.dumps(kept.to_dict()))).verdict == kept.verdict
+    forced = dataclasses.replace(kept, verdict=dataclasses.replace(kept.verdict, keep="ddp+topk:0.01"))
+    variants = {v.name: v for v in bench_variants((forced,), build_workload("mlp").module, peers=())}
+    hook = variants["ddp+topk:0.01"]
+    assert hook.selector == kept.verdict.topk_selector
+    assert hook.predicted_s == kept.verdict.variants["ddp+topk:0.01"][0]

@@ -288,8 +288,12 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
     compute = dense if dense is not None else ddp_pred  # the profile's compute alone, beside the machine's now
     if compute is not None:
         out.append(Variant(LOCAL, None, local_prediction(compute), local=True))
+    # The peers asked for, and every DDP hook a plan's verdict weighed it against (the bench measures what the
+    # verdict compared).
+    weighed_hooks = [Compressor.parse(name.removeprefix("ddp+")) for p in plans if p.verdict is not None
+                     for name in (p.verdict.keep, p.verdict.against) if name.startswith("ddp+")]
     hooks: dict[Compressor, tuple[float | None, str, tuple[float, float] | None]] = {
-        c: (None, "exact", None) for c in peers}
+        c: (None, "exact", None) for c in dict.fromkeys((*peers, *weighed_hooks))}
     names: set[str] = set()
     per_layer: set[Strategy] = set()
     for plan in plans:
@@ -322,9 +326,31 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
                 wanted = c in hooks or c.kind is CompressorKind.TOPK  # the peers asked for, and top-k's hook
                 if wanted and hooks.get(c, (None, "", None))[0] is None:
                     hooks[c] = (prediction.iteration_s, plan.selector or "exact", _interval(plan, name))
+    # A hook no plan's table predicts: the verdict's prediction of it, where a plan weighed itself against it (for
+    # top-k, with the selector the verdict took: the one predicted faster).
+    for c, (predicted, selector, _) in list(hooks.items()):
+        weighed = _weighed(plans, f"ddp+{c}")
+        if predicted is None and weighed is not None:
+            hooks[c] = (weighed[0], _verdict_selector(plans, c) or selector, (weighed[1], weighed[2]))
+    if out[0].predicted_s is None and (weighed := _weighed(plans, "ddp")) is not None:
+        out[0] = replace(out[0], predicted_s=weighed[0], interval=(weighed[1], weighed[2]))
     out += [Variant(f"ddp+{c}", None, predicted, hook=c, selector=selector, interval=interval)
             for c, (predicted, selector, interval) in hooks.items()]
     return out
+
+
+def _verdict_selector(plans: tuple[Plan, ...], hook: Compressor) -> str | None:
+    """The top-k selector of the verdict that weighed `hook` (a top-k hook: the profile's faster selector for it)."""
+    if hook.kind is not CompressorKind.TOPK:
+        return None
+    return next((p.verdict.topk_selector for p in plans if p.verdict is not None
+                 and f"ddp+{hook}" in p.verdict.variants), None)
+
+
+def _weighed(plans: tuple[Plan, ...], variant: str) -> tuple[float, float, float] | None:
+    """A DDP variant's (step, low, high) from the first plan whose verdict weighed it (None: none did)."""
+    return next((p.verdict.variants[variant] for p in plans if p.verdict is not None and variant in p.verdict.variants),
+                None)
 
 
 def _interval(plan: Plan | None, row: str) -> tuple[float, float] | None:

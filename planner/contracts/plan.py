@@ -228,6 +228,9 @@ class Verdict:
     against: str
     gain: tuple[float, float, float]
     variants: dict[str, tuple[float, float, float]]
+    #: The top-k selector of the DDP top-k hooks among `variants` (the one the profile predicts faster for them);
+    #: None without such a hook.
+    topk_selector: str | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("keep", self.keep), ("against", self.against)):
@@ -242,12 +245,13 @@ class Verdict:
 
     def to_dict(self) -> dict[str, Any]:
         return {"keep": self.keep, "against": self.against, "gain": list(self.gain),
-                "variants": {name: list(v) for name, v in self.variants.items()}}
+                "variants": {name: list(v) for name, v in self.variants.items()},
+                **({} if self.topk_selector is None else {"topk_selector": self.topk_selector})}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "plan.predicted.verdict") -> Verdict:
         expect(data, dict, where)
-        check_fields(data, where, ["keep", "against", "gain", "variants"])
+        check_fields(data, where, ["keep", "against", "gain", "variants"], optional=["topk_selector"])
         keep = _ddp_variant(data["keep"], f"{where}.keep", plan_too=True)
         against = _ddp_variant(data["against"], f"{where}.against")
         variants = expect(data["variants"], dict, f"{where}.variants")
@@ -260,7 +264,9 @@ class Verdict:
             step = expect_time(value[0], f"{where}.variants.{name}[0]")
             steps[_ddp_variant(name, f"{where}.variants name")] = (
                 step, *expect_interval(value[1:], f"{where}.variants.{name}[1:]"))
-        return cls(keep=keep, against=against, gain=expect_gain(data["gain"], f"{where}.gain"), variants=steps)
+        selector = data.get("topk_selector")
+        return cls(keep=keep, against=against, gain=expect_gain(data["gain"], f"{where}.gain"), variants=steps,
+                   topk_selector=None if selector is None else check_selector(selector, f"{where}.topk_selector"))
 
 
 def _ddp_variant(value: Any, where: str, *, plan_too: bool = False) -> str:

@@ -122,7 +122,15 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
     """Every candidate and the DDP variants under the same draws; the simplest candidate no other beats beyond the
     noise is kept, and weighed against DDP and the hook of every allowed compressor."""
     from planner.costmodel.spread import PairedGain
-    from planner.strategies.intervals import Problems, attach, ddp_rows, evaluate, plan_rows, simplest_unbeaten
+    from planner.strategies.intervals import (
+        Problems,
+        attach,
+        ddp_rows,
+        evaluate,
+        plan_rows,
+        simplest_unbeaten,
+        topk_hook_selector,
+    )
 
     # Every candidate's rows and the DDP variants, under the same draws. Each candidate is weighed against plain DDP
     # and DDP with the hook of every allowed compressor, not only its own.
@@ -132,7 +140,9 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
                        **{("", row): step for row, step in ddp.items()}}, draws)
     nominal = Problems(profile)
     ddp_values, ddp_nominal = {row: values["", row] for row in ddp}, {row: step(nominal) for row, step in ddp.items()}
-    weighed = {name: attach(plan, {row: values[name, row] for row in own[name]}, ddp_values, draws, ddp_nominal)
+    selector = topk_hook_selector(next(iter(candidates.values())), profile, allowed)
+    weighed = {name: attach(plan, {row: values[name, row] for row in own[name]}, ddp_values, draws, ddp_nominal,
+                            topk_selector=selector)
                for name, plan in candidates.items()}
     step = {name: values[name, "plan"] for name in candidates}
     order = sorted(candidates, key=lambda name: _simplicity(candidates[name]))  # stable: dense, top-k, mixed

@@ -41,7 +41,8 @@ from planner.solvers.mixed import MixedParetoDP
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
 __all__ = ["KFAC_REFERENCES", "Draws", "Problems", "RowStep", "attach", "ddp_label", "ddp_rows", "evaluate",
-           "plan_rows", "simplest_unbeaten", "weigh", "with_intervals", "with_kfac_intervals"]
+           "hook_selector", "plan_rows", "simplest_unbeaten", "topk_hook_selector", "weigh", "with_intervals",
+           "with_kfac_intervals"]
 
 #: Relative difference within which a rebuilt row's step on the profile itself counts as the printed one.
 _SAME = 1e-9
@@ -106,12 +107,14 @@ def ddp_label(variant: str) -> str:
     return "DDP" if variant == "ddp" else f"DDP + {variant.removeprefix('ddp+')} hook"
 
 
-def weigh(plan: np.ndarray, ddp: dict[str, np.ndarray], nominal: dict[str, float]) -> Verdict:
+def weigh(plan: np.ndarray, ddp: dict[str, np.ndarray], nominal: dict[str, float],
+          topk_selector: str | None = None) -> Verdict:
     """The verdict of a plan's draws against each DDP variant's (the same draws; "ddp" among them).
 
     The plan is kept when its gain over every variant is beyond the noise. Otherwise DDP is: plain DDP, unless a
     hook is faster than plain DDP beyond the noise (then the one with the largest median gain over it). `against` is
-    the variant the plan gains least on (at the lower end of the interval), `nominal` the variants' predictions."""
+    the variant the plan gains least on (at the lower end of the interval), `nominal` the variants' predictions,
+    `topk_selector` the selector of the top-k hooks among them (recorded where there are)."""
     gains = {name: PairedGain.of(plan, draws) for name, draws in ddp.items()}
     against = min(gains, key=lambda name: (gains[name].low, name))
     gain = gains[against]
@@ -123,8 +126,10 @@ def weigh(plan: np.ndarray, ddp: dict[str, np.ndarray], nominal: dict[str, float
         beyond = [name for name, g in better.items() if g.beyond_noise]
         keep = max(beyond, key=lambda name: better[name].median) if beyond else "ddp"
     order = ["ddp", *(name for name in ddp if name != "ddp")]
+    hooks_topk = any(name.startswith("ddp+topk") for name in ddp)
     return Verdict(keep=keep, against=against, gain=(gain.median, gain.low, gain.high),
-                   variants={name: (nominal[name], *percentile_interval(ddp[name])) for name in order})
+                   variants={name: (nominal[name], *percentile_interval(ddp[name])) for name in order},
+                   topk_selector=topk_selector if hooks_topk else None)
 
 
 def simplest_unbeaten(order: Sequence[str], draws: Mapping[str, np.ndarray], fallback: str) -> str:
@@ -150,16 +155,24 @@ def with_intervals(plan: Plan, profile: Profile, draws: Draws | None = None, *,
     values = evaluate({**{("own", k): v for k, v in own.items()}, **{("ddp", k): v for k, v in ddp.items()}}, draws)
     nominal = Problems(profile)
     return attach(plan, {k: values["own", k] for k in own}, {k: values["ddp", k] for k in ddp}, draws,
-                  {k: step(nominal) for k, step in ddp.items()})
+                  {k: step(nominal) for k, step in ddp.items()}, topk_selector=topk_hook_selector(plan, profile))
 
 
 def attach(plan: Plan, own: dict[str, np.ndarray], ddp: dict[str, np.ndarray], draws: Draws,
-           ddp_nominal: dict[str, float]) -> Plan:
+           ddp_nominal: dict[str, float], *, topk_selector: str | None = None) -> Plan:
     """`plan` with the intervals of its own rows' draws (`own`: "plan" and baselines) and its verdict against the DDP
-    variants' draws (`ddp`), whose predictions on the profile itself are `ddp_nominal`."""
+    variants' draws (`ddp`), whose predictions on the profile itself are `ddp_nominal` (`topk_selector`: of the
+    top-k hooks among them)."""
     intervals = Intervals(level=LEVEL, draws=len(draws.profiles), sources=draws.sources,
                           rows={name: percentile_interval(v) for name, v in own.items()})
-    return replace(plan, intervals=intervals, verdict=weigh(own["plan"], ddp, ddp_nominal))
+    return replace(plan, intervals=intervals, verdict=weigh(own["plan"], ddp, ddp_nominal, topk_selector))
+
+
+def topk_hook_selector(plan: Plan, profile: Profile, compressors: Sequence[Compressor] | None = None) -> str | None:
+    """The selector `ddp_rows` gives the top-k hooks of `compressors` (default the plan's), None without one."""
+    topk = next((c for c in (compressors if compressors is not None else _allowed(plan))
+                 if c.kind is CompressorKind.TOPK), None)
+    return None if topk is None else hook_selector(profile, topk, plan.cluster.backend)
 
 
 def plan_rows(plan: Plan, profile: Profile, *, time_limit_s: float | None = 1.0) -> dict[str, RowStep]:
@@ -194,14 +207,19 @@ def ddp_rows(plan: Plan, profile: Profile, compressors: Sequence[Compressor] | N
         buckets = ddp.solve(gradient_problem(profile, Strategy.DENSE, runtime="ddp"))
         out["ddp"] = _grouping_row(Strategy.DENSE, None, "exact", "ddp", "flat", buckets)
     for c in compressors if compressors is not None else _allowed(plan):
-        if c.kind is CompressorKind.TOPK and profile.topk is not None:
-            # The project's top-k hook with the selector this profile predicts faster for it, as a user would pick.
-            nominal = Problems(profile)
-            hooks = [_hook_row(c, s, backend) for s in profile.topk.selectors() or ["exact"]]
-            out[f"ddp+{c}"] = min(hooks, key=lambda step: step(nominal))
+        if c.kind is CompressorKind.TOPK:
+            out[f"ddp+{c}"] = _hook_row(c, hook_selector(profile, c, backend), backend)
         elif c.kind is not CompressorKind.DENSE:
             out[f"ddp+{c}"] = _hook_row(c, selector, backend)
     return out
+
+
+def hook_selector(profile: Profile, compressor: Compressor, backend: str) -> str:
+    """The top-k selector the profile predicts faster for the project's top-k hook on DDP, as a user would pick it
+    ("exact" where the profile measured no other)."""
+    nominal = Problems(profile)
+    measured = profile.topk.selectors() if profile.topk is not None else []
+    return min(measured or ["exact"], key=lambda s: _hook_row(compressor, s, backend)(nominal))
 
 
 def _allowed(plan: Plan) -> tuple[Compressor, ...]:
