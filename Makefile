@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: venv demo test lint clean bench-env
+.PHONY: venv demo test lint docs clean bench-env
 
 $(BIN)/planner: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q
+
+# The documentation site: the CLI reference regenerated from the parser, then built strict (a warning fails).
+docs: venv
+	$(BIN)/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[docs]"
+	$(BIN)/python -m planner.commands.cli_reference > docs/reference/cli.md.tmp && mv docs/reference/cli.md.tmp docs/reference/cli.md
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 lint: venv
 	$(BIN)/ruff check planner profilers runtime tests
@@ -39,4 +45,4 @@ bench-env:
 	$(BENCH_VENV)/bin/python -m pip install -q --no-deps -e $(PEERS)/kfac-pytorch
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) site *.egg-info .pytest_cache .mypy_cache .ruff_cache
