@@ -196,8 +196,10 @@ def test_cli_solve_and_show(tmp_path: Path) -> None:
     assert all(g.k is not None and g.k >= 1 for g in plan.groups)
     proc = _cli("show", str(plan_path), "--groups")
     assert proc.returncode == 0, proc.stderr
-    for name in ("plan (topk-exact)", "wfbp", "ddp-25mb", "horovod", "fixed-64mb", "mgs-greedy", "lower bound"):
+    for name in ("plan (topk-exact)", "wfbp", "ddp+topk:0.01", "horovod", "fixed-64mb", "mgs-greedy", "lower bound"):
         assert name in proc.stdout
+    # DDP's row names what it sends (DDP with the top-k hook here).
+    assert "ddp-25mb" not in proc.stdout and "vs ddp+topk:0.01" in proc.stdout
     proc = _cli("show", str(prof_path))
     assert proc.returncode == 0 and "allreduce" in proc.stdout
 

@@ -117,7 +117,7 @@ def test_a_top_k_plan_crosses_hosts_hierarchically_where_the_profile_says_it_is_
     plan = make_plan(profile, Strategy.TOPK, 0.01)
     assert {g.hierarchical for g in plan.groups} == expected
     assert Plan.from_dict(plan.to_dict()) == plan
-    assert plan.baselines.keys() >= {ALL_FLAT, ALL_HIERARCHICAL, "ddp-25mb", "mgs-greedy"}
+    assert plan.baselines.keys() >= {ALL_FLAT, ALL_HIERARCHICAL, "ddp+topk:0.01", "mgs-greedy"}
     best_one_way = min(plan.baselines[ALL_FLAT].iteration_s, plan.baselines[ALL_HIERARCHICAL].iteration_s)
     assert plan.predicted.iteration_s <= best_one_way * (1 + 1e-12)
     assert plan.lower_bound_s <= plan.predicted.iteration_s * (1 + 1e-12)

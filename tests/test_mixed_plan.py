@@ -35,7 +35,7 @@ def test_mixed_plan_is_no_worse_than_any_compressor_alone_and_explains_itself(tm
     for c in compressors:
         only = plan.baselines[f"only:{c}"]
         assert plan.predicted.iteration_s <= only.iteration_s * (1 + 1e-9)
-    assert {"ddp-25mb", "ddp+fp16", "ddp+powersgd:1", "ddp+powersgd:4", "ddp+topk:0.01"} <= set(plan.baselines)
+    assert {"ddp", "ddp+fp16", "ddp+powersgd:1", "ddp+powersgd:4", "ddp+topk:0.01"} <= set(plan.baselines)
     assert plan.lower_bound_s <= plan.predicted.iteration_s
     # The plan's prediction is the simulated time of its own groups under the mixed model.
     problem = mixed_problem(profile, compressors, selector=plan.selector or "exact")
@@ -86,7 +86,7 @@ def test_cli_solve_mixed_and_auto_write_plans(tmp_path: Path, capsys: pytest.Cap
     auto = tmp_path / "auto.json"
     assert main(["solve", str(prof), "--strategy", "auto", "--compressors", "light", "-o", str(auto)]) == 0
     assert "--strategy auto" in capsys.readouterr().out
-    assert Plan.load(auto).predicted.iteration_s <= plan.baselines["ddp-25mb"].iteration_s * 10
+    assert Plan.load(auto).predicted.iteration_s <= plan.baselines["ddp"].iteration_s * 10
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -223,8 +223,8 @@ def test_one_model_for_every_strategy_the_same_dense_grouping_is_predicted_the_s
     only_dense = make_mixed_plan(profile, parse_compressors("dense"))
     assert only_dense.predicted.iteration_s == pytest.approx(dense_plan.predicted.iteration_s, rel=1e-9)
     light = make_mixed_plan(profile, parse_compressors("light"))
-    assert light.baselines["ddp-25mb"].iteration_s == pytest.approx(
-        dense_plan.baselines["ddp-25mb"].iteration_s, rel=1e-12)
+    assert light.baselines["ddp"].iteration_s == pytest.approx(
+        dense_plan.baselines["ddp"].iteration_s, rel=1e-12)
     assert light.predicted.iteration_s <= dense_plan.predicted.iteration_s * (1 + 1e-9)
     topk_plan = make_plan(profile, Strategy.TOPK, 0.01, selector="exact")
     only_topk = make_mixed_plan(profile, parse_compressors("topk:0.01"), selector="exact")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.layers import gradient_layers
-from planner.contracts.plan import Group, Plan
+from planner.contracts.plan import DDP_ROW, Group, Plan
 from planner.costmodel.problem import Prediction, topk_count
 from planner.models import build_workload
 from planner.platform.hosts import count_hosts
@@ -277,14 +277,14 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
                    peers: tuple[Compressor, ...] = DEFAULT_PEERS) -> list[Variant]:
     """Every variant the bench runs: DDP; local steps (with a dense plan); per plan one group per layer (dense and
     top-k plans) and the plan itself; then DDP with each peer hook and with the top-k hook at every density a
-    plan uses, each predicted by the first plan that predicts it (a top-k plan's "ddp-25mb" baseline, a mixed
-    plan's "ddp+C")."""
+    plan uses, each predicted by the first plan that predicts it (its "ddp+C" row: a top-k plan's DDP row, a mixed
+    plan's rows of DDP's hooks)."""
     dense = next((p for p in plans if p.strategy is Strategy.DENSE), None)
-    # Plain DDP's prediction: a dense or mixed plan's "ddp-25mb" (a top-k plan's is DDP with the top-k hook).
+    # Plain DDP's prediction: a dense or mixed plan's "ddp" row (a top-k plan's DDP row has the top-k hook).
     plain = dense or next((p for p in plans if p.strategy is not Strategy.TOPK), None)
-    ddp_pred = plain.baselines.get("ddp-25mb") if plain is not None else None
-    out = [Variant("ddp", None, ddp_pred.iteration_s if ddp_pred else None,
-                   interval=_interval(plain, "ddp-25mb") if ddp_pred else None)]
+    ddp_pred = plain.baselines.get(DDP_ROW) if plain is not None else None
+    out = [Variant(DDP_ROW, None, ddp_pred.iteration_s if ddp_pred else None,
+                   interval=_interval(plain, DDP_ROW) if ddp_pred else None)]
     compute = dense if dense is not None else ddp_pred  # the profile's compute alone, beside the machine's now
     if compute is not None:
         out.append(Variant(LOCAL, None, local_prediction(compute), local=True))
@@ -313,13 +313,9 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
             # hierarchical top-k exchange lets the solver choose the way per group; without it, measured only.
             twin = replace(plan, groups=tuple(replace(g, hierarchical=True) for g in plan.groups))
             out.append(Variant(f"plan {plan_tag(twin)} (not modelled)", twin, None))
-        if plan.strategy is Strategy.TOPK:
+        if plan.strategy is Strategy.TOPK:  # DDP with the top-k hook runs for every top-k plan
             assert plan.density is not None
-            hooked = plan.baselines.get("ddp-25mb")
-            c = Compressor(CompressorKind.TOPK, density=plan.density)
-            if hooks.get(c, (None, "", None))[0] is None:
-                hooks[c] = (hooked.iteration_s if hooked else None, plan.selector or "exact",
-                            _interval(plan, "ddp-25mb") if hooked else None)
+            hooks.setdefault(Compressor(CompressorKind.TOPK, density=plan.density), (None, "exact", None))
         for name, prediction in plan.baselines.items():
             if name.startswith("ddp+"):
                 c = Compressor.parse(name.removeprefix("ddp+"))

@@ -26,7 +26,8 @@ def print_plan(plan: object, title: str | None = None) -> None:
     from planner.contracts.plan import Plan
 
     assert isinstance(plan, Plan)
-    ref = plan.baselines.get("ddp-25mb", plan.predicted).iteration_s
+    reference = plan.ddp_row if plan.ddp_row in plan.baselines else "plan"
+    ref = plan.baselines.get(reference, plan.predicted).iteration_s
     lb = plan.lower_bound_s
     tag = plan.strategy.value
     if plan.strategy is Strategy.TOPK:
@@ -39,7 +40,7 @@ def print_plan(plan: object, title: str | None = None) -> None:
     spread = plan.intervals.rows if plan.intervals is not None else None
     interval_col = f"{plan.intervals.level:.0%} interval ms" if plan.intervals is not None else None
     for col in ("grouping", "groups", "iteration ms", *([interval_col] if interval_col else []), "exposed comm ms",
-                "vs ddp-25mb", "gap to bound"):
+                f"vs {reference}", "gap to bound"):
         table.add_column(col, justify="left" if col == "grouping" else "right")
     rows = [("plan", f"plan ({plan.solver})", plan.predicted),
             *((name, name, p) for name, p in plan.baselines.items())]

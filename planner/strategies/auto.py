@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from planner.contracts.plan import Plan
+from planner.contracts.plan import DDP_ROW, Plan
 from planner.contracts.profile import Profile
-from planner.solvers import DDP_BASELINE
 from planner.strategies.gradients import make_plan
 from planner.strategies.mixed import make_mixed_plan
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
@@ -40,16 +39,13 @@ class AutoChoice:
 
 
 def ddp_predictions(candidates: dict[str, Plan]) -> dict[str, float]:
-    """What DDP and its hooks are predicted to take, by the candidates' baselines: "ddp" (plain DDP) and "ddp+C".
-    A dense plan's "ddp-25mb" is plain DDP; a top-k plan's is DDP with the top-k hook at its density."""
+    """What DDP and its hooks are predicted to take, by the candidates' baselines: "ddp" (plain DDP) and "ddp+C"
+    (a top-k plan's DDP row is DDP with the top-k hook at its density)."""
     out: dict[str, float] = {}
     for plan in candidates.values():
         for name, prediction in plan.baselines.items():
-            if name == DDP_BASELINE:
-                name = "ddp" if plan.strategy is not Strategy.TOPK else f"ddp+topk:{plan.density:g}"
-            elif not name.startswith("ddp+"):
-                continue
-            out.setdefault(name, prediction.iteration_s)
+            if name == DDP_ROW or name.startswith("ddp+"):
+                out.setdefault(name, prediction.iteration_s)
     return out
 
 
