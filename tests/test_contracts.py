@@ -198,8 +198,9 @@ def test_cli_solve_and_show(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     for name in ("plan (topk-exact)", "wfbp", "ddp+topk:0.01", "horovod", "fixed-64mb", "mgs-greedy", "lower bound"):
         assert name in proc.stdout
-    # DDP's row names what it sends (DDP with the top-k hook here).
+    # DDP's row names what it sends (DDP with the top-k hook here), and the table ends with the verdict against it.
     assert "ddp-25mb" not in proc.stdout and "vs ddp+topk:0.01" in proc.stdout
+    assert sum(line.startswith("verdict: keep ") for line in proc.stdout.splitlines()) == 1
     proc = _cli("show", str(prof_path))
     assert proc.returncode == 0 and "allreduce" in proc.stdout
 

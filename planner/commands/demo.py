@@ -55,7 +55,7 @@ class DemoCommand(Command):
         from planner.commands.bench import BenchConfig, auto_tag, plan_labels, run_bench
         from planner.commands.profile import DEFAULT_EFFORT, QUICK_EFFORT, ProfileConfig, run_profile
         from planner.models import build_workload
-        from planner.strategies.auto import solve_auto
+        from planner.strategies.auto import ddp_predictions, solve_auto
         from planner.strategies.mixed import parse_compressors
 
         compressors = parse_compressors(args.compressors)
@@ -89,7 +89,7 @@ class DemoCommand(Command):
             plan.save(path)
             console.print(f"wrote plan {path} ({name})")
         print_auto(choice)
-        print_plan(choice.plan)
+        print_plan(choice.plan, ddp=ddp_predictions(choice.candidates) if choice.plan.verdict is None else None)
         if choice.plan.strategy is Strategy.MIXED:
             print_mixed_groups(choice.plan, profile)
         console.rule("3/3 bench: DDP, PyTorch's DDP hooks and the plans")
@@ -139,11 +139,10 @@ def verdict_against_bench(plan: Any, results: list[Any], label: str | None = Non
     if verdict is None or mine is None:
         return f"kept {kept} (its noise not weighed: the profile has no samples)" if verdict is None else f"kept {kept}"
     against = measured.get(verdict.against)
-    kept = "the plan" if verdict.keep == "plan" else ddp_label(verdict.keep)
     line = (f"kept {kept}. Measured: the plan {mine.median_s * 1e3:,.2f} ms (predicted "
             f"{plan.predicted.iteration_s * 1e3:,.2f})")
     if against is not None:
-        line += (f", {ddp_label(verdict.against)} {against.median_s * 1e3:,.2f} ms (predicted "
+        line += (f", {verdict.against} {against.median_s * 1e3:,.2f} ms (predicted "
                  f"{verdict.against_s * 1e3:,.2f}): the plan ran {against.median_s / mine.median_s:.2f}x as fast")
     lossy = sorted({str(plan.compressor_of(g)) for g in plan.groups if plan.compressor_of(g).lossy})
     if lossy:

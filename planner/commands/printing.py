@@ -21,8 +21,9 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.2f}"
 
 
-def print_plan(plan: object, title: str | None = None) -> None:
-    """The comparison table of a plan: the plan, each baseline and the lower bound, under the same model."""
+def print_plan(plan: object, title: str | None = None, ddp: dict[str, float] | None = None) -> None:
+    """The comparison table of a plan: the plan, each baseline and the lower bound, under the same model; then its
+    verdict (`print_spread`: `ddp`, the DDP variants' predicted steps, for a plan not weighed against the noise)."""
     from planner.contracts.plan import Plan
 
     assert isinstance(plan, Plan)
@@ -54,7 +55,7 @@ def print_plan(plan: object, title: str | None = None) -> None:
     table.add_row("lower bound", "", _ms(lb), *([""] if spread is not None else []), "",
                   f"{ref / lb:.2f}x" if lb > 0 else "-", "")
     console.print(table)
-    print_spread(plan)
+    print_spread(plan, ddp)
     console.print(
         f"solver {plan.solver} took {plan.solve_seconds * 1e3:.1f} ms; "
         f"profile {plan.source_profile or '?'} measured {plan.profiled}"
@@ -82,41 +83,77 @@ def _with_interval(seconds: float, pair: tuple[float, float] | None) -> str:
     return f"{_ms(seconds)} ms" + ("" if pair is None else f" [{_ms(pair[0])}, {_ms(pair[1])}]")
 
 
-def print_spread(plan: object) -> None:
-    """Where the plan's intervals come from, and its verdict against DDP in one line (or why there is none)."""
-    from planner.contracts.plan import Plan
+#: Why a verdict without intervals did not weigh the noise (a plan whose profile kept no samples).
+NO_SAMPLES = ("the profile it was solved from keeps no repeated samples (one made before they were kept: profile "
+              "again) or describes a what-if cluster")
+
+
+def verdict_line(keep: str, mine: str, other: str, gain: tuple[float, float, float] | float, *,
+                 unweighed: str | None = None) -> str:
+    """The one verdict line every plan's table ends with: what to keep, the plan's step against the alternative
+    it gains least on (`other`: its row name and step), and the gain, 1 - plan / other (> 0: the plan is faster).
+    `gain` is (median, low, high) where it was weighed against the noise: the plan is kept where low > 0, the
+    alternative `keep` otherwise. A number alone is a prediction whose noise is not known (`unweighed` says why):
+    the plan is kept where it is predicted faster."""
+    if isinstance(gain, tuple):
+        median, low, high = gain
+        if low > 0:
+            return (f"verdict: keep the plan: the plan's {mine} against {other}: {median:.1%} faster "
+                    f"[{low:.1%}, {high:.1%}], beyond the noise")
+        if high < 0:
+            return (f"verdict: keep {keep}: the plan's {mine} is slower than {other}, by {-median:.1%} "
+                    f"[{-high:.1%}, {-low:.1%}], beyond the noise")
+        faster = (f"{median:.1%} faster [{low:.1%}, {high:.1%}]" if median >= 0
+                  else f"{-median:.1%} slower [{-high:.1%}, {-low:.1%}]")
+        return f"verdict: keep {keep}: the plan's {mine} against {other}: {faster}, within the noise"
+    why = f"; its noise not weighed: {unweighed}" if unweighed else ""
+    if gain > 0:
+        return f"verdict: keep the plan: the plan's {mine} against {other}: {gain:.1%} faster, as predicted{why}"
+    if gain == 0:
+        return f"verdict: keep {keep}: the plan's {mine} is no faster than {other}, as predicted{why}"
+    return f"verdict: keep {keep}: the plan's {mine} is slower than {other}, by {-gain:.1%}, as predicted{why}"
+
+
+def plan_ddp_rows(plan: object) -> dict[str, float]:
+    """The DDP variants among a plan's own rows ("ddp", "ddp+C"), predicted steps by name: what a plan without a
+    verdict is compared with where no profile is at hand (`planner show`)."""
+    from planner.contracts.plan import DDP_ROW, Plan
+
+    assert isinstance(plan, Plan)
+    return {name: p.iteration_s for name, p in plan.baselines.items() if name == DDP_ROW or name.startswith("ddp+")}
+
+
+def print_spread(plan: object, ddp: dict[str, float] | None = None) -> None:
+    """Where the plan's intervals come from, and its verdict against DDP in one line: weighed against the noise
+    where the plan has intervals, else as predicted against `ddp` (each DDP variant's predicted step; default the
+    plan's own DDP rows)."""
+    from planner.contracts.plan import DDP_ROW, Plan
     from planner.strategies.intervals import ddp_label
 
     assert isinstance(plan, Plan)
     if plan.kfac is not None or plan.abs is not None:
         return
-    if plan.intervals is None:
-        console.print("no intervals: the profile it was solved from keeps no repeated samples (made before they "
-                      "were kept: profile again), or describes a what-if cluster; the noise of its predictions is not "
-                      "known and the plan was not weighed against DDP beyond it")
+    if plan.intervals is None or plan.verdict is None:
+        variants = ddp if ddp else plan_ddp_rows(plan)
+        if not variants:
+            console.print(f"no intervals: {NO_SAMPLES}; the plan was not weighed against DDP")
+        else:
+            against = min(variants, key=lambda name: (variants[name], name != DDP_ROW))
+            step = plan.predicted.iteration_s
+            gain = 1 - step / variants[against]
+            console.print(verdict_line(ddp_label(against), f"{_ms(step)} ms", f"{against} {_ms(variants[against])} ms",
+                                       gain, unweighed=NO_SAMPLES), style="bold", soft_wrap=True)
         return
     spread = plan.intervals
     console.print(f"intervals: the central {spread.level:.0%} of the predictions over {spread.draws} profiles "
                   f"resampled from the samples of its {', '.join(spread.sources)}")
     verdict = plan.verdict
-    if verdict is None:
-        return
     step, low, high = verdict.variants[verdict.against]
-    against = _with_interval(step, (low, high))
+    other = f"{verdict.against} {_with_interval(step, (low, high))}"
     mine = _with_interval(plan.predicted.iteration_s, spread.rows.get("plan"))
-    median, low, high = verdict.gain
-    other = f"{ddp_label(verdict.against)} {against}"
-    if verdict.keep == "plan":
-        line = f"verdict: keep the plan: {mine} against {other}: {median:.1%} faster [{low:.1%}, {high:.1%}], beyond " \
-               "the noise"
-    elif high < 0:
-        line = (f"verdict: keep {ddp_label(verdict.keep)}: the plan's {mine} is slower than {other}, by {-median:.1%} "
-                f"[{-high:.1%}, {-low:.1%}]")
-    else:
-        line = (f"verdict: keep {ddp_label(verdict.keep)}: the plan's {mine} against {other}: {median:.1%} faster "
-                f"[{low:.1%}, {high:.1%}], within the noise")
-    if verdict.keep not in ("plan", "ddp"):
-        line += f" ({ddp_label(verdict.keep)} is faster than plain DDP beyond the noise)"
+    line = verdict_line(ddp_label(verdict.keep), mine, other, verdict.gain)
+    if verdict.keep not in ("plan", DDP_ROW):
+        line += f" ({verdict.keep} is faster than plain DDP beyond the noise)"
     lossy = sorted({str(plan.compressor_of(g)) for g in plan.groups if plan.compressor_of(g).lossy})
     if lossy and verdict.keep == "plan":
         line += (f"; it sends {', '.join(lossy)}, which changes the gradients: what that costs in samples to reach "
@@ -163,6 +200,31 @@ def print_abs(plan: object) -> None:
         console.print(f"note: ABS-SGD's rounds hold {rounds:,.0f} samples, more than {ON_TARGET:g}x the global batch "
                       f"{a.global_batch}: the exchange takes longer than the workers need for {a.global_batch} "
                       "samples, so the rounds grow to hide it (a larger --global-batch matches them)")
+    print_abs_verdict(plan)
+
+
+def print_abs_verdict(plan: object) -> None:
+    """ABS-SGD against synchronous SGD, in the one verdict line every plan's table ends with: by samples per second
+    counting at most the global batch of each round (what the plan maximises, `progress_per_s`), as predicted (an
+    ABS-SGD plan has no intervals). Synchronous SGD with the batch split equally is DDP; the other split is kept
+    only where it is faster."""
+    from planner.contracts.plan import Plan
+    from planner.strategies.abs import progress_per_s
+
+    assert isinstance(plan, Plan) and plan.abs is not None
+    a = plan.abs
+    if "abs-sgd" not in a.predicted:
+        return
+    rates = {name: progress_per_s(p, a.global_batch) for name, p in a.predicted.items()}
+    mine = rates.pop("abs-sgd")
+    if not rates:
+        return
+    order = list(rates)  # sync-equal (DDP) first: the simpler on a tie
+    against = max(rates, key=lambda name: (rates[name], -order.index(name)))
+    keep = "DDP" if against == "sync-equal" else f"synchronous SGD ({against})"
+    console.print(verdict_line(keep, f"{mine:,.0f} samples/s", f"{against} {rates[against]:,.0f} samples/s",
+                               1 - rates[against] / mine, unweighed="ABS-SGD plans carry no intervals"),
+                  style="bold", soft_wrap=True)
 
 
 def print_kfac(plan: object) -> None:
@@ -197,19 +259,7 @@ def print_kfac(plan: object) -> None:
     table.add_row("lower bound", "", _ms(lb), *(("",) if spread else ()), "", "", "", "",
                   f"{ref / lb:.2f}x" if lb > 0 else "-", "")
     console.print(table)
-    if k.verdict is not None and spread is not None:
-        v = k.verdict
-        mine = _with_interval(k.predicted.step_s, spread.get("plan"))
-        other = _with_interval(baselines[v.against].step_s, spread.get(v.against))
-        median, low, high = v.gain
-        if v.keep == "plan":
-            line = (f"verdict: keep the plan's layout: {mine} against {v.against} {other}: {median:.1%} faster "
-                    f"[{low:.1%}, {high:.1%}], beyond the noise")
-        else:
-            line = (f"verdict: keep the {v.keep} layout: the plan's {mine} against {v.against} {other}: "
-                    f"{median:.1%} faster [{low:.1%}, {high:.1%}], not beyond the noise (the simplest reference "
-                    "layout no other beats beyond it)")
-        console.print(line, style="bold", soft_wrap=True)
+    print_kfac_verdict(plan)
     owners = list(k.owners.values())
     everywhere = sum(o is None for o in owners)
     placed = sum(r is not None for r in k.preconditioners.values())
@@ -224,6 +274,38 @@ def print_kfac(plan: object) -> None:
            "profile to show how far K-FAC's kernels moved since." if LOCAL_KFAC in baselines else ".")
     )
     print_left_out(len(k.layers), k.left_out, k.skip)
+
+
+def print_kfac_verdict(plan: object) -> None:
+    """A K-FAC plan's verdict against the reference layouts (`planner.strategies.intervals.KFAC_REFERENCES`), in the
+    one line every plan's table ends with: weighed against the noise where the section has intervals, else as
+    predicted (the reference kept is the fastest, the simplest on a tie)."""
+    from planner.contracts.plan import Plan
+    from planner.strategies.intervals import KFAC_REFERENCES
+
+    assert isinstance(plan, Plan) and plan.kfac is not None and plan.kfac.predicted is not None
+    k = plan.kfac
+    assert k.predicted is not None
+    baselines = k.baselines or {}
+    spread = k.intervals
+    if k.verdict is not None and spread is not None:
+        v = k.verdict
+        mine = _with_interval(k.predicted.step_s, spread.get("plan"))
+        other = f"{v.against} {_with_interval(baselines[v.against].step_s, spread.get(v.against))}"
+        line = verdict_line(f"the {v.keep} layout", mine, other, v.gain)
+        if v.keep != "plan":
+            line += " (the simplest reference layout no other beats beyond it)"
+        console.print(line, style="bold", soft_wrap=True)
+        return
+    references = [name for name in KFAC_REFERENCES if name in baselines]
+    if not references:
+        return
+    fastest = min(references, key=lambda name: (baselines[name].step_s, references.index(name)))
+    step = k.predicted.step_s
+    gain = 1 - step / baselines[fastest].step_s
+    console.print(verdict_line(f"the {fastest} layout", f"{_ms(step)} ms", f"{fastest} "
+                               f"{_ms(baselines[fastest].step_s)} ms", gain, unweighed=NO_SAMPLES),
+                  style="bold", soft_wrap=True)
 
 
 def print_left_out(preconditioned: int, left_out: tuple[tuple[str, str], ...] | None, skip: str | None) -> None:

@@ -99,10 +99,9 @@ def _auto_by_prediction(candidates: dict[str, Plan]) -> AutoChoice:
     ddp = ddp_predictions(candidates)
     fastest = min(ddp.items(), key=lambda kv: kv[1]) if ddp else None
     ddp_faster = fastest if fastest is not None and fastest[1] < best.predicted.iteration_s else None
-    if ddp_faster is not None:
+    if ddp_faster is not None:  # the plan's verdict line says to keep it (`planner.commands.printing.print_spread`)
         reason += (f". No plan is predicted faster than {ddp_faster[0]} ({ddp_faster[1] * 1e3:,.2f} ms, "
-                   f"{best.predicted.iteration_s / ddp_faster[1]:.3f}x faster than the plan kept): keep "
-                   f"{'plain DDP' if ddp_faster[0] == 'ddp' else 'DDP with that hook'} here")
+                   f"{best.predicted.iteration_s / ddp_faster[1]:.3f}x faster than the plan kept)")
     return AutoChoice(plan=best, candidates=candidates, reason=reason, ddp_faster=ddp_faster)
 
 

@@ -41,8 +41,8 @@ from planner.solvers.mixed import MixedParetoDP
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
 __all__ = ["KFAC_REFERENCES", "Draws", "Problems", "RowStep", "attach", "ddp_label", "ddp_rows", "evaluate",
-           "hook_selector", "plan_rows", "simplest_unbeaten", "topk_hook_selector", "weigh", "with_intervals",
-           "with_kfac_intervals"]
+           "hook_selector", "nominal_ddp", "plan_rows", "simplest_unbeaten", "topk_hook_selector", "weigh",
+           "with_intervals", "with_kfac_intervals"]
 
 #: Relative difference within which a rebuilt row's step on the profile itself counts as the printed one.
 _SAME = 1e-9
@@ -103,8 +103,16 @@ def evaluate(rows: Mapping[Key, RowStep], draws: Draws) -> dict[Key, np.ndarray]
 
 
 def ddp_label(variant: str) -> str:
-    """How a DDP variant of the verdict reads: "DDP", "DDP + fp16 hook"."""
-    return "DDP" if variant == "ddp" else f"DDP + {variant.removeprefix('ddp+')} hook"
+    """What keeping a DDP variant of the verdict means, in words that name its row: "DDP" (the row "ddp"), "DDP with
+    its fp16 hook (ddp+fp16)"."""
+    return "DDP" if variant == DDP_ROW else f"DDP with its {variant.removeprefix('ddp+')} hook ({variant})"
+
+
+def nominal_ddp(plan: Plan, profile: Profile, compressors: Sequence[Compressor] | None = None) -> dict[str, float]:
+    """Each DDP variant `ddp_rows` weighs the plan against, predicted on `profile` itself (no draws: what a plan is
+    compared with where the profile kept no samples)."""
+    nominal = Problems(profile)
+    return {name: step(nominal) for name, step in ddp_rows(plan, profile, compressors).items()}
 
 
 def weigh(plan: np.ndarray, ddp: dict[str, np.ndarray], nominal: dict[str, float],
