@@ -395,9 +395,10 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
 PARTS_TOLERANCE = 0.10
 
 
-def print_profile(profile: object) -> None:
+def print_profile(profile: object, details: bool = False) -> None:
+    """What a profile measured, in a few lines (`profile_summary`); with `details`, everything: each calibration,
+    the collectives' fits, memory, throughput, hosts and K-FAC's tables. Warnings (on stderr) either way."""
     from planner.contracts.profile import Profile
-    from planner.costmodel.measured import MAX_FIT_ERROR
 
     assert isinstance(profile, Profile)
     console.print(profile.model.describe(), style="bold")
@@ -405,38 +406,96 @@ def print_profile(profile: object) -> None:
         err_console.print("note: a quick profile (--quick): fewer repeats and sweeps, so its numbers are noisier and "
                           "the intervals of plans made from it wider; profile without --quick for the plan you keep",
                           markup=False, soft_wrap=True)
-    console.print(
-        f"{profile.cluster.describe()}, batch {profile.batch_size}/worker, "
-        f"torch {profile.torch_version}, measured {profile.created}\n"
-        f"forward {_ms(profile.forward_s)} ms, backward {_ms(profile.backward_s)} ms, "
-        f"update {_ms(profile.update_s)} ms, {len(profile.layers)} layers"
-    )
+    for line in profile_summary(profile):
+        console.print(line, markup=False, soft_wrap=True)
+    parts = _parts_line(profile)
+    if parts is not None and parts[1]:
+        err_console.print(parts[0], markup=False, soft_wrap=True)
+    if details:
+        if parts is not None and not parts[1]:
+            console.print(parts[0], markup=False, soft_wrap=True)
+        _print_profile_details(profile)
+
+
+def profile_summary(profile: object) -> list[str]:
+    """The lines `planner profile` prints: where it measured, the step with its interval, compute against
+    communication (one allreduce of every gradient), sigma and kappa, and the in-situ calibrations not used."""
+    from planner.contracts.profile import Profile
+    from planner.types import Collective
+
+    assert isinstance(profile, Profile)
+    link = "" if profile.cluster.link else ", no emulated link"
+    lines = [f"measured on {profile.cluster.describe()}{link}, batch {profile.batch_size}/worker, torch "
+             f"{profile.torch_version}, {profile.created}"]
+    step = profile.step_s or profile.parts_s
+    spread = ""
+    if profile.steps is not None:
+        from planner.costmodel.spread import LEVEL, statistic_interval
+
+        low, high = statistic_interval(profile.steps.whole_s)
+        spread = f" [{LEVEL:.0%} interval {_ms(low)}-{_ms(high)} over {profile.steps.count} steps]"
+    lines.append(f"step {_ms(step)} ms{spread} on each worker, nothing sent: forward {_ms(profile.forward_s)}, "
+                 f"backward {_ms(profile.backward_s)}, update {_ms(profile.update_s)} ms; {len(profile.layers)} "
+                 "layers")
+    allreduce = profile.collectives.get(Collective.ALLREDUCE)
+    if allreduce is not None and step > 0:
+        size = profile.model.numel * 4  # fp32 gradients
+        comm = allreduce.model(size)
+        lines.append(f"communication: one allreduce of all {size / 2**20:,.1f} MiB of gradients takes {_ms(comm)} ms; "
+                     f"{step / (step + comm):.0%} compute, {comm / (step + comm):.0%} communication where nothing "
+                     "overlaps")
+    slow = [f"{name} ({what}) " + ", ".join(f"{value:.2f}{_slowdown_interval(profile, coll, name)} {coll.value}"
+                                            for coll, value in measured.items())
+            for name, what, measured in (("sigma", "backward with a collective in flight", profile.interference),
+                                         ("kappa", "collectives while computing", profile.comm_stretch))
+            if measured]
+    if slow:
+        lines.append(f"interference (each runs 1 + x times slower): {'; '.join(slow)}")
+    if profile.in_situ is not None:
+        named = [(what, c) for what, c in profile.in_situ.named() if c.use.used or c.modelled_s > 0]
+        unused = [f"{what} ({c.use.measured:.2f}x)" for what, c in named if not c.use.used]
+        if unused:
+            lines.append(f"in-situ calibration: {len(named) - len(unused)} of {len(named)} used; not used (their "
+                         f"micro-benchmarks stand in): {', '.join(unused)}")
+        elif named:
+            lines.append(f"in-situ calibration: all {len(named)} used")
+    if profile.kfac is not None:
+        lines.append(f"K-FAC: factors, preconditioning and inversion measured for {len(profile.kfac.layers)} layers")
+    return lines
+
+
+def _parts_line(profile: object) -> tuple[str, bool] | None:
+    """How the per-layer times compare with the whole steps, and whether that is a warning (None: not timed)."""
+    from planner.contracts.profile import Profile
+
+    assert isinstance(profile, Profile)
     if profile.parts_scale is not None:
         assert profile.step_s is not None
-        spread = ""
-        if profile.steps is not None:
-            from planner.costmodel.spread import LEVEL, statistic_interval
-
-            low, high = statistic_interval(profile.steps.whole_s)
-            spread = f" [{LEVEL:.0%} interval {_ms(low)}-{_ms(high)} over {profile.steps.count} steps]"
-        line = (f"whole local steps {_ms(profile.step_s)} ms{spread}, timed between the hooked ones; the per-layer "
+        line = (f"whole local steps {_ms(profile.step_s)} ms, timed between the hooked ones; the per-layer "
                 f"times summed to {_ms(profile.parts_s / profile.parts_scale)} ms and are scaled by "
                 f"{profile.parts_scale:.3f} to match")
         if abs(profile.parts_scale - 1) > PARTS_TOLERANCE:
-            err_console.print(f"warning: {line}: the timing hooks or the machine's noise moved the parts by more "
-                              f"than {PARTS_TOLERANCE:.0%}; how the step splits into layers is that uncertain. "
-                              "Profile again with more --repeats and --warmup", markup=False)
-        else:
-            console.print(line)
-    elif profile.parts_error is not None:
+            return (f"warning: {line}: the timing hooks or the machine's noise moved the parts by more than "
+                    f"{PARTS_TOLERANCE:.0%}; how the step splits into layers is that uncertain. Profile again with "
+                    "more --repeats and --warmup"), True
+        return line, False
+    if profile.parts_error is not None:
         assert profile.step_s is not None
         line = (f"whole local steps {_ms(profile.step_s)} ms; sum of the parts (forward + per-layer backward + "
                 f"update) {_ms(profile.parts_s)} ms, off by {profile.parts_error:.1%}")
         if profile.parts_error > PARTS_TOLERANCE:
-            err_console.print(f"warning: {line}: predictions from this profile will be off as much; profile "
-                              "again on a quieter machine, or with more --repeats and --warmup", markup=False)
-        else:
-            console.print(line)
+            return (f"warning: {line}: predictions from this profile will be off as much; profile again on a "
+                    "quieter machine, or with more --repeats and --warmup"), True
+        return line, False
+    return None
+
+
+def _print_profile_details(profile: object) -> None:
+    """Everything a profile measured beyond its summary (`planner profile --verbose`, `planner show --details`)."""
+    from planner.contracts.profile import Profile
+    from planner.costmodel.measured import MAX_FIT_ERROR
+
+    assert isinstance(profile, Profile)
     if profile.peak_memory:
         phases = ", ".join(f"{name} {gib(b)}" for name, b in profile.peak_memory.items())
         console.print(f"peak memory of the busiest worker, per phase of the profile: {phases}", soft_wrap=True)
@@ -480,8 +539,8 @@ def print_profile(profile: object) -> None:
             if not c.use.used and c.modelled_s > 0:
                 pairs = f" over {len(c.samples_s)} samples" if c.samples_s else ""
                 again = ", measured twice" if c.attempts > 1 else ""
-                err_console.print(f"note: {what} in real steps was not used ({c.use.describe()}{pairs}{again}: "
-                                  f"{c.use.why}); its micro-benchmark stands in for it", markup=False, soft_wrap=True)
+                console.print(f"{what} in real steps was not used ({c.use.describe()}{pairs}{again}: {c.use.why}); "
+                              "its micro-benchmark stands in for it", markup=False, soft_wrap=True)
     table = Table(title="collectives: alpha + beta * bytes, fitted (used where it holds at every point) "
                         "or interpolated")
     for col in ("collective", "alpha us", "bandwidth GB/s", "median fit error", "worst", "model used", "points"):
