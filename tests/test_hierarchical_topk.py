@@ -390,5 +390,5 @@ def test_the_bench_reports_the_union_training_sent_beside_the_one_the_profile_me
     print_bench([row], as_json=False)
     err = capsys.readouterr().err
     assert "plan topk@0.01, hierarchical sent 1.25 k pairs across per host" in " ".join(err.split())
-    print_profile(_two_hosts((_topk_at(0.01, 1e-3, 1e-9, ratio=1.9),)))
+    print_profile(_two_hosts((_topk_at(0.01, 1e-3, 1e-9, ratio=1.9),)), details=True)
     assert "gradient plus residual), 1.90 k at 0.01" in " ".join(capsys.readouterr().out.split())
