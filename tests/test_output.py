@@ -56,7 +56,8 @@ def test_ddp_rows_are_named_by_what_ddp_sends_and_old_plans_read_with_those_name
 
 def test_the_solve_table_names_each_ddp_row_by_what_it_sends(capsys: pytest.CaptureFixture[str]) -> None:
     prof = synthetic_profile("mlp")
-    for plan, row in ((make_plan(prof, Strategy.TOPK, 0.01), "ddp+topk:0.01"), (make_plan(prof, Strategy.DENSE), "ddp")):
+    topk, dense = make_plan(prof, Strategy.TOPK, 0.01), make_plan(prof, Strategy.DENSE)
+    for plan, row in ((topk, "ddp+topk:0.01"), (dense, "ddp")):
         print_plan(plan)
         out = capsys.readouterr().out
         assert f"│ {row} " in out and f"vs {row}" in out and "ddp-25mb" not in out
