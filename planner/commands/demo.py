@@ -76,8 +76,13 @@ class DemoCommand(Command):
             on = f"on {args.hosts} emulated hosts, {'between them ' if link is not None else ''}{on}"
         console.rule(f"1/3 profile {args.model} on {args.nproc} workers {on}")
         effort = QUICK_EFFORT if args.quick else DEFAULT_EFFORT
+        # Whatever the effort sweeps, the profile measures every PowerSGD rank and top-k density the compressors name
+        # (--quick alone measures rank 4 and 1%: the default "all" names ranks 1 and 2 too).
+        ranks = sorted({*effort.powersgd_ranks, *(c.rank for c in compressors if c.rank is not None)})
+        densities = sorted({*effort.densities, *(c.density for c in compressors if c.density is not None)})
         profile = run_profile(ProfileConfig.at(effort, quick=args.quick, model=args.model, output=prof_path,
-                                               nproc=args.nproc, link=link, slowdown=args.slowdown, hosts=args.hosts))
+                                               nproc=args.nproc, link=link, slowdown=args.slowdown, hosts=args.hosts,
+                                               powersgd_ranks=tuple(ranks), densities=tuple(densities)))
         profile.save(prof_path)
         print_profile(profile)
         console.print(f"wrote profile {prof_path}")
