@@ -32,12 +32,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from planner.commands.bench import file_labels
 from planner.console import console
 from planner.contracts.plan import Plan
 
 ONLY = ("fp16", "powersgd:1", "powersgd:4", "topk:0.01")
-#: The bench's name of the mixed plan over every compressor.
-MIXED = "plan mixed(all)"
+#: Where the rows of the mixed plan over every compressor carry their bench name (`planner bench` names a plan by
+#: what it sends, and by its file where two would read the same).
+MIXED_NAME = "mixed_name"
 
 
 def _run(args: list[str]) -> str:
@@ -71,8 +73,9 @@ def step_rows(model: str, link: str, plans: list[str], out: Path, steps: int) ->
     text = _run(["bench", "--model", model, *plan_args, "--steps", str(steps), *link_args, "--json"])
     (out / f"{model}-{link}-bench.json").write_text(text)
     rows = json.loads(text)
+    mixed = file_labels([Plan.load(p) for p in plans], plans)[0]  # the mixed plan comes first
     for row in rows:
-        row.update(model=model, link=link)
+        row.update(model=model, link=link, **{MIXED_NAME: mixed})
     return rows
 
 
@@ -96,11 +99,10 @@ def target_plans(model: str, link: str, plans: list[str], out: Path) -> list[str
     singles = {p: Plan.load(p) for p in plans[1:]}
     steps = out / f"{tag}-bench.json"
     measured = {r["name"]: r["median_s"] for r in json.loads(steps.read_text())} if steps.exists() else {}
+    names = dict(zip(plans, file_labels([Plan.load(p) for p in plans], plans), strict=True))  # as the bench ran them
 
     def speed(path: str) -> float:
-        plan = singles[path]
-        assert plan.compressors is not None
-        return measured.get(f"plan {plan.compressors[0]}", plan.predicted.iteration_s)
+        return measured.get(names[path], singles[path].predicted.iteration_s)
 
     chosen: dict[tuple, str] = {}
     for path in [plans[0], *map(str, budgets), min(singles, key=speed)]:
@@ -137,16 +139,18 @@ def print_steps(rows: list[dict]) -> None:
                       f"{r['median_s'] / ddp['median_s']:.2f} | {pred} | {err} |")
     console.print("\nmixed plan against the best DDP hook and against DDP, measured in the same run:")
     for model, link in dict.fromkeys((r["model"], r["link"]) for r in rows):
-        mine = {r["name"]: r["median_s"] for r in rows if r["model"] == model and r["link"] == link}
+        here = [r for r in rows if r["model"] == model and r["link"] == link]
+        mine = {r["name"]: r["median_s"] for r in here}
+        mixed = here[0][MIXED_NAME]
         hooks = {n: t for n, t in mine.items() if n.startswith("ddp+")}
         best = min(hooks, key=hooks.__getitem__) if hooks else None
-        singles = {n: t for n, t in mine.items() if n.startswith("plan ") and n != MIXED}
+        singles = {n: t for n, t in mine.items() if n.startswith("plan ") and n != mixed}
         best_single = min(singles, key=singles.__getitem__) if singles else None
-        line = f"  {model} {link}: mixed {mine[MIXED] / mine['ddp']:.2f}x DDP"
+        line = f"  {model} {link}: mixed {mine[mixed] / mine['ddp']:.2f}x DDP"
         if best:
-            line += f", {mine[MIXED] / hooks[best]:.2f}x the best hook ({best})"
+            line += f", {mine[mixed] / hooks[best]:.2f}x the best hook ({best})"
         if best_single:
-            line += f", {mine[MIXED] / singles[best_single]:.2f}x the best single-compressor plan " \
+            line += f", {mine[mixed] / singles[best_single]:.2f}x the best single-compressor plan " \
                     f"({best_single})"
         console.print(line)
 

@@ -553,7 +553,7 @@ def _ddp_powersgd_extra_samples(workload: Workload, plain: torch.nn.Module, inpu
 
 def _ddp_buckets(sizes: Sequence[int]) -> list[int]:
     """Elements of each of DDP's default buckets over layers of `sizes` elements, in ready order (as the
-    "ddp-25mb" baseline forms them)."""
+    grouping rule `DDP_BASELINE` forms them)."""
     from planner.costmodel.costs import AffineCost
     from planner.costmodel.problem import GradientProblem, groups_of
     from planner.solvers import BASELINES, DDP_BASELINE

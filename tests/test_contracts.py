@@ -196,8 +196,11 @@ def test_cli_solve_and_show(tmp_path: Path) -> None:
     assert all(g.k is not None and g.k >= 1 for g in plan.groups)
     proc = _cli("show", str(plan_path), "--groups")
     assert proc.returncode == 0, proc.stderr
-    for name in ("plan (topk-exact)", "wfbp", "ddp-25mb", "horovod", "fixed-64mb", "mgs-greedy", "lower bound"):
+    for name in ("plan (topk-exact)", "wfbp", "ddp+topk:0.01", "horovod", "fixed-64mb", "mgs-greedy", "lower bound"):
         assert name in proc.stdout
+    # DDP's row names what it sends (DDP with the top-k hook here), and the table ends with the verdict against it.
+    assert "ddp-25mb" not in proc.stdout and "vs ddp+topk:0.01" in proc.stdout
+    assert sum(line.startswith("verdict: keep ") for line in proc.stdout.splitlines()) == 1
     proc = _cli("show", str(prof_path))
     assert proc.returncode == 0 and "allreduce" in proc.stdout
 
@@ -235,10 +238,13 @@ def test_the_whole_step_cross_check_round_trips_and_warns_past_ten_percent(
     for p in (close, far):
         p.save(tmp_path / "p.json")
         assert Profile.load(tmp_path / "p.json") == p
-        assert main(["show", str(tmp_path / "p.json")]) == 0
+        assert main(["show", str(tmp_path / "p.json"), "--details"]) == 0
     out = capsys.readouterr()
     assert out.err.count("warning: whole local steps") == 1 and "off by 33.3%" in out.err
     assert "off by 4.8%" in out.out
+    assert main(["show", str(tmp_path / "p.json")]) == 0  # the summary: the warning alone
+    out = capsys.readouterr()
+    assert out.err.count("warning: whole local steps") == 1 and "off by" not in out.out
     # A profile written before the check existed has no step_s and still loads.
     doc = json.loads((tmp_path / "p.json").read_text())
     del doc["step_s"]
@@ -257,7 +263,7 @@ def test_parts_scaled_to_the_whole_round_trip_print_their_scale_and_warn_past_te
     for p in (scaled, far):
         p.save(tmp_path / "p.json")
         assert Profile.load(tmp_path / "p.json") == p
-        assert main(["show", str(tmp_path / "p.json")]) == 0
+        assert main(["show", str(tmp_path / "p.json"), "--details"]) == 0
     out = capsys.readouterr()
     assert "scaled by 0.950 to match" in out.out
     assert out.err.count("warning: whole local steps") == 1 and "scaled by 0.800" in out.err

@@ -51,7 +51,7 @@ def test_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
 
     dense, topk = tmp_path / "dense.json", tmp_path / "topk.json"
     out = _planner("solve", str(prof), "--strategy", "dense", "-o", str(dense)).stdout
-    assert "lower bound" in out and "ddp-25mb" in out
+    assert "lower bound" in out and "vs ddp " in out and "ddp-25mb" not in out  # DDP's row: plain DDP, "ddp"
     _planner("solve", str(prof), "--strategy", "topk", "--density", "0.01", "-o", str(topk))
     assert Plan.load(topk).strategy is Strategy.TOPK
 

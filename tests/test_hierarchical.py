@@ -400,11 +400,11 @@ def test_the_bench_names_a_multi_host_plan_by_how_its_groups_cross_hosts() -> No
     twin = variants["plan topk@0.01, hierarchical (not modelled)"]
     assert "plan topk@0.01, flat" in variants and twin.predicted_s is None and twin.plan is not None
     assert all(g.hierarchical for g in twin.plan.groups) and twin.plan.groups != topk.groups
-    # DDP's row is plain DDP: a top-k plan's "ddp-25mb" baseline is DDP with the top-k hook, not that.
-    assert variants["ddp"].predicted_s is None
-    assert variants["ddp+topk:0.01"].predicted_s == topk.baselines["ddp-25mb"].iteration_s
+    # DDP's row is plain DDP: a top-k plan's DDP row is DDP with the top-k hook, and named so.
+    assert variants["ddp"].predicted_s is None and topk.ddp_row == "ddp+topk:0.01"
+    assert variants["ddp+topk:0.01"].predicted_s == topk.baselines["ddp+topk:0.01"].iteration_s
     both = {v.name: v for v in bench_variants((topk, flat), _mlp_module(), peers=())}
-    assert both["ddp"].predicted_s == flat.baselines["ddp-25mb"].iteration_s
+    assert both["ddp"].predicted_s == flat.baselines["ddp"].iteration_s
 
 
 def synthetic_profile_plan() -> Plan:

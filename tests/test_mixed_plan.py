@@ -35,7 +35,7 @@ def test_mixed_plan_is_no_worse_than_any_compressor_alone_and_explains_itself(tm
     for c in compressors:
         only = plan.baselines[f"only:{c}"]
         assert plan.predicted.iteration_s <= only.iteration_s * (1 + 1e-9)
-    assert {"ddp-25mb", "ddp+fp16", "ddp+powersgd:1", "ddp+powersgd:4", "ddp+topk:0.01"} <= set(plan.baselines)
+    assert {"ddp", "ddp+fp16", "ddp+powersgd:1", "ddp+powersgd:4", "ddp+topk:0.01"} <= set(plan.baselines)
     assert plan.lower_bound_s <= plan.predicted.iteration_s
     # The plan's prediction is the simulated time of its own groups under the mixed model.
     problem = mixed_problem(profile, compressors, selector=plan.selector or "exact")
@@ -86,7 +86,7 @@ def test_cli_solve_mixed_and_auto_write_plans(tmp_path: Path, capsys: pytest.Cap
     auto = tmp_path / "auto.json"
     assert main(["solve", str(prof), "--strategy", "auto", "--compressors", "light", "-o", str(auto)]) == 0
     assert "--strategy auto" in capsys.readouterr().out
-    assert Plan.load(auto).predicted.iteration_s <= plan.baselines["ddp-25mb"].iteration_s * 10
+    assert Plan.load(auto).predicted.iteration_s <= plan.baselines["ddp"].iteration_s * 10
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -158,11 +158,17 @@ def test_retune_and_report_take_mixed_plans(tmp_path: Path, capsys: pytest.Captu
     assert "not mixed ones" in capsys.readouterr().err
 
 
-def test_auto_says_when_ddp_is_predicted_faster_than_every_plan() -> None:
+def test_auto_says_when_ddp_is_predicted_faster_than_every_plan(capsys: pytest.CaptureFixture[str]) -> None:
     """Over a fast network with this runtime's packing 10x DDP's, no plan beats DDP: `--strategy auto` says to keep
-    it; behind a slow link the plan wins and it says nothing of the kind."""
+    it, in the plan's one verdict line; behind a slow link the plan wins and it says to keep the plan."""
+    from planner.commands.printing import print_plan
     from planner.contracts.profile import Calibration, FittedCurve, InSitu
+    from planner.strategies.auto import ddp_predictions
     from tests.test_interference import measured_profile
+
+    def verdicts(choice: object) -> list[str]:
+        print_plan(choice.plan, ddp=ddp_predictions(choice.candidates))  # type: ignore[attr-defined]
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("verdict:")]
 
     fast = FittedCurve.fit([(1 << s, 1e-6 + 1e-12 * (1 << s)) for s in range(10, 27, 2)])
     prof = replace(measured_profile("mlp"), in_situ=InSitu(pack=Calibration(measured_s=0.1, modelled_s=0.01),
@@ -171,9 +177,13 @@ def test_auto_says_when_ddp_is_predicted_faster_than_every_plan() -> None:
     choice = solve_auto(prof, parse_compressors("light"))
     assert choice.ddp_faster is not None and choice.ddp_faster[0] in ("ddp", "ddp+fp16")
     assert choice.ddp_faster[1] < choice.plan.predicted.iteration_s
-    assert "keep plain DDP" in choice.reason or "keep DDP with that hook" in choice.reason
+    (line,) = verdicts(choice)
+    assert line.startswith(("verdict: keep DDP: the plan's", "verdict: keep DDP with its fp16 hook (ddp+fp16)"))
+    assert f"is slower than {choice.ddp_faster[0]} " in line and "its noise not weighed" in line
     slow = solve_auto(synthetic_profile("vgg16"), parse_compressors("all"))
     assert slow.ddp_faster is None and "keep" not in slow.reason
+    (line,) = verdicts(slow)
+    assert line.startswith("verdict: keep the plan: the plan's") and "faster, as predicted" in line
 
 
 def test_the_bench_of_a_mixed_plan_alone_has_a_local_row_predicted_as_a_dense_plans() -> None:
@@ -223,8 +233,8 @@ def test_one_model_for_every_strategy_the_same_dense_grouping_is_predicted_the_s
     only_dense = make_mixed_plan(profile, parse_compressors("dense"))
     assert only_dense.predicted.iteration_s == pytest.approx(dense_plan.predicted.iteration_s, rel=1e-9)
     light = make_mixed_plan(profile, parse_compressors("light"))
-    assert light.baselines["ddp-25mb"].iteration_s == pytest.approx(
-        dense_plan.baselines["ddp-25mb"].iteration_s, rel=1e-12)
+    assert light.baselines["ddp"].iteration_s == pytest.approx(
+        dense_plan.baselines["ddp"].iteration_s, rel=1e-12)
     assert light.predicted.iteration_s <= dense_plan.predicted.iteration_s * (1 + 1e-9)
     topk_plan = make_plan(profile, Strategy.TOPK, 0.01, selector="exact")
     only_topk = make_mixed_plan(profile, parse_compressors("topk:0.01"), selector="exact")

@@ -202,7 +202,7 @@ def test_kfac_owner_beyond_the_profiles_world_size_is_refused() -> None:
     ([], {"plan": []}, None, "at least one world size"),
     ([8, 16], {}, None, "at least one series"),
     ([8, 16], {"plan": [0.1]}, None, "len"),
-    ([8, 16], {"plan": [0.1, 0.2], "ddp-25mb": [0.1, 0.2, 0.3]}, None, "ddp-25mb"),
+    ([8, 16], {"plan": [0.1, 0.2], "ddp": [0.1, 0.2, 0.3]}, None, "ddp"),
     ([8, 16], {"plan": [0.1, float("nan")]}, None, "finite"),
     ([16, 8], {"plan": [0.1, 0.2]}, None, "ascending"),
     ([8, 16], {"plan": [0.1, 0.2]}, [0.1], "lower_bound"),
@@ -240,7 +240,7 @@ def test_bad_bench_rows_are_refused(tmp_path: Path) -> None:
 
 def test_report_with_every_section(tmp_path: Path) -> None:
     p = plan()
-    scaling = ([8, 64, 512], {"plan": [0.01, 0.012, 0.02], "ddp-25mb": [0.012, 0.016, 0.03]}, [0.009, 0.01, 0.015],
+    scaling = ([8, 64, 512], {"plan": [0.01, 0.012, 0.02], "ddp": [0.012, 0.016, 0.03]}, [0.009, 0.01, 0.015],
                "8 workers per host <fast>")
     files = write_report(p, profile(), tmp_path / "a" / "b", plan_path="plans/x&y.json", scaling=scaling,
                          bench=bench_rows(), bench_source="bench.json")
@@ -252,7 +252,7 @@ def test_report_with_every_section(tmp_path: Path) -> None:
     for picture in (files.timeline, files.scaling, files.measured):
         assert f'src="{picture.name}"' in page
     assert f"{p.predicted.iteration_s * 1e3:,.2f}" in page
-    assert "ddp-25mb" in page and "lower bound" in page
+    assert "<td>ddp</td>" in page and "vs ddp" in page and "lower bound" in page
     assert "plans/x&amp;y.json" in page and "&lt;fast&gt;" in page and "<fast>" not in page
     assert "Not drawn" not in page
     assert sorted(f.name for f in files.page.parent.iterdir()) == ["measured.png", "report.html", "scaling.png",

@@ -253,7 +253,7 @@ def test_a_plan_predicted_faster_than_ddp_within_the_noise_is_not_kept(tmp_path:
     noisy, tight = _ddp_packing(spread=0.9, factor=1.5), _ddp_packing(spread=0.02, factor=1.5)
     for prof, keep in ((noisy, "ddp"), (tight, "plan")):
         plan = make_plan(prof, Strategy.DENSE)
-        assert plan.predicted.iteration_s < plan.baselines["ddp-25mb"].iteration_s
+        assert plan.predicted.iteration_s < plan.baselines["ddp"].iteration_s
         assert with_intervals(plan, prof).verdict.keep == keep  # type: ignore[union-attr]
     noisy.save(tmp_path / "noisy.json")
     assert main(["solve", str(tmp_path / "noisy.json"), "-o", str(tmp_path / "plan.json")]) == 0
@@ -313,7 +313,7 @@ def test_the_bench_marks_measurements_inside_their_predicted_interval() -> None:
     assert plan.intervals is not None
     variants = {v.name: v for v in bench_variants((plan,), build_workload("mlp").module, peers=())}
     assert variants["plan dense"].interval == plan.intervals.rows["plan"]
-    assert variants["ddp"].interval == plan.intervals.rows["ddp-25mb"]
+    assert variants["ddp"].interval == plan.intervals.rows["ddp"]
     assert variants["per-layer dense"].interval == plan.intervals.rows["wfbp"]
 
 

@@ -7,9 +7,11 @@ shared machine falls on all of them alike; each step is timed from a barrier to 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,12 +20,12 @@ import torch.distributed as dist
 from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.layers import gradient_layers
-from planner.contracts.plan import Group, Plan
+from planner.contracts.plan import DDP_ROW, Group, Plan
 from planner.costmodel.problem import Prediction, topk_count
 from planner.models import build_workload
 from planner.platform.hosts import count_hosts
 from planner.strategies.gradients import ALL_HIERARCHICAL
-from planner.types import Compressor, CompressorKind, PlanMismatchError, Strategy
+from planner.types import Compressor, CompressorKind, PlanMismatchError, PlannerError, Strategy
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -37,12 +39,16 @@ __all__ = [
     "BenchConfig",
     "BenchResult",
     "Variant",
+    "auto_tag",
     "bench_backend",
     "bench_variants",
     "bench_worker",
+    "file_labels",
     "local_prediction",
     "machine_drift",
     "per_layer_plan",
+    "plan_labels",
+    "plan_tag",
     "refuse_gpu_plans",
     "run_bench",
 ]
@@ -71,6 +77,8 @@ class BenchConfig:
     link: LinkRate | None = None
     slowdown: Slowdown | None = None
     hosts: int | None = None  # emulated hosts the local workers are spread over (`--hosts`)
+    #: The row name of each plan ("plan dense", `plan_labels`); empty: `plan_labels(plans)`.
+    labels: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,22 +256,58 @@ def machine_drift(results: list[BenchResult]) -> float | None:
 
 
 def plan_tag(plan: Plan) -> str:
-    """How the bench names a plan's way of sending: dense, topk@D, the one compressor a mixed plan was allowed,
-    or mixed(the preset or list of compressors it was allowed); on several hosts, how its groups cross them."""
-    from planner.strategies.mixed import PRESETS
-
+    """How the bench names a plan by its strategy and what it sends: "dense", "topk@D", "mixed (C1, C2)" (the
+    compressors its groups are sent with, in the order it was allowed them); on several hosts, how its groups cross
+    them ("dense, flat")."""
     match plan.strategy:
         case Strategy.TOPK:
-            return f"topk@{plan.density:g}" + ("" if plan.cluster.host_count < 2 else f", {_route(plan)}")
+            tag = f"topk@{plan.density:g}"
         case Strategy.MIXED:
-            allowed = tuple(map(str, plan.compressors or ()))
-            preset = next((name for name, members in PRESETS.items() if members == allowed), None)
-            tag = allowed[0] if len(allowed) == 1 else f"mixed({preset or ','.join(allowed)})"
-            return tag if plan.cluster.host_count < 2 else f"{tag}, {_route(plan)}"
+            tag = f"mixed ({sends(plan)})"
         case _:
-            if plan.cluster.host_count < 2:
-                return plan.strategy.value
-            return f"{plan.strategy.value}, {_route(plan)}"
+            tag = plan.strategy.value
+    return tag if plan.cluster.host_count < 2 else f"{tag}, {_route(plan)}"
+
+
+def auto_tag(plan: Plan) -> str:
+    """How the bench names the plan `--strategy auto` kept: "auto (fp16)", by what it sends (and on several hosts,
+    how its groups cross them)."""
+    tag = f"auto ({sends(plan)})"
+    return tag if plan.cluster.host_count < 2 else f"{tag}, {_route(plan)}"
+
+
+def sends(plan: Plan) -> str:
+    """The compressors a plan's groups are sent with, in the order it was allowed them: "fp16, powersgd:1"."""
+    used = {plan.compressor_of(g) for g in plan.groups}
+    order = [*(plan.compressors or ()), *(plan.compressor_of(g) for g in plan.groups)]
+    return ", ".join(str(c) for c in dict.fromkeys(order) if c in used)
+
+
+def plan_labels(plans: Sequence[Plan], stems: Sequence[str] = (), tags: Sequence[str | None] = ()) -> list[str]:
+    """The bench's row name of each plan: "plan " and its tag (`plan_tag`, or `tags[i]` where given); plans whose
+    names would be the same are told apart by their files' stems (`stems`, e.g. "plan dense (dense1)"), or where
+    those are the same too or not given, by their paths' order among the plans ("plan dense (plan 2 of 3)").
+
+    Raises:
+        PlannerError: `stems` or `tags` of another length than `plans`.
+    """
+    if (stems and len(stems) != len(plans)) or (tags and len(tags) != len(plans)):
+        raise PlannerError(f"{len(plans)} plans, but {len(stems)} file names and {len(tags)} tags to name them by")
+    names = [f"plan {(tags[i] if tags else None) or plan_tag(p)}" for i, p in enumerate(plans)]
+    clash = {n for n in names if names.count(n) > 1}
+    if not clash:
+        return names
+    by_stem = [f"{n} ({stems[i]})" if stems and n in clash else n for i, n in enumerate(names)]
+    return [f"{n} (plan {i + 1} of {len(plans)})" if by_stem.count(n) > 1 else n for i, n in enumerate(by_stem)]
+
+
+def file_labels(plans: Sequence[Plan], paths: Sequence[str | os.PathLike[str]]) -> tuple[str, ...]:
+    """The bench's row name of each plan read from `paths` (`planner bench --plan`): by its strategy and what it
+    sends, and where two would read the same, by its file's stem ("plan dense (dense1)"; by its path where the
+    stems are the same too)."""
+    stems = [Path(p).stem for p in paths]
+    return tuple(plan_labels(plans, [str(p) if stems.count(stem) > 1 else stem for p, stem in zip(paths, stems,
+                                                                                                 strict=True)]))
 
 
 def _route(plan: Plan) -> str:
@@ -274,17 +318,17 @@ def _route(plan: Plan) -> str:
 
 
 def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
-                   peers: tuple[Compressor, ...] = DEFAULT_PEERS) -> list[Variant]:
+                   peers: tuple[Compressor, ...] = DEFAULT_PEERS, labels: Sequence[str] = ()) -> list[Variant]:
     """Every variant the bench runs: DDP; local steps (with a dense plan); per plan one group per layer (dense and
-    top-k plans) and the plan itself; then DDP with each peer hook and with the top-k hook at every density a
-    plan uses, each predicted by the first plan that predicts it (a top-k plan's "ddp-25mb" baseline, a mixed
-    plan's "ddp+C")."""
+    top-k plans) and the plan itself (named `labels[i]`, default `plan_labels`); then DDP with each peer hook and
+    with the top-k hook at every density a plan uses, each predicted by the first plan that predicts it (its "ddp+C"
+    row: a top-k plan's DDP row, a mixed plan's rows of DDP's hooks)."""
     dense = next((p for p in plans if p.strategy is Strategy.DENSE), None)
-    # Plain DDP's prediction: a dense or mixed plan's "ddp-25mb" (a top-k plan's is DDP with the top-k hook).
+    # Plain DDP's prediction: a dense or mixed plan's "ddp" row (a top-k plan's DDP row has the top-k hook).
     plain = dense or next((p for p in plans if p.strategy is not Strategy.TOPK), None)
-    ddp_pred = plain.baselines.get("ddp-25mb") if plain is not None else None
-    out = [Variant("ddp", None, ddp_pred.iteration_s if ddp_pred else None,
-                   interval=_interval(plain, "ddp-25mb") if ddp_pred else None)]
+    ddp_pred = plain.baselines.get(DDP_ROW) if plain is not None else None
+    out = [Variant(DDP_ROW, None, ddp_pred.iteration_s if ddp_pred else None,
+                   interval=_interval(plain, DDP_ROW) if ddp_pred else None)]
     compute = dense if dense is not None else ddp_pred  # the profile's compute alone, beside the machine's now
     if compute is not None:
         out.append(Variant(LOCAL, None, local_prediction(compute), local=True))
@@ -294,32 +338,27 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
                      for name in (p.verdict.keep, p.verdict.against) if name.startswith("ddp+")]
     hooks: dict[Compressor, tuple[float | None, str, tuple[float, float] | None]] = {
         c: (None, "exact", None) for c in dict.fromkeys((*peers, *weighed_hooks))}
-    names: set[str] = set()
+    labels = list(labels) or plan_labels(plans)
+    if len(labels) != len(plans):
+        raise PlannerError(f"{len(plans)} plans, but {len(labels)} names for them")
     per_layer: set[Strategy] = set()
-    for plan in plans:
-        tag = plan_tag(plan)
-        if f"plan {tag}" in names:
-            tag += f" #{sum(n.startswith(f'plan {tag}') for n in names) + 1}"
-        names.add(f"plan {tag}")
+    for plan, label in zip(plans, labels, strict=True):
         if plan.strategy is not Strategy.MIXED and plan.strategy not in per_layer:  # one per strategy
             per_layer.add(plan.strategy)
             pl = per_layer_plan(plan, module)
             out.append(Variant(f"per-layer {plan_tag(pl)}", pl, pl.predicted.iteration_s,
                                interval=_interval(plan, "wfbp") if "wfbp" in plan.baselines else None))
-        out.append(Variant(f"plan {tag}", plan, plan.predicted.iteration_s, interval=_interval(plan, "plan")))
+        out.append(Variant(label, plan, plan.predicted.iteration_s, interval=_interval(plan, "plan")))
         if (plan.strategy is Strategy.TOPK and plan.cluster.host_count > 1 and ALL_HIERARCHICAL not in plan.baselines
                 and not any(g.hierarchical for g in plan.groups)):
             # The same groups merged inside each host and sent across once per host. A profile that measured the
             # hierarchical top-k exchange lets the solver choose the way per group; without it, measured only.
             twin = replace(plan, groups=tuple(replace(g, hierarchical=True) for g in plan.groups))
-            out.append(Variant(f"plan {plan_tag(twin)} (not modelled)", twin, None))
-        if plan.strategy is Strategy.TOPK:
+            name = label.replace(", flat", ", hierarchical", 1) if ", flat" in label else f"{label}, hierarchical"
+            out.append(Variant(f"{name} (not modelled)", twin, None))
+        if plan.strategy is Strategy.TOPK:  # DDP with the top-k hook runs for every top-k plan
             assert plan.density is not None
-            hooked = plan.baselines.get("ddp-25mb")
-            c = Compressor(CompressorKind.TOPK, density=plan.density)
-            if hooks.get(c, (None, "", None))[0] is None:
-                hooks[c] = (hooked.iteration_s if hooked else None, plan.selector or "exact",
-                            _interval(plan, "ddp-25mb") if hooked else None)
+            hooks.setdefault(Compressor(CompressorKind.TOPK, density=plan.density), (None, "exact", None))
         for name, prediction in plan.baselines.items():
             if name.startswith("ddp+"):
                 c = Compressor.parse(name.removeprefix("ddp+"))
@@ -428,7 +467,7 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     hosts = count_hosts()
     for given in config.plans:
         given.check_compatible(model_info(base.module, config.model), world_size, hosts=hosts, backend=backend)
-    variants = bench_variants(config.plans, base.module, config.peers)
+    variants = bench_variants(config.plans, base.module, config.peers, config.labels)
     gen = torch.Generator().manual_seed(1000 + rank)
     inputs, targets = base.make_batch(base.batch_size, gen)
     batch = (inputs.to(device), targets.to(device))

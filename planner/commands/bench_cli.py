@@ -94,7 +94,7 @@ class BenchCommand(Command):
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.commands.bench import BenchConfig, run_bench
+        from planner.commands.bench import BenchConfig, file_labels, run_bench
         from planner.contracts.plan import Plan
         from planner.platform.launch import under_torchrun
 
@@ -136,7 +136,7 @@ class BenchCommand(Command):
             plans=plans, model=args.model or plans[0].model.name, batch_size=_batch_size(args.batch_size, plans),
             nproc=args.nproc or plans[0].cluster.world_size, steps=args.steps, warmup=args.warmup,
             show_progress=not args.json, link=args.link, slowdown=args.slowdown, peers=_peers(args.peers),
-            hosts=args.hosts,
+            hosts=args.hosts, labels=file_labels(plans, args.plan),
         )
         _note_link_mismatch(plans, args.link)
         results = run_bench(config)
@@ -146,6 +146,7 @@ class BenchCommand(Command):
 
     @staticmethod
     def _run_to_target(args: argparse.Namespace, plans: tuple) -> int:
+        from planner.commands.bench import file_labels
         from planner.commands.bench_target import (
             TASK_SAMPLES,
             TargetBenchConfig,
@@ -160,7 +161,8 @@ class BenchCommand(Command):
             samples=args.samples or TASK_SAMPLES[task], lr=args.lr,
             momentum=0.9 if args.momentum is None else args.momentum, repeats=args.repeats or 1,
             peers=_peers(args.peers), nproc=args.nproc or plans[0].cluster.world_size, batch_size=args.batch_size,
-            show_progress=not args.json, link=args.link, slowdown=args.slowdown, hosts=args.hosts)
+            show_progress=not args.json, link=args.link, slowdown=args.slowdown, hosts=args.hosts,
+            labels=file_labels(plans, args.plan))
         _note_link_mismatch(plans, args.link)
         runs = run_target_bench(config)
         if runs is not None:
@@ -322,3 +324,4 @@ def _note_link_mismatch(plans: tuple, link: object) -> None:
             runs = f"a {here} link" if here else "loopback"
             err_console.print(f"note: {plan.model.name} {plan.strategy.value} plan was made for {made}, the bench "
                               f"runs on {runs}: its predictions are for the network it was made for")
+

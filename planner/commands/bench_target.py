@@ -87,6 +87,8 @@ class TargetBenchConfig:
     link: LinkRate | None = None
     slowdown: Slowdown | None = None
     hosts: int | None = None  # emulated hosts the local workers are spread over (`--hosts`)
+    #: The row name of each plan ("plan dense", `planner.commands.bench.plan_labels`); empty: by the plans alone.
+    labels: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,9 +122,11 @@ class TargetSummary:
     speedup: float | None = None  # the best peer's time to target over this one's
 
 
-def _variants(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Compressor, ...]) -> list[Variant]:
+def _variants(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Compressor, ...],
+              labels: tuple[str, ...] = ()) -> list[Variant]:
     """DDP, the plans and the hooks of the step-time bench, without the local steps and the per-layer rows."""
-    return [v for v in bench_variants(plans, module, peers) if v.name != LOCAL and not v.name.startswith("per-layer")]
+    return [v for v in bench_variants(plans, module, peers, labels)
+            if v.name != LOCAL and not v.name.startswith("per-layer")]
 
 
 def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, repeat: int, task: Task) -> TargetRun:
@@ -225,7 +229,7 @@ def target_bench_worker(rank: int, world_size: int, config: TargetBenchConfig) -
     hosts = count_hosts()
     for plan in config.plans:
         plan.check_compatible(model_info(task.workload.module, config.model), world_size, hosts=hosts)
-    variants = _variants(config.plans, task.workload.module, config.peers)
+    variants = _variants(config.plans, task.workload.module, config.peers, config.labels)
     runs = []
     with progress(enabled=config.show_progress and rank == 0) as bar:
         tick = bar.add_task("runs to the target loss", total=config.repeats * len(variants))
@@ -280,7 +284,8 @@ def run_target_bench(config: TargetBenchConfig) -> list[TargetRun] | None:
 
 def print_target_bench(config: TargetBenchConfig, runs: list[TargetRun], as_json: bool) -> None:
     task = build_task(config.model, config.task, batch_size=config.batch_size)
-    predicted = {v.name: v.predicted_s for v in _variants(config.plans, task.workload.module, config.peers)}
+    predicted = {v.name: v.predicted_s
+                 for v in _variants(config.plans, task.workload.module, config.peers, config.labels)}
     summaries = summarise_target(config, runs, predicted)
     if as_json:
         console.print_json(json.dumps({"target_loss": config.target_loss, "samples": config.samples,

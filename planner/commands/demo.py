@@ -52,10 +52,10 @@ class DemoCommand(Command):
         _add_slowdown(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.commands.bench import BenchConfig, run_bench
+        from planner.commands.bench import BenchConfig, auto_tag, plan_labels, run_bench
         from planner.commands.profile import DEFAULT_EFFORT, QUICK_EFFORT, ProfileConfig, run_profile
         from planner.models import build_workload
-        from planner.strategies.auto import solve_auto
+        from planner.strategies.auto import ddp_predictions, solve_auto
         from planner.strategies.mixed import parse_compressors
 
         compressors = parse_compressors(args.compressors)
@@ -76,8 +76,13 @@ class DemoCommand(Command):
             on = f"on {args.hosts} emulated hosts, {'between them ' if link is not None else ''}{on}"
         console.rule(f"1/3 profile {args.model} on {args.nproc} workers {on}")
         effort = QUICK_EFFORT if args.quick else DEFAULT_EFFORT
+        # Whatever the effort sweeps, the profile measures every PowerSGD rank and top-k density the compressors name
+        # (--quick alone measures rank 4 and 1%: the default "all" names ranks 1 and 2 too).
+        ranks = sorted({*effort.powersgd_ranks, *(c.rank for c in compressors if c.rank is not None)})
+        densities = sorted({*effort.densities, *(c.density for c in compressors if c.density is not None)})
         profile = run_profile(ProfileConfig.at(effort, quick=args.quick, model=args.model, output=prof_path,
-                                               nproc=args.nproc, link=link, slowdown=args.slowdown, hosts=args.hosts))
+                                               nproc=args.nproc, link=link, slowdown=args.slowdown, hosts=args.hosts,
+                                               powersgd_ranks=tuple(ranks), densities=tuple(densities)))
         profile.save(prof_path)
         print_profile(profile)
         console.print(f"wrote profile {prof_path}")
@@ -89,18 +94,20 @@ class DemoCommand(Command):
             plan.save(path)
             console.print(f"wrote plan {path} ({name})")
         print_auto(choice)
-        print_plan(choice.plan)
+        print_plan(choice.plan, ddp=ddp_predictions(choice.candidates) if choice.plan.verdict is None else None)
         if choice.plan.strategy is Strategy.MIXED:
             print_mixed_groups(choice.plan, profile)
         console.rule("3/3 bench: DDP, PyTorch's DDP hooks and the plans")
         dense = choice.candidates.get("dense")
         plans = (choice.plan,) if dense is None or dense is choice.plan else (dense, choice.plan)
+        # The plan auto kept is named by what it sends ("plan auto (fp16)"), the dense plan beside it by its strategy.
+        labels = tuple(plan_labels(plans, tags=[None if p is not choice.plan else auto_tag(p) for p in plans]))
         steps = args.steps or (10 if args.quick else 20)
         results = run_bench(BenchConfig(plans=plans, model=args.model, nproc=args.nproc, steps=steps,
-                                        link=link, slowdown=args.slowdown, hosts=args.hosts))
+                                        link=link, slowdown=args.slowdown, hosts=args.hosts, labels=labels))
         assert results is not None
         print_bench(results, as_json=False, title=f"bench {on}: median step time (slowest rank per step)")
-        console.print(verdict_against_bench(choice.plan, results), style="bold", soft_wrap=True)
+        console.print(verdict_against_bench(choice.plan, results, labels[-1]), style="bold", soft_wrap=True)
         return 0
 
     @staticmethod
@@ -123,24 +130,24 @@ class DemoCommand(Command):
         return parse_rate(DEMO_LINK)
 
 
-def verdict_against_bench(plan: Any, results: list[Any]) -> str:
+def verdict_against_bench(plan: Any, results: list[Any], label: str | None = None) -> str:
     """One line: what the demo kept (the plan, or a DDP variant, from the plan's verdict) and what the bench then
-    measured for it and for the alternative, with the predictions beside them."""
-    from planner.commands.bench import plan_tag
+    measured for it and for the alternative, with the predictions beside them. `label`: the plan's row in the
+    bench (default the bench's name of it alone, `plan_labels`)."""
+    from planner.commands.bench import plan_labels
     from planner.strategies.intervals import ddp_label
 
     measured = {r.name: r for r in results}
-    mine = measured.get(f"plan {plan_tag(plan)}")
+    mine = measured.get(label or plan_labels([plan])[0])
     verdict = plan.verdict
+    kept = "the plan" if verdict is None or verdict.keep == "plan" else ddp_label(verdict.keep)
     if verdict is None or mine is None:
-        kept = "the plan" if verdict is None else ddp_label(verdict.keep)
         return f"kept {kept} (its noise not weighed: the profile has no samples)" if verdict is None else f"kept {kept}"
     against = measured.get(verdict.against)
-    kept = "the plan" if verdict.keep == "plan" else ddp_label(verdict.keep)
     line = (f"kept {kept}. Measured: the plan {mine.median_s * 1e3:,.2f} ms (predicted "
             f"{plan.predicted.iteration_s * 1e3:,.2f})")
     if against is not None:
-        line += (f", {ddp_label(verdict.against)} {against.median_s * 1e3:,.2f} ms (predicted "
+        line += (f", {verdict.against} {against.median_s * 1e3:,.2f} ms (predicted "
                  f"{verdict.against_s * 1e3:,.2f}): the plan ran {against.median_s / mine.median_s:.2f}x as fast")
     lossy = sorted({str(plan.compressor_of(g)) for g in plan.groups if plan.compressor_of(g).lossy})
     if lossy:

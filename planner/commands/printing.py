@@ -21,12 +21,14 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.2f}"
 
 
-def print_plan(plan: object, title: str | None = None) -> None:
-    """The comparison table of a plan: the plan, each baseline and the lower bound, under the same model."""
+def print_plan(plan: object, title: str | None = None, ddp: dict[str, float] | None = None) -> None:
+    """The comparison table of a plan: the plan, each baseline and the lower bound, under the same model; then its
+    verdict (`print_spread`: `ddp`, the DDP variants' predicted steps, for a plan not weighed against the noise)."""
     from planner.contracts.plan import Plan
 
     assert isinstance(plan, Plan)
-    ref = plan.baselines.get("ddp-25mb", plan.predicted).iteration_s
+    reference = plan.ddp_row if plan.ddp_row in plan.baselines else "plan"
+    ref = plan.baselines.get(reference, plan.predicted).iteration_s
     lb = plan.lower_bound_s
     tag = plan.strategy.value
     if plan.strategy is Strategy.TOPK:
@@ -39,7 +41,7 @@ def print_plan(plan: object, title: str | None = None) -> None:
     spread = plan.intervals.rows if plan.intervals is not None else None
     interval_col = f"{plan.intervals.level:.0%} interval ms" if plan.intervals is not None else None
     for col in ("grouping", "groups", "iteration ms", *([interval_col] if interval_col else []), "exposed comm ms",
-                "vs ddp-25mb", "gap to bound"):
+                f"vs {reference}", "gap to bound"):
         table.add_column(col, justify="left" if col == "grouping" else "right")
     rows = [("plan", f"plan ({plan.solver})", plan.predicted),
             *((name, name, p) for name, p in plan.baselines.items())]
@@ -53,7 +55,7 @@ def print_plan(plan: object, title: str | None = None) -> None:
     table.add_row("lower bound", "", _ms(lb), *([""] if spread is not None else []), "",
                   f"{ref / lb:.2f}x" if lb > 0 else "-", "")
     console.print(table)
-    print_spread(plan)
+    print_spread(plan, ddp)
     console.print(
         f"solver {plan.solver} took {plan.solve_seconds * 1e3:.1f} ms; "
         f"profile {plan.source_profile or '?'} measured {plan.profiled}"
@@ -81,41 +83,77 @@ def _with_interval(seconds: float, pair: tuple[float, float] | None) -> str:
     return f"{_ms(seconds)} ms" + ("" if pair is None else f" [{_ms(pair[0])}, {_ms(pair[1])}]")
 
 
-def print_spread(plan: object) -> None:
-    """Where the plan's intervals come from, and its verdict against DDP in one line (or why there is none)."""
-    from planner.contracts.plan import Plan
+#: Why a verdict without intervals did not weigh the noise (a plan whose profile kept no samples).
+NO_SAMPLES = ("the profile it was solved from keeps no repeated samples (one made before they were kept: profile "
+              "again) or describes a what-if cluster")
+
+
+def verdict_line(keep: str, mine: str, other: str, gain: tuple[float, float, float] | float, *,
+                 unweighed: str | None = None) -> str:
+    """The one verdict line every plan's table ends with: what to keep, the plan's step against the alternative
+    it gains least on (`other`: its row name and step), and the gain, 1 - plan / other (> 0: the plan is faster).
+    `gain` is (median, low, high) where it was weighed against the noise: the plan is kept where low > 0, the
+    alternative `keep` otherwise. A number alone is a prediction whose noise is not known (`unweighed` says why):
+    the plan is kept where it is predicted faster."""
+    if isinstance(gain, tuple):
+        median, low, high = gain
+        if low > 0:
+            return (f"verdict: keep the plan: the plan's {mine} against {other}: {median:.1%} faster "
+                    f"[{low:.1%}, {high:.1%}], beyond the noise")
+        if high < 0:
+            return (f"verdict: keep {keep}: the plan's {mine} is slower than {other}, by {-median:.1%} "
+                    f"[{-high:.1%}, {-low:.1%}], beyond the noise")
+        faster = (f"{median:.1%} faster [{low:.1%}, {high:.1%}]" if median >= 0
+                  else f"{-median:.1%} slower [{-high:.1%}, {-low:.1%}]")
+        return f"verdict: keep {keep}: the plan's {mine} against {other}: {faster}, within the noise"
+    why = f"; its noise not weighed: {unweighed}" if unweighed else ""
+    if gain > 0:
+        return f"verdict: keep the plan: the plan's {mine} against {other}: {gain:.1%} faster, as predicted{why}"
+    if gain == 0:
+        return f"verdict: keep {keep}: the plan's {mine} is no faster than {other}, as predicted{why}"
+    return f"verdict: keep {keep}: the plan's {mine} is slower than {other}, by {-gain:.1%}, as predicted{why}"
+
+
+def plan_ddp_rows(plan: object) -> dict[str, float]:
+    """The DDP variants among a plan's own rows ("ddp", "ddp+C"), predicted steps by name: what a plan without a
+    verdict is compared with where no profile is at hand (`planner show`)."""
+    from planner.contracts.plan import DDP_ROW, Plan
+
+    assert isinstance(plan, Plan)
+    return {name: p.iteration_s for name, p in plan.baselines.items() if name == DDP_ROW or name.startswith("ddp+")}
+
+
+def print_spread(plan: object, ddp: dict[str, float] | None = None) -> None:
+    """Where the plan's intervals come from, and its verdict against DDP in one line: weighed against the noise
+    where the plan has intervals, else as predicted against `ddp` (each DDP variant's predicted step; default the
+    plan's own DDP rows)."""
+    from planner.contracts.plan import DDP_ROW, Plan
     from planner.strategies.intervals import ddp_label
 
     assert isinstance(plan, Plan)
     if plan.kfac is not None or plan.abs is not None:
         return
-    if plan.intervals is None:
-        console.print("no intervals: the profile it was solved from keeps no repeated samples (made before they "
-                      "were kept: profile again), or describes a what-if cluster; the noise of its predictions is not "
-                      "known and the plan was not weighed against DDP beyond it")
+    if plan.intervals is None or plan.verdict is None:
+        variants = ddp if ddp else plan_ddp_rows(plan)
+        if not variants:
+            console.print(f"no intervals: {NO_SAMPLES}; the plan was not weighed against DDP")
+        else:
+            against = min(variants, key=lambda name: (variants[name], name != DDP_ROW))
+            step = plan.predicted.iteration_s
+            gain = 1 - step / variants[against]
+            console.print(verdict_line(ddp_label(against), f"{_ms(step)} ms", f"{against} {_ms(variants[against])} ms",
+                                       gain, unweighed=NO_SAMPLES), style="bold", soft_wrap=True)
         return
     spread = plan.intervals
     console.print(f"intervals: the central {spread.level:.0%} of the predictions over {spread.draws} profiles "
                   f"resampled from the samples of its {', '.join(spread.sources)}")
     verdict = plan.verdict
-    if verdict is None:
-        return
     step, low, high = verdict.variants[verdict.against]
-    against = _with_interval(step, (low, high))
+    other = f"{verdict.against} {_with_interval(step, (low, high))}"
     mine = _with_interval(plan.predicted.iteration_s, spread.rows.get("plan"))
-    median, low, high = verdict.gain
-    other = f"{ddp_label(verdict.against)} {against}"
-    if verdict.keep == "plan":
-        line = f"verdict: keep the plan: {mine} against {other}: {median:.1%} faster [{low:.1%}, {high:.1%}], beyond " \
-               "the noise"
-    elif high < 0:
-        line = (f"verdict: keep {ddp_label(verdict.keep)}: the plan's {mine} is slower than {other}, by {-median:.1%} "
-                f"[{-high:.1%}, {-low:.1%}]")
-    else:
-        line = (f"verdict: keep {ddp_label(verdict.keep)}: the plan's {mine} against {other}: {median:.1%} faster "
-                f"[{low:.1%}, {high:.1%}], within the noise")
-    if verdict.keep not in ("plan", "ddp"):
-        line += f" ({ddp_label(verdict.keep)} is faster than plain DDP beyond the noise)"
+    line = verdict_line(ddp_label(verdict.keep), mine, other, verdict.gain)
+    if verdict.keep not in ("plan", DDP_ROW):
+        line += f" ({verdict.keep} is faster than plain DDP beyond the noise)"
     lossy = sorted({str(plan.compressor_of(g)) for g in plan.groups if plan.compressor_of(g).lossy})
     if lossy and verdict.keep == "plan":
         line += (f"; it sends {', '.join(lossy)}, which changes the gradients: what that costs in samples to reach "
@@ -162,6 +200,31 @@ def print_abs(plan: object) -> None:
         console.print(f"note: ABS-SGD's rounds hold {rounds:,.0f} samples, more than {ON_TARGET:g}x the global batch "
                       f"{a.global_batch}: the exchange takes longer than the workers need for {a.global_batch} "
                       "samples, so the rounds grow to hide it (a larger --global-batch matches them)")
+    print_abs_verdict(plan)
+
+
+def print_abs_verdict(plan: object) -> None:
+    """ABS-SGD against synchronous SGD, in the one verdict line every plan's table ends with: by samples per second
+    counting at most the global batch of each round (what the plan maximises, `progress_per_s`), as predicted (an
+    ABS-SGD plan has no intervals). Synchronous SGD with the batch split equally is DDP; the other split is kept
+    only where it is faster."""
+    from planner.contracts.plan import Plan
+    from planner.strategies.abs import progress_per_s
+
+    assert isinstance(plan, Plan) and plan.abs is not None
+    a = plan.abs
+    if "abs-sgd" not in a.predicted:
+        return
+    rates = {name: progress_per_s(p, a.global_batch) for name, p in a.predicted.items()}
+    mine = rates.pop("abs-sgd")
+    if not rates:
+        return
+    order = list(rates)  # sync-equal (DDP) first: the simpler on a tie
+    against = max(rates, key=lambda name: (rates[name], -order.index(name)))
+    keep = "DDP" if against == "sync-equal" else f"synchronous SGD ({against})"
+    console.print(verdict_line(keep, f"{mine:,.0f} samples/s", f"{against} {rates[against]:,.0f} samples/s",
+                               1 - rates[against] / mine, unweighed="ABS-SGD plans carry no intervals"),
+                  style="bold", soft_wrap=True)
 
 
 def print_kfac(plan: object) -> None:
@@ -196,19 +259,7 @@ def print_kfac(plan: object) -> None:
     table.add_row("lower bound", "", _ms(lb), *(("",) if spread else ()), "", "", "", "",
                   f"{ref / lb:.2f}x" if lb > 0 else "-", "")
     console.print(table)
-    if k.verdict is not None and spread is not None:
-        v = k.verdict
-        mine = _with_interval(k.predicted.step_s, spread.get("plan"))
-        other = _with_interval(baselines[v.against].step_s, spread.get(v.against))
-        median, low, high = v.gain
-        if v.keep == "plan":
-            line = (f"verdict: keep the plan's layout: {mine} against {v.against} {other}: {median:.1%} faster "
-                    f"[{low:.1%}, {high:.1%}], beyond the noise")
-        else:
-            line = (f"verdict: keep the {v.keep} layout: the plan's {mine} against {v.against} {other}: "
-                    f"{median:.1%} faster [{low:.1%}, {high:.1%}], not beyond the noise (the simplest reference "
-                    "layout no other beats beyond it)")
-        console.print(line, style="bold", soft_wrap=True)
+    print_kfac_verdict(plan)
     owners = list(k.owners.values())
     everywhere = sum(o is None for o in owners)
     placed = sum(r is not None for r in k.preconditioners.values())
@@ -223,6 +274,38 @@ def print_kfac(plan: object) -> None:
            "profile to show how far K-FAC's kernels moved since." if LOCAL_KFAC in baselines else ".")
     )
     print_left_out(len(k.layers), k.left_out, k.skip)
+
+
+def print_kfac_verdict(plan: object) -> None:
+    """A K-FAC plan's verdict against the reference layouts (`planner.strategies.intervals.KFAC_REFERENCES`), in the
+    one line every plan's table ends with: weighed against the noise where the section has intervals, else as
+    predicted (the reference kept is the fastest, the simplest on a tie)."""
+    from planner.contracts.plan import Plan
+    from planner.strategies.intervals import KFAC_REFERENCES
+
+    assert isinstance(plan, Plan) and plan.kfac is not None and plan.kfac.predicted is not None
+    k = plan.kfac
+    assert k.predicted is not None
+    baselines = k.baselines or {}
+    spread = k.intervals
+    if k.verdict is not None and spread is not None:
+        v = k.verdict
+        mine = _with_interval(k.predicted.step_s, spread.get("plan"))
+        other = f"{v.against} {_with_interval(baselines[v.against].step_s, spread.get(v.against))}"
+        line = verdict_line(f"the {v.keep} layout", mine, other, v.gain)
+        if v.keep != "plan":
+            line += " (the simplest reference layout no other beats beyond it)"
+        console.print(line, style="bold", soft_wrap=True)
+        return
+    references = [name for name in KFAC_REFERENCES if name in baselines]
+    if not references:
+        return
+    fastest = min(references, key=lambda name: (baselines[name].step_s, references.index(name)))
+    step = k.predicted.step_s
+    gain = 1 - step / baselines[fastest].step_s
+    console.print(verdict_line(f"the {fastest} layout", f"{_ms(step)} ms", f"{fastest} "
+                               f"{_ms(baselines[fastest].step_s)} ms", gain, unweighed=NO_SAMPLES),
+                  style="bold", soft_wrap=True)
 
 
 def print_left_out(preconditioned: int, left_out: tuple[tuple[str, str], ...] | None, skip: str | None) -> None:
@@ -312,9 +395,10 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
 PARTS_TOLERANCE = 0.10
 
 
-def print_profile(profile: object) -> None:
+def print_profile(profile: object, details: bool = False) -> None:
+    """What a profile measured, in a few lines (`profile_summary`); with `details`, everything: each calibration,
+    the collectives' fits, memory, throughput, hosts and K-FAC's tables. Warnings (on stderr) either way."""
     from planner.contracts.profile import Profile
-    from planner.costmodel.measured import MAX_FIT_ERROR
 
     assert isinstance(profile, Profile)
     console.print(profile.model.describe(), style="bold")
@@ -322,38 +406,96 @@ def print_profile(profile: object) -> None:
         err_console.print("note: a quick profile (--quick): fewer repeats and sweeps, so its numbers are noisier and "
                           "the intervals of plans made from it wider; profile without --quick for the plan you keep",
                           markup=False, soft_wrap=True)
-    console.print(
-        f"{profile.cluster.describe()}, batch {profile.batch_size}/worker, "
-        f"torch {profile.torch_version}, measured {profile.created}\n"
-        f"forward {_ms(profile.forward_s)} ms, backward {_ms(profile.backward_s)} ms, "
-        f"update {_ms(profile.update_s)} ms, {len(profile.layers)} layers"
-    )
+    for line in profile_summary(profile):
+        console.print(line, markup=False, soft_wrap=True)
+    parts = _parts_line(profile)
+    if parts is not None and parts[1]:
+        err_console.print(parts[0], markup=False, soft_wrap=True)
+    if details:
+        if parts is not None and not parts[1]:
+            console.print(parts[0], markup=False, soft_wrap=True)
+        _print_profile_details(profile)
+
+
+def profile_summary(profile: object) -> list[str]:
+    """The lines `planner profile` prints: where it measured, the step with its interval, compute against
+    communication (one allreduce of every gradient), sigma and kappa, and the in-situ calibrations not used."""
+    from planner.contracts.profile import Profile
+    from planner.types import Collective
+
+    assert isinstance(profile, Profile)
+    link = "" if profile.cluster.link else ", no emulated link"
+    lines = [f"measured on {profile.cluster.describe()}{link}, batch {profile.batch_size}/worker, torch "
+             f"{profile.torch_version}, {profile.created}"]
+    step = profile.step_s or profile.parts_s
+    spread = ""
+    if profile.steps is not None:
+        from planner.costmodel.spread import LEVEL, statistic_interval
+
+        low, high = statistic_interval(profile.steps.whole_s)
+        spread = f" [{LEVEL:.0%} interval {_ms(low)}-{_ms(high)} over {profile.steps.count} steps]"
+    lines.append(f"step {_ms(step)} ms{spread} on each worker, nothing sent: forward {_ms(profile.forward_s)}, "
+                 f"backward {_ms(profile.backward_s)}, update {_ms(profile.update_s)} ms; {len(profile.layers)} "
+                 "layers")
+    allreduce = profile.collectives.get(Collective.ALLREDUCE)
+    if allreduce is not None and step > 0:
+        size = profile.model.numel * 4  # fp32 gradients
+        comm = allreduce.model(size)
+        lines.append(f"communication: one allreduce of all {size / 2**20:,.1f} MiB of gradients takes {_ms(comm)} ms; "
+                     f"{step / (step + comm):.0%} compute, {comm / (step + comm):.0%} communication where nothing "
+                     "overlaps")
+    slow = [f"{name} ({what}) " + ", ".join(f"{value:.2f}{_slowdown_interval(profile, coll, name)} {coll.value}"
+                                            for coll, value in measured.items())
+            for name, what, measured in (("sigma", "backward with a collective in flight", profile.interference),
+                                         ("kappa", "collectives while computing", profile.comm_stretch))
+            if measured]
+    if slow:
+        lines.append(f"interference (each runs 1 + x times slower): {'; '.join(slow)}")
+    if profile.in_situ is not None:
+        named = [(what, c) for what, c in profile.in_situ.named() if c.use.used or c.modelled_s > 0]
+        unused = [f"{what} ({c.use.measured:.2f}x)" for what, c in named if not c.use.used]
+        if unused:
+            lines.append(f"in-situ calibration: {len(named) - len(unused)} of {len(named)} used; not used (their "
+                         f"micro-benchmarks stand in): {', '.join(unused)}")
+        elif named:
+            lines.append(f"in-situ calibration: all {len(named)} used")
+    if profile.kfac is not None:
+        lines.append(f"K-FAC: factors, preconditioning and inversion measured for {len(profile.kfac.layers)} layers")
+    return lines
+
+
+def _parts_line(profile: object) -> tuple[str, bool] | None:
+    """How the per-layer times compare with the whole steps, and whether that is a warning (None: not timed)."""
+    from planner.contracts.profile import Profile
+
+    assert isinstance(profile, Profile)
     if profile.parts_scale is not None:
         assert profile.step_s is not None
-        spread = ""
-        if profile.steps is not None:
-            from planner.costmodel.spread import LEVEL, statistic_interval
-
-            low, high = statistic_interval(profile.steps.whole_s)
-            spread = f" [{LEVEL:.0%} interval {_ms(low)}-{_ms(high)} over {profile.steps.count} steps]"
-        line = (f"whole local steps {_ms(profile.step_s)} ms{spread}, timed between the hooked ones; the per-layer "
+        line = (f"whole local steps {_ms(profile.step_s)} ms, timed between the hooked ones; the per-layer "
                 f"times summed to {_ms(profile.parts_s / profile.parts_scale)} ms and are scaled by "
                 f"{profile.parts_scale:.3f} to match")
         if abs(profile.parts_scale - 1) > PARTS_TOLERANCE:
-            err_console.print(f"warning: {line}: the timing hooks or the machine's noise moved the parts by more "
-                              f"than {PARTS_TOLERANCE:.0%}; how the step splits into layers is that uncertain. "
-                              "Profile again with more --repeats and --warmup", markup=False)
-        else:
-            console.print(line)
-    elif profile.parts_error is not None:
+            return (f"warning: {line}: the timing hooks or the machine's noise moved the parts by more than "
+                    f"{PARTS_TOLERANCE:.0%}; how the step splits into layers is that uncertain. Profile again with "
+                    "more --repeats and --warmup"), True
+        return line, False
+    if profile.parts_error is not None:
         assert profile.step_s is not None
         line = (f"whole local steps {_ms(profile.step_s)} ms; sum of the parts (forward + per-layer backward + "
                 f"update) {_ms(profile.parts_s)} ms, off by {profile.parts_error:.1%}")
         if profile.parts_error > PARTS_TOLERANCE:
-            err_console.print(f"warning: {line}: predictions from this profile will be off as much; profile "
-                              "again on a quieter machine, or with more --repeats and --warmup", markup=False)
-        else:
-            console.print(line)
+            return (f"warning: {line}: predictions from this profile will be off as much; profile again on a "
+                    "quieter machine, or with more --repeats and --warmup"), True
+        return line, False
+    return None
+
+
+def _print_profile_details(profile: object) -> None:
+    """Everything a profile measured beyond its summary (`planner profile --verbose`, `planner show --details`)."""
+    from planner.contracts.profile import Profile
+    from planner.costmodel.measured import MAX_FIT_ERROR
+
+    assert isinstance(profile, Profile)
     if profile.peak_memory:
         phases = ", ".join(f"{name} {gib(b)}" for name, b in profile.peak_memory.items())
         console.print(f"peak memory of the busiest worker, per phase of the profile: {phases}", soft_wrap=True)
@@ -397,8 +539,8 @@ def print_profile(profile: object) -> None:
             if not c.use.used and c.modelled_s > 0:
                 pairs = f" over {len(c.samples_s)} samples" if c.samples_s else ""
                 again = ", measured twice" if c.attempts > 1 else ""
-                err_console.print(f"note: {what} in real steps was not used ({c.use.describe()}{pairs}{again}: "
-                                  f"{c.use.why}); its micro-benchmark stands in for it", markup=False, soft_wrap=True)
+                console.print(f"{what} in real steps was not used ({c.use.describe()}{pairs}{again}: {c.use.why}); "
+                              "its micro-benchmark stands in for it", markup=False, soft_wrap=True)
     table = Table(title="collectives: alpha + beta * bytes, fitted (used where it holds at every point) "
                         "or interpolated")
     for col in ("collective", "alpha us", "bandwidth GB/s", "median fit error", "worst", "model used", "points"):

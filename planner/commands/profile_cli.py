@@ -67,6 +67,9 @@ class ProfileCommand(Command):
         _add_hosts(parser)
         _add_slowdown(parser)
         parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
+        parser.add_argument("-v", "--verbose", dest="details", action="store_true",
+                            help="print everything measured (each calibration, the collectives' fits, memory, "
+                                 "throughput), not only the summary; later: planner show PROFILE --details")
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.commands.profile import (
@@ -108,7 +111,7 @@ class ProfileCommand(Command):
         )
         profile = run_profile(config)
         profile.save(args.output)
-        print_profile(profile)
+        print_profile(profile, details=args.details)
         skipped = skipped_topk_densities(base, profile) if base is not None else []
         if config.only_comm and skipped:
             err_console.print(
@@ -120,7 +123,10 @@ class ProfileCommand(Command):
         if config.only_comm and profile.interference:
             err_console.print("note: --only comm kept the interference (both ways) measured with the old network; "
                               "profile again without --only to measure it on this one", markup=False)
-        console.print(f"wrote profile {args.output}")
+        console.print(f"wrote profile {args.output}"
+                      + ("" if args.details else f" (all it measured: planner show {args.output} --details)"),
+                      markup=False, soft_wrap=True)
+        console.print(f"next: planner solve {args.output} -o plan.json", markup=False, soft_wrap=True)
         return 0
 
 

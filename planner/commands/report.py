@@ -103,7 +103,7 @@ _KIND_NAMES: dict[str, str] = {
 #: Colours of scaling series other than "plan", by name, so that a baseline keeps its colour everywhere.
 _SERIES_COLORS = ["#ff7f0e", "#2ca02c", "#9467bd", "#e377c2", "#8c564b", "#17becf", "#bcbd22", "#1f77b4",
                   "#7f7f7f", "#c49c94", "#dbdb8d"]
-_KNOWN_SERIES = ["ddp-25mb", "horovod", "fixed-64mb", "wfbp", "single", "mg-wfbp", "mgs-greedy", "kfac-pytorch",
+_KNOWN_SERIES = ["ddp", "horovod", "fixed-64mb", "wfbp", "single", "mg-wfbp", "mgs-greedy", "kfac-pytorch",
                  "everywhere", "sgd"]
 
 #: The placement panel shows at most this many worker lanes (the busiest ones).
@@ -501,8 +501,9 @@ def gantt_figure(plan: Plan, profile: Profile, path: Path) -> Path:
 def _series_color(name: str, index: int) -> str:
     if name == "plan":
         return COLORS["plan"]
-    if name in _KNOWN_SERIES:
-        return _SERIES_COLORS[_KNOWN_SERIES.index(name) % len(_SERIES_COLORS)]
+    known = "ddp" if name.startswith("ddp+") else name  # DDP's row, whichever hook it runs
+    if known in _KNOWN_SERIES:
+        return _SERIES_COLORS[_KNOWN_SERIES.index(known) % len(_SERIES_COLORS)]
     return _SERIES_COLORS[(len(_KNOWN_SERIES) + index) % len(_SERIES_COLORS)]
 
 
@@ -730,7 +731,8 @@ def _comparison(plan: Plan) -> str:
                    f"{k.inv_update_steps}); 'sgd' is the same step without K-FAC.</p>")
         return caption + _table(["layout", "buffers", "avg step ms", "factor step ms", "inversion ms",
                                  "vs kfac-pytorch", "gap to bound"], rows)
-    ref = plan.baselines.get("ddp-25mb", plan.predicted).iteration_s
+    reference = plan.ddp_row if plan.ddp_row in plan.baselines else "plan"
+    ref = plan.baselines.get(reference, plan.predicted).iteration_s
     lb = plan.lower_bound_s
     rows = []
     for name, p in [(f"plan ({plan.solver})", plan.predicted), *plan.baselines.items()]:
@@ -739,7 +741,7 @@ def _comparison(plan: Plan) -> str:
                       gap], name.startswith("plan")))
     rows.append((["lower bound", "", _ms(lb), "", f"{ref / lb:.2f}x" if lb > 0 else "-", ""], False))
     return "<p>Predicted iteration time.</p>" + _table(
-        ["grouping", "groups", "iteration ms", "exposed comm ms", "vs ddp-25mb", "gap to bound"], rows
+        ["grouping", "groups", "iteration ms", "exposed comm ms", f"vs {reference}", "gap to bound"], rows
     )
 
 

@@ -1,4 +1,5 @@
-"""`planner show`: a plan's comparison table (and its groups), or a profile's summary."""
+"""`planner show`: a plan's comparison table (and its groups), or a profile's summary (and with --details, all it
+measured)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ class ShowCommand(Command):
     def configure(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("file", type=Path, help="a plan or profile file")
         parser.add_argument("--groups", action="store_true", help="also list a plan's groups")
+        parser.add_argument("--details", action="store_true",
+                            help="a profile: everything it measured (each calibration, the collectives' fits, memory, "
+                                 "throughput, hosts, K-FAC), not only its summary")
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.contracts.jsonio import read_json
@@ -27,6 +31,11 @@ class ShowCommand(Command):
         from planner.contracts.profile import PROFILE_KIND, Profile
 
         kind = read_json(args.file, "plan or profile").get("kind")
+        if kind == PLAN_KIND and args.details:
+            raise PlannerError("--details applies to a profile; a plan's table is all of it (--groups lists its "
+                               "groups)")
+        if kind == PROFILE_KIND and args.groups:
+            raise PlannerError("--groups applies to a plan; a profile shows everything with --details")
         if kind == PLAN_KIND:
             plan = Plan.load(args.file)
             print_plan(plan)
@@ -41,7 +50,7 @@ class ShowCommand(Command):
                 if plan.kfac is not None:
                     print_kfac_layout(plan)
         elif kind == PROFILE_KIND:
-            print_profile(Profile.load(args.file))
+            print_profile(Profile.load(args.file), details=args.details)
         else:
             raise PlannerError(f"{args.file} is neither a plan nor a profile (kind {kind!r})")
         return 0

@@ -69,8 +69,10 @@ class SimulateCommand(Command):
 
 def print_scaling(rows: list, strategy: str, title: str) -> None:
     """One row per world size: the plan, the baselines, the lower bound, and the plan's speedup."""
-    reference = "kfac-pytorch" if strategy == KFAC else "ddp-25mb"
     names = list(KFAC_SCALING_COLUMNS) if strategy == KFAC else list(rows[0].baselines)
+    # DDP's row: "ddp", or for top-k plans DDP with the top-k hook ("ddp+topk:D").
+    reference = "kfac-pytorch" if strategy == KFAC else next((n for n in names if n == "ddp" or n.startswith("ddp+")),
+                                                             "ddp")
     table = Table(title=title)
     for col in ("world size", "nodes x GPUs", "plan", *names, "lower bound", f"plan vs {reference}"):
         table.add_column(col, justify="right")

@@ -170,7 +170,16 @@ class SolveCommand(Command):
             plan = (with_kfac_intervals(plan, profile) if is_kfac
                     else with_intervals(plan, profile, time_limit_s=args.time_limit or 1.0))
         plan.save(args.output)
-        print_plan(plan)
+        ddp = None
+        if is_auto:
+            from planner.strategies.auto import ddp_predictions
+
+            ddp = ddp_predictions(choice.candidates)
+        elif plan.intervals is None and plan.kfac is None and plan.abs is None:
+            from planner.strategies.intervals import nominal_ddp
+
+            ddp = nominal_ddp(plan, profile)  # the verdict as predicted: the profile's noise is not known
+        print_plan(plan, ddp=ddp)
         if plan.strategy is Strategy.MIXED:
             print_mixed_groups(plan, profile)
         console.print(f"wrote plan {args.output}")

@@ -32,7 +32,7 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
       "predicted": {
         "plan":      {"iteration_s", "compute_s", "exposed_comm_s", "comm_s", "selection_s", "decode_s", "num_groups",
                       "pack_s", "interference_s"},          # the last two optional (0 when absent)
-        "baselines": {"wfbp": {...}, "single": {...}, "ddp-25mb": {...}, ...},
+        "baselines": {"wfbp": {...}, "single": {...}, "ddp": {...}, ...},
         "lower_bound_s": 0.091
       },
       "kfac": null | {...},                          # K-FAC plans only: see planner/contracts/kfac.py
@@ -59,6 +59,11 @@ A K-FAC plan (`planner solve --strategy kfac`) has dense gradient groups and a `
 factor fusion buffers, the owner of every factor's inversion, the update intervals and predictions.
 A document without the `kfac` key reads as a gradient-only plan.
 
+The rows of DDP are named by what DDP sends (`ddp_row`): "ddp" is plain DDP on its own buckets, "ddp+C" DDP with
+C's communication hook (a top-k plan's DDP row is "ddp+topk:D", DDP with the project's top-k hook at its
+density). Plans written before called the row of DDP on its buckets "ddp-25mb" whatever it sent; they read with
+that row (and its interval) renamed.
+
 An ABS-SGD plan (`planner solve --strategy abs`) has dense gradient groups (each round's exchange moves them)
 and an `abs` section with the round trigger, the micro-batch and the predictions of ABS-SGD and of synchronous
 SGD with equal and with speed-proportional batches. A document without the `abs` key has none.
@@ -68,7 +73,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from planner.contracts.abs import ABSSection
@@ -96,8 +101,8 @@ from planner.types import (
     Strategy,
 )
 
-__all__ = ["PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "Group", "Intervals", "Plan", "Verdict", "check_selector",
-           "parse_compressor"]
+__all__ = ["DDP_ROW", "PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "Group", "Intervals", "Plan", "Verdict",
+           "check_selector", "ddp_row", "parse_compressor"]
 
 PLAN_SCHEMA_VERSION = 1
 PLAN_KIND = "planner.plan"
@@ -105,6 +110,20 @@ PLAN_KIND = "planner.plan"
 #: Top-k selectors a plan can name and a profile can time: `planner.kernels.topk.SELECTORS`, repeated here
 #: because reading a document must not import the runtime (and torch).
 SELECTORS = ("exact", "sampled")
+
+#: The row of plain DDP (fp32 allreduce on DDP's own buckets) in a plan's baselines and in its verdict.
+DDP_ROW = "ddp"
+#: What plans written before rows named what they send called DDP's row, whatever it sent.
+_OLD_DDP_ROW = "ddp-25mb"
+
+
+def ddp_row(strategy: Strategy, density: float | None = None) -> str:
+    """The name of the row of DDP on its own buckets in a plan of `strategy`: "ddp" (plain DDP, for dense and mixed
+    plans, which list DDP's hooks as rows of their own) or "ddp+topk:D" (DDP with the top-k hook at a top-k plan's
+    density)."""
+    if strategy is Strategy.TOPK:
+        return f"ddp+{Compressor(CompressorKind.TOPK, density=density)}"
+    return DDP_ROW
 
 
 def check_selector(selector: object, where: str) -> str:
@@ -267,6 +286,18 @@ class Verdict:
         selector = data.get("topk_selector")
         return cls(keep=keep, against=against, gain=expect_gain(data["gain"], f"{where}.gain"), variants=steps,
                    topk_selector=None if selector is None else check_selector(selector, f"{where}.topk_selector"))
+
+
+def _renamed_ddp_row(rows: dict[str, Any], name: str | None) -> dict[str, Any]:
+    """`rows` (baselines or intervals by row name, in order) with a plan written before rows named what they send:
+    its "ddp-25mb" row named `name`, what DDP sent in it (a row of that name already there is kept)."""
+    if _OLD_DDP_ROW not in rows or name is None or name in rows:
+        return rows
+    return {name if key == _OLD_DDP_ROW else key: value for key, value in rows.items()}
+
+
+def _renamed_intervals(intervals: Intervals, name: str | None) -> Intervals:
+    return replace(intervals, rows=_renamed_ddp_row(intervals.rows, name))
 
 
 def _ddp_variant(value: Any, where: str, *, plan_too: bool = False) -> str:
@@ -535,7 +566,11 @@ class Plan:
         predicted = expect(data["predicted"], dict, "plan.predicted")
         check_fields(predicted, "plan.predicted", ["plan", "baselines", "lower_bound_s"],
                      optional=["intervals", "verdict"])
-        baselines = expect(predicted["baselines"], dict, "plan.predicted.baselines")
+        try:
+            renamed: str | None = ddp_row(strategy, density)
+        except CompressorError:
+            renamed = None  # a top-k plan without a valid density: refused below, with the field named
+        baselines = _renamed_ddp_row(expect(predicted["baselines"], dict, "plan.predicted.baselines"), renamed)
         groups = expect(data["groups"], list, "plan.groups")
         compressors = data["compressors"]
         if compressors is not None:
@@ -564,11 +599,17 @@ class Plan:
             abs=None if data["abs"] is None else ABSSection.from_dict(data["abs"]),
             compressors=compressors,
             batch_size=batch_size,
-            intervals=None if predicted.get("intervals") is None else Intervals.from_dict(predicted["intervals"]),
+            intervals=None if predicted.get("intervals") is None else _renamed_intervals(
+                Intervals.from_dict(predicted["intervals"]), renamed),
             verdict=None if predicted.get("verdict") is None else Verdict.from_dict(predicted["verdict"]),
             optimal=optimal,
             gap=gap,
         )
+
+    @property
+    def ddp_row(self) -> str:
+        """The name of the baseline row of DDP on its own buckets (`ddp_row`): what the table compares against."""
+        return ddp_row(self.strategy, self.density)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically."""

@@ -117,9 +117,9 @@ layer, sending nothing) in real steps beside steps without it: `measured_s` is h
 backward pass (pack, select) or the synchronize call (decode) takes, `modelled_s` what the
 micro-benchmarked curves predict for the same groups, and the solvers use the curves times
 `factor` = measured / modelled (1 where the measurement is not used: see "Samples"). `ddp_pack` does the same
-for PyTorch DDP (with a comm hook that sends nothing) on its 25 MB buckets: the "ddp-25mb" rows of plans are
-predicted with DDP's own packing cost (`planner.costmodel.from_profile.gradient_problem(..., runtime="ddp")`), the
-other rows with this runtime's.
+for PyTorch DDP (with a comm hook that sends nothing) on its 25 MB buckets: the rows of plans that DDP runs ("ddp",
+"ddp+C") are predicted with DDP's own packing cost
+(`planner.costmodel.from_profile.gradient_problem(..., runtime="ddp")`), the other rows with this runtime's.
 
 Samples: where a number is a statistic of repeated measurements, the profile keeps them (older profiles do not):
 the steps of the layer phase, each collective point's runs, each in-situ calibration's paired differences (or the

@@ -76,7 +76,8 @@ __all__ = [
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 #: PyTorch DDP's `bucket_cap_mb=25` default, in bytes.
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
-#: Name of the baseline with PyTorch DDP's default buckets.
+#: Name of the grouping rule of PyTorch DDP's default buckets (a plan's row of DDP on them is named by what it sends:
+#: `planner.contracts.plan.ddp_row`).
 DDP_BASELINE = "ddp-25mb"
 #: The fixed 64 MiB buckets once documented as Horovod's fusion threshold (the "fixed-64mb" row).
 FIXED_64MB_BYTES = 64 * 1024 * 1024
@@ -121,7 +122,8 @@ class GroupingSolver(abc.ABC):
     `solve_within(problem, deadline)` any number of times.
 
     Attributes:
-        name: short identifier used in plans and reports ("wfbp", "ddp-25mb", ...).
+        name: short identifier used in plans and reports ("wfbp", "horovod", ...; DDP's buckets, "ddp-25mb", are
+            the row named by what DDP sends: "ddp" or "ddp+topk:D").
         exact: whether the grouping is optimal under the timeline model.
         description: one line for reports.
     """

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from planner.contracts.plan import Plan
+from planner.contracts.plan import DDP_ROW, Plan
 from planner.contracts.profile import Profile
-from planner.solvers import DDP_BASELINE
 from planner.strategies.gradients import make_plan
 from planner.strategies.mixed import make_mixed_plan
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
@@ -40,16 +39,13 @@ class AutoChoice:
 
 
 def ddp_predictions(candidates: dict[str, Plan]) -> dict[str, float]:
-    """What DDP and its hooks are predicted to take, by the candidates' baselines: "ddp" (plain DDP) and "ddp+C".
-    A dense plan's "ddp-25mb" is plain DDP; a top-k plan's is DDP with the top-k hook at its density."""
+    """What DDP and its hooks are predicted to take, by the candidates' baselines: "ddp" (plain DDP) and "ddp+C"
+    (a top-k plan's DDP row is DDP with the top-k hook at its density)."""
     out: dict[str, float] = {}
     for plan in candidates.values():
         for name, prediction in plan.baselines.items():
-            if name == DDP_BASELINE:
-                name = "ddp" if plan.strategy is not Strategy.TOPK else f"ddp+topk:{plan.density:g}"
-            elif not name.startswith("ddp+"):
-                continue
-            out.setdefault(name, prediction.iteration_s)
+            if name == DDP_ROW or name.startswith("ddp+"):
+                out.setdefault(name, prediction.iteration_s)
     return out
 
 
@@ -103,10 +99,9 @@ def _auto_by_prediction(candidates: dict[str, Plan]) -> AutoChoice:
     ddp = ddp_predictions(candidates)
     fastest = min(ddp.items(), key=lambda kv: kv[1]) if ddp else None
     ddp_faster = fastest if fastest is not None and fastest[1] < best.predicted.iteration_s else None
-    if ddp_faster is not None:
+    if ddp_faster is not None:  # the plan's verdict line says to keep it (`planner.commands.printing.print_spread`)
         reason += (f". No plan is predicted faster than {ddp_faster[0]} ({ddp_faster[1] * 1e3:,.2f} ms, "
-                   f"{best.predicted.iteration_s / ddp_faster[1]:.3f}x faster than the plan kept): keep "
-                   f"{'plain DDP' if ddp_faster[0] == 'ddp' else 'DDP with that hook'} here")
+                   f"{best.predicted.iteration_s / ddp_faster[1]:.3f}x faster than the plan kept)")
     return AutoChoice(plan=best, candidates=candidates, reason=reason, ddp_faster=ddp_faster)
 
 

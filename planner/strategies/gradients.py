@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from planner.contracts.layers import LayerSpec, groups_for
-from planner.contracts.plan import Plan, check_selector
+from planner.contracts.plan import Plan, check_selector, ddp_row
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import gradient_problem, hierarchical_groups, mixed_problem
 from planner.costmodel.mixed import MixedProblem, simulate_mixed
@@ -154,7 +154,8 @@ def _solve(
     routed_groups = (hierarchical_groups(problem, grouping) if route != "hierarchical"
                      else tuple(True for _ in grouping))
     groups = tuple(replace(g, hierarchical=h) for g, h in zip(groups, routed_groups, strict=True))
-    baselines = {name: simulate(ddp_problem if name == DDP_BASELINE else flat, g) for name, g in rows.items()}
+    baselines = {ddp_row(strategy, density) if name == DDP_BASELINE else name:
+                 simulate(ddp_problem if name == DDP_BASELINE else flat, g) for name, g in rows.items()}
     for name, r in routed.items():
         baselines[name] = simulate(flat if name == ALL_FLAT else hierarchical, r.grouping)
     predicted = simulate(problem, grouping)
@@ -225,7 +226,8 @@ def _solve_topk_routes(profile: Profile, density: float, *, source: str, solver:
     layers = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in profile.layers]
     groups = tuple(replace(g, hierarchical=c == routed_way)
                    for g, c in zip(groups_for(layers, grouping, Strategy.TOPK, density), choice, strict=True))
-    baselines = {name: simulate(ddp_problem if name == DDP_BASELINE else flat, g) for name, g in rows.items()}
+    baselines = {ddp_row(Strategy.TOPK, density) if name == DDP_BASELINE else name:
+                 simulate(ddp_problem if name == DDP_BASELINE else flat, g) for name, g in rows.items()}
     baselines.update({name: simulate_mixed(mixed, s.grouping, s.choice) for name, s in routes.items()})
     predicted = simulate_mixed(mixed, grouping, choice)
     # A bound for every row: over both ways (a plan kept to one way has its own, `found.lower_bound_s`).

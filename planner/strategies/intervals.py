@@ -28,7 +28,7 @@ import numpy as np
 
 from planner.contracts.kfac import KFACSection, LayoutVerdict
 from planner.contracts.layers import plan_grouping
-from planner.contracts.plan import Intervals, Plan, Verdict
+from planner.contracts.plan import DDP_ROW, Intervals, Plan, Verdict
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import gradient_problem, mixed_problem
 from planner.costmodel.mixed import MixedProblem, simulate_mixed
@@ -41,8 +41,8 @@ from planner.solvers.mixed import MixedParetoDP
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
 __all__ = ["KFAC_REFERENCES", "Draws", "Problems", "RowStep", "attach", "ddp_label", "ddp_rows", "evaluate",
-           "hook_selector", "plan_rows", "simplest_unbeaten", "topk_hook_selector", "weigh", "with_intervals",
-           "with_kfac_intervals"]
+           "hook_selector", "nominal_ddp", "plan_rows", "simplest_unbeaten", "topk_hook_selector", "weigh",
+           "with_intervals", "with_kfac_intervals"]
 
 #: Relative difference within which a rebuilt row's step on the profile itself counts as the printed one.
 _SAME = 1e-9
@@ -103,8 +103,16 @@ def evaluate(rows: Mapping[Key, RowStep], draws: Draws) -> dict[Key, np.ndarray]
 
 
 def ddp_label(variant: str) -> str:
-    """How a DDP variant of the verdict reads: "DDP", "DDP + fp16 hook"."""
-    return "DDP" if variant == "ddp" else f"DDP + {variant.removeprefix('ddp+')} hook"
+    """What keeping a DDP variant of the verdict means, in words that name its row: "DDP" (the row "ddp"), "DDP with
+    its fp16 hook (ddp+fp16)"."""
+    return "DDP" if variant == DDP_ROW else f"DDP with its {variant.removeprefix('ddp+')} hook ({variant})"
+
+
+def nominal_ddp(plan: Plan, profile: Profile, compressors: Sequence[Compressor] | None = None) -> dict[str, float]:
+    """Each DDP variant `ddp_rows` weighs the plan against, predicted on `profile` itself (no draws: what a plan is
+    compared with where the profile kept no samples)."""
+    nominal = Problems(profile)
+    return {name: step(nominal) for name, step in ddp_rows(plan, profile, compressors).items()}
 
 
 def weigh(plan: np.ndarray, ddp: dict[str, np.ndarray], nominal: dict[str, float],
@@ -200,7 +208,7 @@ def ddp_rows(plan: Plan, profile: Profile, compressors: Sequence[Compressor] | N
     selector = plan.selector or "exact"
     backend = plan.cluster.backend
     out: dict[str, RowStep] = {}
-    if plan.strategy is Strategy.MIXED:  # predicted as the mixed plan's own "ddp-25mb" row
+    if plan.strategy is Strategy.MIXED:  # predicted as the mixed plan's own "ddp" row
         out["ddp"] = _hook_row(DENSE_COMPRESSOR, selector, backend)
     else:
         ddp = next(b for b in BASELINES[Strategy.DENSE] if b.name == DDP_BASELINE)
@@ -289,9 +297,10 @@ def _baseline_rows(plan: Plan, profile: Profile, time_limit_s: float | None) -> 
     if plan.strategy in (Strategy.DENSE, Strategy.TOPK):
         flat = gradient_problem(profile, plan.strategy, plan.density, selector=selector, route="flat")
         for b in BASELINES[plan.strategy]:
-            if b.name in names:
+            row = plan.ddp_row if b.name == DDP_BASELINE else b.name
+            if row in names:
                 runtime = "ddp" if b.name == DDP_BASELINE else "planner"
-                out[b.name] = _grouping_row(plan.strategy, plan.density, selector, runtime,
+                out[row] = _grouping_row(plan.strategy, plan.density, selector, runtime,
                                             "best" if runtime == "ddp" else "flat", b.solve(flat))
         if plan.strategy is Strategy.DENSE and profile.hosts is not None:
             for name, route in ((ALL_FLAT, "flat"), (ALL_HIERARCHICAL, "hierarchical")):
@@ -308,7 +317,7 @@ def _baseline_rows(plan: Plan, profile: Profile, time_limit_s: float | None) -> 
     share = sub_solve_seconds(time_limit_s, (len(allowed) if plan.strategy is Strategy.MIXED else 0) + 2 * hosts)
     if plan.strategy is Strategy.MIXED:
         for c in dict.fromkeys((DENSE_COMPRESSOR, *allowed)):
-            name = DDP_BASELINE if c.kind is CompressorKind.DENSE else f"ddp+{c}"
+            name = DDP_ROW if c.kind is CompressorKind.DENSE else f"ddp+{c}"
             if name in names:
                 out[name] = _hook_row(c, selector, plan.cluster.backend)
         for c in allowed:

@@ -3,7 +3,7 @@ the user allows (the accuracy budget), beside what users would do instead under 
 
 Baselines (names in the plan's `predicted.baselines`):
 
-- "ddp-25mb": PyTorch DDP, fp32 allreduce on its own buckets, moved at DDP's own measured cost;
+- "ddp": PyTorch DDP, fp32 allreduce on its own buckets, moved at DDP's own measured cost;
 - "ddp+C" for every allowed compressor C but dense: DDP with C's communication hook on its buckets (what
   `fp16_compress_hook`, `powerSGD_hook` and the project's top-k hook do). On gloo DDP's PowerSGD hook
   aborts with a collective mismatch when a step has several buckets (its second round is launched from a
@@ -20,12 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from planner.contracts.layers import LayerSpec
-from planner.contracts.plan import Group, Plan
+from planner.contracts.plan import DDP_ROW, Group, Plan
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed import MixedProblem, simulate_mixed
 from planner.costmodel.problem import Grouping, Prediction, groups_of, topk_count
-from planner.solvers import DDP_BASELINE
 from planner.solvers.deadline import Deadline
 from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
 from planner.strategies.gradients import (
@@ -67,8 +66,8 @@ def parse_compressors(text: str) -> tuple[Compressor, ...]:
 
 
 def ddp_hook_name(compressor: Compressor) -> str:
-    """The baseline name of DDP with `compressor`'s communication hook ("ddp-25mb" for plain DDP)."""
-    return DDP_BASELINE if compressor.kind is CompressorKind.DENSE else f"ddp+{compressor}"
+    """The baseline name of DDP with `compressor`'s communication hook ("ddp" for plain DDP)."""
+    return DDP_ROW if compressor.kind is CompressorKind.DENSE else f"ddp+{compressor}"
 
 
 def ddp_hook_grouping(problem: MixedProblem, compressor: Compressor, backend: str) -> Grouping:
