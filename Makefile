@@ -23,8 +23,15 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q
 
+# mypy finds modules by folder and knows nothing of setuptools' package-dir, so it checks a view of the installed
+# layout (pyproject.toml's [tool.mypy] files): build/typecheck/planner, links to the entries of planner/ and to
+# runtime/ and profilers/ as planner/runtime and planner/profilers. Its messages name the real files.
+TYPECHECK := build/typecheck/planner
+
 lint: venv
-	$(BIN)/ruff check planner profilers runtime tests
+	$(BIN)/ruff check planner profilers runtime compat tests
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)
+	for entry in planner/* runtime profilers; do ln -s "$(CURDIR)/$$entry" $(TYPECHECK)/; done
 	$(BIN)/mypy
 
 # A benchmark's environment: the project and the peers its benches run beside it (kfac-pytorch, whose source is in
