@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: venv demo test lint docs clean bench-env
+.PHONY: venv demo test lint docs view clean bench-env
 
 $(BIN)/planner: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,13 +24,23 @@ test: venv
 	$(BIN)/python -m pytest -q
 
 # The documentation site: the CLI reference regenerated from the parser, then built strict (a warning fails).
-docs: venv
+# mkdocstrings reads the API from the same linked view of the installed layout as mypy (below).
+docs: venv view
 	$(BIN)/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[docs]"
 	$(BIN)/python -m planner.commands.cli_reference > docs/reference/cli.md.tmp && mv docs/reference/cli.md.tmp docs/reference/cli.md
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-lint: venv
-	$(BIN)/ruff check planner profilers runtime tests
+# mypy finds modules by folder and knows nothing of setuptools' package-dir, so it checks a view of the installed
+# layout (pyproject.toml's [tool.mypy] files): build/typecheck/planner, links to the entries of planner/ and to
+# runtime/ and profilers/ as planner/runtime and planner/profilers. Its messages name the real files.
+TYPECHECK := build/typecheck/planner
+
+view:
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)
+	for entry in planner/* runtime profilers; do ln -s "$(CURDIR)/$$entry" $(TYPECHECK)/; done
+
+lint: venv view
+	$(BIN)/ruff check planner profilers runtime compat tests
 	$(BIN)/mypy
 
 # A benchmark's environment: the project and the peers its benches run beside it (kfac-pytorch, whose source is in

@@ -3,11 +3,11 @@
     python benchmarks/collective_statistic.py --nproc 2 --rounds 6
 
 A step's communication is a sum of collectives. In each round, on `--nproc` local gloo workers, it times every
-size of `SIZES` as the profiler does (`profilers.comm.interleaved_visits` order, a barrier before every run, the
+size of `SIZES` as the profiler does (`planner.profilers.comm.interleaved_visits` order, a barrier before every run, the
 slowest rank's seconds), then times `SEQUENCE` (ten allreduces of those sizes, back to back after one barrier)
 20 times, and prints the sequence's median beside the sum of the sizes' medians, of their means and of their
 10%-trimmed means, each with its error against the sequence. The profiler records the mean
-(`profilers.comm._interleaved_means`).
+(`planner.profilers.comm._interleaved_means`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from rich.table import Table
 
 from planner.console import console
 from planner.platform.launch import run_distributed
-from profilers.comm import interleaved_visits
+from planner.profilers.comm import interleaved_visits
 
 SIZES = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 SEQUENCE = [4 << 20, 1 << 20, 256 << 10, 64 << 10, 16 << 10, 4 << 10, 1 << 10, 1 << 20, 4 << 10, 256 << 10]

@@ -25,8 +25,8 @@ from planner.contracts.layers import gradient_layers, groups_for
 from planner.contracts.plan import Plan
 from planner.costmodel.problem import Prediction
 from planner.platform.launch import run_distributed
+from planner.runtime import GradientExchange
 from planner.types import Strategy
-from runtime import GradientExchange
 
 METHODS = ("dense momentum SGD", "top-k + momentum correction", "top-k + optimizer momentum")
 

@@ -10,7 +10,7 @@ collectives' copies share the cores with compute, so kappa is large over loopbac
 the bottleneck).
 
 What the runtime's own work costs the compute stream (packing, selection, decoding in real steps) is
-measured by the runtime itself: `runtime.calibrate`.
+measured by the runtime itself: `planner.runtime.calibrate`.
 """
 
 from __future__ import annotations

@@ -23,8 +23,7 @@ from planner.kernels.hierarchical import HostGroups
 from planner.platform.hosts import count_hosts, host_names, ranks_by_host
 from planner.platform.link import HOSTS_ENV, LinkRate, current_link
 from planner.platform.slowdown import current_slowdowns
-from planner.types import Collective
-from profilers.comm import (
+from planner.profilers.comm import (
     host_topk_sizes,
     log_sizes,
     measure_collectives,
@@ -32,6 +31,7 @@ from profilers.comm import (
     measure_hosts,
     topk_budget,
 )
+from planner.types import Collective
 
 __all__ = ["PROBE_COLLECTIVES", "Probed", "TopkOverlaps", "current_cluster", "device_name", "probe_hosts",
            "probe_network", "probe_worker", "run_probe"]
@@ -79,9 +79,9 @@ class TopkOverlaps:
 def probe_hosts(device: torch.device, *, largest_bytes: int = 4 << 20, repeats: int = 5,
                 overlaps: TopkOverlaps | None = None) -> HostTiming | None:
     """The allreduce at each level of the hosts the default group's ranks run on (inside a host, across hosts,
-    hierarchical; `profilers.comm.measure_hosts`) at the probe's sizes; None on one host, or on hosts of unequal
+    hierarchical; `planner.profilers.comm.measure_hosts`) at the probe's sizes; None on one host, or on hosts of unequal
     size (which no plan crosses hierarchically). With `overlaps` measured on hosts of this size, the hierarchical
-    top-k exchange too, at each of its densities (`profilers.comm.measure_host_topk`), at gradients of 1 Ki
+    top-k exchange too, at each of its densities (`planner.profilers.comm.measure_host_topk`), at gradients of 1 Ki
     elements up to the model's (factor 16) that fit in memory. Every rank of the default group calls it."""
     layout = ranks_by_host(host_names())
     if len(layout) < 2 or len({len(h) for h in layout}) != 1:

@@ -4,10 +4,10 @@ for workers of different speeds."""
 from __future__ import annotations
 
 from planner.kernels.topk import decode, pack, select_topk, unpack
-from runtime.abs import ABSSGD
-from runtime.ddp_hooks import TopkHookState, topk_hook
-from runtime.exchange import GradientExchange
-from runtime.kfac import KFACPreconditioner
+from planner.runtime.abs import ABSSGD
+from planner.runtime.ddp_hooks import TopkHookState, topk_hook
+from planner.runtime.exchange import GradientExchange
+from planner.runtime.kfac import KFACPreconditioner
 
 __all__ = [
     "ABSSGD",
@@ -20,3 +20,10 @@ __all__ = [
     "topk_hook",
     "unpack",
 ]
+
+if __name__ == "runtime":
+    # This folder found as the top-level `runtime` (the repository root on sys.path): the old import path. Its
+    # name becomes the module `planner.runtime` itself, with a DeprecationWarning (see planner/_aliases.py).
+    from planner._aliases import alias_package
+
+    alias_package("runtime", "planner.runtime")

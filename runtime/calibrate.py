@@ -39,10 +39,10 @@ from planner.contracts.profile import (
 from planner.costmodel.costs import CostModel
 from planner.models import Workload
 from planner.platform.timing import gathered, median, slowest, stream_seconds, time_call
+from planner.runtime.ddp_hooks import has_unused_parameters, silent_hook
+from planner.runtime.exchange import GradientExchange, write_scaled
+from planner.runtime.kfac import KFACPreconditioner
 from planner.types import Compressor, CompressorKind, Strategy
-from runtime.ddp_hooks import has_unused_parameters, silent_hook
-from runtime.exchange import GradientExchange, write_scaled
-from runtime.kfac import KFACPreconditioner
 
 __all__ = ["group_of_this_rank", "in_situ_runs", "kfac_steps_points", "measure_in_situ", "measure_kfac_in_situ",
            "measure_kfac_steps_in_situ", "measure_packing", "slowest_rank_extra", "slowest_rank_phases"]

@@ -67,9 +67,9 @@ from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compres
 from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_topk_sum
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk, take_topk
 from planner.platform.hosts import host_names, ranks_by_host
+from planner.runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, ProbeSchedule, crossover_gate, device_idle
+from planner.runtime.retune import resolve_plan
 from planner.types import CompressorKind, DistributedError, PlanMismatchError, Strategy
-from runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, ProbeSchedule, crossover_gate, device_idle
-from runtime.retune import resolve_plan
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -346,7 +346,7 @@ class GradientExchange:
         model_name: name used for the model in error messages; default: the plan's model name.
         auto_retune: when the plan was made for another world size, backend or kind of device, re-plan
             from its stored profile and a quick probe of the group's network (rank 0 solves and
-            broadcasts; see `runtime.retune`) instead of refusing. The plan in use is `self.plan`.
+            broadcasts; see `planner.runtime.retune`) instead of refusing. The plan in use is `self.plan`.
         profile: the per-layer profile to re-plan from (a Profile or a path); default the plan's source.
         momentum: DGC momentum correction, `0 <= momentum < 1`. Each rank keeps a velocity u per group
             and sends the selection from v += u (u = m u + g) instead of v += g; momentum factor masking
@@ -388,14 +388,14 @@ class GradientExchange:
             its velocity still decays that step.)
         crossover: run crossed over with a paired job on the same devices (CrossoverScheduler): a pairing plan
             (`planner pair`; its path, or the loaded `PairingPlan`) naming this job's plan, or a
-            `runtime.crossover.DeviceGate`. The exchange then takes the pair's gate before each training
+            `planner.runtime.crossover.DeviceGate`. The exchange then takes the pair's gate before each training
             forward and gives it back in `synchronize` once only collectives are left, so the partner computes
             while this job communicates. A job the pairing leaves alone runs as before. Default: no gate.
         crossover_job: this job's name in the pairing plan (needed only when several of its jobs run one plan).
         crossover_dir: the directory of the gate files (default: $PLANNER_GATE_DIR, else <tmp>/planner-gates).
         crossover_timeout_s: how long to wait for the partner to hand the device back (GateTimeoutError then).
         crossover_probe: True (default): the pair measures its throughput crossed over and side by side now and
-            then (`runtime.crossover.ProbeSchedule`: 20 s every 10 min, after 10 s) and runs the better, so
+            then (`planner.runtime.crossover.ProbeSchedule`: 20 s every 10 min, after 10 s) and runs the better, so
             crossing over never costs much where the device time-shares well or the collectives need it (gloo
             on CPU cores); a `ProbeSchedule` to set when; False: always crossed over.
         hosts: the ranks (of the process group) on each host, for the plan's hierarchical groups; default: read

@@ -66,9 +66,9 @@ from planner.kernels.kfac import (
     precondition_inverse,
     symmetric_from_triangle,
 )
+from planner.runtime.exchange import GradientExchange
+from planner.runtime.retune import resolve_plan
 from planner.types import ROOT_NAME, DistributedError, FactorKind, InverseMethod, PlanMismatchError
-from runtime.exchange import GradientExchange
-from runtime.retune import resolve_plan
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -254,7 +254,7 @@ class KFACPreconditioner:
         kfac: an explicit K-FAC section (e.g. a baseline layout), used instead of the plan's.
         auto_retune: when the plan was made for another world size, backend or kind of device, re-plan
             from its stored profile and a quick network probe (rank 0 solves and broadcasts; see
-            `runtime.retune`), keeping its method and intervals. The plan in use is `self.plan`.
+            `planner.runtime.retune`), keeping its method and intervals. The plan in use is `self.plan`.
         profile: the per-layer profile to re-plan from (a Profile or a path); default the plan's source.
 
     Raises:

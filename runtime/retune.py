@@ -2,7 +2,7 @@
 
 A plan is made for one model, world size, backend and kind of device. Under elastic `torchrun` the world
 size changes between restarts; a plan from another cluster may be handed to this one. With
-`auto_retune=True` every rank probes the network of its process group (`profilers.probe`), rank 0
+`auto_retune=True` every rank probes the network of its process group (`planner.profilers.probe`), rank 0
 re-solves from the plan's stored per-layer profile (`planner.strategies.retune.retune_plan`) and broadcasts the
 new plan as JSON (`planner.platform.launch.broadcast_json`: data, never a pickle), so every rank runs the same
 plan. If rank 0 cannot re-plan (no profile, say), it broadcasts the reason and every rank raises the
@@ -67,7 +67,7 @@ def resolve_plan(
             another cluster and `auto_retune` is False, or rank 0 could not re-plan.
     """
     from planner.platform.hosts import count_hosts
-    from profilers.probe import current_cluster
+    from planner.profilers.probe import current_cluster
 
     info = model_info(model, model_name or type(model).__name__)
     inner = getattr(model, "module", None)
@@ -93,8 +93,8 @@ def resolve_plan(
     if not distributed:
         return _retune(plan, profile, cluster, None, time_limit_s)
 
+    from planner.profilers.probe import TopkOverlaps, probe_hosts, probe_network
     from planner.strategies.retune import load_source_profile
-    from profilers.probe import TopkOverlaps, probe_hosts, probe_network
 
     curves = probe_network(device, process_group=process_group) if probe else None
     # Each host level too, so groups may cross hosts hierarchically (measured on the default group only); the

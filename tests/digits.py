@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from planner.runtime import KFACPreconditioner
 from planner.types import InverseMethod
-from runtime import KFACPreconditioner
 
 #: The hyperparameters a kfac-pytorch user brings (its defaults, and SGD as its examples run it).
 KFAC_PYTORCH_HYPERPARAMETERS = {"lr": 0.01, "momentum": 0.9, "damping": 1e-3, "factor_decay": 0.95, "kl_clip": 1e-3}

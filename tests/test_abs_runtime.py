@@ -1,4 +1,4 @@
-"""runtime.ABSSGD on 2 gloo workers against single-process references of the same one-round-delayed,
+"""planner.runtime.ABSSGD on 2 gloo workers against single-process references of the same one-round-delayed,
 sample-weighted updates: equal counts, unequal counts (3 micro-batches against 1), every sample applied once,
 resuming from state_dict, convergence with one worker twice as slow, and bad input."""
 
@@ -17,8 +17,8 @@ from torch import Tensor, nn
 
 from planner.contracts.layers import gradient_layers, groups_for
 from planner.platform.launch import run_distributed
+from planner.runtime import ABSSGD
 from planner.types import PlanMismatchError, Strategy
-from runtime import ABSSGD
 from tests.factories import abs_section, plan_with_groups
 
 WORLD_SIZE = 2

@@ -112,7 +112,7 @@ def test_report_reads_bench_results_with_the_loaders_guards(tmp_path: Path,
 
 def test_the_runtime_loads_plans_with_the_guards_of_the_cli(tmp_path: Path) -> None:
     from planner.models import build_workload
-    from runtime.exchange import GradientExchange
+    from planner.runtime.exchange import GradientExchange
 
     text = json.dumps(synthetic_plan("mlp").to_dict())
     assert '"num_groups": 3' in text
@@ -268,8 +268,8 @@ def test_sparse_gradients_are_refused_naming_the_parameter_and_the_fix(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The profile died with "Cannot access data pointer of Tensor that doesn't have storage", and a plan of the
     dense twin (same fingerprint) was accepted by the runtime, which then crashed."""
+    from planner.runtime.exchange import GradientExchange
     from planner.types import PlannerError
-    from runtime.exchange import GradientExchange
 
     out = tmp_path / "prof.json"
     message = "parameter 'embed.weight' gets sparse gradients (Embedding(..., sparse=True))"
@@ -298,8 +298,8 @@ def shared_layer() -> Workload:
 def test_a_layer_called_twice_per_step_is_refused_at_profile_time_naming_kfac_skip() -> None:
     """It passed `profile --kfac` (the profiler kept the first call) and `solve`, and the runtime refused it."""
     from planner.models import build_workload
+    from planner.profilers.kfac import measure_kfac_layers
     from planner.types import InvalidProfileError
-    from profilers.kfac import measure_kfac_layers
 
     workload = build_workload("tests.test_bad_inputs:shared_layer")
     with pytest.raises(InvalidProfileError, match=r"\['shared'\] run 2 times .* --kfac-skip '\^shared\$'"):

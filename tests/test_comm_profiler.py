@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from planner.kernels.hierarchical import HostGroups
 from planner.platform.launch import run_distributed
+from planner.profilers.comm import collective_runs, host_runs, interleaved_visits, measure_collectives, measure_hosts
 from planner.types import Collective
-from profilers.comm import collective_runs, host_runs, interleaved_visits, measure_collectives, measure_hosts
 
 SIZES = [1 << 10, 16 << 10, 256 << 10]
 

@@ -1,4 +1,4 @@
-"""runtime.crossover.DeviceGate: exclusive between processes, released by the kernel when its holder dies, a
+"""planner.runtime.crossover.DeviceGate: exclusive between processes, released by the kernel when its holder dies, a
 timeout naming the holder when it is stuck, and one clear error when the gate file cannot be made."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from planner.runtime.crossover import DeviceGate
 from planner.types import GateTimeoutError, PlannerFileError
-from runtime.crossover import DeviceGate
 
 HOLD = """
 import sys, time
-from runtime.crossover import DeviceGate
+from planner.runtime.crossover import DeviceGate
 gate = DeviceGate(sys.argv[1])
 gate.acquire()
 print("held", flush=True)

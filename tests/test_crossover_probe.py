@@ -1,5 +1,5 @@
-"""runtime.crossover's probe: a crossed-over pair measures its throughput gated and free on the host's wall clock
-and runs the better. The schedule and the arithmetic worked by hand; two jobs' probes, each fed step times,
+"""planner.runtime.crossover's probe: a crossed-over pair measures its throughput gated and free on the host's
+wall clock and runs the better. The schedule and the arithmetic worked by hand; two jobs' probes, each fed step times,
 agree on one decision through the files; a session starts afresh once every rank has closed its gate; a free
 step leaves the gate to the partner."""
 
@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.types import PlannerFileError
-from runtime.crossover import (
+from planner.runtime.crossover import (
     FREE,
     GATED,
     DeviceGate,
@@ -22,6 +21,7 @@ from runtime.crossover import (
     device_idle,
     window_rates,
 )
+from planner.types import PlannerFileError
 
 SCHEDULE = ProbeSchedule(warmup_s=1.0, window_s=2.0, every_s=10.0)
 

@@ -18,15 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime.exchange
+import planner.runtime.exchange
 from planner.commands.pair import make_pairing
 from planner.contracts.layers import gradient_layers, groups_for
 from planner.contracts.pairing import PairingJob, PairingPlan
 from planner.contracts.plan import Plan, Prediction
 from planner.platform.launch import run_distributed, run_jobs
+from planner.runtime import GradientExchange
+from planner.runtime.crossover import ProbeSchedule
 from planner.types import DistributedError, PlanMismatchError, PlannerFileError, Strategy
-from runtime import GradientExchange
-from runtime.crossover import ProbeSchedule
 from tests.factories import plan_with_groups
 
 STEPS = 6
@@ -204,7 +204,7 @@ def test_a_job_the_pairing_leaves_alone_has_no_gate_and_unknown_plans_are_refuse
     F.cross_entropy(model(torch.randn(4, 10)), torch.tensor([0, 1, 2, 3])).backward()
     assert paired.gate.held
     idle: list[tuple[torch.device, bool]] = []  # the device waited on, and whether the gate was held then
-    monkeypatch.setattr(runtime.exchange, "device_idle", lambda device: idle.append((device, paired.gate.held)))
+    monkeypatch.setattr(planner.runtime.exchange, "device_idle", lambda device: idle.append((device, paired.gate.held)))
     paired.synchronize()
     assert idle == [(torch.device("cpu"), True)]  # the device has run the backward before the gate goes
     assert not paired.gate.held and paired.gate.acquisitions == 1

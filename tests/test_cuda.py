@@ -18,8 +18,8 @@ from planner.commands.bench import LOCAL, BenchConfig, bench_backend, refuse_gpu
 from planner.commands.bench_kfac import KFACBenchConfig, run_kfac_bench
 from planner.contracts.plan import Plan
 from planner.platform.launch import check_gpus, run_distributed
+from planner.runtime import GradientExchange, KFACPreconditioner
 from planner.types import DistributedError, InverseMethod, PlanMismatchError, Strategy
-from runtime import GradientExchange, KFACPreconditioner
 from tests.factories import synthetic_kfac_plan, synthetic_plan
 from tests.test_kfac_runtime import DAMPING, LR, SKIP, build_knet, full_batch
 from tests.test_runtime import build_model, loss_of, make_batch, make_plan

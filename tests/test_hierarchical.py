@@ -166,7 +166,7 @@ def _runtime_worker(rank: int, world_size: int, explicit: bool) -> list[float]:
     against the same groups flat, over three steps of SGD: the largest relative gradient differences."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from runtime import GradientExchange
+    from planner.runtime import GradientExchange
 
     hosts = [[0, 1], [2, 3]] if explicit else None
     errors = []
@@ -424,7 +424,7 @@ def _shaped_worker(rank: int, world_size: int, sent_as: str) -> float:
     is held against the same plan sent flat."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from runtime import GradientExchange
+    from planner.runtime import GradientExchange
     from tests.test_mixed_runtime import ShapedConv
 
     torch.manual_seed(0)

@@ -29,11 +29,11 @@ from planner.kernels.hierarchical import HostGroups
 from planner.kernels.topk import all_gather_flat
 from planner.models import Workload
 from planner.platform.launch import run_distributed
+from planner.profilers.comm import host_union_ratio, measure_host_topk, measure_union_ratios, overlapping_picks
 from planner.solvers.mixed import MixedParetoDP
 from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, make_plan
 from planner.strategies.mixed import explain, make_mixed_plan, parse_compressors, plan_choice
 from planner.types import Collective, Compressor, CompressorKind, InvalidProfileError, Strategy
-from profilers.comm import host_union_ratio, measure_host_topk, measure_union_ratios, overlapping_picks
 from tests.factories import synthetic_profile
 from tests.test_hosts import _cli, _ours, needs_root
 from tests.test_mixed import brute_force
@@ -266,7 +266,7 @@ def _with_densities(profile: Profile, densities: tuple[float, ...]) -> Profile:
 
 
 def test_a_profile_gives_the_overlaps_it_measured_to_hosts_of_the_same_size_only() -> None:
-    from profilers.probe import TopkOverlaps
+    from planner.profilers.probe import TopkOverlaps
 
     profile = _two_hosts((_topk_at(0.01, 1e-4, 1e-9, ratio=1.37), _topk_at(0.1, 1e-4, 1e-9, ratio=1.9)))
     assert profile.hosts is not None

@@ -12,16 +12,16 @@ from torch import nn
 
 from planner.contracts.profile import KFAC_STEP_PARTS, Calibration, InSitu, Profile
 from planner.models import build_workload
-from planner.strategies.kfac import calibrated_kfac, kfac_problem
-from planner.types import InverseMethod, SchemaError
-from profilers.kfac import measure_kfac
-from runtime.calibrate import (
+from planner.profilers.kfac import measure_kfac
+from planner.runtime.calibrate import (
     kfac_steps_points,
     measure_kfac_in_situ,
     measure_kfac_steps_in_situ,
     slowest_rank_extra,
     slowest_rank_phases,
 )
+from planner.strategies.kfac import calibrated_kfac, kfac_problem
+from planner.types import InverseMethod, SchemaError
 from tests.factories import synthetic_profile
 
 CPU = torch.device("cpu")
@@ -167,7 +167,7 @@ SLOWED_PRECONDITION_S = 0.08
 def _slowed_steps_worker(rank: int, world_size: int) -> dict[str, float]:
     import time
 
-    from runtime import calibrate
+    from planner.runtime import calibrate
 
     if rank == 1:  # this worker's preconditioning runs slower, as one of two processes on shared cores can
         original = calibrate._TimedKFAC._precondition
@@ -200,7 +200,7 @@ def _slow_hooks_in_this_worker(seconds: float) -> None:
     """This worker's factor hooks run `seconds` slower per pass, as one of two processes on shared cores can."""
     import time
 
-    from runtime import calibrate
+    from planner.runtime import calibrate
 
     original = calibrate._SilentKFAC._forward_hook
 

@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-import runtime.kfac
+import planner.runtime.kfac
 from planner.contracts.kfac import KFACSection, factor_name, kfac_layers
 from planner.contracts.layers import gradient_layers, groups_for
 from planner.contracts.plan import Plan
 from planner.platform.launch import run_distributed
+from planner.runtime import KFACPreconditioner
 from planner.types import DistributedError, FactorKind, InverseMethod, PlanMismatchError, Strategy
-from runtime import KFACPreconditioner
 from tests.factories import plan_with_groups
 
 WORLD_SIZE = 2
@@ -568,7 +568,7 @@ def test_factor_seconds_count_the_factor_hooks_on_factor_update_steps_only() -> 
 def test_a_large_factor_without_a_plan_is_warned_about(recwarn: pytest.WarningsRecorder) -> None:
     """A factor wide enough that inverting it every step may look like a hang draws one warning that says what
     to do; a model of small layers, or a skipped large layer, draws none."""
-    wide = runtime.kfac.LARGE_FACTOR_DIM
+    wide = planner.runtime.kfac.LARGE_FACTOR_DIM
     model = nn.Sequential(nn.Linear(wide, 8), nn.ReLU(), nn.Linear(8, 4))
     with pytest.warns(RuntimeWarning, match=rf"0\.A \({wide + 1}x{wide + 1}\).*skip_layers=REGEX") as caught:
         KFACPreconditioner(model)
@@ -633,7 +633,8 @@ def test_buffers_launch_in_section_order(monkeypatch: pytest.MonkeyPatch) -> Non
     after it wait for step(), which launches them in order with zeros for third.
     """
     launched: list[int] = []
-    monkeypatch.setattr(runtime.kfac.KFACPreconditioner, "_start_allreduce", lambda self, st: launched.append(st.index))
+    monkeypatch.setattr(planner.runtime.kfac.KFACPreconditioner, "_start_allreduce",
+                        lambda self, st: launched.append(st.index))
     torch.manual_seed(0)
     model = Swapped()
     precond = KFACPreconditioner(model, factor_update_steps=2, inv_update_steps=2)

@@ -1,23 +1,28 @@
 """The code's layout: no import circles between the modules of planner/, profilers/ and runtime/, and
-each layer imports only the layers below it."""
+each layer imports only the layers below it. The folders profilers/ and runtime/ are the packages
+`planner.profilers` and `planner.runtime` (pyproject.toml's package-dir), and their modules are named so."""
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("planner", "profilers", "runtime")
+#: Folder -> the package it is installed as: the package-dir of pyproject.toml, less the old names' shims.
+PACKAGES = {folder: package
+            for package, folder in tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+            ["tool"]["setuptools"]["package-dir"].items() if package.split(".")[0] == "planner"}
 
 
 def import_graph() -> dict[str, set[str]]:
     """Module -> the project's modules it imports, at module level or inside functions (a lazy import
     hides a circle from Python, not from the reader)."""
     modules: dict[str, Path] = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-            modules[name] = path
+    for folder, package in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            name = ".".join((package, *path.relative_to(ROOT / folder).with_suffix("").parts))
+            modules[name.removesuffix(".__init__")] = path
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -73,15 +78,20 @@ def test_circles_are_found() -> None:
 
 def test_the_import_graph_has_no_circle() -> None:
     graph = import_graph()
-    assert {"planner.contracts.kfac", "planner.contracts.plan", "profilers.kfac", "runtime.kfac"} <= set(graph)
-    assert "planner.kernels.kfac" in graph["profilers.kfac"] and "runtime.kfac" not in graph["profilers.kfac"]
+    assert {"planner.contracts.kfac", "planner.contracts.plan", "planner.profilers.kfac", "planner.runtime.kfac",
+            "planner.runtime", "planner.profilers"} <= set(graph)
+    assert not any(name.startswith(("runtime", "profilers")) for name in graph)
+    assert "planner.kernels.kfac" in graph["planner.profilers.kfac"]
+    assert "planner.runtime.kfac" not in graph["planner.profilers.kfac"]
     assert circles(graph) == []
 
 
 #: Each layer and the layers it may import (besides itself). The base is what every layer stands on:
 #: errors and enums, the console, the built-in models, the kernels that both the profilers and the
-#: runtime run, and the platform (launching workers, the emulated link, timing).
-BASE = {"planner.types", "planner.console", "planner.models", "planner.tasks", "planner.kernels", "planner.platform"}
+#: runtime run, and the platform (launching workers, the emulated link, timing); and the old import paths
+#: `runtime` and `profilers` (`planner._aliases`, stdlib only).
+BASE = {"planner.types", "planner.console", "planner.models", "planner.tasks", "planner.kernels", "planner.platform",
+        "planner._aliases"}
 MAY_IMPORT = {
     "base": set(),
     "costmodel": {"base"},
@@ -99,13 +109,13 @@ MAY_IMPORT = {
 #: stands on the cost model's arithmetic (curves, fits, the statistics of its samples); these stand on both.
 READERS = {"planner.costmodel.from_profile", "planner.costmodel.resample"}
 #: The one way up: the runtime re-plans on attach (re-probing the cluster, then re-solving).
-EXCEPTIONS = {"runtime.retune": {"profilers", "strategies"}}
+EXCEPTIONS = {"planner.runtime.retune": {"profilers", "strategies"}}
 
 
 def layer(module: str) -> str:
     parts = module.split(".")
-    if parts[0] in ("profilers", "runtime"):
-        return parts[0]
+    if len(parts) > 1 and parts[1] in ("profilers", "runtime"):
+        return parts[1]
     if len(parts) == 1 or parts[1] in ("__main__", "plan"):  # the package, `python -m planner`, a kept import
         return "shims"
     if ".".join(parts[:2]) in BASE:
@@ -117,7 +127,8 @@ def layer(module: str) -> str:
 
 def test_layers_are_named() -> None:
     assert layer("planner.contracts.plan") == "contracts" and layer("planner.kernels.topk") == "base"
-    assert layer("runtime.exchange") == "runtime" and layer("planner.plan") == "shims"
+    assert layer("planner.runtime.exchange") == "runtime" and layer("planner.plan") == "shims"
+    assert layer("planner.runtime") == "runtime" and layer("planner.profilers.comm") == "profilers"
     assert {layer(m) for m in import_graph()} == set(MAY_IMPORT)
 
 

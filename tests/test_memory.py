@@ -16,8 +16,8 @@ import torch
 from planner.commands.cli import main
 from planner.contracts.profile import Profile
 from planner.platform.memory import PhaseMemory, available_bytes, peak_rss_bytes, rss_bytes
+from planner.profilers.topk import measure_topk, topk_point_bytes
 from planner.types import SchemaError
-from profilers.topk import measure_topk, topk_point_bytes
 from tests.factories import synthetic_profile
 
 CPU = torch.device("cpu")

@@ -21,8 +21,8 @@ from planner.costmodel.problem import topk_count
 from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout
 from planner.kernels.topk import decode, pack, select_topk
 from planner.platform.launch import run_distributed
+from planner.runtime import GradientExchange
 from planner.types import Compressor, CompressorKind, PlanMismatchError, Strategy
-from runtime import GradientExchange
 from tests.factories import plan_with_groups
 from tests.test_runtime import assert_grads_close, build_model, loss_of, make_batch
 

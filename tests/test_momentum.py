@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import runtime.exchange as exchange_module
+import planner.runtime.exchange as exchange_module
 from planner.costmodel.problem import topk_count
 from planner.platform.launch import run_distributed
+from planner.runtime import GradientExchange
 from planner.types import PlanMismatchError, Strategy
-from runtime import GradientExchange
 from tests.digits import digits
 from tests.test_runtime import make_plan
 

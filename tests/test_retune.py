@@ -16,12 +16,12 @@ from planner.contracts.profile import FittedCurve, HostTiming
 from planner.models import build_workload
 from planner.platform.launch import run_distributed
 from planner.platform.link import privilege_problem
+from planner.runtime.exchange import GradientExchange
+from planner.runtime.kfac import KFACPreconditioner
 from planner.strategies.gradients import ALL_HIERARCHICAL, make_plan
 from planner.strategies.kfac import make_kfac_plan
 from planner.strategies.retune import compare_plans, current_profile, load_source_profile, retune_plan
 from planner.types import Collective, InvalidProfileError, PlanMismatchError, Strategy
-from runtime.exchange import GradientExchange
-from runtime.kfac import KFACPreconditioner
 from tests.factories import synthetic_profile
 
 MODEL = "tests.test_end_to_end:tiny_kfac_workload"

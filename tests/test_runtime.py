@@ -24,8 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 from planner.contracts.layers import gradient_layers, groups_for
 from planner.contracts.plan import Group, Plan
 from planner.platform.launch import run_distributed
+from planner.runtime import GradientExchange, TopkHookState, topk_hook
 from planner.types import DistributedError, PlanMismatchError, Strategy
-from runtime import GradientExchange, TopkHookState, topk_hook
 from tests.factories import plan_with_groups
 
 WORLD_SIZE = 2
@@ -480,7 +480,7 @@ def _hanging_worker(rank: int, world_size: int) -> None:
 def _drain_worker(rank: int, world_size: int) -> int:
     """Collectives in flight when the interpreter would exit are waited for by the exit drain, which leaves
     the step open: `synchronize` afterwards still gives the averaged gradients."""
-    from runtime import exchange as exchange_module
+    from planner.runtime import exchange as exchange_module
 
     torch.manual_seed(0)
     model = tiny_mlp()
@@ -536,7 +536,7 @@ def test_tied_weights_are_one_parameter_of_the_first_module_that_holds_them() ->
 def test_profiling_a_tied_model_sees_the_shared_gradient_ready_last() -> None:
     """The shared weight's gradient is complete only after the embedding's backward: its layer is last."""
     from planner.models import Workload
-    from profilers.layers import measure_layers
+    from planner.profilers.layers import measure_layers
 
     workload = Workload(name="tied", module=TiedLM(), batch_size=4,
                         make_batch=lambda n, g: (torch.randint(0, 30, (n, 5), generator=g),
@@ -612,7 +612,7 @@ def test_bench_runs_a_model_with_an_unused_head(tmp_path: Path) -> None:
     import sys
 
     from planner.contracts.fingerprint import model_info
-    from runtime.ddp_hooks import has_unused_parameters
+    from planner.runtime.ddp_hooks import has_unused_parameters
 
     workload = aux_workload()
     assert has_unused_parameters(workload.module, lambda m: workload.loss(*workload.batch()))
@@ -629,8 +629,8 @@ def test_bench_runs_a_model_with_an_unused_head(tmp_path: Path) -> None:
 
 
 def test_kfac_profiling_skips_an_unused_head_when_told() -> None:
+    from planner.profilers.kfac import measure_kfac_layers
     from planner.types import InvalidProfileError
-    from profilers.kfac import measure_kfac_layers
     from tests.test_contracts import _cli, _one_clear_line
 
     with pytest.raises(InvalidProfileError, match=r"profile with --kfac-skip '\^aux\$' and pass skip_layers="):
@@ -885,7 +885,7 @@ def test_the_layer_phase_times_a_fast_model_over_about_min_seconds() -> None:
     """A fast model gets more repeats, as many as the warm-up's whole steps say fill `min_seconds` (capped), on
     the estimate every rank agrees on; without `min_seconds` or without a warm-up it runs exactly `repeats`."""
     from planner.models import build_workload
-    from profilers.layers import measure_layers
+    from planner.profilers.layers import measure_layers
 
     workload = build_workload("mlp", batch_size=4)
     cpu = torch.device("cpu")

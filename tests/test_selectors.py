@@ -27,11 +27,11 @@ from planner.contracts.profile import Profile, TopkTiming
 from planner.costmodel.from_profile import gradient_problem
 from planner.kernels.topk import SELECTORS, select_topk
 from planner.models import build_workload
+from planner.profilers.topk import measure_topk
+from planner.runtime.ddp_hooks import TopkHookState
 from planner.strategies.gradients import make_plan
 from planner.strategies.retune import retune_plan
 from planner.types import InvalidProfileError, SchemaError, Strategy
-from profilers.topk import measure_topk
-from runtime.ddp_hooks import TopkHookState
 from tests.factories import synthetic_profile
 from tests.test_contracts import _cli, _one_clear_line
 
@@ -201,7 +201,7 @@ def _hook_selectors_worker(rank: int, world_size: int) -> int:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from runtime.ddp_hooks import topk_hook
+    from planner.runtime.ddp_hooks import topk_hook
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 256), nn.Tanh(), nn.Linear(256, 10))  # one bucket of 134k elements

@@ -31,11 +31,11 @@ from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.models import Workload, build_workload
+from planner.runtime import GradientExchange
 from planner.solvers import DenseDP
 from planner.strategies.gradients import make_plan
 from planner.strategies.kfac import make_kfac_plan
 from planner.types import Collective, InverseMethod, PlanMismatchError, SchemaError, SolverError, Strategy
-from runtime import GradientExchange
 from tests.factories import synthetic_profile
 
 MODEL = "tests.test_tune:tiny_workload"

@@ -20,12 +20,12 @@ from planner.contracts.plan import Plan
 from planner.contracts.profile import Calibration, InSitu, Profile, SlowdownSamples
 from planner.costmodel.resample import resampled, resampled_many, spread_sources
 from planner.costmodel.spread import PairedGain, calibration_use, statistic_interval
+from planner.profilers.layers import LayerRun, combine_ranks
+from planner.runtime.calibrate import _until_usable
 from planner.strategies.gradients import make_plan
 from planner.strategies.intervals import Draws, simplest_unbeaten, weigh, with_intervals
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
 from planner.types import Collective, InvalidProfileError, SchemaError, Strategy
-from profilers.layers import LayerRun, combine_ranks
-from runtime.calibrate import _until_usable
 from tests.factories import synthetic_profile, with_samples
 from tests.test_interference import measured_profile
 

@@ -412,7 +412,7 @@ def ddp_with_hook(module: torch.nn.Module, hook: Compressor | None, *, find_unus
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    from runtime import TopkHookState, topk_hook
+    from planner.runtime import TopkHookState, topk_hook
 
     one_bucket = hook is not None and hook.kind is CompressorKind.POWERSGD and dist.get_backend() == "gloo"
     size_mb = sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
@@ -440,7 +440,7 @@ def sgd_as_advised(model: torch.nn.Module, plan: Plan | None, *, lr: float, mome
     """SGD with `momentum` as a user runs each variant: in the optimizer for DDP, its hooks and plans without
     top-k groups; for a plan that sends top-k, in the exchange (momentum correction) with the optimizer's at 0,
     as README's "Top-k with momentum" advises. Returns the optimizer and the plan's exchange (None without one)."""
-    from runtime import GradientExchange
+    from planner.runtime import GradientExchange
 
     in_exchange = plan is not None and plan.sends_topk
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if in_exchange else momentum)
@@ -458,7 +458,7 @@ POWERSGD_HOOK_WARMUP = 2
 def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchResult] | None:
     """Run every variant on this rank; rank 0 returns the results."""
     from planner.platform.launch import device_for
-    from runtime.ddp_hooks import has_unused_parameters
+    from planner.runtime.ddp_hooks import has_unused_parameters
 
     torch.manual_seed(0)
     backend = dist.get_backend()

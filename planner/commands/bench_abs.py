@@ -4,8 +4,8 @@ SGD with equal and with speed-proportional batches, on N local workers (one of t
 Variants, all from the same initial weights with the same SGD optimizer, each run until it has applied the
 same number of samples (summed over the workers):
 
-- abs-sgd: `runtime.ABSSGD` with the plan's trigger and micro-batch;
-- sync-equal: every worker computes global_batch / N samples per iteration, then `runtime.GradientExchange`
+- abs-sgd: `planner.runtime.ABSSGD` with the plan's trigger and micro-batch;
+- sync-equal: every worker computes global_batch / N samples per iteration, then `planner.runtime.GradientExchange`
   (the plan's groups, overlapped with backward) averages the gradients;
 - sync-proportional: the same with the per-worker batches the plan split by measured speed; each worker's
   loss is scaled by N x its batch / global_batch, so the average is the sample-weighted mean.
@@ -141,7 +141,7 @@ def _variant_batches(plan: Plan, variant: str) -> tuple[int, ...]:
 
 def _run(rank: int, world: int, config: ABSBenchConfig, variant: str, repeat: int, initial: float) -> ABSRun:
     """One run of `variant` on this rank (`initial`: its --slowdown factor, which a speed change leaves)."""
-    from runtime import ABSSGD, GradientExchange
+    from planner.runtime import ABSSGD, GradientExchange
 
     plan = config.plan
     assert plan.abs is not None

@@ -1,8 +1,8 @@
 """`planner bench --strategy crossover`: two jobs on the same devices, one after the other, side by side
-uncoordinated, and crossed over (`runtime.crossover` gates), each job's throughput and the total, predicted
+uncoordinated, and crossed over (`planner.runtime.crossover` gates), each job's throughput and the total, predicted
 next to measured.
 
-The jobs are the pairing plan's (`planner pair`): each runs its own plan with `runtime.GradientExchange` on
+The jobs are the pairing plan's (`planner pair`): each runs its own plan with `planner.runtime.GradientExchange` on
 its own local workers, as a separate launch would (its own process group). Rank r of every job is pinned to
 CPU core r (mod the cores this process may use): core r is "device r", which the paired jobs' rank r share;
 behind `--link` rank r of every job also shares host r's shaped network card.
@@ -12,7 +12,7 @@ behind `--link` rank r of every job also shares host r's shaped network card.
 - side-by-side: both at once, no gate: the kernel shares the cores and the network card;
 - crossover: both at once, each rank taking the pair's gate for forward and backward;
 - probed: both at once, the runtime's default: the pair measures itself gated and free for four windows of
-  `probe_window_s` (`runtime.crossover.ProbeSchedule`) and runs the mode that made more samples per second.
+  `probe_window_s` (`planner.runtime.crossover.ProbeSchedule`) and runs the mode that made more samples per second.
   Only the steps after both jobs have the decision count, so the row shows the steady state, not the probe.
   So that the concurrent modes compare like with like, side by side and crossed over also start their clocks
   only after running together that long (`settle_s`, six windows): two jobs started together begin in
@@ -45,8 +45,8 @@ from rich.table import Table
 from planner.console import console, progress
 from planner.contracts.plan import Plan
 from planner.models import build_workload
+from planner.runtime.crossover import ProbeSchedule
 from planner.types import DistributedError
-from runtime.crossover import ProbeSchedule
 
 if TYPE_CHECKING:
     from planner.platform.link import LinkRate
@@ -179,7 +179,7 @@ def _rank0_says(go_on: bool) -> bool:
 def crossover_job_worker(rank: int, world_size: int, config: CrossoverBenchConfig, job: int, mode: str,
                          repeat: int, ready_dir: str, together: list[str]) -> JobRun | None:
     """One job's rank in one run: warm up, start with the jobs in `together`, time `config.steps` steps."""
-    from runtime import GradientExchange
+    from planner.runtime import GradientExchange
 
     torch.set_num_threads(1)
     _pin(rank)

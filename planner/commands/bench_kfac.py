@@ -192,8 +192,8 @@ def _peer_runner(config: KFACBenchConfig, strategy: str, device: torch.device) -
 def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> list[BenchResult] | None:
     """Run every variant on this rank; rank 0 returns the results."""
     from planner.platform.launch import device_for
-    from runtime import GradientExchange, KFACPreconditioner
-    from runtime.calibrate import group_of_this_rank
+    from planner.runtime import GradientExchange, KFACPreconditioner
+    from planner.runtime.calibrate import group_of_this_rank
 
     torch.manual_seed(0)
     plan = config.plan

@@ -131,7 +131,7 @@ def _variants(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Com
 
 def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, repeat: int, task: Task) -> TargetRun:
     """One run of `variant` on this rank, from the task's initial weights."""
-    from runtime.ddp_hooks import has_unused_parameters
+    from planner.runtime.ddp_hooks import has_unused_parameters
 
     wl = task.workload
     initial = wl.module

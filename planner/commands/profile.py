@@ -25,8 +25,7 @@ from planner.platform.link import LinkRate
 from planner.platform.memory import PhaseMemory, available_bytes
 from planner.platform.slowdown import Slowdown
 from planner.platform.timing import slowest
-from planner.types import Collective, DistributedError, PlannerError
-from profilers.comm import (
+from planner.profilers.comm import (
     UNION_ROUNDS,
     collective_runs,
     host_runs,
@@ -38,18 +37,18 @@ from profilers.comm import (
     measure_union_ratios,
     topk_budget,
 )
-from profilers.compress import DEFAULT_POWERSGD_RANKS, compress_points, measure_compress
-from profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_interference
-from profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
-from profilers.layers import (
+from planner.profilers.compress import DEFAULT_POWERSGD_RANKS, compress_points, measure_compress
+from planner.profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_interference
+from planner.profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
+from planner.profilers.layers import (
     combine_ranks,
     measure_layers,
     measure_throughput,
     throughput_batch_sizes,
 )
-from profilers.probe import current_cluster
-from profilers.topk import measure_topk
-from runtime.calibrate import (
+from planner.profilers.probe import current_cluster
+from planner.profilers.topk import measure_topk
+from planner.runtime.calibrate import (
     in_situ_runs,
     kfac_steps_points,
     measure_in_situ,
@@ -57,6 +56,7 @@ from runtime.calibrate import (
     measure_kfac_steps_in_situ,
     measure_packing,
 )
+from planner.types import Collective, DistributedError, PlannerError
 
 __all__ = ["DEFAULT_DENSITIES", "DEFAULT_EFFORT", "DEFAULT_LAYER_SECONDS", "QUICK_EFFORT", "Effort", "ProfileConfig",
            "profile_worker", "run_profile"]

@@ -30,7 +30,7 @@ class ProfileCommand(Command):
     def configure(self, parser: argparse.ArgumentParser) -> None:
         from planner.commands.profile import DEFAULT_EFFORT, DEFAULT_LAYER_SECONDS, QUICK_EFFORT
         from planner.models import DEFAULT_MODEL
-        from profilers.layers import MAX_LAYER_REPEATS
+        from planner.profilers.layers import MAX_LAYER_REPEATS
 
         parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name or package.module:factory")
         parser.add_argument("--batch-size", type=_positive, default=None, help="per-worker batch (model default)")

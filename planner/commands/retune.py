@@ -64,7 +64,7 @@ class RetuneCommand(Command):
         elif args.no_probe:
             current = profile
         else:
-            from profilers.probe import TopkOverlaps, run_probe
+            from planner.profilers.probe import TopkOverlaps, run_probe
 
             nproc = args.nproc or plan.cluster.world_size
             where = f" on {args.hosts} emulated hosts" if args.hosts else ""

@@ -604,7 +604,7 @@ class _Runner:
         import torch
 
         from planner.models import build_workload
-        from runtime import GradientExchange, KFACPreconditioner
+        from planner.runtime import GradientExchange, KFACPreconditioner
 
         self.workload = build_workload(config.model_name, batch_size=config.batch_size)  # same weights everywhere
         self.part: GradientExchange | KFACPreconditioner

@@ -1,7 +1,7 @@
 """The pairing plan: which data-parallel jobs cross over on shared devices, as a versioned JSON document.
 
 `planner pair` writes it from the jobs' own plans (`planner solve`); the runtime's crossover gate
-(`runtime.crossover`) reads it to know a job's partner. Loading one never runs code.
+(`planner.runtime.crossover`) reads it to know a job's partner. Loading one never runs code.
 
 Schema (version 1), times in seconds:
 

@@ -944,7 +944,7 @@ class HostTopk:
 
     `union_ratio` is the host's union of picks over k (1: every rank of a host picks the same entries; the
     ranks per host: disjoint picks): the largest host's, as the exchange pads to it, with the picks made under
-    error feedback as the runtime makes them and averaged over rounds (`profilers.comm.measure_union_ratios`;
+    error feedback as the runtime makes them and averaged over rounds (`planner.profilers.comm.measure_union_ratios`;
     older profiles took the mean over hosts of the first gradients' picks, which came out lower). `exchange`
     is the whole exchange, merging, crossing and decoding included, against the bytes of one rank's message
     (k values and k indices)."""

@@ -13,7 +13,7 @@ computing at t = 0, and a phase of w seconds takes w seconds of its resource's f
   sharing: each progresses at half rate), otherwise the job using it has it at full rate. Two equal jobs then
   run in lockstep: both compute at half rate, then both communicate at half rate, and each iteration takes
   twice as long as alone.
-- crossed over (`gated=True`, Muri, NSDI'22; the CrossoverScheduler of `runtime.crossover`): the device is
+- crossed over (`gated=True`, Muri, NSDI'22; the CrossoverScheduler of `planner.runtime.crossover`): the device is
   exclusive, handed over first come, first served: a job that finishes its compute releases it and a waiting
   job takes it (at t = 0, and whenever a job that has just released the device asks for it again at the same
   instant as the other, the other goes first; on the tie at t = 0 job `a` goes first). The network is still

@@ -29,7 +29,7 @@ def gradient_problem(profile: Profile, strategy: Strategy, density: float | None
             runtime: str = "planner", route: str = "best") -> GradientProblem:
     """The gradient-grouping instance this profile describes; top-k selection costs are `selector`'s.
 
-    `runtime` is who moves the gradients: "planner" (`runtime.GradientExchange`: dense packs into its
+    `runtime` is who moves the gradients: "planner" (`planner.runtime.GradientExchange`: dense packs into its
     buffers, top-k adds straight into its residuals) or "ddp" (PyTorch DDP copies every gradient into
     its buckets, at its own measured cost, before the top-k hook selects from them; always flat).
     `route` (one of ROUTES) is how dense groups cross hosts, where the profile measured several

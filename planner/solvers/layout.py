@@ -10,7 +10,7 @@ layer is preconditioned either
   preconditioned gradient (q_l on the shared channel): the factors' results never travel. This is
   kfac-pytorch's MEM_OPT when every layer is so (a layer's factors colocated on its gradient worker).
 
-A layout costs two phases, each as the runtime (`runtime.KFACPreconditioner`) runs it, with the same rule
+A layout costs two phases, each as the runtime (`planner.runtime.KFACPreconditioner`) runs it, with the same rule
 as the inversion step of planner.solvers.placement: each worker first does the work it owns in order,
 posting each owned item's broadcast as soon as it is done (broadcasts are serialised on one channel in
 order), then the work every worker does:

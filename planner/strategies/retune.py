@@ -2,7 +2,7 @@
 
 A plan records the profile it was solved from. When the world size, backend, device or network changes,
 the per-layer compute of that profile still holds; only the collectives need measuring again (a quick
-probe, `profilers.probe`). `retune_plan` re-solves the same kind of plan (dense, top-k at the same
+probe, `planner.profilers.probe`). `retune_plan` re-solves the same kind of plan (dense, top-k at the same
 density, or K-FAC with the same method and intervals) from the stored profile with the new collectives,
 and `compare_plans` says what changed and what it is predicted to gain: the old plan's decisions
 evaluated under the new conditions against the new plan's.
@@ -65,9 +65,9 @@ def retune_plan(
         plan: the plan to re-tune (its strategy, density, top-k selector, K-FAC method and intervals are kept).
         profile: its per-layer profile (see `load_source_profile`).
         cluster: where the new plan will run.
-        collectives: measured on that cluster (e.g. `profilers.probe.probe_network`); those not given
+        collectives: measured on that cluster (e.g. `planner.profilers.probe.probe_network`); those not given
             keep the profile's. Without any, the profile's own network is used as it is.
-        hosts: each host level's allreduce measured on that cluster (`profilers.probe.probe_hosts`), so dense
+        hosts: each host level's allreduce measured on that cluster (`planner.profilers.probe.probe_hosts`), so dense
             groups may cross hosts hierarchically; see `current_profile`.
         time_limit_s: limit of the K-FAC placement solver.
     """
