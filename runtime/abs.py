@@ -76,9 +76,10 @@ class ABSSGD:
         optimizer: the optimizer of `model`'s parameters; `step` calls its `step()` with the mean gradient.
         plan: a plan with an `abs` section (`planner solve --strategy abs`): its trigger and gradient groups.
             None: one group of every trainable parameter, and the trigger given here.
-        min_micro_batches, max_micro_batches: the trigger (override the plan's): a round ends after at least
-            `min_micro_batches` micro-batches once the previous exchange has finished, and at the latest after
-            `max_micro_batches` (None: no cap). Equal values make a fixed count per round.
+        min_micro_batches: the trigger (overrides the plan's): a round ends after at least this many
+            micro-batches once the previous exchange has finished.
+        max_micro_batches: ... and at the latest after this many (None: no cap). Equal values make a fixed
+            count per round.
         round_samples: the batch trigger instead (overrides the plan's `round_samples`): every round is about this
             many samples over all ranks, each rank's part in proportion to its measured speed; a rank ends its
             round at the micro-batch that brings it nearest its part, whether or not the previous exchange has
