@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import re
 from pathlib import Path
 
@@ -433,3 +434,25 @@ def test_the_bench_runs_the_ddp_hook_a_verdict_weighed_with_its_selector() -> No
     hook = variants["ddp+topk:0.01"]
     assert hook.selector == kept.verdict.topk_selector
     assert hook.predicted_s == kept.verdict.variants["ddp+topk:0.01"][0]
+
+
+def test_a_mixed_table_predicts_the_ddp_topk_hook_as_its_verdict_weighs_it_and_the_bench_runs_it() -> None:
+    """The DDP top-k hook is one row: in a mixed plan's table, in its verdict and in the bench, with the selector the
+    profile predicts faster for it (here sampled, made 10x cheaper), whatever the plan's own groups select with."""
+    from planner.commands.bench import bench_variants
+    from planner.models import build_workload
+    from planner.strategies.intervals import with_intervals
+    from planner.strategies.mixed import make_mixed_plan
+
+    prof = with_samples(measured_profile("mlp"))
+    assert prof.topk is not None
+    cheap = tuple((n, d, s / 10) for n, d, s in prof.topk.select)
+    prof = dataclasses.replace(prof, topk=dataclasses.replace(prof.topk, select_sampled=cheap))
+    # The plan's own groups select exactly; DDP's hook is still predicted (and run) with the faster one.
+    mixed = with_intervals(make_mixed_plan(prof, parse_compressors("dense,fp16,topk:0.01"), selector="exact"), prof)
+    assert mixed.verdict is not None and mixed.verdict.topk_selector == "sampled"
+    table = mixed.baselines["ddp+topk:0.01"].iteration_s
+    assert math.isclose(table, mixed.verdict.variants["ddp+topk:0.01"][0], rel_tol=1e-9)
+    assert mixed.intervals is not None and "ddp+topk:0.01" in mixed.intervals.rows
+    hook = {v.name: v for v in bench_variants((mixed,), build_workload("mlp").module, peers=())}["ddp+topk:0.01"]
+    assert hook.selector == "sampled" and hook.predicted_s == table

@@ -364,7 +364,11 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
                 c = Compressor.parse(name.removeprefix("ddp+"))
                 wanted = c in hooks or c.kind is CompressorKind.TOPK  # the peers asked for, and top-k's hook
                 if wanted and hooks.get(c, (None, "", None))[0] is None:
-                    hooks[c] = (prediction.iteration_s, plan.selector or "exact", _interval(plan, name))
+                    # A mixed plan's table predicts DDP's top-k hook with the selector the profile predicts faster,
+                    # which its verdict records; a top-k plan's, with the plan's own.
+                    selector = (_verdict_selector((plan,), c) if plan.strategy is Strategy.MIXED else None) \
+                        or plan.selector or "exact"
+                    hooks[c] = (prediction.iteration_s, selector, _interval(plan, name))
     # A hook no plan's table predicts: the verdict's prediction of it, where a plan weighed itself against it (for
     # top-k, with the selector the verdict took: the one predicted faster).
     for c, (predicted, selector, _) in list(hooks.items()):

@@ -318,8 +318,9 @@ def _baseline_rows(plan: Plan, profile: Profile, time_limit_s: float | None) -> 
     if plan.strategy is Strategy.MIXED:
         for c in dict.fromkeys((DENSE_COMPRESSOR, *allowed)):
             name = DDP_ROW if c.kind is CompressorKind.DENSE else f"ddp+{c}"
-            if name in names:
-                out[name] = _hook_row(c, selector, plan.cluster.backend)
+            if name in names:  # a top-k hook with the selector the profile predicts faster, as the plan's solve
+                hook = hook_selector(profile, c, plan.cluster.backend) if c.kind is CompressorKind.TOPK else selector
+                out[name] = _hook_row(c, hook, plan.cluster.backend)
         for c in allowed:
             if f"only:{c}" in names:
                 only = MixedParetoDP(allowed=mixed.indices_of(c), time_limit_s=share).solve(mixed)
