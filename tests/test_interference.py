@@ -19,11 +19,11 @@ from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.simulator import simulate
 from planner.models import build_workload
 from planner.platform.launch import run_distributed
+from planner.runtime.exchange import write_scaled
 from planner.solvers import BASELINES, DDP_BASELINE
 from planner.strategies.cluster import parse_cluster, profile_for_cluster
 from planner.strategies.gradients import make_plan
 from planner.types import Collective, DistributedError, InvalidProfileError, SchemaError, Strategy
-from runtime.exchange import write_scaled
 from tests.factories import synthetic_profile
 
 SIGMAS = {Collective.ALLREDUCE: 0.8, Collective.ALLGATHER: 1.3}
@@ -133,7 +133,7 @@ def test_write_scaled_writes_a_gradient_once_scaled() -> None:
 
 
 def test_measure_packing_times_every_size() -> None:
-    from runtime.calibrate import measure_packing
+    from planner.runtime.calibrate import measure_packing
 
     curve = measure_packing([1 << 10, 1 << 14, 1 << 16], 2, torch.device("cpu"), repeats=2, warmup=1)
     assert [n for n, _ in curve.points] == [1 << 10, 1 << 14, 1 << 16]
@@ -141,7 +141,7 @@ def test_measure_packing_times_every_size() -> None:
 
 
 def _interference_worker(rank: int, world_size: int, chain_cap: int | None) -> Any:
-    from profilers import interference
+    from planner.profilers import interference
 
     torch.manual_seed(0)
     workload = build_workload("mlp")
@@ -170,7 +170,7 @@ def test_interference_is_measured_on_two_processes_and_refuses_a_chain_too_short
 
 
 def _layer_run(order: tuple[str, ...], scale: float, whole: list[float] | None = None) -> object:
-    from profilers.layers import LayerRun
+    from planner.profilers.layers import LayerRun
 
     return LayerRun(
         order=order, params={"a": ("a.w",), "b": ("b.w",)}, numel={"a": 10, "b": 20},
@@ -184,7 +184,7 @@ def _layer_run(order: tuple[str, ...], scale: float, whole: list[float] | None =
 def test_the_profile_plans_with_the_slowest_worker() -> None:
     """combine_ranks takes every per-layer and phase time from the worker with the largest median step,
     in rank 0's ready order; without whole steps nothing is scaled."""
-    from profilers.layers import combine_ranks
+    from planner.profilers.layers import combine_ranks
 
     summary = combine_ranks([_layer_run(("b", "a"), 1.0), _layer_run(("a", "b"), 2.0)])  # type: ignore[list-item]
     assert [lt.name for lt in summary.layers] == ["b", "a"]  # rank 0's ready order
@@ -197,7 +197,7 @@ def test_the_parts_are_scaled_to_the_whole_steps_of_the_slowest_worker() -> None
     """With whole steps timed between the hooked ones, the slowest worker is the one with the slowest whole
     steps, and its F, every b_i and U are scaled by one factor so that they sum to the median over the whole
     steps of each step's slowest rank (as the bench times a step)."""
-    from profilers.layers import combine_ranks
+    from planner.profilers.layers import combine_ranks
 
     # Rank 0's hooked parts are slower (sum 14 x 2 = 28) but rank 1's whole steps are (median 21 > 20).
     fast_parts = _layer_run(("b", "a"), 2.0, whole=[20.0, 19.0, 22.0])
@@ -214,7 +214,7 @@ def test_the_parts_are_scaled_to_the_whole_steps_of_the_slowest_worker() -> None
 
 
 def test_whole_steps_are_timed_between_the_hooked_ones_and_leave_no_hooks_behind() -> None:
-    from profilers.layers import measure_layers
+    from planner.profilers.layers import measure_layers
 
     workload = build_workload("mlp")
     model = workload.module
@@ -277,7 +277,7 @@ def test_the_ddp_row_is_predicted_with_ddps_own_cost_and_stays_above_the_bound()
         ddp_problem = gradient_problem(prof, strategy, density, selector="sampled", runtime="ddp")
         ddp = next(b for b in BASELINES[strategy] if b.name == DDP_BASELINE)
         grouping = ddp.solve(ddp_problem)
-        assert plan.baselines[plan.ddp_row] == simulate(ddp_problem, grouping)  # DDP's buckets: the rule's grouping
+        assert plan.baselines[plan.ddp_row] == simulate(ddp_problem, grouping)  # "ddp", or "ddp+topk:0.01"
         assert plan.baselines[plan.ddp_row].pack_s > 0
         rows = [plan.predicted, *plan.baselines.values()]
         assert all(plan.lower_bound_s <= r.iteration_s * (1 + 1e-9) for r in rows)
@@ -285,9 +285,9 @@ def test_the_ddp_row_is_predicted_with_ddps_own_cost_and_stays_above_the_bound()
 
 def _in_situ_worker(rank: int, world_size: int) -> InSitu:
     from planner.contracts.profile import TopkTiming
-    from profilers.layers import combine_ranks, measure_layers
-    from profilers.topk import measure_topk
-    from runtime.calibrate import measure_in_situ, measure_packing
+    from planner.profilers.layers import combine_ranks, measure_layers
+    from planner.profilers.topk import measure_topk
+    from planner.runtime.calibrate import measure_in_situ, measure_packing
 
     torch.manual_seed(0)
     workload = build_workload("mlp")
@@ -347,7 +347,7 @@ def test_the_bench_notes_factor_hooks_that_ran_apart_from_the_profile(capsys: py
 
 def test_a_chains_pace_counts_the_collectives_completed() -> None:
     """Seconds per collective from the chain's start to its last completion; None when none had."""
-    from profilers.interference import _pace
+    from planner.profilers.interference import _pace
 
     assert _pace([1.0, 2.0, 3.5], 0.5) == pytest.approx(1.0)
     assert _pace([1.0, 2.0, None], 0.0) == pytest.approx(1.0)

@@ -16,8 +16,8 @@ import torch
 from planner.commands.cli import main
 from planner.contracts.profile import Profile
 from planner.platform.memory import PhaseMemory, available_bytes, peak_rss_bytes, rss_bytes
+from planner.profilers.topk import measure_topk, topk_point_bytes
 from planner.types import SchemaError
-from profilers.topk import measure_topk, topk_point_bytes
 from tests.factories import synthetic_profile
 
 CPU = torch.device("cpu")
@@ -74,7 +74,7 @@ def test_peak_memory_round_trips_is_checked_and_shown(tmp_path: Path, capsys: py
     assert Profile.from_dict(json.loads(json.dumps(doc))) == profile
     path = tmp_path / "p.json"
     profile.save(path)
-    assert main(["show", str(path), "--details"]) == 0  # a detail: not in the profile's summary
+    assert main(["show", str(path), "--details"]) == 0  # the summary leaves memory to the details
     assert "per phase of the profile: layers 3.00 GiB, top-k 0.50 GiB" in " ".join(capsys.readouterr().out.split())
     del doc["peak_memory"]  # profiles made before it was measured
     assert Profile.from_dict(doc).peak_memory is None
