@@ -279,3 +279,11 @@ def test_ctrl_c_and_sigterm_tear_the_link_down(sig: signal.Signals) -> None:
             proc.wait()
     assert proc.returncode != 0
     assert _ours(proc.pid) == []
+
+
+@pytest.mark.parametrize("text", ["1" + "0" * 400 + "gbit", "1" + "0" * 310 + "kbit", "11tbit"])
+def test_absurd_rates_are_refused_in_one_line(text: str) -> None:
+    with pytest.raises(LinkError, match=r"--link <= 10tbit") as caught:
+        parse_rate(text)
+    assert len(str(caught.value)) < 200  # the rate is shortened in the message, not printed whole
+    assert parse_rate("10tbit").bits_per_s == 10**13

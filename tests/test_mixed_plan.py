@@ -100,6 +100,8 @@ def test_cli_solve_mixed_and_auto_write_plans(tmp_path: Path, capsys: pytest.Cap
     (["--strategy", "dense", "--compressors", "fp16"], "applies to --strategy mixed and auto only"),
     (["--strategy", "mixed", "--compressors", "fp16", "--selector", "sampled"], "--selector applies"),
     (["--strategy", "auto", "--time-limit", "0"], "--time-limit > 0"),
+    (["--strategy", "mixed", "--compressors", ""], "--compressors needs a preset"),  # not the default, silently
+    (["--strategy", "auto", "--compressors", ""], "--compressors needs a preset"),
 ])
 def test_cli_bad_compressors_give_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
                                            message: str) -> None:

@@ -112,7 +112,7 @@ class SolveCommand(Command):
         if is_mixed or is_auto:
             from planner.strategies.mixed import parse_compressors
 
-            compressors = parse_compressors(args.compressors or "light")
+            compressors = parse_compressors("light" if args.compressors is None else args.compressors)  # "" refused
         topk_allowed = strategy is Strategy.TOPK or any(c.kind.value == "topk" for c in compressors or ())
         if args.selector != "auto" and not topk_allowed:
             raise PlannerError("--selector applies to top-k plans only (--strategy topk, or topk:D in --compressors)")

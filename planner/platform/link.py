@@ -91,6 +91,7 @@ _MS_REC = 16384
 _MS_PRIVATE = 1 << 18
 #: Below this a link is too slow for gradient traffic to finish within any reasonable timeout.
 _MIN_RATE = 10**6
+_MAX_RATE = 10**13  # 10tbit
 
 
 class LinkError(PlannerError, RuntimeError):
@@ -125,7 +126,11 @@ def parse_rate(text: str) -> LinkRate:
     m = _RATE_RE.match(text)
     if m is None:
         raise LinkError(f"--link must be a rate such as 1gbit, 200mbit or 10gbit, but got {text!r}")
-    bits = round(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]  # inf for a number of hundreds of digits
+    if not value <= _MAX_RATE:
+        raise LinkError(f"`--link <= 10tbit` must hold (a faster link is no slower than this machine's loopback), "
+                        f"but got {text[:40]!r}{'...' if len(text) > 40 else ''}")
+    bits = round(value)
     if bits < _MIN_RATE:
         raise LinkError(f"`--link >= 1mbit` must hold (slower links make every collective time out), but got {text!r}")
     return LinkRate(bits_per_s=bits, text=f"{m.group(1)}{m.group(2).lower()}")
