@@ -70,7 +70,9 @@ def test_a_profile_without_them_models_neither(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("interference", "error", "match"),
     [
-        ({"allreduce": -0.5}, InvalidProfileError, r"profile\.{field}\.allreduce must be a finite number >= 0"),
+        ({"allreduce": -0.5}, InvalidProfileError, r"`0 <= profile\.{field}\.allreduce <= 100` must hold"),
+        ({"allreduce": 1e308}, InvalidProfileError, r"`0 <= profile\.{field}\.allreduce <= 100` must hold"),
+        ({"allreduce": 101}, InvalidProfileError, r"`0 <= profile\.{field}\.allreduce <= 100` must hold"),
         ({"allreduce": "fast"}, SchemaError, r"profile\.{field}\.allreduce must be int/float"),
         ({"telepathy": 0.5}, SchemaError, r"unknown collective 'telepathy' in profile\.{field}"),
         ([0.5], SchemaError, r"profile\.{field} must be dict"),

@@ -1093,13 +1093,17 @@ def _peak_memory(data: Any) -> dict[str, int]:
     return out
 
 
+#: The largest sigma or kappa a profile may hold: 101 times slower is no measurement of interference, and a time
+#: multiplied by more overflows the baselines' arithmetic (the Horovod cycle counts its cycles).
+MAX_SLOWDOWN = 100.0
+
 _SLOWDOWNS = {"interference": "how much slower compute runs while one is in flight",
               "comm_stretch": "how much slower a chain of them runs while the workers compute"}
 
 
 def _interference(data: Any, field: str = "interference") -> dict[Collective, float]:
-    """{"allreduce": sigma, ...} (or kappa, for `comm_stretch`) as checked values: known collectives, finite
-    numbers >= 0."""
+    """{"allreduce": sigma, ...} (or kappa, for `comm_stretch`) as checked values: known collectives, numbers from 0
+    to MAX_SLOWDOWN."""
     out = {}
     for name, sigma in expect(data, dict, f"profile.{field}").items():
         try:
@@ -1109,9 +1113,9 @@ def _interference(data: Any, field: str = "interference") -> dict[Collective, fl
                 f"unknown collective {name!r} in profile.{field}; known: {[c.value for c in Collective]}"
             ) from None
         value = float(expect(sigma, (int, float), f"profile.{field}.{name}"))
-        if not (math.isfinite(value) and value >= 0):
-            raise InvalidProfileError(f"profile.{field}.{name} must be a finite number >= 0 ({_SLOWDOWNS[field]}), "
-                                      f"got {sigma!r}")
+        if not (math.isfinite(value) and 0 <= value <= MAX_SLOWDOWN):
+            raise InvalidProfileError(f"`0 <= profile.{field}.{name} <= {MAX_SLOWDOWN:g}` must hold "
+                                      f"({_SLOWDOWNS[field]}: 1 + it times), but got {sigma!r}")
         out[coll] = value
     return out
 
