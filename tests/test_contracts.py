@@ -408,3 +408,89 @@ def test_foreign_strings_print_as_they_are(capsys: pytest.CaptureFixture[str]) -
     err_console.print(message)
     captured = capsys.readouterr()
     assert message in captured.out.replace("\n", "") and message in captured.err.replace("\n", "")
+
+
+# -- a profile is checked whole at load, before any solver runs ----------------------------------------------------
+@pytest.mark.parametrize("scale", [1e5, 101.0, 1e-320, 0.001])
+def test_a_parts_scale_outside_its_range_is_refused_naming_it(tmp_path: Path, scale: float) -> None:
+    """parts_scale scales every layer's time: "a time" of up to 1e6 let 1e-320 through, whose reciprocal is inf."""
+    doc = {**synthetic_profile("mlp").to_dict(), "parts_scale": scale}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InvalidProfileError, match=r"`0\.01 <= profile\.parts_scale <= 100` must hold"):
+        Profile.load(path)
+
+
+def test_a_profile_built_in_code_has_its_slowdowns_bounded_as_one_loaded() -> None:
+    """The load bounded sigma and kappa; a Profile made in code (a what-if, a resample) is held to the same."""
+    from planner.types import Collective
+
+    prof = synthetic_profile("mlp")
+    for field in ("interference", "comm_stretch"):
+        with pytest.raises(InvalidProfileError, match=rf"`0 <= profile\.{field}\.allreduce <= 100` must hold"):
+            replace(prof, **{field: {Collective.ALLREDUCE: 1e308}})
+
+
+def _with_extra_layers(count: int) -> dict[str, object]:
+    """The mlp's profile with `count` layers that its model does not have."""
+    doc = synthetic_profile("mlp").to_dict()
+    template = doc["layers"][0]
+    doc["layers"] += [{**template, "name": f"extra{i}", "params": [f"extra{i}.weight"]} for i in range(count)]
+    return doc
+
+
+def test_a_profile_whose_layers_are_not_its_model_is_refused_at_load(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_with_extra_layers(1)))
+    with pytest.raises(InvalidProfileError, match=r"profile\.layers hold 9 parameter tensors .* but profile\.model "
+                                                  r"mlp has 8 .* profile it again"):
+        Profile.load(path)
+    doc = synthetic_profile("mlp").to_dict()
+    doc["layers"] = doc["layers"][1:]  # one layer (two tensors) missing
+    doc.pop("steps", None)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InvalidProfileError, match=r"profile\.layers hold 6 parameter tensors"):
+        Profile.load(path)
+
+
+@pytest.mark.parametrize("strategy", ["dense", "topk", "mixed", "auto", "kfac"])
+def test_solve_refuses_a_profile_that_does_not_match_its_model_before_solving(
+        tmp_path: Path, strategy: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 20,000-layer profile of an 8-tensor model was solved for 13 minutes and only then refused: now no solver
+    starts (each is replaced by one that fails the test)."""
+    import planner.strategies.auto as auto
+    import planner.strategies.gradients as gradients
+    import planner.strategies.kfac as kfac
+    import planner.strategies.mixed as mixed
+
+    def never(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a solver ran on a profile that does not describe its model")
+
+    for module, name in ((gradients, "make_plan"), (mixed, "make_mixed_plan"), (auto, "solve_auto"),
+                         (kfac, "make_kfac_plan")):
+        monkeypatch.setattr(module, name, never)
+    path, out = tmp_path / "p.json", tmp_path / "plan.json"
+    path.write_text(json.dumps(_with_extra_layers(20_000)))
+    assert main(["solve", str(path), "--strategy", strategy, "-o", str(out)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "profile.layers hold 20,008 parameter tensors" in err[0], err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("field", "value"), [("forward_s", 1e-300), ("whole_s", 1e6)])
+def test_step_samples_that_would_scale_a_time_beyond_bounds_are_refused(tmp_path: Path, field: str,
+                                                                       value: float) -> None:
+    """A resampled profile scales a draw's parts by median whole / summed parts: with parts summing to 1e-300 s
+    every time became about 1e297 times larger, then inf."""
+    from tests.factories import with_samples
+
+    doc = with_samples(synthetic_profile("mlp")).to_dict()
+    steps = doc["steps"]
+    if field == "forward_s":
+        steps["update_s"] = [0.0] * len(steps["update_s"])
+        steps["backward_s"] = [[0.0] * len(row) for row in steps["backward_s"]]
+    steps[field] = [value] * len(steps[field])
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InvalidProfileError, match=r"profile\.steps: the whole steps .* must agree within 100x"):
+        Profile.load(path)

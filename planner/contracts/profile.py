@@ -1139,6 +1139,17 @@ class StepSamples:
                                       f"forward_s, update_s and backward_s, got {sorted(counts)}")
         if len({len(row) for row in self.backward_s}) != 1:
             raise InvalidProfileError("profile.steps.backward_s must list every layer at every step")
+        # Any draw of steps scales its parts by median whole / summed medians: bounded by these extremes, so that
+        # no resampled profile multiplies a time by more than MAX_SLOWDOWN (or divides by a sum of zero).
+        rows = np.asarray(self.backward_s, dtype=float)
+        least = min(self.forward_s) + float(rows.min(axis=0).sum()) + min(self.update_s)
+        most = max(self.forward_s) + float(rows.max(axis=0).sum()) + max(self.update_s)
+        if not (least > 0 and max(self.whole_s) / least <= MAX_SLOWDOWN
+                and min(self.whole_s) / most >= 1 / MAX_SLOWDOWN):
+            raise InvalidProfileError(
+                f"profile.steps: the whole steps ({min(self.whole_s):g} to {max(self.whole_s):g} s) and the sums of "
+                f"their parts ({least:g} to {most:g} s) must agree within {MAX_SLOWDOWN:g}x (the parts are scaled "
+                "by their ratio); profile it again with `planner profile`")
 
     @property
     def count(self) -> int:
@@ -1287,16 +1298,31 @@ class Profile:
             raise InvalidProfileError(
                 f"profile.hosts lists {len(self.hosts.ranks)} hosts of {self.hosts.per_host} ranks, but the cluster "
                 f"is {self.cluster.host_count} hosts and {self.cluster.world_size} workers")
-        if self.parts_scale is not None and not (math.isfinite(self.parts_scale) and self.parts_scale > 0):
-            raise InvalidProfileError(f"profile.parts_scale must be a finite number > 0, got {self.parts_scale!r}")
+        if self.parts_scale is not None and not (math.isfinite(self.parts_scale)
+                                                 and 1 / MAX_SLOWDOWN <= self.parts_scale <= MAX_SLOWDOWN):
+            raise InvalidProfileError(
+                f"`{1 / MAX_SLOWDOWN:g} <= profile.parts_scale <= {MAX_SLOWDOWN:g}` must hold (the factor the layers' "
+                f"times were scaled by to sum to a whole step), but got {self.parts_scale!r}")
+        self._check_layers_cover_model()
         if self.steps is not None and len(self.steps.backward_s[0]) != len(self.layers):
             raise InvalidProfileError(f"profile.steps.backward_s lists {len(self.steps.backward_s[0])} layers per "
                                       f"step, but the profile has {len(self.layers)}")
         for name, values in (("interference", self.interference), ("comm_stretch", self.comm_stretch)):
             for coll, sigma in (values or {}).items():
-                if not (math.isfinite(sigma) and sigma >= 0):
-                    raise InvalidProfileError(f"profile.{name}.{coll.value} must be a finite number >= 0, "
-                                              f"got {sigma!r}")
+                if not (math.isfinite(sigma) and 0 <= sigma <= MAX_SLOWDOWN):
+                    raise InvalidProfileError(f"`0 <= profile.{name}.{coll.value} <= {MAX_SLOWDOWN:g}` must hold, "
+                                              f"but got {sigma!r}")
+
+    def _check_layers_cover_model(self) -> None:
+        """The layers hold every trainable parameter of the model the profile names, and no other: checked at load,
+        before a solver spends its time on a profile no plan could be made from."""
+        params = sum(len(lt.params) for lt in self.layers)
+        numel = sum(lt.numel for lt in self.layers)
+        if params != self.model.num_params or numel != self.model.numel:
+            raise InvalidProfileError(
+                f"profile.layers hold {params:,} parameter tensors of {numel:,} elements, but profile.model "
+                f"{self.model.name} has {self.model.num_params:,} of {self.model.numel:,}: the profile does not "
+                "describe its model; profile it again with `planner profile`")
 
     def interference_for(self, collective: Collective) -> float:
         """sigma of `collective`: how much slower compute runs while one is in flight (0 if not measured)."""
