@@ -359,7 +359,10 @@ class GradientExchange:
         optimizer: the optimizer that steps the model, required when momentum > 0, and useful always: a step
             pre-hook then refuses `optimizer.step()` between a backward and its `synchronize()`. Its param groups
             holding planned parameters must have momentum 0 (refused otherwise, and again at every
-            `step()` through a step pre-hook, in case it is changed later). Its weight decay is left to
+            `step()` through a step pre-hook, in case it is changed later). Without `momentum`, a plan
+            with top-k groups refuses an optimizer with momentum on their parameters (pass the momentum
+            here instead); dense, fp16 and PowerSGD groups keep the optimizer's momentum. Without
+            `optimizer` none of this can be checked. Its weight decay is left to
             it: torch's SGD adds weight_decay * p to the averaged result at step time, so weight decay
             is neither sparsified nor momentum-accelerated (with momentum m its long-run effect is about
             (1 - m) times that of `SGD(momentum=m, weight_decay=wd)`; put the decay in the loss to have
@@ -406,7 +409,8 @@ class GradientExchange:
             kind of device without `auto_retune`, or its parameters do not match the model's trainable
             parameters.
         ValueError: momentum, clipping or warm-up settings out of range, momentum without an optimizer,
-            an optimizer that applies momentum itself, or a density warm-up with a dense plan.
+            an optimizer that applies momentum itself (with `momentum`, or on top-k groups), or a density
+            warm-up with a dense plan.
     """
 
     def __init__(
@@ -447,10 +451,14 @@ class GradientExchange:
         self._warmup = self._check_options(plan, momentum, nesterov, optimizer, clip_norm, density_warmup)
         params = planned_params(model, plan)
         self._planned_ids = frozenset(id(params[n]) for n in plan.param_order)
+        self._topk_ids = frozenset(id(params[n]) for g in plan.groups
+                                   if plan.compressor_of(g).kind is CompressorKind.TOPK for n in g.params)
         self._optimizer_hook: RemovableHandle | None = None
         if self.momentum > 0:
             assert optimizer is not None
             self._check_optimizer(optimizer)
+        elif optimizer is not None:
+            self._check_topk_momentum(optimizer)
         if optimizer is not None:
             self._optimizer_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         total = sum(g.numel for g in plan.groups)
@@ -568,9 +576,25 @@ class GradientExchange:
                     f"applies momentum={self.momentum}, so it would be applied twice; {_OPTIMIZER_FIX}"
                 )
 
+    def _check_topk_momentum(self, optimizer: torch.optim.Optimizer) -> None:
+        """Without `momentum`: refuse an optimizer with momentum on parameters the plan sends by top-k. Its
+        momentum would act on the sparse, delayed average, the mistake DGC's momentum correction is for."""
+        if not self._topk_ids:
+            return
+        for i, group in enumerate(optimizer.param_groups):
+            m = group.get("momentum") or 0
+            if m and any(id(p) in self._topk_ids for p in group["params"]):
+                nesterov = ", nesterov=True" if group.get("nesterov") else ""
+                raise ValueError(
+                    f"optimizer param group {i} has momentum={m}, but the plan sends its parameters by top-k, where "
+                    f"the optimizer's momentum acts on a sparse, delayed average; pass momentum={m}{nesterov} to "
+                    "GradientExchange and momentum=0 to the optimizer (the exchange applies it before top-k)"
+                )
+
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Step pre-hook: refuse a step between a backward and its `synchronize()` (it would apply this rank's
-        own gradients), and, with momentum, an optimizer whose momentum was turned on after construction."""
+        own gradients), and an optimizer whose momentum was turned on after construction (with `momentum`,
+        or on a plan's top-k groups)."""
         if self._active:
             raise DistributedError(
                 "optimizer.step() was called after backward but before exchange.synchronize(): it would apply "
@@ -578,6 +602,8 @@ class GradientExchange:
             )
         if self.momentum > 0:
             self._check_optimizer(optimizer)
+        else:
+            self._check_topk_momentum(optimizer)
 
     def _k_at(self, numel: int, k: int | None, step: int) -> int | None:
         """k a top-k group sends at `step`: the warm-up's, never below the plan's k (the plan's after it)."""
