@@ -461,6 +461,8 @@ def profile_summary(profile: object) -> list[str]:
             lines.append(f"in-situ calibration: all {len(named)} used")
     if profile.kfac is not None:
         lines.append(f"K-FAC: factors, preconditioning and inversion measured for {len(profile.kfac.layers)} layers")
+    if profile.unused_params is not None and profile.unused_params.any:
+        lines.append(profile.unused_params.summary())
     return lines
 
 
