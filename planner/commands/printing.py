@@ -419,7 +419,8 @@ def print_profile(profile: object, details: bool = False) -> None:
 
 def profile_summary(profile: object) -> list[str]:
     """The lines `planner profile` prints: where it measured, the step with its interval, compute against
-    communication (one allreduce of every gradient), sigma and kappa, and the in-situ calibrations not used."""
+    communication (one allreduce of every gradient), sigma and kappa, the in-situ calibrations not used, and the
+    parameters that went without a gradient in some batches."""
     from planner.contracts.profile import Profile
     from planner.types import Collective
 
