@@ -11,10 +11,16 @@ import torch
 
 from planner.contracts.layers import gradient_layers
 from planner.contracts.profile import LayerTiming, StepSamples
+from planner.contracts.unused import UnusedParams
 from planner.models import Workload
 from planner.platform.timing import Marks, iqr, median, time_call
 
-__all__ = ["MAX_LAYER_REPEATS", "LayerRun", "LayerSummary", "combine_ranks", "measure_layers"]
+__all__ = ["MAX_LAYER_REPEATS", "UNUSED_CHECK_BATCHES", "LayerRun", "LayerSummary", "combine_ranks", "gradient_counts",
+           "measure_layers", "unused_params"]
+
+#: Batches each rank checks for parameters without a gradient (`gradient_counts`): a router that picks 2 of 4
+#: experts per batch leaves a given expert out of all 8 with probability (1/2)**8 at the most.
+UNUSED_CHECK_BATCHES = 8
 
 #: The most repeats `measure_layers` extends to when its whole steps should span `min_seconds`.
 MAX_LAYER_REPEATS = 100
@@ -305,3 +311,29 @@ def _step_samples(slowest: LayerRun, runs: list[LayerRun], order: tuple[str, ...
     per_layer = [slowest.backward[name] if len(slowest.backward[name]) == steps else [0.0] * steps for name in order]
     return StepSamples(whole_s=whole, forward_s=tuple(slowest.forward_total), update_s=tuple(slowest.update),
                        backward_s=tuple(tuple(col[i] for col in per_layer) for i in range(steps)))
+
+
+def gradient_counts(workload: Workload, device: torch.device, seeds: range) -> dict[str, int]:
+    """In how many of the batches drawn from `seeds` each trainable parameter got a gradient (forward and
+    backward, no update). Several batches, not one: a mixture-of-experts router leaves other experts unused in
+    each batch, and a parameter unused in some batches needs `find_unused_parameters` as much as one never used."""
+    model = workload.module.to(device)
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    counts = dict.fromkeys((name for name, _ in params), 0)
+    for seed in seeds:
+        inputs, targets = (t.to(device) for t in workload.batch(seed=seed))
+        model.zero_grad(set_to_none=True)
+        workload.loss_fn(model(inputs), targets).backward()
+        for name, p in params:
+            counts[name] += p.grad is not None
+    model.zero_grad(set_to_none=True)
+    return counts
+
+
+def unused_params(counts: list[dict[str, int]], batches: int) -> UnusedParams:
+    """Every rank's `gradient_counts` (of `batches` batches each) as one record: parameters with no gradient in
+    any batch of any rank (`never`) or in some (`sometimes`), in the model's order."""
+    total = batches * len(counts)
+    summed = {name: sum(c[name] for c in counts) for name in counts[0]}
+    return UnusedParams(batches=total, never=tuple(n for n, c in summed.items() if c == 0),
+                        sometimes=tuple(n for n, c in summed.items() if 0 < c < total))

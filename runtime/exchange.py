@@ -30,9 +30,10 @@ Design (DESIGN.md, "Runtime principles"):
   their buffer's are copied in and out.
 - A planned parameter with no gradient this step (unused in the forward) counts as zeros: its group
   is prepared and launched by `synchronize()`, and afterwards its `.grad` holds the average over ranks
-  (zeros if no rank had a gradient). With `find_unused_parameters=True`, as DDP's option of that name,
-  a parameter no rank had a gradient for keeps its `.grad` as it was (None stays None, so the
-  optimizer skips it, weight decay included), at the cost of one small allreduce per step. Exception:
+  (zeros if no rank had a gradient). With `find_unused_parameters=True`, as DDP's option of that name
+  (on by default where the plan's profile found parameters without a gradient), a parameter no rank
+  had a gradient for keeps its `.grad` as it was (None stays None, so the optimizer skips it, weight
+  decay included), at the cost of one small allreduce per step. Exception:
   a dense plan on world size 1 without momentum or clipping leaves gradients untouched.
 - Momentum correction (Deep Gradient Compression, Lin et al., ICLR 2018; `momentum=`): momentum is
   accumulated locally, per group, *before* the exchange (u = m u + g; top-k then selects from the
@@ -52,6 +53,7 @@ import hashlib
 import math
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -100,6 +102,29 @@ atexit.register(_drain_at_exit)
 
 #: Fix named by every refusal of an optimizer that would apply momentum a second time.
 _OPTIMIZER_FIX = "use momentum=0 in the optimizer; the exchange applies momentum"
+
+
+def _find_unused(plan: Plan, given: bool | None) -> bool:
+    """`find_unused_parameters` as given, or as the plan says when not given (see `GradientExchange`)."""
+    unused = plan.unused_params
+    if unused is None or not unused.any:
+        return bool(given)
+    where = f"the plan's profile found parameters without a gradient in some of {unused.batches} batches"
+    named = _name_list(list(unused.names))
+    if given is False:
+        raise ValueError(
+            f"find_unused_parameters=False, but {where} ({named}): their missing gradients would be averaged as "
+            "zeros and the optimizer would move them where DDP leaves them alone; pass find_unused_parameters=True "
+            "(or leave it out: the plan turns it on)"
+        )
+    if given is None:
+        warnings.warn(
+            f"find_unused_parameters is on: {where} ({named}), so, as in DDP, a parameter no rank had a gradient "
+            "for keeps its .grad; pass find_unused_parameters=True to say so and silence this note",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return True
 
 
 def _world_size(process_group: Any) -> int:
@@ -359,7 +384,10 @@ class GradientExchange:
         optimizer: the optimizer that steps the model, required when momentum > 0, and useful always: a step
             pre-hook then refuses `optimizer.step()` between a backward and its `synchronize()`. Its param groups
             holding planned parameters must have momentum 0 (refused otherwise, and again at every
-            `step()` through a step pre-hook, in case it is changed later). Its weight decay is left to
+            `step()` through a step pre-hook, in case it is changed later). Without `momentum`, a plan
+            with top-k groups refuses an optimizer with momentum on their parameters (pass the momentum
+            here instead); dense, fp16 and PowerSGD groups keep the optimizer's momentum. Without
+            `optimizer` none of this can be checked. Its weight decay is left to
             it: torch's SGD adds weight_decay * p to the averaged result at step time, so weight decay
             is neither sparsified nor momentum-accelerated (with momentum m its long-run effect is about
             (1 - m) times that of `SGD(momentum=m, weight_decay=wd)`; put the decay in the loss to have
@@ -385,7 +413,13 @@ class GradientExchange:
             per parameter tells which parameters no rank had a gradient for, and their `.grad` is left
             as it was instead of being set to the zeros that were averaged. (A parameter unused on some
             ranks only is averaged with zeros from the others either way, as in DDP. With `momentum`
-            its velocity still decays that step.)
+            its velocity still decays that step.) Default None: as the plan says. A plan whose profile
+            found parameters without a gradient in some of its batches (`Plan.unused_params`: a head the
+            loss never touches, experts a router left out) turns it on, with a RuntimeWarning naming them;
+            pass True to turn it on without the warning. False with such a plan is refused: their
+            missing gradients would be averaged as zeros, and the optimizer's momentum and weight decay
+            would move them where DDP leaves them alone. Other plans (and plans from profiles made before
+            the check) leave it off.
         crossover: run crossed over with a paired job on the same devices (CrossoverScheduler): a pairing plan
             (`planner pair`; its path, or the loaded `PairingPlan`) naming this job's plan, or a
             `planner.runtime.crossover.DeviceGate`. The exchange then takes the pair's gate before each training
@@ -405,8 +439,10 @@ class GradientExchange:
         PlanMismatchError: the plan was made for another model, or for another world size, backend or
             kind of device without `auto_retune`, or its parameters do not match the model's trainable
             parameters.
-        ValueError: momentum, clipping or warm-up settings out of range, momentum without an optimizer,
-            an optimizer that applies momentum itself, or a density warm-up with a dense plan.
+        ValueError: find_unused_parameters=False with a plan that records unused parameters;
+            momentum, clipping or warm-up settings out of range, momentum without an optimizer,
+            an optimizer that applies momentum itself (with `momentum`, or on top-k groups), or a density
+            warm-up with a dense plan.
     """
 
     def __init__(
@@ -423,7 +459,7 @@ class GradientExchange:
         optimizer: torch.optim.Optimizer | None = None,
         clip_norm: float | None = None,
         density_warmup: tuple[float, int] | None = None,
-        find_unused_parameters: bool = False,
+        find_unused_parameters: bool | None = None,
         forward_sync_buffers: bool = True,
         crossover: Any = None,
         crossover_job: str | None = None,
@@ -443,14 +479,18 @@ class GradientExchange:
         self.momentum = float(momentum)
         self.nesterov = nesterov
         self.clip_norm = clip_norm
-        self.find_unused_parameters = bool(find_unused_parameters)
+        self.find_unused_parameters = _find_unused(plan, find_unused_parameters)
         self._warmup = self._check_options(plan, momentum, nesterov, optimizer, clip_norm, density_warmup)
         params = planned_params(model, plan)
         self._planned_ids = frozenset(id(params[n]) for n in plan.param_order)
+        self._topk_ids = frozenset(id(params[n]) for g in plan.groups
+                                   if plan.compressor_of(g).kind is CompressorKind.TOPK for n in g.params)
         self._optimizer_hook: RemovableHandle | None = None
         if self.momentum > 0:
             assert optimizer is not None
             self._check_optimizer(optimizer)
+        elif optimizer is not None:
+            self._check_topk_momentum(optimizer)
         if optimizer is not None:
             self._optimizer_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         total = sum(g.numel for g in plan.groups)
@@ -568,9 +608,25 @@ class GradientExchange:
                     f"applies momentum={self.momentum}, so it would be applied twice; {_OPTIMIZER_FIX}"
                 )
 
+    def _check_topk_momentum(self, optimizer: torch.optim.Optimizer) -> None:
+        """Without `momentum`: refuse an optimizer with momentum on parameters the plan sends by top-k. Its
+        momentum would act on the sparse, delayed average, the mistake DGC's momentum correction is for."""
+        if not self._topk_ids:
+            return
+        for i, group in enumerate(optimizer.param_groups):
+            m = group.get("momentum") or 0
+            if m and any(id(p) in self._topk_ids for p in group["params"]):
+                nesterov = ", nesterov=True" if group.get("nesterov") else ""
+                raise ValueError(
+                    f"optimizer param group {i} has momentum={m}, but the plan sends its parameters by top-k, where "
+                    f"the optimizer's momentum acts on a sparse, delayed average; pass momentum={m}{nesterov} to "
+                    "GradientExchange and momentum=0 to the optimizer (the exchange applies it before top-k)"
+                )
+
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Step pre-hook: refuse a step between a backward and its `synchronize()` (it would apply this rank's
-        own gradients), and, with momentum, an optimizer whose momentum was turned on after construction."""
+        own gradients), and an optimizer whose momentum was turned on after construction (with `momentum`,
+        or on a plan's top-k groups)."""
         if self._active:
             raise DistributedError(
                 "optimizer.step() was called after backward but before exchange.synchronize(): it would apply "
@@ -578,6 +634,8 @@ class GradientExchange:
             )
         if self.momentum > 0:
             self._check_optimizer(optimizer)
+        else:
+            self._check_topk_momentum(optimizer)
 
     def _k_at(self, numel: int, k: int | None, step: int) -> int | None:
         """k a top-k group sends at `step`: the warm-up's, never below the plan's k (the plan's after it)."""

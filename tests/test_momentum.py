@@ -291,6 +291,76 @@ def test_optimizer_momentum_turned_on_later_is_refused_at_step() -> None:
     opt.step()
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_optimizer_momentum_beside_a_topk_plan_is_refused_naming_the_fix(nesterov: bool) -> None:
+    """README, "Top-k with momentum": without momentum= the optimizer's momentum would act on the sparse average."""
+    model = tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=MOMENTUM, nesterov=nesterov)
+    plan = make_plan(model, "per-layer", Strategy.TOPK, 0.1, world_size=1)
+    fix = (rf"pass momentum=0.9{', nesterov=True' if nesterov else ''} to GradientExchange and momentum=0 to the "
+           "optimizer")
+    with pytest.raises(ValueError, match=rf"param group 0 has momentum=0.9, but the plan sends .* by top-k.*{fix}") \
+            as info:
+        GradientExchange(model, plan, optimizer=opt)
+    one_line(info)
+    # Following the fix runs.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    exchange = GradientExchange(model, plan, momentum=MOMENTUM, nesterov=nesterov, optimizer=opt)
+    _run(model, exchange, opt, range(2))
+    exchange.close()
+
+
+def test_optimizer_momentum_turned_on_later_beside_a_topk_plan_is_refused_at_step() -> None:
+    model = tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    exchange = GradientExchange(model, make_plan(model, "single", Strategy.TOPK, 0.1, world_size=1), optimizer=opt)
+    _run(model, exchange, opt, range(1))
+    opt.param_groups[0]["momentum"] = 0.5
+    with pytest.raises(ValueError, match=r"pass momentum=0\.5 to GradientExchange and momentum=0 to the optimizer"):
+        opt.step()
+    exchange.close()
+
+
+def test_optimizer_momentum_is_refused_only_on_the_top_k_groups_of_a_mixed_plan() -> None:
+    """Momentum stays in the optimizer for dense, fp16 and PowerSGD groups; on top-k groups it is refused."""
+    from tests.test_mixed_runtime import mixed_plan
+
+    model = tiny_mlp()  # layers in ready order: 4, 2, 0
+    plan = mixed_plan(model, ["topk:0.2", "fp16", "powersgd:1"], world_size=1)
+    topk_layer = model[4]
+    rest = [p for m in (model[0], model[2]) for p in m.parameters()]
+    opt = torch.optim.SGD([{"params": rest, "momentum": MOMENTUM}, {"params": topk_layer.parameters()}], lr=0.1)
+    exchange = GradientExchange(model, plan, optimizer=opt)  # momentum on the fp16 and PowerSGD groups: kept
+    _run(model, exchange, opt, range(2))
+    exchange.close()
+    opt = torch.optim.SGD([{"params": rest}, {"params": topk_layer.parameters(), "momentum": MOMENTUM}], lr=0.1)
+    with pytest.raises(ValueError, match=r"param group 1 has momentum=0\.9, but the plan sends .* by top-k"):
+        GradientExchange(model, plan, optimizer=opt)
+
+
+@pytest.mark.parametrize("strategy", ["dense", "fp16", "powersgd:1"])
+def test_plans_without_top_k_keep_the_optimizers_momentum(strategy: str) -> None:
+    """Dense, fp16 and PowerSGD plans with optimizer momentum give torch momentum SGD's weights on one worker."""
+    from tests.test_mixed_runtime import mixed_plan
+
+    model, ref = tiny_mlp(), tiny_mlp()
+    plan = (make_plan(model, "per-layer", world_size=1) if strategy == "dense"
+            else mixed_plan(model, [strategy], world_size=1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=MOMENTUM)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=MOMENTUM)
+    exchange = GradientExchange(model, plan, optimizer=opt)
+    _run(model, exchange, opt, range(3))
+    for step in range(3):
+        x, y = make_batch(0, step)
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    exchange.close()
+    if strategy == "dense":  # fp16 and PowerSGD are lossy: only that they ran with the optimizer's momentum
+        torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=RTOL, atol=ATOL)
+    assert all(opt.state[p]["momentum_buffer"] is not None for p in model.parameters())
+
+
 def _run(model: nn.Module, exchange: GradientExchange, opt: torch.optim.Optimizer, steps: range) -> None:
     for step in steps:
         x, y = make_batch(0, step)

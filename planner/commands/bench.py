@@ -450,7 +450,7 @@ def sgd_as_advised(model: torch.nn.Module, plan: Plan | None, *, lr: float, mome
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if in_exchange else momentum)
     if plan is None:
         return opt, None
-    exchange = GradientExchange(model, plan, model_name=model_name, find_unused_parameters=find_unused,
+    exchange = GradientExchange(model, plan, model_name=model_name, find_unused_parameters=find_unused or None,
                                 momentum=momentum if in_exchange else 0.0, optimizer=opt if in_exchange else None)
     return opt, exchange
 
@@ -477,7 +477,8 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     batch = (inputs.to(device), targets.to(device))
     base.module.to(device)
     # A model with parameters the loss does not use: DDP and the exchange must be told (as a user would).
-    unused = has_unused_parameters(base.module, lambda m: base.loss_fn(m(batch[0]), batch[1]))
+    unused = has_unused_parameters(base.module, lambda m: base.loss_fn(m(batch[0]), batch[1])) or any(
+        p.unused_params is not None and p.unused_params.any for p in config.plans)  # unused in other batches
     runners = []
     for v in variants:
         wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank

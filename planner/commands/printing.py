@@ -419,7 +419,8 @@ def print_profile(profile: object, details: bool = False) -> None:
 
 def profile_summary(profile: object) -> list[str]:
     """The lines `planner profile` prints: where it measured, the step with its interval, compute against
-    communication (one allreduce of every gradient), sigma and kappa, and the in-situ calibrations not used."""
+    communication (one allreduce of every gradient), sigma and kappa, the in-situ calibrations not used, and the
+    parameters that went without a gradient in some batches."""
     from planner.contracts.profile import Profile
     from planner.types import Collective
 
@@ -461,6 +462,8 @@ def profile_summary(profile: object) -> list[str]:
             lines.append(f"in-situ calibration: all {len(named)} used")
     if profile.kfac is not None:
         lines.append(f"K-FAC: factors, preconditioning and inversion measured for {len(profile.kfac.layers)} layers")
+    if profile.unused_params is not None and profile.unused_params.any:
+        lines.append(profile.unused_params.summary())
     return lines
 
 

@@ -17,6 +17,7 @@ from planner.commands.printing import gib
 from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.profile import InSitu, Profile, WorkerThroughput
+from planner.contracts.unused import UnusedParams
 from planner.kernels.hierarchical import HostGroups
 from planner.models import build_workload
 from planner.platform.hosts import host_names, ranks_by_host
@@ -41,10 +42,13 @@ from planner.profilers.compress import DEFAULT_POWERSGD_RANKS, compress_points, 
 from planner.profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_interference
 from planner.profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
 from planner.profilers.layers import (
+    UNUSED_CHECK_BATCHES,
     combine_ranks,
+    gradient_counts,
     measure_layers,
     measure_throughput,
     throughput_batch_sizes,
+    unused_params,
 )
 from planner.profilers.probe import current_cluster
 from planner.profilers.topk import measure_topk
@@ -155,6 +159,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
 
     layer_results = None
     throughput = None
+    unused: UnusedParams | None = None  # --only comm keeps the base profile's (`Profile.with_comm`)
     if not config.only_comm:
         workload = build_workload(config.model, batch_size=config.batch_size)
         info = model_info(workload.module, config.model)
@@ -182,6 +187,12 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             gathered: list[object] = [None] * world_size
             dist.all_gather_object(gathered, run)
             layer_results = combine_ranks(gathered)  # type: ignore[arg-type]
+            # Parameters without a gradient, over batches of their own on every rank (a router's choice varies).
+            first = 1_000_000 + rank * UNUSED_CHECK_BATCHES
+            counts: list[object] = [None] * world_size
+            dist.all_gather_object(counts, gradient_counts(workload, device,
+                                                           range(first, first + UNUSED_CHECK_BATCHES)))
+            unused = unused_params(counts, UNUSED_CHECK_BATCHES)
             # Each worker's own speed at a few micro-batch sizes (heterogeneous workers differ).
             sizes_tp = throughput_batch_sizes(workload.batch_size)
             mine = measure_throughput(workload, device, sizes_tp, repeats=max(3, config.repeats // 2), warmup=1,
@@ -323,6 +334,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         steps=summary.steps,
         slowdown_samples=slowdown_samples,
         quick=config.quick,
+        unused_params=unused,
     )
 
 

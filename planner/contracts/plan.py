@@ -36,6 +36,9 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
         "lower_bound_s": 0.091
       },
       "kfac": null | {...},                          # K-FAC plans only: see planner/contracts/kfac.py
+      "unused_params": {...},                        # optional: the profile's parameters without a gradient
+                                                     # in some batches (planner/contracts/unused.py); absent:
+                                                     # not checked
       "abs": null | {...}                            # ABS-SGD plans only: see planner/contracts/abs.py
     }
 
@@ -90,6 +93,7 @@ from planner.contracts.jsonio import (
     write_json_atomic,
 )
 from planner.contracts.kfac import KFACSection
+from planner.contracts.unused import UnusedParams
 from planner.costmodel.problem import Prediction
 from planner.types import (
     DENSE_COMPRESSOR,
@@ -356,6 +360,9 @@ class Plan:
     #: How far the plan's step may be above the solver's lower bound, (iteration - bound) / bound: 0 when
     #: `optimal`, required when not, None when not recorded.
     gap: float | None = None
+    #: The profile's parameters without a gradient in some of its batches: the runtime then needs
+    #: `find_unused_parameters=True` (None: not checked, as in plans from profiles made before it was).
+    unused_params: UnusedParams | None = None
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -404,6 +411,8 @@ class Plan:
             if dup:
                 raise SchemaError(f"layer(s) {sorted(dup)} appear in more than one group")
             seen_layers.update(g.layers)
+        if self.unused_params is not None:
+            self.unused_params.check_names(seen, "plan")
         numel = sum(g.numel for g in self.groups)
         if len(seen) != self.model.num_params or numel != self.model.numel:
             raise SchemaError(
@@ -520,6 +529,8 @@ class Plan:
         }
         if self.compressors is not None:
             out["compressors"] = [str(c) for c in self.compressors]
+        if self.unused_params is not None:
+            out["unused_params"] = self.unused_params.to_dict()
         return out
 
     @classmethod
@@ -533,8 +544,9 @@ class Plan:
         if data.get("kind") != PLAN_KIND:
             raise SchemaError(f"not a plan: kind is {data.get('kind')!r}, expected {PLAN_KIND!r}")
         fields = ["schema_version", "kind", "created", "strategy", "density", "model", "cluster", "source", "solver"]
-        data = {"kfac": None, "abs": None, "selector": None, "compressors": None, **data}
-        check_fields(data, "plan", [*fields, "groups", "predicted", "kfac", "abs", "selector", "compressors"])
+        data = {"kfac": None, "abs": None, "selector": None, "compressors": None, "unused_params": None, **data}
+        check_fields(data, "plan", [*fields, "groups", "predicted", "kfac", "abs", "selector", "compressors",
+                                    "unused_params"])
         try:
             strategy = Strategy(data["strategy"])
         except ValueError:
@@ -604,6 +616,8 @@ class Plan:
             verdict=None if predicted.get("verdict") is None else Verdict.from_dict(predicted["verdict"]),
             optimal=optimal,
             gap=gap,
+            unused_params=(None if data["unused_params"] is None
+                           else UnusedParams.from_dict(data["unused_params"], "plan.unused_params")),
         )
 
     @property

@@ -66,6 +66,8 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
         ]
       },
       "quick": true,                                              # optional: `planner profile --quick`
+      "unused_params": {"batches", "never", "sometimes"},         # optional: parameters without a gradient in
+                                                                  # some batches (planner.contracts.unused)
       "hosts": {"ranks": [[0, 1], [2, 3]],                        # null or absent: one host (or hosts of
                 "intra": {...}, "inter": {...},                   # unequal size); the allreduce inside each
                 "hierarchical": {...},                            # host, across them (one shard) and both
@@ -160,6 +162,7 @@ from planner.contracts.jsonio import (
 )
 from planner.contracts.kfac import left_out_from_json
 from planner.contracts.plan import SELECTORS, check_selector, parse_compressor
+from planner.contracts.unused import UnusedParams
 from planner.costmodel.costs import AffineCost, CostModel, fit_affine
 from planner.costmodel.measured import (
     MAX_FIT_ERROR,
@@ -1282,6 +1285,9 @@ class Profile:
     slowdown_samples: dict[Collective, SlowdownSamples] | None = None
     #: Measured by `planner profile --quick`: fewer repeats and sweeps, wider intervals.
     quick: bool = False
+    #: The parameters that went without a gradient in some of the batches checked (None: not checked, as in
+    #: profiles made before it was); see `planner.contracts.unused`.
+    unused_params: UnusedParams | None = None
     element_bytes: int = 4
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -1307,6 +1313,8 @@ class Profile:
         if self.steps is not None and len(self.steps.backward_s[0]) != len(self.layers):
             raise InvalidProfileError(f"profile.steps.backward_s lists {len(self.steps.backward_s[0])} layers per "
                                       f"step, but the profile has {len(self.layers)}")
+        if self.unused_params is not None:
+            self.unused_params.check_names({p for lt in self.layers for p in lt.params}, "profile")
         for name, values in (("interference", self.interference), ("comm_stretch", self.comm_stretch)):
             for coll, sigma in (values or {}).items():
                 if not (math.isfinite(sigma) and 0 <= sigma <= MAX_SLOWDOWN):
@@ -1395,6 +1403,7 @@ class Profile:
             "peak_memory": self.peak_memory,
             "hosts": None if self.hosts is None else self.hosts.to_dict(),
             **({"quick": True} if self.quick else {}),
+            **({} if self.unused_params is None else {"unused_params": self.unused_params.to_dict()}),
             "steps": None if self.steps is None else self.steps.to_dict(),
             "slowdown_samples": None if self.slowdown_samples is None else {
                 c.value: samples.to_dict() for c, samples in self.slowdown_samples.items()
@@ -1426,14 +1435,14 @@ class Profile:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
         data = {"kfac": None, "step_s": None, "parts_scale": None, "pack": None, "interference": None,
                 "comm_stretch": None, "in_situ": None, "throughput": None, "compress": None, "peak_memory": None,
-                "hosts": None, "steps": None, "slowdown_samples": None, "quick": False, **data}
+                "hosts": None, "steps": None, "slowdown_samples": None, "quick": False, "unused_params": None, **data}
         check_fields(
             data,
             "profile",
             ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
              "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s",
              "parts_scale", "pack", "interference", "comm_stretch", "in_situ", "throughput", "compress",
-             "peak_memory", "hosts", "steps", "slowdown_samples", "quick"],
+             "peak_memory", "hosts", "steps", "slowdown_samples", "quick", "unused_params"],
         )
         collectives = {}
         for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
@@ -1480,6 +1489,8 @@ class Profile:
             slowdown_samples=(None if data["slowdown_samples"] is None
                               else _slowdown_samples(data["slowdown_samples"])),
             quick=expect(data["quick"], bool, "profile.quick"),
+            unused_params=(None if data["unused_params"] is None
+                           else UnusedParams.from_dict(data["unused_params"], "profile.unused_params")),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -48,7 +48,8 @@ def _exact_solver(strategy: Strategy) -> GroupingSolver:
 def from_profile(profile: Profile, source: str) -> dict[str, Any]:
     """The fields every plan takes from the profile it was solved from (`source`: that profile's path)."""
     return {"model": profile.model, "cluster": profile.cluster, "source_profile": source, "profiled": profile.created,
-            "batch_size": profile.batch_size, "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+            "batch_size": profile.batch_size, "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "unused_params": profile.unused_params}
 
 
 def make_plan(
