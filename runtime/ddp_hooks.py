@@ -12,6 +12,7 @@ allreduce mean and no residual is tied to the first bucket layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -133,16 +134,22 @@ topk_hook.__annotations__.update(
 silent_hook.__annotations__.update({"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[Tensor]})
 
 
-def has_unused_parameters(module: torch.nn.Module, loss: Any, group: Any = None) -> bool:
+def has_unused_parameters(module: torch.nn.Module, loss: Callable[[torch.nn.Module], Any]
+                          | Sequence[Callable[[torch.nn.Module], Any]], group: Any = None) -> bool:
     """Whether some trainable parameter of `module` gets no gradient from `loss(copy)` (a scalar, run on a
-    copy of the module) on any rank of `group`: what `DistributedDataParallel(find_unused_parameters=...)`
-    and `GradientExchange(find_unused_parameters=...)` must be told, the same on every rank."""
+    copy of the module; or from any of several such losses, one per batch: a mixture-of-experts router leaves
+    other experts unused in each batch) on any rank of `group`: what
+    `DistributedDataParallel(find_unused_parameters=...)` and `GradientExchange(find_unused_parameters=...)` must
+    be told, the same on every rank."""
     import copy
 
     probe = copy.deepcopy(module)
-    probe.zero_grad(set_to_none=True)
-    loss(probe).backward()
-    unused = torch.tensor([int(any(p.grad is None for p in probe.parameters() if p.requires_grad))])
+    found = False
+    for one in [loss] if callable(loss) else loss:
+        probe.zero_grad(set_to_none=True)
+        one(probe).backward()
+        found = found or any(p.grad is None for p in probe.parameters() if p.requires_grad)
+    unused = torch.tensor([int(found)])
     if dist.is_available() and dist.is_initialized():
         device = next(module.parameters()).device
         unused = unused.to(device)

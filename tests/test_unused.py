@@ -196,3 +196,34 @@ def test_profiles_and_plans_without_the_record_load_and_with_it_round_trip(tmp_p
 def test_a_bad_record_is_refused_naming_the_field(record: dict[str, object], match: str) -> None:
     with pytest.raises(SchemaError, match=match):
         Profile.from_dict({**synthetic_profile().to_dict(), "unused_params": record})
+
+
+class _SkipsOnSomeBatches(nn.Module):
+    """A layer that runs only on batches whose mean input is positive (as a router's capacity can leave an
+    expert out of one batch in several)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.extra = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        return self.extra(h) if x.mean() > 0 else h
+
+
+def test_ddps_unused_check_looks_at_several_batches() -> None:
+    """`has_unused_parameters` decides DDP's `find_unused_parameters` in the benches: batch 0 alone uses every
+    parameter here, so a one-batch check would build DDP without it, which fails on the next batch that skips."""
+    from planner.runtime.ddp_hooks import has_unused_parameters
+
+    model = _SkipsOnSomeBatches()
+    batches = [torch.full((4, 8), 1.0), torch.full((4, 8), -1.0)]
+
+    def loss(x: torch.Tensor) -> object:
+        return lambda m: m(x).square().mean()
+
+    assert not has_unused_parameters(model, loss(batches[0]))
+    assert has_unused_parameters(model, [loss(x) for x in batches])
+    assert not has_unused_parameters(model, [loss(batches[0])] * 2)
+    assert all(p.grad is None for p in model.parameters())  # probed on a copy

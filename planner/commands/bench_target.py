@@ -59,6 +59,8 @@ __all__ = ["TASK_SAMPLES", "TargetBenchConfig", "TargetRun", "TargetSummary", "p
 
 #: Per task: samples per run, summed over the workers (the learning rate is the task's, momentum 0.9).
 TASK_SAMPLES: dict[str, int] = {"digits": 40_000, "teacher": 4_000}
+#: Batches per rank on which a model is checked for parameters without a gradient before DDP is built.
+UNUSED_PROBES = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,8 +141,9 @@ def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, rep
     lr = config.lr or task.lr
     b = wl.batch_size
     gen = torch.Generator().manual_seed(1_000_003 * repeat + 7919 * rank)
-    x0, y0 = wl.make_batch(b, torch.Generator().manual_seed(rank))
-    unused = has_unused_parameters(student, lambda m: wl.loss_fn(m(x0), y0))
+    # Several batches: a router may leave an expert unused in some only, which DDP must be told as well.
+    probes = [wl.make_batch(b, torch.Generator().manual_seed(rank + world * i)) for i in range(UNUSED_PROBES)]
+    unused = has_unused_parameters(student, [lambda m, x=x, y=y: wl.loss_fn(m(x), y) for x, y in probes])
     plan = variant.plan
     model = student if plan is not None else ddp_with_hook(student, variant.hook, find_unused=unused,
                                                            selector=variant.selector)
