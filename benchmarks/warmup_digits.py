@@ -63,7 +63,7 @@ def _instrument(exchange: GradientExchange, variant: str, record: dict[str, floa
                            ("grad_sq", grad_sq), ("again", again)):
             record[key] = record.get(key, 0.0) + value
 
-    exchange._select = select  # type: ignore[method-assign]
+    exchange._select = select
 
 
 def train(rank: int, world_size: int, variant: str, args: argparse.Namespace) -> list[dict[str, float]]:
