@@ -10,7 +10,7 @@
 
     # DGC momentum correction: the exchange applies momentum before top-k, the optimizer must not
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)   # momentum=0
-    exchange = GradientExchange(model, plan, momentum=0.9, optimizer=optimizer, density_warmup=(0.25, 500))
+    exchange = GradientExchange(model, plan, momentum=0.9, optimizer=optimizer)
 
 Design (DESIGN.md, "Runtime principles"):
 
@@ -402,7 +402,11 @@ class GradientExchange:
             a constant factor per step instead of 4x per epoch): density_t = start * (plan / start) **
             (t / steps), and each group sends k_t = max(plan k, topk_count(numel, density_t)), the same
             on every rank. Send and receive buffers are allocated for k_0 and shrunk to the plan's k
-            when the warm-up ends. The step count is part of `state_dict()`.
+            when the warm-up ends. The step count is part of `state_dict()`. Not advised with `momentum`: at
+            the warm-up's densities an entry is sent again a few steps later and momentum factor masking clears
+            its velocity each time, so little momentum builds up (where every nonzero entry is sent each step,
+            the exchange returns the plain gradient); on the digits it trained slower than no warm-up
+            (docs/results/time-to-target.md).
         forward_sync_buffers: as DDP's option (torch >= 2.13; formerly `broadcast_buffers`), default True:
             before a forward pass, rank 0's buffers (BatchNorm running statistics, ...) are copied to every
             rank when the previous forward ran with autograd on and outside `no_sync()` (DDP's rule, so the

@@ -71,7 +71,33 @@ def test_bench_runs_every_variant_to_the_target(tmp_path: Path, capsys: pytest.C
     assert runs[lossy]["curve"][-1][2] < runs[lossy]["curve"][0][2] - 0.3
 
 
+def test_bench_target_runs_top_k_plans_with_the_density_warmup(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`--density-warmup START,STEPS` reaches the top-k plans' exchange; DDP and its hooks run without it."""
+    from planner.commands.bench import sgd_as_advised
+    from planner.types import Strategy
+    from tests.test_runtime import make_plan
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    topk = make_plan(model, "single", Strategy.TOPK, 0.1, world_size=1)
+    _, exchange = sgd_as_advised(model, topk, lr=0.1, momentum=0.9, find_unused=False, density_warmup=(0.5, 10))
+    assert exchange.current_density == pytest.approx(0.5)
+    _, exchange = sgd_as_advised(model, make_plan(model, "single", world_size=1), lr=0.1, momentum=0.9,
+                                 find_unused=False, density_warmup=(0.5, 10))
+    assert exchange.current_density is None  # a dense plan: no warm-up
+    path = tmp_path / "topk.json"
+    synthetic_plan("digits", strategy=Strategy.TOPK, density=0.01).save(path)
+    assert main(["bench", "--plan", str(path), "--target-loss", "1.5", "--samples", "1000", "--peers", "none",
+                 "--density-warmup", "0.25,500", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["density_warmup"] == [0.25, 500]
+    assert [v["variant"] for v in doc["variants"]] == ["ddp", "plan topk@0.01", "ddp+topk:0.01"]
+
+
 @pytest.mark.parametrize(("argv", "message"), [
+    (["--density-warmup", "0.25,500"], "--density-warmup applies to the time-to-target bench"),
+    (["--target-loss", "1", "--density-warmup", "0.25"], "expected START,STEPS"),
+    (["--target-loss", "1", "--density-warmup", "1.5,10"], "`0 < START <= 1`"),
     (["--task", "teacher"], "--task applies to the time-to-target bench"),
     (["--samples", "100"], "with --target-loss L"),
     (["--target-loss", "1", "--task", "imagenet"], "invalid choice"),
@@ -82,7 +108,8 @@ def test_bench_target_bad_input_gives_one_line(tmp_path: Path, capsys: pytest.Ca
                                                message: str) -> None:
     dense = tmp_path / "dense.json"
     synthetic_plan("digits").save(dense)
-    with pytest.raises(SystemExit) if message == "invalid choice" else _no_raise():
+    with pytest.raises(SystemExit) if message in ("invalid choice", "expected START,STEPS",
+                                                  "`0 < START <= 1`") else _no_raise():
         code = main(["bench", "--plan", str(dense), *argv])
         assert code == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
@@ -95,6 +122,17 @@ class _no_raise:
 
     def __exit__(self, *exc: object) -> bool:
         return False
+
+
+def test_density_warmup_must_start_above_the_top_k_plans_density(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from planner.types import Strategy
+
+    path = tmp_path / "topk.json"
+    synthetic_plan("digits", strategy=Strategy.TOPK, density=0.3).save(path)
+    assert main(["bench", "--plan", str(path), "--target-loss", "1", "--density-warmup", "0.25,500"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "must start above the plan's density" in err[0], err
 
 
 def test_snapshots_stay_within_their_cap_and_evenly_spaced() -> None:

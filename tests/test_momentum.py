@@ -205,6 +205,34 @@ def test_topk_with_momentum_correction_trains_digits_like_dense() -> None:
 # -- single-process tests ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("warmup", [True, False])
+def test_masking_during_a_dense_warmup_steps_as_plain_sgd(warmup: bool) -> None:
+    """Why the guide does not advise a density warm-up with momentum correction: while the warm-up sends every
+    entry the gradient has (here k_t >= its 8 nonzero entries), momentum factor masking clears their velocity at
+    every step, so the exchange returns the gradient itself (plain SGD), not momentum SGD's buffer, which the
+    same group returns at density 1.0 (k == numel: no masking)."""
+    torch.manual_seed(0)
+    model = nn.Linear(10, 4, bias=False)
+    grad = torch.zeros(4, 10)
+    grad.view(-1)[torch.randperm(40)[:8]] = torch.randn(8)
+    plan = make_plan(model, "single", Strategy.TOPK, 0.05 if warmup else 1.0, world_size=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay; the gradient is the same every step
+    exchange = GradientExchange(model, plan, momentum=MOMENTUM, optimizer=opt,
+                                density_warmup=(0.5, 100) if warmup else None)
+    buffer = torch.zeros_like(grad)
+    for step in range(5):
+        if warmup:
+            assert exchange._groups[0].k_now >= 8, step
+        opt.zero_grad()
+        (model.weight * grad).sum().backward()
+        exchange.synchronize()
+        buffer = MOMENTUM * buffer + grad  # torch.optim.SGD(momentum=m)'s buffer
+        want = grad if warmup else buffer
+        assert model.weight.grad is not None
+        torch.testing.assert_close(model.weight.grad, want, rtol=RTOL, atol=ATOL, msg=f"step {step}")
+    exchange.close()
+
+
 def test_no_momentum_keeps_no_state() -> None:
     model = tiny_mlp()
     exchange = GradientExchange(model, make_plan(model, "single", Strategy.TOPK, 0.1, world_size=1))

@@ -440,18 +440,23 @@ def ddp_with_hook(module: torch.nn.Module, hook: Compressor | None, *, find_unus
 
 
 def sgd_as_advised(model: torch.nn.Module, plan: Plan | None, *, lr: float, momentum: float, find_unused: bool,
-                   model_name: str | None = None) -> tuple[torch.optim.SGD, Any]:
+                   model_name: str | None = None, density_warmup: tuple[float, int] | None = None
+                   ) -> tuple[torch.optim.SGD, Any]:
     """SGD with `momentum` as a user runs each variant: in the optimizer for DDP, its hooks and plans without
     top-k groups; for a plan that sends top-k, in the exchange (momentum correction) with the optimizer's at 0,
-    as README's "Top-k with momentum" advises. Returns the optimizer and the plan's exchange (None without one)."""
+    as README's "Top-k with momentum" advises. `density_warmup` is given to the exchange of a top-k plan
+    (`GradientExchange(density_warmup=)`); the other variants run without it. Returns the optimizer and the
+    plan's exchange (None without one)."""
     from planner.runtime import GradientExchange
 
     in_exchange = plan is not None and plan.sends_topk
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if in_exchange else momentum)
     if plan is None:
         return opt, None
+    warmup = density_warmup if plan.strategy is Strategy.TOPK and plan.density is not None else None
     exchange = GradientExchange(model, plan, model_name=model_name, find_unused_parameters=find_unused or None,
-                                momentum=momentum if in_exchange else 0.0, optimizer=opt if in_exchange else None)
+                                momentum=momentum if in_exchange else 0.0, optimizer=opt if in_exchange else None,
+                                density_warmup=warmup)
     return opt, exchange
 
 

@@ -24,7 +24,7 @@ from planner.commands.common import (
 )
 from planner.commands.printing import print_bench
 from planner.console import err_console
-from planner.types import PlannerError
+from planner.types import PlannerError, Strategy
 
 #: `--strategy crossover`: two jobs on the same devices, crossed over as a pairing plan says.
 CROSSOVER = "crossover"
@@ -79,6 +79,10 @@ class BenchCommand(Command):
         abs_sgd.add_argument("--momentum", type=_nonnegative_float, default=None,
                              help="SGD momentum (abs default 0: a one-round delay with momentum 0.9 costs about "
                                   "twice the updates; gradient plans default 0.9)")
+        abs_sgd.add_argument("--density-warmup", type=_density_warmup, default=None, metavar="START,STEPS",
+                             help="gradient plans with --target-loss: the top-k plans' exchange decays the density "
+                                  "from START to the plan's over STEPS steps (GradientExchange(density_warmup=)); "
+                                  "the other variants run without it")
         crossover = parser.add_argument_group("crossover (--strategy crossover)")
         crossover.add_argument("--pairing", type=Path, default=None,
                                help="the pairing plan of two jobs (`planner pair PLAN PLAN --batch N -o P`); the "
@@ -115,6 +119,9 @@ class BenchCommand(Command):
         runs = [flag for flag, value in (("--samples", args.samples), ("--repeats", args.repeats),
                                          ("--target-loss", args.target_loss), ("--lr", args.lr),
                                          ("--momentum", args.momentum)) if value is not None]
+        if args.density_warmup is not None and not to_target:
+            raise PlannerError("--density-warmup applies to the time-to-target bench of gradient plans "
+                               "(--target-loss L)")
         if runs and args.strategy not in (ABS, "gradients"):
             raise PlannerError(f"{runs[0]} applies to --strategy abs, or to gradient plans with --target-loss")
         if runs and args.strategy == "gradients" and not to_target:
@@ -154,6 +161,12 @@ class BenchCommand(Command):
             run_target_bench,
         )
 
+        if args.density_warmup is not None:
+            start = args.density_warmup[0]
+            for path, plan in zip(args.plan, plans, strict=True):
+                if plan.strategy is Strategy.TOPK and plan.density is not None and not plan.density < start:
+                    raise PlannerError(f"--density-warmup must start above the plan's density, but got "
+                                       f"start={start:g} for {path} (density {plan.density:g})")
         model = args.model or plans[0].model.name
         task = args.task or ("digits" if model == "digits" else "teacher")
         config = TargetBenchConfig(
@@ -162,7 +175,7 @@ class BenchCommand(Command):
             momentum=0.9 if args.momentum is None else args.momentum, repeats=args.repeats or 1,
             peers=_peers(args.peers), nproc=args.nproc or plans[0].cluster.world_size, batch_size=args.batch_size,
             show_progress=not args.json, link=args.link, slowdown=args.slowdown, hosts=args.hosts,
-            labels=file_labels(plans, args.plan))
+            labels=file_labels(plans, args.plan), density_warmup=args.density_warmup)
         _note_link_mismatch(plans, args.link)
         runs = run_target_bench(config)
         if runs is not None:
@@ -281,6 +294,18 @@ class BenchCommand(Command):
         if results is not None:
             print_bench(results, args.json, title=title, lower_bound_s=plan.kfac.lower_bound_s)
         return 0
+
+
+def _density_warmup(text: str) -> tuple[float, int]:
+    """`--density-warmup START,STEPS`: 0 < START <= 1 and a whole number of steps >= 1."""
+    start_text, _, steps_text = text.partition(",")
+    try:
+        start, steps = float(start_text), int(steps_text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START,STEPS (e.g. 0.25,500), got {text!r}") from None
+    if not (0 < start <= 1 and steps >= 1):
+        raise argparse.ArgumentTypeError(f"`0 < START <= 1` and `STEPS >= 1` must hold, but got {text!r}")
+    return start, steps
 
 
 def _peers(text: str | None) -> tuple:

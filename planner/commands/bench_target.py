@@ -91,6 +91,9 @@ class TargetBenchConfig:
     hosts: int | None = None  # emulated hosts the local workers are spread over (`--hosts`)
     #: The row name of each plan ("plan dense", `planner.commands.bench.plan_labels`); empty: by the plans alone.
     labels: tuple[str, ...] = ()
+    #: (start_density, steps) of a density warm-up for the top-k plans (`GradientExchange(density_warmup=)`);
+    #: the other variants run without one. None: no warm-up.
+    density_warmup: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, rep
     model = student if plan is not None else ddp_with_hook(student, variant.hook, find_unused=unused,
                                                            selector=variant.selector)
     opt, exchange = sgd_as_advised(model, plan, lr=lr, momentum=config.momentum, find_unused=unused,
-                                   model_name=config.model)
+                                   model_name=config.model, density_warmup=config.density_warmup)
     state_bytes = sum(v.numel() * v.element_size() for v in student.state_dict().values())
     cap = min(config.max_snapshots, snapshot_cap(state_bytes, config.snapshot_memory_fraction))
     snapshots = _Snapshots(cap, config.snapshot_every_s)
@@ -293,11 +296,14 @@ def print_target_bench(config: TargetBenchConfig, runs: list[TargetRun], as_json
     if as_json:
         console.print_json(json.dumps({"target_loss": config.target_loss, "samples": config.samples,
                                        "task": config.task, "lr": config.lr or task.lr,
+                                       "density_warmup": config.density_warmup,
                                        "variants": [asdict(s) for s in summaries], "runs": [asdict(r) for r in runs]}))
         return
     table = Table(title=f"time to evaluation loss <= {config.target_loss:g} on {config.model} ({config.task} task), "
                         f"{config.nproc} workers, SGD lr {config.lr or task.lr:g} momentum {config.momentum:g}, "
-                        f"median of {config.repeats} run(s) of {config.samples:,} samples")
+                        + (f"top-k density warm-up {config.density_warmup[0]:g} over {config.density_warmup[1]} "
+                           "steps, " if config.density_warmup is not None else "")
+                        + f"median of {config.repeats} run(s) of {config.samples:,} samples")
     for col in ("variant", "time to target s", "samples to target", "vs best DDP/hook", "final loss",
                 "median step ms", "predicted step ms"):
         table.add_column(col, justify="left" if col == "variant" else "right")
