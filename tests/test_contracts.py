@@ -494,3 +494,18 @@ def test_step_samples_that_would_scale_a_time_beyond_bounds_are_refused(tmp_path
     path.write_text(json.dumps(doc))
     with pytest.raises(InvalidProfileError, match=r"profile\.steps: the whole steps .* must agree within 100x"):
         Profile.load(path)
+
+
+@pytest.mark.parametrize("field", ["forward_s", "update_s"])
+def test_a_part_far_from_the_median_of_its_steps_is_refused(tmp_path: Path, field: str) -> None:
+    """A resample multiplies F by a draw's F over the profile's: F = 5e-324 beside steps of a millisecond made that
+    inf, and solve --strategy kfac met a NaN."""
+    from tests.factories import with_samples
+
+    doc = with_samples(synthetic_profile("mlp")).to_dict()
+    doc[field] = 5e-324
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InvalidProfileError, match=rf"profile\.{field} \(4\.94066e-324 s\) is not the median of "
+                                                  r"profile\.steps .* within 100x"):
+        Profile.load(path)

@@ -1313,6 +1313,8 @@ class Profile:
         if self.steps is not None and len(self.steps.backward_s[0]) != len(self.layers):
             raise InvalidProfileError(f"profile.steps.backward_s lists {len(self.steps.backward_s[0])} layers per "
                                       f"step, but the profile has {len(self.layers)}")
+        if self.steps is not None:
+            self._check_parts_follow_steps(self.steps)
         if self.unused_params is not None:
             self.unused_params.check_names({p for lt in self.layers for p in lt.params}, "profile")
         for name, values in (("interference", self.interference), ("comm_stretch", self.comm_stretch)):
@@ -1331,6 +1333,18 @@ class Profile:
                 f"profile.layers hold {params:,} parameter tensors of {numel:,} elements, but profile.model "
                 f"{self.model.name} has {self.model.num_params:,} of {self.model.numel:,}: the profile does not "
                 "describe its model; profile it again with `planner profile`")
+
+    def _check_parts_follow_steps(self, steps: StepSamples) -> None:
+        """F, U and the layers' backward times are the steps' scaled medians (a resample multiplies them by a draw's
+        over these): within MAX_SLOWDOWN of them, or a draw would scale a time beyond any measurement."""
+        fwd, upd, backward, _ = steps.scaled_parts()
+        for name, nominal, sampled in (("forward_s", self.forward_s, fwd), ("update_s", self.update_s, upd),
+                                       ("layers' backward_s", sum(lt.backward_s for lt in self.layers),
+                                        sum(backward))):
+            if nominal > 0 and not 1 / MAX_SLOWDOWN <= sampled / nominal <= MAX_SLOWDOWN:
+                raise InvalidProfileError(
+                    f"profile.{name} ({nominal:g} s) is not the median of profile.steps ({sampled:g} s, scaled) "
+                    f"within {MAX_SLOWDOWN:g}x; profile it again with `planner profile`")
 
     def interference_for(self, collective: Collective) -> float:
         """sigma of `collective`: how much slower compute runs while one is in flight (0 if not measured)."""
