@@ -40,7 +40,7 @@ DEFAULT_MAX_DIM = 2048
 _DAMPING = 1e-3
 
 
-#: Batches (seeds 0..N-1) the K-FAC check before any worker starts runs one training step on. Which layers run can
+#: Batches (seeds 0..N-1) the K-FAC check before any worker starts runs the model on. Which layers run can
 #: change from batch to batch (a mixture of experts routes each batch to some experts), and a layer left out of any
 #: step has no factors in it, so a layer that does not run in one of them is refused as one that never runs.
 KFAC_CHECK_BATCHES = 4
@@ -48,9 +48,12 @@ KFAC_CHECK_BATCHES = 4
 
 def check_kfac_layers(workload: Workload, skip: str | None = None, *, batches: int = KFAC_CHECK_BATCHES) -> None:
     """Refuse, in one line naming every such layer, K-FAC layers (but those matching `skip`) that run more than
-    once in a training step or not at all in one: one step (forward and backward, as the runtime runs them) on
-    each of `batches` batches, on a copy of the module on the CPU. `planner profile --kfac` runs it before any
-    worker starts; the `--kfac-skip` it suggests (with `skip`) leaves all of them out, so one rerun passes."""
+    once in a training step or not at all in one: one training step (forward and backward, as the runtime runs
+    them) on batch 0 and the forward pass (with the loss) on the next `batches - 1`, on a copy of the module on
+    the CPU. `planner profile --kfac` runs it before any worker starts; the `--kfac-skip` it suggests (with
+    `skip`) leaves all of them out, so one rerun passes."""
+    if batches < 1:
+        raise ValueError(f"`batches >= 1` must hold, but got batches={batches}")
     module = copy.deepcopy(workload.module).cpu()  # the user's module keeps its gradients and statistics
     names = [s.name for s in kfac_layers(module, skip)]
     if not names:
@@ -61,7 +64,9 @@ def check_kfac_layers(workload: Workload, skip: str | None = None, *, batches: i
         hooks = _count_calls(module, set(names), calls)
         try:
             x, y = workload.batch(seed)
-            workload.loss_fn(module(x), y).backward()
+            loss = workload.loss_fn(module(x), y)
+            if seed == 0:  # a backward that runs the forward again (checkpointing) shows on any batch: once is enough
+                loss.backward()
         except Exception as exc:
             raise PlannerError(f"model {workload.name}: the K-FAC check's training step on batch {seed} (CPU) raised "
                                f"{type(exc).__name__}: {exc}") from exc

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from planner.models import Workload
 
@@ -78,6 +79,18 @@ class _MixtureOfExperts(nn.Module):
         if self.shared_embed:
             out = self.embed(out)
         return self.head(out)
+
+
+class _Checkpointed(nn.Module):
+    """`block` under reentrant activation checkpointing: backward runs its forward again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self.block, x.requires_grad_(), use_reentrant=True))
 
 
 def recurrent() -> Workload:
@@ -266,6 +279,18 @@ def test_the_workers_own_check_names_every_unused_layer_too() -> None:
     assert pattern is not None
     timings = measure_kfac_layers(_built("moe"), torch.device("cpu"), repeats=1, warmup=0, skip=pattern[1])
     assert [t.name for t in timings][:2] == ["embed", "router"]
+
+
+def test_a_forward_run_again_in_backward_is_refused() -> None:
+    """The runtime sees the recomputed forward as a second input: the check runs a backward too."""
+    from planner.profilers.kfac import check_kfac_layers
+    from planner.types import InvalidProfileError
+
+    workload = Workload(name="checkpointed", module=_Checkpointed(), batch_size=4, make_batch=_vectors,
+                        loss_fn=F.cross_entropy)
+    with pytest.raises(InvalidProfileError, match=r"\['block'\] run 2 times .* --kfac-skip '\^block\$'"):
+        check_kfac_layers(workload)
+    check_kfac_layers(workload, "^block$")
 
 
 def test_the_check_leaves_the_users_module_as_it_was() -> None:
