@@ -68,14 +68,14 @@ def check_kfac_layers(workload: Workload, skip: str | None = None, *, batches: i
             if seed == 0:  # a backward that runs the forward again (checkpointing) shows on any batch: once is enough
                 loss.backward()
         except Exception as exc:
-            raise PlannerError(f"model {workload.name}: the K-FAC check's training step on batch {seed} (CPU) raised "
+            raise PlannerError(f"model {workload.name}: the K-FAC check's step on batch {seed} (on the CPU) raised "
                                f"{type(exc).__name__}: {exc}") from exc
         finally:
             for h in hooks:
                 h.remove()
         module.zero_grad(set_to_none=True)
         steps.append(calls)
-    _refuse(workload.name, names, steps, skip)
+    _refuse(names, steps, skip)
 
 
 def _count_calls(module: nn.Module, names: set[str], calls: dict[str, int]) -> list[Any]:
@@ -88,7 +88,7 @@ def _count_calls(module: nn.Module, names: set[str], calls: dict[str, int]) -> l
             for name, mod in module.named_modules() if (name or ROOT_NAME) in names]
 
 
-def _refuse(model: str, names: list[str], steps: list[dict[str, int]], skip: str | None) -> None:
+def _refuse(names: list[str], steps: list[dict[str, int]], skip: str | None) -> None:
     """Raise if a layer of `names` ran more than once in one of `steps` (calls per layer in each training step) or
     not at all in one; the message names every such layer and one --kfac-skip pattern leaving all of them out."""
     times = {n: max(calls.get(n, 0) for calls in steps) for n in names}
@@ -150,7 +150,7 @@ def _capture(workload: Workload, device: torch.device, skip: str | None = None
         for h in hooks:
             h.remove()
     ran = {n: calls[n] for n in order}  # a layer called on no tensor gives K-FAC no input: it did not run
-    _refuse(workload.name, [s.name for s in specs], [ran], skip)
+    _refuse([s.name for s in specs], [ran], skip)
     module.zero_grad(set_to_none=True)
     return order, inputs, grads
 

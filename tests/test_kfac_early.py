@@ -93,6 +93,20 @@ class _Checkpointed(nn.Module):
         return self.head(checkpoint(self.block, x.requires_grad_(), use_reentrant=True))
 
 
+class _SmallBatchesOnly(nn.Linear):
+    """Fails on more than two samples: the trial step's batch of two passes, the check's full batch does not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 2:
+            raise RuntimeError(f"at most 2 samples, got {x.shape[0]}")
+        return super().forward(x)
+
+
+def small_batches_only() -> Workload:
+    return Workload(name="small", module=_SmallBatchesOnly(8, 4), batch_size=4, make_batch=_vectors,
+                    loss_fn=F.cross_entropy)
+
+
 def recurrent() -> Workload:
     return Workload(name="recurrent", module=_Recurrent(), batch_size=8, make_batch=_sequences, loss_fn=F.cross_entropy)
 
@@ -291,6 +305,15 @@ def test_a_forward_run_again_in_backward_is_refused() -> None:
     with pytest.raises(InvalidProfileError, match=r"\['block'\] run 2 times .* --kfac-skip '\^block\$'"):
         check_kfac_layers(workload)
     check_kfac_layers(workload, "^block$")
+
+
+def test_a_model_failing_in_the_check_is_refused_in_one_line(
+        tmp_path: Path, launches: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert _profile(tmp_path, "small_batches_only") == 2
+    assert launches == []
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    assert "the K-FAC check's step on batch 0 (on the CPU) raised RuntimeError: at most 2 samples, got 4" in lines[0]
 
 
 def test_the_check_leaves_the_users_module_as_it_was() -> None:
