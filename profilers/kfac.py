@@ -6,6 +6,7 @@ training step, so the profile measures what the preconditioner does.
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -29,21 +30,98 @@ from planner.kernels.kfac import (
 )
 from planner.models import Workload
 from planner.platform.timing import median, time_call
-from planner.types import ROOT_NAME, InvalidProfileError, InverseMethod
+from planner.types import ROOT_NAME, InvalidProfileError, InverseMethod, PlannerError
 
-__all__ = ["DEFAULT_MAX_DIM", "inversion_dims", "measure_inversion", "measure_kfac_layers"]
+__all__ = ["DEFAULT_MAX_DIM", "KFAC_CHECK_BATCHES", "check_kfac_layers", "inversion_dims", "measure_inversion",
+           "measure_kfac_layers"]
 
 #: Largest matrix the inversion sweep measures by default; larger factors are extrapolated as d^3.
 DEFAULT_MAX_DIM = 2048
 _DAMPING = 1e-3
 
 
+#: Batches (seeds 0..N-1) the K-FAC check before any worker starts runs the model on. Which layers run can
+#: change from batch to batch (a mixture of experts routes each batch to some experts), and a layer left out of any
+#: step has no factors in it, so a layer that does not run in one of them is refused as one that never runs.
+KFAC_CHECK_BATCHES = 4
+
+
+def check_kfac_layers(workload: Workload, skip: str | None = None, *, batches: int = KFAC_CHECK_BATCHES) -> None:
+    """Refuse, in one line naming every such layer, K-FAC layers (but those matching `skip`) that run more than
+    once in a training step or not at all in one: one training step (forward and backward, as the runtime runs
+    them) on batch 0 and the forward pass (with the loss) on the next `batches - 1`, on a copy of the module on
+    the CPU. `planner profile --kfac` runs it before any worker starts; the `--kfac-skip` it suggests (with
+    `skip`) leaves all of them out, so one rerun passes."""
+    if batches < 1:
+        raise ValueError(f"`batches >= 1` must hold, but got batches={batches}")
+    module = copy.deepcopy(workload.module).cpu()  # the user's module keeps its gradients and statistics
+    names = [s.name for s in kfac_layers(module, skip)]
+    if not names:
+        raise InvalidProfileError(f"model {workload.name} has no Linear or Conv2d layers for K-FAC to precondition")
+    steps: list[dict[str, int]] = []
+    for seed in range(batches):
+        calls: dict[str, int] = {}
+        hooks = _count_calls(module, set(names), calls)
+        try:
+            x, y = workload.batch(seed)
+            loss = workload.loss_fn(module(x), y)
+            if seed == 0:  # a backward that runs the forward again (checkpointing) shows on any batch: once is enough
+                loss.backward()
+        except Exception as exc:
+            raise PlannerError(f"model {workload.name}: the K-FAC check's step on batch {seed} (on the CPU) raised "
+                               f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            for h in hooks:
+                h.remove()
+        module.zero_grad(set_to_none=True)
+        steps.append(calls)
+    _refuse(names, steps, skip)
+
+
+def _count_calls(module: nn.Module, names: set[str], calls: dict[str, int]) -> list[Any]:
+    """Forward hooks counting, in `calls`, how many times each layer named in `names` runs; returns the handles."""
+
+    def count(name: str, *_: object) -> None:
+        calls[name] = calls.get(name, 0) + 1
+
+    return [mod.register_forward_hook(partial(count, name or ROOT_NAME))
+            for name, mod in module.named_modules() if (name or ROOT_NAME) in names]
+
+
+def _refuse(names: list[str], steps: list[dict[str, int]], skip: str | None) -> None:
+    """Raise if a layer of `names` ran more than once in one of `steps` (calls per layer in each training step) or
+    not at all in one; the message names every such layer and one --kfac-skip pattern leaving all of them out."""
+    times = {n: max(calls.get(n, 0) for calls in steps) for n in names}
+    reused = [n for n in names if times[n] > 1]
+    unused = [n for n in names if any(calls.get(n, 0) == 0 for calls in steps)]
+    if not reused and not unused:
+        return
+    parts = []
+    if reused:  # the runtime refuses a factor computed twice in a step: say so now, not after the plan is made
+        most = max(times[n] for n in reused)
+        count = f"{most}" if all(times[n] == most for n in reused) else f"up to {most}"
+        parts.append(f"K-FAC layers {reused} run {count} times in one training step (a shared layer, or a "
+                     "recomputed forward), and K-FAC takes one input per layer and step")
+    if unused:
+        where = "the forward pass" if len(steps) == 1 else \
+            f"the forward pass of at least one of {len(steps)} trial steps (batches 0-{len(steps) - 1})"
+        parts.append(f"K-FAC layers {unused} did not run in {where} (their factors would be missing there)")
+    left_out = [n for n in names if n in set(reused) | set(unused)]
+    ours = f"^{re.escape(left_out[0])}$" if len(left_out) == 1 else \
+        "^(?:" + "|".join(re.escape(n) for n in left_out) + ")$"
+    pattern = f"{skip}|{ours}" if skip else ours
+    raise InvalidProfileError("; ".join(parts) + f"; skip them: profile with --kfac-skip '{pattern}' and pass "
+                                                 f"skip_layers='{pattern}' to KFACPreconditioner")
+
+
 def _capture(workload: Workload, device: torch.device, skip: str | None = None
              ) -> tuple[list[str], dict[str, Tensor], dict[str, Tensor]]:
     """Run one training step; return the K-FAC layers (but those matching `skip`) in execution order, their
-    inputs and output gradients."""
+    inputs and output gradients. Refuses layers that run twice or not at all in it (`check_kfac_layers` looks at
+    more batches, before any worker starts)."""
     module = workload.module.to(device)
-    names = {s.name for s in kfac_layers(module, skip)}
+    specs = kfac_layers(module, skip)
+    names = {s.name for s in specs}
     if not names:
         raise InvalidProfileError(f"model {workload.name} has no Linear or Conv2d layers for K-FAC to precondition")
     order: list[str] = []
@@ -71,21 +149,8 @@ def _capture(workload: Workload, device: torch.device, skip: str | None = None
     finally:
         for h in hooks:
             h.remove()
-    reused = sorted(n for n, count in calls.items() if count > 1)
-    if reused:  # the runtime refuses a factor computed twice in a step: say so now, not after the plan is made
-        pattern = "|".join(f"^{re.escape(n)}$" for n in reused[:3])
-        raise InvalidProfileError(
-            f"K-FAC layers {reused[:3]} run {max(calls[n] for n in reused)} times in one forward pass (a shared "
-            f"layer), and K-FAC takes one input per layer and step; skip them: profile with --kfac-skip "
-            f"'{pattern}' and pass skip_layers='{pattern}' to KFACPreconditioner"
-        )
-    unused = sorted(names - set(order))
-    if unused:
-        pattern = "|".join(f"^{re.escape(n)}$" for n in unused[:3])
-        raise InvalidProfileError(
-            f"K-FAC layers {unused[:3]} did not run in the forward pass; skip them: profile with "
-            f"--kfac-skip '{pattern}' and pass skip_layers='{pattern}' to KFACPreconditioner"
-        )
+    ran = {n: calls[n] for n in order}  # a layer called on no tensor gives K-FAC no input: it did not run
+    _refuse([s.name for s in specs], [ran], skip)
     module.zero_grad(set_to_none=True)
     return order, inputs, grads
 

@@ -401,6 +401,7 @@ def check_memory(model: str, batch_size: int | None, local_workers: int, *, worl
 def run_profile(config: ProfileConfig) -> Profile:
     """Profile under torchrun (this process is one rank) or by starting `config.nproc` local workers."""
     from planner.platform.launch import run_job, under_torchrun
+    from planner.profilers.kfac import check_kfac_layers
 
     if config.only_comm and config.base is None:
         raise PlannerError(f"--only comm updates an existing profile, but {config.output} does not exist")
@@ -410,6 +411,8 @@ def run_profile(config: ProfileConfig) -> Profile:
     if not config.only_comm and backend == "gloo":
         check_memory(config.model, config.batch_size, config.nproc if not under_torchrun() else
                      int(os.environ.get("LOCAL_WORLD_SIZE", "1")), world_size=config.nproc)
+    if config.kfac and not config.only_comm:  # a layer K-FAC cannot take is refused now, not after minutes of workers
+        check_kfac_layers(build_workload(config.model, batch_size=config.batch_size), config.kfac_skip)
     profile = run_job(profile_worker, config.nproc, config, backend=backend,
                       link=config.link, slowdown=config.slowdown, hosts=config.hosts)
     if profile is None and under_torchrun():  # not rank 0: nothing to write
