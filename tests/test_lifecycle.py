@@ -21,7 +21,7 @@ from planner.platform.launch import run_distributed
 from planner.platform.link import NAMESPACE_PREFIX, list_namespaces, privilege_problem, remove_stale_namespaces
 from planner.platform.oom import OomWatch, oom_kill_count, oom_killed_in_kernel_log
 from planner.types import DistributedError
-from tests.factories import synthetic_plan
+from tests.factories import synthetic_plan, synthetic_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_root = pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated link here: {privilege_problem()}")
@@ -158,22 +158,32 @@ _PROGRESS = re.compile(r"(K-FAC )?bench steps\b.* \d+/\d+ \d+:\d\d:\d\d")
 
 
 @pytest.fixture(scope="module")
-def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("lifecycle") / "plan.json"
-    synthetic_plan("mlp").save(path)
-    return path
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plan and a profile of the built-in mlp for two workers."""
+    folder = tmp_path_factory.mktemp("lifecycle")
+    synthetic_plan("mlp").save(folder / "plan.json")
+    synthetic_profile("mlp", world_size=2).save(folder / "prof.json")
+    return folder
+
+
+def _command(name: str, inputs: Path, out: Path) -> list[str]:
+    """A `planner` command line of `name` that runs its workers for minutes."""
+    if name == "bench":
+        return ["bench", "--plan", str(inputs / "plan.json"), "--steps", "100000", "--peers", "none"]
+    return ["tune", str(inputs / "prof.json"), "--model", "mlp", "--trials", "1000", "--steps", "3", "--rungs", "1",
+            "--warmup", "1", "--compare-steps", "3", "-o", str(out / "tuned.json")]
 
 
 @pytest.mark.parametrize("first_after_s", [0.0, 3.0])
-def test_ctrl_c_pressed_again_and_again_is_one_line_and_exit_130(tmp_path: Path, plan: Path,
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_ctrl_c_pressed_again_and_again_is_one_line_and_exit_130(tmp_path: Path, inputs: Path, command: str,
                                                                     first_after_s: float) -> None:
     """As a terminal does, every Ctrl-C goes to the whole foreground process group (the planner and its workers),
     from the moment a worker starts (or a few seconds later) until the planner has exited."""
     err = tmp_path / "stderr"
     with err.open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "planner", "bench", "--plan", str(plan), "--steps", "100000",
-                                 "--peers", "none"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "planner", *_command(command, inputs, tmp_path)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 120
