@@ -13,7 +13,8 @@ slower (see `planner.platform.slowdown`); the cgroups are removed when the call 
 
 The workers' lives are bound to the launcher's: each asks the kernel to kill it when the launcher dies (on
 Linux `prctl(PR_SET_PDEATHSIG)`, elsewhere a thread watching its parent pid), so a launcher killed with
-SIGKILL (by a job scheduler, the OOM killer) leaves no worker computing. Ctrl-C is the launcher's alone: the
+SIGKILL (by a job scheduler, the OOM killer) leaves no worker computing; one still starting then (importing torch
+takes seconds) exits once its interpreter is up, before it runs anything. Ctrl-C is the launcher's alone: the
 workers start with SIGINT blocked and then ignore it, so one pressed while a worker's interpreter starts cannot
 kill it halfway ("Fatal Python error: init_import_site"); the launcher, interrupted, kills them.
 """
