@@ -226,7 +226,7 @@ def test_a_worker_killed_during_bench_is_named_not_its_peers_broken_connection(
                 env={"PLANNER_TEST_FAULT": "kill"})
     err = _errors(proc.stderr)
     assert proc.returncode == 2 and len(err) == 1, proc.stderr
-    assert "worker rank 1 was killed by SIGKILL, likely out of memory" in err[0]
+    assert "worker rank 1 was killed by SIGKILL" in err[0] and "out of memory" not in err[0]  # killed by hand
     assert "Traceback" not in proc.stderr and "Connection reset" not in proc.stderr
 
 

@@ -1,14 +1,19 @@
 """The `planner` command line: the parser and `main`. Each subcommand is a `Command` subclass in a module of its
 own (planner.commands.solve, bench_cli, ...); defining one registers it.
 
-Errors the planner raises on purpose (PlannerError) become one line on stderr and exit status 2.
+Errors the planner raises on purpose (PlannerError) become one line on stderr and exit status 2. Ctrl-C is one
+line ("planner: interrupted") and exit status 130, however many times it is pressed: the first stops the command,
+and later ones are ignored while it cleans up and the interpreter exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-from typing import NoReturn
+import threading
+from types import FrameType
+from typing import Any, NoReturn
 
 from planner.commands.common import Command, merge_intra_link
 from planner.console import err_console
@@ -58,9 +63,29 @@ def _worker_traceback(exc: BaseException, verbose: bool) -> None:
         err_console.print(exc.__cause__.text, markup=False, soft_wrap=True, highlight=False)
 
 
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """The first Ctrl-C: stop the command; ignore the next ones, so none interrupts the cleanup this one starts
+    (workers killed, namespaces and cgroups removed) or the exit after it (torch's and multiprocessing's atexit
+    callbacks, which would print "Exception ignored ... KeyboardInterrupt")."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _catch_interrupts() -> tuple[bool, Any]:
+    """Install `_interrupted` for SIGINT, from the main thread only (elsewhere Python cannot): whether it did, and
+    the handler it replaced, to put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return False, None
+    return True, signal.signal(signal.SIGINT, _interrupted)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line `argv` (default: sys.argv); the exit status. After a Ctrl-C, SIGINT stays ignored in
+    this process: it is about to exit, and nothing may interrupt that."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    caught, previous = _catch_interrupts()
+    interrupted = False
     try:
         merge_intra_link(args)
         return int(args._command.run(args))
@@ -79,8 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         _worker_traceback(exc, args.verbose)
         return 2
     except KeyboardInterrupt:
+        interrupted = True
+        if caught:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         err_console.print("planner: interrupted", markup=False)
         return 130
+    finally:
+        if caught and not interrupted:
+            signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
 
 
 if __name__ == "__main__":

@@ -10,21 +10,32 @@ loopback: each in its own network namespace, its egress shaped to the rate (see 
 namespaces are torn down when the call returns or fails. With `slowdown=` (a
 `planner.platform.slowdown.Slowdown`) the named workers run under a CPU quota that makes them that many times
 slower (see `planner.platform.slowdown`); the cgroups are removed when the call returns or fails.
+
+The workers' lives are bound to the launcher's: each asks the kernel to kill it when the launcher dies (on
+Linux `prctl(PR_SET_PDEATHSIG)`, elsewhere a thread watching its parent pid), so a launcher killed with
+SIGKILL (by a job scheduler, the OOM killer) leaves no worker computing; one still starting then (importing torch
+takes seconds) exits once its interpreter is up, before it runs anything. Ctrl-C is the launcher's alone: the
+workers start with SIGINT blocked and then ignore it, so one pressed while a worker's interpreter starts cannot
+kill it halfway ("Fatal Python error: init_import_site"); the launcher, interrupted, kills them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import os
 import pickle
 import signal
 import socket
+import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -34,6 +45,7 @@ import torch.multiprocessing as mp
 
 from planner.platform.link import HOSTS_ENV, LINK_ENV, EmulatedLink, LinkError, LinkRate, enter_namespace
 from planner.platform.memory import steady_allocator
+from planner.platform.oom import OomWatch
 from planner.platform.slowdown import Slowdown, SlowdownError, ThrottledWorkers, WorkerThrottle, enter_cgroup
 from planner.types import DistributedError, PlannerError, RemoteTraceback
 
@@ -53,6 +65,10 @@ __all__ = [
 #: After one worker fails, how long the others get to finish before they are killed (they are likely
 #: blocked in a collective that will never complete).
 FAILURE_GRACE_S = 5.0
+#: prctl(2) option: the signal this process gets when its parent dies.
+_PR_SET_PDEATHSIG = 1
+#: Where prctl is missing, how often a worker checks that its launcher is alive (seconds).
+_PARENT_POLL_S = 1.0
 
 
 def resolve_backend(backend: str) -> str:
@@ -126,13 +142,19 @@ def _worker(
     conn: Connection,
     network: _Network | None = None,
     throttle: WorkerThrottle | None = None,
+    launcher: int | None = None,
 ) -> None:
     """Body of one spawned worker: join the group, run `fn`, send its outcome, leave the group.
 
     The outcome is ("ok", value) or ("error", exception, traceback text, wall time of the failure). It
     is sent before the group is destroyed, so a worker's own error reaches the parent before its peers
     fail on the vanished group; the parent reports the earliest failure.
+
+    `launcher`: the pid of the process that started it, with which it dies.
     """
+    _leave_interrupts_to_the_launcher()
+    if launcher is not None:
+        _die_with(launcher)
     torch.set_num_threads(1)
     steady_allocator()
     joined = False
@@ -179,6 +201,42 @@ def _worker(
             _leave_group()
 
 
+def _leave_interrupts_to_the_launcher() -> None:
+    """Ignore SIGINT from now on, then unblock it (the launcher started this worker with it blocked): a Ctrl-C
+    reaches every process of the terminal's group, and the launcher alone answers it, killing the workers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _die_with(launcher: int) -> None:
+    """Have this worker killed when process `launcher` (its parent) dies, and exit now if it already has: it may
+    have died while this worker's interpreter was starting, before the request."""
+    if not _kill_me_with_my_parent():
+        threading.Thread(target=_watch_parent, args=(launcher,), name="watch-launcher", daemon=True).start()
+    if os.getppid() != launcher:
+        os._exit(1)
+
+
+def _kill_me_with_my_parent() -> bool:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux); False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(launcher: int) -> None:
+    """Where the kernel cannot be asked: exit once the parent is no longer `launcher` (it died, this process was
+    handed to another)."""
+    while os.getppid() == launcher:
+        time.sleep(_PARENT_POLL_S)
+    os._exit(1)
+
+
 def _leave_group() -> None:
     """Destroy the process group, after collecting the garbage that still holds it: objects in reference
     cycles (a DDP model and its hooks, an exchange's pending work) otherwise live until the interpreter shuts
@@ -197,8 +255,9 @@ def _raise_worker_error(rank: int, exc: BaseException | None, text: str) -> None
     raise exc from remote
 
 
-def _death(proc: Any) -> str:
-    """How a worker that sent nothing ended, as the end of "worker rank N ..."."""
+def _death(proc: Any, oom: OomWatch | None = None) -> str:
+    """How a worker that sent nothing ended, as the end of "worker rank N ...". A SIGKILL is called out of memory
+    only when `oom` says the kernel's OOM killer did it: users and job schedulers send SIGKILL too."""
     code = proc.exitcode
     if code is None or code >= 0:
         return f"exited with code {code} without a result"
@@ -206,9 +265,16 @@ def _death(proc: Any) -> str:
         name = signal.Signals(-code).name
     except ValueError:
         name = f"signal {-code}"
-    why = (", likely out of memory (the kernel's OOM killer sends SIGKILL; `dmesg` says): use a smaller "
-           "--batch-size or fewer workers" if -code == signal.SIGKILL else "")
-    return f"was killed by {name}{why}"
+    if -code != signal.SIGKILL or oom is None:
+        return f"was killed by {name}"
+    match oom.killed(proc.pid):
+        case True:
+            return (f"was killed by {name}: out of memory (the kernel's OOM killer): use a smaller --batch-size or "
+                    "fewer workers")
+        case False:
+            return f"was killed by {name}"
+        case None:
+            return f"was killed by {name} (whether by the kernel's OOM killer is not readable here: `dmesg` says)"
 
 
 def _check_picklable(fn: Callable[..., Any]) -> None:
@@ -339,6 +405,7 @@ def _spawn_jobs(
     """Start every job's workers at once (each job its own rendezvous port and process group), collect each
     job's results in turn, reap them all."""
     ctx = mp.get_context("spawn")
+    oom = OomWatch()
     procs: list[list[Any]] = []
     readers: list[dict[int, Connection]] = []
     ports: set[int] = set()
@@ -358,15 +425,16 @@ def _spawn_jobs(
                 proc = ctx.Process(
                     target=_worker,
                     args=(fn, rank, world_size, port, backend, timeout, args, writer, networks[rank],
-                          throttles[rank]),
+                          throttles[rank], os.getpid()),
                     name=f"run_distributed-{f'job{index}-' if len(jobs) > 1 else ''}rank{rank}",
                     daemon=True,
                 )
                 procs[-1].append(proc)  # before start(): a Ctrl-C while it starts must not leave it unreaped
-                proc.start()
+                with _interrupts_held():
+                    proc.start()
                 writer.close()
-        return [_collect(job_procs, job_readers, timeout) for job_procs, job_readers in zip(procs, readers,
-                                                                                             strict=True)]
+        return [_collect(job_procs, job_readers, timeout, oom) for job_procs, job_readers in zip(procs, readers,
+                                                                                                  strict=True)]
     finally:
         started = [proc for job_procs in procs for proc in job_procs if proc.pid is not None]
         for proc in started:
@@ -377,6 +445,23 @@ def _spawn_jobs(
         for job_readers in readers:
             for reader in job_readers.values():
                 reader.close()
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Block SIGINT in this thread while a worker is started, so the worker starts with it blocked (a signal mask
+    survives fork and exec) until it ignores it; a Ctrl-C meanwhile reaches this process when the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    # multiprocessing starts its resource tracker with SIGINT blocked and then unblocks it: start it before the
+    # block, so starting a worker does not lift the block halfway
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def run_jobs(
@@ -411,7 +496,8 @@ def run_jobs(
                             for fn, world_size, args in jobs], timeout, backend)
 
 
-def _collect(procs: list[Any], readers: dict[int, Connection], timeout: float) -> list[Any]:
+def _collect(procs: list[Any], readers: dict[int, Connection], timeout: float,
+             oom: OomWatch | None = None) -> list[Any]:
     """Wait for every worker's outcome (or death) until `timeout`; after a failure, wait only a grace period."""
     results: dict[int, Any] = {}
     failures: list[tuple[bool, float, int, BaseException | None, str]] = []  # (sent something, when, rank, ...)
@@ -427,7 +513,7 @@ def _collect(procs: list[Any], readers: dict[int, Connection], timeout: float) -
             rank = sentinel_rank[obj] if isinstance(obj, int) else _rank_of(pending, obj)
             if rank is None or rank not in pending:
                 continue
-            message = _receive(pending[rank], procs[rank], died=isinstance(obj, int))
+            message = _receive(pending[rank], procs[rank], died=isinstance(obj, int), oom=oom)
             if message is None:
                 continue
             del pending[rank]
@@ -450,7 +536,7 @@ def _collect(procs: list[Any], readers: dict[int, Connection], timeout: float) -
     return [results[r] for r in range(len(procs))]
 
 
-def _receive(reader: Connection, proc: Any, died: bool) -> tuple[Any, ...] | None:
+def _receive(reader: Connection, proc: Any, died: bool, oom: OomWatch | None = None) -> tuple[Any, ...] | None:
     """The worker's outcome if it sent one; an error if it died without; None if there is nothing yet."""
     if reader.poll():
         try:
@@ -468,7 +554,7 @@ def _receive(reader: Connection, proc: Any, died: bool) -> tuple[Any, ...] | Non
     elif not died:
         return None
     proc.join(timeout=1)
-    return ("error", None, _death(proc) + "\n", time.time(), True)
+    return ("error", None, _death(proc, oom) + "\n", time.time(), True)
 
 
 def _rank_of(pending: dict[int, Connection], conn: object) -> int | None:

@@ -1,0 +1,292 @@
+"""The workers' lives end with the planner's: a launcher killed with SIGKILL takes its workers (and the
+resource tracker) with it, Ctrl-C pressed any number of times is one line and exit 130, and a worker killed
+by SIGKILL is said to be out of memory only when the kernel's OOM killer did it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from planner.platform import launch
+from planner.platform.launch import run_distributed
+from planner.platform.link import NAMESPACE_PREFIX, list_namespaces, privilege_problem, remove_stale_namespaces
+from planner.platform.oom import OomWatch, oom_kill_count, oom_killed_in_kernel_log
+from planner.types import DistributedError
+from tests.factories import synthetic_plan, synthetic_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_root = pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated link here: {privilege_problem()}")
+
+#: A launcher of two workers that run `sleeps_in_workers` (argv: the folder for their pid files, a --link rate
+#: or "none").
+LAUNCHER = textwrap.dedent("""
+    import sys
+    from planner.platform.launch import run_distributed
+    from planner.platform.link import parse_rate
+    from tests.test_lifecycle import sleeps_in_workers
+
+    link = None if sys.argv[2] == "none" else parse_rate(sys.argv[2])
+    run_distributed(sleeps_in_workers, 2, sys.argv[1], timeout=600, link=link)
+""")
+
+
+def sleeps_in_workers(rank: int, world_size: int, folder: str) -> None:
+    Path(folder, f"worker{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of `pid` from /proc, or None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    state, ppid = text.rsplit(")", 1)[1].split()[:2]  # the name before ")" may hold spaces
+    return state, int(ppid)
+
+
+def _alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name))
+            if stat is not None and stat[1] == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _workers(pid: int) -> list[int]:
+    """The spawned workers among `pid`'s children (not the resource tracker)."""
+    return [kid for kid in _children(pid) if "spawn_main" in _cmdline(kid)]
+
+
+def _survivors(pids: list[int], within_s: float) -> list[int]:
+    """Those of `pids` still alive after waiting up to `within_s` for them all to end."""
+    deadline = time.monotonic() + within_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+def _end(pids: list[int], folder: Path | None = None) -> None:
+    """Kill what is left of the processes `pids` and those that wrote a pid file in `folder`."""
+    if folder is not None:
+        pids = pids + [int(p.read_text()) for p in folder.glob("worker*.pid")]
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _namespaces_of(pid: int) -> list[str]:
+    return [n for n in list_namespaces() if n.startswith(f"{NAMESPACE_PREFIX}-{pid}-")]
+
+
+# -- item 1: workers die with a killed launcher ---------------------------------------------------------------------
+@pytest.mark.parametrize("link", ["none", pytest.param("1gbit", marks=needs_root)])
+def test_workers_and_the_resource_tracker_die_with_a_launcher_killed_by_sigkill(tmp_path: Path, link: str) -> None:
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path), link], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while len(list(tmp_path.glob("worker*.pid"))) < 2 and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(list(tmp_path.glob("worker*.pid"))) == 2, "the workers did not start"
+        workers = [int(p.read_text()) for p in tmp_path.glob("worker*.pid")]
+        children = _children(launcher.pid)  # the workers and multiprocessing's resource tracker
+        assert set(workers) < set(children)
+        launcher.kill()
+        launcher.wait()
+        assert _survivors(children, within_s=10) == [], [_cmdline(p) for p in children if _alive(p)]
+        if link != "none":  # what the next run does first: the killed run's namespaces are removed
+            assert _namespaces_of(launcher.pid) != []
+            remove_stale_namespaces()
+            assert _namespaces_of(launcher.pid) == []
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        _end(children, tmp_path)
+
+
+def test_a_worker_still_starting_when_its_launcher_is_killed_exits_instead_of_running(tmp_path: Path) -> None:
+    """The launcher dies before the worker could ask to die with it: the worker notices and never runs `fn`."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path), "none"], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not _workers(launcher.pid) and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        children = _children(launcher.pid)
+        launcher.kill()  # the first worker is importing its modules, long before it runs anything
+        launcher.wait()
+        assert any("spawn_main" in _cmdline(p) for p in children), "no worker started"
+        assert _survivors(children, within_s=90) == [], [_cmdline(p) for p in children if _alive(p)]
+        assert list(tmp_path.glob("worker*.pid")) == []
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        _end(children, tmp_path)
+
+
+# -- item 5: Ctrl-C, however many times, is one line and exit 130 ---------------------------------------------------
+#: A progress bar's last state, as a bench leaves it on a stream that is not a terminal.
+_PROGRESS = re.compile(r"(K-FAC )?bench steps\b.* \d+/\d+ \d+:\d\d:\d\d")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plan and a profile of the built-in mlp for two workers."""
+    folder = tmp_path_factory.mktemp("lifecycle")
+    synthetic_plan("mlp").save(folder / "plan.json")
+    synthetic_profile("mlp", world_size=2).save(folder / "prof.json")
+    return folder
+
+
+def _command(name: str, inputs: Path, out: Path) -> list[str]:
+    """A `planner` command line of `name` that runs its workers for minutes."""
+    if name == "bench":
+        return ["bench", "--plan", str(inputs / "plan.json"), "--steps", "100000", "--peers", "none"]
+    return ["tune", str(inputs / "prof.json"), "--model", "mlp", "--trials", "1000", "--steps", "3", "--rungs", "1",
+            "--warmup", "1", "--compare-steps", "3", "-o", str(out / "tuned.json")]
+
+
+@pytest.mark.parametrize("first_after_s", [0.0, 3.0])
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_ctrl_c_pressed_again_and_again_is_one_line_and_exit_130(tmp_path: Path, inputs: Path, command: str,
+                                                                    first_after_s: float) -> None:
+    """As a terminal does, every Ctrl-C goes to the whole foreground process group (the planner and its workers),
+    from the moment a worker starts (or a few seconds later) until the planner has exited."""
+    err = tmp_path / "stderr"
+    with err.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "planner", *_command(command, inputs, tmp_path)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not workers and proc.poll() is None and time.monotonic() < deadline:
+            workers = _workers(proc.pid)
+            time.sleep(0.01)
+        assert workers, f"no worker started: {err.read_text()}"
+        time.sleep(first_after_s)
+        presses = 0
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            os.killpg(proc.pid, signal.SIGINT)
+            presses += 1
+            time.sleep(0.05)
+        assert proc.poll() is not None, "the planner did not exit on Ctrl-C"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        _end(workers)
+    text = err.read_text()
+    lines = [ln for ln in text.splitlines() if ln.strip() and not _PROGRESS.fullmatch(ln.strip())]
+    assert presses >= 2
+    assert proc.returncode == 130 and lines == ["planner: interrupted"], (proc.returncode, text)
+    for noise in ("Traceback", "Exception ignored", "Fatal Python error", "KeyboardInterrupt"):
+        assert noise not in text
+
+
+# -- item 6: "out of memory" only when the OOM killer did it --------------------------------------------------------
+def kills_itself(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)
+
+
+def _death_message(monkeypatch: pytest.MonkeyPatch, counts: list[int | None]) -> str:
+    """The error of a run whose rank 1 is killed by SIGKILL while the OOM-kill counter reads `counts` in turn."""
+    readings = iter(counts)
+    monkeypatch.setattr(launch, "OomWatch", lambda: OomWatch(count=lambda: next(readings),
+                                                             kernel_log=lambda pid, since: None))
+    with pytest.raises(DistributedError) as caught:
+        run_distributed(kills_itself, 2, timeout=120)
+    return str(caught.value)
+
+
+def test_a_worker_killed_by_hand_is_not_said_to_be_out_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    message = _death_message(monkeypatch, [4, 4])
+    assert message == "worker rank 1 was killed by SIGKILL"
+
+
+def test_a_worker_killed_while_the_oom_kill_counter_rose_is_out_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    message = _death_message(monkeypatch, [4, 5])
+    assert message.startswith("worker rank 1 was killed by SIGKILL: out of memory (the kernel's OOM killer)")
+    assert "--batch-size" in message
+
+
+def test_without_a_counter_or_kernel_log_a_sigkill_is_not_called_out_of_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    message = _death_message(monkeypatch, [None, None])
+    assert message.startswith("worker rank 1 was killed by SIGKILL") and "out of memory" not in message
+
+
+def test_a_real_sigkill_by_hand_is_not_out_of_memory() -> None:
+    """Unpatched: whatever this machine lets the launcher read, a SIGKILL sent by a process is no OOM kill."""
+    with pytest.raises(DistributedError, match=r"^worker rank 1 was killed by SIGKILL") as caught:
+        run_distributed(kills_itself, 2, timeout=120)
+    assert "out of memory" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("lines", "files", "count"), [
+    (["0::/a/b"], {"a/b/memory.events": "low 0\nhigh 0\nmax 2\noom 1\noom_kill 3\noom_group_kill 0\n"}, 3),
+    (["4:memory:/x/y", "0::/"], {"memory/x/y/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n"}, 2),
+    (["0::/"], {}, None),  # the v2 root group has no memory.events
+    (["4:memory:/x"], {"memory/x/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\n"}, None),  # an old kernel
+])
+def test_the_oom_kill_counter_is_read_from_cgroup_v2_or_v1(tmp_path: Path, lines: list[str],
+                                                           files: dict[str, str], count: int | None) -> None:
+    proc_cgroup = tmp_path / "cgroup"
+    proc_cgroup.write_text("\n".join(["9:name=systemd:/", *lines]) + "\n")
+    for name, text in files.items():
+        (tmp_path / "root" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "root" / name).write_text(text)
+    assert oom_kill_count(proc_cgroup, tmp_path / "root") == count
+
+
+def test_the_kernel_log_names_an_oom_kill_of_that_pid_since_the_watch_began(tmp_path: Path) -> None:
+    now_us = int(time.monotonic() * 1e6)
+    log = tmp_path / "kmsg"
+    log.write_text(
+        f"6,1,{now_us - 3_600_000_000},-;Out of memory: Killed process 4242 (python) total-vm:1kB\n"  # an hour ago
+        f"6,2,{now_us},-;Memory cgroup out of memory: Killed process 4343 (python) total-vm:1kB\n"
+        f"6,3,{now_us},-;Killed process 4444 by hand\n"
+    )
+    since = time.monotonic() - 1
+    assert oom_killed_in_kernel_log(4343, since, log) is True
+    assert oom_killed_in_kernel_log(4242, since, log) is False
+    assert oom_killed_in_kernel_log(4444, since, log) is False
+    assert oom_killed_in_kernel_log(4343, since, tmp_path / "missing") is None
+
+
+def test_the_watch_trusts_the_counter_before_the_kernel_log() -> None:
+    readings: list[Any] = [1, 1]
+    watch = OomWatch(count=lambda: readings.pop(0), kernel_log=lambda pid, since: True)
+    assert watch.killed(123) is False
+    watch = OomWatch(count=lambda: None, kernel_log=lambda pid, since: True)
+    assert watch.killed(123) is True
