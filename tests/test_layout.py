@@ -89,9 +89,10 @@ def test_the_import_graph_has_no_circle() -> None:
 #: Each layer and the layers it may import (besides itself). The base is what every layer stands on:
 #: errors and enums, the console, the built-in models, the kernels that both the profilers and the
 #: runtime run, and the platform (launching workers, the emulated link, timing); and the old import paths
-#: `runtime` and `profilers` (`planner._aliases`, stdlib only).
+#: `runtime` and `profilers` (`planner._aliases`, stdlib only), and a worker's request to die with its launcher
+#: (`planner._lifeline`, stdlib only: the package's first import in a worker).
 BASE = {"planner.types", "planner.console", "planner.models", "planner.tasks", "planner.kernels", "planner.platform",
-        "planner._aliases"}
+        "planner._aliases", "planner._lifeline"}
 MAY_IMPORT = {
     "base": set(),
     "costmodel": {"base"},
@@ -102,7 +103,7 @@ MAY_IMPORT = {
     "profilers": {"base", "costmodel", "contracts"},
     "runtime": {"base", "costmodel", "contracts", "readers", "solvers"},
     "commands": {"base", "costmodel", "contracts", "readers", "solvers", "strategies", "profilers", "runtime"},
-    "shims": {"contracts", "commands"},
+    "shims": {"base", "contracts", "commands"},
 }
 #: The cost model's readers of a profile: they turn the profile contract's data into the cost model's instances
 #: (`from_profile`) and draw profiles from its samples (`resample`). The contract holds the data and its checks and

@@ -152,6 +152,51 @@ def test_a_worker_still_starting_when_its_launcher_is_killed_exits_instead_of_ru
         _end(children, tmp_path)
 
 
+#: A launcher file whose workers take a minute to start after importing the package: a spawned worker runs its
+#: launcher's main file again (as __mp_main__) before anything of its own, as it runs the `planner` script.
+SLOW_STARTING = textwrap.dedent("""
+    import sys
+    import time
+
+    import planner
+
+    if __name__ == "__mp_main__":  # in a worker, still starting
+        time.sleep(60)
+    if __name__ == "__main__":
+        from planner.platform.launch import run_distributed
+        from tests.test_lifecycle import sleeps_in_workers
+
+        run_distributed(sleeps_in_workers, 2, sys.argv[1], timeout=600)
+""")
+
+
+def test_a_worker_dies_with_its_launcher_from_its_first_import_of_the_package(tmp_path: Path) -> None:
+    """Not only once its modules are imported (torch takes seconds, on a busy machine half a minute): the worker
+    asks as the package is imported (`planner._lifeline`), so it is gone long before its start-up would end."""
+    script = tmp_path / "launcher.py"
+    script.write_text(SLOW_STARTING)
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not _workers(launcher.pid) and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(3)  # the first worker is past `import planner`, in its minute of start-up
+        children = _children(launcher.pid)
+        assert any("spawn_main" in _cmdline(p) for p in children), "no worker started"
+        launcher.kill()
+        launcher.wait()
+        assert _survivors(children, within_s=10) == [], [_cmdline(p) for p in children if _alive(p)]
+        assert list(tmp_path.glob("worker*.pid")) == []
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        _end(children, tmp_path)
+
+
 # -- item 5: Ctrl-C, however many times, is one line and exit 130 ---------------------------------------------------
 #: A progress bar's last state, as a bench leaves it on a stream that is not a terminal.
 _PROGRESS = re.compile(r"(K-FAC )?bench steps\b.* \d+/\d+ \d+:\d\d:\d\d")

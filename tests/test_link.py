@@ -193,7 +193,7 @@ def _rank1_dies(rank: int, world_size: int) -> None:
 @needs_root
 def test_a_killed_worker_leaves_nothing_behind() -> None:
     """And it is named as the cause, whenever its peer's broken connection was noticed."""
-    with pytest.raises(DistributedError, match="^worker rank 1 was killed by SIGKILL") as caught:
+    with pytest.raises(DistributedError, match=r"^worker rank 1 was killed by SIGKILL") as caught:
         run_distributed(_rank1_dies, 2, timeout=30, link=parse_rate("1gbit"))
     assert "out of memory" not in str(caught.value)  # killed by hand, not by the kernel's OOM killer
     assert _ours() == []

@@ -22,14 +22,11 @@ kill it halfway ("Fatal Python error: init_import_site"); the launcher, interrup
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import os
 import pickle
 import signal
 import socket
-import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -43,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from planner._lifeline import LAUNCHER_ENV, die_with
 from planner.platform.link import HOSTS_ENV, LINK_ENV, EmulatedLink, LinkError, LinkRate, enter_namespace
 from planner.platform.memory import steady_allocator
 from planner.platform.oom import OomWatch
@@ -65,10 +63,6 @@ __all__ = [
 #: After one worker fails, how long the others get to finish before they are killed (they are likely
 #: blocked in a collective that will never complete).
 FAILURE_GRACE_S = 5.0
-#: prctl(2) option: the signal this process gets when its parent dies.
-_PR_SET_PDEATHSIG = 1
-#: Where prctl is missing, how often a worker checks that its launcher is alive (seconds).
-_PARENT_POLL_S = 1.0
 
 
 def resolve_backend(backend: str) -> str:
@@ -154,7 +148,7 @@ def _worker(
     """
     _leave_interrupts_to_the_launcher()
     if launcher is not None:
-        _die_with(launcher)
+        die_with(launcher)  # armed already as the package was imported (LAUNCHER_ENV); here where it was not
     torch.set_num_threads(1)
     steady_allocator()
     joined = False
@@ -207,34 +201,6 @@ def _leave_interrupts_to_the_launcher() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
-def _die_with(launcher: int) -> None:
-    """Have this worker killed when process `launcher` (its parent) dies, and exit now if it already has: it may
-    have died while this worker's interpreter was starting, before the request."""
-    if not _kill_me_with_my_parent():
-        threading.Thread(target=_watch_parent, args=(launcher,), name="watch-launcher", daemon=True).start()
-    if os.getppid() != launcher:
-        os._exit(1)
-
-
-def _kill_me_with_my_parent() -> bool:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux); False where it cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _watch_parent(launcher: int) -> None:
-    """Where the kernel cannot be asked: exit once the parent is no longer `launcher` (it died, this process was
-    handed to another)."""
-    while os.getppid() == launcher:
-        time.sleep(_PARENT_POLL_S)
-    os._exit(1)
 
 
 def _leave_group() -> None:
@@ -430,7 +396,7 @@ def _spawn_jobs(
                     daemon=True,
                 )
                 procs[-1].append(proc)  # before start(): a Ctrl-C while it starts must not leave it unreaped
-                with _interrupts_held():
+                with _interrupts_held(), _launcher_named():
                     proc.start()
                 writer.close()
         return [_collect(job_procs, job_readers, timeout, oom) for job_procs, job_readers in zip(procs, readers,
@@ -445,6 +411,21 @@ def _spawn_jobs(
         for job_readers in readers:
             for reader in job_readers.values():
                 reader.close()
+
+
+@contextlib.contextmanager
+def _launcher_named() -> Iterator[None]:
+    """LAUNCHER_ENV holds this process's pid while a worker starts (a spawned worker inherits the environment), so
+    that the worker's first import of the package asks to die with this process (`planner._lifeline`)."""
+    previous = os.environ.get(LAUNCHER_ENV)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(LAUNCHER_ENV, None)
+        else:
+            os.environ[LAUNCHER_ENV] = previous
 
 
 @contextlib.contextmanager
