@@ -1,7 +1,30 @@
-"""`python -m planner` is the `planner` command."""
+"""`python -m planner` is the `planner` command; `console` is the `planner` script's entry point."""
 
+from __future__ import annotations
+
+import signal
 import sys
+from types import FrameType
 
-from planner.commands.cli import main
 
-sys.exit(main())
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """A Ctrl-C before the command runs (its modules and torch take seconds to import): stop, ignoring the next."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def console() -> int:
+    """Import the commands and run the one on the command line; a Ctrl-C while they are imported is the same one
+    line and exit 130 as one while the command runs (`planner.commands.cli.main`), not a traceback."""
+    signal.signal(signal.SIGINT, _interrupted)
+    try:
+        from planner.commands.cli import main
+
+        return main()  # from its parsing on, main answers a Ctrl-C itself
+    except KeyboardInterrupt:
+        print("planner: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(console())

@@ -257,6 +257,31 @@ def test_ctrl_c_pressed_again_and_again_is_one_line_and_exit_130(tmp_path: Path,
         assert noise not in text
 
 
+@pytest.mark.parametrize("entry", ["script", "module"])
+def test_ctrl_c_while_the_command_is_still_importing_is_one_line_and_exit_130(tmp_path: Path, entry: str) -> None:
+    """Before the command runs, its modules and torch take seconds to import: Ctrl-C then (again and again) is the
+    same one line and exit 130, through the `planner` script and `python -m planner` alike."""
+    script = Path(sys.executable).with_name("planner")
+    if entry == "script" and not script.exists():
+        pytest.skip("the planner script is not installed beside this interpreter")
+    argv = [str(script)] if entry == "script" else [sys.executable, "-m", "planner"]
+    proc = subprocess.Popen([*argv, "models"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    time.sleep(0.3)  # the interpreter is up, the commands are being imported
+    presses = 0
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        os.killpg(proc.pid, signal.SIGINT)
+        presses += 1
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()
+    _, text = proc.communicate()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert presses >= 1
+    assert proc.returncode == 130 and lines == ["planner: interrupted"], (proc.returncode, text)
+
+
 # -- item 6: "out of memory" only when the OOM killer did it --------------------------------------------------------
 def kills_itself(rank: int, world_size: int) -> None:
     if rank == 1:
