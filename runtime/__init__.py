@@ -1,4 +1,5 @@
-"""Execute plans during training: fused dense or top-k gradient exchange, a DDP top-k hook, K-FAC, and ABS-SGD
+"""Execute plans during training: fused dense or top-k gradient exchange, a plan inside DDP (its groups as
+buckets, one comm hook), a DDP top-k hook, K-FAC, and ABS-SGD
 for workers of different speeds."""
 
 from __future__ import annotations
@@ -6,6 +7,7 @@ from __future__ import annotations
 from planner.kernels.topk import decode, pack, select_topk, unpack
 from planner.runtime.abs import ABSSGD
 from planner.runtime.ddp_hooks import TopkHookState, topk_hook
+from planner.runtime.ddp_plan import PlanHook
 from planner.runtime.exchange import GradientExchange
 from planner.runtime.kfac import KFACPreconditioner
 
@@ -13,6 +15,7 @@ __all__ = [
     "ABSSGD",
     "GradientExchange",
     "KFACPreconditioner",
+    "PlanHook",
     "TopkHookState",
     "decode",
     "pack",

@@ -1,0 +1,461 @@
+"""Run a plan inside DDP: the plan's groups as DDP's buckets, its compressors as one communication hook.
+
+    hook = PlanHook.from_file(model, "plan.json")                        # or PlanHook(model, plan)
+    ddp = DistributedDataParallel(model, **hook.ddp_kwargs()); hook.register(ddp)
+
+`ddp_kwargs()` gives DDP one bucket cap per group (`bucket_cap_mb_list`, torch >= 2.13), so that DDP's buckets
+are the plan's groups, and `find_unused_parameters` as the plan's profile found. `register` installs one comm hook
+that sends each bucket the way its group says: fp32 allreduce mean, fp16, PowerSGD at rank r, or top-k with error
+feedback, with the arithmetic of `GradientExchange` (`planner.kernels.compress`, `planner.kernels.topk`).
+
+How the caps make the groups. DDP's reducer fills a bucket parameter by parameter and closes it once its bytes
+reach the bucket's cap (the caps are used in turn; the last one repeats). A group of G bytes whose smallest
+parameter holds m bytes gets the cap G - m // 2 bytes: the bucket reaches it only with its last parameter,
+whichever of the group's parameters arrives last. DDP lays out buckets twice:
+
+- at construction, in registration order (the order of `model.parameters()`), with the caps in that order;
+- after the first iteration it rebuilds them in the order the gradients became ready, the plan's order, with the
+  same caps, unless `find_unused_parameters=True` (without `static_graph`): then the first layout stays.
+
+So the caps follow the plan's groups in plan order, or, where DDP will not rebuild, the runs of each group's
+parameters in registration order (a group split there is several buckets). Before the final layout (iteration 0
+when DDP rebuilds) every bucket is sent as an fp32 allreduce mean, as PyTorch's PowerSGD hook does before
+`start_powerSGD_iter`. At the first iteration of the final layout the hook checks each bucket against the groups,
+parameter for parameter; a bucket that is not exactly one group (a plan whose ready order differs from this run's,
+or DDP built with other caps) is sent with the compressor of the group that holds most of its elements, and one
+warning names those buckets.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from planner.contracts.plan import Plan
+from planner.costmodel.problem import topk_count
+from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compress, fp16_decompress
+from planner.kernels.topk import all_gather_flat, decode, pack, select_topk
+from planner.runtime.exchange import _find_unused, _name_list, planned_params
+from planner.runtime.retune import resolve_plan
+from planner.types import Compressor, CompressorKind, PlanMismatchError
+
+__all__ = ["STATE_KIND", "SUPPORTED_KINDS", "PlanHook", "bucket_caps", "plan_hook"]
+
+STATE_KIND = "runtime.plan_hook"
+
+#: The group kinds the hook sends.
+SUPPORTED_KINDS = (CompressorKind.DENSE, CompressorKind.FP16, CompressorKind.POWERSGD, CompressorKind.TOPK)
+
+#: Bytes in DDP's MB (`bucket_cap_mb` is in MiB).
+_MIB = 1 << 20
+
+_RUN_ELSEWHERE = "run it with GradientExchange(model, plan) instead of DDP"
+
+
+def bucket_caps(runs: Sequence[Sequence[int]]) -> list[float]:
+    """The `bucket_cap_mb_list` that closes one DDP bucket per run of parameter sizes (bytes, in the order DDP
+    fills them): per run, its bytes less half its smallest parameter's, in MiB (exact: a power of two divides)."""
+    caps = []
+    for sizes in runs:
+        nonzero = [s for s in sizes if s > 0]
+        total = sum(nonzero)
+        caps.append((total - (min(nonzero) // 2 if nonzero else 0)) / _MIB)
+    return caps
+
+
+@dataclass(frozen=True)
+class _Route:
+    """How one DDP bucket is sent: its parameters' names, the group it is (None: not exactly one group), the
+    group holding most of its elements, and that group's compressor, top-k count and PowerSGD seed."""
+
+    names: tuple[str, ...]
+    group: int | None
+    majority: int
+    compressor: Compressor
+    k: int | None
+    seed: int
+
+
+class PlanHook:
+    """A plan as DDP keyword arguments and one DDP communication hook; see the module docstring.
+
+    Construct it on every rank, with the same plan, before DDP (`ddp_kwargs()` feeds DDP's constructor), then
+    `register` it on the DDP module. Supports plans whose groups are sent dense, fp16, PowerSGD or top-k, on one
+    host; hierarchical groups, K-FAC and ABS-SGD plans are refused (`GradientExchange` runs them).
+
+    Args:
+        model: the module the plan was made for (the one DDP will wrap).
+        plan: the plan; its model fingerprint and world size must match.
+        process_group: the group DDP averages over (default: the default group).
+        find_unused_parameters: as `GradientExchange`'s: default None, as the plan says (on where the plan's profile
+            found parameters without a gradient, with a RuntimeWarning naming them); False with such a plan is
+            refused.
+        auto_retune: re-plan when the plan was made for another world size, backend or kind of device (see
+            `GradientExchange`).
+        profile: the profile to re-plan from with `auto_retune` (default the plan's source).
+
+    Raises:
+        PlanMismatchError: the plan was made for another model or cluster, its parameters are not the model's
+            trainable ones, or it has what the hook does not run (named in the message).
+        ValueError: find_unused_parameters=False with a plan that records unused parameters.
+    """
+
+    __slots__ = ("_checked", "_final_iteration", "_half", "_iteration", "_names_of", "_pending",
+                 "_powersgd", "_residuals", "_routes", "_seeds", "_selector", "find_unused_parameters",
+                 "model", "plan", "process_group")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        *,
+        process_group: Any = None,
+        find_unused_parameters: bool | None = None,
+        auto_retune: bool = False,
+        profile: Any = None,
+    ) -> None:
+        _check_supported(plan)
+        plan = resolve_plan(plan, model, process_group=process_group, auto_retune=auto_retune, profile=profile)
+        _check_supported(plan)  # a re-tuned plan too
+        params = planned_params(model, plan)
+        planned = set(plan.param_order)
+        kinds = sorted({(str(p.dtype), str(p.device)) for n, p in params.items() if n in planned})
+        if len(kinds) > 1:
+            found = ", ".join(f"{d} on {v}" for d, v in kinds)
+            raise PlanMismatchError(
+                f"the planned parameters are of several dtypes or devices ({found}), which DDP buckets apart, so "
+                f"its buckets cannot be the plan's groups; {_RUN_ELSEWHERE}"
+            )
+        self.model = model
+        self.plan = plan
+        self.process_group = process_group
+        self.find_unused_parameters = _find_unused(plan, find_unused_parameters)
+        self._names_of = {id(p): n for n, p in params.items() if n in planned}
+        self._selector = plan.selector or "exact"
+        # PowerSGD's first random Qs: one seed per PowerSGD group in plan order, as GradientExchange draws them.
+        seeds = np.random.RandomState(0)
+        self._seeds = [int(seeds.randint(1_000_000_000)) if plan.compressor_of(g).kind is CompressorKind.POWERSGD
+                       else 0 for g in plan.groups]
+        self._iteration = 0
+        self._final_iteration = 1
+        self._checked = False
+        self._routes: dict[int, _Route] = {}
+        self._residuals: dict[int, Tensor] = {}
+        self._powersgd: dict[int, PowerSGDGroup] = {}
+        self._half: dict[int, Tensor] = {}
+        self._pending: dict[int, dict[str, Any]] = {}
+
+    @classmethod
+    def from_file(cls, model: nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> PlanHook:
+        """Load the plan at `path` (validated, see `Plan.load`) and build the hook."""
+        return cls(model, Plan.load(path), **kwargs)
+
+    # -- DDP's arguments --------------------------------------------------------------------------
+    def _registration_order(self) -> list[str]:
+        """The planned parameters in the order DDP takes them (`model.parameters()`, trainable, each once)."""
+        return [self._names_of[id(p)] for p in self.model.parameters() if id(p) in self._names_of]
+
+    def bucket_runs(self) -> list[list[str]]:
+        """The parameters of each bucket the caps of `ddp_kwargs()` make, in the order DDP fills them: the plan's
+        groups in plan order, or, where DDP keeps its first layout (find_unused_parameters), each run of one
+        group's parameters in registration order."""
+        if not self.find_unused_parameters:
+            return [list(g.params) for g in self.plan.groups]
+        group_of = {n: i for i, g in enumerate(self.plan.groups) for n in g.params}
+        runs: list[list[str]] = []
+        last = None
+        for name in self._registration_order():
+            if group_of[name] != last:
+                runs.append([])
+                last = group_of[name]
+            runs[-1].append(name)
+        return runs
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `DistributedDataParallel` that make its buckets the plan's groups:
+        `bucket_cap_mb_list` (one cap per bucket, see `bucket_runs`), `find_unused_parameters` as the plan says,
+        and `gradient_as_bucket_view=True` (the hook writes each average into the bucket in place, so the
+        gradients need no copy; every planned parameter is dense and of one dtype, checked at construction)."""
+        params = dict(self.model.named_parameters())
+        caps = bucket_caps([[params[n].numel() * params[n].element_size() for n in run] for run in self.bucket_runs()])
+        return {"bucket_cap_mb_list": caps, "find_unused_parameters": self.find_unused_parameters,
+                "gradient_as_bucket_view": True}
+
+    # -- registering ------------------------------------------------------------------------------
+    def register(self, ddp_model: nn.Module) -> None:
+        """Register the hook on `ddp_model` (the DDP module wrapping this hook's model), before its first step."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(ddp_model, DistributedDataParallel):
+            raise TypeError(f"register needs the DistributedDataParallel module, but got {type(ddp_model).__name__}; "
+                            "build it with DistributedDataParallel(model, **hook.ddp_kwargs())")
+        if ddp_model.module is not self.model:
+            raise PlanMismatchError("the DDP module wraps another model than this hook's; build the hook with the "
+                                    "model DDP wraps (ddp.module)")
+        if self.find_unused_parameters and not ddp_model.find_unused_parameters:
+            assert self.plan.unused_params is not None
+            raise PlanMismatchError(
+                f"the plan's profile found parameters without a gradient ({_name_list(self.plan.unused_params.names)})"
+                ", but DDP was built with find_unused_parameters=False; build it with **hook.ddp_kwargs()"
+            )
+        if ddp_model.process_group is not None and self.process_group is None:
+            self.process_group = ddp_model.process_group
+        # DDP keeps its first layout with find_unused_parameters (unless the graph is static); else it rebuilds
+        # its buckets in ready order after iteration 0.
+        keeps = ddp_model.find_unused_parameters and not ddp_model.static_graph
+        self._final_iteration = 0 if keeps else 1
+        ddp_model.register_comm_hook(self, plan_hook)
+
+    @property
+    def buckets(self) -> list[tuple[str, ...]]:
+        """The parameters of each DDP bucket of the final layout, by bucket index (empty until the hook sees it)."""
+        return [self._routes[i].names for i in sorted(self._routes)]
+
+    @property
+    def bucket_groups(self) -> list[int | None]:
+        """Per bucket of `buckets`: the plan group it is exactly, or None (sent as its majority group)."""
+        return [self._routes[i].group for i in sorted(self._routes)]
+
+    @property
+    def iteration(self) -> int:
+        """Iterations the hook has sent since it was created (not saved: a new DDP module lays out again)."""
+        return self._iteration
+
+    # -- routing ----------------------------------------------------------------------------------
+    def _route(self, index: int, params: Sequence[Tensor]) -> _Route:
+        names = tuple(self._names_of[id(p)] for p in params)
+        held: dict[int, int] = {}
+        group_of = self._group_of()
+        for name, p in zip(names, params, strict=True):
+            held[group_of[name]] = held.get(group_of[name], 0) + p.numel()
+        majority = max(held, key=lambda i: (held[i], -i))
+        group = self.plan.groups[majority]
+        exact = set(names) == set(group.params)
+        compressor = self.plan.compressor_of(group)
+        numel = sum(p.numel() for p in params)
+        k = None
+        if compressor.kind is CompressorKind.TOPK:
+            assert compressor.density is not None
+            k = group.k if exact and group.k is not None else topk_count(numel, compressor.density)
+        return _Route(names=names, group=majority if exact else None, majority=majority, compressor=compressor, k=k,
+                      seed=self._seeds[majority])
+
+    def _group_of(self) -> dict[str, int]:
+        return {n: i for i, g in enumerate(self.plan.groups) for n in g.params}
+
+    def _report(self) -> None:
+        """Warn once, in one line, about the buckets that are not exactly one of the plan's groups."""
+        self._checked = True
+        odd = [(i, r) for i, r in sorted(self._routes.items()) if r.group is None]
+        if not odd:
+            return
+        group_of = self._group_of()
+        parts = []
+        for i, r in odd[:3]:
+            groups = sorted({group_of[n] for n in r.names})
+            parts.append(f"bucket {i} ({_name_list(list(r.names), 2)}) spans groups {groups}")
+        more = f" and {len(odd) - 3} more" if len(odd) > 3 else ""
+        warnings.warn(
+            f"DDP's buckets are not the plan's groups: {'; '.join(parts)}{more}; each such bucket is sent with the "
+            "compressor of the group holding most of its elements. Build DDP with **hook.ddp_kwargs(), and re-plan "
+            "if this run's gradients become ready in another order than the profile's",
+            RuntimeWarning, stacklevel=2,
+        )
+
+    # -- sending ----------------------------------------------------------------------------------
+    def _world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    def send(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        """Send one bucket (the body of `plan_hook`): an fp32 allreduce mean before DDP's final layout, then as
+        its route says."""
+        index = bucket.index()
+        final = self._iteration >= self._final_iteration
+        if final and index not in self._routes:
+            self._routes[index] = self._route(index, bucket.parameters())
+        if bucket.is_last():  # DDP calls the hook bucket by bucket in order; the last one ends the iteration
+            if final and not self._checked:
+                self._report()
+            self._iteration += 1
+        flat = bucket.buffer()
+        if not final:
+            return self._dense(flat)
+        route = self._routes[index]
+        match route.compressor.kind:
+            case CompressorKind.DENSE:
+                return self._dense(flat)
+            case CompressorKind.FP16:
+                return self._fp16(index, flat)
+            case CompressorKind.POWERSGD:
+                return self._powersgd_send(index, route, bucket, flat)
+            case CompressorKind.TOPK:
+                return self._topk(index, route, flat)
+            case kind:
+                raise PlanMismatchError(f"a bucket is sent by {kind}, which the hook does not run; {_RUN_ELSEWHERE}")
+
+    def _dense(self, flat: Tensor) -> torch.futures.Future[Tensor]:
+        """fp32 (the bucket's dtype) allreduce mean, divided before the sum as DDP does without a hook."""
+        flat.mul_(1.0 / self._world_size())
+        fut = dist.all_reduce(flat, group=self.process_group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    def _fp16(self, index: int, flat: Tensor) -> torch.futures.Future[Tensor]:
+        """Cast to fp16 and divide by the world size, allreduce, cast back (DDP's `fp16_compress_hook`)."""
+        half = self._half.get(index)
+        if half is None or half.numel() != flat.numel() or half.device != flat.device:
+            half = self._half[index] = torch.empty(flat.numel(), dtype=torch.float16, device=flat.device)
+        fp16_compress(flat, half, self._world_size())
+        fut = dist.all_reduce(half, group=self.process_group, async_op=True).get_future()
+
+        def _back(f: torch.futures.Future[Any]) -> Tensor:
+            f.value()
+            fp16_decompress(half, flat)
+            return flat
+
+        return fut.then(_back)
+
+    def _powersgd_send(self, index: int, route: _Route, bucket: dist.GradBucket,
+                       flat: Tensor) -> torch.futures.Future[Tensor]:
+        """PowerSGD with error feedback and warm start, its two allreduces chained (`PowerSGDGroup`)."""
+        world_size, pg = self._world_size(), self.process_group
+        grad = flat if flat.dtype == torch.float32 else flat.float()
+        group = self._powersgd.get(index)
+        if group is None:
+            assert route.compressor.rank is not None
+            layout = PowerSGDLayout.of([p.shape for p in bucket.parameters()], route.compressor.rank)
+            group = self._powersgd[index] = PowerSGDGroup(layout, grad.device, route.seed)
+            self._restore_powersgd(index, route, group)
+        # The first allreduce is waited for here, so that the second is launched from this thread too: a collective
+        # launched from a future's callback could be issued in another order on another rank (gloo pairs them by
+        # order). GradientExchange waits at the same point.
+        dist.all_reduce(group.compress(grad), group=pg)
+        q = group.middle(world_size)
+
+        def _finish(f: torch.futures.Future[Any] | None = None) -> Tensor:
+            if f is not None:
+                f.value()
+            group.decompress(grad, world_size)
+            if grad is not flat:
+                flat.copy_(grad)
+            return flat
+
+        if not group.layout.compresses:  # nothing approximated: the first allreduce was all
+            done: torch.futures.Future[Tensor] = torch.futures.Future()
+            done.set_result(_finish())
+            return done
+        return dist.all_reduce(q, group=pg, async_op=True).get_future().then(_finish)
+
+    def _topk(self, index: int, route: _Route, flat: Tensor) -> torch.futures.Future[Tensor]:
+        """The k largest of gradient plus residual from every rank in one allgather, averaged (error feedback)."""
+        world_size = self._world_size()
+        grad = flat if flat.dtype == torch.float32 else flat.float()
+        residual = self._residuals.get(index)
+        if residual is None:
+            residual = self._residuals[index] = self._restore_residual(index, route, grad)
+        assert route.k is not None
+        k, numel = route.k, grad.numel()
+        send = pack(*select_topk(grad, residual, k, selector=self._selector))
+        recv = torch.empty(world_size * 2 * k, dtype=torch.float32, device=grad.device)
+        fut = all_gather_flat(recv, send, group=self.process_group, async_op=True).get_future()
+
+        def _decode(f: torch.futures.Future[Any]) -> Tensor:
+            f.value()
+            decode(recv, k, numel, world_size, out=grad)
+            if grad is not flat:
+                flat.copy_(grad)
+            return flat
+
+        return fut.then(_decode)
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of this rank's top-k residuals and PowerSGD errors and Qs, by DDP bucket, each with its
+        parameters' names (a resumed run's buckets are matched by them)."""
+        buckets: dict[int, dict[str, Any]] = {}
+        for index, residual in self._residuals.items():
+            buckets[index] = {"params": list(self._routes[index].names), "residual": residual.detach().clone()}
+        for index, group in self._powersgd.items():
+            buckets[index] = {"params": list(self._routes[index].names), "error": group.error.detach().clone(),
+                              "q": group.q.detach().clone(), "fresh": group.fresh}
+        return {"kind": STATE_KIND, "model_fingerprint": self.plan.model.fingerprint, "buckets": buckets}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Keep what `state_dict` saved, for the buckets of the final layout: each bucket of the same parameters
+        continues from it (restored when it is first compressed); a bucket of other parameters starts afresh."""
+        kind = state.get("kind") if isinstance(state, dict) else type(state).__name__
+        if kind != STATE_KIND:
+            raise PlanMismatchError(f"not a PlanHook state: kind is {kind!r}, expected {STATE_KIND!r}")
+        if state.get("model_fingerprint") != self.plan.model.fingerprint:
+            raise PlanMismatchError(
+                f"this hook state was saved for model fingerprint {state.get('model_fingerprint')}, but the plan is "
+                f"for {self.plan.model.describe()}; load the state saved with this plan, or start without one"
+            )
+        buckets = state.get("buckets")
+        if not isinstance(buckets, dict):
+            raise PlanMismatchError("a PlanHook state holds its buckets as a dict by bucket index; save it with "
+                                    "PlanHook.state_dict()")
+        self._pending = {int(i): {**entry, **{k: v.detach().clone() for k, v in entry.items()
+                                              if isinstance(v, Tensor)}}
+                         for i, entry in buckets.items()}
+        self._residuals.clear()
+        self._powersgd.clear()
+
+    def _saved(self, index: int, route: _Route, keys: set[str]) -> dict[str, Any] | None:
+        entry = self._pending.pop(index, None)
+        if entry is None or tuple(entry.get("params", ())) != route.names or not keys <= set(entry):
+            return None
+        return entry
+
+    def _restore_residual(self, index: int, route: _Route, grad: Tensor) -> Tensor:
+        entry = self._saved(index, route, {"residual"})
+        if entry is not None and entry["residual"].shape == grad.shape:
+            return entry["residual"].to(device=grad.device, dtype=torch.float32)
+        return torch.zeros_like(grad)
+
+    def _restore_powersgd(self, index: int, route: _Route, group: PowerSGDGroup) -> None:
+        entry = self._saved(index, route, {"error", "q", "fresh"})
+        if entry is None or entry["error"].shape != group.error.shape or entry["q"].shape != group.q.shape:
+            return
+        group.error.copy_(entry["error"])
+        group.q.copy_(entry["q"])
+        group.fresh = bool(entry["fresh"])
+
+
+def plan_hook(state: PlanHook, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """DDP communication hook: send `bucket` as `state`'s plan says (`PlanHook.send`)."""
+    return state.send(bucket)
+
+
+# DDP's register_comm_hook compares the annotations with the real objects; `from __future__ import annotations`
+# leaves strings, so resolve them here.
+plan_hook.__annotations__.update(
+    {"state": PlanHook, "bucket": dist.GradBucket, "return": torch.futures.Future[Tensor]}
+)
+
+
+def _check_supported(plan: Plan) -> None:
+    """Refuse, in one line, a plan with what the hook does not run."""
+    supported = "PlanHook runs plans of dense, fp16, PowerSGD and top-k groups on one host"
+    what = None
+    if plan.kfac is not None:
+        what = "is a K-FAC plan"
+    elif plan.abs is not None:
+        what = "is an ABS-SGD plan"
+    else:
+        hierarchical = [i for i, g in enumerate(plan.groups) if g.hierarchical]
+        kinds = sorted({str(plan.compressor_of(g)) for g in plan.groups
+                        if plan.compressor_of(g).kind not in SUPPORTED_KINDS})
+        if hierarchical:
+            what = f"sends group(s) {hierarchical[:3]} hierarchically (across hosts)"
+        elif kinds:
+            what = f"sends groups by {', '.join(kinds)}"
+    if what is not None:
+        raise PlanMismatchError(f"{supported}, but this plan {what}; {_RUN_ELSEWHERE}")

@@ -1,0 +1,279 @@
+"""A plan inside DDP (`planner.runtime.ddp_plan`): DDP's buckets are the plan's groups, and its hook averages as plain
+DDP (dense), as PyTorch's fp16 hook (fp16) and as `GradientExchange` (every compressor), in real gloo processes.
+
+Worker functions are module-level (the spawned processes import this module); each distributed test runs several
+configurations in one `run_distributed` call to keep process start-up cheap.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from planner.contracts.layers import gradient_layers, groups_for
+from planner.contracts.plan import Plan
+from planner.contracts.unused import UnusedParams
+from planner.platform.launch import run_distributed
+from planner.runtime import GradientExchange, PlanHook
+from planner.runtime.ddp_plan import bucket_caps
+from planner.types import PlanMismatchError, Strategy
+from tests.factories import plan_with_groups, synthetic_kfac_plan
+from tests.test_mixed_runtime import mixed_plan
+from tests.test_runtime import AuxHead, build_model, loss_of, make_batch
+
+MISMATCH = "DDP's buckets are not the plan's groups"
+
+
+def ladder() -> nn.Module:
+    """Eight linear layers of different widths (so groups of the same number of layers differ in bytes)."""
+    torch.manual_seed(0)
+    widths = [8, 24, 16, 40, 12, 32, 20, 28, 4]
+    layers: list[nn.Module] = []
+    for a, b in itertools.pairwise(widths):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def uneven_plan(model: nn.Module, ends: tuple[int, ...], ready: list[str] | None = None, *,
+                world_size: int = 2) -> Plan:
+    """A dense plan whose groups end after the given layers of the ready order (`ready`: the layers' names;
+    default reversed registration)."""
+    layers = gradient_layers(model)[::-1]
+    if ready is not None:
+        by_name = {spec.name: spec for spec in layers}
+        layers = [by_name[n] for n in ready]
+    return plan_with_groups(model, groups_for(layers, ends, Strategy.DENSE, None), world_size=world_size)
+
+
+def _ladder_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+# -- the caps, against DDP's own assignment (one process) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("sizes", [[[40, 4, 400], [4], [8, 8, 8, 8]], [[1000, 4], [4, 1000], [12]],
+                                   [[4, 4, 4], [256, 4, 64, 4], [1]]])
+def test_caps_make_ddps_assignment_close_one_bucket_per_group(sizes: list[list[int]]) -> None:
+    """DDP's own assignment (`_compute_bucket_assignment_by_size`, the rule of its reducer) with the caps closes one
+    bucket per group, whatever order each group's parameters arrive in."""
+    caps = [int(c * (1 << 20)) for c in bucket_caps([[4 * n for n in run] for run in sizes])]  # as DDP reads them
+    want, at = [], 0
+    for run in sizes:
+        want.append(list(range(at, at + len(run))))
+        at += len(run)
+    for within in (list, lambda run: list(reversed(run))):
+        order = [torch.empty(n) for run in sizes for n in within(run)]
+        got, _ = dist._compute_bucket_assignment_by_size(order, caps, [False] * len(order))
+        assert got == want
+
+
+# -- refusals (one process) -------------------------------------------------------------------------------------
+
+
+def test_unsupported_plans_are_refused_in_one_line() -> None:
+    model = ladder()
+    kfac = synthetic_kfac_plan("mlp", world_size=1)
+    hierarchical = uneven_plan(model, (3, 8))
+    hierarchical = replace(hierarchical, cluster=replace(hierarchical.cluster, host_count=2),
+                           groups=(replace(hierarchical.groups[0], hierarchical=True), *hierarchical.groups[1:]))
+    for plan, what in ((kfac, "K-FAC"), (hierarchical, "hierarchically")):
+        with pytest.raises(PlanMismatchError) as info:
+            PlanHook(model, plan)
+        message = str(info.value)
+        assert "\n" not in message and what in message
+        assert "dense, fp16, PowerSGD and top-k" in message and "GradientExchange" in message
+
+
+def test_register_needs_the_ddp_module() -> None:
+    model = ladder()
+    hook = PlanHook(model, uneven_plan(model, (3, 8), world_size=1))
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        hook.register(model)
+
+
+# -- distributed: buckets, dense, fp16, every compressor --------------------------------------------------------
+
+
+def _buckets_worker(rank: int, world_size: int) -> list[str]:
+    """DDP built with `ddp_kwargs()` lays out the plan's groups exactly (after its rebuild, or at once with
+    find_unused_parameters), and its dense hook steps the parameters bit for bit as plain DDP."""
+    cases = [
+        ("ladder", ladder, uneven_plan(ladder(), (3, 5, 6, 8))),
+        ("tied", lambda: build_model("tied"), uneven_plan(build_model("tied"), (1, 3))),
+        # registered head, bn, conv (the stem frozen); ready head, conv, bn
+        ("frozen-bn", lambda: build_model("frozen-bn"), uneven_plan(build_model("frozen-bn"), (1, 3),
+                                                                    ["head", "conv", "bn"])),
+    ]
+    aux = AuxHead()
+    aux_plan = uneven_plan(aux, (2, 3))  # aux and head, then trunk (aux is never used)
+    aux_plan = replace(aux_plan, unused_params=UnusedParams(batches=4, never=("aux.weight", "aux.bias")))
+    cases.append(("aux", lambda: (torch.manual_seed(0), AuxHead())[1], aux_plan))
+    done = []
+    for name, make, plan in cases:
+        model = make()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hook = PlanHook(model, plan, find_unused_parameters=True if name == "aux" else None)
+            kwargs = hook.ddp_kwargs()
+            ddp = DistributedDataParallel(model, **kwargs)
+            hook.register(ddp)
+            ref = DistributedDataParallel(make(), find_unused_parameters=kwargs["find_unused_parameters"])
+            opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ddp, ref)]
+            for step in range(4):
+                if name == "ladder":
+                    x, y = _ladder_batch(rank, step)
+                    losses = [nn.functional.mse_loss(m(x), y) for m in (ddp, ref)]
+                elif name == "aux":
+                    x, y = _ladder_batch(rank, step)
+                    x, y = x[:, :8], y
+                    losses = [nn.functional.mse_loss(m(x), y) for m in (ddp, ref)]
+                else:
+                    x, y = make_batch(name, rank, step)
+                    losses = [loss_of(name, m(x), y) for m in (ddp, ref)]
+                for opt in opts:
+                    opt.zero_grad()
+                for loss in losses:
+                    loss.backward()
+                for opt in opts:
+                    opt.step()
+                for (pname, p), q in zip(ddp.module.named_parameters(), ref.module.parameters(), strict=True):
+                    assert torch.equal(p, q), f"{name} step {step}: {pname} differs from plain DDP by " \
+                        f"{(p - q).abs().max().item():.3g}"
+        assert not [w for w in caught if MISMATCH in str(w.message)], f"{name}: {[str(w.message) for w in caught]}"
+        assert [set(b) for b in hook.buckets] == [set(g.params) for g in plan.groups], f"{name}: {hook.buckets}"
+        assert hook.bucket_groups == list(range(len(plan.groups)))
+        done.append(name)
+    return done
+
+
+def test_ddp_buckets_are_the_plans_groups_and_dense_equals_plain_ddp() -> None:
+    assert run_distributed(_buckets_worker, 2) == [["ladder", "tied", "frozen-bn", "aux"]] * 2
+
+
+def _fp16_worker(rank: int, world_size: int) -> int:
+    """A plan of fp16 groups against DDP with PyTorch's fp16_compress_hook: after the hook's first iteration (an
+    fp32 mean while DDP lays out its buckets, taken here without a step), parameters equal bit for bit."""
+    model = ladder()
+    plan = mixed_plan(model, ["fp16"])
+    hook = PlanHook(model, plan)
+    ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+    hook.register(ddp)
+    ref = DistributedDataParallel(ladder())
+    ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    x, y = _ladder_batch(rank, 99)
+    for m in (ddp, ref):  # the warm-up iteration, no step
+        nn.functional.mse_loss(m(x), y).backward()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ddp, ref)]
+    compared = 0
+    for step in range(4):
+        x, y = _ladder_batch(rank, step)
+        for opt in opts:
+            opt.zero_grad()
+        for m in (ddp, ref):
+            nn.functional.mse_loss(m(x), y).backward()
+        for opt in opts:
+            opt.step()
+        for (pname, p), q in zip(ddp.module.named_parameters(), ref.module.parameters(), strict=True):
+            assert torch.equal(p, q), f"fp16 step {step}: {pname} differs by {(p - q).abs().max().item():.3g}"
+            compared += 1
+    assert hook.bucket_groups == list(range(len(plan.groups)))
+    return compared
+
+
+def test_fp16_groups_equal_ddps_fp16_hook_bit_for_bit() -> None:
+    assert run_distributed(_fp16_worker, 2) == [64, 64]
+
+
+SENT_AS = ["powersgd:2", "topk:0.3", "fp16", "dense"]
+
+
+def _compressors_worker(rank: int, world_size: int) -> list[str]:
+    """Every compressor in one plan against `GradientExchange` with the same plan, over several SGD steps (after
+    the hook's warm-up iteration, taken without a step): the same arithmetic on the same local gradients, so
+    equal to fp32 rounding (rtol 1e-6, atol 1e-7; in practice bit for bit). Then the hook's state resumes: a new
+    DDP and hook loaded with it continue as the original does."""
+    model = ladder()
+    plan = mixed_plan(model, SENT_AS)
+    twin = copy.deepcopy(model)
+    hook = PlanHook(model, plan)
+    ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+    hook.register(ddp)
+    x, y = _ladder_batch(rank, 99)
+    nn.functional.mse_loss(ddp(x), y).backward()  # the warm-up iteration, no step
+    exchange = GradientExchange(twin, plan)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ddp, twin)]
+
+    def step_both(step: int) -> None:
+        x, y = _ladder_batch(rank, step)
+        for opt in opts:
+            opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        nn.functional.mse_loss(twin(x), y).backward()
+        exchange.synchronize()
+        for opt in opts:
+            opt.step()
+        for (pname, p), q in zip(ddp.module.named_parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=f"step {step}: {pname}")
+
+    for step in range(4):
+        step_both(step)
+    assert hook.bucket_groups == list(range(len(plan.groups)))
+    # resume: a fresh DDP and hook on a copy, loaded with the state, after their own warm-up iteration
+    saved = hook.state_dict()
+    resumed_model = copy.deepcopy(ddp.module)
+    resumed = PlanHook(resumed_model, plan)
+    resumed.load_state_dict(saved)
+    resumed_ddp = DistributedDataParallel(resumed_model, **resumed.ddp_kwargs())
+    resumed.register(resumed_ddp)
+    nn.functional.mse_loss(resumed_ddp(x), y).backward()  # warm-up, no step
+    resumed_opt = torch.optim.SGD(resumed_ddp.parameters(), lr=0.05)
+    for step in range(4, 7):
+        x, y = _ladder_batch(rank, step)
+        resumed_opt.zero_grad()
+        nn.functional.mse_loss(resumed_ddp(x), y).backward()
+        resumed_opt.step()
+        step_both(step)
+        for (pname, p), q in zip(resumed_model.named_parameters(), ddp.module.parameters(), strict=True):
+            assert torch.equal(p, q), f"resumed step {step}: {pname} differs by {(p - q).abs().max().item():.3g}"
+    exchange.close()
+    return sorted({str(plan.compressor_of(g)) for g in plan.groups})
+
+
+def test_every_compressor_equals_gradient_exchange_and_resumes() -> None:
+    assert run_distributed(_compressors_worker, 2) == [sorted(SENT_AS)] * 2
+
+
+def _mismatch_worker(rank: int, world_size: int) -> list[str]:
+    """DDP built with its own buckets (one bucket here): one warning, in one line, naming the bucket, at the first
+    iteration of the final layout; none after."""
+    model = ladder()
+    plan = mixed_plan(model, ["fp16", "dense"])
+    hook = PlanHook(model, plan)
+    ddp = DistributedDataParallel(model)  # not **hook.ddp_kwargs()
+    hook.register(ddp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            x, y = _ladder_batch(rank, step)
+            ddp.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+    messages = [str(w.message) for w in caught if MISMATCH in str(w.message)]
+    assert hook.bucket_groups == [None]
+    return messages
+
+
+def test_buckets_that_differ_from_the_plan_warn_once_in_one_line() -> None:
+    for messages in run_distributed(_mismatch_worker, 2):
+        assert len(messages) == 1, messages
+        assert "\n" not in messages[0] and "bucket 0" in messages[0] and "ddp_kwargs" in messages[0]
