@@ -163,13 +163,13 @@ class PlanHook:
         """The planned parameters in the order DDP takes them (`model.parameters()`, trainable, each once)."""
         return [self._names_of[id(p)] for p in self.model.parameters() if id(p) in self._names_of]
 
-    def bucket_runs(self) -> list[list[str]]:
+    def bucket_runs(self, *, static_graph: bool = False) -> list[list[str]]:
         """The parameters of each bucket the caps of `ddp_kwargs()` make, in the order DDP fills them: the plan's
-        groups in plan order, or, where DDP keeps its first layout (find_unused_parameters), each run of one
-        group's parameters in registration order."""
-        if not self.find_unused_parameters:
+        groups in plan order, or, where DDP keeps its first layout (find_unused_parameters without static_graph),
+        each run of one group's parameters in registration order."""
+        if not self.find_unused_parameters or static_graph:
             return [list(g.params) for g in self.plan.groups]
-        group_of = {n: i for i, g in enumerate(self.plan.groups) for n in g.params}
+        group_of = self._group_of()
         runs: list[list[str]] = []
         last = None
         for name in self._registration_order():
@@ -179,15 +179,22 @@ class PlanHook:
             runs[-1].append(name)
         return runs
 
-    def ddp_kwargs(self) -> dict[str, Any]:
+    def ddp_kwargs(self, *, static_graph: bool = False) -> dict[str, Any]:
         """Keyword arguments of `DistributedDataParallel` that make its buckets the plan's groups:
         `bucket_cap_mb_list` (one cap per bucket, see `bucket_runs`), `find_unused_parameters` as the plan says,
         and `gradient_as_bucket_view=True` (the hook writes each average into the bucket in place, so the
-        gradients need no copy; every planned parameter is dense and of one dtype, checked at construction)."""
+        gradients need no copy; every planned parameter is dense and of one dtype, checked at construction).
+        Pass `static_graph=True` here rather than to DDP alone: it changes when DDP lays out its buckets, so the
+        caps with it. (With it, DDP's final layout puts parameters that never get a gradient last, so a group
+        that holds them beside used ones is not one bucket: the hook warns and sends by majority.)"""
         params = dict(self.model.named_parameters())
-        caps = bucket_caps([[params[n].numel() * params[n].element_size() for n in run] for run in self.bucket_runs()])
-        return {"bucket_cap_mb_list": caps, "find_unused_parameters": self.find_unused_parameters,
-                "gradient_as_bucket_view": True}
+        runs = self.bucket_runs(static_graph=static_graph)
+        caps = bucket_caps([[params[n].numel() * params[n].element_size() for n in run] for run in runs])
+        kwargs: dict[str, Any] = {"bucket_cap_mb_list": caps, "find_unused_parameters": self.find_unused_parameters,
+                                  "gradient_as_bucket_view": True}
+        if static_graph:
+            kwargs["static_graph"] = True
+        return kwargs
 
     # -- registering ------------------------------------------------------------------------------
     def register(self, ddp_model: nn.Module) -> None:

@@ -119,22 +119,25 @@ def _buckets_worker(rank: int, world_size: int) -> list[str]:
     aux_plan = uneven_plan(aux, (2, 3))  # aux and head, then trunk (aux is never used)
     aux_plan = replace(aux_plan, unused_params=UnusedParams(batches=4, never=("aux.weight", "aux.bias")))
     cases.append(("aux", lambda: (torch.manual_seed(0), AuxHead())[1], aux_plan))
+    cases.append(("ladder-static", ladder, uneven_plan(ladder(), (2, 3, 7, 8))))
     done = []
     for name, make, plan in cases:
         model = make()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            hook = PlanHook(model, plan, find_unused_parameters=True if name == "aux" else None)
-            kwargs = hook.ddp_kwargs()
+            static = name.endswith("static")
+            hook = PlanHook(model, plan, find_unused_parameters=True if name.startswith("aux") else None)
+            kwargs = hook.ddp_kwargs(static_graph=static)
             ddp = DistributedDataParallel(model, **kwargs)
             hook.register(ddp)
-            ref = DistributedDataParallel(make(), find_unused_parameters=kwargs["find_unused_parameters"])
+            ref = DistributedDataParallel(make(), find_unused_parameters=kwargs["find_unused_parameters"],
+                                          static_graph=static)
             opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ddp, ref)]
             for step in range(4):
-                if name == "ladder":
+                if name.startswith("ladder"):
                     x, y = _ladder_batch(rank, step)
                     losses = [nn.functional.mse_loss(m(x), y) for m in (ddp, ref)]
-                elif name == "aux":
+                elif name.startswith("aux"):
                     x, y = _ladder_batch(rank, step)
                     x, y = x[:, :8], y
                     losses = [nn.functional.mse_loss(m(x), y) for m in (ddp, ref)]
@@ -158,7 +161,7 @@ def _buckets_worker(rank: int, world_size: int) -> list[str]:
 
 
 def test_ddp_buckets_are_the_plans_groups_and_dense_equals_plain_ddp() -> None:
-    assert run_distributed(_buckets_worker, 2) == [["ladder", "tied", "frozen-bn", "aux"]] * 2
+    assert run_distributed(_buckets_worker, 2) == [["ladder", "tied", "frozen-bn", "aux", "ladder-static"]] * 2
 
 
 def _fp16_worker(rank: int, world_size: int) -> int:
