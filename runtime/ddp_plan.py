@@ -17,6 +17,7 @@ whichever of the group's parameters arrives last. DDP lays out buckets twice:
 - after the first iteration it rebuilds them in the order the gradients became ready, the plan's order, with the
   same caps, unless `find_unused_parameters=True` (without `static_graph`): then the first layout stays.
 
+With a cap list DDP makes no small first bucket (its `_DEFAULT_FIRST_BUCKET_BYTES` goes with its default cap only).
 So the caps follow the plan's groups in plan order, or, where DDP will not rebuild, the runs of each group's
 parameters in registration order (a group split there is several buckets). Before the final layout (iteration 0
 when DDP rebuilds) every bucket is sent as an fp32 allreduce mean, as PyTorch's PowerSGD hook does before
@@ -28,7 +29,9 @@ warning names those buckets.
 
 from __future__ import annotations
 
+import inspect
 import os
+import statistics
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,6 +61,13 @@ SUPPORTED_KINDS = (CompressorKind.DENSE, CompressorKind.FP16, CompressorKind.POW
 _MIB = 1 << 20
 
 _RUN_ELSEWHERE = "run it with GradientExchange(model, plan) instead of DDP"
+
+
+def _has_cap_list() -> bool:
+    """Whether this torch's DDP takes one cap per bucket (`bucket_cap_mb_list`, torch >= 2.13)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 def bucket_caps(runs: Sequence[Sequence[int]]) -> list[float]:
@@ -185,13 +195,24 @@ class PlanHook:
         and `gradient_as_bucket_view=True` (the hook writes each average into the bucket in place, so the
         gradients need no copy; every planned parameter is dense and of one dtype, checked at construction).
         Pass `static_graph=True` here rather than to DDP alone: it changes when DDP lays out its buckets, so the
-        caps with it. (With it, DDP's final layout puts parameters that never get a gradient last, so a group
-        that holds them beside used ones is not one bucket: the hook warns and sends by majority.)"""
+        caps with it. On a torch without `bucket_cap_mb_list` (before 2.13) the median cap is given as
+        `bucket_cap_mb`, with a warning. (With static_graph, DDP's final layout puts parameters that never get a
+        gradient last, so a group that holds them beside used ones is not one bucket: the hook warns and sends by
+        majority.)"""
         params = dict(self.model.named_parameters())
         runs = self.bucket_runs(static_graph=static_graph)
         caps = bucket_caps([[params[n].numel() * params[n].element_size() for n in run] for run in runs])
         kwargs: dict[str, Any] = {"bucket_cap_mb_list": caps, "find_unused_parameters": self.find_unused_parameters,
                                   "gradient_as_bucket_view": True}
+        if not _has_cap_list():
+            del kwargs["bucket_cap_mb_list"]
+            kwargs["bucket_cap_mb"] = statistics.median(caps)
+            warnings.warn(
+                f"this torch ({torch.__version__}) has no bucket_cap_mb_list (torch >= 2.13), so DDP gets one "
+                f"bucket_cap_mb={kwargs['bucket_cap_mb']:.4g} (the median group's) and its buckets are not the plan's "
+                "groups: each is sent with the compressor of the group holding most of its elements; install torch "
+                ">= 2.13 to send the plan's groups", RuntimeWarning, stacklevel=2,
+            )
         if static_graph:
             kwargs["static_graph"] = True
         return kwargs
@@ -268,7 +289,8 @@ class PlanHook:
         parts = []
         for i, r in odd[:3]:
             groups = sorted({group_of[n] for n in r.names})
-            parts.append(f"bucket {i} ({_name_list(list(r.names), 2)}) spans groups {groups}")
+            where = f"spans groups {groups}" if len(groups) > 1 else f"is part of group {groups[0]}"
+            parts.append(f"bucket {i} [{_name_list(list(r.names), 2)}] {where}")
         more = f" and {len(odd) - 3} more" if len(odd) > 3 else ""
         warnings.warn(
             f"DDP's buckets are not the plan's groups: {'; '.join(parts)}{more}; each such bucket is sent with the "

@@ -102,6 +102,21 @@ def test_register_needs_the_ddp_module() -> None:
         hook.register(model)
 
 
+def test_without_a_cap_list_ddp_gets_the_median_cap_and_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from planner.runtime import ddp_plan
+
+    model = ladder()
+    hook = PlanHook(model, uneven_plan(model, (3, 5, 6, 8), world_size=1))
+    caps = hook.ddp_kwargs()["bucket_cap_mb_list"]
+    assert len(caps) == 4
+    monkeypatch.setattr(ddp_plan, "_has_cap_list", lambda: False)
+    with pytest.warns(RuntimeWarning, match="no bucket_cap_mb_list") as caught:
+        kwargs = hook.ddp_kwargs()
+    middle = sorted(caps)[1:3]
+    assert "bucket_cap_mb_list" not in kwargs and kwargs["bucket_cap_mb"] == (middle[0] + middle[1]) / 2
+    assert "\n" not in str(caught[0].message)
+
+
 # -- distributed: buckets, dense, fp16, every compressor --------------------------------------------------------
 
 
