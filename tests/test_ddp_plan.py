@@ -274,18 +274,28 @@ def test_every_compressor_equals_gradient_exchange_and_resumes() -> None:
 
 def _mismatch_worker(rank: int, world_size: int) -> list[str]:
     """DDP built with its own buckets (one bucket here): one warning, in one line, naming the bucket, at the first
-    iteration of the final layout; none after."""
+    iteration of the final layout; none after. The bucket is sent as the group holding most of its elements: the
+    ladder's largest layer (16 x 40), a dense group, so the gradients equal plain DDP's bit for bit (the fp16
+    groups' compressor would not)."""
     model = ladder()
     plan = mixed_plan(model, ["fp16", "dense"])
+    largest = max(range(len(plan.groups)), key=lambda i: plan.groups[i].numel)
+    assert plan.groups[largest].params == ("4.weight", "4.bias") and str(plan.compressor_of(plan.groups[largest])) \
+        == "dense"
     hook = PlanHook(model, plan)
     ddp = DistributedDataParallel(model)  # not **hook.ddp_kwargs()
     hook.register(ddp)
+    ref = DistributedDataParallel(ladder())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(4):
             x, y = _ladder_batch(rank, step)
-            ddp.zero_grad()
-            nn.functional.mse_loss(ddp(x), y).backward()
+            for m in (ddp, ref):
+                m.zero_grad()
+                nn.functional.mse_loss(m(x), y).backward()
+            for (pname, p), q in zip(ddp.module.named_parameters(), ref.module.parameters(), strict=True):
+                assert p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad), \
+                    f"step {step}: {pname}"
     messages = [str(w.message) for w in caught if MISMATCH in str(w.message)]
     assert hook.bucket_groups == [None]
     return messages
