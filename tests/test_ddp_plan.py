@@ -95,11 +95,21 @@ def test_unsupported_plans_are_refused_in_one_line() -> None:
         assert "dense, fp16, PowerSGD and top-k" in message and "GradientExchange" in message
 
 
-def test_register_needs_the_ddp_module() -> None:
+def test_bad_inputs_are_refused_in_one_line(tmp_path: object) -> None:
     model = ladder()
     hook = PlanHook(model, uneven_plan(model, (3, 8), world_size=1))
-    with pytest.raises(TypeError, match="DistributedDataParallel"):
-        hook.register(model)
+    failures = []
+    for call, error in ((lambda: hook.register(model), TypeError),
+                        (lambda: hook.load_state_dict({"kind": "runtime.gradient_exchange"}), PlanMismatchError),
+                        (lambda: hook.load_state_dict({**hook.state_dict(), "model_fingerprint": "x"}),
+                         PlanMismatchError),
+                        (lambda: PlanHook.from_file(model, f"{tmp_path}/missing.json"), OSError)):
+        with pytest.raises(error) as info:
+            call()
+        failures.append(str(info.value))
+    assert all("\n" not in m for m in failures), failures
+    assert "DistributedDataParallel(model, **hook.ddp_kwargs())" in failures[0]
+    assert "not a PlanHook state" in failures[1] and "fingerprint" in failures[2] and "missing.json" in failures[3]
 
 
 def test_without_a_cap_list_ddp_gets_the_median_cap_and_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,6 +152,10 @@ def _buckets_worker(rank: int, world_size: int) -> list[str]:
             warnings.simplefilter("always")
             static = name.endswith("static")
             hook = PlanHook(model, plan, find_unused_parameters=True if name.startswith("aux") else None)
+            if name == "aux":  # the plan records unused parameters: DDP without find_unused_parameters is refused
+                other = copy.deepcopy(model)
+                with pytest.raises(PlanMismatchError, match="find_unused_parameters=False"):
+                    PlanHook(other, plan, find_unused_parameters=True).register(DistributedDataParallel(other))
             kwargs = hook.ddp_kwargs(static_graph=static)
             ddp = DistributedDataParallel(model, **kwargs)
             hook.register(ddp)
