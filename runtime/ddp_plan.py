@@ -17,14 +17,17 @@ whichever of the group's parameters arrives last. DDP lays out buckets twice:
 - after the first iteration it rebuilds them in the order the gradients became ready, the plan's order, with the
   same caps, unless `find_unused_parameters=True` (without `static_graph`): then the first layout stays.
 
-With a cap list DDP makes no small first bucket (its `_DEFAULT_FIRST_BUCKET_BYTES` goes with its default cap only).
 So the caps follow the plan's groups in plan order, or, where DDP will not rebuild, the runs of each group's
-parameters in registration order (a group split there is several buckets). Before the final layout (iteration 0
+parameters in registration order (a group split there is several buckets). With a cap list DDP makes no small
+first bucket (its `_DEFAULT_FIRST_BUCKET_BYTES` goes with its default cap only). Before the final layout (iteration 0
 when DDP rebuilds) every bucket is sent as an fp32 allreduce mean, as PyTorch's PowerSGD hook does before
 `start_powerSGD_iter`. At the first iteration of the final layout the hook checks each bucket against the groups,
 parameter for parameter; a bucket that is not exactly one group (a plan whose ready order differs from this run's,
 or DDP built with other caps) is sent with the compressor of the group that holds most of its elements, and one
 warning names those buckets.
+
+A PowerSGD bucket waits for its first allreduce inside the hook before launching the second (as `GradientExchange`
+waits at the same point): both are then issued from the backward thread, in the same order on every rank.
 """
 
 from __future__ import annotations
