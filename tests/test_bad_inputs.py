@@ -306,3 +306,35 @@ def test_a_layer_called_twice_per_step_is_refused_at_profile_time_naming_kfac_sk
         measure_kfac_layers(workload, torch.device("cpu"), repeats=1, warmup=0)
     timings = measure_kfac_layers(workload, torch.device("cpu"), repeats=1, warmup=0, skip="^shared$")
     assert [t.name for t in timings] == ["head"]
+
+
+# -- fuzz round 2026-11-29 -----------------------------------------------------------------------------------------
+def test_a_density_of_many_decimal_digits_is_counted_and_refused_as_unmeasured(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """5e-324 is 5/10^324 as a decimal: the vectorised count divided an int64 array by that denominator
+    (OverflowError out of `solve --density 5e-324` and `--compressors topk:5e-324`)."""
+    import numpy as np
+
+    from planner.costmodel.problem import topk_count, topk_count_many
+
+    numel = np.array([1000, 2**40])
+    assert topk_count_many(numel, 5e-324).tolist() == [1.0, 1.0]
+    assert topk_count_many(numel, 0.07).tolist() == [70.0, float(topk_count(2**40, 0.07))]
+    prof, out = tmp_path / "prof.json", tmp_path / "plan.json"
+    synthetic_profile("mlp").save(prof)
+    _in_process(["solve", str(prof), "--strategy", "topk", "--density", "5e-324", "-o", str(out)],
+                "this profile measured top-k at densities 0.001 to 1, not at topk:5e-324", capsys)
+    _in_process(["solve", str(prof), "--strategy", "auto", "--compressors", "dense,topk:5e-324", "-o", str(out)],
+                "not at topk:5e-324", capsys)
+
+
+@pytest.mark.parametrize("density", ["0.0005", "5e-324"])
+def test_solve_writes_no_top_k_plan_whose_ddp_row_the_profile_cannot_predict(
+        tmp_path: Path, density: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A density below the profile's measured ones was planned (top-k extrapolates), the plan written, and then the
+    DDP top-k hook's row refused it: exit 2 with the plan on disk."""
+    prof, out = tmp_path / "prof.json", tmp_path / "plan.json"
+    synthetic_profile("mlp").save(prof)
+    _in_process(["solve", str(prof), "--strategy", "topk", "--density", density, "-o", str(out)],
+                "this profile measured top-k at densities 0.001 to 1, not at topk:", capsys)
+    assert not out.exists()
