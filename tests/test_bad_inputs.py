@@ -338,3 +338,42 @@ def test_solve_writes_no_top_k_plan_whose_ddp_row_the_profile_cannot_predict(
     _in_process(["solve", str(prof), "--strategy", "topk", "--density", density, "-o", str(out)],
                 "this profile measured top-k at densities 0.001 to 1, not at topk:", capsys)
     assert not out.exists()
+
+
+def test_simulate_refuses_k_fac_intervals_that_do_not_divide_before_its_progress_bar(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--factor-update-steps 3 against the default --inv-update-steps 10 was refused from inside the first world
+    size's solve: the progress bar's line, then the error."""
+    prof = tmp_path / "prof.json"
+    synthetic_profile("mlp").save(prof)
+    _in_process(["simulate", str(prof), "--strategy", "kfac", "--world-sizes", "8,64", "--factor-update-steps", "3"],
+                "--inv-update-steps must be a multiple of --factor-update-steps, but got 10 and 3", capsys)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--world-sizes", "0"], "`1 <= world_size <= 1048576` must hold, but got 0"),
+    (["--world-sizes", "3,6"], "world size 3 is not a multiple of gpus_per_node=2"),
+])
+def test_report_refuses_bad_world_sizes_before_making_its_folder(
+        tmp_path: Path, extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    prof, plan = tmp_path / "prof.json", tmp_path / "plan.json"
+    synthetic_profile("mlp").save(prof)
+    synthetic_plan("mlp").save(plan)
+    out = tmp_path / "report"
+    _in_process(["report", str(plan), "--profile", str(prof), *extra, "-o", str(out)], message, capsys)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_report_refuses_an_empty_folder_name(tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-o ""` was the current folder (Path("") is "."): the report was written there."""
+    prof, plan = tmp_path / "prof.json", tmp_path / "plan.json"
+    synthetic_profile("mlp").save(prof)
+    synthetic_plan("mlp").save(plan)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    _in_process(["report", str(plan), "--profile", str(prof), "--no-scaling", "-o", name],
+                "the report folder path is empty", capsys)
+    assert list(work.iterdir()) == []
