@@ -377,3 +377,21 @@ def test_report_refuses_an_empty_folder_name(tmp_path: Path, name: str, capsys: 
     _in_process(["report", str(plan), "--profile", str(prof), "--no-scaling", "-o", name],
                 "the report folder path is empty", capsys)
     assert list(work.iterdir()) == []
+
+
+def test_a_k_fac_plan_predicting_a_step_of_no_time_is_refused(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`show` divided kfac-pytorch's step by it (ZeroDivisionError)."""
+    from tests.factories import synthetic_kfac_plan
+
+    doc = synthetic_kfac_plan("mlp", time_limit_s=0.5).to_dict()
+    predicted = doc["kfac"]["predicted"]
+    for where in ["plan", *(f"baselines.{name}" for name in predicted["baselines"])]:
+        bad = copy.deepcopy(doc)
+        section = bad["kfac"]["predicted"]
+        for part in where.split("."):
+            section = section[part]
+        section["step_s"] = 0.0
+        path = tmp_path / "kfac.json"
+        path.write_text(json.dumps(bad))
+        _in_process(["show", str(path)], f"plan.kfac.predicted.{where}.step_s must be a time above 0", capsys)
