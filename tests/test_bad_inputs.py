@@ -395,3 +395,13 @@ def test_a_k_fac_plan_predicting_a_step_of_no_time_is_refused(tmp_path: Path,
         path = tmp_path / "kfac.json"
         path.write_text(json.dumps(bad))
         _in_process(["show", str(path)], f"plan.kfac.predicted.{where}.step_s must be a time above 0", capsys)
+
+
+def test_pair_refuses_a_plan_that_is_a_symlink_loop_in_one_line(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Comparing each plan's path with the output's (Path.resolve) raised RuntimeError("Symlink loop")."""
+    plan, loop, out = tmp_path / "plan.json", tmp_path / "loop.json", tmp_path / "pairing.json"
+    synthetic_plan("mlp").save(plan)
+    loop.symlink_to(loop)
+    _in_process(["pair", "--batch", "64", "-o", str(out), str(loop), str(plan)], f"plan file not found: {loop}", capsys)
+    assert not out.exists()
