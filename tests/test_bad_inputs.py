@@ -405,3 +405,12 @@ def test_pair_refuses_a_plan_that_is_a_symlink_loop_in_one_line(tmp_path: Path,
     loop.symlink_to(loop)
     _in_process(["pair", "--batch", "64", "-o", str(out), str(loop), str(plan)], f"plan file not found: {loop}", capsys)
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("name", "shown"), [("a\nb.json", "a\\nb.json"), ("a\r\u2028b.json", "a\\r\\u2028b.json"),
+                                             ("\x1b[31mred.json", "\\x1b[31mred.json")])
+def test_a_name_with_a_line_break_or_an_escape_stays_on_the_errors_one_line(
+        tmp_path: Path, name: str, shown: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing file's name was printed as it is: a newline in it made the error two lines, an escape sequence
+    reached the terminal."""
+    _in_process(["show", str(tmp_path / name)], f"plan or profile file not found: {tmp_path / shown} (check", capsys)
