@@ -306,3 +306,111 @@ def test_a_layer_called_twice_per_step_is_refused_at_profile_time_naming_kfac_sk
         measure_kfac_layers(workload, torch.device("cpu"), repeats=1, warmup=0)
     timings = measure_kfac_layers(workload, torch.device("cpu"), repeats=1, warmup=0, skip="^shared$")
     assert [t.name for t in timings] == ["head"]
+
+
+# -- fuzz round 2026-11-29 -----------------------------------------------------------------------------------------
+def test_a_density_of_many_decimal_digits_is_counted_and_refused_as_unmeasured(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """5e-324 is 5/10^324 as a decimal: the vectorised count divided an int64 array by that denominator
+    (OverflowError out of `solve --density 5e-324` and `--compressors topk:5e-324`)."""
+    import numpy as np
+
+    from planner.costmodel.problem import topk_count, topk_count_many
+
+    numel = np.array([1000, 2**40])
+    assert topk_count_many(numel, 5e-324).tolist() == [1.0, 1.0]
+    assert topk_count_many(numel, 0.07).tolist() == [70.0, float(topk_count(2**40, 0.07))]
+    prof, out = tmp_path / "prof.json", tmp_path / "plan.json"
+    synthetic_profile("mlp").save(prof)
+    _in_process(["solve", str(prof), "--strategy", "topk", "--density", "5e-324", "-o", str(out)],
+                "this profile measured top-k at densities 0.001 to 1, not at topk:5e-324", capsys)
+    _in_process(["solve", str(prof), "--strategy", "auto", "--compressors", "dense,topk:5e-324", "-o", str(out)],
+                "not at topk:5e-324", capsys)
+
+
+@pytest.mark.parametrize("density", ["0.0005", "5e-324"])
+def test_solve_writes_no_top_k_plan_whose_ddp_row_the_profile_cannot_predict(
+        tmp_path: Path, density: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A density below the profile's measured ones was planned (top-k extrapolates), the plan written, and then the
+    DDP top-k hook's row refused it: exit 2 with the plan on disk."""
+    prof, out = tmp_path / "prof.json", tmp_path / "plan.json"
+    synthetic_profile("mlp").save(prof)
+    _in_process(["solve", str(prof), "--strategy", "topk", "--density", density, "-o", str(out)],
+                "this profile measured top-k at densities 0.001 to 1, not at topk:", capsys)
+    assert not out.exists()
+
+
+def test_simulate_refuses_k_fac_intervals_that_do_not_divide_before_its_progress_bar(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--factor-update-steps 3 against the default --inv-update-steps 10 was refused from inside the first world
+    size's solve: the progress bar's line, then the error."""
+    prof = tmp_path / "prof.json"
+    synthetic_profile("mlp").save(prof)
+    _in_process(["simulate", str(prof), "--strategy", "kfac", "--world-sizes", "8,64", "--factor-update-steps", "3"],
+                "--inv-update-steps must be a multiple of --factor-update-steps, but got 10 and 3", capsys)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--world-sizes", "0"], "`1 <= world_size <= 1048576` must hold, but got 0"),
+    (["--world-sizes", "3,6"], "world size 3 is not a multiple of gpus_per_node=2"),
+])
+def test_report_refuses_bad_world_sizes_before_making_its_folder(
+        tmp_path: Path, extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    prof, plan = tmp_path / "prof.json", tmp_path / "plan.json"
+    synthetic_profile("mlp").save(prof)
+    synthetic_plan("mlp").save(plan)
+    out = tmp_path / "report"
+    _in_process(["report", str(plan), "--profile", str(prof), *extra, "-o", str(out)], message, capsys)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_report_refuses_an_empty_folder_name(tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-o ""` was the current folder (Path("") is "."): the report was written there."""
+    prof, plan = tmp_path / "prof.json", tmp_path / "plan.json"
+    synthetic_profile("mlp").save(prof)
+    synthetic_plan("mlp").save(plan)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    _in_process(["report", str(plan), "--profile", str(prof), "--no-scaling", "-o", name],
+                "the report folder path is empty", capsys)
+    assert list(work.iterdir()) == []
+
+
+def test_a_k_fac_plan_predicting_a_step_of_no_time_is_refused(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`show` divided kfac-pytorch's step by it (ZeroDivisionError)."""
+    from tests.factories import synthetic_kfac_plan
+
+    doc = synthetic_kfac_plan("mlp", time_limit_s=0.5).to_dict()
+    predicted = doc["kfac"]["predicted"]
+    for where in ["plan", *(f"baselines.{name}" for name in predicted["baselines"])]:
+        bad = copy.deepcopy(doc)
+        section = bad["kfac"]["predicted"]
+        for part in where.split("."):
+            section = section[part]
+        section["step_s"] = 0.0
+        path = tmp_path / "kfac.json"
+        path.write_text(json.dumps(bad))
+        _in_process(["show", str(path)], f"plan.kfac.predicted.{where}.step_s must be a time above 0", capsys)
+
+
+def test_pair_refuses_a_plan_that_is_a_symlink_loop_in_one_line(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Comparing each plan's path with the output's (Path.resolve) raised RuntimeError("Symlink loop")."""
+    plan, loop, out = tmp_path / "plan.json", tmp_path / "loop.json", tmp_path / "pairing.json"
+    synthetic_plan("mlp").save(plan)
+    loop.symlink_to(loop)
+    _in_process(["pair", "--batch", "64", "-o", str(out), str(loop), str(plan)], f"plan file not found: {loop}", capsys)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("name", "shown"), [("a\nb.json", "a\\nb.json"), ("a\r\u2028b.json", "a\\r\\u2028b.json"),
+                                             ("\x1b[31mred.json", "\\x1b[31mred.json")])
+def test_a_name_with_a_line_break_or_an_escape_stays_on_the_errors_one_line(
+        tmp_path: Path, name: str, shown: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing file's name was printed as it is: a newline in it made the error two lines, an escape sequence
+    reached the terminal."""
+    _in_process(["show", str(tmp_path / name)], f"plan or profile file not found: {tmp_path / shown} (check", capsys)

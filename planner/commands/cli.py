@@ -49,7 +49,18 @@ class _Parser(argparse.ArgumentParser):
     """Bad arguments are one line (what is wrong; `--help` for the rest), not argparse's usage block too."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+#: What would break an error's one line or drive the terminal, as it shows in a Python string: a path or value
+#: quoted in a message may hold a newline or an escape sequence ("not found: a\\nb.json", not two lines).
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, 0x85) if c != 0x09} | {
+    0x0A: "\\n", 0x0D: "\\r", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def _one_line(text: str) -> str:
+    """`text` with line breaks and other control characters written as escapes (tabs kept)."""
+    return text.translate(_CONTROL)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -90,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         merge_intra_link(args)
         return int(args._command.run(args))
     except PlannerError as exc:
-        err_console.print(f"planner {args.command}: error: {exc}", markup=False, soft_wrap=True)
+        err_console.print(f"planner {args.command}: error: {_one_line(str(exc))}", markup=False, soft_wrap=True)
         _worker_traceback(exc, args.verbose)
         return 2
     except Exception as exc:

@@ -165,7 +165,8 @@ def run_pair(paths: Sequence[str | os.PathLike[str]], batch: str, output: str | 
     target = check_output_path(output, "pairing plan")
     if not paths:
         raise PlannerError("give at least one plan")
-    if any(Path(path).resolve() == target.resolve() for path in paths):
+    # realpath, not Path.resolve: a symlink loop among the plans is for load_job_plan to refuse in one line
+    if any(os.path.realpath(path) == os.path.realpath(target) for path in paths):
         raise PlannerError(f"the output {output} is one of the plans; give the pairing plan another file name")
     samples = parse_batch(batch, len(paths))
     plans = [load_job_plan(path) for path in paths]

@@ -17,7 +17,8 @@ class ReportCommand(Command):
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("plan", type=Path, help="plan file")
-        parser.add_argument("-o", "--output", type=Path, required=True, help="folder for the PNGs and report.html")
+        # A str, not a Path: Path("") is ".", and an empty -o would write into the current folder.
+        parser.add_argument("-o", "--output", required=True, help="folder for the PNGs and report.html")
         parser.add_argument("--profile", type=Path, default=None,
                             help="the profile the plan was solved from (default: the plan's source)")
         parser.add_argument("--cluster", default=None, metavar="SPEC",
@@ -35,12 +36,10 @@ class ReportCommand(Command):
         from planner.strategies.cluster import parse_cluster, parse_world_sizes, scaling_table
         from planner.strategies.retune import load_source_profile
 
-        ensure_folder(args.output, "report folder", create=False)
+        args.output = ensure_folder(args.output, "report folder", create=False)
         plan = Plan.load(args.plan)
         profile = load_source_profile(plan, args.profile)
         bench = read_bench_json(args.bench) if args.bench is not None else None
-        ensure_folder(args.output, "report folder")  # once the inputs are known good: a bad one leaves nothing
-        scaling = None
         if plan.strategy is Strategy.MIXED and not args.no_scaling:
             err_console.print("note: the scaling picture covers dense, top-k and K-FAC plans, not mixed ones; "
                               "leaving it out", markup=False)
@@ -50,6 +49,11 @@ class ReportCommand(Command):
             sizes = parse_world_sizes(args.world_sizes or f"{first},{2 * first},...,{first << 8}")
             source = str(args.profile or plan.source_profile)
             spec = parse_cluster(args.cluster if args.cluster is not None else f"profile={source}")
+            for w in sizes:  # refuse a bad world size before the folder is made
+                spec.with_world_size(w)
+        ensure_folder(args.output, "report folder")  # once the inputs are known good: a bad one leaves nothing
+        scaling = None
+        if not args.no_scaling:
             kfac = plan.kfac
             strategy = KFAC if kfac is not None else plan.strategy.value
             options = {} if kfac is None else {

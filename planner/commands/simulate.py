@@ -46,6 +46,11 @@ class SimulateCommand(Command):
         if args.strategy == KFAC:
             from planner.strategies.kfac import kfac_problem
 
+            if args.inv_update_steps % args.factor_update_steps:  # refused before the progress bar draws
+                raise PlannerError(f"--inv-update-steps must be a multiple of --factor-update-steps, but got "
+                                   f"{args.inv_update_steps} and {args.factor_update_steps} (the default "
+                                   f"--inv-update-steps is 10)")
+
             kfac_problem(profile, InverseMethod(args.method))
         else:
             strategy = Strategy(args.strategy)

@@ -169,7 +169,6 @@ class SolveCommand(Command):
 
             plan = (with_kfac_intervals(plan, profile) if is_kfac
                     else with_intervals(plan, profile, time_limit_s=args.time_limit or 1.0))
-        plan.save(args.output)
         ddp = None
         if is_auto:
             from planner.strategies.auto import ddp_predictions
@@ -179,6 +178,7 @@ class SolveCommand(Command):
             from planner.strategies.intervals import nominal_ddp
 
             ddp = nominal_ddp(plan, profile)  # the verdict as predicted: the profile's noise is not known
+        plan.save(args.output)  # once DDP's rows are predicted: one the profile cannot predict refuses the plan
         print_plan(plan, ddp=ddp)
         if plan.strategy is Strategy.MIXED:
             print_mixed_groups(plan, profile)

@@ -172,6 +172,8 @@ class KFACPrediction:
         fields = ["step_s", "plain_step_s", "factor_step_s", "inversion_s", "factor_comm_s", "broadcast_s"]
         check_fields(data, where, [*fields, "num_buffers"], ["precondition_s", "factor_compute_s", "interference_s"])
         times = {f: expect_time(data[f], f"{where}.{f}") for f in fields}
+        if times["step_s"] <= 0:  # `show` divides by it (each layout against kfac-pytorch)
+            raise SchemaError(f"{where}.step_s must be a time above 0 (a step takes time), got {data['step_s']!r}")
 
         def optional(name: str) -> float | None:
             return None if data.get(name) is None else expect_time(data[name], f"{where}.{name}")

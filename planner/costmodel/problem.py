@@ -183,7 +183,8 @@ def topk_count_many(numel: np.ndarray, density: float) -> np.ndarray:
     n = np.rint(np.asarray(numel, dtype=float)).astype(np.int64)
     frac = _decimal(density)
     p, q = frac.numerator, frac.denominator
-    if n.size and p * int(n.max(initial=0)) >= 2**62:  # beyond int64: Python integers (never for real densities)
+    # beyond int64 (a density of many digits, such as 5e-324 = 5/10^324): Python integers (never for real densities)
+    if n.size and (p * int(n.max(initial=0)) >= 2**62 or q >= 2**62):
         k = np.array([-((-p * int(x)) // q) for x in n.ravel()], dtype=np.int64).reshape(n.shape)
     else:
         k = -((-p * n) // q)
