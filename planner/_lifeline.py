@@ -39,16 +39,14 @@ def die_with(launcher: int) -> None:
 
 
 def arm_from_environment() -> None:
-    """In a worker a launcher started (LAUNCHER_ENV holds the launcher's pid): `die_with` it. The variable is
-    removed, so that a process this one starts does not take itself for a worker."""
+    """In a worker a launcher started (LAUNCHER_ENV holds the launcher's pid, its parent's): ask to die with it.
+    The variable is removed, so that a process this one starts does not take itself for a worker. A process whose
+    parent is another (the variable came to it some other way, or the launcher is already gone) does nothing here:
+    a worker checks its launcher again, by the pid it was given, before it runs anything (`die_with`)."""
     value = os.environ.pop(LAUNCHER_ENV, None)
-    if value is None:
+    if value is None or not value.isdigit() or os.getppid() != int(value):
         return
-    try:
-        launcher = int(value)
-    except ValueError:
-        return
-    die_with(launcher)
+    die_with(int(value))
 
 
 def _kill_me_with_my_parent() -> bool:

@@ -197,6 +197,47 @@ def test_a_worker_dies_with_its_launcher_from_its_first_import_of_the_package(tm
         _end(children, tmp_path)
 
 
+def test_two_threads_starting_workers_at_once_leave_no_launcher_pid_behind() -> None:
+    """Two jobs launched from two threads (as crossed-over jobs are) each set and put back the launcher's pid: the
+    second must not put back what the first set, or every process started later (torchrun's workers) would take
+    this one for its launcher."""
+    import threading
+
+    from planner._lifeline import LAUNCHER_ENV
+
+    assert LAUNCHER_ENV not in os.environ
+    inside, second_tried = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with launch._launcher_named():
+            inside.set()
+            second_tried.wait(5)
+            time.sleep(0.2)  # the second thread is starting its worker meanwhile (or waiting to)
+
+    def second() -> None:
+        inside.wait(5)
+        second_tried.set()
+        with launch._launcher_named():
+            time.sleep(0.5)  # still starting when the first has finished
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert LAUNCHER_ENV not in os.environ
+
+
+def test_a_process_that_is_not_the_launchers_child_ignores_a_launcher_pid() -> None:
+    """A launcher pid that reached another process (not a child of that launcher) neither kills it nor arms it."""
+    from planner._lifeline import LAUNCHER_ENV
+
+    done = subprocess.run([sys.executable, "-c", "import os, planner; print(os.environ.get('PLANNER_LAUNCHER_PID'))"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, LAUNCHER_ENV: "1", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and done.stdout.strip() == "None", (done.returncode, done.stderr)
+
+
 # -- item 5: Ctrl-C, however many times, is one line and exit 130 ---------------------------------------------------
 #: A progress bar's last state, as a bench leaves it on a stream that is not a terminal.
 _PROGRESS = re.compile(r"(K-FAC )?bench steps\b.* \d+/\d+ \d+:\d\d:\d\d")

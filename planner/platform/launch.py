@@ -27,6 +27,7 @@ import os
 import pickle
 import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -413,19 +414,25 @@ def _spawn_jobs(
                 reader.close()
 
 
+#: One worker starts at a time in this process: LAUNCHER_ENV is process-wide, and two threads launching jobs at once
+#: (as two jobs crossed over do) would otherwise each put back what the other set, and leave it set for good.
+_STARTING = threading.Lock()
+
+
 @contextlib.contextmanager
 def _launcher_named() -> Iterator[None]:
     """LAUNCHER_ENV holds this process's pid while a worker starts (a spawned worker inherits the environment), so
     that the worker's first import of the package asks to die with this process (`planner._lifeline`)."""
-    previous = os.environ.get(LAUNCHER_ENV)
-    os.environ[LAUNCHER_ENV] = str(os.getpid())
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(LAUNCHER_ENV, None)
-        else:
-            os.environ[LAUNCHER_ENV] = previous
+    with _STARTING:
+        previous = os.environ.get(LAUNCHER_ENV)
+        os.environ[LAUNCHER_ENV] = str(os.getpid())
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop(LAUNCHER_ENV, None)
+            else:
+                os.environ[LAUNCHER_ENV] = previous
 
 
 @contextlib.contextmanager
