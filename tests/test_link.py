@@ -240,6 +240,9 @@ def test_stale_namespaces_of_dead_runs_are_removed() -> None:
 SLEEPER = textwrap.dedent("""
     import faulthandler, signal, sys, time
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, should it hang
+    # Ctrl-C raises KeyboardInterrupt, as under `planner` (whose main says so): a test run started in the background
+    # passes SIGINT on ignored, and Python then leaves it ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from planner.platform.launch import run_distributed
     from planner.platform.link import parse_rate
     from tests.test_link import sleep_forever
