@@ -23,6 +23,7 @@ the spacing of the snapshots: at worst 1/20 of the run at the default.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import statistics
 import time
@@ -51,6 +52,7 @@ from planner.tasks import Task, build_task
 from planner.types import Compressor, PlanMismatchError, PlannerError
 
 if TYPE_CHECKING:
+    from planner.models import Workload
     from planner.platform.link import LinkRate
     from planner.platform.slowdown import Slowdown
 
@@ -134,6 +136,10 @@ def _variants(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Com
             if v.name != LOCAL and not v.name.startswith("per-layer")]
 
 
+def _probe_loss(workload: Workload, x: torch.Tensor, y: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    return workload.loss_fn(module(x), y)
+
+
 def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, repeat: int, task: Task) -> TargetRun:
     """One run of `variant` on this rank, from the task's initial weights."""
     from planner.runtime.ddp_hooks import has_unused_parameters
@@ -146,7 +152,7 @@ def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, rep
     gen = torch.Generator().manual_seed(1_000_003 * repeat + 7919 * rank)
     # Several batches: a router may leave an expert unused in some only, which DDP must be told as well.
     probes = [wl.make_batch(b, torch.Generator().manual_seed(rank + world * i)) for i in range(UNUSED_PROBES)]
-    unused = has_unused_parameters(student, [lambda m, x=x, y=y: wl.loss_fn(m(x), y) for x, y in probes])
+    unused = has_unused_parameters(student, [functools.partial(_probe_loss, wl, x, y) for x, y in probes])
     plan = variant.plan
     model = student if plan is not None else ddp_with_hook(student, variant.hook, find_unused=unused,
                                                            selector=variant.selector)

@@ -192,7 +192,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             counts: list[object] = [None] * world_size
             dist.all_gather_object(counts, gradient_counts(workload, device,
                                                            range(first, first + UNUSED_CHECK_BATCHES)))
-            unused = unused_params(counts, UNUSED_CHECK_BATCHES)
+            unused = unused_params(counts, UNUSED_CHECK_BATCHES)  # type: ignore[arg-type]
             # Each worker's own speed at a few micro-batch sizes (heterogeneous workers differ).
             sizes_tp = throughput_batch_sizes(workload.batch_size)
             mine = measure_throughput(workload, device, sizes_tp, repeats=max(3, config.repeats // 2), warmup=1,

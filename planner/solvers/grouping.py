@@ -1087,13 +1087,14 @@ def _expiry(tables: _ParetoTables, m: int, comp: np.ndarray, chan: np.ndarray, p
     `_Lagrangian.opened`; non-decreasing in the length, so the state can be retired for good). A huge
     number where no such length is known. With comm stretch kappa, `_state_bounds`' stretch term exceeds
     the limit exactly where the Lagrangian bound exceeds (1 + kappa) limit - kappa (least C_G)."""
+    bound: np.ndarray | float = limit
     if tables.stretch:
-        limit = (1 + tables.stretch) * limit - tables.stretch * _least_compute_end(tables, m, comp)
+        bound = (1 + tables.stretch) * limit - tables.stretch * _least_compute_end(tables, m, comp)
     late = np.maximum(chan, comp + tables.lead[m])
     start_x = (comp + sigma * chan + pending) / (1 + sigma)
     slope = start_x + tables.backward[-1] - tables.backward[m] - late
     # bound(length) = late + max over w of (w * slope + opened[w, m, length]) > limit, for some w
-    room = limit - late - tables.weights[:, None] * slope  # (weights, states)
+    room = bound - late - tables.weights[:, None] * slope  # (weights, states)
     within = np.sum(tables.opened[:, m, :, None] <= room[:, None, :], axis=1)  # open lengths still within, per w
     lengths = np.append(tables.open_lengths, np.iinfo(np.int64).max // 2)
     return lengths[np.min(within, axis=0)]
