@@ -20,14 +20,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.contracts.layers import gradient_layers, groups_for
-from planner.contracts.plan import Plan
+from planner.contracts.plan import Group, Plan
 from planner.contracts.unused import UnusedParams
+from planner.costmodel.problem import topk_count
 from planner.platform.launch import run_distributed
 from planner.runtime import GradientExchange, PlanHook
 from planner.runtime.ddp_plan import bucket_caps
-from planner.types import PlanMismatchError, Strategy
+from planner.types import Compressor, PlanMismatchError, Strategy
 from tests.factories import plan_with_groups, synthetic_kfac_plan
-from tests.test_mixed_runtime import mixed_plan
+from tests.test_mixed_runtime import ShapedConv, mixed_plan
 from tests.test_runtime import AuxHead, build_model, loss_of, make_batch
 
 MISMATCH = "DDP's buckets are not the plan's groups"
@@ -369,3 +370,108 @@ def test_hierarchical_groups_equal_gradient_exchange_on_two_hosts_bit_for_bit() 
     sent = run_distributed(_hierarchical_worker, 4, timeout=180)[0]
     assert {c for c, h in sent if h} == set(HIERARCHICAL_AS) and {c for c, h in sent if not h} == {
         "dense", "topk:0.3"}
+
+
+# -- models shaped like real ones (2 processes) ------------------------------------------------------------------
+
+
+def named_plan(model: nn.Module, groups: list[list[str]], sent_as: list[str], *,
+               never: tuple[str, ...] = ()) -> Plan:
+    """A plan of the given groups of parameter names (each in the order DDP's bucket will hold it), group i sent
+    as sent_as[i % len], recording `never` as parameters its profile never saw a gradient for."""
+    params = dict(model.named_parameters())
+    made = []
+    for i, names in enumerate(groups):
+        compressor = Compressor.parse(sent_as[i % len(sent_as)])
+        numel = sum(params[n].numel() for n in names)
+        made.append(Group(layers=tuple(dict.fromkeys(n.rsplit(".", 1)[0] for n in names)), params=tuple(names),
+                          numel=numel, compressor=compressor,
+                          k=None if compressor.density is None else topk_count(numel, compressor.density)))
+    plan = plan_with_groups(model, tuple(made), Strategy.MIXED)
+    return replace(plan, unused_params=UnusedParams(batches=4, never=never)) if never else plan
+
+
+def shaped(case: str) -> nn.Module:
+    """`ShapedConv` (tied weight, frozen layer, BatchNorm, registered in another order than used, an unused
+    layer); "rebuilt": its unused layer frozen too, so DDP needs no find_unused_parameters and rebuilds."""
+    torch.manual_seed(0)
+    model = ShapedConv()
+    if case == "rebuilt":
+        model.unused.requires_grad_(False)
+    return model
+
+
+#: Per case: the plan's groups, in DDP's final layout's order (ready order when DDP rebuilds; registration order
+#: with find_unused_parameters, where DDP keeps its first layout: the plan's order does not matter then).
+SHAPED_GROUPS = {
+    "unused": [["head.weight", "head.bias"], ["body.weight", "body.bias"], ["norm.weight", "norm.bias"],
+               ["conv.weight", "conv.bias"], ["unused.weight", "unused.bias"]],
+    "rebuilt": [["head.bias", "head.weight"], ["body.bias", "body.weight"], ["norm.weight", "norm.bias"],
+                ["conv.weight", "conv.bias"]],
+}
+SHAPED_AS = ["powersgd:2", "topk:0.3", "fp16", "dense"]
+
+
+def _shaped_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * rank + step)
+    return torch.randn(4, 3, 6, 6, generator=g), torch.randn(4, 4, generator=g)
+
+
+def _state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and buffers (BatchNorm's running statistics, which DDP broadcasts from rank 0)."""
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+def _shaped_worker(rank: int, world_size: int) -> list[str]:
+    """On `ShapedConv`, with and without its unused layer: a dense plan steps bit for bit as plain DDP, and a plan of
+    every compressor as `GradientExchange` with the same plan (after the hook's warm-up iteration, where DDP
+    rebuilds: taken on both without a step), parameters and buffers, over three steps of SGD with momentum."""
+    done = []
+    for case, groups in SHAPED_GROUPS.items():
+        never = ("unused.weight", "unused.bias") if case == "unused" else ()
+        for sent_as in (["dense"], SHAPED_AS):
+            model = shaped(case)
+            plan = named_plan(model, groups, sent_as, never=never)
+            twin = copy.deepcopy(model)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                hook = PlanHook(model, plan)
+                ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+                hook.register(ddp)
+                dense = sent_as == ["dense"]
+                other: nn.Module = DistributedDataParallel(twin, find_unused_parameters=bool(never)) if dense else twin
+                if hook._final_iteration == 1:  # the warm-up iteration (an fp32 mean), no step; BatchNorm counts it
+                    x, y = _shaped_batch(rank, 99)
+                    nn.functional.mse_loss(ddp(x), y).backward()
+                    if dense:
+                        nn.functional.mse_loss(other(x), y).backward()
+                    else:
+                        twin(x)
+                exchange = None if dense else GradientExchange(twin, plan)
+                opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ddp, other)]
+                for step in range(3):
+                    x, y = _shaped_batch(rank, step)
+                    for opt in opts:
+                        opt.zero_grad()
+                    for m in (ddp, other):
+                        nn.functional.mse_loss(m(x), y).backward()
+                    if exchange is not None:
+                        exchange.synchronize()
+                    for opt in opts:
+                        opt.step()
+                    for (name, p), (_, q) in zip(_state(ddp.module), _state(twin), strict=True):
+                        assert torch.equal(p, q), f"{case} {sent_as} step {step}: {name} differs by " \
+                            f"{(p.float() - q.float()).abs().max().item():.3g}"
+            assert not [w for w in caught if MISMATCH in str(w.message)], [str(w.message) for w in caught]
+            # each bucket is one group (in registration order where DDP keeps its first layout)
+            assert sorted(hook.bucket_groups) == list(range(len(plan.groups))), (case, hook.buckets)
+            assert model.unused.weight.grad is None  # no rank used it: DDP leaves it as plain DDP does
+            if exchange is not None:
+                exchange.close()
+            done.append(f"{case} {'+'.join(sent_as)}")
+    return done
+
+
+def test_models_shaped_like_real_ones_equal_plain_ddp_and_gradient_exchange() -> None:
+    assert run_distributed(_shaped_worker, 2) == [[f"{c} {s}" for c in SHAPED_GROUPS
+                                                   for s in ("dense", "+".join(SHAPED_AS))]] * 2
