@@ -128,7 +128,7 @@ class PlanHook:
     """
 
     __slots__ = ("_checked", "_final_iteration", "_half", "_host_groups", "_iteration", "_last_hierarchical",
-                 "_names_of", "_pending", "_powersgd", "_residuals", "_routes", "_seeds", "_selector",
+                 "_names_of", "_pending", "_powersgd", "_residuals", "_routes", "_seeds", "_selector", "_static",
                  "find_unused_parameters", "model", "plan", "process_group")
 
     def __init__(
@@ -169,6 +169,7 @@ class PlanHook:
         self._iteration = 0
         self._final_iteration = 1
         self._checked = False
+        self._static = False
         self._routes: dict[int, _Route] = {}
         self._residuals: dict[int, Tensor] = {}
         self._powersgd: dict[int, PowerSGDGroup] = {}
@@ -196,19 +197,34 @@ class PlanHook:
 
     def bucket_runs(self, *, static_graph: bool = False) -> list[list[str]]:
         """The parameters of each bucket the caps of `ddp_kwargs()` make, in the order DDP fills them: the plan's
-        groups in plan order, or, where DDP keeps its first layout (find_unused_parameters without static_graph),
-        each run of one group's parameters in registration order."""
-        if not self.find_unused_parameters or static_graph:
+        groups in plan order; with static_graph, the parameters the plan's profile never saw a gradient for
+        moved last (DDP's final layout puts them there), each group's in a run of its own; where DDP keeps its
+        first layout (find_unused_parameters without static_graph), each run of one group's parameters in
+        registration order."""
+        if static_graph:
+            never = self._never_used()
+            used = [[n for n in g.params if n not in never] for g in self.plan.groups]
+            return [run for run in used if run] + self._runs([n for n in self._registration_order() if n in never])
+        if not self.find_unused_parameters:
             return [list(g.params) for g in self.plan.groups]
+        return self._runs(self._registration_order())
+
+    def _runs(self, names: Sequence[str]) -> list[list[str]]:
+        """`names` cut where the group changes."""
         group_of = self._group_of()
         runs: list[list[str]] = []
         last = None
-        for name in self._registration_order():
+        for name in names:
             if group_of[name] != last:
                 runs.append([])
                 last = group_of[name]
             runs[-1].append(name)
         return runs
+
+    def _never_used(self) -> set[str]:
+        """The planned parameters the plan's profile saw no gradient for in any batch."""
+        unused = self.plan.unused_params
+        return set(unused.never) & set(self._names_of.values()) if unused is not None else set()
 
     def ddp_kwargs(self, *, static_graph: bool = False) -> dict[str, Any]:
         """Keyword arguments of `DistributedDataParallel` that make its buckets the plan's groups:
@@ -217,13 +233,17 @@ class PlanHook:
         gradients need no copy; every planned parameter is dense and of one dtype, checked at construction).
         Pass `static_graph=True` here rather than to DDP alone: it changes when DDP lays out its buckets, so the
         caps with it. On a torch without `bucket_cap_mb_list` (before 2.13) the median cap is given as
-        `bucket_cap_mb`, with a warning. (With static_graph, DDP's final layout puts parameters that never get a
-        gradient last, so a group that holds them beside used ones is not one bucket: the hook warns and sends by
-        majority.)"""
+        `bucket_cap_mb`, with a warning. With static_graph, DDP finds the unused parameters itself (so
+        `find_unused_parameters` is False: DDP warns if given both) and its final layout puts the parameters that
+        got no gradient in its first iteration last, in registration order: the caps follow that for the
+        parameters the plan records as never used (`bucket_runs`), so a group of used parameters only is still one
+        bucket, and a group that holds never-used parameters beside used ones is two, each sent with the
+        group's compressor (the hook expects them and does not warn)."""
         params = dict(self.model.named_parameters())
         runs = self.bucket_runs(static_graph=static_graph)
         caps = bucket_caps([[params[n].numel() * params[n].element_size() for n in run] for run in runs])
-        kwargs: dict[str, Any] = {"bucket_cap_mb_list": caps, "find_unused_parameters": self.find_unused_parameters,
+        kwargs: dict[str, Any] = {"bucket_cap_mb_list": caps,
+                                  "find_unused_parameters": self.find_unused_parameters and not static_graph,
                                   "gradient_as_bucket_view": True}
         if not _has_cap_list():
             del kwargs["bucket_cap_mb_list"]
@@ -249,7 +269,7 @@ class PlanHook:
         if ddp_model.module is not self.model:
             raise PlanMismatchError("the DDP module wraps another model than this hook's; build the hook with the "
                                     "model DDP wraps (ddp.module)")
-        if self.find_unused_parameters and not ddp_model.find_unused_parameters:
+        if self.find_unused_parameters and not (ddp_model.find_unused_parameters or ddp_model.static_graph):
             assert self.plan.unused_params is not None
             raise PlanMismatchError(
                 f"the plan's profile found parameters without a gradient ({_name_list(self.plan.unused_params.names)})"
@@ -265,6 +285,7 @@ class PlanHook:
         # its buckets in ready order after iteration 0.
         keeps = ddp_model.find_unused_parameters and not ddp_model.static_graph
         self._final_iteration = 0 if keeps else 1
+        self._static = bool(ddp_model.static_graph)
         ddp_model.register_comm_hook(self, plan_hook)
 
     @property
@@ -301,13 +322,22 @@ class PlanHook:
         return _Route(names=names, group=majority if exact else None, majority=majority, compressor=compressor, k=k,
                       seed=self._seeds[majority], hierarchical=group.hierarchical and self._host_groups is not None)
 
+    def _expected_part(self, route: _Route) -> bool:
+        """Whether the bucket is the part of one group that static_graph lays out apart (`bucket_runs`): all its
+        used parameters, or all its never-used ones."""
+        if not self._static:
+            return False
+        never = self._never_used()
+        group = set(self.plan.groups[route.majority].params)
+        return set(route.names) in ({n for n in group if n not in never}, group & never)
+
     def _group_of(self) -> dict[str, int]:
         return {n: i for i, g in enumerate(self.plan.groups) for n in g.params}
 
     def _report(self) -> None:
         """Warn once, in one line, about the buckets that are not exactly one of the plan's groups."""
         self._checked = True
-        odd = [(i, r) for i, r in sorted(self._routes.items()) if r.group is None]
+        odd = [(i, r) for i, r in sorted(self._routes.items()) if r.group is None and not self._expected_part(r)]
         if not odd:
             return
         group_of = self._group_of()

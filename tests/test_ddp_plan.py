@@ -475,3 +475,65 @@ def _shaped_worker(rank: int, world_size: int) -> list[str]:
 def test_models_shaped_like_real_ones_equal_plain_ddp_and_gradient_exchange() -> None:
     assert run_distributed(_shaped_worker, 2) == [[f"{c} {s}" for c in SHAPED_GROUPS
                                                    for s in ("dense", "+".join(SHAPED_AS))]] * 2
+
+
+# -- static_graph with parameters that never get a gradient (2 processes) -----------------------------------------
+
+
+class TwoAux(nn.Module):
+    """A trunk and head the loss uses, and two auxiliary heads it never touches, registered between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.aux_b = nn.Linear(16, 3)
+        self.trunk = nn.Linear(8, 16)
+        self.aux_a = nn.Linear(16, 5)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.trunk(x)))
+
+
+#: head and aux_a (used beside never used), aux_b alone (never used, in the middle of the plan), trunk.
+STATIC_GROUPS = [["head.bias", "head.weight", "aux_a.weight", "aux_a.bias"], ["aux_b.weight", "aux_b.bias"],
+                 ["trunk.bias", "trunk.weight"]]
+
+
+def _static_worker(rank: int, world_size: int) -> tuple[list[list[str]], list[int | None], list[str]]:
+    """DDP with static_graph lays out the parameters that got no gradient last (in registration order); the caps
+    follow, so the buckets are the used part of group 0, group 2, group 1 and the never-used part of group 0, with
+    no warning, and the dense hook steps bit for bit as plain DDP with static_graph, `.grad` of the never-used
+    parameters included. Returns the buckets, their groups and the warnings."""
+    model = TwoAux()
+    plan = named_plan(model, STATIC_GROUPS, ["dense"],
+                      never=("aux_b.weight", "aux_b.bias", "aux_a.weight", "aux_a.bias"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hook = PlanHook(model, plan)
+        ddp = DistributedDataParallel(model, **hook.ddp_kwargs(static_graph=True))
+        hook.register(ddp)
+        ref = DistributedDataParallel(TwoAux(), static_graph=True)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ddp, ref)]
+        for step in range(4):
+            x, y = _ladder_batch(rank, step)
+            for opt in opts:
+                opt.zero_grad()
+            for m in (ddp, ref):
+                nn.functional.mse_loss(m(x), y).backward()
+            for opt in opts:
+                opt.step()
+            for (name, p), q in zip(ddp.module.named_parameters(), ref.module.parameters(), strict=True):
+                assert (p.grad is None) == (q.grad is None), f"step {step}: {name}"
+                assert torch.equal(p, q), f"step {step}: {name} differs by {(p - q).abs().max().item():.3g}"
+    return ([sorted(b) for b in hook.buckets], hook.bucket_groups,
+            [str(w.message) for w in caught if issubclass(w.category, (RuntimeWarning, UserWarning))])
+
+
+def test_static_graph_caps_put_never_used_parameters_last_as_ddp_does() -> None:
+    for buckets, groups, messages in run_distributed(_static_worker, 2):
+        assert buckets == [["head.bias", "head.weight"], ["trunk.bias", "trunk.weight"],
+                           ["aux_b.bias", "aux_b.weight"], ["aux_a.bias", "aux_a.weight"]]
+        assert groups == [None, 2, 1, None]  # group 0 is two buckets, each sent as group 0
+        # nor DDP's "find_unused_parameters=true ... `_set_static_graph` will detect unused parameters" warning
+        assert not [m for m in messages if MISMATCH in m or "_set_static_graph" in m], messages
