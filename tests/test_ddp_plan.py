@@ -537,3 +537,59 @@ def test_static_graph_caps_put_never_used_parameters_last_as_ddp_does() -> None:
         assert groups == [None, 2, 1, None]  # group 0 is two buckets, each sent as group 0
         # nor DDP's "find_unused_parameters=true ... `_set_static_graph` will detect unused parameters" warning
         assert not [m for m in messages if MISMATCH in m or "_set_static_graph" in m], messages
+
+
+# -- accumulation under no_sync (2 processes) ---------------------------------------------------------------------
+
+
+def _no_sync_worker(rank: int, world_size: int) -> list[int]:
+    """Two micro-batches under `ddp.no_sync()`, then one synced: the dense hook steps bit for bit as plain DDP
+    (from the first step: DDP's warm-up comes with the first synced backward), and a plan of every compressor as
+    `GradientExchange.no_sync()` does (after the hook's warm-up iteration, taken without a step). The hook counts
+    synced iterations only. Returns its iteration counts."""
+    counts = []
+    for sent_as in (["dense"], SENT_AS):
+        model = ladder()
+        plan = mixed_plan(model, sent_as)
+        twin = copy.deepcopy(model)
+        hook = PlanHook(model, plan)
+        ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+        hook.register(ddp)
+        dense = sent_as == ["dense"]
+        other: nn.Module = DistributedDataParallel(twin) if dense else twin
+        if not dense:  # the hook's warm-up iteration, no step
+            x, y = _ladder_batch(rank, 99)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            ddp.zero_grad()
+        exchange = None if dense else GradientExchange(twin, plan)
+        quiet = [ddp.no_sync, other.no_sync if exchange is None else exchange.no_sync]
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ddp, other)]
+        before = hook.iteration
+        for step in range(3):
+            for opt in opts:
+                opt.zero_grad()
+            for micro in range(3):
+                x, y = _ladder_batch(rank, 10 * step + micro)
+                for m, no_sync in zip((ddp, other), quiet, strict=True):
+                    if micro < 2:
+                        with no_sync():
+                            nn.functional.mse_loss(m(x), y).backward()
+                    else:
+                        nn.functional.mse_loss(m(x), y).backward()
+                if micro < 2:
+                    assert hook.iteration == before + step, "a backward under no_sync was sent"
+            if exchange is not None:
+                exchange.synchronize()
+            for opt in opts:
+                opt.step()
+            for (name, p), q in zip(ddp.module.named_parameters(), twin.parameters(), strict=True):
+                assert torch.equal(p, q), f"{sent_as} step {step}: {name} differs by {(p - q).abs().max().item():.3g}"
+        assert hook.bucket_groups == list(range(len(plan.groups)))
+        counts.append(hook.iteration)
+        if exchange is not None:
+            exchange.close()
+    return counts
+
+
+def test_no_sync_accumulation_equals_plain_ddp_and_gradient_exchange() -> None:
+    assert run_distributed(_no_sync_worker, 2) == [[3, 4]] * 2  # synced iterations (and the warm-up) only
