@@ -6,7 +6,8 @@
 `ddp_kwargs()` gives DDP one bucket cap per group (`bucket_cap_mb_list`, torch >= 2.13), so that DDP's buckets
 are the plan's groups, and `find_unused_parameters` as the plan's profile found. `register` installs one comm hook
 that sends each bucket the way its group says: fp32 allreduce mean, fp16, PowerSGD at rank r, or top-k with error
-feedback, with the arithmetic of `GradientExchange` (`planner.kernels.compress`, `planner.kernels.topk`).
+feedback, with the arithmetic of `GradientExchange` (`planner.kernels.compress`, `planner.kernels.topk`), flat or,
+for a group marked hierarchical, across hosts as `GradientExchange` sends it (`planner.kernels.hierarchical`).
 
 How the caps make the groups. DDP's reducer fills a bucket parameter by parameter and closes it once its bytes
 reach the bucket's cap (the caps are used in turn; the last one repeats). A group of G bytes whose smallest
@@ -15,10 +16,12 @@ whichever of the group's parameters arrives last. DDP lays out buckets twice:
 
 - at construction, in registration order (the order of `model.parameters()`), with the caps in that order;
 - after the first iteration it rebuilds them in the order the gradients became ready, the plan's order, with the
-  same caps, unless `find_unused_parameters=True` (without `static_graph`): then the first layout stays.
+  same caps, unless `find_unused_parameters=True` (without `static_graph`): then the first layout stays. With
+  `static_graph` the parameters that got no gradient in the first iteration come last, in registration order.
 
-So the caps follow the plan's groups in plan order, or, where DDP will not rebuild, the runs of each group's
-parameters in registration order (a group split there is several buckets). With a cap list DDP makes no small
+So the caps follow the plan's groups in plan order (with static_graph, the parameters the plan records as never
+used moved last), or, where DDP will not rebuild, the runs of each group's parameters in registration order (a
+group split there is several buckets). With a cap list DDP makes no small
 first bucket (its `_DEFAULT_FIRST_BUCKET_BYTES` goes with its default cap only). Before the final layout (iteration 0
 when DDP rebuilds) every bucket is sent as an fp32 allreduce mean, as PyTorch's PowerSGD hook does before
 `start_powerSGD_iter`. At the first iteration of the final layout the hook checks each bucket against the groups,
@@ -28,6 +31,16 @@ warning names those buckets.
 
 A PowerSGD bucket waits for its first allreduce inside the hook before launching the second (as `GradientExchange`
 waits at the same point): both are then issued from the backward thread, in the same order on every rank.
+
+Hierarchical groups use the subgroups of each host and across hosts (`HostGroups`, made when the hook is built, on
+every rank: `new_group` is collective), from `hosts=` or the ranks' host names as `GradientExchange`'s. A
+hierarchical bucket's three steps (or top-k's merged exchange) run on a thread of its own that starts after the
+previous hierarchical bucket's (`HierarchicalWork`), so every rank issues the subgroups' collectives in bucket
+order; the hook's future completes when that thread is done. Flat buckets go on the parent group from the backward
+thread as before: gloo orders collectives per group, so the two kinds do not need to interleave alike.
+
+Under `ddp.no_sync()` DDP calls no hook: gradients accumulate locally and the next synced backward sends their
+sum; `iteration` counts synced iterations only.
 """
 
 from __future__ import annotations
