@@ -24,6 +24,7 @@ from planner.contracts.plan import Group, Plan
 from planner.contracts.unused import UnusedParams
 from planner.costmodel.problem import topk_count
 from planner.platform.launch import run_distributed
+from planner.platform.link import privilege_problem
 from planner.runtime import GradientExchange, PlanHook
 from planner.runtime.ddp_plan import bucket_caps
 from planner.types import Compressor, PlanMismatchError, Strategy
@@ -335,19 +336,26 @@ def hierarchical_plan(model: nn.Module, hierarchical: list[bool]) -> Plan:
     return replace(plan, groups=groups, cluster=replace(plan.cluster, host_count=2))
 
 
-def _hierarchical_worker(rank: int, world_size: int) -> list[tuple[str, bool]]:
+def _hierarchical_worker(rank: int, world_size: int, explicit: bool) -> list[tuple[str, bool]]:
     """The ladder's eight groups, every compressor hierarchical, dense and top-k flat too, against
     `GradientExchange` on the same hosts over four SGD steps (after the hook's warm-up iteration): the same kernels
-    on the same buffers in the same order, so bit for bit. Returns the groups' (compressor, hierarchical)."""
+    on the same buffers in the same order, so bit for bit. The hosts are given (`explicit`), or read from the
+    ranks' host names. Returns the groups' (compressor, hierarchical)."""
+    hosts = HOSTS if explicit else None
     model = ladder()
     plan = hierarchical_plan(model, [True, True, True, False, False])
     twin = copy.deepcopy(model)
-    hook = PlanHook(model, plan, hosts=HOSTS)
+    if explicit:  # DDP over another group than the one the host groups were made for is refused
+        other = copy.deepcopy(model)
+        with pytest.raises(PlanMismatchError, match="another process group"):
+            PlanHook(other, plan, hosts=HOSTS).register(
+                DistributedDataParallel(other, process_group=dist.new_group(list(range(world_size)))))
+    hook = PlanHook(model, plan, hosts=hosts)
     ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
     hook.register(ddp)
     x, y = _ladder_batch(rank, 99)
     nn.functional.mse_loss(ddp(x), y).backward()  # the warm-up iteration, no step
-    exchange = GradientExchange(twin, plan, hosts=HOSTS)
+    exchange = GradientExchange(twin, plan, hosts=hosts)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ddp, twin)]
     for step in range(4):
         x, y = _ladder_batch(rank, step)
@@ -367,9 +375,15 @@ def _hierarchical_worker(rank: int, world_size: int) -> list[tuple[str, bool]]:
 
 
 def test_hierarchical_groups_equal_gradient_exchange_on_two_hosts_bit_for_bit() -> None:
-    sent = run_distributed(_hierarchical_worker, 4, timeout=180)[0]
+    """Four workers of this machine as the two hosts given to both."""
+    sent = run_distributed(_hierarchical_worker, 4, True, timeout=180)[0]
     assert {c for c, h in sent if h} == set(HIERARCHICAL_AS) and {c for c, h in sent if not h} == {
         "dense", "topk:0.3"}
+
+
+@pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated hosts here: {privilege_problem()}")
+def test_hierarchical_groups_on_two_emulated_hosts_found_by_name() -> None:
+    assert len(run_distributed(_hierarchical_worker, 4, False, hosts=2, timeout=180)) == 4
 
 
 # -- models shaped like real ones (2 processes) ------------------------------------------------------------------
