@@ -429,7 +429,12 @@ class PlanHook:
     def _dense(self, flat: Tensor, *, hierarchical: bool) -> torch.futures.Future[Tensor]:
         """fp32 (the bucket's dtype) allreduce mean, divided before the sum as DDP does without a hook."""
         flat.mul_(1.0 / self._world_size())
-        return self._sum(flat, hierarchical).then(lambda f: (f.value(), flat)[1])
+
+        def _done(f: torch.futures.Future[Any]) -> Tensor:
+            f.value()  # re-raises what the collective raised
+            return flat
+
+        return self._sum(flat, hierarchical).then(_done)
 
     def _fp16(self, index: int, flat: Tensor, *, hierarchical: bool) -> torch.futures.Future[Tensor]:
         """Cast to fp16 and divide by the world size, allreduce, cast back (DDP's `fp16_compress_hook`)."""
