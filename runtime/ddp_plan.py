@@ -6,7 +6,8 @@
 `ddp_kwargs()` gives DDP one bucket cap per group (`bucket_cap_mb_list`, torch >= 2.13), so that DDP's buckets
 are the plan's groups, and `find_unused_parameters` as the plan's profile found. `register` installs one comm hook
 that sends each bucket the way its group says: fp32 allreduce mean, fp16, PowerSGD at rank r, or top-k with error
-feedback, with the arithmetic of `GradientExchange` (`planner.kernels.compress`, `planner.kernels.topk`).
+feedback, with the arithmetic of `GradientExchange` (`planner.kernels.compress`, `planner.kernels.topk`), flat or,
+for a group marked hierarchical, across hosts as `GradientExchange` sends it (`planner.kernels.hierarchical`).
 
 How the caps make the groups. DDP's reducer fills a bucket parameter by parameter and closes it once its bytes
 reach the bucket's cap (the caps are used in turn; the last one repeats). A group of G bytes whose smallest
@@ -15,10 +16,12 @@ whichever of the group's parameters arrives last. DDP lays out buckets twice:
 
 - at construction, in registration order (the order of `model.parameters()`), with the caps in that order;
 - after the first iteration it rebuilds them in the order the gradients became ready, the plan's order, with the
-  same caps, unless `find_unused_parameters=True` (without `static_graph`): then the first layout stays.
+  same caps, unless `find_unused_parameters=True` (without `static_graph`): then the first layout stays. With
+  `static_graph` the parameters that got no gradient in the first iteration come last, in registration order.
 
-So the caps follow the plan's groups in plan order, or, where DDP will not rebuild, the runs of each group's
-parameters in registration order (a group split there is several buckets). With a cap list DDP makes no small
+So the caps follow the plan's groups in plan order (with static_graph, the parameters the plan records as never
+used moved last), or, where DDP will not rebuild, the runs of each group's parameters in registration order (a
+group split there is several buckets). With a cap list DDP makes no small
 first bucket (its `_DEFAULT_FIRST_BUCKET_BYTES` goes with its default cap only). Before the final layout (iteration 0
 when DDP rebuilds) every bucket is sent as an fp32 allreduce mean, as PyTorch's PowerSGD hook does before
 `start_powerSGD_iter`. At the first iteration of the final layout the hook checks each bucket against the groups,
@@ -28,6 +31,16 @@ warning names those buckets.
 
 A PowerSGD bucket waits for its first allreduce inside the hook before launching the second (as `GradientExchange`
 waits at the same point): both are then issued from the backward thread, in the same order on every rank.
+
+Hierarchical groups use the subgroups of each host and across hosts (`HostGroups`, made when the hook is built, on
+every rank: `new_group` is collective), from `hosts=` or the ranks' host names as `GradientExchange`'s. A
+hierarchical bucket's three steps (or top-k's merged exchange) run on a thread of its own that starts after the
+previous hierarchical bucket's (`HierarchicalWork`), so every rank issues the subgroups' collectives in bucket
+order; the hook's future completes when that thread is done. Flat buckets go on the parent group from the backward
+thread as before: gloo orders collectives per group, so the two kinds do not need to interleave alike.
+
+Under `ddp.no_sync()` DDP calls no hook: gradients accumulate locally and the next synced backward sends their
+sum; `iteration` counts synced iterations only.
 """
 
 from __future__ import annotations
@@ -48,7 +61,9 @@ from torch import Tensor, nn
 from planner.contracts.plan import Plan
 from planner.costmodel.problem import topk_count
 from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compress, fp16_decompress
+from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_all_reduce, hierarchical_topk_sum
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk
+from planner.platform.hosts import host_names, ranks_by_host
 from planner.runtime.exchange import _find_unused, _name_list, planned_params
 from planner.runtime.retune import resolve_plan
 from planner.types import Compressor, CompressorKind, PlanMismatchError
@@ -87,7 +102,8 @@ def bucket_caps(runs: Sequence[Sequence[int]]) -> list[float]:
 @dataclass(frozen=True)
 class _Route:
     """How one DDP bucket is sent: its parameters' names, the group it is (None: not exactly one group), the
-    group holding most of its elements, and that group's compressor, top-k count and PowerSGD seed."""
+    group holding most of its elements, and that group's compressor, top-k count, PowerSGD seed and whether it
+    crosses hosts hierarchically."""
 
     names: tuple[str, ...]
     group: int | None
@@ -95,14 +111,15 @@ class _Route:
     compressor: Compressor
     k: int | None
     seed: int
+    hierarchical: bool = False
 
 
 class PlanHook:
     """A plan as DDP keyword arguments and one DDP communication hook; see the module docstring.
 
     Construct it on every rank, with the same plan, before DDP (`ddp_kwargs()` feeds DDP's constructor), then
-    `register` it on the DDP module. Supports plans whose groups are sent dense, fp16, PowerSGD or top-k, on one
-    host; hierarchical groups, K-FAC and ABS-SGD plans are refused (`GradientExchange` runs them).
+    `register` it on the DDP module. Supports plans whose groups are sent dense, fp16, PowerSGD or top-k, flat or
+    hierarchically across hosts; K-FAC and ABS-SGD plans are refused (`GradientExchange` runs them).
 
     Args:
         model: the module the plan was made for (the one DDP will wrap).
@@ -114,6 +131,8 @@ class PlanHook:
         auto_retune: re-plan when the plan was made for another world size, backend or kind of device (see
             `GradientExchange`).
         profile: the profile to re-plan from with `auto_retune` (default the plan's source).
+        hosts: the ranks (of the process group) on each host, for the plan's hierarchical groups, as
+            `GradientExchange`'s: default read from the ranks' host names. Its length must be the plan's host count.
 
     Raises:
         PlanMismatchError: the plan was made for another model or cluster, its parameters are not the model's
@@ -121,9 +140,9 @@ class PlanHook:
         ValueError: find_unused_parameters=False with a plan that records unused parameters.
     """
 
-    __slots__ = ("_checked", "_final_iteration", "_half", "_iteration", "_names_of", "_pending",
-                 "_powersgd", "_residuals", "_routes", "_seeds", "_selector", "find_unused_parameters",
-                 "model", "plan", "process_group")
+    __slots__ = ("_checked", "_final_iteration", "_half", "_host_groups", "_iteration", "_last_hierarchical",
+                 "_names_of", "_pending", "_powersgd", "_residuals", "_routes", "_seeds", "_selector", "_static",
+                 "find_unused_parameters", "model", "plan", "process_group")
 
     def __init__(
         self,
@@ -134,9 +153,12 @@ class PlanHook:
         find_unused_parameters: bool | None = None,
         auto_retune: bool = False,
         profile: Any = None,
+        hosts: Sequence[Sequence[int]] | None = None,
     ) -> None:
         _check_supported(plan)
-        plan = resolve_plan(plan, model, process_group=process_group, auto_retune=auto_retune, profile=profile)
+        layout = None if hosts is None else [list(h) for h in hosts]
+        plan = resolve_plan(plan, model, process_group=process_group, auto_retune=auto_retune, profile=profile,
+                            host_count=None if layout is None else len(layout))
         _check_supported(plan)  # a re-tuned plan too
         params = planned_params(model, plan)
         planned = set(plan.param_order)
@@ -160,11 +182,21 @@ class PlanHook:
         self._iteration = 0
         self._final_iteration = 1
         self._checked = False
+        self._static = False
         self._routes: dict[int, _Route] = {}
         self._residuals: dict[int, Tensor] = {}
         self._powersgd: dict[int, PowerSGDGroup] = {}
         self._half: dict[int, Tensor] = {}
         self._pending: dict[int, dict[str, Any]] = {}
+        # Hierarchical groups: the subgroups of each host and across hosts, made here, before DDP, on every rank
+        # (`new_group` is collective), as GradientExchange makes them.
+        self._host_groups: HostGroups | None = None
+        self._last_hierarchical: HierarchicalWork | None = None
+        crosses = any(g.hierarchical for g in plan.groups)
+        if crosses and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+            if layout is None:
+                layout = ranks_by_host(host_names(process_group))
+            self._host_groups = HostGroups.build(layout, process_group)
 
     @classmethod
     def from_file(cls, model: nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> PlanHook:
@@ -178,19 +210,34 @@ class PlanHook:
 
     def bucket_runs(self, *, static_graph: bool = False) -> list[list[str]]:
         """The parameters of each bucket the caps of `ddp_kwargs()` make, in the order DDP fills them: the plan's
-        groups in plan order, or, where DDP keeps its first layout (find_unused_parameters without static_graph),
-        each run of one group's parameters in registration order."""
-        if not self.find_unused_parameters or static_graph:
+        groups in plan order; with static_graph, the parameters the plan's profile never saw a gradient for
+        moved last (DDP's final layout puts them there), each group's in a run of its own; where DDP keeps its
+        first layout (find_unused_parameters without static_graph), each run of one group's parameters in
+        registration order."""
+        if static_graph:
+            never = self._never_used()
+            used = [[n for n in g.params if n not in never] for g in self.plan.groups]
+            return [run for run in used if run] + self._runs([n for n in self._registration_order() if n in never])
+        if not self.find_unused_parameters:
             return [list(g.params) for g in self.plan.groups]
+        return self._runs(self._registration_order())
+
+    def _runs(self, names: Sequence[str]) -> list[list[str]]:
+        """`names` cut where the group changes."""
         group_of = self._group_of()
         runs: list[list[str]] = []
         last = None
-        for name in self._registration_order():
+        for name in names:
             if group_of[name] != last:
                 runs.append([])
                 last = group_of[name]
             runs[-1].append(name)
         return runs
+
+    def _never_used(self) -> set[str]:
+        """The planned parameters the plan's profile saw no gradient for in any batch."""
+        unused = self.plan.unused_params
+        return set(unused.never) & set(self._names_of.values()) if unused is not None else set()
 
     def ddp_kwargs(self, *, static_graph: bool = False) -> dict[str, Any]:
         """Keyword arguments of `DistributedDataParallel` that make its buckets the plan's groups:
@@ -199,13 +246,17 @@ class PlanHook:
         gradients need no copy; every planned parameter is dense and of one dtype, checked at construction).
         Pass `static_graph=True` here rather than to DDP alone: it changes when DDP lays out its buckets, so the
         caps with it. On a torch without `bucket_cap_mb_list` (before 2.13) the median cap is given as
-        `bucket_cap_mb`, with a warning. (With static_graph, DDP's final layout puts parameters that never get a
-        gradient last, so a group that holds them beside used ones is not one bucket: the hook warns and sends by
-        majority.)"""
+        `bucket_cap_mb`, with a warning. With static_graph, DDP finds the unused parameters itself (so
+        `find_unused_parameters` is False: DDP warns if given both) and its final layout puts the parameters that
+        got no gradient in its first iteration last, in registration order: the caps follow that for the
+        parameters the plan records as never used (`bucket_runs`), so a group of used parameters only is still one
+        bucket, and a group that holds never-used parameters beside used ones is two, each sent with the
+        group's compressor (the hook expects them and does not warn)."""
         params = dict(self.model.named_parameters())
         runs = self.bucket_runs(static_graph=static_graph)
         caps = bucket_caps([[params[n].numel() * params[n].element_size() for n in run] for run in runs])
-        kwargs: dict[str, Any] = {"bucket_cap_mb_list": caps, "find_unused_parameters": self.find_unused_parameters,
+        kwargs: dict[str, Any] = {"bucket_cap_mb_list": caps,
+                                  "find_unused_parameters": self.find_unused_parameters and not static_graph,
                                   "gradient_as_bucket_view": True}
         if not _has_cap_list():
             del kwargs["bucket_cap_mb_list"]
@@ -231,18 +282,23 @@ class PlanHook:
         if ddp_model.module is not self.model:
             raise PlanMismatchError("the DDP module wraps another model than this hook's; build the hook with the "
                                     "model DDP wraps (ddp.module)")
-        if self.find_unused_parameters and not ddp_model.find_unused_parameters:
+        if self.find_unused_parameters and not (ddp_model.find_unused_parameters or ddp_model.static_graph):
             assert self.plan.unused_params is not None
             raise PlanMismatchError(
                 f"the plan's profile found parameters without a gradient ({_name_list(self.plan.unused_params.names)})"
                 ", but DDP was built with find_unused_parameters=False; build it with **hook.ddp_kwargs()"
             )
+        if self._host_groups is not None and self.process_group is None and ddp_model.process_group is not None \
+                and ddp_model.process_group is not dist.group.WORLD:
+            raise PlanMismatchError("DDP averages over another process group than the one this hook made its host "
+                                    "groups for; pass DDP's process_group to PlanHook too")
         if ddp_model.process_group is not None and self.process_group is None:
             self.process_group = ddp_model.process_group
         # DDP keeps its first layout with find_unused_parameters (unless the graph is static); else it rebuilds
         # its buckets in ready order after iteration 0.
         keeps = ddp_model.find_unused_parameters and not ddp_model.static_graph
         self._final_iteration = 0 if keeps else 1
+        self._static = bool(ddp_model.static_graph)
         ddp_model.register_comm_hook(self, plan_hook)
 
     @property
@@ -277,7 +333,16 @@ class PlanHook:
             assert compressor.density is not None
             k = group.k if exact and group.k is not None else topk_count(numel, compressor.density)
         return _Route(names=names, group=majority if exact else None, majority=majority, compressor=compressor, k=k,
-                      seed=self._seeds[majority])
+                      seed=self._seeds[majority], hierarchical=group.hierarchical and self._host_groups is not None)
+
+    def _expected_part(self, route: _Route) -> bool:
+        """Whether the bucket is the part of one group that static_graph lays out apart (`bucket_runs`): all its
+        used parameters, or all its never-used ones."""
+        if not self._static:
+            return False
+        never = self._never_used()
+        group = set(self.plan.groups[route.majority].params)
+        return set(route.names) in ({n for n in group if n not in never}, group & never)
 
     def _group_of(self) -> dict[str, int]:
         return {n: i for i, g in enumerate(self.plan.groups) for n in g.params}
@@ -285,7 +350,7 @@ class PlanHook:
     def _report(self) -> None:
         """Warn once, in one line, about the buckets that are not exactly one of the plan's groups."""
         self._checked = True
-        odd = [(i, r) for i, r in sorted(self._routes.items()) if r.group is None]
+        odd = [(i, r) for i, r in sorted(self._routes.items()) if r.group is None and not self._expected_part(r)]
         if not odd:
             return
         group_of = self._group_of()
@@ -318,14 +383,14 @@ class PlanHook:
                 self._report()
             self._iteration += 1
         flat = bucket.buffer()
-        if not final:
-            return self._dense(flat)
+        if not final:  # DDP's first layout is not the groups': every bucket flat, in fp32
+            return self._dense(flat, hierarchical=False)
         route = self._routes[index]
         match route.compressor.kind:
             case CompressorKind.DENSE:
-                return self._dense(flat)
+                return self._dense(flat, hierarchical=route.hierarchical)
             case CompressorKind.FP16:
-                return self._fp16(index, flat)
+                return self._fp16(index, flat, hierarchical=route.hierarchical)
             case CompressorKind.POWERSGD:
                 return self._powersgd_send(index, route, bucket, flat)
             case CompressorKind.TOPK:
@@ -333,19 +398,51 @@ class PlanHook:
             case kind:
                 raise PlanMismatchError(f"a bucket is sent by {kind}, which the hook does not run; {_RUN_ELSEWHERE}")
 
-    def _dense(self, flat: Tensor) -> torch.futures.Future[Tensor]:
+    def _sum(self, buffer: Tensor, hierarchical: bool) -> torch.futures.Future[Any]:
+        """Start summing `buffer` in place over the process group: one allreduce, or (hierarchical) inside each
+        host, across hosts, inside again (`HierarchicalWork`, as GradientExchange sends such a group); a future
+        done when `buffer` holds the sum."""
+        if not hierarchical:
+            return dist.all_reduce(buffer, group=self.process_group, async_op=True).get_future()
+        return self._across_hosts(buffer, lambda groups: hierarchical_all_reduce(buffer, groups))
+
+    def _across_hosts(self, buffer: Tensor, exchange: Any) -> torch.futures.Future[Any]:
+        """Run `exchange(host_groups)` on a thread of its own after the hierarchical exchanges started before it:
+        its three steps use three process groups, each waited for before the next, and chaining the buckets'
+        threads issues them in bucket order on every rank (gloo pairs collectives by order). The future is
+        completed by that thread (DDP waits for it at the end of backward)."""
+        groups = self._host_groups
+        assert groups is not None
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+
+        def run() -> None:
+            try:
+                exchange(groups)
+            except BaseException as exc:  # DDP's wait re-raises it on the training thread
+                fut.set_exception(exc)
+                raise
+            fut.set_result(None)
+
+        self._last_hierarchical = HierarchicalWork(buffer, groups, after=self._last_hierarchical, run=run)
+        return fut
+
+    def _dense(self, flat: Tensor, *, hierarchical: bool) -> torch.futures.Future[Tensor]:
         """fp32 (the bucket's dtype) allreduce mean, divided before the sum as DDP does without a hook."""
         flat.mul_(1.0 / self._world_size())
-        fut = dist.all_reduce(flat, group=self.process_group, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0])
 
-    def _fp16(self, index: int, flat: Tensor) -> torch.futures.Future[Tensor]:
+        def _done(f: torch.futures.Future[Any]) -> Tensor:
+            f.value()  # re-raises what the collective raised
+            return flat
+
+        return self._sum(flat, hierarchical).then(_done)
+
+    def _fp16(self, index: int, flat: Tensor, *, hierarchical: bool) -> torch.futures.Future[Tensor]:
         """Cast to fp16 and divide by the world size, allreduce, cast back (DDP's `fp16_compress_hook`)."""
         half = self._half.get(index)
         if half is None or half.numel() != flat.numel() or half.device != flat.device:
             half = self._half[index] = torch.empty(flat.numel(), dtype=torch.float16, device=flat.device)
         fp16_compress(flat, half, self._world_size())
-        fut = dist.all_reduce(half, group=self.process_group, async_op=True).get_future()
+        fut = self._sum(half, hierarchical)
 
         def _back(f: torch.futures.Future[Any]) -> Tensor:
             f.value()
@@ -368,7 +465,10 @@ class PlanHook:
         # The first allreduce is waited for here, so that the second is launched from this thread too: a collective
         # launched from a future's callback could be issued in another order on another rank (gloo pairs them by
         # order). GradientExchange waits at the same point.
-        dist.all_reduce(group.compress(grad), group=pg)
+        if route.hierarchical:
+            self._sum(group.compress(grad), True).wait()
+        else:
+            dist.all_reduce(group.compress(grad), group=pg)
         q = group.middle(world_size)
 
         def _finish(f: torch.futures.Future[Any] | None = None) -> Tensor:
@@ -383,7 +483,7 @@ class PlanHook:
             done: torch.futures.Future[Tensor] = torch.futures.Future()
             done.set_result(_finish())
             return done
-        return dist.all_reduce(q, group=pg, async_op=True).get_future().then(_finish)
+        return self._sum(q, route.hierarchical).then(_finish)
 
     def _topk(self, index: int, route: _Route, flat: Tensor) -> torch.futures.Future[Tensor]:
         """The k largest of gradient plus residual from every rank in one allgather, averaged (error feedback)."""
@@ -395,6 +495,16 @@ class PlanHook:
         assert route.k is not None
         k, numel = route.k, grad.numel()
         send = pack(*select_topk(grad, residual, k, selector=self._selector))
+        if route.hierarchical:  # merged inside each host, sent across once per host, averaged into grad
+
+            def _copy(f: torch.futures.Future[Any]) -> Tensor:
+                f.value()
+                if grad is not flat:
+                    flat.copy_(grad)
+                return flat
+
+            return self._across_hosts(send, lambda groups: hierarchical_topk_sum(send, k, grad, groups, world_size)
+                                      ).then(_copy)
         recv = torch.empty(world_size * 2 * k, dtype=torch.float32, device=grad.device)
         fut = all_gather_flat(recv, send, group=self.process_group, async_op=True).get_future()
 
@@ -475,19 +585,16 @@ plan_hook.__annotations__.update(
 
 def _check_supported(plan: Plan) -> None:
     """Refuse, in one line, a plan with what the hook does not run."""
-    supported = "PlanHook runs plans of dense, fp16, PowerSGD and top-k groups on one host"
+    supported = "PlanHook runs plans of dense, fp16, PowerSGD and top-k groups (flat or across hosts)"
     what = None
     if plan.kfac is not None:
         what = "is a K-FAC plan"
     elif plan.abs is not None:
         what = "is an ABS-SGD plan"
     else:
-        hierarchical = [i for i, g in enumerate(plan.groups) if g.hierarchical]
         kinds = sorted({str(plan.compressor_of(g)) for g in plan.groups
                         if plan.compressor_of(g).kind not in SUPPORTED_KINDS})
-        if hierarchical:
-            what = f"sends group(s) {hierarchical[:3]} hierarchically (across hosts)"
-        elif kinds:
+        if kinds:
             what = f"sends groups by {', '.join(kinds)}"
     if what is not None:
         raise PlanMismatchError(f"{supported}, but this plan {what}; {_RUN_ELSEWHERE}")

@@ -20,14 +20,16 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.contracts.layers import gradient_layers, groups_for
-from planner.contracts.plan import Plan
+from planner.contracts.plan import Group, Plan
 from planner.contracts.unused import UnusedParams
+from planner.costmodel.problem import topk_count
 from planner.platform.launch import run_distributed
+from planner.platform.link import privilege_problem
 from planner.runtime import GradientExchange, PlanHook
 from planner.runtime.ddp_plan import bucket_caps
-from planner.types import PlanMismatchError, Strategy
+from planner.types import Compressor, PlanMismatchError, Strategy
 from tests.factories import plan_with_groups, synthetic_kfac_plan
-from tests.test_mixed_runtime import mixed_plan
+from tests.test_mixed_runtime import ShapedConv, mixed_plan
 from tests.test_runtime import AuxHead, build_model, loss_of, make_batch
 
 MISMATCH = "DDP's buckets are not the plan's groups"
@@ -84,15 +86,11 @@ def test_caps_make_ddps_assignment_close_one_bucket_per_group(sizes: list[list[i
 def test_unsupported_plans_are_refused_in_one_line() -> None:
     model = ladder()
     kfac = synthetic_kfac_plan("mlp", world_size=1)
-    hierarchical = uneven_plan(model, (3, 8))
-    hierarchical = replace(hierarchical, cluster=replace(hierarchical.cluster, host_count=2),
-                           groups=(replace(hierarchical.groups[0], hierarchical=True), *hierarchical.groups[1:]))
-    for plan, what in ((kfac, "K-FAC"), (hierarchical, "hierarchically")):
-        with pytest.raises(PlanMismatchError) as info:
-            PlanHook(model, plan)
-        message = str(info.value)
-        assert "\n" not in message and what in message
-        assert "dense, fp16, PowerSGD and top-k" in message and "GradientExchange" in message
+    with pytest.raises(PlanMismatchError) as info:
+        PlanHook(model, kfac)
+    message = str(info.value)
+    assert "\n" not in message and "K-FAC" in message
+    assert "dense, fp16, PowerSGD and top-k" in message and "GradientExchange" in message
 
 
 def test_bad_inputs_are_refused_in_one_line(tmp_path: object) -> None:
@@ -319,3 +317,293 @@ def test_buckets_that_differ_from_the_plan_warn_once_in_one_line() -> None:
     for messages in run_distributed(_mismatch_worker, 2):
         assert len(messages) == 1, messages
         assert "\n" not in messages[0] and "bucket 0" in messages[0] and "ddp_kwargs" in messages[0]
+
+
+# -- hierarchical groups (4 processes as 2 hosts of 2) ----------------------------------------------------------
+
+HIERARCHICAL_AS = ["dense", "fp16", "powersgd:2", "topk:0.3"]
+HOSTS = [[0, 1], [2, 3]]
+
+
+def hierarchical_plan(model: nn.Module, hierarchical: list[bool]) -> Plan:
+    """`mixed_plan(model, HIERARCHICAL_AS)` for 4 workers on 2 hosts, group i hierarchical where
+    hierarchical[i % len]. Each layer's parameters are listed bias first, the order their gradients become ready
+    and so DDP's bucket's: GradientExchange lays out its buffer in the plan's order, and over 4 ranks gloo's
+    allreduce adds an element's values in an order that depends on its position (fp16 rounds differently)."""
+    plan = mixed_plan(model, HIERARCHICAL_AS, world_size=4)
+    groups = tuple(replace(g, params=g.params[::-1], hierarchical=hierarchical[i % len(hierarchical)])
+                   for i, g in enumerate(plan.groups))
+    return replace(plan, groups=groups, cluster=replace(plan.cluster, host_count=2))
+
+
+def _hierarchical_worker(rank: int, world_size: int, explicit: bool) -> list[tuple[str, bool]]:
+    """The ladder's eight groups, every compressor hierarchical, dense and top-k flat too, against
+    `GradientExchange` on the same hosts over four SGD steps (after the hook's warm-up iteration): the same kernels
+    on the same buffers in the same order, so bit for bit. The hosts are given (`explicit`), or read from the
+    ranks' host names. Returns the groups' (compressor, hierarchical)."""
+    hosts = HOSTS if explicit else None
+    model = ladder()
+    plan = hierarchical_plan(model, [True, True, True, False, False])
+    twin = copy.deepcopy(model)
+    if explicit:  # DDP over another group than the one the host groups were made for is refused
+        other = copy.deepcopy(model)
+        with pytest.raises(PlanMismatchError, match="another process group"):
+            PlanHook(other, plan, hosts=HOSTS).register(
+                DistributedDataParallel(other, process_group=dist.new_group(list(range(world_size)))))
+    hook = PlanHook(model, plan, hosts=hosts)
+    ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+    hook.register(ddp)
+    x, y = _ladder_batch(rank, 99)
+    nn.functional.mse_loss(ddp(x), y).backward()  # the warm-up iteration, no step
+    exchange = GradientExchange(twin, plan, hosts=hosts)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ddp, twin)]
+    for step in range(4):
+        x, y = _ladder_batch(rank, step)
+        for opt in opts:
+            opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        nn.functional.mse_loss(twin(x), y).backward()
+        exchange.synchronize()
+        for opt in opts:
+            opt.step()
+        for (pname, p), q in zip(ddp.module.named_parameters(), twin.parameters(), strict=True):
+            assert torch.equal(p, q), f"step {step}: {pname} differs by {(p - q).abs().max().item():.3g}"
+    assert hook.bucket_groups == list(range(len(plan.groups)))
+    assert [r.hierarchical for r in hook._routes.values()] == [g.hierarchical for g in plan.groups]
+    exchange.close()
+    return [(str(plan.compressor_of(g)), g.hierarchical) for g in plan.groups]
+
+
+def test_hierarchical_groups_equal_gradient_exchange_on_two_hosts_bit_for_bit() -> None:
+    """Four workers of this machine as the two hosts given to both."""
+    sent = run_distributed(_hierarchical_worker, 4, True, timeout=180)[0]
+    assert {c for c, h in sent if h} == set(HIERARCHICAL_AS) and {c for c, h in sent if not h} == {
+        "dense", "topk:0.3"}
+
+
+@pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated hosts here: {privilege_problem()}")
+def test_hierarchical_groups_on_two_emulated_hosts_found_by_name() -> None:
+    assert len(run_distributed(_hierarchical_worker, 4, False, hosts=2, timeout=180)) == 4
+
+
+# -- models shaped like real ones (2 processes) ------------------------------------------------------------------
+
+
+def named_plan(model: nn.Module, groups: list[list[str]], sent_as: list[str], *,
+               never: tuple[str, ...] = ()) -> Plan:
+    """A plan of the given groups of parameter names (each in the order DDP's bucket will hold it), group i sent
+    as sent_as[i % len], recording `never` as parameters its profile never saw a gradient for."""
+    params = dict(model.named_parameters())
+    made = []
+    for i, names in enumerate(groups):
+        compressor = Compressor.parse(sent_as[i % len(sent_as)])
+        numel = sum(params[n].numel() for n in names)
+        made.append(Group(layers=tuple(dict.fromkeys(n.rsplit(".", 1)[0] for n in names)), params=tuple(names),
+                          numel=numel, compressor=compressor,
+                          k=None if compressor.density is None else topk_count(numel, compressor.density)))
+    plan = plan_with_groups(model, tuple(made), Strategy.MIXED)
+    return replace(plan, unused_params=UnusedParams(batches=4, never=never)) if never else plan
+
+
+def shaped(case: str) -> nn.Module:
+    """`ShapedConv` (tied weight, frozen layer, BatchNorm, registered in another order than used, an unused
+    layer); "rebuilt": its unused layer frozen too, so DDP needs no find_unused_parameters and rebuilds."""
+    torch.manual_seed(0)
+    model = ShapedConv()
+    if case == "rebuilt":
+        model.unused.requires_grad_(False)
+    return model
+
+
+#: Per case: the plan's groups, in DDP's final layout's order (ready order when DDP rebuilds; registration order
+#: with find_unused_parameters, where DDP keeps its first layout: the plan's order does not matter then).
+SHAPED_GROUPS = {
+    "unused": [["head.weight", "head.bias"], ["body.weight", "body.bias"], ["norm.weight", "norm.bias"],
+               ["conv.weight", "conv.bias"], ["unused.weight", "unused.bias"]],
+    "rebuilt": [["head.bias", "head.weight"], ["body.bias", "body.weight"], ["norm.weight", "norm.bias"],
+                ["conv.weight", "conv.bias"]],
+}
+SHAPED_AS = ["powersgd:2", "topk:0.3", "fp16", "dense"]
+
+
+def _shaped_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * rank + step)
+    return torch.randn(4, 3, 6, 6, generator=g), torch.randn(4, 4, generator=g)
+
+
+def _state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and buffers (BatchNorm's running statistics, which DDP broadcasts from rank 0)."""
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+def _shaped_worker(rank: int, world_size: int) -> list[str]:
+    """On `ShapedConv`, with and without its unused layer: a dense plan steps bit for bit as plain DDP, and a plan of
+    every compressor as `GradientExchange` with the same plan (after the hook's warm-up iteration, where DDP
+    rebuilds: taken on both without a step), parameters and buffers, over three steps of SGD with momentum."""
+    done = []
+    for case, groups in SHAPED_GROUPS.items():
+        never = ("unused.weight", "unused.bias") if case == "unused" else ()
+        for sent_as in (["dense"], SHAPED_AS):
+            model = shaped(case)
+            plan = named_plan(model, groups, sent_as, never=never)
+            twin = copy.deepcopy(model)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                hook = PlanHook(model, plan)
+                ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+                hook.register(ddp)
+                dense = sent_as == ["dense"]
+                other: nn.Module = DistributedDataParallel(twin, find_unused_parameters=bool(never)) if dense else twin
+                if hook._final_iteration == 1:  # the warm-up iteration (an fp32 mean), no step; BatchNorm counts it
+                    x, y = _shaped_batch(rank, 99)
+                    nn.functional.mse_loss(ddp(x), y).backward()
+                    if dense:
+                        nn.functional.mse_loss(other(x), y).backward()
+                    else:
+                        twin(x)
+                exchange = None if dense else GradientExchange(twin, plan)
+                opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ddp, other)]
+                for step in range(3):
+                    x, y = _shaped_batch(rank, step)
+                    for opt in opts:
+                        opt.zero_grad()
+                    for m in (ddp, other):
+                        nn.functional.mse_loss(m(x), y).backward()
+                    if exchange is not None:
+                        exchange.synchronize()
+                    for opt in opts:
+                        opt.step()
+                    for (name, p), (_, q) in zip(_state(ddp.module), _state(twin), strict=True):
+                        assert torch.equal(p, q), f"{case} {sent_as} step {step}: {name} differs by " \
+                            f"{(p.float() - q.float()).abs().max().item():.3g}"
+            assert not [w for w in caught if MISMATCH in str(w.message)], [str(w.message) for w in caught]
+            # each bucket is one group (in registration order where DDP keeps its first layout)
+            assert sorted(hook.bucket_groups) == list(range(len(plan.groups))), (case, hook.buckets)
+            assert model.unused.weight.grad is None  # no rank used it: DDP leaves it as plain DDP does
+            if exchange is not None:
+                exchange.close()
+            done.append(f"{case} {'+'.join(sent_as)}")
+    return done
+
+
+def test_models_shaped_like_real_ones_equal_plain_ddp_and_gradient_exchange() -> None:
+    assert run_distributed(_shaped_worker, 2) == [[f"{c} {s}" for c in SHAPED_GROUPS
+                                                   for s in ("dense", "+".join(SHAPED_AS))]] * 2
+
+
+# -- static_graph with parameters that never get a gradient (2 processes) -----------------------------------------
+
+
+class TwoAux(nn.Module):
+    """A trunk and head the loss uses, and two auxiliary heads it never touches, registered between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.aux_b = nn.Linear(16, 3)
+        self.trunk = nn.Linear(8, 16)
+        self.aux_a = nn.Linear(16, 5)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.trunk(x)))
+
+
+#: head and aux_a (used beside never used), aux_b alone (never used, in the middle of the plan), trunk.
+STATIC_GROUPS = [["head.bias", "head.weight", "aux_a.weight", "aux_a.bias"], ["aux_b.weight", "aux_b.bias"],
+                 ["trunk.bias", "trunk.weight"]]
+
+
+def _static_worker(rank: int, world_size: int) -> tuple[list[list[str]], list[int | None], list[str]]:
+    """DDP with static_graph lays out the parameters that got no gradient last (in registration order); the caps
+    follow, so the buckets are the used part of group 0, group 2, group 1 and the never-used part of group 0, with
+    no warning, and the dense hook steps bit for bit as plain DDP with static_graph, `.grad` of the never-used
+    parameters included. Returns the buckets, their groups and the warnings."""
+    model = TwoAux()
+    plan = named_plan(model, STATIC_GROUPS, ["dense"],
+                      never=("aux_b.weight", "aux_b.bias", "aux_a.weight", "aux_a.bias"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hook = PlanHook(model, plan)
+        ddp = DistributedDataParallel(model, **hook.ddp_kwargs(static_graph=True))
+        hook.register(ddp)
+        ref = DistributedDataParallel(TwoAux(), static_graph=True)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ddp, ref)]
+        for step in range(4):
+            x, y = _ladder_batch(rank, step)
+            for opt in opts:
+                opt.zero_grad()
+            for m in (ddp, ref):
+                nn.functional.mse_loss(m(x), y).backward()
+            for opt in opts:
+                opt.step()
+            for (name, p), q in zip(ddp.module.named_parameters(), ref.module.parameters(), strict=True):
+                assert (p.grad is None) == (q.grad is None), f"step {step}: {name}"
+                assert torch.equal(p, q), f"step {step}: {name} differs by {(p - q).abs().max().item():.3g}"
+    return ([sorted(b) for b in hook.buckets], hook.bucket_groups,
+            [str(w.message) for w in caught if issubclass(w.category, (RuntimeWarning, UserWarning))])
+
+
+def test_static_graph_caps_put_never_used_parameters_last_as_ddp_does() -> None:
+    for buckets, groups, messages in run_distributed(_static_worker, 2):
+        assert buckets == [["head.bias", "head.weight"], ["trunk.bias", "trunk.weight"],
+                           ["aux_b.bias", "aux_b.weight"], ["aux_a.bias", "aux_a.weight"]]
+        assert groups == [None, 2, 1, None]  # group 0 is two buckets, each sent as group 0
+        # nor DDP's "find_unused_parameters=true ... `_set_static_graph` will detect unused parameters" warning
+        assert not [m for m in messages if MISMATCH in m or "_set_static_graph" in m], messages
+
+
+# -- accumulation under no_sync (2 processes) ---------------------------------------------------------------------
+
+
+def _no_sync_worker(rank: int, world_size: int) -> list[int]:
+    """Two micro-batches under `ddp.no_sync()`, then one synced: the dense hook steps bit for bit as plain DDP
+    (from the first step: DDP's warm-up comes with the first synced backward), and a plan of every compressor as
+    `GradientExchange.no_sync()` does (after the hook's warm-up iteration, taken without a step). The hook counts
+    synced iterations only. Returns its iteration counts."""
+    counts = []
+    for sent_as in (["dense"], SENT_AS):
+        model = ladder()
+        plan = mixed_plan(model, sent_as)
+        twin = copy.deepcopy(model)
+        hook = PlanHook(model, plan)
+        ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+        hook.register(ddp)
+        dense = sent_as == ["dense"]
+        other: nn.Module = DistributedDataParallel(twin) if dense else twin
+        if not dense:  # the hook's warm-up iteration, no step
+            x, y = _ladder_batch(rank, 99)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            ddp.zero_grad()
+        exchange = None if dense else GradientExchange(twin, plan)
+        quiet = [ddp.no_sync, other.no_sync if exchange is None else exchange.no_sync]
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ddp, other)]
+        before = hook.iteration
+        for step in range(3):
+            for opt in opts:
+                opt.zero_grad()
+            for micro in range(3):
+                x, y = _ladder_batch(rank, 10 * step + micro)
+                for m, no_sync in zip((ddp, other), quiet, strict=True):
+                    if micro < 2:
+                        with no_sync():
+                            nn.functional.mse_loss(m(x), y).backward()
+                    else:
+                        nn.functional.mse_loss(m(x), y).backward()
+                if micro < 2:
+                    assert hook.iteration == before + step, "a backward under no_sync was sent"
+            if exchange is not None:
+                exchange.synchronize()
+            for opt in opts:
+                opt.step()
+            for (name, p), q in zip(ddp.module.named_parameters(), twin.parameters(), strict=True):
+                assert torch.equal(p, q), f"{sent_as} step {step}: {name} differs by {(p - q).abs().max().item():.3g}"
+        assert hook.bucket_groups == list(range(len(plan.groups)))
+        counts.append(hook.iteration)
+        if exchange is not None:
+            exchange.close()
+    return counts
+
+
+def test_no_sync_accumulation_equals_plain_ddp_and_gradient_exchange() -> None:
+    assert run_distributed(_no_sync_worker, 2) == [[3, 4]] * 2  # synced iterations (and the warm-up) only
