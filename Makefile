@@ -29,7 +29,7 @@ test: venv
 # The documentation site: the CLI reference regenerated from the parser, then built strict (a warning fails).
 # mkdocstrings reads the API from the same linked view of the installed layout as mypy (below).
 docs: venv view
-	$(BIN)/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[docs]"
+	$(BIN)/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(BIN)/python -m pip install -q -c $(VENV)/torch-pin.txt -e ".[docs]"
 	$(BIN)/python -m planner.commands.cli_reference > docs/reference/cli.md.tmp && mv docs/reference/cli.md.tmp docs/reference/cli.md
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 

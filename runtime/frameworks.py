@@ -132,8 +132,6 @@ def _strategy_class() -> type:
         """`DDPStrategy` whose DDP is built with a plan's buckets and runs its `PlanHook` (see
         `lightning_strategy`)."""
 
-        strategy_name = "ddp_plan"
-
         def __init__(self, plan: Plan | str | os.PathLike[str], *, module: nn.Module | None, static_graph: bool,
                      hook_kwargs: dict[str, Any], **kwargs: Any) -> None:
             super().__init__(**kwargs)
