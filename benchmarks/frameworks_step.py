@@ -12,7 +12,9 @@ A step is the time between two consecutive step ends (after `optimizer.step()`; 
 the first `--warmup` of each run left out (DDP's first iteration lays out its buckets). Rank 0 prints each
 round's medians and the median over all rounds of each, with their ratio (the goal: Lightning within 3% of the
 plain loop), and, with `--json`, one JSON line. `--model` takes a built-in name or package.module:factory (the
-plan made for it); the default is the docs' small LM (docs/snippets on PYTHONPATH).
+plan made for it); the default is the docs' small LM (docs/snippets on PYTHONPATH). `--stock` also runs both
+without the plan (plain DDP; Lightning's own `DDPStrategy`), in the same rounds, to tell Lightning's own cost per
+step from the strategy's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -61,11 +64,14 @@ def _intervals(ends: list[float], warmup: int) -> list[float]:
     return [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:], strict=False)]
 
 
-def plain(workload: Any, plan: str, loader: DataLoader, lr: float) -> list[float]:
+def plain(workload: Any, plan: str | None, loader: DataLoader, lr: float) -> list[float]:
     model = workload.module
-    hook = PlanHook.from_file(model, plan)
-    ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
-    hook.register(ddp)
+    if plan is None:
+        ddp = DistributedDataParallel(model)
+    else:
+        hook = PlanHook.from_file(model, plan)
+        ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+        hook.register(ddp)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
     ends = []
     for inputs, targets in loader:
@@ -76,12 +82,12 @@ def plain(workload: Any, plan: str, loader: DataLoader, lr: float) -> list[float
     return ends
 
 
-def lightning(workload: Any, plan: str, loader: DataLoader, lr: float) -> list[float]:
+def lightning(workload: Any, plan: str | None, loader: DataLoader, lr: float) -> list[float]:
     ends = _StepEnds()
-    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=lightning_strategy(plan,
-                        module=workload.module), max_epochs=1, use_distributed_sampler=False, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[ends])
+    strategy = DDPStrategy() if plan is None else lightning_strategy(plan, module=workload.module)
+    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_epochs=1,
+                        use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[ends])
     trainer.fit(_Lit(workload.module, workload.loss_fn, lr), loader)
     return ends.ends
 
@@ -95,6 +101,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds of both runs, plain first in the even ones "
                         "(default 4)")
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--stock", action="store_true", help="also run both without the plan (DDP's own buckets and "
+                        "allreduce; Lightning's DDPStrategy): Lightning's own cost beside the plan's")
     parser.add_argument("--json", action="store_true", help="also print one JSON line")
     args = parser.parse_args()
 
@@ -105,30 +113,36 @@ def main() -> None:
     batches = [first.make_batch(first.batch_size, generator) for _ in range(args.warmup + args.steps + 1)]
     loader = DataLoader(batches, batch_size=None)
     rounds: list[dict[str, float]] = []
-    runs: dict[str, list[float]] = {"plain": [], "lightning": []}
+    pairs = [("", args.plan), ("stock ", None)] if args.stock else [("", args.plan)]
+    runs: dict[str, list[float]] = {}
     for i in range(args.rounds):
         medians = {}
-        order = (("plain", plain), ("lightning", lightning))
-        for name, run in order if i % 2 == 0 else order[::-1]:  # each goes first in every other round
-            workload = build_workload(args.model)  # a fresh model: the last run's DDP leaves no hook on it
-            gc.collect()
-            dist.barrier()
-            steps = _intervals(run(workload, args.plan, loader, args.lr), args.warmup)
-            runs[name] += steps
-            medians[name] = statistics.median(steps)
-        rounds.append({"plain": medians["plain"], "lightning": medians["lightning"]})
+        for prefix, plan in pairs:
+            order = ((f"{prefix}plain", plain), (f"{prefix}lightning", lightning))
+            for name, run in order if i % 2 == 0 else order[::-1]:  # each goes first in every other round
+                workload = build_workload(args.model)  # a fresh model: the last run's DDP leaves no hook on it
+                gc.collect()
+                dist.barrier()
+                steps = _intervals(run(workload, plan, loader, args.lr), args.warmup)
+                runs.setdefault(name, []).extend(steps)
+                medians[name] = statistics.median(steps)
+        rounds.append(medians)
     if rank != 0:
         return
-    plain_s, lightning_s = statistics.median(runs["plain"]), statistics.median(runs["lightning"])
-    for i, m in enumerate(rounds):
-        print(f"round {i}: plain {m['plain'] * 1e3:.2f} ms  lightning {m['lightning'] * 1e3:.2f} ms  "
-              f"ratio {m['lightning'] / m['plain']:.3f}")
-    print(f"median over {len(runs['plain'])} steps each: plain {plain_s * 1e3:.2f} ms  lightning "
-          f"{lightning_s * 1e3:.2f} ms  ratio {lightning_s / plain_s:.3f} (goal <= 1.03)")
+    summary: dict[str, Any] = {"model": args.model, "plan": args.plan, "world_size": dist.get_world_size(),
+                               "steps": len(runs["plain"]), "rounds": rounds}
+    for prefix, _ in pairs:
+        for i, m in enumerate(rounds):
+            print(f"{prefix}round {i}: plain {m[prefix + 'plain'] * 1e3:.2f} ms  lightning "
+                  f"{m[prefix + 'lightning'] * 1e3:.2f} ms  ratio {m[prefix + 'lightning'] / m[prefix + 'plain']:.3f}")
+        plain_s, lightning_s = statistics.median(runs[prefix + "plain"]), statistics.median(runs[prefix + "lightning"])
+        print(f"{prefix}median over {len(runs[prefix + 'plain'])} steps each: plain {plain_s * 1e3:.2f} ms  lightning "
+              f"{lightning_s * 1e3:.2f} ms  ratio {lightning_s / plain_s:.3f}" + ("" if prefix else " (goal <= 1.03)"))
+        key = prefix.strip().replace(" ", "_") + "_" if prefix else ""
+        summary.update({f"{key}plain_median_s": plain_s, f"{key}lightning_median_s": lightning_s,
+                        f"{key}ratio": lightning_s / plain_s})
     if args.json:
-        print(json.dumps({"model": args.model, "plan": args.plan, "world_size": dist.get_world_size(),
-                          "steps": len(runs["plain"]), "plain_median_s": plain_s, "lightning_median_s": lightning_s,
-                          "ratio": lightning_s / plain_s, "rounds": rounds}))
+        print(json.dumps(summary))
 
 
 if __name__ == "__main__":
