@@ -1,6 +1,8 @@
 # The two set-up commands of the README: `make demo` (the main job) and `make test` (the tests).
 # Both create .venv and install torch==2.13.0 before the project, so pip never resolves a newer
-# torch with its CUDA packages. A GPU user can pre-install their own torch build into .venv.
+# torch with its CUDA packages. A GPU user can pre-install their own torch build into .venv. The project is then
+# installed with the torch there as a constraint (.venv/torch-pin.txt), with the test tools and the extras the tests
+# run (Lightning, Accelerate), so no dependency of theirs can replace it.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +14,8 @@ $(BIN)/planner: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-pin.txt
+	$(BIN)/python -m pip install -q -c $(VENV)/torch-pin.txt -e ".[test,lightning,accelerate]"
 	touch $(BIN)/planner
 
 venv: $(BIN)/planner
@@ -26,7 +29,7 @@ test: venv
 # The documentation site: the CLI reference regenerated from the parser, then built strict (a warning fails).
 # mkdocstrings reads the API from the same linked view of the installed layout as mypy (below).
 docs: venv view
-	$(BIN)/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[docs]"
+	$(BIN)/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(BIN)/python -m pip install -q -c $(VENV)/torch-pin.txt -e ".[docs]"
 	$(BIN)/python -m planner.commands.cli_reference > docs/reference/cli.md.tmp && mv docs/reference/cli.md.tmp docs/reference/cli.md
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 

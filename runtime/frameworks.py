@@ -1,0 +1,188 @@
+"""Run a plan inside PyTorch Lightning and Hugging Face Accelerate: DDP's buckets the plan's groups, `PlanHook` its
+communication hook, as in a plain DDP loop (`planner.runtime.ddp_plan`).
+
+Lightning (`pip install 'planner[lightning]'`):
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=lightning_strategy("plan.json", module=net))
+    trainer.fit(lit_module, loader)
+
+`lightning_strategy` gives a `DDPStrategy` that builds the `PlanHook` once Lightning has started the process group,
+wraps the LightningModule in DDP with the hook's `ddp_kwargs()` and registers the hook. Lightning's own
+`DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)` does not do it: it registers a comm hook on CUDA only (on CPU
+the hook is dropped without a word), and a hook built before `fit` has no process group to check the plan against.
+The plan may be made for the LightningModule itself or for a submodule that holds all of its trainable parameters
+(`module=`, e.g. the network the LightningModule trains): DDP's buckets are the same.
+
+Accelerate (`pip install 'planner[accelerate]'`):
+
+    accelerator = Accelerator()
+    hook = PlanHook.from_file(model, "plan.json")
+    model = accelerate_prepare(accelerator, hook)             # not accelerator.prepare(model)
+    optimizer, loader = accelerator.prepare(optimizer, loader)
+
+Accelerate builds DDP from `DistributedDataParallelKwargs`, which has no per-bucket caps (`bucket_cap_mb_list`)
+and only its built-in hooks, so `accelerator.prepare(model)` cannot make the plan's buckets: a hook registered on
+the model it returns sees DDP's own buckets, warns, and sends each as the group holding most of its elements.
+`accelerate_prepare` builds the DDP as Accelerate would (on its device) with the hook's keyword arguments instead.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from planner.contracts.plan import Plan
+from planner.runtime.ddp_plan import PlanHook
+from planner.types import PlanMismatchError
+
+__all__ = ["accelerate_prepare", "lightning_strategy"]
+
+#: DDP's arguments that the hook sets (`PlanHook.ddp_kwargs`); a strategy given them as well is refused.
+_HOOK_SETS = ("bucket_cap_mb", "bucket_cap_mb_list", "find_unused_parameters", "gradient_as_bucket_view")
+
+
+def _trainable(module: nn.Module) -> list[int]:
+    return [id(p) for p in module.parameters() if p.requires_grad]
+
+
+def _check_holds_all(outer: nn.Module, inner: nn.Module, what: str) -> None:
+    """Refuse, in one line, an `inner` module whose trainable parameters are not all of `outer`'s, in its order: DDP
+    wrapping `outer` would bucket other parameters than the hook's plan."""
+    if _trainable(outer) != _trainable(inner):
+        raise PlanMismatchError(
+            f"the plan's module ({type(inner).__name__}) does not hold all the trainable parameters of the {what} "
+            f"({type(outer).__name__}) in its order, so DDP's buckets cannot be the plan's groups; make the plan for "
+            f"the {what} itself, or freeze what the plan does not hold"
+        )
+
+
+def _register(hook: PlanHook, ddp: DistributedDataParallel) -> None:
+    """`hook.register(ddp)` where DDP wraps a module holding all of the hook's model's trainable parameters.
+
+    `PlanHook.register` checks that DDP wraps the hook's own model (`ddp.module is hook.model`); the model is only
+    read there, and the hook finds parameters by identity, so it is given the wrapped module for the call."""
+    inner = hook.model
+    if ddp.module is inner:
+        hook.register(ddp)
+        return
+    hook.model = ddp.module
+    try:
+        hook.register(ddp)
+    finally:
+        hook.model = inner
+
+
+# -- Lightning ----------------------------------------------------------------------------------------------------
+
+
+def lightning_strategy(
+    plan: Plan | str | os.PathLike[str],
+    *,
+    module: nn.Module | None = None,
+    static_graph: bool = False,
+    find_unused_parameters: bool | None = None,
+    auto_retune: bool = False,
+    profile: Any = None,
+    **strategy_kwargs: Any,
+) -> Any:
+    """A Lightning `DDPStrategy` that runs `plan` in DDP: its groups as DDP's buckets, `PlanHook` as the comm hook.
+
+    The hook is built at `Trainer.fit`'s set-up, after Lightning has started the process group, on every rank;
+    it is then `strategy.hook` (its `state_dict()` holds the top-k residuals and PowerSGD state to checkpoint).
+
+    Args:
+        plan: the plan, or the path of its file.
+        module: the module the plan was made for, when it is not the LightningModule itself: a submodule holding
+            all of the LightningModule's trainable parameters (e.g. the network it trains).
+        static_graph: DDP's `static_graph` (it changes when DDP lays out its buckets; see `PlanHook.ddp_kwargs`).
+        find_unused_parameters: as `PlanHook`'s (default: as the plan says).
+        auto_retune: as `PlanHook`'s.
+        profile: as `PlanHook`'s.
+        **strategy_kwargs: other arguments of `DDPStrategy` (e.g. `process_group_backend`, `timeout`); not
+            DDP's bucket arguments, which the plan sets, nor another comm hook.
+
+    Raises:
+        ImportError: Lightning is not installed.
+        ValueError: the arguments set what the plan sets (bucket caps, find_unused_parameters, a comm hook).
+    """
+    taken = sorted(k for k in strategy_kwargs
+                   if k in _HOOK_SETS or k.startswith("ddp_comm_") or k == "model_averaging_period")
+    if taken:
+        raise ValueError(f"lightning_strategy sets DDP's buckets and comm hook from the plan, so it does not take "
+                         f"{', '.join(taken)}; pass find_unused_parameters= and static_graph= to it by name")
+    hook_kwargs = {"find_unused_parameters": find_unused_parameters, "auto_retune": auto_retune, "profile": profile}
+    return _strategy_class()(plan, module=module, static_graph=static_graph, hook_kwargs=hook_kwargs,
+                             **strategy_kwargs)
+
+
+@cache
+def _strategy_class() -> type:
+    try:
+        from lightning.pytorch.strategies import DDPStrategy
+    except ImportError as exc:
+        raise ImportError(f"lightning_strategy needs PyTorch Lightning ({exc}); install it with "
+                          "pip install 'planner[lightning]'") from None
+
+    class PlanDDPStrategy(DDPStrategy):
+        """`DDPStrategy` whose DDP is built with a plan's buckets and runs its `PlanHook` (see
+        `lightning_strategy`)."""
+
+        def __init__(self, plan: Plan | str | os.PathLike[str], *, module: nn.Module | None, static_graph: bool,
+                     hook_kwargs: dict[str, Any], **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self._plan = plan
+            self._plan_module = module
+            self._static_graph = static_graph
+            self._hook_kwargs = hook_kwargs
+            self.hook: PlanHook | None = None
+
+        def configure_ddp(self) -> None:
+            lightning_module = self.model
+            assert isinstance(lightning_module, nn.Module)
+            planned = lightning_module if self._plan_module is None else self._plan_module
+            if planned is not lightning_module:
+                _check_holds_all(lightning_module, planned, "LightningModule")
+            plan = self._plan if isinstance(self._plan, Plan) else Plan.load(self._plan)
+            self.hook = PlanHook(planned, plan, **self._hook_kwargs)
+            self._ddp_kwargs = {**self._ddp_kwargs, **self.hook.ddp_kwargs(static_graph=self._static_graph)}
+            self.model = self._setup_model(lightning_module)
+            # DDPStrategy._register_ddp_hooks registers a comm hook on CUDA only: the plan's is registered here.
+            _register(self.hook, self.model)
+
+    return PlanDDPStrategy
+
+
+# -- Accelerate ---------------------------------------------------------------------------------------------------
+
+
+def accelerate_prepare(accelerator: Any, hook: PlanHook, *, static_graph: bool = False) -> nn.Module:
+    """The hook's model in DDP for `accelerator`, with the plan's buckets and the hook registered: in place of
+    `accelerator.prepare(model)` (pass it the optimizer and data loaders as usual).
+
+    The model is moved to the accelerator's device and wrapped as Accelerate wraps it for multi-process DDP
+    (`device_ids` on a GPU), with `hook.ddp_kwargs(static_graph=...)`. Accelerate's mixed precision wraps a model's
+    forward in `prepare`, which this skips: it is refused.
+
+    Raises:
+        ValueError: the accelerator does not run DDP over several processes, or uses mixed precision.
+    """
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if not kind.startswith("MULTI_") or accelerator.num_processes < 2:
+        raise ValueError(f"accelerate_prepare runs a plan in DDP over several processes, but this accelerator's "
+                         f"distributed type is {kind} with {accelerator.num_processes} process(es); launch with "
+                         "accelerate launch or torchrun")
+    if str(accelerator.mixed_precision) != "no":
+        raise ValueError(f"accelerate_prepare does not apply Accelerate's mixed precision "
+                         f"({accelerator.mixed_precision}); run with mixed_precision='no'")
+    device = torch.device(accelerator.device)
+    model = hook.model.to(device)
+    on_cpu = device.type == "cpu"
+    ddp = DistributedDataParallel(model, device_ids=None if on_cpu else [device], output_device=None if on_cpu
+                                  else device, **hook.ddp_kwargs(static_graph=static_graph))
+    _register(hook, ddp)
+    return ddp

@@ -1,0 +1,166 @@
+"""A plan inside PyTorch Lightning, Hugging Face Accelerate and a plain torchrun DDP script
+(`planner.runtime.frameworks`; docs/snippets/train_{lightning,accelerate,ddp}.py, shown in docs/guide/frameworks.md):
+each script, run under torchrun on 2 gloo processes, ends with the parameters of the same plan run by hand (DDP and
+`PlanHook` in a plain loop, whose buckets are checked to be the plan's groups), and not with those of DDP without the
+hook.
+
+The plan sends the small LM's layers by PowerSGD (rank 2), top-k (density 0.3) and dense allreduce, so a framework
+that dropped the hook, or bucketed other than the plan, would end elsewhere: the test checks that the unhooked run is
+further off than the tolerance by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from planner.platform.launch import run_distributed
+from planner.runtime import PlanHook
+from planner.runtime.frameworks import accelerate_prepare, lightning_strategy
+from planner.types import PlanMismatchError
+from tests.test_mixed_runtime import mixed_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+SNIPPETS = ROOT / "docs" / "snippets"
+SENT_AS = ["powersgd:2", "topk:0.3", "dense"]
+STEPS = 5  # the scripts' loader: 5 batches per rank
+MISMATCH = "DDP's buckets are not the plan's groups"
+#: The scripts and the hand-made loop do the same arithmetic on the same data (in practice bit for bit).
+RTOL, ATOL = 1e-6, 1e-7
+#: How far DDP without the hook must end from the plan's run, at least (1.1e-3 here, on head.weight).
+APART = 1e-4
+
+
+def _small_lm() -> Any:
+    if str(SNIPPETS) not in sys.path:
+        sys.path.insert(0, str(SNIPPETS))
+    from my_workloads import small_lm
+
+    return small_lm()
+
+
+def _reference_worker(rank: int, world_size: int, plan_path: str) -> dict[str, Any]:
+    """The scripts' model, data and SGD, by hand: DDP with `PlanHook` (its buckets checked to be the plan's groups,
+    with no warning), and DDP without a hook. Parameters after the 5 steps, by name."""
+    results: dict[str, Any] = {}
+    for hooked in (True, False):
+        workload = _small_lm()
+        model, loss_fn = workload.module, workload.loss_fn
+        generator = torch.Generator().manual_seed(rank)
+        loader = [workload.make_batch(workload.batch_size, generator) for _ in range(STEPS)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if hooked:
+                hook = PlanHook.from_file(model, plan_path)
+                ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+                hook.register(ddp)
+            else:
+                ddp = DistributedDataParallel(model)
+            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            for inputs, targets in loader:
+                optimizer.zero_grad()
+                loss_fn(ddp(inputs), targets).backward()
+                optimizer.step()
+        if hooked:
+            assert hook.bucket_groups == list(range(len(hook.plan.groups))), hook.buckets
+            assert not [w for w in caught if MISMATCH in str(w.message)]
+        results["plan" if hooked else "ddp"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return results
+
+
+@pytest.fixture(scope="module")
+def plan_and_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    path = tmp_path_factory.mktemp("plan") / "small-lm-plan.json"
+    mixed_plan(_small_lm().module, SENT_AS).save(path)
+    ranks = run_distributed(_reference_worker, 2, str(path), timeout=300)
+    for name, p in ranks[0]["plan"].items():  # DDP keeps the ranks in step
+        assert torch.equal(p, ranks[1]["plan"][name]), name
+    return path, ranks[0]
+
+
+def _torchrun(script: str, plan: Path, tmp_path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SNIPPETS), str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(SNIPPETS / script), str(plan)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the ranks' lines (torchrun may pass two ranks' writes on without a line break between them)
+    ranks = sorted(re.findall(r"rank (\d) loss [-\d.]+ checksum (-?\d+\.\d{6})", done.stdout))
+    assert [rank for rank, _ in ranks] == ["0", "1"], done.stdout[-2000:]
+    assert len({checksum for _, checksum in ranks}) == 1, ranks  # both ranks stepped alike
+    return torch.load(tmp_path / "model.pt"), done.stderr
+
+
+def _check_runs_the_plan(got: dict[str, torch.Tensor], reference: dict[str, Any], stderr: str) -> None:
+    assert MISMATCH not in stderr
+    assert list(got) == list(reference["plan"])
+    for name, p in got.items():
+        torch.testing.assert_close(p, reference["plan"][name], rtol=RTOL, atol=ATOL, msg=name)
+    apart = max((got[n] - reference["ddp"][n]).abs().max().item() for n in got)
+    assert apart > APART, f"DDP without the hook ends within {apart:.3g} of this run: the plan did not change it"
+
+
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_lightning.py", "train_accelerate.py"])
+def test_each_script_runs_the_plan_as_by_hand(script: str, plan_and_reference: tuple[Path, dict[str, Any]],
+                                              tmp_path: Path) -> None:
+    plan, reference = plan_and_reference
+    got, stderr = _torchrun(script, plan, tmp_path)
+    _check_runs_the_plan(got, reference, stderr)
+
+
+# -- refusals (one process) -------------------------------------------------------------------------------------
+
+
+class _Lit(nn.Module):
+    """Stands for a LightningModule holding the planned network and one more trainable parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(3, 2)
+        self.scale = nn.Parameter(torch.ones(1))
+
+
+def test_lightning_strategy_refuses_what_the_plan_sets_in_one_line() -> None:
+    for kwargs in ({"bucket_cap_mb": 5}, {"ddp_comm_hook": lambda s, b: None}, {"gradient_as_bucket_view": False}):
+        with pytest.raises(ValueError, match="sets DDP's buckets and comm hook from the plan") as info:
+            lightning_strategy("plan.json", **kwargs)
+        assert "\n" not in str(info.value) and next(iter(kwargs)) in str(info.value)
+
+
+def test_lightning_strategy_refuses_a_module_that_does_not_hold_all_trainable_parameters() -> None:
+    lit = _Lit()
+    strategy = lightning_strategy("never-read.json", module=lit.net)
+    strategy.model = lit
+    with pytest.raises(PlanMismatchError, match="does not hold all the trainable parameters") as info:
+        strategy.configure_ddp()
+    assert "\n" not in str(info.value)
+    lit.scale.requires_grad_(False)  # frozen: DDP buckets only the net's parameters; the plan's file is read next
+    with pytest.raises(OSError, match=r"never-read\.json"):
+        strategy.configure_ddp()
+
+
+def test_accelerate_prepare_refuses_a_single_process_or_mixed_precision() -> None:
+    assert not dist.is_initialized()
+    model = nn.Linear(3, 2)
+    hook = SimpleNamespace(model=model)
+    single = SimpleNamespace(distributed_type="NO", num_processes=1, mixed_precision="no", device="cpu")
+    mixed = SimpleNamespace(distributed_type="MULTI_CPU", num_processes=2, mixed_precision="bf16", device="cpu")
+    for accelerator, what in ((single, "several processes"), (mixed, "mixed precision")):
+        with pytest.raises(ValueError, match=what) as info:
+            accelerate_prepare(accelerator, hook)  # type: ignore[arg-type]
+        assert "\n" not in str(info.value)
