@@ -273,15 +273,18 @@ class PlanHook:
 
     # -- registering ------------------------------------------------------------------------------
     def register(self, ddp_model: nn.Module) -> None:
-        """Register the hook on `ddp_model` (the DDP module wrapping this hook's model), before its first step."""
+        """Register the hook on `ddp_model`, before its first step: the DDP module wrapping this hook's model, or
+        a module holding exactly its trainable parameters in the same order (a framework's wrapper of it, as a
+        LightningModule holds the network the plan was made for)."""
         from torch.nn.parallel import DistributedDataParallel
 
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"register needs the DistributedDataParallel module, but got {type(ddp_model).__name__}; "
                             "build it with DistributedDataParallel(model, **hook.ddp_kwargs())")
-        if ddp_model.module is not self.model:
-            raise PlanMismatchError("the DDP module wraps another model than this hook's; build the hook with the "
-                                    "model DDP wraps (ddp.module)")
+        if ddp_model.module is not self.model and _trainable(ddp_model.module) != _trainable(self.model):
+            raise PlanMismatchError("the DDP module wraps another model than this hook's (not the same trainable "
+                                    "parameters in the same order); build the hook with the model DDP wraps "
+                                    "(ddp.module)")
         if self.find_unused_parameters and not (ddp_model.find_unused_parameters or ddp_model.static_graph):
             assert self.plan.unused_params is not None
             raise PlanMismatchError(
@@ -569,6 +572,11 @@ class PlanHook:
         group.error.copy_(entry["error"])
         group.q.copy_(entry["q"])
         group.fresh = bool(entry["fresh"])
+
+
+def _trainable(module: nn.Module) -> list[int]:
+    """The identities of `module`'s trainable parameters, in the order DDP takes them."""
+    return [id(p) for p in module.parameters() if p.requires_grad]
 
 
 def plan_hook(state: PlanHook, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

@@ -37,17 +37,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.contracts.plan import Plan
-from planner.runtime.ddp_plan import PlanHook
+from planner.runtime.ddp_plan import PlanHook, _trainable
 from planner.types import PlanMismatchError
 
 __all__ = ["accelerate_prepare", "lightning_strategy"]
 
 #: DDP's arguments that the hook sets (`PlanHook.ddp_kwargs`); a strategy given them as well is refused.
 _HOOK_SETS = ("bucket_cap_mb", "bucket_cap_mb_list", "find_unused_parameters", "gradient_as_bucket_view")
-
-
-def _trainable(module: nn.Module) -> list[int]:
-    return [id(p) for p in module.parameters() if p.requires_grad]
 
 
 def _check_holds_all(outer: nn.Module, inner: nn.Module, what: str) -> None:
@@ -59,22 +55,6 @@ def _check_holds_all(outer: nn.Module, inner: nn.Module, what: str) -> None:
             f"({type(outer).__name__}) in its order, so DDP's buckets cannot be the plan's groups; make the plan for "
             f"the {what} itself, or freeze what the plan does not hold"
         )
-
-
-def _register(hook: PlanHook, ddp: DistributedDataParallel) -> None:
-    """`hook.register(ddp)` where DDP wraps a module holding all of the hook's model's trainable parameters.
-
-    `PlanHook.register` checks that DDP wraps the hook's own model (`ddp.module is hook.model`); the model is only
-    read there, and the hook finds parameters by identity, so it is given the wrapped module for the call."""
-    inner = hook.model
-    if ddp.module is inner:
-        hook.register(ddp)
-        return
-    hook.model = ddp.module
-    try:
-        hook.register(ddp)
-    finally:
-        hook.model = inner
 
 
 # -- Lightning ----------------------------------------------------------------------------------------------------
@@ -152,7 +132,7 @@ def _strategy_class() -> type:
             self._ddp_kwargs = {**self._ddp_kwargs, **self.hook.ddp_kwargs(static_graph=self._static_graph)}
             self.model = self._setup_model(lightning_module)
             # DDPStrategy._register_ddp_hooks registers a comm hook on CUDA only: the plan's is registered here.
-            _register(self.hook, self.model)
+            self.hook.register(self.model)
 
     return PlanDDPStrategy
 
@@ -184,5 +164,5 @@ def accelerate_prepare(accelerator: Any, hook: PlanHook, *, static_graph: bool =
     on_cpu = device.type == "cpu"
     ddp = DistributedDataParallel(model, device_ids=None if on_cpu else [device], output_device=None if on_cpu
                                   else device, **hook.ddp_kwargs(static_graph=static_graph))
-    _register(hook, ddp)
+    hook.register(ddp)
     return ddp
