@@ -21,10 +21,15 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.2f}"
 
 
+#: How a plan's table names its row run inside DDP (`planner.contracts.plan.VIA_DDP_ROW`).
+VIA_DDP_LABEL = "plan via DDP (PlanHook)"
+
+
 def print_plan(plan: object, title: str | None = None, ddp: dict[str, float] | None = None) -> None:
-    """The comparison table of a plan: the plan, each baseline and the lower bound, under the same model; then its
-    verdict (`print_spread`: `ddp`, the DDP variants' predicted steps, for a plan not weighed against the noise)."""
-    from planner.contracts.plan import Plan
+    """The comparison table of a plan: the plan (run in GradientExchange, and inside DDP where it can be), each
+    baseline and the lower bound, under the same model; then its verdict (`print_spread`: `ddp`, the DDP variants'
+    predicted steps, for a plan not weighed against the noise)."""
+    from planner.contracts.plan import VIA_DDP_ROW, Plan
 
     assert isinstance(plan, Plan)
     reference = plan.ddp_row if plan.ddp_row in plan.baselines else "plan"
@@ -44,7 +49,7 @@ def print_plan(plan: object, title: str | None = None, ddp: dict[str, float] | N
                 f"vs {reference}", "gap to bound"):
         table.add_column(col, justify="left" if col == "grouping" else "right")
     rows = [("plan", f"plan ({plan.solver})", plan.predicted),
-            *((name, name, p) for name, p in plan.baselines.items())]
+            *((name, VIA_DDP_LABEL if name == VIA_DDP_ROW else name, p) for name, p in plan.baselines.items())]
     for key, name, p in rows:
         interval = [] if spread is None else [interval_ms(spread.get(key))]
         table.add_row(
@@ -646,6 +651,8 @@ def print_auto(choice: object) -> None:
         table.add_row(name, _ms(seconds), *interval, ratio(seconds), note, style="dim")
     console.print(table)
     console.print(choice.reason, soft_wrap=True)
+    if choice.way is not None:
+        console.print(choice.way.line, style="bold", soft_wrap=True)
 
 
 def print_mixed_groups(plan: object, profile: object) -> None:

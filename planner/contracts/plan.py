@@ -32,7 +32,7 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
       "predicted": {
         "plan":      {"iteration_s", "compute_s", "exposed_comm_s", "comm_s", "selection_s", "decode_s", "num_groups",
                       "pack_s", "interference_s"},          # the last two optional (0 when absent)
-        "baselines": {"wfbp": {...}, "single": {...}, "ddp": {...}, ...},
+        "baselines": {"wfbp": {...}, "single": {...}, "ddp": {...}, "plan via ddp": {...}, ...},
         "lower_bound_s": 0.091
       },
       "kfac": null | {...},                          # K-FAC plans only: see planner/contracts/kfac.py
@@ -64,7 +64,9 @@ A document without the `kfac` key reads as a gradient-only plan.
 
 The rows of DDP are named by what DDP sends (`ddp_row`): "ddp" is plain DDP on its own buckets, "ddp+C" DDP with
 C's communication hook (a top-k plan's DDP row is "ddp+topk:D", DDP with the project's top-k hook at its
-density). Plans written before called the row of DDP on its buckets "ddp-25mb" whatever it sent; they read with
+density). "plan via ddp" is the plan's own groups and compressors run inside DDP (`planner.runtime.PlanHook`), at
+DDP's costs; plans PlanHook does not run (K-FAC, ABS-SGD, groups sent hierarchically) and plans written before have
+no such row. Plans written before called the row of DDP on its buckets "ddp-25mb" whatever it sent; they read with
 that row (and its interval) renamed.
 
 An ABS-SGD plan (`planner solve --strategy abs`) has dense gradient groups (each round's exchange moves them)
@@ -105,8 +107,8 @@ from planner.types import (
     Strategy,
 )
 
-__all__ = ["DDP_ROW", "PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "Group", "Intervals", "Plan", "Verdict",
-           "check_selector", "ddp_row", "parse_compressor"]
+__all__ = ["DDP_ROW", "PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "VIA_DDP_ROW", "Group", "Intervals", "Plan",
+           "Verdict", "check_selector", "ddp_row", "parse_compressor"]
 
 PLAN_SCHEMA_VERSION = 1
 PLAN_KIND = "planner.plan"
@@ -117,6 +119,9 @@ SELECTORS = ("exact", "sampled")
 
 #: The row of plain DDP (fp32 allreduce on DDP's own buckets) in a plan's baselines and in its verdict.
 DDP_ROW = "ddp"
+#: The row of the plan itself run inside DDP (`planner.runtime.PlanHook`: its groups as DDP's buckets, moved at DDP's
+#: own measured costs), in a plan's baselines; absent where PlanHook does not run the plan, and in older plans.
+VIA_DDP_ROW = "plan via ddp"
 #: What plans written before rows named what they send called DDP's row, whatever it sent.
 _OLD_DDP_ROW = "ddp-25mb"
 

@@ -215,7 +215,7 @@ def make_abs_plan(profile: Profile, global_batch: int, *, trigger: str = "batch"
         raise SchemaError(f"--global-batch {global_batch} is smaller than the world size {world}: every worker "
                           "needs at least one sample per round; give a larger --global-batch")
     step = micro_batch_costs(profile)
-    dense = make_plan(profile, Strategy.DENSE, source=source)
+    dense = make_plan(profile, Strategy.DENSE, source=source, via_ddp=False)  # it does not run inside DDP
     problem = gradient_problem(profile, Strategy.DENSE)
     grouping = plan_grouping(dense, profile)
     exchange = exchange_s(problem, grouping)

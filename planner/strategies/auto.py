@@ -4,7 +4,8 @@ The candidates (a dense plan, a top-k plan per allowed density, the mixed plan o
 under the same profiles resampled from the samples the profile kept (`planner.strategies.intervals`): the plan kept
 is the simplest that no other candidate beats beyond the noise, and it is weighed against DDP and DDP with the hook
 of every allowed compressor (its `Plan.verdict`). A profile without samples gives predictions without their noise:
-the fastest predicted is kept, beside DDP's predictions.
+the fastest predicted is kept, beside DDP's predictions. Either way the kept plan is told which way to run
+(`planner.strategies.via_ddp.choose_way`): inside DDP (PlanHook) unless GradientExchange is faster beyond the noise.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from planner.contracts.plan import DDP_ROW, Plan
 from planner.contracts.profile import Profile
 from planner.strategies.gradients import make_plan
 from planner.strategies.mixed import make_mixed_plan
+from planner.strategies.via_ddp import Way, choose_way
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
 __all__ = ["AutoChoice", "ddp_predictions", "solve_auto"]
@@ -36,6 +38,8 @@ class AutoChoice:
     #: Without samples (the noise unknown): the DDP variant predicted faster than every plan, and its predicted
     #: iteration; None when the kept plan is predicted at least as fast as each of them, or the noise was weighed.
     ddp_faster: tuple[str, float] | None = None
+    #: Which way to run the kept plan, inside DDP (PlanHook) or in GradientExchange, and why (`choose_way`).
+    way: Way | None = None
 
 
 def ddp_predictions(candidates: dict[str, Plan]) -> dict[str, float]:
@@ -102,7 +106,7 @@ def _auto_by_prediction(candidates: dict[str, Plan]) -> AutoChoice:
     if ddp_faster is not None:  # the plan's verdict line says to keep it (`planner.commands.printing.print_spread`)
         reason += (f". No plan is predicted faster than {ddp_faster[0]} ({ddp_faster[1] * 1e3:,.2f} ms, "
                    f"{best.predicted.iteration_s / ddp_faster[1]:.3f}x faster than the plan kept)")
-    return AutoChoice(plan=best, candidates=candidates, reason=reason, ddp_faster=ddp_faster)
+    return AutoChoice(plan=best, candidates=candidates, reason=reason, ddp_faster=ddp_faster, way=choose_way(best))
 
 
 def _simplicity(plan: Plan) -> int:
@@ -160,7 +164,8 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
     if plan.strategy is Strategy.MIXED:
         used = dict.fromkeys(str(plan.compressor_of(g)) for g in plan.groups)
         reason += f"; its groups are sent as {', '.join(used)}"
-    return AutoChoice(plan=plan, candidates=weighed, reason=reason)
+    way = choose_way(plan, {row: values[kept, row] for row in own[kept]})
+    return AutoChoice(plan=plan, candidates=weighed, reason=reason, way=way)
 
 
 def _with_interval(plan: Plan, row: str) -> str:

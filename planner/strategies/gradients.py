@@ -62,8 +62,10 @@ def make_plan(
     selector: str | None = None,
     route: str = "best",
     time_limit_s: float | None = None,
+    via_ddp: bool = True,
 ) -> Plan:
-    """The optimal plan for `profile` (or the grouping of `solver`, e.g. a baseline, when given).
+    """The optimal plan for `profile` (or the grouping of `solver`, e.g. a baseline, when given), with its row run
+    inside DDP (`planner.strategies.via_ddp`; not with `via_ddp` False: a plan made into a K-FAC or ABS-SGD plan).
 
     Args:
         time_limit_s: seconds the solve of one plan may take, its sub-solves included (None: dense and top-k on
@@ -81,6 +83,18 @@ def make_plan(
         SchemaError: a selector for a dense plan, or an unknown selector name.
         InvalidProfileError: the profile has no top-k measurements (or none for the forced selector).
     """
+    plan = _make_plan(profile, strategy, density, source=source, solver=solver, selector=selector, route=route,
+                      time_limit_s=time_limit_s)
+    if not via_ddp:
+        return plan
+    from planner.strategies.via_ddp import with_via_ddp
+
+    return with_via_ddp(plan, profile)
+
+
+def _make_plan(profile: Profile, strategy: Strategy, density: float | None, *, source: str,
+               solver: GroupingSolver | None, selector: str | None, route: str, time_limit_s: float | None) -> Plan:
+    """`make_plan` without the row run inside DDP."""
     if strategy is not Strategy.TOPK:
         if selector is not None:
             raise SchemaError(f"a selector applies to top-k plans only, but got selector={selector!r} for "

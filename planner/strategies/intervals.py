@@ -28,7 +28,7 @@ import numpy as np
 
 from planner.contracts.kfac import KFACSection, LayoutVerdict
 from planner.contracts.layers import plan_grouping
-from planner.contracts.plan import DDP_ROW, Intervals, Plan, Verdict
+from planner.contracts.plan import DDP_ROW, VIA_DDP_ROW, Intervals, Plan, Verdict
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import gradient_problem, mixed_problem
 from planner.costmodel.mixed import MixedProblem, simulate_mixed
@@ -185,7 +185,8 @@ def topk_hook_selector(plan: Plan, profile: Profile, compressors: Sequence[Compr
 
 def plan_rows(plan: Plan, profile: Profile, *, time_limit_s: float | None = 1.0) -> dict[str, RowStep]:
     """The plan ("plan") and each baseline it prints that can be rebuilt, as steps on any profile: the same
-    grouping and way of sending each group throughout (a baseline's grouping is found once, on `profile`)."""
+    grouping and way of sending each group throughout (a baseline's grouping is found once, on `profile`); the
+    plan run inside DDP (`VIA_DDP_ROW`) among them."""
     grouping = plan_grouping(plan, profile)
     found: dict[str, RowStep] = {}
     if plan.strategy is Strategy.MIXED or _routed_topk(plan, profile):
@@ -195,6 +196,11 @@ def plan_rows(plan: Plan, profile: Profile, *, time_limit_s: float | None = 1.0)
         found["plan"] = _grouping_row(plan.strategy, plan.density, plan.selector or "exact", "planner",
                                       _route(plan), grouping)
     found.update(_baseline_rows(plan, profile, time_limit_s))
+    from planner.strategies.via_ddp import via_ddp_step
+
+    via_ddp = via_ddp_step(plan, profile)
+    if via_ddp is not None:
+        found[VIA_DDP_ROW] = via_ddp
     nominal = Problems(profile)
     printed = {"plan": plan.predicted, **plan.baselines}
     return {name: step for name, step in found.items()

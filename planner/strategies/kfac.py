@@ -580,7 +580,7 @@ def make_kfac_plan(
         skip=profile.kfac.skip if profile.kfac is not None else None,
         left_out=profile.kfac.left_out if profile.kfac is not None else (),
     )
-    gradient_plan = make_plan(profile, Strategy.DENSE, source=source)
+    gradient_plan = make_plan(profile, Strategy.DENSE, source=source, via_ddp=False)  # it does not run inside DDP
     return replace(gradient_plan, kfac=section)
 
 

@@ -10,7 +10,9 @@ Baselines (names in the plan's `predicted.baselines`):
   callback thread, racing the next bucket's allreduce), so there it runs, and is predicted, with one
   bucket holding every gradient;
 - "only:C" for every allowed compressor C: the best plan that sends every group with C (the exact solver
-  restricted to it), under the same model as the mixed plan.
+  restricted to it), under the same model as the mixed plan;
+- "plan via ddp": the plan's own groups and compressors run inside DDP (`planner.runtime.PlanHook`), at DDP's costs
+  (`planner.strategies.via_ddp`).
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ def plan_choice(plan: Plan, profile: Profile) -> tuple[MixedProblem, list[int]]:
 
 def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, source: str = "",
                     selector: str | None = None, time_limit_s: float | None = 1.0, route: str = "best") -> Plan:
-    """The exact mixed plan among `compressors`, with the baselines and the lower bound.
+    """The exact mixed plan among `compressors`, with the baselines (its row run inside DDP among them,
+    `planner.strategies.via_ddp`) and the lower bound.
 
     Args:
         selector: the top-k selector of top-k groups ("exact", "sampled"); None: each one the profile measured,
@@ -134,7 +137,9 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
     check_route(profile, route)
     plans = [_solve(profile, chosen, s, source=source, time_limit_s=time_limit_s, route=route) for s in selectors]
     best = min(plans, key=lambda p: p.predicted.iteration_s)
-    return replace(best, solve_seconds=sum(p.solve_seconds for p in plans))
+    from planner.strategies.via_ddp import with_via_ddp
+
+    return with_via_ddp(replace(best, solve_seconds=sum(p.solve_seconds for p in plans)), profile)
 
 
 def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str | None, *, source: str,

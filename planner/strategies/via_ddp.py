@@ -1,0 +1,136 @@
+"""A gradient plan run inside DDP (`planner.runtime.PlanHook`), and which way to run it.
+
+PlanHook makes the plan's groups DDP's buckets and sends each as its group says, so the plan run inside DDP is the
+plan's own grouping and compressors at DDP's costs: the cost model's `runtime="ddp"` (DDP's bucket copies at the
+profile's `InSitu.ddp_pack` calibration, its hooks' calibrations, flat collectives). Its prediction is the plan's row
+`VIA_DDP_ROW`.
+
+Which way to run a plan (`choose_way`): inside DDP, the simpler and more standard way, unless GradientExchange is
+faster beyond the noise (a verdict within the noise keeps the simpler choice), or the plan needs GradientExchange
+(what PlanHook does not run: K-FAC, ABS-SGD, groups sent hierarchically).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from planner.contracts.layers import plan_grouping
+from planner.contracts.plan import VIA_DDP_ROW, Plan
+from planner.contracts.profile import Profile
+from planner.costmodel.mixed import simulate_mixed
+from planner.costmodel.problem import Prediction
+from planner.costmodel.simulator import simulate
+from planner.types import Strategy
+
+if TYPE_CHECKING:
+    from planner.strategies.intervals import Problems
+
+__all__ = ["DDP_WAY", "EXCHANGE_WAY", "Way", "choose_way", "via_ddp_prediction", "via_ddp_refusal", "with_via_ddp"]
+
+#: The two ways of running a gradient plan.
+DDP_WAY = "ddp"
+EXCHANGE_WAY = "exchange"
+
+
+def via_ddp_refusal(plan: Plan) -> str | None:
+    """Why the plan does not run inside DDP (None: it does), in one clause: PlanHook refuses K-FAC and ABS-SGD plans
+    and groups sent hierarchically (DDP's collectives are flat, and so is the cost model of DDP)."""
+    if plan.kfac is not None:
+        return "a K-FAC plan runs in GradientExchange (with KFACPreconditioner), not inside DDP"
+    if plan.abs is not None:
+        return "an ABS-SGD plan runs in its own exchange (ABSSGD), not inside DDP"
+    hierarchical = [i for i, g in enumerate(plan.groups) if g.hierarchical]
+    if hierarchical:
+        shown = ", ".join(map(str, hierarchical[:3])) + (" ..." if len(hierarchical) > 3 else "")
+        return f"the plan sends group(s) {shown} hierarchically across hosts, which PlanHook does not run inside DDP"
+    return None
+
+
+def via_ddp_prediction(plan: Plan, profile: Profile, problems: Problems | None = None) -> Prediction | None:
+    """The plan's grouping and compressors predicted at DDP's costs (`runtime="ddp"`) on `problems` (default the
+    profile's own); None where the plan does not run inside DDP (`via_ddp_refusal`).
+
+    Raises:
+        PlanMismatchError: the plan's layers are not the profile's.
+    """
+    if via_ddp_refusal(plan) is not None:
+        return None
+    if problems is None:
+        from planner.strategies.intervals import Problems
+
+        problems = Problems(profile)
+    grouping = plan_grouping(plan, profile)
+    selector = plan.selector or "exact"
+    if plan.strategy is Strategy.MIXED:
+        allowed = plan.compressors or tuple(dict.fromkeys(plan.compressor_of(g) for g in plan.groups))
+        problem = problems.mixed(allowed, selector=selector, runtime="ddp")
+        return simulate_mixed(problem, grouping, [problem.index_of(plan.compressor_of(g)) for g in plan.groups])
+    return simulate(problems.gradient(plan.strategy, plan.density, selector=selector, runtime="ddp"), grouping)
+
+
+def via_ddp_step(plan: Plan, profile: Profile) -> Callable[[Problems], float] | None:
+    """`via_ddp_prediction`'s step as a row of `planner.strategies.intervals` (None: the plan has no such row)."""
+    if via_ddp_refusal(plan) is not None:
+        return None
+
+    def step(problems: Problems) -> float:
+        found = via_ddp_prediction(plan, profile, problems)
+        assert found is not None
+        return found.iteration_s
+    return step
+
+
+def with_via_ddp(plan: Plan, profile: Profile) -> Plan:
+    """`plan` with its row `VIA_DDP_ROW` (unchanged where it does not run inside DDP)."""
+    found = via_ddp_prediction(plan, profile)
+    if found is None:
+        return plan
+    return replace(plan, baselines={**plan.baselines, VIA_DDP_ROW: found})
+
+
+@dataclass(frozen=True)
+class Way:
+    """Which way to run a plan: `DDP_WAY` (inside DDP, PlanHook) or `EXCHANGE_WAY` (GradientExchange), and the one
+    line that says why."""
+
+    way: str
+    line: str
+
+
+def choose_way(plan: Plan, draws: dict[str, np.ndarray] | None = None) -> Way:
+    """Which way to run `plan`: inside DDP unless GradientExchange is faster beyond the noise (by `draws`: the
+    paired draws of the rows "plan" and `VIA_DDP_ROW`, where the noise was weighed; else as predicted, DDP on a
+    tie), or the plan does not run inside DDP."""
+    from planner.costmodel.spread import PairedGain
+
+    refusal = via_ddp_refusal(plan)
+    via = plan.baselines.get(VIA_DDP_ROW)
+    if refusal is not None or via is None:
+        why = refusal or "the plan has no prediction inside DDP (a plan made before it was predicted: solve again)"
+        return Way(EXCHANGE_WAY, f"run it in GradientExchange: {why}")
+    rows = plan.intervals.rows if plan.intervals is not None else {}
+    ddp_text = _with_interval(via.iteration_s, rows.get(VIA_DDP_ROW))
+    exchange_text = _with_interval(plan.predicted.iteration_s, rows.get("plan"))
+    if draws is not None and "plan" in draws and VIA_DDP_ROW in draws:
+        gain = PairedGain.of(draws["plan"], draws[VIA_DDP_ROW])  # > 0: GradientExchange faster
+        if gain.beyond_noise:
+            return Way(EXCHANGE_WAY, f"run it in GradientExchange: predicted {exchange_text} vs {ddp_text} via DDP "
+                                     f"(PlanHook), {gain.describe()} faster, beyond the noise")
+        noise = "within the noise, so the simpler way" if gain.median >= 0 else "the faster way"
+        return Way(DDP_WAY, f"run it via DDP (PlanHook): predicted {ddp_text} vs {exchange_text} in "
+                            f"GradientExchange ({noise})")
+    if plan.predicted.iteration_s < via.iteration_s:
+        return Way(EXCHANGE_WAY, f"run it in GradientExchange: predicted {exchange_text} vs {ddp_text} via DDP "
+                                 "(PlanHook), the noise not weighed")
+    return Way(DDP_WAY, f"run it via DDP (PlanHook): predicted {ddp_text} vs {exchange_text} in GradientExchange, "
+                        "the noise not weighed")
+
+
+def _with_interval(seconds: float, pair: tuple[float, float] | None) -> str:
+    """"412.10 ms [403.20, 421.00]", or without an interval "412.10 ms"."""
+    text = f"{seconds * 1e3:,.2f} ms"
+    return text if pair is None else f"{text} [{pair[0] * 1e3:,.2f}, {pair[1] * 1e3:,.2f}]"
