@@ -59,7 +59,8 @@ def test_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
                    "--peers", "none")
     rows = json.loads(res.stdout)
     assert [r["name"] for r in rows] == ["ddp", "local (no communication)", "per-layer dense", "plan dense",
-                                         "per-layer topk@0.01", "plan topk@0.01", "ddp+topk:0.01"]
+                                         "plan dense via DDP", "per-layer topk@0.01", "plan topk@0.01",
+                                         "plan topk@0.01 via DDP", "ddp+topk:0.01"]
     for r in rows:
         assert r["steps"] == 3 and r["median_s"] > 0 and r["predicted_s"] > 0
     assert rows[0]["speedup"] == 1.0 and rows[0]["reference"] == "ddp"

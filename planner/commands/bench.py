@@ -1,4 +1,6 @@
-"""`planner bench`: real training steps on N local workers, DDP against the runtime with and without the plan.
+"""`planner bench`: real training steps on N local workers, DDP against the runtime with and without the plan, and
+each plan run both ways: in the project's runtime (`GradientExchange`, the row "plan X") and inside DDP
+(`PlanHook`, the row "plan X via DDP"; a plan PlanHook does not run gets a note instead, `via_ddp_notes`).
 
 Variants run interleaved in short blocks (round-robin) in the same processes, so that the noise of a
 shared machine falls on all of them alike; each step is timed from a barrier to the end of
@@ -20,11 +22,12 @@ import torch.distributed as dist
 from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.layers import gradient_layers
-from planner.contracts.plan import DDP_ROW, Group, Plan
+from planner.contracts.plan import DDP_ROW, VIA_DDP_ROW, Group, Plan
 from planner.costmodel.problem import Prediction, topk_count
 from planner.models import build_workload
 from planner.platform.hosts import count_hosts
 from planner.strategies.gradients import ALL_HIERARCHICAL
+from planner.strategies.via_ddp import via_ddp_refusal
 from planner.types import Compressor, CompressorKind, PlanMismatchError, PlannerError, Strategy
 
 if TYPE_CHECKING:
@@ -47,10 +50,13 @@ __all__ = [
     "local_prediction",
     "machine_drift",
     "per_layer_plan",
+    "plan_in_ddp",
     "plan_labels",
     "plan_tag",
     "refuse_gpu_plans",
     "run_bench",
+    "via_ddp_label",
+    "via_ddp_notes",
 ]
 
 
@@ -219,9 +225,9 @@ def per_layer_plan(plan: Plan, module: torch.nn.Module) -> Plan:
 @dataclass(frozen=True)
 class Variant:
     """One benched configuration: DDP (plan None), DDP with a communication hook (`hook`: PyTorch's fp16 or
-    PowerSGD hook, or the project's top-k hook), the runtime executing `plan`, or local steps that communicate
-    nothing (`local`: each rank trains on its own, the compute every prediction is built on); `predicted_s` is
-    the model's time for it."""
+    PowerSGD hook, or the project's top-k hook), the runtime executing `plan` (`via_ddp`: DDP executing it, with
+    `PlanHook`), or local steps that communicate nothing (`local`: each rank trains on its own, the compute every
+    prediction is built on); `predicted_s` is the model's time for it."""
 
     name: str
     plan: Plan | None
@@ -230,6 +236,7 @@ class Variant:
     local: bool = False
     selector: str = "exact"
     interval: tuple[float, float] | None = None
+    via_ddp: bool = False
 
 
 #: SGD's momentum in every step bench times (where it goes: `sgd_as_advised`).
@@ -317,10 +324,23 @@ def _route(plan: Plan) -> str:
             else f"{routed} of {len(plan.groups)} groups hierarchical")
 
 
+def via_ddp_label(label: str) -> str:
+    """The bench's row name of the plan named `label` run inside DDP: "plan dense via DDP"."""
+    return f"{label} via DDP"
+
+
+def via_ddp_notes(plans: Sequence[Plan], labels: Sequence[str] = ()) -> list[str]:
+    """One line per plan the bench does not run inside DDP (`PlanHook` does not run it), saying why."""
+    labels = list(labels) or plan_labels(plans)
+    return [f"no row {via_ddp_label(label)!r}: {why}" for plan, label in zip(plans, labels, strict=True)
+            if (why := via_ddp_refusal(plan)) is not None]
+
+
 def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
                    peers: tuple[Compressor, ...] = DEFAULT_PEERS, labels: Sequence[str] = ()) -> list[Variant]:
     """Every variant the bench runs: DDP; local steps (with a dense plan); per plan one group per layer (dense and
-    top-k plans) and the plan itself (named `labels[i]`, default `plan_labels`); then DDP with each peer hook and
+    top-k plans), the plan itself (named `labels[i]`, default `plan_labels`) and, where `PlanHook` runs it, the
+    plan inside DDP (`via_ddp_label`, predicted by the plan's row `VIA_DDP_ROW`); then DDP with each peer hook and
     with the top-k hook at every density a plan uses, each predicted by the first plan that predicts it (its "ddp+C"
     row: a top-k plan's DDP row, a mixed plan's rows of DDP's hooks)."""
     dense = next((p for p in plans if p.strategy is Strategy.DENSE), None)
@@ -349,6 +369,10 @@ def bench_variants(plans: tuple[Plan, ...], module: torch.nn.Module,
             out.append(Variant(f"per-layer {plan_tag(pl)}", pl, pl.predicted.iteration_s,
                                interval=_interval(plan, "wfbp") if "wfbp" in plan.baselines else None))
         out.append(Variant(label, plan, plan.predicted.iteration_s, interval=_interval(plan, "plan")))
+        if via_ddp_refusal(plan) is None:
+            via = plan.baselines.get(VIA_DDP_ROW)  # None: a plan made before it was predicted
+            out.append(Variant(via_ddp_label(label), plan, via.iteration_s if via is not None else None,
+                               interval=_interval(plan, VIA_DDP_ROW), via_ddp=True))
         if (plan.strategy is Strategy.TOPK and plan.cluster.host_count > 1 and ALL_HIERARCHICAL not in plan.baselines
                 and not any(g.hierarchical for g in plan.groups)):
             # The same groups merged inside each host and sent across once per host. A profile that measured the
@@ -439,6 +463,19 @@ def ddp_with_hook(module: torch.nn.Module, hook: Compressor | None, *, find_unus
     return wrapped
 
 
+def plan_in_ddp(module: torch.nn.Module, plan: Plan, *, find_unused: bool) -> torch.nn.Module:
+    """`module` in DDP running `plan` as README shows: its groups as DDP's buckets, its compressors as one
+    communication hook (`PlanHook`); `find_unused` as the bench found the model (else as the plan says)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from planner.runtime.ddp_plan import PlanHook
+
+    hook = PlanHook(module, plan, find_unused_parameters=True if find_unused else None)
+    wrapped = DistributedDataParallel(module, **hook.ddp_kwargs())
+    hook.register(wrapped)
+    return wrapped
+
+
 def sgd_as_advised(model: torch.nn.Module, plan: Plan | None, *, lr: float, momentum: float, find_unused: bool,
                    model_name: str | None = None, density_warmup: tuple[float, int] | None = None
                    ) -> tuple[torch.optim.SGD, Any]:
@@ -488,9 +525,16 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     for v in variants:
         wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank
         wl.module.to(device)
-        model = wl.module if v.local or v.plan is not None else ddp_with_hook(wl.module, v.hook, find_unused=unused,
-                                                                               selector=v.selector)
-        opt, exchange = sgd_as_advised(model, v.plan, lr=config.lr, momentum=BENCH_MOMENTUM, find_unused=unused)
+        if v.via_ddp:
+            assert v.plan is not None
+            model = plan_in_ddp(wl.module, v.plan, find_unused=unused)
+        elif v.local or v.plan is not None:
+            model = wl.module
+        else:
+            model = ddp_with_hook(wl.module, v.hook, find_unused=unused, selector=v.selector)
+        # Inside DDP the plan's compressors are the hook's, and SGD's momentum is the optimizer's (as for DDP's hooks).
+        opt, exchange = sgd_as_advised(model, None if v.via_ddp else v.plan, lr=config.lr, momentum=BENCH_MOMENTUM,
+                                       find_unused=unused)
         runners.append((wl, model, exchange, opt))
 
     def step(i: int) -> float:

@@ -98,7 +98,7 @@ class BenchCommand(Command):
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.commands.bench import BenchConfig, file_labels, run_bench
+        from planner.commands.bench import BenchConfig, file_labels, run_bench, via_ddp_notes
         from planner.contracts.plan import Plan
         from planner.platform.launch import under_torchrun
 
@@ -146,6 +146,8 @@ class BenchCommand(Command):
             hosts=args.hosts, labels=file_labels(plans, args.plan),
         )
         _note_link_mismatch(plans, args.link)
+        for note in via_ddp_notes(plans, config.labels):
+            err_console.print(f"note: {note}", markup=False, soft_wrap=True)
         results = run_bench(config)
         if results is not None:  # None on torchrun ranks other than 0: rank 0 prints
             print_bench(results, args.json)

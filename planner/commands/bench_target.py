@@ -131,9 +131,10 @@ class TargetSummary:
 
 def _variants(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Compressor, ...],
               labels: tuple[str, ...] = ()) -> list[Variant]:
-    """DDP, the plans and the hooks of the step-time bench, without the local steps and the per-layer rows."""
+    """DDP, the plans and the hooks of the step-time bench, without the local steps, the per-layer rows and the plans
+    run inside DDP (this bench runs each plan in GradientExchange)."""
     return [v for v in bench_variants(plans, module, peers, labels)
-            if v.name != LOCAL and not v.name.startswith("per-layer")]
+            if v.name != LOCAL and not v.name.startswith("per-layer") and not v.via_ddp]
 
 
 def _probe_loss(workload: Workload, x: torch.Tensor, y: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:

@@ -52,7 +52,7 @@ class DemoCommand(Command):
         _add_slowdown(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.commands.bench import BenchConfig, auto_tag, plan_labels, run_bench
+        from planner.commands.bench import BenchConfig, auto_tag, plan_labels, run_bench, via_ddp_notes
         from planner.commands.profile import DEFAULT_EFFORT, QUICK_EFFORT, ProfileConfig, run_profile
         from planner.models import build_workload
         from planner.strategies.auto import ddp_predictions, solve_auto
@@ -103,11 +103,14 @@ class DemoCommand(Command):
         # The plan auto kept is named by what it sends ("plan auto (fp16)"), the dense plan beside it by its strategy.
         labels = tuple(plan_labels(plans, tags=[None if p is not choice.plan else auto_tag(p) for p in plans]))
         steps = args.steps or (10 if args.quick else 20)
+        for note in via_ddp_notes(plans, labels):
+            console.print(f"note: {note}", markup=False, soft_wrap=True)
         results = run_bench(BenchConfig(plans=plans, model=args.model, nproc=args.nproc, steps=steps,
                                         link=link, slowdown=args.slowdown, hosts=args.hosts, labels=labels))
         assert results is not None
         print_bench(results, as_json=False, title=f"bench {on}: median step time (slowest rank per step)")
-        console.print(verdict_against_bench(choice.plan, results, labels[-1]), style="bold", soft_wrap=True)
+        way = choice.way.way if choice.way is not None else None
+        console.print(verdict_against_bench(choice.plan, results, labels[-1], way=way), style="bold", soft_wrap=True)
         return 0
 
     @staticmethod
@@ -130,22 +133,30 @@ class DemoCommand(Command):
         return parse_rate(DEMO_LINK)
 
 
-def verdict_against_bench(plan: Any, results: list[Any], label: str | None = None) -> str:
-    """One line: what the demo kept (the plan, or a DDP variant, from the plan's verdict) and what the bench then
-    measured for it and for the alternative, with the predictions beside them. `label`: the plan's row in the
-    bench (default the bench's name of it alone, `plan_labels`)."""
-    from planner.commands.bench import plan_labels
+def verdict_against_bench(plan: Any, results: list[Any], label: str | None = None, *, way: str | None = None) -> str:
+    """One line: what the demo kept (the plan, or a DDP variant, from the plan's verdict), the way to run the plan
+    (`way`: `planner.strategies.via_ddp.DDP_WAY` inside DDP, else in GradientExchange; None: not said) and what
+    the bench then measured for it, run that way, and for the alternative, with the predictions beside them.
+    `label`: the plan's row in the bench (default the bench's name of it alone, `plan_labels`)."""
+    from planner.commands.bench import plan_labels, via_ddp_label
+    from planner.contracts.plan import VIA_DDP_ROW
     from planner.strategies.intervals import ddp_label
+    from planner.strategies.via_ddp import DDP_WAY
 
     measured = {r.name: r for r in results}
-    mine = measured.get(label or plan_labels([plan])[0])
+    label = label or plan_labels([plan])[0]
     verdict = plan.verdict
     kept = "the plan" if verdict is None or verdict.keep == "plan" else ddp_label(verdict.keep)
+    inside = way == DDP_WAY and VIA_DDP_ROW in plan.baselines
+    if kept == "the plan" and way is not None:
+        kept += ", run via DDP (PlanHook)" if inside else ", run in GradientExchange"
+    mine = measured.get(via_ddp_label(label) if inside else label)
     if verdict is None or mine is None:
         return f"kept {kept} (its noise not weighed: the profile has no samples)" if verdict is None else f"kept {kept}"
     against = measured.get(verdict.against)
-    line = (f"kept {kept}. Measured: the plan {mine.median_s * 1e3:,.2f} ms (predicted "
-            f"{plan.predicted.iteration_s * 1e3:,.2f})")
+    predicted = plan.baselines[VIA_DDP_ROW] if inside else plan.predicted
+    line = (f"kept {kept}. Measured: the plan{' via DDP' if inside else ''} {mine.median_s * 1e3:,.2f} ms (predicted "
+            f"{predicted.iteration_s * 1e3:,.2f})")
     if against is not None:
         line += (f", {verdict.against} {against.median_s * 1e3:,.2f} ms (predicted "
                  f"{verdict.against_s * 1e3:,.2f}): the plan ran {against.median_s / mine.median_s:.2f}x as fast")
