@@ -145,3 +145,26 @@ def test_bench_variants_run_inside_ddp_only_what_planhook_runs() -> None:
     assert via_ddp_notes((dense,)) == []
     [note] = via_ddp_notes((kfac,))
     assert "K-FAC" in note and "\n" not in note
+
+
+def test_demo_line_says_which_way_and_measures_the_plan_run_that_way() -> None:
+    """The demo's last line: the plan kept, the way to run it, and the bench's row of the plan run that way."""
+    from planner.commands.bench import BenchResult
+    from planner.commands.demo import verdict_against_bench
+
+    profile = _packing(1.0)
+    plan = with_intervals(make_plan(profile, Strategy.DENSE), profile)
+    assert plan.verdict is not None
+    plan = dataclasses.replace(plan, verdict=dataclasses.replace(plan.verdict, keep="plan"))
+
+    def row(name: str, median_s: float) -> BenchResult:
+        return BenchResult(name=name, strategy="dense", median_s=median_s, p25_s=median_s, p75_s=median_s, steps=3,
+                           predicted_s=None)
+
+    results = [row("ddp", 0.050), row("plan dense", 0.040), row("plan dense via DDP", 0.030)]
+    inside = verdict_against_bench(plan, results, "plan dense", way=DDP_WAY)
+    assert inside.startswith("kept the plan, run via DDP (PlanHook). Measured: the plan via DDP 30.00 ms")
+    assert f"(predicted {plan.baselines[VIA_DDP_ROW].iteration_s * 1e3:,.2f})" in inside
+    exchange = verdict_against_bench(plan, results, "plan dense", way=EXCHANGE_WAY)
+    assert exchange.startswith("kept the plan, run in GradientExchange. Measured: the plan 40.00 ms")
+    assert "\n" not in inside + exchange
