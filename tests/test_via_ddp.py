@@ -20,7 +20,7 @@ from planner.strategies.abs import make_abs_plan
 from planner.strategies.gradients import make_plan
 from planner.strategies.intervals import with_intervals
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
-from planner.strategies.via_ddp import DDP_WAY, EXCHANGE_WAY, choose_way
+from planner.strategies.via_ddp import DDP_WAY, EXCHANGE_WAY, choose_way, with_via_ddp
 from planner.types import Strategy
 from tests.factories import synthetic_kfac_plan, synthetic_profile, with_samples
 from tests.test_abs_plan import slowed_profile
@@ -168,3 +168,20 @@ def test_demo_line_says_which_way_and_measures_the_plan_run_that_way() -> None:
     exchange = verdict_against_bench(plan, results, "plan dense", way=EXCHANGE_WAY)
     assert exchange.startswith("kept the plan, run in GradientExchange. Measured: the plan 40.00 ms")
     assert "\n" not in inside + exchange
+
+
+def test_a_plan_with_hierarchical_groups_runs_inside_ddp_unpredicted() -> None:
+    """PlanHook runs groups sent hierarchically, so the bench runs such a plan inside DDP too; the cost model of DDP
+    is flat, so that row has no prediction, and the plan is told to run in GradientExchange, which it was
+    predicted for."""
+    flat = make_plan(synthetic_profile("mlp", world_size=4), Strategy.DENSE)
+    cluster = dataclasses.replace(flat.cluster, host_count=2)
+    routed = dataclasses.replace(flat, cluster=cluster, baselines={k: v for k, v in flat.baselines.items()
+                                                                   if k != VIA_DDP_ROW},
+                                 groups=tuple(dataclasses.replace(g, hierarchical=True) for g in flat.groups))
+    assert with_via_ddp(routed, synthetic_profile("mlp", world_size=4)) == routed  # not predicted inside DDP
+    via = [v for v in bench_variants((routed,), build_workload("mlp").module, peers=()) if v.via_ddp]
+    assert len(via) == 1 and via[0].predicted_s is None
+    assert via_ddp_notes((routed,)) == []
+    way = choose_way(routed)
+    assert way.way == EXCHANGE_WAY and "hierarchically" in way.line

@@ -65,9 +65,9 @@ A document without the `kfac` key reads as a gradient-only plan.
 The rows of DDP are named by what DDP sends (`ddp_row`): "ddp" is plain DDP on its own buckets, "ddp+C" DDP with
 C's communication hook (a top-k plan's DDP row is "ddp+topk:D", DDP with the project's top-k hook at its
 density). "plan via ddp" is the plan's own groups and compressors run inside DDP (`planner.runtime.PlanHook`), at
-DDP's costs; plans PlanHook does not run (K-FAC, ABS-SGD, groups sent hierarchically) and plans written before have
-no such row. Plans written before called the row of DDP on its buckets "ddp-25mb" whatever it sent; they read with
-that row (and its interval) renamed.
+DDP's costs; plans PlanHook does not run (K-FAC, ABS-SGD), plans with groups sent hierarchically (they run inside
+DDP, but its cost model is flat) and plans written before have no such row. Plans written before called the row
+of DDP on its buckets "ddp-25mb" whatever it sent; they read with that row (and its interval) renamed.
 
 An ABS-SGD plan (`planner solve --strategy abs`) has dense gradient groups (each round's exchange moves them)
 and an `abs` section with the round trigger, the micro-batch and the predictions of ABS-SGD and of synchronous
@@ -120,7 +120,8 @@ SELECTORS = ("exact", "sampled")
 #: The row of plain DDP (fp32 allreduce on DDP's own buckets) in a plan's baselines and in its verdict.
 DDP_ROW = "ddp"
 #: The row of the plan itself run inside DDP (`planner.runtime.PlanHook`: its groups as DDP's buckets, moved at DDP's
-#: own measured costs), in a plan's baselines; absent where PlanHook does not run the plan, and in older plans.
+#: own measured costs), in a plan's baselines; absent where PlanHook does not run the plan or it is not predicted
+#: there (hierarchical groups), and in older plans.
 VIA_DDP_ROW = "plan via ddp"
 #: What plans written before rows named what they send called DDP's row, whatever it sent.
 _OLD_DDP_ROW = "ddp-25mb"

@@ -3,11 +3,12 @@
 PlanHook makes the plan's groups DDP's buckets and sends each as its group says, so the plan run inside DDP is the
 plan's own grouping and compressors at DDP's costs: the cost model's `runtime="ddp"` (DDP's bucket copies at the
 profile's `InSitu.ddp_pack` calibration, its hooks' calibrations, flat collectives). Its prediction is the plan's row
-`VIA_DDP_ROW`.
+`VIA_DDP_ROW`; a plan with groups sent hierarchically across hosts runs inside DDP too, but has no such row (the cost
+model of DDP sends every group flat).
 
 Which way to run a plan (`choose_way`): inside DDP, the simpler and more standard way, unless GradientExchange is
 faster beyond the noise (a verdict within the noise keeps the simpler choice), or the plan needs GradientExchange
-(what PlanHook does not run: K-FAC, ABS-SGD, groups sent hierarchically).
+(what PlanHook does not run: K-FAC, ABS-SGD), or its way inside DDP is not predicted.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from planner.types import Strategy
 if TYPE_CHECKING:
     from planner.strategies.intervals import Problems
 
-__all__ = ["DDP_WAY", "EXCHANGE_WAY", "Way", "choose_way", "via_ddp_prediction", "via_ddp_refusal", "with_via_ddp"]
+__all__ = ["DDP_WAY", "EXCHANGE_WAY", "Way", "choose_way", "unpredicted", "via_ddp_prediction", "via_ddp_refusal",
+           "with_via_ddp"]
 
 #: The two ways of running a gradient plan.
 DDP_WAY = "ddp"
@@ -38,26 +40,34 @@ EXCHANGE_WAY = "exchange"
 
 def via_ddp_refusal(plan: Plan) -> str | None:
     """Why the plan does not run inside DDP (None: it does), in one clause: PlanHook refuses K-FAC and ABS-SGD plans
-    and groups sent hierarchically (DDP's collectives are flat, and so is the cost model of DDP)."""
+    (`planner.runtime.ddp_plan`)."""
     if plan.kfac is not None:
         return "a K-FAC plan runs in GradientExchange (with KFACPreconditioner), not inside DDP"
     if plan.abs is not None:
         return "an ABS-SGD plan runs in its own exchange (ABSSGD), not inside DDP"
-    hierarchical = [i for i, g in enumerate(plan.groups) if g.hierarchical]
-    if hierarchical:
-        shown = ", ".join(map(str, hierarchical[:3])) + (" ..." if len(hierarchical) > 3 else "")
-        return f"the plan sends group(s) {shown} hierarchically across hosts, which PlanHook does not run inside DDP"
     return None
+
+
+def unpredicted(plan: Plan) -> str | None:
+    """Why a plan that runs inside DDP has no prediction there (None: it has one): the cost model of DDP sends every
+    group flat, and the plan sends some hierarchically across hosts."""
+    hierarchical = [i for i, g in enumerate(plan.groups) if g.hierarchical]
+    if not hierarchical:
+        return None
+    shown = ", ".join(map(str, hierarchical[:3])) + (" ..." if len(hierarchical) > 3 else "")
+    return (f"the plan sends group(s) {shown} hierarchically across hosts, which the cost model of DDP (flat "
+            "collectives) does not predict")
 
 
 def via_ddp_prediction(plan: Plan, profile: Profile, problems: Problems | None = None) -> Prediction | None:
     """The plan's grouping and compressors predicted at DDP's costs (`runtime="ddp"`) on `problems` (default the
-    profile's own); None where the plan does not run inside DDP (`via_ddp_refusal`).
+    profile's own); None where the plan does not run inside DDP (`via_ddp_refusal`) or is not predicted there
+    (`unpredicted`).
 
     Raises:
         PlanMismatchError: the plan's layers are not the profile's.
     """
-    if via_ddp_refusal(plan) is not None:
+    if via_ddp_refusal(plan) is not None or unpredicted(plan) is not None:
         return None
     if problems is None:
         from planner.strategies.intervals import Problems
@@ -74,7 +84,7 @@ def via_ddp_prediction(plan: Plan, profile: Profile, problems: Problems | None =
 
 def via_ddp_step(plan: Plan, profile: Profile) -> Callable[[Problems], float] | None:
     """`via_ddp_prediction`'s step as a row of `planner.strategies.intervals` (None: the plan has no such row)."""
-    if via_ddp_refusal(plan) is not None:
+    if via_ddp_refusal(plan) is not None or unpredicted(plan) is not None:
         return None
 
     def step(problems: Problems) -> float:
@@ -104,13 +114,14 @@ class Way:
 def choose_way(plan: Plan, draws: dict[str, np.ndarray] | None = None) -> Way:
     """Which way to run `plan`: inside DDP unless GradientExchange is faster beyond the noise (by `draws`: the
     paired draws of the rows "plan" and `VIA_DDP_ROW`, where the noise was weighed; else as predicted, DDP on a
-    tie), or the plan does not run inside DDP."""
+    tie), or the plan does not run inside DDP, or is not predicted there (then GradientExchange, which it was
+    predicted for)."""
     from planner.costmodel.spread import PairedGain
 
     refusal = via_ddp_refusal(plan)
     via = plan.baselines.get(VIA_DDP_ROW)
     if refusal is not None or via is None:
-        why = refusal or "the plan has no prediction inside DDP (a plan made before it was predicted: solve again)"
+        why = refusal or unpredicted(plan) or "a plan made before its way inside DDP was predicted (solve again)"
         return Way(EXCHANGE_WAY, f"run it in GradientExchange: {why}")
     rows = plan.intervals.rows if plan.intervals is not None else {}
     ddp_text = _with_interval(via.iteration_s, rows.get(VIA_DDP_ROW))
