@@ -58,6 +58,26 @@ def test_the_row_inside_ddp_is_priced_at_ddps_packing(make: object) -> None:
     assert low <= plans["slow"].baselines[VIA_DDP_ROW].iteration_s <= high
 
 
+def test_powersgd_inside_ddp_is_the_projects_kernels_not_pytorchs_hook() -> None:
+    """PlanHook sends PowerSGD with the project's kernels: a slow calibration of PyTorch's own PowerSGD hook
+    ("ddp+powersgd:1", which prices DDP's hook row) does not move the plan's row inside DDP."""
+    base = _packing(1.0)
+    rng = np.random.default_rng(2)
+    assert base.in_situ is not None
+    slow_hook = {"ddp+powersgd:1": {"prepare": Calibration.of_samples(0.05 * (1 + 0.02 * rng.standard_normal(24)),
+                                                                      0.01)}}
+    slowed = dataclasses.replace(base, in_situ=dataclasses.replace(base.in_situ, compress=slow_hook))
+    compressors = parse_compressors("dense,powersgd:1")
+    plain, with_slow_hook = make_mixed_plan(base, compressors), make_mixed_plan(slowed, compressors)
+    assert any(plain.compressor_of(g).rank == 1 for g in plain.groups)  # the plan sends PowerSGD
+    assert with_slow_hook.groups == plain.groups
+    assert with_slow_hook.baselines[VIA_DDP_ROW].iteration_s == pytest.approx(
+        plain.baselines[VIA_DDP_ROW].iteration_s, rel=1e-9)
+    hook_rows = [name for name in plain.baselines if name.startswith("ddp+powersgd")]
+    assert hook_rows, sorted(plain.baselines)  # and DDP's own hook row is priced at its calibration
+    assert all(with_slow_hook.baselines[n].iteration_s > plain.baselines[n].iteration_s for n in hook_rows)
+
+
 def test_plans_that_do_not_run_inside_ddp_have_no_row() -> None:
     """K-FAC and ABS-SGD plans (PlanHook refuses them) carry no row inside DDP, and are told to run elsewhere."""
     for plan in (synthetic_kfac_plan("mlp"), make_abs_plan(slowed_profile(), global_batch=64)):

@@ -17,12 +17,15 @@ from planner.costmodel.problem import GradientProblem
 from planner.kernels.compress import PowerSGDLayout
 from planner.types import Collective, Compressor, CompressorKind, InvalidProfileError, SchemaError, Strategy
 
-__all__ = ["ROUTES", "gradient_problem", "hierarchical_groups", "mixed_problem"]
+__all__ = ["ROUTES", "RUNTIMES", "gradient_problem", "hierarchical_groups", "mixed_problem"]
 
 
 #: How a dense group may cross hosts: "best" (per group, flat or hierarchical, whichever the profile's curves
 #: predict cheaper for its size), "flat" (one allreduce over every rank) or "hierarchical".
 ROUTES = ("best", "flat", "hierarchical")
+
+#: Who moves the gradients (see `gradient_problem`).
+RUNTIMES = ("planner", "ddp", "planhook")
 
 
 def gradient_problem(profile: Profile, strategy: Strategy, density: float | None = None, *, selector: str = "exact",
@@ -30,8 +33,10 @@ def gradient_problem(profile: Profile, strategy: Strategy, density: float | None
     """The gradient-grouping instance this profile describes; top-k selection costs are `selector`'s.
 
     `runtime` is who moves the gradients: "planner" (`planner.runtime.GradientExchange`: dense packs into its
-    buffers, top-k adds straight into its residuals) or "ddp" (PyTorch DDP copies every gradient into
-    its buckets, at its own measured cost, before the top-k hook selects from them; always flat).
+    buffers, top-k adds straight into its residuals), "ddp" (PyTorch DDP copies every gradient into
+    its buckets, at its own measured cost, before the top-k hook selects from them; always flat; PowerSGD is
+    PyTorch's hook, at its own calibration) or "planhook" (a plan inside DDP, `planner.runtime.PlanHook`: DDP's
+    buckets and packing, flat, and the project's compressors at their own calibrations).
     `route` (one of ROUTES) is how dense groups cross hosts, where the profile measured several
     (`profile.hosts`); the per-group choice of "best" is exact, since a shorter collective never makes a
     step longer on the timeline model, and `hierarchical_groups` reads it back.
@@ -50,7 +55,7 @@ def gradient_problem(profile: Profile, strategy: Strategy, density: float | None
         world_size=profile.cluster.world_size,
         element_bytes=profile.element_bytes,
         pack=None if profile.pack is None or profile.cluster.world_size == 1 else _calibrated(
-            profile.pack.model, profile.in_situ.pack_factor(runtime) if profile.in_situ else 1.0),
+            profile.pack.model, profile.in_situ.pack_factor(_packer(runtime)) if profile.in_situ else 1.0),
         interference=profile.interference_for(Collective.ALLREDUCE),
         comm_stretch=profile.comm_stretch_for(Collective.ALLREDUCE),
         names=tuple(lt.name for lt in profile.layers),
@@ -74,12 +79,19 @@ def gradient_problem(profile: Profile, strategy: Strategy, density: float | None
                                         profile.in_situ.select_factor(selector) if profile.in_situ else 1.0),
                 decode=_calibrated(profile.topk.decode_model(density),
                                         profile.in_situ.decode_factor() if profile.in_situ else 1.0),
-                pack=dense.pack if runtime == "ddp" else None,
+                pack=dense.pack if _packer(runtime) == "ddp" else None,
                 interference=profile.interference_for(Collective.ALLGATHER),
                 comm_stretch=profile.comm_stretch_for(Collective.ALLGATHER),
             )
         case _:
             raise SchemaError(f"unknown strategy {strategy!r}")
+
+
+def _packer(runtime: str) -> str:
+    """Whose packing a runtime pays: DDP's for DDP and for a plan inside DDP, else the project's."""
+    if runtime not in RUNTIMES:
+        raise SchemaError(f"unknown runtime {runtime!r}; known: {', '.join(RUNTIMES)}")
+    return "ddp" if runtime in ("ddp", "planhook") else "planner"
 
 
 def _dense_comm(profile: Profile, route: str) -> CostModel:
@@ -131,7 +143,7 @@ def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, select
     dense = gradient_problem(profile, Strategy.DENSE, runtime=runtime, route="flat")
     hosts = profile.hosts if runtime == "planner" else None
     pack = None if profile.pack is None else _calibrated(
-        profile.pack.model, profile.in_situ.pack_factor(runtime) if profile.in_situ else 1.0)
+        profile.pack.model, profile.in_situ.pack_factor(_packer(runtime)) if profile.in_situ else 1.0)
     costs: list[CompressorCosts] = []
     sigma = kappa = 0.0
     for c in compressors:

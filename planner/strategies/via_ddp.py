@@ -1,8 +1,9 @@
 """A gradient plan run inside DDP (`planner.runtime.PlanHook`), and which way to run it.
 
 PlanHook makes the plan's groups DDP's buckets and sends each as its group says, so the plan run inside DDP is the
-plan's own grouping and compressors at DDP's costs: the cost model's `runtime="ddp"` (DDP's bucket copies at the
-profile's `InSitu.ddp_pack` calibration, its hooks' calibrations, flat collectives). Its prediction is the plan's row
+plan's own grouping and compressors at DDP's costs: the cost model's `runtime="planhook"` (DDP's bucket copies at
+the profile's `InSitu.ddp_pack` calibration, flat collectives, the project's compressors at their own calibrations:
+PlanHook runs the project's PowerSGD kernels, not PyTorch's hook). Its prediction is the plan's row
 `VIA_DDP_ROW`; a plan with groups sent hierarchically across hosts runs inside DDP too, but has no such row (the cost
 model of DDP sends every group flat).
 
@@ -60,7 +61,7 @@ def unpredicted(plan: Plan) -> str | None:
 
 
 def via_ddp_prediction(plan: Plan, profile: Profile, problems: Problems | None = None) -> Prediction | None:
-    """The plan's grouping and compressors predicted at DDP's costs (`runtime="ddp"`) on `problems` (default the
+    """The plan's grouping and compressors predicted at DDP's costs (`runtime="planhook"`) on `problems` (default the
     profile's own); None where the plan does not run inside DDP (`via_ddp_refusal`) or is not predicted there
     (`unpredicted`).
 
@@ -77,9 +78,9 @@ def via_ddp_prediction(plan: Plan, profile: Profile, problems: Problems | None =
     selector = plan.selector or "exact"
     if plan.strategy is Strategy.MIXED:
         allowed = plan.compressors or tuple(dict.fromkeys(plan.compressor_of(g) for g in plan.groups))
-        problem = problems.mixed(allowed, selector=selector, runtime="ddp")
+        problem = problems.mixed(allowed, selector=selector, runtime="planhook")
         return simulate_mixed(problem, grouping, [problem.index_of(plan.compressor_of(g)) for g in plan.groups])
-    return simulate(problems.gradient(plan.strategy, plan.density, selector=selector, runtime="ddp"), grouping)
+    return simulate(problems.gradient(plan.strategy, plan.density, selector=selector, runtime="planhook"), grouping)
 
 
 def via_ddp_step(plan: Plan, profile: Profile) -> Callable[[Problems], float] | None:
