@@ -2,12 +2,14 @@
 
     hook = PlanHook.from_file(model, "plan.json")                        # or PlanHook(model, plan)
     ddp = DistributedDataParallel(model, **hook.ddp_kwargs()); hook.register(ddp)
+    # top-k groups with momentum: SGD(..., momentum=0) and PlanHook(model, plan, momentum=0.9, optimizer=opt)
 
 `ddp_kwargs()` gives DDP one bucket cap per group (`bucket_cap_mb_list`, torch >= 2.13), so that DDP's buckets
 are the plan's groups, and `find_unused_parameters` as the plan's profile found. `register` installs one comm hook
 that sends each bucket the way its group says: fp32 allreduce mean, fp16, PowerSGD at rank r, or top-k with error
-feedback, with the arithmetic of `GradientExchange` (`planner.kernels.compress`, `planner.kernels.topk`), flat or,
-for a group marked hierarchical, across hosts as `GradientExchange` sends it (`planner.kernels.hierarchical`).
+feedback, with DGC momentum correction when given `momentum=`, with the arithmetic of `GradientExchange`
+(`planner.kernels.compress`, `planner.kernels.topk`), flat or, for a group marked hierarchical, across hosts as
+`GradientExchange` sends it (`planner.kernels.hierarchical`).
 
 How the caps make the groups. DDP's reducer fills a bucket parameter by parameter and closes it once its bytes
 reach the bucket's cap (the caps are used in turn; the last one repeats). A group of G bytes whose smallest
@@ -38,6 +40,12 @@ hierarchical bucket's three steps (or top-k's merged exchange) run on a thread o
 previous hierarchical bucket's (`HierarchicalWork`), so every rank issues the subgroups' collectives in bucket
 order; the hook's future completes when that thread is done. Flat buckets go on the parent group from the backward
 thread as before: gloo orders collectives per group, so the two kinds do not need to interleave alike.
+
+Momentum correction (`momentum=`, `nesterov=`, `optimizer=`) is `GradientExchange`'s, on the same quantity: DDP
+hands the hook each bucket holding this rank's gradient (summed over its micro-batches, not yet divided), and the
+velocity u = m u + g is taken of it before anything is divided or sent, as the exchange takes it of its group's
+local gradient. The optimizer is checked by the exchange's own checks. DDP's warm-up iteration applies none (its
+buckets are not the final ones, whose velocities start at zero).
 
 Under `ddp.no_sync()` DDP calls no hook: gradients accumulate locally and the next synced backward sends their
 sum; `iteration` counts synced iterations only.
