@@ -33,6 +33,8 @@ from tests.test_mixed_runtime import ShapedConv, mixed_plan
 from tests.test_runtime import AuxHead, build_model, loss_of, make_batch
 
 MISMATCH = "DDP's buckets are not the plan's groups"
+#: DGC momentum correction's m in the tests of the hook's momentum.
+MOMENTUM = 0.9
 
 
 def ladder() -> nn.Module:
@@ -336,11 +338,12 @@ def hierarchical_plan(model: nn.Module, hierarchical: list[bool]) -> Plan:
     return replace(plan, groups=groups, cluster=replace(plan.cluster, host_count=2))
 
 
-def _hierarchical_worker(rank: int, world_size: int, explicit: bool) -> list[tuple[str, bool]]:
+def _hierarchical_worker(rank: int, world_size: int, explicit: bool, momentum: float = 0.0) -> list[tuple[str, bool]]:
     """The ladder's eight groups, every compressor hierarchical, dense and top-k flat too, against
     `GradientExchange` on the same hosts over four SGD steps (after the hook's warm-up iteration): the same kernels
     on the same buffers in the same order, so bit for bit. The hosts are given (`explicit`), or read from the
-    ranks' host names. Returns the groups' (compressor, hierarchical)."""
+    ranks' host names. With `momentum`, both apply it (momentum correction, SGD without). Returns the groups'
+    (compressor, hierarchical)."""
     hosts = HOSTS if explicit else None
     model = ladder()
     plan = hierarchical_plan(model, [True, True, True, False, False])
@@ -350,13 +353,14 @@ def _hierarchical_worker(rank: int, world_size: int, explicit: bool) -> list[tup
         with pytest.raises(PlanMismatchError, match="another process group"):
             PlanHook(other, plan, hosts=HOSTS).register(
                 DistributedDataParallel(other, process_group=dist.new_group(list(range(world_size)))))
-    hook = PlanHook(model, plan, hosts=hosts)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin)]
+    options = [{"momentum": momentum, "optimizer": opt} if momentum else {} for opt in opts]
+    hook = PlanHook(model, plan, hosts=hosts, **options[0])
     ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
     hook.register(ddp)
     x, y = _ladder_batch(rank, 99)
     nn.functional.mse_loss(ddp(x), y).backward()  # the warm-up iteration, no step
-    exchange = GradientExchange(twin, plan, hosts=hosts)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ddp, twin)]
+    exchange = GradientExchange(twin, plan, hosts=hosts, **options[1])
     for step in range(4):
         x, y = _ladder_batch(rank, step)
         for opt in opts:
@@ -379,6 +383,10 @@ def test_hierarchical_groups_equal_gradient_exchange_on_two_hosts_bit_for_bit() 
     sent = run_distributed(_hierarchical_worker, 4, True, timeout=180)[0]
     assert {c for c, h in sent if h} == set(HIERARCHICAL_AS) and {c for c, h in sent if not h} == {
         "dense", "topk:0.3"}
+
+
+def test_hierarchical_groups_with_momentum_equal_gradient_exchange_bit_for_bit() -> None:
+    assert len(run_distributed(_hierarchical_worker, 4, True, MOMENTUM, timeout=180)) == 4
 
 
 @pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated hosts here: {privilege_problem()}")
@@ -610,8 +618,6 @@ def test_no_sync_accumulation_equals_plain_ddp_and_gradient_exchange() -> None:
 
 
 # -- momentum correction (DGC), as GradientExchange's ----------------------------------------------------------
-
-MOMENTUM = 0.9
 
 
 def test_momentum_options_and_optimizers_are_refused_as_gradient_exchange_does_in_one_line() -> None:
