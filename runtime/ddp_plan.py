@@ -2,12 +2,14 @@
 
     hook = PlanHook.from_file(model, "plan.json")                        # or PlanHook(model, plan)
     ddp = DistributedDataParallel(model, **hook.ddp_kwargs()); hook.register(ddp)
+    # top-k groups with momentum: SGD(..., momentum=0) and PlanHook(model, plan, momentum=0.9, optimizer=opt)
 
 `ddp_kwargs()` gives DDP one bucket cap per group (`bucket_cap_mb_list`, torch >= 2.13), so that DDP's buckets
 are the plan's groups, and `find_unused_parameters` as the plan's profile found. `register` installs one comm hook
 that sends each bucket the way its group says: fp32 allreduce mean, fp16, PowerSGD at rank r, or top-k with error
-feedback, with the arithmetic of `GradientExchange` (`planner.kernels.compress`, `planner.kernels.topk`), flat or,
-for a group marked hierarchical, across hosts as `GradientExchange` sends it (`planner.kernels.hierarchical`).
+feedback, with DGC momentum correction when given `momentum=`, with the arithmetic of `GradientExchange`
+(`planner.kernels.compress`, `planner.kernels.topk`), flat or, for a group marked hierarchical, across hosts as
+`GradientExchange` sends it (`planner.kernels.hierarchical`).
 
 How the caps make the groups. DDP's reducer fills a bucket parameter by parameter and closes it once its bytes
 reach the bucket's cap (the caps are used in turn; the last one repeats). A group of G bytes whose smallest
@@ -39,6 +41,12 @@ previous hierarchical bucket's (`HierarchicalWork`), so every rank issues the su
 order; the hook's future completes when that thread is done. Flat buckets go on the parent group from the backward
 thread as before: gloo orders collectives per group, so the two kinds do not need to interleave alike.
 
+Momentum correction (`momentum=`, `nesterov=`, `optimizer=`) is `GradientExchange`'s, on the same quantity: DDP
+hands the hook each bucket holding this rank's gradient (summed over its micro-batches, not yet divided), and the
+velocity u = m u + g is taken of it before anything is divided or sent, as the exchange takes it of its group's
+local gradient. The optimizer is checked by the exchange's own checks. DDP's warm-up iteration applies none (its
+buckets are not the final ones, whose velocities start at zero).
+
 Under `ddp.no_sync()` DDP calls no hook: gradients accumulate locally and the next synced backward sends their
 sum; `iteration` counts synced iterations only.
 """
@@ -51,7 +59,7 @@ import statistics
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -64,9 +72,12 @@ from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compres
 from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_all_reduce, hierarchical_topk_sum
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk
 from planner.platform.hosts import host_names, ranks_by_host
-from planner.runtime.exchange import _find_unused, _name_list, planned_params
+from planner.runtime.exchange import GradientExchange, _find_unused, _name_list, planned_params
 from planner.runtime.retune import resolve_plan
 from planner.types import Compressor, CompressorKind, PlanMismatchError
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 __all__ = ["STATE_KIND", "SUPPORTED_KINDS", "PlanHook", "bucket_caps", "plan_hook"]
 
@@ -133,16 +144,28 @@ class PlanHook:
         profile: the profile to re-plan from with `auto_retune` (default the plan's source).
         hosts: the ranks (of the process group) on each host, for the plan's hierarchical groups, as
             `GradientExchange`'s: default read from the ranks' host names. Its length must be the plan's host count.
+        momentum: DGC momentum correction, as `GradientExchange`'s, `0 <= momentum < 1`: a velocity u per bucket,
+            u = m u + g on this rank's gradient g before anything is sent; a top-k bucket selects from v += u and
+            clears u where it sent (momentum factor masking, except at k == numel), a dense, fp16 or PowerSGD
+            bucket sends u. Needs `optimizer`. Not applied in DDP's warm-up iteration (see the module docstring).
+        nesterov: DGC's Nesterov variant, as `GradientExchange`'s: send from g + m u.
+        optimizer: the optimizer that steps the model, checked as `GradientExchange` checks it (and again at every
+            `step()`, through a step pre-hook): with `momentum`, its param groups holding planned parameters must
+            have momentum 0; without, it must have none on the parameters of the plan's top-k groups (pass the
+            momentum here instead). Required with momentum > 0.
 
     Raises:
         PlanMismatchError: the plan was made for another model or cluster, its parameters are not the model's
             trainable ones, or it has what the hook does not run (named in the message).
-        ValueError: find_unused_parameters=False with a plan that records unused parameters.
+        ValueError: find_unused_parameters=False with a plan that records unused parameters; momentum out of range,
+            nesterov without momentum, momentum without an optimizer, or an optimizer that applies momentum
+            itself (with `momentum`, or on top-k groups).
     """
 
     __slots__ = ("_checked", "_final_iteration", "_half", "_host_groups", "_iteration", "_last_hierarchical",
-                 "_names_of", "_pending", "_powersgd", "_residuals", "_routes", "_seeds", "_selector", "_static",
-                 "find_unused_parameters", "model", "plan", "process_group")
+                 "_names_of", "_optimizer_hook", "_pending", "_planned_ids", "_powersgd", "_residuals", "_routes",
+                 "_seeds", "_selector", "_static", "_topk_ids", "_velocities", "find_unused_parameters", "model",
+                 "momentum", "nesterov", "plan", "process_group")
 
     def __init__(
         self,
@@ -154,8 +177,12 @@ class PlanHook:
         auto_retune: bool = False,
         profile: Any = None,
         hosts: Sequence[Sequence[int]] | None = None,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         _check_supported(plan)
+        _as_hook(GradientExchange._check_options, plan, momentum, nesterov, optimizer, None, None)
         layout = None if hosts is None else [list(h) for h in hosts]
         plan = resolve_plan(plan, model, process_group=process_group, auto_retune=auto_retune, profile=profile,
                             host_count=None if layout is None else len(layout))
@@ -174,6 +201,16 @@ class PlanHook:
         self.process_group = process_group
         self.find_unused_parameters = _find_unused(plan, find_unused_parameters)
         self._names_of = {id(p): n for n, p in params.items() if n in planned}
+        self.momentum = float(momentum)
+        self.nesterov = nesterov
+        # What GradientExchange's optimizer checks read (they are called with the hook as their `self`).
+        self._planned_ids = frozenset(id(params[n]) for n in plan.param_order)
+        self._topk_ids = frozenset(id(params[n]) for g in plan.groups
+                                   if plan.compressor_of(g).kind is CompressorKind.TOPK for n in g.params)
+        self._optimizer_hook: RemovableHandle | None = None
+        if optimizer is not None:
+            self._check_optimizer(optimizer)
+            self._optimizer_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._selector = plan.selector or "exact"
         # PowerSGD's first random Qs: one seed per PowerSGD group in plan order, as GradientExchange draws them.
         seeds = np.random.RandomState(0)
@@ -185,6 +222,7 @@ class PlanHook:
         self._static = False
         self._routes: dict[int, _Route] = {}
         self._residuals: dict[int, Tensor] = {}
+        self._velocities: dict[int, Tensor] = {}
         self._powersgd: dict[int, PowerSGDGroup] = {}
         self._half: dict[int, Tensor] = {}
         self._pending: dict[int, dict[str, Any]] = {}
@@ -202,6 +240,25 @@ class PlanHook:
     def from_file(cls, model: nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> PlanHook:
         """Load the plan at `path` (validated, see `Plan.load`) and build the hook."""
         return cls(model, Plan.load(path), **kwargs)
+
+    # -- the optimizer ----------------------------------------------------------------------------
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """GradientExchange's rule: with `momentum`, no momentum in the optimizer on the planned parameters; without,
+        none on the top-k groups' parameters (it would act on the sparse, delayed average)."""
+        if self.momentum > 0:
+            _as_hook(GradientExchange._check_optimizer, self, optimizer)
+        else:
+            _as_hook(GradientExchange._check_topk_momentum, self, optimizer)
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Step pre-hook: check again, in case the optimizer's momentum was turned on after construction."""
+        self._check_optimizer(optimizer)
+
+    def remove_hooks(self) -> None:
+        """Remove the optimizer's step pre-hook (DDP keeps the comm hook for as long as it lives)."""
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
 
     # -- DDP's arguments --------------------------------------------------------------------------
     def _registration_order(self) -> list[str]:
@@ -389,17 +446,33 @@ class PlanHook:
         if not final:  # DDP's first layout is not the groups': every bucket flat, in fp32
             return self._dense(flat, hierarchical=False)
         route = self._routes[index]
+        source = self._apply_momentum(index, route, flat)
         match route.compressor.kind:
             case CompressorKind.DENSE:
-                return self._dense(flat, hierarchical=route.hierarchical)
+                return self._dense(flat, hierarchical=route.hierarchical, source=source)
             case CompressorKind.FP16:
-                return self._fp16(index, flat, hierarchical=route.hierarchical)
+                return self._fp16(index, flat, hierarchical=route.hierarchical, source=source)
             case CompressorKind.POWERSGD:
-                return self._powersgd_send(index, route, bucket, flat)
+                return self._powersgd_send(index, route, bucket, flat, source)
             case CompressorKind.TOPK:
-                return self._topk(index, route, flat)
+                return self._topk(index, route, flat, source)
             case kind:
                 raise PlanMismatchError(f"a bucket is sent by {kind}, which the hook does not run; {_RUN_ELSEWHERE}")
+
+    def _apply_momentum(self, index: int, route: _Route, flat: Tensor) -> Tensor | None:
+        """With momentum: u = m u + g, g this rank's gradient (DDP hands the hook the bucket before any averaging,
+        the local gradient GradientExchange applies momentum to); return what enters the compressor, u or (Nesterov)
+        g + m u, computed in the bucket (or its fp32 copy), as `GradientExchange._apply_momentum`. None without."""
+        if self.momentum == 0:
+            return None
+        grad = flat if flat.dtype == torch.float32 else flat.float()
+        velocity = self._velocities.get(index)
+        if velocity is None:
+            velocity = self._velocities[index] = self._restore_velocity(index, route, grad)
+        velocity.mul_(self.momentum).add_(grad)
+        if self.nesterov:
+            return grad.add_(velocity, alpha=self.momentum)
+        return velocity
 
     def _sum(self, buffer: Tensor, hierarchical: bool) -> torch.futures.Future[Any]:
         """Start summing `buffer` in place over the process group: one allreduce, or (hierarchical) inside each
@@ -429,22 +502,32 @@ class PlanHook:
         self._last_hierarchical = HierarchicalWork(buffer, groups, after=self._last_hierarchical, run=run)
         return fut
 
-    def _dense(self, flat: Tensor, *, hierarchical: bool) -> torch.futures.Future[Tensor]:
-        """fp32 (the bucket's dtype) allreduce mean, divided before the sum as DDP does without a hook."""
-        flat.mul_(1.0 / self._world_size())
+    def _dense(self, flat: Tensor, *, hierarchical: bool, source: Tensor | None = None
+               ) -> torch.futures.Future[Tensor]:
+        """fp32 (the bucket's dtype) allreduce mean, divided before the sum as DDP does without a hook. With
+        momentum the mean of `source` (fp32, as GradientExchange sends a group with momentum)."""
+        if source is None:
+            buffer = flat.mul_(1.0 / self._world_size())
+        else:
+            buffer = flat if flat.dtype == torch.float32 else torch.empty_like(flat, dtype=torch.float32)
+            torch.mul(source, 1.0 / self._world_size(), out=buffer)
 
         def _done(f: torch.futures.Future[Any]) -> Tensor:
             f.value()  # re-raises what the collective raised
+            if buffer is not flat:
+                flat.copy_(buffer)
             return flat
 
-        return self._sum(flat, hierarchical).then(_done)
+        return self._sum(buffer, hierarchical).then(_done)
 
-    def _fp16(self, index: int, flat: Tensor, *, hierarchical: bool) -> torch.futures.Future[Tensor]:
-        """Cast to fp16 and divide by the world size, allreduce, cast back (DDP's `fp16_compress_hook`)."""
+    def _fp16(self, index: int, flat: Tensor, *, hierarchical: bool, source: Tensor | None = None
+              ) -> torch.futures.Future[Tensor]:
+        """Cast to fp16 and divide by the world size, allreduce, cast back (DDP's `fp16_compress_hook`); with
+        momentum, of `source`."""
         half = self._half.get(index)
         if half is None or half.numel() != flat.numel() or half.device != flat.device:
             half = self._half[index] = torch.empty(flat.numel(), dtype=torch.float16, device=flat.device)
-        fp16_compress(flat, half, self._world_size())
+        fp16_compress(flat if source is None else source, half, self._world_size())
         fut = self._sum(half, hierarchical)
 
         def _back(f: torch.futures.Future[Any]) -> Tensor:
@@ -454,9 +537,10 @@ class PlanHook:
 
         return fut.then(_back)
 
-    def _powersgd_send(self, index: int, route: _Route, bucket: dist.GradBucket,
-                       flat: Tensor) -> torch.futures.Future[Tensor]:
-        """PowerSGD with error feedback and warm start, its two allreduces chained (`PowerSGDGroup`)."""
+    def _powersgd_send(self, index: int, route: _Route, bucket: dist.GradBucket, flat: Tensor,
+                       source: Tensor | None = None) -> torch.futures.Future[Tensor]:
+        """PowerSGD with error feedback and warm start, its two allreduces chained (`PowerSGDGroup`); with momentum,
+        of `source`."""
         world_size, pg = self._world_size(), self.process_group
         grad = flat if flat.dtype == torch.float32 else flat.float()
         group = self._powersgd.get(index)
@@ -468,10 +552,11 @@ class PlanHook:
         # The first allreduce is waited for here, so that the second is launched from this thread too: a collective
         # launched from a future's callback could be issued in another order on another rank (gloo pairs them by
         # order). GradientExchange waits at the same point.
+        sent = group.compress(grad if source is None else source)
         if route.hierarchical:
-            self._sum(group.compress(grad), True).wait()
+            self._sum(sent, True).wait()
         else:
-            dist.all_reduce(group.compress(grad), group=pg)
+            dist.all_reduce(sent, group=pg)
         q = group.middle(world_size)
 
         def _finish(f: torch.futures.Future[Any] | None = None) -> Tensor:
@@ -488,8 +573,11 @@ class PlanHook:
             return done
         return self._sum(q, route.hierarchical).then(_finish)
 
-    def _topk(self, index: int, route: _Route, flat: Tensor) -> torch.futures.Future[Tensor]:
-        """The k largest of gradient plus residual from every rank in one allgather, averaged (error feedback)."""
+    def _topk(self, index: int, route: _Route, flat: Tensor,
+              source: Tensor | None = None) -> torch.futures.Future[Tensor]:
+        """The k largest of gradient plus residual from every rank in one allgather, averaged (error feedback); with
+        momentum, of `source` plus residual, and the velocity cleared where this rank sent (DGC's momentum factor
+        masking, as `GradientExchange._select`: not at k == numel, where nothing is delayed)."""
         world_size = self._world_size()
         grad = flat if flat.dtype == torch.float32 else flat.float()
         residual = self._residuals.get(index)
@@ -497,7 +585,11 @@ class PlanHook:
             residual = self._residuals[index] = self._restore_residual(index, route, grad)
         assert route.k is not None
         k, numel = route.k, grad.numel()
-        send = pack(*select_topk(grad, residual, k, selector=self._selector))
+        values, indices = select_topk(grad if source is None else source, residual, k, selector=self._selector)
+        send = pack(values, indices)
+        velocity = self._velocities.get(index)
+        if velocity is not None and k < numel:
+            velocity.index_fill_(0, indices.long(), 0.0)
         if route.hierarchical:  # merged inside each host, sent across once per host, averaged into grad
 
             def _copy(f: torch.futures.Future[Any]) -> Tensor:
@@ -522,19 +614,26 @@ class PlanHook:
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Copies of this rank's top-k residuals and PowerSGD errors and Qs, by DDP bucket, each with its
-        parameters' names (a resumed run's buckets are matched by them)."""
+        """Copies of this rank's top-k residuals, momentum velocities and PowerSGD errors and Qs, by DDP bucket,
+        each with its parameters' names (a resumed run's buckets are matched by them)."""
         buckets: dict[int, dict[str, Any]] = {}
+
+        def entry(index: int) -> dict[str, Any]:
+            return buckets.setdefault(index, {"params": list(self._routes[index].names)})
+
         for index, residual in self._residuals.items():
-            buckets[index] = {"params": list(self._routes[index].names), "residual": residual.detach().clone()}
+            entry(index)["residual"] = residual.detach().clone()
+        for index, velocity in self._velocities.items():
+            entry(index)["velocity"] = velocity.detach().clone()
         for index, group in self._powersgd.items():
-            buckets[index] = {"params": list(self._routes[index].names), "error": group.error.detach().clone(),
-                              "q": group.q.detach().clone(), "fresh": group.fresh}
+            entry(index).update(error=group.error.detach().clone(), q=group.q.detach().clone(), fresh=group.fresh)
         return {"kind": STATE_KIND, "model_fingerprint": self.plan.model.fingerprint, "buckets": buckets}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Keep what `state_dict` saved, for the buckets of the final layout: each bucket of the same parameters
-        continues from it (restored when it is first compressed); a bucket of other parameters starts afresh."""
+        continues from it (restored when it is first compressed); a bucket of other parameters starts afresh. As
+        GradientExchange's: a state without velocities gives a hook with momentum zero velocities, and a state with
+        velocities is refused by a hook without momentum, which would drop them."""
         kind = state.get("kind") if isinstance(state, dict) else type(state).__name__
         if kind != STATE_KIND:
             raise PlanMismatchError(f"not a PlanHook state: kind is {kind!r}, expected {STATE_KIND!r}")
@@ -547,22 +646,45 @@ class PlanHook:
         if not isinstance(buckets, dict):
             raise PlanMismatchError("a PlanHook state holds its buckets as a dict by bucket index; save it with "
                                     "PlanHook.state_dict()")
+        with_velocity = sorted(int(i) for i, e in buckets.items() if isinstance(e, dict) and "velocity" in e)
+        if with_velocity and self.momentum == 0:
+            raise PlanMismatchError(
+                f"this hook state holds momentum velocities for buckets {with_velocity}, but the hook has momentum=0; "
+                "pass the momentum it was saved with, or start without the state"
+            )
         self._pending = {int(i): {**entry, **{k: v.detach().clone() for k, v in entry.items()
                                               if isinstance(v, Tensor)}}
                          for i, entry in buckets.items()}
         self._residuals.clear()
+        self._velocities.clear()
         self._powersgd.clear()
 
     def _saved(self, index: int, route: _Route, keys: set[str]) -> dict[str, Any] | None:
-        entry = self._pending.pop(index, None)
-        if entry is None or tuple(entry.get("params", ())) != route.names or not keys <= set(entry):
+        """Take `keys` of bucket `index`'s saved entry, when it was saved for the same parameters. Each key is taken
+        once (a top-k or PowerSGD bucket with momentum restores its velocity and its residual or error apart)."""
+        entry = self._pending.get(index)
+        if entry is None:
             return None
-        return entry
+        if tuple(entry.get("params", ())) != route.names:
+            del self._pending[index]
+            return None
+        if not keys <= set(entry):
+            return None
+        taken = {key: entry.pop(key) for key in keys}
+        if set(entry) <= {"params"}:
+            del self._pending[index]
+        return taken
 
     def _restore_residual(self, index: int, route: _Route, grad: Tensor) -> Tensor:
         entry = self._saved(index, route, {"residual"})
         if entry is not None and entry["residual"].shape == grad.shape:
             return entry["residual"].to(device=grad.device, dtype=torch.float32)
+        return torch.zeros_like(grad)
+
+    def _restore_velocity(self, index: int, route: _Route, grad: Tensor) -> Tensor:
+        entry = self._saved(index, route, {"velocity"})
+        if entry is not None and entry["velocity"].shape == grad.shape:
+            return entry["velocity"].to(device=grad.device, dtype=torch.float32)
         return torch.zeros_like(grad)
 
     def _restore_powersgd(self, index: int, route: _Route, group: PowerSGDGroup) -> None:
@@ -589,6 +711,15 @@ def plan_hook(state: PlanHook, bucket: dist.GradBucket) -> torch.futures.Future[
 plan_hook.__annotations__.update(
     {"state": PlanHook, "bucket": dist.GradBucket, "return": torch.futures.Future[Tensor]}
 )
+
+
+def _as_hook(check: Any, *args: Any) -> None:
+    """Run one of GradientExchange's checks of the momentum options and the optimizer (the rules live there, once)
+    and word its refusal for the hook."""
+    try:
+        check(*args)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("GradientExchange", "PlanHook").replace("the exchange", "the hook")) from None
 
 
 def _check_supported(plan: Plan) -> None:

@@ -33,6 +33,8 @@ from tests.test_mixed_runtime import ShapedConv, mixed_plan
 from tests.test_runtime import AuxHead, build_model, loss_of, make_batch
 
 MISMATCH = "DDP's buckets are not the plan's groups"
+#: DGC momentum correction's m in the tests of the hook's momentum.
+MOMENTUM = 0.9
 
 
 def ladder() -> nn.Module:
@@ -336,11 +338,12 @@ def hierarchical_plan(model: nn.Module, hierarchical: list[bool]) -> Plan:
     return replace(plan, groups=groups, cluster=replace(plan.cluster, host_count=2))
 
 
-def _hierarchical_worker(rank: int, world_size: int, explicit: bool) -> list[tuple[str, bool]]:
+def _hierarchical_worker(rank: int, world_size: int, explicit: bool, momentum: float = 0.0) -> list[tuple[str, bool]]:
     """The ladder's eight groups, every compressor hierarchical, dense and top-k flat too, against
     `GradientExchange` on the same hosts over four SGD steps (after the hook's warm-up iteration): the same kernels
     on the same buffers in the same order, so bit for bit. The hosts are given (`explicit`), or read from the
-    ranks' host names. Returns the groups' (compressor, hierarchical)."""
+    ranks' host names. With `momentum`, both apply it (momentum correction, SGD without). Returns the groups'
+    (compressor, hierarchical)."""
     hosts = HOSTS if explicit else None
     model = ladder()
     plan = hierarchical_plan(model, [True, True, True, False, False])
@@ -350,13 +353,14 @@ def _hierarchical_worker(rank: int, world_size: int, explicit: bool) -> list[tup
         with pytest.raises(PlanMismatchError, match="another process group"):
             PlanHook(other, plan, hosts=HOSTS).register(
                 DistributedDataParallel(other, process_group=dist.new_group(list(range(world_size)))))
-    hook = PlanHook(model, plan, hosts=hosts)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin)]
+    options = [{"momentum": momentum, "optimizer": opt} if momentum else {} for opt in opts]
+    hook = PlanHook(model, plan, hosts=hosts, **options[0])
     ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
     hook.register(ddp)
     x, y = _ladder_batch(rank, 99)
     nn.functional.mse_loss(ddp(x), y).backward()  # the warm-up iteration, no step
-    exchange = GradientExchange(twin, plan, hosts=hosts)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ddp, twin)]
+    exchange = GradientExchange(twin, plan, hosts=hosts, **options[1])
     for step in range(4):
         x, y = _ladder_batch(rank, step)
         for opt in opts:
@@ -379,6 +383,10 @@ def test_hierarchical_groups_equal_gradient_exchange_on_two_hosts_bit_for_bit() 
     sent = run_distributed(_hierarchical_worker, 4, True, timeout=180)[0]
     assert {c for c, h in sent if h} == set(HIERARCHICAL_AS) and {c for c, h in sent if not h} == {
         "dense", "topk:0.3"}
+
+
+def test_hierarchical_groups_with_momentum_equal_gradient_exchange_bit_for_bit() -> None:
+    assert len(run_distributed(_hierarchical_worker, 4, True, MOMENTUM, timeout=180)) == 4
 
 
 @pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated hosts here: {privilege_problem()}")
@@ -607,3 +615,108 @@ def _no_sync_worker(rank: int, world_size: int) -> list[int]:
 
 def test_no_sync_accumulation_equals_plain_ddp_and_gradient_exchange() -> None:
     assert run_distributed(_no_sync_worker, 2) == [[3, 4]] * 2  # synced iterations (and the warm-up) only
+
+
+# -- momentum correction (DGC), as GradientExchange's ----------------------------------------------------------
+
+
+def test_momentum_options_and_optimizers_are_refused_as_gradient_exchange_does_in_one_line() -> None:
+    """PlanHook takes momentum, nesterov and optimizer with GradientExchange's checks, worded for the hook; the
+    optimizer is checked again at each step, and a state with velocities is refused by a hook without momentum."""
+    model = ladder()
+    topk, dense = mixed_plan(model, ["topk:0.3"], world_size=1), mixed_plan(model, ["dense"], world_size=1)
+
+    def sgd(momentum: float) -> torch.optim.SGD:
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+
+    refused = [
+        (lambda: PlanHook(model, topk, momentum=1.0, optimizer=sgd(0)), ValueError, "0 <= momentum < 1"),
+        (lambda: PlanHook(model, topk, nesterov=True), ValueError, "nesterov=True needs momentum > 0"),
+        (lambda: PlanHook(model, topk, momentum=MOMENTUM), ValueError, "needs optimizer="),
+        (lambda: PlanHook(model, dense, momentum=MOMENTUM, optimizer=sgd(0.5)), ValueError, "applied twice"),
+        (lambda: PlanHook(model, topk, optimizer=sgd(0.5)), ValueError, "pass momentum=0.5 to PlanHook"),
+    ]
+    messages = []
+    for call, error, words in refused:
+        with pytest.raises(error, match=words) as info:
+            call()
+        messages.append(str(info.value))
+    PlanHook(model, dense, optimizer=sgd(0.5))  # dense groups keep the optimizer's momentum, as GradientExchange's
+    opt = sgd(0)
+    hook = PlanHook(model, topk, momentum=MOMENTUM, optimizer=opt)
+    opt.param_groups[0]["momentum"] = 0.5  # turned on after construction: refused at the step
+    with pytest.raises(ValueError, match="applied twice") as info:
+        opt.step()
+    messages.append(str(info.value))
+    hook.remove_hooks()
+    opt.step()  # the hook no longer checks it
+    saved = {**hook.state_dict(), "buckets": {0: {"params": list(topk.groups[0].params),
+                                                  "velocity": torch.zeros(topk.groups[0].numel)}}}
+    with pytest.raises(PlanMismatchError, match="momentum=0") as info:
+        PlanHook(model, topk).load_state_dict(saved)
+    messages.append(str(info.value))
+    assert all("\n" not in m and "GradientExchange" not in m and "the exchange" not in m for m in messages), messages
+
+
+def _momentum_worker(rank: int, world_size: int) -> list[str]:
+    """DGC momentum correction in the hook against `GradientExchange(momentum=0.9)` with the same plan, plain and
+    Nesterov, on a top-k plan and one of every compressor: SGD without momentum steps both, four steps after the
+    hook's warm-up iteration (taken without a step: the hook applies no momentum there). The same kernels on the same
+    local gradients, so bit for bit. Then the hook's state (velocities with residuals and PowerSGD's) resumes a new
+    DDP and hook bit for bit."""
+    done = []
+    for sent_as, nesterov in itertools.product((["topk:0.3"], SENT_AS), (False, True)):
+        model = ladder()
+        plan = mixed_plan(model, sent_as)
+        twin = copy.deepcopy(model)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin)]
+        hook = PlanHook(model, plan, momentum=MOMENTUM, nesterov=nesterov, optimizer=opts[0])
+        ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+        hook.register(ddp)
+        x, y = _ladder_batch(rank, 99)
+        nn.functional.mse_loss(ddp(x), y).backward()  # the warm-up iteration, no step
+        exchange = GradientExchange(twin, plan, momentum=MOMENTUM, nesterov=nesterov, optimizer=opts[1])
+        label = f"{'+'.join(sent_as)}{' nesterov' if nesterov else ''}"
+
+        def step_both(step: int, label: str = label, ddp: nn.Module = ddp, twin: nn.Module = twin,
+                      exchange: GradientExchange = exchange, opts: list[torch.optim.SGD] = opts) -> None:
+            x, y = _ladder_batch(rank, step)
+            for opt in opts:
+                opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            nn.functional.mse_loss(twin(x), y).backward()
+            exchange.synchronize()
+            for opt in opts:
+                opt.step()
+            for (pname, p), q in zip(ddp.module.named_parameters(), twin.parameters(), strict=True):
+                assert torch.equal(p, q), f"{label} step {step}: {pname} differs by {(p - q).abs().max().item():.3g}"
+
+        for step in range(4):
+            step_both(step)
+        assert hook.bucket_groups == list(range(len(plan.groups)))
+        saved = hook.state_dict()
+        assert all("velocity" in entry for entry in saved["buckets"].values()), label
+        resumed_model = copy.deepcopy(ddp.module)
+        resumed_opt = torch.optim.SGD(resumed_model.parameters(), lr=0.05)
+        resumed = PlanHook(resumed_model, plan, momentum=MOMENTUM, nesterov=nesterov, optimizer=resumed_opt)
+        resumed.load_state_dict(saved)
+        resumed_ddp = DistributedDataParallel(resumed_model, **resumed.ddp_kwargs())
+        resumed.register(resumed_ddp)
+        nn.functional.mse_loss(resumed_ddp(x), y).backward()  # warm-up, no step
+        for step in range(4, 7):
+            x, y = _ladder_batch(rank, step)
+            resumed_opt.zero_grad()
+            nn.functional.mse_loss(resumed_ddp(x), y).backward()
+            resumed_opt.step()
+            step_both(step)
+            for (pname, p), q in zip(resumed_model.named_parameters(), ddp.module.parameters(), strict=True):
+                assert torch.equal(p, q), f"{label} resumed step {step}: {pname} differs by " \
+                    f"{(p - q).abs().max().item():.3g}"
+        exchange.close()
+        done.append(label)
+    return done
+
+
+def test_momentum_correction_equals_gradient_exchange_bit_for_bit_and_resumes() -> None:
+    labels = ["topk:0.3", "topk:0.3 nesterov", "+".join(SENT_AS), "+".join(SENT_AS) + " nesterov"]
+    assert run_distributed(_momentum_worker, 2, timeout=180) == [labels] * 2

@@ -463,14 +463,17 @@ def ddp_with_hook(module: torch.nn.Module, hook: Compressor | None, *, find_unus
     return wrapped
 
 
-def plan_in_ddp(module: torch.nn.Module, plan: Plan, *, find_unused: bool) -> torch.nn.Module:
+def plan_in_ddp(module: torch.nn.Module, plan: Plan, *, find_unused: bool, momentum: float = 0.0,
+                optimizer: torch.optim.Optimizer | None = None) -> torch.nn.Module:
     """`module` in DDP running `plan` as README shows: its groups as DDP's buckets, its compressors as one
-    communication hook (`PlanHook`); `find_unused` as the bench found the model (else as the plan says)."""
+    communication hook (`PlanHook`); `find_unused` as the bench found the model (else as the plan says);
+    `momentum` and `optimizer` as `PlanHook`'s (momentum correction in the hook)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from planner.runtime.ddp_plan import PlanHook
 
-    hook = PlanHook(module, plan, find_unused_parameters=True if find_unused else None)
+    hook = PlanHook(module, plan, find_unused_parameters=True if find_unused else None, momentum=momentum,
+                    optimizer=optimizer)
     wrapped = DistributedDataParallel(module, **hook.ddp_kwargs())
     hook.register(wrapped)
     return wrapped
@@ -527,14 +530,19 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
         wl.module.to(device)
         if v.via_ddp:
             assert v.plan is not None
-            model = plan_in_ddp(wl.module, v.plan, find_unused=unused)
-        elif v.local or v.plan is not None:
+            # The algorithm of the plan's own row: SGD's momentum where `sgd_as_advised` puts it for the plan, in
+            # momentum correction (here the hook's) for a plan that sends top-k, else in the optimizer.
+            in_hook = v.plan.sends_topk
+            opt = torch.optim.SGD(wl.module.parameters(), lr=config.lr, momentum=0.0 if in_hook else BENCH_MOMENTUM)
+            model = plan_in_ddp(wl.module, v.plan, find_unused=unused, momentum=BENCH_MOMENTUM if in_hook else 0.0,
+                                optimizer=opt if in_hook else None)
+            runners.append((wl, model, None, opt))
+            continue
+        if v.local or v.plan is not None:
             model = wl.module
         else:
             model = ddp_with_hook(wl.module, v.hook, find_unused=unused, selector=v.selector)
-        # Inside DDP the plan's compressors are the hook's, and SGD's momentum is the optimizer's (as for DDP's hooks).
-        opt, exchange = sgd_as_advised(model, None if v.via_ddp else v.plan, lr=config.lr, momentum=BENCH_MOMENTUM,
-                                       find_unused=unused)
+        opt, exchange = sgd_as_advised(model, v.plan, lr=config.lr, momentum=BENCH_MOMENTUM, find_unused=unused)
         runners.append((wl, model, exchange, opt))
 
     def step(i: int) -> float:
