@@ -14,22 +14,21 @@ faster beyond the noise (a verdict within the noise keeps the simpler choice), o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import VIA_DDP_ROW, Plan
 from planner.contracts.profile import Profile
-from planner.costmodel.mixed import simulate_mixed
-from planner.costmodel.problem import Prediction
+from planner.costmodel.from_profile import gradient_problem, mixed_problem
+from planner.costmodel.mixed import MixedProblem, simulate_mixed
+from planner.costmodel.problem import GradientProblem, Prediction
 from planner.costmodel.simulator import simulate
 from planner.types import Strategy
-
-if TYPE_CHECKING:
-    from planner.strategies.intervals import Problems
 
 __all__ = ["DDP_WAY", "EXCHANGE_WAY", "Way", "choose_way", "unpredicted", "via_ddp_prediction", "via_ddp_refusal",
            "with_via_ddp"]
@@ -37,6 +36,24 @@ __all__ = ["DDP_WAY", "EXCHANGE_WAY", "Way", "choose_way", "unpredicted", "via_d
 #: The two ways of running a gradient plan.
 DDP_WAY = "ddp"
 EXCHANGE_WAY = "exchange"
+
+
+class Problems(Protocol):
+    """Where the cost model's instances come from: `planner.strategies.intervals.Problems` (a profile's, cached, or
+    a resampled profile's), which is not imported here (it imports this module)."""
+
+    def gradient(self, strategy: Strategy, density: float | None = None, *, selector: str = "exact",
+                 runtime: str = "planner", route: str = "best") -> GradientProblem: ...
+
+    def mixed(self, compressors: Any, *, selector: str = "exact", runtime: str = "planner") -> MixedProblem: ...
+
+
+class _Direct:
+    """`Problems` made straight from one profile, uncached."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.gradient = functools.partial(gradient_problem, profile)
+        self.mixed = functools.partial(mixed_problem, profile)
 
 
 def via_ddp_refusal(plan: Plan) -> str | None:
@@ -71,9 +88,7 @@ def via_ddp_prediction(plan: Plan, profile: Profile, problems: Problems | None =
     if via_ddp_refusal(plan) is not None or unpredicted(plan) is not None:
         return None
     if problems is None:
-        from planner.strategies.intervals import Problems
-
-        problems = Problems(profile)
+        problems = _Direct(profile)
     grouping = plan_grouping(plan, profile)
     selector = plan.selector or "exact"
     if plan.strategy is Strategy.MIXED:
