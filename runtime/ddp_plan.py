@@ -72,7 +72,14 @@ from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compres
 from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_all_reduce, hierarchical_topk_sum
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk
 from planner.platform.hosts import host_names, ranks_by_host
-from planner.runtime.exchange import GradientExchange, _find_unused, _name_list, planned_params
+from planner.runtime.exchange import (
+    _find_unused,
+    _name_list,
+    check_momentum_options,
+    check_optimizer_momentum,
+    check_topk_optimizer,
+    planned_params,
+)
 from planner.runtime.retune import resolve_plan
 from planner.types import Compressor, CompressorKind, PlanMismatchError
 
@@ -182,7 +189,7 @@ class PlanHook:
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         _check_supported(plan)
-        _as_hook(GradientExchange._check_options, plan, momentum, nesterov, optimizer, None, None)
+        check_momentum_options(momentum, nesterov, optimizer, "PlanHook")
         layout = None if hosts is None else [list(h) for h in hosts]
         plan = resolve_plan(plan, model, process_group=process_group, auto_retune=auto_retune, profile=profile,
                             host_count=None if layout is None else len(layout))
@@ -203,7 +210,7 @@ class PlanHook:
         self._names_of = {id(p): n for n, p in params.items() if n in planned}
         self.momentum = float(momentum)
         self.nesterov = nesterov
-        # What GradientExchange's optimizer checks read (they are called with the hook as their `self`).
+        # The parameters the optimizer checks look for (GradientExchange's rules).
         self._planned_ids = frozenset(id(params[n]) for n in plan.param_order)
         self._topk_ids = frozenset(id(params[n]) for g in plan.groups
                                    if plan.compressor_of(g).kind is CompressorKind.TOPK for n in g.params)
@@ -246,9 +253,9 @@ class PlanHook:
         """GradientExchange's rule: with `momentum`, no momentum in the optimizer on the planned parameters; without,
         none on the top-k groups' parameters (it would act on the sparse, delayed average)."""
         if self.momentum > 0:
-            _as_hook(GradientExchange._check_optimizer, self, optimizer)
+            check_optimizer_momentum(optimizer, self._planned_ids, self.momentum, "PlanHook")
         else:
-            _as_hook(GradientExchange._check_topk_momentum, self, optimizer)
+            check_topk_optimizer(optimizer, self._topk_ids, "PlanHook")
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Step pre-hook: check again, in case the optimizer's momentum was turned on after construction."""
@@ -711,15 +718,6 @@ def plan_hook(state: PlanHook, bucket: dist.GradBucket) -> torch.futures.Future[
 plan_hook.__annotations__.update(
     {"state": PlanHook, "bucket": dist.GradBucket, "return": torch.futures.Future[Tensor]}
 )
-
-
-def _as_hook(check: Any, *args: Any) -> None:
-    """Run one of GradientExchange's checks of the momentum options and the optimizer (the rules live there, once)
-    and word its refusal for the hook."""
-    try:
-        check(*args)
-    except ValueError as exc:
-        raise ValueError(str(exc).replace("GradientExchange", "PlanHook").replace("the exchange", "the hook")) from None
 
 
 def _check_supported(plan: Plan) -> None:

@@ -100,9 +100,6 @@ def _drain_at_exit() -> None:
 
 atexit.register(_drain_at_exit)
 
-#: Fix named by every refusal of an optimizer that would apply momentum a second time.
-_OPTIMIZER_FIX = "use momentum=0 in the optimizer; the exchange applies momentum"
-
 
 def _find_unused(plan: Plan, given: bool | None) -> bool:
     """`find_unused_parameters` as given, or as the plan says when not given (see `GradientExchange`)."""
@@ -559,15 +556,7 @@ class GradientExchange:
         density_warmup: tuple[float, int] | None,
     ) -> tuple[float, int] | None:
         """Validate the momentum, clipping and warm-up arguments; return the warm-up as (start, steps)."""
-        if not 0 <= momentum < 1:
-            raise ValueError(f"`0 <= momentum < 1` must hold, but got momentum={momentum}")
-        if nesterov and momentum == 0:
-            raise ValueError("nesterov=True needs momentum > 0, but got momentum=0")
-        if momentum > 0 and optimizer is None:
-            raise ValueError(
-                f"momentum={momentum} needs optimizer=: the exchange applies momentum, so it must check that "
-                "the optimizer does not apply it again; pass the optimizer that steps this model"
-            )
+        check_momentum_options(momentum, nesterov, optimizer, "GradientExchange")
         if clip_norm is not None and not (math.isfinite(clip_norm) and clip_norm > 0):
             raise ValueError(f"`0 < clip_norm < inf` must hold, but got clip_norm={clip_norm}")
         if density_warmup is None:
@@ -591,41 +580,11 @@ class GradientExchange:
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer that would apply momentum to the planned parameters a second time."""
-        planned_groups = [
-            (i, group) for i, group in enumerate(optimizer.param_groups)
-            if any(id(p) in self._planned_ids for p in group["params"])
-        ]  # fmt: skip
-        if not planned_groups:
-            raise ValueError(
-                f"the optimizer ({type(optimizer).__name__}) holds none of the planned parameters; "
-                "pass the optimizer that steps this model"
-            )
-        for i, group in planned_groups:
-            if "momentum" not in group:
-                raise ValueError(
-                    f"momentum correction needs an SGD-like optimizer with a momentum setting, but "
-                    f"{type(optimizer).__name__} has none (param group {i}); use torch.optim.SGD with momentum=0"
-                )
-            if group["momentum"] != 0:
-                raise ValueError(
-                    f"optimizer param group {i} has momentum={group['momentum']}, but the exchange already "
-                    f"applies momentum={self.momentum}, so it would be applied twice; {_OPTIMIZER_FIX}"
-                )
+        check_optimizer_momentum(optimizer, self._planned_ids, self.momentum, "GradientExchange")
 
     def _check_topk_momentum(self, optimizer: torch.optim.Optimizer) -> None:
-        """Without `momentum`: refuse an optimizer with momentum on parameters the plan sends by top-k. Its
-        momentum would act on the sparse, delayed average, the mistake DGC's momentum correction is for."""
-        if not self._topk_ids:
-            return
-        for i, group in enumerate(optimizer.param_groups):
-            m = group.get("momentum") or 0
-            if m and any(id(p) in self._topk_ids for p in group["params"]):
-                nesterov = ", nesterov=True" if group.get("nesterov") else ""
-                raise ValueError(
-                    f"optimizer param group {i} has momentum={m}, but the plan sends its parameters by top-k, where "
-                    f"the optimizer's momentum acts on a sparse, delayed average; pass momentum={m}{nesterov} to "
-                    "GradientExchange and momentum=0 to the optimizer (the exchange applies it before top-k)"
-                )
+        """Without `momentum`: refuse an optimizer with momentum on parameters the plan sends by top-k."""
+        check_topk_optimizer(optimizer, self._topk_ids, "GradientExchange")
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Step pre-hook: refuse a step between a backward and its `synchronize()` (it would apply this rank's
@@ -1105,3 +1064,61 @@ class GradientExchange:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# -- momentum correction's checks, shared with PlanHook (`owner` names the one that applies momentum) ------------
+def check_momentum_options(momentum: float, nesterov: bool, optimizer: torch.optim.Optimizer | None,
+                           owner: str) -> None:
+    """Refuse momentum out of range, nesterov without momentum, and momentum without the optimizer to check."""
+    if not 0 <= momentum < 1:
+        raise ValueError(f"`0 <= momentum < 1` must hold, but got momentum={momentum}")
+    if nesterov and momentum == 0:
+        raise ValueError("nesterov=True needs momentum > 0, but got momentum=0")
+    if momentum > 0 and optimizer is None:
+        raise ValueError(
+            f"momentum={momentum} needs optimizer=: {owner} applies momentum, so it must check that the optimizer "
+            "does not apply it again; pass the optimizer that steps this model"
+        )
+
+
+def check_optimizer_momentum(optimizer: torch.optim.Optimizer, planned_ids: frozenset[int], momentum: float,
+                             owner: str) -> None:
+    """With momentum correction (`momentum` > 0, applied by `owner`): refuse an optimizer that holds none of the
+    planned parameters, or would apply momentum to them a second time."""
+    planned_groups = [
+        (i, group) for i, group in enumerate(optimizer.param_groups)
+        if any(id(p) in planned_ids for p in group["params"])
+    ]  # fmt: skip
+    if not planned_groups:
+        raise ValueError(
+            f"the optimizer ({type(optimizer).__name__}) holds none of the planned parameters; "
+            "pass the optimizer that steps this model"
+        )
+    for i, group in planned_groups:
+        if "momentum" not in group:
+            raise ValueError(
+                f"momentum correction needs an SGD-like optimizer with a momentum setting, but "
+                f"{type(optimizer).__name__} has none (param group {i}); use torch.optim.SGD with momentum=0"
+            )
+        if group["momentum"] != 0:
+            raise ValueError(
+                f"optimizer param group {i} has momentum={group['momentum']}, but {owner} already applies "
+                f"momentum={momentum}, so it would be applied twice; use momentum=0 in the optimizer; {owner} "
+                "applies momentum"
+            )
+
+
+def check_topk_optimizer(optimizer: torch.optim.Optimizer, topk_ids: frozenset[int], owner: str) -> None:
+    """Without momentum correction: refuse an optimizer with momentum on parameters sent by top-k. Its momentum
+    would act on the sparse, delayed average, the mistake DGC's momentum correction is for."""
+    if not topk_ids:
+        return
+    for i, group in enumerate(optimizer.param_groups):
+        m = group.get("momentum") or 0
+        if m and any(id(p) in topk_ids for p in group["params"]):
+            nesterov = ", nesterov=True" if group.get("nesterov") else ""
+            raise ValueError(
+                f"optimizer param group {i} has momentum={m}, but the plan sends its parameters by top-k, where "
+                f"the optimizer's momentum acts on a sparse, delayed average; pass momentum={m}{nesterov} to "
+                f"{owner} and momentum=0 to the optimizer ({owner} applies it before top-k)"
+            )

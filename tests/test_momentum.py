@@ -271,7 +271,7 @@ def _optimizer_with_momentum(model: nn.Module) -> torch.optim.Optimizer:
     [
         ({"momentum": MOMENTUM}, r"momentum=0.9 needs optimizer=.*pass the optimizer"),
         ({"momentum": MOMENTUM, "optimizer": _optimizer_with_momentum},
-         r"param group 0 has momentum=0.9.*twice; use momentum=0 in the optimizer; the exchange applies momentum"),
+         r"param group 0 has momentum=0.9.*twice; use momentum=0 in the optimizer; GradientExchange applies momentum"),
         ({"momentum": MOMENTUM, "optimizer": lambda m: torch.optim.Adam(m.parameters())},
          r"Adam has none .*torch.optim.SGD with momentum=0"),
         ({"momentum": MOMENTUM, "optimizer": lambda m: torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)},
@@ -312,7 +312,7 @@ def test_optimizer_momentum_turned_on_later_is_refused_at_step() -> None:
     exchange.synchronize()
     opt.step()
     opt.param_groups[0]["momentum"] = 0.5
-    with pytest.raises(ValueError, match="use momentum=0 in the optimizer; the exchange applies momentum") as info:
+    with pytest.raises(ValueError, match="use momentum=0 in the optimizer; GradientExchange applies momentum") as info:
         opt.step()
     one_line(info)
     exchange.close()  # removes the step pre-hook too
