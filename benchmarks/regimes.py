@@ -113,7 +113,7 @@ def main() -> None:
         ddp = next(x for x in rows if x["model"] == r["model"] and x["link"] == r["link"] and x["name"] == "ddp")
         pred = "" if r["predicted_s"] is None else f"{r['predicted_s'] * 1e3:.1f}"
         err = "" if r["rel_error"] is None else f"{r['rel_error']:.1%}"
-        name = r["name"] + (f" ({r['selector']})" if r["name"].startswith("plan topk") else "")
+        name = r["name"] + (f" ({r['selector']})" if r["name"].startswith("plan topk") and r["selector"] else "")
         console.print(f"| {r['model']} | {r['link']} | {name} | {r['median_s'] * 1e3:.1f} | "
                       f"{r['median_s'] / ddp['median_s']:.2f} | {pred} | {err} |")
     _both_ways(rows)
