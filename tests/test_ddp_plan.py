@@ -58,6 +58,22 @@ def uneven_plan(model: nn.Module, ends: tuple[int, ...], ready: list[str] | None
     return plan_with_groups(model, groups_for(layers, ends, Strategy.DENSE, None), world_size=world_size)
 
 
+def _step_both(rank: int, step: int, ddp: nn.Module, twin: nn.Module, exchange: GradientExchange,
+               opts: list[torch.optim.SGD], label: str = "") -> None:
+    """One step of DDP with the hook and of the twin with GradientExchange on the same batch; their parameters
+    must then be equal bit for bit."""
+    x, y = _ladder_batch(rank, step)
+    for opt in opts:
+        opt.zero_grad()
+    nn.functional.mse_loss(ddp(x), y).backward()
+    nn.functional.mse_loss(twin(x), y).backward()
+    exchange.synchronize()
+    for opt in opts:
+        opt.step()
+    for (pname, p), q in zip(ddp.module.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q), f"{label}step {step}: {pname} differs by {(p - q).abs().max().item():.3g}"
+
+
 def _ladder_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * rank + step)
     return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
@@ -362,16 +378,7 @@ def _hierarchical_worker(rank: int, world_size: int, explicit: bool, momentum: f
     nn.functional.mse_loss(ddp(x), y).backward()  # the warm-up iteration, no step
     exchange = GradientExchange(twin, plan, hosts=hosts, **options[1])
     for step in range(4):
-        x, y = _ladder_batch(rank, step)
-        for opt in opts:
-            opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        nn.functional.mse_loss(twin(x), y).backward()
-        exchange.synchronize()
-        for opt in opts:
-            opt.step()
-        for (pname, p), q in zip(ddp.module.named_parameters(), twin.parameters(), strict=True):
-            assert torch.equal(p, q), f"step {step}: {pname} differs by {(p - q).abs().max().item():.3g}"
+        _step_both(rank, step, ddp, twin, exchange, opts)
     assert hook.bucket_groups == list(range(len(plan.groups)))
     assert [r.hierarchical for r in hook._routes.values()] == [g.hierarchical for g in plan.groups]
     exchange.close()
@@ -680,16 +687,7 @@ def _momentum_worker(rank: int, world_size: int) -> list[str]:
 
         def step_both(step: int, label: str = label, ddp: nn.Module = ddp, twin: nn.Module = twin,
                       exchange: GradientExchange = exchange, opts: list[torch.optim.SGD] = opts) -> None:
-            x, y = _ladder_batch(rank, step)
-            for opt in opts:
-                opt.zero_grad()
-            nn.functional.mse_loss(ddp(x), y).backward()
-            nn.functional.mse_loss(twin(x), y).backward()
-            exchange.synchronize()
-            for opt in opts:
-                opt.step()
-            for (pname, p), q in zip(ddp.module.named_parameters(), twin.parameters(), strict=True):
-                assert torch.equal(p, q), f"{label} step {step}: {pname} differs by {(p - q).abs().max().item():.3g}"
+            _step_both(rank, step, ddp, twin, exchange, opts, f"{label} ")
 
         for step in range(4):
             step_both(step)
