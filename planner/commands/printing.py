@@ -469,7 +469,23 @@ def profile_summary(profile: object) -> list[str]:
         lines.append(f"K-FAC: factors, preconditioning and inversion measured for {len(profile.kfac.layers)} layers")
     if profile.unused_params is not None and profile.unused_params.any:
         lines.append(profile.unused_params.summary())
+    if profile.errors is not None:
+        lines.append(errors_line(profile.errors))
     return lines
+
+
+def errors_line(errors: object) -> str:
+    """Each compressor's error over the whole gradient (every layer sent by it), with its interval over the steps."""
+    from planner.contracts.errors import CompressionErrors
+    from planner.costmodel.spread import LEVEL
+
+    assert isinstance(errors, CompressionErrors)
+    parts = []
+    for c in errors.compressors:
+        low, high = errors.interval(c)
+        parts.append(f"{c} {errors.uniform(c):.3g} [{low:.3g}, {high:.3g}]")
+    return (f"compression error, |C(x) - x|^2 / |x|^2 over the whole gradient with error feedback ({LEVEL:.0%} "
+            f"interval over {errors.steps} steps after {errors.warmup} on {errors.ranks} ranks): " + ", ".join(parts))
 
 
 def _parts_line(profile: object) -> tuple[str, bool] | None:

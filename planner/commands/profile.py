@@ -15,11 +15,12 @@ from rich.progress import Progress, TaskID
 
 from planner.commands.printing import gib
 from planner.console import progress
+from planner.contracts.errors import CompressionErrors
 from planner.contracts.fingerprint import model_info
 from planner.contracts.profile import InSitu, Profile, WorkerThroughput
 from planner.contracts.unused import UnusedParams
 from planner.kernels.hierarchical import HostGroups
-from planner.models import build_workload
+from planner.models import Workload, build_workload
 from planner.platform.hosts import host_names, ranks_by_host
 from planner.platform.launch import device_for, resolve_backend
 from planner.platform.link import LinkRate
@@ -39,10 +40,12 @@ from planner.profilers.comm import (
     topk_budget,
 )
 from planner.profilers.compress import DEFAULT_POWERSGD_RANKS, compress_points, measure_compress
+from planner.profilers.errors import ERROR_STEPS, ERROR_WARMUP, combine_error_runs, measure_errors
 from planner.profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_interference
 from planner.profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
 from planner.profilers.layers import (
     UNUSED_CHECK_BATCHES,
+    LayerSummary,
     combine_ranks,
     gradient_counts,
     measure_layers,
@@ -60,7 +63,7 @@ from planner.runtime.calibrate import (
     measure_kfac_steps_in_situ,
     measure_packing,
 )
-from planner.types import Collective, DistributedError, PlannerError
+from planner.types import Collective, Compressor, DistributedError, PlannerError
 
 __all__ = ["DEFAULT_DENSITIES", "DEFAULT_EFFORT", "DEFAULT_LAYER_SECONDS", "QUICK_EFFORT", "Effort", "ProfileConfig",
            "profile_worker", "run_profile"]
@@ -96,6 +99,8 @@ class Effort:
     in_situ_repeats: int  # pairs of steps per in-situ configuration
     interference_repeats: int  # pairs of passes per collective (sigma, kappa)
     micro_repeats: int  # runs per point of the top-k, packing and compressor micro-benchmarks
+    error_steps: int = ERROR_STEPS  # real steps each compressor's error is recorded over (after error_warmup)
+    error_warmup: int = ERROR_WARMUP
 
 
 #: `planner profile` by default.
@@ -106,7 +111,7 @@ DEFAULT_EFFORT = Effort(repeats=10, warmup=3, layer_seconds=DEFAULT_LAYER_SECOND
 #: under a minute for a model like the built-in MLP on two workers of a 2-core machine. Fewer samples make wider
 #: intervals, and plans made from it say so.
 QUICK_EFFORT = Effort(repeats=5, warmup=1, layer_seconds=0.5, comm_repeats=3, densities=(0.01,), powersgd_ranks=(4,),
-                      in_situ_repeats=4, interference_repeats=3, micro_repeats=3)
+                      in_situ_repeats=4, interference_repeats=3, micro_repeats=3, error_steps=3, error_warmup=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +144,8 @@ class ProfileConfig:
     in_situ_repeats: int = IN_SITU_REPEATS
     interference_repeats: int = INTERFERENCE_REPEATS
     micro_repeats: int = 5
+    error_steps: int = ERROR_STEPS
+    error_warmup: int = ERROR_WARMUP
 
     @classmethod
     def at(cls, effort: Effort, *, quick: bool = False, **kwargs: object) -> ProfileConfig:
@@ -146,7 +153,8 @@ class ProfileConfig:
         fields = {"repeats": effort.repeats, "warmup": effort.warmup, "layer_seconds": effort.layer_seconds,
                   "comm_repeats": effort.comm_repeats, "densities": effort.densities,
                   "powersgd_ranks": effort.powersgd_ranks, "in_situ_repeats": effort.in_situ_repeats,
-                  "interference_repeats": effort.interference_repeats, "micro_repeats": effort.micro_repeats}
+                  "interference_repeats": effort.interference_repeats, "micro_repeats": effort.micro_repeats,
+                  "error_steps": effort.error_steps, "error_warmup": effort.error_warmup}
         return cls(quick=quick, **{**fields, **kwargs})  # type: ignore[arg-type]
 
 
@@ -160,6 +168,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
     layer_results = None
     throughput = None
     unused: UnusedParams | None = None  # --only comm keeps the base profile's (`Profile.with_comm`)
+    errors: CompressionErrors | None = None
     if not config.only_comm:
         workload = build_workload(config.model, batch_size=config.batch_size)
         info = model_info(workload.module, config.model)
@@ -193,6 +202,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
             dist.all_gather_object(counts, gradient_counts(workload, device,
                                                            range(first, first + UNUSED_CHECK_BATCHES)))
             unused = unused_params(counts, UNUSED_CHECK_BATCHES)  # type: ignore[arg-type]
+            errors = _measure_errors(config, workload, device, layer_results, rank, world_size, bar)
             # Each worker's own speed at a few micro-batch sizes (heterogeneous workers differ).
             sizes_tp = throughput_batch_sizes(workload.batch_size)
             mine = measure_throughput(workload, device, sizes_tp, repeats=max(3, config.repeats // 2), warmup=1,
@@ -335,7 +345,30 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
         slowdown_samples=slowdown_samples,
         quick=config.quick,
         unused_params=unused,
+        errors=errors,
     )
+
+
+def error_compressors(config: ProfileConfig) -> list[Compressor]:
+    """The compressors whose error `planner profile` measures: those it times (fp16 and PowerSGD at its ranks,
+    where it measures compressors; top-k at its densities below 1)."""
+    chosen = [Compressor.parse("fp16")] if config.powersgd_ranks else []
+    chosen += [Compressor.parse(f"powersgd:{r}") for r in config.powersgd_ranks]
+    return chosen + [Compressor.parse(f"topk:{d!r}") for d in config.densities if d < 1]
+
+
+def _measure_errors(config: ProfileConfig, workload: Workload, device: torch.device, layers: LayerSummary, rank: int,
+                    world_size: int, bar: Progress) -> CompressionErrors | None:
+    """Each compressor's error on each layer over real steps of every rank (`profilers.errors`), gathered."""
+    compressors = error_compressors(config)
+    if not compressors or config.error_steps < 1:
+        return None
+    task = bar.add_task("compression error in real steps", total=config.error_warmup + config.error_steps)
+    run = measure_errors(workload, device, [(lt.name, lt.params) for lt in layers.layers], compressors, rank=rank,
+                         steps=config.error_steps, warmup=config.error_warmup, on_step=lambda: bar.advance(task))
+    runs: list[object] = [None] * world_size
+    dist.all_gather_object(runs, run)
+    return combine_error_runs(runs, [lt.name for lt in layers.layers], config.error_warmup)  # type: ignore[arg-type]
 
 
 def _more(bar: Progress, task: TaskID, more: int) -> None:

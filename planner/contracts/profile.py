@@ -68,6 +68,8 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
       "quick": true,                                              # optional: `planner profile --quick`
       "unused_params": {"batches", "never", "sometimes"},         # optional: parameters without a gradient in
                                                                   # some batches (planner.contracts.unused)
+      "errors": {"warmup", "layers", "grad_sq",                   # optional: each compressor's error on each
+                 "compressors": {"topk:0.01": {...}, ...}},       # layer in real steps (planner.contracts.errors)
       "hosts": {"ranks": [[0, 1], [2, 3]],                        # null or absent: one host (or hosts of
                 "intra": {...}, "inter": {...},                   # unequal size); the allreduce inside each
                 "hierarchical": {...},                            # host, across them (one shard) and both
@@ -148,6 +150,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from planner.contracts.errors import CompressionErrors
 from planner.contracts.fingerprint import ClusterInfo, ModelInfo
 from planner.contracts.jsonio import (
     MAX_NUMEL,
@@ -1288,6 +1291,9 @@ class Profile:
     #: The parameters that went without a gradient in some of the batches checked (None: not checked, as in
     #: profiles made before it was); see `planner.contracts.unused`.
     unused_params: UnusedParams | None = None
+    #: Each compressor's error on each layer over a few real steps (None: not measured, as in profiles made before
+    #: it was); see `planner.contracts.errors`.
+    errors: CompressionErrors | None = None
     element_bytes: int = 4
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -1317,6 +1323,9 @@ class Profile:
             self._check_parts_follow_steps(self.steps)
         if self.unused_params is not None:
             self.unused_params.check_names({p for lt in self.layers for p in lt.params}, "profile")
+        if self.errors is not None and self.errors.layers != tuple(lt.name for lt in self.layers):
+            raise InvalidProfileError("profile.errors.layers must be the profile's layers in its order; profile it "
+                                      "again with `planner profile`")
         for name, values in (("interference", self.interference), ("comm_stretch", self.comm_stretch)):
             for coll, sigma in (values or {}).items():
                 if not (math.isfinite(sigma) and 0 <= sigma <= MAX_SLOWDOWN):
@@ -1418,6 +1427,7 @@ class Profile:
             "hosts": None if self.hosts is None else self.hosts.to_dict(),
             **({"quick": True} if self.quick else {}),
             **({} if self.unused_params is None else {"unused_params": self.unused_params.to_dict()}),
+            **({} if self.errors is None else {"errors": self.errors.to_dict()}),
             "steps": None if self.steps is None else self.steps.to_dict(),
             "slowdown_samples": None if self.slowdown_samples is None else {
                 c.value: samples.to_dict() for c, samples in self.slowdown_samples.items()
@@ -1449,14 +1459,15 @@ class Profile:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
         data = {"kfac": None, "step_s": None, "parts_scale": None, "pack": None, "interference": None,
                 "comm_stretch": None, "in_situ": None, "throughput": None, "compress": None, "peak_memory": None,
-                "hosts": None, "steps": None, "slowdown_samples": None, "quick": False, "unused_params": None, **data}
+                "hosts": None, "steps": None, "slowdown_samples": None, "quick": False, "unused_params": None,
+                "errors": None, **data}
         check_fields(
             data,
             "profile",
             ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
              "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s",
              "parts_scale", "pack", "interference", "comm_stretch", "in_situ", "throughput", "compress",
-             "peak_memory", "hosts", "steps", "slowdown_samples", "quick", "unused_params"],
+             "peak_memory", "hosts", "steps", "slowdown_samples", "quick", "unused_params", "errors"],
         )
         collectives = {}
         for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
@@ -1505,6 +1516,7 @@ class Profile:
             quick=expect(data["quick"], bool, "profile.quick"),
             unused_params=(None if data["unused_params"] is None
                            else UnusedParams.from_dict(data["unused_params"], "profile.unused_params")),
+            errors=None if data["errors"] is None else CompressionErrors.from_dict(data["errors"]),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
