@@ -1165,28 +1165,36 @@ def _pareto_front_2d(comp: np.ndarray, chan: np.ndarray) -> np.ndarray:
 _FRONT_CHUNK = 64
 
 
-def _pareto_front(comp: np.ndarray, chan: np.ndarray, dec: np.ndarray, dsum: np.ndarray) -> np.ndarray:
-    """Indices of the states no other one dominates in (C, E, V, D) (one of equal states), by C ascending.
+def _pareto_front(comp: np.ndarray, chan: np.ndarray, dec: np.ndarray, dsum: np.ndarray, *more: np.ndarray
+                  ) -> np.ndarray:
+    """Indices of the states no other one dominates in (C, E, V, D) and any `more` coordinates (the mixed solver's
+    error under a budget), one of equal states, by C ascending.
 
-    In (C, E, V, D) lexicographic order a state's dominators come before it, so a sweep keeps each state
+    In (C, E, V, D, ...) lexicographic order a state's dominators come before it, so a sweep keeps each state
     that no state kept before it dominates (a dominated dominator has a kept one of its own). The states
     on the (C, E) front are kept outright (nothing beats those in both); the others are swept a chunk at a
     time: each against the kept states before the chunk and the earlier states of the chunk."""
-    order = np.lexsort((dsum, dec, chan, comp))
+    order = np.lexsort((*more[::-1], dsum, dec, chan, comp))
     e, v, d = chan[order], dec[order], dsum[order]
+    rest = [x[order] for x in more]
     keep = np.concatenate(([True], e[1:] < np.minimum.accumulate(e)[:-1]))
     doubtful = np.flatnonzero(~keep)
+
+    def no_worse(at: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """(rows, at): whether the state at each of `at` is nowhere above each of `rows` in E, V, D and `more`."""
+        out = (e[at] <= e[rows, None]) & (v[at] <= v[rows, None]) & (d[at] <= d[rows, None])
+        for x in rest:
+            out &= x[at] <= x[rows, None]
+        return out
+
     for lo in range(0, doubtful.size, _FRONT_CHUNK):
         rows = doubtful[lo : lo + _FRONT_CHUNK]
         kept = np.flatnonzero(keep[: rows[0]])
-        beaten = np.any((e[kept] <= e[rows, None]) & (v[kept] <= v[rows, None]) & (d[kept] <= d[rows, None]),
-                        axis=1)
+        beaten = np.any(no_worse(kept, rows), axis=1)
         # Within the chunk: every state between the chunk's first and each row (on the (C, E) front or not).
         span = np.arange(rows[0], rows[-1])
         if span.size:
-            inner = ((e[span] <= e[rows, None]) & (v[span] <= v[rows, None]) & (d[span] <= d[rows, None])
-                     & (span < rows[:, None]))
-            beaten |= np.any(inner, axis=1)
+            beaten |= np.any(no_worse(span, rows) & (span < rows[:, None]), axis=1)
         keep[rows] = ~beaten
     return order[keep]
 

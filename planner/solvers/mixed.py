@@ -49,6 +49,7 @@ interference and comm stretch.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -67,7 +68,8 @@ from planner.solvers.grouping import (
 )
 from planner.types import SolverError
 
-__all__ = ["MixedParetoDP", "MixedSolution", "ddp_buckets", "mixed_lower_bound"]
+__all__ = ["DEFAULT_ERROR_RESOLUTION", "ErrorBudget", "MixedParetoDP", "MixedSolution", "ddp_buckets",
+           "mixed_lower_bound"]
 
 #: States kept per prefix by the beam that finds the first upper bound, and by the wider one that stands in
 #: when the exact search runs out of budget.
@@ -79,6 +81,75 @@ DEFAULT_TIME_LIMIT_S = 1.0
 _PRUNE_RTOL = 1e-9
 #: Solutions this close (relative) are a tie: the search's is kept over the heuristics' (rounding, not speed).
 _TIE_RTOL = 1e-12
+
+
+#: Units an error budget is cut into (`ErrorBudget.of`): each layer's error is rounded up to a whole unit, so a plan
+#: the solver keeps within the budget holds at most the budget, and one it rejects for the rounding is within
+#: (layers / resolution) of it.
+DEFAULT_ERROR_RESOLUTION = 1024
+
+
+@dataclass(frozen=True, eq=False)
+class ErrorBudget:
+    """What each compressor's error on each layer adds to a plan's, in whole units, and the most a plan may hold.
+
+    A plan's error is the sum over its layers of the error of the compressor that sends each
+    (`planner.contracts.errors`: additive over layers, so a group's is the sum of its layers'). The solver keeps the
+    fastest plan whose units sum to at most `budget` (`MixedParetoDP(error=...)`).
+
+    Attributes:
+        units: (compressors of the problem, layers): whole units >= 0, in the problem's compressor order.
+        budget: the most units a plan may hold.
+    """
+
+    units: np.ndarray
+    budget: int
+
+    def __post_init__(self) -> None:
+        units = np.asarray(self.units)
+        if units.ndim != 2 or not np.issubdtype(units.dtype, np.integer) or np.any(units < 0):
+            raise SolverError("an error budget's units must be whole numbers >= 0, one row per compressor and one "
+                              "column per layer")
+        if self.budget < 0:
+            raise SolverError(f"an error budget must be >= 0, but got {self.budget}")
+        object.__setattr__(self, "units", units.astype(np.int64))
+        object.__setattr__(self, "_prefix", np.concatenate((np.zeros((units.shape[0], 1), dtype=np.int64),
+                                                            np.cumsum(units, axis=1, dtype=np.int64)), axis=1))
+
+    @classmethod
+    def of(cls, errors: np.ndarray, budget: float, resolution: int = DEFAULT_ERROR_RESOLUTION) -> ErrorBudget:
+        """From errors in the budget's own measure ((compressors, layers), >= 0): a unit is budget / resolution
+        and every layer's error is rounded up to whole units. A budget of 0 admits only the compressors with no
+        error."""
+        errors = np.asarray(errors, dtype=float)
+        if not (np.all(np.isfinite(errors)) and np.all(errors >= 0)):
+            raise SolverError("errors must be finite and >= 0")
+        if not (math.isfinite(budget) and budget >= 0):
+            raise SolverError(f"an error budget must be a finite number >= 0, but got {budget!r}")
+        if budget == 0:
+            return cls(units=(errors > 0).astype(np.int64), budget=0)
+        unit = budget / resolution
+        return cls(units=np.ceil(errors / unit).astype(np.int64), budget=resolution)
+
+    def group(self, which: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Units of the groups of layers starts..ends-1 sent by compressor `which`."""
+        prefix: np.ndarray = object.__getattribute__(self, "_prefix")
+        return prefix[which, ends] - prefix[which, starts]
+
+    def of_solution(self, grouping: Sequence[int], choice: Sequence[int]) -> int:
+        """Units of a solution."""
+        return int(sum(self.units[c, r].sum() for r, c in zip(groups_of(tuple(grouping)), choice, strict=True)))
+
+    def least(self, allowed: Sequence[int]) -> np.ndarray:
+        """(layers + 1,): the least units layers m..L-1 can hold, each sent by its least-error allowed compressor."""
+        per_layer = self.units[list(allowed)].min(axis=0)
+        return np.append(np.cumsum(per_layer[::-1])[::-1], 0)
+
+    def cheapest(self, allowed: Sequence[int]) -> tuple[Grouping, Choice]:
+        """A solution with the least units: every layer alone, sent by its least-error allowed compressor (the first
+        of equal ones)."""
+        picks = [allowed[int(i)] for i in self.units[list(allowed)].argmin(axis=0)]
+        return tuple(range(1, len(picks) + 1)), tuple(picks)
 
 
 @dataclass(frozen=True)
@@ -497,6 +568,9 @@ class MixedParetoDP:
             a beam of the search) is returned, not proven optimal, with its gap to the lower bound
             (`MixedSolution.gap`). None: no limit.
         budget: a limit in candidate states made by the exact search (deterministic, for tests); None: none.
+        error: an error budget (`ErrorBudget`): the fastest plan whose error is within it, exactly (the states
+            gain their error as a fifth clock, never decreasing, so the fronts stay exact; a state whose error
+            plus the least its remaining layers can add exceeds the budget is dropped). None: no budget.
     """
 
     name = "mixed-pareto-dp"
@@ -504,15 +578,18 @@ class MixedParetoDP:
     description = "exact Pareto-front dynamic program over groupings and a compressor per group"
 
     def __init__(self, *, prune: bool = True, allowed: Sequence[int] | None = None,
-                 time_limit_s: float | None = DEFAULT_TIME_LIMIT_S, budget: int | None = None) -> None:
+                 time_limit_s: float | None = DEFAULT_TIME_LIMIT_S, budget: int | None = None,
+                 error: ErrorBudget | None = None) -> None:
         self.prune = prune
         self.allowed = None if allowed is None else tuple(allowed)
         self.time_limit_s = time_limit_s
         self.budget = budget
+        self.error = error
 
     def __repr__(self) -> str:
+        within = "" if self.error is None else f", error budget {self.error.budget} units"
         return (f"MixedParetoDP(prune={self.prune}, allowed={self.allowed}, time_limit_s={self.time_limit_s}, "
-                f"budget={self.budget})")
+                f"budget={self.budget}{within})")
 
     def solve(self, problem: MixedProblem, *, deadline: Deadline | None = None,
               incumbents: Sequence[MixedSolution] = ()) -> MixedSolution:
@@ -520,9 +597,11 @@ class MixedParetoDP:
         search finished, and never worse than any of `incumbents` (solutions of `problem` among the allowed
         compressors: the plans printed beside this one).
 
+        Incumbents whose error exceeds the error budget are left out.
+
         Raises:
             SolverError: `allowed` names a compressor the problem has not got, or an incumbent uses one it does
-                not allow.
+                not allow; the error budget does not fit the problem, or no plan of the allowed compressors fits it.
         """
         allowed = tuple(range(len(problem.compressors))) if self.allowed is None else self.allowed
         if not allowed or any(not 0 <= c < len(problem.compressors) for c in allowed):
@@ -532,17 +611,23 @@ class MixedParetoDP:
         if outside:
             raise SolverError(f"an incumbent solution uses compressors {sorted(set(outside[0]) - set(allowed))} "
                               f"outside the allowed {list(allowed)}")
+        error = self.error
+        if error is not None:
+            _check_error_budget(problem, error, allowed)
         deadline = deadline if deadline is not None else Deadline(self.time_limit_s)
         fixed = problem.forward_s + problem.update_s
         if not self.prune:
-            found = _search(problem, _tables(problem, allowed), allowed, np.inf)
+            found = _search(problem, _tables(problem, allowed), allowed, np.inf, error=error)
             assert found is not None
             return MixedSolution(found[0], found[1], fixed + found[2])
-        candidates = [_evaluated(problem, g, (c,) * len(g)) for c in allowed
-                      for g in dict.fromkeys((tuple(range(1, problem.num_layers + 1)), (problem.num_layers,),
-                                              ddp_buckets(problem)))]
-        candidates += [_evaluated(problem, s.grouping, s.choice) for s in incumbents]
-        best = min(candidates, key=lambda s: s.iteration_s)
+        tried = [(g, (c,) * len(g)) for c in allowed
+                 for g in dict.fromkeys((tuple(range(1, problem.num_layers + 1)), (problem.num_layers,),
+                                         ddp_buckets(problem)))]
+        tried += [(s.grouping, s.choice) for s in incumbents]
+        if error is not None:  # within the budget only, and the plan of least error always
+            tried = [(g, c) for g, c in tried if error.of_solution(g, c) <= error.budget]
+            tried.append(error.cheapest(allowed))
+        best = min((_evaluated(problem, g, c) for g, c in tried), key=lambda s: s.iteration_s)
         try:
             tables = _tables(problem, allowed, deadline)
         except _OutOfBudget:  # no time for a bound better than the compute path
@@ -561,28 +646,42 @@ class MixedParetoDP:
             return (best.iteration_s - fixed) * (1 + _PRUNE_RTOL)
 
         try:
-            improved(_search(problem, tables, allowed, limit(), beam=_BEAM, deadline=deadline))
+            improved(_search(problem, tables, allowed, limit(), beam=_BEAM, deadline=deadline, error=error))
             improved(_search(problem, tables, allowed, limit(), budget=self.budget,
-                             deadline=deadline.share(_SEARCH_SHARE)))
+                             deadline=deadline.share(_SEARCH_SHARE), error=error))
         except _OutOfBudget:
             with contextlib.suppress(_OutOfBudget):  # what is left of the deadline, for a wider beam
-                improved(_search(problem, tables, allowed, limit(), beam=_WIDE_BEAM, deadline=deadline))
+                improved(_search(problem, tables, allowed, limit(), beam=_WIDE_BEAM, deadline=deadline,
+                                 error=error))
             return replace(best, proven=False, lower_bound_s=min(bound, best.iteration_s))
         # Finished: `best` is optimal (a search that prunes everything within it leaves the incumbent, optimal
         # up to rounding).
         return replace(best, proven=True, lower_bound_s=min(bound, best.iteration_s))
 
 
+def _check_error_budget(problem: MixedProblem, error: ErrorBudget, allowed: Sequence[int]) -> None:
+    """An error budget of this problem's compressors and layers, that some plan of the allowed ones fits."""
+    if error.units.shape != (len(problem.compressors), problem.num_layers):
+        raise SolverError(f"the error budget has units for {error.units.shape[0]} compressors x {error.units.shape[1]} "
+                          f"layers, but the problem has {len(problem.compressors)} x {problem.num_layers}")
+    least = int(error.least(allowed)[0])
+    if least > error.budget:
+        raise SolverError(f"no plan fits the error budget: the least error of the allowed compressors is {least} units "
+                          f"against a budget of {error.budget}; allow a compressor of less error (dense has none) or "
+                          "raise the budget")
+
+
 def _evaluated(problem: MixedProblem, grouping: Grouping, choice: Choice) -> MixedSolution:
     return MixedSolution(grouping, choice, simulate_mixed(problem, grouping, choice).iteration_s)
 
 
-def _dominated(every: list[GroupCosts], kappa: float = 0.0) -> np.ndarray:
+def _dominated(every: list[GroupCosts], kappa: float = 0.0, units: Sequence[np.ndarray] | None = None) -> np.ndarray:
     """(compressors, groups): whether another compressor's transition is never later in any clock for that group
     (its preparation, collectives, middle round and decode no larger, and no second round where this one has
     none), the first of equal ones kept. Exact: a dominated compressor's states are dominated. With comm stretch
     kappa a group without a second round never beats one with it: the wait reads the channel in real time, and
-    the stretched clock of the group without one may stay later."""
+    the stretched clock of the group without one may stay later. With `units` (each compressor's error units for
+    the groups) the other compressor's must be no larger too."""
     count = len(every)
     beaten = np.zeros((count, every[0].prepare.size), dtype=bool)
     for i, a in enumerate(every):
@@ -594,6 +693,9 @@ def _dominated(every: list[GroupCosts], kappa: float = 0.0) -> np.ndarray:
                         & (~b.second_round | ((b.middle <= a.middle) & (b.second <= a.second))))
             equal = ((b.prepare == a.prepare) & (b.first == a.first) & (b.decode == a.decode)
                      & (b.second_round == a.second_round) & (b.middle == a.middle) & (b.second == a.second))
+            if units is not None:
+                no_later &= units[j] <= units[i]
+                equal &= units[j] == units[i]
             beaten[i] |= no_later & ~(equal & (j > i))
     return beaten
 
@@ -644,10 +746,11 @@ class _OutOfBudget(Exception):
 
 
 def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limit: float,
-            beam: int | None = None, budget: int | None = None, deadline: Deadline | None = None
-            ) -> tuple[Grouping, Choice, float] | None:
+            beam: int | None = None, budget: int | None = None, deadline: Deadline | None = None,
+            error: ErrorBudget | None = None) -> tuple[Grouping, Choice, float] | None:
     """The best solution whose states all have bounds <= `limit` and its X_G; None if none. With `beam`, only
-    that many states with the lowest bounds are kept per prefix (a heuristic).
+    that many states with the lowest bounds are kept per prefix (a heuristic). With `error`, only solutions within
+    its budget: each state carries its units, a fifth coordinate of its front.
 
     Raises:
         _OutOfBudget: more than `budget` candidate states were made, or `deadline` passed (checked once per
@@ -659,6 +762,8 @@ def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limi
     bounded = bool(np.isfinite(limit))
     capacity = 64
     comp, chan, dec, dsum = (np.zeros(capacity) for _ in range(4))
+    err = np.zeros(capacity, dtype=np.int64)  # error units (0 without a budget)
+    least_err = None if error is None else error.least(allowed)
     length = np.zeros(capacity, dtype=np.int64)
     parent = np.full(capacity, -1, dtype=np.int64)
     pick = np.full(capacity, -1, dtype=np.int64)
@@ -674,9 +779,10 @@ def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limi
         first = length[active]
         starts, block = np.unique(first, return_inverse=True)
         ends = np.full(starts.shape, m)
-        parts = []
+        parts, errs = [], []
         every = [problem.costs(c, starts, ends) for c in allowed]
-        beaten = _dominated(every, kappa)  # (compressors, blocks): another compressor sends these groups no later
+        units = None if error is None else [error.group(c, starts, ends) for c in allowed]
+        beaten = _dominated(every, kappa, units)  # (compressors, blocks): another compressor sends them no later
         for i, (c, costs) in enumerate(zip(allowed, every, strict=True)):
             if beaten[i].all():
                 continue
@@ -684,7 +790,9 @@ def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limi
             sub, where = active[rows], block[rows]
             parts.append(_extend(comp[sub], chan[sub], dec[sub], dsum[sub], sub, c, costs, where,
                                  backward[m] - backward[starts[where]], sigma, kappa))
+            errs.append(err[sub] if units is None else err[sub] + units[i][where])
         new_comp, new_chan, new_dec, new_dsum, origin, chosen = (np.concatenate(x) for x in zip(*parts, strict=True))
+        new_err = np.concatenate(errs)
 
         made += new_comp.size
         if (budget is not None and made > budget) or (deadline is not None and deadline.passed()):
@@ -700,16 +808,22 @@ def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limi
             new_comp = np.where(bound_by_compute, settled, new_comp)
             new_chan = np.where(bound_by_compute, settled, new_chan)
         kept = np.arange(new_comp.size)
+        if error is not None:  # within the budget, with the least the layers after m can add
+            assert least_err is not None
+            kept = np.flatnonzero(new_err + least_err[m] <= error.budget)
+            if kept.size == 0:
+                continue
         if bounded:
-            kept = np.flatnonzero(_real_bounds(tables, m, num_layers, sigma, new_comp, new_chan, new_dec, new_dsum,
-                                               _FEW_WEIGHTS) <= limit)
+            kept = kept[_real_bounds(tables, m, num_layers, sigma, new_comp[kept], new_chan[kept], new_dec[kept],
+                                     new_dsum[kept], _FEW_WEIGHTS) <= limit]
             if kept.size == 0:
                 continue
             kept = kept[_real_bounds(tables, m, num_layers, sigma, new_comp[kept], new_chan[kept], new_dec[kept],
                                      new_dsum[kept]) <= limit]
             if kept.size == 0:
                 continue
-        front = kept[_pareto_front(new_comp[kept], new_chan[kept], new_dec[kept], new_dsum[kept])]
+        more = () if error is None else (new_err[kept],)
+        front = kept[_pareto_front(new_comp[kept], new_chan[kept], new_dec[kept], new_dsum[kept], *more)]
         if beam is not None and front.size > beam:
             bound = _real_bounds(tables, m, num_layers, sigma, new_comp[front], new_chan[front], new_dec[front],
                                  new_dsum[front])
@@ -718,6 +832,7 @@ def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limi
         if count + size > capacity:
             capacity = 2 * (count + size)
             comp, chan, dec, dsum = (np.resize(x, capacity) for x in (comp, chan, dec, dsum))
+            err = np.resize(err, capacity)
             length, parent, pick, expire = (np.resize(x, capacity) for x in (length, parent, pick, expire))
         block_slice = slice(count, count + size)
         if bounded and m < num_layers:
@@ -726,6 +841,7 @@ def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limi
             expire[block_slice] = num_layers + 1
         comp[block_slice], chan[block_slice] = new_comp[front], new_chan[front]
         dec[block_slice], dsum[block_slice] = new_dec[front], new_dsum[front]
+        err[block_slice] = new_err[front]
         length[block_slice], parent[block_slice], pick[block_slice] = m, origin[front], chosen[front]
         if m < num_layers:
             active = np.concatenate((active, np.arange(count, count + size)))

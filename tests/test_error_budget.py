@@ -1,0 +1,121 @@
+"""The mixed solver under an error budget (`ErrorBudget`): against brute force over groupings x compressors within
+the budget on small random instances, never over it, and at an infinite budget the unbudgeted plan."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.costmodel.mixed import MixedProblem, simulate_mixed
+from planner.solvers.mixed import ErrorBudget, MixedParetoDP
+from planner.types import CompressorKind, SolverError
+from tests.test_mixed import all_groupings, random_mixed
+
+
+def random_errors(problem: MixedProblem, seed: int) -> np.ndarray:
+    """(compressors, layers) errors shaped like measured ones: dense 0, fp16 tiny, PowerSGD and top-k large."""
+    rng = np.random.default_rng(seed + 7)
+    rows = []
+    for c in problem.compressors:
+        match c.compressor.kind:
+            case CompressorKind.DENSE:
+                rows.append(np.zeros(problem.num_layers))
+            case CompressorKind.FP16:
+                rows.append(rng.uniform(1e-9, 1e-7, problem.num_layers))
+            case _:
+                rows.append(rng.uniform(0.0, 0.3, problem.num_layers))
+    return np.array(rows)
+
+
+def brute_force_within(problem: MixedProblem, error: ErrorBudget) -> float:
+    best = math.inf
+    picks = range(len(problem.compressors))
+    for grouping in all_groupings(problem.num_layers):
+        for choice in itertools.product(picks, repeat=len(grouping)):
+            if error.of_solution(grouping, choice) <= error.budget:
+                best = min(best, simulate_mixed(problem, grouping, choice).iteration_s)
+    return best
+
+
+@settings(max_examples=100, deadline=None)
+@given(num_layers=st.integers(1, 6), seed=st.integers(0, 10**6), sigma=st.sampled_from([0.0, 0.4, 1.3]),
+       kinds=st.sampled_from(["dfpt", "dpt", "fpt", "dp", "dt"]), kappa=st.sampled_from([0.0, 0.6]),
+       share=st.sampled_from([0.0, 0.05, 0.2, 0.5, 1.0]), resolution=st.sampled_from([4, 64, 1024]))
+def test_budgeted_dp_equals_brute_force_within_the_budget(num_layers: int, seed: int, sigma: float, kinds: str,
+                                                          kappa: float, share: float, resolution: int) -> None:
+    problem = random_mixed(num_layers, seed, sigma=sigma, kinds=kinds, kappa=kappa)
+    errors = random_errors(problem, seed)
+    # a budget between nothing and every layer at its largest error
+    budget = share * float(errors.max(axis=0).sum())
+    error = ErrorBudget.of(errors, budget, resolution)
+    if int(error.least(range(len(problem.compressors)))[0]) > error.budget:  # no dense: nothing may fit
+        with pytest.raises(SolverError, match="no plan fits the error budget"):
+            MixedParetoDP(time_limit_s=None, error=error).solve(problem)
+        return
+    expected = brute_force_within(problem, error)
+    for solver in (MixedParetoDP(time_limit_s=None, error=error),
+                   MixedParetoDP(prune=False, time_limit_s=None, error=error)):
+        solution = solver.solve(problem)
+        assert solution.iteration_s == pytest.approx(expected, rel=1e-9)
+        assert simulate_mixed(problem, solution.grouping, solution.choice).iteration_s == pytest.approx(
+            solution.iteration_s, rel=1e-9)
+        # within the budget in units, so within it in the errors themselves (each rounded up)
+        assert error.of_solution(solution.grouping, solution.choice) <= error.budget
+        held = sum(errors[c, r].sum() for r, c in zip(_ranges(solution.grouping), solution.choice, strict=True))
+        assert held <= budget * (1 + 1e-12)
+
+
+def _ranges(grouping: tuple[int, ...]) -> list[range]:
+    starts = (0, *grouping[:-1])
+    return [range(s, e) for s, e in zip(starts, grouping, strict=True)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_an_unbounded_budget_is_the_unbudgeted_plan(seed: int) -> None:
+    problem = random_mixed(7, seed, sigma=0.4)
+    errors = random_errors(problem, seed)
+    plain = MixedParetoDP(time_limit_s=None).solve(problem)
+    # a budget above every plan's error: the same optimum
+    above_all = ErrorBudget.of(errors, float(errors.max(axis=0).sum()) * 1.01)
+    loose = MixedParetoDP(time_limit_s=None, error=above_all).solve(problem)
+    assert loose.iteration_s == pytest.approx(plain.iteration_s, rel=1e-12)
+    assert loose.proven and plain.proven
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_tighter_budget_is_never_faster(seed: int) -> None:
+    problem = random_mixed(8, seed, sigma=0.4)
+    errors = random_errors(problem, seed)
+    top = float(errors.max(axis=0).sum())
+    times = [MixedParetoDP(time_limit_s=None, error=ErrorBudget.of(errors, share * top)).solve(problem).iteration_s
+             for share in (1.0, 0.3, 0.1, 0.01, 0.0)]
+    assert all(a <= b * (1 + 1e-12) for a, b in itertools.pairwise(times))
+    # nothing but dense fits a budget of 0
+    nothing = MixedParetoDP(time_limit_s=None, error=ErrorBudget.of(errors, 0.0)).solve(problem)
+    assert {problem.compressors[c].compressor.kind for c in nothing.choice} == {CompressorKind.DENSE}
+
+
+def test_error_budget_units_and_refusals() -> None:
+    errors = np.array([[0.0, 0.0], [0.1, 0.25], [1e-9, 0.5]])
+    error = ErrorBudget.of(errors, 1.0, resolution=10)  # a unit is 0.1: rounded up
+    assert error.units.tolist() == [[0, 0], [1, 3], [1, 5]] and error.budget == 10
+    assert error.of_solution((1, 2), (1, 2)) == 6 and error.of_solution((2,), (1,)) == 4
+    assert error.least([1, 2]).tolist() == [4, 3, 0]
+    assert error.cheapest([2, 1]) == ((1, 2), (2, 1))  # layer 0: a tie, the first allowed
+    with pytest.raises(SolverError, match="finite number >= 0"):
+        ErrorBudget.of(errors, -1.0)
+    with pytest.raises(SolverError, match="finite and >= 0"):
+        ErrorBudget.of(-errors - 1, 1.0)
+    with pytest.raises(SolverError, match="whole numbers"):
+        ErrorBudget(units=np.ones((2, 2)), budget=3)
+    problem = random_mixed(3, 0, sigma=0.0, kinds="dp")
+    with pytest.raises(SolverError, match="units for 3 compressors x 2 layers"):
+        MixedParetoDP(time_limit_s=None, error=error).solve(problem)
+    only_lossy = ErrorBudget(units=np.array([[0, 0, 0], [5, 5, 5]]), budget=9)
+    with pytest.raises(SolverError, match="least error of the allowed compressors is 15 units"):
+        MixedParetoDP(time_limit_s=None, error=only_lossy, allowed=(1,)).solve(problem)
