@@ -4,6 +4,7 @@ step as the runtime carries it). `planner profile` gathers every rank's run into
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 
 from planner.contracts.errors import CompressionErrors
+from planner.costmodel.problem import topk_count
 from planner.kernels.error import ErrorMeter
 from planner.models import Workload
 from planner.types import Compressor, CompressorKind
@@ -51,7 +53,7 @@ def measure_errors(
     model = workload.module.to(device)
     params = dict(model.named_parameters())
     shapes = [[tuple(params[p].shape) for p in names] for _, names in layers]
-    meters = {str(c): [ErrorMeter(s, c, device, seed=i) for i, s in enumerate(shapes)] for c in chosen}
+    meters = {str(c): [ErrorMeter(s, c, device, k=_k(c, s), seed=i) for i, s in enumerate(shapes)] for c in chosen}
     grad_sq = np.zeros((len(layers), steps))
     input_sq = {c: np.zeros((len(layers), steps)) for c in meters}
     error_sq = {c: np.zeros((len(layers), steps)) for c in meters}
@@ -83,6 +85,14 @@ def combine_error_runs(runs: Sequence[ErrorRun], layers: Sequence[str], warmup: 
         layers=tuple(layers), warmup=warmup, grad_sq=np.stack([r.grad_sq for r in runs]),
         input_sq={c: np.stack([r.input_sq[c] for r in runs]) for c in runs[0].input_sq},
         error_sq={c: np.stack([r.error_sq[c] for r in runs]) for c in runs[0].error_sq})
+
+
+def _k(compressor: Compressor, shapes: Sequence[tuple[int, ...]]) -> int | None:
+    """What top-k sends of a layer of these shapes alone (None for the other compressors)."""
+    if compressor.kind is not CompressorKind.TOPK:
+        return None
+    assert compressor.density is not None
+    return topk_count(sum(math.prod(s) for s in shapes), compressor.density)
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,7 @@ def test_powersgd_error_is_at_least_the_tail_of_the_singular_values():
 
 def test_topk_error_with_error_feedback_by_hand():
     g = torch.tensor([5.0, -4.0, 3.0, 0.5, -0.25, 0.1])
-    meter = ErrorMeter([(6,)], _c("topk:0.5"))  # k = 3
+    meter = ErrorMeter([(6,)], _c("topk:0.5"), k=3)
     first = meter.observe(g)
     assert first.grad_sq == first.input_sq == pytest.approx(25 + 16 + 9 + 0.25 + 0.0625 + 0.01)
     assert first.error_sq == pytest.approx(0.25 + 0.0625 + 0.01)  # 0.5, -0.25, 0.1 stay behind
@@ -80,7 +80,7 @@ def test_topk_error_with_error_feedback_by_hand():
 def test_topk_keeps_whatever_error_builds_up():
     # the residual wins once it outgrows the others: x = [1, 1, 0.6 * t] at step t, k = 1
     g = torch.tensor([1.0, 1.0, 0.6])
-    meter = ErrorMeter([(3,)], _c("topk:0.3"))
+    meter = ErrorMeter([(3,)], _c("topk:0.3"), k=1)
     errors = [meter.observe(g).error_sq for _ in range(4)]
     # step 1: keeps one of the 1s -> [0, 1, 0.6] left; step 2: x = [1, 2, 1.2], keeps 2 -> [1, 0, 1.2];
     # step 3: x = [2, 1, 1.8], keeps 2 -> [0, 1, 1.8]; step 4: x = [1, 2, 2.4], keeps 2.4 -> [1, 2, 0]
@@ -90,7 +90,13 @@ def test_topk_keeps_whatever_error_builds_up():
 def test_meters_refuse_dense_and_bad_gradients():
     with pytest.raises(ValueError, match="no compression error"):
         ErrorMeter([(4,)], _c("dense"))
-    meter = ErrorMeter([(2, 3)], _c("topk:0.5"))
+    with pytest.raises(ValueError, match="top-k needs the k it sends"):
+        ErrorMeter([(4,)], _c("topk:0.5"))
+    with pytest.raises(ValueError, match="top-k needs the k it sends"):
+        ErrorMeter([(4,)], _c("fp16"), k=2)
+    with pytest.raises(ValueError, match="1 <= k <= 4"):
+        ErrorMeter([(4,)], _c("topk:0.5"), k=5)
+    meter = ErrorMeter([(2, 3)], _c("topk:0.5"), k=3)
     with pytest.raises(ValueError, match="flat fp32 gradient of 6"):
         meter.observe(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="flat fp32 gradient of 6"):

@@ -474,6 +474,19 @@ def profile_summary(profile: object) -> list[str]:
     return lines
 
 
+def error_line(error: object) -> str:
+    """The plan's compression error with its interval, and the budget it was kept within."""
+    from planner.contracts.plan import PlanError
+
+    assert isinstance(error, PlanError)
+    low, high = error.interval
+    line = f"compression error {error.predicted:.3g} [{low:.3g}, {high:.3g}] (|C(x) - x|^2 / |x|^2 over the gradient)"
+    if error.budget is not None:
+        of = f": {error.budget_of} on every layer" if error.budget_of is not None else ""
+        line += f", within the budget {error.budget:.3g}{of}"
+    return line
+
+
 def errors_line(errors: object) -> str:
     """Each compressor's error over the whole gradient (every layer sent by it), with its interval over the steps."""
     from planner.contracts.errors import CompressionErrors

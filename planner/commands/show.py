@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.table import Table
 
 from planner.commands.common import Command
-from planner.commands.printing import print_plan, print_profile
+from planner.commands.printing import error_line, print_plan, print_profile
 from planner.console import console
 from planner.types import PlannerError
 
@@ -39,6 +39,8 @@ class ShowCommand(Command):
         if kind == PLAN_KIND:
             plan = Plan.load(args.file)
             print_plan(plan)
+            if plan.error is not None:
+                console.print(error_line(plan.error), markup=False, soft_wrap=True)
             if args.groups:
                 table = Table(title="groups in ready order")
                 for col in ("#", "layers", "elements", "k"):

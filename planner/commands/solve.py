@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from planner.commands.common import ABS, CLUSTER_HELP, COMPRESSORS_HELP, KFAC, Command, _density, _positive
-from planner.commands.printing import print_auto, print_mixed_groups, print_plan
+from planner.commands.printing import error_line, print_auto, print_mixed_groups, print_plan
 from planner.console import console
 from planner.contracts.abs import TRIGGERS
 from planner.contracts.jsonio import check_output_path
@@ -32,6 +32,11 @@ class SolveCommand(Command):
         parser.add_argument("--density", type=_density, default=None, help="top-k density (default 0.01)")
         parser.add_argument("--compressors", default=None, metavar="LIST|PRESET",
                             help=f"--strategy mixed and auto: {COMPRESSORS_HELP}")
+        parser.add_argument("--error-budget", default=None, metavar="NUMBER|COMPRESSOR",
+                            help="--strategy mixed and auto: keep the fastest plan whose compression error (as the "
+                                 "profile measured it, the contraction of the whole gradient) is at most this: a "
+                                 "number, or a compressor whose error with every layer sent by it is the budget "
+                                 "(e.g. powersgd:4); default: none")
         # Checked in run(), not by argparse `choices`, so a bad name is one line (no usage block).
         parser.add_argument("--selector", default="auto", metavar="{auto,exact,sampled}",
                             help="top-k selector: exact torch.topk, sampled threshold, or auto (default): the one "
@@ -96,6 +101,13 @@ class SolveCommand(Command):
             raise PlannerError("--route applies to --strategy dense, topk and mixed only")
         if args.compressors is not None and not (is_mixed or is_auto):
             raise PlannerError("--compressors applies to --strategy mixed and auto only")
+        if args.error_budget is not None and not (is_mixed or is_auto):
+            raise PlannerError("--error-budget applies to --strategy mixed and auto only")
+        error_budget = None
+        if args.error_budget is not None:
+            from planner.strategies.budget import parse_error_budget
+
+            error_budget = parse_error_budget(args.error_budget)
         if args.time_limit is not None and is_abs:
             raise PlannerError("--time-limit does not apply to --strategy abs")
         if args.time_limit is not None and not (math.isfinite(args.time_limit) and args.time_limit > 0):
@@ -152,7 +164,8 @@ class SolveCommand(Command):
 
             assert compressors is not None
             choice = solve_auto(profile, compressors, source=str(args.profile), selector=selector,
-                                time_limit_s=args.time_limit or 1.0, weigh_noise=args.cluster is None)
+                                time_limit_s=args.time_limit or 1.0, weigh_noise=args.cluster is None,
+                                error_budget=error_budget)
             print_auto(choice)
             plan = choice.plan
         elif is_mixed:
@@ -160,7 +173,7 @@ class SolveCommand(Command):
 
             assert compressors is not None
             plan = make_mixed_plan(profile, compressors, source=str(args.profile), selector=selector,
-                                   time_limit_s=args.time_limit or 1.0, route=args.route)
+                                   time_limit_s=args.time_limit or 1.0, route=args.route, error_budget=error_budget)
         else:
             plan = make_plan(profile, strategy, density, source=str(args.profile), selector=selector, route=args.route,
                              time_limit_s=args.time_limit)
@@ -180,6 +193,8 @@ class SolveCommand(Command):
             ddp = nominal_ddp(plan, profile)  # the verdict as predicted: the profile's noise is not known
         plan.save(args.output)  # once DDP's rows are predicted: one the profile cannot predict refuses the plan
         print_plan(plan, ddp=ddp)
+        if plan.error is not None:
+            console.print(error_line(plan.error), markup=False, soft_wrap=True)
         if plan.strategy is Strategy.MIXED:
             print_mixed_groups(plan, profile)
         console.print(f"wrote plan {args.output}")

@@ -39,8 +39,12 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
       "unused_params": {...},                        # optional: the profile's parameters without a gradient
                                                      # in some batches (planner/contracts/unused.py); absent:
                                                      # not checked
-      "abs": null | {...}                            # ABS-SGD plans only: see planner/contracts/abs.py
-    }
+      "abs": null | {...},                           # ABS-SGD plans only: see planner/contracts/abs.py
+      "error": {"predicted": 0.12,                   # optional (mixed plans from a profile that measured it):
+                "interval": [0.10, 0.14],            # the plan's compression error (planner/contracts/errors.py)
+                "budget": 0.3 | null,                # with its 90% interval; the error budget it was solved
+                "budget_of": "powersgd:4" | null}    # under (null: none) and the compressor whose error over the
+    }                                                # whole gradient set it (null: given as a number)
 
 A top-k plan names the selector whose measured cost its predictions use: "exact" (`torch.topk`) or
 "sampled" (threshold from a random sample, exact top-k of the candidates above it); both send the same
@@ -108,7 +112,7 @@ from planner.types import (
 )
 
 __all__ = ["DDP_ROW", "PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "VIA_DDP_ROW", "Group", "Intervals", "Plan",
-           "Verdict", "check_selector", "ddp_row", "parse_compressor"]
+           "PlanError", "Verdict", "check_selector", "ddp_row", "parse_compressor"]
 
 PLAN_SCHEMA_VERSION = 1
 PLAN_KIND = "planner.plan"
@@ -149,6 +153,45 @@ def parse_compressor(text: object, where: str) -> Compressor:
         return Compressor.parse(text)  # type: ignore[arg-type]
     except CompressorError as exc:
         raise SchemaError(f"{where}: {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanError:
+    """A plan's compression error as its profile measured it (`planner.contracts.errors`), with its 90% interval
+    over the measured steps, and the budget the solver kept it within (None: solved without one; `budget_of`: the
+    compressor whose error over the whole gradient the budget was)."""
+
+    predicted: float
+    interval: tuple[float, float]
+    budget: float | None = None
+    budget_of: Compressor | None = None
+
+    def __post_init__(self) -> None:
+        low, high = self.interval
+        for name, value in (("predicted", self.predicted), ("interval", low), ("interval", high),
+                            ("budget", 0.0 if self.budget is None else self.budget)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value)
+                                                                                     and value >= 0):
+                raise SchemaError(f"plan.error.{name} must be a finite number >= 0, got {value!r}")
+        if low > high:
+            raise SchemaError(f"plan.error.interval must be [low, high], got [{low!r}, {high!r}]")
+        if self.budget_of is not None and self.budget is None:
+            raise SchemaError("plan.error.budget_of names the compressor that set a budget, but there is no budget")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"predicted": self.predicted, "interval": list(self.interval), "budget": self.budget,
+                "budget_of": None if self.budget_of is None else str(self.budget_of)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PlanError:
+        expect(data, dict, "plan.error")
+        check_fields(data, "plan.error", ["predicted", "interval", "budget", "budget_of"])
+        interval = expect(data["interval"], list, "plan.error.interval")
+        if len(interval) != 2:
+            raise SchemaError(f"plan.error.interval must be [low, high], got {interval!r}")
+        return cls(predicted=data["predicted"], interval=(interval[0], interval[1]), budget=data["budget"],
+                   budget_of=(None if data["budget_of"] is None
+                              else parse_compressor(data["budget_of"], "plan.error.budget_of")))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -369,6 +412,9 @@ class Plan:
     #: The profile's parameters without a gradient in some of its batches: the runtime then needs
     #: `find_unused_parameters=True` (None: not checked, as in plans from profiles made before it was).
     unused_params: UnusedParams | None = None
+    #: The plan's compression error and the budget it was solved under (None: not predicted, as for plans from
+    #: profiles without an `errors` record).
+    error: PlanError | None = None
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -537,6 +583,8 @@ class Plan:
             out["compressors"] = [str(c) for c in self.compressors]
         if self.unused_params is not None:
             out["unused_params"] = self.unused_params.to_dict()
+        if self.error is not None:
+            out["error"] = self.error.to_dict()
         return out
 
     @classmethod
@@ -550,9 +598,10 @@ class Plan:
         if data.get("kind") != PLAN_KIND:
             raise SchemaError(f"not a plan: kind is {data.get('kind')!r}, expected {PLAN_KIND!r}")
         fields = ["schema_version", "kind", "created", "strategy", "density", "model", "cluster", "source", "solver"]
-        data = {"kfac": None, "abs": None, "selector": None, "compressors": None, "unused_params": None, **data}
+        data = {"kfac": None, "abs": None, "selector": None, "compressors": None, "unused_params": None,
+                "error": None, **data}
         check_fields(data, "plan", [*fields, "groups", "predicted", "kfac", "abs", "selector", "compressors",
-                                    "unused_params"])
+                                    "unused_params", "error"])
         try:
             strategy = Strategy(data["strategy"])
         except ValueError:
@@ -624,6 +673,7 @@ class Plan:
             gap=gap,
             unused_params=(None if data["unused_params"] is None
                            else UnusedParams.from_dict(data["unused_params"], "plan.unused_params")),
+            error=None if data["error"] is None else PlanError.from_dict(data["error"]),
         )
 
     @property

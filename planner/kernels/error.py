@@ -25,7 +25,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from planner.costmodel.problem import topk_count
 from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compress, fp16_decompress
 from planner.kernels.topk import take_topk
 from planner.types import Compressor, CompressorKind
@@ -48,18 +47,24 @@ class ErrorMeter:
         shapes: the layer's parameter shapes, in the order its flat gradient holds them.
         compressor: fp16, powersgd:R or topk:D (dense moves nothing: use no meter).
         device: where the state lives (the gradients' device).
+        k: top-k's count of entries sent (`planner.costmodel.problem.topk_count` of the layer's elements and the
+            density, as a plan's group has it); required for top-k, refused otherwise.
         seed: seeds PowerSGD's first random Qs, as the runtime's groups are seeded.
         selector: top-k's selector ("exact" or "sampled"; both keep the same entries up to ties).
     """
 
     def __init__(self, shapes: Sequence[Sequence[int]], compressor: Compressor, device: torch.device | str = "cpu",
-                 *, seed: int = 0, selector: str = "exact") -> None:
+                 *, k: int | None = None, seed: int = 0, selector: str = "exact") -> None:
         self.compressor = compressor
         self.selector = selector
         self.numel = sum(_numel(s) for s in shapes)
         self._residual: Tensor | None = None
         self._powersgd: PowerSGDGroup | None = None
         self._half: Tensor | None = None
+        if (k is None) == (compressor.kind is CompressorKind.TOPK) or (k is not None and not 1 <= k <= self.numel):
+            raise ValueError(f"top-k needs the k it sends (1 <= k <= {self.numel}), no other compressor takes one; "
+                             f"got k={k} for {compressor}")
+        self.k = k or 0
         match compressor.kind:
             case CompressorKind.FP16:
                 self._half = torch.empty(self.numel, dtype=torch.float16, device=device)
@@ -67,8 +72,6 @@ class ErrorMeter:
                 assert compressor.rank is not None
                 self._powersgd = PowerSGDGroup(PowerSGDLayout.of(shapes, compressor.rank), torch.device(device), seed)
             case CompressorKind.TOPK:
-                assert compressor.density is not None
-                self.k = topk_count(self.numel, compressor.density)
                 self._residual = torch.zeros(self.numel, dtype=torch.float32, device=device)
             case kind:
                 raise ValueError(f"{kind.value} sends its input unchanged: it has no compression error to measure")

@@ -11,15 +11,16 @@ the fastest predicted is kept, beside DDP's predictions. Either way the kept pla
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from planner.contracts.plan import DDP_ROW, Plan
 from planner.contracts.profile import Profile
+from planner.strategies.budget import BudgetSpec, plan_error, resolve_budget
 from planner.strategies.gradients import make_plan
 from planner.strategies.mixed import make_mixed_plan
 from planner.strategies.via_ddp import Way, choose_way
-from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
+from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, InvalidProfileError, Strategy
 
 __all__ = ["AutoChoice", "ddp_predictions", "solve_auto"]
 
@@ -54,7 +55,8 @@ def ddp_predictions(candidates: dict[str, Plan]) -> dict[str, float]:
 
 
 def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: str = "",
-               selector: str | None = None, time_limit_s: float | None = 1.0, weigh_noise: bool = True) -> AutoChoice:
+               selector: str | None = None, time_limit_s: float | None = 1.0, weigh_noise: bool = True,
+               error_budget: BudgetSpec | None = None) -> AutoChoice:
     """Every way of sending that `compressors` allow, each solved exactly: a dense plan (if dense is allowed), a
     top-k plan per allowed density, and the mixed plan over all of them. Each candidate's solve takes at most
     `time_limit_s` (past it, the best found, recorded as not proven optimal).
@@ -65,26 +67,48 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     Without samples (or with `weigh_noise` False: a what-if cluster, not measured), the one with the least predicted
     iteration is kept (on a tie the first: dense, then top-k, then mixed) and compared with DDP's predictions alone.
 
+    With `error_budget` (`planner.strategies.budget`) only plans within it are candidates: the top-k plans whose
+    error is within it, and the mixed plan solved under it.
+
     Raises:
-        InvalidProfileError: a compressor the profile did not measure.
+        InvalidProfileError: a compressor the profile did not measure (or, with a budget, whose error it did not).
     """
     from planner.strategies.intervals import Draws
 
     allowed = tuple(compressors)
+    budget = None if error_budget is None else resolve_budget(profile, error_budget)
     candidates: dict[str, Plan] = {}
     if DENSE_COMPRESSOR in allowed:
         candidates["dense"] = make_plan(profile, Strategy.DENSE, source=source, time_limit_s=time_limit_s)
     for c in allowed:
-        if c.kind is CompressorKind.TOPK:
+        if c.kind is CompressorKind.TOPK and (budget is None or _uniform_error(profile, c) <= budget[0]):
             candidates[f"topk at {c.density:g}"] = make_plan(profile, Strategy.TOPK, c.density, source=source,
                                                              selector=selector, time_limit_s=time_limit_s)
     if len(allowed) > 1 or not candidates:
         candidates[f"mixed over {', '.join(map(str, allowed))}"] = make_mixed_plan(
-            profile, allowed, source=source, selector=selector, time_limit_s=time_limit_s)
+            profile, allowed, source=source, selector=selector, time_limit_s=time_limit_s, error_budget=error_budget)
+    candidates = {name: with_error(plan, profile, budget) for name, plan in candidates.items()}
     draws = Draws.of(profile) if weigh_noise else None
     if draws is None:
         return _auto_by_prediction(candidates)
     return _auto_beyond_noise(profile, candidates, allowed, draws, time_limit_s)
+
+
+def _uniform_error(profile: Profile, compressor: Compressor) -> float:
+    """The error of `compressor` on every layer (the profile measured it: `resolve_budget` checked the record)."""
+    assert profile.errors is not None
+    try:
+        return profile.errors.uniform(compressor)
+    except KeyError as exc:
+        raise InvalidProfileError(str(exc.args[0])) from None
+
+
+def with_error(plan: Plan, profile: Profile, budget: tuple[float, Compressor | None] | None) -> Plan:
+    """`plan` with its compression error recorded (where the profile measured its compressors' errors)."""
+    if plan.error is not None:
+        return plan
+    error = plan_error(profile, plan.groups, [plan.compressor_of(g) for g in plan.groups], budget)
+    return plan if error is None else replace(plan, error=error)
 
 
 def _auto_by_prediction(candidates: dict[str, Plan]) -> AutoChoice:

@@ -29,6 +29,7 @@ from planner.costmodel.mixed import MixedProblem, simulate_mixed
 from planner.costmodel.problem import Grouping, Prediction, groups_of, topk_count
 from planner.solvers.deadline import Deadline
 from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
+from planner.strategies.budget import BudgetSpec, plan_error, resolve_budget, solver_budget
 from planner.strategies.gradients import (
     check_route,
     from_profile,
@@ -109,7 +110,8 @@ def plan_choice(plan: Plan, profile: Profile) -> tuple[MixedProblem, list[int]]:
 
 
 def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, source: str = "",
-                    selector: str | None = None, time_limit_s: float | None = 1.0, route: str = "best") -> Plan:
+                    selector: str | None = None, time_limit_s: float | None = 1.0, route: str = "best",
+                    error_budget: BudgetSpec | None = None) -> Plan:
     """The exact mixed plan among `compressors`, with the baselines (its row run inside DDP among them,
     `planner.strategies.via_ddp`) and the lower bound.
 
@@ -122,9 +124,14 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
         route: on a profile of several hosts, how groups cross them: each group the way the exact search
             makes the step fastest ("best"), every group flat ("flat"), or every group hierarchically where
             its compressor can be ("hierarchical").
+        error_budget: the fastest plan whose compression error is within this (a number, or a compressor's error
+            with every layer sent by it: `planner.strategies.budget`); None: no budget. The rows beside the plan
+            ("only:C", DDP's hooks) are what a user could run instead, and keep no budget.
 
     Raises:
-        InvalidProfileError: a compressor the profile did not measure; a route forced on a profile of one host.
+        InvalidProfileError: a compressor the profile did not measure (its costs, or with a budget its error); a
+            route forced on a profile of one host.
+        SolverError: no plan of the compressors fits the budget.
         SchemaError, CompressorError: no compressors, a repeated one, an unknown selector.
     """
     chosen = tuple(compressors)
@@ -135,7 +142,9 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
     measured = profile.topk.selectors() if profile.topk is not None else []
     selectors = [selector] if selector is not None or not topk else (measured or ["exact"])
     check_route(profile, route)
-    plans = [_solve(profile, chosen, s, source=source, time_limit_s=time_limit_s, route=route) for s in selectors]
+    budget = None if error_budget is None else resolve_budget(profile, error_budget)
+    plans = [_solve(profile, chosen, s, source=source, time_limit_s=time_limit_s, route=route, budget=budget)
+             for s in selectors]
     best = min(plans, key=lambda p: p.predicted.iteration_s)
     from planner.strategies.via_ddp import with_via_ddp
 
@@ -143,7 +152,8 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
 
 
 def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str | None, *, source: str,
-           time_limit_s: float | None, route: str = "best") -> Plan:
+           time_limit_s: float | None, route: str = "best", budget: tuple[float, Compressor | None] | None = None
+           ) -> Plan:
     """One mixed plan under one selection-cost model. The whole solve (the rows "only:C" and the plans all flat and
     all hierarchical, each within a share of the limit, then the plan's own search, and the lower bounds) takes at
     most `time_limit_s`; the plan is never slower than a row it could have used."""
@@ -162,7 +172,8 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
         subs.update(route_solutions(problem, deadline, share))
     # The DDP rows (DDP's buckets at DDP's own costs, another runtime's) are not solutions of this problem.
     incumbents = [s for s in subs.values() if set(s.choice) <= usable]
-    solution = MixedParetoDP(allowed=ways).solve(problem, deadline=deadline, incumbents=incumbents)
+    error = None if budget is None else solver_budget(profile, problem, budget[0])
+    solution = MixedParetoDP(allowed=ways, error=error).solve(problem, deadline=deadline, incumbents=incumbents)
     seconds = time.perf_counter() - t0
     layers = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in profile.layers]
     baselines: dict[str, Prediction] = {}
@@ -189,6 +200,7 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
     bound = min(every_way, mixed_lower_bound(ddp_all, deadline=deadline), predicted.iteration_s)
     groups = mixed_groups(layers, problem, solution)
     sends_topk = any(g.k is not None for g in groups)
+    error_record = plan_error(profile, groups, [problem.compressors[c].compressor for c in solution.choice], budget)
     return Plan(
         strategy=Strategy.MIXED,
         density=None,
@@ -202,6 +214,7 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
         solve_seconds=seconds,
         **optimality(solution.proven, predicted.iteration_s, solution.lower_bound_s),
         **from_profile(profile, source),
+        error=error_record,
     )
 
 

@@ -1,0 +1,109 @@
+"""A mixed plan's error budget: `--error-budget` read, resolved against the compression errors the profile measured
+(`planner.contracts.errors`), turned into the solver's `ErrorBudget`, and the error of the plan it keeps.
+
+A budget is a number (the error itself, the contraction of the whole gradient, 0 for dense) or a compressor, whose
+error with every layer sent by it is the budget (`--error-budget powersgd:4`: no more error than PowerSGD rank 4
+everywhere, placed where it buys the most time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from planner.contracts.errors import CompressionErrors
+from planner.contracts.plan import Group, PlanError
+from planner.contracts.profile import Profile
+from planner.costmodel.mixed import MixedProblem
+from planner.solvers.mixed import ErrorBudget
+from planner.types import Compressor, CompressorError, InvalidProfileError, PlannerError
+
+__all__ = ["BudgetSpec", "parse_error_budget", "plan_error", "resolve_budget", "solver_budget"]
+
+#: `--error-budget` as given: the error itself, or the compressor whose error over the whole gradient it is.
+BudgetSpec = float | Compressor
+
+
+def parse_error_budget(text: str) -> BudgetSpec:
+    """`--error-budget`: a number >= 0 or a compressor ("powersgd:4", "fp16", "topk:0.01").
+
+    Raises:
+        PlannerError: neither.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        pass
+    else:
+        if not (math.isfinite(value) and value >= 0):
+            raise PlannerError(f"--error-budget must be a finite number >= 0 or a compressor, got {text!r}")
+        return value
+    try:
+        return Compressor.parse(text)
+    except CompressorError as exc:
+        raise PlannerError(f"--error-budget takes a number >= 0 (the error itself) or a compressor whose error over "
+                           f"the whole gradient is the budget, such as powersgd:4; {exc}") from None
+
+
+def measured_errors(profile: Profile) -> CompressionErrors:
+    """The profile's compression errors.
+
+    Raises:
+        InvalidProfileError: the profile measured none (made before it did, or with no compressor timed).
+    """
+    if profile.errors is None:
+        raise InvalidProfileError("the profile measured no compression error, which an error budget is weighed "
+                                  "against; profile again with this planner (`planner profile`)")
+    return profile.errors
+
+
+def resolve_budget(profile: Profile, spec: BudgetSpec) -> tuple[float, Compressor | None]:
+    """The budget as a number, and the compressor that set it (None: given as a number).
+
+    Raises:
+        InvalidProfileError: no errors in the profile, or none of that compressor.
+    """
+    errors = measured_errors(profile)
+    if isinstance(spec, Compressor):
+        return _uniform(errors, spec), spec
+    return float(spec), None
+
+
+def solver_budget(profile: Profile, problem: MixedProblem, budget: float) -> ErrorBudget:
+    """The solver's budget over `problem`'s compressors (a hierarchical way shares its compressor's error).
+
+    Raises:
+        InvalidProfileError: no errors in the profile, or none of one of the problem's compressors.
+    """
+    errors = measured_errors(profile)
+    rows = []
+    for c in problem.compressors:
+        try:
+            rows.append(errors.layer_errors(c.compressor))
+        except KeyError as exc:
+            raise InvalidProfileError(str(exc.args[0])) from None
+    return ErrorBudget.of(np.array(rows), budget)
+
+
+def plan_error(profile: Profile, groups: Sequence[Group], compressor_of: Sequence[Compressor],
+               budget: tuple[float, Compressor | None] | None = None) -> PlanError | None:
+    """The error of sending each group by its compressor, with its interval, and the budget it was kept within;
+    None where the profile measured no error for one of them (and there was no budget)."""
+    if profile.errors is None:
+        return None
+    per_layer = [c for g, c in zip(groups, compressor_of, strict=True) for _ in g.layers]
+    if [n for g in groups for n in g.layers] != list(profile.errors.layers) or not all(
+            profile.errors.has(c) for c in per_layer):
+        return None
+    value, of = budget if budget is not None else (None, None)
+    return PlanError(predicted=profile.errors.error_of(per_layer), interval=profile.errors.interval(per_layer),
+                     budget=value, budget_of=of)
+
+
+def _uniform(errors: CompressionErrors, compressor: Compressor) -> float:
+    try:
+        return errors.uniform(compressor)
+    except KeyError as exc:
+        raise InvalidProfileError(str(exc.args[0])) from None

@@ -1,0 +1,134 @@
+"""Plans under an error budget: `planner solve --strategy mixed|auto --error-budget`, the plan's recorded error, and
+bad input (one clear line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from planner.commands.cli import main
+from planner.contracts.errors import CompressionErrors
+from planner.contracts.plan import Plan, PlanError
+from planner.contracts.profile import Profile
+from planner.strategies.auto import solve_auto
+from planner.strategies.budget import parse_error_budget
+from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.types import Collective, Compressor, PlannerError, SchemaError, SolverError
+from tests.factories import synthetic_profile
+
+#: Contractions by compressor, the same on every layer: what the synthetic profile's errors record says.
+CONTRACTION = {"fp16": 4e-8, "powersgd:1": 0.6, "powersgd:2": 0.45, "powersgd:4": 0.3, "topk:0.01": 0.9,
+               "topk:0.1": 0.5}
+
+
+def profile_with_errors(model: str = "resnet18", link_beta: float = 1e-7) -> Profile:
+    """A synthetic profile behind a slow network (every collective `link_beta` s per byte), with errors: layer l's
+    gradient energy l + 1, every compressor's contraction `CONTRACTION` on every layer."""
+    base = synthetic_profile(model)
+    sizes = [1 << s for s in range(10, 27, 2)]
+    from planner.contracts.profile import FittedCurve
+
+    slow = FittedCurve.fit([(s, 2e-4 + link_beta * s) for s in sizes])
+    layers = tuple(lt.name for lt in base.layers)
+    grad = np.broadcast_to(np.arange(1.0, len(layers) + 1)[None, :, None], (2, len(layers), 3)).copy()
+    errors = CompressionErrors(layers=layers, warmup=1, grad_sq=grad,
+                               input_sq={c: grad.copy() for c in CONTRACTION},
+                               error_sq={c: grad * w for c, w in CONTRACTION.items()})
+    return replace(base, collectives={c: slow for c in Collective}, errors=errors)
+
+
+def test_mixed_plan_keeps_within_the_budget_and_records_its_error() -> None:
+    profile = profile_with_errors()
+    allowed = parse_compressors("dense,fp16,powersgd:1,powersgd:4,topk:0.01")
+    free = make_mixed_plan(profile, allowed)
+    assert free.error is not None and free.error.budget is None
+    assert free.error.predicted > 0.3  # a slow network: unbudgeted, the plan sends most of the gradient lossy
+    for budget in (0.3, 0.1, 0.0):
+        plan = make_mixed_plan(profile, allowed, error_budget=budget)
+        assert plan.error is not None and plan.error.budget == budget
+        assert plan.error.predicted <= budget + 1e-12
+        # the recorded error is the profile's, layer by layer
+        per_layer = [plan.compressor_of(g) for g in plan.groups for _ in g.layers]
+        assert plan.error.predicted == pytest.approx(profile.errors.error_of(per_layer), rel=1e-12)
+        assert plan.predicted.iteration_s >= free.predicted.iteration_s * (1 - 1e-12)
+        assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    nothing = make_mixed_plan(profile, allowed, error_budget=0.0)
+    assert {str(nothing.compressor_of(g)) for g in nothing.groups} == {"dense"}
+    # relative to a uniform setting: PowerSGD rank 4 everywhere is 0.3 here
+    relative = make_mixed_plan(profile, allowed, error_budget=Compressor.parse("powersgd:4"))
+    assert relative.error is not None and relative.error.budget == pytest.approx(0.3)
+    assert str(relative.error.budget_of) == "powersgd:4"
+    with pytest.raises(SolverError, match="no plan fits the error budget"):
+        make_mixed_plan(profile, parse_compressors("powersgd:1,topk:0.01"), error_budget=0.1)
+
+
+def test_auto_leaves_out_the_plans_beyond_the_budget() -> None:
+    profile = profile_with_errors()
+    allowed = parse_compressors("dense,fp16,topk:0.01,topk:0.1")
+    free = solve_auto(profile, allowed, weigh_noise=False)
+    assert {"topk at 0.01", "topk at 0.1"} <= set(free.candidates)
+    assert all(p.error is not None for p in free.candidates.values())
+    within = solve_auto(profile, allowed, weigh_noise=False, error_budget=0.6)
+    assert "topk at 0.01" not in within.candidates and "topk at 0.1" in within.candidates  # 0.9 > 0.6 >= 0.5
+    assert all(p.error is not None and p.error.predicted <= 0.6 + 1e-12 for p in within.candidates.values())
+    assert within.plan.error is not None and within.plan.error.budget == 0.6
+
+
+def test_cli_error_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = tmp_path / "profile.json"
+    profile_with_errors().save(prof)
+    out = tmp_path / "plan.json"
+    assert main(["solve", str(prof), "--strategy", "mixed", "--compressors", "all", "--error-budget", "powersgd:4",
+                 "-o", str(out)]) == 0
+    assert "within the budget 0.3: powersgd:4 on every layer" in capsys.readouterr().out
+    plan = Plan.load(out)
+    assert plan.error is not None and plan.error.predicted <= 0.3 + 1e-12
+    assert main(["show", str(out)]) == 0
+    assert "within the budget 0.3" in capsys.readouterr().out
+    assert main(["show", str(prof)]) == 0
+    assert "compression error" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--strategy", "dense", "--error-budget", "0.1"], "--error-budget applies to --strategy mixed and auto only"),
+    (["--strategy", "mixed", "--error-budget", "-1"], "finite number >= 0"),
+    (["--strategy", "mixed", "--error-budget", "nan"], "finite number >= 0"),
+    (["--strategy", "mixed", "--error-budget", "zip:3"], "a number >= 0 (the error itself) or a compressor"),
+    (["--strategy", "mixed", "--compressors", "dense,fp16", "--error-budget", "topk:0.001"],
+     "measured no compression error for topk:0.001"),
+    (["--strategy", "mixed", "--compressors", "powersgd:1", "--error-budget", "0.1"], "no plan fits the error budget"),
+])
+def test_cli_bad_budgets_give_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+                                       message: str) -> None:
+    prof = tmp_path / "profile.json"
+    profile_with_errors().save(prof)
+    assert main(["solve", str(prof), *argv, "-o", str(tmp_path / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_profile_without_errors_refuses_a_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = tmp_path / "profile.json"
+    synthetic_profile("mlp").save(prof)
+    assert main(["solve", str(prof), "--strategy", "mixed", "--error-budget", "0.1", "-o",
+                 str(tmp_path / "plan.json")]) == 2
+    assert "measured no compression error" in capsys.readouterr().err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_parse_error_budget_and_plan_error_record() -> None:
+    assert parse_error_budget("0.25") == 0.25 and parse_error_budget("powersgd:4") == Compressor.parse("powersgd:4")
+    with pytest.raises(PlannerError):
+        parse_error_budget("inf")
+    for bad, message in (({"predicted": -1.0, "interval": [0, 1], "budget": None, "budget_of": None}, ">= 0"),
+                         ({"predicted": 0.1, "interval": [0.2, 0.1], "budget": None, "budget_of": None}, "[low, high]"),
+                         ({"predicted": 0.1, "interval": [0.1], "budget": None, "budget_of": None}, "[low, high]"),
+                         ({"predicted": 0.1, "interval": [0, 1], "budget": None, "budget_of": "fp16"},
+                          "there is no budget"),
+                         ({"predicted": 0.1, "interval": [0, 1], "budget": 0.2}, "budget_of")):
+        with pytest.raises(SchemaError, match=message):
+            PlanError.from_dict(bad)
