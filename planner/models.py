@@ -9,8 +9,10 @@ import functools
 import importlib
 import itertools
 import re
+import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +20,8 @@ from torch import nn
 
 from planner.types import ModelLoadError, PlannerError, UnknownModelError
 
-__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "Batch", "Workload", "build_workload", "digits_data"]
+__all__ = ["BUILTIN_MODELS", "CHAR_SEQ", "CHAR_VOCAB", "DEFAULT_MODEL", "Batch", "Workload", "build_workload",
+           "digits_data", "stdlib_text", "text_windows"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """An (inputs, targets) pair."""
@@ -390,6 +393,86 @@ def _digits(name: str, batch_size: int) -> Workload:
     )
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# A character-level language model on real text that every machine has: the Python standard library's own sources.
+
+#: Characters of the text model: the 7-bit ASCII codes (the standard library's sources are ASCII nearly throughout);
+#: any other byte reads as code 0.
+CHAR_VOCAB = 128
+#: Characters per sequence of the text model.
+CHAR_SEQ = 64
+#: At most this many bytes of training and of held-out text (every `_HELD_OUT_EVERY`-th file, in sorted order, is
+#: held out).
+_TEXT_TRAIN_BYTES, _TEXT_EVAL_BYTES, _HELD_OUT_EVERY = 4 << 20, 1 << 19, 10
+
+
+class CharLanguageModel(nn.Module):
+    """Embedding of 128 characters, a 2-layer LSTM and a linear decoder back to them."""
+
+    def __init__(self, dim: int = 256, embed: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(CHAR_VOCAB, embed)
+        self.lstm = nn.LSTM(embed, dim, num_layers=layers, batch_first=True)
+        self.decoder = nn.Linear(dim, CHAR_VOCAB)
+
+    def forward(self, chars: torch.Tensor) -> torch.Tensor:
+        """Return next-character logits [B, S, 128] for character codes [B, S]."""
+        hidden, _ = self.lstm(self.embedding(chars))
+        return self.decoder(hidden)
+
+
+@functools.cache
+def stdlib_text() -> tuple[torch.Tensor, torch.Tensor]:
+    """The Python standard library's sources as character codes: (training, held-out), int64 tensors.
+
+    The `.py` files under the standard library's folder (`sysconfig`), without its tests and installed packages,
+    sorted by path; every tenth file is held out, so the held-out loss is on code the model never saw. At most
+    4 MiB of training text and 512 KiB held out. The text is whatever this Python ships: the same on every
+    machine with the same Python version.
+
+    Raises:
+        PlannerError: the standard library's sources are not there (an installation without them).
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "site-packages", "dist-packages", "idle_test", "__pycache__"}
+    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    train, held_out = bytearray(), bytearray()
+    for i, path in enumerate(files):
+        into, limit = (held_out, _TEXT_EVAL_BYTES) if i % _HELD_OUT_EVERY == 0 else (train, _TEXT_TRAIN_BYTES)
+        if len(into) < limit:
+            into += path.read_bytes()[: limit - len(into)]
+        if len(train) >= _TEXT_TRAIN_BYTES and len(held_out) >= _TEXT_EVAL_BYTES:
+            break
+    if len(train) < 64 * CHAR_SEQ or len(held_out) < 8 * CHAR_SEQ:
+        raise PlannerError(f"the Python standard library's sources under {root} hold too little text for the "
+                           "character model; use a Python installation that ships them")
+
+    def codes(text: bytearray) -> torch.Tensor:
+        raw = torch.frombuffer(text, dtype=torch.uint8).long()  # a copy: the bytes stay untouched
+        return torch.where(raw < CHAR_VOCAB, raw, torch.zeros_like(raw))
+
+    return codes(train), codes(held_out)
+
+
+def text_windows(text: torch.Tensor, starts: torch.Tensor) -> Batch:
+    """Windows of `CHAR_SEQ` characters from `starts`, and the characters after each (the targets)."""
+    index = starts[:, None] + torch.arange(CHAR_SEQ + 1)[None, :]
+    chars = text[index]
+    return chars[:, :-1].contiguous(), chars[:, 1:].contiguous()
+
+
+def _text_batch(batch_size: int, generator: torch.Generator) -> Batch:
+    """`batch_size` windows of the training text at random places."""
+    train, _ = stdlib_text()
+    return text_windows(train, torch.randint(0, len(train) - CHAR_SEQ - 1, (batch_size,), generator=generator))
+
+
+def _charlm(name: str, batch_size: int) -> Workload:
+    """A character-level LSTM (2 layers, 256 wide) on the standard library's sources."""
+    return Workload(name=name, module=CharLanguageModel(), batch_size=batch_size, make_batch=_text_batch,
+                    loss_fn=_token_loss)
+
+
 def _cnn(name: str, batch_size: int) -> Workload:
     """A small CIFAR-sized CNN (four 3x3 convolutions with batch norm, two Linear layers).
 
@@ -468,6 +551,8 @@ _BUILTINS: dict[str, _Builtin] = {
     "cnn": _Builtin("Small CNN: 4 convolutions (32-128 channels) and 2 Linear layers, CIFAR-sized", 32, _cnn),
     "mlp": _Builtin("MLP 784-1024-1024-1024-10 on random vectors", 64, _mlp),
     "digits": _Builtin("MLP 64-512-512-10 on scikit-learn's handwritten digits (1797 real 8x8 images)", 64, _digits),
+    "charlm": _Builtin("Character-level 2-layer LSTM (256 wide, 64 characters) on the Python standard library's "
+                       "own sources (real text, held-out files)", 16, _charlm),
 }
 
 BUILTIN_MODELS: dict[str, str] = {name: spec.description for name, spec in _BUILTINS.items()}

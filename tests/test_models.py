@@ -13,7 +13,7 @@ from torch import nn
 from planner.models import BUILTIN_MODELS, DEFAULT_MODEL, Workload, build_workload
 from planner.types import ModelLoadError, PlannerError, UnknownModelError
 
-CHEAP_MODELS = ["resnet18", "vgg16", "lstm", "bert-tiny", "bert-small", "cnn", "mlp"]
+CHEAP_MODELS = ["resnet18", "vgg16", "lstm", "bert-tiny", "bert-small", "cnn", "mlp", "charlm"]
 
 
 def _param_count(module: nn.Module) -> int:
@@ -41,10 +41,12 @@ def test_builtin_names_and_defaults() -> None:
         "cnn",
         "mlp",
         "digits",
+        "charlm",
     }
     assert DEFAULT_MODEL in BUILTIN_MODELS
     assert all(isinstance(d, str) and d and "\n" not in d for d in BUILTIN_MODELS.values())
-    defaults = {"resnet18": 16, "vgg16": 16, "lstm": 8, "bert-tiny": 4, "bert-small": 4, "cnn": 32, "mlp": 64}
+    defaults = {"resnet18": 16, "vgg16": 16, "lstm": 8, "bert-tiny": 4, "bert-small": 4, "cnn": 32, "mlp": 64,
+                "charlm": 16}
     for name, batch_size in defaults.items():
         workload = build_workload(name)
         assert workload.name == name

@@ -59,20 +59,21 @@ class BenchCommand(Command):
                                             "with --target-loss")
         abs_sgd.add_argument("--samples", type=_positive, default=None,
                              help="samples per run, summed over the workers (default: abs 80000, digits task 40000, "
-                                  "teacher task 4000)")
+                                  "text task 8000, teacher task 4000)")
         abs_sgd.add_argument("--repeats", type=_positive, default=None,
                              help="runs of each variant, round-robin (default 3 for abs, 1 for gradient plans; also "
                                   "--strategy crossover)")
         abs_sgd.add_argument("--target-loss", type=_positive_float, default=None,
                              help="evaluation loss to reach (abs: default 0.05); with gradient plans it runs DDP, its "
                                   "hooks and the plans to this loss instead of timing steps")
-        abs_sgd.add_argument("--task", choices=["digits", "teacher"], default=None,
-                             help="gradient plans with --target-loss: digits (the built-in digits model) or teacher "
-                                  "(the model learns a fixed random teacher's labels); default digits for the digits "
-                                  "model, teacher otherwise")
+        abs_sgd.add_argument("--task", choices=["digits", "text", "teacher"], default=None,
+                             help="gradient plans with --target-loss: digits (the built-in digits model), text (the "
+                                  "built-in charlm model on the Python standard library's sources, held-out files) "
+                                  "or teacher (the model learns a fixed random teacher's labels); default digits for "
+                                  "the digits model, text for charlm, teacher otherwise")
         abs_sgd.add_argument("--lr", type=_positive_float, default=None,
-                             help="SGD learning rate (default: abs 0.4; gradient plans the task's: digits 0.05, "
-                                  "teacher 0.5 for token models, 0.02 for image models)")
+                             help="SGD learning rate (default: abs 0.4; gradient plans the task's: digits 0.05, text "
+                                  "1.0, teacher 0.5 for token models, 0.02 for image models)")
         abs_sgd.add_argument("--speed-change", type=_slowdown, default=None, metavar="RANK=FACTOR",
                              help="halfway through every run, slowed workers change to these factors (e.g. "
                                   "--slowdown 1=1.5 --speed-change 1=3)")
@@ -170,7 +171,7 @@ class BenchCommand(Command):
                     raise PlannerError(f"--density-warmup must start above the plan's density, but got "
                                        f"start={start:g} for {path} (density {plan.density:g})")
         model = args.model or plans[0].model.name
-        task = args.task or ("digits" if model == "digits" else "teacher")
+        task = args.task or {"digits": "digits", "charlm": "text"}.get(model, "teacher")
         config = TargetBenchConfig(
             plans=plans, model=model, task=task, target_loss=args.target_loss,
             samples=args.samples or TASK_SAMPLES[task], lr=args.lr,

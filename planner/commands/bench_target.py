@@ -60,7 +60,7 @@ __all__ = ["TASK_SAMPLES", "TargetBenchConfig", "TargetRun", "TargetSummary", "p
            "run_target_bench", "summarise_target"]
 
 #: Per task: samples per run, summed over the workers (the learning rate is the task's, momentum 0.9).
-TASK_SAMPLES: dict[str, int] = {"digits": 40_000, "teacher": 4_000}
+TASK_SAMPLES: dict[str, int] = {"digits": 40_000, "text": 8_000, "teacher": 4_000}
 #: Batches per rank on which a model is checked for parameters without a gradient before DDP is built.
 UNUSED_PROBES = 4
 
