@@ -132,3 +132,15 @@ def test_parse_error_budget_and_plan_error_record() -> None:
                          ({"predicted": 0.1, "interval": [0, 1], "budget": 0.2}, "budget_of")):
         with pytest.raises(SchemaError, match=message):
             PlanError.from_dict(bad)
+
+
+def test_retune_keeps_the_error_budget() -> None:
+    from planner.strategies.retune import retune_plan
+
+    profile = profile_with_errors()
+    allowed = parse_compressors("dense,fp16,powersgd:1,powersgd:4,topk:0.01")
+    plan = make_mixed_plan(profile, allowed, error_budget=Compressor.parse("powersgd:4"))
+    # a faster network: the same budget, and the plan re-solved within it
+    again = retune_plan(plan, profile_with_errors(link_beta=1e-9), cluster=profile.cluster)
+    assert again.error is not None and again.error.budget == pytest.approx(0.3)
+    assert str(again.error.budget_of) == "powersgd:4" and again.error.predicted <= 0.3 + 1e-12

@@ -62,7 +62,8 @@ def retune_plan(
     """The plan of the same kind as `plan`, solved from `profile` for `cluster` with `collectives`.
 
     Args:
-        plan: the plan to re-tune (its strategy, density, top-k selector, K-FAC method and intervals are kept).
+        plan: the plan to re-tune (its strategy, density, top-k selector, error budget, K-FAC method and intervals
+            are kept).
         profile: its per-layer profile (see `load_source_profile`).
         cluster: where the new plan will run.
         collectives: measured on that cluster (e.g. `planner.profilers.probe.probe_network`); those not given
@@ -79,7 +80,11 @@ def retune_plan(
         from planner.strategies.mixed import make_mixed_plan
 
         allowed = plan.compressors or tuple(dict.fromkeys(plan.compressor_of(g) for g in plan.groups))
-        return make_mixed_plan(current, allowed, source=plan.source_profile, selector=plan.selector)
+        budget = None  # the plan's error budget, as it was given (a compressor's error is measured again)
+        if plan.error is not None and plan.error.budget is not None:
+            budget = plan.error.budget_of if plan.error.budget_of is not None else plan.error.budget
+        return make_mixed_plan(current, allowed, source=plan.source_profile, selector=plan.selector,
+                               error_budget=budget)
     if plan.kfac is None:
         return make_plan(current, plan.strategy, plan.density, source=plan.source_profile, selector=plan.selector)
     solver = plan.kfac.placement_solver if plan.kfac.placement_solver in ("ilp-cbc", "cp-sat") else "cp-sat"
