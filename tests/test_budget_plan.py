@@ -91,6 +91,8 @@ def test_cli_error_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "within the budget 0.3" in capsys.readouterr().out
     assert main(["show", str(prof)]) == 0
     assert "compression error" in capsys.readouterr().out
+    assert main(["show", str(prof), "--details"]) == 0
+    assert "compression error per layer" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("argv", "message"), [

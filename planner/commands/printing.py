@@ -608,6 +608,18 @@ def _print_profile_details(profile: object) -> None:
             console.print("top-k merged inside each host: the largest host's union of picks (each worker's top k "
                           "of gradient plus residual), "
                           + ", ".join(f"{t.union_ratio:.2f} k at {t.density:g}" for t in profile.hosts.topk))
+    if profile.errors is not None:
+        errors = profile.errors
+        table = Table(title="compression error per layer (ready order): share of the gradient's energy, and each "
+                            "compressor's |C(x) - x|^2 / |x|^2 with error feedback")
+        names = [str(c) for c in errors.compressors]
+        for col in ("layer", "energy share", "|g| spread", *names):
+            table.add_column(col, justify="left" if col == "layer" else "right")
+        weights, spread = errors.weights(), errors.grad_spread()
+        contraction = {c: errors.contraction(c) for c in names}
+        for i, name in enumerate(errors.layers):
+            table.add_row(name, f"{weights[i]:.3f}", f"{spread[i]:.2f}", *(f"{contraction[c][i]:.3g}" for c in names))
+        console.print(table)
     if profile.kfac is not None:
         kf = profile.kfac
         table = Table(title="K-FAC: factor work per layer (forward order) and inversion against dimension d")
