@@ -83,9 +83,9 @@ def build_task(model: str, task: str, *, batch_size: int | None = None) -> Task:
             if model != "charlm":
                 raise PlannerError(f"the text task trains the built-in charlm model, not {model}; use --task "
                                    "teacher for other models")
-            _, held_out = stdlib_text()
-            starts = torch.linspace(0, len(held_out) - CHAR_SEQ - 1, TEXT_EVAL_WINDOWS).long()
-            return Task(name=task, workload=workload, eval_batch=text_windows(held_out, starts), lr=1.0)
+            _, held_text = stdlib_text()
+            starts = torch.linspace(0, len(held_text) - CHAR_SEQ - 1, TEXT_EVAL_WINDOWS).long()
+            return Task(name=task, workload=workload, eval_batch=text_windows(held_text, starts), lr=1.0)
         case "teacher":
             train, held_out = _teacher_data(model)
             tokens = not train[0].is_floating_point()

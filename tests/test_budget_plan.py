@@ -76,6 +76,8 @@ def test_auto_leaves_out_the_plans_beyond_the_budget() -> None:
     assert "topk at 0.01" not in within.candidates and "topk at 0.1" in within.candidates  # 0.9 > 0.6 >= 0.5
     assert all(p.error is not None and p.error.predicted <= 0.6 + 1e-12 for p in within.candidates.values())
     assert within.plan.error is not None and within.plan.error.budget == 0.6
+    assert within.rule == "rule: within the error budget 0.6; left out beyond it: topk at 0.01 (error 0.9)"
+    assert free.rule.startswith("rule: by predicted step alone")
 
 
 def test_cli_error_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -692,6 +692,8 @@ def print_auto(choice: object) -> None:
         table.add_row(name, _ms(seconds), *interval, ratio(seconds), note, style="dim")
     console.print(table)
     console.print(choice.reason, soft_wrap=True)
+    if choice.rule:
+        console.print(choice.rule, markup=False, soft_wrap=True)
     if choice.way is not None:
         console.print(choice.way.line, style="bold", soft_wrap=True)
 

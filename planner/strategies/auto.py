@@ -41,6 +41,9 @@ class AutoChoice:
     ddp_faster: tuple[str, float] | None = None
     #: Which way to run the kept plan, inside DDP (PlanHook) or in GradientExchange, and why (`choose_way`).
     way: Way | None = None
+    #: The rule the plan was kept by, in one line: by predicted step alone, or within an error budget (and the
+    #: candidates left out beyond it).
+    rule: str = ""
 
 
 def ddp_predictions(candidates: dict[str, Plan]) -> dict[str, float]:
@@ -78,20 +81,40 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     allowed = tuple(compressors)
     budget = None if error_budget is None else resolve_budget(profile, error_budget)
     candidates: dict[str, Plan] = {}
+    beyond: dict[str, float] = {}  # candidates left out: their error over the budget
     if DENSE_COMPRESSOR in allowed:
         candidates["dense"] = make_plan(profile, Strategy.DENSE, source=source, time_limit_s=time_limit_s)
     for c in allowed:
-        if c.kind is CompressorKind.TOPK and (budget is None or _uniform_error(profile, c) <= budget[0]):
-            candidates[f"topk at {c.density:g}"] = make_plan(profile, Strategy.TOPK, c.density, source=source,
-                                                             selector=selector, time_limit_s=time_limit_s)
+        if c.kind is not CompressorKind.TOPK:
+            continue
+        name = f"topk at {c.density:g}"
+        if budget is not None and (error := _uniform_error(profile, c)) > budget[0]:
+            beyond[name] = error
+            continue
+        candidates[name] = make_plan(profile, Strategy.TOPK, c.density, source=source, selector=selector,
+                                     time_limit_s=time_limit_s)
     if len(allowed) > 1 or not candidates:
         candidates[f"mixed over {', '.join(map(str, allowed))}"] = make_mixed_plan(
             profile, allowed, source=source, selector=selector, time_limit_s=time_limit_s, error_budget=error_budget)
     candidates = {name: with_error(plan, profile, budget) for name, plan in candidates.items()}
     draws = Draws.of(profile) if weigh_noise else None
     if draws is None:
-        return _auto_by_prediction(candidates)
-    return _auto_beyond_noise(profile, candidates, allowed, draws, time_limit_s)
+        choice = _auto_by_prediction(candidates)
+    else:
+        choice = _auto_beyond_noise(profile, candidates, allowed, draws, time_limit_s)
+    return replace(choice, rule=_rule(budget, beyond))
+
+
+def _rule(budget: tuple[float, Compressor | None] | None, beyond: dict[str, float]) -> str:
+    """The line that says which rule kept the plan."""
+    if budget is None:
+        return ("rule: by predicted step alone, among the compressors allowed (no error budget: --error-budget bounds "
+                "how far the plan may move the gradient)")
+    value, of = budget
+    line = f"rule: within the error budget {value:.3g}{f' ({of} on every layer)' if of is not None else ''}"
+    if beyond:
+        line += "; left out beyond it: " + ", ".join(f"{name} (error {e:.3g})" for name, e in beyond.items())
+    return line
 
 
 def _uniform_error(profile: Profile, compressor: Compressor) -> float:
