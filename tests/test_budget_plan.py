@@ -25,7 +25,7 @@ CONTRACTION = {"fp16": 4e-8, "powersgd:1": 0.6, "powersgd:2": 0.45, "powersgd:4"
                "topk:0.1": 0.5}
 
 
-def profile_with_errors(model: str = "resnet18", link_beta: float = 1e-7) -> Profile:
+def profile_with_errors(model: str = "cnn", link_beta: float = 1e-7) -> Profile:
     """A synthetic profile behind a slow network (every collective `link_beta` s per byte), with errors: layer l's
     gradient energy l + 1, every compressor's contraction `CONTRACTION` on every layer."""
     base = synthetic_profile(model)
@@ -44,11 +44,11 @@ def profile_with_errors(model: str = "resnet18", link_beta: float = 1e-7) -> Pro
 def test_mixed_plan_keeps_within_the_budget_and_records_its_error() -> None:
     profile = profile_with_errors()
     allowed = parse_compressors("dense,fp16,powersgd:1,powersgd:4,topk:0.01")
-    free = make_mixed_plan(profile, allowed)
+    free = make_mixed_plan(profile, allowed, time_limit_s=None)
     assert free.error is not None and free.error.budget is None
     assert free.error.predicted > 0.3  # a slow network: unbudgeted, the plan sends most of the gradient lossy
     for budget in (0.3, 0.1, 0.0):
-        plan = make_mixed_plan(profile, allowed, error_budget=budget)
+        plan = make_mixed_plan(profile, allowed, error_budget=budget, time_limit_s=None)
         assert plan.error is not None and plan.error.budget == budget
         assert plan.error.predicted <= budget + 1e-12
         # the recorded error is the profile's, layer by layer
@@ -56,23 +56,27 @@ def test_mixed_plan_keeps_within_the_budget_and_records_its_error() -> None:
         assert plan.error.predicted == pytest.approx(profile.errors.error_of(per_layer), rel=1e-12)
         assert plan.predicted.iteration_s >= free.predicted.iteration_s * (1 - 1e-12)
         assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
-    nothing = make_mixed_plan(profile, allowed, error_budget=0.0)
+    nothing = make_mixed_plan(profile, allowed, error_budget=0.0, time_limit_s=None)
     assert {str(nothing.compressor_of(g)) for g in nothing.groups} == {"dense"}
     # relative to a uniform setting: PowerSGD rank 4 everywhere is 0.3 here
-    relative = make_mixed_plan(profile, allowed, error_budget=Compressor.parse("powersgd:4"))
+    relative = make_mixed_plan(profile, allowed, error_budget=Compressor.parse("powersgd:4"), time_limit_s=None)
     assert relative.error is not None and relative.error.budget == pytest.approx(0.3)
     assert str(relative.error.budget_of) == "powersgd:4"
     with pytest.raises(SolverError, match="no plan fits the error budget"):
-        make_mixed_plan(profile, parse_compressors("powersgd:1,topk:0.01"), error_budget=0.1)
+        make_mixed_plan(profile, parse_compressors("powersgd:1,topk:0.01"), error_budget=0.1, time_limit_s=None)
+    # a compressor's own error is a budget it fits, whatever the rounding
+    alone = make_mixed_plan(profile, parse_compressors("powersgd:4"), error_budget=Compressor.parse("powersgd:4"),
+                            time_limit_s=None)
+    assert {str(alone.compressor_of(g)) for g in alone.groups} == {"powersgd:4"}
 
 
 def test_auto_leaves_out_the_plans_beyond_the_budget() -> None:
     profile = profile_with_errors()
     allowed = parse_compressors("dense,fp16,topk:0.01,topk:0.1")
-    free = solve_auto(profile, allowed, weigh_noise=False)
+    free = solve_auto(profile, allowed, weigh_noise=False, time_limit_s=None)
     assert {"topk at 0.01", "topk at 0.1"} <= set(free.candidates)
     assert all(p.error is not None for p in free.candidates.values())
-    within = solve_auto(profile, allowed, weigh_noise=False, error_budget=0.6)
+    within = solve_auto(profile, allowed, weigh_noise=False, error_budget=0.6, time_limit_s=None)
     assert "topk at 0.01" not in within.candidates and "topk at 0.1" in within.candidates  # 0.9 > 0.6 >= 0.5
     assert all(p.error is not None and p.error.predicted <= 0.6 + 1e-12 for p in within.candidates.values())
     assert within.plan.error is not None and within.plan.error.budget == 0.6
@@ -143,7 +147,7 @@ def test_retune_keeps_the_error_budget() -> None:
 
     profile = profile_with_errors()
     allowed = parse_compressors("dense,fp16,powersgd:1,powersgd:4,topk:0.01")
-    plan = make_mixed_plan(profile, allowed, error_budget=Compressor.parse("powersgd:4"))
+    plan = make_mixed_plan(profile, allowed, error_budget=Compressor.parse("powersgd:4"), time_limit_s=None)
     # a faster network: the same budget, and the plan re-solved within it
     again = retune_plan(plan, profile_with_errors(link_beta=1e-9), cluster=profile.cluster)
     assert again.error is not None and again.error.budget == pytest.approx(0.3)

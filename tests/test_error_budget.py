@@ -101,12 +101,15 @@ def test_a_tighter_budget_is_never_faster(seed: int) -> None:
 
 
 def test_error_budget_units_and_refusals() -> None:
-    errors = np.array([[0.0, 0.0], [0.1, 0.25], [1e-9, 0.5]])
-    error = ErrorBudget.of(errors, 1.0, resolution=10)  # a unit is 0.1: rounded up
-    assert error.units.tolist() == [[0, 0], [1, 3], [1, 5]] and error.budget == 10
-    assert error.of_solution((1, 2), (1, 2)) == 6 and error.of_solution((2,), (1,)) == 4
-    assert error.least([1, 2]).tolist() == [4, 3, 0]
-    assert error.cheapest([2, 1]) == ((1, 2), (2, 1))  # layer 0: a tie, the first allowed
+    errors = np.array([[0.0, 0.0], [0.1, 0.25], [1e-9, 0.52]])
+    error = ErrorBudget.of(errors, 1.0, resolution=10)  # a unit is 1 / (10 x 2 layers) = 0.05: rounded up
+    assert error.units.tolist() == [[0, 0], [2, 5], [1, 11]] and error.budget == 20
+    assert error.of_solution((1, 2), (1, 2)) == 13 and error.of_solution((2,), (1,)) == 7
+    assert error.least([1, 2]).tolist() == [6, 5, 0]
+    assert error.cheapest([2, 1]) == ((1, 2), (2, 1))
+    # a compressor as the budget fits it, though its units rounded up exceed the number's: 0.52 is 11 units
+    own = ErrorBudget.of(errors, float(errors[2].sum()), resolution=10, reference=2)
+    assert own.of_solution((2,), (2,)) <= own.budget
     with pytest.raises(SolverError, match="finite number >= 0"):
         ErrorBudget.of(errors, -1.0)
     with pytest.raises(SolverError, match="finite and >= 0"):

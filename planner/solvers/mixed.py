@@ -83,9 +83,9 @@ _PRUNE_RTOL = 1e-9
 _TIE_RTOL = 1e-12
 
 
-#: Units an error budget is cut into (`ErrorBudget.of`): each layer's error is rounded up to a whole unit, so a plan
-#: the solver keeps within the budget holds at most the budget, and one it rejects for the rounding is within
-#: (layers / resolution) of it.
+#: Units per layer an error budget is cut into (`ErrorBudget.of`): a unit is budget / (resolution x layers), and each
+#: layer's error is rounded up to whole units, so a plan the solver keeps within the budget holds at most the
+#: budget, and the rounding moves no plan's error by more than budget / resolution.
 DEFAULT_ERROR_RESOLUTION = 1024
 
 
@@ -117,10 +117,13 @@ class ErrorBudget:
                                                             np.cumsum(units, axis=1, dtype=np.int64)), axis=1))
 
     @classmethod
-    def of(cls, errors: np.ndarray, budget: float, resolution: int = DEFAULT_ERROR_RESOLUTION) -> ErrorBudget:
-        """From errors in the budget's own measure ((compressors, layers), >= 0): a unit is budget / resolution
-        and every layer's error is rounded up to whole units. A budget of 0 admits only the compressors with no
-        error."""
+    def of(cls, errors: np.ndarray, budget: float, resolution: int = DEFAULT_ERROR_RESOLUTION,
+           reference: int | None = None) -> ErrorBudget:
+        """From errors in the budget's own measure ((compressors, layers), >= 0): a unit is budget / (resolution x
+        layers) and every layer's error is rounded up to whole units; the budget is as many units as it holds.
+        `reference`: the compressor (row) whose error on every layer is the budget: the budget is then at least
+        its units, so that it fits its own budget (a plan may then exceed the budget by the rounding, less than
+        budget / resolution). A budget of 0 admits only the compressors with no error."""
         errors = np.asarray(errors, dtype=float)
         if not (np.all(np.isfinite(errors)) and np.all(errors >= 0)):
             raise SolverError("errors must be finite and >= 0")
@@ -128,8 +131,12 @@ class ErrorBudget:
             raise SolverError(f"an error budget must be a finite number >= 0, but got {budget!r}")
         if budget == 0:
             return cls(units=(errors > 0).astype(np.int64), budget=0)
-        unit = budget / resolution
-        return cls(units=np.ceil(errors / unit).astype(np.int64), budget=resolution)
+        unit = budget / (resolution * max(1, errors.shape[1]))
+        units = np.ceil(errors / unit).astype(np.int64)
+        most = resolution * max(1, errors.shape[1])
+        if reference is not None:
+            most = max(most, int(units[reference].sum()))
+        return cls(units=units, budget=most)
 
     def group(self, which: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Units of the groups of layers starts..ends-1 sent by compressor `which`."""

@@ -71,8 +71,11 @@ def resolve_budget(profile: Profile, spec: BudgetSpec) -> tuple[float, Compresso
     return float(spec), None
 
 
-def solver_budget(profile: Profile, problem: MixedProblem, budget: float) -> ErrorBudget:
-    """The solver's budget over `problem`'s compressors (a hierarchical way shares its compressor's error).
+def solver_budget(profile: Profile, problem: MixedProblem, budget: float, of: Compressor | None = None
+                  ) -> ErrorBudget:
+    """The solver's budget over `problem`'s compressors (a hierarchical way shares its compressor's error). With
+    `of`, the compressor whose error on every layer is the budget: that plan fits it (`ErrorBudget.of`'s
+    reference) where the problem has it.
 
     Raises:
         InvalidProfileError: no errors in the profile, or none of one of the problem's compressors.
@@ -84,7 +87,8 @@ def solver_budget(profile: Profile, problem: MixedProblem, budget: float) -> Err
             rows.append(errors.layer_errors(c.compressor))
         except KeyError as exc:
             raise InvalidProfileError(str(exc.args[0])) from None
-    return ErrorBudget.of(np.array(rows), budget)
+    reference = next((i for i, c in enumerate(problem.compressors) if c.compressor == of), None)
+    return ErrorBudget.of(np.array(rows), budget, reference=reference)
 
 
 def plan_error(profile: Profile, groups: Sequence[Group], compressor_of: Sequence[Compressor],

@@ -172,7 +172,7 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
         subs.update(route_solutions(problem, deadline, share))
     # The DDP rows (DDP's buckets at DDP's own costs, another runtime's) are not solutions of this problem.
     incumbents = [s for s in subs.values() if set(s.choice) <= usable]
-    error = None if budget is None else solver_budget(profile, problem, budget[0])
+    error = None if budget is None else solver_budget(profile, problem, *budget)
     solution = MixedParetoDP(allowed=ways, error=error).solve(problem, deadline=deadline, incumbents=incumbents)
     seconds = time.perf_counter() - t0
     layers = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in profile.layers]
