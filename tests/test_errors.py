@@ -211,3 +211,29 @@ def test_measure_errors_on_real_steps():
     # error feedback: top-k's input after the warm-up holds more than the gradient
     assert np.all(rec.input_sq["topk:0.01"] > rec.grad_sq)
     assert math.isclose(rec.weights().sum(), 1.0)
+
+
+def test_measure_errors_on_a_model_shaped_like_real_ones():
+    """A tied weight (one gradient, once), a frozen layer (no layer), BatchNorm, an unused layer (a zero gradient: no
+    energy, no error), modules registered in another order than used."""
+    from planner.contracts.layers import gradient_layers
+    from planner.models import Workload
+    from tests.test_mixed_runtime import ShapedConv
+
+    def batch(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 3, 6, 6, generator=generator), torch.randint(0, 4, (n,), generator=generator)
+
+    workload = Workload(name="shaped", module=ShapedConv(), batch_size=8, make_batch=batch,
+                        loss_fn=torch.nn.functional.cross_entropy)
+    layers = [(s.name, s.params) for s in gradient_layers(workload.module)]
+    names = [name for name, _ in layers]
+    assert "frozen" not in names and "tail" not in names  # the tied weight is body's
+    compressors = [_c(t) for t in ("fp16", "powersgd:1", "topk:0.3")]
+    rec = combine_error_runs([measure_errors(workload, torch.device("cpu"), layers, compressors, steps=2, warmup=1)],
+                             names, warmup=1)
+    unused = names.index("unused")
+    assert np.all(rec.grad_sq[:, unused] == 0) and rec.weights()[unused] == 0
+    assert all(rec.contraction(c)[unused] == 0 for c in ("fp16", "powersgd:1", "topk:0.3"))
+    used = [i for i in range(len(names)) if i != unused]
+    assert np.all(rec.grad_sq[:, used] > 0) and np.all(rec.contraction("topk:0.3")[used] > 0)
+    assert 0 < rec.uniform("topk:0.3") < 1 and math.isclose(rec.weights().sum(), 1.0)
