@@ -16,11 +16,11 @@ from typing import Any
 
 from planner.contracts.plan import DDP_ROW, Plan
 from planner.contracts.profile import Profile
-from planner.strategies.budget import BudgetSpec, plan_error, resolve_budget
+from planner.strategies.budget import BudgetSpec, plan_error, resolve_budget, uniform_error
 from planner.strategies.gradients import make_plan
 from planner.strategies.mixed import make_mixed_plan
 from planner.strategies.via_ddp import Way, choose_way
-from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, InvalidProfileError, Strategy
+from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
 __all__ = ["AutoChoice", "ddp_predictions", "solve_auto"]
 
@@ -88,7 +88,7 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
         if c.kind is not CompressorKind.TOPK:
             continue
         name = f"topk at {c.density:g}"
-        if budget is not None and (error := _uniform_error(profile, c)) > budget[0]:
+        if budget is not None and (error := uniform_error(profile, c)) > budget[0]:
             beyond[name] = error
             continue
         candidates[name] = make_plan(profile, Strategy.TOPK, c.density, source=source, selector=selector,
@@ -115,15 +115,6 @@ def _rule(budget: tuple[float, Compressor | None] | None, beyond: dict[str, floa
     if beyond:
         line += "; left out beyond it: " + ", ".join(f"{name} (error {e:.3g})" for name, e in beyond.items())
     return line
-
-
-def _uniform_error(profile: Profile, compressor: Compressor) -> float:
-    """The error of `compressor` on every layer (the profile measured it: `resolve_budget` checked the record)."""
-    assert profile.errors is not None
-    try:
-        return profile.errors.uniform(compressor)
-    except KeyError as exc:
-        raise InvalidProfileError(str(exc.args[0])) from None
 
 
 def with_error(plan: Plan, profile: Profile, budget: tuple[float, Compressor | None] | None) -> Plan:

@@ -20,7 +20,7 @@ from planner.costmodel.mixed import MixedProblem
 from planner.solvers.mixed import ErrorBudget
 from planner.types import Compressor, CompressorError, InvalidProfileError, PlannerError
 
-__all__ = ["BudgetSpec", "parse_error_budget", "plan_error", "resolve_budget", "solver_budget"]
+__all__ = ["BudgetSpec", "parse_error_budget", "plan_error", "resolve_budget", "solver_budget", "uniform_error"]
 
 #: `--error-budget` as given: the error itself, or the compressor whose error over the whole gradient it is.
 BudgetSpec = float | Compressor
@@ -65,9 +65,9 @@ def resolve_budget(profile: Profile, spec: BudgetSpec) -> tuple[float, Compresso
     Raises:
         InvalidProfileError: no errors in the profile, or none of that compressor.
     """
-    errors = measured_errors(profile)
     if isinstance(spec, Compressor):
-        return _uniform(errors, spec), spec
+        return uniform_error(profile, spec), spec
+    measured_errors(profile)
     return float(spec), None
 
 
@@ -106,8 +106,13 @@ def plan_error(profile: Profile, groups: Sequence[Group], compressor_of: Sequenc
                      budget=value, budget_of=of)
 
 
-def _uniform(errors: CompressionErrors, compressor: Compressor) -> float:
+def uniform_error(profile: Profile, compressor: Compressor) -> float:
+    """The error of `compressor` on every layer, as the profile measured it.
+
+    Raises:
+        InvalidProfileError: no errors in the profile, or none of `compressor`.
+    """
     try:
-        return errors.uniform(compressor)
+        return measured_errors(profile).uniform(compressor)
     except KeyError as exc:
         raise InvalidProfileError(str(exc.args[0])) from None
