@@ -223,12 +223,12 @@ def _vgg16(name: str, batch_size: int) -> Workload:
 
 
 class LSTMLanguageModel(nn.Module):
-    """Embedding, multi-layer LSTM and a linear decoder back to the vocabulary."""
+    """Embedding (`embed` wide, default `dim`), multi-layer LSTM and a linear decoder back to the vocabulary."""
 
-    def __init__(self, vocab: int = 10000, dim: int = 650, layers: int = 2) -> None:
+    def __init__(self, vocab: int = 10000, dim: int = 650, layers: int = 2, embed: int | None = None) -> None:
         super().__init__()
-        self.embedding = nn.Embedding(vocab, dim)
-        self.lstm = nn.LSTM(dim, dim, num_layers=layers, batch_first=True)
+        self.embedding = nn.Embedding(vocab, embed or dim)
+        self.lstm = nn.LSTM(embed or dim, dim, num_layers=layers, batch_first=True)
         self.decoder = nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -406,21 +406,6 @@ CHAR_SEQ = 64
 _TEXT_TRAIN_BYTES, _TEXT_EVAL_BYTES, _HELD_OUT_EVERY = 4 << 20, 1 << 19, 10
 
 
-class CharLanguageModel(nn.Module):
-    """Embedding of 128 characters, a 2-layer LSTM and a linear decoder back to them."""
-
-    def __init__(self, dim: int = 256, embed: int = 64, layers: int = 2) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(CHAR_VOCAB, embed)
-        self.lstm = nn.LSTM(embed, dim, num_layers=layers, batch_first=True)
-        self.decoder = nn.Linear(dim, CHAR_VOCAB)
-
-    def forward(self, chars: torch.Tensor) -> torch.Tensor:
-        """Return next-character logits [B, S, 128] for character codes [B, S]."""
-        hidden, _ = self.lstm(self.embedding(chars))
-        return self.decoder(hidden)
-
-
 @functools.cache
 def stdlib_text() -> tuple[torch.Tensor, torch.Tensor]:
     """The Python standard library's sources as character codes: (training, held-out), int64 tensors.
@@ -469,8 +454,8 @@ def _text_batch(batch_size: int, generator: torch.Generator) -> Batch:
 
 def _charlm(name: str, batch_size: int) -> Workload:
     """A character-level LSTM (2 layers, 256 wide) on the standard library's sources."""
-    return Workload(name=name, module=CharLanguageModel(), batch_size=batch_size, make_batch=_text_batch,
-                    loss_fn=_token_loss)
+    return Workload(name=name, module=LSTMLanguageModel(vocab=CHAR_VOCAB, dim=256, embed=64), batch_size=batch_size,
+                    make_batch=_text_batch, loss_fn=_token_loss)
 
 
 def _cnn(name: str, batch_size: int) -> Workload:
