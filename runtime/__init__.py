@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from planner.kernels.topk import decode, pack, select_topk, unpack
 from planner.runtime.abs import ABSSGD
+from planner.runtime.adaptive import Replanning
 from planner.runtime.ddp_hooks import TopkHookState, topk_hook
 from planner.runtime.ddp_plan import PlanHook
 from planner.runtime.exchange import GradientExchange
@@ -16,6 +17,7 @@ __all__ = [
     "GradientExchange",
     "KFACPreconditioner",
     "PlanHook",
+    "Replanning",
     "TopkHookState",
     "decode",
     "pack",

@@ -64,14 +64,25 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from planner.contracts.plan import Group, Plan
+from planner.contracts.profile import Profile
 from planner.costmodel.problem import topk_count
 from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compress, fp16_decompress
 from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_topk_sum
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk, take_topk
 from planner.platform.hosts import host_names, ranks_by_host
+from planner.platform.launch import broadcast_json
+from planner.runtime.adaptive import (
+    ErrorWatch,
+    Replan,
+    Replanning,
+    allowed_compressors,
+    decide_replan,
+    load_on_rank0,
+    replannable,
+)
 from planner.runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, ProbeSchedule, crossover_gate, device_idle
 from planner.runtime.retune import resolve_plan
-from planner.types import CompressorKind, DistributedError, PlanMismatchError, Strategy
+from planner.types import Compressor, CompressorKind, DistributedError, PlanMismatchError, PlannerError, Strategy
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -435,12 +446,24 @@ class GradientExchange:
             on CPU cores); a `ProbeSchedule` to set when; False: always crossed over.
         hosts: the ranks (of the process group) on each host, for the plan's hierarchical groups; default: read
             from the ranks' host names (`planner.platform.hosts`). Its length must be the plan's host count.
+        adaptive: re-plan as training goes (`planner.runtime.adaptive`): True, or a `Replanning` to say when. A mixed
+            plan solved under an error budget only. Every `every` steps (default 200) the ranks measure each allowed
+            compressor's error on their own gradients of the last few steps, rank 0 re-solves from the plan's profile
+            (`profile=`, default the plan's source file) and every rank takes the plan it broadcasts, when the one in
+            use exceeds the budget on today's errors or a new one is predicted `gain` times faster. Taking a plan
+            flushes the error fed back: every rank's top-k residuals and PowerSGD errors are averaged and added to
+            that step's gradients (one allreduce of the model's size), so no gradient is lost and the new plan
+            starts without error to feed back; momentum velocities carry over parameter by parameter. Top-k is
+            left out of the re-plans where the optimizer applies momentum itself (pass `momentum` here instead).
+            `self.plan` is the plan in use, `self.replans` what each re-plan decided; `state_dict()` holds the plan
+            in use, so that a resumed run continues with it. Not with `density_warmup` or `crossover`.
 
     Raises:
         PlanMismatchError: the plan was made for another model, or for another world size, backend or
             kind of device without `auto_retune`, or its parameters do not match the model's trainable
             parameters.
-        ValueError: find_unused_parameters=False with a plan that records unused parameters;
+        ValueError: find_unused_parameters=False with a plan that records unused parameters; `adaptive` with a plan
+            that is not mixed under an error budget, or with a density warm-up or crossover;
             momentum, clipping or warm-up settings out of range, momentum without an optimizer,
             an optimizer that applies momentum itself (with `momentum`, or on top-k groups), or a density
             warm-up with a dense plan.
@@ -468,6 +491,7 @@ class GradientExchange:
         crossover_timeout_s: float = DEFAULT_GATE_TIMEOUT_S,
         crossover_probe: ProbeSchedule | bool = True,
         hosts: Sequence[Sequence[int]] | None = None,
+        adaptive: bool | Replanning = False,
     ) -> None:
         layout = None if hosts is None else [list(h) for h in hosts]
         plan = resolve_plan(plan, model, process_group=process_group, model_name=model_name,
@@ -482,10 +506,12 @@ class GradientExchange:
         self.clip_norm = clip_norm
         self.find_unused_parameters = _find_unused(plan, find_unused_parameters)
         self._warmup = self._check_options(plan, momentum, nesterov, optimizer, clip_norm, density_warmup)
+        schedule = _check_adaptive(plan, adaptive, density_warmup, crossover)
         params = planned_params(model, plan)
         self._planned_ids = frozenset(id(params[n]) for n in plan.param_order)
         self._topk_ids = frozenset(id(params[n]) for g in plan.groups
                                    if plan.compressor_of(g).kind is CompressorKind.TOPK for n in g.params)
+        self._optimizer = optimizer
         self._optimizer_hook: RemovableHandle | None = None
         if self.momentum > 0:
             assert optimizer is not None
@@ -494,38 +520,20 @@ class GradientExchange:
             self._check_topk_momentum(optimizer)
         if optimizer is not None:
             self._optimizer_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
-        total = sum(g.numel for g in plan.groups)
+        self._params = params
         self._step = 0
-        # PowerSGD's first random Qs: one seed per group, drawn in plan order as PyTorch's hook draws one per bucket
-        # (`PowerSGDState.rng`, a RandomState of seed 0), so every rank draws the same.
-        seeds = np.random.RandomState(0)
-        self._groups = []
-        for i, g in enumerate(plan.groups):
-            compressor = plan.compressor_of(g)
-            self._groups.append(_GroupState(
-                i, g, [params[n] for n in g.params], compressor.kind, self.world_size, momentum=self.momentum > 0,
-                clip=None if clip_norm is None else clip_norm * math.sqrt(g.numel / total / self.world_size),
-                k_max=self._k_at(g.numel, g.k, 0) if self._warmup is not None else None, rank=compressor.rank,
-                seed=int(seeds.randint(1_000_000_000)) if compressor.kind is CompressorKind.POWERSGD else 0,
-            ))
-        # Hierarchical groups: the subgroups of each host and across hosts, made once (collective).
+        self._host_layout = layout
         self._host_groups: HostGroups | None = None
         self._last_hierarchical: HierarchicalWork | None = None
         self._unions: dict[int, collections.deque[float]] = {}  # per hierarchical top-k group: U / k, per step
-        if any(st.hierarchical for st in self._groups):
-            if layout is None:
-                layout = ranks_by_host(host_names(process_group))
-            self._host_groups = HostGroups.build(layout, process_group)
+        self._grad_hooks: list[RemovableHandle] = []
+        self._build_groups(plan)
         self._set_step(0)
         self._next_launch = 0
         self._active = False
         self._enabled = True
         self._lock = threading.Lock()
-        self._hooks: list[RemovableHandle] = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, st.index, j))
-            for st in self._groups
-            for j, p in enumerate(st.params)
-        ]
+        self._hooks: list[RemovableHandle] = []
         self._model = model
         self.forward_sync_buffers = bool(forward_sync_buffers)
         self._sync_buffers_next = True  # DDP's require_forward_param_sync: the first forward syncs
@@ -539,7 +547,49 @@ class GradientExchange:
         if self.gate is not None:
             self._hooks.append(model.register_forward_pre_hook(_GateHook(self)))
         self._device = next((p.device for st in self._groups for p in st.params), torch.device("cpu"))
+        # Adaptive re-planning: rank 0 holds the profile it re-solves from; every rank measures its own gradients.
+        self.replans: list[Replan] = []
+        self._replanning = schedule
+        self._watch: ErrorWatch | None = None
+        self._profile: Profile | None = None
+        self._allowed: tuple[Compressor, ...] = ()
+        if schedule is not None:
+            self._profile = load_on_rank0(plan, profile, process_group, self._device)
+            self._allowed = allowed_compressors(plan, topk=self.momentum > 0 or optimizer is None
+                                                or not _applies_momentum(optimizer, self._planned_ids))
+            self._watch = ErrorWatch(model, [n for g in plan.groups for n in g.layers], self._allowed, schedule,
+                                     self._device)
         _LIVE.add(self)
+
+    def _build_groups(self, plan: Plan) -> None:
+        """The groups' buffers and state for `plan`, their hosts' subgroups where it crosses hosts hierarchically,
+        and the gradient hooks that feed them (those of an earlier plan removed)."""
+        for handle in self._grad_hooks:
+            handle.remove()
+        params = self._params
+        total = sum(g.numel for g in plan.groups)
+        # PowerSGD's first random Qs: one seed per group, drawn in plan order as PyTorch's hook draws one per bucket
+        # (`PowerSGDState.rng`, a RandomState of seed 0), so every rank draws the same.
+        seeds = np.random.RandomState(0)
+        self._groups = []
+        for i, g in enumerate(plan.groups):
+            compressor = plan.compressor_of(g)
+            self._groups.append(_GroupState(
+                i, g, [params[n] for n in g.params], compressor.kind, self.world_size, momentum=self.momentum > 0,
+                clip=None if self.clip_norm is None else self.clip_norm * math.sqrt(g.numel / total / self.world_size),
+                k_max=self._k_at(g.numel, g.k, 0) if self._warmup is not None else None, rank=compressor.rank,
+                seed=int(seeds.randint(1_000_000_000)) if compressor.kind is CompressorKind.POWERSGD else 0,
+            ))
+        # Hierarchical groups: the subgroups of each host and across hosts, made once (collective).
+        if self._host_groups is None and any(st.hierarchical for st in self._groups):
+            if self._host_layout is None:
+                self._host_layout = ranks_by_host(host_names(self.process_group))
+            self._host_groups = HostGroups.build(self._host_layout, self.process_group)
+        self._grad_hooks = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, st.index, j))
+            for st in self._groups
+            for j, p in enumerate(st.params)
+        ]
 
     @classmethod
     def from_file(cls, model: nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> GradientExchange:
@@ -675,6 +725,8 @@ class GradientExchange:
             self._active = True
             st.ready[param_index] = True
             st.num_ready += 1
+            if self._watch is not None and self._watch.measuring(self._step):
+                self._watch.take(param, param.grad)
             self._gather(st, param_index, param.grad)
             if st.num_ready == len(st.params):
                 self._prepare(st)
@@ -860,6 +912,80 @@ class GradientExchange:
                 self._next_launch = 0
                 self._active = False
                 self._set_step(self._step + 1)
+            if self._watch is not None and self._watch.observe(self._step - 1):
+                self._replan(self._step - 1)
+
+    # -- adaptive re-planning --------------------------------------------------------------------
+    def _replan(self, step: int) -> None:
+        """After the last measured step of a period: gather the errors, rank 0 decides, every rank takes its plan."""
+        assert self._watch is not None and self._replanning is not None
+        errors = self._watch.gather(self.process_group)
+        payload: dict[str, Any] = {}
+        rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
+        if rank == 0:
+            assert self._profile is not None
+            try:
+                new, reason, figures = decide_replan(self.plan, self._profile, errors, allowed=self._allowed,
+                                                     gain=self._replanning.gain,
+                                                     time_limit_s=self._replanning.time_limit_s)
+                payload = {"reason": reason, **figures, "plan": None if new is None else new.to_dict()}
+            except PlannerError as exc:
+                payload = {"reason": f"rank 0 could not re-plan, the plan in use is kept: {exc}", "plan": None}
+        if self.world_size > 1:
+            payload = broadcast_json(payload, group=self.process_group,
+                                     device=self._device if self._device.type == "cuda" else None)
+        data = payload.get("plan")
+        if data is not None:
+            self._adopt(Plan.from_dict(data), flush=True)
+        elif payload.get("reason", "").startswith("rank 0 could not"):
+            warnings.warn(payload["reason"], RuntimeWarning, stacklevel=3)
+        self.replans.append(Replan(step=step, changed=data is not None, reason=str(payload.get("reason", "")),
+                                   error_before=payload.get("before"), error_after=payload.get("after"),
+                                   budget=payload.get("budget")))
+
+    def _adopt(self, plan: Plan, *, flush: bool) -> None:
+        """Run `plan` from the next step: flush the error fed back (averaged over ranks into this step's
+        gradients), carry the momentum velocities over parameter by parameter, rebuild the groups."""
+        if plan.model.fingerprint != self.plan.model.fingerprint or plan.param_order != self.plan.param_order:
+            raise PlanMismatchError("a re-plan must keep the model and its parameters; the new plan has others")
+        if flush:
+            self._flush_error_feedback()
+        velocities = {name: view.clone() for st in self._groups if st.velocity is not None
+                      for name, view in zip(st.names, _views(st.velocity, st.params), strict=True)}
+        self.plan = plan
+        self._topk_ids = frozenset(id(self._params[n]) for g in plan.groups
+                                   if plan.compressor_of(g).kind is CompressorKind.TOPK for n in g.params)
+        if self._optimizer is not None and self.momentum == 0:
+            self._check_topk_momentum(self._optimizer)
+        self._unions.clear()
+        self._build_groups(plan)
+        for st in self._groups:
+            if st.velocity is not None and velocities:
+                for name, view in zip(st.names, _views(st.velocity, st.params), strict=True):
+                    view.copy_(velocities[name])
+
+    def _flush_error_feedback(self) -> None:
+        """Add every rank's error fed back (top-k residuals, PowerSGD errors), averaged, to this step's gradients,
+        and clear it: what the compressors held back is applied now instead of at later steps."""
+        held = [(st, st.residual) for st in self._groups if st.residual is not None]
+        held += [(st, st.powersgd.error) for st in self._groups if st.powersgd is not None]
+        if not held:
+            return
+        flat = torch.cat([buffer for _, buffer in held])
+        if self.world_size > 1:
+            dist.all_reduce(flat, group=self.process_group)
+        flat.div_(self.world_size)
+        at = 0
+        for st, buffer in held:
+            mean = flat[at : at + st.numel]
+            at += st.numel
+            for p, view in zip(st.params, _views(mean, st.params), strict=True):
+                if p.grad is None:
+                    if torch.count_nonzero(view):
+                        p.grad = view.to(p.dtype, copy=True)
+                else:
+                    p.grad.add_(view.to(p.grad.dtype))
+            buffer.zero_()
 
     def _used_anywhere(self) -> list[list[bool]]:
         """Per group and parameter: whether any rank had a gradient for it this step (one allreduce, queued
@@ -940,6 +1066,8 @@ class GradientExchange:
             "velocities": {st.index: st.velocity.detach().clone() for st in self._groups if st.velocity is not None},
             "step": self._step,
         }
+        if self._replanning is not None:  # the plan in use: a resumed adaptive run continues with it
+            state["plan"] = self.plan.to_dict()
         powersgd = {st.index: {"error": st.powersgd.error.detach().clone(), "q": st.powersgd.q.detach().clone(),
                                "fresh": st.powersgd.fresh}
                     for st in self._groups if st.powersgd is not None}
@@ -963,6 +1091,10 @@ class GradientExchange:
                 f"this exchange state was saved for model fingerprint {state.get('model_fingerprint')}, but the plan "
                 f"is for {self.plan.model.describe()}; {replan}"
             )
+        saved_plan = state.get("plan")
+        if (self._replanning is not None and isinstance(saved_plan, dict)
+                and state.get("layout") != self._layout_digest()):
+            self._adopt(Plan.from_dict(saved_plan), flush=False)
         if state.get("layout") != self._layout_digest():
             raise PlanMismatchError(
                 f"this exchange state was saved for other plan groups (layout {state.get('layout')}, this plan "
@@ -1044,8 +1176,9 @@ class GradientExchange:
     def remove_hooks(self) -> None:
         """Remove the gradient and forward hooks (and the optimizer's step pre-hook); the exchange no longer
         reacts."""
-        for handle in self._hooks:
+        for handle in (*self._grad_hooks, *self._hooks):
             handle.remove()
+        self._grad_hooks.clear()
         self._hooks.clear()
         if self._optimizer_hook is not None:
             self._optimizer_hook.remove()
@@ -1067,6 +1200,28 @@ class GradientExchange:
 
 
 # -- momentum correction's checks, shared with PlanHook (`owner` names the one that applies momentum) ------------
+def _check_adaptive(plan: Plan, adaptive: bool | Replanning, density_warmup: Any, crossover: Any
+                    ) -> Replanning | None:
+    """`adaptive` as a schedule (None: off), refused where it cannot run."""
+    if adaptive is False:
+        return None
+    schedule = adaptive if isinstance(adaptive, Replanning) else Replanning() if adaptive is True else None
+    if schedule is None:
+        raise ValueError(f"adaptive must be True, False or a Replanning, but got {adaptive!r}")
+    why = replannable(plan)
+    if why:
+        raise ValueError(why)
+    if density_warmup is not None or crossover is not None:
+        raise ValueError("adaptive re-planning runs without a density warm-up and without crossover; leave one out")
+    return schedule
+
+
+def _applies_momentum(optimizer: torch.optim.Optimizer, planned_ids: frozenset[int]) -> bool:
+    """Whether the optimizer applies momentum to some planned parameter."""
+    return any(group.get("momentum", 0) and any(id(p) in planned_ids for p in group["params"])
+               for group in optimizer.param_groups)
+
+
 def check_momentum_options(momentum: float, nesterov: bool, optimizer: torch.optim.Optimizer | None,
                            owner: str) -> None:
     """Refuse momentum out of range, nesterov without momentum, and momentum without the optimizer to check."""

@@ -28,11 +28,13 @@ from planner.strategies.gradients import make_plan
 from planner.types import Collective, Strategy
 
 
-def synthetic_profile(model: str = "mlp", world_size: int = 2) -> Profile:
-    """A profile of a built-in model with made-up, plausible times (layers ready in reverse order)."""
-    wl = build_workload(model)
+def synthetic_profile(model: str = "mlp", world_size: int = 2, module: nn.Module | None = None) -> Profile:
+    """A profile of a built-in model (or of `module`, named `model`) with made-up, plausible times (layers ready in
+    reverse order)."""
+    wl = build_workload(model) if module is None else None
+    module = module if wl is None else wl.module
     layers = []
-    for spec in reversed(gradient_layers(wl.module)):
+    for spec in reversed(gradient_layers(module)):
         layers.append(
             LayerTiming(name=spec.name, params=spec.params, numel=spec.numel, forward_s=1e-4 + spec.numel * 1e-9,
                         backward_s=2e-4 + spec.numel * 2e-9, backward_iqr_s=1e-5)
@@ -46,11 +48,11 @@ def synthetic_profile(model: str = "mlp", world_size: int = 2) -> Profile:
     select = tuple((n, d, 5e-5 + n * 4e-9 * (1 + d)) for n in numels for d in (0.001, 0.01, 0.1, 1.0))
     decode = FittedCurve.fit([(n // 50, 2e-5 + n * 1e-10) for n in numels])
     return Profile(
-        model=model_info(wl.module, model),
+        model=model_info(module, model),
         cluster=ClusterInfo(world_size=world_size, backend="gloo", device="cpu (synthetic)"),
         created="2026-01-01T00:00:00+00:00",
         torch_version="2.13.0",
-        batch_size=wl.batch_size,
+        batch_size=8 if wl is None else wl.batch_size,
         forward_s=sum(lt.forward_s for lt in layers),
         backward_s=sum(lt.backward_s for lt in layers),
         update_s=1e-3,
@@ -61,8 +63,8 @@ def synthetic_profile(model: str = "mlp", world_size: int = 2) -> Profile:
             Collective.BROADCAST: curve(1e-4, 1e-9),
         },
         topk=TopkTiming(select=select, decode=decode),
-        kfac=synthetic_kfac_timing(wl.module),
-        compress=synthetic_compress_timing(wl.module, [lt.name for lt in layers]),
+        kfac=synthetic_kfac_timing(module),
+        compress=synthetic_compress_timing(module, [lt.name for lt in layers]),
     )
 
 
