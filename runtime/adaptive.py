@@ -94,6 +94,7 @@ class Replan:
     error_before: float | None  # the plan in use, on the new errors
     error_after: float | None  # the plan kept, on the new errors
     budget: float | None  # the budget on the new errors
+    plan: Plan | None = None  # the plan taken (None: kept the one in use)
 
 
 def replannable(plan: Plan) -> str:

@@ -935,13 +935,14 @@ class GradientExchange:
             payload = broadcast_json(payload, group=self.process_group,
                                      device=self._device if self._device.type == "cuda" else None)
         data = payload.get("plan")
-        if data is not None:
-            self._adopt(Plan.from_dict(data), flush=True)
+        taken = None if data is None else Plan.from_dict(data)
+        if taken is not None:
+            self._adopt(taken, flush=True)
         elif payload.get("reason", "").startswith("rank 0 could not"):
             warnings.warn(payload["reason"], RuntimeWarning, stacklevel=3)
         self.replans.append(Replan(step=step, changed=data is not None, reason=str(payload.get("reason", "")),
                                    error_before=payload.get("before"), error_after=payload.get("after"),
-                                   budget=payload.get("budget")))
+                                   budget=payload.get("budget"), plan=taken))
 
     def _adopt(self, plan: Plan, *, flush: bool) -> None:
         """Run `plan` from the next step: flush the error fed back (averaged over ranks into this step's

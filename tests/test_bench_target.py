@@ -94,7 +94,31 @@ def test_bench_target_runs_top_k_plans_with_the_density_warmup(tmp_path: Path,
     assert [v["variant"] for v in doc["variants"]] == ["ddp", "plan topk@0.01", "ddp+topk:0.01"]
 
 
+def test_bench_target_runs_a_budgeted_plan_adaptive_beside_static(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`--adaptive STEPS` adds a row re-planning each plan kept within an error budget; other plans get none."""
+    from tests.test_budget_plan import profile_with_errors
+
+    profile_path, budgeted, free = tmp_path / "profile.json", tmp_path / "budgeted.json", tmp_path / "free.json"
+    profile = profile_with_errors("digits")
+    profile.save(profile_path)
+    allowed = parse_compressors("dense,fp16,powersgd:1,powersgd:4")
+    make_mixed_plan(profile, allowed, source=str(profile_path), error_budget=0.3, time_limit_s=None).save(budgeted)
+    make_mixed_plan(profile, allowed, source=str(profile_path), time_limit_s=None).save(free)
+    assert main(["bench", "--plan", str(budgeted), "--plan", str(free), "--target-loss", "1.5", "--samples", "2600",
+                 "--peers", "none", "--adaptive", "8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    names = [v["variant"] for v in doc["variants"]]
+    assert sum(n.endswith(" adaptive") for n in names) == 1 and names[2] == f"{names[1]} adaptive", names
+    runs = {r["variant"]: r for r in doc["runs"]}
+    adaptive = runs[names[2]]
+    assert adaptive["steps"] >= 16 and all(r.startswith("step ") for r in adaptive["replans"])
+    assert adaptive["curve"][-1][2] < adaptive["curve"][0][2]
+
+
 @pytest.mark.parametrize(("argv", "message"), [
+    (["--adaptive", "50"], "--adaptive applies to the time-to-target bench"),
+    (["--target-loss", "1", "--adaptive", "4"], "--adaptive must be at least 8 steps"),
     (["--density-warmup", "0.25,500"], "--density-warmup applies to the time-to-target bench"),
     (["--target-loss", "1", "--density-warmup", "0.25"], "expected START,STEPS"),
     (["--target-loss", "1", "--density-warmup", "1.5,10"], "`0 < START <= 1`"),

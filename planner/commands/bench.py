@@ -237,6 +237,7 @@ class Variant:
     selector: str = "exact"
     interval: tuple[float, float] | None = None
     via_ddp: bool = False
+    adaptive: bool = False  # the plan re-planned as training goes (the time-to-target bench's `--adaptive`)
 
 
 #: SGD's momentum in every step bench times (where it goes: `sgd_as_advised`).
@@ -480,12 +481,13 @@ def plan_in_ddp(module: torch.nn.Module, plan: Plan, *, find_unused: bool, momen
 
 
 def sgd_as_advised(model: torch.nn.Module, plan: Plan | None, *, lr: float, momentum: float, find_unused: bool,
-                   model_name: str | None = None, density_warmup: tuple[float, int] | None = None
-                   ) -> tuple[torch.optim.SGD, Any]:
+                   model_name: str | None = None, density_warmup: tuple[float, int] | None = None,
+                   adaptive: Any = None) -> tuple[torch.optim.SGD, Any]:
     """SGD with `momentum` as a user runs each variant: in the optimizer for DDP, its hooks and plans without
     top-k groups; for a plan that sends top-k, in the exchange (momentum correction) with the optimizer's at 0,
     as README's "Top-k with momentum" advises. `density_warmup` is given to the exchange of a top-k plan
-    (`GradientExchange(density_warmup=)`); the other variants run without it. Returns the optimizer and the
+    (`GradientExchange(density_warmup=)`); the other variants run without it. `adaptive`: a `Replanning` for the
+    exchange (its re-plans then keep top-k out where the optimizer holds the momentum). Returns the optimizer and the
     plan's exchange (None without one)."""
     from planner.runtime import GradientExchange
 
@@ -495,8 +497,9 @@ def sgd_as_advised(model: torch.nn.Module, plan: Plan | None, *, lr: float, mome
         return opt, None
     warmup = density_warmup if plan.strategy is Strategy.TOPK and plan.density is not None else None
     exchange = GradientExchange(model, plan, model_name=model_name, find_unused_parameters=find_unused or None,
-                                momentum=momentum if in_exchange else 0.0, optimizer=opt if in_exchange else None,
-                                density_warmup=warmup)
+                                momentum=momentum if in_exchange else 0.0,
+                                optimizer=opt if in_exchange or adaptive is not None else None,
+                                density_warmup=warmup, adaptive=adaptive or False)
     return opt, exchange
 
 

@@ -84,6 +84,10 @@ class BenchCommand(Command):
                              help="gradient plans with --target-loss: the top-k plans' exchange decays the density "
                                   "from START to the plan's over STEPS steps (GradientExchange(density_warmup=)); "
                                   "the other variants run without it")
+        abs_sgd.add_argument("--adaptive", type=_positive, default=None, metavar="STEPS",
+                             help="gradient plans with --target-loss: also run each plan kept within an error budget "
+                                  "re-planned every STEPS steps as training goes (GradientExchange(adaptive=)), as "
+                                  "a row of its own")
         crossover = parser.add_argument_group("crossover (--strategy crossover)")
         crossover.add_argument("--pairing", type=Path, default=None,
                                help="the pairing plan of two jobs (`planner pair PLAN PLAN --batch N -o P`); the "
@@ -120,6 +124,15 @@ class BenchCommand(Command):
         runs = [flag for flag, value in (("--samples", args.samples), ("--repeats", args.repeats),
                                          ("--target-loss", args.target_loss), ("--lr", args.lr),
                                          ("--momentum", args.momentum)) if value is not None]
+        if args.adaptive is not None and not to_target:
+            raise PlannerError("--adaptive applies to the time-to-target bench of gradient plans (--target-loss L)")
+        if args.adaptive is not None:
+            from planner.runtime.adaptive import Replanning
+
+            least = Replanning.steps + Replanning.warmup
+            if args.adaptive < least:
+                raise PlannerError(f"--adaptive must be at least {least} steps (the errors are measured over the "
+                                   f"last {least} steps before each re-plan), got {args.adaptive}")
         if args.density_warmup is not None and not to_target:
             raise PlannerError("--density-warmup applies to the time-to-target bench of gradient plans "
                                "(--target-loss L)")
@@ -178,7 +191,7 @@ class BenchCommand(Command):
             momentum=0.9 if args.momentum is None else args.momentum, repeats=args.repeats or 1,
             peers=_peers(args.peers), nproc=args.nproc or plans[0].cluster.world_size, batch_size=args.batch_size,
             show_progress=not args.json, link=args.link, slowdown=args.slowdown, hosts=args.hosts,
-            labels=file_labels(plans, args.plan), density_warmup=args.density_warmup)
+            labels=file_labels(plans, args.plan), density_warmup=args.density_warmup, adaptive=args.adaptive)
         _note_link_mismatch(plans, args.link)
         runs = run_target_bench(config)
         if runs is not None:

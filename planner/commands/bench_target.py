@@ -27,8 +27,8 @@ import functools
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from planner.commands.bench import (
     Variant,
     bench_variants,
     ddp_with_hook,
+    plan_tag,
     refuse_gpu_plans,
     sgd_as_advised,
 )
@@ -96,6 +97,9 @@ class TargetBenchConfig:
     #: (start_density, steps) of a density warm-up for the top-k plans (`GradientExchange(density_warmup=)`);
     #: the other variants run without one. None: no warm-up.
     density_warmup: tuple[float, int] | None = None
+    #: Also run each plan kept within an error budget re-planned every this many steps (`Replanning(every=)`), as a
+    #: variant of its own ("... adaptive"). None: not.
+    adaptive: int | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,7 @@ class TargetRun:
     samples: int
     steps: int
     curve: tuple[tuple[float, int, float], ...]  # (seconds, samples applied, evaluation loss)
+    replans: tuple[str, ...] = ()  # an adaptive variant's plan changes: "step S: what it sends now"
 
     def time_to(self, target: float) -> tuple[float, int] | None:
         """Seconds and samples at the first evaluation at or below `target` (None: not reached)."""
@@ -130,11 +135,20 @@ class TargetSummary:
 
 
 def _variants(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Compressor, ...],
-              labels: tuple[str, ...] = ()) -> list[Variant]:
+              labels: tuple[str, ...] = (), adaptive: bool = False) -> list[Variant]:
     """DDP, the plans and the hooks of the step-time bench, without the local steps, the per-layer rows and the plans
-    run inside DDP (this bench runs each plan in GradientExchange)."""
-    return [v for v in bench_variants(plans, module, peers, labels)
-            if v.name != LOCAL and not v.name.startswith("per-layer") and not v.via_ddp]
+    run inside DDP (this bench runs each plan in GradientExchange); with `adaptive`, after each plan kept within an
+    error budget the same plan re-planned as training goes."""
+    from planner.runtime.adaptive import replannable
+
+    out = []
+    for v in bench_variants(plans, module, peers, labels):
+        if v.name == LOCAL or v.name.startswith("per-layer") or v.via_ddp:
+            continue
+        out.append(v)
+        if adaptive and v.plan is not None and not replannable(v.plan):
+            out.append(replace(v, name=f"{v.name} adaptive", adaptive=True))
+    return out
 
 
 def _probe_loss(workload: Workload, x: torch.Tensor, y: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
@@ -157,8 +171,14 @@ def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, rep
     plan = variant.plan
     model = student if plan is not None else ddp_with_hook(student, variant.hook, find_unused=unused,
                                                            selector=variant.selector)
+    schedule = None
+    if variant.adaptive:
+        from planner.runtime.adaptive import Replanning
+
+        assert config.adaptive is not None
+        schedule = Replanning(every=config.adaptive)
     opt, exchange = sgd_as_advised(model, plan, lr=lr, momentum=config.momentum, find_unused=unused,
-                                   model_name=config.model, density_warmup=config.density_warmup)
+                                   model_name=config.model, density_warmup=config.density_warmup, adaptive=schedule)
     state_bytes = sum(v.numel() * v.element_size() for v in student.state_dict().values())
     cap = min(config.max_snapshots, snapshot_cap(state_bytes, config.snapshot_memory_fraction))
     snapshots = _Snapshots(cap, config.snapshot_every_s)
@@ -184,7 +204,15 @@ def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, rep
     if rank == 0:
         snapshots.items.append((wall, applied, {k: v.detach().clone() for k, v in student.state_dict().items()}))
     curve = _evaluate(task, initial, snapshots.items, config.target_loss) if rank == 0 else ()
-    return TargetRun(variant=variant.name, repeat=repeat, wall_s=wall, samples=applied, steps=steps, curve=curve)
+    changes = () if exchange is None else tuple(
+        f"step {r.step}: {plan_tag(exchange_plan)}" for r, exchange_plan in _taken(exchange))
+    return TargetRun(variant=variant.name, repeat=repeat, wall_s=wall, samples=applied, steps=steps, curve=curve,
+                     replans=changes)
+
+
+def _taken(exchange: Any) -> list[tuple[Any, Plan]]:
+    """An adaptive exchange's plan changes, each with the plan it took (the last one is the plan in use)."""
+    return [(r, r.plan) for r in getattr(exchange, "replans", []) if r.changed and r.plan is not None]
 
 
 def snapshot_cap(state_bytes: int, fraction: float) -> int:
@@ -242,7 +270,7 @@ def target_bench_worker(rank: int, world_size: int, config: TargetBenchConfig) -
     hosts = count_hosts()
     for plan in config.plans:
         plan.check_compatible(model_info(task.workload.module, config.model), world_size, hosts=hosts)
-    variants = _variants(config.plans, task.workload.module, config.peers, config.labels)
+    variants = _variants(config.plans, task.workload.module, config.peers, config.labels, config.adaptive is not None)
     runs = []
     with progress(enabled=config.show_progress and rank == 0) as bar:
         tick = bar.add_task("runs to the target loss", total=config.repeats * len(variants))
@@ -297,8 +325,8 @@ def run_target_bench(config: TargetBenchConfig) -> list[TargetRun] | None:
 
 def print_target_bench(config: TargetBenchConfig, runs: list[TargetRun], as_json: bool) -> None:
     task = build_task(config.model, config.task, batch_size=config.batch_size)
-    predicted = {v.name: v.predicted_s
-                 for v in _variants(config.plans, task.workload.module, config.peers, config.labels)}
+    predicted = {v.name: v.predicted_s for v in _variants(config.plans, task.workload.module, config.peers,
+                                                          config.labels, config.adaptive is not None)}
     summaries = summarise_target(config, runs, predicted)
     if as_json:
         console.print_json(json.dumps({"target_loss": config.target_loss, "samples": config.samples,
@@ -325,3 +353,7 @@ def print_target_bench(config: TargetBenchConfig, runs: list[TargetRun], as_json
                       f"{s.predicted_step_s * 1e3:,.1f}" if s.predicted_step_s is not None else "-",
                       style="bold" if s.variant.startswith("plan") else None)
     console.print(table)
+    for run in runs:
+        if run.variant.endswith(" adaptive"):
+            changes = "; ".join(run.replans) or "kept the plan it was given"
+            console.print(f"{run.variant}, run {run.repeat + 1}: {changes}")
