@@ -16,7 +16,7 @@ from typing import Any
 
 from planner.contracts.plan import DDP_ROW, Plan
 from planner.contracts.profile import Profile
-from planner.strategies.budget import BudgetSpec, plan_error, resolve_budget, uniform_error
+from planner.strategies.budget import BY_DEFAULT, BudgetSpec, default_budget, plan_error, resolve_budget, uniform_error
 from planner.strategies.gradients import make_plan
 from planner.strategies.mixed import make_mixed_plan
 from planner.strategies.via_ddp import Way, choose_way
@@ -59,7 +59,7 @@ def ddp_predictions(candidates: dict[str, Plan]) -> dict[str, float]:
 
 def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: str = "",
                selector: str | None = None, time_limit_s: float | None = 1.0, weigh_noise: bool = True,
-               error_budget: BudgetSpec | None = None) -> AutoChoice:
+               error_budget: BudgetSpec | str | None = BY_DEFAULT) -> AutoChoice:
     """Every way of sending that `compressors` allow, each solved exactly: a dense plan (if dense is allowed), a
     top-k plan per allowed density, and the mixed plan over all of them. Each candidate's solve takes at most
     `time_limit_s` (past it, the best found, recorded as not proven optimal).
@@ -71,7 +71,9 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     iteration is kept (on a tie the first: dense, then top-k, then mixed) and compared with DDP's predictions alone.
 
     With `error_budget` (`planner.strategies.budget`) only plans within it are candidates: the top-k plans whose
-    error is within it, and the mixed plan solved under it.
+    error is within it, and the mixed plan solved under it. By default (`BY_DEFAULT`) the budget is the error of
+    `DEFAULT_BUDGETS`' first compressor the profile measured, on every layer (PowerSGD rank 4, which trained like
+    dense); None: no budget (so also where the profile measured no error).
 
     Raises:
         InvalidProfileError: a compressor the profile did not measure (or, with a budget, whose error it did not).
@@ -79,6 +81,11 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     from planner.strategies.intervals import Draws
 
     allowed = tuple(compressors)
+    by_default = isinstance(error_budget, str)
+    if isinstance(error_budget, str):
+        if error_budget != BY_DEFAULT:
+            raise ValueError(f"error_budget is a number, a Compressor, None or {BY_DEFAULT!r}, got {error_budget!r}")
+        error_budget = default_budget(profile)
     budget = None if error_budget is None else resolve_budget(profile, error_budget)
     candidates: dict[str, Plan] = {}
     beyond: dict[str, float] = {}  # candidates left out: their error over the budget
@@ -102,16 +109,20 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
         choice = _auto_by_prediction(candidates)
     else:
         choice = _auto_beyond_noise(profile, candidates, allowed, draws, time_limit_s)
-    return replace(choice, rule=_rule(budget, beyond))
+    return replace(choice, rule=_rule(budget, beyond, by_default=by_default, measured=profile.errors is not None))
 
 
-def _rule(budget: tuple[float, Compressor | None] | None, beyond: dict[str, float]) -> str:
+def _rule(budget: tuple[float, Compressor | None] | None, beyond: dict[str, float], *, by_default: bool = False,
+          measured: bool = True) -> str:
     """The line that says which rule kept the plan."""
     if budget is None:
-        return ("rule: by predicted step alone, among the compressors allowed (no error budget: --error-budget bounds "
-                "how far the plan may move the gradient)")
+        why = ("the profile measured no compression error; profile again to keep the plan within one" if not measured
+               else "--error-budget bounds how far the plan may move the gradient")
+        return f"rule: by predicted step alone, among the compressors allowed (no error budget: {why})"
     value, of = budget
-    line = f"rule: within the error budget {value:.3g}{f' ({of} on every layer)' if of is not None else ''}"
+    default = "default " if by_default else ""
+    line = f"rule: fastest within the {default}error budget {value:.3g}"
+    line += f" ({of} on every layer{', which trained like dense' if by_default else ''})" if of is not None else ""
     if beyond:
         line += "; left out beyond it: " + ", ".join(f"{name} (error {e:.3g})" for name, e in beyond.items())
     return line

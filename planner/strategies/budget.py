@@ -20,18 +20,36 @@ from planner.costmodel.mixed import MixedProblem
 from planner.solvers.mixed import ErrorBudget
 from planner.types import Compressor, CompressorError, InvalidProfileError, PlannerError
 
-__all__ = ["BudgetSpec", "parse_error_budget", "plan_error", "resolve_budget", "solver_budget", "uniform_error"]
+__all__ = ["BY_DEFAULT", "DEFAULT_BUDGETS", "BudgetSpec", "default_budget", "parse_error_budget", "plan_error",
+           "resolve_budget", "solver_budget", "uniform_error"]
 
 #: `--error-budget` as given: the error itself, or the compressor whose error over the whole gradient it is.
 BudgetSpec = float | Compressor
 
+#: The budget `--strategy auto` keeps its plan within unless told otherwise: the error of the first of these that the
+#: profile measured, on every layer. PowerSGD rank 4 everywhere trained like dense on the digits and the character
+#: language model at 200 Mbit/s (docs/results/error-budget.md); fp16, where rank 4 was not measured, moves nothing
+#: that matters.
+DEFAULT_BUDGETS = (Compressor.parse("powersgd:4"), Compressor.parse("fp16"))
+#: Stands for "the default budget" where a budget is asked for (`solve_auto`); None stands for no budget.
+BY_DEFAULT = "default"
 
-def parse_error_budget(text: str) -> BudgetSpec:
-    """`--error-budget`: a number >= 0 or a compressor ("powersgd:4", "fp16", "topk:0.01").
+
+def default_budget(profile: Profile) -> Compressor | None:
+    """The default budget's compressor on this profile (`DEFAULT_BUDGETS`), None where it measured no error."""
+    if profile.errors is None:
+        return None
+    return next((c for c in DEFAULT_BUDGETS if profile.errors.has(c)), None)
+
+
+def parse_error_budget(text: str) -> BudgetSpec | None:
+    """`--error-budget`: a number >= 0, a compressor ("powersgd:4", "fp16", "topk:0.01") or none (no budget).
 
     Raises:
         PlannerError: neither.
     """
+    if text.strip().lower() == "none":
+        return None
     try:
         value = float(text)
     except ValueError:
