@@ -82,17 +82,19 @@ def test_auto_leaves_out_the_plans_beyond_the_budget() -> None:
     assert within.plan.error is not None and within.plan.error.budget == 0.6
     assert within.rule == "rule: fastest within the error budget 0.6; left out beyond it: topk at 0.01 (error 0.9)"
     assert free.rule.startswith("rule: by predicted step alone")
-    # By default: PowerSGD rank 4's error on every layer (0.3 here), where the profile measured it; else fp16's.
+    # By default: fp16's error on every layer (4e-8 here), the one uniform setting that trained like dense.
     default = solve_auto(profile, allowed, weigh_noise=False, time_limit_s=None)
     assert set(default.candidates) == {"dense", "mixed over dense, fp16, topk:0.01, topk:0.1"}
-    assert default.plan.error is not None and default.plan.error.budget == pytest.approx(0.3)
-    assert default.rule.startswith("rule: fastest within the default error budget 0.3 (powersgd:4 on every layer, "
-                                   "which trained like dense); left out beyond it: topk at 0.01 (error 0.9), topk at "
-                                   "0.1 (error 0.5)")
-    no_rank4 = replace(profile, errors=replace(profile.errors, input_sq={
-        c: a for c, a in profile.errors.input_sq.items() if c != "powersgd:4"}, error_sq={
-        c: a for c, a in profile.errors.error_sq.items() if c != "powersgd:4"}))
-    assert solve_auto(no_rank4, allowed, weigh_noise=False, time_limit_s=None).plan.error.budget == pytest.approx(4e-8)
+    assert default.plan.error is not None and default.plan.error.budget == pytest.approx(4e-8)
+    assert {str(default.plan.compressor_of(g)) for g in default.plan.groups} <= {"dense", "fp16"}
+    assert default.rule.startswith("rule: fastest within the default error budget 4e-08 (fp16 on every layer, which "
+                                   "trained like dense); left out beyond it: topk at 0.01 (error 0.9), topk at 0.1 "
+                                   "(error 0.5)")
+    no_fp16 = replace(profile, errors=replace(profile.errors, input_sq={
+        c: a for c, a in profile.errors.input_sq.items() if c != "fp16"}, error_sq={
+        c: a for c, a in profile.errors.error_sq.items() if c != "fp16"}))
+    assert "the profile measured no error of fp16" in solve_auto(no_fp16, allowed, weigh_noise=False,
+                                                                 time_limit_s=None).rule
     unmeasured = solve_auto(replace(profile, errors=None), allowed, weigh_noise=False, time_limit_s=None)
     assert "the profile measured no compression error" in unmeasured.rule
 
@@ -114,7 +116,7 @@ def test_cli_error_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "compression error per layer" in capsys.readouterr().out
     # auto keeps its plan within the default budget unless told none
     assert main(["solve", str(prof), "--strategy", "auto", "--compressors", "all", "-o", str(out)]) == 0
-    assert "rule: fastest within the default error budget 0.3" in capsys.readouterr().out
+    assert "rule: fastest within the default error budget 4e-08 (fp16 on every layer" in capsys.readouterr().out
     assert main(["solve", str(prof), "--strategy", "auto", "--compressors", "all", "--error-budget", "none", "-o",
                  str(out)]) == 0
     assert "rule: by predicted step alone" in capsys.readouterr().out

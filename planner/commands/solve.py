@@ -37,7 +37,7 @@ class SolveCommand(Command):
                                  "profile measured it, the contraction of the whole gradient) is at most this: a "
                                  "number, or a compressor whose error with every layer sent by it is the budget "
                                  "(e.g. powersgd:4), or none; default: none for mixed, and for auto the error of "
-                                 "PowerSGD rank 4 on every layer (measured to train like dense)")
+                                 "fp16 on every layer (measured to train like dense)")
         # Checked in run(), not by argparse `choices`, so a bad name is one line (no usage block).
         parser.add_argument("--selector", default="auto", metavar="{auto,exact,sampled}",
                             help="top-k selector: exact torch.topk, sampled threshold, or auto (default): the one "

@@ -16,7 +16,15 @@ from typing import Any
 
 from planner.contracts.plan import DDP_ROW, Plan
 from planner.contracts.profile import Profile
-from planner.strategies.budget import BY_DEFAULT, BudgetSpec, default_budget, plan_error, resolve_budget, uniform_error
+from planner.strategies.budget import (
+    BY_DEFAULT,
+    DEFAULT_BUDGETS,
+    BudgetSpec,
+    default_budget,
+    plan_error,
+    resolve_budget,
+    uniform_error,
+)
 from planner.strategies.gradients import make_plan
 from planner.strategies.mixed import make_mixed_plan
 from planner.strategies.via_ddp import Way, choose_way
@@ -72,8 +80,8 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
 
     With `error_budget` (`planner.strategies.budget`) only plans within it are candidates: the top-k plans whose
     error is within it, and the mixed plan solved under it. By default (`BY_DEFAULT`) the budget is the error of
-    `DEFAULT_BUDGETS`' first compressor the profile measured, on every layer (PowerSGD rank 4, which trained like
-    dense); None: no budget (so also where the profile measured no error).
+    `DEFAULT_BUDGETS`' first compressor the profile measured, on every layer (fp16, which trained like dense); None:
+    no budget (so also where the profile measured no error).
 
     Raises:
         InvalidProfileError: a compressor the profile did not measure (or, with a budget, whose error it did not).
@@ -109,16 +117,20 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
         choice = _auto_by_prediction(candidates)
     else:
         choice = _auto_beyond_noise(profile, candidates, allowed, draws, time_limit_s)
-    return replace(choice, rule=_rule(budget, beyond, by_default=by_default, measured=profile.errors is not None))
+    why = "--error-budget bounds how far the plan may move the gradient"
+    if by_default and profile.errors is None:
+        why = "the profile measured no compression error; profile again to keep the plan within one"
+    elif by_default:
+        why = (f"the profile measured no error of {DEFAULT_BUDGETS[0]}, the default budget's; profile with it, or give "
+               "--error-budget")
+    return replace(choice, rule=_rule(budget, beyond, by_default=by_default, why_none=why))
 
 
 def _rule(budget: tuple[float, Compressor | None] | None, beyond: dict[str, float], *, by_default: bool = False,
-          measured: bool = True) -> str:
+          why_none: str = "") -> str:
     """The line that says which rule kept the plan."""
     if budget is None:
-        why = ("the profile measured no compression error; profile again to keep the plan within one" if not measured
-               else "--error-budget bounds how far the plan may move the gradient")
-        return f"rule: by predicted step alone, among the compressors allowed (no error budget: {why})"
+        return f"rule: by predicted step alone, among the compressors allowed (no error budget: {why_none})"
     value, of = budget
     default = "default " if by_default else ""
     line = f"rule: fastest within the {default}error budget {value:.3g}"
