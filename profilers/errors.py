@@ -17,7 +17,7 @@ from planner.kernels.error import ErrorMeter
 from planner.models import Workload
 from planner.types import Compressor, CompressorKind
 
-__all__ = ["ERROR_STEPS", "ERROR_WARMUP", "ErrorRun", "combine_error_runs", "measure_errors"]
+__all__ = ["ERROR_STEPS", "ERROR_WARMUP", "ErrorRun", "combine_error_runs", "layer_k", "measure_errors"]
 
 #: Steps `planner profile` records the errors of, after `ERROR_WARMUP` steps that build up the error fed back.
 ERROR_STEPS, ERROR_WARMUP = 6, 2
@@ -53,7 +53,7 @@ def measure_errors(
     model = workload.module.to(device)
     params = dict(model.named_parameters())
     shapes = [[tuple(params[p].shape) for p in names] for _, names in layers]
-    meters = {str(c): [ErrorMeter(s, c, device, k=_k(c, s), seed=i) for i, s in enumerate(shapes)] for c in chosen}
+    meters = {str(c): [ErrorMeter(s, c, device, k=layer_k(c, s), seed=i) for i, s in enumerate(shapes)] for c in chosen}
     grad_sq = np.zeros((len(layers), steps))
     input_sq = {c: np.zeros((len(layers), steps)) for c in meters}
     error_sq = {c: np.zeros((len(layers), steps)) for c in meters}
@@ -87,7 +87,7 @@ def combine_error_runs(runs: Sequence[ErrorRun], layers: Sequence[str], warmup: 
         error_sq={c: np.stack([r.error_sq[c] for r in runs]) for c in runs[0].error_sq})
 
 
-def _k(compressor: Compressor, shapes: Sequence[tuple[int, ...]]) -> int | None:
+def layer_k(compressor: Compressor, shapes: Sequence[tuple[int, ...]]) -> int | None:
     """What top-k sends of a layer of these shapes alone (None for the other compressors)."""
     if compressor.kind is not CompressorKind.TOPK:
         return None

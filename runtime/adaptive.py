@@ -175,8 +175,11 @@ class ErrorWatch:
         return at == self.schedule.warmup + self.schedule.steps - 1
 
     def _start(self) -> None:
-        self._meters = [[ErrorMeter([tuple(p.shape) for p in params], c, self.device, k=_k(c, params), seed=i)
-                         for c in self.compressors] for i, params in enumerate(self._params)]
+        from planner.profilers.errors import layer_k
+
+        shapes = [[tuple(p.shape) for p in params] for params in self._params]
+        self._meters = [[ErrorMeter(s, c, self.device, k=layer_k(c, s), seed=i) for c in self.compressors]
+                        for i, s in enumerate(shapes)]
         self._norms = np.zeros((1 + 2 * len(self.compressors), len(self.layers), self.schedule.steps))
 
     def gather(self, process_group: Any = None) -> CompressionErrors:
@@ -247,12 +250,3 @@ def load_on_rank0(plan: Plan, profile: Profile | str | os.PathLike[str] | None, 
     if reason:
         raise PlannerError(reason)
     return loaded
-
-
-def _k(compressor: Compressor, params: Sequence[Tensor]) -> int | None:
-    from planner.costmodel.problem import topk_count
-
-    if compressor.kind is not CompressorKind.TOPK:
-        return None
-    assert compressor.density is not None
-    return topk_count(sum(p.numel() for p in params), compressor.density)
