@@ -109,8 +109,10 @@ MAY_IMPORT = {
 #: (`from_profile`) and draw profiles from its samples (`resample`). The contract holds the data and its checks and
 #: stands on the cost model's arithmetic (curves, fits, the statistics of its samples); these stand on both.
 READERS = {"planner.costmodel.from_profile", "planner.costmodel.resample"}
-#: The one way up: the runtime re-plans on attach (re-probing the cluster, then re-solving).
-EXCEPTIONS = {"planner.runtime.retune": {"profilers", "strategies"}}
+#: The two ways up, both the runtime re-planning: on attach (re-probing the cluster, then re-solving), and as training
+#: goes (re-measuring the compressors' errors as the profiler does, then re-solving within the plan's budget).
+EXCEPTIONS = {"planner.runtime.retune": {"profilers", "strategies"},
+              "planner.runtime.adaptive": {"profilers", "strategies"}}
 
 
 def layer(module: str) -> str:
