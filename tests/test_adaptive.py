@@ -54,11 +54,11 @@ def gradients(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(10 * torch.randn(64, 48, generator=g) for _ in "ab")  # type: ignore[return-value]
 
 
-def slow_profile_with_errors(world_size: int = 2) -> Profile:
-    """A synthetic profile of TwoMatrices behind a slow network, whose errors say PowerSGD rank 1 is exact (as it is on
-    rank-1 gradients) and fp16 nearly so."""
-    base = synthetic_profile("two-matrices", world_size, module=TwoMatrices())
-    slow = FittedCurve.fit([(s, 2e-4 + 1e-7 * s) for s in (1 << e for e in range(10, 27, 2))])
+def slow_profile_with_errors(world_size: int = 2, module: nn.Module | None = None, per_byte: float = 1e-7) -> Profile:
+    """A synthetic profile of TwoMatrices (or `module`) behind a slow network (`per_byte` seconds a byte), whose errors
+    say PowerSGD rank 1 is exact (as it is on rank-1 gradients) and fp16 nearly so."""
+    base = synthetic_profile("two-matrices", world_size, module=module if module is not None else TwoMatrices())
+    slow = FittedCurve.fit([(s, 2e-4 + per_byte * s) for s in (1 << e for e in range(10, 27, 2))])
     layers = tuple(lt.name for lt in base.layers)
     grad = np.ones((world_size, len(layers), 2))
     errors = CompressionErrors(layers=layers, warmup=1, grad_sq=grad, input_sq={"fp16": grad, "powersgd:1": grad},
@@ -146,3 +146,47 @@ def test_a_replan_leaves_top_k_out_where_the_optimizer_applies_momentum() -> Non
     assert allowed_compressors(plan) == parse_compressors(ALLOWED)
     topk = replace(plan, compressors=(*parse_compressors(ALLOWED), Compressor.parse("topk:0.1")))
     assert Compressor.parse("topk:0.1") not in allowed_compressors(topk, topk=False)
+
+
+def _shaped_worker(rank: int, world_size: int, profile_path: str, plan_json: str) -> dict[str, object]:
+    from tests.test_mixed_runtime import ShapedConv
+
+    torch.manual_seed(0)
+    model = ShapedConv()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    exchange = GradientExchange(model, Plan.from_dict(json.loads(plan_json)), adaptive=SCHEDULE, profile=profile_path,
+                                optimizer=opt, find_unused_parameters=True)
+    for step in range(8):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        x, y = torch.randn(6, 3, 5, 5, generator=g), torch.randint(0, 4, (6,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        exchange.synchronize()
+        opt.step()
+    exchange.close()
+    return {"plan": json.dumps(exchange.plan.to_dict(), sort_keys=True),
+            "replans": [(r.step, r.changed, r.reason) for r in exchange.replans],
+            "unused_grad": model.unused.weight.grad is None,
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_an_adaptive_run_on_a_model_shaped_like_real_ones(tmp_path: Path) -> None:
+    """Tied weights, a frozen layer, BatchNorm, an unused parameter, modules registered out of order: the errors are
+    measured on them, the plan the profile's errors chose (PowerSGD rank 1, said to be exact) is replaced once rank 1
+    is measured on real gradients, and the ranks end with the same weights."""
+    from tests.test_mixed_runtime import ShapedConv
+
+    profile = slow_profile_with_errors(module=ShapedConv(), per_byte=1e-5)
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    plan = make_mixed_plan(profile, parse_compressors(ALLOWED), source=str(path), error_budget=BUDGET,
+                           time_limit_s=None)
+    assert "powersgd:1" in {str(plan.compressor_of(g)) for g in plan.groups}, "the premise: rank 1 is chosen"
+    first, second = run_distributed(_shaped_worker, 2, str(path), json.dumps(plan.to_dict()))
+    assert first["plan"] == second["plan"] and first["replans"] == second["replans"]
+    assert first["replans"][0][:2] == (3, True) and "exceeds the budget" in first["replans"][0][2]
+    new = Plan.from_dict(json.loads(first["plan"]))
+    assert "powersgd:1" not in {str(new.compressor_of(g)) for g in new.groups}
+    assert first["unused_grad"] and second["unused_grad"]
+    for p, q in zip(first["params"], second["params"], strict=True):
+        assert torch.equal(p, q), "every rank holds the same weights"
