@@ -31,4 +31,8 @@ print(f"rank {accelerator.process_index} loss {loss.item():.4f} "
       f"checksum {sum(p.sum().item() for p in model.parameters()):.6f}")
 if accelerator.is_main_process:
     torch.save(model.state_dict(), "model.pt")
+# Let the DDP model go (the accelerator holds it too) before the process group: a group that outlives
+# `end_training` in a live DDP is torn down at interpreter exit, where gloo's threads abort the process.
+ddp = optimizer = hook = loss = None
+accelerator.free_memory()
 accelerator.end_training()
