@@ -122,3 +122,49 @@ def test_error_budget_units_and_refusals() -> None:
     only_lossy = ErrorBudget(units=np.array([[0, 0, 0], [5, 5, 5]]), budget=9)
     with pytest.raises(SolverError, match="least error of the allowed compressors is 15 units"):
         MixedParetoDP(time_limit_s=None, error=only_lossy, allowed=(1,)).solve(problem)
+
+
+def brute_force_fixed(problem: MixedProblem, grouping: tuple[int, ...], error: ErrorBudget | None) -> float:
+    best = math.inf
+    for choice in itertools.product(range(len(problem.compressors)), repeat=len(grouping)):
+        if error is None or error.of_solution(grouping, choice) <= error.budget:
+            best = min(best, simulate_mixed(problem, grouping, choice).iteration_s)
+    return best
+
+
+@settings(max_examples=100, deadline=None)
+@given(num_layers=st.integers(1, 7), seed=st.integers(0, 10**6), sigma=st.sampled_from([0.0, 0.4, 1.3]),
+       kinds=st.sampled_from(["dfpt", "dpt", "fpt", "dp", "dt"]), kappa=st.sampled_from([0.0, 0.6]),
+       share=st.sampled_from([None, 0.0, 0.05, 0.2, 1.0]), cuts=st.integers(0, 2**6 - 1))
+def test_a_fixed_grouping_equals_brute_force_over_its_compressors(num_layers: int, seed: int, sigma: float, kinds: str,
+                                                                  kappa: float, share: float | None, cuts: int
+                                                                  ) -> None:
+    """A plan run inside DDP keeps its buckets: with the grouping fixed, the solver chooses each group's compressor
+    exactly, within the budget where there is one."""
+    problem = random_mixed(num_layers, seed, sigma=sigma, kinds=kinds, kappa=kappa)
+    grouping = (*(m for m in range(1, num_layers) if cuts >> (m - 1) & 1), num_layers)
+    errors = random_errors(problem, seed)
+    error = None if share is None else ErrorBudget.of(errors, share * float(errors.max(axis=0).sum()))
+    everything = range(len(problem.compressors))
+    if error is not None and error.of_solution(*error.cheapest(everything, grouping)) > error.budget:
+        with pytest.raises(SolverError, match="no plan fits the error budget"):
+            MixedParetoDP(time_limit_s=None, error=error, grouping=grouping).solve(problem)
+        return
+    expected = brute_force_fixed(problem, grouping, error)
+    for solver in (MixedParetoDP(time_limit_s=None, error=error, grouping=grouping),
+                   MixedParetoDP(prune=False, time_limit_s=None, error=error, grouping=grouping)):
+        solution = solver.solve(problem)
+        assert solution.grouping == grouping
+        assert solution.iteration_s == pytest.approx(expected, rel=1e-9)
+        if error is not None:
+            assert error.of_solution(solution.grouping, solution.choice) <= error.budget
+    # never faster than the free grouping
+    free = MixedParetoDP(time_limit_s=None, error=error).solve(problem)
+    assert free.iteration_s <= expected * (1 + 1e-9)
+
+
+def test_a_fixed_grouping_is_checked() -> None:
+    problem = random_mixed(4, 0, sigma=0.0, kinds="dp")
+    for bad in ((2, 3), (2, 2, 4), (0, 4), ()):
+        with pytest.raises(SolverError, match="fixed grouping must be increasing group ends"):
+            MixedParetoDP(grouping=bad).solve(problem)

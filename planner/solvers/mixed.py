@@ -152,11 +152,15 @@ class ErrorBudget:
         per_layer = self.units[list(allowed)].min(axis=0)
         return np.append(np.cumsum(per_layer[::-1])[::-1], 0)
 
-    def cheapest(self, allowed: Sequence[int]) -> tuple[Grouping, Choice]:
-        """A solution with the least units: every layer alone, sent by its least-error allowed compressor (the first
-        of equal ones)."""
-        picks = [allowed[int(i)] for i in self.units[list(allowed)].argmin(axis=0)]
-        return tuple(range(1, len(picks) + 1)), tuple(picks)
+    def cheapest(self, allowed: Sequence[int], grouping: Grouping | None = None) -> tuple[Grouping, Choice]:
+        """A solution with the least units: every layer alone (or the groups of `grouping`), each sent by its
+        least-error allowed compressor (the first of equal ones)."""
+        if grouping is None:
+            grouping = tuple(range(1, self.units.shape[1] + 1))
+        ends = np.asarray(grouping, dtype=np.int64)
+        starts = np.concatenate(([0], ends[:-1]))
+        per_group = np.stack([self.group(c, starts, ends) for c in allowed])
+        return tuple(grouping), tuple(allowed[int(i)] for i in per_group.argmin(axis=0))
 
 
 @dataclass(frozen=True)
@@ -578,6 +582,9 @@ class MixedParetoDP:
         error: an error budget (`ErrorBudget`): the fastest plan whose error is within it, exactly (the states
             gain their error as a fifth clock, never decreasing, so the fronts stay exact; a state whose error
             plus the least its remaining layers can add exceeds the budget is dropped). None: no budget.
+        grouping: keep these groups (exclusive end indices) and choose only each one's compressor, exactly (the
+            search makes states at the grouping's ends only, each from the previous end). None: choose the grouping
+            too. A plan run inside DDP keeps its buckets, so its re-plans keep its grouping.
     """
 
     name = "mixed-pareto-dp"
@@ -586,8 +593,9 @@ class MixedParetoDP:
 
     def __init__(self, *, prune: bool = True, allowed: Sequence[int] | None = None,
                  time_limit_s: float | None = DEFAULT_TIME_LIMIT_S, budget: int | None = None,
-                 error: ErrorBudget | None = None) -> None:
+                 error: ErrorBudget | None = None, grouping: Sequence[int] | None = None) -> None:
         self.prune = prune
+        self.grouping: Grouping | None = None if grouping is None else tuple(int(e) for e in grouping)
         self.allowed = None if allowed is None else tuple(allowed)
         self.time_limit_s = time_limit_s
         self.budget = budget
@@ -595,8 +603,9 @@ class MixedParetoDP:
 
     def __repr__(self) -> str:
         within = "" if self.error is None else f", error budget {self.error.budget} units"
+        fixed = "" if self.grouping is None else f", grouping={self.grouping}"
         return (f"MixedParetoDP(prune={self.prune}, allowed={self.allowed}, time_limit_s={self.time_limit_s}, "
-                f"budget={self.budget}{within})")
+                f"budget={self.budget}{within}{fixed})")
 
     def solve(self, problem: MixedProblem, *, deadline: Deadline | None = None,
               incumbents: Sequence[MixedSolution] = ()) -> MixedSolution:
@@ -604,11 +613,13 @@ class MixedParetoDP:
         search finished, and never worse than any of `incumbents` (solutions of `problem` among the allowed
         compressors: the plans printed beside this one).
 
-        Incumbents whose error exceeds the error budget are left out.
+        Incumbents whose error exceeds the error budget, or (with a fixed `grouping`) of another grouping, are left
+        out.
 
         Raises:
             SolverError: `allowed` names a compressor the problem has not got, or an incumbent uses one it does
-                not allow; the error budget does not fit the problem, or no plan of the allowed compressors fits it.
+                not allow; the error budget does not fit the problem, or no plan of the allowed compressors fits it;
+                the fixed grouping is not one of the problem's layers.
         """
         allowed = tuple(range(len(problem.compressors))) if self.allowed is None else self.allowed
         if not allowed or any(not 0 <= c < len(problem.compressors) for c in allowed):
@@ -619,21 +630,27 @@ class MixedParetoDP:
             raise SolverError(f"an incumbent solution uses compressors {sorted(set(outside[0]) - set(allowed))} "
                               f"outside the allowed {list(allowed)}")
         error = self.error
+        grouping = self.grouping
+        if grouping is not None:
+            ends = np.asarray(grouping)
+            if ends.size == 0 or grouping[-1] != problem.num_layers or np.any(np.diff(np.concatenate(([0], ends))) < 1):
+                raise SolverError(f"a fixed grouping must be increasing group ends ending at the problem's "
+                                  f"{problem.num_layers} layers, but got {list(grouping)}")
         if error is not None:
-            _check_error_budget(problem, error, allowed)
+            _check_error_budget(problem, error, allowed, grouping)
         deadline = deadline if deadline is not None else Deadline(self.time_limit_s)
         fixed = problem.forward_s + problem.update_s
         if not self.prune:
-            found = _search(problem, _tables(problem, allowed), allowed, np.inf, error=error)
+            found = _search(problem, _tables(problem, allowed), allowed, np.inf, error=error, grouping=grouping)
             assert found is not None
             return MixedSolution(found[0], found[1], fixed + found[2])
-        tried = [(g, (c,) * len(g)) for c in allowed
-                 for g in dict.fromkeys((tuple(range(1, problem.num_layers + 1)), (problem.num_layers,),
-                                         ddp_buckets(problem)))]
-        tried += [(s.grouping, s.choice) for s in incumbents]
+        groupings = (tuple(range(1, problem.num_layers + 1)), (problem.num_layers,), ddp_buckets(problem))
+        tried = [(g, (c,) * len(g)) for c in allowed for g in dict.fromkeys(groupings if grouping is None
+                                                                          else (grouping,))]
+        tried += [(s.grouping, s.choice) for s in incumbents if grouping is None or s.grouping == grouping]
         if error is not None:  # within the budget only, and the plan of least error always
             tried = [(g, c) for g, c in tried if error.of_solution(g, c) <= error.budget]
-            tried.append(error.cheapest(allowed))
+            tried.append(error.cheapest(allowed, grouping))
         best = min((_evaluated(problem, g, c) for g, c in tried), key=lambda s: s.iteration_s)
         try:
             tables = _tables(problem, allowed, deadline)
@@ -653,25 +670,28 @@ class MixedParetoDP:
             return (best.iteration_s - fixed) * (1 + _PRUNE_RTOL)
 
         try:
-            improved(_search(problem, tables, allowed, limit(), beam=_BEAM, deadline=deadline, error=error))
+            improved(_search(problem, tables, allowed, limit(), beam=_BEAM, deadline=deadline, error=error,
+                             grouping=grouping))
             improved(_search(problem, tables, allowed, limit(), budget=self.budget,
-                             deadline=deadline.share(_SEARCH_SHARE), error=error))
+                             deadline=deadline.share(_SEARCH_SHARE), error=error, grouping=grouping))
         except _OutOfBudget:
             with contextlib.suppress(_OutOfBudget):  # what is left of the deadline, for a wider beam
                 improved(_search(problem, tables, allowed, limit(), beam=_WIDE_BEAM, deadline=deadline,
-                                 error=error))
+                                 error=error, grouping=grouping))
             return replace(best, proven=False, lower_bound_s=min(bound, best.iteration_s))
         # Finished: `best` is optimal (a search that prunes everything within it leaves the incumbent, optimal
         # up to rounding).
         return replace(best, proven=True, lower_bound_s=min(bound, best.iteration_s))
 
 
-def _check_error_budget(problem: MixedProblem, error: ErrorBudget, allowed: Sequence[int]) -> None:
-    """An error budget of this problem's compressors and layers, that some plan of the allowed ones fits."""
+def _check_error_budget(problem: MixedProblem, error: ErrorBudget, allowed: Sequence[int],
+                        grouping: Grouping | None = None) -> None:
+    """An error budget of this problem's compressors and layers, that some plan of the allowed ones (of `grouping`,
+    where fixed) fits."""
     if error.units.shape != (len(problem.compressors), problem.num_layers):
         raise SolverError(f"the error budget has units for {error.units.shape[0]} compressors x {error.units.shape[1]} "
                           f"layers, but the problem has {len(problem.compressors)} x {problem.num_layers}")
-    least = int(error.least(allowed)[0])
+    least = error.of_solution(*error.cheapest(allowed, grouping))
     if least > error.budget:
         raise SolverError(f"no plan fits the error budget: the least error of the allowed compressors is {least} units "
                           f"against a budget of {error.budget}; allow a compressor of less error (dense has none) or "
@@ -754,10 +774,13 @@ class _OutOfBudget(Exception):
 
 def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limit: float,
             beam: int | None = None, budget: int | None = None, deadline: Deadline | None = None,
-            error: ErrorBudget | None = None) -> tuple[Grouping, Choice, float] | None:
+            error: ErrorBudget | None = None, grouping: Grouping | None = None
+            ) -> tuple[Grouping, Choice, float] | None:
     """The best solution whose states all have bounds <= `limit` and its X_G; None if none. With `beam`, only
     that many states with the lowest bounds are kept per prefix (a heuristic). With `error`, only solutions within
-    its budget: each state carries its units, a fifth coordinate of its front.
+    its budget: each state carries its units, a fifth coordinate of its front. With `grouping`, only solutions of
+    those groups: states are made at its ends only, each from the states of the previous end (the bounds and the
+    reductions hold over every grouping, so over these too).
 
     Raises:
         _OutOfBudget: more than `budget` candidate states were made, or `deadline` passed (checked once per
@@ -778,11 +801,18 @@ def _search(problem: MixedProblem, tables: _Tables, allowed: Sequence[int], limi
     count = 1  # state 0: the empty prefix
     active = np.zeros(1, dtype=np.int64)
     made = 0  # candidate states so far
+    previous_end = {e: s for s, e in zip((0, *grouping[:-1]), grouping, strict=True)} if grouping is not None else None
     for j in range(num_layers):
         m = j + 1
         active = active[expire[active] > j]
         if active.size == 0:
             break
+        if previous_end is not None:  # a fixed grouping: a group ends here only at its ends, from the previous one
+            if m not in previous_end:
+                continue
+            active = active[length[active] == previous_end[m]]
+            if active.size == 0:
+                break
         first = length[active]
         starts, block = np.unique(first, return_inverse=True)
         ends = np.full(starts.shape, m)

@@ -111,7 +111,7 @@ def plan_choice(plan: Plan, profile: Profile) -> tuple[MixedProblem, list[int]]:
 
 def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, source: str = "",
                     selector: str | None = None, time_limit_s: float | None = 1.0, route: str = "best",
-                    error_budget: BudgetSpec | None = None) -> Plan:
+                    error_budget: BudgetSpec | None = None, grouping: Grouping | None = None) -> Plan:
     """The exact mixed plan among `compressors`, with the baselines (its row run inside DDP among them,
     `planner.strategies.via_ddp`) and the lower bound.
 
@@ -127,6 +127,9 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
         error_budget: the fastest plan whose compression error is within this (a number, or a compressor's error
             with every layer sent by it: `planner.strategies.budget`); None: no budget. The rows beside the plan
             ("only:C", DDP's hooks) are what a user could run instead, and keep no budget.
+        grouping: keep these groups (exclusive end indices into the profile's layers) and choose each one's
+            compressor only (a plan run inside DDP keeps its buckets when it is re-planned); the rows "only:C" keep
+            them too. None: choose the groups.
 
     Raises:
         InvalidProfileError: a compressor the profile did not measure (its costs, or with a budget its error); a
@@ -143,8 +146,8 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
     selectors = [selector] if selector is not None or not topk else (measured or ["exact"])
     check_route(profile, route)
     budget = None if error_budget is None else resolve_budget(profile, error_budget)
-    plans = [_solve(profile, chosen, s, source=source, time_limit_s=time_limit_s, route=route, budget=budget)
-             for s in selectors]
+    plans = [_solve(profile, chosen, s, source=source, time_limit_s=time_limit_s, route=route, budget=budget,
+                    grouping=grouping) for s in selectors]
     best = min(plans, key=lambda p: p.predicted.iteration_s)
     from planner.strategies.via_ddp import with_via_ddp
 
@@ -152,8 +155,8 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
 
 
 def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str | None, *, source: str,
-           time_limit_s: float | None, route: str = "best", budget: tuple[float, Compressor | None] | None = None
-           ) -> Plan:
+           time_limit_s: float | None, route: str = "best", budget: tuple[float, Compressor | None] | None = None,
+           grouping: Grouping | None = None) -> Plan:
     """One mixed plan under one selection-cost model. The whole solve (the rows "only:C" and the plans all flat and
     all hierarchical, each within a share of the limit, then the plan's own search, and the lower bounds) takes at
     most `time_limit_s`; the plan is never slower than a row it could have used."""
@@ -167,13 +170,15 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
     share = sub_solve_seconds(time_limit_s, len(compressors) + (2 if hosts else 0))
     for c in compressors:
         allowed = tuple(i for i in problem.indices_of(c) if i in usable)
-        subs[f"only:{c}"] = MixedParetoDP(allowed=allowed).solve(problem, deadline=deadline.within(share))
-    if hosts:
+        subs[f"only:{c}"] = MixedParetoDP(allowed=allowed, grouping=grouping).solve(problem,
+                                                                                   deadline=deadline.within(share))
+    if hosts and grouping is None:
         subs.update(route_solutions(problem, deadline, share))
     # The DDP rows (DDP's buckets at DDP's own costs, another runtime's) are not solutions of this problem.
     incumbents = [s for s in subs.values() if set(s.choice) <= usable]
     error = None if budget is None else solver_budget(profile, problem, *budget)
-    solution = MixedParetoDP(allowed=ways, error=error).solve(problem, deadline=deadline, incumbents=incumbents)
+    solution = MixedParetoDP(allowed=ways, error=error, grouping=grouping).solve(problem, deadline=deadline,
+                                                                                 incumbents=incumbents)
     seconds = time.perf_counter() - t0
     layers = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in profile.layers]
     baselines: dict[str, Prediction] = {}
