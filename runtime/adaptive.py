@@ -1,5 +1,7 @@
 """Re-plan a mixed plan as training goes: measure each compressor's error on the gradients of now, and re-solve under
-the plan's error budget when the plan no longer fits it or a faster one does (`GradientExchange(adaptive=True)`).
+the plan's error budget when the plan no longer fits it or a faster one does (`GradientExchange(adaptive=True)`,
+`PlanHook(adaptive=True)`: inside DDP the groups are DDP's buckets, fixed, so a re-plan keeps them and chooses
+each one's compressor only).
 
 A mixed plan kept within an error budget (`planner solve --strategy mixed|auto --error-budget`) was chosen with the
 errors `planner profile` measured in its first few steps. Gradients change as training goes (their scale, how
@@ -198,12 +200,16 @@ class ErrorWatch:
 
 
 def decide_replan(plan: Plan, profile: Profile, errors: CompressionErrors, *, allowed: Sequence[Compressor],
-                  gain: float, time_limit_s: float | None) -> tuple[Plan | None, str, dict[str, float | None]]:
+                  gain: float, time_limit_s: float | None, keep_grouping: bool = False
+                  ) -> tuple[Plan | None, str, dict[str, float | None]]:
     """Rank 0's decision on the errors measured now: the plan to take (None: keep `plan`), why, and the errors.
+    With `keep_grouping` the new plan keeps the plan's groups and chooses each one's compressor only (a plan run
+    inside DDP, whose buckets are fixed).
 
     Raises:
         PlannerError: the profile cannot be solved from, or no plan of `allowed` fits the budget.
     """
+    from planner.contracts.layers import plan_grouping
     from planner.strategies.budget import plan_error, resolve_budget
     from planner.strategies.mixed import make_mixed_plan
     from planner.strategies.retune import current_profile
@@ -214,7 +220,8 @@ def decide_replan(plan: Plan, profile: Profile, errors: CompressionErrors, *, al
     budget = resolve_budget(now, spec)
     before = plan_error(now, plan.groups, [plan.compressor_of(g) for g in plan.groups], budget)
     candidate = make_mixed_plan(now, allowed, source=plan.source_profile, selector=plan.selector,
-                                time_limit_s=time_limit_s, error_budget=spec)
+                                time_limit_s=time_limit_s, error_budget=spec,
+                                grouping=plan_grouping(plan, now) if keep_grouping else None)
     after = candidate.error
     figures = {"before": None if before is None else before.predicted, "budget": budget[0],
                "after": None if after is None else after.predicted}

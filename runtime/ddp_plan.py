@@ -49,6 +49,15 @@ buckets are not the final ones, whose velocities start at zero).
 
 Under `ddp.no_sync()` DDP calls no hook: gradients accumulate locally and the next synced backward sends their
 sum; `iteration` counts synced iterations only.
+
+Re-planning as training goes (`adaptive=`, `planner.runtime.adaptive`): DDP's buckets are fixed once laid out, so
+a re-plan keeps the plan's groups and chooses each one's compressor again under the plan's error budget
+(`decide_replan(keep_grouping=True)`, exact). Over the measured iterations of a period the hook hands each bucket's
+local gradient (`GradBucket.gradients()`, before momentum or averaging) to the `ErrorWatch`; the decision is taken
+at the first bucket of the next synced iteration, before any of its collectives (every rank reaches it at the same
+point): the errors are gathered, rank 0 re-solves, every rank takes its decision. A plan taken flushes the error fed
+back (top-k residuals and PowerSGD errors, averaged over the ranks) into that iteration's averaged gradients, bucket
+by bucket, so nothing held back is lost; momentum velocities stay with their buckets (the same parameters).
 """
 
 from __future__ import annotations
@@ -72,7 +81,11 @@ from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compres
 from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_all_reduce, hierarchical_topk_sum
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk
 from planner.platform.hosts import host_names, ranks_by_host
+from planner.platform.launch import broadcast_json
+from planner.runtime.adaptive import ErrorWatch, Replan, Replanning, allowed_compressors, decide_replan, load_on_rank0
 from planner.runtime.exchange import (
+    _applies_momentum,
+    _check_adaptive,
     _find_unused,
     _name_list,
     check_momentum_options,
@@ -81,7 +94,7 @@ from planner.runtime.exchange import (
     planned_params,
 )
 from planner.runtime.retune import resolve_plan
-from planner.types import Compressor, CompressorKind, PlanMismatchError
+from planner.types import Compressor, CompressorKind, PlanMismatchError, PlannerError
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -160,19 +173,27 @@ class PlanHook:
             `step()`, through a step pre-hook): with `momentum`, its param groups holding planned parameters must
             have momentum 0; without, it must have none on the parameters of the plan's top-k groups (pass the
             momentum here instead). Required with momentum > 0.
+        adaptive: re-plan as training goes (see the module docstring): True, or a `Replanning` to say when. A mixed
+            plan solved with an error budget only. Its groups stay (DDP's buckets); each one's compressor is chosen
+            again among the plan's allowed ones (top-k left out where `optimizer` applies momentum itself). Rank 0
+            needs `profile` (default the plan's source profile). `self.plan` is the plan in use, `self.replans` what
+            each re-plan decided; `state_dict()` holds the plan in use and `load_state_dict` takes it back.
 
     Raises:
         PlanMismatchError: the plan was made for another model or cluster, its parameters are not the model's
             trainable ones, or it has what the hook does not run (named in the message).
         ValueError: find_unused_parameters=False with a plan that records unused parameters; momentum out of range,
             nesterov without momentum, momentum without an optimizer, or an optimizer that applies momentum
-            itself (with `momentum`, or on top-k groups).
+            itself (with `momentum`, or on top-k groups); `adaptive` with a plan that is not mixed or has no error
+            budget.
+        PlannerError: `adaptive` and rank 0 cannot load the profile to re-plan from.
     """
 
-    __slots__ = ("_checked", "_final_iteration", "_half", "_host_groups", "_iteration", "_last_hierarchical",
-                 "_names_of", "_optimizer_hook", "_pending", "_planned_ids", "_powersgd", "_residuals", "_routes",
-                 "_seeds", "_selector", "_static", "_topk_ids", "_velocities", "find_unused_parameters", "model",
-                 "momentum", "nesterov", "plan", "process_group")
+    __slots__ = ("_allowed", "_carry", "_checked", "_final_iteration", "_half", "_host_groups", "_iteration",
+                 "_last_hierarchical", "_names_of", "_optimizer_hook", "_pending", "_planned_ids", "_powersgd",
+                 "_profile", "_replan_due", "_replanning", "_residuals", "_routes", "_seeds", "_selector", "_static",
+                 "_topk_ids", "_velocities", "_watch", "find_unused_parameters", "model", "momentum", "nesterov",
+                 "plan", "process_group", "replans")
 
     def __init__(
         self,
@@ -187,9 +208,11 @@ class PlanHook:
         momentum: float = 0.0,
         nesterov: bool = False,
         optimizer: torch.optim.Optimizer | None = None,
+        adaptive: bool | Replanning = False,
     ) -> None:
         _check_supported(plan)
         check_momentum_options(momentum, nesterov, optimizer, "PlanHook")
+        schedule = _check_adaptive(plan, adaptive, None, None)
         layout = None if hosts is None else [list(h) for h in hosts]
         plan = resolve_plan(plan, model, process_group=process_group, auto_retune=auto_retune, profile=profile,
                             host_count=None if layout is None else len(layout))
@@ -219,10 +242,7 @@ class PlanHook:
             self._check_optimizer(optimizer)
             self._optimizer_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._selector = plan.selector or "exact"
-        # PowerSGD's first random Qs: one seed per PowerSGD group in plan order, as GradientExchange draws them.
-        seeds = np.random.RandomState(0)
-        self._seeds = [int(seeds.randint(1_000_000_000)) if plan.compressor_of(g).kind is CompressorKind.POWERSGD
-                       else 0 for g in plan.groups]
+        self._seeds = _powersgd_seeds(plan)
         self._iteration = 0
         self._final_iteration = 1
         self._checked = False
@@ -238,10 +258,27 @@ class PlanHook:
         self._host_groups: HostGroups | None = None
         self._last_hierarchical: HierarchicalWork | None = None
         crosses = any(g.hierarchical for g in plan.groups)
+        if schedule is not None:  # a re-plan may send a group across hosts hierarchically
+            crosses = crosses or plan.cluster.host_count > 1
         if crosses and dist.is_initialized() and dist.get_world_size(process_group) > 1:
             if layout is None:
                 layout = ranks_by_host(host_names(process_group))
             self._host_groups = HostGroups.build(layout, process_group)
+        # Adaptive re-planning: rank 0 holds the profile it re-solves from; every rank measures its own gradients.
+        self.replans: list[Replan] = []
+        self._replanning = schedule
+        self._replan_due: int | None = None  # the measured iteration whose errors await a decision
+        self._carry: dict[int, Tensor] = {}  # per bucket: the error fed back, flushed into its next average
+        self._watch: ErrorWatch | None = None
+        self._profile: Any = None
+        self._allowed: tuple[Compressor, ...] = ()
+        if schedule is not None:
+            device = next((p.device for n, p in params.items() if n in planned), torch.device("cpu"))
+            self._profile = load_on_rank0(plan, profile, process_group, device)
+            self._allowed = allowed_compressors(plan, topk=self.momentum > 0 or optimizer is None
+                                                or not _applies_momentum(optimizer, self._planned_ids))
+            self._watch = ErrorWatch(model, [n for g in plan.groups for n in g.layers], self._allowed, schedule,
+                                     device)
 
     @classmethod
     def from_file(cls, model: nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> PlanHook:
@@ -442,13 +479,22 @@ class PlanHook:
         """Send one bucket (the body of `plan_hook`): an fp32 allreduce mean before DDP's final layout, then as
         its route says."""
         index = bucket.index()
-        final = self._iteration >= self._final_iteration
+        step = self._iteration
+        final = step >= self._final_iteration
+        if self._replan_due is not None:  # the first bucket of the iteration after a measured period: decide
+            self._replan(self._replan_due)
         if final and index not in self._routes:
             self._routes[index] = self._route(index, bucket.parameters())
+        watch = self._watch if final and self._watch is not None and self._watch.measuring(step) else None
+        if watch is not None:  # this rank's gradients, before momentum or averaging
+            for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                watch.take(param, grad)
         if bucket.is_last():  # DDP calls the hook bucket by bucket in order; the last one ends the iteration
             if final and not self._checked:
                 self._report()
             self._iteration += 1
+            if watch is not None and watch.observe(step):
+                self._replan_due = step
         flat = bucket.buffer()
         if not final:  # DDP's first layout is not the groups': every bucket flat, in fp32
             return self._dense(flat, hierarchical=False)
@@ -456,15 +502,93 @@ class PlanHook:
         source = self._apply_momentum(index, route, flat)
         match route.compressor.kind:
             case CompressorKind.DENSE:
-                return self._dense(flat, hierarchical=route.hierarchical, source=source)
+                sent = self._dense(flat, hierarchical=route.hierarchical, source=source)
             case CompressorKind.FP16:
-                return self._fp16(index, flat, hierarchical=route.hierarchical, source=source)
+                sent = self._fp16(index, flat, hierarchical=route.hierarchical, source=source)
             case CompressorKind.POWERSGD:
-                return self._powersgd_send(index, route, bucket, flat, source)
+                sent = self._powersgd_send(index, route, bucket, flat, source)
             case CompressorKind.TOPK:
-                return self._topk(index, route, flat, source)
+                sent = self._topk(index, route, flat, source)
             case kind:
                 raise PlanMismatchError(f"a bucket is sent by {kind}, which the hook does not run; {_RUN_ELSEWHERE}")
+        carry = self._carry.pop(index, None)
+        if carry is None:
+            return sent
+
+        def _add_carry(f: torch.futures.Future[Tensor]) -> Tensor:
+            out = f.value()
+            return out.add_(carry.to(out.dtype))
+
+        return sent.then(_add_carry)
+
+    # -- adaptive re-planning --------------------------------------------------------------------
+    def _replan(self, step: int) -> None:
+        """Gather the errors of the period that ended at iteration `step`, let rank 0 decide, take its decision on
+        every rank (called at the first bucket of the next synced iteration, before its collectives)."""
+        assert self._watch is not None and self._replanning is not None
+        self._replan_due = None
+        errors = self._watch.gather(self.process_group)
+        world = self._world_size()
+        rank = dist.get_rank(self.process_group) if world > 1 else 0
+        payload: dict[str, Any] = {}
+        if rank == 0:
+            try:
+                new, reason, figures = decide_replan(self.plan, self._profile, errors, allowed=self._allowed,
+                                                     gain=self._replanning.gain,
+                                                     time_limit_s=self._replanning.time_limit_s, keep_grouping=True)
+                payload = {"reason": reason, **figures, "plan": None if new is None else new.to_dict()}
+            except PlannerError as exc:
+                payload = {"reason": f"rank 0 could not re-plan, the plan in use is kept: {exc}", "plan": None}
+        if world > 1:
+            device = self._watch.device
+            payload = broadcast_json(payload, group=self.process_group,
+                                     device=device if device.type == "cuda" else None)
+        data = payload.get("plan")
+        taken = None if data is None else Plan.from_dict(data)
+        if taken is not None:
+            self._adopt(taken, flush=True)
+        elif str(payload.get("reason", "")).startswith("rank 0 could not"):
+            warnings.warn(payload["reason"], RuntimeWarning, stacklevel=3)
+        self.replans.append(Replan(step=step, changed=taken is not None, reason=str(payload.get("reason", "")),
+                                   error_before=payload.get("before"), error_after=payload.get("after"),
+                                   budget=payload.get("budget"), plan=taken))
+
+    def _adopt(self, plan: Plan, *, flush: bool) -> None:
+        """Send with `plan` from now on: the same groups (DDP's buckets), each with its new compressor. With `flush`,
+        the error fed back is averaged over the ranks and added to each bucket's next average; the compressors'
+        state starts afresh, the momentum velocities stay (the same parameters per bucket)."""
+        same_groups = [g.params for g in plan.groups] == [g.params for g in self.plan.groups]
+        if plan.model.fingerprint != self.plan.model.fingerprint or not same_groups:
+            raise PlanMismatchError("a re-plan inside DDP must keep the model and the plan's groups (DDP's buckets); "
+                                    "the new plan has others")
+        if flush:
+            self._flush_error_feedback()
+        self._residuals.clear()
+        self._powersgd.clear()
+        self._half.clear()
+        self.plan = plan
+        self._seeds = _powersgd_seeds(plan)
+        ids = {n: p_id for p_id, n in self._names_of.items()}
+        self._topk_ids = frozenset(ids[n] for g in plan.groups if plan.compressor_of(g).kind is CompressorKind.TOPK
+                                   for n in g.params)
+        self._routes.clear()  # made again, bucket by bucket, as the buckets arrive
+
+    def _flush_error_feedback(self) -> None:
+        """Every rank's error fed back (top-k residuals, PowerSGD errors), averaged over the ranks (one allreduce),
+        kept per bucket to be added to its next average."""
+        held = [(i, r) for i, r in self._residuals.items()] + [(i, g.error) for i, g in self._powersgd.items()]
+        if not held:
+            return
+        flat = torch.cat([buffer.reshape(-1).float() for _, buffer in held])
+        world = self._world_size()
+        if world > 1:
+            dist.all_reduce(flat, group=self.process_group)
+        flat.div_(world)
+        at = 0
+        for index, buffer in held:
+            mean = flat[at : at + buffer.numel()]
+            at += buffer.numel()
+            self._carry[index] = self._carry[index] + mean if index in self._carry else mean.clone()
 
     def _apply_momentum(self, index: int, route: _Route, flat: Tensor) -> Tensor | None:
         """With momentum: u = m u + g, g this rank's gradient (DDP hands the hook the bucket before any averaging,
@@ -634,7 +758,11 @@ class PlanHook:
             entry(index)["velocity"] = velocity.detach().clone()
         for index, group in self._powersgd.items():
             entry(index).update(error=group.error.detach().clone(), q=group.q.detach().clone(), fresh=group.fresh)
-        return {"kind": STATE_KIND, "model_fingerprint": self.plan.model.fingerprint, "buckets": buckets}
+        state: dict[str, Any] = {"kind": STATE_KIND, "model_fingerprint": self.plan.model.fingerprint,
+                                 "buckets": buckets}
+        if self._replanning is not None:  # the plan in use: a resumed adaptive run continues with it
+            state["plan"] = self.plan.to_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Keep what `state_dict` saved, for the buckets of the final layout: each bucket of the same parameters
@@ -659,6 +787,9 @@ class PlanHook:
                 f"this hook state holds momentum velocities for buckets {with_velocity}, but the hook has momentum=0; "
                 "pass the momentum it was saved with, or start without the state"
             )
+        saved_plan = state.get("plan")
+        if self._replanning is not None and isinstance(saved_plan, dict):
+            self._adopt(Plan.from_dict(saved_plan), flush=False)
         self._pending = {int(i): {**entry, **{k: v.detach().clone() for k, v in entry.items()
                                               if isinstance(v, Tensor)}}
                          for i, entry in buckets.items()}
@@ -701,6 +832,13 @@ class PlanHook:
         group.error.copy_(entry["error"])
         group.q.copy_(entry["q"])
         group.fresh = bool(entry["fresh"])
+
+
+def _powersgd_seeds(plan: Plan) -> list[int]:
+    """PowerSGD's first random Qs: one seed per PowerSGD group in plan order, as GradientExchange draws them."""
+    seeds = np.random.RandomState(0)
+    return [int(seeds.randint(1_000_000_000)) if plan.compressor_of(g).kind is CompressorKind.POWERSGD else 0
+            for g in plan.groups]
 
 
 def _trainable(module: nn.Module) -> list[int]:

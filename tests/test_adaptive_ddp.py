@@ -1,0 +1,136 @@
+"""Re-planning inside DDP (`PlanHook(adaptive=...)`): DDP's buckets are fixed, so a re-plan keeps the plan's groups
+and chooses each one's compressor again. On the task of tests/test_adaptive.py (gradients rank 1, then full rank and
+ten times larger) the PowerSGD rank-1 plan stops fitting its budget, every rank takes the same new plan with the same
+groups, no gradient is lost (the error fed back is flushed into the next average), and a resumed hook continues with
+the plan in use."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from planner.contracts.plan import Plan
+from planner.platform.launch import run_distributed
+from planner.runtime import PlanHook
+from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from tests.test_adaptive import ALLOWED, BUDGET, SCHEDULE, TwoMatrices, gradients, slow_profile_with_errors
+
+#: DDP's iteration 0 (its first bucket layout) is sent dense; the decision after the period that ends at iteration
+#: `every - 1` is taken at the first bucket of the next one, so the last period's needs one iteration more.
+ITERATIONS = 13
+
+
+def _worker(rank: int, world_size: int, profile_path: str, plan_json: str) -> dict[str, object]:
+    plan = Plan.from_dict(json.loads(plan_json))
+    model = TwoMatrices()
+    initial = [p.detach().clone() for p in model.parameters()]
+    hook = PlanHook(model, plan, adaptive=SCHEDULE, profile=profile_path)
+    ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+    hook.register(ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    for step in range(ITERATIONS):
+        opt.zero_grad()
+        ddp(*gradients(rank, step)).backward()
+        opt.step()
+    buf = io.BytesIO()
+    torch.save(hook.state_dict(), buf)
+    buf.seek(0)
+    resumed = PlanHook(TwoMatrices(), plan, adaptive=SCHEDULE, profile=profile_path)
+    resumed.load_state_dict(torch.load(buf))
+    moved = [(p0 - p.detach()).numpy() for p0, p in zip(initial, model.parameters(), strict=True)]
+    del ddp
+    return {
+        "plan": json.dumps(hook.plan.to_dict(), sort_keys=True),
+        "resumed": json.dumps(resumed.plan.to_dict(), sort_keys=True),
+        "replans": [(r.step, r.changed, r.reason, r.error_before, r.error_after, r.budget) for r in hook.replans],
+        "moved": moved,
+        "names": [n for n, _ in model.named_parameters()],
+    }
+
+
+def test_a_plan_inside_ddp_replans_its_compressors_and_keeps_its_buckets(tmp_path: Path) -> None:
+    profile = slow_profile_with_errors()
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    plan = make_mixed_plan(profile, parse_compressors(ALLOWED), source=str(path), error_budget=BUDGET,
+                           time_limit_s=None)
+    assert {str(plan.compressor_of(g)) for g in plan.groups} == {"powersgd:1"}, "the premise: rank 1 is fastest"
+    first, second = run_distributed(_worker, 2, str(path), json.dumps(plan.to_dict()))
+    assert first["plan"] == second["plan"] and first["replans"] == second["replans"], "every rank the same"
+    assert first["resumed"] == first["plan"] and second["resumed"] == second["plan"]
+    replans = first["replans"]
+    assert [(step, changed) for step, changed, *_ in replans] == [(3, False), (7, True), (11, False)]
+    _, _, reason, before, after, budget = replans[1]
+    assert "exceeds the budget" in reason and before > BUDGET and budget == BUDGET and after <= BUDGET
+    new = Plan.from_dict(json.loads(first["plan"]))
+    assert [g.params for g in new.groups] == [g.params for g in plan.groups], "DDP's buckets are kept"
+    assert "powersgd:1" not in {str(new.compressor_of(g)) for g in new.groups}
+    assert new.error is not None and new.error.predicted <= BUDGET
+    # No gradient lost: SGD at lr 1 on a loss linear in the weights moves them by the sum of the averaged gradients.
+    for i, name in enumerate(first["names"]):
+        total = sum(gradients(r, s)["ab".index(name[0])] for r in range(2) for s in range(ITERATIONS)) / 2
+        np.testing.assert_allclose(first["moved"][i], total.numpy(), rtol=0, atol=2e-3 * float(total.abs().max()))
+        np.testing.assert_array_equal(first["moved"][i], second["moved"][i])
+
+
+def test_planhook_adaptive_needs_a_mixed_plan_under_a_budget() -> None:
+    from planner.models import build_workload
+    from tests.factories import synthetic_plan
+
+    with pytest.raises(ValueError, match="re-solves a mixed plan"):
+        PlanHook(build_workload("mlp").module, synthetic_plan("mlp", world_size=1), adaptive=True)
+    free = make_mixed_plan(slow_profile_with_errors(1), parse_compressors(ALLOWED), time_limit_s=None)
+    with pytest.raises(ValueError, match="solved without one"):
+        PlanHook(TwoMatrices(), free, adaptive=True)
+
+
+def _shaped_worker(rank: int, world_size: int, profile_path: str, plan_json: str) -> dict[str, object]:
+    from torch import nn
+
+    from tests.test_mixed_runtime import ShapedConv
+
+    torch.manual_seed(0)
+    model = ShapedConv()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    hook = PlanHook(model, Plan.from_dict(json.loads(plan_json)), adaptive=SCHEDULE, profile=profile_path,
+                    momentum=0.9, optimizer=opt, find_unused_parameters=True)
+    ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+    hook.register(ddp)
+    for step in range(9):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        x, y = torch.randn(6, 3, 5, 5, generator=g), torch.randint(0, 4, (6,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    del ddp
+    return {"plan": json.dumps(hook.plan.to_dict(), sort_keys=True),
+            "replans": [(r.step, r.changed, r.reason) for r in hook.replans],
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_an_adaptive_plan_inside_ddp_on_a_model_shaped_like_real_ones(tmp_path: Path) -> None:
+    """Tied weights, a frozen layer, BatchNorm, an unused parameter, modules registered out of order, DGC momentum in
+    the hook: the PowerSGD rank-1 plan the profile's errors chose is replaced once rank 1 is measured on real
+    gradients, its groups kept, and the ranks end with the same weights."""
+    from tests.test_mixed_runtime import ShapedConv
+
+    profile = slow_profile_with_errors(module=ShapedConv(), per_byte=1e-5)
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    plan = make_mixed_plan(profile, parse_compressors(ALLOWED), source=str(path), error_budget=BUDGET,
+                           time_limit_s=None)
+    assert "powersgd:1" in {str(plan.compressor_of(g)) for g in plan.groups}, "the premise: rank 1 is chosen"
+    first, second = run_distributed(_shaped_worker, 2, str(path), json.dumps(plan.to_dict()))
+    assert first["plan"] == second["plan"] and first["replans"] == second["replans"]
+    assert first["replans"][0][:2] == (3, True) and "exceeds the budget" in first["replans"][0][2]
+    new = Plan.from_dict(json.loads(first["plan"]))
+    assert [g.params for g in new.groups] == [g.params for g in plan.groups]
+    assert "powersgd:1" not in {str(new.compressor_of(g)) for g in new.groups}
+    for p, q in zip(first["params"], second["params"], strict=True):
+        assert torch.equal(p, q), "every rank holds the same weights"
