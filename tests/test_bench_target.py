@@ -116,8 +116,35 @@ def test_bench_target_runs_a_budgeted_plan_adaptive_beside_static(tmp_path: Path
     assert adaptive["curve"][-1][2] < adaptive["curve"][0][2]
 
 
+def test_bench_target_runs_a_budgeted_plan_inside_ddp_static_and_adaptive(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`--via-ddp` adds the plan run inside DDP (PlanHook); with `--adaptive` it re-plans there too."""
+    from tests.test_budget_plan import profile_with_errors
+
+    profile_path, budgeted = tmp_path / "profile.json", tmp_path / "budgeted.json"
+    profile = profile_with_errors("digits")
+    profile.save(profile_path)
+    allowed = parse_compressors("dense,fp16,powersgd:1,powersgd:4")
+    plan = make_mixed_plan(profile, allowed, source=str(profile_path), error_budget=0.3, time_limit_s=None)
+    plan.save(budgeted)
+    assert main(["bench", "--plan", str(budgeted), "--target-loss", "1.5", "--samples", "2600", "--peers", "none",
+                 "--adaptive", "8", "--via-ddp", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    name = f"plan {plan_tag(plan)}"
+    names = [v["variant"] for v in doc["variants"]]
+    assert names == ["ddp", name, f"{name} adaptive", f"{name} via DDP", f"{name} via DDP adaptive"], names
+    runs = {r["variant"]: r for r in doc["runs"]}
+    for variant in names[1:]:
+        run = runs[variant]
+        assert run["steps"] >= 16 and run["curve"][-1][2] < run["curve"][0][2], variant
+        assert all(r.startswith("step ") for r in run["replans"])
+    predicted = {v["variant"]: v["predicted_step_s"] for v in doc["variants"]}
+    assert predicted[f"{name} via DDP"] is not None
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--adaptive", "50"], "--adaptive applies to the time-to-target bench"),
+    (["--via-ddp"], "--via-ddp applies to the time-to-target bench"),
     (["--target-loss", "1", "--adaptive", "4"], "--adaptive must be at least 8 steps"),
     (["--density-warmup", "0.25,500"], "--density-warmup applies to the time-to-target bench"),
     (["--target-loss", "1", "--density-warmup", "0.25"], "expected START,STEPS"),

@@ -469,15 +469,22 @@ def plan_in_ddp(module: torch.nn.Module, plan: Plan, *, find_unused: bool, momen
     """`module` in DDP running `plan` as README shows: its groups as DDP's buckets, its compressors as one
     communication hook (`PlanHook`); `find_unused` as the bench found the model (else as the plan says);
     `momentum` and `optimizer` as `PlanHook`'s (momentum correction in the hook)."""
+    return plan_hook_in_ddp(module, plan, find_unused=find_unused, momentum=momentum, optimizer=optimizer)[0]
+
+
+def plan_hook_in_ddp(module: torch.nn.Module, plan: Plan, *, find_unused: bool, momentum: float = 0.0,
+                     optimizer: torch.optim.Optimizer | None = None, adaptive: Any = None
+                     ) -> tuple[torch.nn.Module, Any]:
+    """`plan_in_ddp`'s DDP module and its `PlanHook`; `adaptive`: a `Replanning` for the hook (None: none)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from planner.runtime.ddp_plan import PlanHook
 
     hook = PlanHook(module, plan, find_unused_parameters=True if find_unused else None, momentum=momentum,
-                    optimizer=optimizer)
+                    optimizer=optimizer, adaptive=adaptive or False)
     wrapped = DistributedDataParallel(module, **hook.ddp_kwargs())
     hook.register(wrapped)
-    return wrapped
+    return wrapped, hook
 
 
 def sgd_as_advised(model: torch.nn.Module, plan: Plan | None, *, lr: float, momentum: float, find_unused: bool,

@@ -88,6 +88,9 @@ class BenchCommand(Command):
                              help="gradient plans with --target-loss: also run each plan kept within an error budget "
                                   "re-planned every STEPS steps as training goes (GradientExchange(adaptive=)), as "
                                   "a row of its own")
+        abs_sgd.add_argument("--via-ddp", action="store_true",
+                             help="gradient plans with --target-loss: also run each plan inside DDP (PlanHook), as a "
+                                  "row 'plan X via DDP' (with --adaptive re-planned there too, its buckets kept)")
         crossover = parser.add_argument_group("crossover (--strategy crossover)")
         crossover.add_argument("--pairing", type=Path, default=None,
                                help="the pairing plan of two jobs (`planner pair PLAN PLAN --batch N -o P`); the "
@@ -124,6 +127,9 @@ class BenchCommand(Command):
         runs = [flag for flag, value in (("--samples", args.samples), ("--repeats", args.repeats),
                                          ("--target-loss", args.target_loss), ("--lr", args.lr),
                                          ("--momentum", args.momentum)) if value is not None]
+        if args.via_ddp and not to_target:
+            raise PlannerError("--via-ddp applies to the time-to-target bench of gradient plans (--target-loss L); "
+                               "the step-time bench runs every plan inside DDP already")
         if args.adaptive is not None and not to_target:
             raise PlannerError("--adaptive applies to the time-to-target bench of gradient plans (--target-loss L)")
         if args.adaptive is not None:
@@ -191,7 +197,8 @@ class BenchCommand(Command):
             momentum=0.9 if args.momentum is None else args.momentum, repeats=args.repeats or 1,
             peers=_peers(args.peers), nproc=args.nproc or plans[0].cluster.world_size, batch_size=args.batch_size,
             show_progress=not args.json, link=args.link, slowdown=args.slowdown, hosts=args.hosts,
-            labels=file_labels(plans, args.plan), density_warmup=args.density_warmup, adaptive=args.adaptive)
+            labels=file_labels(plans, args.plan), density_warmup=args.density_warmup, adaptive=args.adaptive,
+            via_ddp=args.via_ddp)
         _note_link_mismatch(plans, args.link)
         runs = run_target_bench(config)
         if runs is not None:

@@ -40,6 +40,7 @@ from planner.commands.bench import (
     Variant,
     bench_variants,
     ddp_with_hook,
+    plan_hook_in_ddp,
     plan_tag,
     refuse_gpu_plans,
     sgd_as_advised,
@@ -100,6 +101,9 @@ class TargetBenchConfig:
     #: Also run each plan kept within an error budget re-planned every this many steps (`Replanning(every=)`), as a
     #: variant of its own ("... adaptive"). None: not.
     adaptive: int | None = None
+    #: Also run each plan inside DDP (`PlanHook`, the row "plan X via DDP"), where PlanHook runs it; with `adaptive`,
+    #: re-planned there too (its groups kept: DDP's buckets).
+    via_ddp: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,15 +139,15 @@ class TargetSummary:
 
 
 def _variants(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Compressor, ...],
-              labels: tuple[str, ...] = (), adaptive: bool = False) -> list[Variant]:
-    """DDP, the plans and the hooks of the step-time bench, without the local steps, the per-layer rows and the plans
-    run inside DDP (this bench runs each plan in GradientExchange); with `adaptive`, after each plan kept within an
-    error budget the same plan re-planned as training goes."""
+              labels: tuple[str, ...] = (), adaptive: bool = False, via_ddp: bool = False) -> list[Variant]:
+    """DDP, the plans and the hooks of the step-time bench, without the local steps, the per-layer rows and (unless
+    `via_ddp`) the plans run inside DDP; with `adaptive`, after each plan kept within an error budget the same plan
+    re-planned as training goes (inside DDP too)."""
     from planner.runtime.adaptive import replannable
 
     out = []
     for v in bench_variants(plans, module, peers, labels):
-        if v.name == LOCAL or v.name.startswith("per-layer") or v.via_ddp:
+        if v.name == LOCAL or v.name.startswith("per-layer") or (v.via_ddp and not via_ddp):
             continue
         out.append(v)
         if adaptive and v.plan is not None and not replannable(v.plan):
@@ -169,16 +173,29 @@ def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, rep
     probes = [wl.make_batch(b, torch.Generator().manual_seed(rank + world * i)) for i in range(UNUSED_PROBES)]
     unused = has_unused_parameters(student, [functools.partial(_probe_loss, wl, x, y) for x, y in probes])
     plan = variant.plan
-    model = student if plan is not None else ddp_with_hook(student, variant.hook, find_unused=unused,
-                                                           selector=variant.selector)
     schedule = None
     if variant.adaptive:
         from planner.runtime.adaptive import Replanning
 
         assert config.adaptive is not None
         schedule = Replanning(every=config.adaptive)
-    opt, exchange = sgd_as_advised(model, plan, lr=lr, momentum=config.momentum, find_unused=unused,
-                                   model_name=config.model, density_warmup=config.density_warmup, adaptive=schedule)
+    replanner: Any = None  # what re-plans, for its plan changes
+    if variant.via_ddp:  # the plan inside DDP, SGD's momentum where the step-time bench puts it
+        assert plan is not None
+        in_hook = plan.sends_topk
+        opt = torch.optim.SGD(student.parameters(), lr=lr, momentum=0.0 if in_hook else config.momentum)
+        model, replanner = plan_hook_in_ddp(student, plan, find_unused=unused,
+                                            momentum=config.momentum if in_hook else 0.0,
+                                            optimizer=opt if in_hook or schedule is not None else None,
+                                            adaptive=schedule)
+        exchange = None
+    else:
+        model = student if plan is not None else ddp_with_hook(student, variant.hook, find_unused=unused,
+                                                               selector=variant.selector)
+        opt, exchange = sgd_as_advised(model, plan, lr=lr, momentum=config.momentum, find_unused=unused,
+                                       model_name=config.model, density_warmup=config.density_warmup,
+                                       adaptive=schedule)
+        replanner = exchange
     state_bytes = sum(v.numel() * v.element_size() for v in student.state_dict().values())
     cap = min(config.max_snapshots, snapshot_cap(state_bytes, config.snapshot_memory_fraction))
     snapshots = _Snapshots(cap, config.snapshot_every_s)
@@ -204,14 +221,15 @@ def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, rep
     if rank == 0:
         snapshots.items.append((wall, applied, {k: v.detach().clone() for k, v in student.state_dict().items()}))
     curve = _evaluate(task, initial, snapshots.items, config.target_loss) if rank == 0 else ()
-    changes = () if exchange is None else tuple(
-        f"step {r.step}: {plan_tag(exchange_plan)}" for r, exchange_plan in _taken(exchange))
+    changes = () if replanner is None else tuple(
+        f"step {r.step}: {plan_tag(taken)}" for r, taken in _taken(replanner))
     return TargetRun(variant=variant.name, repeat=repeat, wall_s=wall, samples=applied, steps=steps, curve=curve,
                      replans=changes)
 
 
 def _taken(exchange: Any) -> list[tuple[Any, Plan]]:
-    """An adaptive exchange's plan changes, each with the plan it took (the last one is the plan in use)."""
+    """An adaptive exchange's (or PlanHook's) plan changes, each with the plan it took (the last one is the plan in
+    use)."""
     return [(r, r.plan) for r in getattr(exchange, "replans", []) if r.changed and r.plan is not None]
 
 
@@ -270,7 +288,8 @@ def target_bench_worker(rank: int, world_size: int, config: TargetBenchConfig) -
     hosts = count_hosts()
     for plan in config.plans:
         plan.check_compatible(model_info(task.workload.module, config.model), world_size, hosts=hosts)
-    variants = _variants(config.plans, task.workload.module, config.peers, config.labels, config.adaptive is not None)
+    variants = _variants(config.plans, task.workload.module, config.peers, config.labels, config.adaptive is not None,
+                         config.via_ddp)
     runs = []
     with progress(enabled=config.show_progress and rank == 0) as bar:
         tick = bar.add_task("runs to the target loss", total=config.repeats * len(variants))
@@ -326,7 +345,8 @@ def run_target_bench(config: TargetBenchConfig) -> list[TargetRun] | None:
 def print_target_bench(config: TargetBenchConfig, runs: list[TargetRun], as_json: bool) -> None:
     task = build_task(config.model, config.task, batch_size=config.batch_size)
     predicted = {v.name: v.predicted_s for v in _variants(config.plans, task.workload.module, config.peers,
-                                                          config.labels, config.adaptive is not None)}
+                                                          config.labels, config.adaptive is not None,
+                                                          config.via_ddp)}
     summaries = summarise_target(config, runs, predicted)
     if as_json:
         console.print_json(json.dumps({"target_loss": config.target_loss, "samples": config.samples,
