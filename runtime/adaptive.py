@@ -167,12 +167,15 @@ class ErrorWatch:
             for i, params in enumerate(self._params):
                 flat = torch.cat([self._taken.get(id(p), torch.zeros(p.numel(), device=self.device)).to(self.device)
                                   for p in params])
+                grad_sq = None
                 for c, meter in enumerate(self._meters[i]):
                     sample = meter.observe(flat)
+                    grad_sq = sample.grad_sq
                     if at >= self.schedule.warmup:
                         self._norms[1 + 2 * c : 3 + 2 * c, i, at - self.schedule.warmup] = sample[1:]
                 if at >= self.schedule.warmup:
-                    self._norms[0, i, at - self.schedule.warmup] = float(torch.dot(flat.double(), flat.double()))
+                    self._norms[0, i, at - self.schedule.warmup] = (
+                        grad_sq if grad_sq is not None else float(torch.dot(flat.double(), flat.double())))
         self._taken.clear()
         return at == self.schedule.warmup + self.schedule.steps - 1
 
@@ -219,9 +222,12 @@ def decide_replan(plan: Plan, profile: Profile, errors: CompressionErrors, *, al
     spec = plan.error.budget_of if plan.error.budget_of is not None else plan.error.budget
     budget = resolve_budget(now, spec)
     before = plan_error(now, plan.groups, [plan.compressor_of(g) for g in plan.groups], budget)
-    candidate = make_mixed_plan(now, allowed, source=plan.source_profile, selector=plan.selector,
+    # The runtime's top-k selector is the plan's first (it does not change with a re-plan); the rows beside the plan
+    # are not solved (a re-plan takes the plan alone).
+    selector = (plan.selector or "exact") if any(c.kind is CompressorKind.TOPK for c in allowed) else None
+    candidate = make_mixed_plan(now, allowed, source=plan.source_profile, selector=selector,
                                 time_limit_s=time_limit_s, error_budget=spec,
-                                grouping=plan_grouping(plan, now) if keep_grouping else None)
+                                grouping=plan_grouping(plan, now) if keep_grouping else None, rows=False)
     after = candidate.error
     figures = {"before": None if before is None else before.predicted, "budget": budget[0],
                "after": None if after is None else after.predicted}

@@ -173,3 +173,29 @@ def test_retune_keeps_the_error_budget() -> None:
     again = retune_plan(plan, profile_with_errors(link_beta=1e-9), cluster=profile.cluster)
     assert again.error is not None and again.error.budget == pytest.approx(0.3)
     assert str(again.error.budget_of) == "powersgd:4" and again.error.predicted <= 0.3 + 1e-12
+
+
+@pytest.mark.parametrize("budget", [None, 0.3, 0.05])
+def test_the_plan_alone_is_the_plan_with_its_rows(budget: float | None) -> None:
+    """`rows=False` (a re-plan in training) solves the same plan without the rows beside it; with the grouping
+    fixed, each group's compressor is chosen again and the groups stay."""
+    from planner.contracts.layers import plan_grouping
+
+    profile = profile_with_errors()
+    allowed = parse_compressors("dense,fp16,powersgd:1,powersgd:4")
+    full = make_mixed_plan(profile, allowed, error_budget=budget, time_limit_s=None)
+    alone = make_mixed_plan(profile, allowed, error_budget=budget, time_limit_s=None, rows=False)
+    assert alone.baselines == {} and "ddp" in full.baselines
+    assert [(g.params, full.compressor_of(g)) for g in full.groups] == \
+        [(g.params, alone.compressor_of(g)) for g in alone.groups]
+    assert alone.predicted.iteration_s == pytest.approx(full.predicted.iteration_s, rel=1e-12)
+    assert alone.optimal and alone.lower_bound_s <= alone.predicted.iteration_s * (1 + 1e-12)
+    assert alone.error == full.error
+    # the grouping of an all-fp16 plan kept: the same groups, each compressor chosen again within the budget
+    fp16 = make_mixed_plan(profile, parse_compressors("fp16"), time_limit_s=None)
+    kept = make_mixed_plan(profile, allowed, error_budget=budget, time_limit_s=None, rows=False,
+                           grouping=plan_grouping(fp16, profile))
+    assert [g.params for g in kept.groups] == [g.params for g in fp16.groups]
+    assert kept.predicted.iteration_s >= full.predicted.iteration_s * (1 - 1e-12)
+    if budget is not None:
+        assert kept.error is not None and kept.error.predicted <= budget + 1e-12

@@ -111,7 +111,8 @@ def plan_choice(plan: Plan, profile: Profile) -> tuple[MixedProblem, list[int]]:
 
 def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, source: str = "",
                     selector: str | None = None, time_limit_s: float | None = 1.0, route: str = "best",
-                    error_budget: BudgetSpec | None = None, grouping: Grouping | None = None) -> Plan:
+                    error_budget: BudgetSpec | None = None, grouping: Grouping | None = None,
+                    rows: bool = True) -> Plan:
     """The exact mixed plan among `compressors`, with the baselines (its row run inside DDP among them,
     `planner.strategies.via_ddp`) and the lower bound.
 
@@ -130,6 +131,9 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
         grouping: keep these groups (exclusive end indices into the profile's layers) and choose each one's
             compressor only (a plan run inside DDP keeps its buckets when it is re-planned); the rows "only:C" keep
             them too. None: choose the groups.
+        rows: False: the plan alone, as a re-plan during training takes it (`planner.runtime.adaptive`): no rows
+            beside it (DDP, its hooks, "only:C", its way inside DDP) and its bound the solver's own; the same plan,
+            found without the rows' sub-solves as incumbents.
 
     Raises:
         InvalidProfileError: a compressor the profile did not measure (its costs, or with a budget its error); a
@@ -147,16 +151,18 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
     check_route(profile, route)
     budget = None if error_budget is None else resolve_budget(profile, error_budget)
     plans = [_solve(profile, chosen, s, source=source, time_limit_s=time_limit_s, route=route, budget=budget,
-                    grouping=grouping) for s in selectors]
-    best = min(plans, key=lambda p: p.predicted.iteration_s)
+                    grouping=grouping, rows=rows) for s in selectors]
+    best = replace(min(plans, key=lambda p: p.predicted.iteration_s), solve_seconds=sum(p.solve_seconds for p in plans))
+    if not rows:
+        return best
     from planner.strategies.via_ddp import with_via_ddp
 
-    return with_via_ddp(replace(best, solve_seconds=sum(p.solve_seconds for p in plans)), profile)
+    return with_via_ddp(best, profile)
 
 
 def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str | None, *, source: str,
            time_limit_s: float | None, route: str = "best", budget: tuple[float, Compressor | None] | None = None,
-           grouping: Grouping | None = None) -> Plan:
+           grouping: Grouping | None = None, rows: bool = True) -> Plan:
     """One mixed plan under one selection-cost model. The whole solve (the rows "only:C" and the plans all flat and
     all hierarchical, each within a share of the limit, then the plan's own search, and the lower bounds) takes at
     most `time_limit_s`; the plan is never slower than a row it could have used."""
@@ -168,11 +174,11 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
     subs: dict[str, MixedSolution] = {}
     hosts = any(c.hierarchical for c in problem.compressors)  # several hosts: the same choice kept to one way too
     share = sub_solve_seconds(time_limit_s, len(compressors) + (2 if hosts else 0))
-    for c in compressors:
+    for c in compressors if rows else ():
         allowed = tuple(i for i in problem.indices_of(c) if i in usable)
         subs[f"only:{c}"] = MixedParetoDP(allowed=allowed, grouping=grouping).solve(problem,
                                                                                    deadline=deadline.within(share))
-    if hosts and grouping is None:
+    if hosts and grouping is None and rows:
         subs.update(route_solutions(problem, deadline, share))
     # The DDP rows (DDP's buckets at DDP's own costs, another runtime's) are not solutions of this problem.
     incumbents = [s for s in subs.values() if set(s.choice) <= usable]
@@ -181,28 +187,18 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
                                                                                  incumbents=incumbents)
     seconds = time.perf_counter() - t0
     layers = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in profile.layers]
-    baselines: dict[str, Prediction] = {}
-    backend = profile.cluster.backend
-    for c in dict.fromkeys((DENSE_COMPRESSOR, *compressors)):  # plain DDP first, always
-        # DDP's top-k hook with the selector a user would pick for it: the one the profile predicts faster (the
-        # verdict weighs the same row, and the bench runs it so), whatever the plan's own groups select with.
-        hook_selectors = (profile.topk.selectors() if c.kind is CompressorKind.TOPK and profile.topk is not None
-                          else []) or [selector or "exact"]
-        rows = []
-        for s in hook_selectors:
-            ddp = mixed_problem(profile, [c], selector=s, runtime="ddp")
-            grouping = ddp_hook_grouping(ddp, c, backend)
-            rows.append(simulate_mixed(ddp, grouping, (0,) * len(grouping)))
-        baselines[ddp_hook_name(c)] = min(rows, key=lambda r: r.iteration_s)  # the first on a tie
-    baselines.update({name: simulate_mixed(problem, s.grouping, s.choice) for name, s in subs.items()})
     predicted = simulate_mixed(problem, solution.grouping, solution.choice)
-    # A bound for every row: over every way (a plan kept to one way has its own, `solution.lower_bound_s`), and
-    # for the DDP rows too (DDP moves gradients into its buckets at its own, lower, cost).
-    every_way = solution.lower_bound_s if ways is None and solution.lower_bound_s is not None else \
-        mixed_lower_bound(problem, deadline=deadline)
-    ddp_all = mixed_problem(profile, tuple(dict.fromkeys((DENSE_COMPRESSOR, *compressors))),
-                            selector=selector or "exact", runtime="ddp")
-    bound = min(every_way, mixed_lower_bound(ddp_all, deadline=deadline), predicted.iteration_s)
+    baselines: dict[str, Prediction] = {}
+    bound = solution.lower_bound_s if solution.lower_bound_s is not None else predicted.iteration_s
+    if rows:
+        baselines = _rows(profile, problem, compressors, selector, subs)
+        # A bound for every row: over every way (a plan kept to one way has its own, `solution.lower_bound_s`), and
+        # for the DDP rows too (DDP moves gradients into its buckets at its own, lower, cost).
+        every_way = solution.lower_bound_s if ways is None and solution.lower_bound_s is not None else \
+            mixed_lower_bound(problem, deadline=deadline)
+        ddp_all = mixed_problem(profile, tuple(dict.fromkeys((DENSE_COMPRESSOR, *compressors))),
+                                selector=selector or "exact", runtime="ddp")
+        bound = min(every_way, mixed_lower_bound(ddp_all, deadline=deadline), predicted.iteration_s)
     groups = mixed_groups(layers, problem, solution)
     sends_topk = any(g.k is not None for g in groups)
     error_record = plan_error(profile, groups, [problem.compressors[c].compressor for c in solution.choice], budget)
@@ -221,6 +217,27 @@ def _solve(profile: Profile, compressors: tuple[Compressor, ...], selector: str 
         **from_profile(profile, source),
         error=error_record,
     )
+
+
+def _rows(profile: Profile, problem: MixedProblem, compressors: tuple[Compressor, ...], selector: str | None,
+          subs: dict[str, MixedSolution]) -> dict[str, Prediction]:
+    """The rows beside a mixed plan: plain DDP and DDP with each compressor's hook (at DDP's own costs), then the
+    sub-solves ("only:C", all flat, all hierarchical)."""
+    baselines: dict[str, Prediction] = {}
+    backend = profile.cluster.backend
+    for c in dict.fromkeys((DENSE_COMPRESSOR, *compressors)):  # plain DDP first, always
+        # DDP's top-k hook with the selector a user would pick for it: the one the profile predicts faster (the
+        # verdict weighs the same row, and the bench runs it so), whatever the plan's own groups select with.
+        hook_selectors = (profile.topk.selectors() if c.kind is CompressorKind.TOPK and profile.topk is not None
+                          else []) or [selector or "exact"]
+        found = []
+        for s in hook_selectors:
+            ddp = mixed_problem(profile, [c], selector=s, runtime="ddp")
+            buckets = ddp_hook_grouping(ddp, c, backend)
+            found.append(simulate_mixed(ddp, buckets, (0,) * len(buckets)))
+        baselines[ddp_hook_name(c)] = min(found, key=lambda r: r.iteration_s)  # the first on a tie
+    baselines.update({name: simulate_mixed(problem, s.grouping, s.choice) for name, s in subs.items()})
+    return baselines
 
 
 @dataclass(frozen=True)
