@@ -39,7 +39,7 @@ from planner.contracts.errors import CompressionErrors
 from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
-from planner.kernels.error import ErrorMeter
+from planner.kernels.error import ErrorMeter, squared_norm
 from planner.platform.launch import broadcast_json
 from planner.types import Compressor, CompressorKind, PlannerError, Strategy
 
@@ -167,15 +167,13 @@ class ErrorWatch:
             for i, params in enumerate(self._params):
                 flat = torch.cat([self._taken.get(id(p), torch.zeros(p.numel(), device=self.device)).to(self.device)
                                   for p in params])
-                grad_sq = None
+                grad_sq = squared_norm(flat)  # once per layer, for every meter of it
                 for c, meter in enumerate(self._meters[i]):
-                    sample = meter.observe(flat)
-                    grad_sq = sample.grad_sq
+                    sample = meter.observe(flat, grad_sq)
                     if at >= self.schedule.warmup:
                         self._norms[1 + 2 * c : 3 + 2 * c, i, at - self.schedule.warmup] = sample[1:]
                 if at >= self.schedule.warmup:
-                    self._norms[0, i, at - self.schedule.warmup] = (
-                        grad_sq if grad_sq is not None else float(torch.dot(flat.double(), flat.double())))
+                    self._norms[0, i, at - self.schedule.warmup] = grad_sq
         self._taken.clear()
         return at == self.schedule.warmup + self.schedule.steps - 1
 

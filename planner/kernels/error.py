@@ -29,7 +29,7 @@ from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compres
 from planner.kernels.topk import take_topk
 from planner.types import Compressor, CompressorKind
 
-__all__ = ["ErrorMeter", "ErrorSample"]
+__all__ = ["ErrorMeter", "ErrorSample", "squared_norm"]
 
 
 class ErrorSample(NamedTuple):
@@ -76,13 +76,15 @@ class ErrorMeter:
             case kind:
                 raise ValueError(f"{kind.value} sends its input unchanged: it has no compression error to measure")
 
-    def observe(self, grad: Tensor) -> ErrorSample:
+    def observe(self, grad: Tensor, grad_sq: float | None = None) -> ErrorSample:
         """Compress `grad` (flat fp32, this layer's; only read) after the error fed back, keep the new error, and
-        return the step's three squared norms."""
+        return the step's three squared norms (`grad_sq`: |grad|^2 where the caller has it, as `_sq` computes it:
+        several meters of one layer share it)."""
         if grad.dim() != 1 or grad.numel() != self.numel or grad.dtype != torch.float32:
             raise ValueError(f"expected a flat fp32 gradient of {self.numel} elements, got {tuple(grad.shape)} "
                              f"{grad.dtype}")
-        grad_sq = _sq(grad)
+        if grad_sq is None:
+            grad_sq = _sq(grad)
         if self._half is not None:  # no error feedback: x = g
             out = torch.empty_like(grad)
             fp16_decompress(fp16_compress(grad, self._half, 1), out)
@@ -99,6 +101,11 @@ class ErrorMeter:
         group.middle(1)
         group.decompress(torch.empty_like(grad), 1)  # the error buffer: x - C(x)
         return ErrorSample(grad_sq, input_sq, _sq(group.error))
+
+
+def squared_norm(t: Tensor) -> float:
+    """|t|^2 as the meters compute it (in float64)."""
+    return _sq(t)
 
 
 def _sq(t: Tensor) -> float:
