@@ -26,6 +26,7 @@ within the budget until the errors move.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,7 +44,7 @@ from planner.kernels.error import ErrorMeter, squared_norm
 from planner.platform.launch import broadcast_json
 from planner.types import Compressor, CompressorKind, PlannerError, Strategy
 
-__all__ = ["ErrorWatch", "Replan", "Replanning", "decide_replan", "replannable"]
+__all__ = ["ErrorWatch", "Replan", "Replanning", "decide_replan", "replan_on_every_rank", "replannable"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,6 +243,35 @@ def decide_replan(plan: Plan, profile: Profile, errors: CompressionErrors, *, al
     figures["after"] = figures["before"]
     return None, (f"the plan in use fits the budget; the fastest within it is predicted only {speedup:.2f}x faster "
                   f"(taken from {gain:.2f}x)"), figures
+
+
+def replan_on_every_rank(plan: Plan, profile: Profile | None, watch: ErrorWatch, schedule: Replanning,
+                         allowed: Sequence[Compressor], step: int, process_group: Any = None,
+                         keep_grouping: bool = False) -> Replan:
+    """After the last measured step of a period (collective: every rank calls it at the same point): gather the
+    errors, rank 0 decides (`decide_replan`, from `profile`, which only rank 0 holds), every rank gets its decision
+    as JSON. A decision rank 0 could not take keeps the plan in use, with a RuntimeWarning on every rank."""
+    errors = watch.gather(process_group)
+    world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank(process_group) if world > 1 else 0
+    payload: dict[str, Any] = {}
+    if rank == 0:
+        assert profile is not None
+        try:
+            new, reason, figures = decide_replan(plan, profile, errors, allowed=allowed, gain=schedule.gain,
+                                                 time_limit_s=schedule.time_limit_s, keep_grouping=keep_grouping)
+            payload = {"reason": reason, **figures, "plan": None if new is None else new.to_dict()}
+        except PlannerError as exc:
+            payload = {"reason": f"rank 0 could not re-plan, the plan in use is kept: {exc}", "plan": None}
+    if world > 1:
+        device = watch.device
+        payload = broadcast_json(payload, group=process_group, device=device if device.type == "cuda" else None)
+    data = payload.get("plan")
+    if data is None and str(payload.get("reason", "")).startswith("rank 0 could not"):
+        warnings.warn(payload["reason"], RuntimeWarning, stacklevel=3)
+    return Replan(step=step, changed=data is not None, reason=str(payload.get("reason", "")),
+                  error_before=payload.get("before"), error_after=payload.get("after"), budget=payload.get("budget"),
+                  plan=None if data is None else Plan.from_dict(data))
 
 
 def load_on_rank0(plan: Plan, profile: Profile | str | os.PathLike[str] | None, process_group: Any,

@@ -81,8 +81,14 @@ from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compres
 from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_all_reduce, hierarchical_topk_sum
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk
 from planner.platform.hosts import host_names, ranks_by_host
-from planner.platform.launch import broadcast_json
-from planner.runtime.adaptive import ErrorWatch, Replan, Replanning, allowed_compressors, decide_replan, load_on_rank0
+from planner.runtime.adaptive import (
+    ErrorWatch,
+    Replan,
+    Replanning,
+    allowed_compressors,
+    load_on_rank0,
+    replan_on_every_rank,
+)
 from planner.runtime.exchange import (
     _applies_momentum,
     _check_adaptive,
@@ -94,7 +100,7 @@ from planner.runtime.exchange import (
     planned_params,
 )
 from planner.runtime.retune import resolve_plan
-from planner.types import Compressor, CompressorKind, PlanMismatchError, PlannerError
+from planner.types import Compressor, CompressorKind, PlanMismatchError
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -527,31 +533,11 @@ class PlanHook:
         every rank (called at the first bucket of the next synced iteration, before its collectives)."""
         assert self._watch is not None and self._replanning is not None
         self._replan_due = None
-        errors = self._watch.gather(self.process_group)
-        world = self._world_size()
-        rank = dist.get_rank(self.process_group) if world > 1 else 0
-        payload: dict[str, Any] = {}
-        if rank == 0:
-            try:
-                new, reason, figures = decide_replan(self.plan, self._profile, errors, allowed=self._allowed,
-                                                     gain=self._replanning.gain,
-                                                     time_limit_s=self._replanning.time_limit_s, keep_grouping=True)
-                payload = {"reason": reason, **figures, "plan": None if new is None else new.to_dict()}
-            except PlannerError as exc:
-                payload = {"reason": f"rank 0 could not re-plan, the plan in use is kept: {exc}", "plan": None}
-        if world > 1:
-            device = self._watch.device
-            payload = broadcast_json(payload, group=self.process_group,
-                                     device=device if device.type == "cuda" else None)
-        data = payload.get("plan")
-        taken = None if data is None else Plan.from_dict(data)
-        if taken is not None:
-            self._adopt(taken, flush=True)
-        elif str(payload.get("reason", "")).startswith("rank 0 could not"):
-            warnings.warn(payload["reason"], RuntimeWarning, stacklevel=3)
-        self.replans.append(Replan(step=step, changed=taken is not None, reason=str(payload.get("reason", "")),
-                                   error_before=payload.get("before"), error_after=payload.get("after"),
-                                   budget=payload.get("budget"), plan=taken))
+        record = replan_on_every_rank(self.plan, self._profile, self._watch, self._replanning, self._allowed, step,
+                                      self.process_group, keep_grouping=True)
+        if record.plan is not None:
+            self._adopt(record.plan, flush=True)
+        self.replans.append(record)
 
     def _adopt(self, plan: Plan, *, flush: bool) -> None:
         """Send with `plan` from now on: the same groups (DDP's buckets), each with its new compressor. With `flush`,

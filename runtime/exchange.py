@@ -70,19 +70,18 @@ from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compres
 from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_topk_sum
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk, take_topk
 from planner.platform.hosts import host_names, ranks_by_host
-from planner.platform.launch import broadcast_json
 from planner.runtime.adaptive import (
     ErrorWatch,
     Replan,
     Replanning,
     allowed_compressors,
-    decide_replan,
     load_on_rank0,
+    replan_on_every_rank,
     replannable,
 )
 from planner.runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, ProbeSchedule, crossover_gate, device_idle
 from planner.runtime.retune import resolve_plan
-from planner.types import Compressor, CompressorKind, DistributedError, PlanMismatchError, PlannerError, Strategy
+from planner.types import Compressor, CompressorKind, DistributedError, PlanMismatchError, Strategy
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -919,30 +918,11 @@ class GradientExchange:
     def _replan(self, step: int) -> None:
         """After the last measured step of a period: gather the errors, rank 0 decides, every rank takes its plan."""
         assert self._watch is not None and self._replanning is not None
-        errors = self._watch.gather(self.process_group)
-        payload: dict[str, Any] = {}
-        rank = dist.get_rank(self.process_group) if self.world_size > 1 else 0
-        if rank == 0:
-            assert self._profile is not None
-            try:
-                new, reason, figures = decide_replan(self.plan, self._profile, errors, allowed=self._allowed,
-                                                     gain=self._replanning.gain,
-                                                     time_limit_s=self._replanning.time_limit_s)
-                payload = {"reason": reason, **figures, "plan": None if new is None else new.to_dict()}
-            except PlannerError as exc:
-                payload = {"reason": f"rank 0 could not re-plan, the plan in use is kept: {exc}", "plan": None}
-        if self.world_size > 1:
-            payload = broadcast_json(payload, group=self.process_group,
-                                     device=self._device if self._device.type == "cuda" else None)
-        data = payload.get("plan")
-        taken = None if data is None else Plan.from_dict(data)
-        if taken is not None:
-            self._adopt(taken, flush=True)
-        elif payload.get("reason", "").startswith("rank 0 could not"):
-            warnings.warn(payload["reason"], RuntimeWarning, stacklevel=3)
-        self.replans.append(Replan(step=step, changed=data is not None, reason=str(payload.get("reason", "")),
-                                   error_before=payload.get("before"), error_after=payload.get("after"),
-                                   budget=payload.get("budget"), plan=taken))
+        record = replan_on_every_rank(self.plan, self._profile, self._watch, self._replanning, self._allowed, step,
+                                      self.process_group)
+        if record.plan is not None:
+            self._adopt(record.plan, flush=True)
+        self.replans.append(record)
 
     def _adopt(self, plan: Plan, *, flush: bool) -> None:
         """Run `plan` from the next step: flush the error fed back (averaged over ranks into this step's
