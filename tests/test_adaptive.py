@@ -181,6 +181,14 @@ def test_an_adaptive_run_on_a_model_shaped_like_real_ones(tmp_path: Path) -> Non
     """Tied weights, a frozen layer, BatchNorm, an unused parameter, modules registered out of order: the errors are
     measured on them, the plan the profile's errors chose (PowerSGD rank 1, said to be exact) is replaced once rank 1
     is measured on real gradients, and the ranks end with the same weights."""
+    first, second, _, _ = run_shaped_replan(tmp_path, _shaped_worker)
+    assert first["unused_grad"] and second["unused_grad"]
+
+
+def run_shaped_replan(tmp_path: Path, worker: Any) -> tuple[dict[str, Any], dict[str, Any], Plan, Plan]:
+    """Run `worker` on 2 ranks with the PowerSGD rank-1 plan the profile's errors chose for `ShapedConv`, and check
+    that the first re-plan replaced it on every rank alike and that the ranks end with the same weights. Returns
+    both ranks' results, the plan given and the plan in use."""
     from tests.test_mixed_runtime import ShapedConv
 
     profile = slow_profile_with_errors(module=ShapedConv(), per_byte=1e-5)
@@ -189,11 +197,11 @@ def test_an_adaptive_run_on_a_model_shaped_like_real_ones(tmp_path: Path) -> Non
     plan = make_mixed_plan(profile, parse_compressors(ALLOWED), source=str(path), error_budget=BUDGET,
                            time_limit_s=None)
     assert "powersgd:1" in {str(plan.compressor_of(g)) for g in plan.groups}, "the premise: rank 1 is chosen"
-    first, second = run_distributed(_shaped_worker, 2, str(path), json.dumps(plan.to_dict()))
+    first, second = run_distributed(worker, 2, str(path), json.dumps(plan.to_dict()))
     assert first["plan"] == second["plan"] and first["replans"] == second["replans"]
     assert first["replans"][0][:2] == (3, True) and "exceeds the budget" in first["replans"][0][2]
     new = Plan.from_dict(json.loads(first["plan"]))
     assert "powersgd:1" not in {str(new.compressor_of(g)) for g in new.groups}
-    assert first["unused_grad"] and second["unused_grad"]
     for p, q in zip(first["params"], second["params"], strict=True):
         assert torch.equal(p, q), "every rank holds the same weights"
+    return first, second, plan, new

@@ -25,6 +25,7 @@ from tests.test_adaptive import (
     TwoMatrices,
     check_replanned_once,
     gradients,
+    run_shaped_replan,
     slow_profile_with_errors,
 )
 
@@ -112,19 +113,5 @@ def test_an_adaptive_plan_inside_ddp_on_a_model_shaped_like_real_ones(tmp_path: 
     """Tied weights, a frozen layer, BatchNorm, an unused parameter, modules registered out of order, DGC momentum in
     the hook: the PowerSGD rank-1 plan the profile's errors chose is replaced once rank 1 is measured on real
     gradients, its groups kept, and the ranks end with the same weights."""
-    from tests.test_mixed_runtime import ShapedConv
-
-    profile = slow_profile_with_errors(module=ShapedConv(), per_byte=1e-5)
-    path = tmp_path / "profile.json"
-    profile.save(path)
-    plan = make_mixed_plan(profile, parse_compressors(ALLOWED), source=str(path), error_budget=BUDGET,
-                           time_limit_s=None)
-    assert "powersgd:1" in {str(plan.compressor_of(g)) for g in plan.groups}, "the premise: rank 1 is chosen"
-    first, second = run_distributed(_shaped_worker, 2, str(path), json.dumps(plan.to_dict()))
-    assert first["plan"] == second["plan"] and first["replans"] == second["replans"]
-    assert first["replans"][0][:2] == (3, True) and "exceeds the budget" in first["replans"][0][2]
-    new = Plan.from_dict(json.loads(first["plan"]))
+    _, _, plan, new = run_shaped_replan(tmp_path, _shaped_worker)
     assert [g.params for g in new.groups] == [g.params for g in plan.groups]
-    assert "powersgd:1" not in {str(new.compressor_of(g)) for g in new.groups}
-    for p, q in zip(first["params"], second["params"], strict=True):
-        assert torch.equal(p, q), "every rank holds the same weights"
