@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 
 from planner.commands.cli import main
+from planner.commands.printing import print_spread
 from planner.contracts.errors import CompressionErrors
 from planner.contracts.plan import Plan, PlanError
 from planner.contracts.profile import Profile
 from planner.strategies.auto import solve_auto
 from planner.strategies.budget import parse_error_budget
+from planner.strategies.intervals import with_intervals
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
 from planner.types import Collective, Compressor, PlannerError, SchemaError, SolverError
-from tests.factories import synthetic_profile
+from tests.factories import synthetic_profile, with_samples
 
 #: Contractions by compressor, the same on every layer: what the synthetic profile's errors record says.
 CONTRACTION = {"fp16": 4e-8, "powersgd:1": 0.6, "powersgd:2": 0.45, "powersgd:4": 0.3, "topk:0.01": 0.9,
@@ -97,6 +99,38 @@ def test_auto_leaves_out_the_plans_beyond_the_budget() -> None:
                                                                  time_limit_s=None).rule
     unmeasured = solve_auto(replace(profile, errors=None), allowed, weigh_noise=False, time_limit_s=None)
     assert "the profile measured no compression error" in unmeasured.rule
+
+
+def test_the_verdict_weighs_only_the_hooks_within_the_budget(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan kept within an error budget is weighed against DDP and the hooks a user holding to that budget would
+    run, not against a hook that moves the gradient further (here PowerSGD r1 and top-k 1% beyond PowerSGD r4's
+    0.3); the hooks left out are recorded and named in the verdict line. Without a budget every hook is weighed."""
+    profile = with_samples(profile_with_errors())
+    allowed = parse_compressors("dense,fp16,powersgd:1,powersgd:4,topk:0.01")
+    hooks = {"ddp+fp16", "ddp+powersgd:1", "ddp+powersgd:4", "ddp+topk:0.01"}
+    free = solve_auto(profile, allowed, error_budget=None, time_limit_s=None)
+    assert free.plan.verdict is not None
+    assert set(free.plan.verdict.variants) == {"ddp", *hooks} and free.plan.verdict.beyond_budget == ()
+    for budget, left_out in (("powersgd:4", ("ddp+powersgd:1", "ddp+topk:0.01")),
+                             ("fp16", ("ddp+powersgd:1", "ddp+powersgd:4", "ddp+topk:0.01"))):
+        within = solve_auto(profile, allowed, error_budget=Compressor.parse(budget), time_limit_s=None)
+        for plan in within.candidates.values():
+            assert plan.verdict is not None and plan.verdict.beyond_budget == left_out
+            assert set(plan.verdict.variants) == {"ddp", *hooks} - set(left_out)
+        assert Plan.from_dict(json.loads(json.dumps(within.plan.to_dict()))) == within.plan
+        # the same verdict for the mixed plan solved alone, and its line names the hooks left out
+        mixed = with_intervals(make_mixed_plan(profile, allowed, error_budget=Compressor.parse(budget),
+                                               time_limit_s=None), profile)
+        assert mixed.verdict is not None and mixed.verdict.beyond_budget == left_out
+        print_spread(mixed)
+        line = " ".join(capsys.readouterr().out.split())
+        assert f"not weighed against {', '.join(left_out)}: beyond the error budget" in line
+    # a plan file that names a weighed variant as left out is refused
+    data = within.plan.to_dict()
+    data["predicted"]["verdict"]["beyond_budget"] = ["ddp+fp16"]
+    with pytest.raises(SchemaError, match="beyond_budget must name DDP hooks that were not weighed"):
+        Plan.from_dict(data)
 
 
 def test_cli_error_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

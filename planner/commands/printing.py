@@ -159,6 +159,9 @@ def print_spread(plan: object, ddp: dict[str, float] | None = None) -> None:
     line = verdict_line(ddp_label(verdict.keep), mine, other, verdict.gain)
     if verdict.keep not in ("plan", DDP_ROW):
         line += f" ({verdict.keep} is faster than plain DDP beyond the noise)"
+    if verdict.beyond_budget and plan.error is not None and plan.error.budget is not None:
+        line += (f"; not weighed against {', '.join(verdict.beyond_budget)}: beyond the error budget "
+                 f"{plan.error.budget:.3g}")
     lossy = sorted({str(plan.compressor_of(g)) for g in plan.groups if plan.compressor_of(g).lossy})
     if lossy and verdict.keep == "plan":
         line += (f"; it sends {', '.join(lossy)}, which changes the gradients: what that costs in samples to reach "

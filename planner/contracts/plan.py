@@ -303,6 +303,9 @@ class Verdict:
     #: The top-k selector of the DDP top-k hooks among `variants` (the one the profile predicts faster for them);
     #: None without such a hook.
     topk_selector: str | None = None
+    #: The DDP hooks not weighed ("ddp+C"): the plan was kept within an error budget and C's error on every layer is
+    #: beyond it.
+    beyond_budget: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, value in (("keep", self.keep), ("against", self.against)):
@@ -318,12 +321,13 @@ class Verdict:
     def to_dict(self) -> dict[str, Any]:
         return {"keep": self.keep, "against": self.against, "gain": list(self.gain),
                 "variants": {name: list(v) for name, v in self.variants.items()},
-                **({} if self.topk_selector is None else {"topk_selector": self.topk_selector})}
+                **({} if self.topk_selector is None else {"topk_selector": self.topk_selector}),
+                **({"beyond_budget": list(self.beyond_budget)} if self.beyond_budget else {})}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "plan.predicted.verdict") -> Verdict:
         expect(data, dict, where)
-        check_fields(data, where, ["keep", "against", "gain", "variants"], optional=["topk_selector"])
+        check_fields(data, where, ["keep", "against", "gain", "variants"], optional=["topk_selector", "beyond_budget"])
         keep = _ddp_variant(data["keep"], f"{where}.keep", plan_too=True)
         against = _ddp_variant(data["against"], f"{where}.against")
         variants = expect(data["variants"], dict, f"{where}.variants")
@@ -337,8 +341,16 @@ class Verdict:
             steps[_ddp_variant(name, f"{where}.variants name")] = (
                 step, *expect_interval(value[1:], f"{where}.variants.{name}[1:]"))
         selector = data.get("topk_selector")
+        beyond = expect(data.get("beyond_budget", []), list, f"{where}.beyond_budget")
+        if len(beyond) > MAX_ROWS:
+            raise SchemaError(f"{where}.beyond_budget must name at most {MAX_ROWS} DDP hooks, got {len(beyond)}")
+        left_out = tuple(_ddp_variant(name, f"{where}.beyond_budget[{i}]") for i, name in enumerate(beyond))
+        if any(name == DDP_ROW or name in steps for name in left_out):
+            raise SchemaError(f"{where}.beyond_budget must name DDP hooks that were not weighed, got "
+                              f"{', '.join(left_out)}")
         return cls(keep=keep, against=against, gain=expect_gain(data["gain"], f"{where}.gain"), variants=steps,
-                   topk_selector=None if selector is None else check_selector(selector, f"{where}.topk_selector"))
+                   topk_selector=None if selector is None else check_selector(selector, f"{where}.topk_selector"),
+                   beyond_budget=left_out)
 
 
 def _renamed_ddp_row(rows: dict[str, Any], name: str | None) -> dict[str, Any]:

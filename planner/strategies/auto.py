@@ -185,8 +185,10 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
     from planner.strategies.intervals import (
         Problems,
         attach,
+        beyond_budget,
         ddp_rows,
         evaluate,
+        hook_names,
         plan_rows,
         simplest_unbeaten,
         topk_hook_selector,
@@ -201,8 +203,9 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
     nominal = Problems(profile)
     ddp_values, ddp_nominal = {row: values["", row] for row in ddp}, {row: step(nominal) for row, step in ddp.items()}
     selector = topk_hook_selector(next(iter(candidates.values())), profile, allowed)
+    left_out = hook_names(beyond_budget(next(iter(candidates.values())), profile, allowed))
     weighed = {name: attach(plan, {row: values[name, row] for row in own[name]}, ddp_values, draws, ddp_nominal,
-                            topk_selector=selector)
+                            topk_selector=selector, left_out=left_out)
                for name, plan in candidates.items()}
     step = {name: values[name, "plan"] for name in candidates}
     order = sorted(candidates, key=lambda name: _simplicity(candidates[name]))  # stable: dense, top-k, mixed
