@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.contracts.plan import Plan
+from planner.runtime.adaptive import Replanning
 from planner.runtime.ddp_plan import PlanHook, _trainable
 from planner.types import PlanMismatchError
 
@@ -68,6 +69,7 @@ def lightning_strategy(
     find_unused_parameters: bool | None = None,
     auto_retune: bool = False,
     profile: Any = None,
+    adaptive: bool | Replanning = False,
     **strategy_kwargs: Any,
 ) -> Any:
     """A Lightning `DDPStrategy` that runs `plan` in DDP: its groups as DDP's buckets, `PlanHook` as the comm hook.
@@ -83,6 +85,8 @@ def lightning_strategy(
         find_unused_parameters: as `PlanHook`'s (default: as the plan says).
         auto_retune: as `PlanHook`'s.
         profile: as `PlanHook`'s.
+        adaptive: as `PlanHook`'s: re-plan each bucket's compressor within the plan's error budget as training goes
+            (`Replanning`; the buckets are kept). Its re-plans are then `strategy.hook.replans`.
         **strategy_kwargs: other arguments of `DDPStrategy` (e.g. `process_group_backend`, `timeout`); not
             DDP's bucket arguments, which the plan sets, nor another comm hook.
 
@@ -95,7 +99,8 @@ def lightning_strategy(
     if taken:
         raise ValueError(f"lightning_strategy sets DDP's buckets and comm hook from the plan, so it does not take "
                          f"{', '.join(taken)}; pass find_unused_parameters= and static_graph= to it by name")
-    hook_kwargs = {"find_unused_parameters": find_unused_parameters, "auto_retune": auto_retune, "profile": profile}
+    hook_kwargs = {"find_unused_parameters": find_unused_parameters, "auto_retune": auto_retune, "profile": profile,
+                   "adaptive": adaptive}
     return _strategy_class()(plan, module=module, static_graph=static_graph, hook_kwargs=hook_kwargs,
                              **strategy_kwargs)
 

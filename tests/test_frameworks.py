@@ -123,6 +123,41 @@ def test_each_script_runs_the_plan_as_by_hand(script: str, plan_and_reference: t
     _check_runs_the_plan(got, reference, stderr)
 
 
+def test_lightning_strategy_replans_as_training_goes(tmp_path: Path) -> None:
+    """`lightning_strategy(adaptive=...)`: on the task whose gradients change (tests/test_adaptive.py), the hook
+    Lightning runs re-plans as `PlanHook(adaptive=...)` does in a plain loop: the same plan on every rank, PowerSGD
+    rank 1 replaced once it exceeds the budget, the buckets kept, no gradient lost."""
+    import json
+
+    from planner.contracts.plan import Plan
+    from planner.strategies.mixed import make_mixed_plan, parse_compressors
+    from tests.test_adaptive import ALLOWED, BUDGET, check_replanned_once, slow_profile_with_errors
+    from tests.test_adaptive_ddp import ITERATIONS
+
+    profile = slow_profile_with_errors()
+    profile_path, plan_path = tmp_path / "profile.json", tmp_path / "plan.json"
+    profile.save(profile_path)
+    plan = make_mixed_plan(profile, parse_compressors(ALLOWED), source=str(profile_path), error_budget=BUDGET,
+                           time_limit_s=None)
+    plan.save(plan_path)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(ROOT / "tests" / "lightning_adaptive.py"), str(plan_path), str(profile_path), str(ITERATIONS)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = []
+    for rank in range(2):
+        result = torch.load(tmp_path / f"adaptive-rank{rank}.pt", weights_only=False)
+        ranks.append({**result, "plan": json.dumps(result["plan"], sort_keys=True),
+                      "resumed": json.dumps(result["resumed"], sort_keys=True)})
+    new = check_replanned_once(ranks[0], ranks[1], ITERATIONS)
+    assert [g.params for g in new.groups] == [g.params for g in plan.groups], "DDP's buckets are kept"
+    assert Plan.from_dict(json.loads(ranks[0]["resumed"])) == new
+
+
 # -- refusals (one process) -------------------------------------------------------------------------------------
 
 
