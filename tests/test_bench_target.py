@@ -142,6 +142,33 @@ def test_bench_target_runs_a_budgeted_plan_inside_ddp_static_and_adaptive(tmp_pa
     assert predicted[f"{name} via DDP"] is not None
 
 
+def test_the_table_gives_each_prediction_with_its_interval(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each row's predicted step comes with the interval its plan gives it (the plan's own, and DDP's and the hooks'
+    from the plan's verdict), in the table and in --json."""
+    from planner.commands.bench_target import TargetBenchConfig, TargetRun, print_target_bench
+    from planner.strategies.intervals import with_intervals
+    from planner.types import Compressor
+    from tests.factories import with_samples
+    from tests.test_budget_plan import profile_with_errors
+
+    profile = with_samples(profile_with_errors("digits"))
+    plan = with_intervals(make_mixed_plan(profile, parse_compressors("dense,fp16,powersgd:4"), error_budget=0.3,
+                                          time_limit_s=None), profile)
+    assert plan.intervals is not None and plan.verdict is not None
+    config = TargetBenchConfig(plans=(plan,), model="digits", task="digits", target_loss=1.0, samples=100,
+                               peers=(Compressor.parse("fp16"),))
+    name = f"plan {plan_tag(plan)}"
+    runs = [TargetRun(variant=v, repeat=0, wall_s=1.0, samples=100, steps=10, curve=((0.0, 0, 2.0), (1.0, 100, 0.5)))
+            for v in ("ddp", name, "ddp+fp16")]
+    print_target_bench(config, runs, as_json=True)
+    rows = {v["variant"]: v for v in json.loads(capsys.readouterr().out)["variants"]}
+    assert rows[name]["predicted_interval_s"] == pytest.approx(list(plan.intervals.rows["plan"]))
+    assert rows["ddp+fp16"]["predicted_interval_s"] == pytest.approx(list(plan.verdict.variants["ddp+fp16"][1:]))
+    print_target_bench(config, runs, as_json=False)
+    low, high = plan.intervals.rows["plan"]
+    assert f"{plan.predicted.iteration_s * 1e3:,.1f} [{low * 1e3:,.1f}, {high * 1e3:,.1f}]" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--adaptive", "50"], "--adaptive applies to the time-to-target bench"),
     (["--via-ddp"], "--via-ddp applies to the time-to-target bench"),

@@ -136,6 +136,8 @@ class TargetSummary:
     step_s: float  # median wall time per step
     predicted_step_s: float | None
     speedup: float | None = None  # the best peer's time to target over this one's
+    #: The prediction's interval (low, high) from the plan it came from (`Plan.intervals`); None where it has none.
+    predicted_interval_s: tuple[float, float] | None = None
 
 
 def _variants(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Compressor, ...],
@@ -300,9 +302,10 @@ def target_bench_worker(rank: int, world_size: int, config: TargetBenchConfig) -
     return runs if rank == 0 else None
 
 
-def summarise_target(config: TargetBenchConfig, runs: list[TargetRun], predicted: dict[str, float | None]
-                     ) -> list[TargetSummary]:
-    """Medians over the repeats of each variant, and each one's speed-up over the best of DDP and its hooks."""
+def summarise_target(config: TargetBenchConfig, runs: list[TargetRun], predicted: dict[str, float | None],
+                     intervals: dict[str, tuple[float, float] | None] | None = None) -> list[TargetSummary]:
+    """Medians over the repeats of each variant, and each one's speed-up over the best of DDP and its hooks, beside
+    each variant's predicted step (and its interval, from `intervals`)."""
     out = []
     for name in dict.fromkeys(r.variant for r in runs):
         mine = [r for r in runs if r.variant == name]
@@ -313,11 +316,22 @@ def summarise_target(config: TargetBenchConfig, runs: list[TargetRun], predicted
             samples_to_target=statistics.median(n for _, n in hits) if hits else None,
             final_loss=statistics.median(r.curve[-1][2] for r in mine),
             step_s=statistics.median(r.wall_s / r.steps for r in mine),
-            predicted_step_s=predicted.get(name)))
+            predicted_step_s=predicted.get(name), predicted_interval_s=(intervals or {}).get(name)))
     peers = [s.time_to_target_s for s in out if s.variant.startswith("ddp") and s.time_to_target_s is not None]
     best = min(peers) if peers else None
     return [s if best is None or s.time_to_target_s is None else
             TargetSummary(**{**asdict(s), "speedup": best / s.time_to_target_s}) for s in out]
+
+
+def _predicted_ms(summary: TargetSummary) -> str:
+    """The predicted step in ms, with its interval where the plan has one: "170.2 [161.0, 181.5]"."""
+    if summary.predicted_step_s is None:
+        return "-"
+    text = f"{summary.predicted_step_s * 1e3:,.1f}"
+    if summary.predicted_interval_s is not None:
+        low, high = summary.predicted_interval_s
+        text += f" [{low * 1e3:,.1f}, {high * 1e3:,.1f}]"
+    return text
 
 
 def run_target_bench(config: TargetBenchConfig) -> list[TargetRun] | None:
@@ -344,10 +358,10 @@ def run_target_bench(config: TargetBenchConfig) -> list[TargetRun] | None:
 
 def print_target_bench(config: TargetBenchConfig, runs: list[TargetRun], as_json: bool) -> None:
     task = build_task(config.model, config.task, batch_size=config.batch_size)
-    predicted = {v.name: v.predicted_s for v in _variants(config.plans, task.workload.module, config.peers,
-                                                          config.labels, config.adaptive is not None,
-                                                          config.via_ddp)}
-    summaries = summarise_target(config, runs, predicted)
+    variants = _variants(config.plans, task.workload.module, config.peers, config.labels,
+                         config.adaptive is not None, config.via_ddp)
+    summaries = summarise_target(config, runs, {v.name: v.predicted_s for v in variants},
+                                 {v.name: v.interval for v in variants})
     if as_json:
         console.print_json(json.dumps({"target_loss": config.target_loss, "samples": config.samples,
                                        "task": config.task, "lr": config.lr or task.lr,
@@ -370,8 +384,7 @@ def print_target_bench(config: TargetBenchConfig, runs: list[TargetRun], as_json
                       f"{s.samples_to_target:,.0f}" if s.samples_to_target is not None else "-",
                       f"{s.speedup:.2f}x" if s.speedup is not None else "-", f"{s.final_loss:.3f}",
                       f"{s.step_s * 1e3:,.1f}",
-                      f"{s.predicted_step_s * 1e3:,.1f}" if s.predicted_step_s is not None else "-",
-                      style="bold" if s.variant.startswith("plan") else None)
+                      _predicted_ms(s), style="bold" if s.variant.startswith("plan") else None)
     console.print(table)
     for run in runs:
         if run.variant.endswith(" adaptive"):
