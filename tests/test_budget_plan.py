@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from planner.commands.cli import main
-from planner.commands.printing import print_spread
+from planner.commands.printing import print_auto, print_spread
 from planner.contracts.errors import CompressionErrors
 from planner.contracts.plan import Plan, PlanError
 from planner.contracts.profile import Profile
@@ -115,10 +115,15 @@ def test_the_verdict_weighs_only_the_hooks_within_the_budget(tmp_path: Path,
     for budget, left_out in (("powersgd:4", ("ddp+powersgd:1", "ddp+topk:0.01")),
                              ("fp16", ("ddp+powersgd:1", "ddp+powersgd:4", "ddp+topk:0.01"))):
         within = solve_auto(profile, allowed, error_budget=Compressor.parse(budget), time_limit_s=None)
-        for plan in within.candidates.values():
+        for plan in within.candidates.values():  # every hook predicted, those beyond the budget not weighed
             assert plan.verdict is not None and plan.verdict.beyond_budget == left_out
-            assert set(plan.verdict.variants) == {"ddp", *hooks} - set(left_out)
+            assert set(plan.verdict.variants) == {"ddp", *hooks}
+            assert plan.verdict.against not in left_out and plan.verdict.keep not in left_out
         assert Plan.from_dict(json.loads(json.dumps(within.plan.to_dict()))) == within.plan
+        assert within.beyond_budget == left_out
+        print_auto(within)
+        table = capsys.readouterr().out
+        assert all(f"{name}" in table for name in left_out) and "beyond the error budget: not weighed" in table
         # the same verdict for the mixed plan solved alone, and its line names the hooks left out
         mixed = with_intervals(make_mixed_plan(profile, allowed, error_budget=Compressor.parse(budget),
                                                time_limit_s=None), profile)
@@ -126,10 +131,13 @@ def test_the_verdict_weighs_only_the_hooks_within_the_budget(tmp_path: Path,
         print_spread(mixed)
         line = " ".join(capsys.readouterr().out.split())
         assert f"not weighed against {', '.join(left_out)}: beyond the error budget" in line
-    # a plan file that names a weighed variant as left out is refused
+    # a plan file whose verdict was weighed against a hook it says it left out is refused
     data = within.plan.to_dict()
-    data["predicted"]["verdict"]["beyond_budget"] = ["ddp+fp16"]
-    with pytest.raises(SchemaError, match="beyond_budget must name DDP hooks that were not weighed"):
+    data["predicted"]["verdict"]["beyond_budget"] = [data["predicted"]["verdict"]["against"]]
+    with pytest.raises(SchemaError, match="which is not among the variants weighed"):
+        Plan.from_dict(data)
+    data["predicted"]["verdict"]["beyond_budget"] = ["ddp+powersgd:2"]
+    with pytest.raises(SchemaError, match="beyond_budget must name DDP hooks among its variants"):
         Plan.from_dict(data)
 
 

@@ -94,7 +94,8 @@ class DemoCommand(Command):
             plan.save(path)
             console.print(f"wrote plan {path} ({name})")
         print_auto(choice)
-        print_plan(choice.plan, ddp=ddp_predictions(choice.candidates) if choice.plan.verdict is None else None)
+        unweighed = choice.plan.verdict is None
+        print_plan(choice.plan, ddp=ddp_predictions(choice.candidates, choice.beyond_budget) if unweighed else None)
         if choice.plan.strategy is Strategy.MIXED:
             print_mixed_groups(choice.plan, profile)
         console.rule("3/3 bench: DDP, PyTorch's DDP hooks and the plans")

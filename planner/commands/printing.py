@@ -667,7 +667,7 @@ def print_auto(choice: object) -> None:
     assert isinstance(choice, AutoChoice)
     verdict = choice.plan.verdict
     ddp = ({name: v[0] for name, v in verdict.variants.items()} if verdict is not None
-           else ddp_predictions(choice.candidates))
+           else ddp_predictions(choice.candidates, choice.beyond_budget))
     reference = ddp.get("ddp")
     spread = choice.plan.intervals
     table = Table(title="--strategy auto: every allowed way of sending, solved exactly, beside DDP and its hooks "
@@ -692,6 +692,8 @@ def print_auto(choice: object) -> None:
             note = "faster than every plan"
         elif verdict is not None and verdict.keep == name:
             note = "kept: the plan is not faster beyond the noise"
+        elif verdict is not None and name in verdict.beyond_budget:
+            note = "beyond the error budget: not weighed"
         table.add_row(name, _ms(seconds), *interval, ratio(seconds), note, style="dim")
     console.print(table)
     console.print(choice.reason, soft_wrap=True)

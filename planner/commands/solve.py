@@ -187,7 +187,7 @@ class SolveCommand(Command):
         if is_auto:
             from planner.strategies.auto import ddp_predictions
 
-            ddp = ddp_predictions(choice.candidates)
+            ddp = ddp_predictions(choice.candidates, choice.beyond_budget)
         elif plan.intervals is None and plan.kfac is None and plan.abs is None:
             from planner.strategies.intervals import nominal_ddp
 

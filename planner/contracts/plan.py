@@ -303,15 +303,19 @@ class Verdict:
     #: The top-k selector of the DDP top-k hooks among `variants` (the one the profile predicts faster for them);
     #: None without such a hook.
     topk_selector: str | None = None
-    #: The DDP hooks not weighed ("ddp+C"): the plan was kept within an error budget and C's error on every layer is
-    #: beyond it.
+    #: The DDP hooks among `variants` that were predicted but not weighed ("ddp+C"): the plan was kept within an
+    #: error budget and C's error on every layer is beyond it.
     beyond_budget: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        weighed = [name for name in self.variants if name not in self.beyond_budget]
         for name, value in (("keep", self.keep), ("against", self.against)):
-            if value not in self.variants and not (name == "keep" and value == "plan"):
+            if value not in weighed and not (name == "keep" and value == "plan"):
                 raise SchemaError(f"plan.predicted.verdict.{name} names {value!r}, which is not among the variants "
-                                  f"weighed ({', '.join(self.variants)})")
+                                  f"weighed ({', '.join(weighed)})")
+        if DDP_ROW in self.beyond_budget or not set(self.beyond_budget) <= set(self.variants):
+            raise SchemaError("plan.predicted.verdict.beyond_budget must name DDP hooks among its variants, got "
+                              f"{', '.join(self.beyond_budget)}")
 
     @property
     def against_s(self) -> float:
@@ -345,9 +349,6 @@ class Verdict:
         if len(beyond) > MAX_ROWS:
             raise SchemaError(f"{where}.beyond_budget must name at most {MAX_ROWS} DDP hooks, got {len(beyond)}")
         left_out = tuple(_ddp_variant(name, f"{where}.beyond_budget[{i}]") for i, name in enumerate(beyond))
-        if any(name == DDP_ROW or name in steps for name in left_out):
-            raise SchemaError(f"{where}.beyond_budget must name DDP hooks that were not weighed, got "
-                              f"{', '.join(left_out)}")
         return cls(keep=keep, against=against, gain=expect_gain(data["gain"], f"{where}.gain"), variants=steps,
                    topk_selector=None if selector is None else check_selector(selector, f"{where}.topk_selector"),
                    beyond_budget=left_out)

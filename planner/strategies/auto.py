@@ -52,15 +52,18 @@ class AutoChoice:
     #: The rule the plan was kept by, in one line: by predicted step alone, or within an error budget (and the
     #: candidates left out beyond it).
     rule: str = ""
+    #: The DDP hooks ("ddp+C") beyond the error budget: predicted, not compared with (`ddp_predictions`).
+    beyond_budget: tuple[str, ...] = ()
 
 
-def ddp_predictions(candidates: dict[str, Plan]) -> dict[str, float]:
+def ddp_predictions(candidates: dict[str, Plan], left_out: Sequence[str] = ()) -> dict[str, float]:
     """What DDP and its hooks are predicted to take, by the candidates' baselines: "ddp" (plain DDP) and "ddp+C"
-    (a top-k plan's DDP row is DDP with the top-k hook at its density)."""
+    (a top-k plan's DDP row is DDP with the top-k hook at its density); not the hooks `left_out` (beyond the error
+    budget: `AutoChoice.beyond_budget`)."""
     out: dict[str, float] = {}
     for plan in candidates.values():
         for name, prediction in plan.baselines.items():
-            if name == DDP_ROW or name.startswith("ddp+"):
+            if (name == DDP_ROW or name.startswith("ddp+")) and name not in left_out:
                 out.setdefault(name, prediction.iteration_s)
     return out
 
@@ -86,7 +89,7 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     Raises:
         InvalidProfileError: a compressor the profile did not measure (or, with a budget, whose error it did not).
     """
-    from planner.strategies.intervals import Draws
+    from planner.strategies.intervals import Draws, beyond_budget, hook_names
 
     allowed = tuple(compressors)
     by_default = isinstance(error_budget, str)
@@ -112,18 +115,19 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
         candidates[f"mixed over {', '.join(map(str, allowed))}"] = make_mixed_plan(
             profile, allowed, source=source, selector=selector, time_limit_s=time_limit_s, error_budget=error_budget)
     candidates = {name: with_error(plan, profile, budget) for name, plan in candidates.items()}
+    left_out = hook_names(beyond_budget(next(iter(candidates.values())), profile, allowed))
     draws = Draws.of(profile) if weigh_noise else None
     if draws is None:
-        choice = _auto_by_prediction(candidates)
+        choice = _auto_by_prediction(candidates, left_out)
     else:
-        choice = _auto_beyond_noise(profile, candidates, allowed, draws, time_limit_s)
+        choice = _auto_beyond_noise(profile, candidates, allowed, draws, time_limit_s, left_out)
     why = "--error-budget bounds how far the plan may move the gradient"
     if by_default and profile.errors is None:
         why = "the profile measured no compression error; profile again to keep the plan within one"
     elif by_default:
         why = (f"the profile measured no error of {DEFAULT_BUDGETS[0]}, the default budget's; profile with it, or give "
                "--error-budget")
-    return replace(choice, rule=_rule(budget, beyond, by_default=by_default, why_none=why))
+    return replace(choice, rule=_rule(budget, beyond, by_default=by_default, why_none=why), beyond_budget=left_out)
 
 
 def _rule(budget: tuple[float, Compressor | None] | None, beyond: dict[str, float], *, by_default: bool = False,
@@ -148,8 +152,9 @@ def with_error(plan: Plan, profile: Profile, budget: tuple[float, Compressor | N
     return plan if error is None else replace(plan, error=error)
 
 
-def _auto_by_prediction(candidates: dict[str, Plan]) -> AutoChoice:
-    """The candidate predicted fastest, beside DDP's predictions (a profile without samples: no noise to weigh)."""
+def _auto_by_prediction(candidates: dict[str, Plan], left_out: Sequence[str] = ()) -> AutoChoice:
+    """The candidate predicted fastest, beside DDP's predictions (a profile without samples: no noise to weigh); the
+    hooks `left_out` (beyond the error budget) are not compared with."""
     ranked = sorted(candidates.items(), key=lambda kv: kv[1].predicted.iteration_s)
     (name, best), runner_up = ranked[0], ranked[1:2]
     reason = f"kept {name}: {best.predicted.iteration_s * 1e3:,.2f} ms predicted"
@@ -161,7 +166,7 @@ def _auto_by_prediction(candidates: dict[str, Plan]) -> AutoChoice:
         used = dict.fromkeys(str(best.compressor_of(g)) for g in best.groups)
         reason += f"; its groups are sent as {', '.join(used)}"
     reason += " (the profile has no repeated samples, so the noise of these predictions was not weighed)"
-    ddp = ddp_predictions(candidates)
+    ddp = ddp_predictions(candidates, left_out)
     fastest = min(ddp.items(), key=lambda kv: kv[1]) if ddp else None
     ddp_faster = fastest if fastest is not None and fastest[1] < best.predicted.iteration_s else None
     if ddp_faster is not None:  # the plan's verdict line says to keep it (`planner.commands.printing.print_spread`)
@@ -178,17 +183,16 @@ def _simplicity(plan: Plan) -> int:
 
 
 def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: tuple[Compressor, ...],
-                       draws: Any, time_limit_s: float | None) -> AutoChoice:
+                       draws: Any, time_limit_s: float | None, left_out: Sequence[str] = ()) -> AutoChoice:
     """Every candidate and the DDP variants under the same draws; the simplest candidate no other beats beyond the
-    noise is kept, and weighed against DDP and the hook of every allowed compressor."""
+    noise is kept, and weighed against DDP and the hook of every allowed compressor but those `left_out` (beyond the
+    error budget: predicted, not weighed)."""
     from planner.costmodel.spread import PairedGain
     from planner.strategies.intervals import (
         Problems,
         attach,
-        beyond_budget,
         ddp_rows,
         evaluate,
-        hook_names,
         plan_rows,
         simplest_unbeaten,
         topk_hook_selector,
@@ -203,7 +207,6 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
     nominal = Problems(profile)
     ddp_values, ddp_nominal = {row: values["", row] for row in ddp}, {row: step(nominal) for row, step in ddp.items()}
     selector = topk_hook_selector(next(iter(candidates.values())), profile, allowed)
-    left_out = hook_names(beyond_budget(next(iter(candidates.values())), profile, allowed))
     weighed = {name: attach(plan, {row: values[name, row] for row in own[name]}, ddp_values, draws, ddp_nominal,
                             topk_selector=selector, left_out=left_out)
                for name, plan in candidates.items()}

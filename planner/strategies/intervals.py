@@ -3,9 +3,10 @@
 A plan's rows (the plan itself and each baseline it prints) are configurations: a grouping, the way each group is
 sent, and who moves it (this runtime or DDP). `plan_rows` rebuilds each one as its predicted step on any profile;
 `ddp_rows` adds what a user would run instead: plain DDP and DDP with the hook of each compressor the plan may
-send by (within the plan's error budget, where it has one). Evaluated under `DRAWS` profiles resampled from the
-samples the profile kept (`planner.costmodel.resample`), every row gets an interval, and the plan a gain over each
-DDP variant, draw by draw, where what they share (the same compute, the same network) cancels (`PairedGain`).
+send by (all predicted; a plan kept within an error budget is weighed against those within it only). Evaluated
+under `DRAWS` profiles resampled from the samples the profile kept (`planner.costmodel.resample`), every row gets
+an interval, and the plan a gain over each DDP variant, draw by draw, where what they share (the same compute, the
+same network) cancels (`PairedGain`).
 
 The verdict (`weigh`): keep the plan when it is faster than every DDP variant in at least 95% of the draws (the
 lower end of the 90% interval of its gain above 0); otherwise keep DDP: plain DDP, or the DDP hook that is faster
@@ -110,36 +111,40 @@ def ddp_label(variant: str) -> str:
 
 
 def nominal_ddp(plan: Plan, profile: Profile, compressors: Sequence[Compressor] | None = None) -> dict[str, float]:
-    """Each DDP variant `ddp_rows` weighs the plan against, predicted on `profile` itself (no draws: what a plan is
-    compared with where the profile kept no samples)."""
+    """Each DDP variant `ddp_rows` weighs the plan against (not those beyond its error budget), predicted on
+    `profile` itself (no draws: what a plan is compared with where the profile kept no samples)."""
     nominal = Problems(profile)
-    return {name: step(nominal) for name, step in ddp_rows(plan, profile, compressors).items()}
+    left_out = hook_names(beyond_budget(plan, profile, compressors))
+    return {name: step(nominal) for name, step in ddp_rows(plan, profile, compressors).items()
+            if name not in left_out}
 
 
 def weigh(plan: np.ndarray, ddp: dict[str, np.ndarray], nominal: dict[str, float],
           topk_selector: str | None = None, left_out: Sequence[str] = ()) -> Verdict:
     """The verdict of a plan's draws against each DDP variant's (the same draws; "ddp" among them).
 
-    The plan is kept when its gain over every variant is beyond the noise. Otherwise DDP is: plain DDP, unless a
-    hook is faster than plain DDP beyond the noise (then the one with the largest median gain over it). `against` is
-    the variant the plan gains least on (at the lower end of the interval), `nominal` the variants' predictions,
-    `topk_selector` the selector of the top-k hooks among them (recorded where there are), `left_out` the hooks not
-    weighed because their error is beyond the plan's budget (recorded)."""
-    gains = {name: PairedGain.of(plan, draws) for name, draws in ddp.items()}
+    The plan is kept when its gain over every variant weighed is beyond the noise. Otherwise DDP is: plain DDP,
+    unless a hook weighed is faster than plain DDP beyond the noise (then the one with the largest median gain over
+    it). `against` is the variant the plan gains least on (at the lower end of the interval), `nominal` the variants'
+    predictions, `topk_selector` the selector of the top-k hooks among them (recorded where there are), `left_out`
+    the hooks predicted but not weighed, their error being beyond the plan's budget (recorded with them)."""
+    weighed = {name: draws for name, draws in ddp.items() if name not in left_out}
+    gains = {name: PairedGain.of(plan, draws) for name, draws in weighed.items()}
     against = min(gains, key=lambda name: (gains[name].low, name))
     gain = gains[against]
     if gain.beyond_noise:
         keep = "plan"
     else:
         plain = ddp["ddp"]
-        better = {name: PairedGain.of(draws, plain) for name, draws in ddp.items() if name != "ddp"}
+        better = {name: PairedGain.of(draws, plain) for name, draws in weighed.items() if name != "ddp"}
         beyond = [name for name, g in better.items() if g.beyond_noise]
         keep = max(beyond, key=lambda name: better[name].median) if beyond else "ddp"
     order = ["ddp", *(name for name in ddp if name != "ddp")]
     hooks_topk = any(name.startswith("ddp+topk") for name in ddp)
     return Verdict(keep=keep, against=against, gain=(gain.median, gain.low, gain.high),
                    variants={name: (nominal[name], *percentile_interval(ddp[name])) for name in order},
-                   topk_selector=topk_selector if hooks_topk else None, beyond_budget=tuple(left_out))
+                   topk_selector=topk_selector if hooks_topk else None,
+                   beyond_budget=tuple(name for name in order if name in left_out))
 
 
 def simplest_unbeaten(order: Sequence[str], draws: Mapping[str, np.ndarray], fallback: str) -> str:
@@ -173,7 +178,7 @@ def attach(plan: Plan, own: dict[str, np.ndarray], ddp: dict[str, np.ndarray], d
            ddp_nominal: dict[str, float], *, topk_selector: str | None = None, left_out: Sequence[str] = ()) -> Plan:
     """`plan` with the intervals of its own rows' draws (`own`: "plan" and baselines) and its verdict against the DDP
     variants' draws (`ddp`), whose predictions on the profile itself are `ddp_nominal` (`topk_selector`: of the
-    top-k hooks among them; `left_out`: the hooks beyond the plan's error budget, not weighed)."""
+    top-k hooks among them; `left_out`: the hooks beyond the plan's error budget, predicted but not weighed)."""
     intervals = Intervals(level=LEVEL, draws=len(draws.profiles), sources=draws.sources,
                           rows={name: percentile_interval(v) for name, v in own.items()})
     return replace(plan, intervals=intervals,
@@ -219,9 +224,8 @@ def plan_rows(plan: Plan, profile: Profile, *, time_limit_s: float | None = 1.0)
 def ddp_rows(plan: Plan, profile: Profile, compressors: Sequence[Compressor] | None = None) -> dict[str, RowStep]:
     """What a user would run instead of `plan`, as steps on any profile: plain DDP ("ddp") and DDP with the hook
     of each compressor other than dense that the plan may send by (or of `compressors`) ("ddp+C"), on DDP's buckets
-    at DDP's own packing cost (one bucket for PowerSGD on gloo, `ddp_hook_grouping`). A plan kept within an error
-    budget is not weighed against the hooks whose error is beyond it (`beyond_budget`): a user who holds to the
-    budget would not run them."""
+    at DDP's own packing cost (one bucket for PowerSGD on gloo, `ddp_hook_grouping`). The hooks whose error is
+    beyond the budget the plan was kept within are among them (`beyond_budget`): predicted, but not weighed."""
     selector = plan.selector or "exact"
     backend = plan.cluster.backend
     out: dict[str, RowStep] = {}
@@ -231,10 +235,7 @@ def ddp_rows(plan: Plan, profile: Profile, compressors: Sequence[Compressor] | N
         ddp = next(b for b in BASELINES[Strategy.DENSE] if b.name == DDP_BASELINE)
         buckets = ddp.solve(gradient_problem(profile, Strategy.DENSE, runtime="ddp"))
         out["ddp"] = _grouping_row(Strategy.DENSE, None, "exact", "ddp", "flat", buckets)
-    beyond = beyond_budget(plan, profile, compressors)
     for c in compressors if compressors is not None else _allowed(plan):
-        if c in beyond:
-            continue
         if c.kind is CompressorKind.TOPK:
             out[f"ddp+{c}"] = _hook_row(c, hook_selector(profile, c, backend), backend)
         elif c.kind is not CompressorKind.DENSE:
@@ -245,8 +246,9 @@ def ddp_rows(plan: Plan, profile: Profile, compressors: Sequence[Compressor] | N
 def beyond_budget(plan: Plan, profile: Profile, compressors: Sequence[Compressor] | None = None
                   ) -> tuple[Compressor, ...]:
     """The compressors of `compressors` (default the plan's) whose error on every layer, as the profile measured it,
-    is beyond the error budget the plan was kept within: none for a plan solved without a budget, and a compressor
-    whose error the profile did not measure is not counted beyond it (its hook is weighed)."""
+    is beyond the error budget the plan was kept within: the hooks the verdict does not weigh (a user who holds to the
+    budget would not run them). None for a plan solved without a budget; a compressor whose error the profile did
+    not measure is not counted beyond it (its hook is weighed)."""
     budget = None if plan.error is None else plan.error.budget
     if budget is None or profile.errors is None:
         return ()
