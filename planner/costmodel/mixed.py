@@ -65,6 +65,10 @@ Choice = tuple[int, ...]
 
 #: Bytes of one element in PowerSGD's allreduces and in fp16's.
 _FP32_BYTES, _FP16_BYTES = 4, 2
+#: Seconds of preparation a group costs when it holds a layer its compressor may not send (`MixedProblem.forbidden`):
+#: more than any step, so that no bound or search keeps such a group where another way exists (finite, so that
+#: the bounds' arithmetic stays finite).
+FORBIDDEN_S = 1e6
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -177,6 +181,10 @@ class MixedProblem:
         comm_stretch: kappa >= 0, collectives (1 + kappa) times slower while the compute stream works (see the
             module docstring); 0: none.
         names: the layers' names (optional).
+        forbidden: (compressors, layers) bools, or None: layer l may not be sent by compressor c (a group holding
+            it costs `FORBIDDEN_S` more preparation). A solver under an error budget forbids what alone exceeds
+            the budget (`planner.solvers.mixed.ErrorBudget.forbidden`): no plan within it changes, and the bounds
+            no longer count on sending layers in ways the budget rules out.
     """
 
     forward_s: float
@@ -189,10 +197,14 @@ class MixedProblem:
     interference: float = 0.0
     comm_stretch: float = 0.0
     names: tuple[str, ...] = field(default=())
+    forbidden: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not self.numel:
             raise SolverError("the problem has no layers with gradients")
+        if self.forbidden is not None and np.shape(self.forbidden) != (len(self.compressors), len(self.numel)):
+            raise SolverError(f"forbidden must be (compressors, layers) = ({len(self.compressors)}, "
+                              f"{len(self.numel)}), but got {np.shape(self.forbidden)}")
         if not (math.isfinite(self.comm_stretch) and self.comm_stretch >= 0):
             raise SolverError(f"`comm_stretch >= 0` (finite) must hold, but got comm_stretch={self.comm_stretch}")
         if len(self.backward_s) != len(self.numel):
@@ -225,6 +237,14 @@ class MixedProblem:
     def prefix_backward(self) -> np.ndarray:
         """Q[m] = b_0 + ... + b_{m-1}."""
         return np.concatenate(([0.0], np.cumsum(np.asarray(self.backward_s, dtype=float))))
+
+    @functools.cached_property
+    def _prefix_forbidden(self) -> np.ndarray | None:
+        """Per compressor, prefix counts of the layers it may not send (None: none forbidden)."""
+        if self.forbidden is None or not np.any(self.forbidden):
+            return None
+        counts = np.cumsum(np.asarray(self.forbidden, dtype=np.int64), axis=1)
+        return np.concatenate((np.zeros((counts.shape[0], 1), dtype=np.int64), counts), axis=1)
 
     @functools.cached_property
     def _layer_sums(self) -> list[dict[str, np.ndarray] | None]:
@@ -300,6 +320,8 @@ class MixedProblem:
                 middle = np.where(second_round, middle, 0.0)
             case other:  # pragma: no cover - CompressorKind is closed
                 raise SolverError(f"unknown compressor kind {other!r}")
+        if (held := self._prefix_forbidden) is not None:
+            prepare = prepare + FORBIDDEN_S * ((held[which, ends] - held[which, starts]) > 0)
         return GroupCosts(prepare=np.asarray(prepare, dtype=float), first=c.comm.cost_many(first_bytes),
                           middle=np.asarray(middle, dtype=float), second=np.asarray(second, dtype=float),
                           decode=np.asarray(decode, dtype=float), second_round=second_round,

@@ -152,6 +152,16 @@ class ErrorBudget:
         per_layer = self.units[list(allowed)].min(axis=0)
         return np.append(np.cumsum(per_layer[::-1])[::-1], 0)
 
+    def forbidden(self, allowed: Sequence[int]) -> np.ndarray:
+        """(compressors, layers) bools: sending layer l by compressor c alone exceeds the budget, since the other
+        layers hold at least the least units of their least-error allowed compressors; no plan within the budget
+        sends l by c (`MixedProblem.forbidden`). Compressors not allowed are not marked."""
+        rows = list(allowed)
+        least = self.units[rows].min(axis=0)
+        out = np.zeros(self.units.shape, dtype=bool)
+        out[rows] = self.units[rows] - least + int(least.sum()) > self.budget
+        return out
+
     def cheapest(self, allowed: Sequence[int], grouping: Grouping | None = None) -> tuple[Grouping, Choice]:
         """A solution with the least units: every layer alone (or the groups of `grouping`), each sent by its
         least-error allowed compressor (the first of equal ones)."""
@@ -638,6 +648,9 @@ class MixedParetoDP:
                                   f"{problem.num_layers} layers, but got {list(grouping)}")
         if error is not None:
             _check_error_budget(problem, error, allowed, grouping)
+            forbidden = error.forbidden(allowed)
+            if forbidden.any():  # the same plans within the budget, and bounds over the ways it allows
+                problem = replace(problem, forbidden=forbidden)
         deadline = deadline if deadline is not None else Deadline(self.time_limit_s)
         fixed = problem.forward_s + problem.update_s
         if not self.prune:
