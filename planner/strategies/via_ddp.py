@@ -147,9 +147,9 @@ def choose_way(plan: Plan, draws: dict[str, np.ndarray] | None = None) -> Way:
         if gain.beyond_noise:
             return Way(EXCHANGE_WAY, f"run it in GradientExchange: predicted {exchange_text} vs {ddp_text} via DDP "
                                      f"(PlanHook), {gain.describe()} faster, beyond the noise")
-        noise = "within the noise, so the simpler way" if gain.median >= 0 else "the faster way"
-        return Way(DDP_WAY, f"run it via DDP (PlanHook): predicted {ddp_text} vs {exchange_text} in "
-                            f"GradientExchange ({noise})")
+        why = "the simpler way, within the noise" if gain.median >= 0 else "the faster way"
+        return Way(DDP_WAY, f"run it via DDP (PlanHook), {why}: predicted {ddp_text} vs {exchange_text} in "
+                            "GradientExchange")
     if plan.predicted.iteration_s < via.iteration_s:
         return Way(EXCHANGE_WAY, f"run it in GradientExchange: predicted {exchange_text} vs {ddp_text} via DDP "
                                  "(PlanHook), the noise not weighed")
