@@ -42,9 +42,8 @@ from planner.solvers.mixed import MixedParetoDP
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
 __all__ = ["KFAC_REFERENCES", "Draws", "Problems", "RowStep", "attach", "beyond_budget", "ddp_label", "ddp_rows",
-           "evaluate", "hook_names",
-           "hook_selector", "nominal_ddp", "plan_rows", "simplest_unbeaten", "topk_hook_selector", "weigh",
-           "with_intervals", "with_kfac_intervals"]
+           "evaluate", "hook_names", "hook_selector", "nominal_ddp", "plan_rows", "simplest_unbeaten",
+           "topk_hook_selector", "weigh", "with_intervals", "with_kfac_intervals"]
 
 #: Relative difference within which a rebuilt row's step on the profile itself counts as the printed one.
 _SAME = 1e-9
