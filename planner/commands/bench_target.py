@@ -104,6 +104,8 @@ class TargetBenchConfig:
     #: Also run each plan inside DDP (`PlanHook`, the row "plan X via DDP"), where PlanHook runs it; with `adaptive`,
     #: re-planned there too (its groups kept: DDP's buckets).
     via_ddp: bool = False
+    #: What the progress bar calls the runs.
+    runs_called: str = "runs to the target loss"
 
 
 @dataclass(frozen=True)
@@ -294,7 +296,7 @@ def target_bench_worker(rank: int, world_size: int, config: TargetBenchConfig) -
                          config.via_ddp)
     runs = []
     with progress(enabled=config.show_progress and rank == 0) as bar:
-        tick = bar.add_task("runs to the target loss", total=config.repeats * len(variants))
+        tick = bar.add_task(config.runs_called, total=config.repeats * len(variants))
         for repeat in range(config.repeats):
             for variant in variants:
                 runs.append(_run(rank, world_size, config, variant, repeat, task))
