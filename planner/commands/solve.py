@@ -38,6 +38,10 @@ class SolveCommand(Command):
                                  "number, or a compressor whose error with every layer sent by it is the budget "
                                  "(e.g. powersgd:4), or none; default: none for mixed, and for auto the error of "
                                  "fp16 on every layer (measured to train like dense)")
+        parser.add_argument("--trials", type=Path, default=None, metavar="FILE",
+                            help="--strategy auto: the trials file of `planner trial` on this profile; the plan is "
+                                 "kept among the compressors that trained like dense there, within the error of the "
+                                 "loosest of them (default --compressors: dense, fp16 and those)")
         # Checked in run(), not by argparse `choices`, so a bad name is one line (no usage block).
         parser.add_argument("--selector", default="auto", metavar="{auto,exact,sampled}",
                             help="top-k selector: exact torch.topk, sampled threshold, or auto (default): the one "
@@ -104,6 +108,10 @@ class SolveCommand(Command):
             raise PlannerError("--compressors applies to --strategy mixed and auto only")
         if args.error_budget is not None and not (is_mixed or is_auto):
             raise PlannerError("--error-budget applies to --strategy mixed and auto only")
+        if args.trials is not None and not is_auto:
+            raise PlannerError("--trials applies to --strategy auto only")
+        if args.trials is not None and args.error_budget is not None:
+            raise PlannerError("give --trials or --error-budget, not both: the trials set the budget")
         from planner.strategies.budget import BY_DEFAULT, parse_error_budget
 
         error_budget = (parse_error_budget(args.error_budget) if args.error_budget is not None
@@ -125,6 +133,13 @@ class SolveCommand(Command):
             from planner.strategies.mixed import parse_compressors
 
             compressors = parse_compressors("light" if args.compressors is None else args.compressors)  # "" refused
+        trials = None
+        if args.trials is not None:
+            from planner.contracts.trials import Trials
+
+            trials = Trials.load(args.trials)
+            if args.compressors is None:  # light, and every compressor the trials tried
+                compressors = tuple(dict.fromkeys((*(compressors or ()), *trials.compressors)))
         topk_allowed = strategy is Strategy.TOPK or any(c.kind.value == "topk" for c in compressors or ())
         if args.selector != "auto" and not topk_allowed:
             raise PlannerError("--selector applies to top-k plans only (--strategy topk, or topk:D in --compressors)")
@@ -165,7 +180,7 @@ class SolveCommand(Command):
             assert compressors is not None
             choice = solve_auto(profile, compressors, source=str(args.profile), selector=selector,
                                 time_limit_s=args.time_limit or 1.0, weigh_noise=args.cluster is None,
-                                error_budget=error_budget)
+                                error_budget=error_budget, trials=trials)
             print_auto(choice)
             plan = choice.plan
         elif is_mixed:

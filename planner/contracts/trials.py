@@ -160,7 +160,8 @@ class Trials:
                    lr=float(expect(data["lr"], (int, float), f"{where}.lr")),
                    momentum=float(expect(data["momentum"], (int, float), f"{where}.momentum")),
                    tolerance=float(expect(data["tolerance"], (int, float), f"{where}.tolerance")),
-                   reference=_losses(data["reference"], f"{where}.reference", nulls=False),
+                   reference=tuple(x for x in _losses(data["reference"], f"{where}.reference", nulls=False)
+                                   if x is not None),
                    compressors={parse_compressor(k, f"{where}.compressors"): _losses(v, f"{where}.compressors[{k!r}]")
                                 for k, v in compressors.items()})
 

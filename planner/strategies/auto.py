@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.contracts.plan import DDP_ROW, Plan
 from planner.contracts.profile import Profile
@@ -28,9 +28,12 @@ from planner.strategies.budget import (
 from planner.strategies.gradients import make_plan
 from planner.strategies.mixed import make_mixed_plan
 from planner.strategies.via_ddp import Way, choose_way
-from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
+from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, PlanMismatchError, PlannerError, Strategy
 
-__all__ = ["AutoChoice", "ddp_predictions", "solve_auto"]
+if TYPE_CHECKING:
+    from planner.contracts.trials import Trials
+
+__all__ = ["AutoChoice", "ddp_predictions", "solve_auto", "trial_budget"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ def ddp_predictions(candidates: dict[str, Plan], left_out: Sequence[str] = ()) -
 
 def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: str = "",
                selector: str | None = None, time_limit_s: float | None = 1.0, weigh_noise: bool = True,
-               error_budget: BudgetSpec | str | None = BY_DEFAULT) -> AutoChoice:
+               error_budget: BudgetSpec | str | None = BY_DEFAULT, trials: Trials | None = None) -> AutoChoice:
     """Every way of sending that `compressors` allow, each solved exactly: a dense plan (if dense is allowed), a
     top-k plan per allowed density, and the mixed plan over all of them. Each candidate's solve takes at most
     `time_limit_s` (past it, the best found, recorded as not proven optimal).
@@ -86,12 +89,22 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     `DEFAULT_BUDGETS`' first compressor the profile measured, on every layer (fp16, which trained like dense); None:
     no budget (so also where the profile measured no error).
 
+    With `trials` (`planner trial`: which compressors trained like dense on the model's task), the budget and the
+    compressors come from them instead (`trial_budget`).
+
     Raises:
         InvalidProfileError: a compressor the profile did not measure (or, with a budget, whose error it did not).
+        PlanMismatchError: trials of another model or world size than the profile's.
+        PlannerError: trials together with an error budget given.
     """
     from planner.strategies.intervals import Draws, beyond_budget, hook_names
 
     allowed = tuple(compressors)
+    trial_rule = None
+    if trials is not None:
+        if error_budget != BY_DEFAULT:
+            raise PlannerError("give trials or an error budget, not both: the trials set the budget")
+        allowed, error_budget, trial_rule = trial_budget(profile, allowed, trials)
     by_default = isinstance(error_budget, str)
     if isinstance(error_budget, str):
         if error_budget != BY_DEFAULT:
@@ -127,7 +140,56 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     elif by_default:
         why = (f"the profile measured no error of {DEFAULT_BUDGETS[0]}, the default budget's; profile with it, or give "
                "--error-budget")
-    return replace(choice, rule=_rule(budget, beyond, by_default=by_default, why_none=why), beyond_budget=left_out)
+    rule = trial_rule or _rule(budget, beyond, by_default=by_default, why_none=why)
+    return replace(choice, rule=rule, beyond_budget=left_out)
+
+
+def trial_budget(profile: Profile, compressors: Sequence[Compressor], trials: Trials
+                 ) -> tuple[tuple[Compressor, ...], BudgetSpec | str | None, str]:
+    """The compressors and the error budget that `trials` allow, and the rule line that says so.
+
+    Allowed: dense, the default budget's compressor (fp16: lossless in effect, shown to train like dense on the
+    tasks of docs/results/error-budget.md) and the compressors whose trial trained like dense, each where
+    `compressors` has it. The budget: the error of the loosest of those on every layer (as the profile measured
+    it), at least the default budget. The compressors whose trial did not train like dense, and those not tried,
+    are left out.
+
+    Raises:
+        PlanMismatchError: trials of another model or world size than the profile's.
+        InvalidProfileError: a compressor that trained like dense whose error the profile did not measure.
+    """
+    if trials.model.fingerprint != profile.model.fingerprint:
+        raise PlanMismatchError(f"the trials were run on {trials.model.name} and the profile measured "
+                                f"{profile.model.name} (another model): run `planner trial` on this profile")
+    if trials.world_size != profile.cluster.world_size:
+        raise PlanMismatchError(f"the trials were run on {trials.world_size} workers and the profile measured "
+                                f"{profile.cluster.world_size}: run `planner trial` on this profile")
+    default = default_budget(profile)
+    results = {r.compressor: r for r in trials.results()}
+    passed = [c for c in compressors if c in results and results[c].passed]
+    allowed = tuple(c for c in compressors if not c.lossy or c == default or c in passed)
+    loosest = max(passed, key=lambda c: uniform_error(profile, c), default=None)
+    if loosest is not None and (default is None or uniform_error(profile, loosest) > uniform_error(profile, default)):
+        budget: BudgetSpec | str | None = loosest
+        line = (f"rule: fastest within the error budget {uniform_error(profile, loosest):.3g} ({loosest} on every "
+                f"layer, the loosest that trained like dense in the trials: {results[loosest].describe()}")
+    else:
+        budget = BY_DEFAULT
+        line = "rule: fastest within the default error budget"
+        line += (f" {uniform_error(profile, default):.3g} ({default} on every layer" if default is not None
+                 else " (none: the profile measured no error of the default budget's compressor")
+        lossy = [c for c in passed if c.lossy]
+        line += ("; no lossier compressor allowed trained like dense in the trials" if not lossy
+                 else f"; of the trials, {', '.join(map(str, lossy))} trained like dense, within it")
+    line += f" ({trials.samples:,} samples of the {trials.task} task, {trials.repeats} repeats))"
+    failed = [results[c] for c in compressors if c.lossy and c != default and c in results and not results[c].passed]
+    untried = [c for c in compressors if c.lossy and c != default and c not in results]
+    if failed:
+        line += "; left out, not like dense in the trials: " + ", ".join(
+            f"{r.compressor} ({r.describe()})" for r in failed)
+    if untried:
+        line += "; left out, not tried: " + ", ".join(map(str, untried))
+    return allowed, budget, line
 
 
 def _rule(budget: tuple[float, Compressor | None] | None, beyond: dict[str, float], *, by_default: bool = False,
