@@ -46,6 +46,7 @@ def test_a_trial_verdict_is_the_t_interval_of_the_paired_log_ratios() -> None:
     assert topk.ratio == pytest.approx(0.8) and topk.high == pytest.approx(0.8) and topk.passed
     assert not trials.result(R1).passed and trials.result(R1).ratio is None  # a repeat diverged
     assert "diverged" in trials.result(R1).describe()
+    assert "not beyond the noise" in trials_of(profile, {TOPK: (1.0, 1.9, 2.6)}).result(TOPK).describe()
     assert trials.passed() == (TOPK,)
     one = trials_of(profile, {TOPK: (1.0,)}, reference=(2.0,))
     assert one.result(TOPK).ratio == pytest.approx(0.5) and not one.result(TOPK).passed  # one repeat: no interval

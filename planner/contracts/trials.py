@@ -69,7 +69,10 @@ class TrialResult:
             return "diverged (a run ended without a finite loss)"
         if self.low is None or self.high is None:
             return f"{self.ratio:.3g}x DDP's final loss (one repeat: no interval)"
-        return f"{self.ratio:.3g}x DDP's final loss [{self.low:.3g}, {self.high:.3g}]"
+        text = f"{self.ratio:.3g}x DDP's final loss [{self.low:.3g}, {self.high:.3g}]"
+        if not self.passed and self.low <= 1 < self.high:
+            text += ", not beyond the noise of the repeats"
+        return text
 
 
 @dataclass(frozen=True, kw_only=True)
