@@ -145,3 +145,20 @@ def test_a_real_trial_on_the_digits(tmp_path: Path, capsys: pytest.CaptureFixtur
     plan = tmp_path / "plan.json"
     assert main(["solve", str(prof), "--strategy", "auto", "--trials", str(out), "-o", str(plan)]) == 0
     assert "in the trials" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--compressors", "dense"], "nothing to try"),
+    (["--tolerance", "1.5"], "--tolerance is a fraction"),
+    (["--momentum", "1"], "--momentum < 1"),
+    (["--compressors", "powersgd:8"], "powersgd:8"),
+    (["--task", "text"], "text"),
+])
+def test_cli_bad_trial_input_gives_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+                                            message: str) -> None:
+    prof = tmp_path / "profile.json"
+    profile_with_errors("digits").save(prof)
+    assert main(["trial", str(prof), *argv, "-o", str(tmp_path / "trials.json")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "trials.json").exists()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from planner.console import console, progress
+from planner.console import console
 from planner.contracts.plan import DDP_ROW
 from planner.contracts.profile import Profile
 from planner.contracts.trials import DEFAULT_TOLERANCE, Trials
@@ -69,12 +69,7 @@ def run_trials(profile: Profile, config: TrialConfig) -> Trials | None:
     from planner.tasks import build_task
 
     task = build_task(profile.model.name, config.task, batch_size=config.batch_size)
-    with progress(enabled=config.show_progress) as bar:
-        tick = bar.add_task("solving each compressor's plan", total=len(config.compressors))
-        plans = []
-        for c in config.compressors:
-            plans.append(make_mixed_plan(profile, [c], source="trial", rows=False))
-            bar.advance(tick)
+    plans = [make_mixed_plan(profile, [c], source="trial", rows=False) for c in config.compressors]  # fast, alone
     labels = tuple(f"all {c}" for c in config.compressors)
     bench = TargetBenchConfig(
         plans=tuple(plans), labels=labels, model=profile.model.name, task=config.task,
