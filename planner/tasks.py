@@ -30,7 +30,7 @@ import torch
 from planner.models import CHAR_SEQ, Batch, Workload, build_workload, digits_data, stdlib_text, text_windows
 from planner.types import PlannerError
 
-__all__ = ["TASKS", "Task", "build_task"]
+__all__ = ["TASKS", "Task", "build_task", "default_task"]
 
 #: The tasks `build_task` knows.
 TASKS = ("digits", "text", "teacher")
@@ -44,6 +44,11 @@ TOKEN_LABELS = 100
 _TEACHER_SEED, _INPUT_SEED, _EVAL_SEED = 90_001, 90_002, 90_003
 #: Samples per forward pass while labelling (keeps the logits of a 10k-token vocabulary small).
 _LABEL_CHUNK = 32
+
+
+def default_task(model: str) -> str:
+    """The task a model trains on unless told: the digits for `digits`, the text for `charlm`, else the teacher."""
+    return {"digits": "digits", "charlm": "text"}.get(model, "teacher")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -182,6 +182,7 @@ class BenchCommand(Command):
             print_target_bench,
             run_target_bench,
         )
+        from planner.tasks import default_task
 
         if args.density_warmup is not None:
             start = args.density_warmup[0]
@@ -190,7 +191,7 @@ class BenchCommand(Command):
                     raise PlannerError(f"--density-warmup must start above the plan's density, but got "
                                        f"start={start:g} for {path} (density {plan.density:g})")
         model = args.model or plans[0].model.name
-        task = args.task or {"digits": "digits", "charlm": "text"}.get(model, "teacher")
+        task = args.task or default_task(model)
         config = TargetBenchConfig(
             plans=plans, model=model, task=task, target_loss=args.target_loss,
             samples=args.samples or TASK_SAMPLES[task], lr=args.lr,

@@ -40,6 +40,7 @@ class TrialCommand(Command):
         from planner.contracts.profile import Profile
         from planner.contracts.trials import DEFAULT_TOLERANCE
         from planner.strategies.mixed import parse_compressors
+        from planner.tasks import default_task
         from planner.types import PlannerError
 
         check_output_path(args.output, "trials file")
@@ -50,7 +51,7 @@ class TrialCommand(Command):
             raise PlannerError(f"--tolerance is a fraction of DDP's loss below 1 (0.02: 2%), got {tolerance}")
         profile = Profile.load(args.profile)
         chosen = parse_compressors(args.compressors) if args.compressors is not None else None
-        task = args.task or {"digits": "digits", "charlm": "text"}.get(profile.model.name, "teacher")
+        task = args.task or default_task(profile.model.name)
         config = TrialConfig(compressors=trial_compressors(profile, chosen), task=task,
                              samples=args.samples or TASK_SAMPLES[task], repeats=args.repeats, lr=args.lr,
                              momentum=args.momentum, batch_size=args.batch_size, tolerance=tolerance)
