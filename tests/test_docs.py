@@ -85,7 +85,10 @@ def _torchrun(script: str, plan: Path, tmp_path: Path) -> list[str]:
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    # Found anywhere in the output, not only at a line's start: both ranks write to one pipe.
+    lines = sorted(re.findall(r"rank \d+ loss [-\d.]+ checksum -?\d+\.\d{6}", done.stdout))
+    assert len(lines) == 2, f"expected a line from each rank; stdout: {done.stdout!r}; stderr: {done.stderr[-2000:]!r}"
+    return lines
 
 
 def _checksums(lines: list[str]) -> set[str]:

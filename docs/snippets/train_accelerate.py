@@ -28,7 +28,7 @@ for inputs, targets in loader:
 # --8<-- [end:prepare]
 
 print(f"rank {accelerator.process_index} loss {loss.item():.4f} "
-      f"checksum {sum(p.sum().item() for p in model.parameters()):.6f}")
+      f"checksum {sum(p.sum().item() for p in model.parameters()):.6f}", flush=True)
 if accelerator.is_main_process:
     torch.save(model.state_dict(), "model.pt")
 # Let the DDP model go (the accelerator holds it too) before the process group: a group that outlives

@@ -27,7 +27,7 @@ for inputs, targets in loader:
     optimizer.step()
 # --8<-- [end:ddp]
 
-print(f"rank {dist.get_rank()} loss {loss.item():.4f} checksum {sum(p.sum().item() for p in model.parameters()):.6f}")
+print(f"rank {dist.get_rank()} loss {loss.item():.4f} checksum {sum(p.sum().item() for p in model.parameters()):.6f}", flush=True)
 if dist.get_rank() == 0:
     torch.save(model.state_dict(), "model.pt")
 dist.destroy_process_group()

@@ -25,5 +25,5 @@ for inputs, targets in loader:
     optimizer.step()
 # --8<-- [end:loop]
 
-print(f"rank {dist.get_rank()} loss {loss.item():.4f} checksum {sum(p.sum().item() for p in model.parameters()):.6f}")
+print(f"rank {dist.get_rank()} loss {loss.item():.4f} checksum {sum(p.sum().item() for p in model.parameters()):.6f}", flush=True)
 dist.destroy_process_group()

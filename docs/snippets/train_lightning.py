@@ -40,6 +40,6 @@ trainer.fit(LitModel(net, workload.loss_fn), loader)
 
 rank = trainer.global_rank
 print(f"rank {rank} loss {trainer.callback_metrics['loss'].item():.4f} "
-      f"checksum {sum(p.sum().item() for p in net.parameters()):.6f}")
+      f"checksum {sum(p.sum().item() for p in net.parameters()):.6f}", flush=True)
 if rank == 0:
     torch.save(net.state_dict(), "model.pt")
