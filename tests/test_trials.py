@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from planner.commands.cli import main
-from planner.contracts.trials import Trials
+from planner.contracts.trials import Ratio, Trials, samples_to
 from planner.strategies.auto import solve_auto
 from planner.types import Compressor, PlanMismatchError, PlannerError, SchemaError
 from tests.test_budget_plan import CONTRACTION, profile_with_errors
@@ -52,14 +52,74 @@ def test_a_trial_verdict_is_the_t_interval_of_the_paired_log_ratios() -> None:
     assert one.result(TOPK).ratio == pytest.approx(0.5) and not one.result(TOPK).passed  # one repeat: no interval
 
 
+def falling(reach: int, final: float | None, samples: int = 4000) -> tuple[tuple[int, float | None], ...]:
+    """A curve that falls linearly from 8 to 3 at `reach` samples, then to `final` at `samples` (evaluated every 500
+    samples: DDP's half-way point, 2000, is one of them); a final None: diverged there."""
+    end = 0.5 if final is None else final
+    points = [(n, 8.0 - 5.0 * n / reach if n <= reach else 3.0 + (end - 3.0) * (n - reach) / (samples - reach))
+              for n in range(0, samples + 1, 500)]
+    return (*points[:-1], (samples, final))
+
+
+def with_curves(trials: Trials, reach: dict[Compressor, tuple[int, ...]]) -> Trials:
+    """`trials` with curves: DDP's reach 3 at 2000 samples, each compressor's at `reach` (per repeat), all ending at
+    the final losses the trials hold."""
+    curves = {"ddp": tuple(falling(2000, f) for f in trials.reference)}
+    for c, finals in trials.compressors.items():
+        curves[str(c)] = tuple(falling(r, f) for r, f in zip(reach[c], finals, strict=True))
+    return replace(trials, curves=curves)
+
+
+def test_samples_to_a_loss_are_read_off_the_curve_between_evaluations() -> None:
+    curve = ((0, 4.0), (1000, 2.0), (2000, 1.0))
+    assert samples_to(curve, 1.5) == pytest.approx(1500)  # halfway between 2.0 at 1000 and 1.0 at 2000
+    assert samples_to(curve, 2.0) == 1000 and samples_to(curve, 5.0) == 0
+    assert samples_to(curve, 0.5) is None and samples_to(((0, 4.0), (1000, None), (2000, 0.1)), 1.0) is None
+    logs = [math.log(r) for r in (1.5, 1.6, 1.7)]
+    mean, sd = sum(logs) / 3, math.sqrt(sum((x - sum(logs) / 3) ** 2 for x in logs) / 2)
+    ratio = Ratio.of([1.5, 1.6, 1.7])
+    assert ratio.median == pytest.approx(1.6)
+    assert ratio.high == pytest.approx(math.exp(mean + 2.919986 * sd / math.sqrt(3)), rel=1e-6)
+
+
+def test_a_trial_measures_the_samples_to_ddps_half_way_loss() -> None:
+    profile = profile_with_errors()
+    base = trials_of(profile, {R4: (2.0, 1.8, 2.2), TOPK: (2.0, 1.8, 2.2), R1: (2.0, 3.5, 2.0)})
+    trials = with_curves(base, {R4: (2000, 2000, 2000), TOPK: (3000, 3000, 3500), R1: (2000, 4500, 2000)})
+    r4, topk, r1 = (trials.result(c) for c in (R4, TOPK, R1))
+    # DDP reaches its half-way loss (3, at 2000 of 4000 samples) at 2000; top-k at 3000, 3000, 3500; r1 at 2000, never
+    assert r4.samples is not None and r4.samples.median == pytest.approx(1.0) and trials.samples_factor(R4) == 1.0
+    assert topk.samples is not None and topk.samples.median == pytest.approx(1.5)
+    assert trials.samples_factor(TOPK) == pytest.approx(topk.samples.high) and topk.samples.high > 1.75
+    assert "1.5x DDP's samples to its half-way loss [" in topk.describe_samples()
+    assert r1.samples is None and "did not reach DDP's half-way loss within 4,000 samples" in r1.describe_samples()
+    assert trials.samples_factor(R1) is None and trials.samples_factor(FP16) is None  # not tried
+    faster = with_curves(base, {R4: (1000, 1000, 1000), TOPK: (2000,) * 3, R1: (2000,) * 3})
+    assert faster.result(R4).samples.median == pytest.approx(0.5)  # type: ignore[union-attr]
+    assert faster.samples_factor(R4) == 1.0  # never credited with training faster than DDP
+    assert base.samples_factor(TOPK) is None and base.result(TOPK).describe_samples() == ""  # no curves
+
+
 def test_the_trials_file_round_trips_and_refuses_bad_data(tmp_path: Path) -> None:
     profile = profile_with_errors()
-    trials = trials_of(profile, {TOPK: (1.6, 1.44, 1.76), R1: (2.0, None, 2.2)})
+    trials = with_curves(trials_of(profile, {TOPK: (1.6, 1.44, 1.76), R1: (2.0, None, 2.2)}),
+                         {TOPK: (2000,) * 3, R1: (3000,) * 3})
     path = trials.save(tmp_path / "trials.json")
     loaded = Trials.load(path)
     assert loaded == trials and loaded.passed() == trials.passed()
     good = json.loads(path.read_text())
-    for change, message in (({"kind": "profile"}, "trials.kind"), ({"version": 2}, "version"),
+    v1 = {k: v for k, v in good.items() if k != "curves"} | {"version": 1}  # a file of the first version
+    (tmp_path / "v1.json").write_text(json.dumps(v1))
+    assert Trials.load(tmp_path / "v1.json") == replace(trials, curves=None)
+    curves = good["curves"]
+    for change, message in (({"kind": "profile"}, "trials.kind"), ({"version": 3}, "version"),
+                            ({"curves": {"ddp": curves["ddp"]}}, "a curve per repeat for"),
+                            ({"curves": {**curves, "ddp": curves["ddp"][:2]}}, "one curve per repeat"),
+                            ({"curves": {**curves, "ddp": [curves["ddp"][0][::-1], *curves["ddp"][1:]]}},
+                             "increasing samples"),
+                            ({"curves": {**curves, "ddp": [[[0, 4.0], [10, 1.0]], *curves["ddp"][1:]]}},
+                             "must end at the final loss"),
+                            ({"curves": {**curves, "ddp": [[[0, 4.0, 1]], *curves["ddp"][1:]]}}, "[samples, loss]"),
                             ({"reference": [2.0, 1.8]}, "one final loss per repeat"),
                             ({"reference": [2.0, -1.0, 2.2]}, "DDP's final losses"),
                             ({"reference": [2.0, None, 2.2]}, "trials.reference[1]"),
@@ -96,6 +156,33 @@ def test_auto_keeps_its_plan_among_the_compressors_that_trained_like_dense() -> 
     assert "default error budget" in kept.rule and "no lossier compressor allowed trained like dense" in kept.rule
     untried = solve_auto(profile, (*allowed[:2], R4), time_limit_s=None, trials=trials_of(profile, {TOPK: (1, 1, 1)}))
     assert "left out, not tried: powersgd:4" in untried.rule
+
+
+def test_auto_with_curves_keeps_the_plan_predicted_to_reach_the_loss_first() -> None:
+    """Top-k and PowerSGD r4 both end like dense; top-k's plan has the shortest step, but needs 1.5x (upper end 2.1x)
+    DDP's samples to DDP's half-way loss, r4 as many as DDP: the plan kept is the one with the least step times
+    samples, among plans solved without the compressors that need more samples."""
+    profile = profile_with_errors()
+    allowed = (Compressor.parse("dense"), FP16, R4, TOPK)
+    finals = trials_of(profile, {FP16: (2.0, 1.8, 2.2), R4: (2.0, 1.8, 2.2), TOPK: (2.0, 1.8, 2.2)})
+    by_step = solve_auto(profile, allowed, time_limit_s=None, trials=finals)
+    assert TOPK in {by_step.plan.compressor_of(g) for g in by_step.plan.groups}  # steps alone: top-k pays
+    slow = with_curves(finals, {FP16: (2000,) * 3, R4: (2000,) * 3, TOPK: (3000, 3000, 3500)})
+    choice = solve_auto(profile, allowed, time_limit_s=None, trials=slow)
+    sent = {choice.plan.compressor_of(g) for g in choice.plan.groups}
+    assert TOPK not in sent and R4 in sent
+    assert "least predicted step x samples to DDP's half-way loss" in choice.rule
+    factor = slow.samples_factor(TOPK)
+    assert factor is not None and f"topk at 0.01 {factor:.3g}x" in choice.reason
+    # what it compared: each candidate's predicted step times the samples it needs; the kept one is the least
+    time_to = {name: plan.predicted.iteration_s * (factor if TOPK in {plan.compressor_of(g) for g in plan.groups}
+                                                   else 1.0) for name, plan in choice.candidates.items()}
+    assert time_to[min(time_to, key=time_to.__getitem__)] == pytest.approx(choice.plan.predicted.iteration_s)
+    assert choice.ddp_faster is None  # DDP's top-k hook has a shorter step, but needs top-k's samples too
+    # as fast to the loss as top-k is per step: top-k's plan is kept again
+    quick = with_curves(finals, {FP16: (2000,) * 3, R4: (2000,) * 3, TOPK: (2000, 2000, 2000)})
+    again = solve_auto(profile, allowed, time_limit_s=None, trials=quick)
+    assert TOPK in {again.plan.compressor_of(g) for g in again.plan.groups}
 
 
 def test_trials_of_another_model_or_world_refuse(tmp_path: Path) -> None:
@@ -141,6 +228,9 @@ def test_a_real_trial_on_the_digits(tmp_path: Path, capsys: pytest.CaptureFixtur
     fp16 = np.array(trials.compressors[FP16], dtype=float)
     np.testing.assert_allclose(fp16, trials.reference, rtol=0.01)  # fp16 sends the gradient to rounding
     assert trials.result(FP16).passed
+    assert trials.curves is not None and all(len(c) > 2 for c in trials.curves["ddp"])  # every snapshot evaluated
+    samples = trials.result(FP16).samples  # fp16 reaches DDP's half-way loss on as many samples, to rounding
+    assert samples is not None and samples.median == pytest.approx(1.0, rel=0.1)
     assert "trained like dense" in capsys.readouterr().out
     plan = tmp_path / "plan.json"
     assert main(["solve", str(prof), "--strategy", "auto", "--trials", str(out), "-o", str(plan)]) == 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -273,12 +274,13 @@ class _Snapshots:
 
 def _evaluate(task: Task, initial: torch.nn.Module, snapshots: list[tuple[float, int, dict[str, torch.Tensor]]],
               target: float) -> tuple[tuple[float, int, float], ...]:
-    """The evaluation loss of each snapshot until the first at or below the target, and of the last."""
+    """The evaluation loss of each snapshot until the first at or below the target, and of the last (of every one
+    where the target is infinite: a trial's whole curve)."""
     module = copy.deepcopy(initial)
     module.train(False)  # evaluation mode
     curve: list[tuple[float, int, float]] = []
     for i, (t, n, state) in enumerate(snapshots):
-        if curve and curve[-1][2] <= target and i + 1 < len(snapshots):
+        if math.isfinite(target) and curve and curve[-1][2] <= target and i + 1 < len(snapshots):
             continue  # reached: only the final loss is left to evaluate
         module.load_state_dict(state)
         curve.append((t, n, task.eval_loss(module)))

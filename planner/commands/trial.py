@@ -1,13 +1,14 @@
-"""`planner trial`: train the model's task with each compressor sent on every group, beside DDP, and record which
-ones trained like dense (`planner.contracts.trials`).
+"""`planner trial`: train the model's task with each compressor sent on every group, beside DDP, and record how
+each trained against dense (`planner.contracts.trials`): its final loss, and the samples it needed to reach DDP's
+half-way loss.
 
 Each trial plan is the profile's exact mixed plan over one compressor (`make_mixed_plan(profile, [c])`: that
 compressor on every group, the groups the solver's), run in the planner's runtime as a plan is run: top-k with
 momentum in the exchange, PowerSGD and fp16 with it in the optimizer. The runs are those of `planner bench
 --target-loss` (`planner.commands.bench_target`): the same initial weights and batches for every variant in a
-repeat, each repeat its own batches, round-robin so that a shared machine's noise falls on all alike; only the
-final evaluation losses are kept. No link is emulated: what a trial measures, the loss after so many samples, does
-not depend on the network.
+repeat, each repeat its own batches, round-robin so that a shared machine's noise falls on all alike. Each run's
+evaluation curve (the loss at each snapshot, against the samples applied) is kept. No link is emulated: what a
+trial measures, the loss after so many samples, does not depend on the network.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rich.table import Table
 from planner.console import console
 from planner.contracts.plan import DDP_ROW
 from planner.contracts.profile import Profile
-from planner.contracts.trials import DEFAULT_TOLERANCE, Trials
+from planner.contracts.trials import DDP_KEY, DEFAULT_TOLERANCE, Curve, Trials
 from planner.types import Compressor, CompressorKind, PlannerError
 
 __all__ = ["TrialConfig", "print_trials", "run_trials", "trial_compressors"]
@@ -81,9 +82,13 @@ def run_trials(profile: Profile, config: TrialConfig) -> Trials | None:
     if runs is None:
         return None
 
+    def curves(variant: str) -> tuple[Curve, ...]:
+        by_repeat = {r.repeat: tuple((n, loss if math.isfinite(loss) else None) for _, n, loss in r.curve)
+                     for r in runs if r.variant == variant}
+        return tuple(by_repeat[i] for i in range(config.repeats))
+
     def finals(variant: str) -> tuple[float | None, ...]:
-        by_repeat = {r.repeat: r.curve[-1][2] for r in runs if r.variant == variant}
-        return tuple(x if math.isfinite(x) else None for x in (by_repeat[i] for i in range(config.repeats)))
+        return tuple(curve[-1][1] for curve in curves(variant))
 
     reference = finals(DDP_ROW)
     if any(x is None for x in reference):
@@ -92,7 +97,9 @@ def run_trials(profile: Profile, config: TrialConfig) -> Trials | None:
     return Trials(model=profile.model, task=config.task, world_size=profile.cluster.world_size,
                   samples=config.samples, lr=config.lr or task.lr, momentum=config.momentum,
                   reference=tuple(x for x in reference if x is not None), tolerance=config.tolerance,
-                  compressors={c: finals(label) for c, label in zip(config.compressors, labels, strict=True)})
+                  compressors={c: finals(label) for c, label in zip(config.compressors, labels, strict=True)},
+                  curves={DDP_KEY: curves(DDP_ROW), **{str(c): curves(label)
+                                                      for c, label in zip(config.compressors, labels, strict=True)}})
 
 
 def print_trials(trials: Trials, profile: Profile | None = None) -> None:
@@ -101,10 +108,14 @@ def print_trials(trials: Trials, profile: Profile | None = None) -> None:
                         f"{trials.samples:,} samples, SGD lr {trials.lr:g} momentum {trials.momentum:g}, "
                         f"{trials.repeats} repeat(s); like dense: final loss at most {1 + trials.tolerance:g}x "
                         "DDP's (the 90% interval's upper end)")
-    for col in ("sent on every group", "error (profile)", "final loss per repeat", "vs DDP [90% interval]",
-                "trained like dense"):
+    columns = ["sent on every group", "error (profile)", "final loss per repeat", "vs DDP [90% interval]",
+               "trained like dense"]
+    if trials.curves is not None:
+        columns.append("samples to DDP's half-way loss, vs DDP [90%]")
+    for col in columns:
         table.add_column(col, justify="left" if col == "sent on every group" else "right")
-    table.add_row("DDP (reference)", "0", ", ".join(f"{x:.4g}" for x in trials.reference), "1", "-")
+    table.add_row("DDP (reference)", "0", ", ".join(f"{x:.4g}" for x in trials.reference), "1", "-",
+                  *(["1"] if trials.curves is not None else []))
     for r in trials.results():
         error = "-"
         if profile is not None and profile.errors is not None and profile.errors.has(r.compressor):
@@ -112,8 +123,9 @@ def print_trials(trials: Trials, profile: Profile | None = None) -> None:
         losses = ", ".join("diverged" if x is None else f"{x:.4g}" for x in trials.compressors[r.compressor])
         ratio = "-" if r.ratio is None else f"{r.ratio:.3f}" + (
             "" if r.low is None or r.high is None else f" [{r.low:.3f}, {r.high:.3f}]")
+        samples = r.samples_missing if r.samples is None else r.samples.text()
         table.add_row(str(r.compressor), error, losses, ratio, "yes" if r.passed else "no",
-                      style="bold" if r.passed else None)
+                      *([samples] if trials.curves is not None else []), style="bold" if r.passed else None)
     console.print(table)
     passed = trials.passed()
     console.print("trained like dense: " + (", ".join(map(str, passed)) if passed else "none of those tried")

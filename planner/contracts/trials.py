@@ -4,11 +4,12 @@ A profile's compression error says how far a compressor moves one step's gradien
 compressor trains over many steps with error feedback and momentum (docs/results/error-budget.md: on ResNet-18's
 teacher task top-k 1%, error 0.925, ended below DDP's loss where PowerSGD rank 1, error 0.922, diverged). A trial
 runs the plan that sends every group by one compressor, beside DDP, from the same initial weights on the same
-batches, for the same samples, over a few repeats (each its own batches), and records each run's final evaluation
-loss. `planner solve --strategy auto --trials FILE` then keeps its plan among the compressors that trained like
-dense, within the error of the loosest of them (`planner.strategies.budget`).
+batches, for the same samples, over a few repeats (each its own batches), and records each run's evaluation loss
+curve. `planner solve --strategy auto --trials FILE` then keeps its plan among the compressors that trained like
+dense, within the error of the loosest of them (`planner.strategies.budget`), by the least predicted step times the
+samples each needed to reach DDP's half-way loss.
 
-Schema (version 1; a final loss is null where the run diverged):
+Schema (version 2; a loss is null where the run diverged; version 1, without curves, is read too):
 
     {
       "kind": "trials", "version": 1,
@@ -16,17 +17,26 @@ Schema (version 1; a final loss is null where the run diverged):
       "task": "digits", "world_size": 2, "samples": 40000, "lr": 0.05, "momentum": 0.9,
       "tolerance": 0.02,                            # how far above DDP's final loss still counts as like dense
       "reference": [0.0251, 0.0249, 0.0250],        # DDP's final loss, per repeat
-      "compressors": {"fp16": [...], "powersgd:4": [...], "topk:0.01": [...]}   # the same repeats
+      "compressors": {"fp16": [...], "powersgd:4": [...], "topk:0.01": [...]},  # the same repeats
+      "curves": {"ddp": [[[0, 2.31], [1000, 1.2], ...], ...],   # per repeat: (samples applied, evaluation loss)
+                 "fp16": [...], ...}                            # each curve's last loss is the final loss above
     }
 
 A compressor trained like dense when every run of it finished and the upper end of the 90% interval of its final
 loss over DDP's (Student's t over the repeats' log ratios, paired by repeat: the same batches) is at most
 1 + tolerance: a result within the noise of the repeats is not taken as like dense. One repeat gives no interval,
 so nothing passes on one.
+
+Samples to DDP's half-way loss: in each repeat, the target is DDP's evaluation loss at half its samples; the samples
+each run needed to reach it are read off its curve (interpolated linearly between evaluations), and a compressor's
+ratio over DDP's is summarised as the final losses are (median, 90% interval over the repeats). A run that never
+reached it, within all the samples, gives no ratio. `samples_factor` is what `--strategy auto` multiplies a plan's
+predicted step by: the interval's upper end, at least 1 (a compressor is never credited with training faster).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,15 +51,48 @@ from planner.contracts.jsonio import check_fields, expect, expect_int, read_json
 from planner.contracts.plan import parse_compressor
 from planner.types import Compressor, CompressorKind, SchemaError
 
-__all__ = ["DEFAULT_TOLERANCE", "TRIALS_KIND", "TrialResult", "Trials"]
+__all__ = ["DEFAULT_TOLERANCE", "TRIALS_KIND", "Curve", "Ratio", "TrialResult", "Trials"]
 
-TRIALS_KIND, TRIALS_VERSION = "trials", 1
+TRIALS_KIND, TRIALS_VERSION = "trials", 2
+#: The versions read: 1 has no curves (no samples to DDP's half-way loss).
+READ_VERSIONS = (1, 2)
 #: How far above DDP's final loss at equal samples still counts as training like dense (the issue's goal: 2%).
 DEFAULT_TOLERANCE = 0.02
 #: The interval's level: two-sided 90%, so its upper end is a one-sided 95% bound.
 LEVEL = 0.90
-#: The most repeats a file may hold (a bound for reading files).
-MAX_REPEATS = 1_000
+#: The most repeats a file may hold, and evaluations a curve (bounds for reading files).
+MAX_REPEATS, MAX_EVALUATIONS = 1_000, 100_000
+#: The key of DDP's curves in "curves".
+DDP_KEY = "ddp"
+
+#: One run's evaluations: (samples applied, evaluation loss or None where diverged), samples increasing.
+Curve = tuple[tuple[int, float | None], ...]
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A ratio over DDP's across the repeats: the median, and the 90% interval's ends (None with one repeat)."""
+
+    median: float
+    low: float | None
+    high: float | None
+
+    @classmethod
+    def of(cls, ratios: Sequence[float]) -> Ratio:
+        """Median of the paired ratios; Student's t interval over their logs (module docstring)."""
+        logs = np.log(np.asarray(ratios, dtype=float))
+        median = float(np.exp(np.median(logs)))
+        if len(logs) < 2:
+            return cls(median, None, None)
+        half = float(stats.t.ppf((1 + LEVEL) / 2, len(logs) - 1) * np.std(logs, ddof=1) / math.sqrt(len(logs)))
+        low, high = (float(np.exp(logs.mean() + s * half)) for s in (-1, 1))
+        return cls(median, low, high)
+
+    def text(self) -> str:
+        """"1.01 [0.99, 1.03]", or the median alone."""
+        if self.low is None or self.high is None:
+            return f"{self.median:.3g}"
+        return f"{self.median:.3g} [{self.low:.3g}, {self.high:.3g}]"
 
 
 @dataclass(frozen=True)
@@ -62,6 +105,11 @@ class TrialResult:
     low: float | None
     high: float | None
     passed: bool
+    #: The samples it needed to reach DDP's half-way loss over DDP's (None: no curves, a run diverged or never
+    #: reached it).
+    samples: Ratio | None = None
+    #: Why there is no samples ratio, where there are curves.
+    samples_missing: str = ""
 
     def describe(self) -> str:
         """"1.01x DDP's final loss [0.99, 1.03]", or why there is no ratio."""
@@ -72,6 +120,15 @@ class TrialResult:
         text = f"{self.ratio:.3g}x DDP's final loss [{self.low:.3g}, {self.high:.3g}]"
         if not self.passed and self.low <= 1 < self.high:
             text += ", not beyond the noise of the repeats"
+        return text
+
+    def describe_samples(self) -> str:
+        """"1.24x DDP's samples to its half-way loss [1.1, 1.4]", or why there is no such ratio ("" without curves)."""
+        if self.samples is None:
+            return self.samples_missing
+        text = f"{self.samples.median:.3g}x DDP's samples to its half-way loss"
+        if self.samples.low is not None and self.samples.high is not None:
+            text += f" [{self.samples.low:.3g}, {self.samples.high:.3g}]"
         return text
 
 
@@ -88,6 +145,9 @@ class Trials:
     reference: tuple[float, ...]
     compressors: Mapping[Compressor, tuple[float | None, ...]]
     tolerance: float = DEFAULT_TOLERANCE
+    #: Each run's evaluation curve, per repeat: DDP's under "ddp", each compressor's under its name (None: a
+    #: version 1 file, final losses only).
+    curves: Mapping[str, tuple[Curve, ...]] | None = None
 
     def __post_init__(self) -> None:
         repeats = len(self.reference)
@@ -109,6 +169,27 @@ class Trials:
             raise SchemaError(f"trials.tolerance must be in [0, 1), got {self.tolerance}")
         if not (self.lr > 0 and math.isfinite(self.lr) and 0 <= self.momentum < 1):
             raise SchemaError(f"trials.lr must be > 0 and trials.momentum in [0, 1), got {self.lr}, {self.momentum}")
+        if self.curves is not None:
+            self._check_curves(self.curves)
+
+    def _check_curves(self, curves: Mapping[str, tuple[Curve, ...]]) -> None:
+        finals = {DDP_KEY: self.reference, **{str(c): v for c, v in self.compressors.items()}}
+        if set(curves) != set(finals):
+            raise SchemaError(f"trials.curves must hold a curve per repeat for {sorted(finals)}, got {sorted(curves)}")
+        for key, runs in curves.items():
+            if len(runs) != self.repeats:
+                raise SchemaError(f"trials.curves[{key!r}] must hold one curve per repeat ({self.repeats}), got "
+                                  f"{len(runs)}")
+            for i, curve in enumerate(runs):
+                where = f"trials.curves[{key!r}][{i}]"
+                if not curve or any(b[0] <= a[0] for a, b in itertools.pairwise(curve)) or curve[0][0] < 0:
+                    raise SchemaError(f"{where} must hold evaluations at increasing samples >= 0, got {len(curve)} "
+                                      "of them out of order or none")
+                if any(loss is not None and not (math.isfinite(loss) and loss > 0) for _, loss in curve):
+                    raise SchemaError(f"{where} must hold losses > 0, or null where the run diverged")
+                if curve[-1][1] != finals[key][i]:
+                    raise SchemaError(f"{where} must end at the final loss the file records ({finals[key][i]}), got "
+                                      f"{curve[-1][1]}")
 
     @property
     def repeats(self) -> int:
@@ -121,15 +202,42 @@ class Trials:
             KeyError: no trial of it.
         """
         losses = self.compressors[compressor]
+        samples, missing = self._samples_ratio(compressor)
         if any(x is None for x in losses):
-            return TrialResult(compressor, None, None, None, passed=False)
-        logs = np.log(np.array(losses, dtype=float) / np.array(self.reference))
-        ratio = float(np.exp(np.median(logs)))
-        if len(logs) < 2:
-            return TrialResult(compressor, ratio, None, None, passed=False)
-        half = float(stats.t.ppf((1 + LEVEL) / 2, len(logs) - 1) * np.std(logs, ddof=1) / math.sqrt(len(logs)))
-        low, high = (float(np.exp(logs.mean() + s * half)) for s in (-1, 1))
-        return TrialResult(compressor, ratio, low, high, passed=high <= 1 + self.tolerance)
+            return TrialResult(compressor, None, None, None, passed=False, samples=samples, samples_missing=missing)
+        final = Ratio.of([x / r for x, r in zip(losses, self.reference, strict=True) if x is not None])
+        passed = final.high is not None and final.high <= 1 + self.tolerance
+        return TrialResult(compressor, final.median, final.low, final.high, passed=passed, samples=samples,
+                           samples_missing=missing)
+
+    def _samples_ratio(self, compressor: Compressor) -> tuple[Ratio | None, str]:
+        """The samples `compressor` needed to reach DDP's half-way loss over DDP's, per repeat (module docstring),
+        summarised; or None and why not."""
+        if self.curves is None:
+            return None, ""
+        ratios = []
+        for ddp, run in zip(self.curves[DDP_KEY], self.curves[str(compressor)], strict=True):
+            half = ddp[-1][0] / 2
+            target = next(loss for n, loss in ddp if n >= half)
+            assert target is not None  # DDP's losses are finite (checked)
+            theirs, ours = samples_to(ddp, target), samples_to(run, target)
+            if theirs is None or theirs <= 0:
+                return None, "no samples ratio (DDP's half-way loss was no lower than its first evaluation)"
+            if ours is None:
+                return None, f"did not reach DDP's half-way loss within {run[-1][0]:,} samples"
+            ratios.append(ours / theirs)
+        return Ratio.of(ratios), ""
+
+    def samples_factor(self, compressor: Compressor) -> float | None:
+        """What a plan sending `compressor` takes its predicted step times, for the samples it needs: the upper end
+        of its samples ratio's interval, at least 1. None: not measured (no curves, no trial of it, or one repeat).
+        """
+        if self.curves is None or compressor not in self.compressors:
+            return None
+        samples = self.result(compressor).samples
+        if samples is None or samples.high is None:
+            return None
+        return max(1.0, samples.high)
 
     def results(self) -> list[TrialResult]:
         return [self.result(c) for c in self.compressors]
@@ -139,23 +247,33 @@ class Trials:
         return tuple(r.compressor for r in self.results() if r.passed)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": TRIALS_KIND, "version": TRIALS_VERSION, "model": self.model.to_dict(), "task": self.task,
-                "world_size": self.world_size, "samples": self.samples, "lr": self.lr, "momentum": self.momentum,
-                "tolerance": self.tolerance, "reference": list(self.reference),
-                "compressors": {str(c): list(v) for c, v in self.compressors.items()}}
+        out = {"kind": TRIALS_KIND, "version": TRIALS_VERSION, "model": self.model.to_dict(), "task": self.task,
+               "world_size": self.world_size, "samples": self.samples, "lr": self.lr, "momentum": self.momentum,
+               "tolerance": self.tolerance, "reference": list(self.reference),
+               "compressors": {str(c): list(v) for c, v in self.compressors.items()}}
+        if self.curves is not None:
+            out["curves"] = {k: [[list(point) for point in curve] for curve in runs] for k, runs in self.curves.items()}
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "trials") -> Trials:
         data = expect(data, dict, where)
+        if data.get("version") == 1:
+            data = {**data, "curves": None}
         check_fields(data, where, ["kind", "version", "model", "task", "world_size", "samples", "lr", "momentum",
-                                   "tolerance", "reference", "compressors"])
+                                   "tolerance", "reference", "compressors", "curves"])
         if data["kind"] != TRIALS_KIND:
             raise SchemaError(f"{where}.kind must be {TRIALS_KIND!r} (a file written by `planner trial`), got "
                               f"{data['kind']!r}")
-        if data["version"] != TRIALS_VERSION:
+        if data["version"] not in READ_VERSIONS:
             raise SchemaError(f"{where}.version {data['version']!r} is not supported (this planner reads "
-                              f"{TRIALS_VERSION}); run `planner trial` again")
+                              f"{' and '.join(map(str, READ_VERSIONS))}); run `planner trial` again")
         compressors = expect(data["compressors"], dict, f"{where}.compressors")
+        curves = None
+        if data["curves"] is not None:
+            curves = {k: tuple(_curve(c, f"{where}.curves[{k!r}][{i}]")
+                               for i, c in enumerate(_bounded(runs, f"{where}.curves[{k!r}]", MAX_REPEATS)))
+                      for k, runs in expect(data["curves"], dict, f"{where}.curves").items()}
         return cls(model=ModelInfo.from_dict(data["model"], f"{where}.model"),
                    task=expect(data["task"], str, f"{where}.task"),
                    world_size=expect_int(data["world_size"], f"{where}.world_size", 1, 1 << 20),
@@ -166,7 +284,8 @@ class Trials:
                    reference=tuple(x for x in _losses(data["reference"], f"{where}.reference", nulls=False)
                                    if x is not None),
                    compressors={parse_compressor(k, f"{where}.compressors"): _losses(v, f"{where}.compressors[{k!r}]")
-                                for k, v in compressors.items()})
+                                for k, v in compressors.items()},
+                   curves=curves)
 
     def save(self, path: str | Path) -> Path:
         return write_json_atomic(path, self.to_dict(), "trials")
@@ -179,6 +298,40 @@ class Trials:
             return cls.from_dict(data)
         except SchemaError as exc:
             raise type(exc)(f"trials file {path}: {exc}") from None
+
+
+def samples_to(curve: Curve, target: float) -> float | None:
+    """The samples at which `curve` first reaches `target`, interpolated linearly from the evaluation before (None:
+    never, or it diverged first)."""
+    before: tuple[int, float] | None = None
+    for n, loss in curve:
+        if loss is None:
+            return None
+        if loss <= target:
+            if before is None:
+                return float(n)
+            n0, loss0 = before
+            return n0 + (loss0 - target) / (loss0 - loss) * (n - n0)
+        before = (n, loss)
+    return None
+
+
+def _bounded(value: Any, where: str, most: int) -> list[Any]:
+    items: list[Any] = expect(value, list, where)
+    if len(items) > most:
+        raise SchemaError(f"{where} must hold at most {most:,} items, got {len(items):,}")
+    return items
+
+
+def _curve(value: Any, where: str) -> Curve:
+    out = []
+    for i, point in enumerate(_bounded(value, where, MAX_EVALUATIONS)):
+        pair = expect(point, list, f"{where}[{i}]")
+        if len(pair) != 2:
+            raise SchemaError(f"{where}[{i}] must be [samples, loss], got {pair!r}")
+        loss = None if pair[1] is None else float(expect(pair[1], (int, float), f"{where}[{i}][1]"))
+        out.append((expect_int(pair[0], f"{where}[{i}][0]", 0, 1 << 50), loss))
+    return tuple(out)
 
 
 def _losses(value: Any, where: str, *, nulls: bool = True) -> tuple[float | None, ...]:

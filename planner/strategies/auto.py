@@ -90,7 +90,9 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     no budget (so also where the profile measured no error).
 
     With `trials` (`planner trial`: which compressors trained like dense on the model's task), the budget and the
-    compressors come from them instead (`trial_budget`).
+    compressors come from them instead (`trial_budget`); where the trials kept curves, each candidate's predicted
+    step is taken times the samples its compressors needed to reach DDP's half-way loss (`samples_factors`), so that
+    the plan kept is the one predicted to reach a loss first, not the one with the shortest step.
 
     Raises:
         InvalidProfileError: a compressor the profile did not measure (or, with a budget, whose error it did not).
@@ -127,13 +129,20 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     if len(allowed) > 1 or not candidates:
         candidates[f"mixed over {', '.join(map(str, allowed))}"] = make_mixed_plan(
             profile, allowed, source=source, selector=selector, time_limit_s=time_limit_s, error_budget=error_budget)
+    if trials is not None and trials.curves is not None:  # what to leave out to need fewer samples
+        for fewer in _needing_fewer_samples(allowed, trials):
+            name = f"mixed over {', '.join(map(str, fewer))}"
+            if fewer != (DENSE_COMPRESSOR,) and name not in candidates:
+                candidates[name] = make_mixed_plan(profile, fewer, source=source, selector=selector,
+                                                   time_limit_s=time_limit_s, error_budget=error_budget)
     candidates = {name: with_error(plan, profile, budget) for name, plan in candidates.items()}
     left_out = hook_names(beyond_budget(next(iter(candidates.values())), profile, allowed))
+    factors = samples_factors(candidates, trials) if trials is not None else None
     draws = Draws.of(profile) if weigh_noise else None
     if draws is None:
-        choice = _auto_by_prediction(candidates, left_out)
+        choice = _auto_by_prediction(candidates, left_out, factors)
     else:
-        choice = _auto_beyond_noise(profile, candidates, allowed, draws, time_limit_s, left_out)
+        choice = _auto_beyond_noise(profile, candidates, allowed, draws, time_limit_s, left_out, factors)
     why = "--error-budget bounds how far the plan may move the gradient"
     if by_default and profile.errors is None:
         why = "the profile measured no compression error; profile again to keep the plan within one"
@@ -141,7 +150,44 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
         why = (f"the profile measured no error of {DEFAULT_BUDGETS[0]}, the default budget's; profile with it, or give "
                "--error-budget")
     rule = trial_rule or _rule(budget, beyond, by_default=by_default, why_none=why)
+    if factors is not None:
+        rule = rule.replace("rule: fastest within", "rule: least predicted step x samples to DDP's half-way loss (as "
+                            "the trials measured them, the upper end of their interval, at least 1x) within", 1)
     return replace(choice, rule=rule, beyond_budget=left_out)
+
+
+def samples_factors(candidates: dict[str, Plan], trials: Trials) -> dict[str, float] | None:
+    """Each candidate's factor for the samples it needs: the largest `Trials.samples_factor` of the compressors it
+    sends (a compressor sent on some groups taken to cost at most what it cost sent on all), 1 for those the trials
+    did not measure; and each DDP hook's ("ddp+C": C's). None: trials without curves (a version 1 file), so steps
+    are compared alone."""
+    if trials.curves is None:
+        return None
+    out = {}
+    for name, plan in candidates.items():
+        sent = dict.fromkeys(plan.compressor_of(g) for g in plan.groups)
+        out[name] = max((f for c in sent if (f := trials.samples_factor(c)) is not None), default=1.0)
+    for name in ddp_predictions(candidates):
+        hook = Compressor.parse(name.removeprefix("ddp+")) if name.startswith("ddp+") else DENSE_COMPRESSOR
+        out[name] = trials.samples_factor(hook) or 1.0
+    return out
+
+
+def _needing_fewer_samples(allowed: Sequence[Compressor], trials: Trials) -> list[tuple[Compressor, ...]]:
+    """The allowed compressors without those whose trials needed more samples than a threshold, for each threshold
+    below the largest (the mixed plan over all of `allowed` is the largest's): the mixed plans over these are the
+    candidates that trade a longer step for fewer samples."""
+    factor = {c: trials.samples_factor(c) or 1.0 for c in allowed}
+    levels = sorted(set(factor.values()))[:-1]
+    return [tuple(c for c in allowed if factor[c] <= level) for level in levels]
+
+
+def _factors_text(factors: dict[str, float] | None, names: Sequence[str]) -> str:
+    """"; times the samples each needs over DDP's (the trials): mixed ... 1.24x, dense 1x"."""
+    if factors is None:
+        return ""
+    return ("; each predicted step times the samples it needs over DDP's (the trials): "
+            + ", ".join(f"{name} {factors[name]:.3g}x" for name in names))
 
 
 def trial_budget(profile: Profile, compressors: Sequence[Compressor], trials: Trials
@@ -214,26 +260,36 @@ def with_error(plan: Plan, profile: Profile, budget: tuple[float, Compressor | N
     return plan if error is None else replace(plan, error=error)
 
 
-def _auto_by_prediction(candidates: dict[str, Plan], left_out: Sequence[str] = ()) -> AutoChoice:
-    """The candidate predicted fastest, beside DDP's predictions (a profile without samples: no noise to weigh); the
-    hooks `left_out` (beyond the error budget) are not compared with."""
-    ranked = sorted(candidates.items(), key=lambda kv: kv[1].predicted.iteration_s)
+def _auto_by_prediction(candidates: dict[str, Plan], left_out: Sequence[str] = (),
+                        factors: dict[str, float] | None = None) -> AutoChoice:
+    """The candidate predicted fastest (times its samples factor, `samples_factors`), beside DDP's predictions (a
+    profile without samples: no noise to weigh); the hooks `left_out` (beyond the error budget) are not compared
+    with."""
+    factor = factors or {}
+
+    def to_loss(name: str, seconds: float) -> float:  # a step, times the samples it takes to the loss
+        return seconds * factor.get(name, 1.0)
+
+    ranked = sorted(candidates.items(), key=lambda kv: to_loss(kv[0], kv[1].predicted.iteration_s))
     (name, best), runner_up = ranked[0], ranked[1:2]
+    best_s = to_loss(name, best.predicted.iteration_s)
+    faster = "faster to the loss" if factors is not None else "faster"
     reason = f"kept {name}: {best.predicted.iteration_s * 1e3:,.2f} ms predicted"
     if runner_up:
         other, plan = runner_up[0]
-        reason += (f", {plan.predicted.iteration_s / best.predicted.iteration_s:.3f}x faster than {other} "
+        reason += (f", {to_loss(other, plan.predicted.iteration_s) / best_s:.3f}x {faster} than {other} "
                    f"({plan.predicted.iteration_s * 1e3:,.2f} ms)")
     if best.strategy is Strategy.MIXED:
         used = dict.fromkeys(str(best.compressor_of(g)) for g in best.groups)
         reason += f"; its groups are sent as {', '.join(used)}"
+    reason += _factors_text(factors, [name for name, _ in ranked])
     reason += " (the profile has no repeated samples, so the noise of these predictions was not weighed)"
     ddp = ddp_predictions(candidates, left_out)
-    fastest = min(ddp.items(), key=lambda kv: kv[1]) if ddp else None
-    ddp_faster = fastest if fastest is not None and fastest[1] < best.predicted.iteration_s else None
+    fastest = min(ddp.items(), key=lambda kv: to_loss(*kv)) if ddp else None
+    ddp_faster = fastest if fastest is not None and to_loss(*fastest) < best_s else None
     if ddp_faster is not None:  # the plan's verdict line says to keep it (`planner.commands.printing.print_spread`)
-        reason += (f". No plan is predicted faster than {ddp_faster[0]} ({ddp_faster[1] * 1e3:,.2f} ms, "
-                   f"{best.predicted.iteration_s / ddp_faster[1]:.3f}x faster than the plan kept)")
+        reason += (f". No plan is predicted {faster} than {ddp_faster[0]} ({ddp_faster[1] * 1e3:,.2f} ms, "
+                   f"{best_s / to_loss(*ddp_faster):.3f}x {faster} than the plan kept)")
     return AutoChoice(plan=best, candidates=candidates, reason=reason, ddp_faster=ddp_faster, way=choose_way(best))
 
 
@@ -245,10 +301,11 @@ def _simplicity(plan: Plan) -> int:
 
 
 def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: tuple[Compressor, ...],
-                       draws: Any, time_limit_s: float | None, left_out: Sequence[str] = ()) -> AutoChoice:
+                       draws: Any, time_limit_s: float | None, left_out: Sequence[str] = (),
+                       factors: dict[str, float] | None = None) -> AutoChoice:
     """Every candidate and the DDP variants under the same draws; the simplest candidate no other beats beyond the
-    noise is kept, and weighed against DDP and the hook of every allowed compressor but those `left_out` (beyond the
-    error budget: predicted, not weighed)."""
+    noise is kept (each candidate's steps times its samples factor, `samples_factors`), and weighed against DDP and
+    the hook of every allowed compressor but those `left_out` (beyond the error budget: predicted, not weighed)."""
     from planner.costmodel.spread import PairedGain
     from planner.strategies.intervals import (
         Problems,
@@ -272,16 +329,17 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
     weighed = {name: attach(plan, {row: values[name, row] for row in own[name]}, ddp_values, draws, ddp_nominal,
                             topk_selector=selector, left_out=left_out)
                for name, plan in candidates.items()}
-    step = {name: values[name, "plan"] for name in candidates}
+    factor = factors or dict.fromkeys(candidates, 1.0)
+    step = {name: values[name, "plan"] * factor[name] for name in candidates}  # to the loss, where trials say
     order = sorted(candidates, key=lambda name: _simplicity(candidates[name]))  # stable: dense, top-k, mixed
-    fastest = min(candidates, key=lambda name: candidates[name].predicted.iteration_s)
+    fastest = min(candidates, key=lambda name: candidates[name].predicted.iteration_s * factor[name])
     kept = simplest_unbeaten(order, step, fastest)
     plan = weighed[kept]
     reason = f"kept {kept}: {_with_interval(plan, 'plan')}"
     if kept == fastest:
         others = [name for name in candidates if name != kept]
         if others:
-            second = min(others, key=lambda name: candidates[name].predicted.iteration_s)
+            second = min(others, key=lambda name: candidates[name].predicted.iteration_s * factor[name])
             gain = PairedGain.of(step[kept], step[second])
             reason += (f", the fastest predicted: {gain.describe()} faster than {second} "
                        f"({_with_interval(weighed[second], 'plan')})"
@@ -293,6 +351,11 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
     if plan.strategy is Strategy.MIXED:
         used = dict.fromkeys(str(plan.compressor_of(g)) for g in plan.groups)
         reason += f"; its groups are sent as {', '.join(used)}"
+    reason += _factors_text(factors, order)
+    hooks = {name: f for name, f in (factors or {}).items() if name.startswith("ddp+") and f > 1}
+    if hooks:
+        reason += ("; the verdict against DDP below compares steps, and " + ", ".join(
+            f"{name} needs {f:.3g}x DDP's samples" for name, f in hooks.items()))
     way = choose_way(plan, {row: values[kept, row] for row in own[kept]})
     return AutoChoice(plan=plan, candidates=weighed, reason=reason, way=way)
 
