@@ -179,6 +179,7 @@ def test_auto_with_curves_keeps_the_plan_predicted_to_reach_the_loss_first() -> 
                                                    else 1.0) for name, plan in choice.candidates.items()}
     assert time_to[min(time_to, key=time_to.__getitem__)] == pytest.approx(choice.plan.predicted.iteration_s)
     assert choice.ddp_faster is None  # DDP's top-k hook has a shorter step, but needs top-k's samples too
+    assert "powersgd:4 needed 1x DDP's samples to its half-way loss" in choice.samples  # said in the verdict line
     # as fast to the loss as top-k is per step: top-k's plan is kept again
     quick = with_curves(finals, {FP16: (2000,) * 3, R4: (2000,) * 3, TOPK: (2000, 2000, 2000)})
     again = solve_auto(profile, allowed, time_limit_s=None, trials=quick)

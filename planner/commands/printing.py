@@ -25,10 +25,11 @@ def _ms(seconds: float) -> str:
 VIA_DDP_LABEL = "plan via DDP (PlanHook)"
 
 
-def print_plan(plan: object, title: str | None = None, ddp: dict[str, float] | None = None) -> None:
+def print_plan(plan: object, title: str | None = None, ddp: dict[str, float] | None = None, samples: str = "") -> None:
     """The comparison table of a plan: the plan (run in GradientExchange, and inside DDP where it can be), each
     baseline and the lower bound, under the same model; then its verdict (`print_spread`: `ddp`, the DDP variants'
-    predicted steps, for a plan not weighed against the noise)."""
+    predicted steps, for a plan not weighed against the noise; `samples`, what trials measured of the samples its
+    lossy compressors need)."""
     from planner.contracts.plan import VIA_DDP_ROW, Plan
 
     assert isinstance(plan, Plan)
@@ -60,7 +61,7 @@ def print_plan(plan: object, title: str | None = None, ddp: dict[str, float] | N
     table.add_row("lower bound", "", _ms(lb), *([""] if spread is not None else []), "",
                   f"{ref / lb:.2f}x" if lb > 0 else "-", "")
     console.print(table)
-    print_spread(plan, ddp)
+    print_spread(plan, ddp, samples)
     console.print(
         f"solver {plan.solver} took {plan.solve_seconds * 1e3:.1f} ms; "
         f"profile {plan.source_profile or '?'} measured {plan.profiled}"
@@ -128,10 +129,11 @@ def plan_ddp_rows(plan: object) -> dict[str, float]:
     return {name: p.iteration_s for name, p in plan.baselines.items() if name == DDP_ROW or name.startswith("ddp+")}
 
 
-def print_spread(plan: object, ddp: dict[str, float] | None = None) -> None:
+def print_spread(plan: object, ddp: dict[str, float] | None = None, samples: str = "") -> None:
     """Where the plan's intervals come from, and its verdict against DDP in one line: weighed against the noise
     where the plan has intervals, else as predicted against `ddp` (each DDP variant's predicted step; default the
-    plan's own DDP rows)."""
+    plan's own DDP rows). `samples`: what trials measured of the samples the plan's lossy compressors need, said
+    in place of "not measured"."""
     from planner.contracts.plan import DDP_ROW, Plan
     from planner.strategies.intervals import ddp_label
 
@@ -163,7 +165,9 @@ def print_spread(plan: object, ddp: dict[str, float] | None = None) -> None:
         line += (f"; not weighed against {', '.join(verdict.beyond_budget)}: beyond the error budget "
                  f"{plan.error.budget:.3g}")
     lossy = sorted({str(plan.compressor_of(g)) for g in plan.groups if plan.compressor_of(g).lossy})
-    if lossy and verdict.keep == "plan":
+    if lossy and verdict.keep == "plan" and samples:
+        line += f"; it sends {', '.join(lossy)}, which changes the gradients: {samples}"
+    elif lossy and verdict.keep == "plan":
         line += (f"; it sends {', '.join(lossy)}, which changes the gradients: what that costs in samples to reach "
                  "a loss was not measured (`planner bench --target-loss L` measures it)")
     console.print(line, style="bold", soft_wrap=True)

@@ -57,6 +57,8 @@ class AutoChoice:
     rule: str = ""
     #: The DDP hooks ("ddp+C") beyond the error budget: predicted, not compared with (`ddp_predictions`).
     beyond_budget: tuple[str, ...] = ()
+    #: What the trials measured of the samples the kept plan's lossy compressors need ("" without trial curves).
+    samples: str = ""
 
 
 def ddp_predictions(candidates: dict[str, Plan], left_out: Sequence[str] = ()) -> dict[str, float]:
@@ -150,10 +152,15 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
         why = (f"the profile measured no error of {DEFAULT_BUDGETS[0]}, the default budget's; profile with it, or give "
                "--error-budget")
     rule = trial_rule or _rule(budget, beyond, by_default=by_default, why_none=why)
+    samples = ""
+    if factors is not None and trials is not None:
+        lossy = dict.fromkeys(c for g in choice.plan.groups if (c := choice.plan.compressor_of(g)).lossy)
+        samples = "; ".join(f"{c} needed {trials.result(c).describe_samples()} in the trials" for c in lossy
+                            if c in trials.compressors)
     if factors is not None:
         rule = rule.replace("rule: fastest within", "rule: least predicted step x samples to DDP's half-way loss (as "
                             "the trials measured them, the upper end of their interval, at least 1x) within", 1)
-    return replace(choice, rule=rule, beyond_budget=left_out)
+    return replace(choice, rule=rule, beyond_budget=left_out, samples=samples)
 
 
 def samples_factors(candidates: dict[str, Plan], trials: Trials) -> dict[str, float] | None:
@@ -293,6 +300,11 @@ def _auto_by_prediction(candidates: dict[str, Plan], left_out: Sequence[str] = (
     return AutoChoice(plan=best, candidates=candidates, reason=reason, ddp_faster=ddp_faster, way=choose_way(best))
 
 
+def _error(plan: Plan) -> float:
+    """The plan's compression error as predicted (0 where not recorded)."""
+    return plan.error.predicted if plan.error is not None else 0.0
+
+
 def _simplicity(plan: Plan) -> int:
     """0: a dense plan; 1: a plan that sends every group losslessly (dense, fp16); 2: a plan with lossy groups."""
     if plan.strategy is Strategy.DENSE:
@@ -332,6 +344,8 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
     factor = factors or dict.fromkeys(candidates, 1.0)
     step = {name: values[name, "plan"] * factor[name] for name in candidates}  # to the loss, where trials say
     order = sorted(candidates, key=lambda name: _simplicity(candidates[name]))  # stable: dense, top-k, mixed
+    if factors is not None:  # among lossy plans, the one that moves the gradient least is the simpler
+        order.sort(key=lambda name: (_simplicity(candidates[name]), _error(candidates[name])))
     fastest = min(candidates, key=lambda name: candidates[name].predicted.iteration_s * factor[name])
     kept = simplest_unbeaten(order, step, fastest)
     plan = weighed[kept]
