@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from planner.contracts.abs import ABSSection
@@ -294,7 +294,9 @@ class Verdict:
     `variants` holds each DDP variant weighed ("ddp" for plain DDP, "ddp+C" for DDP with C's hook): its predicted
     step and interval, (seconds, low, high); `keep` is "plan" or the variant to keep instead; `against` the variant
     the plan gains least on, and `gain` the plan's gain over it, 1 - plan / variant draw by draw: (median, low, high)
-    at the intervals' level. The plan is kept when `low` > 0."""
+    at the intervals' level. The plan is kept when `low` > 0. With `samples` (trials measured the samples each
+    needs to a loss, `planner.contracts.trials`), each draw is a step times its `samples` factor: the gains weigh
+    time to the loss, while `variants` still hold steps."""
 
     keep: str
     against: str
@@ -306,8 +308,16 @@ class Verdict:
     #: The DDP hooks among `variants` that were predicted but not weighed ("ddp+C"): the plan was kept within an
     #: error budget and C's error on every layer is beyond it.
     beyond_budget: tuple[str, ...] = ()
+    #: Each side's factor for the samples it needs over DDP's ("plan" and variants; {}: steps weighed alone).
+    samples: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name, factor in self.samples.items():
+            if name != "plan" and name not in self.variants:
+                raise SchemaError(f"plan.predicted.verdict.samples names {name!r}, which is not among the variants")
+            if isinstance(factor, bool) or not (isinstance(factor, int | float) and math.isfinite(factor)
+                                                and factor > 0):
+                raise SchemaError(f"plan.predicted.verdict.samples.{name} must be a factor > 0, got {factor!r}")
         weighed = [name for name in self.variants if name not in self.beyond_budget]
         for name, value in (("keep", self.keep), ("against", self.against)):
             if value not in weighed and not (name == "keep" and value == "plan"):
@@ -326,12 +336,14 @@ class Verdict:
         return {"keep": self.keep, "against": self.against, "gain": list(self.gain),
                 "variants": {name: list(v) for name, v in self.variants.items()},
                 **({} if self.topk_selector is None else {"topk_selector": self.topk_selector}),
-                **({"beyond_budget": list(self.beyond_budget)} if self.beyond_budget else {})}
+                **({"beyond_budget": list(self.beyond_budget)} if self.beyond_budget else {}),
+                **({"samples": dict(self.samples)} if self.samples else {})}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "plan.predicted.verdict") -> Verdict:
         expect(data, dict, where)
-        check_fields(data, where, ["keep", "against", "gain", "variants"], optional=["topk_selector", "beyond_budget"])
+        check_fields(data, where, ["keep", "against", "gain", "variants"],
+                     optional=["topk_selector", "beyond_budget", "samples"])
         keep = _ddp_variant(data["keep"], f"{where}.keep", plan_too=True)
         against = _ddp_variant(data["against"], f"{where}.against")
         variants = expect(data["variants"], dict, f"{where}.variants")
@@ -349,9 +361,12 @@ class Verdict:
         if len(beyond) > MAX_ROWS:
             raise SchemaError(f"{where}.beyond_budget must name at most {MAX_ROWS} DDP hooks, got {len(beyond)}")
         left_out = tuple(_ddp_variant(name, f"{where}.beyond_budget[{i}]") for i, name in enumerate(beyond))
+        samples = expect(data.get("samples", {}), dict, f"{where}.samples")
+        if len(samples) > MAX_ROWS + 1:
+            raise SchemaError(f"{where}.samples must name at most {MAX_ROWS + 1} rows, got {len(samples)}")
         return cls(keep=keep, against=against, gain=expect_gain(data["gain"], f"{where}.gain"), variants=steps,
                    topk_selector=None if selector is None else check_selector(selector, f"{where}.topk_selector"),
-                   beyond_budget=left_out)
+                   beyond_budget=left_out, samples=dict(samples))
 
 
 def _renamed_ddp_row(rows: dict[str, Any], name: str | None) -> dict[str, Any]:

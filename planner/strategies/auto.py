@@ -338,8 +338,13 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
     nominal = Problems(profile)
     ddp_values, ddp_nominal = {row: values["", row] for row in ddp}, {row: step(nominal) for row, step in ddp.items()}
     selector = topk_hook_selector(next(iter(candidates.values())), profile, allowed)
+    hooks = {row: f for row, f in (factors or {}).items() if row in ddp}
+
+    def samples(name: str) -> dict[str, float] | None:  # the verdict weighs time to the loss, where trials say
+        return None if factors is None else {"plan": factors[name], **hooks}
+
     weighed = {name: attach(plan, {row: values[name, row] for row in own[name]}, ddp_values, draws, ddp_nominal,
-                            topk_selector=selector, left_out=left_out)
+                            topk_selector=selector, left_out=left_out, samples=samples(name))
                for name, plan in candidates.items()}
     factor = factors or dict.fromkeys(candidates, 1.0)
     step = {name: values[name, "plan"] * factor[name] for name in candidates}  # to the loss, where trials say
@@ -350,26 +355,23 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
     kept = simplest_unbeaten(order, step, fastest)
     plan = weighed[kept]
     reason = f"kept {kept}: {_with_interval(plan, 'plan')}"
+    faster = "faster to the loss (step x samples)" if factors is not None else "faster"
     if kept == fastest:
         others = [name for name in candidates if name != kept]
         if others:
             second = min(others, key=lambda name: candidates[name].predicted.iteration_s * factor[name])
             gain = PairedGain.of(step[kept], step[second])
-            reason += (f", the fastest predicted: {gain.describe()} faster than {second} "
+            reason += (f", the fastest predicted: {gain.describe()} {faster} than {second} "
                        f"({_with_interval(weighed[second], 'plan')})"
                        + (", beyond the noise" if gain.beyond_noise else ", within the noise"))
     else:
         gain = PairedGain.of(step[fastest], step[kept])
         reason += (f", the simplest within the noise of the fastest: {fastest} "
-                   f"({_with_interval(weighed[fastest], 'plan')}) is {gain.describe()} faster, not beyond the noise")
+                   f"({_with_interval(weighed[fastest], 'plan')}) is {gain.describe()} {faster}, not beyond the noise")
     if plan.strategy is Strategy.MIXED:
         used = dict.fromkeys(str(plan.compressor_of(g)) for g in plan.groups)
         reason += f"; its groups are sent as {', '.join(used)}"
-    reason += _factors_text(factors, order)
-    hooks = {name: f for name, f in (factors or {}).items() if name.startswith("ddp+") and f > 1}
-    if hooks:
-        reason += ("; the verdict against DDP below compares steps, and " + ", ".join(
-            f"{name} needs {f:.3g}x DDP's samples" for name, f in hooks.items()))
+    reason += _factors_text(factors, [*order, *hooks])
     way = choose_way(plan, {row: values[kept, row] for row in own[kept]})
     return AutoChoice(plan=plan, candidates=weighed, reason=reason, way=way)
 

@@ -119,22 +119,27 @@ def nominal_ddp(plan: Plan, profile: Profile, compressors: Sequence[Compressor] 
 
 
 def weigh(plan: np.ndarray, ddp: dict[str, np.ndarray], nominal: dict[str, float],
-          topk_selector: str | None = None, left_out: Sequence[str] = ()) -> Verdict:
+          topk_selector: str | None = None, left_out: Sequence[str] = (),
+          samples: Mapping[str, float] | None = None) -> Verdict:
     """The verdict of a plan's draws against each DDP variant's (the same draws; "ddp" among them).
 
     The plan is kept when its gain over every variant weighed is beyond the noise. Otherwise DDP is: plain DDP,
     unless a hook weighed is faster than plain DDP beyond the noise (then the one with the largest median gain over
     it). `against` is the variant the plan gains least on (at the lower end of the interval), `nominal` the variants'
     predictions, `topk_selector` the selector of the top-k hooks among them (recorded where there are), `left_out`
-    the hooks predicted but not weighed, their error being beyond the plan's budget (recorded with them)."""
-    weighed = {name: draws for name, draws in ddp.items() if name not in left_out}
+    the hooks predicted but not weighed, their error being beyond the plan's budget (recorded with them), `samples`
+    each side's factor for the samples it needs ("plan" and variants, 1 where missing: the draws are taken times it,
+    so that time to a loss is weighed; recorded in the verdict)."""
+    factor = dict(samples or {})
+    weighed = {name: draws * factor.get(name, 1.0) for name, draws in ddp.items() if name not in left_out}
+    plan = plan * factor.get("plan", 1.0)
     gains = {name: PairedGain.of(plan, draws) for name, draws in weighed.items()}
     against = min(gains, key=lambda name: (gains[name].low, name))
     gain = gains[against]
     if gain.beyond_noise:
         keep = "plan"
     else:
-        plain = ddp["ddp"]
+        plain = ddp["ddp"] * factor.get("ddp", 1.0)
         better = {name: PairedGain.of(draws, plain) for name, draws in weighed.items() if name != "ddp"}
         beyond = [name for name, g in better.items() if g.beyond_noise]
         keep = max(beyond, key=lambda name: better[name].median) if beyond else "ddp"
@@ -143,7 +148,8 @@ def weigh(plan: np.ndarray, ddp: dict[str, np.ndarray], nominal: dict[str, float
     return Verdict(keep=keep, against=against, gain=(gain.median, gain.low, gain.high),
                    variants={name: (nominal[name], *percentile_interval(ddp[name])) for name in order},
                    topk_selector=topk_selector if hooks_topk else None,
-                   beyond_budget=tuple(name for name in order if name in left_out))
+                   beyond_budget=tuple(name for name in order if name in left_out),
+                   samples={name: f for name, f in factor.items() if name == "plan" or name in ddp})
 
 
 def simplest_unbeaten(order: Sequence[str], draws: Mapping[str, np.ndarray], fallback: str) -> str:
@@ -174,14 +180,16 @@ def with_intervals(plan: Plan, profile: Profile, draws: Draws | None = None, *,
 
 
 def attach(plan: Plan, own: dict[str, np.ndarray], ddp: dict[str, np.ndarray], draws: Draws,
-           ddp_nominal: dict[str, float], *, topk_selector: str | None = None, left_out: Sequence[str] = ()) -> Plan:
+           ddp_nominal: dict[str, float], *, topk_selector: str | None = None, left_out: Sequence[str] = (),
+           samples: Mapping[str, float] | None = None) -> Plan:
     """`plan` with the intervals of its own rows' draws (`own`: "plan" and baselines) and its verdict against the DDP
     variants' draws (`ddp`), whose predictions on the profile itself are `ddp_nominal` (`topk_selector`: of the
-    top-k hooks among them; `left_out`: the hooks beyond the plan's error budget, predicted but not weighed)."""
+    top-k hooks among them; `left_out`: the hooks beyond the plan's error budget, predicted but not weighed;
+    `samples`: each side's factor for the samples it needs, `weigh`)."""
     intervals = Intervals(level=LEVEL, draws=len(draws.profiles), sources=draws.sources,
                           rows={name: percentile_interval(v) for name, v in own.items()})
     return replace(plan, intervals=intervals,
-                   verdict=weigh(own["plan"], ddp, ddp_nominal, topk_selector, left_out))
+                   verdict=weigh(own["plan"], ddp, ddp_nominal, topk_selector, left_out, samples))
 
 
 def hook_names(compressors: Sequence[Compressor]) -> tuple[str, ...]:
