@@ -16,6 +16,7 @@ from planner.commands.cli import main
 from planner.contracts.trials import Ratio, Trials, samples_to
 from planner.strategies.auto import solve_auto
 from planner.types import Compressor, PlanMismatchError, PlannerError, SchemaError
+from tests.factories import with_samples
 from tests.test_budget_plan import CONTRACTION, profile_with_errors
 
 FP16, R1, R4, TOPK = (Compressor.parse(c) for c in ("fp16", "powersgd:1", "powersgd:4", "topk:0.01"))
@@ -180,6 +181,14 @@ def test_auto_with_curves_keeps_the_plan_predicted_to_reach_the_loss_first() -> 
     assert time_to[min(time_to, key=time_to.__getitem__)] == pytest.approx(choice.plan.predicted.iteration_s)
     assert choice.ddp_faster is None  # DDP's top-k hook has a shorter step, but needs top-k's samples too
     assert "powersgd:4 needed 1x DDP's samples to its half-way loss" in choice.samples  # said in the verdict line
+    # with the profile's noise weighed, the verdict weighs each side's step times its samples, and records them
+    noisy = solve_auto(with_samples(profile), allowed, time_limit_s=None, trials=slow)
+    assert TOPK not in {noisy.plan.compressor_of(g) for g in noisy.plan.groups}
+    verdict = noisy.plan.verdict
+    assert verdict is not None and verdict.samples["plan"] == 1.0 and verdict.samples["ddp+topk:0.01"] == factor
+    assert "faster to the loss (step x samples) than mixed over dense, fp16, powersgd:4, topk:0.01" in noisy.reason
+    # DDP's top-k hook has the shorter step, but not to the loss: the plan is kept
+    assert verdict.keep == "plan" and verdict.variants["ddp+topk:0.01"][0] < noisy.plan.predicted.iteration_s
     # as fast to the loss as top-k is per step: top-k's plan is kept again
     quick = with_curves(finals, {FP16: (2000,) * 3, R4: (2000,) * 3, TOPK: (2000, 2000, 2000)})
     again = solve_auto(profile, allowed, time_limit_s=None, trials=quick)

@@ -114,6 +114,22 @@ def test_the_verdict_keeps_the_plan_only_beyond_the_noise_and_else_the_simpler_d
     assert level.keep == "ddp" and level.gain[1] < 0 < level.gain[2]
 
 
+def test_with_samples_factors_the_verdict_weighs_time_to_the_loss_and_records_steps() -> None:
+    """A plan 20% faster per step than DDP's hook, but needing 1.5x the samples where the hook needs 1.1x: slower to
+    the loss, so the hook is kept; the variants still hold the hook's step, and the factors are recorded."""
+    rng = np.random.default_rng(3)
+    base = 0.1 * (1 + 0.05 * rng.standard_normal(300))
+    ddp = {"ddp": base, "ddp+powersgd:1": base * 0.5}
+    nominal = {"ddp": 0.1, "ddp+powersgd:1": 0.05}
+    by_step = weigh(base * 0.4, ddp, nominal)
+    assert by_step.keep == "plan" and not by_step.samples
+    to_loss = weigh(base * 0.4, ddp, nominal, samples={"plan": 1.5, "ddp+powersgd:1": 1.1})
+    assert to_loss.keep == "ddp+powersgd:1" and to_loss.against == "ddp+powersgd:1"
+    assert to_loss.gain[0] == pytest.approx(1 - 0.4 * 1.5 / (0.5 * 1.1))  # the draws share their noise
+    assert to_loss.variants["ddp+powersgd:1"] == (0.05, *np.quantile(base * 0.5, [0.05, 0.95]))  # steps
+    assert to_loss.samples == {"plan": 1.5, "ddp+powersgd:1": 1.1}
+
+
 def test_among_plans_the_simplest_not_beaten_beyond_the_noise_is_kept() -> None:
     rng = np.random.default_rng(2)
     base = 1 + 0.1 * rng.standard_normal(300)
@@ -288,7 +304,10 @@ def test_plan_files_validate_intervals_and_verdicts_and_older_plans_still_load()
             (("verdict", "keep"), "plain", "plan, ddp or ddp+C"),
             (("verdict", "against"), "ddp+gzip", "unknown compressor"),
             (("verdict", "gain"), [0.1, 0.2, 0.3], "low <= median <= high"),
-            (("verdict", "variants", "ddp"), [0.1, 0.3, 0.2], "low <= high")):
+            (("verdict", "variants", "ddp"), [0.1, 0.3, 0.2], "low <= high"),
+            (("verdict", "samples"), {"ddp+fp16": 1.2}, "not among the variants"),
+            (("verdict", "samples"), {"plan": -1.0}, "a factor > 0"),
+            (("verdict", "samples"), [1.0], "must be")):
         bad = json.loads(json.dumps(doc))
         target = bad["predicted"]
         for key in path[:-1]:
@@ -299,6 +318,11 @@ def test_plan_files_validate_intervals_and_verdicts_and_older_plans_still_load()
     for old in sorted((ROOT / "plans").glob("*.json")):
         plan = Plan.load(old)
         assert plan.intervals is None and plan.verdict is None
+    with_samples_doc = json.loads(json.dumps(doc))
+    with_samples_doc["predicted"]["verdict"]["samples"] = {"plan": 1.2, "ddp": 1.0}
+    verdict = Plan.from_dict(with_samples_doc).verdict
+    assert verdict is not None and verdict.samples == {"plan": 1.2, "ddp": 1.0}
+    assert Plan.from_dict(with_samples_doc).to_dict()["predicted"]["verdict"]["samples"] == {"plan": 1.2, "ddp": 1.0}
 
 
 def test_the_bench_marks_measurements_inside_their_predicted_interval() -> None:

@@ -159,12 +159,12 @@ def print_spread(plan: object, ddp: dict[str, float] | None = None, samples: str
     other = f"{verdict.against} {_with_interval(step, (low, high))}"
     mine = _with_interval(plan.predicted.iteration_s, spread.rows.get("plan"))
     line = verdict_line(ddp_label(verdict.keep), mine, other, verdict.gain)
+    if verdict.keep not in ("plan", DDP_ROW):
+        line += f" ({verdict.keep} is faster than plain DDP beyond the noise)"
     if verdict.samples:
         factors = {name: verdict.samples.get(name, 1.0) for name in ("plan", verdict.against)}
         line += ("; weighed to the loss: each step times the samples it needs over DDP's, as trials measured ("
                  + ", ".join(f"{name} {f:.3g}x" for name, f in factors.items()) + ")")
-    if verdict.keep not in ("plan", DDP_ROW):
-        line += f" ({verdict.keep} is faster than plain DDP beyond the noise)"
     if verdict.beyond_budget and plan.error is not None and plan.error.budget is not None:
         line += (f"; not weighed against {', '.join(verdict.beyond_budget)}: beyond the error budget "
                  f"{plan.error.budget:.3g}")
