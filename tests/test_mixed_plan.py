@@ -123,6 +123,17 @@ def test_a_profile_without_compressor_timings_plans_dense_and_topk_only(tmp_path
     assert "no fp16 or PowerSGD measurements" in capsys.readouterr().err
     assert main(["solve", str(path), "--strategy", "mixed", "--compressors", "dense,topk:0.01", "-o",
                  str(tmp_path / "p.json")]) == 0
+    # a preset is narrowed to what the profile measured, and says what it left out; a list is not
+    capsys.readouterr()
+    assert main(["solve", str(path), "--strategy", "mixed", "--compressors", "all", "-o",
+                 str(tmp_path / "all.json")]) == 0
+    assert ("--compressors all: left out fp16, powersgd:1, powersgd:2, powersgd:4, which this profile did not "
+            "measure") in capsys.readouterr().out
+    assert {str(c) for c in Plan.load(tmp_path / "all.json").compressors} == {"dense", "topk:0.01"}
+    assert main(["solve", str(path), "--strategy", "mixed", "--compressors", "lowrank", "-o",
+                 str(tmp_path / "none.json")]) == 0  # dense alone is still measured
+    assert main(["solve", str(path), "--strategy", "mixed", "--compressors", "dense,fp16,topk:0.01", "-o",
+                 str(tmp_path / "p.json")]) == 2
 
 
 def test_a_plan_naming_a_bad_compressor_is_refused_in_one_line(tmp_path: Path,

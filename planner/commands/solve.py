@@ -152,6 +152,17 @@ class SolveCommand(Command):
             spec = parse_cluster(args.cluster)
             profile = profile_for_cluster(profile, spec)
             console.print(f"what-if cluster {spec.describe()}")
+        from planner.strategies.mixed import PRESETS, measured_compressors
+
+        preset = (args.compressors or "").strip().lower()
+        if compressors is not None and preset in PRESETS:  # a preset: what this profile measured of it
+            compressors, left_out = measured_compressors(profile, compressors)
+            if not compressors:
+                raise PlannerError(f"this profile measured none of --compressors {preset} "
+                                   f"({', '.join(PRESETS[preset])}): profile again, or name compressors it measured")
+            if left_out:
+                console.print(f"--compressors {preset}: left out {', '.join(map(str, left_out))}, which this profile "
+                              "did not measure")
         selector = None if args.selector == "auto" else args.selector
         if is_kfac:
             from planner.strategies.kfac import (

@@ -38,10 +38,10 @@ from planner.strategies.gradients import (
     route_ways,
     sub_solve_seconds,
 )
-from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, SchemaError, Strategy
+from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, InvalidProfileError, SchemaError, Strategy
 
-__all__ = ["PRESETS", "GroupReason", "ddp_hook_name", "explain", "make_mixed_plan", "mixed_groups", "parse_compressors",
-           "plan_choice"]
+__all__ = ["PRESETS", "GroupReason", "ddp_hook_name", "explain", "make_mixed_plan", "measured_compressors",
+           "mixed_groups", "parse_compressors", "plan_choice"]
 
 #: Named sets of compressors (`--compressors PRESET`), from the most accurate to the most compressed.
 PRESETS: dict[str, tuple[str, ...]] = {
@@ -66,6 +66,22 @@ def parse_compressors(text: str) -> tuple[Compressor, ...]:
     if len(set(compressors)) != len(compressors):
         raise SchemaError(f"--compressors names a compressor twice: {text}")
     return compressors
+
+
+def measured_compressors(profile: Profile, compressors: Sequence[Compressor]
+                         ) -> tuple[tuple[Compressor, ...], tuple[Compressor, ...]]:
+    """`compressors` split into those `profile` measured what it takes to plan (their costs), and the others: a
+    preset (`PRESETS`) names compressors a profile need not have measured (`planner profile --powersgd-ranks`,
+    `--densities`)."""
+    kept, left_out = [], []
+    for c in compressors:
+        try:
+            mixed_problem(profile, [c])
+        except InvalidProfileError:
+            left_out.append(c)
+        else:
+            kept.append(c)
+    return tuple(kept), tuple(left_out)
 
 
 def ddp_hook_name(compressor: Compressor) -> str:
