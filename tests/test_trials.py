@@ -195,6 +195,17 @@ def test_auto_with_curves_keeps_the_plan_predicted_to_reach_the_loss_first() -> 
     assert TOPK in {again.plan.compressor_of(g) for g in again.plan.groups}
 
 
+def test_show_prints_a_trials_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = profile_with_errors()
+    path = with_curves(trials_of(profile, {TOPK: (2.0, 1.8, 2.2)}), {TOPK: (3000, 3000, 3500)}).save(tmp_path / "t")
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "samples to DDP's half-way loss" in out and "1.5 [" in out and "trained like dense: topk:0.01" in out
+    assert main(["show", str(path), "--groups"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--groups applies to a plan" in err[0]
+
+
 def test_trials_of_another_model_or_world_refuse(tmp_path: Path) -> None:
     profile = profile_with_errors()
     allowed = (Compressor.parse("dense"), FP16, TOPK)

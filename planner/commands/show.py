@@ -1,5 +1,5 @@
-"""`planner show`: a plan's comparison table (and its groups), or a profile's summary (and with --details, all it
-measured)."""
+"""`planner show`: a plan's comparison table (and its groups), a profile's summary (and with --details, all it
+measured), or a trials file's table (`planner trial`)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from planner.types import PlannerError
 
 class ShowCommand(Command):
     name = "show"
-    help = "print a plan's comparison table, or a profile's summary"
+    help = "print a plan's comparison table, a profile's summary, or a trials file's table"
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("file", type=Path, help="a plan or profile file")
+        parser.add_argument("file", type=Path, help="a plan, profile or trials file")
         parser.add_argument("--groups", action="store_true", help="also list a plan's groups")
         parser.add_argument("--details", action="store_true",
                             help="a profile: everything it measured (each calibration, the collectives' fits, memory, "
@@ -29,8 +29,12 @@ class ShowCommand(Command):
         from planner.contracts.jsonio import read_json
         from planner.contracts.plan import PLAN_KIND, Plan
         from planner.contracts.profile import PROFILE_KIND, Profile
+        from planner.contracts.trials import TRIALS_KIND, Trials
 
-        kind = read_json(args.file, "plan or profile").get("kind")
+        kind = read_json(args.file, "plan, profile or trials").get("kind")
+        if kind == TRIALS_KIND and (args.groups or args.details):
+            flag, applies = ("--groups", "a plan") if args.groups else ("--details", "a profile")
+            raise PlannerError(f"{flag} applies to {applies}; a trials file's table is all of it")
         if kind == PLAN_KIND and args.details:
             raise PlannerError("--details applies to a profile; a plan's table is all of it (--groups lists its "
                                "groups)")
@@ -53,8 +57,12 @@ class ShowCommand(Command):
                     print_kfac_layout(plan)
         elif kind == PROFILE_KIND:
             print_profile(Profile.load(args.file), details=args.details)
+        elif kind == TRIALS_KIND:
+            from planner.commands.trial import print_trials
+
+            print_trials(Trials.load(args.file))
         else:
-            raise PlannerError(f"{args.file} is neither a plan nor a profile (kind {kind!r})")
+            raise PlannerError(f"{args.file} is neither a plan, a profile nor a trials file (kind {kind!r})")
         return 0
 
 
