@@ -31,7 +31,8 @@ Samples to DDP's half-way loss: in each repeat, the target is DDP's evaluation l
 each run needed to reach it are read off its curve (interpolated linearly between evaluations), and a compressor's
 ratio over DDP's is summarised as the final losses are (median, 90% interval over the repeats). A run that never
 reached it, within all the samples, gives no ratio. `samples_factor` is what `--strategy auto` multiplies a plan's
-predicted step by: the interval's upper end, at least 1 (a compressor is never credited with training faster).
+predicted step by: the interval's upper end, at least 1 (a compressor is never credited with training faster); for
+one that did not reach it in some repeat, the samples it ran over DDP's to that loss, a lower bound.
 """
 
 from __future__ import annotations
@@ -213,9 +214,15 @@ class Trials:
     def _samples_ratio(self, compressor: Compressor) -> tuple[Ratio | None, str]:
         """The samples `compressor` needed to reach DDP's half-way loss over DDP's, per repeat (module docstring),
         summarised; or None and why not."""
+        ratios, missing = self._repeat_ratios(compressor)
+        return (None, missing) if ratios is None or missing else (Ratio.of(ratios), "")
+
+    def _repeat_ratios(self, compressor: Compressor) -> tuple[list[float] | None, str]:
+        """Per repeat, the samples `compressor` needed to reach DDP's half-way loss over DDP's; where a run never
+        reached it, the samples it ran over DDP's (a lower bound), and why in the text. None: no ratio at all."""
         if self.curves is None:
             return None, ""
-        ratios = []
+        ratios, missing = [], ""
         for ddp, run in zip(self.curves[DDP_KEY], self.curves[str(compressor)], strict=True):
             half = ddp[-1][0] / 2
             target = next(loss for n, loss in ddp if n >= half)
@@ -224,20 +231,26 @@ class Trials:
             if theirs is None or theirs <= 0:
                 return None, "no samples ratio (DDP's half-way loss was no lower than its first evaluation)"
             if ours is None:
-                return None, f"did not reach DDP's half-way loss within {run[-1][0]:,} samples"
+                missing = f"did not reach DDP's half-way loss within {run[-1][0]:,} samples"
+                ours = float(run[-1][0])
             ratios.append(ours / theirs)
-        return Ratio.of(ratios), ""
+        return ratios, missing
 
     def samples_factor(self, compressor: Compressor) -> float | None:
         """What a plan sending `compressor` takes its predicted step times, for the samples it needs: the upper end
-        of its samples ratio's interval, at least 1. None: not measured (no curves, no trial of it, or one repeat).
+        of its samples ratio's interval, at least 1; where a run never reached DDP's half-way loss, the largest of
+        the repeats' lower bounds (the samples it ran over DDP's to that loss: at least 2). None: not measured (no
+        curves, no trial of it, or one repeat).
         """
-        if self.curves is None or compressor not in self.compressors:
+        if self.curves is None or compressor not in self.compressors or self.repeats < 2:
             return None
-        samples = self.result(compressor).samples
-        if samples is None or samples.high is None:
+        ratios, missing = self._repeat_ratios(compressor)
+        if ratios is None:
             return None
-        return max(1.0, samples.high)
+        if missing:
+            return max(1.0, *ratios)
+        high = Ratio.of(ratios).high
+        return None if high is None else max(1.0, high)
 
     def results(self) -> list[TrialResult]:
         return [self.result(c) for c in self.compressors]
