@@ -413,4 +413,5 @@ def test_a_name_with_a_line_break_or_an_escape_stays_on_the_errors_one_line(
         tmp_path: Path, name: str, shown: str, capsys: pytest.CaptureFixture[str]) -> None:
     """A missing file's name was printed as it is: a newline in it made the error two lines, an escape sequence
     reached the terminal."""
-    _in_process(["show", str(tmp_path / name)], f"plan or profile file not found: {tmp_path / shown} (check", capsys)
+    _in_process(["show", str(tmp_path / name)], f"plan, profile or trials file not found: {tmp_path / shown} (check",
+                capsys)
