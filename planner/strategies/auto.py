@@ -155,8 +155,9 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     samples = ""
     if factors is not None and trials is not None:
         lossy = dict.fromkeys(c for g in choice.plan.groups if (c := choice.plan.compressor_of(g)).lossy)
-        samples = "; ".join(f"{c} needed {trials.result(c).describe_samples()} in the trials" for c in lossy
-                            if c in trials.compressors)
+        results = [trials.result(c) for c in lossy if c in trials.compressors]
+        samples = "; ".join(f"{r.compressor} {'' if r.samples is None else 'needed '}{r.describe_samples()} in the "
+                            "trials" for r in results)
     if factors is not None:
         rule = rule.replace("rule: fastest within", "rule: least predicted step x samples to DDP's half-way loss (as "
                             "the trials measured them, the upper end of their interval, at least 1x) within", 1)
