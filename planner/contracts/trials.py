@@ -329,10 +329,11 @@ def samples_to(curve: Curve, target: float) -> float | None:
     return None
 
 
-def _bounded(value: Any, where: str, most: int) -> list[Any]:
+def _bounded(value: Any, where: str, most: int, what: str = "items") -> list[Any]:
+    """A list of at most `most` `what` (a bound for reading files)."""
     items: list[Any] = expect(value, list, where)
     if len(items) > most:
-        raise SchemaError(f"{where} must hold at most {most:,} items, got {len(items):,}")
+        raise SchemaError(f"{where} must hold at most {most:,} {what}, got {len(items):,}")
     return items
 
 
@@ -348,8 +349,6 @@ def _curve(value: Any, where: str) -> Curve:
 
 
 def _losses(value: Any, where: str, *, nulls: bool = True) -> tuple[float | None, ...]:
-    items: Sequence[Any] = expect(value, list, where)
-    if len(items) > MAX_REPEATS:
-        raise SchemaError(f"{where} must hold at most {MAX_REPEATS:,} final losses, got {len(items):,}")
+    items = _bounded(value, where, MAX_REPEATS, "final losses")
     return tuple(None if (x is None and nulls) else float(expect(x, (int, float), f"{where}[{i}]"))
                  for i, x in enumerate(items))
