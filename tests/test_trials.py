@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from planner.commands.cli import main
+from planner.commands.printing import print_plan
 from planner.contracts.trials import Ratio, Trials, samples_to
-from planner.strategies.auto import solve_auto
+from planner.strategies.auto import ddp_predictions, solve_auto
 from planner.types import Compressor, PlanMismatchError, PlannerError, SchemaError
 from tests.factories import with_samples
 from tests.test_budget_plan import CONTRACTION, profile_with_errors
@@ -181,6 +182,8 @@ def test_auto_with_curves_keeps_the_plan_predicted_to_reach_the_loss_first() -> 
                                                    else 1.0) for name, plan in choice.candidates.items()}
     assert time_to[min(time_to, key=time_to.__getitem__)] == pytest.approx(choice.plan.predicted.iteration_s)
     assert choice.ddp_faster is None  # DDP's top-k hook has a shorter step, but needs top-k's samples too
+    assert choice.factors == {"plan": 1.0, **{row: factor if row == "ddp+topk:0.01" else 1.0
+                                              for row in ddp_predictions(choice.candidates)}}
     assert "powersgd:4 needed 1x DDP's samples to its half-way loss" in choice.samples  # said in the verdict line
     # with the profile's noise weighed, the verdict weighs each side's step times its samples, and records them
     noisy = solve_auto(with_samples(profile), allowed, time_limit_s=None, trials=slow)
@@ -194,6 +197,33 @@ def test_auto_with_curves_keeps_the_plan_predicted_to_reach_the_loss_first() -> 
     quick = with_curves(finals, {FP16: (2000,) * 3, R4: (2000,) * 3, TOPK: (2000, 2000, 2000)})
     again = solve_auto(profile, allowed, time_limit_s=None, trials=quick)
     assert TOPK in {again.plan.compressor_of(g) for g in again.plan.groups}
+
+
+def test_a_verdict_without_noise_weighs_the_samples_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """A profile without samples: the printed verdict compares each step times the samples it needs, as auto chose,
+    not the steps alone (by which DDP's top-k hook, the shortest step, would be kept)."""
+    profile = profile_with_errors()
+    allowed = (Compressor.parse("dense"), FP16, R4, TOPK)
+    finals = trials_of(profile, {FP16: (2.0, 1.8, 2.2), R4: (2.0, 1.8, 2.2), TOPK: (2.0, 1.8, 2.2)})
+    slow = with_curves(finals, {FP16: (2000,) * 3, R4: (2000,) * 3, TOPK: (3000, 3000, 3500)})
+    choice = solve_auto(profile, allowed, time_limit_s=None, trials=slow)
+    ddp = ddp_predictions(choice.candidates, choice.beyond_budget)
+    assert ddp["ddp+topk:0.01"] < choice.plan.predicted.iteration_s and choice.plan.verdict is None
+
+    def verdict() -> str:
+        out = " ".join(capsys.readouterr().out.split())
+        return out[out.index("verdict:"):out.index(" solver ")]
+
+    mine, r4 = (f"{seconds * 1e3:.2f} ms" for seconds in (choice.plan.predicted.iteration_s, ddp["ddp+powersgd:4"]))
+    print_plan(choice.plan, ddp=ddp)
+    assert verdict().startswith(f"verdict: keep DDP with its topk:0.01 hook (ddp+topk:0.01): the plan's {mine} is "
+                                "slower")
+    print_plan(choice.plan, ddp=ddp, samples=choice.samples, factors=choice.factors)
+    line = verdict()
+    assert line.startswith(f"verdict: keep the plan: the plan's {mine} against ddp+powersgd:4 {r4}"), line
+    assert ("weighed to the loss: each step times the samples it needs over DDP's, as trials measured (plan 1x, "
+            "ddp+powersgd:4 1x)") in line
+    assert "which changes the gradients: powersgd:4 needed 1x DDP's samples" in line
 
 
 def test_show_prints_a_trials_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

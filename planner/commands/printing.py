@@ -25,11 +25,12 @@ def _ms(seconds: float) -> str:
 VIA_DDP_LABEL = "plan via DDP (PlanHook)"
 
 
-def print_plan(plan: object, title: str | None = None, ddp: dict[str, float] | None = None, samples: str = "") -> None:
+def print_plan(plan: object, title: str | None = None, ddp: dict[str, float] | None = None, samples: str = "",
+               factors: dict[str, float] | None = None) -> None:
     """The comparison table of a plan: the plan (run in GradientExchange, and inside DDP where it can be), each
     baseline and the lower bound, under the same model; then its verdict (`print_spread`: `ddp`, the DDP variants'
-    predicted steps, for a plan not weighed against the noise; `samples`, what trials measured of the samples its
-    lossy compressors need)."""
+    predicted steps, for a plan not weighed against the noise, and `factors`, the samples each needs; `samples`,
+    what trials measured of the samples its lossy compressors need)."""
     from planner.contracts.plan import VIA_DDP_ROW, Plan
 
     assert isinstance(plan, Plan)
@@ -61,7 +62,7 @@ def print_plan(plan: object, title: str | None = None, ddp: dict[str, float] | N
     table.add_row("lower bound", "", _ms(lb), *([""] if spread is not None else []), "",
                   f"{ref / lb:.2f}x" if lb > 0 else "-", "")
     console.print(table)
-    print_spread(plan, ddp, samples)
+    print_spread(plan, ddp, samples, factors)
     console.print(
         f"solver {plan.solver} took {plan.solve_seconds * 1e3:.1f} ms; "
         f"profile {plan.source_profile or '?'} measured {plan.profiled}"
@@ -129,11 +130,13 @@ def plan_ddp_rows(plan: object) -> dict[str, float]:
     return {name: p.iteration_s for name, p in plan.baselines.items() if name == DDP_ROW or name.startswith("ddp+")}
 
 
-def print_spread(plan: object, ddp: dict[str, float] | None = None, samples: str = "") -> None:
+def print_spread(plan: object, ddp: dict[str, float] | None = None, samples: str = "",
+                 factors: dict[str, float] | None = None) -> None:
     """Where the plan's intervals come from, and its verdict against DDP in one line: weighed against the noise
     where the plan has intervals, else as predicted against `ddp` (each DDP variant's predicted step; default the
-    plan's own DDP rows). `samples`: what trials measured of the samples the plan's lossy compressors need, said
-    in place of "not measured"."""
+    plan's own DDP rows), each step times its samples factor where `factors` has one ("plan" and the variants':
+    the samples each needs to reach the loss over DDP's, `planner.strategies.auto.samples_factors`). `samples`:
+    what trials measured of the samples the plan's lossy compressors need, said in place of "not measured"."""
     from planner.contracts.plan import DDP_ROW, Plan
     from planner.strategies.intervals import ddp_label
 
@@ -145,11 +148,22 @@ def print_spread(plan: object, ddp: dict[str, float] | None = None, samples: str
         if not variants:
             console.print(f"no intervals: {NO_SAMPLES}; the plan was not weighed against DDP")
         else:
-            against = min(variants, key=lambda name: (variants[name], name != DDP_ROW))
+            factor = factors or {}
+
+            def to_loss(name: str, seconds: float) -> float:  # a step, times the samples it takes to the loss
+                return seconds * factor.get(name, 1.0)
+
+            against = min(variants, key=lambda name: (to_loss(name, variants[name]), name != DDP_ROW))
             step = plan.predicted.iteration_s
-            gain = 1 - step / variants[against]
-            console.print(verdict_line(ddp_label(against), f"{_ms(step)} ms", f"{against} {_ms(variants[against])} ms",
-                                       gain, unweighed=NO_SAMPLES), style="bold", soft_wrap=True)
+            gain = 1 - to_loss("plan", step) / to_loss(against, variants[against])
+            line = verdict_line(ddp_label(against), f"{_ms(step)} ms", f"{against} {_ms(variants[against])} ms", gain,
+                                unweighed=NO_SAMPLES)
+            if factors:
+                line += _weighed_to_the_loss({name: factor.get(name, 1.0) for name in ("plan", against)})
+            lossy = sorted({str(plan.compressor_of(g)) for g in plan.groups if plan.compressor_of(g).lossy})
+            if lossy and gain > 0 and samples:
+                line += f"; it sends {', '.join(lossy)}, which changes the gradients: {samples}"
+            console.print(line, style="bold", soft_wrap=True)
         return
     spread = plan.intervals
     console.print(f"intervals: the central {spread.level:.0%} of the predictions over {spread.draws} profiles "
@@ -162,9 +176,7 @@ def print_spread(plan: object, ddp: dict[str, float] | None = None, samples: str
     if verdict.keep not in ("plan", DDP_ROW):
         line += f" ({verdict.keep} is faster than plain DDP beyond the noise)"
     if verdict.samples:
-        factors = {name: verdict.samples.get(name, 1.0) for name in ("plan", verdict.against)}
-        line += ("; weighed to the loss: each step times the samples it needs over DDP's, as trials measured ("
-                 + ", ".join(f"{name} {f:.3g}x" for name, f in factors.items()) + ")")
+        line += _weighed_to_the_loss({name: verdict.samples.get(name, 1.0) for name in ("plan", verdict.against)})
     if verdict.beyond_budget and plan.error is not None and plan.error.budget is not None:
         line += (f"; not weighed against {', '.join(verdict.beyond_budget)}: beyond the error budget "
                  f"{plan.error.budget:.3g}")
@@ -175,6 +187,12 @@ def print_spread(plan: object, ddp: dict[str, float] | None = None, samples: str
         line += (f"; it sends {', '.join(lossy)}, which changes the gradients: what that costs in samples to reach "
                  "a loss was not measured (`planner bench --target-loss L` measures it)")
     console.print(line, style="bold", soft_wrap=True)
+
+
+def _weighed_to_the_loss(factors: dict[str, float]) -> str:
+    """"; weighed to the loss: each step times the samples it needs over DDP's, as trials measured (plan 1.07x, ..."."""
+    return ("; weighed to the loss: each step times the samples it needs over DDP's, as trials measured ("
+            + ", ".join(f"{name} {f:.3g}x" for name, f in factors.items()) + ")")
 
 
 def optimality_line(plan: object) -> str:

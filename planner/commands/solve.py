@@ -219,7 +219,8 @@ class SolveCommand(Command):
 
             ddp = nominal_ddp(plan, profile)  # the verdict as predicted: the profile's noise is not known
         plan.save(args.output)  # once DDP's rows are predicted: one the profile cannot predict refuses the plan
-        print_plan(plan, ddp=ddp, samples=choice.samples if is_auto else "")
+        print_plan(plan, ddp=ddp, samples=choice.samples if is_auto else "",
+                   factors=choice.factors if is_auto else None)
         if plan.error is not None:
             console.print(error_line(plan.error), markup=False, soft_wrap=True)
         if plan.strategy is Strategy.MIXED:

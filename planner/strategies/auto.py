@@ -59,6 +59,9 @@ class AutoChoice:
     beyond_budget: tuple[str, ...] = ()
     #: What the trials measured of the samples the kept plan's lossy compressors need ("" without trial curves).
     samples: str = ""
+    #: The samples each needs to reach the loss over DDP's, as the trials measured them (`samples_factors`): "plan"
+    #: (the kept plan's) and each DDP variant's ("ddp", "ddp+C"); None without trial curves.
+    factors: dict[str, float] | None = None
 
 
 def ddp_predictions(candidates: dict[str, Plan], left_out: Sequence[str] = ()) -> dict[str, float]:
@@ -161,7 +164,11 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     if factors is not None:
         rule = rule.replace("rule: fastest within", "rule: least predicted step x samples to DDP's half-way loss (as "
                             "the trials measured them, the upper end of their interval, at least 1x) within", 1)
-    return replace(choice, rule=rule, beyond_budget=left_out, samples=samples)
+    kept = None
+    if factors is not None:
+        name = next(name for name, plan in choice.candidates.items() if plan is choice.plan)
+        kept = {"plan": factors[name], **{row: f for row, f in factors.items() if row not in choice.candidates}}
+    return replace(choice, rule=rule, beyond_budget=left_out, samples=samples, factors=kept)
 
 
 def samples_factors(candidates: dict[str, Plan], trials: Trials) -> dict[str, float] | None:
