@@ -37,6 +37,8 @@ from planner.contracts.profile import (
     TopkTiming,
 )
 from planner.costmodel.costs import CostModel
+from planner.costmodel.mixed import FP32_BYTES
+from planner.kernels.compress import PowerSGDLayout
 from planner.models import Workload
 from planner.platform.timing import gathered, median, slowest, stream_seconds, time_call
 from planner.runtime.ddp_hooks import has_unused_parameters, silent_hook
@@ -92,6 +94,7 @@ def measure_in_situ(
     density: float,
     repeats: int,
     compress: CompressTiming | None = None,
+    comm: CostModel | None = None,
     process_group: Any = None,
     on_point: Callable[[], object] = lambda: None,
     on_more: Callable[[int], object] = lambda more: None,
@@ -106,7 +109,10 @@ def measure_in_situ(
     being calibrated first) is a sample, and so is each synchronize call's time (decoding); every rank's samples
     are kept (`Calibration.samples_s`), against the curves' sum over the same groups. With more than one worker,
     PyTorch DDP with a comm hook that sends nothing is measured the same way against packing on its default
-    buckets (`InSitu.ddp_pack`). A configuration whose calibration the cost model would not use (its interval
+    buckets (`InSitu.ddp_pack`), and PyTorch's PowerSGD hook at each rank twice: on a process group of each rank
+    alone (its work) and, given `comm` (the allreduce's curve on the real links), on the real process group, where
+    what sending added is calibrated against `comm`'s prediction for the hook's allreduces ("send").
+    A configuration whose calibration the cost model would not use (its interval
     includes no effect, or it is implausible: `planner.costmodel.spread.calibration_use`) is measured once more
     (`on_more` hears how many more pairs), and the second measurement kept. `on_point` is called after each pair.
     """
@@ -167,10 +173,23 @@ def measure_in_situ(
             if compressor.kind is not CompressorKind.POWERSGD:
                 continue
             assert compressor.rank is not None
-            compress_calibration[f"ddp+{compressor}"] = calibrate(
+            hook = compress_calibration[f"ddp+{compressor}"] = calibrate(
                 functools.partial(_ddp_powersgd_extra_samples, workload, plain, inputs, targets, device, repeats,
                                   alone, compressor.rank, process_group, on_point),
                 functools.partial(_hook_calibration, prepare_s + unpack_s, ddp_packing))
+            if comm is None or compress is None:
+                continue
+            # The same hook sending on the real process group: what that adds to its work alone (the median of
+            # the samples above), against the curve's prediction for its two allreduces.
+            layouts = [PowerSGDLayout.of(compress.powersgd_at(compressor.rank)[s.name].shapes, compressor.rank)
+                       for s in specs]
+            sends = [sum(x.send_numel for x in layouts), sum(x.q_numel for x in layouts)]
+            modelled = sum(comm.cost(FP32_BYTES * n) for n in sends if n)
+            worked = hook["prepare"].measured_s + ddp_packing
+            hook.update(calibrate(
+                functools.partial(_ddp_powersgd_extra_samples, workload, plain, inputs, targets, device, repeats,
+                                  process_group, compressor.rank, process_group, on_point),
+                functools.partial(_sent_calibration, modelled, worked)))
     return InSitu(pack=pack_calibration, select=select_calibration, decode=decode_calibration,
                   ddp_pack=ddp_calibration, compress=compress_calibration)
 
@@ -188,6 +207,13 @@ def _hook_calibration(modelled_s: float, less_s: float, extra: list[float], atte
     """PyTorch's PowerSGD hook on DDP: its extra backward time less DDP's own packing, against the micro-benchmarks
     of all of PowerSGD's work."""
     return {"prepare": Calibration.of_samples([e - less_s for e in extra], modelled_s, attempt)}
+
+
+def _sent_calibration(modelled_s: float, worked_s: float, extra: list[float], attempt: int
+                      ) -> dict[str, Calibration]:
+    """PyTorch's PowerSGD hook sending on the real process group: its extra backward time less `worked_s` (its
+    work and DDP's packing, measured alone), against the collective curve's `modelled_s` for its allreduces."""
+    return {"send": Calibration.of_samples([e - worked_s for e in extra], modelled_s, attempt)}
 
 
 def _until_usable(measure: Callable[[], Any], build: Callable[[Any, int], dict[str, Calibration]],
@@ -446,9 +472,10 @@ def _forward_backward_seconds(workload: Workload, model: torch.nn.Module, inputs
 
 def in_situ_runs(world_size: int, topk: TopkTiming | None, compress: CompressTiming | None) -> int:
     """How many configurations `measure_in_situ` runs (each `repeats` times): dense, DDP on several workers, each
-    top-k selector, fp16 and each PowerSGD rank (on several workers also PyTorch's PowerSGD hook at each)."""
+    top-k selector, fp16 and each PowerSGD rank (on several workers also PyTorch's PowerSGD hook at each, alone
+    and sending; the latter only given the allreduce's curve, but counted)."""
     ranks = 0 if compress is None else len(compress.ranks())
-    compressors = 0 if compress is None else 1 + ranks * (2 if world_size > 1 else 1)
+    compressors = 0 if compress is None else 1 + ranks * (3 if world_size > 1 else 1)
     return 1 + (world_size > 1) + (len(topk.selectors()) if topk is not None else 0) + compressors
 
 
@@ -528,7 +555,8 @@ def _ddp_powersgd_extra_samples(workload: Workload, plain: torch.nn.Module, inpu
                                 targets: torch.Tensor, device: torch.device, repeats: int, alone: Any, rank: int,
                                 group: Any, on_point: Callable[[], object]) -> list[float]:
     """Every rank of `group`'s samples of how much longer DDP's backward pass is than `plain`'s with PyTorch's
-    PowerSGD hook at `rank` on one bucket, on the process group `alone` (this rank only: nothing is sent)."""
+    PowerSGD hook at `rank` on one bucket, on the process group `alone` (this rank only: nothing is sent; or
+    `group` itself, sending)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 

@@ -355,3 +355,36 @@ def test_a_chains_pace_counts_the_collectives_completed() -> None:
     assert _pace([1.0, 2.0, None], 0.0) == pytest.approx(1.0)
     assert _pace([None, None], 0.0) is None
     assert _pace([], 0.0) is None
+
+
+def test_the_powersgd_hooks_allreduces_take_what_sending_took_in_real_steps() -> None:
+    """The "send" calibration of PyTorch's PowerSGD hook scales its two allreduces (the Ps with the tensors sent
+    whole, then the Qs) in DDP's row and nowhere else: on one bucket nothing overlaps them, so the row grows by
+    exactly (factor - 1) times the curve's prediction for both."""
+    from planner.costmodel.mixed import FP32_BYTES
+    from planner.kernels.compress import PowerSGDLayout
+    from planner.strategies.mixed import make_mixed_plan, parse_compressors
+
+    profile = synthetic_profile("cnn")
+    assert profile.compress is not None
+    allowed = parse_compressors("dense,powersgd:1")
+    before = make_mixed_plan(profile, allowed, time_limit_s=None)
+    comm = profile.curve(Collective.ALLREDUCE).model
+    layouts = [PowerSGDLayout.of(row.shapes, 1) for row in profile.compress.powersgd_at(1).values()]
+    modelled = sum(comm.cost(FP32_BYTES * n) for n in (sum(x.send_numel for x in layouts),
+                                                      sum(x.q_numel for x in layouts)))
+    sent = Calibration.of_samples([3.0 * modelled * (1 + d) for d in (-0.02, -0.01, 0.0, 0.01, 0.02)], modelled)
+    assert sent.use.used and sent.factor == pytest.approx(3.0)
+    with_send = dataclasses.replace(profile, in_situ=InSitu(compress={"ddp+powersgd:1": {"send": sent}}))
+    after = make_mixed_plan(with_send, allowed, time_limit_s=None)
+    grown = after.baselines["ddp+powersgd:1"].iteration_s - before.baselines["ddp+powersgd:1"].iteration_s
+    assert grown == pytest.approx(2.0 * modelled, rel=1e-9)
+    assert after.predicted == before.predicted  # the plan's own PowerSGD groups are the runtime's, not the hook
+    assert {name: p for name, p in after.baselines.items() if name != "ddp+powersgd:1"} == {
+        name: p for name, p in before.baselines.items() if name != "ddp+powersgd:1"}
+    # a profile file keeps it, and refuses it where it means nothing (the runtime's own compressors)
+    assert Profile.from_dict(json.loads(json.dumps(with_send.to_dict()))).in_situ == with_send.in_situ
+    data = with_send.to_dict()
+    data["in_situ"]["compress"]["powersgd:1"] = {"send": sent.to_dict()}
+    with pytest.raises(SchemaError, match=r"unknown field\(s\) \['send'\] in profile.in_situ.compress.powersgd:1"):
+        Profile.from_dict(data)

@@ -268,6 +268,7 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                 density=min(config.densities, key=lambda d: abs(math.log(d / IN_SITU_DENSITY))),
                 repeats=config.in_situ_repeats, compress=compress, on_point=lambda: bar.advance(task),
                 on_more=functools.partial(_more, bar, task),
+                comm=curves[Collective.ALLREDUCE].model if Collective.ALLREDUCE in curves else None,
             )
             if world_size > 1:
                 memory.begin("compute while communicating")

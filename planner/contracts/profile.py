@@ -840,7 +840,9 @@ class InSitu:
     ddp_pack: Calibration | None = None
     #: Per compressor named as text ("fp16", "powersgd:4"): its work in the backward pass (prepare, with
     #: PowerSGD's middle round) and in synchronize (decode), against the micro-benchmarks; "ddp+powersgd:R":
-    #: PyTorch's PowerSGD hook on DDP's one bucket, all its work against the same micro-benchmarks.
+    #: PyTorch's PowerSGD hook on DDP's one bucket, all its work against the same micro-benchmarks (prepare),
+    #: and what sending adds to it on the real process group against the collective curve's prediction for its
+    #: allreduces (send: their number, the callbacks between them and the wait for the other ranks included).
     compress: dict[str, dict[str, Calibration]] = field(default_factory=dict)
     #: The K-FAC runtime's factor hooks (A in forward, G in backward, each packed into its buffer) in real
     #: forward and backward passes, against the per-layer micro-benchmarks (`KFACLayerTiming` a/g_compute_s).
@@ -855,7 +857,8 @@ class InSitu:
         parts: list[tuple[str, Calibration | None]] = [
             ("packing", self.pack), *((f"{n} selection", c) for n, c in self.select.items()),
             ("decoding", self.decode), ("DDP's bucket copies", self.ddp_pack),
-            *((f"PyTorch's {name.removeprefix('ddp+')} hook on DDP" if name.startswith("ddp+") else
+            *((f"PyTorch's {name.removeprefix('ddp+')} hook on DDP{'' if part == 'prepare' else ', sending'}"
+               if name.startswith("ddp+") else
                f"{name} {'compression' if part == 'prepare' else 'decompression'}", c)
               for name, calibrations in self.compress.items() for part, c in calibrations.items()),
             ("K-FAC factor hooks", self.kfac_factors),
@@ -923,7 +926,8 @@ class InSitu:
             key = ("ddp+" if hook else "") + str(parse_compressor(name.removeprefix("ddp+") if hook else name,
                                                                   f"a compressor in {where}.compress"))
             expect(parts, dict, f"{where}.compress.{name}")
-            check_fields(parts, f"{where}.compress.{name}", [], optional=["prepare", "decode"])
+            parts_known = ["prepare", "decode", *(["send"] if hook else [])]  # send: the hook's sending, measured
+            check_fields(parts, f"{where}.compress.{name}", [], optional=parts_known)
             compress[key] = {part: Calibration.from_dict(c, f"{where}.compress.{name}.{part}")
                              for part, c in parts.items()}
         select = {}

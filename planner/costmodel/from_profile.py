@@ -216,7 +216,8 @@ def _check_topk(profile: Profile, compressor: Compressor, selector: str) -> None
 def _powersgd_costs(profile: Profile, compressor: Compressor, comm: CostModel, pack: CostModel | None,
                     runtime: str = "planner") -> CompressorCosts:
     """PowerSGD at `compressor.rank` per layer: the measured steps, and what each layer sends. For DDP's hook
-    (`runtime` "ddp") every step is scaled by the hook's own calibration when the profile has one."""
+    (`runtime` "ddp") every step is scaled by the hook's own calibration when the profile has one, and its
+    allreduces by what sending them took in the hook on the real process group (`InSitu.compress`, "send")."""
     assert compressor.rank is not None
     timing = _compress_timing(profile, compressor)
     rows = timing.powersgd_at(compressor.rank)
@@ -231,6 +232,7 @@ def _powersgd_costs(profile: Profile, compressor: Compressor, comm: CostModel, p
     hook = f"ddp+{compressor}"
     if runtime == "ddp" and profile.in_situ is not None and hook in profile.in_situ.compress:
         prepare = decode = profile.in_situ.compress_factor(hook, "prepare")
+        comm = _calibrated(comm, profile.in_situ.compress_factor(hook, "send"))
     send, second, matrices = [], [], []
     for lt in profile.layers:
         layout = PowerSGDLayout.of(rows[lt.name].shapes, compressor.rank)

@@ -57,14 +57,14 @@ from planner.costmodel.problem import (
 )
 from planner.types import DENSE_COMPRESSOR, Collective, Compressor, CompressorKind, SolverError, Strategy
 
-__all__ = ["Choice", "CompressorCosts", "GroupCosts", "MixedEvent", "MixedProblem", "Sum", "costs_of", "simulate_mixed",
-           "timeline_mixed", "validate_choice"]
+__all__ = ["FP32_BYTES", "Choice", "CompressorCosts", "GroupCosts", "MixedEvent", "MixedProblem", "Sum", "costs_of",
+           "simulate_mixed", "timeline_mixed", "validate_choice"]
 
 #: Which compressor (an index into `MixedProblem.compressors`) sends each group of a grouping.
 Choice = tuple[int, ...]
 
 #: Bytes of one element in PowerSGD's allreduces and in fp16's.
-_FP32_BYTES, _FP16_BYTES = 4, 2
+FP32_BYTES, _FP16_BYTES = 4, 2
 #: Seconds of preparation a group costs when it holds a layer its compressor may not send (`MixedProblem.forbidden`):
 #: more than any step, so that no bound or search keeps such a group where another way exists (finite, so that
 #: the bounds' arithmetic stays finite).
@@ -313,8 +313,8 @@ class MixedProblem:
 
                 prepare = prepare + span("prepare")
                 middle, decode = span("middle"), span("decode")
-                first_bytes = span("send") * _FP32_BYTES
-                second_bytes = span("second") * _FP32_BYTES
+                first_bytes = span("send") * FP32_BYTES
+                second_bytes = span("second") * FP32_BYTES
                 second_round = span("matrices") > 0.5
                 second = np.where(second_round, c.second_comm.cost_many(second_bytes), 0.0)
                 middle = np.where(second_round, middle, 0.0)
