@@ -11,10 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from planner.commands.cli import main
 from planner.commands.printing import print_plan
 from planner.contracts.trials import Ratio, Trials, samples_to
+from planner.models import Workload
 from planner.strategies.auto import ddp_predictions, solve_auto
 from planner.types import Compressor, PlanMismatchError, PlannerError, SchemaError
 from tests.factories import with_samples
@@ -287,6 +289,37 @@ def test_a_real_trial_on_the_digits(tmp_path: Path, capsys: pytest.CaptureFixtur
     plan = tmp_path / "plan.json"
     assert main(["solve", str(prof), "--strategy", "auto", "--trials", str(out), "-o", str(plan)]) == 0
     assert "in the trials" in capsys.readouterr().out
+
+
+def shaped_workload() -> Workload:
+    """`ShapedConv` (a tied weight, a frozen layer, BatchNorm, an unused layer, registered in another order than
+    used) on 3x6x6 inputs, 4 classes: what `planner trial` builds by name."""
+    from tests.test_mixed_runtime import ShapedConv
+
+    def batch(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 3, 6, 6, generator=generator), torch.randint(0, 4, (n,), generator=generator)
+
+    return Workload(name="shaped", module=ShapedConv(), batch_size=8, make_batch=batch,
+                    loss_fn=torch.nn.functional.cross_entropy)
+
+
+def test_a_real_trial_on_a_model_shaped_like_real_ones(tmp_path: Path) -> None:
+    """Every compressor on every group of a model with a tied weight, a frozen layer, BatchNorm and an unused layer,
+    on the teacher task: every run trains (finite losses, falling), fp16 ends where DDP does."""
+    prof = tmp_path / "profile.json"
+    profile_with_errors("tests.test_trials:shaped_workload").save(prof)
+    out = tmp_path / "trials.json"
+    assert main(["trial", str(prof), "--compressors", "fp16,powersgd:1,topk:0.3", "--samples", "1600", "--repeats",
+                 "2", "-o", str(out)]) == 0
+    trials = Trials.load(out)
+    assert trials.task == "teacher" and set(trials.compressors) == {FP16, R1, Compressor.parse("topk:0.3")}
+    np.testing.assert_allclose(np.array(trials.compressors[FP16], dtype=float), trials.reference, rtol=0.01)
+    assert trials.curves is not None
+    for name, runs in trials.curves.items():
+        for curve in runs:
+            losses = [loss for _, loss in curve]
+            assert all(loss is not None and math.isfinite(loss) for loss in losses), (name, curve)
+            assert losses[-1] < losses[0], (name, curve)
 
 
 @pytest.mark.parametrize("argv, message", [
