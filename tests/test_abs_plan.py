@@ -33,7 +33,7 @@ from planner.strategies.abs import (
 from planner.strategies.gradients import make_plan
 from planner.types import InvalidProfileError, SchemaError, Strategy
 from tests.factories import abs_section, synthetic_profile
-from tests.test_contracts import _cli, _one_clear_line
+from tests.test_contracts import _main, _one_clear_line
 from tests.test_slowdown import needs_cgroups
 
 
@@ -274,16 +274,16 @@ def test_solve_abs_bad_input_gives_one_line(tmp_path: Path) -> None:
     plain = tmp_path / "plain.json"
     synthetic_profile("mlp").save(plain)
     out = str(tmp_path / "plan.json")
-    _one_clear_line(_cli("solve", str(prof), "--strategy", "abs", "-o", out), "needs --global-batch")
-    _one_clear_line(_cli("solve", str(prof), "--strategy", "abs", "--global-batch", "1", "-o", out),
+    _one_clear_line(_main("solve", str(prof), "--strategy", "abs", "-o", out), "needs --global-batch")
+    _one_clear_line(_main("solve", str(prof), "--strategy", "abs", "--global-batch", "1", "-o", out),
                     "smaller than the world size 2")
-    _one_clear_line(_cli("solve", str(prof), "--global-batch", "64", "-o", out), "applies to --strategy abs only")
-    _one_clear_line(_cli("solve", str(prof), "--trigger", "batch", "-o", out), "--trigger applies to --strategy abs")
-    _one_clear_line(_cli("solve", str(prof), "--strategy", "abs", "--global-batch", "64", "--trigger", "often",
+    _one_clear_line(_main("solve", str(prof), "--global-batch", "64", "-o", out), "applies to --strategy abs only")
+    _one_clear_line(_main("solve", str(prof), "--trigger", "batch", "-o", out), "--trigger applies to --strategy abs")
+    _one_clear_line(_main("solve", str(prof), "--strategy", "abs", "--global-batch", "64", "--trigger", "often",
                          "-o", out), "invalid choice")
-    _one_clear_line(_cli("solve", str(plain), "--strategy", "abs", "--global-batch", "64", "-o", out),
+    _one_clear_line(_main("solve", str(plain), "--strategy", "abs", "--global-batch", "64", "-o", out),
                     "no per-worker throughput")
-    _one_clear_line(_cli("solve", str(prof), "--strategy", "abs", "--global-batch", "0", "-o", out), "")
+    _one_clear_line(_main("solve", str(prof), "--strategy", "abs", "--global-batch", "0", "-o", out), "")
     assert not Path(out).exists()
 
 
@@ -327,13 +327,13 @@ def test_bench_abs_bad_input_gives_one_line(tmp_path: Path) -> None:
     slowed_profile().save(prof)
     dense = tmp_path / "dense.json"
     assert main(["solve", str(prof), "-o", str(dense)]) == 0
-    _one_clear_line(_cli("bench", "--strategy", "abs", "--plan", str(dense)), "has no abs section")
-    _one_clear_line(_cli("bench", "--plan", str(dense), "--samples", "10"), "with --target-loss L")
+    _one_clear_line(_main("bench", "--strategy", "abs", "--plan", str(dense)), "has no abs section")
+    _one_clear_line(_main("bench", "--plan", str(dense), "--samples", "10"), "with --target-loss L")
     plan = digits_plan(tmp_path)
-    _one_clear_line(_cli("bench", "--strategy", "abs", "--plan", str(plan), "--nproc", "3"),
+    _one_clear_line(_main("bench", "--strategy", "abs", "--plan", str(plan), "--nproc", "3"),
                     "made for world size 2")
-    _one_clear_line(_cli("bench", "--strategy", "abs", "--plan", str(plan), "--target-loss", "0"), "> 0")
-    _one_clear_line(_cli("bench", "--strategy", "abs", "--plan", str(plan), "--speed-change", "1=3"),
+    _one_clear_line(_main("bench", "--strategy", "abs", "--plan", str(plan), "--target-loss", "0"), "> 0")
+    _one_clear_line(_main("bench", "--strategy", "abs", "--plan", str(plan), "--speed-change", "1=3"),
                     "--speed-change names rank(s) [1] that --slowdown does not slow")
 
 

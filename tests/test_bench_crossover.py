@@ -21,7 +21,7 @@ from planner.contracts.pairing import PairingPlan
 from planner.strategies.gradients import make_plan
 from planner.types import Strategy
 from tests.factories import synthetic_profile
-from tests.test_contracts import _cli, _one_clear_line
+from tests.test_contracts import _main, _one_clear_line
 
 
 def _pairing(tmp_path: Path, batch: str = "16") -> Path:
@@ -134,23 +134,23 @@ def test_a_run_in_which_the_jobs_never_ran_together_counts_for_nothing(tmp_path:
 
 def test_bench_crossover_bad_input_gives_one_line(tmp_path: Path) -> None:
     pairing = _pairing(tmp_path)
-    _one_clear_line(_cli("bench", "--strategy", "crossover"), "needs --pairing")
-    _one_clear_line(_cli("bench", "--pairing", str(pairing), "--plan", str(tmp_path / "digits.json")),
+    _one_clear_line(_main("bench", "--strategy", "crossover"), "needs --pairing")
+    _one_clear_line(_main("bench", "--pairing", str(pairing), "--plan", str(tmp_path / "digits.json")),
                     "--pairing applies to --strategy crossover only")
-    _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing), "--plan",
+    _one_clear_line(_main("bench", "--strategy", "crossover", "--pairing", str(pairing), "--plan",
                          str(tmp_path / "digits.json")), "--plan does not apply to --strategy crossover")
-    _one_clear_line(_cli("bench", "--plan", str(tmp_path / "digits.json"), "--probe-window", "2"),
+    _one_clear_line(_main("bench", "--plan", str(tmp_path / "digits.json"), "--probe-window", "2"),
                     "--probe-window applies to --strategy crossover only")
-    _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing), "--probe-window", "0"),
+    _one_clear_line(_main("bench", "--strategy", "crossover", "--pairing", str(pairing), "--probe-window", "0"),
                     "expected a finite number > 0")
-    _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing), "--hosts", "3"),
+    _one_clear_line(_main("bench", "--strategy", "crossover", "--pairing", str(pairing), "--hosts", "3"),
                     "--hosts 3 does not divide job digits's 2 workers")
-    _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing), "--hosts", "2"),
+    _one_clear_line(_main("bench", "--strategy", "crossover", "--pairing", str(pairing), "--hosts", "2"),
                     "made for 1 host of 2 workers, but the process group runs on 2 hosts of 1 worker")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing), "--gate-dir",
+    _one_clear_line(_main("bench", "--strategy", "crossover", "--pairing", str(pairing), "--gate-dir",
                          str(blocker / "gates")), "cannot create the gate folder")
     (tmp_path / "digits.json").unlink()
-    _one_clear_line(_cli("bench", "--strategy", "crossover", "--pairing", str(pairing)), "is missing")
-    _one_clear_line(_cli("bench", "--strategy", "gradients"), "needs --plan")
+    _one_clear_line(_main("bench", "--strategy", "crossover", "--pairing", str(pairing)), "is missing")
+    _one_clear_line(_main("bench", "--strategy", "gradients"), "needs --plan")

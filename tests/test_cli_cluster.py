@@ -14,7 +14,7 @@ from planner.strategies.cluster import PRESETS, profile_for_cluster
 from planner.strategies.gradients import make_plan
 from planner.types import Strategy
 from tests.factories import synthetic_profile
-from tests.test_contracts import _cli, _one_clear_line
+from tests.test_contracts import _cli, _main, _one_clear_line
 
 
 def test_solve_for_a_preset_plans_for_its_world_size_and_device(tmp_path: Path) -> None:
@@ -50,11 +50,11 @@ def test_bad_cluster_specs_give_one_line(tmp_path: Path) -> None:
     prof = tmp_path / "prof.json"
     synthetic_profile("mlp").save(prof)
     out = str(tmp_path / "plan.json")
-    _one_clear_line(_cli("solve", str(prof), "--cluster", "ib100-64,inter_gbps=-5", "-o", out), "inter_gbps > 0")
-    _one_clear_line(_cli("solve", str(prof), "--cluster", "ib100-64,gpus_per_node=0", "-o", out), "gpus_per_node >= 1")
-    _one_clear_line(_cli("solve", str(prof), "--cluster", "infiniband", "-o", out), "unknown cluster preset")
-    _one_clear_line(_cli("simulate", str(prof), "--cluster", "ib100-64", "--world-sizes", "8,12"), "not a multiple")
-    _one_clear_line(_cli("simulate", str(prof), "--world-sizes", "4,8,...,100"), "not reached exactly")
+    _one_clear_line(_main("solve", str(prof), "--cluster", "ib100-64,inter_gbps=-5", "-o", out), "inter_gbps > 0")
+    _one_clear_line(_main("solve", str(prof), "--cluster", "ib100-64,gpus_per_node=0", "-o", out), "gpus_per_node >= 1")
+    _one_clear_line(_main("solve", str(prof), "--cluster", "infiniband", "-o", out), "unknown cluster preset")
+    _one_clear_line(_main("simulate", str(prof), "--cluster", "ib100-64", "--world-sizes", "8,12"), "not a multiple")
+    _one_clear_line(_main("simulate", str(prof), "--world-sizes", "4,8,...,100"), "not reached exactly")
     assert not Path(out).exists()
 
 
@@ -92,7 +92,7 @@ def test_retune_refuses_a_missing_profile_in_one_line(tmp_path: Path) -> None:
     plan_path = tmp_path / "plan.json"
     assert main(["solve", str(prof), "-o", str(plan_path)]) == 0
     prof.unlink()
-    _one_clear_line(_cli("retune", str(plan_path), "--no-probe"), "does not exist")
+    _one_clear_line(_main("retune", str(plan_path), "--no-probe"), "does not exist")
 
 
 def test_what_if_profiles_keep_the_workers_speeds_only_at_their_own_world_size(tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import stat
@@ -127,6 +129,18 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=120)
 
 
+def _main(*args: str) -> subprocess.CompletedProcess[str]:
+    """`planner ARGS` run in this process, its exit status and what it printed as `_cli` returns them: for bad input
+    refused before any worker starts, without starting an interpreter (and importing torch) for each."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as stop:  # argparse's own refusals
+            code = stop.code if isinstance(stop.code, int) else 1
+    return subprocess.CompletedProcess(["planner", *args], code, out.getvalue(), err.getvalue())
+
+
 def _one_clear_line(proc: subprocess.CompletedProcess[str], pattern: str) -> None:
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -147,12 +161,12 @@ def test_cli_bad_inputs_give_one_line(tmp_path: Path) -> None:
     nan.write_text(good.read_text().replace('"update_s": 0.001', '"update_s": NaN'))
     version = _mutated(tmp_path, {**doc, "schema_version": 7}, "ver.json")
     out = str(tmp_path / "plan.json")
-    _one_clear_line(_cli("solve", str(tmp_path / "nope.json"), "-o", out), "profile file not found")
-    _one_clear_line(_cli("solve", str(trunc), "-o", out), "not valid JSON")
-    _one_clear_line(_cli("solve", str(neg), "-o", out), "forward_s must be a time between 0 and")
-    _one_clear_line(_cli("solve", str(nan), "-o", out), "NaN")
-    _one_clear_line(_cli("solve", str(version), "-o", out), "unknown profile schema_version 7")
-    _one_clear_line(_cli("show", str(trunc)), "not valid JSON")
+    _one_clear_line(_main("solve", str(tmp_path / "nope.json"), "-o", out), "profile file not found")
+    _one_clear_line(_main("solve", str(trunc), "-o", out), "not valid JSON")
+    _one_clear_line(_main("solve", str(neg), "-o", out), "forward_s must be a time between 0 and")
+    _one_clear_line(_main("solve", str(nan), "-o", out), "NaN")
+    _one_clear_line(_main("solve", str(version), "-o", out), "unknown profile schema_version 7")
+    _one_clear_line(_main("show", str(trunc)), "not valid JSON")
     assert not Path(out).exists()
 
 
@@ -175,10 +189,10 @@ def test_outputs_that_are_not_regular_files_are_refused_and_left_alone(tmp_path:
         (str(tmp_path / ("x" * 300)), "File name too long"),
     ]
     for target, message in cases:
-        _one_clear_line(_cli("solve", str(good), "--strategy", "dense", "-o", target), message)
+        _one_clear_line(_main("solve", str(good), "--strategy", "dense", "-o", target), message)
     assert folder.is_dir() and not any(folder.iterdir())
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and regular.read_text() == "keep me\n"
-    _one_clear_line(_cli("report", str(tmp_path / "nope.json"), "-o", str(regular)), "is not a folder")
+    _one_clear_line(_main("report", str(tmp_path / "nope.json"), "-o", str(regular)), "is not a folder")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "good.json", "pipe", "regular.txt"]
     with pytest.raises(PlannerFileError, match="path is empty"):
         write_json_atomic("", {})
@@ -208,7 +222,7 @@ def test_cli_solve_and_show(tmp_path: Path) -> None:
 def test_cli_bench_refuses_wrong_world_size(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     synthetic_plan("mlp", world_size=4).save(path)
-    _one_clear_line(_cli("bench", "--plan", str(path), "--nproc", "2"), "made for world size 4")
+    _one_clear_line(_main("bench", "--plan", str(path), "--nproc", "2"), "made for world size 4")
 
 
 def test_cli_usage_errors_exit_nonzero(tmp_path: Path) -> None:

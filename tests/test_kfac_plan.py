@@ -30,7 +30,7 @@ from planner.strategies.kfac import (
 )
 from planner.types import Collective, FactorKind, InvalidProfileError, InverseMethod, PlanMismatchError, SchemaError
 from tests.factories import synthetic_kfac_plan, synthetic_plan, synthetic_profile
-from tests.test_contracts import _cli, _one_clear_line
+from tests.test_contracts import _cli, _main, _one_clear_line
 
 TOL = 1e-12
 
@@ -319,18 +319,18 @@ def test_cli_solve_kfac_show_and_bad_inputs(tmp_path: Path) -> None:
     doc["kfac"] = None
     no_kfac.write_text(json.dumps(doc))
     out = str(tmp_path / "out.json")
-    _one_clear_line(_cli("solve", str(no_kfac), "--strategy", "kfac", "-o", out), "no K-FAC measurements")
-    _one_clear_line(_cli("solve", str(prof_path), "--strategy", "kfac", "--factor-update-steps", "3",
+    _one_clear_line(_main("solve", str(no_kfac), "--strategy", "kfac", "-o", out), "no K-FAC measurements")
+    _one_clear_line(_main("solve", str(prof_path), "--strategy", "kfac", "--factor-update-steps", "3",
                          "--inv-update-steps", "10", "-o", out), "multiple of factor_update_steps")
-    _one_clear_line(_cli("solve", str(prof_path), "--inv-update-steps", "10", "-o", out), "--strategy kfac only")
+    _one_clear_line(_main("solve", str(prof_path), "--inv-update-steps", "10", "-o", out), "--strategy kfac only")
     assert not Path(out).exists()
 
     dense_path = tmp_path / "dense.json"
     synthetic_plan("cnn").save(dense_path)
-    _one_clear_line(_cli("bench", "--strategy", "kfac", "--plan", str(dense_path)), "has no kfac section")
-    _one_clear_line(_cli("bench", "--strategy", "kfac", "--plan", str(plan_path), "--model", "mlp"),
+    _one_clear_line(_main("bench", "--strategy", "kfac", "--plan", str(dense_path)), "has no kfac section")
+    _one_clear_line(_main("bench", "--strategy", "kfac", "--plan", str(plan_path), "--model", "mlp"),
                     "this plan was made for model cnn")
-    _one_clear_line(_cli("bench", "--strategy", "kfac", "--plan", str(plan_path), "--peers", "fp16"),
+    _one_clear_line(_main("bench", "--strategy", "kfac", "--plan", str(plan_path), "--peers", "fp16"),
                     "--strategy kfac takes --peers kfac-pytorch")
 
 
@@ -407,7 +407,7 @@ def test_bad_preconditioners_in_a_plan_file_give_one_line(tmp_path: Path) -> Non
     for i, (bad, message) in enumerate(cases):
         path = tmp_path / f"bad{i}.json"
         path.write_text(json.dumps(bad))
-        _one_clear_line(_cli("show", str(path)), message)
+        _one_clear_line(_main("show", str(path)), message)
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn"])

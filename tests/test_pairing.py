@@ -33,7 +33,7 @@ from planner.solvers.pairing import Pairing, best_pairing, pairing_period
 from planner.strategies.gradients import make_plan
 from planner.types import PlanMismatchError, PlannerError, SchemaError, SolverError, Strategy
 from tests.factories import abs_section, synthetic_profile
-from tests.test_contracts import _cli, _one_clear_line
+from tests.test_contracts import _main, _one_clear_line
 
 
 def job(compute: float, comm: float, name: str = "j", samples: int = 1) -> JobPhases:
@@ -429,9 +429,9 @@ def test_pair_bad_input_gives_one_line(plans: dict[str, Path], tmp_path: Path,
     profile = tmp_path / "profile.json"
     synthetic_profile("mlp").save(profile)
     # Through the real command line: no traceback, one line, exit 2.
-    _one_clear_line(_cli("pair", str(tmp_path / "nope.json"), "--batch", "8", "-o", out), "plan file not found")
-    _one_clear_line(_cli("pair", mlp, mlp4, "--batch", "8", "-o", out), "different world sizes")
-    _one_clear_line(_cli("pair", "--batch", "8", "-o", out), "the following arguments are required: PLAN")
+    _one_clear_line(_main("pair", str(tmp_path / "nope.json"), "--batch", "8", "-o", out), "plan file not found")
+    _one_clear_line(_main("pair", mlp, mlp4, "--batch", "8", "-o", out), "different world sizes")
+    _one_clear_line(_main("pair", "--batch", "8", "-o", out), "the following arguments are required: PLAN")
     # The rest in this process (the same `main`).
     for argv, match in (
         ([mlp, str(profile), "--batch", "8", "-o", out], "not a plan: kind is 'planner.profile'"),

@@ -631,14 +631,14 @@ def test_bench_runs_a_model_with_an_unused_head(tmp_path: Path) -> None:
 def test_kfac_profiling_skips_an_unused_head_when_told() -> None:
     from planner.profilers.kfac import measure_kfac_layers
     from planner.types import InvalidProfileError
-    from tests.test_contracts import _cli, _one_clear_line
+    from tests.test_contracts import _main, _one_clear_line
 
     with pytest.raises(InvalidProfileError, match=r"profile with --kfac-skip '\^aux\$' and pass skip_layers="):
         measure_kfac_layers(aux_workload(), torch.device("cpu"), repeats=1, warmup=0)
     layers = measure_kfac_layers(aux_workload(), torch.device("cpu"), repeats=1, warmup=0, skip="^aux$")
     assert [lt.name for lt in layers] == ["trunk", "head"]
-    _one_clear_line(_cli("profile", "--model", "mlp", "--kfac-skip", "aux", "-o", "p.json"), "--kfac only")
-    _one_clear_line(_cli("profile", "--model", "mlp", "--kfac", "--kfac-skip", "(", "-o", "p.json"),
+    _one_clear_line(_main("profile", "--model", "mlp", "--kfac-skip", "aux", "-o", "p.json"), "--kfac only")
+    _one_clear_line(_main("profile", "--model", "mlp", "--kfac", "--kfac-skip", "(", "-o", "p.json"),
                     "--kfac-skip is not a valid regular expression")
 
 

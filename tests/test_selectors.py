@@ -33,7 +33,7 @@ from planner.strategies.gradients import make_plan
 from planner.strategies.retune import retune_plan
 from planner.types import InvalidProfileError, SchemaError, Strategy
 from tests.factories import synthetic_profile
-from tests.test_contracts import _cli, _one_clear_line
+from tests.test_contracts import _main, _one_clear_line
 
 # -- the selectors ---------------------------------------------------------------------------------------------
 
@@ -420,10 +420,10 @@ def test_cli_solve_with_a_selector(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_cli_bad_selector_gives_one_line(tmp_path: Path) -> None:
     prof, out = tmp_path / "prof.json", tmp_path / "plan.json"
     synthetic_profile("mlp").save(prof)
-    _one_clear_line(_cli("solve", str(prof), "--strategy", "topk", "--selector", "fast", "-o", str(out)),
+    _one_clear_line(_main("solve", str(prof), "--strategy", "topk", "--selector", "fast", "-o", str(out)),
                     "--selector must be one of auto, exact, sampled, but got 'fast'")
-    _one_clear_line(_cli("solve", str(prof), "--selector", "exact", "-o", str(out)),
+    _one_clear_line(_main("solve", str(prof), "--selector", "exact", "-o", str(out)),
                     "--selector applies to top-k plans only")
-    _one_clear_line(_cli("solve", str(prof), "--strategy", "topk", "--selector", "sampled", "-o", str(out)),
+    _one_clear_line(_main("solve", str(prof), "--strategy", "topk", "--selector", "sampled", "-o", str(out)),
                     "no top-k selection points for the sampled selector")
     assert not out.exists()
