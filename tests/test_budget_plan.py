@@ -162,6 +162,11 @@ def test_cli_error_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["solve", str(prof), "--strategy", "auto", "--compressors", "all", "--error-budget", "none", "-o",
                  str(out)]) == 0
     assert "rule: by predicted step alone" in capsys.readouterr().out
+    # a budget named by a compressor allows it where --compressors is not given (light, and the budget's own)
+    for strategy in ("mixed", "auto"):
+        assert main(["solve", str(prof), "--strategy", strategy, "--error-budget", "powersgd:4", "-o", str(out)]) == 0
+        assert Plan.load(out).compressors == parse_compressors("dense,fp16,powersgd:4")
+    capsys.readouterr()
 
 
 @pytest.mark.parametrize(("argv", "message"), [

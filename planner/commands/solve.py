@@ -11,7 +11,7 @@ from planner.commands.printing import error_line, print_auto, print_mixed_groups
 from planner.console import console
 from planner.contracts.abs import TRIGGERS
 from planner.contracts.jsonio import check_output_path
-from planner.types import InverseMethod, PlannerError, Strategy
+from planner.types import Compressor, InverseMethod, PlannerError, Strategy
 
 #: `--strategy auto`: every allowed way of sending solved, the plan predicted fastest kept.
 AUTO = "auto"
@@ -36,8 +36,9 @@ class SolveCommand(Command):
                             help="--strategy mixed and auto: keep the fastest plan whose compression error (as the "
                                  "profile measured it, the contraction of the whole gradient) is at most this: a "
                                  "number, or a compressor whose error with every layer sent by it is the budget "
-                                 "(e.g. powersgd:4), or none; default: none for mixed, and for auto the error of "
-                                 "fp16 on every layer (measured to train like dense)")
+                                 "(e.g. powersgd:4; allowed too, where --compressors is not given), or none; "
+                                 "default: none for mixed, and for auto the error of fp16 on every layer (measured "
+                                 "to train like dense)")
         parser.add_argument("--trials", type=Path, default=None, metavar="FILE",
                             help="--strategy auto: the trials file of `planner trial` on this profile; the plan is "
                                  "kept among the compressors that trained like dense there, within the error of the "
@@ -133,6 +134,8 @@ class SolveCommand(Command):
             from planner.strategies.mixed import parse_compressors
 
             compressors = parse_compressors("light" if args.compressors is None else args.compressors)  # "" refused
+            if args.compressors is None and isinstance(error_budget, Compressor):  # light, and the budget's own
+                compressors = tuple(dict.fromkeys((*compressors, error_budget)))
         trials = None
         if args.trials is not None:
             from planner.contracts.trials import Trials
