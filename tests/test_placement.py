@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -382,6 +383,31 @@ def test_ilp_falls_back_to_the_start_when_cbc_fails(monkeypatch: pytest.MonkeyPa
     _check_result(problem, result)
     assert result.makespan_s <= min(cls().solve(problem).makespan_s for cls in PLACEMENT_BASELINES)
     assert result.lower_bound_s >= placement_lower_bound(problem) * (1 - RTOL)
+
+
+def test_a_failed_cbc_run_leaves_none_of_its_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pulp removes the model it wrote for CBC only after a clean run; a solver that exits with an error left
+    them in the system's temporary directory, two files a failed solve."""
+    import pulp
+
+    written: list[str] = []
+    create = pulp.COIN_CMD.create_tmp_files
+
+    def recording(self: pulp.COIN_CMD, *args: object, **kwargs: object) -> object:
+        paths = tuple(create(self, *args, **kwargs))
+        written.extend(paths)
+        return paths
+
+    def failing_cbc(**kwargs: object) -> pulp.COIN_CMD:
+        return pulp.COIN_CMD(path="/bin/false", **kwargs)  # exits 1 after pulp wrote the model
+
+    monkeypatch.setattr(pulp.COIN_CMD, "create_tmp_files", recording)
+    monkeypatch.setattr(pulp, "PULP_CBC_CMD", failing_cbc)
+    problem = random_placement_problem(30, 4, seed=3)
+    result = IlpPlacement(shortcuts=False).solve(problem)
+    _check_result(problem, result)
+    assert written
+    assert not [path for path in written if os.path.exists(path)]
 
 
 def test_cbc_bound_is_read_from_best_possible() -> None:

@@ -813,6 +813,9 @@ class IlpPlacement(_ModelPlacement):
                 increment = max(1e-15, 1e-10 * scale * reference)
                 cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=_remaining(deadline - overhead), warmStart=True,
                                         logPath=log_path, options=[f"increment {increment:.3e}"])
+            # pulp writes the model and the warm start beside the log, and removes them only after a clean run:
+            # in this directory they go with it whatever CBC does.
+            cmd.tmpDir = tmp
             try:
                 model.solve(cmd)
                 with open(log_path) as handle:
