@@ -13,10 +13,11 @@ from planner.commands.cli import main
 from planner.contracts.plan import Plan
 from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed import simulate_mixed
+from planner.models import build_workload
 from planner.strategies.auto import solve_auto
-from planner.strategies.mixed import PRESETS, explain, make_mixed_plan, parse_compressors
+from planner.strategies.mixed import PRESETS, explain, make_mixed_plan, parse_compressors, preset_compressors
 from planner.types import Collective, Compressor, CompressorError, Strategy
-from tests.factories import synthetic_profile
+from tests.factories import synthetic_compress_timing, synthetic_profile
 
 
 def _profile(tmp_path: Path, model: str = "mlp", sigma: float = 0.4) -> Path:
@@ -134,6 +135,27 @@ def test_a_profile_without_compressor_timings_plans_dense_and_topk_only(tmp_path
                  str(tmp_path / "none.json")]) == 0  # dense alone is still measured
     assert main(["solve", str(path), "--strategy", "mixed", "--compressors", "dense,fp16,topk:0.01", "-o",
                  str(tmp_path / "p.json")]) == 2
+
+
+def test_a_preset_takes_the_powersgd_ranks_the_profile_measured(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    base = synthetic_profile("mlp")
+    assert base.compress is not None
+    names = [row.layer for row in base.compress.powersgd if row.rank == 1]
+    ranks_4_16 = replace(base, compress=synthetic_compress_timing(build_workload("mlp").module, names, (4, 16)))
+    assert [str(c) for c in preset_compressors("lowrank", ranks_4_16)] == ["dense", "fp16", "powersgd:4",
+                                                                          "powersgd:16"]
+    assert [str(c) for c in preset_compressors("all", ranks_4_16)] == ["dense", "fp16", "powersgd:4", "powersgd:16",
+                                                                      "topk:0.01"]
+    assert preset_compressors("light", ranks_4_16) == parse_compressors("light")
+    assert preset_compressors("lowrank", replace(base, compress=None)) == parse_compressors("lowrank")
+    path = tmp_path / "r.json"
+    ranks_4_16.save(path)
+    assert main(["solve", str(path), "--strategy", "mixed", "--compressors", "lowrank", "-o",
+                 str(tmp_path / "p.json")]) == 0
+    assert "left out" not in capsys.readouterr().out
+    assert [str(c) for c in Plan.load(tmp_path / "p.json").compressors] == ["dense", "fp16", "powersgd:4",
+                                                                          "powersgd:16"]
 
 
 def test_a_plan_naming_a_bad_compressor_is_refused_in_one_line(tmp_path: Path,

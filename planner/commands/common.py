@@ -17,7 +17,8 @@ KFAC = "kfac"
 ABS = "abs"
 COMPRESSORS_HELP = ("what a group may be sent as (the accuracy budget): a list of dense, fp16, powersgd:R, topk:D "
                     "(e.g. dense,fp16,powersgd:4,topk:0.01) or a preset: exact (dense), light (dense,fp16), lowrank "
-                    "(light and powersgd:1,2,4), all (lowrank and topk:0.01); default light")
+                    "(light and powersgd at every rank the profile measured: 1,2,4 by default), all (lowrank and "
+                    "topk:0.01); default light")
 
 CLUSTER_HELP = (
     "plan for a cluster you describe: a preset (eth10-8, aws-p3-32, ib100-64, dgx-a100-512), a JSON file, "

@@ -155,14 +155,15 @@ class SolveCommand(Command):
             spec = parse_cluster(args.cluster)
             profile = profile_for_cluster(profile, spec)
             console.print(f"what-if cluster {spec.describe()}")
-        from planner.strategies.mixed import PRESETS, measured_compressors
+        from planner.strategies.mixed import PRESETS, measured_compressors, preset_compressors
 
         preset = (args.compressors or "").strip().lower()
         if compressors is not None and preset in PRESETS:  # a preset: what this profile measured of it
-            compressors, left_out = measured_compressors(profile, compressors)
+            named = preset_compressors(preset, profile)
+            compressors, left_out = measured_compressors(profile, named)
             if not compressors:
                 raise PlannerError(f"this profile measured none of --compressors {preset} "
-                                   f"({', '.join(PRESETS[preset])}): profile again, or name compressors it measured")
+                                   f"({', '.join(map(str, named))}): profile again, or name compressors it measured")
             if left_out:
                 console.print(f"--compressors {preset}: left out {', '.join(map(str, left_out))}, which this profile "
                               "did not measure")

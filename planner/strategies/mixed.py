@@ -41,9 +41,10 @@ from planner.strategies.gradients import (
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, InvalidProfileError, SchemaError, Strategy
 
 __all__ = ["PRESETS", "GroupReason", "ddp_hook_name", "explain", "make_mixed_plan", "measured_compressors",
-           "mixed_groups", "parse_compressors", "plan_choice"]
+           "mixed_groups", "parse_compressors", "plan_choice", "preset_compressors"]
 
-#: Named sets of compressors (`--compressors PRESET`), from the most accurate to the most compressed.
+#: Named sets of compressors (`--compressors PRESET`), from the most accurate to the most compressed. Solved on a
+#: profile, a preset's PowerSGD ranks are those the profile measured (`preset_compressors`).
 PRESETS: dict[str, tuple[str, ...]] = {
     "exact": ("dense",),
     "light": ("dense", "fp16"),
@@ -66,6 +67,28 @@ def parse_compressors(text: str) -> tuple[Compressor, ...]:
     if len(set(compressors)) != len(compressors):
         raise SchemaError(f"--compressors names a compressor twice: {text}")
     return compressors
+
+
+def preset_compressors(name: str, profile: Profile) -> tuple[Compressor, ...]:
+    """The compressors of preset `name` (`PRESETS`) on `profile`: its PowerSGD ranks are the ranks the profile
+    measured (`planner profile --powersgd-ranks 4,16`: 4 and 16), or the preset's own where it measured none.
+
+    Raises:
+        SchemaError: `name` is not a preset.
+    """
+    if name not in PRESETS:
+        raise SchemaError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    nominal = parse_compressors(name)
+    measured = profile.compress.ranks() if profile.compress is not None else []
+    if not measured or not any(c.kind is CompressorKind.POWERSGD for c in nominal):
+        return nominal
+    out: list[Compressor] = []
+    for c in nominal:
+        if c.kind is not CompressorKind.POWERSGD:
+            out.append(c)
+        elif not any(o.kind is CompressorKind.POWERSGD for o in out):
+            out.extend(Compressor.parse(f"powersgd:{rank}") for rank in measured)
+    return tuple(out)
 
 
 def measured_compressors(profile: Profile, compressors: Sequence[Compressor]
