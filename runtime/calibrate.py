@@ -111,7 +111,9 @@ def measure_in_situ(
     PyTorch DDP with a comm hook that sends nothing is measured the same way against packing on its default
     buckets (`InSitu.ddp_pack`), and PyTorch's PowerSGD hook at each rank twice: on a process group of each rank
     alone (its work) and, given `comm` (the allreduce's curve on the real links), on the real process group, where
-    what sending added is calibrated against `comm`'s prediction for the hook's allreduces ("send").
+    what sending added is calibrated against `comm`'s prediction for the hook's allreduces ("send"). Given
+    `comm`, the runtime's own PowerSGD at each rank is calibrated the same way, with one group of every layer
+    measured sending nothing and then sending (its "send").
     A configuration whose calibration the cost model would not use (its interval
     includes no effect, or it is implausible: `planner.costmodel.spread.calibration_use`) is measured once more
     (`on_more` hears how many more pairs), and the second measurement kept. `on_point` is called after each pair.
@@ -123,7 +125,7 @@ def measure_in_situ(
     per_layer = tuple(range(1, len(specs) + 1))
     inputs, targets = (t.to(device) for t in workload.batch(seed=2468))
     plain = workload.module.to(device)
-    run = functools.partial(_silent_samples, workload, plain, inputs, targets, device, world_size, repeats,
+    run = functools.partial(_runtime_samples, workload, plain, inputs, targets, device, world_size, repeats,
                             process_group, on_point)
 
     def calibrate(measure: Callable[[], Any],
@@ -190,13 +192,21 @@ def measure_in_situ(
                 functools.partial(_ddp_powersgd_extra_samples, workload, plain, inputs, targets, device, repeats,
                                   process_group, compressor.rank, process_group, on_point),
                 functools.partial(_sent_calibration, modelled, worked)))
+            # The runtime's own PowerSGD the same way: one group of every layer (ready when the backward pass
+            # ends, as the hook's bucket), alone and then sending; what sending added against the same curve.
+            whole = (Group(layers=tuple(s.name for s in specs), params=tuple(p for s in specs for p in s.params),
+                           numel=sum(sizes), compressor=compressor),)
+            worked = median(_whole_steps(run, whole, sending=False))
+            compress_calibration[str(compressor)].update(calibrate(
+                functools.partial(_whole_steps, run, whole, sending=True),
+                functools.partial(_sent_calibration, modelled, worked)))
     return InSitu(pack=pack_calibration, select=select_calibration, decode=decode_calibration,
                   ddp_pack=ddp_calibration, compress=compress_calibration)
 
 
 def _work_calibrations(prepare_s: float, decode_s: float, got: tuple[list[float], list[float]], attempt: int, *,
                        less_s: float = 0.0, names: tuple[str, str] = ("prepare", "decode")) -> dict[str, Calibration]:
-    """The two calibrations of one configuration of the runtime (`_silent_samples`' extra backward time, less
+    """The two calibrations of one configuration of the runtime (`_runtime_samples`' extra backward time, less
     `less_s` of it that is calibrated apart, and its synchronize time) against their micro-benchmarks."""
     extra, finish = got
     return {names[0]: Calibration.of_samples([e - less_s for e in extra], prepare_s, attempt),
@@ -209,10 +219,19 @@ def _hook_calibration(modelled_s: float, less_s: float, extra: list[float], atte
     return {"prepare": Calibration.of_samples([e - less_s for e in extra], modelled_s, attempt)}
 
 
+def _whole_steps(run: Callable[..., tuple[list[float], list[float]]], groups: tuple[Group, ...], *,
+                 sending: bool) -> list[float]:
+    """`run`'s samples (`_runtime_samples`) for a plan of `groups`: the backward pass's extra time and the
+    synchronize call's together, sample by sample."""
+    extra, finish = run(Strategy.MIXED, groups, None, None, sending=sending)
+    return [e + f for e, f in zip(extra, finish, strict=True)]
+
+
 def _sent_calibration(modelled_s: float, worked_s: float, extra: list[float], attempt: int
                       ) -> dict[str, Calibration]:
-    """PyTorch's PowerSGD hook sending on the real process group: its extra backward time less `worked_s` (its
-    work and DDP's packing, measured alone), against the collective curve's `modelled_s` for its allreduces."""
+    """PowerSGD sending on the real process group (PyTorch's hook, or the runtime with one group): its extra time
+    less `worked_s` (its work, and DDP's packing for the hook, measured alone), against the collective curve's
+    `modelled_s` for its allreduces."""
     return {"send": Calibration.of_samples([e - worked_s for e in extra], modelled_s, attempt)}
 
 
@@ -470,12 +489,13 @@ def _forward_backward_seconds(workload: Workload, model: torch.nn.Module, inputs
     return stream_seconds(lambda: workload.loss_fn(model(inputs), targets).backward(), device)
 
 
-def in_situ_runs(world_size: int, topk: TopkTiming | None, compress: CompressTiming | None) -> int:
+def in_situ_runs(world_size: int, topk: TopkTiming | None, compress: CompressTiming | None, *,
+                 sending: bool = True) -> int:
     """How many configurations `measure_in_situ` runs (each `repeats` times): dense, DDP on several workers, each
-    top-k selector, fp16 and each PowerSGD rank (on several workers also PyTorch's PowerSGD hook at each, alone
-    and sending; the latter only given the allreduce's curve, but counted)."""
+    top-k selector, fp16 and each PowerSGD rank (on several workers also PyTorch's PowerSGD hook at each alone,
+    and given the allreduce's curve (`sending`) the hook sending and the runtime's one group alone and sending)."""
     ranks = 0 if compress is None else len(compress.ranks())
-    compressors = 0 if compress is None else 1 + ranks * (3 if world_size > 1 else 1)
+    compressors = 0 if compress is None else 1 + ranks * ((5 if sending else 2) if world_size > 1 else 1)
     return 1 + (world_size > 1) + (len(topk.selectors()) if topk is not None else 0) + compressors
 
 
@@ -495,12 +515,14 @@ def _compressor_work(compress: CompressTiming | None, specs: Sequence[Any]) -> l
     return out
 
 
-def _silent_samples(workload: Workload, plain: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                    device: torch.device, world_size: int, repeats: int, process_group: Any,
-                    on_point: Callable[[], object], strategy: Strategy, groups: tuple[Group, ...],
-                    density: float | None, selector: str | None) -> tuple[list[float], list[float]]:
-    """Every rank's samples of how much longer the backward pass is with the runtime (sending nothing) than
-    without it (one per pair of passes), and of its synchronize call, for a plan of `groups`."""
+def _runtime_samples(workload: Workload, plain: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                     device: torch.device, world_size: int, repeats: int, process_group: Any,
+                     on_point: Callable[[], object], strategy: Strategy, groups: tuple[Group, ...],
+                     density: float | None, selector: str | None, *, sending: bool = False
+                     ) -> tuple[list[float], list[float]]:
+    """Every rank's samples of how much longer the backward pass is with the runtime than without it (one per pair
+    of passes), and of its synchronize call, for a plan of `groups`: sending nothing, or (`sending`) sending on
+    `process_group` as in training."""
     from planner.contracts.fingerprint import ClusterInfo, model_info
     from planner.contracts.plan import Plan
     from planner.costmodel.problem import Prediction
@@ -514,7 +536,7 @@ def _silent_samples(workload: Workload, plain: torch.nn.Module, inputs: torch.Te
         lower_bound_s=0.0, solver="in-situ", solve_seconds=0.0, source_profile="", profiled="", created="",
     )
     hooked = copy.deepcopy(plain)
-    exchange = _SilentExchange(hooked, plan, process_group=process_group)
+    exchange = (GradientExchange if sending else _SilentExchange)(hooked, plan, process_group=process_group)
     extra, finish = [], []
     try:
         for i in range(repeats + 1):

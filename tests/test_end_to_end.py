@@ -41,14 +41,17 @@ def test_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     assert set(profile.collectives) == set(Collective)
     assert all(len(c.points) >= 5 for c in profile.collectives.values())
     assert profile.topk is not None and profile.topk.densities() == [0.01, 1.0]
-    # PyTorch's PowerSGD hook in real steps: its work alone, and what sending on the real group added to it,
-    # each rank's samples kept, against the micro-benchmarks and the allreduce curve
+    # PyTorch's PowerSGD hook and the runtime's PowerSGD in real steps: their work alone, and what sending on
+    # the real group added to it, each rank's samples kept, against the micro-benchmarks and the allreduce curve
     assert profile.compress is not None and profile.in_situ is not None
     for rank in profile.compress.ranks():
         hook = profile.in_situ.compress[f"ddp+powersgd:{rank}"]
-        assert set(hook) == {"prepare", "send"}
-        for c in hook.values():
+        own = profile.in_situ.compress[f"powersgd:{rank}"]
+        assert set(hook) == {"prepare", "send"} and set(own) == {"prepare", "decode", "send"}
+        for c in (*hook.values(), *own.values()):
             assert c.modelled_s > 0 and c.samples_s is not None and len(c.samples_s) % 2 == 0
+        assert own["send"].modelled_s == hook["send"].modelled_s  # the same two allreduces, on the same curve
+    assert "fp16" in profile.in_situ.compress and "send" not in profile.in_situ.compress["fp16"]
     before = profile.collectives
 
     _planner("profile", "--only", "comm", "--nproc", "2", "-o", str(prof))

@@ -382,9 +382,42 @@ def test_the_powersgd_hooks_allreduces_take_what_sending_took_in_real_steps() ->
     assert after.predicted == before.predicted  # the plan's own PowerSGD groups are the runtime's, not the hook
     assert {name: p for name, p in after.baselines.items() if name != "ddp+powersgd:1"} == {
         name: p for name, p in before.baselines.items() if name != "ddp+powersgd:1"}
-    # a profile file keeps it, and refuses it where it means nothing (the runtime's own compressors)
+    # a profile file keeps it, and refuses it where nothing is measured (fp16 is sent as dense is)
     assert Profile.from_dict(json.loads(json.dumps(with_send.to_dict()))).in_situ == with_send.in_situ
     data = with_send.to_dict()
-    data["in_situ"]["compress"]["powersgd:1"] = {"send": sent.to_dict()}
-    with pytest.raises(SchemaError, match=r"unknown field\(s\) \['send'\] in profile.in_situ.compress.powersgd:1"):
+    data["in_situ"]["compress"]["fp16"] = {"send": sent.to_dict()}
+    with pytest.raises(SchemaError, match=r"unknown field\(s\) \['send'\] in profile.in_situ.compress.fp16"):
         Profile.from_dict(data)
+
+
+def test_the_runtimes_powersgd_allreduces_take_what_sending_took_in_real_steps() -> None:
+    """The runtime's own "send" calibration scales the allreduces of the plan's PowerSGD groups, and of the plan
+    run inside DDP, not the hook's: on one group of every layer nothing overlaps them, so the step grows by
+    exactly (factor - 1) times the curve's prediction for both."""
+    from planner.costmodel.from_profile import mixed_problem
+    from planner.costmodel.mixed import FP32_BYTES, simulate_mixed
+    from planner.kernels.compress import PowerSGDLayout
+    from planner.strategies.mixed import make_mixed_plan, parse_compressors
+
+    profile = synthetic_profile("cnn")
+    assert profile.compress is not None
+    comm = profile.curve(Collective.ALLREDUCE).model
+    layouts = [PowerSGDLayout.of(row.shapes, 1) for row in profile.compress.powersgd_at(1).values()]
+    modelled = sum(comm.cost(FP32_BYTES * n) for n in (sum(x.send_numel for x in layouts),
+                                                      sum(x.q_numel for x in layouts)))
+    sent = Calibration.of_samples([3.0 * modelled * (1 + d) for d in (-0.02, -0.01, 0.0, 0.01, 0.02)], modelled)
+    with_send = dataclasses.replace(profile, in_situ=InSitu(compress={"powersgd:1": {"send": sent}}))
+
+    def one_group(p: Profile, runtime: str) -> float:
+        problem = mixed_problem(p, [parse_compressors("powersgd:1")[0]], runtime=runtime)
+        return simulate_mixed(problem, (problem.num_layers,), [0]).iteration_s
+
+    for runtime in ("planner", "planhook"):
+        grown = one_group(with_send, runtime) - one_group(profile, runtime)
+        assert grown == pytest.approx(2.0 * modelled, rel=1e-9), runtime
+    assert one_group(with_send, "ddp") == one_group(profile, "ddp")
+    before, after = (make_mixed_plan(p, parse_compressors("powersgd:1"), time_limit_s=None)
+                     for p in (profile, with_send))
+    assert after.baselines["ddp+powersgd:1"] == before.baselines["ddp+powersgd:1"]
+    assert after.predicted.iteration_s > before.predicted.iteration_s
+    assert Profile.from_dict(json.loads(json.dumps(with_send.to_dict()))).in_situ == with_send.in_situ

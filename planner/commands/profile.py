@@ -262,7 +262,8 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                                             on_point=lambda: bar.advance(task))
             memory.begin("the runtime in real steps")
             task = bar.add_task("the runtime in real steps",
-                                total=config.in_situ_repeats * in_situ_runs(world_size, topk, compress))
+                                total=config.in_situ_repeats * in_situ_runs(
+                                    world_size, topk, compress, sending=Collective.ALLREDUCE in curves))
             in_situ = measure_in_situ(
                 workload, device, layer_results.layers, world_size, pack=pack.model, topk=topk,
                 density=min(config.densities, key=lambda d: abs(math.log(d / IN_SITU_DENSITY))),

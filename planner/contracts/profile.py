@@ -562,6 +562,10 @@ class PowerSGDLayerTiming:
                    decompress_s=_time(data["decompress_s"], f"{where}.decompress_s"))
 
 
+#: The runtime's calibrated parts of a compressor's work (`InSitu.compress`), in words.
+_RUNTIME_PARTS = {"prepare": "compression", "decode": "decompression", "send": "sending"}
+
+
 @dataclass(frozen=True, kw_only=True)
 class CompressTiming:
     """What fp16 and PowerSGD cost on this device (see the module docstring)."""
@@ -842,7 +846,8 @@ class InSitu:
     #: PowerSGD's middle round) and in synchronize (decode), against the micro-benchmarks; "ddp+powersgd:R":
     #: PyTorch's PowerSGD hook on DDP's one bucket, all its work against the same micro-benchmarks (prepare),
     #: and what sending adds to it on the real process group against the collective curve's prediction for its
-    #: allreduces (send: their number, the callbacks between them and the wait for the other ranks included).
+    #: allreduces (send: their number, the callbacks between them and the wait for the other ranks included);
+    #: "powersgd:R" also has the runtime's own sending, measured the same way on one group of every layer (send).
     compress: dict[str, dict[str, Calibration]] = field(default_factory=dict)
     #: The K-FAC runtime's factor hooks (A in forward, G in backward, each packed into its buffer) in real
     #: forward and backward passes, against the per-layer micro-benchmarks (`KFACLayerTiming` a/g_compute_s).
@@ -859,7 +864,7 @@ class InSitu:
             ("decoding", self.decode), ("DDP's bucket copies", self.ddp_pack),
             *((f"PyTorch's {name.removeprefix('ddp+')} hook on DDP{'' if part == 'prepare' else ', sending'}"
                if name.startswith("ddp+") else
-               f"{name} {'compression' if part == 'prepare' else 'decompression'}", c)
+               f"{name} {_RUNTIME_PARTS[part]}", c)
               for name, calibrations in self.compress.items() for part, c in calibrations.items()),
             ("K-FAC factor hooks", self.kfac_factors),
             *((f"K-FAC {KFAC_STEP_NAMES.get(part, part)}", c) for part, c in self.kfac_steps.items())]
@@ -926,7 +931,9 @@ class InSitu:
             key = ("ddp+" if hook else "") + str(parse_compressor(name.removeprefix("ddp+") if hook else name,
                                                                   f"a compressor in {where}.compress"))
             expect(parts, dict, f"{where}.compress.{name}")
-            parts_known = ["prepare", "decode", *(["send"] if hook else [])]  # send: the hook's sending, measured
+            # send: PowerSGD's sending on the real process group, by the hook or by the runtime
+            sends = hook or key.startswith("powersgd:")
+            parts_known = ["prepare", "decode", *(["send"] if sends else [])]
             check_fields(parts, f"{where}.compress.{name}", [], optional=parts_known)
             compress[key] = {part: Calibration.from_dict(c, f"{where}.compress.{name}.{part}")
                              for part, c in parts.items()}

@@ -215,9 +215,10 @@ def _check_topk(profile: Profile, compressor: Compressor, selector: str) -> None
 
 def _powersgd_costs(profile: Profile, compressor: Compressor, comm: CostModel, pack: CostModel | None,
                     runtime: str = "planner") -> CompressorCosts:
-    """PowerSGD at `compressor.rank` per layer: the measured steps, and what each layer sends. For DDP's hook
-    (`runtime` "ddp") every step is scaled by the hook's own calibration when the profile has one, and its
-    allreduces by what sending them took in the hook on the real process group (`InSitu.compress`, "send")."""
+    """PowerSGD at `compressor.rank` per layer: the measured steps, and what each layer sends. Its allreduces are
+    scaled by what sending them took on the real process group (`InSitu.compress`, "send"): in the runtime (run on
+    its own or inside DDP), or for DDP's hook (`runtime` "ddp") in the hook, whose every step is also scaled by
+    its own calibration."""
     assert compressor.rank is not None
     timing = _compress_timing(profile, compressor)
     rows = timing.powersgd_at(compressor.rank)
@@ -229,6 +230,8 @@ def _powersgd_costs(profile: Profile, compressor: Compressor, comm: CostModel, p
             + (f"; layer {missing[0]!r} is missing" if rows else "")
             + f"); profile again with --powersgd-ranks including {compressor.rank}")
     prepare, decode = _factor(profile, compressor, "prepare"), _factor(profile, compressor, "decode")
+    if runtime != "ddp":  # the runtime's PowerSGD groups, on their own or inside DDP (PlanHook)
+        comm = _calibrated(comm, _factor(profile, compressor, "send"))
     hook = f"ddp+{compressor}"
     if runtime == "ddp" and profile.in_situ is not None and hook in profile.in_situ.compress:
         prepare = decode = profile.in_situ.compress_factor(hook, "prepare")
