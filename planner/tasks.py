@@ -14,7 +14,10 @@
   the token: the LSTM must learn 10,000 tokens' labels); for vectors, a random linear map. (A copy of the
   student with other weights labels random images with one class, or with classes a student does not learn
   in thousands of samples.) The student learns from a fixed training set of such inputs and is evaluated on
-  a held-out set of the same kind.
+  a held-out set of the same kind. A student with BatchNorm layers is evaluated with the statistics of a fixed
+  slice of its training set under its current weights ("precise BN"), not its running ones, which follow the
+  last few batches of 16 samples: judged with those, ResNet-18's held-out loss moved by a median 7% and up to
+  50% between snapshots one or two steps apart (trials at lr 0.005, 2,400 samples).
 
 No data is downloaded: the digits ship with scikit-learn, the text with Python, the rest is synthetic.
 """
@@ -30,7 +33,7 @@ import torch
 from planner.models import CHAR_SEQ, Batch, Workload, build_workload, digits_data, stdlib_text, text_windows
 from planner.types import PlannerError
 
-__all__ = ["TASKS", "Task", "build_task", "default_task"]
+__all__ = ["TASKS", "Task", "build_task", "default_task", "recompute_batchnorm"]
 
 #: The tasks `build_task` knows.
 TASKS = ("digits", "text", "teacher")
@@ -44,6 +47,10 @@ TOKEN_LABELS = 100
 _TEACHER_SEED, _INPUT_SEED, _EVAL_SEED = 90_001, 90_002, 90_003
 #: Samples per forward pass while labelling (keeps the logits of a 10k-token vocabulary small).
 _LABEL_CHUNK = 32
+#: Training samples whose statistics a student's BatchNorm layers take before each evaluation (`Task.norm_inputs`).
+NORM_SAMPLES = 128
+#: The BatchNorm layers whose running statistics `recompute_batchnorm` replaces.
+_BATCHNORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
 
 
 def default_task(model: str) -> str:
@@ -63,12 +70,39 @@ class Task:
     #: from 2.3 to about 1.5 in 3,000; the character model 1.0 takes its held-out loss from 4.84 to 1.57 in 6,400
     #: windows, batches of 16, one process).
     lr: float = 0.05
+    #: Training inputs whose statistics replace the running ones of the module's BatchNorm layers before each
+    #: evaluation (`recompute_batchnorm`); None: evaluated with the running ones.
+    norm_inputs: torch.Tensor | None = None
 
     def eval_loss(self, module: torch.nn.Module) -> float:
-        """The loss of `module` on the evaluation batch (no gradients; the module's mode as it is)."""
+        """The loss of `module` on the evaluation batch (no gradients; the module's mode as it is), its BatchNorm
+        statistics first recomputed on `norm_inputs` where the task has them."""
         x, y = self.eval_batch
         with torch.no_grad():
+            if self.norm_inputs is not None:
+                recompute_batchnorm(module, self.norm_inputs)
             return float(self.workload.loss_fn(module(x), y))
+
+
+def recompute_batchnorm(module: torch.nn.Module, inputs: torch.Tensor) -> None:
+    """Set the running statistics of `module`'s BatchNorm layers to those of `inputs` under its current weights
+    (one forward pass with those layers alone in training mode, averaging rather than blending); nothing else
+    changes. A module without such layers (or only ones that keep no running statistics) is left as it is."""
+    norms = [m for m in module.modules() if isinstance(m, _BATCHNORMS) and m.track_running_stats]
+    if not norms:
+        return
+    saved = [(m, m.momentum, m.training) for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average: one pass sets the statistics to the batch's
+        m.train(True)
+    try:
+        with torch.no_grad():
+            module(inputs)
+    finally:
+        for m, momentum, training in saved:
+            m.momentum = momentum
+            m.train(training)
 
 
 def build_task(model: str, task: str, *, batch_size: int | None = None) -> Task:
@@ -96,7 +130,7 @@ def build_task(model: str, task: str, *, batch_size: int | None = None) -> Task:
             tokens = not train[0].is_floating_point()
             return Task(name=task, workload=dataclasses.replace(
                 workload, make_batch=functools.partial(_sample, train)), eval_batch=held_out,
-                lr=0.5 if tokens else 0.02 if train[0].dim() == 4 else 0.05)
+                lr=0.5 if tokens else 0.02 if train[0].dim() == 4 else 0.05, norm_inputs=train[0][:NORM_SAMPLES])
         case _:
             raise PlannerError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 

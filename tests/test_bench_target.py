@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -12,7 +14,7 @@ import torch
 from planner.commands.bench import plan_tag
 from planner.commands.cli import main
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
-from planner.tasks import TOKEN_LABELS, build_task
+from planner.tasks import NORM_SAMPLES, TOKEN_LABELS, build_task
 from planner.types import PlannerError
 from tests.factories import synthetic_plan, synthetic_profile
 
@@ -37,6 +39,32 @@ def test_teacher_labels_spread_and_are_learnable_inputs(model: str) -> None:
     batch_x, batch_y = task.workload.make_batch(4, torch.Generator().manual_seed(0))
     again_x, again_y = build_task(model, "teacher").workload.make_batch(4, torch.Generator().manual_seed(0))
     assert torch.equal(batch_x, again_x) and torch.equal(batch_y, again_y)
+
+
+def test_a_student_with_batchnorm_is_judged_by_its_weights_not_its_running_statistics() -> None:
+    """Precise BN: a student's held-out loss does not hang on the running statistics its last batches left, and
+    the statistics it is evaluated with are those of the task's slice of training inputs (by hand)."""
+    task = build_task("cnn", "teacher")
+    assert task.norm_inputs is not None and len(task.norm_inputs) == NORM_SAMPLES
+
+    def stale() -> torch.nn.Module:
+        module = copy.deepcopy(task.workload.module)
+        with torch.no_grad():
+            module(torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(5)) * 4 + 2)  # other data
+        return module.train(False)
+
+    fresh = copy.deepcopy(task.workload.module).train(False)
+    assert task.eval_loss(stale()) == pytest.approx(task.eval_loss(fresh), rel=1e-5)
+    running = dataclasses.replace(task, norm_inputs=None)  # the running statistics, as before
+    assert running.eval_loss(stale()) != pytest.approx(running.eval_loss(fresh), rel=1e-2)
+    conv = next(m for m in fresh.modules() if isinstance(m, torch.nn.Conv2d))
+    norm = next(m for m in fresh.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    with torch.no_grad():
+        out = conv(task.norm_inputs)
+    assert torch.allclose(norm.running_mean, out.mean((0, 2, 3)), atol=1e-5)
+    assert torch.allclose(norm.running_var, out.var((0, 2, 3)), rtol=1e-4)
+    assert norm.momentum == 0.1 and not norm.training  # as it was
+    assert build_task("digits", "digits").norm_inputs is None
 
 
 def test_unknown_or_mismatched_tasks_are_refused() -> None:
