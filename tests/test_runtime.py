@@ -557,6 +557,33 @@ def test_run_distributed_reraises_a_worker_error_and_kills_hung_workers() -> Non
     assert time.monotonic() - start < 60
 
 
+def _slow_worker(rank: int, world_size: int) -> int:
+    time.sleep(4)
+    dist.barrier()
+    return rank
+
+
+def _one_rank_hangs(rank: int, world_size: int) -> None:
+    if rank == 0:
+        time.sleep(600)
+    dist.barrier()  # rank 1 waits for rank 0 in a collective that never completes
+
+
+def test_a_job_without_a_deadline_waits_for_its_workers_and_a_hang_still_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command's job has no deadline (a trial takes hours): the call waits for workers however long they work,
+    and a worker left waiting in a collective fails after the collective timeout, which ends the job."""
+    from planner.platform import launch
+
+    assert run_distributed(_slow_worker, WORLD_SIZE, timeout=None) == [0, 1]
+    monkeypatch.setattr(launch, "COLLECTIVE_TIMEOUT_S", 3.0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="Timed out waiting 3000ms") as info:
+        run_distributed(_one_rank_hangs, WORLD_SIZE, timeout=None)
+    assert time.monotonic() - start < 60
+    assert "did not finish within" not in str(info.value)
+
+
 def _tensor_result(rank: int, world_size: int) -> torch.Tensor:
     return torch.arange(1000, dtype=torch.float32)
 

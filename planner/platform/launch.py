@@ -3,7 +3,9 @@
 Used by `planner profile`, `planner bench` and the distributed tests to run small multi-process jobs
 without `torchrun`. Each worker is a fresh "spawn" process (so `fn` must be importable: a module-level
 function), runs `fn(rank, world_size, *args)`, and sends back its (picklable) return value or its
-exception. A worker that hangs past `timeout` gets every worker killed and the call fails.
+exception. A worker that hangs past `timeout` gets every worker killed and the call fails; with no `timeout`
+(the commands' jobs, which take as long as their work: hours for a trial on a CPU) the call waits for them, and a
+worker left waiting in a collective for `COLLECTIVE_TIMEOUT_S` fails instead, and with it the call.
 
 With `link=` (a `planner.platform.link.LinkRate`) the workers run behind an emulated slower network instead of
 loopback: each in its own network namespace, its egress shaped to the rate (see `planner.platform.link`); the
@@ -64,6 +66,9 @@ __all__ = [
 #: After one worker fails, how long the others get to finish before they are killed (they are likely
 #: blocked in a collective that will never complete).
 FAILURE_GRACE_S = 5.0
+#: With no overall `timeout`, how long a collective waits for its peers before it fails: a rank that hangs (or
+#: works this long between two collectives, which no command does) fails the job, which a `timeout` would also do.
+COLLECTIVE_TIMEOUT_S = 1800.0
 
 
 def resolve_backend(backend: str) -> str:
@@ -256,7 +261,7 @@ def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    timeout: float = 120,
+    timeout: float | None = 120,
     backend: str = "gloo",
     link: LinkRate | None = None,
     slowdown: Slowdown | None = None,
@@ -269,7 +274,8 @@ def run_distributed(
         world_size: number of processes.
         *args: picklable arguments passed to every worker.
         timeout: seconds after which a worker that has not finished is killed with all the others;
-            also the process group's collective timeout.
+            also the process group's collective timeout. None: no deadline (the collective timeout is
+            `COLLECTIVE_TIMEOUT_S`).
         backend: "gloo" (default) or "nccl" (each rank then uses GPU `rank % device_count`).
         link: run the workers behind an emulated link of this rate (`planner.platform.link`; needs root, else
             `LinkUnavailableError`), torn down before the call returns or raises.
@@ -320,7 +326,7 @@ def run_job(
     nproc: int,
     *args: Any,
     backend: str = "gloo",
-    timeout: float = 3600,
+    timeout: float | None = None,
     link: LinkRate | None = None,
     slowdown: Slowdown | None = None,
     hosts: int | None = None,
@@ -330,7 +336,8 @@ def run_job(
     Under torchrun this process is one rank of torchrun's group (possibly across hosts): it joins the
     group, runs `fn`, leaves it, and returns `fn`'s own result (rank 0's; other ranks get theirs, usually
     None). Otherwise `nproc` local workers are started with `run_distributed` (behind an emulated `link`
-    and with the `slowdown` when given) and rank 0's result is returned.
+    and with the `slowdown` when given) and rank 0's result is returned. No `timeout` by default: a command's job
+    takes as long as its work (`run_distributed`).
     """
     if under_torchrun() and slowdown is not None:
         raise SlowdownError("--slowdown slows down the workers a command starts itself; under torchrun the "
@@ -354,7 +361,7 @@ def _spawn(
     fn: Callable[..., Any],
     world_size: int,
     args: tuple[Any, ...],
-    timeout: float,
+    timeout: float | None,
     backend: str,
     networks: Sequence[_Network | None],
     throttles: Sequence[WorkerThrottle | None],
@@ -366,7 +373,7 @@ def _spawn(
 def _spawn_jobs(
     jobs: Sequence[tuple[Callable[..., Any], int, tuple[Any, ...], Sequence[_Network | None],
                          Sequence[WorkerThrottle | None]]],
-    timeout: float,
+    timeout: float | None,
     backend: str,
 ) -> list[list[Any]]:
     """Start every job's workers at once (each job its own rendezvous port and process group), collect each
@@ -378,6 +385,7 @@ def _spawn_jobs(
     ports: set[int] = set()
     for _fn, world_size, *_ in jobs:
         check_gpus(backend, world_size)
+    collective_timeout = timeout if timeout is not None else COLLECTIVE_TIMEOUT_S
     try:
         for index, (fn, world_size, args, networks, throttles) in enumerate(jobs):
             port = free_port()
@@ -391,7 +399,7 @@ def _spawn_jobs(
                 readers[-1][rank] = reader
                 proc = ctx.Process(
                     target=_worker,
-                    args=(fn, rank, world_size, port, backend, timeout, args, writer, networks[rank],
+                    args=(fn, rank, world_size, port, backend, collective_timeout, args, writer, networks[rank],
                           throttles[rank], os.getpid()),
                     name=f"run_distributed-{f'job{index}-' if len(jobs) > 1 else ''}rank{rank}",
                     daemon=True,
@@ -484,17 +492,18 @@ def run_jobs(
                             for fn, world_size, args in jobs], timeout, backend)
 
 
-def _collect(procs: list[Any], readers: dict[int, Connection], timeout: float,
+def _collect(procs: list[Any], readers: dict[int, Connection], timeout: float | None,
              oom: OomWatch | None = None) -> list[Any]:
-    """Wait for every worker's outcome (or death) until `timeout`; after a failure, wait only a grace period."""
+    """Wait for every worker's outcome (or death) until `timeout` (None: for as long as they work); after a
+    failure, wait only a grace period."""
     results: dict[int, Any] = {}
     failures: list[tuple[bool, float, int, BaseException | None, str]] = []  # (sent something, when, rank, ...)
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     pending = dict(readers)
     sentinel_rank = {procs[r].sentinel: r for r in pending}
     while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
             break
         ready = wait([*pending.values(), *(procs[r].sentinel for r in pending)], timeout=remaining)
         for obj in ready:
@@ -510,7 +519,8 @@ def _collect(procs: list[Any], readers: dict[int, Connection], timeout: float,
             else:
                 _, exc, text, when, *died_of = message
                 failures.append((not died_of, when, rank, exc, text))
-                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                grace = time.monotonic() + FAILURE_GRACE_S
+                deadline = grace if deadline is None else min(deadline, grace)
     if failures:
         # a worker that died is the cause of its peers' broken connections, whenever the parent noticed it;
         # otherwise the earliest failure is
