@@ -67,8 +67,9 @@ __all__ = [
 #: blocked in a collective that will never complete).
 FAILURE_GRACE_S = 5.0
 #: With no overall `timeout`, how long a collective waits for its peers before it fails: a rank that hangs (or
-#: works this long between two collectives, which no command does) fails the job, which a `timeout` would also do.
-COLLECTIVE_TIMEOUT_S = 1800.0
+#: works this long alone between two collectives, which no command does) fails the job. The commands' collectives
+#: had this timeout when their jobs also had it as a deadline.
+COLLECTIVE_TIMEOUT_S = 3600.0
 
 
 def resolve_backend(backend: str) -> str:
