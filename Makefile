@@ -58,4 +58,4 @@ bench-env:
 	$(BENCH_VENV)/bin/python -m pip install -q --no-deps -e $(PEERS)/kfac-pytorch
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) site *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(BENCH_VENV) runs site *.egg-info .pytest_cache .mypy_cache .ruff_cache

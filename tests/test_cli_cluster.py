@@ -58,7 +58,9 @@ def test_bad_cluster_specs_give_one_line(tmp_path: Path) -> None:
     assert not Path(out).exists()
 
 
-def test_retune_without_probe_and_for_a_described_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_retune_without_probe_and_for_a_described_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # retune writes by default under runs/ of the folder it runs in
     prof = tmp_path / "prof.json"
     synthetic_profile("resnet18").save(prof)
     plan_path = tmp_path / "plan.json"
@@ -67,7 +69,8 @@ def test_retune_without_probe_and_for_a_described_cluster(tmp_path: Path, capsys
     assert main(["retune", str(plan_path), "--cluster", "eth10-8"]) == 0
     out = capsys.readouterr().out
     assert "what changed" in out and "predicted gain of re-tuning" in out
-    new = Plan.load(tmp_path / "plan-retuned.json")
+    new = Plan.load(tmp_path / "runs" / "plan-retuned.json")
+    assert not (tmp_path / "plan-retuned.json").exists()  # never beside the plan: that may be a shipped folder
     assert new.cluster.world_size == 8 and new.source_profile == str(prof)
     assert main(["retune", str(plan_path), "--no-probe", "-o", str(tmp_path / "same.json")]) == 0
     assert Plan.load(tmp_path / "same.json").groups == Plan.load(plan_path).groups

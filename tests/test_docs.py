@@ -59,7 +59,7 @@ def test_readme_code_is_the_tested_snippets() -> None:
     assert factory.removeprefix("# my_workloads.py\n") == _section(SNIPPETS / "my_workloads.py", "factory")
     loop = next(b for b in blocks if "GradientExchange.from_file" in b)
     expected = "from planner.runtime import GradientExchange\n\n" + _section(SNIPPETS / "train.py", "loop")
-    assert loop == expected.replace("sys.argv[1]", '"plans/lm.json"')
+    assert loop == expected.replace("sys.argv[1]", '"runs/plans/lm.json"')
 
 
 def test_pages_include_the_snippets_that_exist() -> None:

@@ -132,3 +132,39 @@ def test_kfac_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     # K-FAC's work with nothing sent: the profile's calibrated kernels, beside the plan's own prediction of them.
     assert rows[1]["strategy"] == "local" and rows[1]["predicted_s"] == pytest.approx(
         plan.kfac.baselines[LOCAL_KFAC].step_s, rel=1e-12)
+
+
+def test_the_quick_demo_writes_outside_the_shipped_folders_and_the_shipped_file_tests_then_pass(tmp_path: Path) -> None:
+    """The README's order, in a copy of the repository: `planner demo` (quick, shortened) leaves nothing git sees
+    outside ignored folders, and the tests that read the shipped example plans still pass there afterwards."""
+    from tests.shipped import ROOT, shipped_plans
+
+    def git(*args: str, cwd: Path = ROOT) -> str:
+        proc = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    copy = tmp_path / "clone"
+    # The working tree as it is (tracked and new files, ignored ones left out), committed in a repository of its own.
+    for name in git("ls-files", "-z", "--cached", "--others", "--exclude-standard").split("\0"):
+        if name and (ROOT / name).is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            (copy / name).write_bytes((ROOT / name).read_bytes())
+    git("init", "-q", cwd=copy)
+    git("add", "-A", cwd=copy)
+    git("commit", "-q", "-m", "copy", cwd=copy)
+    planner = Path(sys.executable).parent / "planner"  # the installed command: it imports nothing from the copy
+    demo = subprocess.run([str(planner), "demo", "--quick", "--model", "mlp", "--link", "none", "--steps", "2"],
+                          cwd=copy, capture_output=True, text=True, timeout=600)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    written = sorted(p.relative_to(copy).as_posix() for p in (copy / "runs").rglob("*.json"))
+    assert "runs/profiles/mlp-2w.json" in written and "runs/plans/mlp-2w-dense.json" in written, written
+    assert "wrote plan runs/plans/mlp-2w-dense.json" in demo.stdout  # each write says where, in its line
+    assert git("status", "--porcelain", cwd=copy) == ""  # nothing new outside the ignored runs/
+    assert [p.relative_to(copy) for p in shipped_plans(copy)] == [p.relative_to(ROOT) for p in shipped_plans()]
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                            "tests/test_exactness.py", "tests/test_uncertainty.py",
+                            "-k", "written_before_the_record or plan_files_validate"],
+                           cwd=copy, capture_output=True, text=True, timeout=600)
+    assert tests.returncode == 0 and f"{len(shipped_plans()) + 1} passed" in tests.stdout, tests.stdout + tests.stderr

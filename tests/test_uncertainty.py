@@ -28,9 +28,8 @@ from planner.strategies.intervals import Draws, simplest_unbeaten, weigh, with_i
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
 from planner.types import Collective, InvalidProfileError, SchemaError, Strategy
 from tests.factories import synthetic_profile, with_samples
+from tests.shipped import shipped_plans
 from tests.test_interference import measured_profile
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- the paired estimator of in-situ factors ---------------------------------------------------------------------
@@ -315,7 +314,7 @@ def test_plan_files_validate_intervals_and_verdicts_and_older_plans_still_load()
         target[path[-1]] = value
         with pytest.raises(SchemaError, match=re.escape(message)):
             Plan.from_dict(bad)
-    for old in sorted((ROOT / "plans").glob("*.json")):
+    for old in shipped_plans():
         plan = Plan.load(old)
         assert plan.intervals is None and plan.verdict is None
     with_samples_doc = json.loads(json.dumps(doc))

@@ -19,7 +19,7 @@ from planner.commands.common import (
 )
 from planner.commands.printing import print_auto, print_bench, print_mixed_groups, print_plan, print_profile
 from planner.console import console
-from planner.contracts.jsonio import ensure_folder
+from planner.contracts.jsonio import RUNS, ensure_folder
 from planner.types import PlannerError, Strategy
 
 #: The network `planner demo` emulates by default: 1 Gbit/s Ethernet, the setting of the published work.
@@ -40,8 +40,10 @@ class DemoCommand(Command):
                                  "default all")
         parser.add_argument("--steps", type=_positive, default=None, help="bench steps per variant (default 20, "
                                                                              "--quick 10)")
-        parser.add_argument("--plans-dir", type=Path, default=Path("plans"))
-        parser.add_argument("--profiles-dir", type=Path, default=Path("profiles"))
+        parser.add_argument("--plans-dir", type=Path, default=RUNS / "plans",
+                            help="where the plans are written")
+        parser.add_argument("--profiles-dir", type=Path, default=RUNS / "profiles",
+                            help="where the profile is written")
         parser.add_argument("--link", default=DEMO_LINK, metavar="RATE|none",
                             help=f"{LINK_HELP}; default {DEMO_LINK} where this process may make network namespaces, "
                                  "else loopback; none: loopback")

@@ -10,7 +10,7 @@ from rich.table import Table
 from planner.commands.common import CLUSTER_HELP, Command, _add_hosts, _add_link, _positive, check_hosts
 from planner.commands.printing import _ms, print_plan
 from planner.console import console, err_console
-from planner.contracts.jsonio import check_output_path
+from planner.contracts.jsonio import RUNS, check_output_path
 from planner.types import PlannerError, Strategy
 
 
@@ -33,7 +33,7 @@ class RetuneCommand(Command):
         _add_link(parser)
         _add_hosts(parser)
         parser.add_argument("-o", "--output", type=Path, default=None,
-                            help="plan file to write (default: PLAN with -retuned before .json)")
+                            help=f"plan file to write (default: {RUNS}/NAME-retuned.json for a plan NAME.json)")
 
     def run(self, args: argparse.Namespace) -> int:
         from dataclasses import replace
@@ -54,7 +54,7 @@ class RetuneCommand(Command):
         plan = Plan.load(args.plan)
         check_hosts(args.hosts, args.nproc or plan.cluster.world_size)
         profile = load_source_profile(plan, args.profile)
-        output = check_output_path(args.output or args.plan.with_name(args.plan.stem + "-retuned.json"), "plan")
+        output = check_output_path(args.output or RUNS / f"{args.plan.stem}-retuned.json", "plan")
         if args.cluster is not None:
             from planner.strategies.cluster import parse_cluster, profile_for_cluster
 

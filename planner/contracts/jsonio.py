@@ -12,6 +12,10 @@ from typing import Any
 
 from planner.types import PlannerFileError, SchemaError
 
+#: Where commands write by default (the demo's profiles and plans, retune's plan): a folder of the user's, listed in
+#: the repository's .gitignore, never one the repository ships (its plans/ holds example plans).
+RUNS = Path("runs")
+
 #: No plan or profile comes near this size (those of a 5000-layer model with K-FAC are a few MB): a
 #: larger file is refused before it is read.
 MAX_DOCUMENT_BYTES = 64 * 1024 * 1024
