@@ -1,4 +1,4 @@
-"""Train with a plan: `torchrun --nproc_per_node 2 train.py plans/small-lm.json`."""
+"""Train with a plan: `torchrun --nproc_per_node 2 train.py runs/plans/small-lm.json`."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""Train with a K-FAC plan: `torchrun --nproc_per_node 2 train_kfac.py plans/small-lm-kfac.json`."""
+"""Train with a K-FAC plan: `torchrun --nproc_per_node 2 train_kfac.py runs/plans/small-lm-kfac.json`."""
 
 import sys
 
