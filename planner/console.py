@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,6 +11,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from planner.platform.phase import set_phase
 
 __all__ = ["LOG_EVERY_S", "console", "err_console", "progress"]
 
@@ -27,7 +30,8 @@ LOG_EVERY_S = 10.0
 class _LoggedProgress(Progress):
     """rich's progress bars, which draw nothing until the end where the output is not a terminal; there (a log, a
     CI job) a task that runs longer than `LOG_EVERY_S` also prints a line every `LOG_EVERY_S` seconds and one when
-    it completes, so that a log shows where a long run is (short phases print nothing more)."""
+    it completes, so that a log shows where a long run is (short phases print nothing more). The lines come from a
+    thread of their own too, so a phase that stops advancing (a hang) still prints where it stopped."""
 
     def __init__(self, *columns: Any, log: bool, **kwargs: Any) -> None:
         super().__init__(*columns, **kwargs)
@@ -36,8 +40,30 @@ class _LoggedProgress(Progress):
         self._last: dict[TaskID, float] = {}  # when each task started, then when it last printed a line
         self._printed: set[TaskID] = set()
         self._finished: set[TaskID] = set()
+        self._stopped = threading.Event()
+        self._lines_lock = threading.Lock()
+        self._ticker: threading.Thread | None = None
+
+    def start(self) -> None:
+        super().start()
+        if self._log and not self.disable and self._ticker is None:
+            self._ticker = threading.Thread(target=self._tick, name="progress-lines", daemon=True)
+            self._ticker.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        super().stop()
+
+    def _tick(self) -> None:
+        """Every unfinished task's line when it is due, checked a few times per `LOG_EVERY_S`."""
+        while not self._stopped.wait(min(1.0, max(LOG_EVERY_S / 4, 0.01))):
+            for task_id in [t.id for t in self.tasks if t.id not in self._finished]:
+                self._line(task_id)
 
     def add_task(self, description: str, *args: Any, **kwargs: Any) -> TaskID:
+        set_phase(description)  # shown or not: a worker that fails or hangs is reported in it
         task = super().add_task(description, *args, **kwargs)
         self._last[task] = time.monotonic()
         return task
@@ -51,6 +77,10 @@ class _LoggedProgress(Progress):
         self._line(task_id)
 
     def _line(self, task_id: TaskID) -> None:
+        with self._lines_lock:  # the ticker's thread and the caller's (not rich's lock: printing takes Live's)
+            self._line_locked(task_id)
+
+    def _line_locked(self, task_id: TaskID) -> None:
         if not self._log or self.disable or task_id in self._finished:
             return
         task = next((t for t in self.tasks if t.id == task_id), None)

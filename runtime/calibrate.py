@@ -40,6 +40,7 @@ from planner.costmodel.costs import CostModel
 from planner.costmodel.mixed import FP32_BYTES
 from planner.kernels.compress import PowerSGDLayout
 from planner.models import Workload
+from planner.platform.phase import set_phase
 from planner.platform.timing import gathered, median, slowest, stream_seconds, time_call
 from planner.runtime.ddp_hooks import has_unused_parameters, silent_hook
 from planner.runtime.exchange import GradientExchange, write_scaled
@@ -128,17 +129,20 @@ def measure_in_situ(
     run = functools.partial(_runtime_samples, workload, plain, inputs, targets, device, world_size, repeats,
                             process_group, on_point)
 
-    def calibrate(measure: Callable[[], Any],
+    def calibrate(what: str, measure: Callable[[], Any],
                   build: Callable[[Any, int], dict[str, Calibration]]) -> dict[str, Calibration]:
+        set_phase(f"the runtime in real steps: {what}")  # where a worker that fails or hangs was
         return _until_usable(measure, build, lambda: on_more(repeats), process_group=process_group)
 
     sizes = [s.numel for s in specs]
     pack_calibration = calibrate(
+        "packing",
         functools.partial(run, Strategy.DENSE, groups_for(specs, per_layer, Strategy.DENSE, None), None, None),
         functools.partial(_work_calibrations, sum(pack.cost(n) for n in sizes), 0.0))["prepare"]
     ddp_calibration = None
     if world_size > 1:
         ddp_calibration = calibrate(
+            "DDP's buckets",
             functools.partial(_ddp_extra_samples, workload, plain, inputs, targets, device, repeats, process_group,
                               on_point),
             functools.partial(_hook_calibration, sum(pack.cost(b) for b in _ddp_buckets(sizes)), 0.0))["prepare"]
@@ -149,7 +153,8 @@ def measure_in_situ(
     for selector in topk.selectors() if topk is not None else ():
         assert topk is not None
         select_s = sum(topk.select_model(density, selector).cost(n) for n in sizes)
-        found = calibrate(functools.partial(run, Strategy.TOPK, groups_for(specs, per_layer, Strategy.TOPK, density),
+        found = calibrate(f"top-k ({selector})",
+                          functools.partial(run, Strategy.TOPK, groups_for(specs, per_layer, Strategy.TOPK, density),
                                             density, selector),
                           functools.partial(_work_calibrations, select_s, decode_s, names=("select", "decode")))
         select_calibration[selector] = found["select"]
@@ -162,7 +167,7 @@ def measure_in_situ(
     for compressor, prepare_s, unpack_s in work:
         groups = tuple(Group(layers=(s.name,), params=s.params, numel=s.numel, compressor=compressor) for s in specs)
         compress_calibration[str(compressor)] = calibrate(
-            functools.partial(run, Strategy.MIXED, groups, None, None),
+            str(compressor), functools.partial(run, Strategy.MIXED, groups, None, None),
             functools.partial(_work_calibrations, prepare_s, unpack_s, less_s=packing))
     if world_size > 1 and any(c.kind is CompressorKind.POWERSGD for c, _, _ in work):
         # PyTorch's PowerSGD hook on DDP's one bucket (as the bench runs it on gloo): its own way of doing the
@@ -176,6 +181,7 @@ def measure_in_situ(
                 continue
             assert compressor.rank is not None
             hook = compress_calibration[f"ddp+{compressor}"] = calibrate(
+                f"PyTorch's {compressor} hook alone",
                 functools.partial(_ddp_powersgd_extra_samples, workload, plain, inputs, targets, device, repeats,
                                   alone, compressor.rank, process_group, on_point),
                 functools.partial(_hook_calibration, prepare_s + unpack_s, ddp_packing))
@@ -189,6 +195,7 @@ def measure_in_situ(
             modelled = sum(comm.cost(FP32_BYTES * n) for n in sends if n)
             worked = hook["prepare"].measured_s + ddp_packing
             hook.update(calibrate(
+                f"PyTorch's {compressor} hook sending",
                 functools.partial(_ddp_powersgd_extra_samples, workload, plain, inputs, targets, device, repeats,
                                   process_group, compressor.rank, process_group, on_point),
                 functools.partial(_sent_calibration, modelled, worked)))
@@ -198,6 +205,7 @@ def measure_in_situ(
                            numel=sum(sizes), compressor=compressor),)
             worked = median(_whole_steps(run, whole, sending=False))
             compress_calibration[str(compressor)].update(calibrate(
+                f"{compressor} sending",
                 functools.partial(_whole_steps, run, whole, sending=True),
                 functools.partial(_sent_calibration, modelled, worked)))
     return InSitu(pack=pack_calibration, select=select_calibration, decode=decode_calibration,
@@ -578,14 +586,21 @@ def _ddp_powersgd_extra_samples(workload: Workload, plain: torch.nn.Module, inpu
                                 group: Any, on_point: Callable[[], object]) -> list[float]:
     """Every rank of `group`'s samples of how much longer DDP's backward pass is than `plain`'s with PyTorch's
     PowerSGD hook at `rank` on one bucket, on the process group `alone` (this rank only: nothing is sent; or
-    `group` itself, sending)."""
+    `group` itself, sending).
+
+    Built as the bench builds it (`planner.commands.bench.ddp_with_hook`): one bucket, and where some rank leaves
+    parameters without a gradient, `static_graph=True` rather than `find_unused_parameters=True`. With the latter
+    the hook's second allreduce, launched from a callback thread, races DDP's allreduce of the used-parameter map
+    from the backward pass, and ranks that issue the two in different orders abort on a collective mismatch or
+    hang. With a static graph DDP finds the unused parameters in the first iteration, while the hook still
+    allreduces plainly, and sends no map after it; the batch here is the same every iteration, so the graph is."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
     size_mb = sum(p.numel() * p.element_size() for p in plain.parameters()) / 2**20
-    unused = has_unused_parameters(plain, lambda m: workload.loss_fn(m(inputs), targets))
+    unused = has_unused_parameters(plain, lambda m: workload.loss_fn(m(inputs), targets), group)
     wrapped = DistributedDataParallel(copy.deepcopy(plain), process_group=alone, bucket_cap_mb=size_mb + 1,
-                                      find_unused_parameters=unused)
+                                      static_graph=unused)
     state = powerSGD_hook.PowerSGDState(alone, matrix_approximation_rank=rank, start_powerSGD_iter=2)
     wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     for _ in range(2):  # the hook allreduces plainly for two iterations

@@ -15,7 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
 
+from planner.models import Workload
 from planner.platform import launch
 from planner.platform.launch import run_distributed
 from planner.platform.link import NAMESPACE_PREFIX, list_namespaces, privilege_problem, remove_stale_namespaces
@@ -401,3 +405,43 @@ def test_the_watch_trusts_the_counter_before_the_kernel_log() -> None:
     assert watch.killed(123) is False
     watch = OomWatch(count=lambda: None, kernel_log=lambda pid, since: True)
     assert watch.killed(123) is True
+
+
+# -- a hung worker -------------------------------------------------------------------------------------------------
+class _HangsInWorkers(nn.Module):
+    """Rank 1 stops for good at its third forward pass (a deadlock in the user's code, a lost peer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if dist.is_initialized() and dist.get_rank() == 1 and self.calls >= 3:
+            time.sleep(600)
+        return self.fc(x)
+
+
+def hangs_in_workers() -> Workload:
+    """`--model tests.test_lifecycle:hangs_in_workers`."""
+    return Workload(name="hangs", module=_HangsInWorkers(), batch_size=4,
+                    make_batch=lambda n, g: (torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)),
+                    loss_fn=nn.functional.mse_loss)
+
+
+def test_a_profile_whose_worker_hangs_ends_in_one_line_naming_the_phase(tmp_path: Path) -> None:
+    """The waiting worker's collective times out after --timeout, and the line names where it was (the progress
+    lines a log gets meanwhile: tests/test_uncertainty.py)."""
+    out = tmp_path / "prof.json"
+    proc = subprocess.run([sys.executable, "-m", "planner", "profile", "--quick", "--model",
+                           "tests.test_lifecycle:hangs_in_workers", "--nproc", "2", "--timeout", "4", "-o", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # the progress bars as a stream that is not a terminal gets them at the end ("layers of ...  1/101 0:00:04")
+    progress = [ln for ln in proc.stderr.splitlines() if re.search(r" \d+/\d+ \d+:\d\d:\d\d$", ln)]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.strip() and ln not in progress]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert "worker rank 0 failed (during: layers of tests.test_lifecycle:hangs_in_workers)" in errors[0], errors
+    assert "Timed out" in errors[0] and "Traceback" not in proc.stderr
+    assert not out.exists()

@@ -479,3 +479,23 @@ def test_a_mixed_table_predicts_the_ddp_topk_hook_as_its_verdict_weighs_it_and_t
     assert mixed.intervals is not None and "ddp+topk:0.01" in mixed.intervals.rows
     hook = {v.name: v for v in bench_variants((mixed,), build_workload("mlp").module, peers=())}["ddp+topk:0.01"]
     assert hook.selector == "sampled" and hook.predicted_s == table
+
+
+def test_progress_lines_keep_coming_while_a_phase_stops_advancing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hung phase (no advance) still prints where it stopped, from the display's own thread."""
+    import time
+
+    from rich.console import Console
+
+    import planner.console as console_module
+
+    out = io.StringIO()
+    monkeypatch.setattr(console_module, "err_console", Console(file=out, force_terminal=False, width=120))
+    monkeypatch.setattr(console_module, "LOG_EVERY_S", 0.05)
+    with console_module.progress() as bar:
+        task = bar.add_task("the runtime in real steps", total=4)
+        bar.advance(task)
+        deadline = time.monotonic() + 30
+        while out.getvalue().count("the runtime in real steps: 1/4") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert out.getvalue().count("the runtime in real steps: 1/4") >= 2  # printed again with nothing advanced

@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(exc.__cause__, RemoteTraceback):
             raise  # the planner's own bug: its traceback is what to report
         # a worker's error that is not the planner's (the user's model, a collective whose peer died): one line
-        err_console.print(f"planner {args.command}: error: worker rank {exc.__cause__.rank} failed: "
+        during = f" (during: {exc.__cause__.phase})" if exc.__cause__.phase else ""
+        err_console.print(f"planner {args.command}: error: worker rank {exc.__cause__.rank} failed{during}: "
                           f"{type(exc).__name__}: {_first_line(exc)}"
                           + ("" if args.verbose else " (--verbose prints its traceback)"),
                           markup=False, soft_wrap=True)

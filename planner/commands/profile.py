@@ -103,6 +103,11 @@ class Effort:
     error_warmup: int = ERROR_WARMUP
 
 
+#: How long a profile's worker waits in one collective for the others by default (`--timeout`). Every phase
+#: synchronises its workers every few steps, and the longest a rank waits there is how far the others lag: seconds,
+#: minutes for a slowed worker on a large model. A hung worker fails the profile after this, naming its phase.
+PROFILE_COLLECTIVE_TIMEOUT_S = 600.0
+
 #: `planner profile` by default.
 DEFAULT_EFFORT = Effort(repeats=10, warmup=3, layer_seconds=DEFAULT_LAYER_SECONDS, comm_repeats=7,
                         densities=DEFAULT_DENSITIES, powersgd_ranks=DEFAULT_POWERSGD_RANKS,
@@ -146,6 +151,8 @@ class ProfileConfig:
     micro_repeats: int = 5
     error_steps: int = ERROR_STEPS
     error_warmup: int = ERROR_WARMUP
+    #: how long one collective may wait for the other workers (`--timeout`): a hung worker fails the profile then
+    collective_timeout: float = PROFILE_COLLECTIVE_TIMEOUT_S
 
     @classmethod
     def at(cls, effort: Effort, *, quick: bool = False, **kwargs: object) -> ProfileConfig:
@@ -448,8 +455,8 @@ def run_profile(config: ProfileConfig) -> Profile:
                      int(os.environ.get("LOCAL_WORLD_SIZE", "1")), world_size=config.nproc)
     if config.kfac and not config.only_comm:  # a layer K-FAC cannot take is refused now, not after minutes of workers
         check_kfac_layers(build_workload(config.model, batch_size=config.batch_size), config.kfac_skip)
-    profile = run_job(profile_worker, config.nproc, config, backend=backend,
-                      link=config.link, slowdown=config.slowdown, hosts=config.hosts)
+    profile = run_job(profile_worker, config.nproc, config, backend=backend, link=config.link,
+                      slowdown=config.slowdown, hosts=config.hosts, collective_timeout=config.collective_timeout)
     if profile is None and under_torchrun():  # not rank 0: nothing to write
         raise SystemExit(0)
     if not isinstance(profile, Profile):

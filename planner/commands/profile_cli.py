@@ -15,6 +15,7 @@ from planner.commands.common import (
     _nonnegative_float,
     _nonnegative_int,
     _positive,
+    _positive_float,
     check_hosts,
 )
 from planner.commands.printing import print_profile
@@ -66,6 +67,9 @@ class ProfileCommand(Command):
         _add_link(parser)
         _add_hosts(parser)
         _add_slowdown(parser)
+        parser.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
+                            help="seconds a worker may wait in one collective for the others (default 600); past it "
+                                 "the profile fails in one line naming the phase it was in (a hung worker)")
         parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write")
         parser.add_argument("-v", "--verbose", dest="details", action="store_true",
                             help="print everything measured (each calibration, the collectives' fits, memory, "
@@ -99,7 +103,8 @@ class ProfileCommand(Command):
                 raise PlannerError(f"--densities: {exc}") from None
         ranks = effort.powersgd_ranks if args.powersgd_ranks is None else _powersgd_ranks(args.powersgd_ranks)
         given = {name: value for name, value in (("repeats", args.repeats), ("warmup", args.warmup),
-                                                  ("layer_seconds", args.layer_seconds)) if value is not None}
+                                                  ("layer_seconds", args.layer_seconds),
+                                                  ("collective_timeout", args.timeout)) if value is not None}
         check_hosts(args.hosts, args.nproc)
         check_output_path(args.output, "profile")  # before minutes of measuring, not after
         base = Profile.load(args.output) if args.only == "comm" and args.output.exists() else None
@@ -131,16 +136,19 @@ class ProfileCommand(Command):
 
 
 def _powersgd_ranks(text: str) -> tuple[int, ...]:
-    """`--powersgd-ranks`: "1,2,4" as (1, 2, 4), "none" as ()."""
-    from planner.types import MAX_POWERSGD_RANK
+    """`--powersgd-ranks`: "1,2,4" as (1, 2, 4), "none" as (). Each rank is read as the compressor powersgd:R is
+    (`Compressor.parse`: ASCII digits; `str.isdigit` also takes "²", which `int` refuses)."""
+    from planner.types import MAX_POWERSGD_RANK, Compressor, CompressorError
 
     if text.strip().lower() == "none":
         return ()
     ranks = []
     for part in text.split(","):
-        part = part.strip()
-        if not part.isdigit() or len(part) > 5 or not 1 <= int(part) <= MAX_POWERSGD_RANK:
+        try:
+            rank = Compressor.parse(f"powersgd:{part.strip()}").rank
+        except CompressorError:
             raise PlannerError(f"--powersgd-ranks must list whole numbers in 1..{MAX_POWERSGD_RANK} (e.g. 1,2,4) or "
-                               f"be none, but got {text!r}")
-        ranks.append(int(part))
+                               f"be none, but got {text!r}") from None
+        assert rank is not None  # a PowerSGD compressor has one
+        ranks.append(rank)
     return tuple(sorted(set(ranks)))

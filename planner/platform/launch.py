@@ -47,6 +47,8 @@ from planner._lifeline import LAUNCHER_ENV, die_with
 from planner.platform.link import HOSTS_ENV, LINK_ENV, EmulatedLink, LinkError, LinkRate, enter_namespace
 from planner.platform.memory import steady_allocator
 from planner.platform.oom import OomWatch
+from planner.platform.phase import PHASE_BYTES, read_phase
+from planner.platform.phase import attach as attach_phase
 from planner.platform.slowdown import Slowdown, SlowdownError, ThrottledWorkers, WorkerThrottle, enter_cgroup
 from planner.types import DistributedError, PlannerError, RemoteTraceback
 
@@ -144,6 +146,7 @@ def _worker(
     network: _Network | None = None,
     throttle: WorkerThrottle | None = None,
     launcher: int | None = None,
+    phase: Any = None,
 ) -> None:
     """Body of one spawned worker: join the group, run `fn`, send its outcome, leave the group.
 
@@ -151,8 +154,11 @@ def _worker(
     is sent before the group is destroyed, so a worker's own error reaches the parent before its peers
     fail on the vanished group; the parent reports the earliest failure.
 
-    `launcher`: the pid of the process that started it, with which it dies.
+    `launcher`: the pid of the process that started it, with which it dies. `phase`: the shared buffer where it
+    names its phase (`planner.platform.phase`).
     """
+    if phase is not None:
+        attach_phase(phase)
     _leave_interrupts_to_the_launcher()
     if launcher is not None:
         die_with(launcher)  # armed already as the package was imported (LAUNCHER_ENV); here where it was not
@@ -218,14 +224,19 @@ def _leave_group() -> None:
     dist.destroy_process_group()
 
 
-def _raise_worker_error(rank: int, exc: BaseException | None, text: str) -> None:
+def _raise_worker_error(rank: int, exc: BaseException | None, text: str, phase: str = "") -> None:
     """Re-raise a worker's exception in the parent, its traceback text attached as the cause; a worker that
-    left no exception (it died, or its exception did not pickle) is a DistributedError saying what is known."""
-    remote = RemoteTraceback(f"worker rank {rank} failed:\n{text}", rank)
+    left no exception (it died, or its exception did not pickle) is a DistributedError saying what is known,
+    and the phase it was in (`phase`, where it named one)."""
+    remote = RemoteTraceback(f"worker rank {rank} failed:\n{text}", rank, phase=phase or None)
     if exc is None:
         last = text.strip().splitlines()[-1] if text.strip() else "no result and no traceback"
-        raise DistributedError(f"worker rank {rank} {last}") from remote
+        raise DistributedError(f"worker rank {rank} {last}{_during(phase)}") from remote
     raise exc from remote
+
+
+def _during(phase: str) -> str:
+    return f" (during: {phase})" if phase else ""
 
 
 def _death(proc: Any, oom: OomWatch | None = None) -> str:
@@ -267,6 +278,7 @@ def run_distributed(
     link: LinkRate | None = None,
     slowdown: Slowdown | None = None,
     hosts: int | None = None,
+    collective_timeout: float | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` in `world_size` spawned processes, return results by rank.
 
@@ -277,6 +289,8 @@ def run_distributed(
         timeout: seconds after which a worker that has not finished is killed with all the others;
             also the process group's collective timeout. None: no deadline (the collective timeout is
             `COLLECTIVE_TIMEOUT_S`).
+        collective_timeout: the process group's collective timeout when it is to differ from `timeout` (a job
+            with no deadline whose collectives should still not wait an hour).
         backend: "gloo" (default) or "nccl" (each rank then uses GPU `rank % device_count`).
         link: run the workers behind an emulated link of this rate (`planner.platform.link`; needs root, else
             `LinkUnavailableError`), torn down before the call returns or raises.
@@ -304,7 +318,7 @@ def run_distributed(
             throttles = [groups.throttle(r) for r in range(world_size)]
         if link is not None or hosts is not None:
             networks = _emulated_networks(stack, link, world_size, hosts)
-        return _spawn(fn, world_size, args, timeout, backend, networks, throttles)
+        return _spawn(fn, world_size, args, timeout, backend, networks, throttles, collective_timeout)
 
 
 def _emulated_networks(stack: contextlib.ExitStack, link: LinkRate | None, workers: int,
@@ -331,6 +345,7 @@ def run_job(
     link: LinkRate | None = None,
     slowdown: Slowdown | None = None,
     hosts: int | None = None,
+    collective_timeout: float | None = None,
 ) -> Any:
     """Rank 0's result of `fn(rank, world_size, *args)`, run where the user launched the command.
 
@@ -338,7 +353,8 @@ def run_job(
     group, runs `fn`, leaves it, and returns `fn`'s own result (rank 0's; other ranks get theirs, usually
     None). Otherwise `nproc` local workers are started with `run_distributed` (behind an emulated `link`
     and with the `slowdown` when given) and rank 0's result is returned. No `timeout` by default: a command's job
-    takes as long as its work (`run_distributed`).
+    takes as long as its work (`run_distributed`). `collective_timeout`: how long one collective may wait, there and
+    under torchrun (by default `timeout`, else `COLLECTIVE_TIMEOUT_S`).
     """
     if under_torchrun() and slowdown is not None:
         raise SlowdownError("--slowdown slows down the workers a command starts itself; under torchrun the "
@@ -349,13 +365,15 @@ def run_job(
             raise LinkError(f"{what} emulates a network for the workers a command starts itself; under torchrun "
                             f"the network and hosts are the real ones: drop {what}")
         steady_allocator()
-        dist.init_process_group(backend, device_id=_gpu_of(backend, int(os.environ.get("LOCAL_RANK", 0))))
+        waits = collective_timeout if collective_timeout is not None else timeout
+        dist.init_process_group(backend, device_id=_gpu_of(backend, int(os.environ.get("LOCAL_RANK", 0))),
+                                timeout=None if waits is None else timedelta(seconds=waits))
         try:
             return fn(dist.get_rank(), dist.get_world_size(), *args)
         finally:
             _leave_group()
     return run_distributed(fn, nproc, *args, timeout=timeout, backend=backend, link=link, slowdown=slowdown,
-                           hosts=hosts)[0]
+                           hosts=hosts, collective_timeout=collective_timeout)[0]
 
 
 def _spawn(
@@ -366,9 +384,10 @@ def _spawn(
     backend: str,
     networks: Sequence[_Network | None],
     throttles: Sequence[WorkerThrottle | None],
+    collective_timeout: float | None = None,
 ) -> list[Any]:
     """Start the workers (rank r behind `networks[r]` when not None), collect their results, reap them."""
-    return _spawn_jobs([(fn, world_size, args, networks, throttles)], timeout, backend)[0]
+    return _spawn_jobs([(fn, world_size, args, networks, throttles)], timeout, backend, collective_timeout)[0]
 
 
 def _spawn_jobs(
@@ -376,6 +395,7 @@ def _spawn_jobs(
                          Sequence[WorkerThrottle | None]]],
     timeout: float | None,
     backend: str,
+    collective_timeout: float | None = None,
 ) -> list[list[Any]]:
     """Start every job's workers at once (each job its own rendezvous port and process group), collect each
     job's results in turn, reap them all."""
@@ -383,10 +403,12 @@ def _spawn_jobs(
     oom = OomWatch()
     procs: list[list[Any]] = []
     readers: list[dict[int, Connection]] = []
+    phases: list[list[Any]] = []  # each worker's phase buffer (`planner.platform.phase`)
     ports: set[int] = set()
     for _fn, world_size, *_ in jobs:
         check_gpus(backend, world_size)
-    collective_timeout = timeout if timeout is not None else COLLECTIVE_TIMEOUT_S
+    if collective_timeout is None:
+        collective_timeout = timeout if timeout is not None else COLLECTIVE_TIMEOUT_S
     try:
         for index, (fn, world_size, args, networks, throttles) in enumerate(jobs):
             port = free_port()
@@ -395,13 +417,14 @@ def _spawn_jobs(
             ports.add(port)
             procs.append([])
             readers.append({})
+            phases.append([ctx.Array("c", PHASE_BYTES, lock=False) for _ in range(world_size)])
             for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
                 readers[-1][rank] = reader
                 proc = ctx.Process(
                     target=_worker,
                     args=(fn, rank, world_size, port, backend, collective_timeout, args, writer, networks[rank],
-                          throttles[rank], os.getpid()),
+                          throttles[rank], os.getpid(), phases[-1][rank]),
                     name=f"run_distributed-{f'job{index}-' if len(jobs) > 1 else ''}rank{rank}",
                     daemon=True,
                 )
@@ -409,8 +432,8 @@ def _spawn_jobs(
                 with _interrupts_held(), _launcher_named():
                     proc.start()
                 writer.close()
-        return [_collect(job_procs, job_readers, timeout, oom) for job_procs, job_readers in zip(procs, readers,
-                                                                                                  strict=True)]
+        return [_collect(job_procs, job_readers, timeout, oom, job_phases)
+                for job_procs, job_readers, job_phases in zip(procs, readers, phases, strict=True)]
     finally:
         started = [proc for job_procs in procs for proc in job_procs if proc.pid is not None]
         for proc in started:
@@ -494,9 +517,13 @@ def run_jobs(
 
 
 def _collect(procs: list[Any], readers: dict[int, Connection], timeout: float | None,
-             oom: OomWatch | None = None) -> list[Any]:
+             oom: OomWatch | None = None, phases: Sequence[Any] = ()) -> list[Any]:
     """Wait for every worker's outcome (or death) until `timeout` (None: for as long as they work); after a
-    failure, wait only a grace period."""
+    failure, wait only a grace period. `phases`: each rank's phase buffer, read to say where a failure was."""
+
+    def phase_of(rank: int) -> str:
+        return read_phase(phases[rank]) if rank < len(phases) else ""
+
     results: dict[int, Any] = {}
     failures: list[tuple[bool, float, int, BaseException | None, str]] = []  # (sent something, when, rank, ...)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -526,11 +553,12 @@ def _collect(procs: list[Any], readers: dict[int, Connection], timeout: float | 
         # a worker that died is the cause of its peers' broken connections, whenever the parent noticed it;
         # otherwise the earliest failure is
         *_, rank, exc, text = min(failures, key=lambda f: f[:3])
-        _raise_worker_error(rank, exc, text)
+        _raise_worker_error(rank, exc, text, phase_of(rank))
     if pending:
+        where = "; ".join(f"rank {r} during: {phase_of(r)}" for r in sorted(pending) if phase_of(r))
         raise DistributedError(
-            f"worker rank(s) {sorted(pending)} of {len(procs)} did not finish within {timeout:g} s; "
-            "all workers were killed"
+            f"worker rank(s) {sorted(pending)} of {len(procs)} did not finish within {timeout:g} s"
+            f"{f' ({where})' if where else ''}; all workers were killed"
         )
     return [results[r] for r in range(len(procs))]
 
