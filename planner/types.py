@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass
 
 __all__ = [
@@ -75,10 +76,11 @@ class RemoteTraceback(Exception):
     """The traceback text of an exception raised in a worker; set as `__cause__` of the error the launcher
     re-raises in the parent (`planner.platform.launch`), with the rank it came from."""
 
-    def __init__(self, text: str, rank: int | None = None) -> None:
+    def __init__(self, text: str, rank: int | None = None, *, phase: str | None = None) -> None:
         super().__init__(text)
         self.text = text
         self.rank = rank
+        self.phase = phase  # what the worker was doing (`planner.platform.phase`), where it said
 
     def __str__(self) -> str:
         return f'\n"""\n{self.text}"""'
@@ -117,7 +119,14 @@ class CompressorKind(enum.StrEnum):
 #: Largest PowerSGD rank a compressor may name (the rank of the approximation of each matrix).
 MAX_POWERSGD_RANK = 1024
 
-_COMPRESSOR_FORMS = "dense, fp16, powersgd:R (R a whole number >= 1) or topk:D (0 < D <= 1)"
+_COMPRESSOR_FORMS = (f"dense, fp16, powersgd:R (R a whole number in 1..{MAX_POWERSGD_RANK}) or topk:D "
+                     "(D a decimal number, 0 < D <= 1)")
+
+#: How a rank and a density are written: ASCII digits only. `int` and `float` take much more ("+-3" fails deep
+#: inside, "²" and "١" are digits to `str.isdigit`, "1_0", "nan", "inf" and full-width digits are numbers to
+#: `float`), so the text is matched first and only then converted.
+_RANK = re.compile(r"[0-9]{1,12}", re.ASCII)
+_DENSITY = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,4})?", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -192,17 +201,15 @@ class Compressor:
     def _of(cls, kind: CompressorKind, sep: str, param: str, text: str) -> Compressor:
         match kind:
             case CompressorKind.POWERSGD:
-                if not sep or not param.lstrip("+-").isdigit() or len(param) > 12:
-                    raise CompressorError(f"{text!r}: powersgd needs a rank, a whole number >= 1 (e.g. powersgd:4)")
+                if not sep or not _RANK.fullmatch(param):
+                    raise CompressorError(f"{text!r}: powersgd needs a rank written in digits, a whole number in "
+                                          f"1..{MAX_POWERSGD_RANK} (e.g. powersgd:4)")
                 return cls(kind, rank=int(param))
             case CompressorKind.TOPK:
-                try:
-                    density = float(param) if sep and len(param) <= 40 else None
-                except ValueError:
-                    density = None
-                if density is None:
-                    raise CompressorError(f"{text!r}: topk needs a density in (0, 1] (e.g. topk:0.01)")
-                return cls(kind, density=density)
+                if not sep or len(param) > 40 or not _DENSITY.fullmatch(param):
+                    raise CompressorError(f"{text!r}: topk needs a density written as a decimal number in (0, 1] "
+                                          f"(e.g. topk:0.01)")
+                return cls(kind, density=float(param))
             case _:
                 if sep:
                     raise CompressorError(f"{text!r}: {kind.value} takes no parameter; write {kind.value}")

@@ -227,6 +227,7 @@ def test_a_worker_killed_during_bench_is_named_not_its_peers_broken_connection(
     err = _errors(proc.stderr)
     assert proc.returncode == 2 and len(err) == 1, proc.stderr
     assert "worker rank 1 was killed by SIGKILL" in err[0] and "out of memory" not in err[0]  # killed by hand
+    assert "(during: " in err[0]  # the phase the worker was in
     assert "Traceback" not in proc.stderr and "Connection reset" not in proc.stderr
 
 
@@ -235,7 +236,8 @@ def test_a_worker_error_from_the_users_model_is_one_line_and_verbose_shows_its_t
     proc = _cli(*args, env={"PLANNER_TEST_FAULT": "raise"})
     err = _errors(proc.stderr)
     assert proc.returncode == 2 and len(err) == 1, proc.stderr
-    assert "worker rank 1 failed: RuntimeError: boom from the user's forward (--verbose prints" in err[0]
+    assert "worker rank 1 failed (during: bench steps): RuntimeError: boom from the user's forward (--verbose prints" \
+        in err[0]  # and where it was
     verbose = _cli("--verbose", *args, env={"PLANNER_TEST_FAULT": "raise"})
     assert verbose.returncode == 2
     assert "Traceback" in verbose.stderr and "in forward" in verbose.stderr
@@ -415,3 +417,214 @@ def test_a_name_with_a_line_break_or_an_escape_stays_on_the_errors_one_line(
     reached the terminal."""
     _in_process(["show", str(tmp_path / name)], f"plan, profile or trials file not found: {tmp_path / shown} (check",
                 capsys)
+
+
+# -- issue 69: the new surface's bad inputs -------------------------------------------------------------------------
+#: Compressor names `int` or `float` took apart or misread: signs, digits that are not ASCII, Python's own numbers.
+_BAD_NAMES = ["powersgd:+-3", "powersgd:--4", "powersgd:²", "powersgd:+3", "topk:１", "topk:nan", "topk:1_0"]
+
+
+@pytest.mark.parametrize("name", _BAD_NAMES)
+def test_a_compressor_name_only_ascii_digits_write_is_one_line_wherever_it_is_read(
+        tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`Compressor.parse` raised ValueError out of `int("+-3")`: a traceback from --error-budget, --compressors,
+    --peers and every file naming a compressor; "topk:１" was read as top-k at density 1."""
+    from planner.types import Compressor, CompressorError
+    from tests.test_budget_plan import profile_with_errors
+    from tests.test_trials import TOPK, trials_of
+
+    with pytest.raises(CompressorError, match=re.escape(repr(name))):
+        Compressor.parse(name)
+    profile = profile_with_errors()
+    prof, out = tmp_path / "prof.json", tmp_path / "plan.json"
+    profile.save(prof)
+    shown = f"{name!r}: {name.partition(':')[0]} needs a"
+    _in_process(["solve", str(prof), "--strategy", "mixed", "--compressors", "all", f"--error-budget={name}", "-o",
+                 str(out)], f"--error-budget takes a number >= 0 (the error itself) or a compressor whose error over "
+                f"the whole gradient is the budget, such as powersgd:4; {shown}", capsys)
+    _in_process(["solve", str(prof), "--strategy", "mixed", "--compressors", f"dense,{name}", "-o", str(out)],
+                f"--compressors: {shown}", capsys)
+    assert not out.exists()
+    # in files: trials, a plan, a profile's errors record
+    trials = trials_of(profile, {TOPK: (2.0, 1.8, 2.2)}).to_dict()
+    trials["compressors"] = {name: trials["compressors"]["topk:0.01"]}
+    (tmp_path / "trials.json").write_text(json.dumps(trials))
+    _in_process(["show", str(tmp_path / "trials.json")], f"trials.compressors: {shown}", capsys)
+    _in_process(["solve", str(prof), "--strategy", "auto", "--trials", str(tmp_path / "trials.json"), "-o", str(out)],
+                f"trials.compressors: {shown}", capsys)
+    assert main(["solve", str(prof), "--strategy", "mixed", "--compressors", "dense,powersgd:1", "-o", str(out)]) == 0
+    capsys.readouterr()
+    _in_process(["bench", "--plan", str(out), "--peers", name], shown, capsys)
+    (tmp_path / "bad-plan.json").write_text(out.read_text().replace('"powersgd:1"', json.dumps(name)))
+    _in_process(["show", str(tmp_path / "bad-plan.json")], f"plan.compressors[1]: {shown}", capsys)
+    doc = profile.to_dict()
+    doc["errors"]["compressors"][name] = doc["errors"]["compressors"].pop("powersgd:4")
+    prof.write_text(json.dumps(doc))
+    _in_process(["show", str(prof)], f"profile.errors.compressors[{name!r}]: {shown}", capsys)
+
+
+def test_profile_refuses_powersgd_ranks_not_written_in_ascii_digits_before_any_worker_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`"²".isdigit()` is True and `int("²")` a ValueError: a traceback."""
+    import planner.commands.profile
+
+    def no_workers(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the profile started")
+
+    monkeypatch.setattr(planner.commands.profile, "run_profile", no_workers)
+    for ranks in ("²", "+-3", "1,²"):
+        _in_process(["profile", "--quick", "--model", "mlp", "--nproc", "2", "--powersgd-ranks", ranks, "-o",
+                     str(tmp_path / "p.json")], f"--powersgd-ranks must list whole numbers in 1..1024 (e.g. 1,2,4) or "
+                    f"be none, but got {ranks!r}", capsys)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_trials_file_whose_ddp_curve_holds_a_null_is_refused_at_load(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DDP's half-way loss, the samples' target, was read as null: an AssertionError from `show` and `solve`. DDP's
+    run is the reference and its final loss is finite: it did not diverge, so a null in its curve is no trial's."""
+    from tests.test_budget_plan import profile_with_errors
+    from tests.test_trials import TOPK, trials_of, with_curves
+
+    profile = profile_with_errors()
+    prof, out = tmp_path / "prof.json", tmp_path / "plan.json"
+    profile.save(prof)
+    doc = with_curves(trials_of(profile, {TOPK: (2.0, 1.8, 2.2)}), {TOPK: (3000, 3000, 3500)}).to_dict()
+    curve = doc["curves"]["ddp"][1]
+    curve[len(curve) // 2][1] = None  # at 2000 of 4000 samples: DDP's half-way point
+    path = tmp_path / "trials.json"
+    path.write_text(json.dumps(doc))
+    message = "trials.curves['ddp'][1] must hold a loss at every evaluation: DDP's run is the reference"
+    _in_process(["show", str(path)], message, capsys)
+    _in_process(["solve", str(prof), "--strategy", "auto", "--trials", str(path), "-o", str(out)], message, capsys)
+    assert not out.exists()
+
+
+def test_a_tiny_error_budget_gives_the_plan_that_fits_without_warnings(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """1e-17 cut into units asked for more than int64 holds: numpy's "invalid value encountered in cast", then an
+    error naming no option. The budget is legitimate: only what has no error fits it, dense."""
+    import warnings
+
+    import numpy as np
+
+    from planner.contracts.plan import Plan
+    from planner.solvers.mixed import ErrorBudget
+    from tests.test_budget_plan import profile_with_errors
+
+    prof, out = tmp_path / "prof.json", tmp_path / "plan.json"
+    profile_with_errors().save(prof)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for budget in ("1e-17", "5e-324"):
+            assert main(["solve", str(prof), "--strategy", "mixed", "--compressors", "all",
+                         f"--error-budget={budget}", "-o", str(out)]) == 0
+            captured = capsys.readouterr()
+            assert "Warning" not in captured.out + captured.err and not captured.err.strip()
+            plan = Plan.load(out)
+            assert {str(plan.compressor_of(g)) for g in plan.groups} == {"dense"}
+        # an error beyond the whole budget fits no plan whatever its units; the others are cut as before
+        errors = np.array([[0.0, 0.0], [0.3, 1e308], [1e-18, 0.0]])
+        tiny = ErrorBudget.of(errors, 1e-17, resolution=4)
+        assert tiny.budget == 8 and tiny.units.tolist() == [[0, 0], [9, 9], [1, 0]]
+        assert ErrorBudget.of(errors, 1.0, resolution=4).units.tolist() == [[0, 0], [3, 9], [1, 0]]
+
+
+def test_squared_norms_no_measurement_reaches_are_refused_at_load_and_none_overflows(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every grad_sq 1e308 was accepted; the solve summed them to inf (numpy's overflow warnings), then failed with
+    "errors must be finite and >= 0"."""
+    import warnings
+
+    import numpy as np
+
+    from planner.contracts.errors import MAX_CONTRACTION, CompressionErrors
+    from tests.test_budget_plan import profile_with_errors
+
+    doc = profile_with_errors().to_dict()
+    doc["errors"]["grad_sq"] = np.full(np.shape(doc["errors"]["grad_sq"]), 1e308).tolist()
+    prof, out = tmp_path / "prof.json", tmp_path / "plan.json"
+    prof.write_text(json.dumps(doc))
+    message = "profile.errors.grad_sq must hold finite squared norms >= 0 and at most 1e+100"
+    _in_process(["solve", str(prof), "--strategy", "mixed", "--compressors", "all", "--error-budget=powersgd:4",
+                 "-o", str(out)], message, capsys)
+    _in_process(["show", str(prof)], message, capsys)
+    assert not out.exists()
+    # within the bound, nothing overflows: a large error over a vanishing input is held at MAX_CONTRACTION
+    grad = np.full((2, 2, 3), 1e100)
+    record = CompressionErrors(layers=("a", "b"), warmup=1, grad_sq=grad, input_sq={"fp16": np.full_like(grad, 1e-300)},
+                               error_sq={"fp16": grad.copy()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert record.contraction("fp16").tolist() == [MAX_CONTRACTION, MAX_CONTRACTION]
+        assert record.uniform("fp16") == pytest.approx(MAX_CONTRACTION)
+        assert record.grad_spread() == pytest.approx([0.0, 0.0], abs=1e-12)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc, a folder nothing can be created in")
+def test_an_output_path_no_file_can_be_created_in_is_refused_before_any_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-o /proc/x` passed `check_output_path` (the folder exists): the profile measured, the trial trained, and
+    only then the write failed. Root passes any permission check there, so it is tried (a file created, removed)."""
+    import planner.commands.profile
+    import planner.commands.trial
+    from planner.contracts.jsonio import check_output_path
+    from planner.types import PlannerFileError
+    from tests.test_budget_plan import profile_with_errors
+
+    def no_work(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the work started")
+
+    monkeypatch.setattr(planner.commands.profile, "run_profile", no_work)
+    monkeypatch.setattr(planner.commands.trial, "run_trials", no_work)
+    prof = tmp_path / "prof.json"
+    profile_with_errors().save(prof)
+    for what, argv in (("profile", ["profile", "--quick", "--model", "mlp", "--nproc", "2"]),
+                       ("trials file", ["trial", str(prof), "--compressors", "fp16"]),
+                       ("plan", ["solve", str(prof)]),
+                       ("plan", ["tune", str(prof)]),
+                       ("pairing plan", ["pair", str(prof), "--batch", "64"])):
+        _in_process([*argv, "-o", "/proc/x"], f"cannot write the {what} /proc/x: no file can be created in /proc (",
+                    capsys)
+    # a folder to create under one that cannot hold it; a folder that can: nothing left behind by the check
+    with pytest.raises(PlannerFileError, match="no file can be created in /proc"):
+        check_output_path("/proc/new/plan.json", "plan")
+    assert check_output_path(tmp_path / "new" / "plan.json") == tmp_path / "new" / "plan.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prof.json"]
+
+
+@pytest.mark.parametrize("case", ["one repeat", "identical losses", "reached at no samples", "quotients overflow"])
+def test_odd_trials_files_print_no_warnings(tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that reached DDP's half-way loss at 0 samples (log 0) and losses whose quotient under- or overflows
+    (1e-300 / 1e300) printed numpy's "divide by zero encountered in log" and "invalid value" from `show` and from
+    `solve --trials`; one repeat (no degrees of freedom) and identical losses (no variance) print nothing either."""
+    import warnings
+    from dataclasses import replace
+
+    from tests.test_budget_plan import profile_with_errors
+    from tests.test_trials import TOPK, falling, trials_of, with_curves
+
+    profile = profile_with_errors()
+    match case:
+        case "one repeat":
+            trials = with_curves(trials_of(profile, {TOPK: (2.0,)}, reference=(2.0,)), {TOPK: (3000,)})
+        case "identical losses":
+            trials = with_curves(trials_of(profile, {TOPK: (2.0,) * 3}, reference=(2.0,) * 3), {TOPK: (2000,) * 3})
+        case "reached at no samples":
+            base = trials_of(profile, {TOPK: (2.0, 1.8, 2.2)})
+            trials = replace(base, curves={"ddp": tuple(falling(2000, f) for f in base.reference),
+                                           "topk:0.01": tuple(((0, 1.0), (4000, f)) for f in (2.0, 1.8, 2.2))})
+        case _:
+            trials = with_curves(trials_of(profile, {TOPK: (1e300, 1e-300, 1e300)}, reference=(1e-300, 1e300, 1e-300)),
+                                 {TOPK: (2000,) * 3})
+    prof, path, out = tmp_path / "prof.json", tmp_path / "trials.json", tmp_path / "plan.json"
+    profile.save(prof)
+    trials.save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for argv in (["show", str(path)],
+                     ["solve", str(prof), "--strategy", "auto", "--compressors", "all", "--trials", str(path), "-o",
+                      str(out)]):
+            assert main(argv) == 0, argv
+            captured = capsys.readouterr()
+            assert "Warning" not in captured.out + captured.err and not captured.err.strip(), argv

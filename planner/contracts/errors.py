@@ -42,12 +42,20 @@ from planner.contracts.jsonio import check_fields, expect, expect_int
 from planner.contracts.plan import parse_compressor
 from planner.types import Compressor, CompressorKind, InvalidProfileError
 
-__all__ = ["DEFAULT_ERROR_DRAWS", "MAX_ERROR_STEPS", "CompressionErrors"]
+__all__ = ["DEFAULT_ERROR_DRAWS", "MAX_CONTRACTION", "MAX_ERROR_STEPS", "MAX_SQUARED_NORM", "CompressionErrors"]
 
 #: The most steps (warm-up and measured, each) a record may hold (a bound for reading files).
 MAX_ERROR_STEPS = 10_000
 #: Draws of the measured steps behind `CompressionErrors.interval`.
 DEFAULT_ERROR_DRAWS = 200
+#: Largest squared norm a record may hold. The meters square fp32 tensors (entries below 3.5e38, so squares below
+#: 1.2e77) of at most 2^48 elements (`MAX_NUMEL`): no measurement reaches 4e91. The bound keeps every sum the planner
+#: forms over ranks, layers and steps far from float64's overflow (1.8e308).
+MAX_SQUARED_NORM = 1e100
+#: The largest contraction `CompressionErrors.contraction` reports. The compressors move at most what they are given
+#: (|C(x) - x| <= |x|, up to rounding), so real records stay near or below 1; the cap only keeps a ratio of a large
+#: error to a vanishing input (1e100 / 1e-300) finite instead of overflowing.
+MAX_CONTRACTION = 1e6
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -82,8 +90,9 @@ class CompressionErrors:
             if array.shape != shape:
                 raise InvalidProfileError(f"profile.errors.{name} has shape {list(array.shape)}, expected "
                                           f"{list(shape)} (ranks, layers, steps)")
-            if not (np.all(np.isfinite(array)) and np.all(array >= 0)):
-                raise InvalidProfileError(f"profile.errors.{name} must hold finite squared norms >= 0")
+            if not (np.all(np.isfinite(array)) and np.all(array >= 0) and np.all(array <= MAX_SQUARED_NORM)):
+                raise InvalidProfileError(f"profile.errors.{name} must hold finite squared norms >= 0 and at most "
+                                          f"{MAX_SQUARED_NORM:g} (no measurement is larger): profile again")
         for c in self.input_sq:
             compressor = parse_compressor(c, f"profile.errors.compressors[{c!r}]")
             if _exact(compressor) or str(compressor) != c:
@@ -123,7 +132,8 @@ class CompressionErrors:
         if c is None:
             return np.zeros(len(self.layers))
         err, inp = _mean(self.error_sq[c], take), _mean(self.input_sq[c], take)
-        return np.divide(err, inp, out=np.zeros_like(err), where=inp > 0)
+        # err / max(inp, err / MAX_CONTRACTION): the ratio, at most MAX_CONTRACTION, with no quotient that overflows
+        return np.divide(err, np.maximum(inp, err / MAX_CONTRACTION), out=np.zeros_like(err), where=inp > 0)
 
     def layer_errors(self, compressor: Compressor | str, take: np.ndarray | None = None) -> np.ndarray:
         """Per layer: what sending it by `compressor` adds to the plan's error, a_l w_c(l)."""

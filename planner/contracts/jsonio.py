@@ -103,8 +103,9 @@ def _bounded_int(text: str) -> int:
 
 def check_output_path(path: str | os.PathLike[str], what: str = "file") -> Path:
     """The path an atomic write may replace, or PlannerFileError: an empty name, an existing target that is not a
-    regular file (a directory, a device such as /dev/full, a pipe; a rename would replace it), or a parent that
-    is not a folder."""
+    regular file (a directory, a device such as /dev/full, a pipe; a rename would replace it), a parent that is not
+    a folder, or a folder no file can be created in. Commands call it before their work, so that minutes of
+    measuring or training are not lost to a path they cannot write."""
     if not str(path).strip():
         raise PlannerFileError(f"the {what} path is empty; give a file name")
     p = Path(path)
@@ -116,12 +117,26 @@ def check_output_path(path: str | os.PathLike[str], what: str = "file") -> Path:
             if parent.exists():
                 if not parent.is_dir():
                     raise PlannerFileError(f"cannot write the {what} {p}: {parent} is not a folder")
+                _check_writable(parent, p, what)
                 break
     except OSError as exc:
         if isinstance(exc, PlannerFileError):
             raise
         raise PlannerFileError(f"cannot write the {what} {p}: {exc.strerror or exc}") from exc
     return p
+
+
+def _check_writable(folder: Path, path: Path, what: str) -> None:
+    """Create and remove a file in `folder` (the target's, or the nearest that exists, where the write creates the
+    rest): what the atomic write does first. Permission bits do not tell (root passes `os.access` in /proc, where
+    nothing can be created; a read-only mount keeps its bits), so it is tried."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".planner-check.", dir=folder)
+    except OSError as exc:
+        raise PlannerFileError(f"cannot write the {what} {path}: no file can be created in {folder} "
+                               f"({exc.strerror or exc}); give a path in a folder you can write") from None
+    os.close(fd)
+    os.unlink(name)
 
 
 def ensure_folder(path: str | os.PathLike[str], what: str = "output folder", *, create: bool = True) -> Path:

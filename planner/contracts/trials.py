@@ -65,6 +65,11 @@ LEVEL = 0.90
 MAX_REPEATS, MAX_EVALUATIONS = 1_000, 100_000
 #: The key of DDP's curves in "curves".
 DDP_KEY = "ddp"
+#: Ratios over DDP's are held within [1 / MAX_RATIO, MAX_RATIO]. Beyond, they only say "never" or "at once", and a
+#: file can hold losses whose quotient overflows (1e300 / 1e-300) or a run that reached the loss at 0 samples (log
+#: 0); held, their logs, the interval's ends and the plan times weighed by them stay finite.
+MAX_RATIO = 1e100
+_LOG_LIMIT = math.log(MAX_RATIO)
 
 #: One run's evaluations: (samples applied, evaluation loss or None where diverged), samples increasing.
 Curve = tuple[tuple[int, float | None], ...]
@@ -81,12 +86,17 @@ class Ratio:
     @classmethod
     def of(cls, ratios: Sequence[float]) -> Ratio:
         """Median of the paired ratios; Student's t interval over their logs (module docstring)."""
-        logs = np.log(np.asarray(ratios, dtype=float))
-        median = float(np.exp(np.median(logs)))
-        if len(logs) < 2:
+        return cls.of_logs(np.log(np.clip(np.asarray(ratios, dtype=float), 1 / MAX_RATIO, MAX_RATIO)))
+
+    @classmethod
+    def of_logs(cls, logs: Sequence[float] | np.ndarray) -> Ratio:
+        """`of` from the ratios' logs (a quotient of losses is its logs' difference: it never under- or overflows)."""
+        held = np.clip(np.asarray(logs, dtype=float), -_LOG_LIMIT, _LOG_LIMIT)
+        median = _exp(float(np.median(held)))
+        if len(held) < 2:  # no degrees of freedom: no interval
             return cls(median, None, None)
-        half = float(stats.t.ppf((1 + LEVEL) / 2, len(logs) - 1) * np.std(logs, ddof=1) / math.sqrt(len(logs)))
-        low, high = (float(np.exp(logs.mean() + s * half)) for s in (-1, 1))
+        half = float(stats.t.ppf((1 + LEVEL) / 2, len(held) - 1) * np.std(held, ddof=1) / math.sqrt(len(held)))
+        low, high = (_exp(float(held.mean()) + s * half) for s in (-1, 1))
         return cls(median, low, high)
 
     def text(self) -> str:
@@ -188,6 +198,11 @@ class Trials:
                                       "of them out of order or none")
                 if any(loss is not None and not (math.isfinite(loss) and loss > 0) for _, loss in curve):
                     raise SchemaError(f"{where} must hold losses > 0, or null where the run diverged")
+                # DDP's run is the reference, and it did not diverge (its final loss is finite; a run that diverged
+                # stays so): a null in its curve would leave its half-way loss, the samples' target, undefined
+                if key == DDP_KEY and any(loss is None for _, loss in curve):
+                    raise SchemaError(f"{where} must hold a loss at every evaluation: DDP's run is the reference and "
+                                      "its final loss is finite; run `planner trial` again")
                 if curve[-1][1] != finals[key][i]:
                     raise SchemaError(f"{where} must end at the final loss the file records ({finals[key][i]}), got "
                                       f"{curve[-1][1]}")
@@ -206,7 +221,8 @@ class Trials:
         samples, missing = self._samples_ratio(compressor)
         if any(x is None for x in losses):
             return TrialResult(compressor, None, None, None, passed=False, samples=samples, samples_missing=missing)
-        final = Ratio.of([x / r for x, r in zip(losses, self.reference, strict=True) if x is not None])
+        final = Ratio.of_logs([math.log(x) - math.log(r) for x, r in zip(losses, self.reference, strict=True)
+                               if x is not None])
         passed = final.high is not None and final.high <= 1 + self.tolerance
         return TrialResult(compressor, final.median, final.low, final.high, passed=passed, samples=samples,
                            samples_missing=missing)
@@ -226,14 +242,14 @@ class Trials:
         for ddp, run in zip(self.curves[DDP_KEY], self.curves[str(compressor)], strict=True):
             half = ddp[-1][0] / 2
             target = next(loss for n, loss in ddp if n >= half)
-            assert target is not None  # DDP's losses are finite (checked)
+            assert target is not None  # DDP's curves hold no null (`_check_curves`)
             theirs, ours = samples_to(ddp, target), samples_to(run, target)
             if theirs is None or theirs <= 0:
                 return None, "no samples ratio (DDP's half-way loss was no lower than its first evaluation)"
             if ours is None:
                 missing = f"did not reach DDP's half-way loss within {run[-1][0]:,} samples"
                 ours = float(run[-1][0])
-            ratios.append(ours / theirs)
+            ratios.append(min(max(ours / theirs, 1 / MAX_RATIO), MAX_RATIO))
         return ratios, missing
 
     def samples_factor(self, compressor: Compressor) -> float | None:
@@ -264,8 +280,9 @@ class Trials:
                "world_size": self.world_size, "samples": self.samples, "lr": self.lr, "momentum": self.momentum,
                "tolerance": self.tolerance, "reference": list(self.reference),
                "compressors": {str(c): list(v) for c, v in self.compressors.items()}}
-        if self.curves is not None:
-            out["curves"] = {k: [[list(point) for point in curve] for curve in runs] for k, runs in self.curves.items()}
+        # null where there are none (made from a version 1 file): version 2 always has the field
+        out["curves"] = None if self.curves is None else {
+            k: [[list(point) for point in curve] for curve in runs] for k, runs in self.curves.items()}
         return out
 
     @classmethod
@@ -311,6 +328,11 @@ class Trials:
             return cls.from_dict(data)
         except SchemaError as exc:
             raise type(exc)(f"trials file {path}: {exc}") from None
+
+
+def _exp(value: float) -> float:
+    """e^value for the log of a ratio, held within [1 / MAX_RATIO, MAX_RATIO] (`math.exp` would raise beyond 709)."""
+    return math.exp(min(max(value, -_LOG_LIMIT), _LOG_LIMIT))
 
 
 def samples_to(curve: Curve, target: float) -> float | None:

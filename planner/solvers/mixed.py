@@ -131,12 +131,17 @@ class ErrorBudget:
             raise SolverError(f"an error budget must be a finite number >= 0, but got {budget!r}")
         if budget == 0:
             return cls(units=(errors > 0).astype(np.int64), budget=0)
-        unit = budget / (resolution * max(1, errors.shape[1]))
-        units = np.ceil(errors / unit).astype(np.int64)
-        most = resolution * max(1, errors.shape[1])
-        if reference is not None:
-            most = max(most, int(units[reference].sum()))
-        return cls(units=units, budget=most)
+        cut = resolution * max(1, errors.shape[1])
+        most = cut
+        if reference is not None:  # its errors sum to the budget: each is at most all of it (min: rounding only)
+            most = max(most, int(np.ceil(np.minimum(errors[reference], budget) / budget * cut).sum()))
+        # An error beyond the whole budget fits no plan, whatever its units: it gets most + 1, and only the others
+        # are divided. A tiny budget (1e-17) against large errors would otherwise ask for more units than int64
+        # holds, or a quotient beyond float64's (errors / budget is never formed for those).
+        fits = errors <= budget * ((most + 1) / cut)
+        units = np.full(errors.shape, float(most + 1))
+        np.multiply(np.divide(errors, budget, out=np.zeros_like(errors), where=fits), cut, out=units, where=fits)
+        return cls(units=np.ceil(units).astype(np.int64), budget=most)
 
     def group(self, which: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Units of the groups of layers starts..ends-1 sent by compressor `which`."""

@@ -38,7 +38,15 @@ from planner.strategies.gradients import (
     route_ways,
     sub_solve_seconds,
 )
-from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, InvalidProfileError, SchemaError, Strategy
+from planner.types import (
+    DENSE_COMPRESSOR,
+    Compressor,
+    CompressorError,
+    CompressorKind,
+    InvalidProfileError,
+    SchemaError,
+    Strategy,
+)
 
 __all__ = ["PRESETS", "GroupReason", "ddp_hook_name", "explain", "make_mixed_plan", "measured_compressors",
            "mixed_groups", "parse_compressors", "plan_choice", "preset_compressors"]
@@ -63,7 +71,10 @@ def parse_compressors(text: str) -> tuple[Compressor, ...]:
     names = PRESETS.get(text.strip().lower()) or tuple(p for p in text.split(",") if p.strip())
     if not names:
         raise SchemaError(f"--compressors needs a preset ({', '.join(PRESETS)}) or a list such as dense,fp16")
-    compressors = tuple(Compressor.parse(n) for n in names)
+    try:
+        compressors = tuple(Compressor.parse(n) for n in names)
+    except CompressorError as exc:
+        raise CompressorError(f"--compressors: {exc}") from None
     if len(set(compressors)) != len(compressors):
         raise SchemaError(f"--compressors names a compressor twice: {text}")
     return compressors
