@@ -32,7 +32,11 @@ or DDP built with other caps) is sent with the compressor of the group that hold
 warning names those buckets.
 
 A PowerSGD bucket waits for its first allreduce inside the hook before launching the second (as `GradientExchange`
-waits at the same point): both are then issued from the backward thread, in the same order on every rank.
+waits at the same point): both are then issued from the backward thread, in the same order on every rank. Its
+layout follows the plan, not the bucket: DDP may hold a group's parameters in another order (ready order after its
+rebuild, registration order with find_unused_parameters) or split it, so each bucket is laid out as the part of its
+group it holds (`PowerSGDLayout.of(..., held=...)`): every matrix takes the first Q and the places in the packed
+buffers that `GradientExchange` gives it.
 
 Hierarchical groups use the subgroups of each host and across hosts (`HostGroups`, made when the hook is built, on
 every rank: `new_group` is collective), from `hosts=` or the ranks' host names as `GradientExchange`'s. A
@@ -63,6 +67,7 @@ by bucket, so nothing held back is lost; momentum velocities stay with their buc
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import statistics
 import warnings
@@ -90,6 +95,7 @@ from planner.runtime.adaptive import (
     replan_on_every_rank,
 )
 from planner.runtime.exchange import (
+    StateCheck,
     _applies_momentum,
     _check_adaptive,
     _find_unused,
@@ -98,6 +104,9 @@ from planner.runtime.exchange import (
     check_optimizer_momentum,
     check_topk_optimizer,
     planned_params,
+)
+from planner.runtime.exchange import (
+    _world_size as _group_size,
 )
 from planner.runtime.retune import resolve_plan
 from planner.types import Compressor, CompressorKind, PlanMismatchError
@@ -197,9 +206,9 @@ class PlanHook:
 
     __slots__ = ("_allowed", "_carry", "_checked", "_final_iteration", "_half", "_host_groups", "_iteration",
                  "_last_hierarchical", "_names_of", "_optimizer_hook", "_pending", "_planned_ids", "_powersgd",
-                 "_profile", "_replan_due", "_replanning", "_residuals", "_routes", "_seeds", "_selector", "_static",
-                 "_topk_ids", "_velocities", "_watch", "find_unused_parameters", "model", "momentum", "nesterov",
-                 "plan", "process_group", "replans")
+                 "_profile", "_replan_due", "_replanning", "_residuals", "_routes", "_seeds", "_selector", "_shapes",
+                 "_static", "_topk_ids", "_velocities", "_watch", "find_unused_parameters", "model", "momentum",
+                 "nesterov", "plan", "process_group", "replans")
 
     def __init__(
         self,
@@ -237,6 +246,7 @@ class PlanHook:
         self.process_group = process_group
         self.find_unused_parameters = _find_unused(plan, find_unused_parameters)
         self._names_of = {id(p): n for n, p in params.items() if n in planned}
+        self._shapes = {n: tuple(p.shape) for n, p in params.items() if n in planned}
         self.momentum = float(momentum)
         self.nesterov = nesterov
         # The parameters the optimizer checks look for (GradientExchange's rules).
@@ -428,22 +438,25 @@ class PlanHook:
 
     # -- routing ----------------------------------------------------------------------------------
     def _route(self, index: int, params: Sequence[Tensor]) -> _Route:
-        names = tuple(self._names_of[id(p)] for p in params)
+        return self._route_of(tuple(self._names_of[id(p)] for p in params), self.plan, self._seeds)
+
+    def _route_of(self, names: tuple[str, ...], plan: Plan, seeds: Sequence[int]) -> _Route:
+        """How `plan` sends a bucket of the parameters `names` (its PowerSGD seeds: `seeds`)."""
         held: dict[int, int] = {}
-        group_of = self._group_of()
-        for name, p in zip(names, params, strict=True):
-            held[group_of[name]] = held.get(group_of[name], 0) + p.numel()
+        group_of = _group_of(plan)
+        for name in names:
+            held[group_of[name]] = held.get(group_of[name], 0) + math.prod(self._shapes[name])
         majority = max(held, key=lambda i: (held[i], -i))
-        group = self.plan.groups[majority]
+        group = plan.groups[majority]
         exact = set(names) == set(group.params)
-        compressor = self.plan.compressor_of(group)
-        numel = sum(p.numel() for p in params)
+        compressor = plan.compressor_of(group)
+        numel = sum(held.values())
         k = None
         if compressor.kind is CompressorKind.TOPK:
             assert compressor.density is not None
             k = group.k if exact and group.k is not None else topk_count(numel, compressor.density)
         return _Route(names=names, group=majority if exact else None, majority=majority, compressor=compressor, k=k,
-                      seed=self._seeds[majority], hierarchical=group.hierarchical and self._host_groups is not None)
+                      seed=seeds[majority], hierarchical=group.hierarchical and self._host_groups is not None)
 
     def _expected_part(self, route: _Route) -> bool:
         """Whether the bucket is the part of one group that static_graph lays out apart (`bucket_runs`): all its
@@ -455,7 +468,7 @@ class PlanHook:
         return set(route.names) in ({n for n in group if n not in never}, group & never)
 
     def _group_of(self) -> dict[str, int]:
-        return {n: i for i, g in enumerate(self.plan.groups) for n in g.params}
+        return _group_of(self.plan)
 
     def _report(self) -> None:
         """Warn once, in one line, about the buckets that are not exactly one of the plan's groups."""
@@ -512,7 +525,7 @@ class PlanHook:
             case CompressorKind.FP16:
                 sent = self._fp16(index, flat, hierarchical=route.hierarchical, source=source)
             case CompressorKind.POWERSGD:
-                sent = self._powersgd_send(index, route, bucket, flat, source)
+                sent = self._powersgd_send(index, route, flat, source)
             case CompressorKind.TOPK:
                 sent = self._topk(index, route, flat, source)
             case kind:
@@ -654,17 +667,16 @@ class PlanHook:
 
         return fut.then(_back)
 
-    def _powersgd_send(self, index: int, route: _Route, bucket: dist.GradBucket, flat: Tensor,
-                       source: Tensor | None = None) -> torch.futures.Future[Tensor]:
+    def _powersgd_send(self, index: int, route: _Route, flat: Tensor, source: Tensor | None = None
+                       ) -> torch.futures.Future[Tensor]:
         """PowerSGD with error feedback and warm start, its two allreduces chained (`PowerSGDGroup`); with momentum,
         of `source`."""
         world_size, pg = self._world_size(), self.process_group
         grad = flat if flat.dtype == torch.float32 else flat.float()
         group = self._powersgd.get(index)
         if group is None:
-            assert route.compressor.rank is not None
-            layout = PowerSGDLayout.of([p.shape for p in bucket.parameters()], route.compressor.rank)
-            group = self._powersgd[index] = PowerSGDGroup(layout, grad.device, route.seed)
+            group = self._powersgd[index] = PowerSGDGroup(self._powersgd_layout(route, self.plan), grad.device,
+                                                          route.seed)
             self._restore_powersgd(index, route, group)
         # The first allreduce is waited for here, so that the second is launched from this thread too: a collective
         # launched from a future's callback could be issued in another order on another rank (gloo pairs them by
@@ -689,6 +701,23 @@ class PlanHook:
             done.set_result(_finish())
             return done
         return self._sum(q, route.hierarchical).then(_finish)
+
+    def _powersgd_layout(self, route: _Route, plan: Plan) -> PowerSGDLayout:
+        """The bucket's PowerSGD layout (`route` of `plan`, sent by PowerSGD), in the plan's order whatever the
+        bucket's: a bucket of one group's parameters (all of them, or the part DDP put in it) is that group's
+        tensors held in the bucket's order, so each takes the first Q and the places in the packed buffers that
+        GradientExchange gives it; a bucket spanning groups is its own tensors in plan order."""
+        assert route.compressor.rank is not None
+        group_of = _group_of(plan)
+        homes = {group_of[n] for n in route.names}
+        if len(homes) == 1:
+            universe = list(plan.groups[homes.pop()].params)
+        else:
+            position = {n: i for i, n in enumerate(plan.param_order)}
+            universe = sorted(route.names, key=position.__getitem__)
+        at = {n: i for i, n in enumerate(universe)}
+        return PowerSGDLayout.of([self._shapes[n] for n in universe], route.compressor.rank,
+                                 held=[at[n] for n in route.names])
 
     def _topk(self, index: int, route: _Route, flat: Tensor,
               source: Tensor | None = None) -> torch.futures.Future[Tensor]:
@@ -753,35 +782,73 @@ class PlanHook:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Keep what `state_dict` saved, for the buckets of the final layout: each bucket of the same parameters
         continues from it (restored when it is first compressed); a bucket of other parameters starts afresh. As
-        GradientExchange's: a state without velocities gives a hook with momentum zero velocities, and a state with
-        velocities is refused by a hook without momentum, which would drop them."""
+        GradientExchange's: every entry's type and shape is checked before anything changes (PlanMismatchError, one
+        line), a state without velocities gives a hook with momentum zero velocities, a state with velocities is
+        refused by a hook without momentum, which would drop them, and with `adaptive` the plan the state holds is
+        taken (checked as the first plan was, with the same groups)."""
         kind = state.get("kind") if isinstance(state, dict) else type(state).__name__
         if kind != STATE_KIND:
             raise PlanMismatchError(f"not a PlanHook state: kind is {kind!r}, expected {STATE_KIND!r}")
+        check = StateCheck("hook", "load the state PlanHook.state_dict() saved with this plan, or start without one")
         if state.get("model_fingerprint") != self.plan.model.fingerprint:
             raise PlanMismatchError(
                 f"this hook state was saved for model fingerprint {state.get('model_fingerprint')}, but the plan is "
-                f"for {self.plan.model.describe()}; load the state saved with this plan, or start without one"
+                f"for {self.plan.model.describe()}; {check.fix}"
             )
-        buckets = state.get("buckets")
-        if not isinstance(buckets, dict):
-            raise PlanMismatchError("a PlanHook state holds its buckets as a dict by bucket index; save it with "
-                                    "PlanHook.state_dict()")
-        with_velocity = sorted(int(i) for i, e in buckets.items() if isinstance(e, dict) and "velocity" in e)
+        buckets = check.mapping(state.get("buckets"), "buckets")
+        with_velocity = sorted(i for i, e in buckets.items() if isinstance(e, dict) and "velocity" in e)
         if with_velocity and self.momentum == 0:
             raise PlanMismatchError(
                 f"this hook state holds momentum velocities for buckets {with_velocity}, but the hook has momentum=0; "
                 "pass the momentum it was saved with, or start without the state"
             )
-        saved_plan = state.get("plan")
-        if self._replanning is not None and isinstance(saved_plan, dict):
-            self._adopt(Plan.from_dict(saved_plan), flush=False)
-        self._pending = {int(i): {**entry, **{k: v.detach().clone() for k, v in entry.items()
-                                              if isinstance(v, Tensor)}}
-                         for i, entry in buckets.items()}
+        plan = self.plan
+        if self._replanning is not None and "plan" in state:
+            plan = check.plan(state["plan"], self.plan, _group_size(self.process_group), same_groups=True)
+            _check_supported(plan)
+        seeds = _powersgd_seeds(plan)
+        pending = {i: self._checked_entry(check, i, entry, plan, seeds) for i, entry in buckets.items()}
+        if plan is not self.plan and plan.to_dict() != self.plan.to_dict():  # everything checked: now take it
+            self._adopt(plan, flush=False)
+        self._pending = pending
         self._residuals.clear()
         self._velocities.clear()
         self._powersgd.clear()
+
+    def _checked_entry(self, check: StateCheck, index: int, value: Any, plan: Plan, seeds: Sequence[int]
+                       ) -> dict[str, Any]:
+        """Bucket `index`'s saved entry, checked (its parameters this model's planned ones, each buffer a flat
+        tensor of their elements, PowerSGD's Q of the size `plan` gives it), as copies."""
+        where = f"bucket {index}'s state"
+        entry = check.entry(value, where)
+        extra = sorted(map(str, set(entry) - {"params", "residual", "velocity", "error", "q", "fresh"}))
+        if extra:
+            raise check.refuse(f"{where} holds {extra}, which PlanHook.state_dict() does not save")
+        names = entry.get("params")
+        if (not isinstance(names, list | tuple) or not names or not all(isinstance(n, str) for n in names)
+                or len(set(names)) != len(names)):
+            raise check.refuse(f"{where} must name its parameters (a list of distinct names), but got {names!r}")
+        unknown = [n for n in names if n not in self._shapes]
+        if unknown:
+            raise check.refuse(f"{where} names {_name_list(unknown)}, which are not this model's planned parameters")
+        names = tuple(names)
+        numel = sum(math.prod(self._shapes[n]) for n in names)
+        out: dict[str, Any] = {"params": list(names)}
+        for key in ("residual", "velocity", "error"):
+            if key in entry:
+                out[key] = check.tensor(entry[key], f"bucket {index}'s {key}", numel).detach().clone()
+        powersgd = {"error", "q", "fresh"} & set(entry)
+        if powersgd and powersgd != {"error", "q", "fresh"}:
+            raise check.refuse(f"{where} must hold PowerSGD's error, q and fresh together, but holds "
+                               f"{sorted(powersgd)}")
+        if powersgd:
+            route = self._route_of(names, plan, seeds)
+            # a bucket `plan` does not send by PowerSGD never restores its Q: any flat one then
+            q_numel = self._powersgd_layout(route, plan).q_numel if route.compressor.kind is CompressorKind.POWERSGD \
+                else None
+            out["q"] = check.tensor(entry["q"], f"bucket {index}'s q", q_numel).detach().clone()
+            out["fresh"] = check.flag(entry["fresh"], f"bucket {index}'s fresh")
+        return out
 
     def _saved(self, index: int, route: _Route, keys: set[str]) -> dict[str, Any] | None:
         """Take `keys` of bucket `index`'s saved entry, when it was saved for the same parameters. Each key is taken
@@ -825,6 +892,11 @@ def _powersgd_seeds(plan: Plan) -> list[int]:
     seeds = np.random.RandomState(0)
     return [int(seeds.randint(1_000_000_000)) if plan.compressor_of(g).kind is CompressorKind.POWERSGD else 0
             for g in plan.groups]
+
+
+def _group_of(plan: Plan) -> dict[str, int]:
+    """Each planned parameter's group index."""
+    return {n: i for i, g in enumerate(plan.groups) for n in g.params}
 
 
 def _trainable(module: nn.Module) -> list[int]:

@@ -81,10 +81,12 @@ from planner.runtime.adaptive import (
 )
 from planner.runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, ProbeSchedule, crossover_gate, device_idle
 from planner.runtime.retune import resolve_plan
-from planner.types import Compressor, CompressorKind, DistributedError, PlanMismatchError, Strategy
+from planner.types import Compressor, CompressorKind, DistributedError, PlanMismatchError, PlannerError, Strategy
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
+
+    from planner.contracts.fingerprint import ClusterInfo
 
 __all__ = ["GradientExchange", "write_scaled"]
 
@@ -127,7 +129,8 @@ def _find_unused(plan: Plan, given: bool | None) -> bool:
     if given is None:
         warnings.warn(
             f"find_unused_parameters is on: {where} ({named}), so, as in DDP, a parameter no rank had a gradient "
-            "for keeps its .grad; pass find_unused_parameters=True to say so and silence this note",
+            "for keeps its .grad as it was (None stays None: the optimizer skips it, weight decay included); pass "
+            "find_unused_parameters=True to say so and silence this note",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -929,15 +932,16 @@ class GradientExchange:
         gradients), carry the momentum velocities over parameter by parameter, rebuild the groups."""
         if plan.model.fingerprint != self.plan.model.fingerprint or plan.param_order != self.plan.param_order:
             raise PlanMismatchError("a re-plan must keep the model and its parameters; the new plan has others")
+        topk_ids = frozenset(id(self._params[n]) for g in plan.groups
+                             if plan.compressor_of(g).kind is CompressorKind.TOPK for n in g.params)
+        if self._optimizer is not None and self.momentum == 0:  # refused before anything changes
+            check_topk_optimizer(self._optimizer, topk_ids, "GradientExchange")
         if flush:
             self._flush_error_feedback()
         velocities = {name: view.clone() for st in self._groups if st.velocity is not None
                       for name, view in zip(st.names, _views(st.velocity, st.params), strict=True)}
         self.plan = plan
-        self._topk_ids = frozenset(id(self._params[n]) for g in plan.groups
-                                   if plan.compressor_of(g).kind is CompressorKind.TOPK for n in g.params)
-        if self._optimizer is not None and self.momentum == 0:
-            self._check_topk_momentum(self._optimizer)
+        self._topk_ids = topk_ids
         self._unions.clear()
         self._build_groups(plan)
         for st in self._groups:
@@ -1025,9 +1029,11 @@ class GradientExchange:
             self._enabled = previous
 
     # -- state -----------------------------------------------------------------------------------
-    def _layout_digest(self) -> str:
-        h = hashlib.sha256(self.plan.strategy.value.encode())
-        for g in self.plan.groups:
+    def _layout_digest(self, plan: Plan | None = None) -> str:
+        """A digest of `plan`'s groups (default the plan in use): what a state's buffers are laid out by."""
+        plan = self.plan if plan is None else plan
+        h = hashlib.sha256(plan.strategy.value.encode())
+        for g in plan.groups:
             sent = "" if g.compressor is None else f":{g.compressor}"  # dense and top-k plans keep their old digest
             h.update(f"{','.join(g.params)}:{g.k}{sent}\n".encode())
         return h.hexdigest()[:16]
@@ -1057,36 +1063,42 @@ class GradientExchange:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` saved for the same model and plan groups (PlanMismatchError else).
+        """Restore what `state_dict` saved for the same model and plan groups (PlanMismatchError else, in one line,
+        before anything changes: every entry's type and shape is checked first).
 
         A state saved without velocities (before momentum existed, or with momentum=0) loads into an
         exchange with momentum as zero velocities; without a step count it resumes at step 0. A state
-        with velocities is refused by an exchange without momentum, which would drop them.
+        with velocities is refused by an exchange without momentum, which would drop them. With `adaptive`, the
+        plan the state holds is taken (checked as the first plan was: same model and parameters, this cluster, a
+        mixed plan under an error budget).
         """
         kind = state.get("kind") if isinstance(state, dict) else type(state).__name__
         if kind != STATE_KIND:
             raise PlanMismatchError(f"not a GradientExchange state: kind is {kind!r}, expected {STATE_KIND!r}")
-        replan = "load the state saved with this plan, or start without one"
+        check = StateCheck("exchange", "load the state saved with this plan, or start without one")
         if state.get("model_fingerprint") != self.plan.model.fingerprint:
             raise PlanMismatchError(
                 f"this exchange state was saved for model fingerprint {state.get('model_fingerprint')}, but the plan "
-                f"is for {self.plan.model.describe()}; {replan}"
+                f"is for {self.plan.model.describe()}; {check.fix}"
             )
-        saved_plan = state.get("plan")
-        if (self._replanning is not None and isinstance(saved_plan, dict)
-                and state.get("layout") != self._layout_digest()):
-            self._adopt(Plan.from_dict(saved_plan), flush=False)
-        if state.get("layout") != self._layout_digest():
-            raise PlanMismatchError(
-                f"this exchange state was saved for other plan groups (layout {state.get('layout')}, this plan "
-                f"{self._layout_digest()}); {replan}"
-            )
-        residuals = self._saved_buffers(state, "residuals", "residual", replan)
-        velocities = self._saved_buffers(state, "velocities", "velocity", replan)
-        powersgd = self._saved_powersgd(state, replan)
+        plan = self.plan
+        if self._replanning is not None and "plan" in state:
+            plan = check.plan(state["plan"], self.plan, self.world_size, same_groups=False)
+        if state.get("layout") != self._layout_digest(plan):
+            raise check.refuse(f"this exchange state was saved for other plan groups (layout {state.get('layout')}, "
+                               f"this plan {self._layout_digest(plan)})")
+        numel = {i: g.numel for i, g in enumerate(plan.groups)}
+        kinds = {i: plan.compressor_of(g) for i, g in enumerate(plan.groups)}
+        residuals = self._saved_buffers(check, state, "residuals", "residual", numel,
+                                        {i for i, c in kinds.items() if c.kind is CompressorKind.TOPK})
+        velocities = self._saved_buffers(check, state, "velocities", "velocity", numel,
+                                         set(numel) if self.momentum > 0 else set())
+        powersgd = self._saved_powersgd(check, state, plan)
         step = state.get("step", 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise PlanMismatchError(f"the state's step count must be an integer >= 0, but got step={step!r}; {replan}")
+            raise check.refuse(f"the state's step count must be an integer >= 0, but got step={step!r}")
+        if plan is not self.plan and plan.to_dict() != self.plan.to_dict():
+            self._adopt(plan, flush=False)  # its own check (the optimizer's momentum) comes before any change
         for st in self._groups:  # everything checked: now copy
             if st.residual is not None:
                 st.residual.copy_(residuals[st.index])
@@ -1099,58 +1111,51 @@ class GradientExchange:
                 saved = powersgd[st.index]
                 st.powersgd.error.copy_(saved["error"])
                 st.powersgd.q.copy_(saved["q"])
-                st.powersgd.fresh = bool(saved["fresh"])
+                st.powersgd.fresh = saved["fresh"]
         self._set_step(step)
 
-    def _saved_powersgd(self, state: dict[str, Any], replan: str) -> dict[int, dict[str, Any]]:
-        """The state's PowerSGD errors and Qs, checked against this exchange's PowerSGD groups."""
-        saved = state.get("powersgd", {})
-        if not isinstance(saved, dict):
-            raise PlanMismatchError(f"the state's powersgd entry must be a dict by group, but got "
-                                    f"{type(saved).__name__}; {replan}")
-        saved = {int(i): v for i, v in saved.items()}
-        expected = {st.index: st.powersgd for st in self._groups if st.powersgd is not None}
+    def _saved_powersgd(self, check: StateCheck, state: dict[str, Any], plan: Plan) -> dict[int, dict[str, Any]]:
+        """The state's PowerSGD errors and Qs, checked against `plan`'s PowerSGD groups."""
+        saved = check.mapping(state.get("powersgd", {}), "powersgd entry")
+        expected = {}
+        for i, g in enumerate(plan.groups):
+            compressor = plan.compressor_of(g)
+            if compressor.kind is CompressorKind.POWERSGD:
+                assert compressor.rank is not None
+                layout = PowerSGDLayout.of([self._params[n].shape for n in g.params], compressor.rank)
+                expected[i] = (g.numel, layout.q_numel)
         if set(saved) != set(expected):
-            raise PlanMismatchError(f"the state holds PowerSGD state for groups {sorted(saved)}, but the plan's "
-                                    f"PowerSGD groups are {sorted(expected)}; {replan}")
-        for i, group in expected.items():
-            entry = saved[i]
-            if (not isinstance(entry, dict) or set(entry) != {"error", "q", "fresh"}
-                    or not isinstance(entry["error"], Tensor) or not isinstance(entry["q"], Tensor)):
-                raise PlanMismatchError(f"PowerSGD state of group {i} must hold error, q and fresh; {replan}")
-            if entry["error"].shape != group.error.shape or entry["q"].shape != group.q.shape:
-                raise PlanMismatchError(f"PowerSGD state of group {i} has shapes {tuple(entry['error'].shape)} and "
-                                        f"{tuple(entry['q'].shape)}, expected {tuple(group.error.shape)} and "
-                                        f"{tuple(group.q.shape)}; {replan}")
+            raise check.refuse(f"the state holds PowerSGD state for groups {sorted(saved)}, but the plan's PowerSGD "
+                               f"groups are {sorted(expected)}")
+        for i, (numel, q_numel) in expected.items():
+            entry = check.entry(saved[i], f"PowerSGD state of group {i}")
+            if set(entry) != {"error", "q", "fresh"}:
+                raise check.refuse(f"PowerSGD state of group {i} must hold error, q and fresh, but holds "
+                                   f"{sorted(map(str, entry))}")
+            check.tensor(entry["error"], f"PowerSGD error of group {i}", numel)
+            check.tensor(entry["q"], f"PowerSGD q of group {i}", q_numel)
+            check.flag(entry["fresh"], f"PowerSGD fresh of group {i}")
         return saved
 
-    def _saved_buffers(self, state: dict[str, Any], key: str, what: str, replan: str) -> dict[int, Tensor]:
-        """The state's per-group `key` ("residuals" or "velocities"), checked against this exchange's groups.
+    def _saved_buffers(self, check: StateCheck, state: dict[str, Any], key: str, what: str, numel: dict[int, int],
+                       expected: set[int]) -> dict[int, Tensor]:
+        """The state's per-group `key` ("residuals" or "velocities"), checked against the groups `expected` to hold
+        one (of `numel` elements each).
 
         Velocities may be absent (an older state, or saved with momentum=0): then {} is returned.
         """
-        saved = {int(i): t for i, t in state.get(key, {}).items()}
-        expected = {st.index for st in self._groups if getattr(st, what) is not None}
+        saved = check.mapping(state.get(key, {}), key)
         if key == "velocities" and not saved:
             return saved
         if key == "velocities" and not expected:
-            raise PlanMismatchError(
-                f"the state holds momentum velocities for groups {sorted(saved)}, but this exchange has "
-                f"momentum=0; pass the momentum it was saved with, or {replan}"
-            )
+            raise PlanMismatchError(f"the state holds momentum velocities for groups {sorted(saved)}, but this "
+                                    f"exchange has momentum=0; pass the momentum it was saved with, or {check.fix}")
         if set(saved) != expected:
             kind = "top-k groups" if key == "residuals" else "groups"
-            raise PlanMismatchError(
-                f"the state holds {key} for groups {sorted(saved)}, but the plan's {kind} are {sorted(expected)}; "
-                f"{replan}"
-            )
-        for st in self._groups:
-            mine = getattr(st, what)
-            if mine is not None and saved[st.index].shape != mine.shape:
-                raise PlanMismatchError(
-                    f"{what} of group {st.index} has shape {tuple(saved[st.index].shape)}, expected "
-                    f"{tuple(mine.shape)}; {replan}"
-                )
+            raise check.refuse(f"the state holds {key} for groups {sorted(saved)}, but the plan's {kind} are "
+                               f"{sorted(expected)}")
+        for i in sorted(expected):
+            check.tensor(saved[i], f"{what} of group {i}", numel[i])
         return saved
 
     # -- teardown --------------------------------------------------------------------------------
@@ -1204,13 +1209,16 @@ def _applies_momentum(optimizer: torch.optim.Optimizer, planned_ids: frozenset[i
 
 
 def check_momentum_options(momentum: float, nesterov: bool, optimizer: torch.optim.Optimizer | None,
-                           owner: str) -> None:
-    """Refuse momentum out of range, nesterov without momentum, and momentum without the optimizer to check."""
-    if not 0 <= momentum < 1:
-        raise ValueError(f"`0 <= momentum < 1` must hold, but got momentum={momentum}")
+                           owner: str, *, optimizer_later: bool = False) -> None:
+    """Refuse momentum out of range, nesterov without momentum, and momentum without the optimizer to check
+    (unless `optimizer_later`: the caller checks the optimizer once it exists, as Lightning's strategy does)."""
+    if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 <= momentum < 1:
+        raise ValueError(f"`0 <= momentum < 1` must hold, but got momentum={momentum!r}")
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"nesterov must be True or False, but got nesterov={nesterov!r}")
     if nesterov and momentum == 0:
         raise ValueError("nesterov=True needs momentum > 0, but got momentum=0")
-    if momentum > 0 and optimizer is None:
+    if momentum > 0 and optimizer is None and not optimizer_later:
         raise ValueError(
             f"momentum={momentum} needs optimizer=: {owner} applies momentum, so it must check that the optimizer "
             "does not apply it again; pass the optimizer that steps this model"
@@ -1258,3 +1266,95 @@ def check_topk_optimizer(optimizer: torch.optim.Optimizer, topk_ids: frozenset[i
                 f"the optimizer's momentum acts on a sparse, delayed average; pass momentum={m}{nesterov} to "
                 f"{owner} and momentum=0 to the optimizer ({owner} applies it before top-k)"
             )
+
+
+# -- saved states' checks, shared with PlanHook ---------------------------------------------------------------------
+class StateCheck:
+    """The checks `load_state_dict` makes of a saved state before anything changes, in both runtimes: each entry's
+    type and shape, and the plan an adaptive run saved. Every refusal is one line (PlanMismatchError) saying what is
+    wrong, then `fix`.
+
+    Args:
+        owner: the runtime loading it, as its messages name it ("exchange", "hook").
+        fix: what to do instead, ending every message.
+    """
+
+    __slots__ = ("fix", "owner")
+
+    def __init__(self, owner: str, fix: str) -> None:
+        self.owner = owner
+        self.fix = fix
+
+    def refuse(self, what: str) -> PlanMismatchError:
+        """The error to raise: `what` is wrong, then what to do."""
+        return PlanMismatchError(f"{what}; {self.fix}")
+
+    def mapping(self, value: Any, where: str) -> dict[int, Any]:
+        """`value`, a dict by index (group or bucket, an int or its decimal string), with int keys."""
+        if not isinstance(value, dict):
+            raise self.refuse(f"the state's {where} must be a dict by index, but got {type(value).__name__}")
+        out = {}
+        for key, item in value.items():
+            if isinstance(key, bool) or not (isinstance(key, int) or (isinstance(key, str) and key.isdecimal())):
+                raise self.refuse(f"the state's {where} must be keyed by index, but holds the key {key!r}")
+            out[int(key)] = item
+        return out
+
+    def entry(self, value: Any, where: str) -> dict[str, Any]:
+        """`value`, a dict by name."""
+        if not isinstance(value, dict):
+            raise self.refuse(f"{where} must be a dict, but got {type(value).__name__}")
+        return value
+
+    def tensor(self, value: Any, where: str, numel: int | None) -> Tensor:
+        """`value`, a 1-D floating tensor (a flat buffer as `state_dict` saves it) of `numel` elements (None: any)."""
+        if not isinstance(value, Tensor):
+            raise self.refuse(f"{where} must be a tensor, but got {type(value).__name__}")
+        if not value.is_floating_point() or value.dim() != 1 or (numel is not None and value.numel() != numel):
+            size = "" if numel is None else f" of {numel} elements"
+            raise self.refuse(f"{where} must be a 1-D floating tensor{size}, but got "
+                              f"{str(value.dtype).removeprefix('torch.')} of shape {tuple(value.shape)}")
+        return value
+
+    def flag(self, value: Any, where: str) -> bool:
+        """`value`, True or False."""
+        if not isinstance(value, bool):
+            raise self.refuse(f"{where} must be True or False, but got {value!r}")
+        return value
+
+    def plan(self, value: Any, in_use: Plan, world_size: int, *, same_groups: bool) -> Plan:
+        """The plan an adaptive run saved, checked as the plan it replaces was at construction: a plan (a dict
+        `Plan.to_dict` wrote), of the same model and parameters (with `same_groups`, the same groups: DDP's
+        buckets), for the cluster the plan in use runs on, and one the re-planner can continue (mixed, under an
+        error budget)."""
+        if not isinstance(value, dict):
+            raise self.refuse(f"the state's plan must be a dict (Plan.to_dict), but got {type(value).__name__}")
+        try:
+            plan = Plan.from_dict(value)
+        except (PlannerError, ValueError, TypeError, KeyError) as exc:
+            raise self.refuse(f"the state's plan is not a valid plan ({exc})") from exc
+        if plan.model.fingerprint != in_use.model.fingerprint:
+            raise self.refuse(f"the state's plan is for model {plan.model.describe()}, but this {self.owner} runs "
+                              f"{in_use.model.describe()}")
+        if same_groups and [g.params for g in plan.groups] != [g.params for g in in_use.groups]:
+            raise self.refuse(f"the state's plan has other groups than this {self.owner}'s plan, and a plan inside "
+                              "DDP keeps its groups (DDP's buckets)")
+        if not same_groups and plan.param_order != in_use.param_order:
+            raise self.refuse(f"the state's plan orders the parameters otherwise than this {self.owner}'s plan")
+        here, there = in_use.cluster, plan.cluster
+        if (there.world_size, there.host_count, there.backend, there.device_kind) != (
+                world_size, here.host_count, here.backend, here.device_kind):
+            raise self.refuse(f"the state's plan was made for {_cluster_text(there.world_size, there)}, but this "
+                              f"{self.owner} runs on {_cluster_text(world_size, here)}")
+        if replannable(plan):
+            what = "a mixed plan without an error budget" if plan.strategy is Strategy.MIXED else \
+                f"a {plan.strategy.value} plan"
+            raise self.refuse(f"the state holds {what}, but re-planning (adaptive=) continues a mixed plan under an "
+                              "error budget only")
+        return plan
+
+
+def _cluster_text(world_size: int, cluster: ClusterInfo) -> str:
+    """`cluster` as the checks compare it, at `world_size` workers (the process group's, or the plan's)."""
+    hosts = f"{cluster.host_count} host{'s' if cluster.host_count > 1 else ''}"
+    return f"world size {world_size} on {hosts} ({cluster.backend} on {cluster.device_kind})"

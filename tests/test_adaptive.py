@@ -23,7 +23,7 @@ from planner.platform.launch import run_distributed
 from planner.runtime import GradientExchange, Replanning
 from planner.runtime.adaptive import allowed_compressors
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
-from planner.types import Collective, Compressor
+from planner.types import Collective, Compressor, PlanMismatchError
 from tests.factories import synthetic_plan, synthetic_profile
 
 #: Steps of rank-1 gradients, then as many of full-rank ones ten times larger.
@@ -145,6 +145,57 @@ def test_adaptive_needs_a_mixed_plan_under_a_budget_and_a_sound_schedule() -> No
             Replanning(**bad)  # type: ignore[arg-type]
     schedule = Replanning(every=10, steps=3, warmup=2)
     assert [schedule.position(s) for s in (0, 4, 5, 9, 10, 15, 19)] == [None, None, 0, 4, None, 0, 4]
+
+
+def one_worker_plans(tmp_path: Path) -> tuple[Plan, Plan, Plan, Path]:
+    """For TwoMatrices on one worker: the budgeted PowerSGD plan, the same groups sent as fp16 (another plan an
+    adaptive run may hold), and the same groups as a dense plan; and the profile's path."""
+    from planner.contracts.plan import Group
+    from tests.factories import plan_with_groups
+
+    path = tmp_path / "profile.json"
+    slow_profile_with_errors(1).save(path)
+    plan = make_mixed_plan(Profile.load(path), parse_compressors(ALLOWED), source=str(path), error_budget=BUDGET,
+                           time_limit_s=None)
+    fp16 = replace(plan, groups=tuple(replace(g, compressor=Compressor.parse("fp16")) for g in plan.groups))
+    dense = plan_with_groups(TwoMatrices(), tuple(Group(layers=g.layers, params=g.params, numel=g.numel)
+                                                  for g in plan.groups), world_size=1)
+    return plan, fp16, dense, path
+
+
+def test_a_refused_state_leaves_an_adaptive_exchange_on_its_plan(tmp_path: Path) -> None:
+    """The state's plan is taken only once the whole state is checked: a state whose plan differs and whose step
+    count is bad is refused, and the exchange keeps its plan and its groups."""
+    plan, fp16, _, path = one_worker_plans(tmp_path)
+    exchange = GradientExchange(TwoMatrices(), plan, adaptive=SCHEDULE, profile=path)
+    before = exchange.state_dict()
+    saved = GradientExchange(TwoMatrices(), fp16, adaptive=SCHEDULE, profile=path).state_dict()
+    with pytest.raises(PlanMismatchError, match="step count") as info:
+        exchange.load_state_dict({**saved, "step": -1})
+    assert "\n" not in str(info.value)
+    assert exchange.plan.to_dict() == plan.to_dict() and exchange.state_dict()["layout"] == before["layout"]
+    exchange.load_state_dict(saved)  # the whole state: taken
+    assert exchange.plan.to_dict() == fp16.to_dict()
+
+
+def test_an_adaptive_exchange_refuses_a_state_whose_plan_it_cannot_run_or_replan(tmp_path: Path) -> None:
+    """A dense plan (the re-planner continues a mixed plan under an error budget only) and a plan for 2 workers on
+    2 hosts (this exchange runs on 1), each in one line, the exchange left on its plan."""
+    plan, fp16, dense, path = one_worker_plans(tmp_path)
+    exchange = GradientExchange(TwoMatrices(), plan, adaptive=SCHEDULE, profile=path)
+    two_hosts = replace(fp16, cluster=replace(fp16.cluster, world_size=2, host_count=2))
+    cases = [
+        ({**GradientExchange(TwoMatrices(), dense).state_dict(), "plan": dense.to_dict()},
+         "holds a dense plan, but re-planning"),
+        ({**GradientExchange(TwoMatrices(), fp16, adaptive=SCHEDULE, profile=path).state_dict(),
+          "plan": two_hosts.to_dict()}, "made for world size 2 on 2 hosts .* runs on world size 1 on 1 host"),
+        ({**exchange.state_dict(), "plan": [1]}, "plan must be a dict"),
+    ]
+    for state, words in cases:
+        with pytest.raises(PlanMismatchError, match=words) as info:
+            exchange.load_state_dict(state)
+        assert "\n" not in str(info.value) and "start without one" in str(info.value)
+        assert exchange.plan.to_dict() == plan.to_dict()
 
 
 def test_a_replan_leaves_top_k_out_where_the_optimizer_applies_momentum() -> None:

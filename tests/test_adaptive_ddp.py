@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from planner.contracts.plan import Plan
 from planner.platform.launch import run_distributed
 from planner.runtime import PlanHook
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.types import PlanMismatchError
 from tests.test_adaptive import (
     ALLOWED,
     BUDGET,
@@ -25,6 +27,7 @@ from tests.test_adaptive import (
     TwoMatrices,
     check_replanned_once,
     gradients,
+    one_worker_plans,
     run_shaped_replan,
     slow_profile_with_errors,
 )
@@ -83,6 +86,29 @@ def test_planhook_adaptive_needs_a_mixed_plan_under_a_budget() -> None:
     free = make_mixed_plan(slow_profile_with_errors(1), parse_compressors(ALLOWED), time_limit_s=None)
     with pytest.raises(ValueError, match="solved without one"):
         PlanHook(TwoMatrices(), free, adaptive=True)
+
+
+def test_a_hook_refuses_a_state_before_taking_its_plan(tmp_path: Path) -> None:
+    """As the exchange (one checker): the state's plan is taken only once every bucket's entry is checked, and a plan
+    the hook cannot run or re-plan (dense; 2 workers on 2 hosts in a world of 1) is refused in one line, the hook left
+    on its plan."""
+    plan, fp16, dense, path = one_worker_plans(tmp_path)
+    hook = PlanHook(TwoMatrices(), plan, adaptive=SCHEDULE, profile=path)
+    state = hook.state_dict()
+    names = list(plan.groups[0].params)
+    two_hosts = replace(fp16, cluster=replace(fp16.cluster, world_size=2, host_count=2))
+    cases = [
+        ({**state, "plan": fp16.to_dict(), "buckets": {0: {"params": names, "residual": []}}}, "must be a tensor"),
+        ({**state, "plan": dense.to_dict()}, "holds a dense plan, but re-planning"),
+        ({**state, "plan": two_hosts.to_dict()}, "made for world size 2 on 2 hosts"),
+    ]
+    for saved, words in cases:
+        with pytest.raises(PlanMismatchError, match=words) as info:
+            hook.load_state_dict(saved)
+        assert "\n" not in str(info.value)
+        assert hook.plan.to_dict() == plan.to_dict()
+    hook.load_state_dict({**state, "plan": fp16.to_dict()})
+    assert hook.plan.to_dict() == fp16.to_dict()
 
 
 def _shaped_worker(rank: int, world_size: int, profile_path: str, plan_json: str) -> dict[str, object]:

@@ -128,6 +128,40 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path: object) -> None:
     assert "not a PlanHook state" in failures[1] and "fingerprint" in failures[2] and "missing.json" in failures[3]
 
 
+def test_hook_state_entries_of_another_type_or_shape_are_refused_in_one_line() -> None:
+    """Each bucket's entry is checked when loaded, as GradientExchange's (one checker): a residual that is a list
+    (taken before, to fail inside DDP's backward), a buffer of another size, unknown parameters, PowerSGD's state
+    apart or its Q of another size are one PlanMismatchError line each, and the state loaded before stays."""
+    from planner.kernels.compress import PowerSGDLayout
+
+    model = ladder()
+    plan = mixed_plan(model, ["powersgd:1", "topk:0.3"], world_size=1)
+    hook = PlanHook(model, plan)
+    names = list(plan.groups[0].params)
+    shapes = dict(model.named_parameters())
+    numel = plan.groups[0].numel
+    q_numel = PowerSGDLayout.of([shapes[n].shape for n in names], 1).q_numel
+    good = {"params": names, "error": torch.ones(numel), "q": torch.ones(q_numel), "fresh": False}
+    base = {**hook.state_dict(), "buckets": {0: good}}
+    hook.load_state_dict(base)
+    bad = [
+        ([], "buckets must be a dict by index"),
+        ({0: [good]}, "bucket 0's state must be a dict"),
+        ({0: {"params": names, "residual": [0.0] * numel}}, "bucket 0's residual must be a tensor"),
+        ({0: {"params": names, "residual": torch.zeros(numel + 1)}}, f"1-D floating tensor of {numel} elements"),
+        ({0: {"params": ["ghost.weight"], "residual": torch.zeros(3)}}, "not this model's planned parameters"),
+        ({0: {"params": names, "error": torch.zeros(numel)}}, "error, q and fresh together"),
+        ({0: {**good, "q": torch.zeros(q_numel + 1)}}, f"q must be a 1-D floating tensor of {q_numel} elements"),
+        ({0: {**good, "fresh": "no"}}, "fresh must be True or False"),
+        ({0: {**good, "extra": 1}}, "holds \\['extra'\\]"),
+    ]
+    for buckets, words in bad:
+        with pytest.raises(PlanMismatchError, match=words) as info:
+            hook.load_state_dict({**base, "buckets": buckets})
+        assert "\n" not in str(info.value), words
+    assert torch.equal(hook._pending[0]["q"], good["q"])
+
+
 def test_without_a_cap_list_ddp_gets_the_median_cap_and_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     from planner.runtime import ddp_plan
 
@@ -405,9 +439,9 @@ def test_hierarchical_groups_on_two_emulated_hosts_found_by_name() -> None:
 
 
 def named_plan(model: nn.Module, groups: list[list[str]], sent_as: list[str], *,
-               never: tuple[str, ...] = ()) -> Plan:
-    """A plan of the given groups of parameter names (each in the order DDP's bucket will hold it), group i sent
-    as sent_as[i % len], recording `never` as parameters its profile never saw a gradient for."""
+               never: tuple[str, ...] = (), sometimes: tuple[str, ...] = ()) -> Plan:
+    """A plan of the given groups of parameter names, group i sent as sent_as[i % len], recording `never` and
+    `sometimes` as parameters its profile saw no gradient for in every batch or in some."""
     params = dict(model.named_parameters())
     made = []
     for i, names in enumerate(groups):
@@ -417,7 +451,9 @@ def named_plan(model: nn.Module, groups: list[list[str]], sent_as: list[str], *,
                           numel=numel, compressor=compressor,
                           k=None if compressor.density is None else topk_count(numel, compressor.density)))
     plan = plan_with_groups(model, tuple(made), Strategy.MIXED)
-    return replace(plan, unused_params=UnusedParams(batches=4, never=never)) if never else plan
+    if never or sometimes:
+        plan = replace(plan, unused_params=UnusedParams(batches=4, never=never, sometimes=sometimes))
+    return plan
 
 
 def shaped(case: str) -> nn.Module:
@@ -504,6 +540,169 @@ def _shaped_worker(rank: int, world_size: int) -> list[str]:
 def test_models_shaped_like_real_ones_equal_plain_ddp_and_gradient_exchange() -> None:
     assert run_distributed(_shaped_worker, 2) == [[f"{c} {s}" for c in SHAPED_GROUPS
                                                    for s in ("dense", "+".join(SHAPED_AS))]] * 2
+
+
+# -- buckets that hold a group's parameters in another order than the plan (2 processes) -------------------------
+
+
+class Seq2Seq(nn.Module):
+    """A GRU encoder-decoder: two weight matrices per GRU layer, whose gradients become ready weight_hh first, so
+    DDP's rebuilt buckets hold them in another order than the plan's groups (registration order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.GRU(6, 12, batch_first=True)
+        self.decoder = nn.GRU(6, 12, batch_first=True)
+        self.head = nn.Linear(12, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, state = self.encoder(x)
+        out, _ = self.decoder(x.flip(1), state)
+        return self.head(out[:, -1])
+
+
+class Experts(nn.Module):
+    """A tiny mixture of experts: each batch goes to the 2 of 4 experts its mean gate scores choose, so ranks leave
+    different experts without a gradient on the same step (find_unused_parameters: DDP keeps registration order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 16) for _ in range(4))
+        self.head = nn.Linear(16, 4)
+
+    def chosen(self, x: torch.Tensor) -> list[int]:
+        return sorted(int(i) for i in torch.topk(self.gate(x).mean(0), 2).indices)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.gate(x).mean(0)
+        chosen = torch.topk(scores, 2).indices
+        weights = torch.softmax(scores[chosen], 0)
+        hidden = sum(w * torch.tanh(self.experts[int(i)](x)) for w, i in zip(weights, chosen, strict=True))
+        assert isinstance(hidden, torch.Tensor)
+        return self.head(hidden)
+
+
+def _expert_names(order: list[int]) -> list[str]:
+    return [f"experts.{i}.{p}" for i in order for p in ("bias", "weight")]
+
+
+#: Per model: its factory, the plan's groups (in ready order, each layer's bias first, where DDP holds them in
+#: another order: GRU's weight_hh first after the rebuild, registration order with find_unused_parameters), the
+#: parameters without a gradient in some batches, and a batch of (rank, step).
+ORDER_CASES = {
+    "gru": (Seq2Seq, [["head.bias", "head.weight"],
+                      [f"decoder.{w}_l0" for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")],
+                      [f"encoder.{w}_l0" for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]], ()),
+    "moe": (Experts, [["head.bias", "head.weight"], _expert_names([3, 2, 1, 0]), ["gate.bias", "gate.weight"]],
+            tuple(_expert_names([0, 1, 2, 3]))),
+}
+ORDER_AS = ["dense", "fp16", "powersgd:1", "powersgd:2", "topk:0.3"]
+
+
+def test_powersgd_buffers_in_another_order_or_part_of_a_group_compute_each_tensor_as_the_group() -> None:
+    """The kernel's rule behind the hook's buckets: a buffer holding a group's tensors in another order, or some of
+    them (a group DDP splits), gives each tensor the group's own result bit for bit, on one worker over two steps
+    (the first Qs drawn, then warm-started)."""
+    from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout
+
+    shapes = [(12, 8), (12,), (20, 6), (16, 4, 3), (5, 3)]
+    sizes = [int(torch.Size(s).numel()) for s in shapes]
+    grads = [[torch.randn(n, generator=torch.Generator().manual_seed(10 * step + i)) for i, n in enumerate(sizes)]
+             for step in range(2)]
+
+    def run(held: list[int]) -> list[torch.Tensor]:
+        group = PowerSGDGroup(PowerSGDLayout.of(shapes, 2, held=held), torch.device("cpu"), seed=123)
+        outs = []
+        for step in range(2):
+            group.compress(torch.cat([grads[step][i] for i in held]))
+            group.middle(1)
+            out = torch.empty(group.layout.numel)
+            group.decompress(out, 1)
+            outs.append(out)
+        return [torch.cat([o, group.error]) for o in outs]
+
+    def per_tensor(held: list[int], flats: list[torch.Tensor]) -> dict[tuple[int, int, str], torch.Tensor]:
+        numel = sum(sizes[i] for i in held)
+        found, at = {}, 0
+        for i in held:
+            for step, flat in enumerate(flats):
+                found[(i, step, "out")] = flat[at : at + sizes[i]]
+                found[(i, step, "error")] = flat[numel + at : numel + at + sizes[i]]
+            at += sizes[i]
+        return found
+
+    whole = per_tensor([0, 1, 2, 3, 4], run([0, 1, 2, 3, 4]))
+    for held in ([3, 1, 4, 0, 2], [2, 0], [4, 3, 1]):
+        for key, value in per_tensor(held, run(held)).items():
+            assert torch.equal(value, whole[key]), (held, key)
+    with pytest.raises(ValueError, match="distinct indices"):
+        PowerSGDLayout.of(shapes, 2, held=[0, 0])
+
+
+def _order_batch(case: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * rank + step)
+    if case == "gru":
+        return torch.randn(4, 5, 6, generator=g), torch.randn(4, 4, generator=g)
+    return torch.randn(6, 8, generator=g) + 2 * torch.randn(8, generator=g), torch.randn(6, 4, generator=g)
+
+
+def _order_worker(rank: int, world_size: int, steps: int) -> dict[str, list[float]]:
+    """Per model of ORDER_CASES and compressor of ORDER_AS (the whole plan sent by it): the hook against
+    `GradientExchange` with the same plan over `steps` SGD steps (after DDP's warm-up iteration where it rebuilds,
+    taken without a step). Returns, per case, the largest parameter difference after each step, and per model the
+    experts each step chose on this rank ("moe chosen") and whether a bucket held its group in another order."""
+    found: dict[str, list[float]] = {}
+    for case, (make, groups, sometimes) in ORDER_CASES.items():
+        for sent_as in ORDER_AS:
+            model = make()
+            plan = named_plan(model, groups, [sent_as], sometimes=sometimes)
+            twin = copy.deepcopy(model)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # find_unused_parameters turned on by the plan
+                hook = PlanHook(model, plan)
+                ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+                hook.register(ddp)
+                if hook._final_iteration == 1:  # the warm-up iteration (an fp32 mean), no step
+                    x, y = _order_batch(case, rank, 99)
+                    nn.functional.mse_loss(ddp(x), y).backward()
+                exchange = GradientExchange(twin, plan)
+            opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, twin)]
+            label = f"{case} {sent_as}"
+            found[label] = []
+            for step in range(steps):
+                x, y = _order_batch(case, rank, step)
+                if case == "moe":
+                    found.setdefault("moe chosen", []).extend(twin.chosen(x))  # type: ignore[operator]
+                for opt in opts:
+                    opt.zero_grad()
+                for m in (ddp, twin):
+                    nn.functional.mse_loss(m(x), y).backward()
+                exchange.synchronize()
+                for opt in opts:
+                    opt.step()
+                found[label].append(max((p - q).abs().max().item()
+                                        for p, q in zip(ddp.module.parameters(), twin.parameters(), strict=True)))
+            exchange.close()
+            assert sorted(hook.bucket_groups) == list(range(len(plan.groups))), (label, hook.buckets)
+            found[f"{case} reordered"] = [float(any(names != plan.groups[i].params for names, i in zip(
+                hook.buckets, hook.bucket_groups, strict=True) if i is not None))]
+    return found
+
+
+def test_buckets_in_another_order_than_the_plans_groups_equal_gradient_exchange_bit_for_bit() -> None:
+    """A GRU encoder-decoder (DDP's rebuilt buckets hold weight_hh before weight_ih) and a mixture of experts whose
+    ranks leave different experts unused (find_unused_parameters: DDP keeps registration order), every compressor:
+    the hook's parameters equal the exchange's bit for bit (PowerSGD's Qs are drawn and packed in the group's order,
+    whatever the bucket's). Two steps: PowerSGD's second starts from the first's Qs and errors."""
+    results = run_distributed(_order_worker, 2, 2)
+    for found in results:
+        assert found.pop("gru reordered") == [1.0] and found.pop("moe reordered") == [1.0]
+    chosen = [found.pop("moe chosen") for found in results]
+    assert len(chosen[0]) == 2 * 2 * len(ORDER_AS) and chosen[0] != chosen[1]  # the ranks' experts differ
+    assert results == [{f"{case} {sent_as}": [0.0, 0.0] for case in ORDER_CASES for sent_as in ORDER_AS}] * 2
 
 
 # -- static_graph with parameters that never get a gradient (2 processes) -----------------------------------------

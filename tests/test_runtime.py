@@ -884,6 +884,38 @@ def test_state_dict_refuses_another_plan() -> None:
     exchange.load_state_dict(state)
 
 
+def test_state_dict_entries_of_another_type_or_shape_are_refused_in_one_line() -> None:
+    """Every entry is checked before anything changes: a wrong type or shape is one PlanMismatchError line naming
+    the entry (not an AttributeError, nor a state taken that fails later), and the exchange keeps its state."""
+    from tests.test_mixed_runtime import mixed_plan
+
+    model = tiny_mlp()
+    exchange = GradientExchange(model, mixed_plan(model, ["powersgd:1", "topk:0.3"], world_size=1))
+    model(torch.randn(4, 8)).sum().backward()
+    exchange.synchronize()  # residuals, errors and Qs that are not zeros
+    state = exchange.state_dict()
+    residual, psgd = state["residuals"][1], state["powersgd"][0]
+    bad = [
+        ({"residuals": []}, "residuals must be a dict by index, but got list"),
+        ({"residuals": {**state["residuals"], 1: residual.tolist()}}, "residual of group 1 must be a tensor"),
+        ({"residuals": {**state["residuals"], 1: residual.long()}}, "1-D floating tensor of 272 elements"),
+        ({"residuals": {**state["residuals"], "one": residual}}, "keyed by index, but holds the key 'one'"),
+        ({"velocities": "none"}, "velocities must be a dict"),
+        ({"powersgd": {**state["powersgd"], 0: [psgd["error"]]}}, "PowerSGD state of group 0 must be a dict"),
+        ({"powersgd": {**state["powersgd"], 0: {**psgd, "q": psgd["q"][:-1]}}}, "PowerSGD q of group 0 must be"),
+        ({"powersgd": {**state["powersgd"], 0: {**psgd, "fresh": 0}}}, "fresh of group 0 must be True or False"),
+        ({"step": "3"}, "step count must be an integer"),
+    ]
+    for change, words in bad:
+        with pytest.raises(PlanMismatchError, match=words) as info:
+            exchange.load_state_dict({**state, **change})
+        assert "\n" not in str(info.value), words
+    after = exchange.state_dict()
+    assert torch.equal(after["residuals"][1], residual) and torch.equal(after["powersgd"][0]["q"], psgd["q"])
+    exchange.load_state_dict(state)
+    exchange.close()
+
+
 def test_from_file_and_close(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     model = _linear_chain()

@@ -24,6 +24,12 @@ PyTorch's hook sends the uncompressed tensors and the Ps in two allreduces; here
 are the same element by element). Everything else is its arithmetic, step for step, including the
 random Qs of the first step (`numpy.random.RandomState(seed).randint` seeds torch's generator per group),
 so that the two agree to the bit on the same tensors (tests/test_compressors.py checks it).
+
+What a tensor gets is fixed by the group, not by the buffer that holds it: the uncompressed parts, the Ps and
+the Qs are packed in the group's order, and the first Qs are drawn from the group's seed in the group's order,
+one per compressed matrix of the group. A buffer that holds the group's tensors in another order, or only some
+of them (a DDP bucket: `PowerSGDLayout.of(..., held=...)`), therefore computes on each tensor what the group's
+own buffer computes, and sends the same Ps and Qs at the same places.
 """
 
 from __future__ import annotations
@@ -83,17 +89,20 @@ def orthogonalize(matrices: Tensor) -> None:
 
 @dataclass(frozen=True)
 class PowerSGDLayout:
-    """Where each tensor of a group lives in its flat buffer, which are compressed, and where their P and Q
-    live.
+    """Where each tensor of a group lives in its flat buffer, which are compressed, where their P and Q live, and
+    which of the group's first random Qs each matrix takes.
 
     Attributes:
         rank: the rank asked for (each matrix uses min(rank, n, m)).
-        matrices: per compressed tensor (offset in the flat buffer, n, m, r, offset of P, offset of Q),
+        matrices: per compressed tensor held (offset in the flat buffer, n, m, r, offset of P, offset of Q),
             in the group's order.
-        uncompressed: per tensor sent whole (offset in the flat buffer, numel), in the group's order.
-        numel: elements of the group.
+        uncompressed: per tensor held and sent whole (offset in the flat buffer, numel), in the group's order.
+        numel: elements of the flat buffer.
         uncompressed_numel: elements sent whole (the head of the send buffer).
         p_numel, q_numel: elements of all the Ps (after the uncompressed ones in the send buffer) and Qs.
+        draws: the shape (m, r) of each of the group's first random Qs, in the group's order (one per compressed
+            matrix of the whole group, held or not).
+        drawn: per entry of `matrices`, the index in `draws` of its first Q.
     """
 
     rank: int
@@ -103,34 +112,52 @@ class PowerSGDLayout:
     uncompressed_numel: int
     p_numel: int
     q_numel: int
+    draws: tuple[tuple[int, int], ...]
+    drawn: tuple[int, ...]
 
     @classmethod
-    def of(cls, shapes: Sequence[Sequence[int]], rank: int,
-           min_compression_rate: float = MIN_COMPRESSION_RATE) -> PowerSGDLayout:
-        """The layout of tensors of `shapes`, laid out one after the other in a flat buffer."""
+    def of(cls, shapes: Sequence[Sequence[int]], rank: int, min_compression_rate: float = MIN_COMPRESSION_RATE,
+           *, held: Sequence[int] | None = None) -> PowerSGDLayout:
+        """The layout of a group of tensors of `shapes` (in the group's order) in a flat buffer: all of them one
+        after the other in that order, or, with `held`, the tensors it lists (indices into `shapes`, each at most
+        once, in the buffer's order): a DDP bucket that holds the group's tensors in another order, or part of
+        them. Either way each tensor gets what it gets in the group's own buffer (see the module docstring)."""
         if rank < 1:
             raise ValueError(f"`rank >= 1` must hold, but got rank={rank}")
-        matrices, uncompressed = [], []
-        offset = p_offset = q_offset = unc = 0
+        sizes = []
         for shape in shapes:
             numel = 1
             for d in shape:
                 numel *= int(d)
+            sizes.append(numel)
+        order = list(range(len(shapes))) if held is None else [int(i) for i in held]
+        if len(set(order)) != len(order) or any(not 0 <= i < len(shapes) for i in order):
+            raise ValueError(f"`held` must list distinct indices of the {len(shapes)} shapes, but got {list(order)}")
+        offset_of, offset = {}, 0
+        for i in order:
+            offset_of[i] = offset
+            offset += sizes[i]
+        matrices, uncompressed, draws, drawn = [], [], [], []
+        p_offset = q_offset = unc = 0
+        for i, (shape, numel) in enumerate(zip(shapes, sizes, strict=True)):
             if len(shape) >= 2 and numel > 0:
                 n = int(shape[0])
                 m = numel // n
                 r = min(rank, n, m)
                 if should_compress(n, m, r, min_compression_rate):
-                    matrices.append((offset, n, m, r, p_offset, q_offset))
-                    p_offset += n * r
-                    q_offset += m * r
-                    offset += numel
+                    draws.append((m, r))
+                    if i in offset_of:
+                        matrices.append((offset_of[i], n, m, r, p_offset, q_offset))
+                        drawn.append(len(draws) - 1)
+                        p_offset += n * r
+                        q_offset += m * r
                     continue
-            uncompressed.append((offset, numel))
-            unc += numel
-            offset += numel
+            if i in offset_of:
+                uncompressed.append((offset_of[i], numel))
+                unc += numel
         return cls(rank=rank, matrices=tuple(matrices), uncompressed=tuple(uncompressed), numel=offset,
-                   uncompressed_numel=unc, p_numel=p_offset, q_numel=q_offset)
+                   uncompressed_numel=unc, p_numel=p_offset, q_numel=q_offset, draws=tuple(draws),
+                   drawn=tuple(drawn))
 
     @property
     def send_numel(self) -> int:
@@ -149,8 +176,9 @@ class PowerSGDGroup:
     Args:
         layout: the group's tensors.
         device: where the buffers live (the group's).
-        seed: seeds torch's generator for the random Qs of the first step (PowerSGD's hook draws it with
-            `state.rng.randint(1_000_000_000)` from a RandomState; the runtime draws it the same way).
+        seed: the group's: seeds torch's generator for the random Qs of the first step, drawn in the group's
+            order (PowerSGD's hook draws it with `state.rng.randint(1_000_000_000)` from a RandomState; the runtime
+            draws it the same way, one per group in plan order).
     """
 
     __slots__ = ("_m_shapes", "error", "fresh", "layout", "p_views", "q", "q_views", "seed", "send")
@@ -180,12 +208,14 @@ class PowerSGDGroup:
             at += numel
         if not self.layout.compresses:
             return self.send
-        if self.fresh:
+        if self.fresh:  # the group's draws in the group's order, each matrix taking its own
+            wanted = max(self.layout.drawn) + 1
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.seed)
-                for q in self.q_views:
-                    q.copy_(torch.randn(*q.shape, device="cpu", dtype=q.dtype))
-                    orthogonalize(q)
+                drawn = [torch.randn(1, m, r, device="cpu", dtype=torch.float32) for m, r in self.layout.draws[:wanted]]
+            for q, j in zip(self.q_views, self.layout.drawn, strict=True):
+                q.copy_(drawn[j])
+                orthogonalize(q)
             self.fresh = False
         else:
             for q in self.q_views:
