@@ -39,7 +39,8 @@ from torch.nn.parallel import DistributedDataParallel
 from planner.contracts.plan import Plan
 from planner.runtime.adaptive import Replanning
 from planner.runtime.ddp_plan import PlanHook, _trainable
-from planner.types import PlanMismatchError
+from planner.runtime.exchange import check_momentum_options
+from planner.types import CompressorKind, PlanMismatchError
 
 __all__ = ["accelerate_prepare", "lightning_strategy"]
 
@@ -70,6 +71,8 @@ def lightning_strategy(
     auto_retune: bool = False,
     profile: Any = None,
     adaptive: bool | Replanning = False,
+    momentum: float = 0.0,
+    nesterov: bool = False,
     **strategy_kwargs: Any,
 ) -> Any:
     """A Lightning `DDPStrategy` that runs `plan` in DDP: its groups as DDP's buckets, `PlanHook` as the comm hook.
@@ -87,22 +90,52 @@ def lightning_strategy(
         profile: as `PlanHook`'s.
         adaptive: as `PlanHook`'s: re-plan each bucket's compressor within the plan's error budget as training goes
             (`Replanning`; the buckets are kept). Its re-plans are then `strategy.hook.replans`.
-        **strategy_kwargs: other arguments of `DDPStrategy` (e.g. `process_group_backend`, `timeout`); not
-            DDP's bucket arguments, which the plan sets, nor another comm hook.
+        momentum: as `PlanHook`'s: SGD's momentum applied in the hook (momentum correction, for top-k plans), with
+            the optimizer at momentum 0; `nesterov` likewise. The optimizer `configure_optimizers` returns is
+            checked as `PlanHook(optimizer=...)` checks it, at set-up and at each step: momentum in it beside the
+            hook's is refused, and without `momentum` so is momentum in it on the plan's top-k groups.
+        **strategy_kwargs: other arguments of `DDPStrategy` (e.g. `process_group_backend`, `timeout`) and of DDP;
+            not DDP's bucket arguments, which the plan sets, nor another comm hook.
 
     Raises:
         ImportError: Lightning is not installed.
-        ValueError: the arguments set what the plan sets (bucket caps, find_unused_parameters, a comm hook).
+        ValueError: the arguments set what the plan sets (bucket caps, find_unused_parameters, a comm hook), name
+            no argument of `DDPStrategy` or DDP, or give momentum out of range (each in one line, here, not
+            inside `fit` on every rank).
     """
     taken = sorted(k for k in strategy_kwargs
                    if k in _HOOK_SETS or k.startswith("ddp_comm_") or k == "model_averaging_period")
     if taken:
         raise ValueError(f"lightning_strategy sets DDP's buckets and comm hook from the plan, so it does not take "
                          f"{', '.join(taken)}; pass find_unused_parameters= and static_graph= to it by name")
+    if "optimizer" in strategy_kwargs:
+        raise ValueError("lightning_strategy checks the optimizer your LightningModule's configure_optimizers "
+                         "returns, once Lightning has made it: drop optimizer=")
+    unknown = sorted(set(strategy_kwargs) - _strategy_arguments())
+    if unknown:
+        raise ValueError(f"lightning_strategy got {', '.join(unknown)}, which is an argument of neither DDPStrategy "
+                         "nor DistributedDataParallel; PlanHook's are find_unused_parameters, auto_retune, profile, "
+                         "adaptive, momentum and nesterov")
+    check_momentum_options(momentum, nesterov, None, "lightning_strategy", optimizer_later=True)
     hook_kwargs = {"find_unused_parameters": find_unused_parameters, "auto_retune": auto_retune, "profile": profile,
-                   "adaptive": adaptive}
+                   "adaptive": adaptive, "momentum": momentum, "nesterov": nesterov}
     return _strategy_class()(plan, module=module, static_graph=static_graph, hook_kwargs=hook_kwargs,
                              **strategy_kwargs)
+
+
+@cache
+def _strategy_arguments() -> frozenset[str]:
+    """The keyword arguments `DDPStrategy` takes, and DDP's, which it passes on."""
+    import inspect
+
+    def named(fn: Any) -> set[str]:
+        return {p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    _strategy_class()  # Lightning is installed, or one line says how
+    return frozenset(named(DDPStrategy) | named(DistributedDataParallel)) - {"module"}
 
 
 @cache
@@ -124,6 +157,7 @@ def _strategy_class() -> type:
             self._plan_module = module
             self._static_graph = static_graph
             self._hook_kwargs = hook_kwargs
+            self._optimizers_made = False
             self.hook: PlanHook | None = None
 
         def configure_ddp(self) -> None:
@@ -133,11 +167,28 @@ def _strategy_class() -> type:
             if planned is not lightning_module:
                 _check_holds_all(lightning_module, planned, "LightningModule")
             plan = self._plan if isinstance(self._plan, Plan) else Plan.load(self._plan)
-            self.hook = PlanHook(planned, plan, **self._hook_kwargs)
+            optimizer = None
+            self._optimizers_made = False
+            if self._hook_kwargs["momentum"] > 0 or any(plan.compressor_of(g).kind is CompressorKind.TOPK
+                                                        for g in plan.groups):
+                # The hook checks the optimizer, which Lightning makes after DDP (`setup_optimizers`): make it
+                # now, from the module's own parameters (DDP wraps them as they are), and not again later.
+                trainer = lightning_module.trainer
+                self.setup_optimizers(trainer)
+                self._optimizers_made = True
+                if len(self.optimizers) != 1:
+                    raise ValueError(f"the plan's hook checks the optimizer for momentum, but configure_optimizers "
+                                     f"returned {len(self.optimizers)}; return one optimizer")
+                optimizer = self.optimizers[0]
+            self.hook = PlanHook(planned, plan, optimizer=optimizer, **self._hook_kwargs)
             self._ddp_kwargs = {**self._ddp_kwargs, **self.hook.ddp_kwargs(static_graph=self._static_graph)}
             self.model = self._setup_model(lightning_module)
             # DDPStrategy._register_ddp_hooks registers a comm hook on CUDA only: the plan's is registered here.
             self.hook.register(self.model)
+
+        def setup_optimizers(self, trainer: Any) -> None:
+            if not self._optimizers_made:  # made already for the hook to check (`configure_ddp`)
+                super().setup_optimizers(trainer)
 
     return PlanDDPStrategy
 

@@ -11,6 +11,7 @@ further off than the tolerance by orders of magnitude.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import subprocess
@@ -37,6 +38,7 @@ SNIPPETS = ROOT / "docs" / "snippets"
 SENT_AS = ["powersgd:2", "topk:0.3", "dense"]
 STEPS = 5  # the scripts' loader: 5 batches per rank
 MISMATCH = "DDP's buckets are not the plan's groups"
+MOMENTUM = 0.9  # tests/lightning_momentum.py's
 #: The scripts and the hand-made loop do the same arithmetic on the same data (in practice bit for bit).
 RTOL, ATOL = 1e-6, 1e-7
 #: How far DDP without the hook must end from the plan's run, at least (1.1e-3 here, on head.weight).
@@ -53,30 +55,32 @@ def _small_lm() -> Any:
 
 def _reference_worker(rank: int, world_size: int, plan_path: str) -> dict[str, Any]:
     """The scripts' model, data and SGD, by hand: DDP with `PlanHook` (its buckets checked to be the plan's groups,
-    with no warning), and DDP without a hook. Parameters after the 5 steps, by name."""
+    with no warning), the same with momentum 0.9 in the hook, and DDP without a hook. Parameters after the 5 steps,
+    by name."""
     results: dict[str, Any] = {}
-    for hooked in (True, False):
+    for run in ("plan", "plan+momentum", "ddp"):
         workload = _small_lm()
         model, loss_fn = workload.module, workload.loss_fn
         generator = torch.Generator().manual_seed(rank)
         loader = [workload.make_batch(workload.batch_size, generator) for _ in range(STEPS)]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            if hooked:
-                hook = PlanHook.from_file(model, plan_path)
+            if run != "ddp":
+                momentum = {"momentum": MOMENTUM, "optimizer": optimizer} if run == "plan+momentum" else {}
+                hook = PlanHook.from_file(model, plan_path, **momentum)
                 ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
                 hook.register(ddp)
             else:
                 ddp = DistributedDataParallel(model)
-            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
             for inputs, targets in loader:
                 optimizer.zero_grad()
                 loss_fn(ddp(inputs), targets).backward()
                 optimizer.step()
-        if hooked:
+        if run != "ddp":
             assert hook.bucket_groups == list(range(len(hook.plan.groups))), hook.buckets
             assert not [w for w in caught if MISMATCH in str(w.message)]
-        results["plan" if hooked else "ddp"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        results[run] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return results
 
 
@@ -91,19 +95,40 @@ def plan_and_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
 
 
 def _torchrun(script: str, plan: Path, tmp_path: Path) -> tuple[dict[str, torch.Tensor], str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(SNIPPETS), str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(SNIPPETS / script), str(plan)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
+    done = _torchrun_script(SNIPPETS / script, plan, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     # the ranks' lines (torchrun may pass two ranks' writes on without a line break between them)
     ranks = sorted(re.findall(r"rank (\d) loss [-\d.]+ checksum (-?\d+\.\d{6})", done.stdout))
     assert [rank for rank, _ in ranks] == ["0", "1"], done.stdout[-2000:]
     assert len({checksum for _, checksum in ranks}) == 1, ranks  # both ranks stepped alike
     return torch.load(tmp_path / "model.pt"), done.stderr
+
+
+def _torchrun_script(script: Path, plan: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SNIPPETS), str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+         str(plan)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_lightning_takes_the_hooks_momentum_and_checks_the_optimizer_it_makes(
+        plan_and_reference: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """`lightning_strategy(momentum=0.9)` trains as `PlanHook(momentum=0.9, optimizer=...)` by hand, and momentum in
+    Lightning's optimizer on the plan's top-k groups is refused in one line, as the plain path refuses it."""
+    plan, reference = plan_and_reference
+    done = _torchrun_script(ROOT / "tests" / "lightning_momentum.py", plan, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = torch.load(tmp_path / "momentum.pt")
+    for name, p in got.items():
+        torch.testing.assert_close(p, reference["plan+momentum"][name], rtol=RTOL, atol=ATOL, msg=name)
+    apart = max((got[n] - reference["plan"][n]).abs().max().item() for n in got)
+    assert apart > APART, f"without the momentum the run ends within {apart:.3g}: the hook's momentum did nothing"
+    refused = sorted(re.findall(r"rank (\d) refused: (.*)", done.stdout))
+    assert [rank for rank, _ in refused] == ["0", "1"], done.stdout[-2000:]
+    assert all("has momentum=0.9, but the plan sends its parameters by top-k" in line for _, line in refused)
 
 
 def _check_runs_the_plan(got: dict[str, torch.Tensor], reference: dict[str, Any], stderr: str) -> None:
@@ -175,6 +200,27 @@ def test_lightning_strategy_refuses_what_the_plan_sets_in_one_line() -> None:
         with pytest.raises(ValueError, match="sets DDP's buckets and comm hook from the plan") as info:
             lightning_strategy("plan.json", **kwargs)
         assert "\n" not in str(info.value) and next(iter(kwargs)) in str(info.value)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"momentum": 0.9, "nesterov": False}, None),  # taken: the optimizer is checked once Lightning makes it
+    ({"momentum": 1.5}, "`0 <= momentum < 1` must hold"),
+    ({"momentum": "0.9"}, "`0 <= momentum < 1` must hold"),
+    ({"nesterov": True}, "nesterov=True needs momentum > 0"),
+    ({"momentun": 0.9}, "lightning_strategy got momentun, which is an argument of neither DDPStrategy nor"),
+    ({"optimizer": object()}, "checks the optimizer your LightningModule's configure_optimizers returns"),
+])
+def test_lightning_strategy_refuses_a_wrong_argument_at_construction_in_one_line(
+        kwargs: dict[str, Any], message: str | None) -> None:
+    """Not inside `fit` on every rank (a `momentum=` once reached DDP's constructor there, as an unknown keyword)."""
+    if message is None:
+        lightning_strategy("never-read.json", **kwargs)
+        return
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        lightning_strategy("never-read.json", **kwargs)
+    assert "\n" not in str(info.value)
+    lightning_strategy("never-read.json", timeout=datetime.timedelta(seconds=60),
+                       broadcast_buffers=False)  # DDPStrategy's and DDP's own arguments pass
 
 
 def test_lightning_strategy_refuses_a_module_that_does_not_hold_all_trainable_parameters() -> None:
