@@ -129,6 +129,34 @@ def test_a_plan_slower_than_ddp_says_keep_ddp_even_without_samples(capsys: pytes
         assert line.startswith("verdict: keep DDP") and " is slower than ddp" in line, line
 
 
+@pytest.mark.parametrize("noise", ["unweighed", "weighed"])
+def test_auto_that_keeps_ddp_says_one_thing_what_it_kept_and_how_to_run_that(
+        noise: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Where DDP (or a hook) is kept over the best plan, solve says so and how to run it, and not how to run the
+    plan it did not keep (it once printed "run it via DDP (PlanHook) ..." and then "verdict: keep DDP")."""
+    from planner.contracts.profile import Calibration, FittedCurve, InSitu
+    from planner.types import Collective
+
+    fast = FittedCurve.fit([(1 << s, 1e-6 + 1e-12 * (1 << s)) for s in range(10, 27, 2)])
+    prof = replace(measured_profile("mlp"), in_situ=InSitu(pack=Calibration(measured_s=0.1, modelled_s=0.01),
+                                                           ddp_pack=Calibration(measured_s=0.01, modelled_s=0.01)))
+    prof = replace(prof, collectives={**prof.collectives, Collective.ALLREDUCE: fast, Collective.ALLGATHER: fast})
+    path, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    (with_samples(prof) if noise == "weighed" else prof).save(path)
+    assert main(["solve", str(path), "--strategy", "auto", "--compressors", "dense,fp16", "-o", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    verdict = Plan.load(out).verdict
+    kept = [line for line in lines if line.startswith("kept ")]
+    (verdict_line,) = _verdicts("\n".join(lines))
+    assert verdict_line.startswith(("verdict: keep DDP: ", "verdict: keep DDP with its fp16 hook")), verdict_line
+    assert len(kept) == 1 and kept[0].startswith(("kept DDP: ", "kept DDP with its fp16 hook (ddp+fp16): ")), kept
+    assert "run it: " in kept[0] and ("fp16_compress_hook" in kept[0]) == ("ddp+fp16" in kept[0])
+    assert not [line for line in lines if line.startswith("run it ")]  # nothing on running the plan not kept
+    assert any("best plan, not kept" in line for line in lines)
+    if verdict is not None:
+        assert f"wrote plan {out} (the verdict keeps {verdict.keep}:" in lines[-1]
+
+
 def test_an_abs_plan_ends_with_the_verdict_against_synchronous_sgd(capsys: pytest.CaptureFixture[str]) -> None:
     from planner.strategies.abs import make_abs_plan
     from tests.test_abs_plan import slowed_profile

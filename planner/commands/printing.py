@@ -705,28 +705,72 @@ def print_auto(choice: object) -> None:
     def ratio(seconds: float) -> str:
         return "" if reference is None else f"{reference / seconds:.2f}x"
 
+    instead = kept_ddp(choice)
     for name, plan in choice.candidates.items():
-        kept = plan is choice.plan
+        best = plan is choice.plan
         interval = () if spread is None else (interval_ms(plan.intervals.rows.get("plan") if plan.intervals
                                                           else None),)
+        note = "" if not best else "best plan, not kept" if instead is not None else "kept"
         table.add_row(name, _ms(plan.predicted.iteration_s), *interval, ratio(plan.predicted.iteration_s),
-                      "kept" if kept else "", style="bold" if kept else None)
+                      note, style="bold" if best and instead is None else None)
     for name, seconds in ddp.items():
         interval = () if verdict is None else (interval_ms(verdict.variants[name][1:]),)
         note = ""
         if choice.ddp_faster is not None and choice.ddp_faster[0] == name:
-            note = "faster than every plan"
+            note = "kept: faster than every plan"
         elif verdict is not None and verdict.keep == name:
             note = "kept: the plan is not faster beyond the noise"
         elif verdict is not None and name in verdict.beyond_budget:
             note = "beyond the error budget: not weighed"
-        table.add_row(name, _ms(seconds), *interval, ratio(seconds), note, style="dim")
+        table.add_row(name, _ms(seconds), *interval, ratio(seconds), note,
+                      style="bold" if name == instead else "dim")
     console.print(table)
-    console.print(choice.reason, soft_wrap=True)
+    if instead is None:
+        console.print(choice.reason, soft_wrap=True)
+    else:  # one thing said: what is kept and how to run it; the best plan only as what it was weighed against
+        from planner.strategies.intervals import ddp_label
+
+        why = "no plan is faster beyond the noise" if verdict is not None else "no plan is predicted faster"
+        console.print(f"kept {ddp_label(instead)}: {why}; run it: {ddp_how(instead)}", style="bold", markup=False,
+                      soft_wrap=True)
+        console.print(f"the best plan, not kept: {choice.reason.removeprefix('kept ')}", markup=False,
+                      soft_wrap=True)
     if choice.rule:
         console.print(choice.rule, markup=False, soft_wrap=True)
-    if choice.way is not None:
+    if choice.way is not None and instead is None:
         console.print(choice.way.line, style="bold", soft_wrap=True)
+
+
+def kept_ddp(choice: object) -> str | None:
+    """The DDP variant ("ddp", "ddp+C") `--strategy auto` keeps instead of its best plan (the plan's verdict, or
+    without samples the variant predicted faster than every plan); None when it keeps the plan."""
+    from planner.strategies.auto import AutoChoice
+
+    assert isinstance(choice, AutoChoice)
+    verdict = choice.plan.verdict
+    if verdict is not None:
+        return None if verdict.keep == "plan" else verdict.keep
+    return None if choice.ddp_faster is None else choice.ddp_faster[0]
+
+
+def ddp_how(variant: str) -> str:
+    """How to run a DDP variant of the verdict ("ddp", "ddp+fp16", "ddp+powersgd:4", "ddp+topk:0.01"), in code."""
+    from planner.types import Compressor, CompressorKind
+
+    if variant == "ddp":
+        return "DDP as it is, with no communication hook"
+    compressor = Compressor.parse(variant.removeprefix("ddp+"))
+    match compressor.kind:
+        case CompressorKind.FP16:
+            return "ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)"
+        case CompressorKind.POWERSGD:
+            return (f"ddp.register_comm_hook(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank="
+                    f"{compressor.rank}), powerSGD_hook.powerSGD_hook)")
+        case CompressorKind.TOPK:
+            return (f"ddp.register_comm_hook(planner.runtime.TopkHookState({compressor.density:g}), "
+                    "planner.runtime.topk_hook)")
+        case _:
+            return f"DDP with its {compressor} hook"
 
 
 def print_mixed_groups(plan: object, profile: object) -> None:

@@ -229,5 +229,8 @@ class SolveCommand(Command):
             console.print(error_line(plan.error), markup=False, soft_wrap=True)
         if plan.strategy is Strategy.MIXED:
             print_mixed_groups(plan, profile)
-        console.print(f"wrote plan {args.output}")
+        kept = plan.verdict.keep if plan.verdict is not None else "plan"
+        console.print(f"wrote plan {args.output}" + ("" if kept == "plan" else
+                      f" (the verdict keeps {kept}: the file holds the best plan, for reference)"), markup=False,
+                      soft_wrap=True)
         return 0

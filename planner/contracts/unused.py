@@ -73,7 +73,8 @@ class UnusedParams:
         if self.sometimes:
             parts.append(f"{len(self.sometimes)} only in some ({_first(self.sometimes)})")
         return (f"unused parameters: over {self.batches} batches, {' and '.join(parts)} had no gradient; "
-                "pass find_unused_parameters=True to GradientExchange (and to DDP)")
+                "a plan made from this profile carries it, so GradientExchange and PlanHook turn "
+                "find_unused_parameters on themselves (plain DDP needs find_unused_parameters=True)")
 
     def to_dict(self) -> dict[str, Any]:
         return {"batches": self.batches, "never": list(self.never), "sometimes": list(self.sometimes)}
