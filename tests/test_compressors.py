@@ -151,3 +151,29 @@ def test_powersgd_single_process_is_error_feedback_exact() -> None:
         group.decompress(out, 1)
         torch.testing.assert_close(out + group.error, grad + previous_error, rtol=1e-6, atol=1e-6)
         previous_error = group.error.clone()
+
+
+@pytest.mark.parametrize("rank_r", [1, 2, 4])
+def test_powersgd_after_a_step_where_a_matrix_got_no_gradient_stays_finite_and_not_stuck_at_zero(rank_r: int) -> None:
+    """A parameter no rank used sends zeros: PyTorch's Gram-Schmidt divides them by their zero norm into NaNs (which
+    its warm start keeps), and a zero Q would approximate every later gradient by zero. Here the zero step sends
+    zeros, and the next step approximates the matrix's gradient again, as a group that never saw the zero step."""
+    shapes = [(16, 8), (8, 16)]
+    numel = 16 * 8 * 2
+    zero_first = torch.cat([torch.zeros(128), torch.randn(128, generator=torch.Generator().manual_seed(1))])
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(2))
+    group = PowerSGDGroup(PowerSGDLayout.of(shapes, rank_r), torch.device("cpu"), seed=7)
+    for step, source in enumerate((zero_first, grad)):
+        group.compress(source)
+        group.middle(1)
+        out = torch.empty(numel)
+        group.decompress(out, 1)
+        assert torch.isfinite(out).all() and torch.isfinite(group.error).all(), f"step {step}"
+        if step == 0:
+            assert not out[:128].any()  # nothing to send for the unused matrix
+    first = out[:128]
+    assert first.norm() > 0.1 * grad[:128].norm(), "the matrix's approximation stays zero after its zero step"
+    if rank_r <= 2:  # the hook's own orthogonalisation, for the record: NaNs where the column is zero
+        zeros = torch.zeros(1, 16, rank_r)
+        powerSGD_hook._orthogonalize(zeros)
+        assert torch.isnan(zeros).all()

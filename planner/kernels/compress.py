@@ -73,12 +73,15 @@ def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float
 
 def orthogonalize(matrices: Tensor) -> None:
     """Orthonormalise the columns of each matrix of a batch (b, n, r) in place, r <= n: Gram-Schmidt for
-    r <= 2, a QR decomposition above (PowerSGD's choice; the same results up to rounding)."""
+    r <= 2, a QR decomposition above (PowerSGD's choice; the same results up to rounding). A column of zeros stays
+    zeros: PyTorch's hook divides it by its norm into NaNs (a matrix whose gradient is zero on every rank, a
+    parameter no rank used), which its warm start then carries into every later step."""
     batch, _, rank = matrices.shape
     if rank <= 2:
         for i in range(rank):
             col = matrices[:, :, i : i + 1]
-            col /= torch.norm(col, dim=1, keepdim=True)
+            norm = torch.norm(col, dim=1, keepdim=True)
+            col /= torch.where(norm > 0, norm, torch.ones_like(norm))  # the same division wherever norm > 0
             if i + 1 < rank:
                 rest = matrices[:, :, i + 1 :]
                 rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
@@ -194,6 +197,13 @@ class PowerSGDGroup:
         self.q_views = [self.q[q : q + m * r].view(1, m, r) for _, _, m, r, _, q in layout.matrices]
         self.fresh = True  # the Qs are drawn at random on the first step
 
+    def _first_draws(self) -> list[Tensor]:
+        """The group's random Qs of the first step, in the group's order (as far as this buffer's matrices need)."""
+        wanted = max(self.layout.drawn) + 1
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            return [torch.randn(1, m, r, device="cpu", dtype=torch.float32) for m, r in self.layout.draws[:wanted]]
+
     def _matrices(self) -> list[Tensor]:
         """The compressed tensors of the input (the error buffer), as (1, n, m) views."""
         return [self.error[o : o + n * m].view(1, n, m) for o, n, m, _, _, _ in self.layout.matrices]
@@ -209,16 +219,20 @@ class PowerSGDGroup:
         if not self.layout.compresses:
             return self.send
         if self.fresh:  # the group's draws in the group's order, each matrix taking its own
-            wanted = max(self.layout.drawn) + 1
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.seed)
-                drawn = [torch.randn(1, m, r, device="cpu", dtype=torch.float32) for m, r in self.layout.draws[:wanted]]
+            drawn = self._first_draws()
             for q, j in zip(self.q_views, self.layout.drawn, strict=True):
                 q.copy_(drawn[j])
                 orthogonalize(q)
             self.fresh = False
         else:
-            for q in self.q_views:
+            redrawn: list[Tensor] | None = None
+            for q, j in zip(self.q_views, self.layout.drawn, strict=True):
+                if not bool(q.any()):
+                    # Its matrix was zero on every rank last step (a parameter no rank used): Q = M^T P is zero
+                    # everywhere alike, and a zero Q would approximate every later gradient by zero. It starts
+                    # again from its first draw, the same on every rank.
+                    redrawn = redrawn or self._first_draws()
+                    q.copy_(redrawn[j])
                 orthogonalize(q)
         for m, q, p in zip(self._matrices(), self.q_views, self.p_views, strict=True):
             torch.bmm(m, q, out=p)
