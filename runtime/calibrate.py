@@ -250,14 +250,14 @@ def _until_usable(measure: Callable[[], Any], build: Callable[[Any, int], dict[s
     not usable (`Calibration.use`) while it had something to calibrate, the configuration is measured once more and
     those calibrations are taken from the second measurement (attempt 2), used or not: the cost model then falls
     back on the micro-benchmark, and the profile says so. Every rank calls it (`measure` runs collectives) and
-    measures again when any rank would: each rank micro-benchmarked on its own, so their models differ."""
+    measures again when any rank would: each rank micro-benchmarked on its own, so their models differ. A calibration
+    is taken from the second measurement on every rank when it is on any, so that the ranks keep the same samples."""
     first = build(measure(), 1)
-    again = [name for name, c in first.items() if not c.use.used and c.modelled_s > 0]
+    names = sorted(first)
+    again = [name for name in names if not first[name].use.used and first[name].modelled_s > 0]
     if dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        again_anywhere = slowest(float(bool(again)), process_group) > 0
-    else:
-        again_anywhere = bool(again)
-    if not again_anywhere:
+        again = [name for name in names if slowest(float(name in again), process_group) > 0]
+    if not again:
         return first
     before_again()
     second = build(measure(), 2)
