@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from types import FrameType
@@ -22,8 +23,12 @@ def console() -> int:
 
         return main()  # from its parsing on, main answers a Ctrl-C itself
     except KeyboardInterrupt:
-        print("planner: interrupted", file=sys.stderr)
-        return 130
+        print("planner: interrupted", file=sys.stderr, flush=True)
+        # Nothing has started yet, so nothing needs the interpreter's exit. Python 3.11 marks a KeyboardInterrupt
+        # that passed through exec() (dataclasses build their methods so, as modules import) as unhandled even
+        # once caught here, and would end the process by SIGINT instead of with this status.
+        sys.stdout.flush()
+        os._exit(130)
 
 
 if __name__ == "__main__":
