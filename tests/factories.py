@@ -200,3 +200,15 @@ def with_samples(profile: Profile, *, spread: float = 0.05, steps: int = 20, run
 
     return replace(profile, steps=samples, forward_s=fwd, update_s=upd, layers=layers, step_s=whole,
                    backward_s=sum(b), collectives={k: curve(c) for k, c in profile.collectives.items()})
+
+
+#: `make test-thorough` (PLANNER_TESTS=thorough) runs every property test on this many times its examples.
+THOROUGH_FACTOR = 10
+
+
+def examples(count: int) -> int:
+    """A property test's example count: `count` in the suite (`make test`), THOROUGH_FACTOR times it in a
+    deliberate run (`make test-thorough`)."""
+    import os
+
+    return count * THOROUGH_FACTOR if os.environ.get("PLANNER_TESTS") == "thorough" else count

@@ -32,7 +32,7 @@ from planner.strategies.abs import (
 )
 from planner.strategies.gradients import make_plan
 from planner.types import InvalidProfileError, SchemaError, Strategy
-from tests.factories import abs_section, synthetic_profile
+from tests.factories import abs_section, examples, synthetic_profile
 from tests.test_contracts import _main, _one_clear_line
 from tests.test_slowdown import needs_cgroups
 
@@ -167,7 +167,7 @@ def test_the_triggers_a_plan_chooses_from() -> None:
                                                      for v in ("sync-equal", "sync-proportional"))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.floats(0.01, 1.0), min_size=1, max_size=4), st.integers(1, 4), st.floats(0.0, 2.0),
        st.floats(0.0, 0.5))
 def test_uncapped_rounds_never_wait_and_account_for_all_time(times: list[float], m: int, exchange: float,

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from planner.contracts.layers import gradient_layers, groups_for
-from planner.platform.launch import run_distributed
 from planner.runtime import ABSSGD
 from planner.types import PlanMismatchError, Strategy
 from tests.factories import abs_section, plan_with_groups
+from tests.pool import run_warm
 
 WORLD_SIZE = 2
 ATOL, RTOL = 1e-6, 1e-5
@@ -131,7 +131,7 @@ def assert_params_close(got: dict[str, Any], want: dict[str, Tensor], what: str)
 @pytest.mark.parametrize("kind", ["mlp", "tied"])
 def test_equal_counts_equal_single_process_reference(kind: str) -> None:
     rounds, counts, sizes = 5, [2, 2], [4, 4]
-    got = run_distributed(_fixed_counts_worker, WORLD_SIZE, kind, rounds, counts, sizes, True)
+    got = run_warm(_fixed_counts_worker, WORLD_SIZE, kind, rounds, counts, sizes, True)
     want = reference(kind, rounds, counts, sizes)
     for rank in range(WORLD_SIZE):
         assert_params_close(got[rank], want, f"{kind} rank {rank}")
@@ -142,7 +142,7 @@ def test_equal_counts_equal_single_process_reference(kind: str) -> None:
 
 def test_weighted_mean_is_exact_with_three_micro_batches_against_one() -> None:
     rounds, counts, sizes = 4, [3, 1], [4, 7]  # rank 0: 12 samples per round, rank 1: 7
-    got = run_distributed(_fixed_counts_worker, WORLD_SIZE, "mlp", rounds, counts, sizes, False)
+    got = run_warm(_fixed_counts_worker, WORLD_SIZE, "mlp", rounds, counts, sizes, False)
     want = reference("mlp", rounds, counts, sizes)
     for rank in range(WORLD_SIZE):
         assert_params_close(got[rank], want, f"rank {rank}")
@@ -216,7 +216,7 @@ def _every_sample_once_worker(rank: int, world_size: int, resume_at: int,
 
 @pytest.mark.parametrize("round_samples", [None, 24], ids=["exchange-trigger", "batch-trigger"])
 def test_no_sample_is_lost_or_counted_twice_across_rounds_and_a_resume(round_samples: int | None) -> None:
-    results = run_distributed(_every_sample_once_worker, WORLD_SIZE, 5, round_samples)
+    results = run_warm(_every_sample_once_worker, WORLD_SIZE, 5, round_samples)
     drawn = [d for _, _, d in results]
     for array, applied, _ in results:
         used = torch.from_numpy(array)
@@ -259,8 +259,8 @@ def _resume_worker(rank: int, world_size: int, stop_at: tuple[int, int] | None) 
 
 @pytest.mark.parametrize("stop_at", [(3, 0), (2, 1)], ids=["at-a-round-end", "mid-round"])
 def test_state_dict_resumes_to_the_same_parameters(stop_at: tuple[int, int]) -> None:
-    straight = run_distributed(_resume_worker, WORLD_SIZE, None)
-    resumed = run_distributed(_resume_worker, WORLD_SIZE, stop_at)
+    straight = run_warm(_resume_worker, WORLD_SIZE, None)
+    resumed = run_warm(_resume_worker, WORLD_SIZE, stop_at)
     for rank in range(WORLD_SIZE):
         for name, want in straight[rank].items():
             assert (resumed[rank][name] == want).all(), f"rank {rank} {name} after resuming at {stop_at}"
@@ -284,7 +284,7 @@ def _batch_trigger_worker(rank: int, world_size: int, rounds: int, switch: int) 
 
 def test_the_batch_trigger_splits_rounds_by_measured_speed_and_follows_a_change() -> None:
     rounds, switch = 60, 30
-    fast, slow = run_distributed(_batch_trigger_worker, WORLD_SIZE, rounds, switch)
+    fast, slow = run_warm(_batch_trigger_worker, WORLD_SIZE, rounds, switch)
     fast, slow = dict(fast), dict(slow)
     # every round is the batch asked for, to a micro-batch per rank (round ends at the micro-batch nearest a part)
     assert all(abs(fast[r] + slow[r] - 48) <= 2 * 4 for r in range(rounds)), [fast[r] + slow[r] for r in fast]
@@ -326,7 +326,7 @@ def _digits_worker(rank: int, world_size: int, rounds: int) -> tuple[float, floa
 
 
 def test_converges_on_digits_with_one_worker_twice_as_slow() -> None:
-    results = run_distributed(_digits_worker, WORLD_SIZE, 300)
+    results = run_warm(_digits_worker, WORLD_SIZE, 300)
     (before, after, fast), (_, after_slow, slow) = results
     assert after == pytest.approx(after_slow, abs=1e-6)  # the same parameters on both ranks
     assert after < 0.25 * before, f"loss {before:.3f} -> {after:.3f}"

@@ -19,12 +19,12 @@ from torch import nn
 from planner.contracts.errors import CompressionErrors
 from planner.contracts.plan import Plan
 from planner.contracts.profile import FittedCurve, Profile
-from planner.platform.launch import run_distributed
 from planner.runtime import GradientExchange, Replanning
 from planner.runtime.adaptive import allowed_compressors
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
 from planner.types import Collective, Compressor, PlanMismatchError
 from tests.factories import synthetic_plan, synthetic_profile
+from tests.pool import run_warm
 
 #: Steps of rank-1 gradients, then as many of full-rank ones ten times larger.
 SWITCH = 4
@@ -103,7 +103,7 @@ def test_an_adaptive_run_replans_when_the_gradients_change_and_every_rank_holds_
     plan = make_mixed_plan(profile, parse_compressors(ALLOWED), source=str(path), error_budget=BUDGET,
                            time_limit_s=None)
     assert {str(plan.compressor_of(g)) for g in plan.groups} == {"powersgd:1"}, "the premise: rank 1 is fastest"
-    first, second = run_distributed(_worker, 2, str(path), json.dumps(plan.to_dict()))
+    first, second = run_warm(_worker, 2, str(path), json.dumps(plan.to_dict()))
     check_replanned_once(first, second, STEPS)
 
 
@@ -248,7 +248,7 @@ def run_shaped_replan(tmp_path: Path, worker: Any) -> tuple[dict[str, Any], dict
     plan = make_mixed_plan(profile, parse_compressors(ALLOWED), source=str(path), error_budget=BUDGET,
                            time_limit_s=None)
     assert "powersgd:1" in {str(plan.compressor_of(g)) for g in plan.groups}, "the premise: rank 1 is chosen"
-    first, second = run_distributed(worker, 2, str(path), json.dumps(plan.to_dict()))
+    first, second = run_warm(worker, 2, str(path), json.dumps(plan.to_dict()))
     assert first["plan"] == second["plan"] and first["replans"] == second["replans"]
     assert first["replans"][0][:2] == (3, True) and "exceeds the budget" in first["replans"][0][2]
     new = Plan.from_dict(json.loads(first["plan"]))

@@ -16,10 +16,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.contracts.plan import Plan
-from planner.platform.launch import run_distributed
 from planner.runtime import PlanHook
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
 from planner.types import PlanMismatchError
+from tests.pool import run_warm
 from tests.test_adaptive import (
     ALLOWED,
     BUDGET,
@@ -72,7 +72,7 @@ def test_a_plan_inside_ddp_replans_its_compressors_and_keeps_its_buckets(tmp_pat
     plan = make_mixed_plan(profile, parse_compressors(ALLOWED), source=str(path), error_budget=BUDGET,
                            time_limit_s=None)
     assert {str(plan.compressor_of(g)) for g in plan.groups} == {"powersgd:1"}, "the premise: rank 1 is fastest"
-    first, second = run_distributed(_worker, 2, str(path), json.dumps(plan.to_dict()))
+    first, second = run_warm(_worker, 2, str(path), json.dumps(plan.to_dict()))
     new = check_replanned_once(first, second, ITERATIONS)
     assert [g.params for g in new.groups] == [g.params for g in plan.groups], "DDP's buckets are kept"
 

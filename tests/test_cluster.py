@@ -36,7 +36,7 @@ from planner.strategies.cluster import (
 from planner.strategies.gradients import make_plan
 from planner.strategies.kfac import make_kfac_plan
 from planner.types import Collective, PlannerError, PlannerFileError, SchemaError, Strategy
-from tests.factories import synthetic_profile
+from tests.factories import examples, synthetic_profile
 
 TOL = 1e-12
 
@@ -184,7 +184,7 @@ def test_vectorised_matches_scalar() -> None:
         assert list(many) == [collective_seconds(PRESETS["aws-p3-32"], collective, float(x)) for x in sizes]
 
 
-@settings(deadline=None, max_examples=150)
+@settings(deadline=None, max_examples=examples(150))
 @given(
     nodes=st.integers(1, 300),
     gpus=st.integers(1, 16),

@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from planner.kernels.hierarchical import HostGroups
-from planner.platform.launch import run_distributed
 from planner.profilers.comm import collective_runs, host_runs, interleaved_visits, measure_collectives, measure_hosts
 from planner.types import Collective
+from tests.pool import run_warm
 
 SIZES = [1 << 10, 16 << 10, 256 << 10]
 
@@ -70,7 +70,7 @@ def _measure(rank: int, world_size: int, layout: list[list[int]] | None) -> dict
 
 
 def test_collectives_are_timed_at_every_size_the_same_on_every_rank() -> None:
-    results = run_distributed(_measure, 2, [[0], [1]], timeout=120)
+    results = run_warm(_measure, 2, [[0], [1]], timeout=120)
     assert results[0] == results[1]  # each point is the slowest rank's median, so every rank holds the same
     first = results[0]
     assert first["runs"] == collective_runs(3, SIZES, repeats=3, warmup=1) == 3 * 3 * (1 + 3)
@@ -84,7 +84,7 @@ def test_collectives_are_timed_at_every_size_the_same_on_every_rank() -> None:
 
 
 def test_every_host_level_is_timed_on_hosts_of_two() -> None:
-    results = run_distributed(_measure, 4, [[0, 1], [2, 3]], timeout=180)
+    results = run_warm(_measure, 4, [[0, 1], [2, 3]], timeout=180)
     assert all(r["levels"] == results[0]["levels"] for r in results)
     levels = results[0]["levels"]
     assert results[0]["host_runs"] == host_runs(SIZES, [[0, 1], [2, 3]], repeats=3, warmup=1) == 3 * 3 * 4

@@ -18,7 +18,7 @@ from planner.kernels.compress import (
     orthogonalize,
     should_compress,
 )
-from planner.platform.launch import run_distributed
+from tests.pool import run_warm
 
 #: Tensors of a group as real models have them: a conv weight, its bias, a linear weight, a small matrix
 #: that PowerSGD leaves whole at rank 4 (3 x 5), an embedding-like tall matrix.
@@ -84,7 +84,7 @@ def _powersgd_worker(rank: int, world_size: int, rank_r: int, steps: int) -> lis
 def test_powersgd_equals_pytorch_hook(rank_r: int) -> None:
     """Ranks 1 and 2 (Gram-Schmidt) and 4 (QR): the same averaged gradients as powerSGD_hook, to the bit, over
     four steps (the first draws random Qs; the later ones warm-start them and feed the error back)."""
-    results = run_distributed(_powersgd_worker, 2, rank_r, 4)
+    results = run_warm(_powersgd_worker, 2, rank_r, 4)
     for rank_results in results:
         for step, (expected, mine) in enumerate(rank_results):
             torch.testing.assert_close(mine, expected, rtol=0, atol=0, msg=f"step {step}")
@@ -110,7 +110,7 @@ def _fp16_worker(rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.T
 
 
 def test_fp16_equals_pytorch_hook() -> None:
-    for rank_results in run_distributed(_fp16_worker, 2):
+    for rank_results in run_warm(_fp16_worker, 2):
         for expected, mine in rank_results:
             torch.testing.assert_close(mine, expected, rtol=0, atol=0)
 

@@ -28,6 +28,7 @@ from planner.runtime import GradientExchange
 from planner.runtime.crossover import ProbeSchedule
 from planner.types import DistributedError, PlanMismatchError, PlannerFileError, Strategy
 from tests.factories import plan_with_groups
+from tests.pool import run_warm
 
 STEPS = 6
 
@@ -134,7 +135,7 @@ def test_crossing_over_changes_timing_only(tmp_path: Path, strategies: list[Stra
     crossed = run_jobs([(_job_worker, 2, ("wide", wide, pairing, gates, None, probe)),
                         (_job_worker, 2, (second, deep, pairing, gates, None, probe))])
     for kind, path, together in (("wide", wide, crossed[0]), (second, deep, crossed[1])):
-        alone = run_distributed(_job_worker, 2, kind, path, None, gates, None)
+        alone = run_warm(_job_worker, 2, kind, path, None, gates, None)
         for rank in range(2):
             assert together[rank]["steps"] == STEPS
             if probe is False:
@@ -148,6 +149,7 @@ def test_crossing_over_changes_timing_only(tmp_path: Path, strategies: list[Stra
     assert len(names) == 1 and "-pair0-" in names[0]
 
 
+@pytest.mark.spawns
 def test_a_killed_job_releases_its_devices(tmp_path: Path) -> None:
     pairing, (wide, deep) = write_pairing(tmp_path, ["wide", "deep"])
     gates = str(tmp_path / "gates")
@@ -155,7 +157,7 @@ def test_a_killed_job_releases_its_devices(tmp_path: Path) -> None:
 
     def launch(name: str, *args: Any) -> None:
         try:
-            outcome[name] = run_distributed(_job_worker, 2, *args, timeout=90)
+            outcome[name] = run_distributed(_job_worker, 2, *args, timeout=90)  # two jobs at once: their own workers
         except Exception as exc:  # the killed job's launch fails; that is the point
             outcome[name] = exc
 
@@ -173,7 +175,7 @@ def test_a_killed_job_releases_its_devices(tmp_path: Path) -> None:
     assert isinstance(outcome["wide"], DistributedError | RuntimeError), outcome["wide"]
     assert [r["gate"] for r in outcome["deep"]] == [STEPS, STEPS]
     # the next run finds no stale lock: the survivor runs again, its partner absent, and takes its gates freely
-    again = run_distributed(_job_worker, 2, "deep", deep, pairing, gates, None, timeout=90)
+    again = run_warm(_job_worker, 2, "deep", deep, pairing, gates, None, timeout=90)
     assert [r["gate"] for r in again] == [STEPS, STEPS]
 
 

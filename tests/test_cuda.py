@@ -24,6 +24,8 @@ from tests.factories import synthetic_kfac_plan, synthetic_plan
 from tests.test_kfac_runtime import DAMPING, LR, SKIP, build_knet, full_batch
 from tests.test_runtime import build_model, loss_of, make_batch, make_plan
 
+pytestmark = pytest.mark.spawns  # its tests start their own workers (tests/pool.py says which must)
+
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 #: GPU against CPU, float32 with TF32 off: the kernels sum in other orders. Gradients after three SGD steps.

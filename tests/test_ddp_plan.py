@@ -29,6 +29,7 @@ from planner.runtime import GradientExchange, PlanHook
 from planner.runtime.ddp_plan import bucket_caps
 from planner.types import Compressor, PlanMismatchError, Strategy
 from tests.factories import plan_with_groups, synthetic_kfac_plan
+from tests.pool import run_warm
 from tests.test_mixed_runtime import ShapedConv, mixed_plan
 from tests.test_runtime import AuxHead, build_model, loss_of, make_batch
 
@@ -240,7 +241,7 @@ def _buckets_worker(rank: int, world_size: int) -> list[str]:
 
 
 def test_ddp_buckets_are_the_plans_groups_and_dense_equals_plain_ddp() -> None:
-    assert run_distributed(_buckets_worker, 2) == [["ladder", "tied", "frozen-bn", "aux", "ladder-static"]] * 2
+    assert run_warm(_buckets_worker, 2) == [["ladder", "tied", "frozen-bn", "aux", "ladder-static"]] * 2
 
 
 def _fp16_worker(rank: int, world_size: int) -> int:
@@ -274,7 +275,7 @@ def _fp16_worker(rank: int, world_size: int) -> int:
 
 
 def test_fp16_groups_equal_ddps_fp16_hook_bit_for_bit() -> None:
-    assert run_distributed(_fp16_worker, 2) == [64, 64]
+    assert run_warm(_fp16_worker, 2) == [64, 64]
 
 
 SENT_AS = ["powersgd:2", "topk:0.3", "fp16", "dense"]
@@ -333,7 +334,7 @@ def _compressors_worker(rank: int, world_size: int) -> list[str]:
 
 
 def test_every_compressor_equals_gradient_exchange_and_resumes() -> None:
-    assert run_distributed(_compressors_worker, 2) == [sorted(SENT_AS)] * 2
+    assert run_warm(_compressors_worker, 2) == [sorted(SENT_AS)] * 2
 
 
 def _mismatch_worker(rank: int, world_size: int) -> list[str]:
@@ -366,7 +367,7 @@ def _mismatch_worker(rank: int, world_size: int) -> list[str]:
 
 
 def test_buckets_that_differ_from_the_plan_warn_once_in_one_line() -> None:
-    for messages in run_distributed(_mismatch_worker, 2):
+    for messages in run_warm(_mismatch_worker, 2):
         assert len(messages) == 1, messages
         assert "\n" not in messages[0] and "bucket 0" in messages[0] and "ddp_kwargs" in messages[0]
 
@@ -421,15 +422,16 @@ def _hierarchical_worker(rank: int, world_size: int, explicit: bool, momentum: f
 
 def test_hierarchical_groups_equal_gradient_exchange_on_two_hosts_bit_for_bit() -> None:
     """Four workers of this machine as the two hosts given to both."""
-    sent = run_distributed(_hierarchical_worker, 4, True, timeout=180)[0]
+    sent = run_warm(_hierarchical_worker, 4, True, timeout=180)[0]
     assert {c for c, h in sent if h} == set(HIERARCHICAL_AS) and {c for c, h in sent if not h} == {
         "dense", "topk:0.3"}
 
 
 def test_hierarchical_groups_with_momentum_equal_gradient_exchange_bit_for_bit() -> None:
-    assert len(run_distributed(_hierarchical_worker, 4, True, MOMENTUM, timeout=180)) == 4
+    assert len(run_warm(_hierarchical_worker, 4, True, MOMENTUM, timeout=180)) == 4
 
 
+@pytest.mark.spawns
 @pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated hosts here: {privilege_problem()}")
 def test_hierarchical_groups_on_two_emulated_hosts_found_by_name() -> None:
     assert len(run_distributed(_hierarchical_worker, 4, False, hosts=2, timeout=180)) == 4
@@ -538,7 +540,7 @@ def _shaped_worker(rank: int, world_size: int) -> list[str]:
 
 
 def test_models_shaped_like_real_ones_equal_plain_ddp_and_gradient_exchange() -> None:
-    assert run_distributed(_shaped_worker, 2) == [[f"{c} {s}" for c in SHAPED_GROUPS
+    assert run_warm(_shaped_worker, 2) == [[f"{c} {s}" for c in SHAPED_GROUPS
                                                    for s in ("dense", "+".join(SHAPED_AS))]] * 2
 
 
@@ -697,7 +699,7 @@ def test_buckets_in_another_order_than_the_plans_groups_equal_gradient_exchange_
     ranks leave different experts unused (find_unused_parameters: DDP keeps registration order), every compressor:
     the hook's parameters equal the exchange's bit for bit (PowerSGD's Qs are drawn and packed in the group's order,
     whatever the bucket's). Two steps: PowerSGD's second starts from the first's Qs and errors."""
-    results = run_distributed(_order_worker, 2, 2)
+    results = run_warm(_order_worker, 2, 2)
     for found in results:
         assert found.pop("gru reordered") == [1.0] and found.pop("moe reordered") == [1.0]
     chosen = [found.pop("moe chosen") for found in results]
@@ -759,7 +761,7 @@ def _static_worker(rank: int, world_size: int) -> tuple[list[list[str]], list[in
 
 
 def test_static_graph_caps_put_never_used_parameters_last_as_ddp_does() -> None:
-    for buckets, groups, messages in run_distributed(_static_worker, 2):
+    for buckets, groups, messages in run_warm(_static_worker, 2):
         assert buckets == [["head.bias", "head.weight"], ["trunk.bias", "trunk.weight"],
                            ["aux_b.bias", "aux_b.weight"], ["aux_a.bias", "aux_a.weight"]]
         assert groups == [None, 2, 1, None]  # group 0 is two buckets, each sent as group 0
@@ -820,7 +822,7 @@ def _no_sync_worker(rank: int, world_size: int) -> list[int]:
 
 
 def test_no_sync_accumulation_equals_plain_ddp_and_gradient_exchange() -> None:
-    assert run_distributed(_no_sync_worker, 2) == [[3, 4]] * 2  # synced iterations (and the warm-up) only
+    assert run_warm(_no_sync_worker, 2) == [[3, 4]] * 2  # synced iterations (and the warm-up) only
 
 
 # -- momentum correction (DGC), as GradientExchange's ----------------------------------------------------------
@@ -916,4 +918,4 @@ def _momentum_worker(rank: int, world_size: int) -> list[str]:
 
 def test_momentum_correction_equals_gradient_exchange_bit_for_bit_and_resumes() -> None:
     labels = ["topk:0.3", "topk:0.3 nesterov", "+".join(SENT_AS), "+".join(SENT_AS) + " nesterov"]
-    assert run_distributed(_momentum_worker, 2, timeout=180) == [labels] * 2
+    assert run_warm(_momentum_worker, 2, timeout=180) == [labels] * 2

@@ -18,6 +18,8 @@ from planner.models import Workload
 from planner.strategies.kfac import LOCAL_KFAC
 from planner.types import Collective, Strategy
 
+pytestmark = pytest.mark.spawns  # its tests start their own workers (tests/pool.py says which must)
+
 
 def _planner(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=timeout)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from planner.costmodel.mixed import MixedProblem, simulate_mixed
 from planner.solvers.mixed import ErrorBudget, MixedParetoDP
 from planner.types import CompressorKind, SolverError
+from tests.factories import examples
 from tests.test_mixed import all_groupings, random_mixed
 
 
@@ -42,7 +43,7 @@ def brute_force_within(problem: MixedProblem, error: ErrorBudget) -> float:
     return best
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(num_layers=st.integers(1, 6), seed=st.integers(0, 10**6), sigma=st.sampled_from([0.0, 0.4, 1.3]),
        kinds=st.sampled_from(["dfpt", "dpt", "fpt", "dp", "dt"]), kappa=st.sampled_from([0.0, 0.6]),
        share=st.sampled_from([0.0, 0.05, 0.2, 0.5, 1.0]), resolution=st.sampled_from([4, 64, 1024]))
@@ -72,7 +73,7 @@ def test_budgeted_dp_equals_brute_force_within_the_budget(num_layers: int, seed:
         assert held <= budget * (1 + 1e-12)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(num_layers=st.integers(1, 5), seed=st.integers(0, 10**6), share=st.sampled_from([0.0, 0.05, 0.2, 0.5]),
        resolution=st.sampled_from([4, 64, 1024]), drop=st.integers(0, 3))
 def test_forbidden_ways_are_those_no_plan_within_the_budget_takes(num_layers: int, seed: int, share: float,
@@ -175,7 +176,7 @@ def brute_force_fixed(problem: MixedProblem, grouping: tuple[int, ...], error: E
     return best
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(num_layers=st.integers(1, 7), seed=st.integers(0, 10**6), sigma=st.sampled_from([0.0, 0.4, 1.3]),
        kinds=st.sampled_from(["dfpt", "dpt", "fpt", "dp", "dt"]), kappa=st.sampled_from([0.0, 0.6]),
        share=st.sampled_from([None, 0.0, 0.05, 0.2, 1.0]), cuts=st.integers(0, 2**6 - 1))

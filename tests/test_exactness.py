@@ -26,7 +26,7 @@ from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mix
 from planner.strategies.gradients import make_plan
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
 from planner.types import Collective, SchemaError, SolverError, Strategy
-from tests.factories import synthetic_profile
+from tests.factories import examples, synthetic_profile
 from tests.shipped import shipped_plans
 from tests.test_hierarchical_topk import _topk_at, _two_hosts
 from tests.test_mixed import random_mixed
@@ -86,7 +86,7 @@ def _single_compressor_rows(problem: object) -> list[MixedSolution]:
     return rows
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), reads=st.integers(0, 120), sigma=st.floats(0.05, 2.0),
        kappa=st.floats(0.05, 2.0), kinds=st.sampled_from(["dfpt", "dp", "pt", "ft"]))
 def test_the_mixed_search_stops_at_its_deadline_never_worse_than_its_rows(seed: int, reads: int, sigma: float,
@@ -171,7 +171,7 @@ def _usable_rows(plan: Plan) -> dict[str, float]:
             if not name.startswith("ddp") and name != VIA_DDP_ROW}
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sigma=st.floats(0.05, 2.0), kappa=st.floats(0.05, 2.0), model=st.sampled_from(["mlp", "resnet18"]),
        preset=st.sampled_from(["light", "lowrank", "all"]), limit=st.sampled_from([1e-9, 1e-3]))
 def test_a_mixed_plan_under_a_tiny_time_limit_is_never_slower_than_its_rows(sigma: float, kappa: float, model: str,

@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from planner.platform.launch import run_distributed
 from planner.runtime import PlanHook
 from planner.runtime.frameworks import accelerate_prepare, lightning_strategy
 from planner.types import PlanMismatchError
+from tests.pool import run_warm
 from tests.test_mixed_runtime import mixed_plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ def _reference_worker(rank: int, world_size: int, plan_path: str) -> dict[str, A
 def plan_and_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     path = tmp_path_factory.mktemp("plan") / "small-lm-plan.json"
     mixed_plan(_small_lm().module, SENT_AS).save(path)
-    ranks = run_distributed(_reference_worker, 2, str(path), timeout=300)
+    ranks = run_warm(_reference_worker, 2, str(path), timeout=300)
     for name, p in ranks[0]["plan"].items():  # DDP keeps the ranks in step
         assert torch.equal(p, ranks[1]["plan"][name]), name
     return path, ranks[0]

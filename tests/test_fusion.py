@@ -26,6 +26,7 @@ from planner.solvers.fusion import (
     validate_buffers,
 )
 from planner.types import SolverError
+from tests.factories import examples
 
 RTOL = 1e-12
 MIB = 2**20
@@ -96,7 +97,7 @@ def _check_optimal(problem: FusionProblem) -> None:
 
 
 @pytest.mark.parametrize("cost_kind", ["affine", "piecewise"])
-@settings(deadline=None, max_examples=150)
+@settings(deadline=None, max_examples=examples(150))
 @given(data=st.data())
 def test_dp_matches_brute_force(cost_kind: str, data: st.DataObject) -> None:
     """FusionDP's buffers are optimal over all 2^(n_a-1) * 2^(n_g-1) choices, ties and gradients included."""
@@ -104,7 +105,7 @@ def test_dp_matches_brute_force(cost_kind: str, data: st.DataObject) -> None:
 
 
 @pytest.mark.parametrize("cost_kind", ["affine", "piecewise"])
-@settings(deadline=None, max_examples=40)
+@settings(deadline=None, max_examples=examples(40))
 @given(data=st.data())
 def test_dp_matches_brute_force_without_gradients(cost_kind: str, data: st.DataObject) -> None:
     _check_optimal(data.draw(fusion_problems(cost_kind, grads=False)))
@@ -142,7 +143,7 @@ def test_dp_never_worse_than_baselines_at_scale(seed: int, measured: bool) -> No
         assert best <= value * (1 + RTOL), baseline.name
 
 
-@settings(deadline=None, max_examples=60)
+@settings(deadline=None, max_examples=examples(60))
 @given(fusion_problems("affine", max_factors=40) | fusion_problems("piecewise", max_factors=40))
 def test_dp_never_worse_than_baselines(problem: FusionProblem) -> None:
     _, best = FusionDP().solve_with_value(problem)
@@ -341,7 +342,7 @@ def test_baseline_registry() -> None:
         FusionSolver()  # type: ignore[abstract]
 
 
-@settings(deadline=None, max_examples=60)
+@settings(deadline=None, max_examples=examples(60))
 @given(fusion_problems("affine", max_factors=30) | fusion_problems("piecewise", max_factors=30))
 def test_every_solver_gives_valid_buffers(problem: FusionProblem) -> None:
     for solver in (*FUSION_BASELINES, FusionDP(), FixedBytes(10**5)):

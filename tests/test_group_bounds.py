@@ -20,6 +20,7 @@ from planner.costmodel.problem import GradientProblem, Grouping, groups_of
 from planner.costmodel.simulator import simulate, validate_grouping
 from planner.solvers import DenseDP, TopkParetoDP, within_group_bounds
 from planner.types import GROUPING_STRATEGIES, SchemaError, SolverError, Strategy
+from tests.factories import examples
 from tests.test_solvers import all_groupings, problems, reference_topk_optimum
 
 RTOL = 1e-9
@@ -71,7 +72,7 @@ def check_bounded(problem: GradientProblem, low: int, high: int | None) -> None:
         assert math.isclose(simulated, expected, rel_tol=RTOL)
 
 
-@settings(deadline=None, max_examples=200)
+@settings(deadline=None, max_examples=examples(200))
 @given(data=st.data())
 def test_within_group_bounds_is_the_rule(data: st.DataObject) -> None:
     problem = data.draw(problems(strategy=Strategy.DENSE, max_layers=8))
@@ -101,7 +102,7 @@ def bounds(draw: st.DrawFn, problem: GradientProblem) -> tuple[int, int | None]:
 
 
 @pytest.mark.parametrize("strategy", list(GROUPING_STRATEGIES))
-@settings(deadline=None, max_examples=120)
+@settings(deadline=None, max_examples=examples(120))
 @given(data=st.data())
 def test_bounded_solvers_match_brute_force(strategy: Strategy, data: st.DataObject) -> None:
     """Both exact solvers find the best grouping among the allowed ones (up to 10 layers, every regime)."""
@@ -148,7 +149,7 @@ def test_bounded_topk_pruning_is_exact_on_larger_instances(seed: int) -> None:
 
 
 @pytest.mark.parametrize("strategy", list(GROUPING_STRATEGIES))
-@settings(deadline=None, max_examples=40)
+@settings(deadline=None, max_examples=examples(40))
 @given(data=st.data())
 def test_no_bounds_changes_nothing(strategy: Strategy, data: st.DataObject) -> None:
     """Default arguments, and bounds no group can reach, give the unbounded solver's grouping and value."""

@@ -36,7 +36,8 @@ from planner.platform.link import parse_rate, privilege_problem
 from planner.solvers import PerLayer, solve_exact
 from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, make_plan
 from planner.types import Collective, Compressor, InvalidProfileError, SchemaError, Strategy
-from tests.factories import plan_with_groups, synthetic_profile
+from tests.factories import examples, plan_with_groups, synthetic_profile
+from tests.pool import run_warm
 from tests.test_solvers import all_groupings, problems
 
 LAYOUTS = ([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0], [1], [2], [3]], [[0, 1, 2, 3]])
@@ -69,13 +70,14 @@ def _compare(rank: int, world_size: int, layouts: list[list[list[int]]] | None) 
 
 
 def test_hierarchical_equals_flat_on_hosts_given_explicitly() -> None:
-    results = run_distributed(_compare, 4, [list(map(list, layout)) for layout in LAYOUTS], timeout=120)
+    results = run_warm(_compare, 4, [list(map(list, layout)) for layout in LAYOUTS], timeout=120)
     for rank_results in results:
         for what, error in rank_results:
             assert error <= 1e-6, f"{what}: relative error {error:.2e}"
     assert len(results[0]) == len(LAYOUTS) * (len(SIZES) + 1)
 
 
+@pytest.mark.spawns
 @pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated hosts here: {privilege_problem()}")
 def test_hierarchical_equals_flat_on_two_emulated_hosts_found_by_name() -> None:
     results = run_distributed(_compare, 4, None, hosts=2, link=parse_rate("1gbit"), timeout=120)
@@ -94,7 +96,7 @@ def _bad_layouts(rank: int, world_size: int) -> list[str]:
 
 
 def test_hosts_of_unequal_size_or_missing_ranks_are_refused() -> None:
-    errors = run_distributed(_bad_layouts, 3)[0]
+    errors = run_warm(_bad_layouts, 3)[0]
     assert len(errors) == 3
     assert "hosts of equal size" in errors[0] and "every rank of the group of 3 once" in errors[1]
 
@@ -132,7 +134,7 @@ def test_hierarchical_topk_equals_the_flat_allgather_and_sends_each_hosts_union_
     """The same average as the flat exchange; each host sends its union of indices (padded to the largest
     union, rounded up to a multiple of the host size): k when its ranks pick the same entries, L k when
     they pick disjoint ones."""
-    results = run_distributed(_compare_topk, 4, timeout=120)
+    results = run_warm(_compare_topk, 4, timeout=120)
     for case, error, sent, largest, per_host in results[0]:
         assert error <= 1e-6, f"{case}: relative error {error:.2e}"
         assert sent == (0 if per_host == 4 else math.ceil(largest / per_host) * per_host), case
@@ -211,10 +213,11 @@ def _runtime_worker(rank: int, world_size: int, explicit: bool) -> list[float]:
 
 def test_hierarchical_groups_in_the_runtime_equal_ddp_and_their_flat_twins() -> None:
     """On hosts given to the runtime (four workers of this machine as two hosts)."""
-    errors = run_distributed(_runtime_worker, 4, True, timeout=120)
+    errors = run_warm(_runtime_worker, 4, True, timeout=120)
     assert max(max(e) for e in errors) <= 1e-3  # fp16's rounding differs with the order of its additions
 
 
+@pytest.mark.spawns
 @pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated hosts here: {privilege_problem()}")
 def test_hierarchical_groups_on_two_emulated_hosts_found_by_name() -> None:
     errors = run_distributed(_runtime_worker, 4, False, hosts=2, timeout=120)
@@ -269,7 +272,7 @@ def _brute_force_routes(problem: GradientProblem, flat: CostModel, hierarchical:
     return best
 
 
-@settings(deadline=None, max_examples=60)
+@settings(deadline=None, max_examples=examples(60))
 @given(data=st.data())
 def test_the_route_per_group_is_exact_against_brute_force_and_never_worse_than_all_flat_or_all_hierarchical(
     data: st.DataObject,
@@ -463,4 +466,4 @@ def _shaped_worker(rank: int, world_size: int, sent_as: str) -> float:
 
 @pytest.mark.parametrize("sent_as", ["dense", "topk:1", "powersgd:2"])
 def test_hierarchical_groups_on_a_model_shaped_like_real_ones_equal_ddp_or_their_flat_twin(sent_as: str) -> None:
-    assert max(run_distributed(_shaped_worker, 4, sent_as, timeout=120)) <= 1e-5
+    assert max(run_warm(_shaped_worker, 4, sent_as, timeout=120)) <= 1e-5

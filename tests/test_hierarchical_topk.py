@@ -28,13 +28,13 @@ from planner.costmodel.problem import topk_count
 from planner.kernels.hierarchical import HostGroups
 from planner.kernels.topk import all_gather_flat
 from planner.models import Workload
-from planner.platform.launch import run_distributed
 from planner.profilers.comm import host_union_ratio, measure_host_topk, measure_union_ratios, overlapping_picks
 from planner.solvers.mixed import MixedParetoDP
 from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, make_plan
 from planner.strategies.mixed import explain, make_mixed_plan, parse_compressors, plan_choice
 from planner.types import Collective, Compressor, CompressorKind, InvalidProfileError, Strategy
-from tests.factories import synthetic_profile
+from tests.factories import examples, synthetic_profile
+from tests.pool import run_warm
 from tests.test_hosts import _cli, _ours, needs_root
 from tests.test_mixed import brute_force
 
@@ -97,7 +97,7 @@ def _random_ways(seed: int, sigma: float) -> MixedProblem:
                         world_size=4, compressors=(flat, routed), interference=sigma)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), sigma=st.sampled_from([0.0, 0.3]))
 def test_the_way_across_hosts_per_top_k_group_is_exact_against_brute_force(seed: int, sigma: float) -> None:
     problem = _random_ways(seed, sigma)
@@ -246,7 +246,7 @@ def _union_by_hand(layout: list[list[int]], density: float, *, rounds: int, warm
 
 
 def test_the_profile_measures_the_overlap_of_picks_and_the_exchange_at_it() -> None:
-    results = run_distributed(_measure, 4, [[0, 1], [2, 3]], timeout=120)
+    results = run_warm(_measure, 4, [[0, 1], [2, 3]], timeout=120)
     for ratios, measured in results:
         assert ratios[:5] == pytest.approx([1.0, 2.0, 1.0, 1.5, 2.0])
         assert 1.0 <= ratios[5] <= 2.0 and ratios[6] == pytest.approx(1.0)  # at density 1 every rank picks all

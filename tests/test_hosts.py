@@ -26,6 +26,8 @@ from planner.platform.launch import run_distributed
 from planner.platform.link import HOSTS_ENV, EmulatedLink, LinkError, list_namespaces, parse_rate, privilege_problem
 from planner.types import PlanMismatchError
 
+pytestmark = pytest.mark.spawns  # its tests start their own workers (tests/pool.py says which must)
+
 needs_root = pytest.mark.skipif(privilege_problem() is not None,
                                 reason=f"no emulated hosts here: {privilege_problem()}")
 PLAN = Path(__file__).resolve().parents[1] / "plans" / "lstm-2w-dense.json"

@@ -18,13 +18,13 @@ from planner.costmodel.costs import AffineCost, ScaledCost
 from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.simulator import simulate
 from planner.models import build_workload
-from planner.platform.launch import run_distributed
 from planner.runtime.exchange import write_scaled
 from planner.solvers import BASELINES, DDP_BASELINE
 from planner.strategies.cluster import parse_cluster, profile_for_cluster
 from planner.strategies.gradients import make_plan
 from planner.types import Collective, DistributedError, InvalidProfileError, SchemaError, Strategy
 from tests.factories import synthetic_profile
+from tests.pool import run_warm
 
 SIGMAS = {Collective.ALLREDUCE: 0.8, Collective.ALLGATHER: 1.3}
 KAPPAS = {Collective.ALLREDUCE: 0.7, Collective.ALLGATHER: 0.4}
@@ -162,12 +162,12 @@ def _interference_worker(rank: int, world_size: int, chain_cap: int | None) -> A
 def test_interference_is_measured_on_two_processes_and_refuses_a_chain_too_short() -> None:
     """sigma and kappa for both collectives, the same on every rank; and neither when the collectives could
     not be kept in flight for a whole backward pass."""
-    measured = run_distributed(_interference_worker, 2, None)
+    measured = run_warm(_interference_worker, 2, None)
     assert measured[0] == measured[1]
     for slowdown in (measured[0].sigma, measured[0].comm_stretch):
         assert set(slowdown) == {Collective.ALLREDUCE, Collective.ALLGATHER}
         assert all(math.isfinite(s) and s >= 0 for s in slowdown.values())
-    refused = run_distributed(_interference_worker, 2, 1)
+    refused = run_warm(_interference_worker, 2, 1)
     assert all("could not keep allreduces in flight for a whole backward pass" in r for r in refused), refused
 
 
@@ -305,7 +305,7 @@ def _in_situ_worker(rank: int, world_size: int) -> InSitu:
 def test_the_runtime_and_ddp_are_calibrated_in_real_steps_on_two_processes() -> None:
     """Every calibration is measured (medians over both ranks: the same on each) with the micro-benchmarks'
     prediction for the same groups beside it (each rank's own curves)."""
-    first, second = run_distributed(_in_situ_worker, 2)
+    first, second = run_warm(_in_situ_worker, 2)
     assert first.pack is not None and second.pack is not None
     assert first.pack.measured_s == second.pack.measured_s
     assert first.pack is not None and first.decode is not None and first.ddp_pack is not None

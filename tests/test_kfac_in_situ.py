@@ -23,6 +23,7 @@ from planner.runtime.calibrate import (
 from planner.strategies.kfac import calibrated_kfac, kfac_problem
 from planner.types import InverseMethod, SchemaError
 from tests.factories import synthetic_profile
+from tests.pool import run_warm
 
 CPU = torch.device("cpu")
 
@@ -153,9 +154,8 @@ def _steps_worker(rank: int, world_size: int, steps: int = 1) -> dict[str, float
 
 
 def test_every_rank_gets_the_same_step_calibrations_from_every_ranks_samples() -> None:
-    from planner.platform.launch import run_distributed
 
-    results = run_distributed(_steps_worker, 2)
+    results = run_warm(_steps_worker, 2)
     assert set(results[0]) == set(KFAC_STEP_PARTS)
     assert results[0] == results[1]  # medians over both ranks' samples
 
@@ -182,9 +182,8 @@ def _slowed_steps_worker(rank: int, world_size: int) -> dict[str, float]:
 
 
 def test_the_step_calibration_takes_each_steps_slowest_rank_as_the_bench_does() -> None:
-    from planner.platform.launch import run_distributed
 
-    results = run_distributed(_slowed_steps_worker, 2)
+    results = run_warm(_slowed_steps_worker, 2)
     assert results[0] == results[1]
     # Every step's slowest rank is the slowed one: its preconditioning, not a median pooled with the other rank's
     # (which would come out near half the added time).
@@ -221,9 +220,8 @@ def _slowed_hooks_worker(rank: int, world_size: int) -> float:
 
 
 def test_the_hooks_calibration_takes_each_pairs_slowest_rank_as_the_bench_does() -> None:
-    from planner.platform.launch import run_distributed
 
-    results = run_distributed(_slowed_hooks_worker, 2)
+    results = run_warm(_slowed_hooks_worker, 2)
     assert results[0] == results[1]
     # Rank 1's hooked passes are the slowest: the whole added time, not a median pooled with rank 0's samples
     # (about half of it). A little below it where rank 1's plain pass came out faster than rank 0's.
@@ -251,9 +249,8 @@ def _extended_hooks_worker(rank: int, world_size: int, min_seconds: float) -> tu
 def test_short_hook_passes_are_measured_for_longer_and_every_rank_as_often() -> None:
     """With `min_seconds`, pairs of passes are added until they span about that long (the slowest rank's
     pair sets the count, or the ranks would pass different numbers of barriers), at most `max_repeats`."""
-    from planner.platform.launch import run_distributed
 
-    results = run_distributed(_extended_hooks_worker, 2, 3.0)
+    results = run_warm(_extended_hooks_worker, 2, 3.0)
     assert results[0] == results[1]
     count, totals = results[0]
     assert totals == [count]
@@ -261,8 +258,8 @@ def test_short_hook_passes_are_measured_for_longer_and_every_rank_as_often() -> 
     # the two asked while a pair takes under 1.5 s, as one of this small CNN does even on a loaded machine (at a
     # span of 0.6 s, a machine busy with other work made two pairs enough).
     assert 2 < count <= 40
-    assert run_distributed(_extended_hooks_worker, 2, 0.0)[0] == (2, [])  # without it, exactly `repeats`
-    assert run_distributed(_extended_hooks_worker, 2, 1e6)[0] == (40, [40])  # capped
+    assert run_warm(_extended_hooks_worker, 2, 0.0)[0] == (2, [])  # without it, exactly `repeats`
+    assert run_warm(_extended_hooks_worker, 2, 1e6)[0] == (40, [40])  # capped
 
 
 def test_slowest_rank_extra_subtracts_the_slowest_plain_pass_from_the_slowest_hooked_one() -> None:

@@ -26,10 +26,10 @@ import planner.runtime.kfac
 from planner.contracts.kfac import KFACSection, factor_name, kfac_layers
 from planner.contracts.layers import gradient_layers, groups_for
 from planner.contracts.plan import Plan
-from planner.platform.launch import run_distributed
 from planner.runtime import KFACPreconditioner
 from planner.types import DistributedError, FactorKind, InverseMethod, PlanMismatchError, Strategy
 from tests.factories import plan_with_groups
+from tests.pool import run_warm
 
 WORLD_SIZE = 2
 #: Distributed vs one process: gradients and factors are averaged over ranks in another summation order
@@ -369,17 +369,17 @@ SUBGROUP_CONFIGS = [
 
 def test_distributed_equals_one_process_on_the_whole_batch() -> None:
     """On 2 ranks with half the batch each, every layout gives the one-process preconditioned gradients."""
-    check_against_one_process(run_distributed(_distributed_worker, WORLD_SIZE, CONFIGS), CONFIGS)
+    check_against_one_process(run_warm(_distributed_worker, WORLD_SIZE, CONFIGS), CONFIGS)
 
 
 def test_three_ranks_with_preconditioners_equal_one_process() -> None:
     """Owners precondition their layers and broadcast the result, mixed with layers every rank preconditions."""
-    check_against_one_process(run_distributed(_distributed_worker, 3, THREE_RANK_CONFIGS), THREE_RANK_CONFIGS)
+    check_against_one_process(run_warm(_distributed_worker, 3, THREE_RANK_CONFIGS), THREE_RANK_CONFIGS)
 
 
 def test_a_subgroup_of_three_ranks_equals_one_process() -> None:
     """With `process_group` a subgroup of ranks 1 and 2 (rank 0 idle), owner ranks are subgroup ranks."""
-    results = run_distributed(_subgroup_worker, 3, SUBGROUP_CONFIGS)
+    results = run_warm(_subgroup_worker, 3, SUBGROUP_CONFIGS)
     assert results[0] is None
     check_against_one_process(results[1:], SUBGROUP_CONFIGS)
 

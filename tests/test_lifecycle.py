@@ -27,6 +27,8 @@ from planner.platform.oom import OomWatch, oom_kill_count, oom_killed_in_kernel_
 from planner.types import DistributedError
 from tests.factories import synthetic_plan, synthetic_profile
 
+pytestmark = pytest.mark.spawns  # its tests start their own workers (tests/pool.py says which must)
+
 ROOT = Path(__file__).resolve().parents[1]
 needs_root = pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated link here: {privilege_problem()}")
 

@@ -34,6 +34,8 @@ from planner.platform.link import (
 )
 from planner.types import DistributedError
 
+pytestmark = pytest.mark.spawns  # its tests start their own workers (tests/pool.py says which must)
+
 needs_root = pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated link here: {privilege_problem()}")
 PLAN = Path(__file__).resolve().parents[1] / "plans" / "lstm-2w-dense.json"
 

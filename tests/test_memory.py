@@ -20,6 +20,8 @@ from planner.profilers.topk import measure_topk, topk_point_bytes
 from planner.types import SchemaError
 from tests.factories import synthetic_profile
 
+pytestmark = pytest.mark.spawns  # its tests start their own workers (tests/pool.py says which must)
+
 CPU = torch.device("cpu")
 linux = pytest.mark.skipif(peak_rss_bytes() is None, reason="reads /proc (Linux)")
 

@@ -20,6 +20,7 @@ from planner.costmodel.simulator import simulate
 from planner.solvers import DenseDP, TopkParetoDP
 from planner.solvers.mixed import MixedParetoDP, ddp_buckets, mixed_lower_bound
 from planner.types import Collective, Compressor, CompressorKind, SolverError, Strategy
+from tests.factories import examples
 
 
 def all_groupings(num_layers: int) -> list[tuple[int, ...]]:
@@ -80,7 +81,7 @@ def random_mixed(num_layers: int, seed: int, *, sigma: float, kinds: str = "dfpt
                         comm_stretch=kappa)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(num_layers=st.integers(1, 6), seed=st.integers(0, 10**6), sigma=st.sampled_from([0.0, 0.4, 1.3]),
        kinds=st.sampled_from(["dfpt", "dp", "ft", "pt", "p", "dfp"]), kappa=st.sampled_from([0.0, 0.6, 2.0]))
 def test_mixed_dp_equals_brute_force(num_layers: int, seed: int, sigma: float, kinds: str, kappa: float) -> None:

@@ -20,10 +20,10 @@ from planner.contracts.plan import Group, Plan
 from planner.costmodel.problem import topk_count
 from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout
 from planner.kernels.topk import decode, pack, select_topk
-from planner.platform.launch import run_distributed
 from planner.runtime import GradientExchange
 from planner.types import Compressor, CompressorKind, PlanMismatchError, Strategy
 from tests.factories import plan_with_groups
+from tests.pool import run_warm
 from tests.test_runtime import assert_grads_close, build_model, loss_of, make_batch
 
 
@@ -89,7 +89,7 @@ def _hook_worker(rank: int, world_size: int, sent_as: str) -> int:
 
 @pytest.mark.parametrize("sent_as", ["fp16", "powersgd:1", "powersgd:4"])
 def test_each_compressor_equals_pytorchs_hook_on_ddp(sent_as: str) -> None:
-    assert all(n == 24 for n in run_distributed(_hook_worker, 2, sent_as))
+    assert all(n == 24 for n in run_warm(_hook_worker, 2, sent_as))
 
 
 class ShapedConv(nn.Module):
@@ -210,7 +210,7 @@ def _shaped_worker(rank: int, world_size: int) -> list[str]:
 
 
 def test_every_compressor_in_one_plan_equals_the_reference_on_a_real_shaped_model() -> None:
-    for used in run_distributed(_shaped_worker, 2):
+    for used in run_warm(_shaped_worker, 2):
         assert used == sorted(SENT_AS)
 
 
@@ -238,7 +238,7 @@ def _dense_like_ddp_worker(rank: int, world_size: int) -> int:
 
 
 def test_a_mixed_plan_of_dense_groups_equals_ddp() -> None:
-    assert run_distributed(_dense_like_ddp_worker, 2) == [9, 9]
+    assert run_warm(_dense_like_ddp_worker, 2) == [9, 9]
 
 
 def _resume_worker(rank: int, world_size: int) -> None:
@@ -287,7 +287,7 @@ def _resume_worker(rank: int, world_size: int) -> None:
 
 
 def test_state_dict_resumes_a_mixed_plan_bit_for_bit() -> None:
-    run_distributed(_resume_worker, 2)
+    run_warm(_resume_worker, 2)
 
 
 def test_mixed_plans_round_trip_through_json() -> None:
@@ -319,4 +319,4 @@ def _bf16_worker(rank: int, world_size: int) -> str:
 
 
 def test_bf16_gradients_travel_as_bf16_like_ddp() -> None:
-    assert run_distributed(_bf16_worker, 2) == ["torch.bfloat16"] * 2
+    assert run_warm(_bf16_worker, 2) == ["torch.bfloat16"] * 2

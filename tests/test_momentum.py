@@ -19,10 +19,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import planner.runtime.exchange as exchange_module
 from planner.costmodel.problem import topk_count
-from planner.platform.launch import run_distributed
 from planner.runtime import GradientExchange
 from planner.types import PlanMismatchError, Strategy
 from tests.digits import digits
+from tests.pool import run_warm
 from tests.test_runtime import make_plan
 
 WORLD_SIZE = 2
@@ -171,11 +171,11 @@ def _digits_worker(rank: int, world_size: int, seeds: list[int], steps: int) -> 
 
 def test_momentum_correction_equals_momentum_sgd() -> None:
     """Top-k at density 1.0 (k == numel: no masking) and dense plans equal momentum SGD, with Nesterov too."""
-    assert run_distributed(_equals_momentum_sgd_worker, WORLD_SIZE) == [8 * 6] * WORLD_SIZE
+    assert run_warm(_equals_momentum_sgd_worker, WORLD_SIZE) == [8 * 6] * WORLD_SIZE
 
 
 def test_density_warmup_follows_the_schedule() -> None:
-    r0, r1 = run_distributed(_warmup_worker, WORLD_SIZE)
+    r0, r1 = run_warm(_warmup_worker, WORLD_SIZE)
     assert r0 == r1
     start, target, steps = 0.5, 0.05, 4
     expected_density = [start * (target / start) ** (t / steps) for t in range(steps)] + [target, target]
@@ -195,7 +195,7 @@ def test_density_warmup_follows_the_schedule() -> None:
 def test_topk_with_momentum_correction_trains_digits_like_dense() -> None:
     """Top-k 1% with momentum 0.9 (correction and masking) ends within 5% of dense momentum SGD, 3 seeds."""
     pytest.importorskip("sklearn.datasets")
-    results = run_distributed(_digits_worker, WORLD_SIZE, [0, 1, 2], 500, timeout=300)
+    results = run_warm(_digits_worker, WORLD_SIZE, [0, 1, 2], 500, timeout=300)
     assert results[0] == results[1]
     for seed, r in results[0].items():
         assert r["dense"] < 0.05, f"seed {seed}: dense momentum SGD should learn digits (2.3 at first): {r}"

@@ -32,7 +32,7 @@ from planner.costmodel.crossover import JobPhases, alone, muri_period, simulate_
 from planner.solvers.pairing import Pairing, best_pairing, pairing_period
 from planner.strategies.gradients import make_plan
 from planner.types import PlanMismatchError, PlannerError, SchemaError, SolverError, Strategy
-from tests.factories import abs_section, synthetic_profile
+from tests.factories import abs_section, examples, synthetic_profile
 from tests.test_contracts import _main, _one_clear_line
 
 
@@ -143,7 +143,7 @@ times = st.floats(min_value=1e-3, max_value=10.0)
 comms = st.one_of(st.just(0.0), st.floats(min_value=1e-3, max_value=10.0))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(ca=times, na=comms, cb=times, nb=comms, gated=st.booleans())
 def test_pair_periods_obey_the_resource_bounds(ca: float, na: float, cb: float, nb: float, gated: bool) -> None:
     a, b = job(ca, na, "a"), job(cb, nb, "b")
@@ -160,7 +160,7 @@ def test_pair_periods_obey_the_resource_bounds(ca: float, na: float, cb: float, 
     # first-served gate (test_crossing_over_can_make_a_job_slower).
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(ca=times, cb=times, fa=st.floats(0.0, 1.0), fb=st.floats(0.0, 1.0))
 def test_fitting_phases_cross_over_at_the_muri_period(ca: float, cb: float, fa: float, fb: float) -> None:
     # Each job's communication fits in the other's compute: the pair's period is max(cA, nB) + max(nA, cB).
@@ -199,7 +199,7 @@ def random_instance(n: int, rng: random.Random) -> tuple[list[float], dict[tuple
     return alone_s, pair_s
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(n=st.integers(0, 8), seed=st.integers(0, 2**32 - 1))
 def test_best_pairing_matches_brute_force(n: int, seed: int) -> None:
     alone_s, pair_s = random_instance(n, random.Random(seed))

@@ -32,6 +32,7 @@ from planner.solvers.placement import (
     time_placement,
 )
 from planner.types import SolverError
+from tests.factories import examples
 
 RTOL = 1e-9
 
@@ -319,7 +320,7 @@ def test_exact_solvers_match_brute_force(seed: int, weak_start: bool, monkeypatc
             assert result.makespan_s >= optimum * (1 - RTOL)
 
 
-@settings(deadline=None, max_examples=25)
+@settings(deadline=None, max_examples=examples(25))
 @given(problem=grid_problems())
 def test_exact_solvers_match_brute_force_with_ties(problem: PlacementProblem) -> None:
     _, optimum = brute_force_placement(problem)
@@ -354,7 +355,7 @@ def moderate_problems(draw: st.DrawFn) -> PlacementProblem:
     return problem_of(list(inv), list(rng.uniform(0.0, 0.2, n)), world, [int(d) for d in rng.integers(1, 4097, n)])
 
 
-@settings(deadline=None, max_examples=12)
+@settings(deadline=None, max_examples=examples(12))
 @given(problem=moderate_problems(), shortcuts=st.booleans())
 def test_exact_solvers_never_worse_than_baselines(problem: PlacementProblem, shortcuts: bool) -> None:
     baselines = [cls().solve(problem) for cls in PLACEMENT_BASELINES]

@@ -23,6 +23,7 @@ from planner.strategies.kfac import make_kfac_plan
 from planner.strategies.retune import compare_plans, current_profile, load_source_profile, retune_plan
 from planner.types import Collective, InvalidProfileError, PlanMismatchError, Strategy
 from tests.factories import synthetic_profile
+from tests.pool import run_warm
 
 MODEL = "tests.test_end_to_end:tiny_kfac_workload"
 
@@ -140,12 +141,12 @@ def _exchange_worker(rank: int, world_size: int, plan_doc: dict, profile: str, a
 def test_a_two_process_plan_is_refused_on_three_processes(tmp_path: Path) -> None:
     plan, path = _saved_plan(tmp_path)
     with pytest.raises(PlanMismatchError, match=r"world size 2, but the process group has world size 3.*auto_retune"):
-        run_distributed(_exchange_worker, 3, plan.to_dict(), str(path), False)
+        run_warm(_exchange_worker, 3, plan.to_dict(), str(path), False)
 
 
 def test_auto_retune_on_three_processes_gives_every_rank_the_same_valid_plan(tmp_path: Path) -> None:
     plan, path = _saved_plan(tmp_path)
-    results = run_distributed(_exchange_worker, 3, plan.to_dict(), str(path), True)
+    results = run_warm(_exchange_worker, 3, plan.to_dict(), str(path), True)
     docs = {doc for doc, _ in results}
     assert len(docs) == 1, "ranks run different plans"
     new = Plan.from_dict(json.loads(docs.pop()))
@@ -160,9 +161,10 @@ def test_auto_retune_without_the_profile_fails_on_every_rank_instead_of_hanging(
     plan, path = _saved_plan(tmp_path)
     path.unlink()
     with pytest.raises(PlanMismatchError, match=r"rank 0 could not re-tune the plan: .*does not exist"):
-        run_distributed(_exchange_worker, 3, plan.to_dict(), str(path), True, timeout=60)
+        run_warm(_exchange_worker, 3, plan.to_dict(), str(path), True, timeout=60)
 
 
+@pytest.mark.spawns
 @pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated hosts here: {privilege_problem()}")
 def test_auto_retune_on_two_emulated_hosts_measures_each_level_and_exchanges_correctly(tmp_path: Path) -> None:
     plan, path = _saved_plan(tmp_path)
@@ -192,7 +194,7 @@ def _kfac_worker(rank: int, world_size: int, plan_doc: dict, profile: str) -> tu
 
 def test_auto_retune_of_a_kfac_plan_on_four_processes(tmp_path: Path) -> None:
     plan, path = _saved_plan(tmp_path, kfac=True)
-    results = run_distributed(_kfac_worker, 4, plan.to_dict(), str(path), timeout=180)
+    results = run_warm(_kfac_worker, 4, plan.to_dict(), str(path), timeout=180)
     docs = {doc for doc, _ in results}
     assert len(docs) == 1, "ranks run different plans"
     new = Plan.from_dict(json.loads(docs.pop()))

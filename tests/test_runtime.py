@@ -27,6 +27,7 @@ from planner.platform.launch import run_distributed
 from planner.runtime import GradientExchange, TopkHookState, topk_hook
 from planner.types import DistributedError, PlanMismatchError, Strategy
 from tests.factories import plan_with_groups
+from tests.pool import run_warm
 
 WORLD_SIZE = 2
 RTOL, ATOL = 1e-5, 1e-6
@@ -521,7 +522,7 @@ def _drain_worker(rank: int, world_size: int) -> int:
 
 def test_the_exit_drain_waits_for_collectives_in_flight() -> None:
     layers = len(gradient_layers(tiny_mlp()))  # one group per layer, each in flight
-    assert run_distributed(_drain_worker, WORLD_SIZE) == [layers] * WORLD_SIZE
+    assert run_warm(_drain_worker, WORLD_SIZE) == [layers] * WORLD_SIZE
 
 
 def test_tied_weights_are_one_parameter_of_the_first_module_that_holds_them() -> None:
@@ -547,6 +548,7 @@ def test_profiling_a_tied_model_sees_the_shared_gradient_ready_last() -> None:
     assert run.params["emb"] == ("emb.weight",) and sum(run.numel.values()) == 30 * 12 + 936 + 30
 
 
+@pytest.mark.spawns
 def test_run_distributed_reraises_a_worker_error_and_kills_hung_workers() -> None:
     with pytest.raises(PlanMismatchError, match="rank 1 refuses") as info:
         run_distributed(_failing_worker, WORLD_SIZE)
@@ -569,6 +571,7 @@ def _one_rank_hangs(rank: int, world_size: int) -> None:
     dist.barrier()  # rank 1 waits for rank 0 in a collective that never completes
 
 
+@pytest.mark.spawns
 def test_a_job_without_a_deadline_waits_for_its_workers_and_a_hang_still_fails(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A command's job has no deadline (a trial takes hours): the call waits for workers however long they work,
@@ -613,23 +616,23 @@ def test_exchange_matches_ddp(strategy: str, density: float | None) -> None:
     """Dense plans (and top-k at density 1.0) give DDP's gradients for every grouping: MLP, CNN, a language
     model with tied input and output weights, and a CNN with a frozen stem, BatchNorm and parameters
     registered in another order than used."""
-    compared = run_distributed(_matches_ddp_worker, WORLD_SIZE, strategy, density)
+    compared = run_warm(_matches_ddp_worker, WORLD_SIZE, strategy, density)
     assert compared[0] == (2 if strategy == "topk" else 1) * 4 * 3 * 3
 
 
 @pytest.mark.parametrize(("strategy", "density"), [("dense", None), ("topk", 1.0)])
 def test_missing_gradients_count_as_zeros(strategy: str, density: float | None) -> None:
-    run_distributed(_missing_grads_worker, WORLD_SIZE, strategy, density)
+    run_warm(_missing_grads_worker, WORLD_SIZE, strategy, density)
 
 
 @pytest.mark.parametrize(("strategy", "density"), [("dense", None), ("topk", 1.0)])
 def test_find_unused_parameters_trains_like_ddp(strategy: str, density: float | None) -> None:
-    assert run_distributed(_unused_like_ddp_worker, WORLD_SIZE, strategy, density) == [3 * 4] * WORLD_SIZE
+    assert run_warm(_unused_like_ddp_worker, WORLD_SIZE, strategy, density) == [3 * 4] * WORLD_SIZE
 
 
 @pytest.mark.parametrize("sync", [True, False])
 def test_buffers_and_initial_state_follow_ddp(sync: bool) -> None:
-    assert run_distributed(_buffers_like_ddp_worker, WORLD_SIZE, sync) == [4 * 9] * WORLD_SIZE
+    assert run_warm(_buffers_like_ddp_worker, WORLD_SIZE, sync) == [4 * 9] * WORLD_SIZE
 
 
 def test_bench_runs_a_model_with_an_unused_head(tmp_path: Path) -> None:
@@ -671,7 +674,7 @@ def test_kfac_profiling_skips_an_unused_head_when_told() -> None:
 
 def test_ddp_topk_hook() -> None:
     """The DDP hook at density 1.0 equals plain DDP; at 0.05 it keeps a residual per bucket."""
-    results = run_distributed(_ddp_hook_worker, WORLD_SIZE)
+    results = run_warm(_ddp_hook_worker, WORLD_SIZE)
     for r in results:
         assert r["iterations"] == 5
         assert r["buckets"] >= 2 and r["dense_nonzero"] == 0
@@ -680,7 +683,7 @@ def test_ddp_topk_hook() -> None:
 
 def test_topk_with_error_feedback_trains_like_dense() -> None:
     """Top-k at density 0.01 with error feedback ends within 5% of the dense loss after the same steps."""
-    results = run_distributed(_training_worker, WORLD_SIZE, 200)
+    results = run_warm(_training_worker, WORLD_SIZE, 200)
     r = results[0]
     assert results[1] == r
     assert r["dense"] < 0.2 * r["initial"], f"dense training should learn the task: {r}"
@@ -689,7 +692,7 @@ def test_topk_with_error_feedback_trains_like_dense() -> None:
 
 
 def test_state_dict_round_trip() -> None:
-    run_distributed(_state_round_trip_worker, WORLD_SIZE)
+    run_warm(_state_round_trip_worker, WORLD_SIZE)
 
 
 # -- single-process tests ------------------------------------------------------------------------

@@ -32,7 +32,8 @@ from planner.runtime.ddp_hooks import TopkHookState
 from planner.strategies.gradients import make_plan
 from planner.strategies.retune import retune_plan
 from planner.types import InvalidProfileError, SchemaError, Strategy
-from tests.factories import synthetic_profile
+from tests.factories import examples, synthetic_profile
+from tests.pool import run_warm
 from tests.test_contracts import _main, _one_clear_line
 
 # -- the selectors ---------------------------------------------------------------------------------------------
@@ -97,7 +98,7 @@ KINDS = ["normal", "ties", "few-levels", "zeros", "sparse", "outliers"]
 
 
 @pytest.mark.parametrize("selector", SELECTORS)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     kind=st.sampled_from(KINDS),
     n=st.integers(1, 3000),
@@ -225,9 +226,8 @@ def _hook_selectors_worker(rank: int, world_size: int) -> int:
 
 
 def test_ddp_hook_with_the_sampled_selector_matches_exact() -> None:
-    from planner.platform.launch import run_distributed
 
-    sizes = run_distributed(_hook_selectors_worker, 2)
+    sizes = run_warm(_hook_selectors_worker, 2)
     assert all(n >= compress._SAMPLED_MIN_NUMEL for n in sizes)  # the sampled path ran
 
 

@@ -14,6 +14,7 @@ from planner.costmodel.costs import AffineCost, ScaledCost
 from planner.costmodel.problem import GradientProblem, advance, advance_many
 from planner.costmodel.simulator import GroupEvent, simulate, timeline, validate_grouping
 from planner.types import GROUPING_STRATEGIES, SolverError, Strategy
+from tests.factories import examples
 
 
 def _three_layers(strategy: Strategy) -> GradientProblem:
@@ -167,7 +168,7 @@ def _problem_and_grouping(draw: st.DrawFn) -> tuple[GradientProblem, tuple[int, 
     return problem, (*sorted(cuts), num_layers)
 
 
-@settings(deadline=None, max_examples=150)
+@settings(deadline=None, max_examples=examples(150))
 @given(_problem_and_grouping())
 def test_timeline_invariants(case: tuple[GradientProblem, tuple[int, ...]]) -> None:
     """Events tile the layers in order; one channel, used in order; the breakdown adds up."""
@@ -222,7 +223,7 @@ def test_advance_runs_slower_only_while_the_channel_is_busy() -> None:
     assert advance(1.0, 4.0, 0.0, 2.0) == pytest.approx(1.0)  # no work
 
 
-@settings(deadline=None, max_examples=200)
+@settings(deadline=None, max_examples=examples(200))
 @given(
     comp=st.floats(0, 10), chan=st.floats(0, 10), a=st.floats(0, 5), b=st.floats(0, 5), sigma=st.floats(0, 4),
     more=st.floats(0, 3),
@@ -280,7 +281,7 @@ def test_decode_runs_slower_while_collectives_are_in_flight() -> None:
     assert prediction.interference_s == pytest.approx(4.0)
 
 
-@settings(deadline=None, max_examples=100)
+@settings(deadline=None, max_examples=examples(100))
 @given(sigma=st.floats(0.0, 3.0), seed=st.integers(0, 1000), cut=st.integers(1, 7))
 def test_interference_never_makes_a_grouping_faster(sigma: float, seed: int, cut: int) -> None:
     from planner.commands.solver_bench import random_problem
@@ -315,7 +316,7 @@ def test_a_comm_stretch_is_charged_on_both_strategies_and_never_negative() -> No
         dataclasses.replace(_three_layers(Strategy.DENSE), comm_stretch=-0.1)
 
 
-@settings(deadline=None, max_examples=100)
+@settings(deadline=None, max_examples=examples(100))
 @given(kappa=st.floats(0.0, 3.0), sigma=st.sampled_from([0.0, 0.7]), seed=st.integers(0, 1000),
        cut=st.integers(1, 7), strategy=st.sampled_from([Strategy.DENSE, Strategy.TOPK]))
 def test_a_comm_stretch_never_makes_a_grouping_faster(kappa: float, sigma: float, seed: int, cut: int,

@@ -22,6 +22,8 @@ from planner.platform.slowdown import (
     privilege_problem,
 )
 
+pytestmark = pytest.mark.spawns  # its tests start their own workers (tests/pool.py says which must)
+
 REAL_CGROUPS = privilege_problem() is None
 needs_cgroups = pytest.mark.skipif(not REAL_CGROUPS, reason=f"no CPU cgroups here: {privilege_problem()}")
 

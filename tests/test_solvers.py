@@ -32,6 +32,7 @@ from planner.solvers import (
     solve_exact,
 )
 from planner.types import GROUPING_STRATEGIES, SolverError, Strategy
+from tests.factories import examples
 
 RTOL = 1e-9
 
@@ -129,7 +130,7 @@ def _check_exact(problem: GradientProblem) -> None:
 
 
 @pytest.mark.parametrize("comm_kind", ["affine", "piecewise"])
-@settings(deadline=None, max_examples=100)
+@settings(deadline=None, max_examples=examples(100))
 @given(data=st.data())
 def test_dense_dp_matches_brute_force(comm_kind: str, data: st.DataObject) -> None:
     """DenseDP's grouping is optimal over all 2^(L-1) groupings, and it reports its simulated time."""
@@ -137,7 +138,7 @@ def test_dense_dp_matches_brute_force(comm_kind: str, data: st.DataObject) -> No
 
 
 @pytest.mark.parametrize("comm_kind", ["affine", "piecewise"])
-@settings(deadline=None, max_examples=150)
+@settings(deadline=None, max_examples=examples(150))
 @given(data=st.data())
 def test_topk_dp_matches_brute_force(comm_kind: str, data: st.DataObject) -> None:
     """TopkParetoDP's grouping is optimal over all 2^(L-1) groupings (densities up to 1.0), with its own value."""
@@ -335,7 +336,7 @@ def test_banded_lagrangian_bounds_lie_below_the_exact_program(
     assert np.all(solvers._lagrangian_suffixes(problem, prefix, band=1).rest[0, :-1] >= 0.5 * reference[0, :-1])
 
 
-@settings(deadline=None, max_examples=100)
+@settings(deadline=None, max_examples=examples(100))
 @given(problem=problems(strategy=Strategy.TOPK), band=st.integers(1, 3))
 def test_topk_dp_with_a_narrow_band_matches_brute_force(problem: GradientProblem, band: int) -> None:
     """Exactness does not depend on the band of the Lagrangian bounds, nor on the root's bound ending the
@@ -381,7 +382,7 @@ def test_dense_two_clock_prefilter_is_exact(prefilter: bool, monkeypatch: pytest
     assert math.isclose(simulate(problem, grouping).iteration_s, value, rel_tol=RTOL)
 
 
-@settings(deadline=None, max_examples=200)
+@settings(deadline=None, max_examples=examples(200))
 @given(st.lists(st.tuples(*[st.integers(0, 3)] * 4), min_size=1, max_size=40), st.sampled_from([1, 3, 64]))
 def test_four_clock_front_keeps_exactly_the_undominated(points: list[tuple[int, ...]], chunk: int) -> None:
     """The (C, E, V, D) front: every undominated state once (one of equal ones), no dominated one."""
@@ -399,7 +400,7 @@ def test_four_clock_front_keeps_exactly_the_undominated(points: list[tuple[int, 
     assert list(c[kept]) == sorted(c[kept])
 
 
-@settings(deadline=None, max_examples=60)
+@settings(deadline=None, max_examples=examples(60))
 @given(problems(max_layers=30))
 def test_exact_never_worse_than_baselines(problem: GradientProblem) -> None:
     """No baseline beats the exact solver, and none beats the lower bound."""
@@ -443,7 +444,7 @@ def test_single_layer() -> None:
 # Lower bound
 
 
-@settings(deadline=None, max_examples=200)
+@settings(deadline=None, max_examples=examples(200))
 @given(problems(max_layers=10))
 def test_lower_bound_is_below_the_optimum(problem: GradientProblem) -> None:
     """No grouping beats the lower bound (checked against brute force)."""
@@ -547,7 +548,7 @@ def test_baseline_registry() -> None:
         GroupingSolver()  # type: ignore[abstract]
 
 
-@settings(deadline=None, max_examples=80)
+@settings(deadline=None, max_examples=examples(80))
 @given(problems(max_layers=20))
 def test_baselines_give_valid_groupings(problem: GradientProblem) -> None:
     for solver in (*BASELINES[Strategy.DENSE], *BASELINES[Strategy.TOPK], FixedBuckets(10**5, 10**3)):
@@ -596,7 +597,7 @@ def test_mgs_rule_by_hand() -> None:
 # Vectorised model pieces and the benchmark helpers
 
 
-@settings(deadline=None, max_examples=60)
+@settings(deadline=None, max_examples=examples(60))
 @given(problems(strategy=Strategy.TOPK), st.lists(st.integers(0, 10**9), min_size=1, max_size=20))
 def test_vectorised_costs_match_the_scalar_model(problem: GradientProblem, sizes: list[int]) -> None:
     """The DPs' vectorised k, bytes and costs agree with GradientProblem and CostModel.cost."""
@@ -614,7 +615,7 @@ def test_vectorised_costs_match_the_scalar_model(problem: GradientProblem, sizes
     assert np.allclose(decode, [problem.decode.cost(problem.world_size * problem.k(n)) for n in sizes], rtol=1e-12)
 
 
-@settings(deadline=None, max_examples=200)
+@settings(deadline=None, max_examples=examples(200))
 @given(data=st.data(), kind=st.sampled_from(["affine", "piecewise"]), factor=st.floats(1e-3, 1e3))
 def test_cost_model_lines_lie_under_the_cost(data: st.DataObject, kind: str, factor: float) -> None:
     """cost(x) >= a + b x for every line of every cost model, at any size > 0 (below, between and beyond the
@@ -663,7 +664,7 @@ def test_topk_count_is_exact_where_a_float_tolerance_was_not() -> None:
     assert topk_count(7, 0.3) == 3 and topk_count(10, 0.3) == 3 and topk_count(1, 0.001) == 1
 
 
-@settings(deadline=None, max_examples=300)
+@settings(deadline=None, max_examples=examples(300))
 @given(numel=st.integers(1, 2**31 - 1), digits=st.integers(1, 7), mantissa=st.integers(1, 10**7))
 def test_topk_count_matches_rational_arithmetic(numel: int, digits: int, mantissa: int) -> None:
     density = min(1.0, mantissa / 10**digits)

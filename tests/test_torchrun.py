@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
+
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.platform.link import WORKER_IFNAME, EmulatedLink, parse_rate
@@ -21,6 +23,8 @@ from tests.factories import synthetic_profile
 from tests.test_hierarchical import _two_host_profile
 from tests.test_hosts import _ours, needs_root
 from tests.test_tune import MODEL
+
+pytestmark = pytest.mark.spawns  # its tests start their own workers (tests/pool.py says which must)
 
 PlanOrProfile = TypeVar("PlanOrProfile", Plan, Profile)
 

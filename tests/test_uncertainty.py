@@ -27,7 +27,7 @@ from planner.strategies.gradients import make_plan
 from planner.strategies.intervals import Draws, simplest_unbeaten, weigh, with_intervals
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
 from planner.types import Collective, InvalidProfileError, SchemaError, Strategy
-from tests.factories import synthetic_profile, with_samples
+from tests.factories import examples, synthetic_profile, with_samples
 from tests.shipped import shipped_plans
 from tests.test_interference import measured_profile
 
@@ -202,7 +202,7 @@ def test_a_profile_without_samples_is_drawn_as_it_is() -> None:
     assert resampled(prof, np.random.default_rng(0)) == prof
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(seed=st.integers(0, 10**6), spread=st.floats(0.01, 0.5))
 def test_every_draw_stays_within_what_was_measured(seed: int, spread: float) -> None:
     prof = with_samples(measured_profile("mlp"), spread=spread, seed=seed)

@@ -23,11 +23,11 @@ from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.contracts.unused import UnusedParams
 from planner.models import Workload
-from planner.platform.launch import run_distributed
 from planner.profilers.layers import gradient_counts, unused_params
 from planner.runtime import GradientExchange
 from planner.types import SchemaError, Strategy
 from tests.factories import synthetic_profile
+from tests.pool import run_warm
 
 WORLD_SIZE = 2
 #: Exchange against DDP(find_unused_parameters=True), fp32 on CPU: both average the same gradients, in other orders.
@@ -162,7 +162,7 @@ def _like_ddp_worker(rank: int, world_size: int, plan_path: str) -> int:
 
 def test_the_exchange_from_such_a_plan_trains_like_ddp_with_find_unused(routed_files: tuple[Path, Path, str]) -> None:
     params = len(list(routed_workload().module.parameters()))
-    assert run_distributed(_like_ddp_worker, WORLD_SIZE, str(routed_files[1])) == [6 * params] * WORLD_SIZE
+    assert run_warm(_like_ddp_worker, WORLD_SIZE, str(routed_files[1])) == [6 * params] * WORLD_SIZE
 
 
 def _hook_calibration_worker(rank: int, world_size: int, times: int) -> list[int]:
@@ -189,7 +189,7 @@ def _hook_calibration_worker(rank: int, world_size: int, times: int) -> list[int
 def test_the_hooks_sending_calibration_with_ranks_leaving_different_experts_out_neither_crashes_nor_hangs() -> None:
     """The calibration a mixture of experts crashed (a gloo collective mismatch) or hung in, about half the time: 20
     times in a row on the ranks' different batches, every rank's samples gathered each time."""
-    assert run_distributed(_hook_calibration_worker, WORLD_SIZE, 20, timeout=300) == [[2 * WORLD_SIZE] * 20] * 2
+    assert run_warm(_hook_calibration_worker, WORLD_SIZE, 20, timeout=300) == [[2 * WORLD_SIZE] * 20] * 2
 
 
 # -- the contract ------------------------------------------------------------------------------------------------

@@ -1,0 +1,190 @@
+"""Warm gloo workers the tests share: `run_warm(fn, world_size, *args)` returns what
+`run_distributed(fn, world_size, *args)` would, on processes started once per test session (per world size) instead
+of once per call. Starting two workers (a spawned interpreter each, torch imported, a gloo rendezvous) costs about
+2 s on this 2-core machine; a case on warm workers costs what its own work costs.
+
+Each case starts from the state a fresh worker has where a test could tell: torch's default generator at its seed of
+a new process, the process groups a case made destroyed (the default group stays), `torch.set_num_threads(1)`, the
+environment as it was. A case that fails, or hangs past its timeout, takes its workers with it: they are killed and
+the next case starts new ones (so a peer left waiting in a collective cannot leak into the next case).
+
+What must start its own workers keeps calling `run_distributed`: an emulated link or hosts, a slowed worker, a
+backend other than gloo, the launcher's own behaviour (deadlines, deaths, signals), environment variables the
+workers must read at start. Such tests carry the `spawns` mark (conftest.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import os
+import pickle
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from planner.platform.launch import free_port
+from planner.types import DistributedError, RemoteTraceback
+
+#: The collective timeout of the warm workers' group: the longest `timeout` a converted call passed.
+COLLECTIVE_TIMEOUT_S = 300.0
+#: After one rank of a case fails, how long the others get to report before the workers are replaced.
+FAILURE_GRACE_S = 5.0
+
+
+def _serve(rank: int, world_size: int, port: int, conn: Connection, parent: int) -> None:
+    """One warm worker: join the group once, then run each case sent over `conn` until told to stop."""
+    from planner._lifeline import die_with
+    from planner.platform.memory import steady_allocator
+
+    die_with(parent)
+    torch.set_num_threads(1)
+    steady_allocator()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    seed = torch.initial_seed()  # a new process's; every case starts from it, as a fresh worker would
+    environment = dict(os.environ)
+    while True:
+        try:
+            request = conn.recv_bytes()
+        except (EOFError, OSError):
+            break
+        fn, args = pickle.loads(request)  # our own parent's pickled function and arguments, over a private pipe
+        if fn is None:
+            break
+        torch.manual_seed(seed)
+        try:
+            message: tuple[Any, ...] = ("ok", fn(rank, world_size, *args))
+        except BaseException as exc:
+            message = ("error", exc, traceback.format_exc())
+        _reset(environment)
+        try:
+            payload = pickle.dumps(message)
+        except Exception as exc:
+            payload = pickle.dumps(("error", None, f"could not send the worker's result to the parent: {exc!r}\n"))
+        conn.send_bytes(payload)
+    dist.destroy_process_group()
+
+
+def _reset(environment: dict[str, str]) -> None:
+    """Undo what a case may have left that a fresh worker would not have: its subgroups, its threads setting,
+    its environment changes, its garbage (modules in reference cycles holding hooks)."""
+    gc.collect()
+    world = dist.group.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
+    torch.set_num_threads(1)
+    if dict(os.environ) != environment:
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+class _Workers:
+    """`world_size` warm workers of one gloo group."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.world_size = world_size
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_serve, args=(rank, world_size, port, child_end, os.getpid()),
+                               name=f"warm-worker-{world_size}-rank{rank}", daemon=True)
+            proc.start()
+            child_end.close()
+            self.conns.append(parent_end)
+            self.procs.append(proc)
+
+    def run(self, fn: Any, args: tuple[Any, ...], timeout: float) -> list[Any]:
+        request = pickle.dumps((fn, args))
+        for conn in self.conns:
+            conn.send_bytes(request)
+        results: dict[int, Any] = {}
+        failures: list[tuple[int, BaseException | None, str]] = []
+        deadline = time.monotonic() + timeout
+        pending = dict(enumerate(self.conns))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            sentinels = {self.procs[r].sentinel: r for r in pending}
+            for ready in wait([*pending.values(), *sentinels], timeout=remaining):
+                rank = sentinels[ready] if isinstance(ready, int) else next(r for r, c in pending.items()
+                                                                               if c is ready)
+                if rank not in pending:
+                    continue
+                conn = pending.pop(rank)
+                try:
+                    message = pickle.loads(conn.recv_bytes())  # our own worker's result, over a private pipe
+                except (EOFError, OSError):
+                    self.procs[rank].join(timeout=1)
+                    message = ("error", None, f"was killed or exited (code {self.procs[rank].exitcode})\n")
+                if message[0] == "ok":
+                    results[rank] = message[1]
+                else:
+                    failures.append((rank, message[1], message[2]))
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        if failures:
+            rank, exc, text = failures[0]
+            remote = RemoteTraceback(f"worker rank {rank} failed:\n{text}", rank)
+            if exc is None:
+                raise DistributedError(f"worker rank {rank} {text.strip().splitlines()[-1]}") from remote
+            raise exc from remote
+        if pending:
+            raise DistributedError(f"worker rank(s) {sorted(pending)} of {self.world_size} did not finish within "
+                                   f"{timeout:g} s; all workers were killed")
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self, *, kill: bool = False) -> None:
+        if not kill:
+            for conn in self.conns:
+                with contextlib.suppress(OSError):  # a worker already gone
+                    conn.send_bytes(pickle.dumps((None, ())))
+            for proc in self.procs:
+                proc.join(timeout=10)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+        for conn in self.conns:
+            conn.close()
+
+
+_pools: dict[int, _Workers] = {}
+
+
+def run_warm(fn: Any, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
+    """`run_distributed(fn, world_size, *args, timeout=timeout)` on the session's warm gloo workers of that world
+    size (started at the first call): the results by rank, or the first failing rank's exception, re-raised with
+    its traceback text as the cause. After a failure or a timeout the workers are replaced."""
+    if not 0 < timeout <= COLLECTIVE_TIMEOUT_S:
+        raise ValueError(f"`0 < timeout <= {COLLECTIVE_TIMEOUT_S:g}` must hold for warm workers, but got {timeout}")
+    workers = _pools.get(world_size)
+    if workers is None:
+        workers = _pools[world_size] = _Workers(world_size)
+    try:
+        return workers.run(fn, args, timeout)
+    except BaseException:
+        del _pools[world_size]
+        workers.close(kill=True)
+        raise
+
+
+def close_all() -> None:
+    """Stop every warm worker (the session's end)."""
+    while _pools:
+        _, workers = _pools.popitem()
+        workers.close()
+
+
+atexit.register(close_all)
