@@ -29,8 +29,9 @@ def _planner(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[st
 
 def test_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     prof = tmp_path / "mlp.json"
+    # One PowerSGD rank and a short layer phase: every kind of measurement, each as few times as the checks need.
     _planner("profile", "--model", "mlp", "--batch-size", "8", "--nproc", "2", "--repeats", "3", "--warmup", "1",
-             "--densities", "0.01,1.0", "-o", str(prof))
+             "--densities", "0.01,1.0", "--powersgd-ranks", "1", "--layer-seconds", "0.5", "-o", str(prof))
     profile = Profile.load(prof)
     assert profile.cluster.world_size == 2 and profile.cluster.backend == "gloo"
     assert profile.batch_size == 8
@@ -99,7 +100,7 @@ def test_kfac_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     model = "tests.test_end_to_end:tiny_kfac_workload"
     prof = tmp_path / "tiny.json"
     _planner("profile", "--model", model, "--nproc", "2", "--repeats", "3", "--warmup", "1", "--densities", "0.01",
-             "--kfac", "-o", str(prof))
+             "--powersgd-ranks", "none", "--layer-seconds", "0.5", "--kfac", "-o", str(prof))  # K-FAC's, no more
     kf = Profile.load(prof).kfac
     assert kf is not None
     assert [(lt.name, lt.a_dim, lt.g_dim) for lt in kf.layers] == [("0", 28, 4), ("2", 36, 6), ("6", 55, 16),
