@@ -131,6 +131,21 @@ def test_lightning_takes_the_hooks_momentum_and_checks_the_optimizer_it_makes(
     assert all("has momentum=0.9, but the plan sends its parameters by top-k" in line for _, line in refused)
 
 
+def test_accelerate_takes_the_hooks_momentum_and_the_hook_checks_the_prepared_optimizer(
+        plan_and_reference: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """`PlanHook(momentum=0.9, optimizer=...)` run through `accelerate_prepare` trains as by hand, and momentum put in
+    the optimizer Accelerate prepared is refused at its next step, in one line."""
+    plan, reference = plan_and_reference
+    done = _torchrun_script(ROOT / "tests" / "accelerate_momentum.py", plan, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = torch.load(tmp_path / "momentum.pt")
+    for name, p in got.items():
+        torch.testing.assert_close(p, reference["plan+momentum"][name], rtol=RTOL, atol=ATOL, msg=name)
+    refused = sorted(re.findall(r"rank (\d) refused: (.*)", done.stdout))
+    assert [rank for rank, _ in refused] == ["0", "1"], done.stdout[-2000:]
+    assert all("momentum" in line and "\n" not in line for _, line in refused)
+
+
 def _check_runs_the_plan(got: dict[str, torch.Tensor], reference: dict[str, Any], stderr: str) -> None:
     assert MISMATCH not in stderr
     assert list(got) == list(reference["plan"])
