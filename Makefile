@@ -23,7 +23,7 @@ venv: $(BIN)/planner
 demo: venv
 	$(BIN)/planner demo
 
-# Two test processes (pytest-xdist): on 2 cores the suite took 16 min 35 s so, 19 min 51 s in one (2026-12-01).
+# Two test processes (pytest-xdist): faster than one on 2 cores (docs/results/setup-times.md).
 test: venv
 	$(BIN)/python -m pytest -q -n 2
 
