@@ -145,10 +145,9 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from planner.contracts.errors import CompressionErrors
 from planner.contracts.fingerprint import ClusterInfo, ModelInfo
@@ -183,6 +182,9 @@ from planner.types import (
     InverseMethod,
     SchemaError,
 )
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
     "KFAC_STEP_NAMES",
@@ -1378,6 +1380,8 @@ class Profile:
     # -- tables ------------------------------------------------------------------------------------
     def layers_frame(self) -> pd.DataFrame:
         """Per-layer table in ready order."""
+        import pandas as pd  # here, not at the top: the runtime reads profiles, and no training job needs pandas
+
         rows = [{**lt.to_dict(), "params": len(lt.params)} for lt in self.layers]
         df = pd.DataFrame(rows)
         df["ready_s"] = df["backward_s"].cumsum()
@@ -1385,6 +1389,8 @@ class Profile:
 
     def comm_frame(self) -> pd.DataFrame:
         """Raw collective points next to the fitted prediction."""
+        import pandas as pd
+
         rows = []
         for coll, curve in self.collectives.items():
             for size, t in curve.points:
