@@ -345,7 +345,7 @@ def test_topk_tuning_keeps_density_in_range_and_skips_impossible_plans(tmp_path:
 
 
 def test_cli_tune_runs_resumes_and_writes_a_plan(tmp_path: Path) -> None:
-    from tests.test_contracts import _cli
+    from tests.test_contracts import _main as _cli  # in this process: its workers are the warm ones
 
     prof = tmp_path / "prof.json"
     profile().save(prof)
