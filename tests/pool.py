@@ -10,7 +10,9 @@ the next case starts new ones (so a peer left waiting in a collective cannot lea
 
 What must start its own workers keeps calling `run_distributed`: an emulated link or hosts, a slowed worker, a
 backend other than gloo, the launcher's own behaviour (deadlines, deaths, signals), environment variables the
-workers must read at start. Such tests carry the `spawns` mark (conftest.py).
+workers must read at start. Such tests carry the `spawns` mark (conftest.py). A command a test runs in its own
+process (`planner.commands.cli.main`) gets the warm workers too for its plain launches, unless its test carries the
+mark (conftest.py, `_commands_on_warm_workers`).
 """
 
 from __future__ import annotations
