@@ -10,7 +10,6 @@ import dataclasses
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -54,7 +53,10 @@ def test_hosts_that_do_not_divide_the_workers_are_refused_before_anything_is_mad
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=120)
+    """`planner ARGS` in this process (no interpreter and torch import per call), as `subprocess.run` returns it."""
+    from tests.test_contracts import _main
+
+    return _main(*args)
 
 
 @pytest.mark.parametrize("command", [
