@@ -10,8 +10,6 @@ import datetime
 import itertools
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +36,7 @@ from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, make_plan
 from planner.types import Collective, Compressor, InvalidProfileError, SchemaError, Strategy
 from tests.factories import examples, plan_with_groups, synthetic_profile
 from tests.pool import run_warm
+from tests.test_contracts import _main
 from tests.test_solvers import all_groupings, problems
 
 LAYOUTS = ([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0], [1], [2], [3]], [[0, 1, 2, 3]])
@@ -342,9 +341,8 @@ def test_solve_routes_every_group_one_way_when_asked_and_refuses_it_without_host
                      "-o", str(tmp_path / f"{route}.json")]) == 0
         assert {g.hierarchical for g in Plan.load(tmp_path / f"{route}.json").groups} == expected
     synthetic_profile("mlp").save(tmp_path / "one.json")
-    proc = subprocess.run([sys.executable, "-m", "planner", "solve", str(tmp_path / "one.json"), "--strategy",
-                           "dense", "--route", "hierarchical", "-o", str(tmp_path / "x.json")],
-                          capture_output=True, text=True, timeout=120)
+    proc = _main("solve", str(tmp_path / "one.json"), "--strategy", "dense", "--route", "hierarchical",
+                 "-o", str(tmp_path / "x.json"))
     assert proc.returncode == 2 and "needs a profile of several hosts" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.json").exists()
 
@@ -353,8 +351,7 @@ def test_tune_runs_a_multi_host_profile_on_as_many_hosts_and_refuses_otherwise_i
     _two_host_profile().save(tmp_path / "p.json")
     for extra, message in (([], "measured on 2 host(s), but the tuning runs on 1: tune on as many, --hosts 2"),
                            (["--hosts", "3"], "--hosts 3 does not divide --nproc 4")):
-        proc = subprocess.run([sys.executable, "-m", "planner", "tune", str(tmp_path / "p.json"), *extra,
-                               "-o", str(tmp_path / "t.json")], capture_output=True, text=True, timeout=120)
+        proc = _main("tune", str(tmp_path / "p.json"), *extra, "-o", str(tmp_path / "t.json"))
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
         assert not (tmp_path / "t.json").exists() and not (tmp_path / "t.db").exists()

@@ -638,11 +638,9 @@ def test_buffers_and_initial_state_follow_ddp(sync: bool) -> None:
 def test_bench_runs_a_model_with_an_unused_head(tmp_path: Path) -> None:
     """`planner bench` on a model whose loss leaves a head unused: DDP (its baseline) and the exchange are
     told to find unused parameters, instead of DDP failing on its second step."""
-    import subprocess
-    import sys
-
     from planner.contracts.fingerprint import model_info
     from planner.runtime.ddp_hooks import has_unused_parameters
+    from tests.test_contracts import _main
 
     workload = aux_workload()
     assert has_unused_parameters(workload.module, lambda m: workload.loss(*workload.batch()))
@@ -651,9 +649,8 @@ def test_bench_runs_a_model_with_an_unused_head(tmp_path: Path) -> None:
     assert plan.model.fingerprint == model_info(workload.module, "aux").fingerprint
     path = tmp_path / "plan.json"
     plan.save(path)
-    proc = subprocess.run([sys.executable, "-m", "planner", "bench", "--plan", str(path), "--model",
-                           "tests.test_runtime:aux_workload", "--steps", "2", "--warmup", "1", "--nproc", "2"],
-                          capture_output=True, text=True, timeout=300)
+    proc = _main("bench", "--plan", str(path), "--model", "tests.test_runtime:aux_workload", "--steps", "2",
+                 "--warmup", "1", "--nproc", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
 
