@@ -225,9 +225,6 @@ def reference_topk_optimum(
             return comp + work * (1 + sigma if chan > comp else 1)
         return chan + work - (chan - comp) / (1 + sigma)
 
-    def dominated(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
-        return a != b and all(y <= x for x, y in zip(a, b, strict=True))
-
     fronts: list[list[tuple[float, float, float, float]]] = [[(0.0, 0.0, 0.0, 0.0)]]  # per prefix length
     for end in range(1, problem.num_layers + 1):
         states = []
@@ -246,9 +243,14 @@ def reference_topk_optimum(
                 new_comp = work_end(comp, chan, backward + prepare)
                 new_chan = max(new_comp, chan) + comm
                 states.append((new_comp, new_chan, max(chain, new_chan) + (1 + sigma) * decode, total + decode))
+        # A state is kept unless a kept one is <= in every component (the states are distinct, and a state's
+        # dominators sort before it); the kept ones are compared with it at once, as rows of an array.
+        candidates = sorted(set(states))
+        kept = np.empty((len(candidates), 4))
         front: list[tuple[float, float, float, float]] = []
-        for a in sorted(set(states)):  # a state's dominators sort before it
-            if not any(dominated(a, b) for b in front):
+        for a in candidates:
+            if not (kept[: len(front)] <= a).all(axis=1).any():
+                kept[len(front)] = a
                 front.append(a)
         fronts.append(front)
 
