@@ -93,7 +93,7 @@ def test_a_plan_records_its_profiles_batch_and_the_step_bench_runs_it(tmp_path: 
     other_path, plan_path = tmp_path / "other.json", tmp_path / "plan.json"
     other.save(other_path)
     plan.save(plan_path)
-    proc = _cli("bench", "--plan", str(plan_path), "--plan", str(other_path))
+    proc = _main("bench", "--plan", str(plan_path), "--plan", str(other_path))
     _one_clear_line(proc, "the plans were profiled at different batch sizes")
 
 
@@ -208,14 +208,14 @@ def test_cli_solve_and_show(tmp_path: Path) -> None:
     plan = Plan.load(plan_path)
     assert plan.strategy is Strategy.TOPK and plan.density == 0.01
     assert all(g.k is not None and g.k >= 1 for g in plan.groups)
-    proc = _cli("show", str(plan_path), "--groups")
+    proc = _main("show", str(plan_path), "--groups")
     assert proc.returncode == 0, proc.stderr
     for name in ("plan (topk-exact)", "wfbp", "ddp+topk:0.01", "horovod", "fixed-64mb", "mgs-greedy", "lower bound"):
         assert name in proc.stdout
     # DDP's row names what it sends (DDP with the top-k hook here), and the table ends with the verdict against it.
     assert "ddp-25mb" not in proc.stdout and "vs ddp+topk:0.01" in proc.stdout
     assert sum(line.startswith("verdict: keep ") for line in proc.stdout.splitlines()) == 1
-    proc = _cli("show", str(prof_path))
+    proc = _main("show", str(prof_path))
     assert proc.returncode == 0 and "allreduce" in proc.stdout
 
 
@@ -226,7 +226,7 @@ def test_cli_bench_refuses_wrong_world_size(tmp_path: Path) -> None:
 
 
 def test_cli_usage_errors_exit_nonzero(tmp_path: Path) -> None:
-    proc = _cli("solve", "x.json", "--strategy", "topk", "--density", "2", "-o", str(tmp_path / "p.json"))
+    proc = _main("solve", "x.json", "--strategy", "topk", "--density", "2", "-o", str(tmp_path / "p.json"))
     assert proc.returncode == 2 and "0 < density <= 1" in proc.stderr
 
 
@@ -284,7 +284,7 @@ def test_parts_scaled_to_the_whole_round_trip_print_their_scale_and_warn_past_te
     for bad in (0, -1.0, "1", True):
         doc = {**scaled.to_dict(), "parts_scale": bad}
         (tmp_path / "bad.json").write_text(json.dumps(doc))
-        proc = _cli("show", str(tmp_path / "bad.json"))
+        proc = _main("show", str(tmp_path / "bad.json"))
         _one_clear_line(proc, "parts_scale")
 
 
