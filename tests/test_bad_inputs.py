@@ -231,16 +231,22 @@ def test_a_worker_killed_during_bench_is_named_not_its_peers_broken_connection(
     assert "Traceback" not in proc.stderr and "Connection reset" not in proc.stderr
 
 
-def test_a_worker_error_from_the_users_model_is_one_line_and_verbose_shows_its_traceback(faulty_plan: Path) -> None:
+@pytest.mark.spawns  # the --verbose run's workers must see PLANNER_TEST_FAULT, and die as spawned ones do
+def test_a_worker_error_from_the_users_model_is_one_line_and_verbose_shows_its_traceback(
+        faulty_plan: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     args = ("bench", "--plan", str(faulty_plan), "--steps", "5", "--peers", "none")
-    proc = _cli(*args, env={"PLANNER_TEST_FAULT": "raise"})
+    proc = _cli(*args, env={"PLANNER_TEST_FAULT": "raise"})  # the real command: its whole stderr is the one line
     err = _errors(proc.stderr)
     assert proc.returncode == 2 and len(err) == 1, proc.stderr
     assert "worker rank 1 failed (during: bench steps): RuntimeError: boom from the user's forward (--verbose prints" \
         in err[0]  # and where it was
-    verbose = _cli("--verbose", *args, env={"PLANNER_TEST_FAULT": "raise"})
-    assert verbose.returncode == 2
-    assert "Traceback" in verbose.stderr and "in forward" in verbose.stderr
+    # --verbose adds the worker's traceback: in this process (no interpreter to start), its workers spawned as the
+    # command spawns them; the file descriptors are captured, so the workers' own output counts too
+    monkeypatch.setenv("PLANNER_TEST_FAULT", "raise")
+    capfd.readouterr()
+    assert main(["--verbose", *args]) == 2
+    verbose = capfd.readouterr().err
+    assert "Traceback" in verbose and "in forward" in verbose
 
 
 # -- sparse gradients ----------------------------------------------------------------------------------------------
