@@ -9,8 +9,8 @@ depending on the batch, beside a head the loss never touches.
 from __future__ import annotations
 
 import copy
+import gc
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -23,11 +23,14 @@ from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.contracts.unused import UnusedParams
 from planner.models import Workload
+from planner.platform import launch
 from planner.profilers.layers import gradient_counts, unused_params
 from planner.runtime import GradientExchange
 from planner.types import SchemaError, Strategy
+from tests.conftest import _warm_when_plain
 from tests.factories import synthetic_profile
 from tests.pool import run_warm
+from tests.test_contracts import _main
 
 WORLD_SIZE = 2
 #: Exchange against DDP(find_unused_parameters=True), fp32 on CPU: both average the same gradients, in other orders.
@@ -83,19 +86,23 @@ def test_the_router_leaves_each_expert_out_of_some_batches_and_in_others() -> No
 
 
 def _planner(*args: str) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True, text=True, timeout=600)
+    proc = _main(*args)
     assert proc.returncode == 0, f"planner {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc
 
 
 @pytest.fixture(scope="module")
 def routed_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
-    """`planner profile --quick` of the routed model on 2 workers, and `planner solve` of it: the real path."""
+    """`planner profile --quick` of the routed model on 2 workers, and `planner solve` of it: the real path, run in
+    this process (the profile's workers are the warm ones, as for any command a test runs: tests/conftest.py; this
+    fixture outlives the function-scoped patch that does it there, so it applies the same patch itself)."""
     folder = tmp_path_factory.mktemp("routed")
     profile, plan = folder / "profile.json", folder / "plan.json"
-    out = _planner("profile", "--model", SPEC, "--nproc", "2", "--quick", "--powersgd-ranks", "1", "-o",
-                   str(profile)).stdout
-    _planner("solve", str(profile), "--strategy", "dense", "-o", str(plan))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launch, "run_distributed", _warm_when_plain(launch.run_distributed))
+        out = _planner("profile", "--model", SPEC, "--nproc", "2", "--quick", "--powersgd-ranks", "1", "-o",
+                       str(profile)).stdout
+        _planner("solve", str(profile), "--strategy", "dense", "-o", str(plan))
     return profile, plan, out
 
 
@@ -179,10 +186,18 @@ def _hook_calibration_worker(rank: int, world_size: int, times: int) -> list[int
     dist.all_gather_object(others, chosen)
     assert others[0] != others[1], f"the ranks route alike ({others}): the check needs them to differ"
     counts = []
-    for _ in range(times):
-        samples = _ddp_powersgd_extra_samples(wl, wl.module, inputs, targets, torch.device("cpu"), 2,
-                                              dist.group.WORLD, 1, dist.group.WORLD, lambda: None)
-        counts.append(len(samples))
+    # Each calibration ends in gc.collect() (its DDP model and hook state are reference cycles): over all the objects
+    # of a worker that imported torch (and what the first calibration imports) that takes about 0.3 s, most of this
+    # test's time. The objects alive after the first calibration are set aside (gc.freeze); those each later one makes
+    # are collected as before.
+    try:
+        for _ in range(times):
+            samples = _ddp_powersgd_extra_samples(wl, wl.module, inputs, targets, torch.device("cpu"), 2,
+                                                  dist.group.WORLD, 1, dist.group.WORLD, lambda: None)
+            counts.append(len(samples))
+            gc.freeze()
+    finally:
+        gc.unfreeze()
     return counts
 
 
