@@ -1,9 +1,11 @@
 """Run by tests/test_frameworks.py under torchrun (2 gloo ranks): the small LM's plan (PowerSGD, top-k, dense) in
 Lightning with SGD's momentum in the hook (`lightning_strategy(momentum=0.9)`, the optimizer at momentum 0), its
 parameters saved to `momentum.pt`; then the same plan with the momentum in the optimizer instead, which the strategy
-refuses on the plan's top-k groups (printed as "rank R refused: ...").
+refuses on the plan's top-k groups (printed as "rank R refused: ..."). Given an adaptive plan, its profile and a
+number of steps too, it then runs tests/lightning_adaptive.py's fit in the same processes (one launch, Lightning
+imported once, for both of the test's Lightning cases).
 
-    torchrun --nproc_per_node 2 tests/lightning_momentum.py PLAN
+    torchrun --nproc_per_node 2 tests/lightning_momentum.py PLAN [ADAPTIVE_PLAN PROFILE STEPS]
 """
 
 import os
@@ -54,3 +56,7 @@ try:
     fit(MOMENTUM)
 except ValueError as exc:
     print(f"rank {rank} refused: {exc}", flush=True)
+if len(sys.argv) > 2:  # last: tests/test_adaptive.py's TwoMatrices seeds the global generator
+    from tests.lightning_adaptive import fit as fit_adaptive
+
+    fit_adaptive(sys.argv[2], sys.argv[3], int(sys.argv[4]))

@@ -85,9 +85,15 @@ def _reference_worker(rank: int, world_size: int, plan_path: str) -> dict[str, A
 
 
 @pytest.fixture(scope="module")
-def plan_and_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("plan") / "small-lm-plan.json"
     mixed_plan(_small_lm().module, SENT_AS).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plan_and_reference(plan_path: Path) -> tuple[Path, dict[str, Any]]:
+    path = plan_path
     ranks = run_warm(_reference_worker, 2, str(path), timeout=300)
     for name, p in ranks[0]["plan"].items():  # DDP keeps the ranks in step
         assert torch.equal(p, ranks[1]["plan"][name]), name
@@ -104,31 +110,83 @@ def _torchrun(script: str, plan: Path, tmp_path: Path) -> tuple[dict[str, torch.
     return torch.load(tmp_path / "model.pt"), done.stderr
 
 
-def _torchrun_script(script: Path, plan: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def _torchrun_script(script: Path, plan: Path, tmp_path: Path, *more: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SNIPPETS), str(ROOT), env.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-         str(plan)],
+         str(plan), *more],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
 
 
+@pytest.fixture(scope="module")
+def lightning_runs(plan_path: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> tuple[subprocess.CompletedProcess[str], Path, Any]:
+    """One torchrun for both Lightning cases below (Lightning's import is most of a launch): tests/lightning_momentum.py
+    on the small LM's plan, then, in the same processes, tests/lightning_adaptive.py's fit on the adaptive task
+    (tests/test_adaptive.py). The run, its directory, and the adaptive plan it started from."""
+    from planner.strategies.mixed import make_mixed_plan, parse_compressors
+    from tests.test_adaptive import ALLOWED, BUDGET, slow_profile_with_errors
+    from tests.test_adaptive_ddp import ITERATIONS
+
+    out = tmp_path_factory.mktemp("lightning")
+    profile = slow_profile_with_errors()
+    profile_path, adaptive_path = out / "profile.json", out / "plan.json"
+    profile.save(profile_path)
+    adaptive = make_mixed_plan(profile, parse_compressors(ALLOWED), source=str(profile_path), error_budget=BUDGET,
+                               time_limit_s=None)
+    adaptive.save(adaptive_path)
+    done = _torchrun_script(ROOT / "tests" / "lightning_momentum.py", plan_path, out,
+                            str(adaptive_path), str(profile_path), str(ITERATIONS))
+    return done, out, adaptive
+
+
+def _refused(stdout: str) -> list[tuple[str, str]]:
+    """Each rank's "rank R refused: ..." line, sorted by rank (torchrun may pass two ranks' writes on without a line
+    break between them: a line ends where the next rank's starts)."""
+    return sorted(re.findall(r"rank (\d) refused: (.*?)(?=rank \d refused: |$)", stdout, re.M))
+
+
 def test_lightning_takes_the_hooks_momentum_and_checks_the_optimizer_it_makes(
-        plan_and_reference: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+        plan_and_reference: tuple[Path, dict[str, Any]],
+        lightning_runs: tuple[subprocess.CompletedProcess[str], Path, Any]) -> None:
     """`lightning_strategy(momentum=0.9)` trains as `PlanHook(momentum=0.9, optimizer=...)` by hand, and momentum in
     Lightning's optimizer on the plan's top-k groups is refused in one line, as the plain path refuses it."""
-    plan, reference = plan_and_reference
-    done = _torchrun_script(ROOT / "tests" / "lightning_momentum.py", plan, tmp_path)
+    _plan, reference = plan_and_reference
+    done, out, _adaptive = lightning_runs
     assert done.returncode == 0, done.stderr[-3000:]
-    got = torch.load(tmp_path / "momentum.pt")
+    got = torch.load(out / "momentum.pt")
     for name, p in got.items():
         torch.testing.assert_close(p, reference["plan+momentum"][name], rtol=RTOL, atol=ATOL, msg=name)
     apart = max((got[n] - reference["plan"][n]).abs().max().item() for n in got)
     assert apart > APART, f"without the momentum the run ends within {apart:.3g}: the hook's momentum did nothing"
-    refused = sorted(re.findall(r"rank (\d) refused: (.*)", done.stdout))
+    refused = _refused(done.stdout)
     assert [rank for rank, _ in refused] == ["0", "1"], done.stdout[-2000:]
     assert all("has momentum=0.9, but the plan sends its parameters by top-k" in line for _, line in refused)
+
+
+def test_lightning_strategy_replans_as_training_goes(
+        lightning_runs: tuple[subprocess.CompletedProcess[str], Path, Any]) -> None:
+    """`lightning_strategy(adaptive=...)`: on the task whose gradients change (tests/test_adaptive.py), the hook
+    Lightning runs re-plans as `PlanHook(adaptive=...)` does in a plain loop: the same plan on every rank, PowerSGD
+    rank 1 replaced once it exceeds the budget, the buckets kept, no gradient lost."""
+    import json
+
+    from planner.contracts.plan import Plan
+    from tests.test_adaptive import check_replanned_once
+    from tests.test_adaptive_ddp import ITERATIONS
+
+    done, out, plan = lightning_runs
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = []
+    for rank in range(2):
+        result = torch.load(out / f"adaptive-rank{rank}.pt", weights_only=False)
+        ranks.append({**result, "plan": json.dumps(result["plan"], sort_keys=True),
+                      "resumed": json.dumps(result["resumed"], sort_keys=True)})
+    new = check_replanned_once(ranks[0], ranks[1], ITERATIONS)
+    assert [g.params for g in new.groups] == [g.params for g in plan.groups], "DDP's buckets are kept"
+    assert Plan.from_dict(json.loads(ranks[0]["resumed"])) == new
 
 
 def test_accelerate_takes_the_hooks_momentum_and_the_hook_checks_the_prepared_optimizer(
@@ -141,7 +199,7 @@ def test_accelerate_takes_the_hooks_momentum_and_the_hook_checks_the_prepared_op
     got = torch.load(tmp_path / "momentum.pt")
     for name, p in got.items():
         torch.testing.assert_close(p, reference["plan+momentum"][name], rtol=RTOL, atol=ATOL, msg=name)
-    refused = sorted(re.findall(r"rank (\d) refused: (.*)", done.stdout))
+    refused = _refused(done.stdout)
     assert [rank for rank, _ in refused] == ["0", "1"], done.stdout[-2000:]
     assert all("momentum" in line and "\n" not in line for _, line in refused)
 
@@ -161,41 +219,6 @@ def test_each_script_runs_the_plan_as_by_hand(script: str, plan_and_reference: t
     plan, reference = plan_and_reference
     got, stderr = _torchrun(script, plan, tmp_path)
     _check_runs_the_plan(got, reference, stderr)
-
-
-def test_lightning_strategy_replans_as_training_goes(tmp_path: Path) -> None:
-    """`lightning_strategy(adaptive=...)`: on the task whose gradients change (tests/test_adaptive.py), the hook
-    Lightning runs re-plans as `PlanHook(adaptive=...)` does in a plain loop: the same plan on every rank, PowerSGD
-    rank 1 replaced once it exceeds the budget, the buckets kept, no gradient lost."""
-    import json
-
-    from planner.contracts.plan import Plan
-    from planner.strategies.mixed import make_mixed_plan, parse_compressors
-    from tests.test_adaptive import ALLOWED, BUDGET, check_replanned_once, slow_profile_with_errors
-    from tests.test_adaptive_ddp import ITERATIONS
-
-    profile = slow_profile_with_errors()
-    profile_path, plan_path = tmp_path / "profile.json", tmp_path / "plan.json"
-    profile.save(profile_path)
-    plan = make_mixed_plan(profile, parse_compressors(ALLOWED), source=str(profile_path), error_budget=BUDGET,
-                           time_limit_s=None)
-    plan.save(plan_path)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(ROOT / "tests" / "lightning_adaptive.py"), str(plan_path), str(profile_path), str(ITERATIONS)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = []
-    for rank in range(2):
-        result = torch.load(tmp_path / f"adaptive-rank{rank}.pt", weights_only=False)
-        ranks.append({**result, "plan": json.dumps(result["plan"], sort_keys=True),
-                      "resumed": json.dumps(result["resumed"], sort_keys=True)})
-    new = check_replanned_once(ranks[0], ranks[1], ITERATIONS)
-    assert [g.params for g in new.groups] == [g.params for g in plan.groups], "DDP's buckets are kept"
-    assert Plan.from_dict(json.loads(ranks[0]["resumed"])) == new
 
 
 # -- refusals (one process) -------------------------------------------------------------------------------------
