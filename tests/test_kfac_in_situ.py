@@ -3,6 +3,9 @@ carries the calibration, and the K-FAC problem charges the hooks at the calibrat
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -10,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from planner.contracts.profile import KFAC_STEP_PARTS, Calibration, InSitu, Profile
-from planner.models import build_workload
+from planner.contracts.profile import KFAC_STEP_PARTS, Calibration, InSitu, KFACTiming, Profile
+from planner.models import Workload, build_workload
 from planner.profilers.kfac import measure_kfac
 from planner.runtime.calibrate import (
     kfac_steps_points,
@@ -63,9 +66,31 @@ def test_the_problem_charges_the_hooks_at_the_calibrated_time() -> None:
     assert calibrated_kfac(_with_hooks_factor(base, 1.0, 1.0)) is base.kfac
 
 
-def test_the_runtime_measures_its_hooks_beside_plain_passes() -> None:
-    wl = build_workload("cnn")
-    kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread for the calibrations run in this process, as the workers run them
+    (`planner.platform.launch`): on a shared 2-core machine, two threads per pass made them several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cnn_kfac() -> KFACTiming:
+    """The built-in CNN's K-FAC micro-benchmarks at a batch of 8 (`_cnn`), measured once for the tests of this process
+    that calibrate against them."""
+    return measure_kfac(_cnn(), CPU, repeats=2, warmup=1)
+
+
+def _cnn() -> Workload:
+    """A fresh built-in CNN at a batch of 8, as the workers below run it: what is under test is how the calibration
+    measures, which a small batch shows as well as the default one, in a fraction of the time."""
+    return build_workload("cnn", batch_size=8)
+
+
+def test_the_runtime_measures_its_hooks_beside_plain_passes(cnn_kfac: KFACTiming) -> None:
+    wl, kfac = _cnn(), cnn_kfac
     calls: list[int] = []
     cal = measure_kfac_in_situ(wl, CPU, kfac, repeats=3, on_point=lambda: calls.append(1))
     assert len(calls) == 3 * cal.attempts  # measured again when the first was not usable
@@ -119,9 +144,8 @@ def test_each_step_calibration_scales_its_own_part_of_the_model() -> None:
     assert calibrated_kfac(_with_step_factors(base, fold=1.0, invert__eigen=1.0)) is base.kfac
 
 
-def test_the_runtime_times_folding_inverting_and_preconditioning_in_real_steps() -> None:
-    wl = build_workload("cnn")
-    kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
+def test_the_runtime_times_folding_inverting_and_preconditioning_in_real_steps(cnn_kfac: KFACTiming) -> None:
+    wl, kfac = _cnn(), cnn_kfac
     calls: list[int] = []
     cals = measure_kfac_steps_in_situ(wl, CPU, kfac, steps=2, on_point=lambda: calls.append(1))
     assert len(calls) == kfac_steps_points(kfac, 2) == 4  # two steps per method: the CNN inverts in milliseconds
@@ -139,9 +163,8 @@ def test_the_runtime_times_folding_inverting_and_preconditioning_in_real_steps()
     assert all(torch.equal(a, b) for a, b in zip(before, wl.module.parameters(), strict=True))
 
 
-def test_a_long_inversion_gets_one_measured_step() -> None:
-    wl = build_workload("cnn")
-    kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
+def test_a_long_inversion_gets_one_measured_step(cnn_kfac: KFACTiming) -> None:
+    kfac = cnn_kfac
     slow = replace(kfac, eigen=kfac.eigen.scaled(1e6))  # minutes per inversion by the curve
     assert kfac_steps_points(slow, 3) == 1 + kfac_steps_points(kfac, 3) // 2
 
@@ -166,19 +189,23 @@ SLOWED_PRECONDITION_S = 0.08
 
 def _slowed_steps_worker(rank: int, world_size: int) -> dict[str, float]:
     import time
+    from unittest import mock
 
     from planner.runtime import calibrate
 
-    if rank == 1:  # this worker's preconditioning runs slower, as one of two processes on shared cores can
-        original = calibrate._TimedKFAC._precondition
+    if rank != 1:
+        return _steps_worker(rank, world_size, steps=2)
+    # This worker's preconditioning runs slower, as one of two processes on shared cores can: for this case only
+    # (the warm worker runs later cases, which must find the runtime as it is).
+    original = calibrate._TimedKFAC._precondition
 
-        def slower(self: calibrate._TimedKFAC) -> None:
-            original(self)
-            self.phase_s["precondition"] = self.phase_s.get("precondition", 0.0) + SLOWED_PRECONDITION_S
-            time.sleep(SLOWED_PRECONDITION_S)
+    def slower(self: calibrate._TimedKFAC) -> None:
+        original(self)
+        self.phase_s["precondition"] = self.phase_s.get("precondition", 0.0) + SLOWED_PRECONDITION_S
+        time.sleep(SLOWED_PRECONDITION_S)
 
-        calibrate._TimedKFAC._precondition = slower  # type: ignore[method-assign]
-    return _steps_worker(rank, world_size, steps=2)
+    with mock.patch.object(calibrate._TimedKFAC, "_precondition", slower):
+        return _steps_worker(rank, world_size, steps=2)
 
 
 def test_the_step_calibration_takes_each_steps_slowest_rank_as_the_bench_does() -> None:
@@ -195,9 +222,11 @@ def test_the_step_calibration_takes_each_steps_slowest_rank_as_the_bench_does() 
 SLOWED_HOOKS_S = 0.5
 
 
-def _slow_hooks_in_this_worker(seconds: float) -> None:
-    """This worker's factor hooks run `seconds` slower per pass, as one of two processes on shared cores can."""
+def _slow_hooks_in_this_worker(seconds: float) -> contextlib.AbstractContextManager[Any]:
+    """This worker's factor hooks run `seconds` slower per pass, as one of two processes on shared cores can, inside
+    the `with` block only (the warm worker runs later cases, which must find the runtime as it is)."""
     import time
+    from unittest import mock
 
     from planner.runtime import calibrate
 
@@ -208,15 +237,14 @@ def _slow_hooks_in_this_worker(seconds: float) -> None:
         if layer is self._layers[0]:
             time.sleep(seconds)
 
-    calibrate._SilentKFAC._forward_hook = slower  # type: ignore[method-assign]
+    return mock.patch.object(calibrate._SilentKFAC, "_forward_hook", slower)
 
 
 def _slowed_hooks_worker(rank: int, world_size: int) -> float:
-    if rank == 1:
-        _slow_hooks_in_this_worker(SLOWED_HOOKS_S)
-    wl = build_workload("cnn", batch_size=8)
-    kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
-    return measure_kfac_in_situ(wl, CPU, kfac, repeats=3).measured_s
+    with _slow_hooks_in_this_worker(SLOWED_HOOKS_S) if rank == 1 else contextlib.nullcontext():
+        wl = build_workload("cnn", batch_size=8)
+        kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
+        return measure_kfac_in_situ(wl, CPU, kfac, repeats=3).measured_s
 
 
 def test_the_hooks_calibration_takes_each_pairs_slowest_rank_as_the_bench_does() -> None:
@@ -232,34 +260,40 @@ def test_the_hooks_calibration_takes_each_pairs_slowest_rank_as_the_bench_does()
 EXTENDED_SLOW_S = 0.05
 
 
-def _extended_hooks_worker(rank: int, world_size: int, min_seconds: float) -> tuple[int, list[int]]:
-    if rank == 1:  # this worker's pairs of passes are the longer ones: the count must come from them
-        _slow_hooks_in_this_worker(EXTENDED_SLOW_S)
-    wl = build_workload("cnn", batch_size=8)
-    kfac = measure_kfac(wl, CPU, repeats=2, warmup=1)
-    points: list[int] = []
-    totals: list[int] = []
-    cal = measure_kfac_in_situ(wl, CPU, kfac, repeats=2, min_seconds=min_seconds, max_repeats=40,
-                               on_point=lambda: points.append(1), on_total=totals.append)
-    # A first measurement that was not usable is measured again (as many pairs): count the first one's.
-    assert len(points) == cal.attempts * len(cal.samples_s or ())
-    return len(cal.samples_s or ()), totals if cal.attempts == 1 else totals[:-1]  # the last: the second one's
+def _extended_hooks_worker(rank: int, world_size: int, cases: list[tuple[float, int]]) -> list[tuple[int, list[int]]]:
+    """For each `(min_seconds, max_repeats)` of `cases`, the pairs the hooks calibration measured and the counts
+    it extended to, each case on a fresh copy of the CNN (the micro-benchmarks measured once for all of them)."""
+    # Rank 1's pairs of passes are the longer ones: the count must come from them.
+    with _slow_hooks_in_this_worker(EXTENDED_SLOW_S) if rank == 1 else contextlib.nullcontext():
+        kfac = measure_kfac(build_workload("cnn", batch_size=8), CPU, repeats=2, warmup=1)
+        found = []
+        for min_seconds, max_repeats in cases:
+            points: list[int] = []
+            totals: list[int] = []
+            cal = measure_kfac_in_situ(build_workload("cnn", batch_size=8), CPU, kfac, repeats=2,
+                                       min_seconds=min_seconds, max_repeats=max_repeats,
+                                       on_point=functools.partial(points.append, 1), on_total=totals.append)
+            # A first measurement that was not usable is measured again (as many pairs): count the first one's
+            # (the last total is the second one's).
+            assert len(points) == cal.attempts * len(cal.samples_s or ())
+            found.append((len(cal.samples_s or ()), totals if cal.attempts == 1 else totals[:-1]))
+        return found
 
 
 def test_short_hook_passes_are_measured_for_longer_and_every_rank_as_often() -> None:
     """With `min_seconds`, pairs of passes are added until they span about that long (the slowest rank's
     pair sets the count, or the ranks would pass different numbers of barriers), at most `max_repeats`."""
 
-    results = run_warm(_extended_hooks_worker, 2, 3.0)
+    results = run_warm(_extended_hooks_worker, 2, [(3.0, 40), (0.0, 40), (1e6, 5)])
     assert results[0] == results[1]
-    count, totals = results[0]
+    (count, totals), plain, capped = results[0]
     assert totals == [count]
     # Rank 1's pairs take at least EXTENDED_SLOW_S, so at most 3.0 / 0.05 = 60 of them (and the cap, 40); more than
     # the two asked while a pair takes under 1.5 s, as one of this small CNN does even on a loaded machine (at a
     # span of 0.6 s, a machine busy with other work made two pairs enough).
     assert 2 < count <= 40
-    assert run_warm(_extended_hooks_worker, 2, 0.0)[0] == (2, [])  # without it, exactly `repeats`
-    assert run_warm(_extended_hooks_worker, 2, 1e6)[0] == (40, [40])  # capped
+    assert plain == (2, [])  # without it, exactly `repeats`
+    assert capped == (5, [5])  # capped: at 5 here, the same code as at 40 in an eighth of the passes
 
 
 def test_slowest_rank_extra_subtracts_the_slowest_plain_pass_from_the_slowest_hooked_one() -> None:
@@ -302,7 +336,6 @@ class _Shaped(nn.Module):
 
 
 def test_the_step_calibration_runs_on_a_model_shaped_like_a_real_one() -> None:
-    from planner.models import Workload
 
     gen = torch.Generator().manual_seed(0)
 
