@@ -91,7 +91,7 @@ def _survivors(pids: list[int], within_s: float) -> list[int]:
     """Those of `pids` still alive after waiting up to `within_s` for them all to end."""
     deadline = time.monotonic() + within_s
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.05)
     return [p for p in pids if _alive(p)]
 
 
@@ -117,7 +117,7 @@ def test_workers_and_the_resource_tracker_die_with_a_launcher_killed_by_sigkill(
     try:
         deadline = time.monotonic() + 180
         while len(list(tmp_path.glob("worker*.pid"))) < 2 and launcher.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert len(list(tmp_path.glob("worker*.pid"))) == 2, "the workers did not start"
         workers = [int(p.read_text()) for p in tmp_path.glob("worker*.pid")]
         children = _children(launcher.pid)  # the workers and multiprocessing's resource tracker
