@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+import torch
+from torch import nn
 
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
+from planner.models import Workload
 from planner.platform.link import WORKER_IFNAME, EmulatedLink, parse_rate
 from planner.strategies.gradients import make_plan
 from planner.types import Strategy
@@ -27,37 +30,72 @@ from tests.test_tune import MODEL
 pytestmark = pytest.mark.spawns  # its tests start their own workers (tests/pool.py says which must)
 
 PlanOrProfile = TypeVar("PlanOrProfile", Plan, Profile)
+#: `kfac_workload`, as the workers build it.
+KFAC_MODEL = "tests.test_torchrun:kfac_workload"
+
+
+def kfac_workload() -> Workload:
+    """Three Linear layers (16-32-16-128) on random data, whose K-FAC plan on 2 hosts of 2 has every variant of
+    K-FAC's bench and preconditioners owned on both hosts, as the digits MLP's has, with factors of at most 128
+    (the digits MLP's are 513) and no data set to load."""
+    module = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 128))
+
+    def make_batch(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 16, generator=gen), torch.randint(0, 128, (n,), generator=gen)
+
+    return Workload(name="kfac-two-hosts", module=module, batch_size=16, make_batch=make_batch,
+                    loss_fn=nn.functional.cross_entropy)
 
 
 def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
 
 
+def _start_torchrun(*args: str) -> subprocess.Popen[str]:
+    """`planner ARGS` on the 2 ranks of a standalone torchrun, started (`_finish` waits for it)."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "-m", "planner", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_clean_env())
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def _torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = _clean_env()
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "planner", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return _finish(_start_torchrun(*args), timeout)
 
 
 def test_tune_and_bench_run_on_the_group_torchrun_made(tmp_path: Path) -> None:
     synthetic_profile(MODEL, world_size=2).save(tmp_path / "p.json")
     tuned = tmp_path / "tuned.json"
-    proc = _torchrun("tune", str(tmp_path / "p.json"), "--model", MODEL, "--trials", "2", "--steps", "2",
-                     "--rungs", "2", "--warmup", "1", "--compare-steps", "2", "--max-group-mb", "0.0006,0.002",
-                     "-o", str(tuned))
+    # --hosts emulates hosts for workers a command starts itself; torchrun's are its own: one line. Its own torchrun
+    # (a standalone one: its own rendezvous port), run while the tune runs.
+    refused = _start_torchrun("tune", str(tmp_path / "p.json"), "--model", MODEL, "--hosts", "2", "-o",
+                              str(tmp_path / "x.json"))
+    try:
+        proc = _torchrun("tune", str(tmp_path / "p.json"), "--model", MODEL, "--trials", "2", "--steps", "2",
+                         "--rungs", "2", "--warmup", "1", "--compare-steps", "2", "--max-group-mb", "0.0006,0.002",
+                         "-o", str(tuned))
+    finally:
+        refusal = _finish(refused, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("wrote plan") == 1  # rank 0 only
     plan = Plan.load(tuned)
     assert plan.cluster.world_size == 2
-    proc = _torchrun("bench", "--plan", str(tuned), "--model", MODEL, "--steps", "3", "--peers", "none", "--json")
+    proc = _torchrun("bench", "--plan", str(tuned), "--model", MODEL, "--steps", "2", "--warmup", "1", "--peers",
+                     "none", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout)  # one document: rank 0's
     assert {"ddp", f"plan {plan.strategy.value}"} <= {r["name"] for r in rows}
     assert all(r["median_s"] > 0 for r in rows)
-    # --hosts emulates hosts for workers a command starts itself; torchrun's are its own: one line.
-    proc = _torchrun("tune", str(tmp_path / "p.json"), "--model", MODEL, "--hosts", "2", "-o",
-                     str(tmp_path / "x.json"), timeout=120)
-    assert proc.returncode != 0 and "drop --hosts" in proc.stderr and not (tmp_path / "x.json").exists()
+    assert refusal.returncode != 0 and "drop --hosts" in refusal.stderr and not (tmp_path / "x.json").exists()
 
 
 def _on_two_emulated_hosts(tmp_path: Path, *planner_args: str) -> list[str]:
@@ -111,7 +149,10 @@ def test_the_kfac_and_abs_benches_and_tune_run_under_torchrun_on_two_nodes(tmp_p
     from planner.strategies.kfac import make_kfac_plan
     from tests.test_abs_plan import slowed_profile
 
-    kfac = _for_two_hosts(make_kfac_plan(synthetic_profile("digits", 4), inv_update_steps=2, source="synthetic"))
+    kfac = _for_two_hosts(make_kfac_plan(synthetic_profile(KFAC_MODEL, 4), inv_update_steps=2, source="synthetic"))
+    assert kfac.kfac is not None
+    owners = {rank for rank in kfac.kfac.preconditioners.values() if rank is not None}
+    assert {rank // 2 for rank in owners} == {0, 1}  # layers preconditioned on each host, sent to the other
     kfac.save(tmp_path / "kfac.json")
     first, second = _on_two_emulated_hosts(tmp_path, "bench", "--strategy", "kfac", "--plan",
                                            str(tmp_path / "kfac.json"), "--steps", "2", "--warmup", "1", "--peers",
