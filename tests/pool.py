@@ -77,8 +77,10 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection, parent: int)
 
 def _reset(environment: dict[str, str]) -> None:
     """Undo what a case may have left that a fresh worker would not have: its subgroups, its threads setting,
-    its environment changes, its garbage (modules in reference cycles holding hooks)."""
+    its environment changes, its garbage (modules in reference cycles holding hooks). What survives the collection
+    is frozen (`gc.freeze`), so that later collections scan only what later cases make, not all of torch again."""
     gc.collect()
+    gc.freeze()
     world = dist.group.WORLD
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not world:
