@@ -37,7 +37,7 @@ test-thorough: venv
 PYTEST_ARGS ?=
 coverage: venv
 	$(BIN)/python -c "import coverage" 2>/dev/null || $(BIN)/python -m pip install -q -c $(VENV)/torch-pin.txt "coverage>=7.4"
-	echo "import coverage; coverage.process_startup()" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/planner-coverage.pth"
+	echo 'import os; os.environ.get("COVERAGE_PROCESS_START") and __import__("coverage").process_startup()' > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/planner-coverage.pth"
 	rm -rf build/coverage && mkdir -p build/coverage
 	COVERAGE_PROCESS_START=$(CURDIR)/pyproject.toml $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 	$(BIN)/coverage combine -q && $(BIN)/coverage report --skip-covered --sort=cover | tail -n 40
