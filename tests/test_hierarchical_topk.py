@@ -280,9 +280,11 @@ def test_a_profile_gives_the_overlaps_it_measured_to_hosts_of_the_same_size_only
 @needs_root
 def test_only_comm_on_two_hosts_times_the_top_k_exchange_again_at_the_overlaps_it_has(tmp_path: Path) -> None:
     # Measured on hosts of 2 at 0.01: reused as it is. Not measured at 0.1: measured on the model given.
+    # --quick: the collectives, the host levels and the exchange timed 3 times each, not 7 and 5.
     out = tmp_path / "p.json"
     _with_densities(_two_hosts((_topk_at(0.01, 1e-4, 1e-9, ratio=1.37),)), (0.01, 0.1)).save(out)
-    proc = _cli("profile", "--model", "mlp", "--nproc", "4", "--hosts", "2", "--only", "comm", "-o", str(out))
+    proc = _cli("profile", "--quick", "--model", "mlp", "--nproc", "4", "--hosts", "2", "--only", "comm", "-o",
+                str(out))
     assert proc.returncode == 0, proc.stderr
     new = Profile.load(out)
     assert new.hosts is not None and [t.density for t in new.hosts.topk] == [0.01, 0.1]
@@ -294,7 +296,8 @@ def test_only_comm_on_two_hosts_times_the_top_k_exchange_again_at_the_overlaps_i
     # A profile measured on one host, re-measured on 2 with --model of another model: no overlap to time at.
     one_host = _with_densities(synthetic_profile("mlp", world_size=4), (0.01,))
     one_host.save(out)
-    proc = _cli("profile", "--model", "cnn", "--nproc", "4", "--hosts", "2", "--only", "comm", "-o", str(out))
+    proc = _cli("profile", "--quick", "--model", "cnn", "--nproc", "4", "--hosts", "2", "--only", "comm", "-o",
+                str(out))
     assert proc.returncode == 0, proc.stderr
     assert Profile.load(out).hosts is not None and Profile.load(out).hosts.topk == ()  # type: ignore[union-attr]
     note = [line for line in proc.stderr.splitlines() if "did not time the top-k exchange" in line]
