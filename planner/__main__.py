@@ -25,7 +25,7 @@ def console() -> int:
     except KeyboardInterrupt:
         print("planner: interrupted", file=sys.stderr, flush=True)
         # Nothing has started yet, so nothing needs the interpreter's exit. Python 3.11 marks a KeyboardInterrupt
-        # that passed through exec() (dataclasses build their methods so, as modules import) as unhandled even
+        # that passed through an exec call (dataclasses build their methods so, as modules import) as unhandled even
         # once caught here, and would end the process by SIGINT instead of with this status.
         sys.stdout.flush()
         os._exit(130)
