@@ -22,6 +22,7 @@ import contextlib
 import gc
 import os
 import pickle
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -62,11 +63,16 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection, parent: int)
         if fn is None:
             break
         torch.manual_seed(seed)
+        settings = _settings()
         try:
             message: tuple[Any, ...] = ("ok", fn(rank, world_size, *args))
         except BaseException as exc:
             message = ("error", exc, traceback.format_exc())
         _reset(environment)
+        changed = _restore(settings)
+        if changed and message[0] == "ok":
+            message = ("error", None, f"left module settings changed (put back now): {', '.join(changed)}; "
+                       "a case on warm workers must undo what it patches\n")
         try:
             payload = pickle.dumps(message)
         except Exception as exc:
@@ -89,6 +95,30 @@ def _reset(environment: dict[str, str]) -> None:
     if dict(os.environ) != environment:
         os.environ.clear()
         os.environ.update(environment)
+
+
+def _settings() -> dict[tuple[str, str], Any]:
+    """The project's module-level settings as they are now: every number, string or flag named in capitals
+    (`_MAX_CHAIN`, `COLLECTIVE_TIMEOUT_S`) in a loaded `planner` module. A case that patches one (to force a
+    refusal, say) would otherwise leave it patched for every later case on these workers."""
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if name == "planner" or name.startswith("planner."):
+            for key, value in list(vars(module).items()):
+                if key.lstrip("_").isupper() and type(value) in (int, float, str, bool):
+                    found[name, key] = value
+    return found
+
+
+def _restore(settings: dict[tuple[str, str], Any]) -> list[str]:
+    """Put back every setting in `settings` that a case changed; the changes, named."""
+    changed = []
+    for (name, key), value in settings.items():
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, key, value) != value:
+            changed.append(f"{name}.{key} ({value!r} -> {getattr(module, key)!r})")
+            setattr(module, key, value)
+    return changed
 
 
 class _Workers:

@@ -148,12 +148,15 @@ def _interference_worker(rank: int, world_size: int, chain_cap: int | None) -> A
     torch.manual_seed(0)
     workload = build_workload("mlp")
     if chain_cap is not None:  # a chain of one tiny collective ends long before the backward pass does
-        interference._MAX_CHAIN = chain_cap
+        # The worker is a warm one that runs later cases too: the cap is put back however this one ends.
+        default_cap, interference._MAX_CHAIN = interference._MAX_CHAIN, chain_cap
         try:
             interference.measure_interference(workload, torch.device("cpu"), [Collective.ALLREDUCE], repeats=2,
                                               message_bytes=4)
         except DistributedError as exc:
             return str(exc)
+        finally:
+            interference._MAX_CHAIN = default_cap
         return "no error"
     return interference.measure_interference(workload, torch.device("cpu"),
                                              [Collective.ALLREDUCE, Collective.ALLGATHER], repeats=3)

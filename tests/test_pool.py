@@ -62,3 +62,30 @@ def test_a_case_past_its_timeout_fails_in_one_line_and_the_workers_are_replaced(
     with pytest.raises(DistributedError, match=r"did not finish within 2 s"):
         run_warm(_sleeps, 2, timeout=2)
     assert len(run_warm(_state, 2, False)) == 2
+
+
+def _patches_a_setting(rank: int, world_size: int, undo: bool) -> int:
+    from planner.profilers import interference
+
+    default, interference._MAX_CHAIN = interference._MAX_CHAIN, 1
+    if undo:
+        interference._MAX_CHAIN = default
+    return interference._MAX_CHAIN
+
+
+def _chain_cap(rank: int, world_size: int) -> int:
+    from planner.profilers import interference
+
+    return interference._MAX_CHAIN
+
+
+def test_a_case_that_leaves_a_module_setting_patched_fails_naming_it_and_the_next_case_sees_the_default() -> None:
+    """A warm worker outlives its case: a setting patched to force a refusal and left so broke a later test's
+    profile ('could not keep allreduces in flight ... 1 of 1512 bytes'), far from the case that patched it."""
+    from planner.profilers import interference
+
+    run_warm(_chain_cap, 2)  # the module is loaded on the workers before the case patches it
+    assert run_warm(_patches_a_setting, 2, True) == [interference._MAX_CHAIN] * 2
+    with pytest.raises(DistributedError, match=r"planner\.profilers\.interference\._MAX_CHAIN \(2000 -> 1\)"):
+        run_warm(_patches_a_setting, 2, False)
+    assert run_warm(_chain_cap, 2) == [interference._MAX_CHAIN] * 2
