@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,9 @@ LAUNCHER = textwrap.dedent("""
 
 
 def sleeps_in_workers(rank: int, world_size: int, folder: str) -> None:
-    Path(folder, f"worker{rank}.pid").write_text(str(os.getpid()))
+    pid_file = Path(folder, f"worker{rank}.pid")
+    pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+    pid_file.with_suffix(".tmp").rename(pid_file)  # whole: the test reads it as soon as it appears
     time.sleep(600)
 
 
@@ -456,3 +459,28 @@ def test_a_profile_whose_worker_hangs_ends_in_one_line_naming_the_phase(tmp_path
     assert "worker rank 0 failed (during: layers of tests.test_lifecycle:hangs_in_workers)" in errors[0], errors
     assert "Timed out" in errors[0] and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def test_a_ctrl_c_while_a_worker_starts_is_taken_once_the_start_is_done() -> None:
+    """With another thread in the process (gloo's, a progress bar's), a Ctrl-C while SIGINT is blocked in the main
+    thread goes to that thread, and Python would raise it in the main thread halfway through `Process.start()`:
+    the worker then read half its start-up data ("EOFError: Ran out of input") and outlived the launcher."""
+    from planner.platform.launch import _interrupts_held
+
+    bystander = threading.Event()
+    thread = threading.Thread(target=bystander.wait, args=(30,), daemon=True)  # SIGINT not blocked in it
+    thread.start()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    finished = False
+    try:
+        with pytest.raises(KeyboardInterrupt), _interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(20):  # as the start does (a fork, a pipe's write): the GIL dropped and taken back,
+                time.sleep(0.01)  # where the main thread sees the signal that the other thread took
+            finished = True
+        assert finished
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        bystander.set()
+        thread.join()

@@ -469,19 +469,39 @@ def _launcher_named() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _interrupts_held() -> Iterator[None]:
-    """Block SIGINT in this thread while a worker is started, so the worker starts with it blocked (a signal mask
-    survives fork and exec) until it ignores it; a Ctrl-C meanwhile reaches this process when the block ends."""
+    """Hold off a Ctrl-C while a worker is started: the worker starts with SIGINT blocked (a signal mask survives
+    fork and exec) until it ignores it, and this process takes the interrupt once the worker has its start-up
+    data. Blocking the signal in this thread is not enough: the kernel then hands it to another thread (gloo's,
+    a progress bar's), and Python runs the handler in the main thread at its next instruction, halfway through
+    `Process.start()`, leaving a worker that reads half its data ("EOFError: Ran out of input") and no pid to
+    kill it by. So, in the main thread, the handler only notes the interrupt until the start is done."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
     # multiprocessing starts its resource tracker with SIGINT blocked and then unblocks it: start it before the
     # block, so starting a worker does not lift the block halfway
     resource_tracker.ensure_running()
+    noted: list[tuple[int, Any]] = []
+    # (a handler Python did not install reads None and could not be put back: it is left alone)
+    in_main = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: noted.append((signum, frame))) if in_main else None
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a signal held by the mask is handled (noted) here
+        if in_main:
+            signal.signal(signal.SIGINT, handler)
+            if noted:
+                _deliver(handler, *noted[0])
+
+
+def _deliver(handler: Any, signum: int, frame: Any) -> None:
+    """What SIGINT would have done under `handler`, had it not been held."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler == signal.SIG_DFL:
+        signal.raise_signal(signum)
 
 
 def run_jobs(
