@@ -4,6 +4,7 @@ for workers of different speeds."""
 
 from __future__ import annotations
 
+import planner.platform.collective_defaults  # noqa: F401  (before the user's process group: see there)
 from planner.kernels.topk import decode, pack, select_topk, unpack
 from planner.runtime.abs import ABSSGD
 from planner.runtime.adaptive import Replanning

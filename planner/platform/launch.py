@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import planner.platform.collective_defaults  # noqa: F401  (before the workers' process group: see there)
 from planner._lifeline import LAUNCHER_ENV, die_with
 from planner.platform.link import HOSTS_ENV, LINK_ENV, EmulatedLink, LinkError, LinkRate, enter_namespace
 from planner.platform.memory import steady_allocator
