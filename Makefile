@@ -59,7 +59,7 @@ view:
 	for entry in planner/* runtime profilers; do ln -s "$(CURDIR)/$$entry" $(TYPECHECK)/; done
 
 lint: venv view
-	$(BIN)/ruff check planner profilers runtime compat tests
+	$(BIN)/ruff check planner profilers runtime tests
 	$(BIN)/mypy
 
 # A benchmark's environment: the project and the peers its benches run beside it (kfac-pytorch, whose source is in

@@ -4,9 +4,6 @@ K-FAC factors and decompositions (`kfac.py`), interference of communication with
 (`interference.py`), and the quick probe of the cluster that re-tuning uses (`probe.py`). They
 import no runtime class: what the runtime's own work costs it measures itself (`planner.runtime.calibrate`)."""
 
-if __name__ == "profilers":
-    # This folder found as the top-level `profilers` (the repository root on sys.path): the old import path. Its
-    # name becomes the module `planner.profilers` itself, with a DeprecationWarning (see planner/_aliases.py).
-    from planner._aliases import alias_package
-
-    alias_package("profilers", "planner.profilers")
+if __name__ != "planner.profilers":  # this folder found as a top-level package (run from the repository root)
+    raise ImportError(f"`{__name__}` is not a module of this project: import `planner.profilers` "
+                      "(the folder profilers/ is installed under that name)")

@@ -4,6 +4,10 @@ for workers of different speeds."""
 
 from __future__ import annotations
 
+if __name__ != "planner.runtime":  # this folder found as a top-level package (run from the repository root)
+    raise ImportError(f"`{__name__}` is not a module of this project: import `planner.runtime` "
+                      "(the folder runtime/ is installed under that name)")
+
 import planner.platform.collective_defaults  # noqa: F401  (before the user's process group: see there)
 from planner.kernels.topk import decode, pack, select_topk, unpack
 from planner.runtime.abs import ABSSGD
@@ -26,10 +30,3 @@ __all__ = [
     "topk_hook",
     "unpack",
 ]
-
-if __name__ == "runtime":
-    # This folder found as the top-level `runtime` (the repository root on sys.path): the old import path. Its
-    # name becomes the module `planner.runtime` itself, with a DeprecationWarning (see planner/_aliases.py).
-    from planner._aliases import alias_package
-
-    alias_package("runtime", "planner.runtime")

@@ -9,10 +9,10 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Folder -> the package it is installed as: the package-dir of pyproject.toml, less the old names' shims.
+#: Folder -> the package it is installed as: the package-dir of pyproject.toml.
 PACKAGES = {folder: package
             for package, folder in tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-            ["tool"]["setuptools"]["package-dir"].items() if package.split(".")[0] == "planner"}
+            ["tool"]["setuptools"]["package-dir"].items()}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -88,11 +88,10 @@ def test_the_import_graph_has_no_circle() -> None:
 
 #: Each layer and the layers it may import (besides itself). The base is what every layer stands on:
 #: errors and enums, the console, the built-in models, the kernels that both the profilers and the
-#: runtime run, and the platform (launching workers, the emulated link, timing); and the old import paths
-#: `runtime` and `profilers` (`planner._aliases`, stdlib only), and a worker's request to die with its launcher
-#: (`planner._lifeline`, stdlib only: the package's first import in a worker).
+#: runtime run, and the platform (launching workers, the emulated link, timing); and a worker's request to die
+#: with its launcher (`planner._lifeline`, stdlib only: the package's first import in a worker).
 BASE = {"planner.types", "planner.console", "planner.models", "planner.tasks", "planner.kernels", "planner.platform",
-        "planner._aliases", "planner._lifeline"}
+        "planner._lifeline"}
 MAY_IMPORT = {
     "base": set(),
     "costmodel": {"base"},
