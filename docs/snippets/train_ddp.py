@@ -1,5 +1,6 @@
 """A plan inside plain DDP: `torchrun --nproc_per_node 2 train_ddp.py plan.json`."""
 
+import gc
 import sys
 
 import torch
@@ -30,4 +31,8 @@ for inputs, targets in loader:
 print(f"rank {dist.get_rank()} loss {loss.item():.4f} checksum {sum(p.sum().item() for p in model.parameters()):.6f}", flush=True)
 if dist.get_rank() == 0:
     torch.save(model.state_dict(), "model.pt")
+# DDP and its hook sit in reference cycles that hold the process group: collect them before destroying it, or the
+# interpreter frees the group as it exits, and gloo's threads then abort the process (2-3 exits in 24 under load).
+del ddp, hook
+gc.collect()
 dist.destroy_process_group()
