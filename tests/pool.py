@@ -115,8 +115,9 @@ def _restore(settings: dict[tuple[str, str], Any]) -> list[str]:
     changed = []
     for (name, key), value in settings.items():
         module = sys.modules.get(name)
-        if module is not None and getattr(module, key, value) != value:
-            changed.append(f"{name}.{key} ({value!r} -> {getattr(module, key)!r})")
+        now = getattr(module, key, value) if module is not None else value
+        if now is not value and now != value:  # identity first: a NaN setting equals nothing, itself included
+            changed.append(f"{name}.{key} ({value!r} -> {now!r})")
             setattr(module, key, value)
     return changed
 
