@@ -15,7 +15,7 @@ half, constant lr) from the same weights and batches, in these ways (`--variants
 Per step of the top-k ways it prints the density sent (sum of k over numel), the norm of what rank 0 sent over
 the norm of its velocity and of its gradient, the share of the sent entries that were sent the step before, and,
 for every way, the cross-entropy on all 1797 digits before the step. The diagnostic ways replace the exchange's
-private `_select` on the instance; nothing else is changed.
+engine's `prepare` on the instance (momentum, then the codec's selection); nothing else is changed.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import torch.distributed as dist
 from momentum_digits import digits, per_layer_plan
 from torch import nn
 
-from planner.kernels.topk import pack
 from planner.platform.launch import run_distributed
 from planner.runtime import GradientExchange
 from planner.types import Strategy
@@ -39,31 +38,32 @@ VARIANTS = ("topk", "warmup", "dense", "topk-nomask", "warmup-nomask", "topk-del
 
 def _instrument(exchange: GradientExchange, variant: str, record: dict[str, float]) -> None:
     """Record what each group sends; change the masking for the diagnostic variants."""
-    original = exchange._select
+    engine = exchange._engine
+    original = engine.prepare
     previous: dict[int, set[int]] = {}
 
-    def select(st: Any, pick: Any) -> None:
-        grad_sq, velocity_sq = st.flat.norm().item() ** 2, st.velocity.norm().item() ** 2
-        k = st.k_now
-        if variant.endswith("-nomask"):
-            values, indices = pick(k)
-            pack(values, indices, out=st.send if k == st.k_max else st.send[: 2 * k])
-        elif variant.endswith("-delayed"):
-            values, indices = pick(k)
-            pack(values, indices, out=st.send if k == st.k_max else st.send[: 2 * k])
-            idx = indices.long()
-            st.velocity.index_fill_(0, idx[values != st.velocity[idx]], 0.0)  # a residual was added there
+    def prepare(codec: Any, flat: torch.Tensor, velocity: torch.Tensor, *, taken: bool) -> None:
+        grad_sq = flat.norm().item() ** 2
+        velocity_sq = (velocity * engine.momentum + flat).norm().item() ** 2  # u = m u + g, before masking
+        k = codec.k_now
+        if variant.endswith(("-nomask", "-delayed")):
+            velocity.mul_(engine.momentum).add_(flat)
+            indices = codec.prepare(flat, velocity)
+            if variant.endswith("-delayed"):
+                idx = indices.long()
+                values = codec.send[:k]
+                velocity.index_fill_(0, idx[values != velocity[idx]], 0.0)  # a residual was added there
         else:
-            original(st, pick)
-        sent = st.send[:k]
-        picked = set(st.send[k : 2 * k].view(torch.int32).tolist())
-        again = len(picked & previous.get(st.index, set()))
-        previous[st.index] = picked
+            original(codec, flat, velocity, taken=taken)
+        sent = codec.send[:k]
+        picked = set(codec.send[k : 2 * k].view(torch.int32).tolist())
+        again = len(picked & previous.get(id(codec), set()))
+        previous[id(codec)] = picked
         for key, value in (("k", k), ("sent_sq", sent.norm().item() ** 2), ("velocity_sq", velocity_sq),
                            ("grad_sq", grad_sq), ("again", again)):
             record[key] = record.get(key, 0.0) + value
 
-    exchange._select = select
+    engine.prepare = prepare  # type: ignore[method-assign]
 
 
 def train(rank: int, world_size: int, variant: str, args: argparse.Namespace) -> list[dict[str, float]]:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from planner.contracts.plan import Plan
-from planner.runtime.exchange import broadcast_from_rank0, planned_params
+from planner.runtime.engine import broadcast_from_rank0, planned_params
 from planner.runtime.retune import resolve_plan
 from planner.types import PlanMismatchError
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from planner.contracts.kfac import KFACSection, kfac_layers
 from planner.contracts.plan import Group
@@ -42,8 +43,9 @@ from planner.kernels.compress import PowerSGDLayout
 from planner.models import Workload
 from planner.platform.phase import set_phase
 from planner.platform.timing import gathered, median, slowest, stream_seconds, time_call
+from planner.runtime.codecs import Link, write_scaled
 from planner.runtime.ddp_hooks import has_unused_parameters, silent_hook
-from planner.runtime.exchange import GradientExchange, write_scaled
+from planner.runtime.exchange import GradientExchange
 from planner.runtime.kfac import KFACPreconditioner
 from planner.types import Compressor, CompressorKind, Strategy
 
@@ -69,19 +71,27 @@ def measure_packing(
     return FittedCurve.fit(points)
 
 
-class _SilentExchange(GradientExchange):
-    """The runtime with every collective skipped: each rank's message stands for every rank's (top-k decodes
-    P copies of its own), so prepare and finish do all their usual work and nothing is sent."""
+class _SilentLink(Link):
+    """A link that sends nothing: each rank's message stands for every rank's (top-k decodes P copies of its own),
+    so the codecs prepare and finish with all their usual work."""
 
-    def _start_collective(self, st: Any) -> Any:
-        if st.recv is not None:
-            size = st.k_now * 2
+    def sum(self, buffer: Tensor, hierarchical: bool) -> None:
+        return None
+
+    def gather(self, recv: Tensor, send: Tensor) -> None:
+        if recv is not send:
+            size = send.numel()
             for r in range(self.world_size):
-                st.recv[r * size : (r + 1) * size].copy_(st.send[:size])
+                recv[r * size : (r + 1) * size].copy_(send)
+
+    def across_hosts(self, buffer: Tensor, run: Callable[[], object] | None = None) -> Any:
         return None
 
-    def _start_second(self, st: Any, q: Any) -> Any:
-        return None
+
+class _SilentExchange(GradientExchange):
+    """The runtime with every collective skipped (`_SilentLink`)."""
+
+    _link_type = _SilentLink
 
 
 def measure_in_situ(

@@ -73,48 +73,35 @@ import statistics
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from planner.contracts.plan import Plan
 from planner.costmodel.problem import topk_count
-from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compress, fp16_decompress
-from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_all_reduce, hierarchical_topk_sum
-from planner.kernels.topk import all_gather_flat, decode, pack, select_topk
+from planner.kernels.compress import PowerSGDLayout
+from planner.kernels.hierarchical import HostGroups
 from planner.platform.hosts import host_names, ranks_by_host
-from planner.runtime.adaptive import (
-    ErrorWatch,
-    Replan,
-    Replanning,
-    allowed_compressors,
-    load_on_rank0,
-    replan_on_every_rank,
-)
-from planner.runtime.exchange import (
+from planner.runtime.adaptive import Replan, Replanning
+from planner.runtime.codecs import Codec, DenseCodec, Link, make_codec
+from planner.runtime.engine import (
+    Engine,
     StateCheck,
-    _applies_momentum,
-    _check_adaptive,
-    _find_unused,
-    _name_list,
+    check_adaptive,
     check_momentum_options,
-    check_optimizer_momentum,
-    check_topk_optimizer,
+    find_unused,
+    name_list,
     planned_params,
-)
-from planner.runtime.exchange import (
-    _world_size as _group_size,
+    world_size_of,
 )
 from planner.runtime.retune import resolve_plan
 from planner.types import Compressor, CompressorKind, PlanMismatchError
 
-if TYPE_CHECKING:
-    from torch.utils.hooks import RemovableHandle
-
-__all__ = ["STATE_KIND", "SUPPORTED_KINDS", "PlanHook", "bucket_caps", "plan_hook"]
+__all__ = ["STATE_KIND", "SUPPORTED_KINDS", "PlanHook", "bucket_caps", "plan_hook", "trainable_ids"]
 
 STATE_KIND = "runtime.plan_hook"
 
@@ -129,8 +116,6 @@ _RUN_ELSEWHERE = "run it with GradientExchange(model, plan) instead of DDP"
 
 def _has_cap_list() -> bool:
     """Whether this torch's DDP takes one cap per bucket (`bucket_cap_mb_list`, torch >= 2.13)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     return "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters
 
 
@@ -204,11 +189,9 @@ class PlanHook:
         PlannerError: `adaptive` and rank 0 cannot load the profile to re-plan from.
     """
 
-    __slots__ = ("_allowed", "_carry", "_checked", "_final_iteration", "_half", "_host_groups", "_iteration",
-                 "_last_hierarchical", "_names_of", "_optimizer_hook", "_pending", "_planned_ids", "_powersgd",
-                 "_profile", "_replan_due", "_replanning", "_residuals", "_routes", "_seeds", "_selector", "_shapes",
-                 "_static", "_topk_ids", "_velocities", "_watch", "find_unused_parameters", "model", "momentum",
-                 "nesterov", "plan", "process_group", "replans")
+    __slots__ = ("_carry", "_checked", "_codecs", "_engine", "_final_iteration", "_iteration", "_link", "_names_of",
+                 "_pending", "_replan_due", "_routes", "_seeds", "_selector", "_shapes", "_static", "_velocities",
+                 "find_unused_parameters", "model", "momentum", "nesterov", "process_group")
 
     def __init__(
         self,
@@ -227,7 +210,7 @@ class PlanHook:
     ) -> None:
         _check_supported(plan)
         check_momentum_options(momentum, nesterov, optimizer, "PlanHook")
-        schedule = _check_adaptive(plan, adaptive, None, None)
+        schedule = check_adaptive(plan, adaptive, None, None)
         layout = None if hosts is None else [list(h) for h in hosts]
         plan = resolve_plan(plan, model, process_group=process_group, auto_retune=auto_retune, profile=profile,
                             host_count=None if layout is None else len(layout))
@@ -242,21 +225,12 @@ class PlanHook:
                 f"its buckets cannot be the plan's groups; {_RUN_ELSEWHERE}"
             )
         self.model = model
-        self.plan = plan
         self.process_group = process_group
-        self.find_unused_parameters = _find_unused(plan, find_unused_parameters)
+        self.find_unused_parameters = find_unused(plan, find_unused_parameters)
         self._names_of = {id(p): n for n, p in params.items() if n in planned}
         self._shapes = {n: tuple(p.shape) for n, p in params.items() if n in planned}
         self.momentum = float(momentum)
         self.nesterov = nesterov
-        # The parameters the optimizer checks look for (GradientExchange's rules).
-        self._planned_ids = frozenset(id(params[n]) for n in plan.param_order)
-        self._topk_ids = frozenset(id(params[n]) for g in plan.groups
-                                   if plan.compressor_of(g).kind is CompressorKind.TOPK for n in g.params)
-        self._optimizer_hook: RemovableHandle | None = None
-        if optimizer is not None:
-            self._check_optimizer(optimizer)
-            self._optimizer_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._selector = plan.selector or "exact"
         self._seeds = _powersgd_seeds(plan)
         self._iteration = 0
@@ -264,61 +238,45 @@ class PlanHook:
         self._checked = False
         self._static = False
         self._routes: dict[int, _Route] = {}
-        self._residuals: dict[int, Tensor] = {}
+        self._codecs: dict[int, Codec] = {}  # per bucket of the final layout, made as it first arrives
         self._velocities: dict[int, Tensor] = {}
-        self._powersgd: dict[int, PowerSGDGroup] = {}
-        self._half: dict[int, Tensor] = {}
         self._pending: dict[int, dict[str, Any]] = {}
         # Hierarchical groups: the subgroups of each host and across hosts, made here, before DDP, on every rank
         # (`new_group` is collective), as GradientExchange makes them.
-        self._host_groups: HostGroups | None = None
-        self._last_hierarchical: HierarchicalWork | None = None
+        self._link = Link(process_group, world_size_of(process_group))
         crosses = any(g.hierarchical for g in plan.groups)
         if schedule is not None:  # a re-plan may send a group across hosts hierarchically
             crosses = crosses or plan.cluster.host_count > 1
         if crosses and dist.is_initialized() and dist.get_world_size(process_group) > 1:
             if layout is None:
                 layout = ranks_by_host(host_names(process_group))
-            self._host_groups = HostGroups.build(layout, process_group)
-        # Adaptive re-planning: rank 0 holds the profile it re-solves from; every rank measures its own gradients.
-        self.replans: list[Replan] = []
-        self._replanning = schedule
-        self._replan_due: int | None = None  # the measured iteration whose errors await a decision
-        self._carry: dict[int, Tensor] = {}  # per bucket: the error fed back, flushed into its next average
-        self._watch: ErrorWatch | None = None
-        self._profile: Any = None
-        self._allowed: tuple[Compressor, ...] = ()
-        if schedule is not None:
-            device = next((p.device for n, p in params.items() if n in planned), torch.device("cpu"))
-            self._profile = load_on_rank0(plan, profile, process_group, device)
-            self._allowed = allowed_compressors(plan, topk=self.momentum > 0 or optimizer is None
-                                                or not _applies_momentum(optimizer, self._planned_ids))
-            self._watch = ErrorWatch(model, [n for g in plan.groups for n in g.layers], self._allowed, schedule,
-                                     device)
+            self._link.host_groups = HostGroups.build(layout, process_group)
+        # Adaptive re-planning (the engine's): the measured iteration whose errors await a decision, and per bucket
+        # the error fed back, flushed into its next average.
+        self._replan_due: int | None = None
+        self._carry: dict[int, Tensor] = {}
+        device = next((p.device for n, p in params.items() if n in planned), torch.device("cpu"))
+        self._engine = Engine(plan, params, self._link, owner="PlanHook", momentum=self.momentum, nesterov=nesterov,
+                              optimizer=optimizer, schedule=schedule, profile=profile, model=model, device=device)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in use (a re-plan, `adaptive=`, replaces it)."""
+        return self._engine.plan
+
+    @property
+    def replans(self) -> list[Replan]:
+        """What each re-plan decided (`adaptive=`)."""
+        return self._engine.replans
 
     @classmethod
     def from_file(cls, model: nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> PlanHook:
         """Load the plan at `path` (validated, see `Plan.load`) and build the hook."""
         return cls(model, Plan.load(path), **kwargs)
 
-    # -- the optimizer ----------------------------------------------------------------------------
-    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """GradientExchange's rule: with `momentum`, no momentum in the optimizer on the planned parameters; without,
-        none on the top-k groups' parameters (it would act on the sparse, delayed average)."""
-        if self.momentum > 0:
-            check_optimizer_momentum(optimizer, self._planned_ids, self.momentum, "PlanHook")
-        else:
-            check_topk_optimizer(optimizer, self._topk_ids, "PlanHook")
-
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Step pre-hook: check again, in case the optimizer's momentum was turned on after construction."""
-        self._check_optimizer(optimizer)
-
     def remove_hooks(self) -> None:
         """Remove the optimizer's step pre-hook (DDP keeps the comm hook for as long as it lives)."""
-        if self._optimizer_hook is not None:
-            self._optimizer_hook.remove()
-            self._optimizer_hook = None
+        self._engine.remove_hooks()
 
     # -- DDP's arguments --------------------------------------------------------------------------
     def _registration_order(self) -> list[str]:
@@ -393,27 +351,27 @@ class PlanHook:
         """Register the hook on `ddp_model`, before its first step: the DDP module wrapping this hook's model, or
         a module holding exactly its trainable parameters in the same order (a framework's wrapper of it, as a
         LightningModule holds the network the plan was made for)."""
-        from torch.nn.parallel import DistributedDataParallel
-
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"register needs the DistributedDataParallel module, but got {type(ddp_model).__name__}; "
                             "build it with DistributedDataParallel(model, **hook.ddp_kwargs())")
-        if ddp_model.module is not self.model and _trainable(ddp_model.module) != _trainable(self.model):
+        if ddp_model.module is not self.model and trainable_ids(ddp_model.module) != trainable_ids(self.model):
             raise PlanMismatchError("the DDP module wraps another model than this hook's (not the same trainable "
                                     "parameters in the same order); build the hook with the model DDP wraps "
                                     "(ddp.module)")
         if self.find_unused_parameters and not (ddp_model.find_unused_parameters or ddp_model.static_graph):
             assert self.plan.unused_params is not None
             raise PlanMismatchError(
-                f"the plan's profile found parameters without a gradient ({_name_list(self.plan.unused_params.names)})"
+                f"the plan's profile found parameters without a gradient ({name_list(self.plan.unused_params.names)})"
                 ", but DDP was built with find_unused_parameters=False; build it with **hook.ddp_kwargs()"
             )
-        if self._host_groups is not None and self.process_group is None and ddp_model.process_group is not None \
+        if self._link.host_groups is not None and self.process_group is None and ddp_model.process_group is not None \
                 and ddp_model.process_group is not dist.group.WORLD:
             raise PlanMismatchError("DDP averages over another process group than the one this hook made its host "
                                     "groups for; pass DDP's process_group to PlanHook too")
         if ddp_model.process_group is not None and self.process_group is None:
             self.process_group = ddp_model.process_group
+        self._link.process_group = self.process_group
+        self._link.world_size = dist.get_world_size(self.process_group)
         # DDP keeps its first layout with find_unused_parameters (unless the graph is static); else it rebuilds
         # its buckets in ready order after iteration 0.
         keeps = ddp_model.find_unused_parameters and not ddp_model.static_graph
@@ -456,7 +414,7 @@ class PlanHook:
             assert compressor.density is not None
             k = group.k if exact and group.k is not None else topk_count(numel, compressor.density)
         return _Route(names=names, group=majority if exact else None, majority=majority, compressor=compressor, k=k,
-                      seed=seeds[majority], hierarchical=group.hierarchical and self._host_groups is not None)
+                      seed=seeds[majority], hierarchical=group.hierarchical and self._link.host_groups is not None)
 
     def _expected_part(self, route: _Route) -> bool:
         """Whether the bucket is the part of one group that static_graph lays out apart (`bucket_runs`): all its
@@ -481,7 +439,7 @@ class PlanHook:
         for i, r in odd[:3]:
             groups = sorted({group_of[n] for n in r.names})
             where = f"spans groups {groups}" if len(groups) > 1 else f"is part of group {groups[0]}"
-            parts.append(f"bucket {i} [{_name_list(list(r.names), 2)}] {where}")
+            parts.append(f"bucket {i} [{name_list(list(r.names), 2)}] {where}")
         more = f" and {len(odd) - 3} more" if len(odd) > 3 else ""
         warnings.warn(
             f"DDP's buckets are not the plan's groups: {'; '.join(parts)}{more}; each such bucket is sent with the "
@@ -491,12 +449,9 @@ class PlanHook:
         )
 
     # -- sending ----------------------------------------------------------------------------------
-    def _world_size(self) -> int:
-        return dist.get_world_size(self.process_group)
-
     def send(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-        """Send one bucket (the body of `plan_hook`): an fp32 allreduce mean before DDP's final layout, then as
-        its route says."""
+        """Send one bucket (the body of `plan_hook`): an fp32 allreduce mean before DDP's final layout, then with
+        the codec of its route."""
         index = bucket.index()
         step = self._iteration
         final = step >= self._final_iteration
@@ -504,7 +459,8 @@ class PlanHook:
             self._replan(self._replan_due)
         if final and index not in self._routes:
             self._routes[index] = self._route(index, bucket.parameters())
-        watch = self._watch if final and self._watch is not None and self._watch.measuring(step) else None
+        watch = self._engine.watch if final and self._engine.watch is not None and \
+            self._engine.watch.measuring(step) else None
         if watch is not None:  # this rank's gradients, before momentum or averaging
             for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
                 watch.take(param, grad)
@@ -516,20 +472,17 @@ class PlanHook:
                 self._replan_due = step
         flat = bucket.buffer()
         if not final:  # DDP's first layout is not the groups': every bucket flat, in fp32
-            return self._dense(flat, hierarchical=False)
+            return self._send(DenseCodec(flat.numel(), self._link.world_size, hierarchical=False), flat, None)
         route = self._routes[index]
-        source = self._apply_momentum(index, route, flat)
-        match route.compressor.kind:
-            case CompressorKind.DENSE:
-                sent = self._dense(flat, hierarchical=route.hierarchical, source=source)
-            case CompressorKind.FP16:
-                sent = self._fp16(index, flat, hierarchical=route.hierarchical, source=source)
-            case CompressorKind.POWERSGD:
-                sent = self._powersgd_send(index, route, flat, source)
-            case CompressorKind.TOPK:
-                sent = self._topk(index, route, flat, source)
-            case kind:
-                raise PlanMismatchError(f"a bucket is sent by {kind}, which the hook does not run; {_RUN_ELSEWHERE}")
+        codec = self._codecs.get(index)
+        if codec is None:
+            codec = self._codecs[index] = self._codec(index, route, flat)
+        velocity = None
+        if self.momentum > 0:
+            velocity = self._velocities.get(index)
+            if velocity is None:
+                velocity = self._velocities[index] = self._restore_velocity(index, route, flat)
+        sent = self._send(codec, flat, velocity)
         carry = self._carry.pop(index, None)
         if carry is None:
             return sent
@@ -540,167 +493,76 @@ class PlanHook:
 
         return sent.then(_add_carry)
 
+    def _send(self, codec: Codec, flat: Tensor, velocity: Tensor | None) -> torch.futures.Future[Tensor]:
+        """Send the bucket `flat` (this rank's gradient, summed over its micro-batches) with `codec`, folded into
+        `velocity` first when there is one (the engine's momentum correction); a future of `flat` holding the
+        average. A plain dense or fp16 bucket is sent in its own dtype, as DDP's hooks send it; everything else works
+        in fp32 (a copy of a bucket of another dtype, copied back)."""
+        plain = velocity is None
+        in_place = flat.dtype == torch.float32 or (plain and codec.kind in (CompressorKind.DENSE, CompressorKind.FP16))
+        work = flat if in_place else flat.float()
+        if plain:
+            codec.take_flat(work)
+        self._engine.prepare(codec, work, velocity, taken=plain)
+        handle = codec.launch(self._link, work)
+
+        def _finish(f: torch.futures.Future[Any] | None = None) -> Tensor:
+            if f is not None:
+                f.value()  # re-raises what the collective raised
+            codec.finish(work)
+            if work is not flat:
+                flat.copy_(work)
+            return flat
+
+        if handle is None:  # one worker: nothing was sent
+            done: torch.futures.Future[Tensor] = torch.futures.Future()
+            done.set_result(_finish())
+            return done
+        return handle.get_future().then(_finish)
+
+    def _codec(self, index: int, route: _Route, flat: Tensor) -> Codec:
+        """Bucket `index`'s codec, as its route says, with what a loaded state saved for it (same parameters)."""
+        kind = route.compressor.kind
+        if kind not in SUPPORTED_KINDS:
+            raise PlanMismatchError(f"a bucket is sent by {kind}, which the hook does not run; {_RUN_ELSEWHERE}")
+        layout = self._powersgd_layout(route, self.plan) if kind is CompressorKind.POWERSGD else None
+        codec = make_codec(route.compressor, flat.numel(), self._link.world_size, flat.device,
+                           hierarchical=route.hierarchical, k=route.k, selector=self._selector, layout=layout,
+                           seed=route.seed)
+        keys = set(codec.state())
+        entry = self._saved(index, route, keys) if keys else None
+        if entry is not None and all(entry[key].shape == value.shape for key, value in codec.state().items()
+                                     if isinstance(value, Tensor)):
+            codec.load(entry)
+        return codec
+
     # -- adaptive re-planning --------------------------------------------------------------------
     def _replan(self, step: int) -> None:
         """Gather the errors of the period that ended at iteration `step`, let rank 0 decide, take its decision on
         every rank (called at the first bucket of the next synced iteration, before its collectives)."""
-        assert self._watch is not None and self._replanning is not None
         self._replan_due = None
-        record = replan_on_every_rank(self.plan, self._profile, self._watch, self._replanning, self._allowed, step,
-                                      self.process_group, keep_grouping=True)
-        if record.plan is not None:
-            self._adopt(record.plan, flush=True)
-        self.replans.append(record)
+        plan = self._engine.replan(step, keep_grouping=True)
+        if plan is not None:
+            self._adopt(plan, flush=True)
 
     def _adopt(self, plan: Plan, *, flush: bool) -> None:
         """Send with `plan` from now on: the same groups (DDP's buckets), each with its new compressor. With `flush`,
-        the error fed back is averaged over the ranks and added to each bucket's next average; the compressors'
-        state starts afresh, the momentum velocities stay (the same parameters per bucket)."""
-        same_groups = [g.params for g in plan.groups] == [g.params for g in self.plan.groups]
-        if plan.model.fingerprint != self.plan.model.fingerprint or not same_groups:
-            raise PlanMismatchError("a re-plan inside DDP must keep the model and the plan's groups (DDP's buckets); "
-                                    "the new plan has others")
+        the error fed back is averaged over the ranks and added to each bucket's next average; the codecs start
+        afresh, the momentum velocities stay (the same parameters per bucket)."""
+        self._engine.check_adoptable(plan, same_groups=True)
         if flush:
             self._flush_error_feedback()
-        self._residuals.clear()
-        self._powersgd.clear()
-        self._half.clear()
-        self.plan = plan
+        self._codecs.clear()
+        self._engine.adopt(plan)
         self._seeds = _powersgd_seeds(plan)
-        ids = {n: p_id for p_id, n in self._names_of.items()}
-        self._topk_ids = frozenset(ids[n] for g in plan.groups if plan.compressor_of(g).kind is CompressorKind.TOPK
-                                   for n in g.params)
         self._routes.clear()  # made again, bucket by bucket, as the buckets arrive
 
     def _flush_error_feedback(self) -> None:
         """Every rank's error fed back (top-k residuals, PowerSGD errors), averaged over the ranks (one allreduce),
         kept per bucket to be added to its next average."""
-        held = [(i, r) for i, r in self._residuals.items()] + [(i, g.error) for i, g in self._powersgd.items()]
-        if not held:
-            return
-        flat = torch.cat([buffer.reshape(-1).float() for _, buffer in held])
-        world = self._world_size()
-        if world > 1:
-            dist.all_reduce(flat, group=self.process_group)
-        flat.div_(world)
-        at = 0
-        for index, buffer in held:
-            mean = flat[at : at + buffer.numel()]
-            at += buffer.numel()
+        held = [(index, error) for index, codec in self._codecs.items() if (error := codec.error()) is not None]
+        for (index, _), mean in zip(held, self._engine.mean_over_ranks([e for _, e in held]), strict=True):
             self._carry[index] = self._carry[index] + mean if index in self._carry else mean.clone()
-
-    def _apply_momentum(self, index: int, route: _Route, flat: Tensor) -> Tensor | None:
-        """With momentum: u = m u + g, g this rank's gradient (DDP hands the hook the bucket before any averaging,
-        the local gradient GradientExchange applies momentum to); return what enters the compressor, u or (Nesterov)
-        g + m u, computed in the bucket (or its fp32 copy), as `GradientExchange._apply_momentum`. None without."""
-        if self.momentum == 0:
-            return None
-        grad = flat if flat.dtype == torch.float32 else flat.float()
-        velocity = self._velocities.get(index)
-        if velocity is None:
-            velocity = self._velocities[index] = self._restore_velocity(index, route, grad)
-        velocity.mul_(self.momentum).add_(grad)
-        if self.nesterov:
-            return grad.add_(velocity, alpha=self.momentum)
-        return velocity
-
-    def _sum(self, buffer: Tensor, hierarchical: bool) -> torch.futures.Future[Any]:
-        """Start summing `buffer` in place over the process group: one allreduce, or (hierarchical) inside each
-        host, across hosts, inside again (`HierarchicalWork`, as GradientExchange sends such a group); a future
-        done when `buffer` holds the sum."""
-        if not hierarchical:
-            return dist.all_reduce(buffer, group=self.process_group, async_op=True).get_future()
-        return self._across_hosts(buffer, lambda groups: hierarchical_all_reduce(buffer, groups))
-
-    def _across_hosts(self, buffer: Tensor, exchange: Any) -> torch.futures.Future[Any]:
-        """Run `exchange(host_groups)` on a thread of its own after the hierarchical exchanges started before it:
-        its three steps use three process groups, each waited for before the next, and chaining the buckets'
-        threads issues them in bucket order on every rank (gloo pairs collectives by order). The future is
-        completed by that thread (DDP waits for it at the end of backward)."""
-        groups = self._host_groups
-        assert groups is not None
-        fut: torch.futures.Future[Any] = torch.futures.Future()
-
-        def run() -> None:
-            try:
-                exchange(groups)
-            except BaseException as exc:  # DDP's wait re-raises it on the training thread
-                fut.set_exception(exc)
-                raise
-            fut.set_result(None)
-
-        self._last_hierarchical = HierarchicalWork(buffer, groups, after=self._last_hierarchical, run=run)
-        return fut
-
-    def _dense(self, flat: Tensor, *, hierarchical: bool, source: Tensor | None = None
-               ) -> torch.futures.Future[Tensor]:
-        """fp32 (the bucket's dtype) allreduce mean, divided before the sum as DDP does without a hook. With
-        momentum the mean of `source` (fp32, as GradientExchange sends a group with momentum)."""
-        if source is None:
-            buffer = flat.mul_(1.0 / self._world_size())
-        else:
-            buffer = flat if flat.dtype == torch.float32 else torch.empty_like(flat, dtype=torch.float32)
-            torch.mul(source, 1.0 / self._world_size(), out=buffer)
-
-        def _done(f: torch.futures.Future[Any]) -> Tensor:
-            f.value()  # re-raises what the collective raised
-            if buffer is not flat:
-                flat.copy_(buffer)
-            return flat
-
-        return self._sum(buffer, hierarchical).then(_done)
-
-    def _fp16(self, index: int, flat: Tensor, *, hierarchical: bool, source: Tensor | None = None
-              ) -> torch.futures.Future[Tensor]:
-        """Cast to fp16 and divide by the world size, allreduce, cast back (DDP's `fp16_compress_hook`); with
-        momentum, of `source`."""
-        half = self._half.get(index)
-        if half is None or half.numel() != flat.numel() or half.device != flat.device:
-            half = self._half[index] = torch.empty(flat.numel(), dtype=torch.float16, device=flat.device)
-        fp16_compress(flat if source is None else source, half, self._world_size())
-        fut = self._sum(half, hierarchical)
-
-        def _back(f: torch.futures.Future[Any]) -> Tensor:
-            f.value()
-            fp16_decompress(half, flat)
-            return flat
-
-        return fut.then(_back)
-
-    def _powersgd_send(self, index: int, route: _Route, flat: Tensor, source: Tensor | None = None
-                       ) -> torch.futures.Future[Tensor]:
-        """PowerSGD with error feedback and warm start, its two allreduces chained (`PowerSGDGroup`); with momentum,
-        of `source`."""
-        world_size, pg = self._world_size(), self.process_group
-        grad = flat if flat.dtype == torch.float32 else flat.float()
-        group = self._powersgd.get(index)
-        if group is None:
-            group = self._powersgd[index] = PowerSGDGroup(self._powersgd_layout(route, self.plan), grad.device,
-                                                          route.seed)
-            self._restore_powersgd(index, route, group)
-        # The first allreduce is waited for here, so that the second is launched from this thread too: a collective
-        # launched from a future's callback could be issued in another order on another rank (gloo pairs them by
-        # order). GradientExchange waits at the same point.
-        sent = group.compress(grad if source is None else source)
-        if route.hierarchical:
-            self._sum(sent, True).wait()
-        else:
-            dist.all_reduce(sent, group=pg)
-        q = group.middle(world_size)
-
-        def _finish(f: torch.futures.Future[Any] | None = None) -> Tensor:
-            if f is not None:
-                f.value()
-            group.decompress(grad, world_size)
-            if grad is not flat:
-                flat.copy_(grad)
-            return flat
-
-        if not group.layout.compresses:  # nothing approximated: the first allreduce was all
-            done: torch.futures.Future[Tensor] = torch.futures.Future()
-            done.set_result(_finish())
-            return done
-        return self._sum(q, route.hierarchical).then(_finish)
 
     def _powersgd_layout(self, route: _Route, plan: Plan) -> PowerSGDLayout:
         """The bucket's PowerSGD layout (`route` of `plan`, sent by PowerSGD), in the plan's order whatever the
@@ -719,45 +581,6 @@ class PlanHook:
         return PowerSGDLayout.of([self._shapes[n] for n in universe], route.compressor.rank,
                                  held=[at[n] for n in route.names])
 
-    def _topk(self, index: int, route: _Route, flat: Tensor,
-              source: Tensor | None = None) -> torch.futures.Future[Tensor]:
-        """The k largest of gradient plus residual from every rank in one allgather, averaged (error feedback); with
-        momentum, of `source` plus residual, and the velocity cleared where this rank sent (DGC's momentum factor
-        masking, as `GradientExchange._select`: not at k == numel, where nothing is delayed)."""
-        world_size = self._world_size()
-        grad = flat if flat.dtype == torch.float32 else flat.float()
-        residual = self._residuals.get(index)
-        if residual is None:
-            residual = self._residuals[index] = self._restore_residual(index, route, grad)
-        assert route.k is not None
-        k, numel = route.k, grad.numel()
-        values, indices = select_topk(grad if source is None else source, residual, k, selector=self._selector)
-        send = pack(values, indices)
-        velocity = self._velocities.get(index)
-        if velocity is not None and k < numel:
-            velocity.index_fill_(0, indices.long(), 0.0)
-        if route.hierarchical:  # merged inside each host, sent across once per host, averaged into grad
-
-            def _copy(f: torch.futures.Future[Any]) -> Tensor:
-                f.value()
-                if grad is not flat:
-                    flat.copy_(grad)
-                return flat
-
-            return self._across_hosts(send, lambda groups: hierarchical_topk_sum(send, k, grad, groups, world_size)
-                                      ).then(_copy)
-        recv = torch.empty(world_size * 2 * k, dtype=torch.float32, device=grad.device)
-        fut = all_gather_flat(recv, send, group=self.process_group, async_op=True).get_future()
-
-        def _decode(f: torch.futures.Future[Any]) -> Tensor:
-            f.value()
-            decode(recv, k, numel, world_size, out=grad)
-            if grad is not flat:
-                flat.copy_(grad)
-            return flat
-
-        return fut.then(_decode)
-
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Copies of this rank's top-k residuals, momentum velocities and PowerSGD errors and Qs, by DDP bucket,
@@ -767,15 +590,15 @@ class PlanHook:
         def entry(index: int) -> dict[str, Any]:
             return buckets.setdefault(index, {"params": list(self._routes[index].names)})
 
-        for index, residual in self._residuals.items():
-            entry(index)["residual"] = residual.detach().clone()
+        for index, codec in self._codecs.items():
+            saved = codec.state()
+            if saved:
+                entry(index).update(saved)
         for index, velocity in self._velocities.items():
             entry(index)["velocity"] = velocity.detach().clone()
-        for index, group in self._powersgd.items():
-            entry(index).update(error=group.error.detach().clone(), q=group.q.detach().clone(), fresh=group.fresh)
         state: dict[str, Any] = {"kind": STATE_KIND, "model_fingerprint": self.plan.model.fingerprint,
                                  "buckets": buckets}
-        if self._replanning is not None:  # the plan in use: a resumed adaptive run continues with it
+        if self._engine.schedule is not None:  # the plan in use: a resumed adaptive run continues with it
             state["plan"] = self.plan.to_dict()
         return state
 
@@ -790,11 +613,7 @@ class PlanHook:
         if kind != STATE_KIND:
             raise PlanMismatchError(f"not a PlanHook state: kind is {kind!r}, expected {STATE_KIND!r}")
         check = StateCheck("hook", "load the state PlanHook.state_dict() saved with this plan, or start without one")
-        if state.get("model_fingerprint") != self.plan.model.fingerprint:
-            raise PlanMismatchError(
-                f"this hook state was saved for model fingerprint {state.get('model_fingerprint')}, but the plan is "
-                f"for {self.plan.model.describe()}; {check.fix}"
-            )
+        check.fingerprint(state, self.plan)
         buckets = check.mapping(state.get("buckets"), "buckets")
         with_velocity = sorted(i for i, e in buckets.items() if isinstance(e, dict) and "velocity" in e)
         if with_velocity and self.momentum == 0:
@@ -803,17 +622,16 @@ class PlanHook:
                 "pass the momentum it was saved with, or start without the state"
             )
         plan = self.plan
-        if self._replanning is not None and "plan" in state:
-            plan = check.plan(state["plan"], self.plan, _group_size(self.process_group), same_groups=True)
+        if self._engine.schedule is not None and "plan" in state:
+            plan = check.plan(state["plan"], self.plan, world_size_of(self.process_group), same_groups=True)
             _check_supported(plan)
         seeds = _powersgd_seeds(plan)
         pending = {i: self._checked_entry(check, i, entry, plan, seeds) for i, entry in buckets.items()}
         if plan is not self.plan and plan.to_dict() != self.plan.to_dict():  # everything checked: now take it
             self._adopt(plan, flush=False)
         self._pending = pending
-        self._residuals.clear()
+        self._codecs.clear()
         self._velocities.clear()
-        self._powersgd.clear()
 
     def _checked_entry(self, check: StateCheck, index: int, value: Any, plan: Plan, seeds: Sequence[int]
                        ) -> dict[str, Any]:
@@ -830,7 +648,7 @@ class PlanHook:
             raise check.refuse(f"{where} must name its parameters (a list of distinct names), but got {names!r}")
         unknown = [n for n in names if n not in self._shapes]
         if unknown:
-            raise check.refuse(f"{where} names {_name_list(unknown)}, which are not this model's planned parameters")
+            raise check.refuse(f"{where} names {name_list(unknown)}, which are not this model's planned parameters")
         names = tuple(names)
         numel = sum(math.prod(self._shapes[n]) for n in names)
         out: dict[str, Any] = {"params": list(names)}
@@ -866,25 +684,12 @@ class PlanHook:
             del self._pending[index]
         return taken
 
-    def _restore_residual(self, index: int, route: _Route, grad: Tensor) -> Tensor:
-        entry = self._saved(index, route, {"residual"})
-        if entry is not None and entry["residual"].shape == grad.shape:
-            return entry["residual"].to(device=grad.device, dtype=torch.float32)
-        return torch.zeros_like(grad)
-
-    def _restore_velocity(self, index: int, route: _Route, grad: Tensor) -> Tensor:
+    def _restore_velocity(self, index: int, route: _Route, flat: Tensor) -> Tensor:
+        """Bucket `index`'s velocity (fp32): as a loaded state saved it for the same parameters, else zeros."""
         entry = self._saved(index, route, {"velocity"})
-        if entry is not None and entry["velocity"].shape == grad.shape:
-            return entry["velocity"].to(device=grad.device, dtype=torch.float32)
-        return torch.zeros_like(grad)
-
-    def _restore_powersgd(self, index: int, route: _Route, group: PowerSGDGroup) -> None:
-        entry = self._saved(index, route, {"error", "q", "fresh"})
-        if entry is None or entry["error"].shape != group.error.shape or entry["q"].shape != group.q.shape:
-            return
-        group.error.copy_(entry["error"])
-        group.q.copy_(entry["q"])
-        group.fresh = bool(entry["fresh"])
+        if entry is not None and entry["velocity"].shape == flat.shape:
+            return entry["velocity"].to(device=flat.device, dtype=torch.float32)
+        return torch.zeros_like(flat, dtype=torch.float32)
 
 
 def _powersgd_seeds(plan: Plan) -> list[int]:
@@ -899,7 +704,7 @@ def _group_of(plan: Plan) -> dict[str, int]:
     return {n: i for i, g in enumerate(plan.groups) for n in g.params}
 
 
-def _trainable(module: nn.Module) -> list[int]:
+def trainable_ids(module: nn.Module) -> list[int]:
     """The identities of `module`'s trainable parameters, in the order DDP takes them."""
     return [id(p) for p in module.parameters() if p.requires_grad]
 

@@ -45,7 +45,6 @@ Design (DESIGN.md, "Runtime principles"):
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import datetime
 import functools
@@ -53,9 +52,8 @@ import hashlib
 import math
 import os
 import threading
-import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -64,36 +62,32 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from planner.contracts.plan import Group, Plan
-from planner.contracts.profile import Profile
 from planner.costmodel.problem import topk_count
-from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compress, fp16_decompress
-from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_topk_sum
-from planner.kernels.topk import all_gather_flat, decode, pack, select_topk, take_topk
+from planner.kernels.compress import PowerSGDLayout
+from planner.kernels.hierarchical import HostGroups
 from planner.platform.hosts import host_names, ranks_by_host
-from planner.runtime.adaptive import (
-    ErrorWatch,
-    Replan,
-    Replanning,
-    allowed_compressors,
-    load_on_rank0,
-    replan_on_every_rank,
-    replannable,
-)
+from planner.runtime.adaptive import Replan, Replanning
+from planner.runtime.codecs import Codec, Link, PowerSGDCodec, TopkCodec, make_codec, write_scaled
 from planner.runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, ProbeSchedule, crossover_gate, device_idle
+from planner.runtime.engine import (
+    Engine,
+    StateCheck,
+    broadcast_from_rank0,
+    check_adaptive,
+    check_momentum_options,
+    find_unused,
+    planned_params,
+    world_size_of,
+)
 from planner.runtime.retune import resolve_plan
-from planner.types import Compressor, CompressorKind, DistributedError, PlanMismatchError, PlannerError, Strategy
+from planner.types import Compressor, CompressorKind, DistributedError, PlanMismatchError, Strategy
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-    from planner.contracts.fingerprint import ClusterInfo
-
-__all__ = ["GradientExchange", "write_scaled"]
+__all__ = ["GradientExchange"]
 
 STATE_KIND = "runtime.gradient_exchange"
-
-#: Steps of each hierarchical top-k group's host union kept (`GradientExchange.host_unions`).
-UNION_HISTORY = 1024
 
 #: How long the drain at interpreter exit waits for each collective still in flight (seconds).
 EXIT_DRAIN_S = 10.0
@@ -113,60 +107,6 @@ def _drain_at_exit() -> None:
 atexit.register(_drain_at_exit)
 
 
-def _find_unused(plan: Plan, given: bool | None) -> bool:
-    """`find_unused_parameters` as given, or as the plan says when not given (see `GradientExchange`)."""
-    unused = plan.unused_params
-    if unused is None or not unused.any:
-        return bool(given)
-    where = f"the plan's profile found parameters without a gradient in some of {unused.batches} batches"
-    named = _name_list(list(unused.names))
-    if given is False:
-        raise ValueError(
-            f"find_unused_parameters=False, but {where} ({named}): their missing gradients would be averaged as "
-            "zeros and the optimizer would move them where DDP leaves them alone; pass find_unused_parameters=True "
-            "(or leave it out: the plan turns it on)"
-        )
-    if given is None:
-        warnings.warn(
-            f"find_unused_parameters is on: {where} ({named}), so, as in DDP, a parameter no rank had a gradient "
-            "for keeps its .grad as it was (None stays None: the optimizer skips it, weight decay included); pass "
-            "find_unused_parameters=True to say so and silence this note",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return True
-
-
-def _world_size(process_group: Any) -> int:
-    """Size of `process_group`, of the default group if None, or 1 when torch.distributed is not initialised."""
-    if process_group is not None:
-        return dist.get_world_size(process_group)
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
-
-
-def _name_list(names: Sequence[str], limit: int = 3) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
-
-
-def write_scaled(grad: Tensor | None, view: Tensor, scale: float) -> None:
-    """Write `grad` times `scale` into `view` (of a flat buffer) in one pass: zeros for a missing gradient, in
-    place for a gradient that already is the view. `planner profile` times this as the dense packing cost."""
-    if grad is None:
-        view.zero_()
-    elif grad.data_ptr() == view.data_ptr() and grad.dtype == view.dtype and grad.stride() == view.stride():
-        if scale != 1.0:
-            view.mul_(scale)
-    elif scale != 1.0 and grad.dtype == view.dtype:
-        torch.mul(grad, scale, out=view)
-    else:  # another dtype: convert first, so the scaling is done in fp32
-        view.copy_(grad)
-        if scale != 1.0:
-            view.mul_(scale)
-
-
 def _views(flat: Tensor, params: Sequence[Tensor]) -> list[Tensor]:
     """Consecutive slices of `flat` shaped like `params`."""
     views, offset = [], 0
@@ -176,160 +116,50 @@ def _views(flat: Tensor, params: Sequence[Tensor]) -> list[Tensor]:
     return views
 
 
-def planned_params(model: nn.Module, plan: Plan) -> dict[str, nn.Parameter]:
-    """The model's parameters by name, after checking they are exactly the planned trainable ones."""
-    params = dict(model.named_parameters())
-    planned = plan.param_order
-    replan = f"re-plan: {plan.replan_command()}"
-    unknown = [n for n in planned if n not in params]
-    if unknown:
-        raise PlanMismatchError(
-            f"the plan names parameter(s) the model does not have: {_name_list(unknown)}; {replan}"
-        )
-    frozen = [n for n in planned if not params[n].requires_grad]
-    if frozen:
-        raise PlanMismatchError(
-            f"the plan names frozen parameter(s) (requires_grad=False): {_name_list(frozen)}; {replan}"
-        )
-    planned_set = set(planned)
-    missing = [n for n, p in params.items() if p.requires_grad and n not in planned_set]
-    if missing:
-        raise PlanMismatchError(f"trainable parameter(s) missing from the plan: {_name_list(missing)}; {replan}")
-    for i, g in enumerate(plan.groups):
-        numel = sum(params[n].numel() for n in g.params)
-        if numel != g.numel:
-            raise PlanMismatchError(
-                f"plan group {i} says numel={g.numel}, but its parameters hold {numel} elements; {replan}"
-            )
-        devices = {params[n].device for n in g.params}
-        if len(devices) > 1:
-            raise ValueError(f"plan group {i} spans several devices {sorted(map(str, devices))}; one is needed")
-    return params
-
-
-def broadcast_from_rank0(tensors: Sequence[Tensor], process_group: Any = None) -> None:
-    """Overwrite `tensors` with rank 0's values: one broadcast per dtype and device, of the flattened
-    tensors (each distinct tensor once; tied parameters are one tensor)."""
-    unique = list({id(t): t for t in tensors if t.numel() > 0}.values())
-    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for t in unique:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
-    src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-    with torch.no_grad():
-        for group in by_kind.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            dist.broadcast(flat, src, group=process_group)
-            at = 0
-            for t in group:
-                t.copy_(flat[at : at + t.numel()].view_as(t))
-                at += t.numel()
-
-
 class _GroupState:
-    """Buffers and per-step progress of one planned group."""
+    """One planned group: its flat buffer and the parameters' views of it, its codec, its velocity (momentum) and
+    clipping share, and this step's progress."""
 
-    __slots__ = (
-        "as_view",
-        "clip",
-        "flat",
-        "half",
-        "hierarchical",
-        "index",
-        "k",
-        "k_max",
-        "k_now",
-        "kind",
-        "names",
-        "num_ready",
-        "numel",
-        "params",
-        "powersgd",
-        "prepared",
-        "ready",
-        "recv",
-        "residual",
-        "residual_views",
-        "send",
-        "velocity",
-        "views",
-        "work",
-        "work2",
-    )
+    __slots__ = ("as_view", "clip", "codec", "flat", "index", "names", "num_ready", "numel", "params", "plain",
+                 "prepared", "ready", "velocity", "views", "work")
 
-    def __init__(
-        self,
-        index: int,
-        group: Group,
-        params: list[nn.Parameter],
-        kind: CompressorKind,
-        world_size: int,
-        *,
-        momentum: bool = False,
-        clip: float | None = None,
-        k_max: int | None = None,
-        rank: int | None = None,
-        seed: int = 0,
-    ) -> None:
-        topk = kind is CompressorKind.TOPK
-        self.kind = kind
-        self.hierarchical = group.hierarchical and world_size > 1
+    def __init__(self, index: int, group: Group, params: list[nn.Parameter], codec: Codec, world_size: int, *,
+                 momentum: bool = False, clip: float | None = None) -> None:
+        kind = codec.kind
         self.index = index
         self.names = group.params
         self.params = params
         self.numel = group.numel
-        self.k = group.k if topk else None
-        self.k_now = self.k  # k sent this step: the plan's, or more during a density warm-up
-        self.k_max = k_max if k_max is not None else self.k  # what send/recv are allocated for
+        self.codec = codec
         self.clip = clip  # this group's share of the local clipping threshold, or None
+        # A plain group takes each gradient in the codec's own way as it comes (`Codec.take`).
+        self.plain = clip is None and not momentum
         device = params[0].device
         # Dense on one worker without momentum or clipping leaves the gradients as they are; every lossy or
         # compressing way computes (a single worker too: its arithmetic is part of the method).
-        needs_buffer = kind is not CompressorKind.DENSE or world_size > 1 or momentum or clip is not None
+        needs_buffer = kind is not CompressorKind.DENSE or world_size > 1 or not self.plain
         # A plain dense group travels in its gradients' own dtype (bf16 as bf16, as DDP's buckets do; mixed dtypes
         # promoted); every other way computes in fp32 (residuals, velocities, casts and factorisations).
-        plain = kind is CompressorKind.DENSE and not momentum and clip is None
-        dtype = functools.reduce(torch.promote_types, [p.dtype for p in params]) if plain else torch.float32
+        dense = kind is CompressorKind.DENSE and self.plain
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in params]) if dense else torch.float32
         self.flat: Tensor | None = torch.zeros(self.numel, dtype=dtype, device=device) if needs_buffer else None
         self.views = _views(self.flat, params) if self.flat is not None else []
         self.as_view = [p.dtype == dtype for p in params]
-        self.residual: Tensor | None = None
         self.velocity = torch.zeros(self.numel, dtype=torch.float32, device=device) if momentum else None
-        self.send: Tensor | None = None
-        self.recv: Tensor | None = None
-        if topk:
-            assert self.k_max is not None
-            self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device)
-            self.allocate(self.k_max, world_size)
-        self.residual_views = _views(self.residual, params) if self.residual is not None else []
-        self.half = torch.empty(self.numel, dtype=torch.float16, device=device) if kind is CompressorKind.FP16 else None
-        self.powersgd: PowerSGDGroup | None = None
-        if kind is CompressorKind.POWERSGD:
-            assert rank is not None
-            self.powersgd = PowerSGDGroup(PowerSGDLayout.of([p.shape for p in params], rank), device, seed)
         self.ready = [False] * len(params)
         self.num_ready = 0
         self.prepared = False
         self.work: Any = None
-        self.work2: Any = None  # PowerSGD's second allreduce (of the Qs)
-
-    def allocate(self, k: int, world_size: int) -> None:
-        """(Re)allocate the send and receive buffers for messages of up to k values."""
-        device = self.params[0].device
-        self.k_max = k
-        self.send = torch.empty(2 * k, dtype=torch.float32, device=device)
-        if world_size > 1 and not self.hierarchical:  # a hierarchical exchange gathers into buffers of its own
-            self.recv = torch.empty(world_size * 2 * k, dtype=torch.float32, device=device)
 
     @property
-    def topk(self) -> bool:
-        return self.kind is CompressorKind.TOPK
+    def hierarchical(self) -> bool:
+        return self.codec.hierarchical
 
     def reset(self) -> None:
         self.ready = [False] * len(self.params)
         self.num_ready = 0
         self.prepared = False
         self.work = None
-        self.work2 = None
 
 
 class _BufferSyncHook:
@@ -471,6 +301,9 @@ class GradientExchange:
             warm-up with a dense plan.
     """
 
+    #: What the codecs send over (a calibration swaps in one that sends nothing).
+    _link_type: type[Link] = Link
+
     def __init__(
         self,
         model: nn.Module,
@@ -499,40 +332,29 @@ class GradientExchange:
         plan = resolve_plan(plan, model, process_group=process_group, model_name=model_name,
                             auto_retune=auto_retune, profile=profile,
                             host_count=None if layout is None else len(layout))
-        self.plan = plan
         self.process_group = process_group
-        self.world_size = _world_size(process_group)
+        self.world_size = world_size_of(process_group)
         self._selector: str = getattr(plan, "selector", None) or "exact"
         self.momentum = float(momentum)
         self.nesterov = nesterov
         self.clip_norm = clip_norm
-        self.find_unused_parameters = _find_unused(plan, find_unused_parameters)
+        self.find_unused_parameters = find_unused(plan, find_unused_parameters)
         self._warmup = self._check_options(plan, momentum, nesterov, optimizer, clip_norm, density_warmup)
-        schedule = _check_adaptive(plan, adaptive, density_warmup, crossover)
+        schedule = check_adaptive(plan, adaptive, density_warmup, crossover)
         params = planned_params(model, plan)
-        self._planned_ids = frozenset(id(params[n]) for n in plan.param_order)
-        self._topk_ids = frozenset(id(params[n]) for g in plan.groups
-                                   if plan.compressor_of(g).kind is CompressorKind.TOPK for n in g.params)
-        self._optimizer = optimizer
-        self._optimizer_hook: RemovableHandle | None = None
-        if self.momentum > 0:
-            assert optimizer is not None
-            self._check_optimizer(optimizer)
-        elif optimizer is not None:
-            self._check_topk_momentum(optimizer)
-        if optimizer is not None:
-            self._optimizer_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._params = params
         self._step = 0
+        self._active = False
+        self._device = next((params[n].device for g in plan.groups for n in g.params), torch.device("cpu"))
+        self._link = self._link_type(process_group, self.world_size)
         self._host_layout = layout
-        self._host_groups: HostGroups | None = None
-        self._last_hierarchical: HierarchicalWork | None = None
-        self._unions: dict[int, collections.deque[float]] = {}  # per hierarchical top-k group: U / k, per step
+        self._engine = Engine(plan, params, self._link, owner="GradientExchange", momentum=self.momentum,
+                              nesterov=nesterov, optimizer=optimizer, before_step=self._refuse_open_step,
+                              schedule=schedule, profile=profile, model=model, device=self._device)
         self._grad_hooks: list[RemovableHandle] = []
         self._build_groups(plan)
         self._set_step(0)
         self._next_launch = 0
-        self._active = False
         self._enabled = True
         self._lock = threading.Lock()
         self._hooks: list[RemovableHandle] = []
@@ -548,50 +370,59 @@ class GradientExchange:
                                                       timeout_s=crossover_timeout_s, probe=crossover_probe)
         if self.gate is not None:
             self._hooks.append(model.register_forward_pre_hook(_GateHook(self)))
-        self._device = next((p.device for st in self._groups for p in st.params), torch.device("cpu"))
-        # Adaptive re-planning: rank 0 holds the profile it re-solves from; every rank measures its own gradients.
-        self.replans: list[Replan] = []
-        self._replanning = schedule
-        self._watch: ErrorWatch | None = None
-        self._profile: Profile | None = None
-        self._allowed: tuple[Compressor, ...] = ()
-        if schedule is not None:
-            self._profile = load_on_rank0(plan, profile, process_group, self._device)
-            self._allowed = allowed_compressors(plan, topk=self.momentum > 0 or optimizer is None
-                                                or not _applies_momentum(optimizer, self._planned_ids))
-            self._watch = ErrorWatch(model, [n for g in plan.groups for n in g.layers], self._allowed, schedule,
-                                     self._device)
         _LIVE.add(self)
 
+    @property
+    def plan(self) -> Plan:
+        """The plan in use (a re-plan, `adaptive=`, replaces it)."""
+        return self._engine.plan
+
+    @property
+    def replans(self) -> list[Replan]:
+        """What each re-plan decided (`adaptive=`)."""
+        return self._engine.replans
+
     def _build_groups(self, plan: Plan) -> None:
-        """The groups' buffers and state for `plan`, their hosts' subgroups where it crosses hosts hierarchically,
+        """The groups' buffers and codecs for `plan`, their hosts' subgroups where it crosses hosts hierarchically,
         and the gradient hooks that feed them (those of an earlier plan removed)."""
         for handle in self._grad_hooks:
             handle.remove()
         params = self._params
         total = sum(g.numel for g in plan.groups)
+        # Hierarchical groups: the subgroups of each host and across hosts, made once (collective).
+        crosses = self.world_size > 1 and any(g.hierarchical for g in plan.groups)
+        if crosses and self._link.host_groups is None:
+            if self._host_layout is None:
+                self._host_layout = ranks_by_host(host_names(self.process_group))
+            self._link.host_groups = HostGroups.build(self._host_layout, self.process_group)
         # PowerSGD's first random Qs: one seed per group, drawn in plan order as PyTorch's hook draws one per bucket
         # (`PowerSGDState.rng`, a RandomState of seed 0), so every rank draws the same.
         seeds = np.random.RandomState(0)
         self._groups = []
         for i, g in enumerate(plan.groups):
             compressor = plan.compressor_of(g)
-            self._groups.append(_GroupState(
-                i, g, [params[n] for n in g.params], compressor.kind, self.world_size, momentum=self.momentum > 0,
-                clip=None if self.clip_norm is None else self.clip_norm * math.sqrt(g.numel / total / self.world_size),
-                k_max=self._k_at(g.numel, g.k, 0) if self._warmup is not None else None, rank=compressor.rank,
-                seed=int(seeds.randint(1_000_000_000)) if compressor.kind is CompressorKind.POWERSGD else 0,
-            ))
-        # Hierarchical groups: the subgroups of each host and across hosts, made once (collective).
-        if self._host_groups is None and any(st.hierarchical for st in self._groups):
-            if self._host_layout is None:
-                self._host_layout = ranks_by_host(host_names(self.process_group))
-            self._host_groups = HostGroups.build(self._host_layout, self.process_group)
+            group_params = [params[n] for n in g.params]
+            codec = self._codec(g, compressor, group_params,
+                                int(seeds.randint(1_000_000_000)) if compressor.kind is CompressorKind.POWERSGD else 0)
+            clip = None if self.clip_norm is None else self.clip_norm * math.sqrt(g.numel / total / self.world_size)
+            self._groups.append(_GroupState(i, g, group_params, codec, self.world_size, momentum=self.momentum > 0,
+                                            clip=clip))
         self._grad_hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, st.index, j))
             for st in self._groups
             for j, p in enumerate(st.params)
         ]
+
+    def _codec(self, group: Group, compressor: Compressor, params: list[nn.Parameter], seed: int) -> Codec:
+        """The codec that sends `group` by `compressor` (its density warm-up's largest k allocated for top-k)."""
+        layout = None
+        if compressor.kind is CompressorKind.POWERSGD:
+            assert compressor.rank is not None
+            layout = PowerSGDLayout.of([p.shape for p in params], compressor.rank)
+        k_max = self._k_at(group.numel, group.k, 0) if self._warmup is not None else None
+        return make_codec(compressor, group.numel, self.world_size, params[0].device,
+                          hierarchical=group.hierarchical and self.world_size > 1, k=group.k, k_max=k_max,
+                          selector=self._selector, shapes=[p.shape for p in params], layout=layout, seed=seed)
 
     @classmethod
     def from_file(cls, model: nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> GradientExchange:
@@ -630,27 +461,14 @@ class GradientExchange:
             raise ValueError(f"the warm-up needs an integer `steps >= 1`, but got steps={steps!r}")
         return float(start), steps
 
-    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refuse an optimizer that would apply momentum to the planned parameters a second time."""
-        check_optimizer_momentum(optimizer, self._planned_ids, self.momentum, "GradientExchange")
-
-    def _check_topk_momentum(self, optimizer: torch.optim.Optimizer) -> None:
-        """Without `momentum`: refuse an optimizer with momentum on parameters the plan sends by top-k."""
-        check_topk_optimizer(optimizer, self._topk_ids, "GradientExchange")
-
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Step pre-hook: refuse a step between a backward and its `synchronize()` (it would apply this rank's
-        own gradients), and an optimizer whose momentum was turned on after construction (with `momentum`,
-        or on a plan's top-k groups)."""
+    def _refuse_open_step(self) -> None:
+        """Before every `optimizer.step()`: refuse a step between a backward and its `synchronize()` (it would apply
+        this rank's own gradients). The engine then checks the optimizer's momentum again."""
         if self._active:
             raise DistributedError(
                 "optimizer.step() was called after backward but before exchange.synchronize(): it would apply "
                 "this rank's own gradients; call exchange.synchronize() between loss.backward() and optimizer.step()"
             )
-        if self.momentum > 0:
-            self._check_optimizer(optimizer)
-        else:
-            self._check_topk_momentum(optimizer)
 
     def _k_at(self, numel: int, k: int | None, step: int) -> int | None:
         """k a top-k group sends at `step`: the warm-up's, never below the plan's k (the plan's after it)."""
@@ -666,15 +484,18 @@ class GradientExchange:
         return start * (self.plan.density / start) ** (step / steps)
 
     def _set_step(self, step: int) -> None:
-        """Set the step count and each group's k for it; shrink the buffers once the warm-up is over."""
+        """Set the step count and each top-k group's k for it; shrink the buffers once the warm-up is over."""
         self._step = step
         if self._warmup is None:
             return
         for st in self._groups:
-            st.k_now = self._k_at(st.numel, st.k, step)
-            assert st.k_now is not None and st.k_max is not None
-            if st.k_now > st.k_max or (st.k_now == st.k and st.k_max != st.k):
-                st.allocate(st.k_now, self.world_size)
+            codec = st.codec
+            if isinstance(codec, TopkCodec):
+                k_now = self._k_at(st.numel, codec.k, step)
+                assert k_now is not None
+                codec.k_now = k_now
+                if k_now > codec.k_max or (k_now == codec.k and codec.k_max != codec.k):
+                    codec.allocate(k_now)
 
     @property
     def step(self) -> int:
@@ -688,7 +509,8 @@ class GradientExchange:
         size: from 1, when a host's workers picked the same entries, to the host size, when they picked disjoint
         ones). The profile predicts these exchanges at the union it measured (`HostTopk.union_ratio`); this is
         what training made of it. Copies; empty without such groups."""
-        return {i: list(ratios) for i, ratios in self._unions.items()}
+        return {st.index: list(st.codec.unions) for st in self._groups
+                if isinstance(st.codec, TopkCodec) and st.codec.hierarchical and st.codec.unions}
 
     @property
     def current_density(self) -> float | None:
@@ -727,8 +549,9 @@ class GradientExchange:
             self._active = True
             st.ready[param_index] = True
             st.num_ready += 1
-            if self._watch is not None and self._watch.measuring(self._step):
-                self._watch.take(param, param.grad)
+            watch = self._engine.watch
+            if watch is not None and watch.measuring(self._step):
+                watch.take(param, param.grad)
             self._gather(st, param_index, param.grad)
             if st.num_ready == len(st.params):
                 self._prepare(st)
@@ -738,134 +561,43 @@ class GradientExchange:
         """Take parameter j's gradient into its group, in one pass, while it is still in cache (as DDP's reducer
         copies each gradient into its bucket as soon as it is ready).
 
-        A plain top-k group (no clipping, no momentum) adds it straight into the residual; a plain dense group
-        writes it into the flat buffer already divided by the world size (the allreduce then sums to the
-        mean, as DDP does); otherwise the flat buffer takes the local gradient, clipped and folded into the
-        velocity once the group is complete. A missing gradient (None) counts as zeros.
+        A plain group (no clipping, no momentum) takes it as its codec does (`Codec.take`: top-k adds it straight
+        into the residual, dense writes it into the flat buffer already divided by the world size, so that the
+        allreduce sums to the mean as DDP's does); otherwise the flat buffer takes the local gradient, clipped and
+        folded into the velocity once the group is complete. A missing gradient (None) counts as zeros.
         """
         if st.flat is None:
             return
-        plain = st.clip is None and st.velocity is None
-        if st.topk and plain:
-            if grad is not None:
-                st.residual_views[j].add_(grad)
-            return
-        scaled = plain and st.kind is CompressorKind.DENSE  # fp16 and PowerSGD take the sum as PyTorch's hooks do
-        write_scaled(grad, st.views[j], 1.0 / self.world_size if scaled else 1.0)
+        if st.plain:
+            st.codec.take(j, grad, st.views[j])
+        else:
+            write_scaled(grad, st.views[j], 1.0)
 
     def _prepare(self, st: _GroupState) -> None:
         """Complete the group for its collective: gather the parameters that had no gradient (zeros), then clip,
-        fold into the velocity and, for top-k, select from the residual and pack.
+        and let the engine fold it into the velocity and the codec compress it.
         """
         for j, ready in enumerate(st.ready):
             if not ready:
                 self._gather(st, j, None)
-        if st.flat is None:
-            st.prepared = True
-            return
-        plain = st.clip is None and st.velocity is None
-        if st.topk and plain:
-            residual = st.residual
-            assert residual is not None
-            self._select(st, lambda k: take_topk(residual, k, selector=self._selector))
-            st.prepared = True
-            return
-        if st.clip is not None:  # as clip_grad_norm_, without a host sync: scale by min(1, c / norm)
-            st.flat.mul_(torch.clamp(st.clip / (torch.linalg.vector_norm(st.flat) + 1e-6), max=1.0))
-        source = st.flat if st.velocity is None else self._apply_momentum(st)
-        if st.topk:
-            self._select(st, lambda k: select_topk(source, st.residual, k, selector=self._selector))
-        elif st.half is not None:
-            fp16_compress(source, st.half, self.world_size)
-        elif st.powersgd is not None:
-            st.powersgd.compress(source)
-        elif not plain:  # clipped or with momentum: what is sent, divided by the world size
-            torch.mul(source, 1.0 / self.world_size, out=st.flat)
+        if st.flat is not None:
+            if st.clip is not None:  # as clip_grad_norm_, without a host sync: scale by min(1, c / norm)
+                st.flat.mul_(torch.clamp(st.clip / (torch.linalg.vector_norm(st.flat) + 1e-6), max=1.0))
+            self._engine.prepare(st.codec, st.flat, st.velocity, taken=st.plain)
         st.prepared = True
-
-    def _select(self, st: _GroupState, select: Callable[[int], tuple[Tensor, Tensor]]) -> None:
-        """Pack the k entries `select(k)` picks (k: this step's) into the send buffer; mask the velocity there."""
-        assert st.send is not None and st.k_now is not None
-        k = st.k_now
-        values, indices = select(k)
-        pack(values, indices, out=st.send if k == st.k_max else st.send[: 2 * k])
-        if st.velocity is not None and k < st.numel:  # momentum factor masking (nothing delayed at k == N)
-            st.velocity.index_fill_(0, indices.long(), 0.0)
-
-    def _apply_momentum(self, st: _GroupState) -> Tensor:
-        """u = m u + g; return what enters the exchange: u, or g + m u (Nesterov, computed in the flat buffer)."""
-        assert st.velocity is not None and st.flat is not None
-        st.velocity.mul_(self.momentum).add_(st.flat)
-        if self.nesterov:
-            return st.flat.add_(st.velocity, alpha=self.momentum)
-        return st.velocity
 
     def _launch_prepared(self) -> None:
         """Launch every prepared group that directly follows the launched ones, in plan order."""
         while self._next_launch < len(self._groups) and self._groups[self._next_launch].prepared:
             st = self._groups[self._next_launch]
-            st.work = self._start_collective(st)
-            if st.powersgd is not None:
-                self._second_round(st)
+            st.work = self._start(st)
             self._next_launch += 1
 
-    def _second_round(self, st: _GroupState) -> None:
-        """PowerSGD's middle round, right after its first allreduce (the compute stream waits for it, so every rank
-        launches the allreduce of the Qs at the same point in plan order): orthogonalise the Ps, Q = M^T P."""
-        assert st.powersgd is not None
-        if not st.powersgd.layout.compresses:  # nothing approximated: the first allreduce was all
-            return
-        if st.work is not None:
-            st.work.wait()
-        st.work2 = self._start_second(st, st.powersgd.middle(self.world_size))
-
-    def _start_second(self, st: _GroupState, q: Tensor) -> Any:
-        """Start the allreduce of a PowerSGD group's Qs, flat or as the group crosses hosts; its work handle
-        (None on world size 1)."""
-        if self.world_size == 1:
+    def _start(self, st: _GroupState) -> Any:
+        """Start the group's collectives; the handle of the last (None where nothing is sent)."""
+        if st.flat is None:  # dense on world size 1: nothing to send
             return None
-        if st.hierarchical:
-            return self._start_hierarchical(q)
-        return dist.all_reduce(q, group=self.process_group, async_op=True)
-
-    def _start_hierarchical(self, buffer: Tensor) -> HierarchicalWork:
-        """Sum `buffer` inside each host, across hosts, inside again, after the hierarchical exchanges started
-        before it (so that every rank issues them in the same order)."""
-        assert self._host_groups is not None
-        self._last_hierarchical = HierarchicalWork(buffer, self._host_groups, after=self._last_hierarchical)
-        return self._last_hierarchical
-
-    def _start_collective(self, st: _GroupState) -> Any:
-        """Start the group's async collective and return its work handle (None on world size 1)."""
-        if self.world_size == 1:
-            return None
-        if st.topk and st.hierarchical:  # merged inside each host, across hosts once per host, into flat
-            assert st.send is not None and st.k_now is not None and st.flat is not None
-            assert self._host_groups is not None
-            k, send, out, groups = st.k_now, st.send[: 2 * st.k_now], st.flat, self._host_groups
-            unions = self._unions.setdefault(st.index, collections.deque(maxlen=UNION_HISTORY))
-
-            def exchange() -> None:  # on the exchange's thread; one group's exchanges run one after another
-                unions.append(hierarchical_topk_sum(send, k, out, groups, self.world_size) / k)
-
-            self._last_hierarchical = HierarchicalWork(send, groups, after=self._last_hierarchical, run=exchange)
-            return self._last_hierarchical
-        if st.topk:
-            assert st.recv is not None and st.send is not None and st.k_now is not None
-            if st.k_now == st.k_max:
-                return all_gather_flat(st.recv, st.send, group=self.process_group, async_op=True)
-            size = 2 * st.k_now
-            return all_gather_flat(st.recv[: self.world_size * size], st.send[:size], group=self.process_group,
-                                   async_op=True)
-        if st.hierarchical:  # dense, fp16 or PowerSGD's first round: the same sum, by host
-            buffer = st.half if st.half is not None else st.powersgd.send if st.powersgd is not None else st.flat
-            assert buffer is not None
-            return self._start_hierarchical(buffer)
-        if st.half is not None:
-            return dist.all_reduce(st.half, group=self.process_group, async_op=True)
-        if st.powersgd is not None:
-            return dist.all_reduce(st.powersgd.send, group=self.process_group, async_op=True)
-        return dist.all_reduce(st.flat, group=self.process_group, async_op=True)
+        return st.codec.launch(self._link, st.flat)
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait for the collectives in flight, at most `timeout_s` each (None: as long as the process group's
@@ -873,9 +605,7 @@ class GradientExchange:
         at interpreter exit for every live exchange. A collective that fails or times out (a peer is gone)
         is left as it is."""
         wait = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
-        for work in (w for st in self._groups for w in (st.work, st.work2)):
-            if work is None:
-                continue
+        for work in (st.work for st in self._groups if st.work is not None):
             with contextlib.suppress(RuntimeError):
                 if wait is None:
                     work.wait()
@@ -910,39 +640,30 @@ class GradientExchange:
             finally:
                 for st in self._groups:
                     st.reset()
-                self._last_hierarchical = None
+                self._link.last_hierarchical = None
                 self._next_launch = 0
                 self._active = False
                 self._set_step(self._step + 1)
-            if self._watch is not None and self._watch.observe(self._step - 1):
+            watch = self._engine.watch
+            if watch is not None and watch.observe(self._step - 1):
                 self._replan(self._step - 1)
 
     # -- adaptive re-planning --------------------------------------------------------------------
     def _replan(self, step: int) -> None:
         """After the last measured step of a period: gather the errors, rank 0 decides, every rank takes its plan."""
-        assert self._watch is not None and self._replanning is not None
-        record = replan_on_every_rank(self.plan, self._profile, self._watch, self._replanning, self._allowed, step,
-                                      self.process_group)
-        if record.plan is not None:
-            self._adopt(record.plan, flush=True)
-        self.replans.append(record)
+        plan = self._engine.replan(step, keep_grouping=False)
+        if plan is not None:
+            self._adopt(plan, flush=True)
 
     def _adopt(self, plan: Plan, *, flush: bool) -> None:
         """Run `plan` from the next step: flush the error fed back (averaged over ranks into this step's
         gradients), carry the momentum velocities over parameter by parameter, rebuild the groups."""
-        if plan.model.fingerprint != self.plan.model.fingerprint or plan.param_order != self.plan.param_order:
-            raise PlanMismatchError("a re-plan must keep the model and its parameters; the new plan has others")
-        topk_ids = frozenset(id(self._params[n]) for g in plan.groups
-                             if plan.compressor_of(g).kind is CompressorKind.TOPK for n in g.params)
-        if self._optimizer is not None and self.momentum == 0:  # refused before anything changes
-            check_topk_optimizer(self._optimizer, topk_ids, "GradientExchange")
+        self._engine.check_adoptable(plan, same_groups=False)
         if flush:
             self._flush_error_feedback()
         velocities = {name: view.clone() for st in self._groups if st.velocity is not None
                       for name, view in zip(st.names, _views(st.velocity, st.params), strict=True)}
-        self.plan = plan
-        self._topk_ids = topk_ids
-        self._unions.clear()
+        self._engine.adopt(plan)
         self._build_groups(plan)
         for st in self._groups:
             if st.velocity is not None and velocities:
@@ -952,25 +673,15 @@ class GradientExchange:
     def _flush_error_feedback(self) -> None:
         """Add every rank's error fed back (top-k residuals, PowerSGD errors), averaged, to this step's gradients,
         and clear it: what the compressors held back is applied now instead of at later steps."""
-        held = [(st, st.residual) for st in self._groups if st.residual is not None]
-        held += [(st, st.powersgd.error) for st in self._groups if st.powersgd is not None]
-        if not held:
-            return
-        flat = torch.cat([buffer for _, buffer in held])
-        if self.world_size > 1:
-            dist.all_reduce(flat, group=self.process_group)
-        flat.div_(self.world_size)
-        at = 0
-        for st, buffer in held:
-            mean = flat[at : at + st.numel]
-            at += st.numel
+        held = [(st, error) for st in self._groups if (error := st.codec.error()) is not None]
+        for (st, error), mean in zip(held, self._engine.mean_over_ranks([e for _, e in held]), strict=True):
             for p, view in zip(st.params, _views(mean, st.params), strict=True):
                 if p.grad is None:
                     if torch.count_nonzero(view):
                         p.grad = view.to(p.dtype, copy=True)
                 else:
                     p.grad.add_(view.to(p.grad.dtype))
-            buffer.zero_()
+            error.zero_()
 
     def _used_anywhere(self) -> list[list[bool]]:
         """Per group and parameter: whether any rank had a gradient for it this step (one allreduce, queued
@@ -992,22 +703,7 @@ class GradientExchange:
         (only of the parameters some rank had a gradient for, when `used` says)."""
         if st.flat is None:  # dense on world size 1: the local gradient already is the average
             return
-        if st.half is not None:
-            fp16_decompress(st.half, st.flat)
-        elif st.powersgd is not None:
-            if not st.powersgd.layout.compresses:  # no second round: its middle only averages what was sent whole
-                st.powersgd.middle(self.world_size)
-            elif st.work2 is not None:
-                st.work2.wait()
-            st.powersgd.decompress(st.flat, self.world_size)
-        elif st.topk and st.hierarchical:
-            pass  # the exchange wrote the average into flat
-        elif st.topk:
-            assert st.k_now is not None and st.send is not None
-            gathered = st.send if st.recv is None else st.recv
-            if st.k_now != st.k_max:
-                gathered = gathered[: self.world_size * 2 * st.k_now]
-            decode(gathered, st.k_now, st.numel, self.world_size, out=st.flat)
+        st.codec.finish(st.flat)
         for j, (p, view, as_view) in enumerate(zip(st.params, st.views, st.as_view, strict=True)):
             if used is not None and not used[j]:
                 continue
@@ -1049,15 +745,14 @@ class GradientExchange:
             "kind": STATE_KIND,
             "model_fingerprint": self.plan.model.fingerprint,
             "layout": self._layout_digest(),
-            "residuals": {st.index: st.residual.detach().clone() for st in self._groups if st.residual is not None},
+            "residuals": {st.index: st.codec.state()["residual"] for st in self._groups
+                          if isinstance(st.codec, TopkCodec)},
             "velocities": {st.index: st.velocity.detach().clone() for st in self._groups if st.velocity is not None},
             "step": self._step,
         }
-        if self._replanning is not None:  # the plan in use: a resumed adaptive run continues with it
+        if self._engine.schedule is not None:  # the plan in use: a resumed adaptive run continues with it
             state["plan"] = self.plan.to_dict()
-        powersgd = {st.index: {"error": st.powersgd.error.detach().clone(), "q": st.powersgd.q.detach().clone(),
-                               "fresh": st.powersgd.fresh}
-                    for st in self._groups if st.powersgd is not None}
+        powersgd = {st.index: st.codec.state() for st in self._groups if isinstance(st.codec, PowerSGDCodec)}
         if powersgd:
             state["powersgd"] = powersgd
         return state
@@ -1076,13 +771,9 @@ class GradientExchange:
         if kind != STATE_KIND:
             raise PlanMismatchError(f"not a GradientExchange state: kind is {kind!r}, expected {STATE_KIND!r}")
         check = StateCheck("exchange", "load the state saved with this plan, or start without one")
-        if state.get("model_fingerprint") != self.plan.model.fingerprint:
-            raise PlanMismatchError(
-                f"this exchange state was saved for model fingerprint {state.get('model_fingerprint')}, but the plan "
-                f"is for {self.plan.model.describe()}; {check.fix}"
-            )
+        check.fingerprint(state, self.plan)
         plan = self.plan
-        if self._replanning is not None and "plan" in state:
+        if self._engine.schedule is not None and "plan" in state:
             plan = check.plan(state["plan"], self.plan, self.world_size, same_groups=False)
         if state.get("layout") != self._layout_digest(plan):
             raise check.refuse(f"this exchange state was saved for other plan groups (layout {state.get('layout')}, "
@@ -1100,18 +791,15 @@ class GradientExchange:
         if plan is not self.plan and plan.to_dict() != self.plan.to_dict():
             self._adopt(plan, flush=False)  # its own check (the optimizer's momentum) comes before any change
         for st in self._groups:  # everything checked: now copy
-            if st.residual is not None:
-                st.residual.copy_(residuals[st.index])
+            if isinstance(st.codec, TopkCodec):
+                st.codec.load({"residual": residuals[st.index]})
             if st.velocity is not None:
                 if velocities:
                     st.velocity.copy_(velocities[st.index])
                 else:
                     st.velocity.zero_()
-            if st.powersgd is not None:
-                saved = powersgd[st.index]
-                st.powersgd.error.copy_(saved["error"])
-                st.powersgd.q.copy_(saved["q"])
-                st.powersgd.fresh = saved["fresh"]
+            if isinstance(st.codec, PowerSGDCodec):
+                st.codec.load(powersgd[st.index])
         self._set_step(step)
 
     def _saved_powersgd(self, check: StateCheck, state: dict[str, Any], plan: Plan) -> dict[int, dict[str, Any]]:
@@ -1166,9 +854,7 @@ class GradientExchange:
             handle.remove()
         self._grad_hooks.clear()
         self._hooks.clear()
-        if self._optimizer_hook is not None:
-            self._optimizer_hook.remove()
-            self._optimizer_hook = None
+        self._engine.remove_hooks()
 
     def close(self) -> None:
         """Wait (at most `EXIT_DRAIN_S` each) for the collectives in flight, then remove the hooks."""
@@ -1183,178 +869,3 @@ class GradientExchange:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# -- momentum correction's checks, shared with PlanHook (`owner` names the one that applies momentum) ------------
-def _check_adaptive(plan: Plan, adaptive: bool | Replanning, density_warmup: Any, crossover: Any
-                    ) -> Replanning | None:
-    """`adaptive` as a schedule (None: off), refused where it cannot run."""
-    if adaptive is False:
-        return None
-    schedule = adaptive if isinstance(adaptive, Replanning) else Replanning() if adaptive is True else None
-    if schedule is None:
-        raise ValueError(f"adaptive must be True, False or a Replanning, but got {adaptive!r}")
-    why = replannable(plan)
-    if why:
-        raise ValueError(why)
-    if density_warmup is not None or crossover is not None:
-        raise ValueError("adaptive re-planning runs without a density warm-up and without crossover; leave one out")
-    return schedule
-
-
-def _applies_momentum(optimizer: torch.optim.Optimizer, planned_ids: frozenset[int]) -> bool:
-    """Whether the optimizer applies momentum to some planned parameter."""
-    return any(group.get("momentum", 0) and any(id(p) in planned_ids for p in group["params"])
-               for group in optimizer.param_groups)
-
-
-def check_momentum_options(momentum: float, nesterov: bool, optimizer: torch.optim.Optimizer | None,
-                           owner: str, *, optimizer_later: bool = False) -> None:
-    """Refuse momentum out of range, nesterov without momentum, and momentum without the optimizer to check
-    (unless `optimizer_later`: the caller checks the optimizer once it exists, as Lightning's strategy does)."""
-    if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 <= momentum < 1:
-        raise ValueError(f"`0 <= momentum < 1` must hold, but got momentum={momentum!r}")
-    if not isinstance(nesterov, bool):
-        raise ValueError(f"nesterov must be True or False, but got nesterov={nesterov!r}")
-    if nesterov and momentum == 0:
-        raise ValueError("nesterov=True needs momentum > 0, but got momentum=0")
-    if momentum > 0 and optimizer is None and not optimizer_later:
-        raise ValueError(
-            f"momentum={momentum} needs optimizer=: {owner} applies momentum, so it must check that the optimizer "
-            "does not apply it again; pass the optimizer that steps this model"
-        )
-
-
-def check_optimizer_momentum(optimizer: torch.optim.Optimizer, planned_ids: frozenset[int], momentum: float,
-                             owner: str) -> None:
-    """With momentum correction (`momentum` > 0, applied by `owner`): refuse an optimizer that holds none of the
-    planned parameters, or would apply momentum to them a second time."""
-    planned_groups = [
-        (i, group) for i, group in enumerate(optimizer.param_groups)
-        if any(id(p) in planned_ids for p in group["params"])
-    ]  # fmt: skip
-    if not planned_groups:
-        raise ValueError(
-            f"the optimizer ({type(optimizer).__name__}) holds none of the planned parameters; "
-            "pass the optimizer that steps this model"
-        )
-    for i, group in planned_groups:
-        if "momentum" not in group:
-            raise ValueError(
-                f"momentum correction needs an SGD-like optimizer with a momentum setting, but "
-                f"{type(optimizer).__name__} has none (param group {i}); use torch.optim.SGD with momentum=0"
-            )
-        if group["momentum"] != 0:
-            raise ValueError(
-                f"optimizer param group {i} has momentum={group['momentum']}, but {owner} already applies "
-                f"momentum={momentum}, so it would be applied twice; use momentum=0 in the optimizer; {owner} "
-                "applies momentum"
-            )
-
-
-def check_topk_optimizer(optimizer: torch.optim.Optimizer, topk_ids: frozenset[int], owner: str) -> None:
-    """Without momentum correction: refuse an optimizer with momentum on parameters sent by top-k. Its momentum
-    would act on the sparse, delayed average, the mistake DGC's momentum correction is for."""
-    if not topk_ids:
-        return
-    for i, group in enumerate(optimizer.param_groups):
-        m = group.get("momentum") or 0
-        if m and any(id(p) in topk_ids for p in group["params"]):
-            nesterov = ", nesterov=True" if group.get("nesterov") else ""
-            raise ValueError(
-                f"optimizer param group {i} has momentum={m}, but the plan sends its parameters by top-k, where "
-                f"the optimizer's momentum acts on a sparse, delayed average; pass momentum={m}{nesterov} to "
-                f"{owner} and momentum=0 to the optimizer ({owner} applies it before top-k)"
-            )
-
-
-# -- saved states' checks, shared with PlanHook ---------------------------------------------------------------------
-class StateCheck:
-    """The checks `load_state_dict` makes of a saved state before anything changes, in both runtimes: each entry's
-    type and shape, and the plan an adaptive run saved. Every refusal is one line (PlanMismatchError) saying what is
-    wrong, then `fix`.
-
-    Args:
-        owner: the runtime loading it, as its messages name it ("exchange", "hook").
-        fix: what to do instead, ending every message.
-    """
-
-    __slots__ = ("fix", "owner")
-
-    def __init__(self, owner: str, fix: str) -> None:
-        self.owner = owner
-        self.fix = fix
-
-    def refuse(self, what: str) -> PlanMismatchError:
-        """The error to raise: `what` is wrong, then what to do."""
-        return PlanMismatchError(f"{what}; {self.fix}")
-
-    def mapping(self, value: Any, where: str) -> dict[int, Any]:
-        """`value`, a dict by index (group or bucket, an int or its decimal string), with int keys."""
-        if not isinstance(value, dict):
-            raise self.refuse(f"the state's {where} must be a dict by index, but got {type(value).__name__}")
-        out = {}
-        for key, item in value.items():
-            if isinstance(key, bool) or not (isinstance(key, int) or (isinstance(key, str) and key.isdecimal())):
-                raise self.refuse(f"the state's {where} must be keyed by index, but holds the key {key!r}")
-            out[int(key)] = item
-        return out
-
-    def entry(self, value: Any, where: str) -> dict[str, Any]:
-        """`value`, a dict by name."""
-        if not isinstance(value, dict):
-            raise self.refuse(f"{where} must be a dict, but got {type(value).__name__}")
-        return value
-
-    def tensor(self, value: Any, where: str, numel: int | None) -> Tensor:
-        """`value`, a 1-D floating tensor (a flat buffer as `state_dict` saves it) of `numel` elements (None: any)."""
-        if not isinstance(value, Tensor):
-            raise self.refuse(f"{where} must be a tensor, but got {type(value).__name__}")
-        if not value.is_floating_point() or value.dim() != 1 or (numel is not None and value.numel() != numel):
-            size = "" if numel is None else f" of {numel} elements"
-            raise self.refuse(f"{where} must be a 1-D floating tensor{size}, but got "
-                              f"{str(value.dtype).removeprefix('torch.')} of shape {tuple(value.shape)}")
-        return value
-
-    def flag(self, value: Any, where: str) -> bool:
-        """`value`, True or False."""
-        if not isinstance(value, bool):
-            raise self.refuse(f"{where} must be True or False, but got {value!r}")
-        return value
-
-    def plan(self, value: Any, in_use: Plan, world_size: int, *, same_groups: bool) -> Plan:
-        """The plan an adaptive run saved, checked as the plan it replaces was at construction: a plan (a dict
-        `Plan.to_dict` wrote), of the same model and parameters (with `same_groups`, the same groups: DDP's
-        buckets), for the cluster the plan in use runs on, and one the re-planner can continue (mixed, under an
-        error budget)."""
-        if not isinstance(value, dict):
-            raise self.refuse(f"the state's plan must be a dict (Plan.to_dict), but got {type(value).__name__}")
-        try:
-            plan = Plan.from_dict(value)
-        except (PlannerError, ValueError, TypeError, KeyError) as exc:
-            raise self.refuse(f"the state's plan is not a valid plan ({exc})") from exc
-        if plan.model.fingerprint != in_use.model.fingerprint:
-            raise self.refuse(f"the state's plan is for model {plan.model.describe()}, but this {self.owner} runs "
-                              f"{in_use.model.describe()}")
-        if same_groups and [g.params for g in plan.groups] != [g.params for g in in_use.groups]:
-            raise self.refuse(f"the state's plan has other groups than this {self.owner}'s plan, and a plan inside "
-                              "DDP keeps its groups (DDP's buckets)")
-        if not same_groups and plan.param_order != in_use.param_order:
-            raise self.refuse(f"the state's plan orders the parameters otherwise than this {self.owner}'s plan")
-        here, there = in_use.cluster, plan.cluster
-        if (there.world_size, there.host_count, there.backend, there.device_kind) != (
-                world_size, here.host_count, here.backend, here.device_kind):
-            raise self.refuse(f"the state's plan was made for {_cluster_text(there.world_size, there)}, but this "
-                              f"{self.owner} runs on {_cluster_text(world_size, here)}")
-        if replannable(plan):
-            what = "a mixed plan without an error budget" if plan.strategy is Strategy.MIXED else \
-                f"a {plan.strategy.value} plan"
-            raise self.refuse(f"the state holds {what}, but re-planning (adaptive=) continues a mixed plan under an "
-                              "error budget only")
-        return plan
-
-
-def _cluster_text(world_size: int, cluster: ClusterInfo) -> str:
-    """`cluster` as the checks compare it, at `world_size` workers (the process group's, or the plan's)."""
-    hosts = f"{cluster.host_count} host{'s' if cluster.host_count > 1 else ''}"
-    return f"world size {world_size} on {hosts} ({cluster.backend} on {cluster.device_kind})"

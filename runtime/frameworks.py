@@ -38,8 +38,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from planner.contracts.plan import Plan
 from planner.runtime.adaptive import Replanning
-from planner.runtime.ddp_plan import PlanHook, _trainable
-from planner.runtime.exchange import check_momentum_options
+from planner.runtime.ddp_plan import PlanHook, trainable_ids
+from planner.runtime.engine import check_momentum_options
 from planner.types import CompressorKind, PlanMismatchError
 
 __all__ = ["accelerate_prepare", "lightning_strategy"]
@@ -51,7 +51,7 @@ _HOOK_SETS = ("bucket_cap_mb", "bucket_cap_mb_list", "find_unused_parameters", "
 def _check_holds_all(outer: nn.Module, inner: nn.Module, what: str) -> None:
     """Refuse, in one line, an `inner` module whose trainable parameters are not all of `outer`'s, in its order: DDP
     wrapping `outer` would bucket other parameters than the hook's plan."""
-    if _trainable(outer) != _trainable(inner):
+    if trainable_ids(outer) != trainable_ids(inner):
         raise PlanMismatchError(
             f"the plan's module ({type(inner).__name__}) does not hold all the trainable parameters of the {what} "
             f"({type(outer).__name__}) in its order, so DDP's buckets cannot be the plan's groups; make the plan for "

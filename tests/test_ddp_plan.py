@@ -919,3 +919,46 @@ def _momentum_worker(rank: int, world_size: int) -> list[str]:
 def test_momentum_correction_equals_gradient_exchange_bit_for_bit_and_resumes() -> None:
     labels = ["topk:0.3", "topk:0.3 nesterov", "+".join(SENT_AS), "+".join(SENT_AS) + " nesterov"]
     assert run_warm(_momentum_worker, 2, timeout=180) == [labels] * 2
+
+
+def _adopt_worker(rank: int, world_size: int) -> int:
+    """Re-planning in both drivers: after three steps both take the same new plan (the same groups, each sent
+    another way), the engine starting every codec afresh and keeping the momentum velocities, and they continue
+    alike. Bit for bit, before and after."""
+    model = ladder()
+    before = mixed_plan(model, SENT_AS)
+    after = mixed_plan(model, SENT_AS[1:] + SENT_AS[:1])
+    assert [g.params for g in after.groups] == [g.params for g in before.groups]
+    assert [str(after.compressor_of(g)) for g in after.groups] != [str(before.compressor_of(g)) for g in before.groups]
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin)]
+    hook = PlanHook(model, before, momentum=0.9, optimizer=opts[0])
+    ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+    hook.register(ddp)
+    x, y = _ladder_batch(rank, 99)
+    nn.functional.mse_loss(ddp(x), y).backward()  # the warm-up iteration, no step
+    exchange = GradientExchange(twin, before, momentum=0.9, optimizer=opts[1])
+    compared = 0
+    for step in range(6):
+        if step == 3:
+            hook._adopt(after, flush=False)
+            exchange._adopt(after, flush=False)
+            assert hook.plan is after and exchange.plan is after
+        x, y = _ladder_batch(rank, step)
+        for opt in opts:
+            opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        nn.functional.mse_loss(twin(x), y).backward()
+        exchange.synchronize()
+        for opt in opts:
+            opt.step()
+        for (pname, p), q in zip(ddp.module.named_parameters(), twin.parameters(), strict=True):
+            assert torch.equal(p, q), f"step {step}: {pname} differs by {(p - q).abs().max().item():.3g}"
+        compared += 1
+    exchange.close()
+    hook.remove_hooks()
+    return compared
+
+
+def test_both_drivers_take_a_new_plan_alike() -> None:
+    assert run_warm(_adopt_worker, 2) == [6, 6]

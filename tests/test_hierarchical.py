@@ -33,7 +33,7 @@ from planner.platform.launch import run_distributed
 from planner.platform.link import parse_rate, privilege_problem
 from planner.solvers import PerLayer, solve_exact
 from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, make_plan
-from planner.types import Collective, Compressor, InvalidProfileError, SchemaError, Strategy
+from planner.types import Collective, Compressor, CompressorKind, InvalidProfileError, SchemaError, Strategy
 from tests.factories import examples, plan_with_groups, synthetic_profile
 from tests.pool import run_warm
 from tests.test_contracts import _main
@@ -200,7 +200,7 @@ def _runtime_worker(rank: int, world_size: int, explicit: bool) -> list[float]:
         if sent_as == ["topk:0.3"]:
             assert sorted(unions) == [0, 2] and all(len(u) == 3 for u in unions.values())
             for i, u in unions.items():
-                k = exchange._groups[i].k
+                k = exchange._groups[i].codec.k
                 assert k is not None and all(1 <= r <= (2 * k + 2) / k for r in u), (i, u)
         else:
             assert unions == {}
@@ -436,7 +436,8 @@ def _shaped_worker(rank: int, world_size: int, sent_as: str) -> float:
     ddp: Any = (GradientExchange(theirs, _hierarchical_plan(theirs, [sent_as], [False]), hosts=[[0, 1], [2, 3]],
                                  find_unused_parameters=True) if lossy
                 else DistributedDataParallel(theirs, find_unused_parameters=True))
-    assert all(st.hierarchical and st.topk == sent_as.startswith("topk") for st in exchange._groups)
+    assert all(st.hierarchical and (st.codec.kind is CompressorKind.TOPK) == sent_as.startswith("topk")
+               for st in exchange._groups)
     worst = 0.0
     for step in range(2):
         g = torch.Generator().manual_seed(10 * rank + step)
@@ -453,7 +454,7 @@ def _shaped_worker(rank: int, world_size: int, sent_as: str) -> float:
                 worst = max(worst, float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)))
     if sent_as == "topk:1":  # every entry picked on every rank: a host's union is k (padded to a multiple of 2)
         for i, u in exchange.host_unions.items():
-            k = exchange._groups[i].k
+            k = exchange._groups[i].codec.k
             assert k is not None and list(u) == [2 * math.ceil(k / 2) / k] * 2, (i, u)
     exchange.close()
     if lossy:

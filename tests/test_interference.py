@@ -18,7 +18,7 @@ from planner.costmodel.costs import AffineCost, ScaledCost
 from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.simulator import simulate
 from planner.models import build_workload
-from planner.runtime.exchange import write_scaled
+from planner.runtime.codecs import write_scaled
 from planner.solvers import BASELINES, DDP_BASELINE
 from planner.strategies.cluster import parse_cluster, profile_for_cluster
 from planner.strategies.gradients import make_plan

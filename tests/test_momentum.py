@@ -17,9 +17,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import planner.runtime.exchange as exchange_module
+import planner.runtime.codecs as codecs_module
 from planner.costmodel.problem import topk_count
 from planner.runtime import GradientExchange
+from planner.runtime.codecs import TopkCodec
 from planner.types import PlanMismatchError, Strategy
 from tests.digits import digits
 from tests.pool import run_warm
@@ -95,13 +96,13 @@ def _equals_momentum_sgd_worker(rank: int, world_size: int) -> int:
 def _warmup_worker(rank: int, world_size: int) -> dict[str, Any]:
     """Record the k every select_topk call sends under a density warm-up; check the averaged gradients."""
     sent: list[int] = []
-    select = exchange_module.select_topk
+    select = codecs_module.select_topk
 
     def recording(grad: torch.Tensor, residual: torch.Tensor | None, k: int, **kwargs: Any) -> Any:
         sent.append(k)
         return select(grad, residual, k, **kwargs)
 
-    exchange_module.select_topk = recording  # in this spawned process only
+    codecs_module.select_topk = recording  # in this spawned process only
     model = tiny_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     plan = make_plan(model, "per-layer", Strategy.TOPK, 0.05)
@@ -119,7 +120,8 @@ def _warmup_worker(rank: int, world_size: int) -> dict[str, Any]:
         dist.broadcast(theirs, src=0)
         assert torch.equal(mine, theirs), f"step {step}: ranks hold different averaged gradients"
         opt.step()
-    buffers = [(st.k, None if st.send is None else st.send.numel()) for st in exchange._groups]
+    buffers = [(st.codec.k, st.codec.send.numel()) if isinstance(st.codec, TopkCodec) else (None, None)
+               for st in exchange._groups]
     return {"sent": sent, "densities": densities, "nonzero": nonzero, "step": exchange.step, "buffers": buffers,
             "numels": [g.numel for g in plan.groups], "ks": [g.k for g in plan.groups]}
 
@@ -222,7 +224,7 @@ def test_masking_during_a_dense_warmup_steps_as_plain_sgd(warmup: bool) -> None:
     buffer = torch.zeros_like(grad)
     for step in range(5):
         if warmup:
-            assert exchange._groups[0].k_now >= 8, step
+            assert exchange._groups[0].codec.k_now >= 8, step
         opt.zero_grad()
         (model.weight * grad).sum().backward()
         exchange.synchronize()

@@ -708,7 +708,7 @@ def _record_events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
         events.append(("launch", st.index))  # type: ignore[attr-defined]
 
     monkeypatch.setattr(GradientExchange, "_prepare", recording_prepare)
-    monkeypatch.setattr(GradientExchange, "_start_collective", recording_start)
+    monkeypatch.setattr(GradientExchange, "_start", recording_start)
     return events
 
 

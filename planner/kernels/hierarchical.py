@@ -194,6 +194,7 @@ class HierarchicalWork:
     def __init__(self, flat: Tensor, groups: HostGroups, after: HierarchicalWork | None = None, *,
                  run: Callable[[], object] | None = None) -> None:
         self._error: BaseException | None = None
+        self._future: torch.futures.Future[Any] = torch.futures.Future()  # completed by the thread
         work = run if run is not None else lambda: hierarchical_all_reduce(flat, groups)
         self._thread = threading.Thread(target=self._run, args=(flat, work, after), daemon=True,
                                         name="planner-hierarchical-exchange")
@@ -208,6 +209,9 @@ class HierarchicalWork:
             work()
         except BaseException as exc:  # re-raised in wait(), on the caller's thread
             self._error = exc
+            self._future.set_exception(exc)
+            return
+        self._future.set_result(None)
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until done (a `timedelta` timeout: at most that long); re-raise what the steps raised."""
@@ -217,6 +221,10 @@ class HierarchicalWork:
         if self._error is not None:
             raise self._error
         return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """A future completed when the steps are done (with what they raised, if anything), as a collective's."""
+        return self._future
 
     def is_completed(self) -> bool:
         return not self._thread.is_alive()
