@@ -1,6 +1,6 @@
 """Group-size bounds of the exact solvers (DenseDP, TopkParetoDP) against brute force, and FittedCurve.corrected.
 
-The rule (planner/solvers/grouping.py): a group's size is its dense gradient bytes; every group is at most
+The rule (planner/solvers/grouping/base.py): a group's size is its dense gradient bytes; every group is at most
 max_group_bytes unless it is a single layer, and at least min_group_bytes unless it is the last group.
 """
 

@@ -29,7 +29,9 @@ import numpy as np
 from planner.costmodel.costs import AffineCost, CostModel
 from planner.costmodel.problem import Grouping, groups_of
 from planner.costmodel.simulator import validate_ends
-from planner.solvers.grouping import DDP_BUCKET_BYTES, _ends_from_back_pointers, _startup_cost
+from planner.solvers.grouping import DDP_BUCKET_BYTES
+from planner.solvers.grouping.base import _ends_from_back_pointers
+from planner.solvers.grouping.baselines import _startup_cost
 from planner.types import SolverError
 
 __all__ = [
