@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner.solvers.placement as placement_module
+from planner.commands.solver_bench import time_placement
 from planner.solvers.placement import (
     PLACEMENT_BASELINES,
     PLACEMENT_SOLVERS,
@@ -29,7 +30,6 @@ from planner.solvers.placement import (
     makespan,
     placement_lower_bound,
     random_placement_problem,
-    time_placement,
 )
 from planner.types import SolverError
 from tests.factories import examples

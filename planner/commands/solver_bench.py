@@ -1,4 +1,5 @@
-"""Synthetic gradient problems and a timing harness for the grouping solvers (used by a benchmark command).
+"""Synthetic gradient problems, and the timing harness of `planner bench-solvers`: the grouping solvers (`time_solvers`)
+and the K-FAC placement solvers (`time_placement`).
 
 The instances are made up but shaped like real ones: layer sizes spread over four decades, backward time
 roughly proportional to size, collectives with a start-up cost between 50 us and 1 ms, and top-k
@@ -18,9 +19,16 @@ from planner.costmodel.costs import AffineCost, PiecewiseLinearCost
 from planner.costmodel.problem import GradientProblem
 from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DenseDP, GroupingSolver, TopkParetoDP, lower_bound
+from planner.solvers.placement import (
+    PLACEMENT_BASELINES,
+    PLACEMENT_SOLVERS,
+    PlacementResult,
+    PlacementSolver,
+    random_placement_problem,
+)
 from planner.types import GROUPING_STRATEGIES, SolverError, Strategy
 
-__all__ = ["random_problem", "time_solvers"]
+__all__ = ["random_problem", "time_placement", "time_solvers"]
 
 
 def random_problem(
@@ -123,3 +131,46 @@ def time_solvers(num_layers: int = 1000, repeats: int = 5, seed: int = 0,
                 }
             )
     return rows
+
+
+def time_placement(
+    n: int, world_size: int, repeats: int = 3, time_limit_s: float = 1.5, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Median wall time and result of every exact solver and baseline on one random instance.
+
+    Returns one row per solver: solver, exact (a model solver), factors, world_size, median_s, makespan_s,
+    lower_bound_s, gap, optimal, num_everywhere, and vs_best_baseline (best baseline makespan / this one).
+    """
+    if repeats < 1:
+        raise SolverError(f"`repeats >= 1` must hold, but got repeats={repeats}")
+    problem = random_placement_problem(n, world_size, seed)
+    solvers: list[tuple[PlacementSolver, bool]] = [
+        *((cls(time_limit_s=time_limit_s), True) for cls in PLACEMENT_SOLVERS.values()),
+        *((cls(), False) for cls in PLACEMENT_BASELINES),
+    ]
+    measured: list[tuple[PlacementSolver, bool, float, PlacementResult]] = []
+    for solver, exact in solvers:
+        times, result = [], None
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            result = solver.solve(problem)
+            times.append(time.perf_counter() - begin)
+        assert result is not None
+        measured.append((solver, exact, statistics.median(times), result))
+    best_baseline = min(r.makespan_s for _, exact, _, r in measured if not exact)
+    return [
+        {
+            "solver": solver.name,
+            "exact": exact,
+            "factors": n,
+            "world_size": world_size,
+            "median_s": median,
+            "makespan_s": result.makespan_s,
+            "lower_bound_s": result.lower_bound_s,
+            "gap": result.gap,
+            "optimal": result.optimal,
+            "num_everywhere": result.num_everywhere,
+            "vs_best_baseline": best_baseline / result.makespan_s if result.makespan_s > 0 else 1.0,
+        }
+        for solver, exact, median, result in measured
+    ]

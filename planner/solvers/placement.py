@@ -43,7 +43,6 @@ import itertools
 import math
 import os
 import re
-import statistics
 import tempfile
 import time
 import warnings
@@ -76,7 +75,6 @@ __all__ = [
     "makespan",
     "placement_lower_bound",
     "random_placement_problem",
-    "time_placement",
 ]
 
 #: Owner rank of each factor; None = every worker inverts it.
@@ -973,7 +971,7 @@ PLACEMENT_SOLVERS: dict[str, type[_ModelPlacement]] = {"ilp-cbc": IlpPlacement, 
 
 
 # ----------------------------------------------------------------------------------------------------
-# Brute force, instances and timing
+# Brute force and instances
 
 
 def brute_force_placement(problem: PlacementProblem) -> tuple[Placement, float]:
@@ -1021,46 +1019,3 @@ def random_placement_problem(n: int, world_size: int, seed: int) -> PlacementPro
         dims=tuple(int(d) for d in dims),
         world_size=world_size,
     )
-
-
-def time_placement(
-    n: int, world_size: int, repeats: int = 3, time_limit_s: float = 1.5, seed: int = 0
-) -> list[dict[str, Any]]:
-    """Median wall time and result of every exact solver and baseline on one random instance.
-
-    Returns one row per solver: solver, exact (a model solver), factors, world_size, median_s, makespan_s,
-    lower_bound_s, gap, optimal, num_everywhere, and vs_best_baseline (best baseline makespan / this one).
-    """
-    if repeats < 1:
-        raise SolverError(f"`repeats >= 1` must hold, but got repeats={repeats}")
-    problem = random_placement_problem(n, world_size, seed)
-    solvers: list[tuple[PlacementSolver, bool]] = [
-        *((cls(time_limit_s=time_limit_s), True) for cls in PLACEMENT_SOLVERS.values()),
-        *((cls(), False) for cls in PLACEMENT_BASELINES),
-    ]
-    measured: list[tuple[PlacementSolver, bool, float, PlacementResult]] = []
-    for solver, exact in solvers:
-        times, result = [], None
-        for _ in range(repeats):
-            begin = time.perf_counter()
-            result = solver.solve(problem)
-            times.append(time.perf_counter() - begin)
-        assert result is not None
-        measured.append((solver, exact, statistics.median(times), result))
-    best_baseline = min(r.makespan_s for _, exact, _, r in measured if not exact)
-    return [
-        {
-            "solver": solver.name,
-            "exact": exact,
-            "factors": n,
-            "world_size": world_size,
-            "median_s": median,
-            "makespan_s": result.makespan_s,
-            "lower_bound_s": result.lower_bound_s,
-            "gap": result.gap,
-            "optimal": result.optimal,
-            "num_everywhere": result.num_everywhere,
-            "vs_best_baseline": best_baseline / result.makespan_s if result.makespan_s > 0 else 1.0,
-        }
-        for solver, exact, median, result in measured
-    ]
