@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from planner.commands.cli import main
 from planner.commands.printing import optimality_line
-from planner.commands.solver_bench import random_problem
 from planner.contracts.plan import VIA_DDP_ROW, Plan
 from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.mixed import simulate_mixed
@@ -25,6 +24,7 @@ from planner.solvers.deadline import Deadline
 from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
 from planner.strategies.gradients import make_plan
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.testing import random_problem
 from planner.types import Collective, SchemaError, SolverError, Strategy
 from tests.factories import examples, synthetic_profile
 from tests.shipped import shipped_plans

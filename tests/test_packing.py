@@ -10,13 +10,8 @@ import pytest
 
 from planner.contracts.kfac import KFACSection
 from planner.solvers.fusion import FusionDP, simulate_fusion
-from planner.solvers.packing import (
-    PackingDP,
-    PackingProblem,
-    brute_force_packing,
-    random_packing_problem,
-    simulate_packing,
-)
+from planner.solvers.packing import PackingDP, PackingProblem, simulate_packing
+from planner.testing import brute_force_packing, random_packing_problem
 from planner.types import SchemaError, SolverError
 
 UNBOUNDED = 10**9

@@ -24,13 +24,12 @@ from planner.solvers.placement import (
     PlacementResult,
     PlacementSolver,
     SpdKfacRule,
-    brute_force_placement,
     canonical_placement,
     inversion_timeline,
     makespan,
     placement_lower_bound,
-    random_placement_problem,
 )
+from planner.testing import brute_force_placement, random_placement_problem
 from planner.types import SolverError
 from tests.factories import examples
 

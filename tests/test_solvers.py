@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.commands.solver_bench import random_problem, time_solvers
+from planner.commands.solver_bench import time_solvers
 from planner.costmodel.costs import AffineCost, CostModel, PiecewiseLinearCost, ScaledCost
 from planner.costmodel.problem import GradientProblem, Grouping, topk_count, topk_count_many
 from planner.costmodel.simulator import simulate, validate_grouping
@@ -33,6 +33,7 @@ from planner.solvers import (
     solve_exact,
 )
 from planner.solvers.grouping import base, bounds, pareto
+from planner.testing import random_problem
 from planner.types import GROUPING_STRATEGIES, SolverError, Strategy
 from tests.factories import examples
 
@@ -154,8 +155,8 @@ def test_topk_dp_matches_brute_force(comm_kind: str, data: st.DataObject) -> Non
 def test_exact_matches_brute_force_on_realistic_instances(
     seed: int, strategy: Strategy, density: float, piecewise: bool, interference: float
 ) -> None:
-    """Twelve realistic layers (solver_bench instances), with affine and interpolated collectives, with
-    and without interference (dense ones then also pay packing)."""
+    """Twelve realistic layers (`planner.testing.random_problem` instances), with affine and interpolated
+    collectives, with and without interference (dense ones then also pay packing)."""
     problem = random_problem(12, strategy, seed=seed, density=density, interference=interference)
     _check_exact(_with_piecewise_comm(problem) if piecewise else problem)
 
