@@ -55,6 +55,9 @@ from planner.solvers.placement import (
 )
 from planner.types import SolverError
 
+# ortools is imported by the methods that solve, not here: `planner` starting, a command's workers and a training job
+# never load it (tests/test_packaging.py).
+
 __all__ = [
     "LAYOUT_BASELINES",
     "LAYOUT_SOLVERS",

@@ -53,6 +53,9 @@ import numpy as np
 
 from planner.types import SolverError
 
+# pulp and ortools are imported by the methods that solve, not here: `planner` starting, a command's workers and a
+# training job never load them (tests/test_packaging.py).
+
 __all__ = [
     "PLACEMENT_BASELINES",
     "PLACEMENT_SOLVERS",
