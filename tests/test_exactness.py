@@ -15,16 +15,16 @@ from hypothesis import strategies as st
 
 from planner.commands.cli import main
 from planner.commands.printing import optimality_line
-from planner.commands.solver_bench import random_problem
 from planner.contracts.plan import VIA_DDP_ROW, Plan
 from planner.costmodel.from_profile import gradient_problem
-from planner.costmodel.mixed import simulate_mixed
+from planner.costmodel.mixed import MixedProblem, simulate_mixed
 from planner.costmodel.simulator import simulate
-from planner.solvers import DenseDP, PerLayer, TopkParetoDP, lower_bound
+from planner.solvers import BASELINES, DenseDP, PerLayer, TopkParetoDP, lower_bound
 from planner.solvers.deadline import Deadline
 from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
 from planner.strategies.gradients import make_plan
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.testing import random_problem
 from planner.types import Collective, SchemaError, SolverError, Strategy
 from tests.factories import examples, synthetic_profile
 from tests.shipped import shipped_plans
@@ -75,8 +75,6 @@ def test_a_deadline_passes_on_its_clock_and_shares_what_is_left() -> None:
 
 def _single_compressor_rows(problem: object) -> list[MixedSolution]:
     """What the mixed solver must never be slower than: each compressor per layer, in one group, on DDP's buckets."""
-    from planner.costmodel.mixed import MixedProblem
-
     assert isinstance(problem, MixedProblem)
     rows = []
     for c in range(len(problem.compressors)):
@@ -139,8 +137,6 @@ def test_the_grouping_search_stops_at_its_deadline_never_worse_than_the_baseline
     """The two-clock (dense with interference) and four-clock (top-k) searches, stopped after `reads` readings:
     the best grouping known, no slower than any baseline rule, not claimed optimal unless the search finished,
     with a bound below the optimum."""
-    from planner.solvers import BASELINES
-
     problem = random_problem(60, strategy, seed=11, interference=0.8, comm_stretch=0.6)
     solver = DenseDP() if strategy is Strategy.DENSE else TopkParetoDP()
     deadline = Deadline(float(reads), clock=FakeClock())

@@ -20,11 +20,10 @@ from planner.solvers.fusion import (
     PerFactor,
     SingleBuffer,
     SpdKfacGreedy,
-    brute_force_fusion,
-    random_fusion_problem,
     simulate_fusion,
     validate_buffers,
 )
+from planner.testing import brute_force_fusion, random_fusion_problem
 from planner.types import SolverError
 from tests.factories import examples
 

@@ -1,6 +1,6 @@
 """Group-size bounds of the exact solvers (DenseDP, TopkParetoDP) against brute force, and FittedCurve.corrected.
 
-The rule (planner/solvers/grouping.py): a group's size is its dense gradient bytes; every group is at most
+The rule (planner/solvers/grouping/base.py): a group's size is its dense gradient bytes; every group is at most
 max_group_bytes unless it is a single layer, and at least min_group_bytes unless it is the last group.
 """
 
@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.commands.solver_bench import random_problem
 from planner.contracts.profile import MAX_FIT_ERROR, FittedCurve
 from planner.costmodel.costs import AffineCost, PiecewiseLinearCost
 from planner.costmodel.problem import GradientProblem, Grouping, groups_of
 from planner.costmodel.simulator import simulate, validate_grouping
 from planner.solvers import DenseDP, TopkParetoDP, within_group_bounds
+from planner.testing import random_problem
 from planner.types import GROUPING_STRATEGIES, SchemaError, SolverError, Strategy
 from tests.factories import examples
 from tests.test_solvers import all_groupings, problems, reference_topk_optimum
@@ -116,7 +116,7 @@ def test_bounded_solvers_match_brute_force(strategy: Strategy, data: st.DataObje
 def test_bounded_solvers_match_brute_force_on_realistic_instances(
     seed: int, strategy: Strategy, density: float
 ) -> None:
-    """Eleven realistic layers (solver_bench instances), bounds around the median layer size."""
+    """Eleven realistic layers (`planner.testing.random_problem` instances), bounds around the median layer size."""
     problem = random_problem(11, strategy, seed=300 + seed, density=density)
     sizes = np.sort(np.asarray(problem.numel) * problem.element_bytes)
     rng = np.random.default_rng(seed)

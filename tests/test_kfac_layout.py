@@ -20,16 +20,15 @@ from planner.solvers.layout import (
     KaisaMemOpt,
     Layout,
     LayoutProblem,
-    brute_force_layout,
     canonical_layout,
     check_layout,
     layout_lower_bound,
     layout_timelines,
     layout_value,
-    random_layout_problem,
 )
 from planner.solvers.layout import _LayoutModel as LayoutModel
 from planner.solvers.placement import PlacementProblem
+from planner.testing import brute_force_layout, random_layout_problem
 from planner.types import SolverError
 
 

@@ -99,9 +99,12 @@ MAY_IMPORT = {
     "readers": {"base", "costmodel", "contracts"},
     "solvers": {"base", "costmodel"},
     "strategies": {"base", "costmodel", "contracts", "readers", "solvers"},
+    # Random instances of the solvers' problems and brute-force references: the tests' and the solver benchmark's.
+    "testing": {"base", "costmodel", "contracts", "solvers"},
     "profilers": {"base", "costmodel", "contracts"},
     "runtime": {"base", "costmodel", "contracts", "readers", "solvers"},
-    "commands": {"base", "costmodel", "contracts", "readers", "solvers", "strategies", "profilers", "runtime"},
+    "commands": {"base", "costmodel", "contracts", "readers", "solvers", "strategies", "testing", "profilers",
+                 "runtime"},
     "shims": {"base", "contracts", "commands"},
 }
 #: The cost model's readers of a profile: they turn the profile contract's data into the cost model's instances

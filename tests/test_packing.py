@@ -8,15 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from planner.contracts.kfac import KFACSection
+from planner.contracts.kfac import KFACLayerSpec, KFACSection
 from planner.solvers.fusion import FusionDP, simulate_fusion
-from planner.solvers.packing import (
-    PackingDP,
-    PackingProblem,
-    brute_force_packing,
-    random_packing_problem,
-    simulate_packing,
-)
+from planner.solvers.packing import PackingDP, PackingProblem, simulate_packing
+from planner.testing import brute_force_packing, random_packing_problem
 from planner.types import SchemaError, SolverError
 
 UNBOUNDED = 10**9
@@ -105,8 +100,6 @@ def test_bad_packing_problems_are_refused(change: dict, match: str) -> None:
 
 
 def test_a_section_with_mixed_formats_round_trips_and_is_validated() -> None:
-    from planner.contracts.kfac import KFACLayerSpec
-
     layers = [KFACLayerSpec(name=n, a_dim=3, g_dim=2) for n in ("a", "b")]
     section = replace(KFACSection.simple(layers), mixed_whole=frozenset({"a.A", "b.G"}))
     assert [section.sends_whole(f) for f in section.factor_names()] == [True, False, False, True]

@@ -6,11 +6,13 @@ import math
 import os
 
 import numpy as np
+import pulp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner.solvers.placement as placement_module
+from planner.commands.solver_bench import time_placement
 from planner.solvers.placement import (
     PLACEMENT_BASELINES,
     PLACEMENT_SOLVERS,
@@ -23,14 +25,12 @@ from planner.solvers.placement import (
     PlacementResult,
     PlacementSolver,
     SpdKfacRule,
-    brute_force_placement,
     canonical_placement,
     inversion_timeline,
     makespan,
     placement_lower_bound,
-    random_placement_problem,
-    time_placement,
 )
+from planner.testing import brute_force_placement, random_placement_problem
 from planner.types import SolverError
 from tests.factories import examples
 
@@ -369,8 +369,6 @@ def test_exact_solvers_never_worse_than_baselines(problem: PlacementProblem, sho
 
 
 def test_ilp_falls_back_to_the_start_when_cbc_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pulp
-
     class Failing:
         def __init__(self, **_: object) -> None:
             pass
@@ -389,8 +387,6 @@ def test_ilp_falls_back_to_the_start_when_cbc_fails(monkeypatch: pytest.MonkeyPa
 def test_a_failed_cbc_run_leaves_none_of_its_files(monkeypatch: pytest.MonkeyPatch) -> None:
     """pulp removes the model it wrote for CBC only after a clean run; a solver that exits with an error left
     them in the system's temporary directory, two files a failed solve."""
-    import pulp
-
     written: list[str] = []
     create = pulp.COIN_CMD.create_tmp_files
 

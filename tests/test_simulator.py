@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from planner.costmodel.costs import AffineCost, ScaledCost
 from planner.costmodel.problem import GradientProblem, advance, advance_many
 from planner.costmodel.simulator import GroupEvent, simulate, timeline, validate_grouping
+from planner.testing import random_problem
 from planner.types import GROUPING_STRATEGIES, SolverError, Strategy
 from tests.factories import examples
 
@@ -284,8 +285,6 @@ def test_decode_runs_slower_while_collectives_are_in_flight() -> None:
 @settings(deadline=None, max_examples=examples(100))
 @given(sigma=st.floats(0.0, 3.0), seed=st.integers(0, 1000), cut=st.integers(1, 7))
 def test_interference_never_makes_a_grouping_faster(sigma: float, seed: int, cut: int) -> None:
-    from planner.commands.solver_bench import random_problem
-
     for strategy in GROUPING_STRATEGIES:
         plain = random_problem(8, strategy, seed=seed)
         slowed = dataclasses.replace(plain, interference=sigma)
@@ -322,8 +321,6 @@ def test_a_comm_stretch_is_charged_on_both_strategies_and_never_negative() -> No
 def test_a_comm_stretch_never_makes_a_grouping_faster(kappa: float, sigma: float, seed: int, cut: int,
                                                      strategy: Strategy) -> None:
     """Nor slower than every collective (1 + kappa) times as long all along (a stretch that never stops)."""
-    from planner.commands.solver_bench import random_problem
-
     plain = random_problem(8, strategy, seed=seed, interference=sigma)
     slowed = dataclasses.replace(plain, comm_stretch=kappa)
     always = dataclasses.replace(plain, comm=ScaledCost(inner=plain.comm, factor=1 + kappa))

@@ -12,36 +12,32 @@ from typing import Any
 
 import pytest
 
-from planner.commands.solver_bench import random_problem
 from planner.costmodel.simulator import simulate, validate_grouping
 from planner.solvers import BASELINES, DenseDP, GroupingSolver, TopkParetoDP, lower_bound
-from planner.solvers.fusion import (
-    FUSION_BASELINES,
-    FusionDP,
-    FusionSolver,
-    brute_force_fusion,
-    random_fusion_problem,
-    simulate_fusion,
-    validate_buffers,
-)
+from planner.solvers.fusion import FUSION_BASELINES, FusionDP, FusionSolver, simulate_fusion, validate_buffers
 from planner.solvers.layout import (
     LAYOUT_BASELINES,
     LAYOUT_SOLVERS,
     LayoutSolver,
-    brute_force_layout,
     check_layout,
     layout_lower_bound,
     layout_value,
-    random_layout_problem,
 )
 from planner.solvers.placement import (
     PLACEMENT_BASELINES,
     PLACEMENT_SOLVERS,
     PlacementSolver,
-    brute_force_placement,
     makespan,
     placement_lower_bound,
+)
+from planner.testing import (
+    brute_force_fusion,
+    brute_force_layout,
+    brute_force_placement,
+    random_fusion_problem,
+    random_layout_problem,
     random_placement_problem,
+    random_problem,
 )
 from planner.types import GROUPING_STRATEGIES, SolverError, Strategy
 from tests.test_solvers import brute_force

@@ -7,13 +7,14 @@ import itertools
 import math
 from collections.abc import Callable
 from fractions import Fraction
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.commands.solver_bench import random_problem, time_solvers
+from planner.commands.solver_bench import time_solvers
 from planner.costmodel.costs import AffineCost, CostModel, PiecewiseLinearCost, ScaledCost
 from planner.costmodel.problem import GradientProblem, Grouping, topk_count, topk_count_many
 from planner.costmodel.simulator import simulate, validate_grouping
@@ -31,6 +32,8 @@ from planner.solvers import (
     lower_bound,
     solve_exact,
 )
+from planner.solvers.grouping import base, bounds, pareto
+from planner.testing import random_problem
 from planner.types import GROUPING_STRATEGIES, SolverError, Strategy
 from tests.factories import examples
 
@@ -152,8 +155,8 @@ def test_topk_dp_matches_brute_force(comm_kind: str, data: st.DataObject) -> Non
 def test_exact_matches_brute_force_on_realistic_instances(
     seed: int, strategy: Strategy, density: float, piecewise: bool, interference: float
 ) -> None:
-    """Twelve realistic layers (solver_bench instances), with affine and interpolated collectives, with
-    and without interference (dense ones then also pay packing)."""
+    """Twelve realistic layers (`planner.testing.random_problem` instances), with affine and interpolated
+    collectives, with and without interference (dense ones then also pay packing)."""
     problem = random_problem(12, strategy, seed=seed, density=density, interference=interference)
     _check_exact(_with_piecewise_comm(problem) if piecewise else problem)
 
@@ -179,12 +182,10 @@ def test_two_clock_pruning_is_exact_with_interference(
     """With interference (and a comm stretch), branch and bound (and, for dense, the canonical states
     and valley of the two-clock search) find the same optimum as the search without pruning, on instances
     too large for brute force."""
-    from planner.solvers.grouping import _GroupBounds, _pareto_solve
-
     problem = random_problem(30 + 10 * seed, strategy, seed=300 + seed, interference=interference,
                              comm_stretch=kappa)
     pruned, value = exact_solver(problem).solve_with_value(problem)
-    plain, plain_value = _pareto_solve(problem, _GroupBounds(), prune=False)
+    plain, plain_value = pareto._pareto_solve(problem, base._GroupBounds(), prune=False)
     assert math.isclose(simulate(problem, plain).iteration_s, plain_value, rel_tol=RTOL)
     assert math.isclose(value, plain_value, rel_tol=RTOL)
     assert math.isclose(simulate(problem, pruned).iteration_s, value, rel_tol=RTOL)
@@ -216,7 +217,7 @@ def reference_topk_optimum(
     the end the decode chain starts at C and runs 1 + sigma times slower until E (the simulator's model).
     With comm stretch kappa, collectives take 1 + kappa times their cost; dense, the part of the channel after
     the last C is shrunk back by 1 + kappa at the end; top-k, decodes take 1 + kappa times their cost too, and
-    the end X' so found is read as (kappa C + X') / (1 + kappa) (`planner.solvers.grouping._stretched`)."""
+    the end X' so found is read as (kappa C + X') / (1 + kappa) (`planner.solvers.grouping.base._stretched`)."""
     topk = problem.strategy is Strategy.TOPK
     sigma, kappa = problem.interference, problem.comm_stretch
 
@@ -270,13 +271,11 @@ def reference_topk_optimum(
 def test_topk_dp_matches_a_plain_pareto_dp(seed: int, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Canonical states, expiry, the chunked front sweep, pruning and the banded Lagrangian bounds change
     nothing on 60-layer instances."""
-    from planner.solvers import grouping as solvers
-
-    monkeypatch.setattr(solvers, "_FRONT_CHUNK", chunk)
-    monkeypatch.setattr(solvers, "_CLOSED_RTOL", -1.0)  # search even where a heuristic reaches the root's bound
+    monkeypatch.setattr(pareto, "_FRONT_CHUNK", chunk)
+    monkeypatch.setattr(pareto, "_CLOSED_RTOL", -1.0)  # search even where a heuristic reaches the root's bound
     lengths: list[np.ndarray] = []
-    expiry = solvers._expiry
-    monkeypatch.setattr(solvers, "_expiry", lambda *args: lengths.append(expiry(*args)) or lengths[-1])
+    expiry = pareto._expiry
+    monkeypatch.setattr(pareto, "_expiry", lambda *args: lengths.append(expiry(*args)) or lengths[-1])
     problem = random_problem(60, Strategy.TOPK, seed=200 + seed, density=(0.01, 0.1, 1.0, 1.0)[seed])
     expected = reference_topk_optimum(problem)
     for solver in (TopkParetoDP(), TopkParetoDP(prune=False)):
@@ -288,7 +287,8 @@ def test_topk_dp_matches_a_plain_pareto_dp(seed: int, chunk: int, monkeypatch: p
 
 def reference_lagrangian(problem: GradientProblem, weights: np.ndarray) -> np.ndarray:
     """rest[w, m]: the least w-mix of the compute and channel path costs over the groupings of layers m..L-1
-    (`planner.solvers._lagrangian_suffixes`), by the plain O(L^2) program with costs from the scalar model."""
+    (`planner.solvers.grouping.bounds._lagrangian_suffixes`), by the plain O(L^2) program with costs from the scalar
+    model."""
     sigma, num_layers = problem.interference, problem.num_layers
     topk = problem.strategy is Strategy.TOPK
     rest = np.zeros((weights.size, num_layers + 1))
@@ -318,24 +318,22 @@ def test_banded_lagrangian_bounds_lie_below_the_exact_program(
     """Costing first groups of up to `band` layers one by one and longer ones by lines under their costs
     gives bounds no larger than the plain program's (equal to it when the band covers every group), with
     expiry tables that never grow as the first group lengthens and groupings that are groupings."""
-    from planner.solvers import grouping as solvers
-
     problem = random_problem(70, strategy, seed=400 + seed, interference=interference)
     if piecewise:
         problem = _with_piecewise_comm(problem)
-    prefix = solvers._prefix_numel(problem)
-    reference = reference_lagrangian(problem, solvers._BOUND_WEIGHTS)
-    full = solvers._lagrangian_suffixes(problem, prefix, band=problem.num_layers)
+    prefix = base._prefix_numel(problem)
+    reference = reference_lagrangian(problem, bounds._BOUND_WEIGHTS)
+    full = bounds._lagrangian_suffixes(problem, prefix, band=problem.num_layers)
     assert np.allclose(full.rest, reference, rtol=1e-12, atol=0)
     for band in (1, 3, 8, 30):
-        banded = solvers._lagrangian_suffixes(problem, prefix, band=band)
+        banded = bounds._lagrangian_suffixes(problem, prefix, band=band)
         assert np.all(banded.rest <= reference * (1 + 1e-12))
         assert np.all(banded.opened <= full.opened * (1 + 1e-12) + 1e-300)
         assert np.all(banded.opened[..., 1:] >= banded.opened[..., :-1])
         for grouping in banded.groupings:
             validate_grouping(problem, grouping)
     # The lines are not the zero line: a band of 1 still bounds the channel path by most of its cost.
-    assert np.all(solvers._lagrangian_suffixes(problem, prefix, band=1).rest[0, :-1] >= 0.5 * reference[0, :-1])
+    assert np.all(bounds._lagrangian_suffixes(problem, prefix, band=1).rest[0, :-1] >= 0.5 * reference[0, :-1])
 
 
 @settings(deadline=None, max_examples=examples(100))
@@ -343,29 +341,23 @@ def test_banded_lagrangian_bounds_lie_below_the_exact_program(
 def test_topk_dp_with_a_narrow_band_matches_brute_force(problem: GradientProblem, band: int) -> None:
     """Exactness does not depend on the band of the Lagrangian bounds, nor on the root's bound ending the
     search early."""
-    from unittest import mock
-
-    from planner.solvers import grouping as solvers
-
-    with mock.patch.object(solvers, "_LAGRANGIAN_BAND", band):
+    with mock.patch.object(bounds, "_LAGRANGIAN_BAND", band):
         _check_exact(problem)
 
 
 def test_a_heuristic_that_reaches_the_root_bound_ends_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where a heuristic's time equals the root's bound, nothing is searched, and the answer is what the
     search finds (on these instances the greedy rules and Lagrangian groupings are optimal)."""
-    from planner.solvers import grouping as solvers
-
     searches: list[int] = []
-    search = solvers._pareto_search
-    monkeypatch.setattr(solvers, "_pareto_search", lambda *a, **k: searches.append(1) or search(*a, **k))
+    search = pareto._pareto_search
+    monkeypatch.setattr(pareto, "_pareto_search", lambda *a, **k: searches.append(1) or search(*a, **k))
     for seed in range(3):
         problem = random_problem(300, Strategy.TOPK, seed=500 + seed)
         searches.clear()
         grouping, value = TopkParetoDP().solve_with_value(problem)
         assert not searches
         with monkeypatch.context() as patch:
-            patch.setattr(solvers, "_CLOSED_RTOL", -1.0)
+            patch.setattr(pareto, "_CLOSED_RTOL", -1.0)
             _, searched_value = TopkParetoDP().solve_with_value(problem)
         assert searches
         assert math.isclose(value, searched_value, rel_tol=1e-12)
@@ -375,9 +367,7 @@ def test_a_heuristic_that_reaches_the_root_bound_ends_the_search(monkeypatch: py
 @pytest.mark.parametrize("prefilter", [True, False])
 def test_dense_two_clock_prefilter_is_exact(prefilter: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Dense with interference: pre-filtering the (C, E) candidates against a sample changes nothing."""
-    from planner.solvers import grouping as solvers
-
-    monkeypatch.setattr(solvers, "_PREFILTER_MIN_STATES", 0 if prefilter else 10**9)
+    monkeypatch.setattr(pareto, "_PREFILTER_MIN_STATES", 0 if prefilter else 10**9)
     problem = random_problem(40, Strategy.DENSE, seed=77, interference=0.5)
     grouping, value = DenseDP().solve_with_value(problem)
     assert math.isclose(value, reference_topk_optimum(problem), rel_tol=RTOL)
@@ -388,14 +378,12 @@ def test_dense_two_clock_prefilter_is_exact(prefilter: bool, monkeypatch: pytest
 @given(st.lists(st.tuples(*[st.integers(0, 3)] * 4), min_size=1, max_size=40), st.sampled_from([1, 3, 64]))
 def test_four_clock_front_keeps_exactly_the_undominated(points: list[tuple[int, ...]], chunk: int) -> None:
     """The (C, E, V, D) front: every undominated state once (one of equal ones), no dominated one."""
-    from planner.solvers import grouping as solvers
-
     c, e, v, d = (np.asarray(x, dtype=float) for x in zip(*points, strict=True))
-    previous, solvers._FRONT_CHUNK = solvers._FRONT_CHUNK, chunk
+    previous, pareto._FRONT_CHUNK = pareto._FRONT_CHUNK, chunk
     try:
-        kept = solvers._pareto_front(c, e, v, d)
+        kept = pareto._pareto_front(c, e, v, d)
     finally:
-        solvers._FRONT_CHUNK = previous
+        pareto._FRONT_CHUNK = previous
     undominated = {p for p in points if not any(q != p and all(a <= b for a, b in zip(q, p, strict=True))
                                                  for q in points)}
     assert sorted(points[i] for i in kept) == sorted(undominated)
@@ -603,17 +591,15 @@ def test_mgs_rule_by_hand() -> None:
 @given(problems(strategy=Strategy.TOPK), st.lists(st.integers(0, 10**9), min_size=1, max_size=20))
 def test_vectorised_costs_match_the_scalar_model(problem: GradientProblem, sizes: list[int]) -> None:
     """The DPs' vectorised k, bytes and costs agree with GradientProblem and CostModel.cost."""
-    from planner.solvers import grouping as solvers
-
     array = np.asarray(sizes, dtype=np.int64)
     for strategy_problem in (problem, dataclasses.replace(problem, strategy=Strategy.DENSE)):
-        got = solvers._message_bytes_many(strategy_problem, array)
+        got = base._message_bytes_many(strategy_problem, array)
         assert got.tolist() == [float(strategy_problem.message_bytes(n)) for n in sizes]
-        comm = solvers._comm_many(strategy_problem, array)
+        comm = base._comm_many(strategy_problem, array)
         expected = [strategy_problem.comm.cost(strategy_problem.message_bytes(n)) for n in sizes]
         assert np.allclose(comm, expected, rtol=1e-12, atol=0)
     assert problem.decode is not None
-    decode = solvers._decode_many(problem, array)
+    decode = base._decode_many(problem, array)
     assert np.allclose(decode, [problem.decode.cost(problem.world_size * problem.k(n)) for n in sizes], rtol=1e-12)
 
 
@@ -714,13 +700,11 @@ def test_lower_bound_counts_the_tail_sent_after_the_last_gradient(strategy: Stra
 @pytest.mark.parametrize("sigma", [0.0, 0.4])
 def test_candidate_evaluation_matches_the_simulator(strategy: Strategy, sigma: float) -> None:
     """The solvers' vectorised walk of a grouping (closed form without interference) is the simulator's."""
-    from planner.solvers import grouping as solvers
-
     rng = np.random.default_rng(7)
     problem = random_problem(60, strategy, seed=11, interference=sigma)
     fixed = problem.forward_s + problem.update_s
     for _ in range(30):
         cuts = rng.choice(np.arange(1, 60), size=int(rng.integers(0, 25)), replace=False)
         grouping = (*sorted(int(c) for c in cuts), 60)
-        assert math.isclose(fixed + solvers._iteration_end(problem, grouping),
+        assert math.isclose(fixed + base._iteration_end(problem, grouping),
                             simulate(problem, grouping).iteration_s, rel_tol=1e-12)

@@ -1,4 +1,4 @@
-"""`planner bench-solvers`: its arguments, handed to `planner.commands.solver_bench` or the K-FAC placement's timing."""
+"""`planner bench-solvers`: its arguments, handed to the timing harness `planner.commands.solver_bench`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 from rich.table import Table
 
 from planner.commands.common import Command, _nonnegative_float, _positive
+from planner.commands.solver_bench import time_placement, time_solvers
 from planner.console import console
 from planner.types import PlannerError
 
@@ -28,8 +29,6 @@ class BenchSolversCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         if args.factors is not None:
-            from planner.solvers.placement import time_placement
-
             if not args.time_limit > 0:
                 raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
             rows = time_placement(args.factors, args.workers, repeats=args.repeats, time_limit_s=args.time_limit)
@@ -37,8 +36,6 @@ class BenchSolversCommand(Command):
                      f"(median of {args.repeats}; makespan = the later of the busiest worker's inversions and "
                      "the last broadcast)")
         else:
-            from planner.commands.solver_bench import time_solvers
-
             sigmas = (0.0,) if not args.interference else (0.0, args.interference)
             rows = time_solvers(num_layers=args.layers, repeats=args.repeats, interference=sigmas)
             title = f"solver time on {args.layers} synthetic layers (median of {args.repeats})"

@@ -26,10 +26,12 @@ from typing import ClassVar, Literal, SupportsIndex
 
 import numpy as np
 
-from planner.costmodel.costs import AffineCost, CostModel
+from planner.costmodel.costs import CostModel
 from planner.costmodel.problem import Grouping, groups_of
 from planner.costmodel.simulator import validate_ends
-from planner.solvers.grouping import DDP_BUCKET_BYTES, _ends_from_back_pointers, _startup_cost
+from planner.solvers.grouping import DDP_BUCKET_BYTES
+from planner.solvers.grouping.base import _ends_from_back_pointers
+from planner.solvers.grouping.baselines import _startup_cost
 from planner.types import SolverError
 
 __all__ = [
@@ -45,8 +47,6 @@ __all__ = [
     "PerFactor",
     "SingleBuffer",
     "SpdKfacGreedy",
-    "brute_force_fusion",
-    "random_fusion_problem",
     "simulate_fusion",
     "validate_buffers",
 ]
@@ -56,9 +56,6 @@ FactorBuffers = tuple[Grouping, Grouping]
 
 #: What a collective on the channel carries: an A buffer, a G buffer, or a fixed gradient collective.
 EventKind = Literal["A", "G", "grad"]
-
-#: `brute_force_fusion` refuses instances with more factors than this (2^(n - 2) buffer choices).
-BRUTE_FORCE_MAX_FACTORS = 16
 
 
 def _check_items(what: str, ready: tuple[float, ...], nbytes: tuple[int, ...], *, allow_empty: bool) -> None:
@@ -348,29 +345,6 @@ class FusionDP(FusionSolver):
         return a_ends, g_ends
 
 
-def brute_force_fusion(problem: FusionProblem) -> tuple[FactorBuffers, float]:
-    """The best of all 2^(n_a-1) * 2^(n_g-1) buffer choices by `simulate_fusion`, and its `end_s` (for tests).
-
-    Raises:
-        SolverError: more than 16 factors in all.
-    """
-    total = problem.num_a + problem.num_g
-    if total > BRUTE_FORCE_MAX_FACTORS:
-        raise SolverError(f"`n_a + n_g <= {BRUTE_FORCE_MAX_FACTORS}` must hold for brute force, but got {total}")
-
-    def groupings(count: int) -> list[Grouping]:
-        cuts = range(1, count)
-        return [(*chosen, count) for r in range(count) for chosen in itertools.combinations(cuts, r)]
-
-    best: tuple[FactorBuffers, float] | None = None
-    for buffers in itertools.product(groupings(problem.num_a), groupings(problem.num_g)):
-        end = simulate_fusion(problem, buffers).end_s
-        if best is None or end < best[1]:
-            best = (buffers, end)
-    assert best is not None
-    return best
-
-
 # ----------------------------------------------------------------------------------------------------
 # Baselines
 
@@ -485,58 +459,3 @@ class SpdKfacGreedy(FusionSolver):
 
 #: The baselines each fusion plan is compared with.
 FUSION_BASELINES: tuple[FusionSolver, ...] = (PerFactor(), SingleBuffer(), FixedBytes(), SpdKfacGreedy())
-
-
-# ----------------------------------------------------------------------------------------------------
-# Random instances
-
-
-def random_fusion_problem(n_layers: int, seed: int, *, n_grads: int | None = None) -> FusionProblem:
-    """A random but plausible `FusionProblem` of `n_layers` layers, reproducible from `seed`.
-
-    Factor dimensions are log-uniform in [16, 4608] (A, inputs * kernel) and [16, 4096] (G, outputs), sent
-    as float32 upper triangles; each layer's forward (and A factor) and backward (and G factor) take time
-    proportional to its weights and factors at a per-instance speed, so that compute-bound and
-    communication-bound instances both occur. The gradients form `n_grads` contiguous groups in backward
-    order (default n_layers // 5, at least 1), each ready when its last layer's weight gradient is. The
-    allreduce is alpha + beta * bytes, alpha in [20 us, 1 ms] and beta in [1e-10, 1e-9] s/byte.
-    """
-    if n_layers < 1:
-        raise SolverError(f"`n_layers >= 1` must hold, but got n_layers={n_layers}")
-    n_grads = max(1, n_layers // 5) if n_grads is None else n_grads
-    if not 0 <= n_grads <= n_layers:
-        raise SolverError(f"`0 <= n_grads <= n_layers` must hold, but got (n_grads={n_grads}, n_layers={n_layers})")
-    rng = np.random.default_rng(seed)
-
-    def log_uniform(low: float, high: float, size: int | None = None) -> np.ndarray:
-        return np.exp(rng.uniform(math.log(low), math.log(high), size))
-
-    a_dim = np.round(log_uniform(16, 4608, n_layers)).astype(np.int64)
-    g_dim = np.round(log_uniform(16, 4096, n_layers)).astype(np.int64)
-    weights = a_dim * g_dim
-    speed = float(log_uniform(1e-10, 1e-8))  # seconds per weight (forward) or per factor entry
-    forward = speed * weights * rng.lognormal(0.0, 0.3, n_layers) + 10e-6
-    a_factor = speed * a_dim.astype(float) ** 2
-    backward = 2 * speed * weights * rng.lognormal(0.0, 0.3, n_layers) + 10e-6
-    g_factor = speed * g_dim.astype(float) ** 2
-    a_ready = np.cumsum(forward + a_factor)
-    # Backward runs the layers in reverse; a layer's weight gradient is ready before its G factor.
-    g_ready = a_ready[-1] + np.cumsum((backward + g_factor)[::-1])
-    grad_ready_of_layer = g_ready - g_factor[::-1]
-    grad_ends: list[int] = []
-    if n_grads:
-        cuts = rng.choice(np.arange(1, n_layers), size=n_grads - 1, replace=False)
-        grad_ends = [*sorted(int(c) for c in cuts), n_layers]
-    grad_numel = [int(weights[::-1][r].sum()) for r in groups_of(tuple(grad_ends))] if grad_ends else []
-    allreduce = AffineCost(alpha=float(log_uniform(20e-6, 1e-3)), beta=float(log_uniform(1e-10, 1e-9)))
-    return FusionProblem(
-        a_ready_s=tuple(float(t) for t in a_ready),
-        a_bytes=tuple(int(2 * d * (d + 1)) for d in a_dim),  # 4 bytes * d (d + 1) / 2
-        g_ready_s=tuple(float(t) for t in g_ready),
-        g_bytes=tuple(int(2 * d * (d + 1)) for d in g_dim[::-1]),
-        grad_ready_s=tuple(float(grad_ready_of_layer[e - 1]) for e in grad_ends),
-        grad_bytes=tuple(4 * n for n in grad_numel),
-        allreduce=allreduce,
-        a_names=tuple(f"layer{i}.A" for i in range(n_layers)),
-        g_names=tuple(f"layer{i}.G" for i in reversed(range(n_layers))),
-    )

@@ -30,15 +30,15 @@ every w, the channel E_k >= E_{k-1} + b_k (whether k is broadcast) and, when k i
 E_k >= (w's owned work up to k) + b_k; T >= E_last; minimise T_inv + inv_update_steps * T_pre. Workers are
 relabelled in the order of the first factor they own, factors by inversion time descending (a layer's
 preconditioner owns its factors, so the factors alone fix the labels). It starts from the best baseline,
-and the answer is never worse than it. `brute_force_layout` enumerates every layout (tests).
+and the answer is never worse than it. `planner.testing.brute_force_layout` enumerates every layout
+(tests).
 """
 
 from __future__ import annotations
 
 import abc
-import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -55,6 +55,9 @@ from planner.solvers.placement import (
 )
 from planner.types import SolverError
 
+# ortools is imported by the methods that solve, not here: `planner` starting, a command's workers and a training job
+# never load it (tests/test_packaging.py).
+
 __all__ = [
     "LAYOUT_BASELINES",
     "LAYOUT_SOLVERS",
@@ -67,18 +70,12 @@ __all__ = [
     "LayoutProblem",
     "LayoutResult",
     "LayoutSolver",
-    "brute_force_layout",
     "canonical_layout",
     "layout_lower_bound",
     "layout_timelines",
     "layout_value",
-    "random_layout_problem",
 ]
 
-#: brute_force_layout refuses instances with more layouts than this.
-_BRUTE_FORCE_LIMIT = 60_000_000
-#: Layouts evaluated at once by the brute force.
-_CHUNK = 1 << 17
 #: A value within this relative distance of a lower bound is reported as proven optimal.
 _OPTIMAL_RTOL = 1e-9
 
@@ -523,95 +520,3 @@ class _LayoutModel:
 
 #: The exact layout solvers by name.
 LAYOUT_SOLVERS: dict[str, type[CpSatLayout]] = {"cp-sat": CpSatLayout}
-
-
-# ----------------------------------------------------------------------------------------------------
-# Brute force and instances
-
-
-def _layer_choices(world_size: int) -> list[tuple[int, int, int]]:
-    """Every (owner of A, owner of G, preconditioner) of one layer, -1 standing for everywhere."""
-    ranks = [-1, *range(world_size)]
-    return [(a, g, -1) for a in ranks for g in ranks] + [(w, w, w) for w in range(world_size)]
-
-
-def _choice_chunks(problem: LayoutProblem) -> Iterator[np.ndarray]:
-    """All layouts as rows of per-layer choice indices, in chunks of at most about _CHUNK rows."""
-    options = len(_layer_choices(problem.world_size))
-    n = problem.num_layers
-    head = 0
-    while head < n and options ** (n - head) > _CHUNK:
-        head += 1
-    tail = np.array(list(itertools.product(range(options), repeat=n - head)), dtype=np.int16).reshape(-1, n - head)
-    for prefix in itertools.product(range(options), repeat=head):
-        rows = np.empty((len(tail), n), dtype=np.int16)
-        rows[:, :head] = prefix
-        rows[:, head:] = tail
-        yield rows
-
-
-def _phase_values(work: np.ndarray, send: np.ndarray, owners: np.ndarray, sent: np.ndarray,
-                  world_size: int) -> np.ndarray:
-    """Vectorised `_phase` makespans: owners[:, k] in -1..P-1 (-1 everywhere), sent[:, k] whether broadcast."""
-    rows = len(owners)
-    loads = np.zeros((rows, world_size))
-    everywhere = np.zeros(rows)
-    channel = np.zeros(rows)
-    index = np.arange(rows)
-    for k in range(owners.shape[1]):
-        owner = owners[:, k]
-        is_everywhere = owner < 0
-        everywhere += np.where(is_everywhere, work[k], 0.0)
-        column = np.where(is_everywhere, 0, owner)
-        loads[index, column] += np.where(is_everywhere, 0.0, work[k])
-        start = np.maximum(channel, loads[index, column])
-        channel = np.where(sent[:, k], start + send[k], channel)
-    return np.maximum(loads.max(axis=1) + everywhere, channel)
-
-
-def brute_force_layout(problem: LayoutProblem) -> tuple[Layout, float]:
-    """The best of all ((P + 1)² + P)^n layouts and its value (small instances only: tests)."""
-    world, n = problem.world_size, problem.num_layers
-    choices = np.array(_layer_choices(world), dtype=np.int64)
-    count = len(choices) ** n
-    if count > _BRUTE_FORCE_LIMIT:
-        raise SolverError(
-            f"`((P + 1)^2 + P)^layers <= {_BRUTE_FORCE_LIMIT}` must hold for brute force, but got "
-            f"(world_size={world}, layers={n}, layouts={count})"
-        )
-    pl = problem.placement
-    inv_s, bcast_s = np.asarray(pl.inv_s), np.asarray(pl.bcast_s)
-    pre_s, grad_s = np.asarray(problem.precondition_s), np.asarray(problem.grad_bcast_s)
-    best_value, best_row = np.inf, None
-    for rows in _choice_chunks(problem):
-        picked = choices[rows]  # (layouts, layers, 3)
-        owners = picked[:, :, :2].reshape(len(rows), 2 * n)
-        pre = picked[:, :, 2]
-        factor_sent = (owners >= 0) & np.repeat(pre < 0, 2, axis=1)
-        values = (_phase_values(inv_s, bcast_s, owners, factor_sent, world) / problem.inv_update_steps
-                  + _phase_values(pre_s, grad_s, pre, pre >= 0, world))
-        i = int(np.argmin(values))
-        if values[i] < best_value:
-            best_value, best_row = float(values[i]), picked[i]
-    assert best_row is not None
-    layout = Layout(owners=tuple(None if o < 0 else int(o) for o in best_row[:, :2].reshape(-1)),
-                    preconditioners=tuple(None if r < 0 else int(r) for r in best_row[:, 2]))
-    return layout, layout_value(problem, layout)
-
-
-def random_layout_problem(layers: int, world_size: int, seed: int, inv_update_steps: int = 5) -> LayoutProblem:
-    """A random but realistic `LayoutProblem`, reproducible from `seed`: factor sizes and times as
-    `random_placement_problem`, preconditioning p_l = 2 d_A d_G (d_A + d_G) flops at 1–50 GFLOP/s, and a
-    gradient broadcast of 4 d_A d_G bytes at the instance's latency and bandwidth."""
-    from planner.solvers.placement import random_placement_problem
-
-    placement = random_placement_problem(2 * layers, world_size, seed)
-    rng = np.random.default_rng(seed + 7919)
-    dims = np.asarray(placement.dims, dtype=float).reshape(layers, 2)
-    flops = 2.0 * dims[:, 0] * dims[:, 1] * dims.sum(axis=1)
-    pre = flops / np.exp(rng.uniform(np.log(1e9), np.log(50e9))) * rng.lognormal(0.0, 0.1, layers)
-    latency = np.exp(rng.uniform(np.log(10e-6), np.log(50e-6)))
-    bandwidth = np.exp(rng.uniform(np.log(1e9), np.log(25e9)))
-    grad = latency * (1 + np.log2(max(world_size, 1))) + 4.0 * dims[:, 0] * dims[:, 1] / bandwidth
-    return LayoutProblem(placement=placement, precondition_s=tuple(float(v) for v in pre),
-                         grad_bcast_s=tuple(float(v) for v in grad), inv_update_steps=inv_update_steps)

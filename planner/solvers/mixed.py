@@ -1,6 +1,6 @@
 """The exact solver of groupings x a compressor per group (`planner.costmodel.mixed.MixedProblem`).
 
-`MixedParetoDP` extends the Pareto-front search of `TopkParetoDP` (planner/solvers/grouping.py) from one way
+`MixedParetoDP` extends the Pareto-front search of `TopkParetoDP` (planner/solvers/grouping/pareto.py) from one way
 of sending to several: the state of a prefix is the same four clocks (compute C, channel E, the decode chain
 V with decodes stretched by 1 + sigma, the decode sum D), and a state is extended by every group that can
 follow it with every compressor. A group (layers m..j, compressor c) of work W = B + prepare, first
@@ -59,13 +59,8 @@ from planner.costmodel.costs import CostModel, ScaledCost
 from planner.costmodel.mixed import Choice, GroupCosts, MixedProblem, simulate_mixed, validate_choice
 from planner.costmodel.problem import Grouping, advance_many, groups_of, unstretched_many
 from planner.solvers.deadline import Deadline
-from planner.solvers.grouping import (
-    DDP_BUCKET_BYTES,
-    DDP_FIRST_BUCKET_BYTES,
-    _final_end,
-    _pareto_front,
-    beaten_by_a_sample,
-)
+from planner.solvers.grouping import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES
+from planner.solvers.grouping.pareto import _final_end, _pareto_front, beaten_by_a_sample
 from planner.types import SolverError
 
 __all__ = ["DEFAULT_ERROR_RESOLUTION", "ErrorBudget", "MixedParetoDP", "MixedSolution", "ddp_buckets",

@@ -18,7 +18,8 @@ formats chosen:
 - compute ends at compute_end_s + all packing; the factor step's part this decides is
   max(compute end, channel end) + the folding of every factor (`PackingTimeline.value_s`).
 
-Solvers: `PackingDP` (exact) and `brute_force_packing` (every buffer choice times every format choice).
+Solvers: `PackingDP` (exact); `planner.testing.brute_force_packing` tries every buffer choice times every format
+choice (tests).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.costmodel.costs import AffineCost, CostModel
+from planner.costmodel.costs import CostModel
 from planner.costmodel.problem import Grouping, groups_of
 from planner.solvers.fusion import FactorBuffers, FusionProblem, FusionTimeline, simulate_fusion, validate_buffers
 from planner.types import SolverError
@@ -42,16 +43,11 @@ __all__ = [
     "PackingDP",
     "PackingProblem",
     "PackingTimeline",
-    "brute_force_packing",
-    "random_packing_problem",
     "simulate_packing",
 ]
 
 #: Whether each buffer travels whole: (per A buffer, per G buffer), in the buffers' order.
 BufferFormats = tuple[tuple[bool, ...], tuple[bool, ...]]
-
-#: `brute_force_packing` refuses instances with more factors than this.
-BRUTE_FORCE_MAX_FACTORS = 10
 
 Pair = tuple[float, float]
 
@@ -335,59 +331,3 @@ def _decode(state: _State, num_a: int, num_g: int) -> tuple[FactorBuffers, Buffe
     buffers = (tuple(s.end for s in a), tuple(s.end for s in g))
     assert buffers[0][-1] == num_a and buffers[1][-1] == num_g
     return buffers, (tuple(s.whole for s in a), tuple(s.whole for s in g))
-
-
-def _groupings(count: int) -> list[Grouping]:
-    cuts = range(1, count)
-    return [(*chosen, count) for r in range(count) for chosen in itertools.combinations(cuts, r)]
-
-
-def brute_force_packing(problem: PackingProblem) -> tuple[tuple[FactorBuffers, BufferFormats], float]:
-    """The best of every buffer choice with every format per buffer, by `simulate_packing` (for tests)."""
-    if problem.num_a + problem.num_g > BRUTE_FORCE_MAX_FACTORS:
-        raise SolverError(f"`n_a + n_g <= {BRUTE_FORCE_MAX_FACTORS}` must hold for brute force")
-    best: tuple[tuple[FactorBuffers, BufferFormats], float] | None = None
-    for a_ends, g_ends in itertools.product(_groupings(problem.num_a), _groupings(problem.num_g)):
-        for a_fmt in itertools.product((False, True), repeat=len(a_ends)):
-            for g_fmt in itertools.product((False, True), repeat=len(g_ends)):
-                choice = ((a_ends, g_ends), (a_fmt, g_fmt))
-                value = simulate_packing(problem, *choice).value_s
-                if best is None or value < best[1]:
-                    best = (choice, value)
-    assert best is not None
-    return best
-
-
-def random_packing_problem(n_a: int, n_g: int, seed: int, *, n_grads: int = 2) -> PackingProblem:
-    """A random instance where packing and bytes trade off: whole messages twice the bytes of triangles,
-    triangle packing and folding costlier than whole, at per-instance speeds (so either format can win)."""
-    rng = np.random.default_rng(seed)
-    dims = np.exp(rng.uniform(math.log(16), math.log(2048), n_a + n_g))
-    tri = np.round(4 * dims * (dims + 1) / 2).astype(np.int64)
-    whole = np.round(4 * dims * dims).astype(np.int64)
-    per_value = float(np.exp(rng.uniform(math.log(1e-10), math.log(1e-8))))
-    sizes = list(zip(tri, whole, strict=True))
-    pack = [(per_value * t * rng.uniform(1, 8), per_value * w * rng.uniform(0.05, 0.5)) for t, w in sizes]
-    fold = [(per_value * t * rng.uniform(1, 8), per_value * w * rng.uniform(0.1, 1)) for t, w in sizes]
-    compute = np.cumsum(rng.exponential(1e-3, n_a + n_g + n_grads))
-    a_ready = compute[:n_a]
-    rest = compute[n_a:]  # G factors and gradient collectives, interleaved at random
-    is_grad = np.zeros(n_g + n_grads, dtype=bool)
-    is_grad[rng.choice(n_g + n_grads, size=n_grads, replace=False)] = True
-    g_ready = rest[~is_grad]
-    grad_ready = rest[is_grad]
-    grad_after = [int((~is_grad[:p]).sum()) for p in np.flatnonzero(is_grad)]
-    allreduce = AffineCost(alpha=float(np.exp(rng.uniform(math.log(20e-6), math.log(1e-3)))),
-                           beta=float(np.exp(rng.uniform(math.log(1e-10), math.log(1e-8)))))
-    return PackingProblem(
-        a_ready_s=tuple(a_ready), g_ready_s=tuple(g_ready),
-        a_bytes=tuple(zip(tri[:n_a], whole[:n_a], strict=True)),
-        g_bytes=tuple(zip(tri[n_a:], whole[n_a:], strict=True)),
-        a_pack_s=tuple(pack[:n_a]), g_pack_s=tuple(pack[n_a:]),
-        a_fold_s=tuple(fold[:n_a]), g_fold_s=tuple(fold[n_a:]),
-        grad_ready_s=tuple(grad_ready),
-        grad_bytes=tuple(int(x) for x in rng.integers(1_000, 10_000_000, n_grads)),
-        grad_after_g=tuple(grad_after),
-        compute_end_s=float(compute[-1] + rng.exponential(1e-3)),
-        allreduce=allreduce,
-    )

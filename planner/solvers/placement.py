@@ -39,11 +39,9 @@ from __future__ import annotations
 
 import abc
 import heapq
-import itertools
 import math
 import os
 import re
-import statistics
 import tempfile
 import time
 import warnings
@@ -54,6 +52,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from planner.types import SolverError
+
+# pulp and ortools are imported by the methods that solve, not here: `planner` starting, a command's workers and a
+# training job never load them (tests/test_packaging.py).
 
 __all__ = [
     "PLACEMENT_BASELINES",
@@ -69,14 +70,11 @@ __all__ = [
     "PlacementResult",
     "PlacementSolver",
     "SpdKfacRule",
-    "brute_force_placement",
     "canonical_placement",
     "inversion_timeline",
     "largest_first",
     "makespan",
     "placement_lower_bound",
-    "random_placement_problem",
-    "time_placement",
 ]
 
 #: Owner rank of each factor; None = every worker inverts it.
@@ -96,8 +94,6 @@ _OVERLAP_SEARCH_S = 0.25
 _OVERLAP_WORKERS = 4
 #: Local search runs from this many of the best start candidates.
 _LOCAL_SEARCH_STARTS = 3
-#: brute_force_placement refuses instances with more placements than this.
-_BRUTE_FORCE_LIMIT = 200_000
 
 
 def _is_int(value: object) -> bool:
@@ -970,97 +966,3 @@ class CpSatPlacement(_ModelPlacement):
 
 #: The exact solvers by name.
 PLACEMENT_SOLVERS: dict[str, type[_ModelPlacement]] = {"ilp-cbc": IlpPlacement, "cp-sat": CpSatPlacement}
-
-
-# ----------------------------------------------------------------------------------------------------
-# Brute force, instances and timing
-
-
-def brute_force_placement(problem: PlacementProblem) -> tuple[Placement, float]:
-    """The best of all (P + 1)^n placements and its makespan (small instances only: tests)."""
-    n, world = problem.num_factors, problem.world_size
-    count = (world + 1) ** n
-    if count > _BRUTE_FORCE_LIMIT:
-        raise SolverError(
-            f"`(world_size + 1) ** num_factors <= {_BRUTE_FORCE_LIMIT}` must hold for brute force, but got "
-            f"(world_size={world}, num_factors={n}, placements={count})"
-        )
-    best: Placement = (None,) * n
-    best_value = makespan(problem, best)
-    for candidate in itertools.product([None, *range(world)], repeat=n):
-        value = makespan(problem, candidate)
-        if value < best_value:
-            best, best_value = candidate, value
-    return best, best_value
-
-
-def random_placement_problem(n: int, world_size: int, seed: int) -> PlacementProblem:
-    """A random but realistic `PlacementProblem` with `n` factors, reproducible from `seed`.
-
-    Dimensions: 70% small (16..256), 30% large (512..4096), log-uniform. Inversion: c = (alpha + beta d^3)
-    times 10% noise, alpha in [50 us, 500 us], beta in [2e-13, 2e-11] s (a fast GPU to a CPU). Broadcast:
-    b = a (1 + log2 P) + bytes * beta_net with bytes = 4 d (d + 1) / 2 (the packed triangle), a in [10 us, 50 us]
-    and a bandwidth in [1, 25] GB/s. Constants are drawn once per instance, log-uniform.
-    """
-    if n < 1 or world_size < 1:
-        raise SolverError(f"`n >= 1 and world_size >= 1` must hold, but got (n={n}, world_size={world_size})")
-    rng = np.random.default_rng(seed)
-
-    def log_uniform(low: float, high: float, size: int | None = None) -> Any:
-        return np.exp(rng.uniform(math.log(low), math.log(high), size))
-
-    large = rng.random(n) < 0.3
-    dims = np.where(large, np.round(log_uniform(512, 4096, n)), np.round(log_uniform(16, 256, n))).astype(np.int64)
-    cubes = dims.astype(float) ** 3
-    inv = (log_uniform(50e-6, 500e-6) + log_uniform(2e-13, 2e-11) * cubes) * rng.lognormal(0.0, 0.1, n)
-    packed_bytes = 4.0 * dims * (dims + 1) / 2
-    bcast = log_uniform(10e-6, 50e-6) * (1 + math.log2(world_size)) + packed_bytes / log_uniform(1e9, 25e9)
-    return PlacementProblem(
-        inv_s=tuple(float(v) for v in inv),
-        bcast_s=tuple(float(v) for v in bcast),
-        dims=tuple(int(d) for d in dims),
-        world_size=world_size,
-    )
-
-
-def time_placement(
-    n: int, world_size: int, repeats: int = 3, time_limit_s: float = 1.5, seed: int = 0
-) -> list[dict[str, Any]]:
-    """Median wall time and result of every exact solver and baseline on one random instance.
-
-    Returns one row per solver: solver, exact (a model solver), factors, world_size, median_s, makespan_s,
-    lower_bound_s, gap, optimal, num_everywhere, and vs_best_baseline (best baseline makespan / this one).
-    """
-    if repeats < 1:
-        raise SolverError(f"`repeats >= 1` must hold, but got repeats={repeats}")
-    problem = random_placement_problem(n, world_size, seed)
-    solvers: list[tuple[PlacementSolver, bool]] = [
-        *((cls(time_limit_s=time_limit_s), True) for cls in PLACEMENT_SOLVERS.values()),
-        *((cls(), False) for cls in PLACEMENT_BASELINES),
-    ]
-    measured: list[tuple[PlacementSolver, bool, float, PlacementResult]] = []
-    for solver, exact in solvers:
-        times, result = [], None
-        for _ in range(repeats):
-            begin = time.perf_counter()
-            result = solver.solve(problem)
-            times.append(time.perf_counter() - begin)
-        assert result is not None
-        measured.append((solver, exact, statistics.median(times), result))
-    best_baseline = min(r.makespan_s for _, exact, _, r in measured if not exact)
-    return [
-        {
-            "solver": solver.name,
-            "exact": exact,
-            "factors": n,
-            "world_size": world_size,
-            "median_s": median,
-            "makespan_s": result.makespan_s,
-            "lower_bound_s": result.lower_bound_s,
-            "gap": result.gap,
-            "optimal": result.optimal,
-            "num_everywhere": result.num_everywhere,
-            "vs_best_baseline": best_baseline / result.makespan_s if result.makespan_s > 0 else 1.0,
-        }
-        for solver, exact, median, result in measured
-    ]
