@@ -7,7 +7,6 @@ import argparse
 from rich.table import Table
 
 from planner.commands.common import Command, _nonnegative_float, _positive
-from planner.commands.solver_bench import time_placement, time_solvers
 from planner.console import console
 from planner.types import PlannerError
 
@@ -28,6 +27,9 @@ class BenchSolversCommand(Command):
                                  "is in flight (dense ones then pay packing: the two-clock search)")
 
     def run(self, args: argparse.Namespace) -> int:
+        # Deferred: every command's module is imported at start-up, and only this one needs the solvers.
+        from planner.commands.solver_bench import time_placement, time_solvers
+
         if args.factors is not None:
             if not args.time_limit > 0:
                 raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
