@@ -179,7 +179,7 @@ class ErrorWatch:
         return at == self.schedule.warmup + self.schedule.steps - 1
 
     def _start(self) -> None:
-        from planner.profilers.errors import layer_k
+        from planner.profilers.errors import layer_k  # once re-planning measures: kept off a training job's start
 
         shapes = [[tuple(p.shape) for p in params] for params in self._params]
         self._meters = [[ErrorMeter(s, c, self.device, k=layer_k(c, s), seed=i) for c in self.compressors]
@@ -211,6 +211,7 @@ def decide_replan(plan: Plan, profile: Profile, errors: CompressionErrors, *, al
     Raises:
         PlannerError: the profile cannot be solved from, or no plan of `allowed` fits the budget.
     """
+    # Rank 0 only, at a re-plan: a training job that never re-plans does not load the solvers.
     from planner.contracts.layers import plan_grouping
     from planner.strategies.budget import plan_error, resolve_budget
     from planner.strategies.mixed import make_mixed_plan
@@ -277,7 +278,7 @@ def replan_on_every_rank(plan: Plan, profile: Profile | None, watch: ErrorWatch,
 def load_on_rank0(plan: Plan, profile: Profile | str | os.PathLike[str] | None, process_group: Any,
                   device: torch.device) -> Profile | None:
     """The profile a re-plan solves from, loaded on rank 0 (None elsewhere); every rank raises rank 0's error."""
-    from planner.strategies.retune import load_source_profile
+    from planner.strategies.retune import load_source_profile  # with adaptive= only: kept off a job's start
 
     rank = dist.get_rank(process_group) if dist.is_available() and dist.is_initialized() else 0
     loaded, reason = None, ""

@@ -24,9 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
 
+from planner.contracts.fingerprint import ClusterInfo, model_info
 from planner.contracts.kfac import KFACSection, kfac_layers
-from planner.contracts.plan import Group
+from planner.contracts.layers import LayerSpec, groups_for
+from planner.contracts.plan import Group, Plan
 from planner.contracts.profile import (
     KFAC_STEP_PARTS,
     Calibration,
@@ -37,17 +41,20 @@ from planner.contracts.profile import (
     LayerTiming,
     TopkTiming,
 )
-from planner.costmodel.costs import CostModel
+from planner.costmodel.costs import AffineCost, CostModel
 from planner.costmodel.mixed import FP32_BYTES
+from planner.costmodel.problem import GradientProblem, Prediction, groups_of, topk_count
 from planner.kernels.compress import PowerSGDLayout
 from planner.models import Workload
+from planner.platform.hosts import count_hosts
 from planner.platform.phase import set_phase
 from planner.platform.timing import gathered, median, slowest, stream_seconds, time_call
 from planner.runtime.codecs import Link, write_scaled
 from planner.runtime.ddp_hooks import has_unused_parameters, silent_hook
 from planner.runtime.exchange import GradientExchange
 from planner.runtime.kfac import KFACPreconditioner
-from planner.types import Compressor, CompressorKind, Strategy
+from planner.solvers import BASELINES, DDP_BASELINE
+from planner.types import Compressor, CompressorKind, InverseMethod, Strategy
 
 __all__ = ["group_of_this_rank", "in_situ_runs", "kfac_steps_points", "measure_in_situ", "measure_kfac_in_situ",
            "measure_kfac_steps_in_situ", "measure_packing", "slowest_rank_extra", "slowest_rank_phases"]
@@ -129,9 +136,6 @@ def measure_in_situ(
     includes no effect, or it is implausible: `planner.costmodel.spread.calibration_use`) is measured once more
     (`on_more` hears how many more pairs), and the second measurement kept. `on_point` is called after each pair.
     """
-    from planner.contracts.layers import LayerSpec, groups_for
-    from planner.costmodel.problem import topk_count
-
     specs = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in layers]
     per_layer = tuple(range(1, len(specs) + 1))
     inputs, targets = (t.to(device) for t in workload.batch(seed=2468))
@@ -418,7 +422,6 @@ def measure_kfac_steps_in_situ(
     on the other cores. Every step starts from a barrier on every rank and is taken as a bench takes it: at each
     step the rank whose phases took longest in all, then the median of its phases over the steps
     (`slowest_rank_phases`). Keys: `KFAC_STEP_PARTS`."""
-    from planner.types import InverseMethod
 
     inputs, targets = (t.to(device) for t in workload.batch(seed=1357))
     alone = group_of_this_rank(process_group)
@@ -476,7 +479,6 @@ def slowest_rank_phases(every_rank: Sequence[Sequence[Mapping[str, float]]]) -> 
 
 def kfac_steps_points(kfac: KFACTiming, steps: int) -> int:
     """How many times `measure_kfac_steps_in_situ` calls `on_point` (its measured steps, both methods)."""
-    from planner.types import InverseMethod
 
     return sum(_inversion_and_steps(kfac, method, steps)[1] for method in InverseMethod)
 
@@ -484,7 +486,6 @@ def kfac_steps_points(kfac: KFACTiming, steps: int) -> int:
 def _inversion_and_steps(kfac: KFACTiming, method: Any, steps: int) -> tuple[float, int]:
     """The micro-benchmarked seconds of inverting every factor with `method`, and how many steps (of at most
     `steps`, one at least) `measure_kfac_steps_in_situ` measures with it within `KFAC_STEPS_BUDGET_S`."""
-    from planner.types import InverseMethod
 
     curve = (kfac.inverse if method is InverseMethod.INVERSE else kfac.eigen).model
     seconds = sum(curve.cost(d) for lt in kfac.layers for d in (lt.a_dim, lt.g_dim))
@@ -541,10 +542,6 @@ def _runtime_samples(workload: Workload, plain: torch.nn.Module, inputs: torch.T
     """Every rank's samples of how much longer the backward pass is with the runtime than without it (one per pair
     of passes), and of its synchronize call, for a plan of `groups`: sending nothing, or (`sending`) sending on
     `process_group` as in training."""
-    from planner.contracts.fingerprint import ClusterInfo, model_info
-    from planner.contracts.plan import Plan
-    from planner.costmodel.problem import Prediction
-    from planner.platform.hosts import count_hosts
 
     plan = Plan(
         strategy=strategy, density=density, selector=selector, model=model_info(plain, workload.name),
@@ -575,7 +572,6 @@ def _ddp_extra_samples(workload: Workload, plain: torch.nn.Module, inputs: torch
                        device: torch.device, repeats: int, group: Any, on_point: Callable[[], object]) -> list[float]:
     """Every rank's samples of how much longer DDP's backward pass is than `plain`'s (one per pair of passes), when
     its comm hook sends nothing: DDP's own work, copying gradients into its buckets and back."""
-    from torch.nn.parallel import DistributedDataParallel
 
     unused = has_unused_parameters(plain, lambda m: workload.loss_fn(m(inputs), targets), group)
     wrapped = DistributedDataParallel(copy.deepcopy(plain), process_group=group, find_unused_parameters=unused)
@@ -604,8 +600,6 @@ def _ddp_powersgd_extra_samples(workload: Workload, plain: torch.nn.Module, inpu
     from the backward pass, and ranks that issue the two in different orders abort on a collective mismatch or
     hang. With a static graph DDP finds the unused parameters in the first iteration, while the hook still
     allreduces plainly, and sends no map after it; the batch here is the same every iteration, so the graph is."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-    from torch.nn.parallel import DistributedDataParallel
 
     size_mb = sum(p.numel() * p.element_size() for p in plain.parameters()) / 2**20
     unused = has_unused_parameters(plain, lambda m: workload.loss_fn(m(inputs), targets), group)
@@ -629,9 +623,6 @@ def _ddp_powersgd_extra_samples(workload: Workload, plain: torch.nn.Module, inpu
 def _ddp_buckets(sizes: Sequence[int]) -> list[int]:
     """Elements of each of DDP's default buckets over layers of `sizes` elements, in ready order (as the
     grouping rule `DDP_BASELINE` forms them)."""
-    from planner.costmodel.costs import AffineCost
-    from planner.costmodel.problem import GradientProblem, groups_of
-    from planner.solvers import BASELINES, DDP_BASELINE
 
     problem = GradientProblem(strategy=Strategy.DENSE, forward_s=0.0, update_s=0.0, backward_s=(0.0,) * len(sizes),
                               numel=tuple(sizes), comm=AffineCost(alpha=0.0, beta=0.0), world_size=2)

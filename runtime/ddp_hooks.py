@@ -12,6 +12,7 @@ allreduce mean and no residual is tied to the first bucket layout.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -141,8 +142,6 @@ def has_unused_parameters(module: torch.nn.Module, loss: Callable[[torch.nn.Modu
     other experts unused in each batch) on any rank of `group`: what
     `DistributedDataParallel(find_unused_parameters=...)` and `GradientExchange(find_unused_parameters=...)` must
     be told, the same on every rank."""
-    import copy
-
     probe = copy.deepcopy(module)
     found = False
     for one in [loss] if callable(loss) else loss:

@@ -28,6 +28,7 @@ the model it returns sees DDP's own buckets, warns, and sends each as the group 
 
 from __future__ import annotations
 
+import inspect
 import os
 from functools import cache
 from typing import Any
@@ -126,13 +127,12 @@ def lightning_strategy(
 @cache
 def _strategy_arguments() -> frozenset[str]:
     """The keyword arguments `DDPStrategy` takes, and DDP's, which it passes on."""
-    import inspect
 
     def named(fn: Any) -> set[str]:
         return {p.name for p in inspect.signature(fn).parameters.values()
                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
 
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy  # an optional extra: imported once asked for
 
     _strategy_class()  # Lightning is installed, or one line says how
     return frozenset(named(DDPStrategy) | named(DistributedDataParallel)) - {"module"}

@@ -66,6 +66,7 @@ def resolve_plan(
         PlanMismatchError: the plan was made for another model (re-tuning cannot fix that), or for
             another cluster and `auto_retune` is False, or rank 0 could not re-plan.
     """
+    # Every job resolves its plan; the profilers and strategies load only where it must be re-tuned or checked.
     from planner.platform.hosts import count_hosts
     from planner.profilers.probe import current_cluster
 
@@ -93,7 +94,7 @@ def resolve_plan(
     if not distributed:
         return _retune(plan, profile, cluster, None, time_limit_s)
 
-    from planner.profilers.probe import TopkOverlaps, probe_hosts, probe_network
+    from planner.profilers.probe import TopkOverlaps, probe_hosts, probe_network  # re-tuning only (see above)
     from planner.strategies.retune import load_source_profile
 
     curves = probe_network(device, process_group=process_group) if probe else None
@@ -117,7 +118,7 @@ def resolve_plan(
 
 
 def _retune(plan: Plan, profile: Any, cluster: Any, curves: Any, time_limit_s: float, levels: Any = None) -> Plan:
-    from planner.strategies.retune import load_source_profile, retune_plan
+    from planner.strategies.retune import load_source_profile, retune_plan  # re-tuning only (see resolve_plan)
 
     stored = load_source_profile(plan, profile)
     return retune_plan(plan, stored, cluster=cluster, collectives=curves, hosts=levels, time_limit_s=time_limit_s)
