@@ -24,18 +24,22 @@ from __future__ import annotations
 import abc
 import collections
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from planner.contracts.plan import Plan
+from planner.costmodel.problem import topk_count
 from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compress, fp16_decompress
 from planner.kernels.hierarchical import HierarchicalWork, HostGroups, hierarchical_topk_sum
 from planner.kernels.topk import all_gather_flat, decode, pack, select_topk, take_topk
-from planner.types import Compressor, CompressorKind
+from planner.types import Compressor, CompressorKind, Strategy
 
-__all__ = ["Codec", "DenseCodec", "Fp16Codec", "Link", "PowerSGDCodec", "TopkCodec", "make_codec", "write_scaled"]
+__all__ = ["Codec", "DenseCodec", "DensityWarmup", "Fp16Codec", "Link", "PowerSGDCodec", "TopkCodec", "make_codec",
+           "write_scaled"]
 
 #: Steps of each hierarchical top-k group's host union kept (`TopkCodec.unions`).
 UNION_HISTORY = 1024
@@ -320,6 +324,51 @@ class TopkCodec(Codec):
 
     def load(self, entry: dict[str, Any]) -> None:
         self.residual.copy_(entry["residual"])
+
+
+@dataclass(frozen=True)
+class DensityWarmup:
+    """DGC's density warm-up for a top-k plan (`GradientExchange(density_warmup=(start, steps))`): over the first
+    `steps` steps the density decays exponentially from `start` to the plan's `final` one, and each group sends
+    k_t = max(plan k, topk_count(numel, density_t)), the same on every rank."""
+
+    start: float
+    steps: int
+    final: float
+
+    @classmethod
+    def of(cls, plan: Plan, density_warmup: Any) -> DensityWarmup:
+        """The warm-up `density_warmup` = (start_density, steps) asks of `plan`, checked (ValueError, one line)."""
+        if plan.strategy is not Strategy.TOPK or plan.density is None:
+            raise ValueError(f"density_warmup needs a top-k plan, but the plan's strategy is {plan.strategy.value}")
+        try:
+            start, steps = density_warmup
+        except (TypeError, ValueError):
+            raise ValueError(f"density_warmup must be (start_density, steps), but got {density_warmup!r}") from None
+        if not plan.density < start <= 1:
+            raise ValueError(f"`plan density < start_density <= 1` must hold, but got (start_density={start}, "
+                             f"plan density={plan.density})")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"the warm-up needs an integer `steps >= 1`, but got steps={steps!r}")
+        return cls(float(start), steps, plan.density)
+
+    def density_at(self, step: int) -> float:
+        """The density sent at `step`."""
+        if step >= self.steps:
+            return self.final
+        return self.start * (self.final / self.start) ** (step / self.steps)
+
+    def k_at(self, numel: int, k: int, step: int) -> int:
+        """The k a group of `numel` elements and plan count `k` sends at `step` (never below k)."""
+        if step >= self.steps:
+            return k
+        return max(k, topk_count(numel, self.density_at(step)))
+
+    def set_step(self, codec: TopkCodec, step: int) -> None:
+        """Set the codec's k for `step`; grow its buffers when needed, shrink them once the warm-up is over."""
+        codec.k_now = self.k_at(codec.numel, codec.k, step)
+        if codec.k_now > codec.k_max or (codec.k_now == codec.k and codec.k_max != codec.k):
+            codec.allocate(codec.k_now)
 
 
 def make_codec(compressor: Compressor, numel: int, world_size: int, device: torch.device, *, hierarchical: bool,

@@ -62,12 +62,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from planner.contracts.plan import Group, Plan
-from planner.costmodel.problem import topk_count
 from planner.kernels.compress import PowerSGDLayout
 from planner.kernels.hierarchical import HostGroups
 from planner.platform.hosts import host_names, ranks_by_host
 from planner.runtime.adaptive import Replan, Replanning
-from planner.runtime.codecs import Codec, Link, PowerSGDCodec, TopkCodec, make_codec, write_scaled
+from planner.runtime.codecs import Codec, DensityWarmup, Link, PowerSGDCodec, TopkCodec, make_codec, write_scaled
 from planner.runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, ProbeSchedule, crossover_gate, device_idle
 from planner.runtime.engine import (
     Engine,
@@ -80,7 +79,7 @@ from planner.runtime.engine import (
     world_size_of,
 )
 from planner.runtime.retune import resolve_plan
-from planner.types import Compressor, CompressorKind, DistributedError, PlanMismatchError, Strategy
+from planner.types import Compressor, CompressorKind, DistributedError, PlanMismatchError
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -419,7 +418,8 @@ class GradientExchange:
         if compressor.kind is CompressorKind.POWERSGD:
             assert compressor.rank is not None
             layout = PowerSGDLayout.of([p.shape for p in params], compressor.rank)
-        k_max = self._k_at(group.numel, group.k, 0) if self._warmup is not None else None
+        k_max = self._warmup.k_at(group.numel, group.k, 0) if self._warmup is not None and group.k is not None \
+            else None
         return make_codec(compressor, group.numel, self.world_size, params[0].device,
                           hierarchical=group.hierarchical and self.world_size > 1, k=group.k, k_max=k_max,
                           selector=self._selector, shapes=[p.shape for p in params], layout=layout, seed=seed)
@@ -437,29 +437,12 @@ class GradientExchange:
         optimizer: torch.optim.Optimizer | None,
         clip_norm: float | None,
         density_warmup: tuple[float, int] | None,
-    ) -> tuple[float, int] | None:
-        """Validate the momentum, clipping and warm-up arguments; return the warm-up as (start, steps)."""
+    ) -> DensityWarmup | None:
+        """Validate the momentum, clipping and warm-up arguments; return the warm-up."""
         check_momentum_options(momentum, nesterov, optimizer, "GradientExchange")
         if clip_norm is not None and not (math.isfinite(clip_norm) and clip_norm > 0):
             raise ValueError(f"`0 < clip_norm < inf` must hold, but got clip_norm={clip_norm}")
-        if density_warmup is None:
-            return None
-        if plan.strategy is not Strategy.TOPK or plan.density is None:
-            raise ValueError(f"density_warmup needs a top-k plan, but the plan's strategy is {plan.strategy.value}")
-        try:
-            start, steps = density_warmup
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"density_warmup must be (start_density, steps), but got {density_warmup!r}"
-            ) from None
-        if not plan.density < start <= 1:
-            raise ValueError(
-                f"`plan density < start_density <= 1` must hold, but got (start_density={start}, "
-                f"plan density={plan.density})"
-            )
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"the warm-up needs an integer `steps >= 1`, but got steps={steps!r}")
-        return float(start), steps
+        return None if density_warmup is None else DensityWarmup.of(plan, density_warmup)
 
     def _refuse_open_step(self) -> None:
         """Before every `optimizer.step()`: refuse a step between a backward and its `synchronize()` (it would apply
@@ -470,32 +453,14 @@ class GradientExchange:
                 "this rank's own gradients; call exchange.synchronize() between loss.backward() and optimizer.step()"
             )
 
-    def _k_at(self, numel: int, k: int | None, step: int) -> int | None:
-        """k a top-k group sends at `step`: the warm-up's, never below the plan's k (the plan's after it)."""
-        if self._warmup is None or k is None or step >= self._warmup[1]:
-            return k
-        return max(k, topk_count(numel, self._density_at(step)))
-
-    def _density_at(self, step: int) -> float:
-        assert self._warmup is not None and self.plan.density is not None
-        start, steps = self._warmup
-        if step >= steps:
-            return self.plan.density
-        return start * (self.plan.density / start) ** (step / steps)
-
     def _set_step(self, step: int) -> None:
         """Set the step count and each top-k group's k for it; shrink the buffers once the warm-up is over."""
         self._step = step
         if self._warmup is None:
             return
         for st in self._groups:
-            codec = st.codec
-            if isinstance(codec, TopkCodec):
-                k_now = self._k_at(st.numel, codec.k, step)
-                assert k_now is not None
-                codec.k_now = k_now
-                if k_now > codec.k_max or (k_now == codec.k and codec.k_max != codec.k):
-                    codec.allocate(k_now)
+            if isinstance(st.codec, TopkCodec):
+                self._warmup.set_step(st.codec, step)
 
     @property
     def step(self) -> int:
@@ -517,7 +482,7 @@ class GradientExchange:
         """Density the next step sends: the warm-up's, else the plan's; None for a dense plan."""
         if self._warmup is None:
             return self.plan.density
-        return self._density_at(self._step)
+        return self._warmup.density_at(self._step)
 
     # -- buffers (DDP's forward_sync_buffers) -----------------------------------------------------
     def _broadcast_from_rank0(self, tensors: Sequence[Tensor]) -> None:
