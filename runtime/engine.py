@@ -414,6 +414,42 @@ class StateCheck:
             raise self.refuse(f"{where} must be True or False, but got {value!r}")
         return value
 
+    def group_buffers(self, state: dict[str, Any], key: str, what: str, numel: dict[int, int], expected: set[int]
+                      ) -> dict[int, Tensor]:
+        """A `GradientExchange` state's per-group `key` ("residuals" or "velocities"), checked against the groups
+        `expected` to hold one (of `numel` elements each). Velocities may be absent (an older state, or saved with
+        momentum=0): then {} is returned."""
+        saved = self.mapping(state.get(key, {}), key)
+        if key == "velocities" and not saved:
+            return saved
+        if key == "velocities" and not expected:
+            raise PlanMismatchError(f"the state holds momentum velocities for groups {sorted(saved)}, but this "
+                                    f"{self.owner} has momentum=0; pass the momentum it was saved with, or {self.fix}")
+        if set(saved) != expected:
+            kind = "top-k groups" if key == "residuals" else "groups"
+            raise self.refuse(f"the state holds {key} for groups {sorted(saved)}, but the plan's {kind} are "
+                              f"{sorted(expected)}")
+        for i in sorted(expected):
+            self.tensor(saved[i], f"{what} of group {i}", numel[i])
+        return saved
+
+    def powersgd_groups(self, state: dict[str, Any], expected: dict[int, tuple[int, int]]) -> dict[int, dict[str, Any]]:
+        """A `GradientExchange` state's PowerSGD errors and Qs, checked against the plan's PowerSGD groups
+        (`expected`: by group, its elements and its Qs' elements)."""
+        saved = self.mapping(state.get("powersgd", {}), "powersgd entry")
+        if set(saved) != set(expected):
+            raise self.refuse(f"the state holds PowerSGD state for groups {sorted(saved)}, but the plan's PowerSGD "
+                              f"groups are {sorted(expected)}")
+        for i, (numel, q_numel) in expected.items():
+            entry = self.entry(saved[i], f"PowerSGD state of group {i}")
+            if set(entry) != {"error", "q", "fresh"}:
+                raise self.refuse(f"PowerSGD state of group {i} must hold error, q and fresh, but holds "
+                                  f"{sorted(map(str, entry))}")
+            self.tensor(entry["error"], f"PowerSGD error of group {i}", numel)
+            self.tensor(entry["q"], f"PowerSGD q of group {i}", q_numel)
+            self.flag(entry["fresh"], f"PowerSGD fresh of group {i}")
+        return saved
+
     def fingerprint(self, state: dict[str, Any], in_use: Plan) -> None:
         """Refuse a state saved for another model."""
         if state.get("model_fingerprint") != in_use.model.fingerprint:

@@ -745,11 +745,14 @@ class GradientExchange:
                                f"this plan {self._layout_digest(plan)})")
         numel = {i: g.numel for i, g in enumerate(plan.groups)}
         kinds = {i: plan.compressor_of(g) for i, g in enumerate(plan.groups)}
-        residuals = self._saved_buffers(check, state, "residuals", "residual", numel,
+        residuals = check.group_buffers(state, "residuals", "residual", numel,
                                         {i for i, c in kinds.items() if c.kind is CompressorKind.TOPK})
-        velocities = self._saved_buffers(check, state, "velocities", "velocity", numel,
+        velocities = check.group_buffers(state, "velocities", "velocity", numel,
                                          set(numel) if self.momentum > 0 else set())
-        powersgd = self._saved_powersgd(check, state, plan)
+        layouts = {i: PowerSGDLayout.of([self._params[n].shape for n in g.params], c.rank)
+                   for (i, c), g in zip(kinds.items(), plan.groups, strict=True)
+                   if c.kind is CompressorKind.POWERSGD and c.rank is not None}
+        powersgd = check.powersgd_groups(state, {i: (layout.numel, layout.q_numel) for i, layout in layouts.items()})
         step = state.get("step", 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise check.refuse(f"the state's step count must be an integer >= 0, but got step={step!r}")
@@ -766,50 +769,6 @@ class GradientExchange:
             if isinstance(st.codec, PowerSGDCodec):
                 st.codec.load(powersgd[st.index])
         self._set_step(step)
-
-    def _saved_powersgd(self, check: StateCheck, state: dict[str, Any], plan: Plan) -> dict[int, dict[str, Any]]:
-        """The state's PowerSGD errors and Qs, checked against `plan`'s PowerSGD groups."""
-        saved = check.mapping(state.get("powersgd", {}), "powersgd entry")
-        expected = {}
-        for i, g in enumerate(plan.groups):
-            compressor = plan.compressor_of(g)
-            if compressor.kind is CompressorKind.POWERSGD:
-                assert compressor.rank is not None
-                layout = PowerSGDLayout.of([self._params[n].shape for n in g.params], compressor.rank)
-                expected[i] = (g.numel, layout.q_numel)
-        if set(saved) != set(expected):
-            raise check.refuse(f"the state holds PowerSGD state for groups {sorted(saved)}, but the plan's PowerSGD "
-                               f"groups are {sorted(expected)}")
-        for i, (numel, q_numel) in expected.items():
-            entry = check.entry(saved[i], f"PowerSGD state of group {i}")
-            if set(entry) != {"error", "q", "fresh"}:
-                raise check.refuse(f"PowerSGD state of group {i} must hold error, q and fresh, but holds "
-                                   f"{sorted(map(str, entry))}")
-            check.tensor(entry["error"], f"PowerSGD error of group {i}", numel)
-            check.tensor(entry["q"], f"PowerSGD q of group {i}", q_numel)
-            check.flag(entry["fresh"], f"PowerSGD fresh of group {i}")
-        return saved
-
-    def _saved_buffers(self, check: StateCheck, state: dict[str, Any], key: str, what: str, numel: dict[int, int],
-                       expected: set[int]) -> dict[int, Tensor]:
-        """The state's per-group `key` ("residuals" or "velocities"), checked against the groups `expected` to hold
-        one (of `numel` elements each).
-
-        Velocities may be absent (an older state, or saved with momentum=0): then {} is returned.
-        """
-        saved = check.mapping(state.get(key, {}), key)
-        if key == "velocities" and not saved:
-            return saved
-        if key == "velocities" and not expected:
-            raise PlanMismatchError(f"the state holds momentum velocities for groups {sorted(saved)}, but this "
-                                    f"exchange has momentum=0; pass the momentum it was saved with, or {check.fix}")
-        if set(saved) != expected:
-            kind = "top-k groups" if key == "residuals" else "groups"
-            raise check.refuse(f"the state holds {key} for groups {sorted(saved)}, but the plan's {kind} are "
-                               f"{sorted(expected)}")
-        for i in sorted(expected):
-            check.tensor(saved[i], f"{what} of group {i}", numel[i])
-        return saved
 
     # -- teardown --------------------------------------------------------------------------------
     def remove_hooks(self) -> None:
