@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.contracts.layers import gradient_layers, groups_for
@@ -242,40 +241,6 @@ def _buckets_worker(rank: int, world_size: int) -> list[str]:
 
 def test_ddp_buckets_are_the_plans_groups_and_dense_equals_plain_ddp() -> None:
     assert run_warm(_buckets_worker, 2) == [["ladder", "tied", "frozen-bn", "aux", "ladder-static"]] * 2
-
-
-def _fp16_worker(rank: int, world_size: int) -> int:
-    """A plan of fp16 groups against DDP with PyTorch's fp16_compress_hook: after the hook's first iteration (an
-    fp32 mean while DDP lays out its buckets, taken here without a step), parameters equal bit for bit."""
-    model = ladder()
-    plan = mixed_plan(model, ["fp16"])
-    hook = PlanHook(model, plan)
-    ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
-    hook.register(ddp)
-    ref = DistributedDataParallel(ladder())
-    ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    x, y = _ladder_batch(rank, 99)
-    for m in (ddp, ref):  # the warm-up iteration, no step
-        nn.functional.mse_loss(m(x), y).backward()
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ddp, ref)]
-    compared = 0
-    for step in range(4):
-        x, y = _ladder_batch(rank, step)
-        for opt in opts:
-            opt.zero_grad()
-        for m in (ddp, ref):
-            nn.functional.mse_loss(m(x), y).backward()
-        for opt in opts:
-            opt.step()
-        for (pname, p), q in zip(ddp.module.named_parameters(), ref.module.parameters(), strict=True):
-            assert torch.equal(p, q), f"fp16 step {step}: {pname} differs by {(p - q).abs().max().item():.3g}"
-            compared += 1
-    assert hook.bucket_groups == list(range(len(plan.groups)))
-    return compared
-
-
-def test_fp16_groups_equal_ddps_fp16_hook_bit_for_bit() -> None:
-    assert run_warm(_fp16_worker, 2) == [64, 64]
 
 
 SENT_AS = ["powersgd:2", "topk:0.3", "fp16", "dense"]
