@@ -1,9 +1,10 @@
 """`planner report`: pictures of a plan and one HTML page that shows them.
 
 Everything drawn comes from the plan and the profile it was solved from, through the cost model the solvers
-use (`planner.costmodel.simulator.timeline`, `planner.strategies.kfac`), or from plain data the caller passes (scaling
-series, `planner bench --json` rows). Pictures are drawn on `matplotlib.figure.Figure` objects (no pyplot,
-no global state) and every file is written atomically (a temporary file in the same folder, then a rename).
+use (a gradient plan's events as `planner.strategies.predict.predict` walks them; `planner.strategies.kfac`), or
+from plain data the caller passes (scaling series, `planner bench --json` rows). Pictures are drawn on
+`matplotlib.figure.Figure` objects (no pyplot, no global state) and every file is written atomically (a temporary
+file in the same folder, then a rename).
 
 - `gantt_figure`: one predicted iteration, lane by lane (compute stream, communication channel), with the
   exposed communication hatched; for a K-FAC plan the factor-update step and a second panel with the
@@ -25,7 +26,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from matplotlib.axes import Axes
 from matplotlib.colors import to_rgb
@@ -38,11 +39,13 @@ from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import gradient_problem
-from planner.costmodel.problem import Grouping, groups_of
-from planner.costmodel.simulator import simulate, timeline
+from planner.costmodel.mixed import MixedEvent
+from planner.costmodel.problem import Grouping, Prediction, groups_of
+from planner.costmodel.simulator import GroupEvent, simulate
 from planner.solvers.layout import layout_timelines
 from planner.solvers.placement import InversionTimeline, PlacementProblem, inversion_timeline
 from planner.strategies.kfac import factor_step_timeline, kfac_problem, section_layout
+from planner.strategies.predict import predict
 from planner.types import PlanMismatchError, SchemaError, Strategy
 
 __all__ = [
@@ -189,22 +192,22 @@ def gantt_lanes(plan: Plan, profile: Profile) -> GanttData:
         PlanMismatchError: the plan's layers (or K-FAC layers, or owner ranks) do not match the profile.
     """
     grouping = plan_grouping(plan, profile)
-    if plan.strategy is Strategy.MIXED or (plan.strategy is Strategy.TOPK and any(g.hierarchical for g in plan.groups)):
-        return _mixed_lanes(plan, profile, grouping)
-    if plan.kfac is None:
-        return _gradient_lanes(plan, profile, grouping)
-    return _kfac_lanes(plan, profile, grouping)
+    if plan.kfac is not None:
+        return _kfac_lanes(plan, profile, grouping)
+    found = predict(plan, profile, interval=False)
+    assert found.gradient is not None
+    if all(isinstance(e, MixedEvent) for e in found.events):
+        return _mixed_lanes(plan, profile, found.gradient, cast(tuple[MixedEvent, ...], found.events))
+    return _gradient_lanes(plan, profile, found.gradient, cast(tuple[GroupEvent, ...], found.events))
 
 
-def _mixed_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
-    """The bars of a mixed plan: each group's backward and compression, PowerSGD's middle rounds, its
-    collectives (two for PowerSGD) and its decoding (`planner.costmodel.mixed.timeline_mixed`)."""
-    from planner.costmodel.mixed import simulate_mixed, timeline_mixed
-    from planner.strategies.mixed import plan_choice
-
-    problem, choice = plan_choice(plan, profile)
-    events = timeline_mixed(problem, grouping, choice)
-    f = problem.forward_s
+def _mixed_lanes(plan: Plan, profile: Profile, predicted: Prediction, events: Sequence[MixedEvent]) -> GanttData:
+    """The bars of a mixed plan (or a top-k plan routed per group): each group's backward and compression,
+    PowerSGD's middle rounds, its collectives (two for PowerSGD) and its decoding, as `predict` walked them
+    (`planner.costmodel.mixed.timeline_mixed`)."""
+    labels = [f"{e.compressor} hierarchical" if plan.groups[e.index].hierarchical else str(e.compressor)
+              for e in events]
+    f = profile.forward_s
     bars = [Bar(lane="compute", start_s=0.0, end_s=f, kind="forward", label="forward")]
     channel = []
     compute = 0.0
@@ -213,8 +216,7 @@ def _mixed_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
         bars.append(Bar(lane="compute", start_s=f + e.ready_s, end_s=f + e.prepared_s, kind="compress",
                         label=f"{e.compressor} g{e.index}"))
         channel.append(Bar(lane="channel", start_s=f + e.comm_start_s, end_s=f + e.comm_end_s, kind="collective",
-                           label=f"g{e.index}" + (" hierarchical" if problem.compressors[choice[e.index]].hierarchical
-                                                   else "")))
+                           label=f"g{e.index}" + (" hierarchical" if plan.groups[e.index].hierarchical else "")))
         if e.second_start_s != e.comm_end_s or e.middle_s or e.second_s:
             bars.append(Bar(lane="compute", start_s=f + e.second_start_s, end_s=f + e.second_start_s + e.middle_s,
                             kind="middle", label=f"middle g{e.index}"))
@@ -226,11 +228,9 @@ def _mixed_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
     decoding = sum(e.decode_end_s - e.decode_start_s for e in events)
     compute_end = f + events[-1].compute_end_s + decoding
     clock = f + max(events[-1].decode_end_s, events[-1].second_end_s)
-    bars.append(Bar(lane="compute", start_s=clock, end_s=clock + problem.update_s, kind="update", label="update"))
-    step = clock + problem.update_s
-    predicted = simulate_mixed(problem, grouping, choice)
-    assert math.isclose(step, predicted.iteration_s, rel_tol=1e-9, abs_tol=1e-12), (step, predicted)
-    sent = ", ".join(dict.fromkeys(problem.compressors[c].label for c in choice))
+    bars.append(Bar(lane="compute", start_s=clock, end_s=clock + profile.update_s, kind="update", label="update"))
+    step = predicted.iteration_s
+    sent = ", ".join(dict.fromkeys(labels))
     kind = "mixed" if plan.strategy is Strategy.MIXED else plan.strategy.value
     title = (f"{plan.model.name}: {kind} plan ({sent}), predicted iteration {_ms(step)} ms, {len(events)} groups, "
              f"exposed communication {_ms(max(0.0, clock - compute_end))} ms\n{profile.cluster.describe()}")
@@ -238,15 +238,15 @@ def _mixed_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
                      compute_end_s=compute_end, comm_end_s=clock)
 
 
-def _gradient_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttData:
-    problem = gradient_problem(profile, plan.strategy, plan.density, selector=plan.selector or "exact")
-    events = timeline(problem, grouping)
-    f = problem.forward_s
+def _gradient_lanes(plan: Plan, profile: Profile, predicted: Prediction, events: Sequence[GroupEvent]) -> GanttData:
+    """The bars of a dense or top-k plan (and of an ABS-SGD plan's groups): backward, top-k selection, collectives
+    and decoding, as `predict` walked them (`planner.costmodel.simulator.timeline`)."""
+    f = profile.forward_s
     bars = [Bar(lane="compute", start_s=0.0, end_s=f, kind="forward", label="forward")]
     compute = 0.0
     for e in events:
         bars.append(Bar(lane="compute", start_s=f + compute, end_s=f + e.ready_s, kind="backward", label=f"g{e.index}"))
-        if problem.strategy is Strategy.TOPK:
+        if plan.strategy is Strategy.TOPK:
             bars.append(Bar(lane="compute", start_s=f + e.select_start_s, end_s=f + e.select_end_s, kind="selection",
                             label=f"top-k g{e.index}"))
         compute = e.select_end_s
@@ -260,13 +260,11 @@ def _gradient_lanes(plan: Plan, profile: Profile, grouping: Grouping) -> GanttDa
     compute_end = f + events[-1].select_end_s + decoding
     clock = f + max(events[-1].select_end_s, events[-1].comm_end_s, events[-1].decode_end_s)
     comm_end = clock
-    if problem.strategy is Strategy.TOPK:
+    if plan.strategy is Strategy.TOPK:
         bars += [Bar(lane="compute", start_s=f + e.decode_start_s, end_s=f + e.decode_end_s, kind="decode",
                      label=f"decode g{e.index}") for e in events]
-    bars.append(Bar(lane="compute", start_s=clock, end_s=clock + problem.update_s, kind="update", label="update"))
-    step = clock + problem.update_s
-    predicted = simulate(problem, grouping)
-    assert math.isclose(step, predicted.iteration_s, rel_tol=1e-9, abs_tol=1e-12), (step, predicted)
+    bars.append(Bar(lane="compute", start_s=clock, end_s=clock + profile.update_s, kind="update", label="update"))
+    step = predicted.iteration_s
     tag = plan.strategy.value + (f" (density {plan.density:g})" if plan.strategy is Strategy.TOPK else "")
     title = (
         f"{plan.model.name}: {tag} plan, predicted iteration {_ms(step)} ms, {len(events)} groups, "

@@ -50,6 +50,7 @@ __all__ = [
     "exchange_s",
     "make_abs_plan",
     "micro_batch_costs",
+    "predict_abs",
     "predict_sync",
     "progress_per_s",
     "proportional_batches",
@@ -200,6 +201,21 @@ def progress_per_s(pred: VariantPrediction, global_batch: int) -> float:
     the batch the user chose are not assumed to speed training up (past a task's critical batch size they do
     not: on the digits, rounds of 188 samples needed 1.4x the samples of rounds of 128 to reach a loss)."""
     return min(sum(pred.samples), global_batch) / pred.round_s
+
+
+def predict_abs(profile: Profile, section: ABSSection, grouping: Sequence[int]) -> VariantPrediction:
+    """ABS-SGD's rounds under `section`'s micro-batch and trigger on `profile`, the plan's dense gradient groups
+    (`grouping`) exchanged each round: what `make_abs_plan` predicts for the micro-batch and trigger it keeps."""
+    step = micro_batch_costs(profile)
+    problem = gradient_problem(profile, Strategy.DENSE)
+    extra = accumulate_s(profile.pack.model if profile.pack is not None else None, problem, grouping)
+    times = [cost.cost(section.micro_batch) + extra for cost in step]
+    fixed = (None if section.round_samples is None
+             else batch_trigger_counts(section.round_samples, section.micro_batch, times))
+    return simulate_abs(times, micro_batch=section.micro_batch, min_micro_batches=section.min_micro_batches,
+                        max_micro_batches=section.max_micro_batches, fixed=fixed,
+                        exchange_s=exchange_s(problem, grouping), update_s=problem.update_s,
+                        interference=problem.interference)
 
 
 def make_abs_plan(profile: Profile, global_batch: int, *, trigger: str = "batch", source: str = "") -> Plan:

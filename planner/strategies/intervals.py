@@ -38,11 +38,14 @@ from planner.costmodel.resample import resampled_many, spread_sources
 from planner.costmodel.simulator import simulate
 from planner.costmodel.spread import DRAWS, LEVEL, PairedGain, percentile_interval
 from planner.solvers import BASELINES, DDP_BASELINE, solve_exact
+from planner.solvers.fusion import FactorBuffers
+from planner.solvers.layout import Layout
 from planner.solvers.mixed import MixedParetoDP
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
 __all__ = ["KFAC_REFERENCES", "Draws", "Problems", "RowStep", "attach", "beyond_budget", "ddp_label", "ddp_rows",
-           "evaluate", "hook_names", "hook_selector", "nominal_ddp", "plan_rows", "simplest_unbeaten",
+           "evaluate", "evaluate_kfac", "hook_names", "hook_selector", "kfac_configuration", "kfac_problems",
+           "nominal_ddp", "plan_route", "plan_row", "plan_rows", "routed_topk", "simplest_unbeaten",
            "topk_hook_selector", "weigh", "with_intervals", "with_kfac_intervals"]
 
 #: Relative difference within which a rebuilt row's step on the profile itself counts as the printed one.
@@ -208,14 +211,7 @@ def plan_rows(plan: Plan, profile: Profile, *, time_limit_s: float | None = 1.0)
     """The plan ("plan") and each baseline it prints that can be rebuilt, as steps on any profile: the same
     grouping and way of sending each group throughout (a baseline's grouping is found once, on `profile`); the
     plan run inside DDP (`VIA_DDP_ROW`) among them."""
-    grouping = plan_grouping(plan, profile)
-    found: dict[str, RowStep] = {}
-    if plan.strategy is Strategy.MIXED or _routed_topk(plan, profile):
-        found["plan"] = _mixed_row(_allowed(plan), plan.selector or "exact", grouping,
-                                   _plan_choice(plan, profile))
-    else:
-        found["plan"] = _grouping_row(plan.strategy, plan.density, plan.selector or "exact", "planner",
-                                      _route(plan), grouping)
+    found: dict[str, RowStep] = {"plan": plan_row(plan, profile)}
     found.update(_baseline_rows(plan, profile, time_limit_s))
     from planner.strategies.via_ddp import via_ddp_step
 
@@ -226,6 +222,15 @@ def plan_rows(plan: Plan, profile: Profile, *, time_limit_s: float | None = 1.0)
     printed = {"plan": plan.predicted, **plan.baselines}
     return {name: step for name, step in found.items()
             if name in printed and math.isclose(step(nominal), printed[name].iteration_s, rel_tol=_SAME)}
+
+
+def plan_row(plan: Plan, profile: Profile) -> RowStep:
+    """A gradient plan's own step on any profile: its grouping, each group sent the plan's way (a mixed plan, and a
+    top-k plan whose groups chose their way across hosts, on the mixed problem of its compressors)."""
+    grouping = plan_grouping(plan, profile)
+    if plan.strategy is Strategy.MIXED or routed_topk(plan, profile):
+        return _mixed_row(_allowed(plan), plan.selector or "exact", grouping, _plan_choice(plan, profile))
+    return _grouping_row(plan.strategy, plan.density, plan.selector or "exact", "planner", plan_route(plan), grouping)
 
 
 def ddp_rows(plan: Plan, profile: Profile, compressors: Sequence[Compressor] | None = None) -> dict[str, RowStep]:
@@ -279,14 +284,14 @@ def _allowed(plan: Plan) -> tuple[Compressor, ...]:
     return (plan.compressor_of(plan.groups[0]),)
 
 
-def _routed_topk(plan: Plan, profile: Profile) -> bool:
+def routed_topk(plan: Plan, profile: Profile) -> bool:
     """A top-k plan solved with the way across hosts per group (the profile measured hierarchical top-k at its
     density): it is predicted on the mixed problem of its compressor's two ways."""
     return (plan.strategy is Strategy.TOPK and profile.hosts is not None and plan.density is not None
             and profile.hosts.topk_at(plan.density) is not None)
 
 
-def _route(plan: Plan) -> str:
+def plan_route(plan: Plan) -> str:
     """How a dense plan's groups were chosen to cross hosts: "best" per group (some of each, or one host)."""
     if plan.cluster.host_count < 2:
         return "best"
@@ -350,7 +355,7 @@ def _baseline_rows(plan: Plan, profile: Profile, time_limit_s: float | None) -> 
                     problem = gradient_problem(profile, Strategy.DENSE, route=route)
                     out[name] = _grouping_row(Strategy.DENSE, None, "exact", "planner", route, solve_exact(problem))
     allowed = _allowed(plan)
-    mixed_plan = plan.strategy is Strategy.MIXED or _routed_topk(plan, profile)
+    mixed_plan = plan.strategy is Strategy.MIXED or routed_topk(plan, profile)
     if not mixed_plan:
         return out
     mixed = mixed_problem(profile, allowed, selector=selector)
@@ -441,25 +446,13 @@ def _kfac_rows(section: KFACSection, profile: Profile, grouping: Grouping) -> tu
         PLAN_EVERYONE,
         _reference_layouts,
         everyone_preconditions,
-        kfac_problem,
         local_kfac_prediction,
         predict_kfac,
-        section_layout,
     )
 
     steps = {"factor_update_steps": section.factor_update_steps, "inv_update_steps": section.inv_update_steps}
-    names = section.factor_names()
-    formats: bool | dict[str, bool] = (section.whole_factors if section.mixed_whole is None
-                                       else {f: f in section.mixed_whole for f in names})
-    whole_of = {"plan": formats, "triangles": False, "whole": True}
-    buffers = (tuple(itertools.accumulate(len(b) for b in section.a_buffers)),
-               tuple(itertools.accumulate(len(b) for b in section.g_buffers)))
-    layout = section_layout(section)
-
-    def problem(p: Profile, key: str) -> Any:
-        return kfac_problem(p, section.method, whole_factors=whole_of[key], inv_update_steps=section.inv_update_steps,
-                            grouping=grouping)
-
+    buffers, layout = kfac_configuration(section)
+    problem = kfac_problems(section, grouping)
     rows: dict[str, KFACRow] = {
         "plan": lambda get: predict_kfac(get("plan"), buffers, layout, **steps).step_s,
         PLAN_EVERYONE: lambda get: predict_kfac(get("plan"), buffers, everyone_preconditions(get("plan"),
@@ -476,6 +469,30 @@ def _kfac_rows(section: KFACSection, profile: Profile, grouping: Grouping) -> tu
     kept = {name: row for name, row in rows.items() if name in printed and printed[name] is not None
             and math.isclose(nominal[name][0], printed[name].step_s, rel_tol=_SAME)}  # type: ignore[union-attr]
     return kept, problem
+
+
+def kfac_configuration(section: KFACSection) -> tuple[FactorBuffers, Layout]:
+    """A K-FAC section's factor buffers (exclusive ends, A then G) and its layout of owners and preconditioners."""
+    from planner.strategies.kfac import section_layout
+
+    buffers = (tuple(itertools.accumulate(len(b) for b in section.a_buffers)),
+               tuple(itertools.accumulate(len(b) for b in section.g_buffers)))
+    return buffers, section_layout(section)
+
+
+def kfac_problems(section: KFACSection, grouping: Grouping) -> KFACProblems:
+    """The K-FAC problem of a profile in each format a row reads: "plan" (the section's own formats, per factor
+    where it mixes them), "triangles", "whole"; each on the plan's gradient `grouping`."""
+    from planner.strategies.kfac import kfac_problem
+
+    formats: bool | dict[str, bool] = (section.whole_factors if section.mixed_whole is None
+                                       else {f: f in section.mixed_whole for f in section.factor_names()})
+    whole_of = {"plan": formats, "triangles": False, "whole": True}
+
+    def problem(p: Profile, key: str) -> Any:
+        return kfac_problem(p, section.method, whole_factors=whole_of[key], inv_update_steps=section.inv_update_steps,
+                            grouping=grouping)
+    return problem
 
 
 def _reference_step(key: str, buffers: Any, layout: Any, steps: dict[str, int], get: Callable[[str], Any]) -> float:
