@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from planner.commands.common import ABS, CLUSTER_HELP, COMPRESSORS_HELP, KFAC, Command, _density, _positive
 from planner.commands.printing import error_line, print_auto, print_mixed_groups, print_plan
@@ -12,6 +13,9 @@ from planner.console import console
 from planner.contracts.abs import TRIGGERS
 from planner.contracts.jsonio import check_output_path
 from planner.types import Compressor, InverseMethod, PlannerError, Strategy
+
+if TYPE_CHECKING:
+    from planner.strategies.solve import SolveRequest
 
 #: `--strategy auto`: every allowed way of sending solved, the plan predicted fastest kept.
 AUTO = "auto"
@@ -79,158 +83,97 @@ class SolveCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
 
     def run(self, args: argparse.Namespace) -> int:
+        # Deferred: every command's module is imported at start-up, and only this one needs the strategies.
         from planner.contracts.profile import Profile
-        from planner.strategies.gradients import make_plan
+        from planner.strategies.solve import solve
 
-        is_kfac = args.strategy == KFAC
-        is_abs = args.strategy == ABS
-        is_auto = args.strategy == AUTO
-        is_mixed = args.strategy == Strategy.MIXED.value
-        if is_abs and args.global_batch is None:
-            raise PlannerError("--strategy abs needs --global-batch B: the samples per round, summed over the "
-                               "workers (e.g. the batch you train with now)")
-        if not is_abs and args.global_batch is not None:
-            raise PlannerError("--global-batch applies to --strategy abs only")
-        if not is_abs and args.trigger is not None:
-            raise PlannerError("--trigger applies to --strategy abs only")
-        if is_abs and args.cluster is not None:
-            raise PlannerError("--cluster does not apply to --strategy abs: its plan needs each worker's measured "
-                               "speed; profile the cluster itself (with --slowdown to emulate slower workers)")
-        if not is_kfac:
-            kfac_only = [("--factor-update-steps", args.factor_update_steps),
-                         ("--inv-update-steps", args.inv_update_steps)]
-            given = [flag for flag, value in kfac_only if value is not None]
-            if given:
-                raise PlannerError(f"{given[0]} applies to --strategy kfac only")
-        if args.route != "best" and args.strategy not in (Strategy.DENSE.value, Strategy.TOPK.value,
-                                                          Strategy.MIXED.value):
-            raise PlannerError("--route applies to --strategy dense, topk and mixed only")
-        if args.compressors is not None and not (is_mixed or is_auto):
-            raise PlannerError("--compressors applies to --strategy mixed and auto only")
-        if args.error_budget is not None and not (is_mixed or is_auto):
-            raise PlannerError("--error-budget applies to --strategy mixed and auto only")
-        if args.trials is not None and not is_auto:
-            raise PlannerError("--trials applies to --strategy auto only")
-        if args.trials is not None and args.error_budget is not None:
-            raise PlannerError("give --trials or --error-budget, not both: the trials set the budget")
-        from planner.strategies.budget import BY_DEFAULT, parse_error_budget
-
-        error_budget = (parse_error_budget(args.error_budget) if args.error_budget is not None
-                        else BY_DEFAULT if is_auto else None)
-        if args.time_limit is not None and is_abs:
-            raise PlannerError("--time-limit does not apply to --strategy abs")
-        if args.time_limit is not None and not (math.isfinite(args.time_limit) and args.time_limit > 0):
-            raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
-        strategy = Strategy.DENSE if is_kfac or is_abs or is_auto else Strategy(args.strategy)
-        if args.density is not None and strategy is not Strategy.TOPK:
-            hint = "; name top-k in --compressors instead (e.g. topk:0.01)" if is_mixed or is_auto else ""
-            raise PlannerError(f"--density applies to --strategy topk only{hint}")
-        from planner.contracts.plan import SELECTORS
-
-        if args.selector not in ("auto", *SELECTORS):
-            raise PlannerError(f"--selector must be one of auto, {', '.join(SELECTORS)}, but got {args.selector!r}")
-        compressors = None
-        if is_mixed or is_auto:
-            from planner.strategies.mixed import parse_compressors
-
-            compressors = parse_compressors("light" if args.compressors is None else args.compressors)  # "" refused
-            if args.compressors is None and isinstance(error_budget, Compressor):  # light, and the budget's own
-                compressors = tuple(dict.fromkeys((*compressors, error_budget)))
-        trials = None
-        if args.trials is not None:
-            from planner.contracts.trials import Trials
-
-            trials = Trials.load(args.trials)
-            if args.compressors is None:  # light, and every compressor the trials tried
-                compressors = tuple(dict.fromkeys((*(compressors or ()), *trials.compressors)))
-        topk_allowed = strategy is Strategy.TOPK or any(c.kind.value == "topk" for c in compressors or ())
-        if args.selector != "auto" and not topk_allowed:
-            raise PlannerError("--selector applies to top-k plans only (--strategy topk, or topk:D in --compressors)")
-        density = (args.density or 0.01) if strategy is Strategy.TOPK else None
+        request = _request(args)
         check_output_path(args.output, "plan")
-        profile = Profile.load(args.profile)
-        if args.cluster is not None:
-            from planner.strategies.cluster import parse_cluster, profile_for_cluster
-
-            spec = parse_cluster(args.cluster)
-            profile = profile_for_cluster(profile, spec)
-            console.print(f"what-if cluster {spec.describe()}")
-        from planner.strategies.mixed import PRESETS, measured_compressors, preset_compressors
-
-        preset = (args.compressors or "").strip().lower()
-        if compressors is not None and preset in PRESETS:  # a preset: what this profile measured of it
-            named = preset_compressors(preset, profile)
-            compressors, left_out = measured_compressors(profile, named)
-            if not compressors:
-                raise PlannerError(f"this profile measured none of --compressors {preset} "
-                                   f"({', '.join(map(str, named))}): profile again, or name compressors it measured")
-            if left_out:
-                console.print(f"--compressors {preset}: left out {', '.join(map(str, left_out))}, which this profile "
-                              "did not measure")
-        selector = None if args.selector == "auto" else args.selector
-        if is_kfac:
-            from planner.strategies.kfac import (
-                DEFAULT_FACTOR_UPDATE_STEPS,
-                DEFAULT_INV_UPDATE_STEPS,
-                make_kfac_plan,
-            )
-
-            plan = make_kfac_plan(
-                profile,
-                method=InverseMethod(args.method),
-                factor_update_steps=args.factor_update_steps or DEFAULT_FACTOR_UPDATE_STEPS,
-                inv_update_steps=args.inv_update_steps or DEFAULT_INV_UPDATE_STEPS,
-                placement_solver=args.placement_solver,
-                time_limit_s=args.time_limit or 2.0,
-                source=str(args.profile),
-            )
-        elif is_abs:
-            from planner.strategies.abs import make_abs_plan
-
-            plan = make_abs_plan(profile, args.global_batch, trigger=args.trigger or "batch",
-                                 source=str(args.profile))
-        elif is_auto:
-            from planner.strategies.auto import solve_auto
-
-            assert compressors is not None
-            choice = solve_auto(profile, compressors, source=str(args.profile), selector=selector,
-                                time_limit_s=args.time_limit or 1.0, weigh_noise=args.cluster is None,
-                                error_budget=error_budget, trials=trials)
-            print_auto(choice)
-            plan = choice.plan
-        elif is_mixed:
-            from planner.strategies.mixed import make_mixed_plan
-
-            assert compressors is not None
-            assert not isinstance(error_budget, str)
-            plan = make_mixed_plan(profile, compressors, source=str(args.profile), selector=selector,
-                                   time_limit_s=args.time_limit or 1.0, route=args.route, error_budget=error_budget)
-        else:
-            plan = make_plan(profile, strategy, density, source=str(args.profile), selector=selector, route=args.route,
-                             time_limit_s=args.time_limit)
-        if not (is_abs or is_auto) and args.cluster is None:  # auto weighed its candidates already
-            from planner.strategies.intervals import with_intervals, with_kfac_intervals
-
-            plan = (with_kfac_intervals(plan, profile) if is_kfac
-                    else with_intervals(plan, profile, time_limit_s=args.time_limit or 1.0))
-        ddp = None
-        if is_auto:
-            from planner.strategies.auto import ddp_predictions
-
-            ddp = ddp_predictions(choice.candidates, choice.beyond_budget)
-        elif plan.intervals is None and plan.kfac is None and plan.abs is None:
-            from planner.strategies.intervals import nominal_ddp
-
-            ddp = nominal_ddp(plan, profile)  # the verdict as predicted: the profile's noise is not known
+        solved = solve(Profile.load(args.profile), request, source=str(args.profile))
+        for note in solved.notes:
+            console.print(note)
+        if solved.auto is not None:
+            print_auto(solved.auto)
+        plan = solved.plan
         plan.save(args.output)  # once DDP's rows are predicted: one the profile cannot predict refuses the plan
-        print_plan(plan, ddp=ddp, samples=choice.samples if is_auto else "",
-                   factors=choice.factors if is_auto else None)
+        print_plan(plan, ddp=solved.ddp, samples=solved.auto.samples if solved.auto is not None else "",
+                   factors=solved.auto.factors if solved.auto is not None else None)
         if plan.error is not None:
             console.print(error_line(plan.error), markup=False, soft_wrap=True)
         if plan.strategy is Strategy.MIXED:
-            print_mixed_groups(plan, profile)
+            print_mixed_groups(plan, solved.profile)
         kept = plan.verdict.keep if plan.verdict is not None else "plan"
         console.print(f"wrote plan {args.output}" + ("" if kept == "plan" else
                       f" (the verdict keeps {kept}: the file holds the best plan, for reference)"), markup=False,
                       soft_wrap=True)
         return 0
+
+
+def _request(args: argparse.Namespace) -> SolveRequest:
+    """The solve the arguments ask for, each flag checked against the strategy it applies to (one line each)."""
+    from planner.contracts.plan import SELECTORS
+    from planner.contracts.trials import Trials
+    from planner.strategies.budget import BY_DEFAULT, parse_error_budget
+    from planner.strategies.mixed import parse_compressors
+    from planner.strategies.solve import SolveRequest
+
+    is_kfac, is_abs, is_auto = args.strategy == KFAC, args.strategy == ABS, args.strategy == AUTO
+    is_mixed = args.strategy == Strategy.MIXED.value
+    if is_abs and args.global_batch is None:
+        raise PlannerError("--strategy abs needs --global-batch B: the samples per round, summed over the "
+                           "workers (e.g. the batch you train with now)")
+    if not is_abs and args.global_batch is not None:
+        raise PlannerError("--global-batch applies to --strategy abs only")
+    if not is_abs and args.trigger is not None:
+        raise PlannerError("--trigger applies to --strategy abs only")
+    if is_abs and args.cluster is not None:
+        raise PlannerError("--cluster does not apply to --strategy abs: its plan needs each worker's measured "
+                           "speed; profile the cluster itself (with --slowdown to emulate slower workers)")
+    if not is_kfac:
+        kfac_only = [("--factor-update-steps", args.factor_update_steps),
+                     ("--inv-update-steps", args.inv_update_steps)]
+        given = [flag for flag, value in kfac_only if value is not None]
+        if given:
+            raise PlannerError(f"{given[0]} applies to --strategy kfac only")
+    if args.route != "best" and args.strategy not in (Strategy.DENSE.value, Strategy.TOPK.value,
+                                                      Strategy.MIXED.value):
+        raise PlannerError("--route applies to --strategy dense, topk and mixed only")
+    if args.compressors is not None and not (is_mixed or is_auto):
+        raise PlannerError("--compressors applies to --strategy mixed and auto only")
+    if args.error_budget is not None and not (is_mixed or is_auto):
+        raise PlannerError("--error-budget applies to --strategy mixed and auto only")
+    if args.trials is not None and not is_auto:
+        raise PlannerError("--trials applies to --strategy auto only")
+    if args.trials is not None and args.error_budget is not None:
+        raise PlannerError("give --trials or --error-budget, not both: the trials set the budget")
+    error_budget = (parse_error_budget(args.error_budget) if args.error_budget is not None
+                    else BY_DEFAULT if is_auto else None)
+    if args.time_limit is not None and is_abs:
+        raise PlannerError("--time-limit does not apply to --strategy abs")
+    if args.time_limit is not None and not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
+    if args.density is not None and args.strategy != Strategy.TOPK.value:
+        hint = "; name top-k in --compressors instead (e.g. topk:0.01)" if is_mixed or is_auto else ""
+        raise PlannerError(f"--density applies to --strategy topk only{hint}")
+    if args.selector not in ("auto", *SELECTORS):
+        raise PlannerError(f"--selector must be one of auto, {', '.join(SELECTORS)}, but got {args.selector!r}")
+    compressors = None
+    if is_mixed or is_auto:
+        compressors = parse_compressors("light" if args.compressors is None else args.compressors)  # "" refused
+        if args.compressors is None and isinstance(error_budget, Compressor):  # light, and the budget's own
+            compressors = tuple(dict.fromkeys((*compressors, error_budget)))
+    trials = None
+    if args.trials is not None:
+        trials = Trials.load(args.trials)
+        if args.compressors is None:  # light, and every compressor the trials tried
+            compressors = tuple(dict.fromkeys((*(compressors or ()), *trials.compressors)))
+    topk_allowed = args.strategy == Strategy.TOPK.value or any(c.kind.value == "topk" for c in compressors or ())
+    if args.selector != "auto" and not topk_allowed:
+        raise PlannerError("--selector applies to top-k plans only (--strategy topk, or topk:D in --compressors)")
+    return SolveRequest(
+        strategy=args.strategy, density=(args.density or 0.01) if args.strategy == Strategy.TOPK.value else None,
+        compressors=compressors, preset=(args.compressors or "").strip().lower(), error_budget=error_budget,
+        trials=trials, selector=None if args.selector == "auto" else args.selector, route=args.route,
+        time_limit_s=args.time_limit, cluster=args.cluster, method=InverseMethod(args.method),
+        factor_update_steps=args.factor_update_steps, inv_update_steps=args.inv_update_steps,
+        placement_solver=args.placement_solver, global_batch=args.global_batch, trigger=args.trigger)
