@@ -3,6 +3,7 @@ verdict line for every strategy, and the short profile summary with its details 
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 from planner.commands.bench import auto_tag, bench_variants, file_labels, plan_labels, plan_tag
 from planner.commands.cli import main
-from planner.commands.printing import print_plan
+from planner.commands.printing import comm_frame, layers_frame, print_plan
 from planner.contracts.plan import Plan
 from planner.models import build_workload
 from planner.strategies.gradients import make_plan
@@ -21,6 +22,14 @@ from tests.factories import synthetic_profile, with_samples
 from tests.test_interference import measured_profile
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_profiles_tables_hold_its_layers_and_its_measured_points() -> None:
+    prof = synthetic_profile("mlp")
+    layers = layers_frame(prof)
+    assert list(layers["name"]) == [lt.name for lt in prof.layers]
+    assert list(layers["ready_s"]) == pytest.approx(list(itertools.accumulate(lt.backward_s for lt in prof.layers)))
+    assert len(comm_frame(prof)) == sum(len(c.points) for c in prof.collectives.values())
 
 
 def _verdicts(text: str) -> list[str]:

@@ -1,14 +1,23 @@
 """Tables several commands print: a plan (with its K-FAC and ABS-SGD sections), a profile, bench results,
-`--strategy auto`'s choice and a mixed plan's groups."""
+`--strategy auto`'s choice and a mixed plan's groups; and a profile's measurements as pandas tables.
+
+Every command imports this module as it starts, so each function imports the contracts, cost model and strategies
+it reads (and pandas) inside itself: none of them is needed to parse a command line or to start a worker."""
 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from planner.console import console, err_console
 from planner.types import Strategy
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from planner.contracts.profile import Profile
 
 
 def gib(n_bytes: float) -> str:
@@ -528,6 +537,30 @@ def errors_line(errors: object) -> str:
         parts.append(f"{c} {errors.uniform(c):.3g} [{low:.3g}, {high:.3g}]")
     return (f"compression error, |C(x) - x|^2 / |x|^2 over the whole gradient with error feedback ({LEVEL:.0%} "
             f"interval over {errors.steps} steps after {errors.warmup} on {errors.ranks} ranks): " + ", ".join(parts))
+
+
+def layers_frame(profile: Profile) -> pd.DataFrame:
+    """The profile's layers as a table in ready order: a row per layer, its parameters counted, and when its
+    gradient is ready (`ready_s`, the backward times summed)."""
+    import pandas as pd
+
+    rows = [{**lt.to_dict(), "params": len(lt.params)} for lt in profile.layers]
+    df = pd.DataFrame(rows)
+    df["ready_s"] = df["backward_s"].cumsum()
+    return df
+
+
+def comm_frame(profile: Profile) -> pd.DataFrame:
+    """The profile's collectives as a table: every measured point next to the fit's prediction at its size."""
+    import pandas as pd
+
+    rows = []
+    for coll, curve in profile.collectives.items():
+        for size, t in curve.points:
+            pred = curve.affine.cost(size)
+            rows.append({"collective": coll.value, "bytes": size, "seconds": t, "fit_s": pred,
+                         "rel_err": abs(pred - t) / t if t > 0 else float("nan")})
+    return pd.DataFrame(rows)
 
 
 def _parts_line(profile: object) -> tuple[str, bool] | None:

@@ -145,7 +145,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -182,9 +182,6 @@ from planner.types import (
     InverseMethod,
     SchemaError,
 )
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 __all__ = [
     "KFAC_STEP_NAMES",
@@ -1376,28 +1373,6 @@ class Profile:
         """kappa of `collective`: how much slower a chain of them runs while the workers compute (0 if not
         measured)."""
         return (self.comm_stretch or {}).get(collective, 0.0)
-
-    # -- tables ------------------------------------------------------------------------------------
-    def layers_frame(self) -> pd.DataFrame:
-        """Per-layer table in ready order."""
-        import pandas as pd  # here, not at the top: the runtime reads profiles, and no training job needs pandas
-
-        rows = [{**lt.to_dict(), "params": len(lt.params)} for lt in self.layers]
-        df = pd.DataFrame(rows)
-        df["ready_s"] = df["backward_s"].cumsum()
-        return df
-
-    def comm_frame(self) -> pd.DataFrame:
-        """Raw collective points next to the fitted prediction."""
-        import pandas as pd
-
-        rows = []
-        for coll, curve in self.collectives.items():
-            for size, t in curve.points:
-                pred = curve.affine.cost(size)
-                rows.append({"collective": coll.value, "bytes": size, "seconds": t, "fit_s": pred,
-                             "rel_err": abs(pred - t) / t if t > 0 else float("nan")})
-        return pd.DataFrame(rows)
 
     # -- the solver's instance -----------------------------------------------------------------
     def curve(self, collective: Collective) -> FittedCurve:
