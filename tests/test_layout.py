@@ -101,7 +101,7 @@ MAY_IMPORT = {
     "strategies": {"base", "costmodel", "contracts", "readers", "solvers"},
     # Random instances of the solvers' problems and brute-force references: the tests' and the solver benchmark's.
     "testing": {"base", "costmodel", "contracts", "solvers"},
-    "profilers": {"base", "costmodel", "contracts"},
+    "profilers": {"base", "costmodel", "contracts", "readers"},
     "runtime": {"base", "costmodel", "contracts", "readers", "solvers"},
     "commands": {"base", "costmodel", "contracts", "readers", "solvers", "strategies", "testing", "profilers",
                  "runtime"},
@@ -110,7 +110,7 @@ MAY_IMPORT = {
 #: The cost model's readers of a profile: they turn the profile contract's data into the cost model's instances
 #: (`from_profile`) and draw profiles from its samples (`resample`). The contract holds the data and its checks and
 #: stands on the cost model's arithmetic (curves, fits, the statistics of its samples); these stand on both.
-READERS = {"planner.costmodel.from_profile", "planner.costmodel.resample"}
+READERS = {"planner.costmodel.from_profile", "planner.costmodel.resample", "planner.costmodel.curves"}
 #: The two ways up, both the runtime re-planning: on attach (re-probing the cluster, then re-solving), and as training
 #: goes (re-measuring the compressors' errors as the profiler does, then re-solving within the plan's budget).
 EXCEPTIONS = {"planner.runtime.retune": {"profilers", "strategies"},

@@ -465,6 +465,7 @@ def profile_summary(profile: object) -> list[str]:
     communication (one allreduce of every gradient), sigma and kappa, the in-situ calibrations not used, and the
     parameters that went without a gradient in some batches."""
     from planner.contracts.profile import Profile
+    from planner.costmodel.curves import curve_model
     from planner.types import Collective
 
     assert isinstance(profile, Profile)
@@ -484,7 +485,7 @@ def profile_summary(profile: object) -> list[str]:
     allreduce = profile.collectives.get(Collective.ALLREDUCE)
     if allreduce is not None and step > 0:
         size = profile.model.numel * 4  # fp32 gradients
-        comm = allreduce.model(size)
+        comm = curve_model(allreduce)(size)
         lines.append(f"communication: one allreduce of all {size / 2**20:,.1f} MiB of gradients takes {_ms(comm)} ms; "
                      f"{step / (step + comm):.0%} compute, {comm / (step + comm):.0%} communication where nothing "
                      "overlaps")
@@ -554,10 +555,12 @@ def comm_frame(profile: Profile) -> pd.DataFrame:
     """The profile's collectives as a table: every measured point next to the fit's prediction at its size."""
     import pandas as pd
 
+    from planner.costmodel.curves import affine
+
     rows = []
     for coll, curve in profile.collectives.items():
         for size, t in curve.points:
-            pred = curve.affine.cost(size)
+            pred = affine(curve).cost(size)
             rows.append({"collective": coll.value, "bytes": size, "seconds": t, "fit_s": pred,
                          "rel_err": abs(pred - t) / t if t > 0 else float("nan")})
     return pd.DataFrame(rows)
@@ -592,6 +595,7 @@ def _parts_line(profile: object) -> tuple[str, bool] | None:
 def _print_profile_details(profile: object) -> None:
     """Everything a profile measured beyond its summary (`planner profile --verbose`, `planner show --details`)."""
     from planner.contracts.profile import Profile
+    from planner.costmodel.curves import worst_error
     from planner.costmodel.measured import MAX_FIT_ERROR
 
     assert isinstance(profile, Profile)
@@ -646,9 +650,10 @@ def _print_profile_details(profile: object) -> None:
         table.add_column(col, justify="left" if col == "collective" else "right")
     for coll, curve in profile.collectives.items():
         bw = 1 / curve.beta_s_per_byte / 1e9 if curve.beta_s_per_byte > 0 else float("inf")
-        used = "fit" if curve.worst_error <= MAX_FIT_ERROR else "interpolated"
+        worst = worst_error(curve)
+        used = "fit" if worst <= MAX_FIT_ERROR else "interpolated"
         table.add_row(coll.value, f"{curve.alpha_s * 1e6:.1f}", f"{bw:.2f}", f"{curve.fit_error:.1%}",
-                      f"{curve.worst_error:.1%}", used, str(len(curve.points)))
+                      f"{worst:.1%}", used, str(len(curve.points)))
     if profile.hosts is not None:
         h = profile.hosts
         levels = [("allreduce inside a host", h.intra), (f"allreduce across hosts (a 1/{h.per_host} shard)", h.inter),
@@ -658,9 +663,10 @@ def _print_profile_details(profile: object) -> None:
                 continue
             curve = level
             bw = 1 / curve.beta_s_per_byte / 1e9 if curve.beta_s_per_byte > 0 else float("inf")
-            used = "fit" if curve.worst_error <= MAX_FIT_ERROR else "interpolated"
+            worst = worst_error(curve)
+            used = "fit" if worst <= MAX_FIT_ERROR else "interpolated"
             table.add_row(name, f"{curve.alpha_s * 1e6:.1f}", f"{bw:.2f}", f"{curve.fit_error:.1%}",
-                          f"{curve.worst_error:.1%}", used, str(len(curve.points)))
+                          f"{worst:.1%}", used, str(len(curve.points)))
     console.print(table)
     if profile.hosts is not None:
         console.print(f"{len(profile.hosts.ranks)} hosts of {profile.hosts.per_host}: ranks "
@@ -692,10 +698,11 @@ def _print_profile_details(profile: object) -> None:
                           _ms(lt.fold_s), _ms(lt.precondition_eigen_s), _ms(lt.precondition_inverse_s))
         console.print(table)
         for name, dc in (("eigen", kf.eigen), ("inverse", kf.inverse)):
-            used = "fit" if dc.worst_error <= MAX_FIT_ERROR else "interpolated"
+            worst = worst_error(dc)
+            used = "fit" if worst <= MAX_FIT_ERROR else "interpolated"
             pts = ", ".join(f"{d}: {_ms(t)}" for d, t in dc.points)
             console.print(f"{name}: alpha {_ms(dc.alpha_s)} ms + {dc.beta_s_per_dim3 * 1e9:.3g} ns * d^3 "
-                          f"(median fit error {dc.fit_error:.1%}, worst {dc.worst_error:.1%}, {used}); "
+                          f"(median fit error {dc.fit_error:.1%}, worst {worst:.1%}, {used}); "
                           f"measured ms at d = {pts}")
         print_left_out(len(kf.layers), kf.left_out, kf.skip)
 

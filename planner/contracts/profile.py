@@ -134,8 +134,9 @@ not used: its micro-benchmark stands (`planner.costmodel.spread.calibration_use`
 
 `backward_s` of a layer is the time between the previous layer's gradient becoming ready and its own
 (b_i of the timeline model). `fit_error` is the median relative error of the fitted alpha + beta*x.
-The solvers use the fit where it is good (every point within MAX_FIT_ERROR) and otherwise interpolate
-the measured points (DESIGN.md: fitted where the data is linear, interpolated where it is not).
+The solvers use the fit where it is good (every point within `planner.costmodel.measured.MAX_FIT_ERROR`) and
+otherwise interpolate the measured points (DESIGN.md: fitted where the data is linear, interpolated where it is
+not). This module holds the curves and their checks; `planner.costmodel.curves` fits and reads them.
 """
 
 from __future__ import annotations
@@ -165,15 +166,6 @@ from planner.contracts.jsonio import (
 from planner.contracts.kfac import left_out_from_json
 from planner.contracts.plan import SELECTORS, check_selector, parse_compressor
 from planner.contracts.unused import UnusedParams
-from planner.costmodel.costs import AffineCost, CostModel, fit_affine
-from planner.costmodel.measured import (
-    MAX_FIT_ERROR,
-    CubeCost,
-    fitted_or_interpolated,
-    interpolated_in_density,
-    shifted_fit,
-    worst_fit_error,
-)
 from planner.costmodel.spread import CalibrationUse, calibration_use
 from planner.types import (
     MAX_POWERSGD_RANK,
@@ -186,7 +178,6 @@ from planner.types import (
 __all__ = [
     "KFAC_STEP_NAMES",
     "KFAC_STEP_PARTS",
-    "MAX_FIT_ERROR",
     "PROFILE_KIND",
     "PROFILE_SCHEMA_VERSION",
     "Calibration",
@@ -324,7 +315,8 @@ def _measured_points(data: Any, where: str, size: str) -> list[tuple[int, float]
 @dataclass(frozen=True, kw_only=True)
 class FittedCurve:
     """Raw (size, seconds) points and their alpha + beta*size fit; `samples`, where kept, the runs each point's
-    seconds are the mean of (the slowest rank's time in each run), in the order of `points`."""
+    seconds are the mean of (the slowest rank's time in each run), in the order of `points`. Fitted and read as a
+    cost by `planner.costmodel.curves`."""
 
     points: tuple[tuple[int, float], ...]
     alpha_s: float
@@ -336,53 +328,6 @@ class FittedCurve:
         if self.samples is not None and len(self.samples) != len(self.points):
             raise InvalidProfileError(f"a curve keeps samples for {len(self.samples)} points but has "
                                       f"{len(self.points)} points")
-
-    @classmethod
-    def fit(cls, points: list[tuple[int, float]],
-            samples: list[tuple[float, ...]] | tuple[tuple[float, ...], ...] | None = None) -> FittedCurve:
-        model, err = fit_affine(points)
-        return cls(points=tuple(points), alpha_s=model.alpha, beta_s_per_byte=model.beta, fit_error=err,
-                   samples=None if samples is None else tuple(tuple(s) for s in samples))
-
-    @property
-    def affine(self) -> AffineCost:
-        return AffineCost(alpha=self.alpha_s, beta=self.beta_s_per_byte)
-
-    @property
-    def worst_error(self) -> float:
-        """Largest relative error of the affine fit over the measured points."""
-        return worst_fit_error(self.points, self.affine)
-
-    @property
-    def model(self) -> CostModel:
-        """The affine fit where it holds at every point, else interpolation of the measured points."""
-        return fitted_or_interpolated(self.points, self.affine)
-
-    def corrected(self, alpha_scale: float, beta_scale: float) -> FittedCurve:
-        """The curve with its start-up scaled by `alpha_scale` and its per-byte cost by `beta_scale`.
-
-        The fit becomes alpha * alpha_scale + beta * beta_scale * x, and every measured point (x, t) moves by
-        the same amount, t + (alpha_scale - 1) * alpha + (beta_scale - 1) * beta * x (at least 0): where the
-        fit is the model, the model is exactly the corrected affine cost; where the points are interpolated,
-        they are shifted the same way. `fit_error` is recomputed on the moved points (and so is the choice
-        between fit and interpolation, which a large correction can change). Scales of 1 return the curve.
-
-        Raises:
-            SchemaError: a scale is not finite and > 0.
-        """
-        scales = (alpha_scale, beta_scale)
-        if not all(not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and v > 0
-                   for v in scales):
-            raise SchemaError(
-                f"`alpha_scale > 0 and beta_scale > 0` (finite) must hold, but got "
-                f"(alpha_scale={alpha_scale!r}, beta_scale={beta_scale!r})"
-            )
-        if alpha_scale == 1 and beta_scale == 1:
-            return self
-        new = AffineCost(alpha=self.alpha_s * alpha_scale, beta=self.beta_s_per_byte * beta_scale)
-        points, fit_error = shifted_fit(self.points, self.affine, new)
-        # The moved points are no longer the means of the runs measured: a corrected curve keeps no samples.
-        return FittedCurve(points=points, alpha_s=new.alpha, beta_s_per_byte=new.beta, fit_error=fit_error)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -457,31 +402,6 @@ class TopkTiming:
 
     def densities(self, selector: str = "exact") -> list[float]:
         return sorted({d for _, d, _ in self.points(selector)})
-
-    def select_model(self, density: float, selector: str = "exact") -> CostModel:
-        """Selection seconds against numel at `density` with `selector`, interpolated in log(density)
-        between measured densities.
-
-        Raises:
-            InvalidProfileError: the profile has no points for `selector`.
-            SchemaError: an unknown selector name.
-        """
-        points = self.points(selector)
-        ds = self.densities(selector)
-        if not ds:
-            raise InvalidProfileError(
-                f"the profile has no top-k selection points for the {selector} selector; measure again with "
-                "`planner profile`" + (" or use --selector exact" if selector != "exact" else "")
-            )
-
-        return interpolated_in_density(points, density)
-
-    def decode_model(self, density: float) -> CostModel:
-        """Decode seconds against the P * k values gathered, at `density` (interpolated in log(density)
-        between measured densities; the 1% curve when the profile has no per-density points)."""
-        if not self.decode_points:
-            return self.decode.model
-        return interpolated_in_density(self.decode_points, density)
 
     def scaled(self, factor: float) -> TopkTiming:
         """Every selection time of every selector multiplied by `factor` (the decode times unchanged)."""
@@ -606,36 +526,18 @@ class CompressTiming:
 
 @dataclass(frozen=True, kw_only=True)
 class DimCurve:
-    """Seconds against a matrix dimension d (raw points) and the fit alpha + beta * d^3."""
+    """Seconds against a matrix dimension d (raw points) and the fit alpha + beta * d^3 (`planner.costmodel.curves`
+    fits and reads it)."""
 
     points: tuple[tuple[int, float], ...]
     alpha_s: float
     beta_s_per_dim3: float
     fit_error: float
 
-    @classmethod
-    def fit(cls, points: list[tuple[int, float]]) -> DimCurve:
-        model, err = fit_affine([(d**3, t) for d, t in points])
-        return cls(points=tuple(points), alpha_s=model.alpha, beta_s_per_dim3=model.beta, fit_error=err)
-
     def scaled(self, factor: float) -> DimCurve:
         """The same curve with every time multiplied by `factor`."""
         return replace(self, points=tuple((d, t * factor) for d, t in self.points), alpha_s=self.alpha_s * factor,
                        beta_s_per_dim3=self.beta_s_per_dim3 * factor)
-
-    def against_cubes(self) -> FittedCurve:
-        """The same measurements as seconds against d^3, where the fit is affine."""
-        return FittedCurve(points=tuple((d**3, t) for d, t in self.points), alpha_s=self.alpha_s,
-                           beta_s_per_byte=self.beta_s_per_dim3, fit_error=self.fit_error)
-
-    @property
-    def worst_error(self) -> float:
-        return self.against_cubes().worst_error
-
-    @property
-    def model(self) -> CostModel:
-        """Seconds against d: the cubic fit where it holds at every point, else interpolation in d^3."""
-        return CubeCost(inner=self.against_cubes().model)
 
     def to_dict(self) -> dict[str, Any]:
         return {
