@@ -134,7 +134,7 @@ def measure_in_situ(
     `comm`, the runtime's own PowerSGD at each rank is calibrated the same way, with one group of every layer
     measured sending nothing and then sending (its "send").
     A configuration whose calibration the cost model would not use (its interval
-    includes no effect, or it is implausible: `planner.costmodel.spread.calibration_use`) is measured once more
+    includes no effect, or it is implausible: `planner.spread.calibration_use`) is measured once more
     (`on_more` hears how many more pairs), and the second measurement kept. `on_point` is called after each pair.
     """
     specs = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in layers]

@@ -88,10 +88,12 @@ def test_the_import_graph_has_no_circle() -> None:
 
 #: Each layer and the layers it may import (besides itself). The base is what every layer stands on:
 #: errors and enums, the console, the built-in models, the kernels that both the profilers and the
-#: runtime run, and the platform (launching workers, the emulated link, timing); and a worker's request to die
-#: with its launcher (`planner._lifeline`, stdlib only: the package's first import in a worker).
+#: runtime run, and the platform (launching workers, the emulated link, timing); the statistics of measured samples
+#: (`planner.spread`: intervals, and whether an in-situ calibration is used, which the profile contract writes); and
+#: a worker's request to die with its launcher (`planner._lifeline`, stdlib only: the package's first import in a
+#: worker).
 BASE = {"planner.types", "planner.console", "planner.models", "planner.tasks", "planner.kernels", "planner.platform",
-        "planner._lifeline"}
+        "planner.spread", "planner._lifeline"}
 MAY_IMPORT = {
     "base": set(),
     "costmodel": {"base"},

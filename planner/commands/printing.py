@@ -475,7 +475,7 @@ def profile_summary(profile: object) -> list[str]:
     step = profile.step_s or profile.parts_s
     spread = ""
     if profile.steps is not None:
-        from planner.costmodel.spread import LEVEL, statistic_interval
+        from planner.spread import LEVEL, statistic_interval
 
         low, high = statistic_interval(profile.steps.whole_s)
         spread = f" [{LEVEL:.0%} interval {_ms(low)}-{_ms(high)} over {profile.steps.count} steps]"
@@ -529,7 +529,7 @@ def error_line(error: object) -> str:
 def errors_line(errors: object) -> str:
     """Each compressor's error over the whole gradient (every layer sent by it), with its interval over the steps."""
     from planner.contracts.errors import CompressionErrors
-    from planner.costmodel.spread import LEVEL
+    from planner.spread import LEVEL
 
     assert isinstance(errors, CompressionErrors)
     parts = []
@@ -712,7 +712,7 @@ def _slowdown_interval(profile: object, collective: object, which: str) -> str:
     import numpy as np
 
     from planner.contracts.profile import Profile
-    from planner.costmodel.spread import percentile_interval
+    from planner.spread import percentile_interval
 
     assert isinstance(profile, Profile)
     samples = (profile.slowdown_samples or {}).get(collective)  # type: ignore[call-overload]

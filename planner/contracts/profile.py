@@ -130,7 +130,7 @@ the steps of the layer phase, each collective point's runs, each in-situ calibra
 work's own durations), the pairs sigma and kappa come from. `planner.costmodel.resample` draws profiles from them,
 which gives every prediction an interval (`planner.strategies.intervals`). An in-situ calibration whose interval
 includes no effect, or that lies outside 0.5x-20x of its micro-benchmark, is measured once more and, if still so,
-not used: its micro-benchmark stands (`planner.costmodel.spread.calibration_use`).
+not used: its micro-benchmark stands (`planner.spread.calibration_use`).
 
 `backward_s` of a layer is the time between the previous layer's gradient becoming ready and its own
 (b_i of the timeline model). `fit_error` is the median relative error of the fitted alpha + beta*x.
@@ -166,7 +166,7 @@ from planner.contracts.jsonio import (
 from planner.contracts.kfac import left_out_from_json
 from planner.contracts.plan import SELECTORS, check_selector, parse_compressor
 from planner.contracts.unused import UnusedParams
-from planner.costmodel.spread import CalibrationUse, calibration_use
+from planner.spread import CalibrationUse, calibration_use
 from planner.types import (
     MAX_POWERSGD_RANK,
     Collective,
@@ -685,7 +685,7 @@ class Calibration:
     `measured_s` is the median of `samples_s` where they are kept: paired differences (a step with the work less
     the step beside it without, every rank's), or the work's own durations (decoding, K-FAC's step parts). It may
     be below zero: the difference of two noisy step times. Whether the cost model uses it, and the factor that
-    follows, is `use` (`planner.costmodel.spread.calibration_use`): measured / modelled where it is told apart from
+    follows, is `use` (`planner.spread.calibration_use`): measured / modelled where it is told apart from
     no effect and plausible, else 1 (the micro-benchmark). `attempts`: how many times it was measured (a first
     measurement that was not usable is measured once more, and the last one kept).
     """

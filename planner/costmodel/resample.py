@@ -8,11 +8,11 @@ of those samples, and leaves every other number as measured:
 - each collective point (`FittedCurve.samples`): its runs drawn with replacement, their mean the new point, and the
   curve fitted again (fit or interpolation, as any curve: `planner.costmodel.curves.curve_model`);
 - each in-situ calibration (`Calibration.samples_s`): its median over drawn samples (used by the cost model or not
-  as the measurement is: `planner.costmodel.spread.calibration_use` decides on the samples);
+  as the measurement is: `planner.spread.calibration_use` decides on the samples);
 - sigma and kappa (`Profile.slowdown_samples`): pairs of passes and of chains drawn with replacement.
 
 Predictions evaluated under many draws give each prediction an interval; two predictions evaluated under the same
-draws give the interval of their difference (`planner.costmodel.spread.PairedGain`), where what both share (the
+draws give the interval of their difference (`planner.spread.PairedGain`), where what both share (the
 same compute, the same network) cancels out.
 """
 

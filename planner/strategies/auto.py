@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.contracts.plan import DDP_ROW, Plan
 from planner.contracts.profile import Profile
+from planner.spread import PairedGain
 from planner.strategies.budget import (
     BY_DEFAULT,
     DEFAULT_BUDGETS,
@@ -326,7 +327,6 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
     """Every candidate and the DDP variants under the same draws; the simplest candidate no other beats beyond the
     noise is kept (each candidate's steps times its samples factor, `samples_factors`), and weighed against DDP and
     the hook of every allowed compressor but those `left_out` (beyond the error budget: predicted, not weighed)."""
-    from planner.costmodel.spread import PairedGain
     from planner.strategies.intervals import (
         Problems,
         attach,

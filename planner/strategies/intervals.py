@@ -36,11 +36,11 @@ from planner.costmodel.mixed import MixedProblem, simulate_mixed
 from planner.costmodel.problem import GradientProblem, Grouping
 from planner.costmodel.resample import resampled_many, spread_sources
 from planner.costmodel.simulator import simulate
-from planner.costmodel.spread import DRAWS, LEVEL, PairedGain, percentile_interval
 from planner.solvers import BASELINES, DDP_BASELINE, solve_exact
 from planner.solvers.fusion import FactorBuffers
 from planner.solvers.layout import Layout
 from planner.solvers.mixed import MixedParetoDP
+from planner.spread import DRAWS, LEVEL, PairedGain, percentile_interval
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
 __all__ = ["KFAC_REFERENCES", "Draws", "Problems", "RowStep", "attach", "beyond_budget", "ddp_label", "ddp_rows",

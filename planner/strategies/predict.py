@@ -37,7 +37,7 @@ from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.mixed import MixedEvent, simulate_mixed, timeline_mixed
 from planner.costmodel.problem import Prediction
 from planner.costmodel.simulator import GroupEvent, simulate, timeline
-from planner.costmodel.spread import percentile_interval
+from planner.spread import percentile_interval
 from planner.strategies.abs import predict_abs
 from planner.strategies.intervals import (
     Draws,
