@@ -10,7 +10,7 @@ from planner.contracts.abs import ABSSection, VariantPrediction
 from planner.contracts.fingerprint import ClusterInfo, model_info
 from planner.contracts.kfac import KFACSection, kfac_layers
 from planner.contracts.layers import gradient_layers
-from planner.contracts.plan import Group, Plan
+from planner.contracts.plan import Group, Plan, Prediction
 from planner.contracts.profile import (
     CompressTiming,
     FittedCurve,
@@ -22,7 +22,6 @@ from planner.contracts.profile import (
     TopkTiming,
 )
 from planner.costmodel.curves import fit_curve, fit_dim_curve
-from planner.costmodel.problem import Prediction
 from planner.models import build_workload
 from planner.strategies.gradients import make_plan
 from planner.types import Collective, Strategy

@@ -44,12 +44,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from planner.contracts.plan import Prediction
 from planner.costmodel.costs import CostModel
 from planner.costmodel.problem import (
     INDEX_BYTES,
     GradientProblem,
     Grouping,
-    Prediction,
     advance,
     groups_of,
     topk_count_many,

@@ -22,7 +22,6 @@ __all__ = [
     "INDEX_BYTES",
     "GradientProblem",
     "Grouping",
-    "Prediction",
     "advance",
     "advance_many",
     "groups_of",
@@ -203,25 +202,3 @@ def groups_of(grouping: Grouping) -> list[range]:
     """The layer index ranges of a grouping."""
     starts = (0, *grouping[:-1])
     return [range(s, e) for s, e in zip(starts, grouping, strict=True)]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Prediction:
-    """Predicted time of one iteration under a grouping, and where it goes (seconds).
-
-    iteration_s = compute_s + exposed_comm_s, where compute_s is the compute path alone
-    (F + backward + selection or packing + decode + U, stretched by interference) and exposed_comm_s the
-    communication not hidden behind it. comm_s is the collectives' own time, each as measured alone (with a
-    comm stretch the channel is busy longer); interference_s how much longer the compute path is because
-    collectives were in flight during it.
-    """
-
-    iteration_s: float
-    compute_s: float
-    exposed_comm_s: float
-    comm_s: float
-    selection_s: float = 0.0
-    decode_s: float = 0.0
-    num_groups: int = 1
-    pack_s: float = 0.0
-    interference_s: float = 0.0

@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from planner.contracts.layers import LayerSpec
-from planner.contracts.plan import DDP_ROW, Group, Plan
+from planner.contracts.plan import DDP_ROW, Group, Plan, Prediction
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed import MixedProblem, simulate_mixed
-from planner.costmodel.problem import Grouping, Prediction, groups_of, topk_count
+from planner.costmodel.problem import Grouping, groups_of, topk_count
 from planner.solvers.deadline import Deadline
 from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
 from planner.strategies.budget import BudgetSpec, plan_error, resolve_budget, solver_budget
