@@ -111,10 +111,9 @@ MAY_IMPORT = {
 #: the arithmetic (fitting and reading the profile's curves, the problems a profile poses, its resampling).
 #: The ways up: the runtime re-planning, on attach (re-probing the cluster, then re-solving) and as training goes
 #: (re-measuring the compressors' errors as the profiler does, then re-solving within the plan's budget); and, until
-#: what they read of the cost model moves, two contracts.
+#: what it reads of the cost model moves, one contract.
 EXCEPTIONS = {"planner.runtime.retune": {"profilers", "strategies"},
               "planner.runtime.adaptive": {"profilers", "strategies"},
-              "planner.contracts.pairing": {"costmodel"},
               "planner.contracts.layers": {"costmodel"}}
 
 
