@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from planner.contracts.fingerprint import ClusterInfo, model_info
 from planner.contracts.kfac import KFACSection, kfac_layers
-from planner.contracts.layers import LayerSpec, groups_for
+from planner.contracts.layers import LayerSpec
 from planner.contracts.plan import Group, Plan, Prediction
 from planner.contracts.profile import (
     KFAC_STEP_PARTS,
@@ -44,7 +44,7 @@ from planner.contracts.profile import (
 from planner.costmodel.costs import AffineCost, CostModel
 from planner.costmodel.curves import curve_model, fit_curve, select_model
 from planner.costmodel.mixed import FP32_BYTES
-from planner.costmodel.problem import GradientProblem, groups_of, topk_count
+from planner.costmodel.problem import GradientProblem, groups_for, groups_of, topk_count
 from planner.kernels.compress import PowerSGDLayout
 from planner.models import Workload
 from planner.platform.hosts import count_hosts

@@ -109,12 +109,10 @@ MAY_IMPORT = {
 }
 #: The contracts hold the files' data and its checks and stand on the base alone; the cost model reads them and does
 #: the arithmetic (fitting and reading the profile's curves, the problems a profile poses, its resampling).
-#: The ways up: the runtime re-planning, on attach (re-probing the cluster, then re-solving) and as training goes
-#: (re-measuring the compressors' errors as the profiler does, then re-solving within the plan's budget); and, until
-#: what it reads of the cost model moves, one contract.
+#: The two ways up, both the runtime re-planning: on attach (re-probing the cluster, then re-solving), and as training
+#: goes (re-measuring the compressors' errors as the profiler does, then re-solving within the plan's budget).
 EXCEPTIONS = {"planner.runtime.retune": {"profilers", "strategies"},
-              "planner.runtime.adaptive": {"profilers", "strategies"},
-              "planner.contracts.layers": {"costmodel"}}
+              "planner.runtime.adaptive": {"profilers", "strategies"}}
 
 
 def layer(module: str) -> str:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import functools
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
 import numpy as np
 
+from planner.contracts.layers import LayerSpec
+from planner.contracts.plan import Group
 from planner.costmodel.costs import CostModel
 from planner.types import SolverError, Strategy
 
@@ -24,6 +27,7 @@ __all__ = [
     "Grouping",
     "advance",
     "advance_many",
+    "groups_for",
     "groups_of",
     "topk_count",
     "topk_count_many",
@@ -202,3 +206,28 @@ def groups_of(grouping: Grouping) -> list[range]:
     """The layer index ranges of a grouping."""
     starts = (0, *grouping[:-1])
     return [range(s, e) for s, e in zip(starts, grouping, strict=True)]
+
+
+def groups_for(
+    layers: Sequence[LayerSpec], grouping: Grouping, strategy: Strategy, density: float | None
+) -> tuple[Group, ...]:
+    """Plan groups for `layers` (in ready order) split at `grouping`'s end indices."""
+    if not grouping or grouping[-1] != len(layers):
+        raise SolverError(f"grouping {grouping} does not cover the {len(layers)} layers")
+    out = []
+    for r in groups_of(grouping):
+        members = [layers[i] for i in r]
+        numel = sum(m.numel for m in members)
+        k = None
+        if strategy is Strategy.TOPK:
+            assert density is not None
+            k = topk_count(numel, density)
+        out.append(
+            Group(
+                layers=tuple(m.name for m in members),
+                params=tuple(p for m in members for p in m.params),
+                numel=numel,
+                k=k,
+            )
+        )
+    return tuple(out)

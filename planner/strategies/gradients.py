@@ -7,12 +7,12 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from planner.contracts.layers import LayerSpec, groups_for
+from planner.contracts.layers import LayerSpec
 from planner.contracts.plan import Plan, check_selector, ddp_row
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import gradient_problem, hierarchical_groups, mixed_problem
 from planner.costmodel.mixed import MixedProblem, simulate_mixed
-from planner.costmodel.problem import GradientProblem, Grouping
+from planner.costmodel.problem import GradientProblem, Grouping, groups_for
 from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DDP_BASELINE, DenseDP, GroupingSolver, Solved, TopkParetoDP, lower_bound
 from planner.solvers.deadline import Deadline
