@@ -17,6 +17,7 @@ from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DDP_BASELINE, DenseDP, GroupingSolver, Solved, TopkParetoDP, lower_bound
 from planner.solvers.deadline import Deadline
 from planner.solvers.mixed import MixedParetoDP, MixedSolution, mixed_lower_bound
+from planner.strategies.via_ddp import with_via_ddp
 from planner.types import Compressor, CompressorKind, InvalidProfileError, SchemaError, Strategy
 
 __all__ = ["ALL_FLAT", "ALL_HIERARCHICAL", "check_route", "from_profile", "make_plan", "optimality",
@@ -87,8 +88,6 @@ def make_plan(
                       time_limit_s=time_limit_s)
     if not via_ddp:
         return plan
-    from planner.strategies.via_ddp import with_via_ddp
-
     return with_via_ddp(plan, profile)
 
 
