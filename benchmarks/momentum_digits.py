@@ -21,9 +21,9 @@ from torch import nn
 
 from planner.console import console
 from planner.contracts.fingerprint import ClusterInfo, model_info
-from planner.contracts.layers import gradient_layers, groups_for
-from planner.contracts.plan import Plan
-from planner.costmodel.problem import Prediction
+from planner.contracts.layers import gradient_layers
+from planner.contracts.plan import Plan, Prediction
+from planner.costmodel.problem import groups_for
 from planner.platform.launch import run_distributed
 from planner.runtime import GradientExchange
 from planner.types import Strategy

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from planner.contracts.profile import FittedCurve, HostTiming, HostTopk
+from planner.costmodel.curves import fit_curve
 from planner.costmodel.problem import topk_count
 from planner.kernels.hierarchical import HostGroups, hierarchical_all_reduce, hierarchical_topk_sum
 from planner.kernels.topk import all_gather_flat, pack
@@ -112,7 +113,7 @@ def _fitted_curves(points: Sequence[tuple[Any, int, Callable[[], object]]], devi
     for (key, nbytes, _), t, run in zip(points, seconds, runs, strict=True):
         curves.setdefault(key, []).append((int(max(4, nbytes // 4 * 4)), t))
         samples.setdefault(key, []).append(run)
-    return {key: FittedCurve.fit(pts, samples[key]) for key, pts in curves.items()}
+    return {key: fit_curve(pts, samples[key]) for key, pts in curves.items()}
 
 
 def collective_runs(collectives: int, sizes: Sequence[int], *, repeats: int, warmup: int) -> int:
@@ -325,6 +326,6 @@ def measure_host_topk(
             on_point()
         if len(points) >= 2:
             measured = sorted(points.items())
-            curve = FittedCurve.fit([(n, t) for n, (t, _) in measured], [runs for _, (_, runs) in measured])
+            curve = fit_curve([(n, t) for n, (t, _) in measured], [runs for _, (_, runs) in measured])
             out.append(HostTopk(density=density, union_ratio=ratio, exchange=curve))
     return tuple(out)

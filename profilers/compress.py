@@ -14,6 +14,7 @@ from functools import partial
 import torch
 
 from planner.contracts.profile import CompressTiming, FittedCurve, PowerSGDLayerTiming
+from planner.costmodel.curves import fit_curve
 from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compress, fp16_decompress
 from planner.platform.timing import median, time_call
 
@@ -91,5 +92,5 @@ def _powersgd_steps(shapes: Shapes, rank: int, world_size: int, device: torch.de
 def _fit(points: list[tuple[int, float]]) -> FittedCurve:
     """The fit of (elements, seconds) points (a constant when fewer than two are above zero)."""
     if sum(t > 0 for _, t in points) >= 2 and len({n for n, _ in points}) >= 2:
-        return FittedCurve.fit(points)
+        return fit_curve(points)
     return FittedCurve(points=tuple(points), alpha_s=max(t for _, t in points), beta_s_per_byte=0.0, fit_error=0.0)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from planner.contracts.kfac import KFACLayerSpec, kfac_layers, kfac_left_out
 from planner.contracts.profile import DimCurve, KFACLayerTiming, KFACTiming
+from planner.costmodel.curves import fit_dim_curve
 from planner.kernels.kfac import (
     covariance,
     decompose,
@@ -289,7 +290,7 @@ def measure_inversion(
                             warmup=min(warmup, 1))
         points.append((d, median(samples)))
         on_point()
-    return DimCurve.fit(points)
+    return fit_dim_curve(points)
 
 
 def measure_kfac(

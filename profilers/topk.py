@@ -12,6 +12,7 @@ from functools import partial
 import torch
 
 from planner.contracts.profile import FittedCurve, TopkTiming
+from planner.costmodel.curves import fit_curve
 from planner.costmodel.problem import topk_count
 from planner.kernels.topk import SELECTORS, decode, pack, select_topk
 from planner.platform.timing import median, time_call
@@ -83,7 +84,7 @@ def measure_topk(
     points = _dedupe([(x, t) for x, d, t in decode_points if d == nearest])
     if len(points) < 2:
         points = _dedupe([(x, t) for x, _, t in decode_points])
-    fitted = (FittedCurve.fit(points) if len(points) >= 2 and sum(t > 0 for _, t in points) >= 2
+    fitted = (fit_curve(points) if len(points) >= 2 and sum(t > 0 for _, t in points) >= 2
               else FittedCurve(points=tuple(points), alpha_s=max(t for _, t in points), beta_s_per_byte=0.0,
                                fit_error=0.0))
     return TopkTiming(select=tuple(select["exact"]), select_sampled=tuple(select["sampled"]),

@@ -29,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from planner.contracts.fingerprint import ClusterInfo, model_info
 from planner.contracts.kfac import KFACSection, kfac_layers
-from planner.contracts.layers import LayerSpec, groups_for
-from planner.contracts.plan import Group, Plan
+from planner.contracts.layers import LayerSpec
+from planner.contracts.plan import Group, Plan, Prediction
 from planner.contracts.profile import (
     KFAC_STEP_PARTS,
     Calibration,
@@ -42,8 +42,9 @@ from planner.contracts.profile import (
     TopkTiming,
 )
 from planner.costmodel.costs import AffineCost, CostModel
+from planner.costmodel.curves import curve_model, fit_curve, select_model
 from planner.costmodel.mixed import FP32_BYTES
-from planner.costmodel.problem import GradientProblem, Prediction, groups_of, topk_count
+from planner.costmodel.problem import GradientProblem, groups_for, groups_of, topk_count
 from planner.kernels.compress import PowerSGDLayout
 from planner.models import Workload
 from planner.platform.hosts import count_hosts
@@ -75,7 +76,7 @@ def measure_packing(
                             repeats=repeats, warmup=warmup)
         points.append((int(n), median(samples)))
         on_point()
-    return FittedCurve.fit(points)
+    return fit_curve(points)
 
 
 class _SilentLink(Link):
@@ -133,7 +134,7 @@ def measure_in_situ(
     `comm`, the runtime's own PowerSGD at each rank is calibrated the same way, with one group of every layer
     measured sending nothing and then sending (its "send").
     A configuration whose calibration the cost model would not use (its interval
-    includes no effect, or it is implausible: `planner.costmodel.spread.calibration_use`) is measured once more
+    includes no effect, or it is implausible: `planner.spread.calibration_use`) is measured once more
     (`on_more` hears how many more pairs), and the second measurement kept. `on_point` is called after each pair.
     """
     specs = [LayerSpec(name=lt.name, params=lt.params, numel=lt.numel) for lt in layers]
@@ -162,11 +163,11 @@ def measure_in_situ(
             functools.partial(_hook_calibration, sum(pack.cost(b) for b in _ddp_buckets(sizes)), 0.0))["prepare"]
     decode_calibration = None
     select_calibration: dict[str, Calibration] = {}
-    decode_s = 0.0 if topk is None else sum(topk.decode.model.cost(world_size * topk_count(n, density))
+    decode_s = 0.0 if topk is None else sum(curve_model(topk.decode).cost(world_size * topk_count(n, density))
                                             for n in sizes)
     for selector in topk.selectors() if topk is not None else ():
         assert topk is not None
-        select_s = sum(topk.select_model(density, selector).cost(n) for n in sizes)
+        select_s = sum(select_model(topk, density, selector).cost(n) for n in sizes)
         found = calibrate(f"top-k ({selector})",
                           functools.partial(run, Strategy.TOPK, groups_for(specs, per_layer, Strategy.TOPK, density),
                                             density, selector),
@@ -487,7 +488,7 @@ def _inversion_and_steps(kfac: KFACTiming, method: Any, steps: int) -> tuple[flo
     """The micro-benchmarked seconds of inverting every factor with `method`, and how many steps (of at most
     `steps`, one at least) `measure_kfac_steps_in_situ` measures with it within `KFAC_STEPS_BUDGET_S`."""
 
-    curve = (kfac.inverse if method is InverseMethod.INVERSE else kfac.eigen).model
+    curve = curve_model(kfac.inverse if method is InverseMethod.INVERSE else kfac.eigen)
     seconds = sum(curve.cost(d) for lt in kfac.layers for d in (lt.a_dim, lt.g_dim))
     return seconds, max(1, min(steps, int(KFAC_STEPS_BUDGET_S / max(seconds, 1e-9)) - 1))
 
@@ -523,8 +524,8 @@ def _compressor_work(compress: CompressTiming | None, specs: Sequence[Any]) -> l
     part (fp16's cast; PowerSGD's compression and middle round) and the decoding."""
     if compress is None:
         return []
-    out = [(Compressor(CompressorKind.FP16), sum(compress.fp16_cast.model.cost(s.numel) for s in specs),
-            sum(compress.fp16_uncast.model.cost(s.numel) for s in specs))]
+    out = [(Compressor(CompressorKind.FP16), sum(curve_model(compress.fp16_cast).cost(s.numel) for s in specs),
+            sum(curve_model(compress.fp16_uncast).cost(s.numel) for s in specs))]
     for rank in compress.ranks():
         rows = compress.powersgd_at(rank)
         if all(s.name in rows for s in specs):

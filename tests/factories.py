@@ -10,10 +10,9 @@ from planner.contracts.abs import ABSSection, VariantPrediction
 from planner.contracts.fingerprint import ClusterInfo, model_info
 from planner.contracts.kfac import KFACSection, kfac_layers
 from planner.contracts.layers import gradient_layers
-from planner.contracts.plan import Group, Plan
+from planner.contracts.plan import Group, Plan, Prediction
 from planner.contracts.profile import (
     CompressTiming,
-    DimCurve,
     FittedCurve,
     KFACLayerTiming,
     KFACTiming,
@@ -22,7 +21,7 @@ from planner.contracts.profile import (
     Profile,
     TopkTiming,
 )
-from planner.costmodel.problem import Prediction
+from planner.costmodel.curves import fit_curve, fit_dim_curve
 from planner.models import build_workload
 from planner.strategies.gradients import make_plan
 from planner.types import Collective, Strategy
@@ -42,11 +41,11 @@ def synthetic_profile(model: str = "mlp", world_size: int = 2, module: nn.Module
     sizes = [1 << s for s in range(10, 27, 2)]
 
     def curve(alpha: float, beta: float) -> FittedCurve:
-        return FittedCurve.fit([(s, alpha + beta * s) for s in sizes])
+        return fit_curve([(s, alpha + beta * s) for s in sizes])
 
     numels = [1 << s for s in range(10, 23, 2)]
     select = tuple((n, d, 5e-5 + n * 4e-9 * (1 + d)) for n in numels for d in (0.001, 0.01, 0.1, 1.0))
-    decode = FittedCurve.fit([(n // 50, 2e-5 + n * 1e-10) for n in numels])
+    decode = fit_curve([(n // 50, 2e-5 + n * 1e-10) for n in numels])
     return Profile(
         model=model_info(module, model),
         cluster=ClusterInfo(world_size=world_size, backend="gloo", device="cpu (synthetic)"),
@@ -83,8 +82,8 @@ def synthetic_compress_timing(module: nn.Module, ready_order: list[str], ranks: 
             work = 2e-5 * len(shapes) + numel * r * 1e-9
             rows.append(PowerSGDLayerTiming(layer=name, rank=r, shapes=shapes, compress_s=work, middle_s=work,
                                             decompress_s=work))
-    return CompressTiming(fp16_cast=FittedCurve.fit([(n, 5e-6 + n * 3e-10) for n in numels]),
-                          fp16_uncast=FittedCurve.fit([(n, 5e-6 + n * 3e-10) for n in numels]),
+    return CompressTiming(fp16_cast=fit_curve([(n, 5e-6 + n * 3e-10) for n in numels]),
+                          fp16_uncast=fit_curve([(n, 5e-6 + n * 3e-10) for n in numels]),
                           powersgd=tuple(rows))
 
 
@@ -103,8 +102,8 @@ def synthetic_kfac_timing(module: object) -> KFACTiming:
     dims = [16, 64, 256, 1024, 2048]
     return KFACTiming(
         layers=layers,
-        inverse=DimCurve.fit([(d, 1e-3 + d**3 * 2e-10) for d in dims]),
-        eigen=DimCurve.fit([(d, 3e-3 + d**3 * 6e-10) for d in dims]),
+        inverse=fit_dim_curve([(d, 1e-3 + d**3 * 2e-10) for d in dims]),
+        eigen=fit_dim_curve([(d, 3e-3 + d**3 * 6e-10) for d in dims]),
     )
 
 
@@ -196,7 +195,7 @@ def with_samples(profile: Profile, *, spread: float = 0.05, steps: int = 20, run
 
     def curve(c: FittedCurve) -> FittedCurve:
         runs_of = [tuple(np.abs(t * (1 + spread * rng.standard_normal(runs)))) for _, t in c.points]
-        return FittedCurve.fit([(n, float(np.mean(r))) for (n, _), r in zip(c.points, runs_of, strict=True)], runs_of)
+        return fit_curve([(n, float(np.mean(r))) for (n, _), r in zip(c.points, runs_of, strict=True)], runs_of)
 
     return replace(profile, steps=samples, forward_s=fwd, update_s=upd, layers=layers, step_s=whole,
                    backward_s=sum(b), collectives={k: curve(c) for k, c in profile.collectives.items()})

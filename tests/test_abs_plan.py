@@ -15,7 +15,8 @@ from planner.commands.cli import main
 from planner.contracts.abs import ABSSection, VariantPrediction
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
-from planner.contracts.profile import Collective, FittedCurve, Profile, WorkerThroughput
+from planner.contracts.profile import Collective, Profile, WorkerThroughput
+from planner.costmodel.curves import curve_model, fit_curve
 from planner.costmodel.from_profile import gradient_problem
 from planner.strategies.abs import (
     ON_TARGET,
@@ -147,7 +148,7 @@ def test_the_triggers_a_plan_chooses_from() -> None:
     prof = slowed_profile(2.0)
     # an exchange of 50 ms: the slow worker computes its part of 128 samples in about 14 ms
     sizes = [1 << s for s in range(10, 27, 2)]
-    slow_link = FittedCurve.fit([(n, 0.05 + 1e-12 * n) for n in sizes])
+    slow_link = fit_curve([(n, 0.05 + 1e-12 * n) for n in sizes])
     slow = replace(prof, collectives={**prof.collectives, Collective.ALLREDUCE: slow_link})
     a = make_abs_plan(slow, 128, trigger="best").abs
     assert a is not None and a.round_samples == 128 and a.max_micro_batches is None
@@ -217,7 +218,7 @@ def test_the_plan_is_the_fastest_on_target_round(global_batch: int) -> None:
     problem = gradient_problem(prof, Strategy.DENSE)
     grouping = plan_grouping(plan, prof)
     exchange = exchange_s(problem, grouping)
-    extra = accumulate_s(prof.pack.model if prof.pack is not None else None, problem, grouping)
+    extra = accumulate_s(curve_model(prof.pack) if prof.pack is not None else None, problem, grouping)
     smallest = prof.throughput.batch_sizes[0] if prof.throughput else 1
     common = {"exchange_s": exchange, "update_s": problem.update_s, "interference": problem.interference}
     grid = []

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from planner.contracts.layers import gradient_layers, groups_for
+from planner.contracts.layers import gradient_layers
+from planner.costmodel.problem import groups_for
 from planner.runtime import ABSSGD
 from planner.types import PlanMismatchError, Strategy
 from tests.factories import abs_section, plan_with_groups

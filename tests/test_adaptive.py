@@ -18,7 +18,8 @@ from torch import nn
 
 from planner.contracts.errors import CompressionErrors
 from planner.contracts.plan import Plan
-from planner.contracts.profile import FittedCurve, Profile
+from planner.contracts.profile import Profile
+from planner.costmodel.curves import fit_curve
 from planner.runtime import GradientExchange, Replanning
 from planner.runtime.adaptive import allowed_compressors
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
@@ -59,7 +60,7 @@ def slow_profile_with_errors(world_size: int = 2, module: nn.Module | None = Non
     """A synthetic profile of TwoMatrices (or `module`) behind a slow network (`per_byte` seconds a byte), whose errors
     say PowerSGD rank 1 is exact (as it is on rank-1 gradients) and fp16 nearly so."""
     base = synthetic_profile("two-matrices", world_size, module=module if module is not None else TwoMatrices())
-    slow = FittedCurve.fit([(s, 2e-4 + per_byte * s) for s in (1 << e for e in range(10, 27, 2))])
+    slow = fit_curve([(s, 2e-4 + per_byte * s) for s in (1 << e for e in range(10, 27, 2))])
     layers = tuple(lt.name for lt in base.layers)
     grad = np.ones((world_size, len(layers), 2))
     errors = CompressionErrors(layers=layers, warmup=1, grad_sq=grad, input_sq={"fp16": grad, "powersgd:1": grad},

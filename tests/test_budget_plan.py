@@ -15,6 +15,7 @@ from planner.commands.printing import print_auto, print_spread
 from planner.contracts.errors import CompressionErrors
 from planner.contracts.plan import Plan, PlanError
 from planner.contracts.profile import Profile
+from planner.costmodel.curves import fit_curve
 from planner.strategies.auto import solve_auto
 from planner.strategies.budget import parse_error_budget
 from planner.strategies.intervals import with_intervals
@@ -32,9 +33,8 @@ def profile_with_errors(model: str = "cnn", link_beta: float = 1e-7) -> Profile:
     gradient energy l + 1, every compressor's contraction `CONTRACTION` on every layer."""
     base = synthetic_profile(model)
     sizes = [1 << s for s in range(10, 27, 2)]
-    from planner.contracts.profile import FittedCurve
 
-    slow = FittedCurve.fit([(s, 2e-4 + link_beta * s) for s in sizes])
+    slow = fit_curve([(s, 2e-4 + link_beta * s) for s in sizes])
     layers = tuple(lt.name for lt in base.layers)
     grad = np.broadcast_to(np.arange(1.0, len(layers) + 1)[None, :, None], (2, len(layers), 3)).copy()
     errors = CompressionErrors(layers=layers, warmup=1, grad_sq=grad,

@@ -15,9 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.contracts.profile import MAX_FIT_ERROR, Profile
+from planner.contracts.profile import Profile
 from planner.costmodel.costs import AffineCost, CostModel
+from planner.costmodel.curves import affine, curve_model, select_model, worst_error
 from planner.costmodel.from_profile import gradient_problem
+from planner.costmodel.measured import MAX_FIT_ERROR
 from planner.costmodel.simulator import simulate
 from planner.strategies.cluster import (
     CURVE_SIZES,
@@ -167,7 +169,7 @@ def test_one_gpu_and_no_bytes_cost_nothing(collective: Collective, algorithm: st
     one = replace(SMALL, nodes=1, gpus_per_node=1, algorithm=algorithm)
     assert collective_seconds(one, collective, 1 << 20) == 0.0
     assert collective_seconds(SMALL, collective, 0) == 0.0
-    assert set(one.curves()[collective].model.cost_many(np.asarray([1.0, 1e9]))) == {0.0}
+    assert set(curve_model(one.curves()[collective]).cost_many(np.asarray([1.0, 1e9]))) == {0.0}
 
 
 def test_ring_allreduce_grows_with_world_size_when_start_up_dominates() -> None:
@@ -215,7 +217,7 @@ def test_ring_and_tree_curves_are_exact(profile: Profile, name: str, algorithm: 
     spec = replace(PRESETS[name], algorithm=algorithm)
     what_if = profile_for_cluster(profile, spec)
     for collective in Collective:
-        model = what_if.curve(collective).model
+        model = curve_model(what_if.curve(collective))
         assert isinstance(model, AffineCost)
         exact = algorithm_cost(spec, collective, algorithm)
         assert model.alpha == pytest.approx(exact.alpha, rel=1e-9)
@@ -237,11 +239,11 @@ def test_auto_curve_holds_the_model_points_and_follows_the_model_between_them(
         # MAX_FIT_ERROR near the size where ring and tree cross), else interpolation of the points, which is
         # exact: the sizes where ring and tree cross are among them, so each piece lies on one algorithm's line.
         sizes = np.geomspace(CURVE_SIZES[0], CURVE_SIZES[-1], 400)
-        rel = curve.model.cost_many(sizes) / collective_seconds_many(spec, collective, sizes) - 1
-        if isinstance(curve.model, AffineCost):
-            assert np.max(np.abs(rel)) <= max(curve.worst_error, 1e-9) + 1e-9 <= MAX_FIT_ERROR + 1e-9
+        rel = curve_model(curve).cost_many(sizes) / collective_seconds_many(spec, collective, sizes) - 1
+        if isinstance(curve_model(curve), AffineCost):
+            assert np.max(np.abs(rel)) <= max(worst_error(curve), 1e-9) + 1e-9 <= MAX_FIT_ERROR + 1e-9
         else:
-            assert curve.worst_error > MAX_FIT_ERROR
+            assert worst_error(curve) > MAX_FIT_ERROR
             assert np.max(np.abs(rel)) <= 1e-9
 
 
@@ -293,8 +295,8 @@ def test_compute_factor_scales_compute_and_leaves_comm(profile: Profile) -> None
     assert fast.topk is not None and profile.topk is not None
     assert [(n, d) for n, d, _ in fast.topk.select] == [(n, d) for n, d, _ in profile.topk.select]
     assert [t for *_, t in fast.topk.select] == pytest.approx([0.05 * t for *_, t in profile.topk.select])
-    assert fast.topk.decode.model.cost(1e5) == pytest.approx(0.05 * profile.topk.decode.model.cost(1e5))
-    assert fast.topk.select_model(0.01).cost(1e5) == pytest.approx(0.05 * profile.topk.select_model(0.01).cost(1e5))
+    assert curve_model(fast.topk.decode).cost(1e5) == pytest.approx(0.05 * curve_model(profile.topk.decode).cost(1e5))
+    assert select_model(fast.topk, 0.01).cost(1e5) == pytest.approx(0.05 * select_model(profile.topk, 0.01).cost(1e5))
     assert fast.kfac is not None and profile.kfac is not None
     for ka, kb in zip(fast.kfac.layers, profile.kfac.layers, strict=True):
         for attr in ("a_compute_s", "g_compute_s", "fold_s", "precondition_eigen_s", "precondition_inverse_s",
@@ -303,7 +305,7 @@ def test_compute_factor_scales_compute_and_leaves_comm(profile: Profile) -> None
     for curve in ("eigen", "inverse"):
         fc, pc = getattr(fast.kfac, curve), getattr(profile.kfac, curve)
         assert [d for d, _ in fc.points] == [d for d, _ in pc.points]
-        assert fc.model.cost(300) == pytest.approx(0.05 * pc.model.cost(300), rel=1e-9)
+        assert curve_model(fc).cost(300) == pytest.approx(0.05 * curve_model(pc).cost(300), rel=1e-9)
         assert fc.fit_error == pc.fit_error
 
 
@@ -328,7 +330,7 @@ def test_spec_from_profile_reproduces_the_measured_allreduce(profile: Profile, w
     assert model.alpha_s == pytest.approx(fit.alpha_s, rel=1e-6)
     assert model.beta_s_per_byte == pytest.approx(fit.beta_s_per_byte, rel=1e-6)
     bigger = collective_seconds(spec.with_world_size(world * 8), Collective.ALLREDUCE, 1 << 20)
-    assert bigger > fit.affine.cost(1 << 20)
+    assert bigger > affine(fit).cost(1 << 20)
 
 
 def test_spec_from_profile_refuses_what_it_cannot_invert(profile: Profile) -> None:
@@ -491,4 +493,4 @@ def test_a_one_gpu_what_if_profile_round_trips_and_costs_nothing(tmp_path: Path)
     one.save(path)
     loaded = Profile.load(path)
     assert loaded.cluster.world_size == 1
-    assert all(loaded.curve(c).model.cost(1 << 20) == 0.0 for c in Collective)
+    assert all(curve_model(loaded.curve(c)).cost(1 << 20) == 0.0 for c in Collective)

@@ -30,8 +30,6 @@ def test_profile_round_trip(tmp_path: Path) -> None:
     prof.save(path)
     again = Profile.load(path)
     assert again == prof
-    assert list(again.layers_frame()["name"]) == [lt.name for lt in prof.layers]
-    assert len(again.comm_frame()) == sum(len(c.points) for c in prof.collectives.values())
 
 
 @pytest.mark.parametrize(("strategy", "density"), [(Strategy.DENSE, None), (Strategy.TOPK, 0.01)])

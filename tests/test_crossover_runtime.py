@@ -20,9 +20,10 @@ from torch import nn
 
 import planner.runtime.exchange
 from planner.commands.pair import make_pairing
-from planner.contracts.layers import gradient_layers, groups_for
+from planner.contracts.layers import gradient_layers
 from planner.contracts.pairing import PairingJob, PairingPlan
 from planner.contracts.plan import Plan, Prediction
+from planner.costmodel.problem import groups_for
 from planner.platform.launch import run_distributed, run_jobs
 from planner.runtime import GradientExchange
 from planner.runtime.crossover import ProbeSchedule

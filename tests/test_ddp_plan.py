@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from planner.contracts.layers import gradient_layers, groups_for
+from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Group, Plan
 from planner.contracts.unused import UnusedParams
-from planner.costmodel.problem import topk_count
+from planner.costmodel.problem import groups_for, topk_count
 from planner.platform.launch import run_distributed
 from planner.platform.link import privilege_problem
 from planner.runtime import GradientExchange, PlanHook

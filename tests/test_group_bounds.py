@@ -1,4 +1,5 @@
-"""Group-size bounds of the exact solvers (DenseDP, TopkParetoDP) against brute force, and FittedCurve.corrected.
+"""Group-size bounds of the exact solvers (DenseDP, TopkParetoDP) against brute force, and a curve's correction
+(`planner.costmodel.curves.corrected`).
 
 The rule (planner/solvers/grouping/base.py): a group's size is its dense gradient bytes; every group is at most
 max_group_bytes unless it is a single layer, and at least min_group_bytes unless it is the last group.
@@ -13,8 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.contracts.profile import MAX_FIT_ERROR, FittedCurve
+from planner.contracts.profile import FittedCurve
 from planner.costmodel.costs import AffineCost, PiecewiseLinearCost
+from planner.costmodel.curves import corrected, curve_model, fit_curve, worst_error
+from planner.costmodel.measured import MAX_FIT_ERROR
 from planner.costmodel.problem import GradientProblem, Grouping, groups_of
 from planner.costmodel.simulator import simulate, validate_grouping
 from planner.solvers import DenseDP, TopkParetoDP, within_group_bounds
@@ -203,25 +206,25 @@ def test_solver_repr_names_the_bounds() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# FittedCurve.corrected
+# planner.costmodel.curves.corrected
 
 
 def _curve(alpha: float, beta: float, noise: tuple[float, ...]) -> FittedCurve:
     sizes = [1 << s for s in range(10, 10 + 2 * len(noise), 2)]
-    return FittedCurve.fit([(s, (alpha + beta * s) * (1 + e)) for s, e in zip(sizes, noise, strict=True)])
+    return fit_curve([(s, (alpha + beta * s) * (1 + e)) for s, e in zip(sizes, noise, strict=True)])
 
 
 @pytest.mark.parametrize(("a", "b"), [(0.5, 2.0), (3.0, 0.25), (1.0, 1.7), (0.9, 1.0)])
 def test_corrected_fit_is_the_scaled_affine_cost(a: float, b: float) -> None:
     curve = _curve(2e-4, 2e-9, (0.01, -0.02, 0.015, 0.0, -0.01))
-    assert curve.worst_error <= MAX_FIT_ERROR
-    fixed = curve.corrected(a, b)
+    assert worst_error(curve) <= MAX_FIT_ERROR
+    fixed = corrected(curve, a, b)
     assert fixed.alpha_s == pytest.approx(curve.alpha_s * a) and fixed.beta_s_per_byte == pytest.approx(
         curve.beta_s_per_byte * b)
     for (x, t), (x2, t2) in zip(curve.points, fixed.points, strict=True):
         assert x2 == x
         assert t2 == pytest.approx(max(0.0, t + (a - 1) * curve.alpha_s + (b - 1) * curve.beta_s_per_byte * x))
-    model = fixed.model
+    model = curve_model(fixed)
     assert isinstance(model, AffineCost)
     for x in (1.0, 1e3, 1e6, 3e7):
         assert model.cost(x) == pytest.approx(curve.alpha_s * a + curve.beta_s_per_byte * b * x)
@@ -230,10 +233,10 @@ def test_corrected_fit_is_the_scaled_affine_cost(a: float, b: float) -> None:
 
 def test_corrected_interpolation_moves_with_the_points() -> None:
     """Where the data is interpolated, the corrected model is the interpolation of the moved points."""
-    curve = FittedCurve.fit([(1024, 1e-4), (4096, 1e-4), (16384, 9e-4), (65536, 1e-3), (262144, 5e-3)])
-    assert curve.worst_error > MAX_FIT_ERROR
-    fixed = curve.corrected(1.5, 1.2)
-    model = fixed.model
+    curve = fit_curve([(1024, 1e-4), (4096, 1e-4), (16384, 9e-4), (65536, 1e-3), (262144, 5e-3)])
+    assert worst_error(curve) > MAX_FIT_ERROR
+    fixed = corrected(curve, 1.5, 1.2)
+    model = curve_model(fixed)
     assert isinstance(model, PiecewiseLinearCost)
     da, db = 0.5 * curve.alpha_s, 0.2 * curve.beta_s_per_byte
     for x, t in curve.points:
@@ -243,9 +246,9 @@ def test_corrected_interpolation_moves_with_the_points() -> None:
 
 def test_corrected_clamps_at_zero_and_identity() -> None:
     curve = FittedCurve(points=((100, 1e-6), (1000, 5e-4)), alpha_s=1e-4, beta_s_per_byte=4e-7, fit_error=0.5)
-    fixed = curve.corrected(0.25, 1.0)
+    fixed = corrected(curve, 0.25, 1.0)
     assert fixed.points[0] == (100, 0.0)  # 1e-6 - 0.75e-4 < 0
-    assert curve.corrected(1.0, 1.0) is curve
+    assert corrected(curve, 1.0, 1.0) is curve
     assert FittedCurve.from_dict(fixed.to_dict(), "curve") == fixed
 
 
@@ -253,4 +256,4 @@ def test_corrected_clamps_at_zero_and_identity() -> None:
 def test_corrected_refuses_bad_scales(a: object, b: object) -> None:
     curve = _curve(2e-4, 2e-9, (0.0, 0.0, 0.0))
     with pytest.raises(SchemaError, match=r"`alpha_scale > 0 and beta_scale > 0` \(finite\) must hold, but got"):
-        curve.corrected(a, b)  # type: ignore[arg-type]
+        corrected(curve, a, b)  # type: ignore[arg-type]

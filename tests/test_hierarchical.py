@@ -23,6 +23,7 @@ from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Group, Plan
 from planner.contracts.profile import FittedCurve, HostTiming, Profile
 from planner.costmodel.costs import AffineCost, CheaperOf, CostModel
+from planner.costmodel.curves import curve_model, fit_curve
 from planner.costmodel.from_profile import hierarchical_groups
 from planner.costmodel.problem import GradientProblem, topk_count
 from planner.costmodel.simulator import simulate
@@ -298,7 +299,7 @@ def _two_host_profile() -> Profile:
     sizes = [1 << s for s in range(10, 27, 2)]
 
     def curve(alpha: float, beta: float) -> FittedCurve:
-        return FittedCurve.fit([(s, alpha + beta * s) for s in sizes])
+        return fit_curve([(s, alpha + beta * s) for s in sizes])
 
     flat = curve(2e-4, 4e-9)
     hosts = HostTiming(ranks=((0, 1), (2, 3)), intra=curve(5e-5, 2e-10), inter=curve(2e-4, 1.3e-9),
@@ -313,7 +314,7 @@ def test_a_two_host_profile_plans_large_groups_hierarchically_and_small_ones_fla
     assert Profile.load(tmp_path / "p.json") == profile
     plan = make_plan(profile, Strategy.DENSE)
     assert Plan.from_dict(plan.to_dict()) == plan
-    flat, hier = profile.curve(Collective.ALLREDUCE).model, profile.hosts.hierarchical.model  # type: ignore[union-attr]
+    flat, hier = curve_model(profile.curve(Collective.ALLREDUCE)), curve_model(profile.hosts.hierarchical)  # type: ignore[union-attr]
     for g in plan.groups:  # each group the cheaper way for its size
         assert g.hierarchical == (hier.cost(4 * g.numel) < flat.cost(4 * g.numel)), g
     assert plan.baselines.keys() >= {ALL_FLAT, ALL_HIERARCHICAL}

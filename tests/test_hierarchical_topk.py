@@ -22,6 +22,7 @@ from planner.commands.report import gantt_lanes
 from planner.contracts.plan import Plan
 from planner.contracts.profile import FittedCurve, HostTiming, HostTopk, Profile
 from planner.costmodel.costs import AffineCost
+from planner.costmodel.curves import curve_model, fit_curve
 from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed import CompressorCosts, MixedProblem, simulate_mixed
 from planner.costmodel.problem import topk_count
@@ -42,7 +43,7 @@ SIZES = [1 << s for s in range(10, 27, 2)]
 
 
 def _curve(alpha: float, beta: float) -> FittedCurve:
-    return FittedCurve.fit([(s, alpha + beta * s) for s in SIZES])
+    return fit_curve([(s, alpha + beta * s) for s in SIZES])
 
 
 def _two_hosts(topk: tuple[HostTopk, ...] = ()) -> Profile:
@@ -162,8 +163,8 @@ def test_a_mixed_plan_records_the_way_it_predicted_each_group_and_ddp_hooks_stay
     plan = make_mixed_plan(profile, compressors)
     problem, choice = plan_choice(plan, profile)
     assert {c.label for c in problem.compressors} == {"dense", "dense hierarchical", "fp16", "fp16 hierarchical"}
-    hier = profile.hosts.hierarchical.model  # type: ignore[union-attr]
-    flat = profile.curve(Collective.ALLREDUCE).model
+    hier = curve_model(profile.hosts.hierarchical)  # type: ignore[union-attr]
+    flat = curve_model(profile.curve(Collective.ALLREDUCE))
     for g, c in zip(plan.groups, choice, strict=True):
         assert problem.compressors[c].hierarchical == g.hierarchical
         sent = g.numel * (2 if g.compressor == Compressor(CompressorKind.FP16) else 4)
@@ -333,13 +334,13 @@ def test_powersgd_groups_cross_hosts_by_both_allreduces_and_the_choice_is_exact(
     costs 30 times more every group crosses hierarchically."""
     profile = _two_hosts()
     base = profile.curve(Collective.ALLREDUCE)
-    scaled = FittedCurve.fit([(s, flat_scale * t) for s, t in base.points])
+    scaled = fit_curve([(s, flat_scale * t) for s, t in base.points])
     profile = dataclasses.replace(profile, collectives={**profile.collectives, Collective.ALLREDUCE: scaled})
     compressors = parse_compressors("powersgd:1,powersgd:4")
     problem = mixed_problem(profile, compressors)
     assert [c.label for c in problem.compressors] == ["powersgd:1", "powersgd:1 hierarchical", "powersgd:4",
                                                       "powersgd:4 hierarchical"]
-    hier = profile.hosts.hierarchical.model  # type: ignore[union-attr]
+    hier = curve_model(profile.hosts.hierarchical)  # type: ignore[union-attr]
     for c in problem.compressors:
         assert (c.comm == hier and c.second_comm == hier) == c.hierarchical
     found = MixedParetoDP(time_limit_s=None).solve(problem)

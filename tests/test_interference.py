@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from planner.contracts.plan import Plan
-from planner.contracts.profile import Calibration, FittedCurve, InSitu, Profile
+from planner.contracts.profile import Calibration, InSitu, Profile
 from planner.costmodel.costs import AffineCost, ScaledCost
+from planner.costmodel.curves import curve_model, fit_curve
 from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.simulator import simulate
 from planner.models import build_workload
@@ -32,7 +33,7 @@ KAPPAS = {Collective.ALLREDUCE: 0.7, Collective.ALLGATHER: 0.4}
 
 def measured_profile(model: str = "mlp") -> Profile:
     """A synthetic profile with a packing curve and interference, as `planner profile` now writes them."""
-    pack = FittedCurve.fit([(n, 3e-6 + 2e-10 * n) for n in (1 << 10, 1 << 14, 1 << 18, 1 << 22)])
+    pack = fit_curve([(n, 3e-6 + 2e-10 * n) for n in (1 << 10, 1 << 14, 1 << 18, 1 << 22)])
     prof = synthetic_profile(model)
     assert prof.topk is not None
     topk = dataclasses.replace(prof.topk, select_sampled=tuple((n, d, 0.3 * t) for n, d, t in prof.topk.select))
@@ -117,7 +118,7 @@ def test_a_what_if_cluster_scales_packing_and_drops_interference() -> None:
     what_if = profile_for_cluster(prof, parse_cluster("eth10-8,compute_factor=0.5"))
     assert what_if.interference is None
     assert prof.pack is not None and what_if.pack is not None
-    assert what_if.pack.model.cost(1 << 20) == pytest.approx(0.5 * prof.pack.model.cost(1 << 20))
+    assert curve_model(what_if.pack).cost(1 << 20) == pytest.approx(0.5 * curve_model(prof.pack).cost(1 << 20))
 
 
 def test_write_scaled_writes_a_gradient_once_scaled() -> None:
@@ -302,7 +303,8 @@ def _in_situ_worker(rank: int, world_size: int) -> InSitu:
     sizes = [1 << 10, 1 << 14, 1 << 18, 1 << 20]
     topk: TopkTiming = measure_topk(sizes, [0.01], world_size, cpu, repeats=2, warmup=1)
     pack = measure_packing(sizes, world_size, cpu, repeats=2, warmup=1)
-    return measure_in_situ(workload, cpu, layers, world_size, pack=pack.model, topk=topk, density=0.01, repeats=2)
+    return measure_in_situ(workload, cpu, layers, world_size, pack=curve_model(pack), topk=topk, density=0.01,
+                           repeats=2)
 
 
 def test_the_runtime_and_ddp_are_calibrated_in_real_steps_on_two_processes() -> None:
@@ -372,7 +374,7 @@ def test_the_powersgd_hooks_allreduces_take_what_sending_took_in_real_steps() ->
     assert profile.compress is not None
     allowed = parse_compressors("dense,powersgd:1")
     before = make_mixed_plan(profile, allowed, time_limit_s=None)
-    comm = profile.curve(Collective.ALLREDUCE).model
+    comm = curve_model(profile.curve(Collective.ALLREDUCE))
     layouts = [PowerSGDLayout.of(row.shapes, 1) for row in profile.compress.powersgd_at(1).values()]
     modelled = sum(comm.cost(FP32_BYTES * n) for n in (sum(x.send_numel for x in layouts),
                                                       sum(x.q_numel for x in layouts)))
@@ -404,7 +406,7 @@ def test_the_runtimes_powersgd_allreduces_take_what_sending_took_in_real_steps()
 
     profile = synthetic_profile("cnn")
     assert profile.compress is not None
-    comm = profile.curve(Collective.ALLREDUCE).model
+    comm = curve_model(profile.curve(Collective.ALLREDUCE))
     layouts = [PowerSGDLayout.of(row.shapes, 1) for row in profile.compress.powersgd_at(1).values()]
     modelled = sum(comm.cost(FP32_BYTES * n) for n in (sum(x.send_numel for x in layouts),
                                                       sum(x.q_numel for x in layouts)))

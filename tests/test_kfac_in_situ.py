@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from planner.contracts.profile import KFAC_STEP_PARTS, Calibration, InSitu, KFACTiming, Profile
+from planner.costmodel.curves import curve_model
 from planner.models import Workload, build_workload
 from planner.profilers.kfac import measure_kfac
 from planner.runtime.calibrate import (
@@ -135,8 +136,8 @@ def test_each_step_calibration_scales_its_own_part_of_the_model() -> None:
         assert mine.precondition_inverse_s == pytest.approx(1.3 * theirs.precondition_inverse_s)
         assert mine.a_compute_s == theirs.a_compute_s and mine.g_compute_s == theirs.g_compute_s
     for d in (16, 300, 2000):
-        assert kf.eigen.model.cost(d) == pytest.approx(0.8 * base.kfac.eigen.model.cost(d))
-        assert kf.inverse.model.cost(d) == pytest.approx(1.4 * base.kfac.inverse.model.cost(d))
+        assert curve_model(kf.eigen).cost(d) == pytest.approx(0.8 * curve_model(base.kfac.eigen).cost(d))
+        assert curve_model(kf.inverse).cost(d) == pytest.approx(1.4 * curve_model(base.kfac.inverse).cost(d))
     # The problem inverts and preconditions at the calibrated times.
     plain, scaled = (kfac_problem(p, InverseMethod.EIGEN) for p in (base, calibrated))
     assert scaled.layout.placement.inv_s == pytest.approx([0.8 * s for s in plain.layout.placement.inv_s])
@@ -152,7 +153,7 @@ def test_the_runtime_times_folding_inverting_and_preconditioning_in_real_steps(c
     assert set(cals) == set(KFAC_STEP_PARTS)
     dims = [d for lt in kfac.layers for d in (lt.a_dim, lt.g_dim)]
     assert cals["fold"].modelled_s == pytest.approx(sum(lt.fold_s for lt in kfac.layers))
-    assert cals["invert:eigen"].modelled_s == pytest.approx(sum(kfac.eigen.model.cost(d) for d in dims))
+    assert cals["invert:eigen"].modelled_s == pytest.approx(sum(curve_model(kfac.eigen).cost(d) for d in dims))
     assert cals["precondition:inverse"].modelled_s == pytest.approx(
         sum(lt.precondition_inverse_s for lt in kfac.layers))
     assert all(c.measured_s > 0 for c in cals.values())

@@ -13,6 +13,7 @@ from planner.commands.cli import main
 from planner.contracts.kfac import KFACSection, factor_name, kfac_layers
 from planner.contracts.plan import Plan
 from planner.contracts.profile import DimCurve, Profile
+from planner.costmodel.curves import curve_model, fit_dim_curve, worst_error
 from planner.models import build_workload
 from planner.solvers.fusion import FUSION_BASELINES, CommEvent, FusionTimeline, simulate_fusion
 from planner.solvers.layout import KaisaCommOpt, KaisaMemOpt, layout_timelines
@@ -47,12 +48,12 @@ def test_profile_with_kfac_round_trips(tmp_path: Path) -> None:
 
 
 def test_dim_curve_fits_cubes_and_interpolates_otherwise() -> None:
-    cubic = DimCurve.fit([(d, 1e-3 + 2e-10 * d**3) for d in (16, 128, 1024, 2048)])
-    assert cubic.model.cost(512) == pytest.approx(1e-3 + 2e-10 * 512**3, rel=1e-6)
-    assert cubic.model.cost(4096) == pytest.approx(1e-3 + 2e-10 * 4096**3, rel=1e-6)  # cubic beyond the points
-    bumpy = DimCurve.fit([(16, 1e-3), (128, 5e-3), (1024, 0.01), (2048, 0.5)])
-    assert bumpy.worst_error > 0.25
-    assert bumpy.model.cost(1024) == pytest.approx(0.01)  # measured points are reproduced
+    cubic = fit_dim_curve([(d, 1e-3 + 2e-10 * d**3) for d in (16, 128, 1024, 2048)])
+    assert curve_model(cubic).cost(512) == pytest.approx(1e-3 + 2e-10 * 512**3, rel=1e-6)
+    assert curve_model(cubic).cost(4096) == pytest.approx(1e-3 + 2e-10 * 4096**3, rel=1e-6)  # cubic beyond the points
+    bumpy = fit_dim_curve([(16, 1e-3), (128, 5e-3), (1024, 0.01), (2048, 0.5)])
+    assert worst_error(bumpy) > 0.25
+    assert curve_model(bumpy).cost(1024) == pytest.approx(0.01)  # measured points are reproduced
     with pytest.raises(InvalidProfileError, match="two or more dimensions"):
         DimCurve.from_dict({"points": [[8, 1e-3]], "alpha_s": 0, "beta_s_per_dim3": 0, "fit_error": 0}, "x")
 
@@ -486,7 +487,7 @@ def test_the_local_kfac_row_adds_every_kernel_to_the_local_step(steps: tuple[int
     compute = profile.forward_s + profile.backward_s + profile.update_s
     pre = sum(lt.precondition_s(method) for lt in kf.layers)
     factors = sum(lt.a_compute_s + lt.g_compute_s + lt.fold_s for lt in kf.layers)  # upper triangles
-    curve = (kf.inverse if method is InverseMethod.INVERSE else kf.eigen).model
+    curve = curve_model(kf.inverse if method is InverseMethod.INVERSE else kf.eigen)
     inversion = sum(curve.cost(d) for lt in kf.layers for d in (lt.a_dim, lt.g_dim))
     assert local.step_s == pytest.approx(compute + pre + factors / factor_steps + inversion / inv_steps, rel=1e-9)
     assert local.factor_comm_s == local.broadcast_s == local.interference_s == 0.0

@@ -24,8 +24,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import planner.runtime.kfac
 from planner.contracts.kfac import KFACSection, factor_name, kfac_layers
-from planner.contracts.layers import gradient_layers, groups_for
+from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Plan
+from planner.costmodel.problem import groups_for
 from planner.runtime import KFACPreconditioner
 from planner.types import DistributedError, FactorKind, InverseMethod, PlanMismatchError, Strategy
 from tests.factories import plan_with_groups

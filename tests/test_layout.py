@@ -88,29 +88,27 @@ def test_the_import_graph_has_no_circle() -> None:
 
 #: Each layer and the layers it may import (besides itself). The base is what every layer stands on:
 #: errors and enums, the console, the built-in models, the kernels that both the profilers and the
-#: runtime run, and the platform (launching workers, the emulated link, timing); and a worker's request to die
-#: with its launcher (`planner._lifeline`, stdlib only: the package's first import in a worker).
+#: runtime run, and the platform (launching workers, the emulated link, timing); the statistics of measured samples
+#: (`planner.spread`: intervals, and whether an in-situ calibration is used, which the profile contract writes); and
+#: a worker's request to die with its launcher (`planner._lifeline`, stdlib only: the package's first import in a
+#: worker).
 BASE = {"planner.types", "planner.console", "planner.models", "planner.tasks", "planner.kernels", "planner.platform",
-        "planner._lifeline"}
+        "planner.spread", "planner._lifeline"}
 MAY_IMPORT = {
     "base": set(),
-    "costmodel": {"base"},
-    "contracts": {"base", "costmodel"},
-    "readers": {"base", "costmodel", "contracts"},
+    "contracts": {"base"},
+    "costmodel": {"base", "contracts"},
     "solvers": {"base", "costmodel"},
-    "strategies": {"base", "costmodel", "contracts", "readers", "solvers"},
+    "strategies": {"base", "contracts", "costmodel", "solvers"},
     # Random instances of the solvers' problems and brute-force references: the tests' and the solver benchmark's.
-    "testing": {"base", "costmodel", "contracts", "solvers"},
-    "profilers": {"base", "costmodel", "contracts"},
-    "runtime": {"base", "costmodel", "contracts", "readers", "solvers"},
-    "commands": {"base", "costmodel", "contracts", "readers", "solvers", "strategies", "testing", "profilers",
-                 "runtime"},
+    "testing": {"base", "contracts", "costmodel", "solvers"},
+    "profilers": {"base", "contracts", "costmodel"},
+    "runtime": {"base", "contracts", "costmodel", "solvers"},
+    "commands": {"base", "contracts", "costmodel", "solvers", "strategies", "testing", "profilers", "runtime"},
     "shims": {"base", "contracts", "commands"},
 }
-#: The cost model's readers of a profile: they turn the profile contract's data into the cost model's instances
-#: (`from_profile`) and draw profiles from its samples (`resample`). The contract holds the data and its checks and
-#: stands on the cost model's arithmetic (curves, fits, the statistics of its samples); these stand on both.
-READERS = {"planner.costmodel.from_profile", "planner.costmodel.resample"}
+#: The contracts hold the files' data and its checks and stand on the base alone; the cost model reads them and does
+#: the arithmetic (fitting and reading the profile's curves, the problems a profile poses, its resampling).
 #: The two ways up, both the runtime re-planning: on attach (re-probing the cluster, then re-solving), and as training
 #: goes (re-measuring the compressors' errors as the profiler does, then re-solving within the plan's budget).
 EXCEPTIONS = {"planner.runtime.retune": {"profilers", "strategies"},
@@ -125,8 +123,6 @@ def layer(module: str) -> str:
         return "shims"
     if ".".join(parts[:2]) in BASE:
         return "base"
-    if module in READERS:
-        return "readers"
     return parts[1]
 
 

@@ -15,6 +15,7 @@ import torch
 
 from planner.commands.cli import main
 from planner.contracts.profile import Profile
+from planner.costmodel.curves import select_model
 from planner.platform.memory import PhaseMemory, available_bytes, peak_rss_bytes, rss_bytes
 from planner.profilers.topk import measure_topk, topk_point_bytes
 from planner.types import SchemaError
@@ -62,7 +63,7 @@ def test_the_topk_sweep_leaves_out_what_does_not_fit() -> None:
     assert measured == {(1 << 10, 0.01), (1 << 10, 1.0), (1 << 12, 0.01), (1 << 12, 1.0), (1 << 14, 0.01)}
     assert len(calls) == len(sizes) * len(densities)  # progress counts the points left out too
     # The curves reach the sizes left out by extending the measured ones.
-    assert timing.select_model(1.0).cost(1 << 16) > timing.select_model(1.0).cost(1 << 12) > 0
+    assert select_model(timing, 1.0).cost(1 << 16) > select_model(timing, 1.0).cost(1 << 12) > 0
     # The two smallest sizes are measured whatever the budget: a curve needs two points.
     tiny = measure_topk(sizes[:3], [0.01], 2, CPU, repeats=1, warmup=0, max_point_bytes=1)
     assert {n for n, _, _ in tiny.select} == {1 << 10, 1 << 12}

@@ -11,6 +11,7 @@ import pytest
 
 from planner.commands.cli import main
 from planner.contracts.plan import Plan
+from planner.costmodel.curves import fit_curve
 from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed import simulate_mixed
 from planner.models import build_workload
@@ -197,7 +198,7 @@ def test_auto_says_when_ddp_is_predicted_faster_than_every_plan(capsys: pytest.C
     """Over a fast network with this runtime's packing 10x DDP's, no plan beats DDP: `--strategy auto` says to keep
     it, in the plan's one verdict line; behind a slow link the plan wins and it says to keep the plan."""
     from planner.commands.printing import print_plan
-    from planner.contracts.profile import Calibration, FittedCurve, InSitu
+    from planner.contracts.profile import Calibration, InSitu
     from planner.strategies.auto import ddp_predictions
     from tests.test_interference import measured_profile
 
@@ -205,7 +206,7 @@ def test_auto_says_when_ddp_is_predicted_faster_than_every_plan(capsys: pytest.C
         print_plan(choice.plan, ddp=ddp_predictions(choice.candidates))  # type: ignore[attr-defined]
         return [line for line in capsys.readouterr().out.splitlines() if line.startswith("verdict:")]
 
-    fast = FittedCurve.fit([(1 << s, 1e-6 + 1e-12 * (1 << s)) for s in range(10, 27, 2)])
+    fast = fit_curve([(1 << s, 1e-6 + 1e-12 * (1 << s)) for s in range(10, 27, 2)])
     prof = replace(measured_profile("mlp"), in_situ=InSitu(pack=Calibration(measured_s=0.1, modelled_s=0.01),
                                                            ddp_pack=Calibration(measured_s=0.01, modelled_s=0.01)))
     prof = replace(prof, collectives={**prof.collectives, Collective.ALLREDUCE: fast, Collective.ALLGATHER: fast})

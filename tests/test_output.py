@@ -3,6 +3,7 @@ verdict line for every strategy, and the short profile summary with its details 
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -11,8 +12,9 @@ import pytest
 
 from planner.commands.bench import auto_tag, bench_variants, file_labels, plan_labels, plan_tag
 from planner.commands.cli import main
-from planner.commands.printing import print_plan
+from planner.commands.printing import comm_frame, layers_frame, print_plan
 from planner.contracts.plan import Plan
+from planner.costmodel.curves import fit_curve
 from planner.models import build_workload
 from planner.strategies.gradients import make_plan
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
@@ -21,6 +23,14 @@ from tests.factories import synthetic_profile, with_samples
 from tests.test_interference import measured_profile
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_profiles_tables_hold_its_layers_and_its_measured_points() -> None:
+    prof = synthetic_profile("mlp")
+    layers = layers_frame(prof)
+    assert list(layers["name"]) == [lt.name for lt in prof.layers]
+    assert list(layers["ready_s"]) == pytest.approx(list(itertools.accumulate(lt.backward_s for lt in prof.layers)))
+    assert len(comm_frame(prof)) == sum(len(c.points) for c in prof.collectives.values())
 
 
 def _verdicts(text: str) -> list[str]:
@@ -114,11 +124,11 @@ def test_solve_ends_every_plan_with_one_verdict_line(strategy: str, tmp_path: Pa
 def test_a_plan_slower_than_ddp_says_keep_ddp_even_without_samples(capsys: pytest.CaptureFixture[str]) -> None:
     """A dense plan whose runtime packs 10x slower than DDP on a fast network: DDP is predicted faster, and the plan's
     table says to keep it, with no samples to weigh the noise (before, only plans with intervals said so)."""
-    from planner.contracts.profile import Calibration, FittedCurve, InSitu
+    from planner.contracts.profile import Calibration, InSitu
     from planner.strategies.intervals import nominal_ddp
     from planner.types import Collective
 
-    fast = FittedCurve.fit([(1 << s, 1e-6 + 1e-12 * (1 << s)) for s in range(10, 27, 2)])
+    fast = fit_curve([(1 << s, 1e-6 + 1e-12 * (1 << s)) for s in range(10, 27, 2)])
     prof = replace(measured_profile("mlp"), in_situ=InSitu(pack=Calibration(measured_s=0.1, modelled_s=0.01),
                                                            ddp_pack=Calibration(measured_s=0.01, modelled_s=0.01)))
     prof = replace(prof, collectives={**prof.collectives, Collective.ALLREDUCE: fast, Collective.ALLGATHER: fast})
@@ -134,10 +144,10 @@ def test_auto_that_keeps_ddp_says_one_thing_what_it_kept_and_how_to_run_that(
         noise: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Where DDP (or a hook) is kept over the best plan, solve says so and how to run it, and not how to run the
     plan it did not keep (it once printed "run it via DDP (PlanHook) ..." and then "verdict: keep DDP")."""
-    from planner.contracts.profile import Calibration, FittedCurve, InSitu
+    from planner.contracts.profile import Calibration, InSitu
     from planner.types import Collective
 
-    fast = FittedCurve.fit([(1 << s, 1e-6 + 1e-12 * (1 << s)) for s in range(10, 27, 2)])
+    fast = fit_curve([(1 << s, 1e-6 + 1e-12 * (1 << s)) for s in range(10, 27, 2)])
     prof = replace(measured_profile("mlp"), in_situ=InSitu(pack=Calibration(measured_s=0.1, modelled_s=0.01),
                                                            ddp_pack=Calibration(measured_s=0.01, modelled_s=0.01)))
     prof = replace(prof, collectives={**prof.collectives, Collective.ALLREDUCE: fast, Collective.ALLGATHER: fast})

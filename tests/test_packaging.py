@@ -121,3 +121,13 @@ def test_a_training_job_and_a_commands_workers_import_no_table_solver_or_tuning_
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_runtime_loads_no_pandas() -> None:
+    """A training job imports the runtime, which reads plans and profiles: the profile contract's tables are built
+    elsewhere (`planner.commands.printing`), so pandas is not among what the job loads."""
+    code = ("import json, sys; import planner.runtime, planner.runtime.exchange, planner.runtime.ddp_plan; "
+            "print(json.dumps('pandas' in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) is False

@@ -18,7 +18,8 @@ from planner.contracts.kfac import KFACSection
 from planner.contracts.layers import plan_grouping
 from planner.contracts.pairing import PairingJob
 from planner.contracts.plan import Plan
-from planner.contracts.profile import FittedCurve, Profile, WorkerThroughput
+from planner.contracts.profile import Profile, WorkerThroughput
+from planner.costmodel.curves import fit_curve
 from planner.costmodel.from_profile import gradient_problem, mixed_problem
 from planner.costmodel.problem import groups_of
 from planner.solvers import DenseDP, TopkParetoDP
@@ -60,7 +61,7 @@ def _profile(model: str, world_size: int, seed: int, measured: bool = False) -> 
     if not measured:
         return profile
     sigma, kappa = rng.uniform(0.0, 1.5, 2), rng.uniform(0.0, 1.0, 2)
-    return replace(profile, pack=FittedCurve.fit([(n, 3e-6 + 2e-10 * n) for n in (1 << 10, 1 << 14, 1 << 18, 1 << 22)]),
+    return replace(profile, pack=fit_curve([(n, 3e-6 + 2e-10 * n) for n in (1 << 10, 1 << 14, 1 << 18, 1 << 22)]),
                    interference={Collective.ALLREDUCE: float(sigma[0]), Collective.ALLGATHER: float(sigma[1])},
                    comm_stretch={Collective.ALLREDUCE: float(kappa[0]), Collective.ALLGATHER: float(kappa[1])})
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from planner.contracts.fingerprint import ClusterInfo
 from planner.contracts.plan import Plan
-from planner.contracts.profile import FittedCurve, HostTiming
+from planner.contracts.profile import HostTiming
+from planner.costmodel.curves import fit_curve
 from planner.models import build_workload
 from planner.platform.launch import run_distributed
 from planner.platform.link import privilege_problem
@@ -50,7 +51,7 @@ def _new_cluster(world_size: int) -> ClusterInfo:
 def test_retune_keeps_the_kind_of_plan_and_targets_the_new_cluster(tmp_path: Path, kfac: bool) -> None:
     plan, path = _saved_plan(tmp_path, kfac=kfac)
     profile = load_source_profile(plan)
-    slow = FittedCurve.fit([(s, 5e-3 + s * 1e-8) for s in (1 << 10, 1 << 16, 1 << 22)])
+    slow = fit_curve([(s, 5e-3 + s * 1e-8) for s in (1 << 10, 1 << 16, 1 << 22)])
     new = retune_plan(plan, profile, cluster=_new_cluster(4), collectives={Collective.ALLREDUCE: slow})
     current = current_profile(profile, cluster=_new_cluster(4), collectives={Collective.ALLREDUCE: slow})
     assert new.cluster.world_size == 4 and new.strategy is plan.strategy
@@ -72,8 +73,8 @@ def test_retune_keeps_the_kind_of_plan_and_targets_the_new_cluster(tmp_path: Pat
 
 def _levels(alpha_s: float, ranks: tuple[tuple[int, ...], ...] = ((0, 1), (2, 3))) -> HostTiming:
     """Host levels whose hierarchical allreduce costs `alpha_s` + 1 ns a byte (inside and across: a tenth)."""
-    curve = FittedCurve.fit([(s, alpha_s + s * 1e-9) for s in (1 << 10, 1 << 16, 1 << 22)])
-    part = FittedCurve.fit([(s, alpha_s / 10 + s * 1e-10) for s in (1 << 10, 1 << 16, 1 << 22)])
+    curve = fit_curve([(s, alpha_s + s * 1e-9) for s in (1 << 10, 1 << 16, 1 << 22)])
+    part = fit_curve([(s, alpha_s / 10 + s * 1e-10) for s in (1 << 10, 1 << 16, 1 << 22)])
     return HostTiming(ranks=ranks, intra=part, inter=part, hierarchical=curve)
 
 
@@ -81,7 +82,7 @@ def test_host_levels_probed_on_the_new_cluster_decide_how_its_groups_cross_hosts
     plan, _ = _saved_plan(tmp_path)
     profile = load_source_profile(plan)
     two_hosts = ClusterInfo(world_size=4, backend="gloo", device="cpu (synthetic)", host_count=2)
-    slow = FittedCurve.fit([(s, 5e-3 + s * 1e-8) for s in (1 << 10, 1 << 16, 1 << 22)])
+    slow = fit_curve([(s, 5e-3 + s * 1e-8) for s in (1 << 10, 1 << 16, 1 << 22)])
     # Hierarchical cheaper than the flat allreduce at every size: every group crosses hosts hierarchically.
     cheap = retune_plan(plan, profile, cluster=two_hosts, collectives={Collective.ALLREDUCE: slow},
                         hosts=_levels(1e-4))

@@ -21,8 +21,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from planner.contracts.layers import gradient_layers, groups_for
+from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Group, Plan
+from planner.costmodel.problem import groups_for
 from planner.platform.launch import run_distributed
 from planner.runtime import GradientExchange, TopkHookState, topk_hook
 from planner.types import DistributedError, PlanMismatchError, Strategy

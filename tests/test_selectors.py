@@ -24,6 +24,7 @@ from planner.commands.cli import main
 from planner.contracts.plan import SELECTORS as PLAN_SELECTORS
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile, TopkTiming
+from planner.costmodel.curves import curve_model, decode_model, select_model
 from planner.costmodel.from_profile import gradient_problem
 from planner.kernels.topk import SELECTORS, select_topk
 from planner.models import build_workload
@@ -248,9 +249,9 @@ def test_profile_round_trip_with_selector_points(tmp_path: Path) -> None:
     loaded = Profile.load(path)
     assert loaded == profile
     assert loaded.topk is not None and loaded.topk.selectors() == ["exact", "sampled"]
-    exact, sampled = loaded.topk.select_model(0.01, "exact"), loaded.topk.select_model(0.01, "sampled")
+    exact, sampled = select_model(loaded.topk, 0.01, "exact"), select_model(loaded.topk, 0.01, "sampled")
     assert sampled.cost(1e5) == pytest.approx(0.1 * exact.cost(1e5))
-    assert loaded.topk.select_model(0.01).cost(1e5) == exact.cost(1e5)
+    assert select_model(loaded.topk, 0.01).cost(1e5) == exact.cost(1e5)
     problem = gradient_problem(loaded, Strategy.TOPK, 0.01, selector="sampled")
     assert problem.select is not None and problem.select.cost(1e5) == pytest.approx(sampled.cost(1e5))
 
@@ -312,7 +313,7 @@ def test_decode_model_reads_the_density(tmp_path: Path) -> None:
     profile.save(path)
     loaded = Profile.load(path)
     assert loaded == profile and loaded.topk is not None
-    at = {d: loaded.topk.decode_model(d).cost(10_000) for d in (0.001, 0.01, 0.0316, 0.1, 0.5)}
+    at = {d: decode_model(loaded.topk, d).cost(10_000) for d in (0.001, 0.01, 0.0316, 0.1, 0.5)}
     assert at[0.01] == pytest.approx(2e-5) and at[0.1] == pytest.approx(4e-5)
     assert at[0.001] == at[0.01] and at[0.5] == at[0.1]  # the nearest measured density outside the range
     assert at[0.0316] == pytest.approx(2e-5 * (1 + math.log(3.16) / math.log(10)), rel=1e-3)  # log-interpolated
@@ -329,7 +330,7 @@ def test_old_profile_without_decode_points_decodes_with_the_one_percent_curve(tm
     assert loaded.topk is not None and loaded.topk.decode_points == ()
     for density in (0.01, 0.1):
         decode = gradient_problem(loaded, Strategy.TOPK, density).decode
-        assert decode is not None and decode.cost(5000) == loaded.topk.decode.model.cost(5000)
+        assert decode is not None and decode.cost(5000) == curve_model(loaded.topk.decode).cost(5000)
 
 
 def test_profile_rejects_bad_decode_points() -> None:

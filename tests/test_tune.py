@@ -30,6 +30,7 @@ from planner.contracts.kfac import kfac_layers
 from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
+from planner.costmodel.curves import corrected
 from planner.models import Workload, build_workload
 from planner.runtime import GradientExchange
 from planner.solvers import DenseDP
@@ -175,12 +176,12 @@ def test_params_to_plan_corrects_the_model_and_bounds_groups(tmp_path: Path) -> 
                                       "max_group_mb": 1100 / MB})
     assert plan.solver == "dense-exact tuned: alpha x2, beta x0.5, max 0.00105 MB"
     # Its predictions are those of the corrected model.
-    curves = {c: curve.corrected(2.0, 0.5) for c, curve in prof.collectives.items()}
-    corrected = dataclasses.replace(prof, collectives=curves)
-    reference = make_plan(corrected, Strategy.DENSE, solver=DenseDP(max_group_bytes=1100))
+    curves = {c: corrected(curve, 2.0, 0.5) for c, curve in prof.collectives.items()}
+    fixed = dataclasses.replace(prof, collectives=curves)
+    reference = make_plan(fixed, Strategy.DENSE, solver=DenseDP(max_group_bytes=1100))
     assert plan.predicted == reference.predicted and plan.groups == reference.groups
     assert plan.baselines == reference.baselines and plan.lower_bound_s == reference.lower_bound_s
-    assert corrected.curve(Collective.ALLREDUCE).alpha_s == pytest.approx(2 * prof.curve(Collective.ALLREDUCE).alpha_s)
+    assert fixed.curve(Collective.ALLREDUCE).alpha_s == pytest.approx(2 * prof.curve(Collective.ALLREDUCE).alpha_s)
     # Every group of more than one layer holds at most 1100 bytes.
     for g in plan.groups:
         assert len(g.layers) == 1 or g.numel * 4 <= 1100

@@ -1,6 +1,6 @@
 """Every measured number with its uncertainty: the samples a profile keeps, the paired estimator of in-situ
 factors, resampled profiles, predictions with intervals, and a verdict that keeps a plan over DDP only beyond the
-noise (`planner.costmodel.spread`, `planner.costmodel.resample`, `planner.strategies.intervals`)."""
+noise (`planner.spread`, `planner.costmodel.resample`, `planner.strategies.intervals`)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from planner.commands.cli import main
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Calibration, InSitu, Profile, SlowdownSamples
 from planner.costmodel.resample import resampled, resampled_many, spread_sources
-from planner.costmodel.spread import PairedGain, calibration_use, statistic_interval
 from planner.profilers.layers import LayerRun, combine_ranks
 from planner.runtime.calibrate import _until_usable
+from planner.spread import PairedGain, calibration_use, statistic_interval
 from planner.strategies.gradients import make_plan
 from planner.strategies.intervals import Draws, simplest_unbeaten, weigh, with_intervals
 from planner.strategies.mixed import make_mixed_plan, parse_compressors

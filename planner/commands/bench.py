@@ -22,8 +22,8 @@ import torch.distributed as dist
 from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.layers import gradient_layers
-from planner.contracts.plan import DDP_ROW, VIA_DDP_ROW, Group, Plan
-from planner.costmodel.problem import Prediction, topk_count
+from planner.contracts.plan import DDP_ROW, VIA_DDP_ROW, Group, Plan, Prediction
+from planner.costmodel.problem import topk_count
 from planner.models import build_workload
 from planner.platform.hosts import count_hosts
 from planner.strategies.gradients import ALL_HIERARCHICAL

@@ -1,14 +1,23 @@
 """Tables several commands print: a plan (with its K-FAC and ABS-SGD sections), a profile, bench results,
-`--strategy auto`'s choice and a mixed plan's groups."""
+`--strategy auto`'s choice and a mixed plan's groups; and a profile's measurements as pandas tables.
+
+Every command imports this module as it starts, so each function imports the contracts, cost model and strategies
+it reads (and pandas) inside itself: none of them is needed to parse a command line or to start a worker."""
 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from planner.console import console, err_console
 from planner.types import Strategy
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from planner.contracts.profile import Profile
 
 
 def gib(n_bytes: float) -> str:
@@ -456,6 +465,7 @@ def profile_summary(profile: object) -> list[str]:
     communication (one allreduce of every gradient), sigma and kappa, the in-situ calibrations not used, and the
     parameters that went without a gradient in some batches."""
     from planner.contracts.profile import Profile
+    from planner.costmodel.curves import curve_model
     from planner.types import Collective
 
     assert isinstance(profile, Profile)
@@ -465,7 +475,7 @@ def profile_summary(profile: object) -> list[str]:
     step = profile.step_s or profile.parts_s
     spread = ""
     if profile.steps is not None:
-        from planner.costmodel.spread import LEVEL, statistic_interval
+        from planner.spread import LEVEL, statistic_interval
 
         low, high = statistic_interval(profile.steps.whole_s)
         spread = f" [{LEVEL:.0%} interval {_ms(low)}-{_ms(high)} over {profile.steps.count} steps]"
@@ -475,7 +485,7 @@ def profile_summary(profile: object) -> list[str]:
     allreduce = profile.collectives.get(Collective.ALLREDUCE)
     if allreduce is not None and step > 0:
         size = profile.model.numel * 4  # fp32 gradients
-        comm = allreduce.model(size)
+        comm = curve_model(allreduce)(size)
         lines.append(f"communication: one allreduce of all {size / 2**20:,.1f} MiB of gradients takes {_ms(comm)} ms; "
                      f"{step / (step + comm):.0%} compute, {comm / (step + comm):.0%} communication where nothing "
                      "overlaps")
@@ -519,7 +529,7 @@ def error_line(error: object) -> str:
 def errors_line(errors: object) -> str:
     """Each compressor's error over the whole gradient (every layer sent by it), with its interval over the steps."""
     from planner.contracts.errors import CompressionErrors
-    from planner.costmodel.spread import LEVEL
+    from planner.spread import LEVEL
 
     assert isinstance(errors, CompressionErrors)
     parts = []
@@ -528,6 +538,32 @@ def errors_line(errors: object) -> str:
         parts.append(f"{c} {errors.uniform(c):.3g} [{low:.3g}, {high:.3g}]")
     return (f"compression error, |C(x) - x|^2 / |x|^2 over the whole gradient with error feedback ({LEVEL:.0%} "
             f"interval over {errors.steps} steps after {errors.warmup} on {errors.ranks} ranks): " + ", ".join(parts))
+
+
+def layers_frame(profile: Profile) -> pd.DataFrame:
+    """The profile's layers as a table in ready order: a row per layer, its parameters counted, and when its
+    gradient is ready (`ready_s`, the backward times summed)."""
+    import pandas as pd
+
+    rows = [{**lt.to_dict(), "params": len(lt.params)} for lt in profile.layers]
+    df = pd.DataFrame(rows)
+    df["ready_s"] = df["backward_s"].cumsum()
+    return df
+
+
+def comm_frame(profile: Profile) -> pd.DataFrame:
+    """The profile's collectives as a table: every measured point next to the fit's prediction at its size."""
+    import pandas as pd
+
+    from planner.costmodel.curves import affine
+
+    rows = []
+    for coll, curve in profile.collectives.items():
+        for size, t in curve.points:
+            pred = affine(curve).cost(size)
+            rows.append({"collective": coll.value, "bytes": size, "seconds": t, "fit_s": pred,
+                         "rel_err": abs(pred - t) / t if t > 0 else float("nan")})
+    return pd.DataFrame(rows)
 
 
 def _parts_line(profile: object) -> tuple[str, bool] | None:
@@ -559,6 +595,7 @@ def _parts_line(profile: object) -> tuple[str, bool] | None:
 def _print_profile_details(profile: object) -> None:
     """Everything a profile measured beyond its summary (`planner profile --verbose`, `planner show --details`)."""
     from planner.contracts.profile import Profile
+    from planner.costmodel.curves import worst_error
     from planner.costmodel.measured import MAX_FIT_ERROR
 
     assert isinstance(profile, Profile)
@@ -613,9 +650,10 @@ def _print_profile_details(profile: object) -> None:
         table.add_column(col, justify="left" if col == "collective" else "right")
     for coll, curve in profile.collectives.items():
         bw = 1 / curve.beta_s_per_byte / 1e9 if curve.beta_s_per_byte > 0 else float("inf")
-        used = "fit" if curve.worst_error <= MAX_FIT_ERROR else "interpolated"
+        worst = worst_error(curve)
+        used = "fit" if worst <= MAX_FIT_ERROR else "interpolated"
         table.add_row(coll.value, f"{curve.alpha_s * 1e6:.1f}", f"{bw:.2f}", f"{curve.fit_error:.1%}",
-                      f"{curve.worst_error:.1%}", used, str(len(curve.points)))
+                      f"{worst:.1%}", used, str(len(curve.points)))
     if profile.hosts is not None:
         h = profile.hosts
         levels = [("allreduce inside a host", h.intra), (f"allreduce across hosts (a 1/{h.per_host} shard)", h.inter),
@@ -625,9 +663,10 @@ def _print_profile_details(profile: object) -> None:
                 continue
             curve = level
             bw = 1 / curve.beta_s_per_byte / 1e9 if curve.beta_s_per_byte > 0 else float("inf")
-            used = "fit" if curve.worst_error <= MAX_FIT_ERROR else "interpolated"
+            worst = worst_error(curve)
+            used = "fit" if worst <= MAX_FIT_ERROR else "interpolated"
             table.add_row(name, f"{curve.alpha_s * 1e6:.1f}", f"{bw:.2f}", f"{curve.fit_error:.1%}",
-                          f"{curve.worst_error:.1%}", used, str(len(curve.points)))
+                          f"{worst:.1%}", used, str(len(curve.points)))
     console.print(table)
     if profile.hosts is not None:
         console.print(f"{len(profile.hosts.ranks)} hosts of {profile.hosts.per_host}: ranks "
@@ -659,10 +698,11 @@ def _print_profile_details(profile: object) -> None:
                           _ms(lt.fold_s), _ms(lt.precondition_eigen_s), _ms(lt.precondition_inverse_s))
         console.print(table)
         for name, dc in (("eigen", kf.eigen), ("inverse", kf.inverse)):
-            used = "fit" if dc.worst_error <= MAX_FIT_ERROR else "interpolated"
+            worst = worst_error(dc)
+            used = "fit" if worst <= MAX_FIT_ERROR else "interpolated"
             pts = ", ".join(f"{d}: {_ms(t)}" for d, t in dc.points)
             console.print(f"{name}: alpha {_ms(dc.alpha_s)} ms + {dc.beta_s_per_dim3 * 1e9:.3g} ns * d^3 "
-                          f"(median fit error {dc.fit_error:.1%}, worst {dc.worst_error:.1%}, {used}); "
+                          f"(median fit error {dc.fit_error:.1%}, worst {worst:.1%}, {used}); "
                           f"measured ms at d = {pts}")
         print_left_out(len(kf.layers), kf.left_out, kf.skip)
 
@@ -672,7 +712,7 @@ def _slowdown_interval(profile: object, collective: object, which: str) -> str:
     import numpy as np
 
     from planner.contracts.profile import Profile
-    from planner.costmodel.spread import percentile_interval
+    from planner.spread import percentile_interval
 
     assert isinstance(profile, Profile)
     samples = (profile.slowdown_samples or {}).get(collective)  # type: ignore[call-overload]

@@ -19,6 +19,7 @@ from planner.contracts.errors import CompressionErrors
 from planner.contracts.fingerprint import model_info
 from planner.contracts.profile import InSitu, Profile, WorkerThroughput
 from planner.contracts.unused import UnusedParams
+from planner.costmodel.curves import curve_model
 from planner.kernels.hierarchical import HostGroups
 from planner.models import Workload, build_workload
 from planner.platform.hosts import host_names, ranks_by_host
@@ -272,11 +273,11 @@ def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile
                                 total=config.in_situ_repeats * in_situ_runs(
                                     world_size, topk, compress, sending=Collective.ALLREDUCE in curves))
             in_situ = measure_in_situ(
-                workload, device, layer_results.layers, world_size, pack=pack.model, topk=topk,
+                workload, device, layer_results.layers, world_size, pack=curve_model(pack), topk=topk,
                 density=min(config.densities, key=lambda d: abs(math.log(d / IN_SITU_DENSITY))),
                 repeats=config.in_situ_repeats, compress=compress, on_point=lambda: bar.advance(task),
                 on_more=functools.partial(_more, bar, task),
-                comm=curves[Collective.ALLREDUCE].model if Collective.ALLREDUCE in curves else None,
+                comm=curve_model(curves[Collective.ALLREDUCE]) if Collective.ALLREDUCE in curves else None,
             )
             if world_size > 1:
                 memory.begin("compute while communicating")

@@ -36,11 +36,11 @@ from matplotlib.ticker import NullLocator
 
 from planner.contracts.jsonio import atomic_write, ensure_folder, read_json_value
 from planner.contracts.layers import plan_grouping
-from planner.contracts.plan import Plan
+from planner.contracts.plan import Plan, Prediction
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.mixed import MixedEvent
-from planner.costmodel.problem import Grouping, Prediction, groups_of
+from planner.costmodel.problem import Grouping, groups_of
 from planner.costmodel.simulator import GroupEvent, simulate
 from planner.solvers.layout import layout_timelines
 from planner.solvers.placement import InversionTimeline, PlacementProblem, inversion_timeline

@@ -5,7 +5,7 @@ The cost model is never exact: the fitted collective costs can be off on the rea
 searches, within ranges the user allows (`TuneSpace`):
 
 - corrections to the fitted collective costs, alpha * alpha_scale + beta * beta_scale * bytes, applied to
-  every collective of the profile (`FittedCurve.corrected`), after which the exact solver re-plans;
+  every collective of the profile (`planner.costmodel.curves.corrected`), after which the exact solver re-plans;
 - bounds on the size of gradient groups (`DenseDP` / `TopkParetoDP` with min/max group bytes; the rule is
   in `planner.solvers`), each with the choice "no bound";
 - the top-k density (top-k plans), and the factor and inverse update intervals (K-FAC plans).
@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from planner.contracts.jsonio import check_output_path
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
+from planner.costmodel.curves import corrected
 from planner.solvers import DenseDP, GroupingSolver, TopkParetoDP
 from planner.strategies.gradients import make_plan
 from planner.strategies.kfac import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
@@ -443,7 +444,7 @@ def _corrected(profile: Profile, alpha_scale: float, beta_scale: float) -> Profi
     """The profile with every collective's fitted cost corrected (the same profile for scales of 1)."""
     if alpha_scale == 1 and beta_scale == 1:
         return profile
-    curves = {c: curve.corrected(alpha_scale, beta_scale) for c, curve in profile.collectives.items()}
+    curves = {c: corrected(curve, alpha_scale, beta_scale) for c, curve in profile.collectives.items()}
     return replace(profile, collectives=curves)
 
 

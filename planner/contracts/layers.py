@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from planner.contracts.plan import Group, Plan
-from planner.costmodel.problem import Grouping, groups_of, topk_count
-from planner.types import ROOT_NAME, PlanMismatchError, SolverError, Strategy
+from planner.contracts.plan import Plan
+from planner.types import ROOT_NAME, PlanMismatchError
 
 if TYPE_CHECKING:
     from torch import nn
 
     from planner.contracts.profile import Profile
 
-__all__ = ["ROOT_NAME", "LayerSpec", "gradient_layers", "groups_for", "plan_grouping"]
+__all__ = ["ROOT_NAME", "LayerSpec", "gradient_layers", "plan_grouping"]
 
 @dataclass(frozen=True, kw_only=True)
 class LayerSpec:
@@ -54,33 +52,9 @@ def gradient_layers(module: nn.Module) -> list[LayerSpec]:
     return layers
 
 
-def groups_for(
-    layers: Sequence[LayerSpec], grouping: Grouping, strategy: Strategy, density: float | None
-) -> tuple[Group, ...]:
-    """Plan groups for `layers` (in ready order) split at `grouping`'s end indices."""
-    if not grouping or grouping[-1] != len(layers):
-        raise SolverError(f"grouping {grouping} does not cover the {len(layers)} layers")
-    out = []
-    for r in groups_of(grouping):
-        members = [layers[i] for i in r]
-        numel = sum(m.numel for m in members)
-        k = None
-        if strategy is Strategy.TOPK:
-            assert density is not None
-            k = topk_count(numel, density)
-        out.append(
-            Group(
-                layers=tuple(m.name for m in members),
-                params=tuple(p for m in members for p in m.params),
-                numel=numel,
-                k=k,
-            )
-        )
-    return tuple(out)
-
-
-def plan_grouping(plan: Plan, profile: Profile) -> Grouping:
-    """The plan's groups as exclusive end indices in the profile's layer order.
+def plan_grouping(plan: Plan, profile: Profile) -> tuple[int, ...]:
+    """The plan's groups as exclusive end indices in the profile's layer order (a grouping,
+    `planner.costmodel.problem.Grouping`).
 
     Raises:
         PlanMismatchError: the plan's layers (in group order) or group sizes are not the profile's.
@@ -96,8 +70,9 @@ def plan_grouping(plan: Plan, profile: Profile) -> Grouping:
         )
         raise PlanMismatchError(f"the plan's layers differ from the profile's ({diff}); {hint}")
     grouping = tuple(itertools.accumulate(len(g.layers) for g in plan.groups))
-    for i, (g, layers) in enumerate(zip(plan.groups, groups_of(grouping), strict=True)):
-        numel = sum(profile.layers[j].numel for j in layers)
+    starts = (0, *grouping[:-1])
+    for i, (g, start, end) in enumerate(zip(plan.groups, starts, grouping, strict=True)):
+        numel = sum(lt.numel for lt in profile.layers[start:end])
         if numel != g.numel:
             raise PlanMismatchError(
                 f"group {i} of the plan has {g.numel} elements, but its layers have {numel} in the profile; {hint}"

@@ -27,11 +27,11 @@ Schema (version 1), times in seconds:
       }
     }
 
-A job's iteration alternates compute and exposed communication (`planner.costmodel.crossover.JobPhases`, made
-from a plan by `job_phases`). Per job, `alone_s` is its iteration alone (compute_s + comm_s), `side_by_side_s`
-its period when it runs with its partner uncoordinated (each resource shared equally) and `crossover_s` with
-the partner crossed over (one computes while the other communicates), both from
-`planner.costmodel.crossover.simulate_pair`; a job left alone has all three equal to `alone_s`.
+A job's iteration alternates compute and exposed communication (`JobPhases`, made from a plan by `job_phases`).
+Per job, `alone_s` is its iteration alone (compute_s + comm_s), `side_by_side_s` its period when it runs with its
+partner uncoordinated (each resource shared equally) and `crossover_s` with the partner crossed over (one computes
+while the other communicates), both from `planner.costmodel.crossover.simulate_pair`; a job left alone has all
+three equal to `alone_s`.
 
 The totals assume the equal-progress turn-taking of `planner.solvers.pairing`: the groups take turns on the
 devices, each for one period in which each of its jobs makes one iteration, so a round of the groups advances
@@ -68,7 +68,6 @@ from planner.contracts.jsonio import (
     write_json_atomic,
 )
 from planner.contracts.plan import Plan
-from planner.costmodel.crossover import JobPhases
 from planner.types import PlanMismatchError, PlannerFileError, SchemaError
 
 __all__ = [
@@ -76,6 +75,7 @@ __all__ = [
     "MODES",
     "PAIRING_KIND",
     "PAIRING_SCHEMA_VERSION",
+    "JobPhases",
     "JobPrediction",
     "PairingJob",
     "PairingPlan",
@@ -104,6 +104,45 @@ def plan_fingerprint(plan: Plan) -> str:
     Any change of the plan, re-solving included (its `created` changes), changes the fingerprint."""
     text = json.dumps(plan.to_dict(), sort_keys=True)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class JobPhases:
+    """One job's iteration as it runs alone on its devices.
+
+    Attributes:
+        name: the job's name in messages and tables.
+        compute_s: seconds per iteration on the device: forward, backward and update (the iteration time less
+            the exposed communication).
+        comm_s: seconds per iteration of exposed communication (the gradient exchange not hidden behind backward).
+        samples: samples per iteration (the global batch).
+    """
+
+    name: str
+    compute_s: float
+    comm_s: float
+    samples: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise SchemaError(f"a job needs a non-empty name, but got name={self.name!r}")
+        for field, low in (("compute_s", "> 0"), ("comm_s", ">= 0")):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise SchemaError(f"job {self.name}: {field} must be a number of seconds, but got {value!r}")
+            value = float(value)
+            ok = math.isfinite(value) and (value > 0 if low == "> 0" else value >= 0)
+            if not ok:
+                raise SchemaError(f"job {self.name}: `{field} {low}` (finite) must hold, but got {field}={value}")
+            object.__setattr__(self, field, value)
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            raise SchemaError(f"job {self.name}: `samples >= 1` (a whole number) must hold, but got "
+                              f"samples={self.samples!r}")
+
+    @property
+    def iteration_s(self) -> float:
+        """Seconds per iteration alone: compute_s + comm_s."""
+        return self.compute_s + self.comm_s
 
 
 def job_phases(plan: Plan, samples: int, name: str) -> JobPhases:

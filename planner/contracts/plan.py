@@ -100,7 +100,6 @@ from planner.contracts.jsonio import (
 )
 from planner.contracts.kfac import KFACSection
 from planner.contracts.unused import UnusedParams
-from planner.costmodel.problem import Prediction
 from planner.types import (
     DENSE_COMPRESSOR,
     Compressor,
@@ -112,7 +111,7 @@ from planner.types import (
 )
 
 __all__ = ["DDP_ROW", "PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "VIA_DDP_ROW", "Group", "Intervals", "Plan",
-           "PlanError", "Verdict", "check_selector", "ddp_row", "parse_compressor"]
+           "PlanError", "Prediction", "Verdict", "check_selector", "ddp_row", "parse_compressor"]
 
 PLAN_SCHEMA_VERSION = 1
 PLAN_KIND = "planner.plan"
@@ -235,6 +234,29 @@ class Group:
             compressor = parse_compressor(compressor, f"{where}.compressor")
         hierarchical = expect(data.get("hierarchical", False), bool, f"{where}.hierarchical")
         return cls(layers=layers, params=params, numel=numel, k=k, compressor=compressor, hierarchical=hierarchical)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """Predicted time of one iteration under a grouping, and where it goes (seconds): what the cost model's
+    simulators return (`planner.costmodel.simulator`) and a plan records for itself and each baseline.
+
+    iteration_s = compute_s + exposed_comm_s, where compute_s is the compute path alone
+    (F + backward + selection or packing + decode + U, stretched by interference) and exposed_comm_s the
+    communication not hidden behind it. comm_s is the collectives' own time, each as measured alone (with a
+    comm stretch the channel is busy longer); interference_s how much longer the compute path is because
+    collectives were in flight during it.
+    """
+
+    iteration_s: float
+    compute_s: float
+    exposed_comm_s: float
+    comm_s: float
+    selection_s: float = 0.0
+    decode_s: float = 0.0
+    num_groups: int = 1
+    pack_s: float = 0.0
+    interference_s: float = 0.0
 
 
 def _prediction_from_dict(data: Any, where: str) -> Prediction:
@@ -744,7 +766,7 @@ class Plan:
         """Refuse to run on another model, world size, backend, kind of device (cpu or gpu) or number of hosts,
         naming the difference and how to re-plan. `backend`, `device_kind` and `hosts` are checked when given."""
         if model.fingerprint != self.model.fingerprint:
-            from planner.models import BUILTIN_MODELS
+            from planner.models import BUILTIN_MODELS  # here: it imports torch, which reading a plan does not need
 
             # The given model's own --model value when it is one (a built-in name or a factory spec).
             spec = model.name if model.name in BUILTIN_MODELS or ":" in model.name else "<package.module:factory>"

@@ -130,12 +130,13 @@ the steps of the layer phase, each collective point's runs, each in-situ calibra
 work's own durations), the pairs sigma and kappa come from. `planner.costmodel.resample` draws profiles from them,
 which gives every prediction an interval (`planner.strategies.intervals`). An in-situ calibration whose interval
 includes no effect, or that lies outside 0.5x-20x of its micro-benchmark, is measured once more and, if still so,
-not used: its micro-benchmark stands (`planner.costmodel.spread.calibration_use`).
+not used: its micro-benchmark stands (`planner.spread.calibration_use`).
 
 `backward_s` of a layer is the time between the previous layer's gradient becoming ready and its own
 (b_i of the timeline model). `fit_error` is the median relative error of the fitted alpha + beta*x.
-The solvers use the fit where it is good (every point within MAX_FIT_ERROR) and otherwise interpolate
-the measured points (DESIGN.md: fitted where the data is linear, interpolated where it is not).
+The solvers use the fit where it is good (every point within `planner.costmodel.measured.MAX_FIT_ERROR`) and
+otherwise interpolate the measured points (DESIGN.md: fitted where the data is linear, interpolated where it is
+not). This module holds the curves and their checks; `planner.costmodel.curves` fits and reads them.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ import functools
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import numpy as np
 
@@ -165,16 +166,7 @@ from planner.contracts.jsonio import (
 from planner.contracts.kfac import left_out_from_json
 from planner.contracts.plan import SELECTORS, check_selector, parse_compressor
 from planner.contracts.unused import UnusedParams
-from planner.costmodel.costs import AffineCost, CostModel, fit_affine
-from planner.costmodel.measured import (
-    MAX_FIT_ERROR,
-    CubeCost,
-    fitted_or_interpolated,
-    interpolated_in_density,
-    shifted_fit,
-    worst_fit_error,
-)
-from planner.costmodel.spread import CalibrationUse, calibration_use
+from planner.spread import CalibrationUse, calibration_use
 from planner.types import (
     MAX_POWERSGD_RANK,
     Collective,
@@ -183,13 +175,9 @@ from planner.types import (
     SchemaError,
 )
 
-if TYPE_CHECKING:
-    import pandas as pd
-
 __all__ = [
     "KFAC_STEP_NAMES",
     "KFAC_STEP_PARTS",
-    "MAX_FIT_ERROR",
     "PROFILE_KIND",
     "PROFILE_SCHEMA_VERSION",
     "Calibration",
@@ -327,7 +315,8 @@ def _measured_points(data: Any, where: str, size: str) -> list[tuple[int, float]
 @dataclass(frozen=True, kw_only=True)
 class FittedCurve:
     """Raw (size, seconds) points and their alpha + beta*size fit; `samples`, where kept, the runs each point's
-    seconds are the mean of (the slowest rank's time in each run), in the order of `points`."""
+    seconds are the mean of (the slowest rank's time in each run), in the order of `points`. Fitted and read as a
+    cost by `planner.costmodel.curves`."""
 
     points: tuple[tuple[int, float], ...]
     alpha_s: float
@@ -339,53 +328,6 @@ class FittedCurve:
         if self.samples is not None and len(self.samples) != len(self.points):
             raise InvalidProfileError(f"a curve keeps samples for {len(self.samples)} points but has "
                                       f"{len(self.points)} points")
-
-    @classmethod
-    def fit(cls, points: list[tuple[int, float]],
-            samples: list[tuple[float, ...]] | tuple[tuple[float, ...], ...] | None = None) -> FittedCurve:
-        model, err = fit_affine(points)
-        return cls(points=tuple(points), alpha_s=model.alpha, beta_s_per_byte=model.beta, fit_error=err,
-                   samples=None if samples is None else tuple(tuple(s) for s in samples))
-
-    @property
-    def affine(self) -> AffineCost:
-        return AffineCost(alpha=self.alpha_s, beta=self.beta_s_per_byte)
-
-    @property
-    def worst_error(self) -> float:
-        """Largest relative error of the affine fit over the measured points."""
-        return worst_fit_error(self.points, self.affine)
-
-    @property
-    def model(self) -> CostModel:
-        """The affine fit where it holds at every point, else interpolation of the measured points."""
-        return fitted_or_interpolated(self.points, self.affine)
-
-    def corrected(self, alpha_scale: float, beta_scale: float) -> FittedCurve:
-        """The curve with its start-up scaled by `alpha_scale` and its per-byte cost by `beta_scale`.
-
-        The fit becomes alpha * alpha_scale + beta * beta_scale * x, and every measured point (x, t) moves by
-        the same amount, t + (alpha_scale - 1) * alpha + (beta_scale - 1) * beta * x (at least 0): where the
-        fit is the model, the model is exactly the corrected affine cost; where the points are interpolated,
-        they are shifted the same way. `fit_error` is recomputed on the moved points (and so is the choice
-        between fit and interpolation, which a large correction can change). Scales of 1 return the curve.
-
-        Raises:
-            SchemaError: a scale is not finite and > 0.
-        """
-        scales = (alpha_scale, beta_scale)
-        if not all(not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and v > 0
-                   for v in scales):
-            raise SchemaError(
-                f"`alpha_scale > 0 and beta_scale > 0` (finite) must hold, but got "
-                f"(alpha_scale={alpha_scale!r}, beta_scale={beta_scale!r})"
-            )
-        if alpha_scale == 1 and beta_scale == 1:
-            return self
-        new = AffineCost(alpha=self.alpha_s * alpha_scale, beta=self.beta_s_per_byte * beta_scale)
-        points, fit_error = shifted_fit(self.points, self.affine, new)
-        # The moved points are no longer the means of the runs measured: a corrected curve keeps no samples.
-        return FittedCurve(points=points, alpha_s=new.alpha, beta_s_per_byte=new.beta, fit_error=fit_error)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -460,31 +402,6 @@ class TopkTiming:
 
     def densities(self, selector: str = "exact") -> list[float]:
         return sorted({d for _, d, _ in self.points(selector)})
-
-    def select_model(self, density: float, selector: str = "exact") -> CostModel:
-        """Selection seconds against numel at `density` with `selector`, interpolated in log(density)
-        between measured densities.
-
-        Raises:
-            InvalidProfileError: the profile has no points for `selector`.
-            SchemaError: an unknown selector name.
-        """
-        points = self.points(selector)
-        ds = self.densities(selector)
-        if not ds:
-            raise InvalidProfileError(
-                f"the profile has no top-k selection points for the {selector} selector; measure again with "
-                "`planner profile`" + (" or use --selector exact" if selector != "exact" else "")
-            )
-
-        return interpolated_in_density(points, density)
-
-    def decode_model(self, density: float) -> CostModel:
-        """Decode seconds against the P * k values gathered, at `density` (interpolated in log(density)
-        between measured densities; the 1% curve when the profile has no per-density points)."""
-        if not self.decode_points:
-            return self.decode.model
-        return interpolated_in_density(self.decode_points, density)
 
     def scaled(self, factor: float) -> TopkTiming:
         """Every selection time of every selector multiplied by `factor` (the decode times unchanged)."""
@@ -609,36 +526,18 @@ class CompressTiming:
 
 @dataclass(frozen=True, kw_only=True)
 class DimCurve:
-    """Seconds against a matrix dimension d (raw points) and the fit alpha + beta * d^3."""
+    """Seconds against a matrix dimension d (raw points) and the fit alpha + beta * d^3 (`planner.costmodel.curves`
+    fits and reads it)."""
 
     points: tuple[tuple[int, float], ...]
     alpha_s: float
     beta_s_per_dim3: float
     fit_error: float
 
-    @classmethod
-    def fit(cls, points: list[tuple[int, float]]) -> DimCurve:
-        model, err = fit_affine([(d**3, t) for d, t in points])
-        return cls(points=tuple(points), alpha_s=model.alpha, beta_s_per_dim3=model.beta, fit_error=err)
-
     def scaled(self, factor: float) -> DimCurve:
         """The same curve with every time multiplied by `factor`."""
         return replace(self, points=tuple((d, t * factor) for d, t in self.points), alpha_s=self.alpha_s * factor,
                        beta_s_per_dim3=self.beta_s_per_dim3 * factor)
-
-    def against_cubes(self) -> FittedCurve:
-        """The same measurements as seconds against d^3, where the fit is affine."""
-        return FittedCurve(points=tuple((d**3, t) for d, t in self.points), alpha_s=self.alpha_s,
-                           beta_s_per_byte=self.beta_s_per_dim3, fit_error=self.fit_error)
-
-    @property
-    def worst_error(self) -> float:
-        return self.against_cubes().worst_error
-
-    @property
-    def model(self) -> CostModel:
-        """Seconds against d: the cubic fit where it holds at every point, else interpolation in d^3."""
-        return CubeCost(inner=self.against_cubes().model)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -786,7 +685,7 @@ class Calibration:
     `measured_s` is the median of `samples_s` where they are kept: paired differences (a step with the work less
     the step beside it without, every rank's), or the work's own durations (decoding, K-FAC's step parts). It may
     be below zero: the difference of two noisy step times. Whether the cost model uses it, and the factor that
-    follows, is `use` (`planner.costmodel.spread.calibration_use`): measured / modelled where it is told apart from
+    follows, is `use` (`planner.spread.calibration_use`): measured / modelled where it is told apart from
     no effect and plausible, else 1 (the micro-benchmark). `attempts`: how many times it was measured (a first
     measurement that was not usable is measured once more, and the last one kept).
     """
@@ -1104,11 +1003,19 @@ class WorkerThroughput:
         return cls(batch_sizes=sizes, step_s=rows)
 
 
-def _peak_memory(data: Any) -> dict[str, int]:
+def _collective(name: str, where: str) -> Collective:
+    """The collective a key of `where` names."""
+    try:
+        return Collective(name)
+    except ValueError:
+        raise SchemaError(f"unknown collective {name!r} in {where}; known: {[c.value for c in Collective]}") from None
+
+
+def _peak_memory(data: Any, where: str) -> dict[str, int]:
     """{"phase": bytes, ...} as checked values: names, and whole numbers of bytes >= 0."""
     out = {}
-    for name, value in expect(data, dict, "profile.peak_memory").items():
-        out[name] = expect_int(value, f"profile.peak_memory.{name}", 0, 1 << 60, SchemaError)
+    for name, value in expect(data, dict, where).items():
+        out[name] = expect_int(value, f"{where}.{name}", 0, 1 << 60, SchemaError)
     return out
 
 
@@ -1116,25 +1023,20 @@ def _peak_memory(data: Any) -> dict[str, int]:
 #: multiplied by more overflows the baselines' arithmetic (the Horovod cycle counts its cycles).
 MAX_SLOWDOWN = 100.0
 
-_SLOWDOWNS = {"interference": "how much slower compute runs while one is in flight",
-              "comm_stretch": "how much slower a chain of them runs while the workers compute"}
+_SLOWDOWNS = {"profile.interference": "how much slower compute runs while one is in flight",
+              "profile.comm_stretch": "how much slower a chain of them runs while the workers compute"}
 
 
-def _interference(data: Any, field: str = "interference") -> dict[Collective, float]:
-    """{"allreduce": sigma, ...} (or kappa, for `comm_stretch`) as checked values: known collectives, numbers from 0
-    to MAX_SLOWDOWN."""
+def _slowdowns(data: Any, where: str) -> dict[Collective, float]:
+    """{"allreduce": sigma, ...} (`profile.interference`; kappa, for `profile.comm_stretch`) as checked values: known
+    collectives, numbers from 0 to MAX_SLOWDOWN."""
     out = {}
-    for name, sigma in expect(data, dict, f"profile.{field}").items():
-        try:
-            coll = Collective(name)
-        except ValueError:
-            raise SchemaError(
-                f"unknown collective {name!r} in profile.{field}; known: {[c.value for c in Collective]}"
-            ) from None
-        value = float(expect(sigma, (int, float), f"profile.{field}.{name}"))
+    for name, sigma in expect(data, dict, where).items():
+        coll = _collective(name, where)
+        value = float(expect(sigma, (int, float), f"{where}.{name}"))
         if not (math.isfinite(value) and 0 <= value <= MAX_SLOWDOWN):
-            raise InvalidProfileError(f"`0 <= profile.{field}.{name} <= {MAX_SLOWDOWN:g}` must hold "
-                                      f"({_SLOWDOWNS[field]}: 1 + it times), but got {sigma!r}")
+            raise InvalidProfileError(f"`0 <= {where}.{name} <= {MAX_SLOWDOWN:g}` must hold "
+                                      f"({_SLOWDOWNS[where]}: 1 + it times), but got {sigma!r}")
         out[coll] = value
     return out
 
@@ -1249,21 +1151,127 @@ def _slowdown(alone: Sequence[float], busy: Sequence[float], picks: Sequence[int
     return max(0.0, float(np.median(np.asarray(busy, dtype=float)[idx])) / base - 1.0) if base > 0 else 0.0
 
 
-def _slowdown_samples(data: Any) -> dict[Collective, SlowdownSamples]:
-    out = {}
-    for name, value in expect(data, dict, "profile.slowdown_samples").items():
-        try:
-            coll = Collective(name)
-        except ValueError:
-            raise SchemaError(f"unknown collective {name!r} in profile.slowdown_samples; known: "
-                              f"{[c.value for c in Collective]}") from None
-        out[coll] = SlowdownSamples.from_dict(value, f"profile.slowdown_samples.{name}")
-    return out
+def _slowdown_samples(data: Any, where: str) -> dict[Collective, SlowdownSamples]:
+    return {_collective(name, where): SlowdownSamples.from_dict(value, f"{where}.{name}")
+            for name, value in expect(data, dict, where).items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Optional:
+    """How `Profile` reads, writes and checks one of its optional fields (the attribute is named as its JSON key).
+
+    `load` reads the field's JSON value, checked, naming `where` in errors; `dump` writes the value. A profile without
+    the field holds the dataclass field's default, and so does a null in the file where that default is None. The
+    default is written as null, or left out with `omitted` (fields added later, so that the files of profiles without
+    them stay as they were). `check`, where given, checks a value other than None against the rest of the profile
+    when one is made.
+    """
+
+    load: Callable[[Any, str], Any]
+    dump: Callable[[Any], Any]
+    check: Callable[[Profile, Any, str], None] | None = None
+    omitted: bool = False
+
+
+#: The key of a `Profile` field's metadata that holds its `_Optional`.
+_OPTIONAL = "planner.profile.optional"
+
+
+def _optional(load: Callable[[Any, str], Any], dump: Callable[[Any], Any] | None = None, *,
+              check: Callable[[Profile, Any, str], None] | None = None, omitted: bool = False) -> dict[str, _Optional]:
+    """The metadata of an optional field of `Profile`: how it is read, written (by default its `to_dict()`) and
+    checked (`_Optional`)."""
+    return {_OPTIONAL: _Optional(load=load, dump=_to_dict if dump is None else dump, check=check, omitted=omitted)}
+
+
+def _to_dict(value: Any) -> Any:
+    return value.to_dict()
+
+
+def _as_is(value: Any) -> Any:
+    return value
+
+
+def _flag(value: Any, where: str) -> bool:
+    return bool(expect(value, bool, where))
+
+
+def _per_collective(values: dict[Collective, Any]) -> dict[str, Any]:
+    """{collective: sigma or kappa} as JSON: the collectives by name."""
+    return {c.value: v for c, v in values.items()}
+
+
+def _samples_per_collective(values: dict[Collective, SlowdownSamples]) -> dict[str, Any]:
+    return {c.value: samples.to_dict() for c, samples in values.items()}
+
+
+def _check_parts_scale(profile: Profile, scale: float, where: str) -> None:
+    if not (math.isfinite(scale) and 1 / MAX_SLOWDOWN <= scale <= MAX_SLOWDOWN):
+        raise InvalidProfileError(
+            f"`{1 / MAX_SLOWDOWN:g} <= {where} <= {MAX_SLOWDOWN:g}` must hold (the factor the layers' times were "
+            f"scaled by to sum to a whole step), but got {scale!r}")
+
+
+def _check_slowdowns(profile: Profile, values: dict[Collective, float], where: str) -> None:
+    """sigma or kappa of each collective within 0 to MAX_SLOWDOWN."""
+    for coll, value in values.items():
+        if not (math.isfinite(value) and 0 <= value <= MAX_SLOWDOWN):
+            raise InvalidProfileError(f"`0 <= {where}.{coll.value} <= {MAX_SLOWDOWN:g}` must hold, but got {value!r}")
+
+
+def _check_throughput(profile: Profile, throughput: WorkerThroughput, where: str) -> None:
+    if len(throughput.step_s) != profile.cluster.world_size:
+        raise InvalidProfileError(f"{where} has {len(throughput.step_s)} workers but the world size is "
+                                  f"{profile.cluster.world_size}")
+
+
+def _check_hosts(profile: Profile, hosts: HostTiming, where: str) -> None:
+    cluster = profile.cluster
+    if len(hosts.ranks) != cluster.host_count or len(hosts.ranks) * hosts.per_host != cluster.world_size:
+        raise InvalidProfileError(
+            f"{where} lists {len(hosts.ranks)} hosts of {hosts.per_host} ranks, but the cluster is "
+            f"{cluster.host_count} hosts and {cluster.world_size} workers")
+
+
+def _check_unused(profile: Profile, unused: UnusedParams, where: str) -> None:
+    unused.check_names({p for lt in profile.layers for p in lt.params}, "profile")
+
+
+def _check_errors(profile: Profile, errors: CompressionErrors, where: str) -> None:
+    if errors.layers != tuple(lt.name for lt in profile.layers):
+        raise InvalidProfileError(f"{where}.layers must be the profile's layers in its order; profile it again with "
+                                  "`planner profile`")
+
+
+def _check_steps(profile: Profile, steps: StepSamples, where: str) -> None:
+    """The steps time the profile's layers, and F, U and the layers' backward times are their scaled medians (a
+    resample multiplies them by a draw's over these): within MAX_SLOWDOWN of them, or a draw would scale a time
+    beyond any measurement."""
+    if len(steps.backward_s[0]) != len(profile.layers):
+        raise InvalidProfileError(f"{where}.backward_s lists {len(steps.backward_s[0])} layers per step, but the "
+                                  f"profile has {len(profile.layers)}")
+    fwd, upd, backward, _ = steps.scaled_parts()
+    for name, nominal, sampled in (("forward_s", profile.forward_s, fwd), ("update_s", profile.update_s, upd),
+                                   ("layers' backward_s", sum(lt.backward_s for lt in profile.layers),
+                                    sum(backward))):
+        if nominal > 0 and not 1 / MAX_SLOWDOWN <= sampled / nominal <= MAX_SLOWDOWN:
+            raise InvalidProfileError(
+                f"profile.{name} ({nominal:g} s) is not the median of {where} ({sampled:g} s, scaled) within "
+                f"{MAX_SLOWDOWN:g}x; profile it again with `planner profile`")
+
+
+#: The fields every profile file holds (the optional ones are `Profile`'s fields with an `_Optional`).
+_REQUIRED = ("schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size", "element_bytes",
+             "forward_s", "backward_s", "update_s", "layers", "collectives", "topk")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Profile:
-    """Everything the solvers need about one model on one cluster."""
+    """Everything the solvers need about one model on one cluster.
+
+    Each optional field is declared once, below: its type, its default (what a profile without it holds) and, in
+    `_optional`, how it is read from its JSON key (the field's name), written and checked. `from_dict`, `to_dict`
+    and the checks at construction follow these declarations, in this order (the order of the file's keys)."""
 
     model: ModelInfo
     cluster: ClusterInfo
@@ -1276,74 +1284,55 @@ class Profile:
     layers: tuple[LayerTiming, ...]
     collectives: dict[Collective, FittedCurve]
     topk: TopkTiming | None
-    kfac: KFACTiming | None = None
+    kfac: KFACTiming | None = field(default=None, metadata=_optional(KFACTiming.from_dict))
     #: Median of whole local steps without hooks, timed between the hooked ones (None: not timed).
-    step_s: float | None = None
+    step_s: float | None = field(default=None, metadata=_optional(_time, _as_is))
     #: The factor the per-layer times and F, B, U were scaled by so that their sum equals `step_s` (None: not
     #: scaled, as in profiles made before the whole steps were interleaved with the hooked ones).
-    parts_scale: float | None = None
-    pack: FittedCurve | None = None
-    interference: dict[Collective, float] | None = None
+    parts_scale: float | None = field(default=None, metadata=_optional(_time, _as_is, check=_check_parts_scale))
+    pack: FittedCurve | None = field(default=None, metadata=_optional(FittedCurve.from_dict))
+    #: sigma per collective: compute runs (1 + sigma) times slower while one is in flight (None: 0).
+    interference: dict[Collective, float] | None = field(
+        default=None, metadata=_optional(_slowdowns, _per_collective, check=_check_slowdowns))
     #: kappa per collective: a chain of them runs (1 + kappa) times slower while the workers compute (None: 0).
-    comm_stretch: dict[Collective, float] | None = None
-    in_situ: InSitu | None = None
-    throughput: WorkerThroughput | None = None
-    compress: CompressTiming | None = None
+    comm_stretch: dict[Collective, float] | None = field(
+        default=None, metadata=_optional(_slowdowns, _per_collective, check=_check_slowdowns))
+    in_situ: InSitu | None = field(default=None, metadata=_optional(InSitu.from_dict))
+    throughput: WorkerThroughput | None = field(
+        default=None, metadata=_optional(WorkerThroughput.from_dict, check=_check_throughput))
+    compress: CompressTiming | None = field(default=None, metadata=_optional(CompressTiming.from_dict))
     #: Peak resident memory of the busiest worker in each phase of `planner profile`, in bytes (None: not
     #: measured, e.g. on another OS or in profiles made before it was).
-    peak_memory: dict[str, int] | None = None
+    peak_memory: dict[str, int] | None = field(default=None, metadata=_optional(_peak_memory, _as_is))
     #: The hosts and the allreduce at each level (None: one host, or hosts of unequal size).
-    hosts: HostTiming | None = None
-    #: The layer phase's steps, which F, the b_i, U and `step_s` are medians of (None: not kept, as in profiles
-    #: made before they were).
-    steps: StepSamples | None = None
-    #: The passes and chains sigma and kappa were taken from, per collective (None: not kept).
-    slowdown_samples: dict[Collective, SlowdownSamples] | None = None
+    hosts: HostTiming | None = field(default=None, metadata=_optional(HostTiming.from_dict, check=_check_hosts))
     #: Measured by `planner profile --quick`: fewer repeats and sweeps, wider intervals.
-    quick: bool = False
+    quick: bool = field(default=False, metadata=_optional(_flag, _as_is, omitted=True))
     #: The parameters that went without a gradient in some of the batches checked (None: not checked, as in
     #: profiles made before it was); see `planner.contracts.unused`.
-    unused_params: UnusedParams | None = None
+    unused_params: UnusedParams | None = field(
+        default=None, metadata=_optional(UnusedParams.from_dict, check=_check_unused, omitted=True))
     #: Each compressor's error on each layer over a few real steps (None: not measured, as in profiles made before
     #: it was); see `planner.contracts.errors`.
-    errors: CompressionErrors | None = None
+    errors: CompressionErrors | None = field(
+        default=None, metadata=_optional(CompressionErrors.from_dict, check=_check_errors, omitted=True))
+    #: The layer phase's steps, which F, the b_i, U and `step_s` are medians of (None: not kept, as in profiles
+    #: made before they were).
+    steps: StepSamples | None = field(default=None, metadata=_optional(StepSamples.from_dict, check=_check_steps))
+    #: The passes and chains sigma and kappa were taken from, per collective (None: not kept).
+    slowdown_samples: dict[Collective, SlowdownSamples] | None = field(
+        default=None, metadata=_optional(_slowdown_samples, _samples_per_collective))
     element_bytes: int = 4
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise InvalidProfileError("the profile has no layers with gradients")
-        if self.throughput is not None and len(self.throughput.step_s) != self.cluster.world_size:
-            raise InvalidProfileError(
-                f"profile.throughput has {len(self.throughput.step_s)} workers but the world size is "
-                f"{self.cluster.world_size}"
-            )
-        if self.hosts is not None and (len(self.hosts.ranks) != self.cluster.host_count
-                                       or len(self.hosts.ranks) * self.hosts.per_host != self.cluster.world_size):
-            raise InvalidProfileError(
-                f"profile.hosts lists {len(self.hosts.ranks)} hosts of {self.hosts.per_host} ranks, but the cluster "
-                f"is {self.cluster.host_count} hosts and {self.cluster.world_size} workers")
-        if self.parts_scale is not None and not (math.isfinite(self.parts_scale)
-                                                 and 1 / MAX_SLOWDOWN <= self.parts_scale <= MAX_SLOWDOWN):
-            raise InvalidProfileError(
-                f"`{1 / MAX_SLOWDOWN:g} <= profile.parts_scale <= {MAX_SLOWDOWN:g}` must hold (the factor the layers' "
-                f"times were scaled by to sum to a whole step), but got {self.parts_scale!r}")
         self._check_layers_cover_model()
-        if self.steps is not None and len(self.steps.backward_s[0]) != len(self.layers):
-            raise InvalidProfileError(f"profile.steps.backward_s lists {len(self.steps.backward_s[0])} layers per "
-                                      f"step, but the profile has {len(self.layers)}")
-        if self.steps is not None:
-            self._check_parts_follow_steps(self.steps)
-        if self.unused_params is not None:
-            self.unused_params.check_names({p for lt in self.layers for p in lt.params}, "profile")
-        if self.errors is not None and self.errors.layers != tuple(lt.name for lt in self.layers):
-            raise InvalidProfileError("profile.errors.layers must be the profile's layers in its order; profile it "
-                                      "again with `planner profile`")
-        for name, values in (("interference", self.interference), ("comm_stretch", self.comm_stretch)):
-            for coll, sigma in (values or {}).items():
-                if not (math.isfinite(sigma) and 0 <= sigma <= MAX_SLOWDOWN):
-                    raise InvalidProfileError(f"`0 <= profile.{name}.{coll.value} <= {MAX_SLOWDOWN:g}` must hold, "
-                                              f"but got {sigma!r}")
+        for name, spec, _ in _optional_fields():
+            value = getattr(self, name)
+            if spec.check is not None and value is not None:
+                spec.check(self, value, f"profile.{name}")
 
     def _check_layers_cover_model(self) -> None:
         """The layers hold every trainable parameter of the model the profile names, and no other: checked at load,
@@ -1356,18 +1345,6 @@ class Profile:
                 f"{self.model.name} has {self.model.num_params:,} of {self.model.numel:,}: the profile does not "
                 "describe its model; profile it again with `planner profile`")
 
-    def _check_parts_follow_steps(self, steps: StepSamples) -> None:
-        """F, U and the layers' backward times are the steps' scaled medians (a resample multiplies them by a draw's
-        over these): within MAX_SLOWDOWN of them, or a draw would scale a time beyond any measurement."""
-        fwd, upd, backward, _ = steps.scaled_parts()
-        for name, nominal, sampled in (("forward_s", self.forward_s, fwd), ("update_s", self.update_s, upd),
-                                       ("layers' backward_s", sum(lt.backward_s for lt in self.layers),
-                                        sum(backward))):
-            if nominal > 0 and not 1 / MAX_SLOWDOWN <= sampled / nominal <= MAX_SLOWDOWN:
-                raise InvalidProfileError(
-                    f"profile.{name} ({nominal:g} s) is not the median of profile.steps ({sampled:g} s, scaled) "
-                    f"within {MAX_SLOWDOWN:g}x; profile it again with `planner profile`")
-
     def interference_for(self, collective: Collective) -> float:
         """sigma of `collective`: how much slower compute runs while one is in flight (0 if not measured)."""
         return (self.interference or {}).get(collective, 0.0)
@@ -1376,28 +1353,6 @@ class Profile:
         """kappa of `collective`: how much slower a chain of them runs while the workers compute (0 if not
         measured)."""
         return (self.comm_stretch or {}).get(collective, 0.0)
-
-    # -- tables ------------------------------------------------------------------------------------
-    def layers_frame(self) -> pd.DataFrame:
-        """Per-layer table in ready order."""
-        import pandas as pd  # here, not at the top: the runtime reads profiles, and no training job needs pandas
-
-        rows = [{**lt.to_dict(), "params": len(lt.params)} for lt in self.layers]
-        df = pd.DataFrame(rows)
-        df["ready_s"] = df["backward_s"].cumsum()
-        return df
-
-    def comm_frame(self) -> pd.DataFrame:
-        """Raw collective points next to the fitted prediction."""
-        import pandas as pd
-
-        rows = []
-        for coll, curve in self.collectives.items():
-            for size, t in curve.points:
-                pred = curve.affine.cost(size)
-                rows.append({"collective": coll.value, "bytes": size, "seconds": t, "fit_s": pred,
-                             "rel_err": abs(pred - t) / t if t > 0 else float("nan")})
-        return pd.DataFrame(rows)
 
     # -- the solver's instance -----------------------------------------------------------------
     def curve(self, collective: Collective) -> FittedCurve:
@@ -1412,7 +1367,7 @@ class Profile:
 
     # -- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "schema_version": self.schema_version,
             "kind": PROFILE_KIND,
             "created": self.created,
@@ -1427,29 +1382,12 @@ class Profile:
             "layers": [lt.to_dict() for lt in self.layers],
             "collectives": {c.value: curve.to_dict() for c, curve in self.collectives.items()},
             "topk": None if self.topk is None else self.topk.to_dict(),
-            "kfac": None if self.kfac is None else self.kfac.to_dict(),
-            "step_s": self.step_s,
-            "parts_scale": self.parts_scale,
-            "pack": None if self.pack is None else self.pack.to_dict(),
-            "interference": None if self.interference is None else {
-                c.value: sigma for c, sigma in self.interference.items()
-            },
-            "comm_stretch": None if self.comm_stretch is None else {
-                c.value: kappa for c, kappa in self.comm_stretch.items()
-            },
-            "in_situ": None if self.in_situ is None else self.in_situ.to_dict(),
-            "throughput": None if self.throughput is None else self.throughput.to_dict(),
-            "compress": None if self.compress is None else self.compress.to_dict(),
-            "peak_memory": self.peak_memory,
-            "hosts": None if self.hosts is None else self.hosts.to_dict(),
-            **({"quick": True} if self.quick else {}),
-            **({} if self.unused_params is None else {"unused_params": self.unused_params.to_dict()}),
-            **({} if self.errors is None else {"errors": self.errors.to_dict()}),
-            "steps": None if self.steps is None else self.steps.to_dict(),
-            "slowdown_samples": None if self.slowdown_samples is None else {
-                c.value: samples.to_dict() for c, samples in self.slowdown_samples.items()
-            },
         }
+        for name, spec, default in _optional_fields():
+            value = getattr(self, name)
+            if not (spec.omitted and value == default):
+                out[name] = None if value is None else spec.dump(value)
+        return out
 
     @property
     def parts_s(self) -> float:
@@ -1474,27 +1412,10 @@ class Profile:
             )
         if data.get("kind") != PROFILE_KIND:
             raise SchemaError(f"not a profile: kind is {data.get('kind')!r}, expected {PROFILE_KIND!r}")
-        data = {"kfac": None, "step_s": None, "parts_scale": None, "pack": None, "interference": None,
-                "comm_stretch": None, "in_situ": None, "throughput": None, "compress": None, "peak_memory": None,
-                "hosts": None, "steps": None, "slowdown_samples": None, "quick": False, "unused_params": None,
-                "errors": None, **data}
-        check_fields(
-            data,
-            "profile",
-            ["schema_version", "kind", "created", "torch_version", "model", "cluster", "batch_size",
-             "element_bytes", "forward_s", "backward_s", "update_s", "layers", "collectives", "topk", "kfac", "step_s",
-             "parts_scale", "pack", "interference", "comm_stretch", "in_situ", "throughput", "compress",
-             "peak_memory", "hosts", "steps", "slowdown_samples", "quick", "unused_params", "errors"],
-        )
-        collectives = {}
-        for name, curve in expect(data["collectives"], dict, "profile.collectives").items():
-            try:
-                coll = Collective(name)
-            except ValueError:
-                raise SchemaError(
-                    f"unknown collective {name!r} in profile.collectives; known: {[c.value for c in Collective]}"
-                ) from None
-            collectives[coll] = FittedCurve.from_dict(curve, f"profile.collectives.{name}")
+        check_fields(data, "profile", _REQUIRED, optional=[name for name, _, _ in _optional_fields()])
+        collectives = {
+            _collective(name, "profile.collectives"): FittedCurve.from_dict(curve, f"profile.collectives.{name}")
+            for name, curve in expect(data["collectives"], dict, "profile.collectives").items()}
         layers = expect(data["layers"], list, "profile.layers")
         if not layers:
             raise InvalidProfileError("profile.layers is empty: the model has no trainable layers")
@@ -1514,26 +1435,9 @@ class Profile:
             layers=timings,
             collectives=collectives,
             topk=None if data["topk"] is None else TopkTiming.from_dict(data["topk"], "profile.topk"),
-            kfac=None if data["kfac"] is None else KFACTiming.from_dict(data["kfac"], "profile.kfac"),
-            step_s=None if data["step_s"] is None else _time(data["step_s"], "profile.step_s"),
-            parts_scale=None if data["parts_scale"] is None else _time(data["parts_scale"], "profile.parts_scale"),
-            pack=None if data["pack"] is None else FittedCurve.from_dict(data["pack"], "profile.pack"),
-            interference=None if data["interference"] is None else _interference(data["interference"]),
-            comm_stretch=(None if data["comm_stretch"] is None
-                          else _interference(data["comm_stretch"], "comm_stretch")),
-            in_situ=None if data["in_situ"] is None else InSitu.from_dict(data["in_situ"], "profile.in_situ"),
-            throughput=None if data["throughput"] is None else WorkerThroughput.from_dict(data["throughput"]),
-            compress=(None if data["compress"] is None
-                      else CompressTiming.from_dict(data["compress"], "profile.compress")),
-            peak_memory=None if data["peak_memory"] is None else _peak_memory(data["peak_memory"]),
-            hosts=None if data["hosts"] is None else HostTiming.from_dict(data["hosts"]),
-            steps=None if data["steps"] is None else StepSamples.from_dict(data["steps"]),
-            slowdown_samples=(None if data["slowdown_samples"] is None
-                              else _slowdown_samples(data["slowdown_samples"])),
-            quick=expect(data["quick"], bool, "profile.quick"),
-            unused_params=(None if data["unused_params"] is None
-                           else UnusedParams.from_dict(data["unused_params"], "profile.unused_params")),
-            errors=None if data["errors"] is None else CompressionErrors.from_dict(data["errors"]),
+            # an optional field absent, or null where its default is None, is its default
+            **{name: spec.load(data[name], f"profile.{name}") for name, spec, default in _optional_fields()
+               if name in data and not (data[name] is None and default is None)},
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -1548,3 +1452,9 @@ class Profile:
             return cls.from_dict(data)
         except SchemaError as exc:
             raise type(exc)(f"profile {path}: {exc}") from None
+
+
+@functools.cache
+def _optional_fields() -> tuple[tuple[str, _Optional, Any], ...]:
+    """`Profile`'s optional fields in the order they are declared: (name, how it is read and written, default)."""
+    return tuple((f.name, f.metadata[_OPTIONAL], f.default) for f in fields(Profile) if _OPTIONAL in f.metadata)

@@ -2,8 +2,8 @@
 
 A job's iteration alternates a compute phase on the device (forward, backward and update: its iteration time
 less the communication it leaves exposed) and a communication phase on the network (the gradient allreduce not
-hidden behind backward). `JobPhases` holds the two lengths, each as the job takes it alone, so a job alone runs
-one iteration every `alone(job)` = compute_s + comm_s seconds.
+hidden behind backward). `JobPhases` (`planner.contracts.pairing`) holds the two lengths, each as the job takes it
+alone, so a job alone runs one iteration every `alone(job)` = compute_s + comm_s seconds.
 
 `simulate_pair` runs two jobs on the same devices in a small deterministic fluid model of two resources, the
 device (compute) and the network (communication). Each job cycles compute -> comm -> compute ..., both start
@@ -31,15 +31,14 @@ periods stop after `MAX_EVENTS` phase changes, and the window then ends there.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from planner.types import SchemaError, SolverError
+from planner.contracts.pairing import JobPhases
+from planner.types import SolverError
 
 __all__ = [
     "DEFAULT_ITERATIONS",
     "MAX_EVENTS",
     "WARMUP_ITERATIONS",
-    "JobPhases",
     "alone",
     "muri_period",
     "simulate_pair",
@@ -57,45 +56,6 @@ MAX_EVENTS = 100_000
 _TIE_RTOL = 1e-9
 
 _WAIT, _COMPUTE, _COMM = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class JobPhases:
-    """One job's iteration as it runs alone on its devices.
-
-    Attributes:
-        name: the job's name in messages and tables.
-        compute_s: seconds per iteration on the device: forward, backward and update (the iteration time less
-            the exposed communication).
-        comm_s: seconds per iteration of exposed communication (the gradient exchange not hidden behind backward).
-        samples: samples per iteration (the global batch).
-    """
-
-    name: str
-    compute_s: float
-    comm_s: float
-    samples: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise SchemaError(f"a job needs a non-empty name, but got name={self.name!r}")
-        for field, low in (("compute_s", "> 0"), ("comm_s", ">= 0")):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise SchemaError(f"job {self.name}: {field} must be a number of seconds, but got {value!r}")
-            value = float(value)
-            ok = math.isfinite(value) and (value > 0 if low == "> 0" else value >= 0)
-            if not ok:
-                raise SchemaError(f"job {self.name}: `{field} {low}` (finite) must hold, but got {field}={value}")
-            object.__setattr__(self, field, value)
-        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
-            raise SchemaError(f"job {self.name}: `samples >= 1` (a whole number) must hold, but got "
-                              f"samples={self.samples!r}")
-
-    @property
-    def iteration_s(self) -> float:
-        """Seconds per iteration alone: compute_s + comm_s."""
-        return self.compute_s + self.comm_s
 
 
 def alone(job: JobPhases) -> float:

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from planner.contracts.profile import CompressTiming, HostTiming, Profile
 from planner.costmodel.costs import CheaperOf, CostModel, ScaledCost
+from planner.costmodel.curves import curve_model, decode_model, select_model
 from planner.costmodel.mixed import CompressorCosts, MixedProblem, Sum, costs_of
 from planner.costmodel.problem import GradientProblem
 from planner.kernels.compress import PowerSGDLayout
@@ -55,7 +56,7 @@ def gradient_problem(profile: Profile, strategy: Strategy, density: float | None
         world_size=profile.cluster.world_size,
         element_bytes=profile.element_bytes,
         pack=None if profile.pack is None or profile.cluster.world_size == 1 else _calibrated(
-            profile.pack.model, profile.in_situ.pack_factor(_packer(runtime)) if profile.in_situ else 1.0),
+            curve_model(profile.pack), profile.in_situ.pack_factor(_packer(runtime)) if profile.in_situ else 1.0),
         interference=profile.interference_for(Collective.ALLREDUCE),
         comm_stretch=profile.comm_stretch_for(Collective.ALLREDUCE),
         names=tuple(lt.name for lt in profile.layers),
@@ -73,12 +74,12 @@ def gradient_problem(profile: Profile, strategy: Strategy, density: float | None
             return replace(
                 dense,
                 strategy=strategy,
-                comm=profile.curve(Collective.ALLGATHER).model,
+                comm=curve_model(profile.curve(Collective.ALLGATHER)),
                 density=density,
-                select=_calibrated(profile.topk.select_model(density, selector),
-                                        profile.in_situ.select_factor(selector) if profile.in_situ else 1.0),
-                decode=_calibrated(profile.topk.decode_model(density),
-                                        profile.in_situ.decode_factor() if profile.in_situ else 1.0),
+                select=_calibrated(select_model(profile.topk, density, selector),
+                                   profile.in_situ.select_factor(selector) if profile.in_situ else 1.0),
+                decode=_calibrated(decode_model(profile.topk, density),
+                                   profile.in_situ.decode_factor() if profile.in_situ else 1.0),
                 pack=dense.pack if _packer(runtime) == "ddp" else None,
                 interference=profile.interference_for(Collective.ALLGATHER),
                 comm_stretch=profile.comm_stretch_for(Collective.ALLGATHER),
@@ -98,10 +99,10 @@ def _dense_comm(profile: Profile, route: str) -> CostModel:
     """The allreduce cost of a dense group sent by `route` (flat where the profile knows one host only)."""
     if route not in ROUTES:
         raise SchemaError(f"unknown route {route!r}; known: {', '.join(ROUTES)}")
-    flat = profile.curve(Collective.ALLREDUCE).model
+    flat = curve_model(profile.curve(Collective.ALLREDUCE))
     if profile.hosts is None or route == "flat":
         return flat
-    hierarchical = profile.hosts.hierarchical.model
+    hierarchical = curve_model(profile.hosts.hierarchical)
     return hierarchical if route == "hierarchical" else CheaperOf(first=flat, second=hierarchical)
 
 
@@ -143,7 +144,7 @@ def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, select
     dense = gradient_problem(profile, Strategy.DENSE, runtime=runtime, route="flat")
     hosts = profile.hosts if runtime == "planner" else None
     pack = None if profile.pack is None else _calibrated(
-        profile.pack.model, profile.in_situ.pack_factor(_packer(runtime)) if profile.in_situ else 1.0)
+        curve_model(profile.pack), profile.in_situ.pack_factor(_packer(runtime)) if profile.in_situ else 1.0)
     costs: list[CompressorCosts] = []
     sigma = kappa = 0.0
     for c in compressors:
@@ -159,8 +160,8 @@ def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, select
                 timing = _compress_timing(profile, c)
                 costs.append(CompressorCosts(
                     compressor=c, collective=Collective.ALLREDUCE, comm=dense.comm,
-                    prepare=_plus(pack, _calibrated(timing.fp16_cast.model, _factor(profile, c, "prepare"))),
-                    decode=_calibrated(timing.fp16_uncast.model, _factor(profile, c, "decode"))))
+                    prepare=_plus(pack, _calibrated(curve_model(timing.fp16_cast), _factor(profile, c, "prepare"))),
+                    decode=_calibrated(curve_model(timing.fp16_uncast), _factor(profile, c, "decode"))))
             case CompressorKind.POWERSGD:
                 costs.append(_powersgd_costs(profile, c, dense.comm, pack, runtime))
         if hosts is not None and (routed := _hierarchical_costs(hosts, costs[-1])) is not None:
@@ -178,15 +179,15 @@ def _hierarchical_costs(hosts: HostTiming, flat: CompressorCosts) -> CompressorC
     c = flat.compressor
     match c.kind:
         case CompressorKind.DENSE | CompressorKind.FP16:
-            return replace(flat, comm=hosts.hierarchical.model, hierarchical=True)
+            return replace(flat, comm=curve_model(hosts.hierarchical), hierarchical=True)
         case CompressorKind.TOPK:
             assert c.density is not None
             measured = hosts.topk_at(c.density)
             if measured is None:
                 return None
-            return replace(flat, comm=measured.exchange.model, decode=None, hierarchical=True)
+            return replace(flat, comm=curve_model(measured.exchange), decode=None, hierarchical=True)
         case CompressorKind.POWERSGD:
-            return replace(flat, comm=hosts.hierarchical.model, second_comm=hosts.hierarchical.model,
+            return replace(flat, comm=curve_model(hosts.hierarchical), second_comm=curve_model(hosts.hierarchical),
                            hierarchical=True)
 
 

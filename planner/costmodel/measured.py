@@ -1,8 +1,8 @@
 """Cost models from measured points: the affine fit where it holds, interpolation where it does not (DESIGN.md:
 fitted where the data is linear, interpolated where it is not), in size and, for top-k, in density.
 
-These are the arithmetic the profile's curves are read with; `planner.contracts.profile` holds the points and
-their checks and calls these to turn them into cost models.
+These are the arithmetic the profile's curves are read with: `planner.contracts.profile` holds the points and
+their checks, and `planner.costmodel.curves` turns them into cost models with these.
 """
 
 from __future__ import annotations

@@ -44,17 +44,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from planner.contracts.plan import Prediction
 from planner.costmodel.costs import CostModel
 from planner.costmodel.problem import (
     INDEX_BYTES,
     GradientProblem,
     Grouping,
-    Prediction,
     advance,
     groups_of,
     topk_count_many,
     unstretched,
 )
+from planner.costmodel.simulator import validate_ends
 from planner.types import DENSE_COMPRESSOR, Collective, Compressor, CompressorKind, SolverError, Strategy
 
 __all__ = ["FP32_BYTES", "Choice", "CompressorCosts", "GroupCosts", "MixedEvent", "MixedProblem", "Sum", "costs_of",
@@ -336,8 +337,6 @@ def validate_choice(problem: MixedProblem, grouping: Sequence[int], choice: Sequ
         SolverError: the grouping is not valid (`validate_ends`), or the choice has another length or an index
             outside the problem's compressors.
     """
-    from planner.costmodel.simulator import validate_ends
-
     ends = validate_ends(grouping, problem.num_layers, ends_name="grouping", count_name="L")
     picks = tuple(int(c) for c in choice)
     if len(picks) != len(ends):

@@ -10,11 +10,14 @@ from __future__ import annotations
 import functools
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
 import numpy as np
 
+from planner.contracts.layers import LayerSpec
+from planner.contracts.plan import Group
 from planner.costmodel.costs import CostModel
 from planner.types import SolverError, Strategy
 
@@ -22,9 +25,9 @@ __all__ = [
     "INDEX_BYTES",
     "GradientProblem",
     "Grouping",
-    "Prediction",
     "advance",
     "advance_many",
+    "groups_for",
     "groups_of",
     "topk_count",
     "topk_count_many",
@@ -205,23 +208,26 @@ def groups_of(grouping: Grouping) -> list[range]:
     return [range(s, e) for s, e in zip(starts, grouping, strict=True)]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Prediction:
-    """Predicted time of one iteration under a grouping, and where it goes (seconds).
-
-    iteration_s = compute_s + exposed_comm_s, where compute_s is the compute path alone
-    (F + backward + selection or packing + decode + U, stretched by interference) and exposed_comm_s the
-    communication not hidden behind it. comm_s is the collectives' own time, each as measured alone (with a
-    comm stretch the channel is busy longer); interference_s how much longer the compute path is because
-    collectives were in flight during it.
-    """
-
-    iteration_s: float
-    compute_s: float
-    exposed_comm_s: float
-    comm_s: float
-    selection_s: float = 0.0
-    decode_s: float = 0.0
-    num_groups: int = 1
-    pack_s: float = 0.0
-    interference_s: float = 0.0
+def groups_for(
+    layers: Sequence[LayerSpec], grouping: Grouping, strategy: Strategy, density: float | None
+) -> tuple[Group, ...]:
+    """Plan groups for `layers` (in ready order) split at `grouping`'s end indices."""
+    if not grouping or grouping[-1] != len(layers):
+        raise SolverError(f"grouping {grouping} does not cover the {len(layers)} layers")
+    out = []
+    for r in groups_of(grouping):
+        members = [layers[i] for i in r]
+        numel = sum(m.numel for m in members)
+        k = None
+        if strategy is Strategy.TOPK:
+            assert density is not None
+            k = topk_count(numel, density)
+        out.append(
+            Group(
+                layers=tuple(m.name for m in members),
+                params=tuple(p for m in members for p in m.params),
+                numel=numel,
+                k=k,
+            )
+        )
+    return tuple(out)

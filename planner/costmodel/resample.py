@@ -6,13 +6,13 @@ of those samples, and leaves every other number as measured:
 - the layer phase's steps (`Profile.steps`): whole steps drawn with replacement, each with the hooked step beside
   it, so F, every b_i, U and the whole step move together as they did in the measurement (`StepSamples.scaled_parts`);
 - each collective point (`FittedCurve.samples`): its runs drawn with replacement, their mean the new point, and the
-  curve fitted again (fit or interpolation, as any curve: `FittedCurve.model`);
+  curve fitted again (fit or interpolation, as any curve: `planner.costmodel.curves.curve_model`);
 - each in-situ calibration (`Calibration.samples_s`): its median over drawn samples (used by the cost model or not
-  as the measurement is: `planner.costmodel.spread.calibration_use` decides on the samples);
+  as the measurement is: `planner.spread.calibration_use` decides on the samples);
 - sigma and kappa (`Profile.slowdown_samples`): pairs of passes and of chains drawn with replacement.
 
 Predictions evaluated under many draws give each prediction an interval; two predictions evaluated under the same
-draws give the interval of their difference (`planner.costmodel.spread.PairedGain`), where what both share (the
+draws give the interval of their difference (`planner.spread.PairedGain`), where what both share (the
 same compute, the same network) cancels out.
 """
 
@@ -23,6 +23,7 @@ from dataclasses import replace
 import numpy as np
 
 from planner.contracts.profile import Calibration, FittedCurve, HostTiming, Profile
+from planner.costmodel.curves import fit_curve
 
 __all__ = ["SOURCES", "resampled", "resampled_many", "spread_sources"]
 
@@ -102,7 +103,7 @@ def _curve(curve: FittedCurve, rng: np.random.Generator) -> FittedCurve:
     for (size, _), runs in zip(curve.points, curve.samples, strict=True):
         x = np.asarray(runs, dtype=float)
         points.append((size, float(x[_picks(x.size, rng)].mean())))
-    return FittedCurve.fit(points, curve.samples)
+    return fit_curve(points, curve.samples)
 
 
 def _hosts(hosts: HostTiming, rng: np.random.Generator) -> HostTiming:

@@ -35,7 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import SupportsIndex
 
-from planner.costmodel.problem import GradientProblem, Grouping, Prediction, advance, groups_of, unstretched
+from planner.contracts.plan import Prediction
+from planner.costmodel.problem import GradientProblem, Grouping, advance, groups_of, unstretched
 from planner.types import SolverError, Strategy
 
 __all__ = ["GroupEvent", "simulate", "timeline", "validate_ends", "validate_grouping"]

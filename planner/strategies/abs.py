@@ -37,6 +37,7 @@ from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.costmodel.costs import AffineCost, CostModel, fit_affine
+from planner.costmodel.curves import curve_model
 from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.problem import GradientProblem, advance, groups_of
 from planner.costmodel.simulator import simulate
@@ -208,7 +209,7 @@ def predict_abs(profile: Profile, section: ABSSection, grouping: Sequence[int]) 
     (`grouping`) exchanged each round: what `make_abs_plan` predicts for the micro-batch and trigger it keeps."""
     step = micro_batch_costs(profile)
     problem = gradient_problem(profile, Strategy.DENSE)
-    extra = accumulate_s(profile.pack.model if profile.pack is not None else None, problem, grouping)
+    extra = accumulate_s(curve_model(profile.pack) if profile.pack is not None else None, problem, grouping)
     times = [cost.cost(section.micro_batch) + extra for cost in step]
     fixed = (None if section.round_samples is None
              else batch_trigger_counts(section.round_samples, section.micro_batch, times))
@@ -235,7 +236,7 @@ def make_abs_plan(profile: Profile, global_batch: int, *, trigger: str = "batch"
     problem = gradient_problem(profile, Strategy.DENSE)
     grouping = plan_grouping(dense, profile)
     exchange = exchange_s(problem, grouping)
-    extra = accumulate_s(profile.pack.model if profile.pack is not None else None, problem, grouping)
+    extra = accumulate_s(curve_model(profile.pack) if profile.pack is not None else None, problem, grouping)
     assert profile.throughput is not None  # micro_batch_costs refused a profile without it
     sim = functools.partial(simulate_abs, exchange_s=exchange, update_s=problem.update_s,
                             interference=problem.interference)

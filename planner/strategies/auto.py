@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.contracts.plan import DDP_ROW, Plan
 from planner.contracts.profile import Profile
+from planner.spread import PairedGain
 from planner.strategies.budget import (
     BY_DEFAULT,
     DEFAULT_BUDGETS,
@@ -26,6 +27,18 @@ from planner.strategies.budget import (
     uniform_error,
 )
 from planner.strategies.gradients import make_plan
+from planner.strategies.intervals import (
+    Draws,
+    Problems,
+    attach,
+    beyond_budget,
+    ddp_rows,
+    evaluate,
+    hook_names,
+    plan_rows,
+    simplest_unbeaten,
+    topk_hook_selector,
+)
 from planner.strategies.mixed import make_mixed_plan
 from planner.strategies.via_ddp import Way, choose_way
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, PlanMismatchError, PlannerError, Strategy
@@ -104,8 +117,6 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
         PlanMismatchError: trials of another model or world size than the profile's.
         PlannerError: trials together with an error budget given.
     """
-    from planner.strategies.intervals import Draws, beyond_budget, hook_names
-
     allowed = tuple(compressors)
     trial_rule = None
     if trials is not None:
@@ -326,17 +337,6 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
     """Every candidate and the DDP variants under the same draws; the simplest candidate no other beats beyond the
     noise is kept (each candidate's steps times its samples factor, `samples_factors`), and weighed against DDP and
     the hook of every allowed compressor but those `left_out` (beyond the error budget: predicted, not weighed)."""
-    from planner.costmodel.spread import PairedGain
-    from planner.strategies.intervals import (
-        Problems,
-        attach,
-        ddp_rows,
-        evaluate,
-        plan_rows,
-        simplest_unbeaten,
-        topk_hook_selector,
-    )
-
     # Every candidate's rows and the DDP variants, under the same draws. Each candidate is weighed against plain DDP
     # and DDP with the hook of every allowed compressor, not only its own.
     own = {name: plan_rows(plan, profile, time_limit_s=time_limit_s) for name, plan in candidates.items()}

@@ -57,6 +57,7 @@ from planner.contracts.fingerprint import ClusterInfo
 from planner.contracts.jsonio import MAX_WORLD_SIZE, check_fields, expect, is_file, read_json
 from planner.contracts.profile import FittedCurve, KFACTiming, LayerTiming, Profile, TopkTiming
 from planner.costmodel.costs import AffineCost
+from planner.costmodel.curves import fit_curve
 from planner.strategies.gradients import make_plan
 from planner.strategies.kfac import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
 from planner.types import Collective, InverseMethod, SchemaError, Strategy
@@ -319,7 +320,7 @@ def _model_curve(spec: ClusterSpec, collective: Collective) -> FittedCurve:
     points = [(int(x), float(t)) for x, t in zip(xs, ts, strict=True)]
     if not any(t > 0 for _, t in points):  # one GPU communicates nothing
         return FittedCurve(points=tuple(points), alpha_s=0.0, beta_s_per_byte=0.0, fit_error=0.0)
-    return FittedCurve.fit(points)
+    return fit_curve(points)
 
 
 # -- presets ---------------------------------------------------------------------------------------------------

@@ -7,16 +7,17 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from planner.contracts.layers import LayerSpec, groups_for
+from planner.contracts.layers import LayerSpec
 from planner.contracts.plan import Plan, check_selector, ddp_row
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import gradient_problem, hierarchical_groups, mixed_problem
 from planner.costmodel.mixed import MixedProblem, simulate_mixed
-from planner.costmodel.problem import GradientProblem, Grouping
+from planner.costmodel.problem import GradientProblem, Grouping, groups_for
 from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DDP_BASELINE, DenseDP, GroupingSolver, Solved, TopkParetoDP, lower_bound
 from planner.solvers.deadline import Deadline
 from planner.solvers.mixed import MixedParetoDP, MixedSolution, mixed_lower_bound
+from planner.strategies.via_ddp import with_via_ddp
 from planner.types import Compressor, CompressorKind, InvalidProfileError, SchemaError, Strategy
 
 __all__ = ["ALL_FLAT", "ALL_HIERARCHICAL", "check_route", "from_profile", "make_plan", "optimality",
@@ -87,8 +88,6 @@ def make_plan(
                       time_limit_s=time_limit_s)
     if not via_ddp:
         return plan
-    from planner.strategies.via_ddp import with_via_ddp
-
     return with_via_ddp(plan, profile)
 
 

@@ -36,11 +36,24 @@ from planner.costmodel.mixed import MixedProblem, simulate_mixed
 from planner.costmodel.problem import GradientProblem, Grouping
 from planner.costmodel.resample import resampled_many, spread_sources
 from planner.costmodel.simulator import simulate
-from planner.costmodel.spread import DRAWS, LEVEL, PairedGain, percentile_interval
 from planner.solvers import BASELINES, DDP_BASELINE, solve_exact
 from planner.solvers.fusion import FactorBuffers
 from planner.solvers.layout import Layout
 from planner.solvers.mixed import MixedParetoDP
+from planner.spread import DRAWS, LEVEL, PairedGain, percentile_interval
+from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, route_ways, sub_solve_seconds
+from planner.strategies.kfac import (
+    LOCAL_KFAC,
+    PLAN_EVERYONE,
+    _reference_layouts,
+    everyone_preconditions,
+    kfac_problem,
+    local_kfac_prediction,
+    predict_kfac,
+    section_layout,
+)
+from planner.strategies.mixed import ddp_hook_grouping, plan_choice
+from planner.strategies.via_ddp import via_ddp_step
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
 __all__ = ["KFAC_REFERENCES", "Draws", "Problems", "RowStep", "attach", "beyond_budget", "ddp_label", "ddp_rows",
@@ -213,8 +226,6 @@ def plan_rows(plan: Plan, profile: Profile, *, time_limit_s: float | None = 1.0)
     plan run inside DDP (`VIA_DDP_ROW`) among them."""
     found: dict[str, RowStep] = {"plan": plan_row(plan, profile)}
     found.update(_baseline_rows(plan, profile, time_limit_s))
-    from planner.strategies.via_ddp import via_ddp_step
-
     via_ddp = via_ddp_step(plan, profile)
     if via_ddp is not None:
         found[VIA_DDP_ROW] = via_ddp
@@ -300,8 +311,6 @@ def plan_route(plan: Plan) -> str:
 
 
 def _plan_choice(plan: Plan, profile: Profile) -> tuple[int, ...]:
-    from planner.strategies.mixed import plan_choice
-
     return tuple(plan_choice(plan, profile)[1])
 
 
@@ -325,8 +334,6 @@ def _mixed_row(compressors: Sequence[Compressor], selector: str, grouping: Group
 
 def _hook_row(compressor: Compressor, selector: str, backend: str) -> RowStep:
     """DDP with `compressor`'s hook (plain DDP for dense) on the buckets DDP runs it with."""
-    from planner.strategies.mixed import ddp_hook_grouping
-
     def step(problems: Problems) -> float:
         problem = problems.mixed((compressor,), selector=selector, runtime="ddp")
         grouping = ddp_hook_grouping(problem, compressor, backend)
@@ -336,8 +343,6 @@ def _hook_row(compressor: Compressor, selector: str, backend: str) -> RowStep:
 
 def _baseline_rows(plan: Plan, profile: Profile, time_limit_s: float | None) -> dict[str, RowStep]:
     """The baselines `plan` prints, rebuilt as the strategy that made it computed them."""
-    from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, route_ways, sub_solve_seconds
-
     names = set(plan.baselines)
     selector = plan.selector or "exact"
     out: dict[str, RowStep] = {}
@@ -441,15 +446,6 @@ def _kfac_rows(section: KFACSection, profile: Profile, grouping: Grouping) -> tu
     and layout, the reference layouts (which depend on sizes alone), the plan's owners with everyone
     preconditioning, plain SGD and one worker alone; each on the plan's gradient `grouping`, and kept where it gives
     back the section's own prediction on `profile`."""
-    from planner.strategies.kfac import (
-        LOCAL_KFAC,
-        PLAN_EVERYONE,
-        _reference_layouts,
-        everyone_preconditions,
-        local_kfac_prediction,
-        predict_kfac,
-    )
-
     steps = {"factor_update_steps": section.factor_update_steps, "inv_update_steps": section.inv_update_steps}
     buffers, layout = kfac_configuration(section)
     problem = kfac_problems(section, grouping)
@@ -473,8 +469,6 @@ def _kfac_rows(section: KFACSection, profile: Profile, grouping: Grouping) -> tu
 
 def kfac_configuration(section: KFACSection) -> tuple[FactorBuffers, Layout]:
     """A K-FAC section's factor buffers (exclusive ends, A then G) and its layout of owners and preconditioners."""
-    from planner.strategies.kfac import section_layout
-
     buffers = (tuple(itertools.accumulate(len(b) for b in section.a_buffers)),
                tuple(itertools.accumulate(len(b) for b in section.g_buffers)))
     return buffers, section_layout(section)
@@ -483,8 +477,6 @@ def kfac_configuration(section: KFACSection) -> tuple[FactorBuffers, Layout]:
 def kfac_problems(section: KFACSection, grouping: Grouping) -> KFACProblems:
     """The K-FAC problem of a profile in each format a row reads: "plan" (the section's own formats, per factor
     where it mixes them), "triangles", "whole"; each on the plan's gradient `grouping`."""
-    from planner.strategies.kfac import kfac_problem
-
     formats: bool | dict[str, bool] = (section.whole_factors if section.mixed_whole is None
                                        else {f: f in section.mixed_whole for f in section.factor_names()})
     whole_of = {"plan": formats, "triangles": False, "whole": True}
@@ -496,6 +488,4 @@ def kfac_problems(section: KFACSection, grouping: Grouping) -> KFACProblems:
 
 
 def _reference_step(key: str, buffers: Any, layout: Any, steps: dict[str, int], get: Callable[[str], Any]) -> float:
-    from planner.strategies.kfac import predict_kfac
-
     return predict_kfac(get(key), buffers, layout, **steps).step_s

@@ -31,6 +31,7 @@ from planner.contracts.kfac import KFACLayerSpec, KFACPrediction, KFACSection, f
 from planner.contracts.plan import Plan
 from planner.contracts.profile import KFACLayerTiming, KFACTiming, Profile
 from planner.costmodel.costs import AffineCost
+from planner.costmodel.curves import curve_model
 from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.problem import groups_of
 from planner.costmodel.simulator import simulate
@@ -247,7 +248,7 @@ def kfac_problem(
     a_ready = np.maximum.accumulate([a_done[n] for n in order])
     g_ready = np.maximum.accumulate([max(g_done[n], forward_end) for n in reversed(order)])
     elem = profile.element_bytes
-    allreduce = profile.curve(Collective.ALLREDUCE).model
+    allreduce = curve_model(profile.curve(Collective.ALLREDUCE))
     fusion = FusionProblem(
         a_ready_s=tuple(float(x) for x in a_ready),
         a_bytes=tuple(factor_numel(lt.a_dim, whole=whole(lt.name, FactorKind.A)) * elem for lt in kf.layers),
@@ -260,8 +261,8 @@ def kfac_problem(
         a_names=tuple(order),
         g_names=tuple(reversed(order)),
     )
-    invert = (kf.inverse if method is InverseMethod.INVERSE else kf.eigen).model
-    bcast = profile.curve(Collective.BROADCAST).model
+    invert = curve_model(kf.inverse if method is InverseMethod.INVERSE else kf.eigen)
+    bcast = curve_model(profile.curve(Collective.BROADCAST))
     dims = [d for lt in kf.layers for d in (lt.a_dim, lt.g_dim)]
     sent_whole = [whole(lt.name, k) for lt in kf.layers for k in FactorKind]
     placement = PlacementProblem(
@@ -434,7 +435,7 @@ def packing_problem(profile: Profile) -> tuple[PackingProblem, list[str], list[s
         grad_bytes=tuple(sum(grad.numel[i] for i in r) * elem for r in groups_of(grouping)),
         grad_after_g=tuple(g_before[e] for e in ends),
         compute_end_s=clock,
-        allreduce=profile.curve(Collective.ALLREDUCE).model,
+        allreduce=curve_model(profile.curve(Collective.ALLREDUCE)),
     )
     a_names = [factor_name(n, FactorKind.A) for n in order]
     return problem, a_names, [factor_name(n, FactorKind.G) for n in reversed(order)]

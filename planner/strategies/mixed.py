@@ -21,12 +21,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from planner.contracts.layers import LayerSpec
-from planner.contracts.plan import DDP_ROW, Group, Plan
+from planner.contracts.layers import LayerSpec, plan_grouping
+from planner.contracts.plan import DDP_ROW, Group, Plan, Prediction
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed import MixedProblem, simulate_mixed
-from planner.costmodel.problem import Grouping, Prediction, groups_of, topk_count
+from planner.costmodel.problem import Grouping, groups_of, topk_count
 from planner.solvers.deadline import Deadline
 from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
 from planner.strategies.budget import BudgetSpec, plan_error, resolve_budget, solver_budget
@@ -38,6 +38,7 @@ from planner.strategies.gradients import (
     route_ways,
     sub_solve_seconds,
 )
+from planner.strategies.via_ddp import with_via_ddp
 from planner.types import (
     DENSE_COMPRESSOR,
     Compressor,
@@ -205,8 +206,6 @@ def make_mixed_plan(profile: Profile, compressors: Sequence[Compressor], *, sour
     best = replace(min(plans, key=lambda p: p.predicted.iteration_s), solve_seconds=sum(p.solve_seconds for p in plans))
     if not rows:
         return best
-    from planner.strategies.via_ddp import with_via_ddp
-
     return with_via_ddp(best, profile)
 
 
@@ -313,8 +312,6 @@ def explain(plan: Plan, profile: Profile) -> list[GroupReason]:
     Raises:
         PlanMismatchError: the plan's layers are not the profile's.
     """
-    from planner.contracts.layers import plan_grouping
-
     if plan.strategy is not Strategy.MIXED or plan.compressors is None:
         raise SchemaError("only a mixed plan that lists its compressors can be explained")
     grouping = plan_grouping(plan, profile)

@@ -30,14 +30,13 @@ from planner.contracts.abs import ABSSection, VariantPrediction
 from planner.contracts.kfac import KFACPrediction, KFACSection
 from planner.contracts.layers import plan_grouping
 from planner.contracts.pairing import PairingPlan
-from planner.contracts.plan import Plan
+from planner.contracts.plan import Plan, Prediction
 from planner.contracts.profile import Profile
 from planner.costmodel.crossover import DEFAULT_ITERATIONS, simulate_pair
 from planner.costmodel.from_profile import gradient_problem
 from planner.costmodel.mixed import MixedEvent, simulate_mixed, timeline_mixed
-from planner.costmodel.problem import Prediction
 from planner.costmodel.simulator import GroupEvent, simulate, timeline
-from planner.costmodel.spread import percentile_interval
+from planner.spread import percentile_interval
 from planner.strategies.abs import predict_abs
 from planner.strategies.intervals import (
     Draws,

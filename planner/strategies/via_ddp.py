@@ -22,12 +22,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from planner.contracts.layers import plan_grouping
-from planner.contracts.plan import VIA_DDP_ROW, Plan
+from planner.contracts.plan import VIA_DDP_ROW, Plan, Prediction
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import gradient_problem, mixed_problem
 from planner.costmodel.mixed import MixedProblem, simulate_mixed
-from planner.costmodel.problem import GradientProblem, Prediction
+from planner.costmodel.problem import GradientProblem
 from planner.costmodel.simulator import simulate
+from planner.spread import PairedGain
 from planner.types import Strategy
 
 __all__ = ["DDP_WAY", "EXCHANGE_WAY", "Way", "choose_way", "unpredicted", "via_ddp_prediction", "via_ddp_refusal",
@@ -132,8 +133,6 @@ def choose_way(plan: Plan, draws: dict[str, np.ndarray] | None = None) -> Way:
     paired draws of the rows "plan" and `VIA_DDP_ROW`, where the noise was weighed; else as predicted, DDP on a
     tie), or the plan does not run inside DDP, or is not predicted there (then GradientExchange, which it was
     predicted for)."""
-    from planner.costmodel.spread import PairedGain
-
     refusal = via_ddp_refusal(plan)
     via = plan.baselines.get(VIA_DDP_ROW)
     if refusal is not None or via is None:

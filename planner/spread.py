@@ -7,7 +7,8 @@ an interval (percentiles of the statistic over bootstrap resamples of its sample
 calibration is usable (`calibration_use`), and compares two predictions drawn under the same resampled profiles
 (`PairedGain`).
 
-Plain numbers only: the profile itself is resampled in `planner.costmodel.resample`.
+Plain numbers only, below every layer that reads them: the profile contract (which writes each calibration's
+factor), the cost model and the commands. The profile itself is resampled in `planner.costmodel.resample`.
 """
 
 from __future__ import annotations
