@@ -86,14 +86,15 @@ def test_the_import_graph_has_no_circle() -> None:
     assert circles(graph) == []
 
 
-#: Each layer and the layers it may import (besides itself). The base is what every layer stands on:
-#: errors and enums, the console, the built-in models, the kernels that both the profilers and the
-#: runtime run, and the platform (launching workers, the emulated link, timing); the statistics of measured samples
-#: (`planner.spread`: intervals, and whether an in-situ calibration is used, which the profile contract writes); and
-#: a worker's request to die with its launcher (`planner._lifeline`, stdlib only: the package's first import in a
-#: worker).
-BASE = {"planner.types", "planner.console", "planner.models", "planner.tasks", "planner.kernels", "planner.platform",
-        "planner.spread", "planner._lifeline"}
+#: Each layer and the layers it may import (besides itself); a layer is a folder. The base is the package's own
+#: top-level modules and its two folders every layer stands on: errors and enums (`types`), the console, the built-in
+#: models and tasks, the statistics of measured samples (`spread`), a worker's request to die with its launcher
+#: (`_lifeline`, stdlib only: the package's first import in a worker), the kernels that both the profilers and the
+#: runtime run (`kernels/`), and the platform (`platform/`: launching workers, the emulated link, timing).
+#: The contracts hold the files' data and its checks; the cost model reads them and does the arithmetic; the solvers
+#: search its problems; the strategies turn a profile into a plan. The profilers measure; the runtime runs a plan and,
+#: as training goes or on attach, re-probes (profilers) and re-solves (strategies); the commands sit on top, with
+#: `python -m planner` (`__main__`) their entry point.
 MAY_IMPORT = {
     "base": set(),
     "contracts": {"base"},
@@ -103,33 +104,43 @@ MAY_IMPORT = {
     # Random instances of the solvers' problems and brute-force references: the tests' and the solver benchmark's.
     "testing": {"base", "contracts", "costmodel", "solvers"},
     "profilers": {"base", "contracts", "costmodel"},
-    "runtime": {"base", "contracts", "costmodel", "solvers"},
+    "runtime": {"base", "contracts", "costmodel", "solvers", "strategies", "profilers"},
     "commands": {"base", "contracts", "costmodel", "solvers", "strategies", "testing", "profilers", "runtime"},
-    "shims": {"base", "contracts", "commands"},
 }
-#: The contracts hold the files' data and its checks and stand on the base alone; the cost model reads them and does
-#: the arithmetic (fitting and reading the profile's curves, the problems a profile poses, its resampling).
-#: The two ways up, both the runtime re-planning: on attach (re-probing the cluster, then re-solving), and as training
-#: goes (re-measuring the compressors' errors as the profiler does, then re-solving within the plan's budget).
-EXCEPTIONS = {"planner.runtime.retune": {"profilers", "strategies"},
-              "planner.runtime.adaptive": {"profilers", "strategies"}}
+#: The folders of `planner/` (and the two top-level folders installed into it) that are not layers of their own.
+BASE_FOLDERS = {"kernels", "platform"}
 
 
 def layer(module: str) -> str:
+    """The layer of `module`: its folder under `planner`; the base for the package's top-level modules and its
+    base folders; the commands for `python -m planner`."""
     parts = module.split(".")
-    if len(parts) > 1 and parts[1] in ("profilers", "runtime"):
+    if parts[1:2] == ["__main__"]:
+        return "commands"
+    if parts[1:2] in (["runtime"], ["profilers"]):  # the top-level folders installed into the package
         return parts[1]
-    if len(parts) == 1 or parts[1] in ("__main__", "plan"):  # the package, `python -m planner`, a kept import
-        return "shims"
-    if ".".join(parts[:2]) in BASE:
+    if (len(parts) == 2 and not (ROOT / "planner" / parts[1]).is_dir()) or len(parts) == 1 or parts[1] in BASE_FOLDERS:
         return "base"
     return parts[1]
 
 
+def test_the_layers_are_the_folders() -> None:
+    """Every folder of planner/ (and runtime/, profilers/) is a layer or a base folder, and the layers stack: no two
+    may import each other, through any chain."""
+    folders = {p.name for p in (ROOT / "planner").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders | {"runtime", "profilers"} == (set(MAY_IMPORT) - {"base"}) | BASE_FOLDERS
+    reach = {name: set(below) for name, below in MAY_IMPORT.items()}
+    for _ in MAY_IMPORT:
+        for below in reach.values():
+            below |= {deeper for b in list(below) for deeper in reach[b]}
+    assert not [name for name, below in reach.items() if name in below]
+
+
 def test_layers_are_named() -> None:
     assert layer("planner.contracts.plan") == "contracts" and layer("planner.kernels.topk") == "base"
-    assert layer("planner.runtime.exchange") == "runtime" and layer("planner.plan") == "shims"
+    assert layer("planner.runtime.exchange") == "runtime" and layer("planner.types") == "base"
     assert layer("planner.runtime") == "runtime" and layer("planner.profilers.comm") == "profilers"
+    assert layer("planner") == "base" and layer("planner.__main__") == "commands"
     assert {layer(m) for m in import_graph()} == set(MAY_IMPORT)
 
 
@@ -139,7 +150,7 @@ def test_each_layer_imports_only_the_layers_below() -> None:
         for module, targets in sorted(import_graph().items())
         for target in sorted(targets)
         if layer(target) != layer(module)
-        and layer(target) not in MAY_IMPORT[layer(module)] | EXCEPTIONS.get(module, set())
+        and layer(target) not in MAY_IMPORT[layer(module)]
     ]
     assert wrong == []
     graph = import_graph()
