@@ -17,7 +17,10 @@ from planner.types import Strategy
 if TYPE_CHECKING:
     import pandas as pd
 
-    from planner.contracts.profile import Profile
+    from planner.contracts.errors import CompressionErrors
+    from planner.contracts.plan import Plan, PlanError
+    from planner.contracts.profile import Collective, Profile
+    from planner.strategies.auto import AutoChoice
 
 
 def gib(n_bytes: float) -> str:
@@ -34,15 +37,14 @@ def _ms(seconds: float) -> str:
 VIA_DDP_LABEL = "plan via DDP (PlanHook)"
 
 
-def print_plan(plan: object, title: str | None = None, ddp: dict[str, float] | None = None, samples: str = "",
+def print_plan(plan: Plan, title: str | None = None, ddp: dict[str, float] | None = None, samples: str = "",
                factors: dict[str, float] | None = None) -> None:
     """The comparison table of a plan: the plan (run in GradientExchange, and inside DDP where it can be), each
     baseline and the lower bound, under the same model; then its verdict (`print_spread`: `ddp`, the DDP variants'
     predicted steps, for a plan not weighed against the noise, and `factors`, the samples each needs; `samples`,
     what trials measured of the samples its lossy compressors need)."""
-    from planner.contracts.plan import VIA_DDP_ROW, Plan
+    from planner.contracts.plan import VIA_DDP_ROW
 
-    assert isinstance(plan, Plan)
     reference = plan.ddp_row if plan.ddp_row in plan.baselines else "plan"
     ref = plan.baselines.get(reference, plan.predicted).iteration_s
     lb = plan.lower_bound_s
@@ -130,26 +132,24 @@ def verdict_line(keep: str, mine: str, other: str, gain: tuple[float, float, flo
     return f"verdict: keep {keep}: the plan's {mine} is slower than {other}, by {-gain:.1%}, as predicted{why}"
 
 
-def plan_ddp_rows(plan: object) -> dict[str, float]:
+def plan_ddp_rows(plan: Plan) -> dict[str, float]:
     """The DDP variants among a plan's own rows ("ddp", "ddp+C"), predicted steps by name: what a plan without a
     verdict is compared with where no profile is at hand (`planner show`)."""
-    from planner.contracts.plan import DDP_ROW, Plan
+    from planner.contracts.plan import DDP_ROW
 
-    assert isinstance(plan, Plan)
     return {name: p.iteration_s for name, p in plan.baselines.items() if name == DDP_ROW or name.startswith("ddp+")}
 
 
-def print_spread(plan: object, ddp: dict[str, float] | None = None, samples: str = "",
+def print_spread(plan: Plan, ddp: dict[str, float] | None = None, samples: str = "",
                  factors: dict[str, float] | None = None) -> None:
     """Where the plan's intervals come from, and its verdict against DDP in one line: weighed against the noise
     where the plan has intervals, else as predicted against `ddp` (each DDP variant's predicted step; default the
     plan's own DDP rows), each step times its samples factor where `factors` has one ("plan" and the variants':
     the samples each needs to reach the loss over DDP's, `planner.strategies.auto.samples_factors`). `samples`:
     what trials measured of the samples the plan's lossy compressors need, said in place of "not measured"."""
-    from planner.contracts.plan import DDP_ROW, Plan
+    from planner.contracts.plan import DDP_ROW
     from planner.strategies.intervals import ddp_label
 
-    assert isinstance(plan, Plan)
     if plan.kfac is not None or plan.abs is not None:
         return
     if plan.intervals is None or plan.verdict is None:
@@ -204,11 +204,9 @@ def _weighed_to_the_loss(factors: dict[str, float]) -> str:
             + ", ".join(f"{name} {f:.3g}x" for name, f in factors.items()) + ")")
 
 
-def optimality_line(plan: object) -> str:
+def optimality_line(plan: Plan) -> str:
     """One line: whether the solver proved the plan optimal, or how close to the bound its best found is."""
-    from planner.contracts.plan import Plan
 
-    assert isinstance(plan, Plan)
     what = "gradient groups" if plan.kfac is not None or plan.abs is not None else "plan"
     if plan.optimal is None:
         return f"{what}: optimality not recorded (a plan written before it was)"
@@ -217,11 +215,10 @@ def optimality_line(plan: object) -> str:
     return f"{what}: best found in {plan.solve_seconds:.2f} s, within {plan.gap or 0.0:.2%} of the bound"
 
 
-def print_abs(plan: object) -> None:
+def print_abs(plan: Plan) -> None:
     """ABS-SGD's trigger, and its predictions beside the synchronous baselines'."""
-    from planner.contracts.plan import Plan
 
-    assert isinstance(plan, Plan) and plan.abs is not None
+    assert plan.abs is not None
     a = plan.abs
     cap = "no cap" if a.max_micro_batches is None else f"at most {a.max_micro_batches}"
     trigger = (f"rounds of {a.round_samples} samples, split by measured speed" if a.round_samples is not None
@@ -246,15 +243,14 @@ def print_abs(plan: object) -> None:
     print_abs_verdict(plan)
 
 
-def print_abs_verdict(plan: object) -> None:
+def print_abs_verdict(plan: Plan) -> None:
     """ABS-SGD against synchronous SGD, in the one verdict line every plan's table ends with: by samples per second
     counting at most the global batch of each round (what the plan maximises, `progress_per_s`), as predicted (an
     ABS-SGD plan has no intervals). Synchronous SGD with the batch split equally is DDP; the other split is kept
     only where it is faster."""
-    from planner.contracts.plan import Plan
     from planner.strategies.abs import progress_per_s
 
-    assert isinstance(plan, Plan) and plan.abs is not None
+    assert plan.abs is not None
     a = plan.abs
     if "abs-sgd" not in a.predicted:
         return
@@ -270,12 +266,11 @@ def print_abs_verdict(plan: object) -> None:
                   style="bold", soft_wrap=True)
 
 
-def print_kfac(plan: object) -> None:
+def print_kfac(plan: Plan) -> None:
     """The K-FAC comparison: average step time of the plan, each baseline and the lower bound."""
-    from planner.contracts.plan import Plan
     from planner.strategies.kfac import LOCAL_KFAC
 
-    assert isinstance(plan, Plan) and plan.kfac is not None
+    assert plan.kfac is not None
     k = plan.kfac
     if k.predicted is None:
         console.print("the kfac section has no predictions")
@@ -319,14 +314,13 @@ def print_kfac(plan: object) -> None:
     print_left_out(len(k.layers), k.left_out, k.skip)
 
 
-def print_kfac_verdict(plan: object) -> None:
+def print_kfac_verdict(plan: Plan) -> None:
     """A K-FAC plan's verdict against the reference layouts (`planner.strategies.intervals.KFAC_REFERENCES`), in the
     one line every plan's table ends with: weighed against the noise where the section has intervals, else as
     predicted (the reference kept is the fastest, the simplest on a tie)."""
-    from planner.contracts.plan import Plan
     from planner.strategies.intervals import KFAC_REFERENCES
 
-    assert isinstance(plan, Plan) and plan.kfac is not None and plan.kfac.predicted is not None
+    assert plan.kfac is not None and plan.kfac.predicted is not None
     k = plan.kfac
     assert k.predicted is not None
     baselines = k.baselines or {}
@@ -438,12 +432,10 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
 PARTS_TOLERANCE = 0.10
 
 
-def print_profile(profile: object, details: bool = False) -> None:
+def print_profile(profile: Profile, details: bool = False) -> None:
     """What a profile measured, in a few lines (`profile_summary`); with `details`, everything: each calibration,
     the collectives' fits, memory, throughput, hosts and K-FAC's tables. Warnings (on stderr) either way."""
-    from planner.contracts.profile import Profile
 
-    assert isinstance(profile, Profile)
     console.print(profile.model.describe(), style="bold")
     if profile.quick:
         err_console.print("note: a quick profile (--quick): fewer repeats and sweeps, so its numbers are noisier and "
@@ -460,15 +452,13 @@ def print_profile(profile: object, details: bool = False) -> None:
         _print_profile_details(profile)
 
 
-def profile_summary(profile: object) -> list[str]:
+def profile_summary(profile: Profile) -> list[str]:
     """The lines `planner profile` prints: where it measured, the step with its interval, compute against
     communication (one allreduce of every gradient), sigma and kappa, the in-situ calibrations not used, and the
     parameters that went without a gradient in some batches."""
-    from planner.contracts.profile import Profile
     from planner.costmodel.curves import curve_model
     from planner.types import Collective
 
-    assert isinstance(profile, Profile)
     link = "" if profile.cluster.link else ", no emulated link"
     lines = [f"measured on {profile.cluster.describe()}{link}, batch {profile.batch_size}/worker, torch "
              f"{profile.torch_version}, {profile.created}"]
@@ -513,11 +503,9 @@ def profile_summary(profile: object) -> list[str]:
     return lines
 
 
-def error_line(error: object) -> str:
+def error_line(error: PlanError) -> str:
     """The plan's compression error with its interval, and the budget it was kept within."""
-    from planner.contracts.plan import PlanError
 
-    assert isinstance(error, PlanError)
     low, high = error.interval
     line = f"compression error {error.predicted:.3g} [{low:.3g}, {high:.3g}] (|C(x) - x|^2 / |x|^2 over the gradient)"
     if error.budget is not None:
@@ -526,12 +514,10 @@ def error_line(error: object) -> str:
     return line
 
 
-def errors_line(errors: object) -> str:
+def errors_line(errors: CompressionErrors) -> str:
     """Each compressor's error over the whole gradient (every layer sent by it), with its interval over the steps."""
-    from planner.contracts.errors import CompressionErrors
     from planner.spread import LEVEL
 
-    assert isinstance(errors, CompressionErrors)
     parts = []
     for c in errors.compressors:
         low, high = errors.interval(c)
@@ -566,11 +552,9 @@ def comm_frame(profile: Profile) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _parts_line(profile: object) -> tuple[str, bool] | None:
+def _parts_line(profile: Profile) -> tuple[str, bool] | None:
     """How the per-layer times compare with the whole steps, and whether that is a warning (None: not timed)."""
-    from planner.contracts.profile import Profile
 
-    assert isinstance(profile, Profile)
     if profile.parts_scale is not None:
         assert profile.step_s is not None
         line = (f"whole local steps {_ms(profile.step_s)} ms, timed between the hooked ones; the per-layer "
@@ -592,13 +576,11 @@ def _parts_line(profile: object) -> tuple[str, bool] | None:
     return None
 
 
-def _print_profile_details(profile: object) -> None:
+def _print_profile_details(profile: Profile) -> None:
     """Everything a profile measured beyond its summary (`planner profile --verbose`, `planner show --details`)."""
-    from planner.contracts.profile import Profile
     from planner.costmodel.curves import worst_error
     from planner.costmodel.measured import MAX_FIT_ERROR
 
-    assert isinstance(profile, Profile)
     if profile.peak_memory:
         phases = ", ".join(f"{name} {gib(b)}" for name, b in profile.peak_memory.items())
         console.print(f"peak memory of the busiest worker, per phase of the profile: {phases}", soft_wrap=True)
@@ -707,15 +689,13 @@ def _print_profile_details(profile: object) -> None:
         print_left_out(len(kf.layers), kf.left_out, kf.skip)
 
 
-def _slowdown_interval(profile: object, collective: object, which: str) -> str:
+def _slowdown_interval(profile: Profile, collective: Collective, which: str) -> str:
     """" [0.81, 1.12]": the interval of sigma or kappa over its pairs resampled, where the profile kept them."""
     import numpy as np
 
-    from planner.contracts.profile import Profile
     from planner.spread import percentile_interval
 
-    assert isinstance(profile, Profile)
-    samples = (profile.slowdown_samples or {}).get(collective)  # type: ignore[call-overload]
+    samples = (profile.slowdown_samples or {}).get(collective)
     if samples is None:
         return ""
     rng = np.random.default_rng(0)
@@ -725,12 +705,11 @@ def _slowdown_interval(profile: object, collective: object, which: str) -> str:
     return f" [{low:.2f}, {high:.2f}]"
 
 
-def print_auto(choice: object) -> None:
+def print_auto(choice: AutoChoice) -> None:
     """The strategies `--strategy auto` solved, their predicted iterations (with intervals where the noise was
     weighed) beside DDP and its hooks, and which it kept."""
-    from planner.strategies.auto import AutoChoice, ddp_predictions
+    from planner.strategies.auto import ddp_predictions
 
-    assert isinstance(choice, AutoChoice)
     verdict = choice.plan.verdict
     ddp = ({name: v[0] for name, v in verdict.variants.items()} if verdict is not None
            else ddp_predictions(choice.candidates, choice.beyond_budget))
@@ -781,12 +760,10 @@ def print_auto(choice: object) -> None:
         console.print(choice.way.line, style="bold", soft_wrap=True)
 
 
-def kept_ddp(choice: object) -> str | None:
+def kept_ddp(choice: AutoChoice) -> str | None:
     """The DDP variant ("ddp", "ddp+C") `--strategy auto` keeps instead of its best plan (the plan's verdict, or
     without samples the variant predicted faster than every plan); None when it keeps the plan."""
-    from planner.strategies.auto import AutoChoice
 
-    assert isinstance(choice, AutoChoice)
     verdict = choice.plan.verdict
     if verdict is not None:
         return None if verdict.keep == "plan" else verdict.keep
@@ -813,13 +790,11 @@ def ddp_how(variant: str) -> str:
             return f"DDP with its {compressor} hook"
 
 
-def print_mixed_groups(plan: object, profile: object) -> None:
+def print_mixed_groups(plan: Plan, profile: Profile) -> None:
     """Which compressor each group of a mixed plan got, and what switching it alone would cost."""
-    from planner.contracts.plan import Plan
     from planner.strategies.mixed import explain
 
-    assert isinstance(plan, Plan)
-    reasons = explain(plan, profile)  # type: ignore[arg-type]
+    reasons = explain(plan, profile)
     table = Table(title="the compressor of each group (ready order), and the best other one: the predicted iteration "
                         "were that group alone sent by it")
     for col in ("#", "layers", "elements", "sent as", "next best", "iteration ms", "change ms"):
