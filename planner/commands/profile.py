@@ -17,7 +17,17 @@ from planner.commands.printing import gib
 from planner.console import progress
 from planner.contracts.errors import CompressionErrors
 from planner.contracts.fingerprint import model_info
-from planner.contracts.profile import InSitu, Profile, WorkerThroughput
+from planner.contracts.profile import (
+    CompressTiming,
+    FittedCurve,
+    HostTiming,
+    InSitu,
+    KFACTiming,
+    Profile,
+    SlowdownSamples,
+    TopkTiming,
+    WorkerThroughput,
+)
 from planner.contracts.unused import UnusedParams
 from planner.costmodel.curves import curve_model
 from planner.kernels.hierarchical import HostGroups
@@ -168,195 +178,245 @@ class ProfileConfig:
 
 def profile_worker(rank: int, world_size: int, config: ProfileConfig) -> Profile | None:
     """Body run on every rank of an initialised process group; rank 0 returns the profile."""
-    backend = dist.get_backend()
-    device = device_for(backend)
-    show = config.show_progress and rank == 0
-    base = config.base
+    return _Session(rank, world_size, config).run()
 
-    layer_results = None
-    throughput = None
-    unused: UnusedParams | None = None  # --only comm keeps the base profile's (`Profile.with_comm`)
-    errors: CompressionErrors | None = None
-    if not config.only_comm:
-        workload = build_workload(config.model, batch_size=config.batch_size)
-        info = model_info(workload.module, config.model)
-        numel_total = info.numel
-        max_layer = max(p.numel() for p in workload.module.parameters())
-    else:
-        assert base is not None
-        numel_total = base.model.numel
-        max_layer = max(lt.numel for lt in base.layers)
 
-    # Message sizes from 1 KiB to the whole gradient, and top-k sizes up to the whole model (4 Ki at least).
-    sizes = log_sizes(1 << 10, max(numel_total * 4, 1 << 20))
-    topk_sizes = log_sizes(1 << 10, max(numel_total, max_layer, 1 << 12), factor=4)  # two sizes at least: fits
-    colls = [Collective.ALLREDUCE, Collective.ALLGATHER, Collective.BROADCAST]
-    memory = PhaseMemory()
-    with progress(enabled=show) as bar:
+@dataclass
+class _Model:
+    """What the model phase measured: per-layer compute, parameters without a gradient, compression errors, and each
+    worker's throughput."""
+
+    layers: LayerSummary
+    unused: UnusedParams | None
+    errors: CompressionErrors | None
+    throughput: WorkerThroughput
+
+
+@dataclass
+class _Network:
+    """What the network phase measured: the collectives' curves, the hosts and their levels where there are
+    several."""
+
+    curves: dict[Collective, FittedCurve]
+    layout: list[list[int]]
+    hosts: HostTiming | None = None
+
+
+@dataclass
+class _Costs:
+    """What the runtime's costs phase measured: top-k, packing, the compressors, the runtime in real steps, and
+    communication's interference with compute."""
+
+    topk: TopkTiming | None = None
+    pack: FittedCurve | None = None
+    compress: CompressTiming | None = None
+    in_situ: InSitu | None = None
+    interference: dict[Collective, float] | None = None
+    comm_stretch: dict[Collective, float] | None = None
+    slowdown_samples: dict[Collective, SlowdownSamples] | None = None
+
+
+class _Session:
+    """One rank's profile, phase by phase: the model (`_model`), the network (`_network`), the runtime's costs
+    (`_costs`) and K-FAC (`_kfac`); rank 0 puts them together (`_profile`). Every rank runs every phase's
+    collectives in the same order."""
+
+    def __init__(self, rank: int, world_size: int, config: ProfileConfig) -> None:
+        self.rank, self.world_size, self.config = rank, world_size, config
+        self.device = device_for(dist.get_backend())
+        self.memory = PhaseMemory()
+        self.workload: Workload | None = None
         if not config.only_comm:
-            memory.begin("layers")
-            task = bar.add_task(f"layers of {config.model}", total=config.warmup + config.repeats)
-            run = measure_layers(
-                workload, device, repeats=config.repeats, warmup=config.warmup,
-                barrier=dist.barrier, on_step=lambda: bar.advance(task), min_seconds=config.layer_seconds,
-                agree=slowest, on_total=lambda total: bar.update(task, total=total),
-            )
-            gathered: list[object] = [None] * world_size
-            dist.all_gather_object(gathered, run)
-            layer_results = combine_ranks(gathered)  # type: ignore[arg-type]
-            # Parameters without a gradient, over batches of their own on every rank (a router's choice varies).
-            first = 1_000_000 + rank * UNUSED_CHECK_BATCHES
-            counts: list[object] = [None] * world_size
-            dist.all_gather_object(counts, gradient_counts(workload, device,
-                                                           range(first, first + UNUSED_CHECK_BATCHES)))
-            unused = unused_params(counts, UNUSED_CHECK_BATCHES)  # type: ignore[arg-type]
-            errors = _measure_errors(config, workload, device, layer_results, rank, world_size, bar)
-            # Each worker's own speed at a few micro-batch sizes (heterogeneous workers differ).
-            sizes_tp = throughput_batch_sizes(workload.batch_size)
-            mine = measure_throughput(workload, device, sizes_tp, repeats=max(3, config.repeats // 2), warmup=1,
-                                      barrier=dist.barrier)
-            every: list[object] = [None] * world_size
-            dist.all_gather_object(every, mine)
-            throughput = WorkerThroughput(batch_sizes=sizes_tp,
-                                          step_s=tuple(tuple(row) for row in every))  # type: ignore[arg-type]
-        memory.begin("collectives")
-        task = bar.add_task("collectives", total=collective_runs(len(colls), sizes, repeats=config.comm_repeats,
+            self.workload = build_workload(config.model, batch_size=config.batch_size)
+            self.info = model_info(self.workload.module, config.model)
+            numel_total = self.info.numel
+            max_layer = max(p.numel() for p in self.workload.module.parameters())
+        else:
+            assert config.base is not None
+            numel_total = config.base.model.numel
+            max_layer = max(lt.numel for lt in config.base.layers)
+        self.numel_total = numel_total
+        # Message sizes from 1 KiB to the whole gradient, and top-k sizes up to the whole model (4 Ki at least).
+        self.sizes = log_sizes(1 << 10, max(numel_total * 4, 1 << 20))
+        self.topk_sizes = log_sizes(1 << 10, max(numel_total, max_layer, 1 << 12), factor=4)  # two sizes at least
+
+    def run(self) -> Profile | None:
+        config = self.config
+        model = costs = None
+        kfac = config.base.kfac if config.base is not None else None
+        with progress(enabled=config.show_progress and self.rank == 0) as bar:
+            if self.workload is not None:
+                model = self._model(bar, self.workload)
+            network = self._network(bar)
+            if self.workload is not None and model is not None:
+                costs = self._costs(bar, self.workload, model.layers, network.curves)
+                if config.kfac:
+                    kfac = self._kfac(bar, self.workload, costs)
+            self.memory.end()
+        peaks: list[object] = [None] * self.world_size
+        dist.all_gather_object(peaks, self.memory.peaks)
+        if self.rank != 0:
+            return None
+        every_rank: list[dict[str, int]] = peaks  # type: ignore[assignment]
+        peak_memory = {name: max(p.get(name, 0) for p in every_rank) for name in self.memory.peaks}
+        return self._profile(model, network, costs or _Costs(), kfac, peak_memory)
+
+    def _gathered(self, mine: object) -> list[object]:
+        """Every rank's `mine`, by rank."""
+        every: list[object] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        return every
+
+    def _model(self, bar: Progress, workload: Workload) -> _Model:
+        config, device = self.config, self.device
+        self.memory.begin("layers")
+        task = bar.add_task(f"layers of {config.model}", total=config.warmup + config.repeats)
+        run = measure_layers(
+            workload, device, repeats=config.repeats, warmup=config.warmup,
+            barrier=dist.barrier, on_step=lambda: bar.advance(task), min_seconds=config.layer_seconds,
+            agree=slowest, on_total=lambda total: bar.update(task, total=total),
+        )
+        layers = combine_ranks(self._gathered(run))  # type: ignore[arg-type]
+        # Parameters without a gradient, over batches of their own on every rank (a router's choice varies).
+        first = 1_000_000 + self.rank * UNUSED_CHECK_BATCHES
+        counts = self._gathered(gradient_counts(workload, device, range(first, first + UNUSED_CHECK_BATCHES)))
+        unused = unused_params(counts, UNUSED_CHECK_BATCHES)  # type: ignore[arg-type]
+        errors = _measure_errors(config, workload, device, layers, self.rank, self.world_size, bar)
+        # Each worker's own speed at a few micro-batch sizes (heterogeneous workers differ).
+        sizes_tp = throughput_batch_sizes(workload.batch_size)
+        mine = measure_throughput(workload, device, sizes_tp, repeats=max(3, config.repeats // 2), warmup=1,
+                                  barrier=dist.barrier)
+        throughput = WorkerThroughput(batch_sizes=sizes_tp,
+                                      step_s=tuple(tuple(row) for row in self._gathered(mine)))  # type: ignore[arg-type]
+        return _Model(layers=layers, unused=unused, errors=errors, throughput=throughput)
+
+    def _network(self, bar: Progress) -> _Network:
+        config, device = self.config, self.device
+        colls = [Collective.ALLREDUCE, Collective.ALLGATHER, Collective.BROADCAST]
+        self.memory.begin("collectives")
+        task = bar.add_task("collectives", total=collective_runs(len(colls), self.sizes, repeats=config.comm_repeats,
                                                                  warmup=2))
         curves = measure_collectives(
-            colls, sizes, device, repeats=config.comm_repeats, warmup=2, on_run=lambda: bar.advance(task)
+            colls, self.sizes, device, repeats=config.comm_repeats, warmup=2, on_run=lambda: bar.advance(task)
         )
-        layout = ranks_by_host(host_names())
-        host_timing = groups = None
-        if len(layout) > 1 and len({len(h) for h in layout}) == 1:  # hosts of equal size: every level too
-            groups = HostGroups.build(layout)
-            task = bar.add_task("allreduce inside, across and over hosts",
-                                total=host_runs(sizes, layout, repeats=config.comm_repeats, warmup=2))
-            host_timing = measure_hosts(groups, sizes, device, repeats=config.comm_repeats, warmup=2,
-                                        on_run=lambda: bar.advance(task))
-        topk = pack = interference = comm_stretch = in_situ = compress = slowdown_samples = None
-        if host_timing is not None and groups is not None:  # the top-k exchange merged inside each host,
-            memory.begin("hierarchical top-k")  # at the picks' real overlap
-            if config.only_comm:
-                ratios = _known_union_ratios(config, groups, device)
-            else:
-                task = bar.add_task("a host's union of top-k picks", total=UNION_ROUNDS)
-                ratios = measure_union_ratios(workload, groups, config.densities, device,
-                                              on_round=lambda: bar.advance(task))
-            if ratios:
-                fitting = host_topk_sizes(topk_sizes, world_size, topk_budget(world_size, device))
-                task = bar.add_task("top-k merged inside hosts", total=len(ratios) * len(fitting))
-                host_timing = replace(host_timing, topk=measure_host_topk(
-                    groups, fitting, ratios, device, repeats=config.micro_repeats, warmup=1,
-                    on_point=lambda: bar.advance(task)))
-        if not config.only_comm:
-            memory.begin("top-k")
-            task = bar.add_task("top-k selection and decode", total=len(config.densities) * len(topk_sizes))
-            topk = measure_topk(
-                topk_sizes, config.densities, world_size, device, repeats=config.micro_repeats, warmup=1,
-                max_point_bytes=topk_budget(world_size, device), on_point=lambda: bar.advance(task),
-            )
-            task = bar.add_task("packing", total=len(topk_sizes))
-            pack = measure_packing(topk_sizes, world_size, device, repeats=config.micro_repeats, warmup=1,
-                                   on_point=lambda: bar.advance(task))
-            assert layer_results is not None
-            if config.powersgd_ranks:
-                memory.begin("fp16 and PowerSGD")
-                params = dict(workload.module.named_parameters())
-                shaped = [(lt.name, tuple(tuple(params[p].shape) for p in lt.params)) for lt in layer_results.layers]
-                task = bar.add_task("fp16 and PowerSGD", total=compress_points(topk_sizes, shaped,
-                                                                              config.powersgd_ranks))
-                compress = measure_compress(topk_sizes, shaped, config.powersgd_ranks, world_size, device,
-                                            repeats=config.micro_repeats, warmup=1,
-                                            on_point=lambda: bar.advance(task))
-            memory.begin("the runtime in real steps")
-            task = bar.add_task("the runtime in real steps",
-                                total=config.in_situ_repeats * in_situ_runs(
-                                    world_size, topk, compress, sending=Collective.ALLREDUCE in curves))
-            in_situ = measure_in_situ(
-                workload, device, layer_results.layers, world_size, pack=curve_model(pack), topk=topk,
-                density=min(config.densities, key=lambda d: abs(math.log(d / IN_SITU_DENSITY))),
-                repeats=config.in_situ_repeats, compress=compress, on_point=lambda: bar.advance(task),
-                on_more=functools.partial(_more, bar, task),
-                comm=curve_model(curves[Collective.ALLREDUCE]) if Collective.ALLREDUCE in curves else None,
-            )
-            if world_size > 1:
-                memory.begin("compute while communicating")
-                interfering = [Collective.ALLREDUCE, Collective.ALLGATHER]
-                task = bar.add_task("compute while communicating",
-                                    total=len(interfering) * config.interference_repeats)
-                both_ways = measure_interference(
-                    workload, device, interfering, repeats=config.interference_repeats,
-                    message_bytes=min(INTERFERENCE_MESSAGE_BYTES, numel_total * 4),
-                    on_point=lambda: bar.advance(task),
-                )
-                interference, comm_stretch = both_ways.sigma, both_ways.comm_stretch
-                slowdown_samples = both_ways.samples
-        kfac = base.kfac if base is not None else None
-        if config.kfac and not config.only_comm:
-            memory.begin("K-FAC")
-            task = bar.add_task("K-FAC factors and inversions",
-                                total=kfac_points(workload, config.max_dim, config.kfac_skip))
-            kfac = measure_kfac(
-                workload, device, repeats=config.repeats, warmup=config.warmup, max_dim=config.max_dim,
-                skip=config.kfac_skip, on_point=lambda: bar.advance(task),
-            )
-            task = bar.add_task("K-FAC factor hooks in real steps", total=config.in_situ_repeats)
-            hooks = measure_kfac_in_situ(workload, device, kfac, repeats=config.in_situ_repeats,
-                                         min_seconds=KFAC_HOOKS_SECONDS, on_point=lambda: bar.advance(task),
-                                         on_total=lambda total: bar.update(task, total=total))
-            task = bar.add_task("K-FAC folding, inverting, preconditioning in real steps",
-                                total=kfac_steps_points(kfac, KFAC_STEPS_REPEATS))
-            steps = measure_kfac_steps_in_situ(workload, device, kfac, steps=KFAC_STEPS_REPEATS,
-                                               on_point=lambda: bar.advance(task))
-            in_situ = replace(in_situ or InSitu(), kfac_factors=hooks, kfac_steps=steps)
-        memory.end()
-    peaks: list[object] = [None] * world_size
-    dist.all_gather_object(peaks, memory.peaks)
-    if rank != 0:
-        return None
-    every_rank: list[dict[str, int]] = peaks  # type: ignore[assignment]
-    peak_memory = {name: max(p.get(name, 0) for p in every_rank) for name in memory.peaks}
-    cluster = current_cluster(device, hosts=len(layout))
-    created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    if config.only_comm:
-        assert base is not None
-        new = Profile(
-            model=base.model, cluster=cluster, created=created, torch_version=torch.__version__,
-            batch_size=base.batch_size, forward_s=base.forward_s, backward_s=base.backward_s,
-            update_s=base.update_s, layers=base.layers, collectives=curves, topk=None, hosts=host_timing,
+        network = _Network(curves=curves, layout=ranks_by_host(host_names()))
+        layout = network.layout
+        if not (len(layout) > 1 and len({len(h) for h in layout}) == 1):  # hosts of equal size: every level too
+            return network
+        groups = HostGroups.build(layout)
+        task = bar.add_task("allreduce inside, across and over hosts",
+                            total=host_runs(self.sizes, layout, repeats=config.comm_repeats, warmup=2))
+        network.hosts = measure_hosts(groups, self.sizes, device, repeats=config.comm_repeats, warmup=2,
+                                      on_run=lambda: bar.advance(task))
+        self.memory.begin("hierarchical top-k")  # the top-k exchange merged inside each host, at the picks' overlap
+        if self.workload is None:
+            ratios = _known_union_ratios(config, groups, device)
+        else:
+            task = bar.add_task("a host's union of top-k picks", total=UNION_ROUNDS)
+            ratios = measure_union_ratios(self.workload, groups, config.densities, device,
+                                          on_round=lambda: bar.advance(task))
+        if ratios:
+            fitting = host_topk_sizes(self.topk_sizes, self.world_size, topk_budget(self.world_size, device))
+            task = bar.add_task("top-k merged inside hosts", total=len(ratios) * len(fitting))
+            network.hosts = replace(network.hosts, topk=measure_host_topk(
+                groups, fitting, ratios, device, repeats=config.micro_repeats, warmup=1,
+                on_point=lambda: bar.advance(task)))
+        return network
+
+    def _costs(self, bar: Progress, workload: Workload, layers: LayerSummary,
+               curves: dict[Collective, FittedCurve]) -> _Costs:
+        config, device, world_size, topk_sizes = self.config, self.device, self.world_size, self.topk_sizes
+        costs = _Costs()
+        self.memory.begin("top-k")
+        task = bar.add_task("top-k selection and decode", total=len(config.densities) * len(topk_sizes))
+        costs.topk = measure_topk(
+            topk_sizes, config.densities, world_size, device, repeats=config.micro_repeats, warmup=1,
+            max_point_bytes=topk_budget(world_size, device), on_point=lambda: bar.advance(task),
         )
-        return base.with_comm(new)
-    assert layer_results is not None
-    summary = layer_results
-    return Profile(
-        model=info,
-        cluster=cluster,
-        created=created,
-        torch_version=torch.__version__,
-        batch_size=workload.batch_size,
-        forward_s=summary.forward_s,
-        backward_s=summary.backward_s,
-        update_s=summary.update_s,
-        layers=tuple(summary.layers),
-        collectives=curves,
-        topk=topk,
-        kfac=kfac,
-        step_s=summary.step_s,
-        parts_scale=summary.scale,
-        pack=pack,
-        interference=interference,
-        comm_stretch=comm_stretch,
-        throughput=throughput,
-        in_situ=in_situ,
-        compress=compress,
-        peak_memory=peak_memory or None,
-        hosts=host_timing,
-        steps=summary.steps,
-        slowdown_samples=slowdown_samples,
-        quick=config.quick,
-        unused_params=unused,
-        errors=errors,
-    )
+        task = bar.add_task("packing", total=len(topk_sizes))
+        costs.pack = measure_packing(topk_sizes, world_size, device, repeats=config.micro_repeats, warmup=1,
+                                     on_point=lambda: bar.advance(task))
+        if config.powersgd_ranks:
+            self.memory.begin("fp16 and PowerSGD")
+            params = dict(workload.module.named_parameters())
+            shaped = [(lt.name, tuple(tuple(params[p].shape) for p in lt.params)) for lt in layers.layers]
+            task = bar.add_task("fp16 and PowerSGD", total=compress_points(topk_sizes, shaped, config.powersgd_ranks))
+            costs.compress = measure_compress(topk_sizes, shaped, config.powersgd_ranks, world_size, device,
+                                              repeats=config.micro_repeats, warmup=1,
+                                              on_point=lambda: bar.advance(task))
+        self.memory.begin("the runtime in real steps")
+        task = bar.add_task("the runtime in real steps",
+                            total=config.in_situ_repeats * in_situ_runs(
+                                world_size, costs.topk, costs.compress, sending=Collective.ALLREDUCE in curves))
+        costs.in_situ = measure_in_situ(
+            workload, device, layers.layers, world_size, pack=curve_model(costs.pack), topk=costs.topk,
+            density=min(config.densities, key=lambda d: abs(math.log(d / IN_SITU_DENSITY))),
+            repeats=config.in_situ_repeats, compress=costs.compress, on_point=lambda: bar.advance(task),
+            on_more=functools.partial(_more, bar, task),
+            comm=curve_model(curves[Collective.ALLREDUCE]) if Collective.ALLREDUCE in curves else None,
+        )
+        if world_size > 1:
+            self.memory.begin("compute while communicating")
+            interfering = [Collective.ALLREDUCE, Collective.ALLGATHER]
+            task = bar.add_task("compute while communicating", total=len(interfering) * config.interference_repeats)
+            both_ways = measure_interference(
+                workload, device, interfering, repeats=config.interference_repeats,
+                message_bytes=min(INTERFERENCE_MESSAGE_BYTES, self.numel_total * 4),
+                on_point=lambda: bar.advance(task),
+            )
+            costs.interference, costs.comm_stretch = both_ways.sigma, both_ways.comm_stretch
+            costs.slowdown_samples = both_ways.samples
+        return costs
+
+    def _kfac(self, bar: Progress, workload: Workload, costs: _Costs) -> KFACTiming:
+        """K-FAC's factors and inversions, and its hooks and steps in real steps (into `costs.in_situ`)."""
+        config, device = self.config, self.device
+        self.memory.begin("K-FAC")
+        task = bar.add_task("K-FAC factors and inversions",
+                            total=kfac_points(workload, config.max_dim, config.kfac_skip))
+        kfac = measure_kfac(
+            workload, device, repeats=config.repeats, warmup=config.warmup, max_dim=config.max_dim,
+            skip=config.kfac_skip, on_point=lambda: bar.advance(task),
+        )
+        task = bar.add_task("K-FAC factor hooks in real steps", total=config.in_situ_repeats)
+        hooks = measure_kfac_in_situ(workload, device, kfac, repeats=config.in_situ_repeats,
+                                     min_seconds=KFAC_HOOKS_SECONDS, on_point=lambda: bar.advance(task),
+                                     on_total=lambda total: bar.update(task, total=total))
+        task = bar.add_task("K-FAC folding, inverting, preconditioning in real steps",
+                            total=kfac_steps_points(kfac, KFAC_STEPS_REPEATS))
+        steps = measure_kfac_steps_in_situ(workload, device, kfac, steps=KFAC_STEPS_REPEATS,
+                                           on_point=lambda: bar.advance(task))
+        costs.in_situ = replace(costs.in_situ or InSitu(), kfac_factors=hooks, kfac_steps=steps)
+        return kfac
+
+    def _profile(self, model: _Model | None, network: _Network, costs: _Costs, kfac: KFACTiming | None,
+                 peak_memory: dict[str, int]) -> Profile:
+        """Rank 0: the profile of what every phase measured (`--only comm`: the base profile with the network's)."""
+        config = self.config
+        cluster = current_cluster(self.device, hosts=len(network.layout))
+        created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        if model is None:
+            base = config.base
+            assert base is not None
+            new = Profile(
+                model=base.model, cluster=cluster, created=created, torch_version=torch.__version__,
+                batch_size=base.batch_size, forward_s=base.forward_s, backward_s=base.backward_s,
+                update_s=base.update_s, layers=base.layers, collectives=network.curves, topk=None,
+                hosts=network.hosts,
+            )
+            return base.with_comm(new)
+        assert self.workload is not None
+        summary = model.layers
+        return Profile(
+            model=self.info, cluster=cluster, created=created, torch_version=torch.__version__,
+            batch_size=self.workload.batch_size, forward_s=summary.forward_s, backward_s=summary.backward_s,
+            update_s=summary.update_s, layers=tuple(summary.layers), collectives=network.curves, topk=costs.topk,
+            kfac=kfac, step_s=summary.step_s, parts_scale=summary.scale, pack=costs.pack,
+            interference=costs.interference, comm_stretch=costs.comm_stretch, throughput=model.throughput,
+            in_situ=costs.in_situ, compress=costs.compress, peak_memory=peak_memory or None, hosts=network.hosts,
+            steps=summary.steps, slowdown_samples=costs.slowdown_samples, quick=config.quick,
+            unused_params=model.unused, errors=model.errors,
+        )
 
 
 def error_compressors(config: ProfileConfig) -> list[Compressor]:
