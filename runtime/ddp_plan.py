@@ -529,9 +529,9 @@ class PlanHook:
         codec = make_codec(route.compressor, flat.numel(), self._link.world_size, flat.device,
                            hierarchical=route.hierarchical, k=route.k, selector=self._selector, layout=layout,
                            seed=route.seed)
-        keys = set(codec.state())
-        entry = self._saved(index, route, keys) if keys else None
-        if entry is not None and all(entry[key].shape == value.shape for key, value in codec.state().items()
+        fresh = codec.state()  # what the codec keeps, to match a saved entry against (nothing for dense and fp16)
+        entry = self._saved(index, route, set(fresh)) if fresh else None
+        if entry is not None and all(entry[key].shape == value.shape for key, value in fresh.items()
                                      if isinstance(value, Tensor)):
             codec.load(entry)
         return codec
