@@ -86,10 +86,11 @@ from planner.costmodel.problem import topk_count
 from planner.kernels.compress import PowerSGDLayout
 from planner.kernels.hierarchical import HostGroups
 from planner.platform.hosts import host_names, ranks_by_host
-from planner.runtime.adaptive import Replan, Replanning
+from planner.runtime.adaptive import Replanning
 from planner.runtime.codecs import Codec, DenseCodec, Link, make_codec
 from planner.runtime.engine import (
     Engine,
+    EngineDriver,
     StateCheck,
     check_adaptive,
     check_momentum_options,
@@ -145,7 +146,7 @@ class _Route:
     hierarchical: bool = False
 
 
-class PlanHook:
+class PlanHook(EngineDriver):
     """A plan as DDP keyword arguments and one DDP communication hook; see the module docstring.
 
     Construct it on every rank, with the same plan, before DDP (`ddp_kwargs()` feeds DDP's constructor), then
@@ -258,16 +259,6 @@ class PlanHook:
         device = next((p.device for n, p in params.items() if n in planned), torch.device("cpu"))
         self._engine = Engine(plan, params, self._link, owner="PlanHook", momentum=self.momentum, nesterov=nesterov,
                               optimizer=optimizer, schedule=schedule, profile=profile, model=model, device=device)
-
-    @property
-    def plan(self) -> Plan:
-        """The plan in use (a re-plan, `adaptive=`, replaces it)."""
-        return self._engine.plan
-
-    @property
-    def replans(self) -> list[Replan]:
-        """What each re-plan decided (`adaptive=`)."""
-        return self._engine.replans
 
     @classmethod
     def from_file(cls, model: nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> PlanHook:

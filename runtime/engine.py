@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Engine",
+    "EngineDriver",
     "StateCheck",
     "broadcast_from_rank0",
     "check_adaptive",
@@ -282,6 +283,23 @@ class Engine:
             means.append(flat[at : at + b.numel()])
             at += b.numel()
         return means
+
+
+class EngineDriver:
+    """What both drivers show of the engine they run (`_engine`): the plan in use and the re-plans."""
+
+    __slots__ = ()
+    _engine: Engine
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in use (a re-plan, `adaptive=`, replaces it)."""
+        return self._engine.plan
+
+    @property
+    def replans(self) -> list[Replan]:
+        """What each re-plan decided (`adaptive=`)."""
+        return self._engine.replans
 
 
 # -- the arguments' checks, shared by both drivers (`owner` names the one that applies momentum) ----------------------

@@ -65,11 +65,12 @@ from planner.contracts.plan import Group, Plan
 from planner.kernels.compress import PowerSGDLayout
 from planner.kernels.hierarchical import HostGroups
 from planner.platform.hosts import host_names, ranks_by_host
-from planner.runtime.adaptive import Replan, Replanning
+from planner.runtime.adaptive import Replanning
 from planner.runtime.codecs import Codec, DensityWarmup, Link, PowerSGDCodec, TopkCodec, make_codec, write_scaled
 from planner.runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, ProbeSchedule, crossover_gate, device_idle
 from planner.runtime.engine import (
     Engine,
+    EngineDriver,
     StateCheck,
     broadcast_from_rank0,
     check_adaptive,
@@ -195,7 +196,7 @@ class _GateHook:
         return (_GateHook, (None,))
 
 
-class GradientExchange:
+class GradientExchange(EngineDriver):
     """Averages gradients across ranks as a plan says: fused dense allreduce or top-k allgather per group.
 
     Call order per step: `loss.backward()` (hooks prepare and launch groups), `synchronize()` (launch
@@ -370,16 +371,6 @@ class GradientExchange:
         if self.gate is not None:
             self._hooks.append(model.register_forward_pre_hook(_GateHook(self)))
         _LIVE.add(self)
-
-    @property
-    def plan(self) -> Plan:
-        """The plan in use (a re-plan, `adaptive=`, replaces it)."""
-        return self._engine.plan
-
-    @property
-    def replans(self) -> list[Replan]:
-        """What each re-plan decided (`adaptive=`)."""
-        return self._engine.replans
 
     def _build_groups(self, plan: Plan) -> None:
         """The groups' buffers and codecs for `plan`, their hosts' subgroups where it crosses hosts hierarchically,

@@ -909,16 +909,7 @@ def _adopt_worker(rank: int, world_size: int) -> int:
             hook._adopt(after, flush=False)
             exchange._adopt(after, flush=False)
             assert hook.plan is after and exchange.plan is after
-        x, y = _ladder_batch(rank, step)
-        for opt in opts:
-            opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        nn.functional.mse_loss(twin(x), y).backward()
-        exchange.synchronize()
-        for opt in opts:
-            opt.step()
-        for (pname, p), q in zip(ddp.module.named_parameters(), twin.parameters(), strict=True):
-            assert torch.equal(p, q), f"step {step}: {pname} differs by {(p - q).abs().max().item():.3g}"
+        _step_both(rank, step, ddp, twin, exchange, opts)
         compared += 1
     exchange.close()
     hook.remove_hooks()
