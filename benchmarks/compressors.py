@@ -32,9 +32,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from planner.commands.bench import file_labels
 from planner.console import console
 from planner.contracts.plan import Plan
+from planner.sessions.bench import file_labels
 
 ONLY = ("fp16", "powersgd:1", "powersgd:4", "topk:0.01")
 #: Where the rows of the mixed plan over every compressor carry their bench name (`planner bench` names a plan by

@@ -1,4 +1,4 @@
-"""The measurements behind `planner profile` (planner/commands/profile.py runs them on N workers):
+"""The measurements behind `planner profile` (planner/sessions/profile.py runs them on N workers):
 per-layer compute (`layers.py`), collectives (`comm.py`), top-k selection and decoding (`topk.py`),
 K-FAC factors and decompositions (`kfac.py`), interference of communication with compute
 (`interference.py`), and the quick probe of the cluster that re-tuning uses (`probe.py`). They

@@ -595,7 +595,7 @@ def _ddp_powersgd_extra_samples(workload: Workload, plain: torch.nn.Module, inpu
     PowerSGD hook at `rank` on one bucket, on the process group `alone` (this rank only: nothing is sent; or
     `group` itself, sending).
 
-    Built as the bench builds it (`planner.commands.bench.ddp_with_hook`): one bucket, and where some rank leaves
+    Built as the bench builds it (`planner.sessions.bench.ddp_with_hook`): one bucket, and where some rank leaves
     parameters without a gradient, `static_graph=True` rather than `find_unused_parameters=True`. With the latter
     the hook's second allreduce, launched from a callback thread, races DDP's allreduce of the used-parameter map
     from the backward pass, and ranks that issue the two in different orders abort on a collective mismatch or

@@ -472,12 +472,12 @@ def test_a_compressor_name_only_ascii_digits_write_is_one_line_wherever_it_is_re
 def test_profile_refuses_powersgd_ranks_not_written_in_ascii_digits_before_any_worker_starts(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """`"²".isdigit()` is True and `int("²")` a ValueError: a traceback."""
-    import planner.commands.profile
+    import planner.sessions.profile
 
     def no_workers(*args: object, **kwargs: object) -> None:
         raise AssertionError("the profile started")
 
-    monkeypatch.setattr(planner.commands.profile, "run_profile", no_workers)
+    monkeypatch.setattr(planner.sessions.profile, "run_profile", no_workers)
     for ranks in ("²", "+-3", "1,²"):
         _in_process(["profile", "--quick", "--model", "mlp", "--nproc", "2", "--powersgd-ranks", ranks, "-o",
                      str(tmp_path / "p.json")], f"--powersgd-ranks must list whole numbers in 1..1024 (e.g. 1,2,4) or "
@@ -572,8 +572,8 @@ def test_an_output_path_no_file_can_be_created_in_is_refused_before_any_work(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """`-o /proc/x` passed `check_output_path` (the folder exists): the profile measured, the trial trained, and
     only then the write failed. Root passes any permission check there, so it is tried (a file created, removed)."""
-    import planner.commands.profile
-    import planner.commands.trial
+    import planner.sessions.profile
+    import planner.sessions.trial
     from planner.contracts.jsonio import check_output_path
     from planner.types import PlannerFileError
     from tests.test_budget_plan import profile_with_errors
@@ -581,8 +581,8 @@ def test_an_output_path_no_file_can_be_created_in_is_refused_before_any_work(
     def no_work(*args: object, **kwargs: object) -> None:
         raise AssertionError("the work started")
 
-    monkeypatch.setattr(planner.commands.profile, "run_profile", no_work)
-    monkeypatch.setattr(planner.commands.trial, "run_trials", no_work)
+    monkeypatch.setattr(planner.sessions.profile, "run_profile", no_work)
+    monkeypatch.setattr(planner.sessions.trial, "run_trials", no_work)
     prof = tmp_path / "prof.json"
     profile_with_errors().save(prof)
     for what, argv in (("profile", ["profile", "--quick", "--model", "mlp", "--nproc", "2"]),

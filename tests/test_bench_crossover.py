@@ -12,16 +12,16 @@ from typing import Any
 
 import pytest
 
-from planner.commands.bench_crossover import (
+from planner.commands.cli import main
+from planner.contracts.pairing import PairingPlan
+from planner.platform import launch
+from planner.sessions.bench_crossover import (
     CrossoverBenchConfig,
     CrossoverJob,
     JobRun,
     print_crossover_bench,
     summarise_crossover,
 )
-from planner.commands.cli import main
-from planner.contracts.pairing import PairingPlan
-from planner.platform import launch
 from planner.strategies.gradients import make_plan
 from planner.types import Strategy
 from tests import pool

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.commands.bench import plan_tag
 from planner.commands.cli import main
+from planner.sessions.bench import plan_tag
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
 from planner.tasks import NORM_SAMPLES, TOKEN_LABELS, build_task
 from planner.types import PlannerError
@@ -102,7 +102,7 @@ def test_bench_runs_every_variant_to_the_target(tmp_path: Path, capsys: pytest.C
 def test_bench_target_runs_top_k_plans_with_the_density_warmup(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """`--density-warmup START,STEPS` reaches the top-k plans' exchange; DDP and its hooks run without it."""
-    from planner.commands.bench import sgd_as_advised
+    from planner.sessions.bench import sgd_as_advised
     from planner.types import Strategy
     from tests.test_runtime import make_plan
 
@@ -173,7 +173,7 @@ def test_bench_target_runs_a_budgeted_plan_inside_ddp_static_and_adaptive(tmp_pa
 def test_the_table_gives_each_prediction_with_its_interval(capsys: pytest.CaptureFixture[str]) -> None:
     """Each row's predicted step comes with the interval its plan gives it (the plan's own, and DDP's and the hooks'
     from the plan's verdict), in the table and in --json."""
-    from planner.commands.bench_target import TargetBenchConfig, TargetRun, print_target_bench
+    from planner.sessions.bench_target import TargetBenchConfig, TargetRun, print_target_bench
     from planner.strategies.intervals import with_intervals
     from planner.types import Compressor
     from tests.factories import with_samples
@@ -244,7 +244,7 @@ def test_density_warmup_must_start_above_the_top_k_plans_density(tmp_path: Path,
 def test_snapshots_stay_within_their_cap_and_evenly_spaced() -> None:
     """A run far longer than the cap allows keeps at most `cap` snapshots, the first one and evenly spaced ones
     (the time-to-target bench once held every copy of an LSTM and the kernel killed it at 23 GB)."""
-    from planner.commands.bench_target import _Snapshots, snapshot_cap
+    from planner.sessions.bench_target import _Snapshots, snapshot_cap
 
     snaps = _Snapshots(cap=8, min_interval_s=1.0)
     state = {"w": torch.zeros(3)}

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import planner.runtime.exchange
-from planner.commands.pair import make_pairing
 from planner.contracts.layers import gradient_layers
 from planner.contracts.pairing import PairingJob, PairingPlan
 from planner.contracts.plan import Plan, Prediction
@@ -27,6 +26,7 @@ from planner.costmodel.problem import groups_for
 from planner.platform.launch import run_distributed, run_jobs
 from planner.runtime import GradientExchange
 from planner.runtime.crossover import ProbeSchedule
+from planner.sessions.pair import make_pairing
 from planner.types import DistributedError, PlanMismatchError, PlannerFileError, Strategy
 from tests.factories import plan_with_groups
 from tests.pool import run_warm

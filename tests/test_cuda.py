@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from planner.commands.bench import LOCAL, BenchConfig, bench_backend, refuse_gpu_plans, run_bench
-from planner.commands.bench_kfac import KFACBenchConfig, run_kfac_bench
 from planner.contracts.plan import Plan
 from planner.platform.launch import check_gpus, run_distributed
 from planner.runtime import GradientExchange, KFACPreconditioner
+from planner.sessions.bench import LOCAL, BenchConfig, bench_backend, refuse_gpu_plans, run_bench
+from planner.sessions.bench_kfac import KFACBenchConfig, run_kfac_bench
 from planner.types import DistributedError, InverseMethod, PlanMismatchError, Strategy
 from tests.factories import synthetic_kfac_plan, synthetic_plan
 from tests.test_kfac_runtime import DAMPING, LR, SKIP, build_knet, full_batch

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from planner.commands.bench_kfac import FACTOR_HOOKS, FACTOR_HOOKS_STRATEGY
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.models import Workload
+from planner.sessions.bench_kfac import FACTOR_HOOKS, FACTOR_HOOKS_STRATEGY
 from planner.strategies.kfac import LOCAL_KFAC
 from planner.types import Collective, Strategy
 

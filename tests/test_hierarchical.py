@@ -384,7 +384,7 @@ def test_a_two_host_profile_gives_the_what_if_model_its_links_per_level(tmp_path
 
 
 def test_the_bench_names_a_multi_host_plan_by_how_its_groups_cross_hosts() -> None:
-    from planner.commands.bench import bench_variants, plan_tag
+    from planner.sessions.bench import bench_variants, plan_tag
 
     profile = _two_host_profile()
     best = make_plan(profile, Strategy.DENSE, solver=PerLayer())

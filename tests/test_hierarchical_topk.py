@@ -16,9 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.commands.bench import plan_tag
 from planner.commands.cli import main
-from planner.commands.report import gantt_lanes
 from planner.contracts.plan import Plan
 from planner.contracts.profile import FittedCurve, HostTiming, HostTopk, Profile
 from planner.costmodel.costs import AffineCost
@@ -30,6 +28,8 @@ from planner.kernels.hierarchical import HostGroups
 from planner.kernels.topk import all_gather_flat
 from planner.models import Workload
 from planner.profilers.comm import host_union_ratio, measure_host_topk, measure_union_ratios, overlapping_picks
+from planner.sessions.bench import plan_tag
+from planner.sessions.report import gantt_lanes
 from planner.solvers.mixed import MixedParetoDP
 from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, make_plan
 from planner.strategies.mixed import explain, make_mixed_plan, parse_compressors, plan_choice
@@ -379,8 +379,8 @@ def test_the_bench_reports_the_union_training_sent_beside_the_one_the_profile_me
         capsys: pytest.CaptureFixture[str]) -> None:
     from types import SimpleNamespace
 
-    from planner.commands.bench import BenchResult, measured_union
     from planner.commands.printing import print_bench, print_profile
+    from planner.sessions.bench import BenchResult, measured_union
 
     groups = [SimpleNamespace(k=100), SimpleNamespace(k=None), SimpleNamespace(k=300)]
     fake = SimpleNamespace(plan=SimpleNamespace(groups=groups),

@@ -323,7 +323,7 @@ def test_the_runtime_and_ddp_are_calibrated_in_real_steps_on_two_processes() -> 
 
 
 def test_machine_drift_compares_the_local_steps_with_the_profile() -> None:
-    from planner.commands.bench import LOCAL, BenchResult, machine_drift
+    from planner.sessions.bench import LOCAL, BenchResult, machine_drift
 
     def row(name: str, median: float, predicted: float | None) -> BenchResult:
         return BenchResult.from_samples(name, "x", [median], steps=1, predicted_s=predicted, reference="ddp")
@@ -334,9 +334,9 @@ def test_machine_drift_compares_the_local_steps_with_the_profile() -> None:
 
 
 def test_the_bench_notes_factor_hooks_that_ran_apart_from_the_profile(capsys: pytest.CaptureFixture[str]) -> None:
-    from planner.commands.bench import BenchResult
-    from planner.commands.bench_kfac import FACTOR_HOOKS, FACTOR_HOOKS_STRATEGY
     from planner.commands.printing import print_bench
+    from planner.sessions.bench import BenchResult
+    from planner.sessions.bench_kfac import FACTOR_HOOKS, FACTOR_HOOKS_STRATEGY
 
     def rows(hooks_s: float) -> list[BenchResult]:
         plan = BenchResult.from_samples("plan", "kfac", [0.7], steps=3, predicted_s=0.6, reference="plan")

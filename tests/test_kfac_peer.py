@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.commands.bench_kfac import LAYOUT_ROWS, PEER_REFERENCE, peer_variants
+from planner.sessions.bench_kfac import LAYOUT_ROWS, PEER_REFERENCE, peer_variants
 
 
 def test_one_row_per_distinct_gradient_worker_fraction() -> None:
@@ -23,7 +23,7 @@ def test_one_row_per_distinct_gradient_worker_fraction() -> None:
 
 def test_the_real_library_runs_beside_the_layouts() -> None:
     pytest.importorskip("kfac.preconditioner", reason="kfac-pytorch is installed in the bench environment only")
-    from planner.commands.bench_kfac import KFACBenchConfig, run_kfac_bench
+    from planner.sessions.bench_kfac import KFACBenchConfig, run_kfac_bench
     from planner.strategies.kfac import make_kfac_plan
     from tests.factories import synthetic_profile
 

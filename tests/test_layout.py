@@ -93,7 +93,8 @@ def test_the_import_graph_has_no_circle() -> None:
 #: runtime run (`kernels/`), and the platform (`platform/`: launching workers, the emulated link, timing).
 #: The contracts hold the files' data and its checks; the cost model reads them and does the arithmetic; the solvers
 #: search its problems; the strategies turn a profile into a plan. The profilers measure; the runtime runs a plan and,
-#: as training goes or on attach, re-probes (profilers) and re-solves (strategies); the commands sit on top, with
+#: as training goes or on attach, re-probes (profilers) and re-solves (strategies); the sessions do what a command
+#: does (profile, bench, tune, pair, report); the commands parse flags, call one session and print, with
 #: `python -m planner` (`__main__`) their entry point.
 MAY_IMPORT = {
     "base": set(),
@@ -105,7 +106,11 @@ MAY_IMPORT = {
     "testing": {"base", "contracts", "costmodel", "solvers"},
     "profilers": {"base", "contracts", "costmodel"},
     "runtime": {"base", "contracts", "costmodel", "solvers", "strategies", "profilers"},
-    "commands": {"base", "contracts", "costmodel", "solvers", "strategies", "testing", "profilers", "runtime"},
+    # What each command does as a library call: the profiling session (it times the runtime's own work, so it sits
+    # above the runtime), the benches, the trials, the study, the pairing, the report and the solvers' timing.
+    "sessions": {"base", "contracts", "costmodel", "solvers", "strategies", "testing", "profilers", "runtime"},
+    "commands": {"base", "contracts", "costmodel", "solvers", "strategies", "testing", "profilers", "runtime",
+                 "sessions"},
 }
 #: The folders of `planner/` (and the two top-level folders installed into it) that are not layers of their own.
 BASE_FOLDERS = {"kernels", "platform"}

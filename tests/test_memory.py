@@ -89,7 +89,7 @@ def test_peak_memory_round_trips_is_checked_and_shown(tmp_path: Path, capsys: py
 @linux
 def test_a_profile_that_cannot_fit_is_refused_before_it_starts(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import planner.commands.profile as profile_cmd
+    import planner.sessions.profile as profile_cmd
 
     out = tmp_path / "p.json"
     # An MLP of 1.6 MB of parameters on 2 workers needs (7 + 2) copies each: refused with 20 MB available.

@@ -225,8 +225,8 @@ def test_auto_says_when_ddp_is_predicted_faster_than_every_plan(capsys: pytest.C
 def test_the_bench_of_a_mixed_plan_alone_has_a_local_row_predicted_as_a_dense_plans() -> None:
     """The local steps (no communication) tell how far the machine moved since the profile; a mixed plan's DDP
     row holds the same forward + backward + update as a dense plan of the profile."""
-    from planner.commands.bench import LOCAL, bench_variants, local_prediction
     from planner.models import build_workload
+    from planner.sessions.bench import LOCAL, bench_variants, local_prediction
     from planner.strategies.gradients import make_plan
 
     profile = synthetic_profile("mlp")

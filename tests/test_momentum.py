@@ -449,7 +449,7 @@ def test_old_state_without_velocities_loads_as_zeros() -> None:
 
 def test_bench_runs_top_k_plans_as_the_readme_advises_and_the_rest_with_optimizer_momentum() -> None:
     """`planner bench` and the time-to-target bench time what a user following "Top-k with momentum" runs."""
-    from planner.commands.bench import sgd_as_advised
+    from planner.sessions.bench import sgd_as_advised
 
     model = tiny_mlp()
     opt, exchange = sgd_as_advised(model, make_plan(model, "single", Strategy.TOPK, 0.1, world_size=1), lr=0.1,

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from planner.commands.bench import auto_tag, bench_variants, file_labels, plan_labels, plan_tag
 from planner.commands.cli import main
 from planner.commands.printing import comm_frame, layers_frame, print_plan
 from planner.contracts.plan import Plan
 from planner.costmodel.curves import fit_curve
 from planner.models import build_workload
+from planner.sessions.bench import auto_tag, bench_variants, file_labels, plan_labels, plan_tag
 from planner.strategies.gradients import make_plan
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
 from planner.types import Strategy
@@ -226,7 +226,7 @@ def test_profile_prints_its_summary_where_it_wrote_and_what_to_run_next(tmp_path
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """`planner profile` without measuring: the summary, where it wrote the profile and the next command; with
     --verbose, the details too."""
-    import planner.commands.profile as profile_module
+    import planner.sessions.profile as profile_module
 
     prof = with_samples(measured_profile("mlp"))
     monkeypatch.setattr(profile_module, "run_profile", lambda config: prof)

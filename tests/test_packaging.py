@@ -115,8 +115,8 @@ def test_a_built_wheel_installs_the_planner_package_alone(tmp_path: Path) -> Non
 def test_a_training_job_and_a_commands_workers_import_no_table_solver_or_tuning_library() -> None:
     """The runtime a training job imports, and the modules a command's workers import, load none of pandas,
     matplotlib, optuna, pulp or ortools: each costs every worker start and every training job its import time."""
-    code = ("import json, sys; import planner.runtime, planner.commands.cli, planner.commands.profile, "
-            "planner.commands.bench; print(json.dumps(sorted(m for m in ('pandas', 'matplotlib', 'optuna', 'pulp', "
+    code = ("import json, sys; import planner.runtime, planner.commands.cli, planner.sessions.profile, "
+            "planner.sessions.bench; print(json.dumps(sorted(m for m in ('pandas', 'matplotlib', 'optuna', 'pulp', "
             "'ortools') if m in sys.modules)))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

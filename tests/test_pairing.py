@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.commands.cli import main
-from planner.commands.pair import job_names, load_job_plan, make_pairing, parse_batch
 from planner.contracts.pairing import (
     JobPhases,
     JobPrediction,
@@ -30,6 +29,7 @@ from planner.contracts.pairing import (
 )
 from planner.contracts.plan import Plan
 from planner.costmodel.crossover import alone, muri_period, simulate_pair
+from planner.sessions.pair import job_names, load_job_plan, make_pairing, parse_batch
 from planner.solvers.pairing import Pairing, best_pairing, pairing_period
 from planner.strategies.gradients import make_plan
 from planner.types import PlanMismatchError, PlannerError, SchemaError, SolverError, Strategy

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner.solvers.placement as placement_module
-from planner.commands.solver_bench import time_placement
+from planner.sessions.solver_bench import time_placement
 from planner.solvers.placement import (
     PLACEMENT_BASELINES,
     PLACEMENT_SOLVERS,

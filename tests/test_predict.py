@@ -13,7 +13,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.commands.pair import make_pairing
 from planner.contracts.kfac import KFACSection
 from planner.contracts.layers import plan_grouping
 from planner.contracts.pairing import PairingJob
@@ -22,6 +21,7 @@ from planner.contracts.profile import Profile, WorkerThroughput
 from planner.costmodel.curves import fit_curve
 from planner.costmodel.from_profile import gradient_problem, mixed_problem
 from planner.costmodel.problem import groups_of
+from planner.sessions.pair import make_pairing
 from planner.solvers import DenseDP, TopkParetoDP
 from planner.solvers.fusion import FusionDP
 from planner.solvers.mixed import MixedParetoDP

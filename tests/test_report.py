@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from planner.commands.report import (
+from planner.contracts.layers import plan_grouping
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
+from planner.costmodel.from_profile import gradient_problem
+from planner.costmodel.simulator import timeline
+from planner.sessions.report import (
     MAX_WORKER_LANES,
     Bar,
     ReportFiles,
@@ -21,11 +26,6 @@ from planner.commands.report import (
     scaling_figure,
     write_report,
 )
-from planner.contracts.layers import plan_grouping
-from planner.contracts.plan import Plan
-from planner.contracts.profile import Profile
-from planner.costmodel.from_profile import gradient_problem
-from planner.costmodel.simulator import timeline
 from planner.solvers.layout import layout_timelines
 from planner.strategies.kfac import factor_step_timeline, kfac_problem, section_layout
 from planner.types import PlanMismatchError, PlannerError, SchemaError, Strategy

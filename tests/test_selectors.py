@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import planner.kernels.topk as compress
-from planner.commands.bench import per_layer_plan
 from planner.commands.cli import main
 from planner.contracts.plan import SELECTORS as PLAN_SELECTORS
 from planner.contracts.plan import Plan
@@ -30,6 +29,7 @@ from planner.kernels.topk import SELECTORS, select_topk
 from planner.models import build_workload
 from planner.profilers.topk import measure_topk
 from planner.runtime.ddp_hooks import TopkHookState
+from planner.sessions.bench import per_layer_plan
 from planner.strategies.gradients import make_plan
 from planner.strategies.retune import retune_plan
 from planner.types import InvalidProfileError, SchemaError, Strategy

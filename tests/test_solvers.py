@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.commands.solver_bench import time_solvers
 from planner.costmodel.costs import AffineCost, CostModel, PiecewiseLinearCost, ScaledCost
 from planner.costmodel.problem import GradientProblem, Grouping, topk_count, topk_count_many
 from planner.costmodel.simulator import simulate, validate_grouping
+from planner.sessions.solver_bench import time_solvers
 from planner.solvers import (
     BASELINES,
     DenseDP,

@@ -15,7 +15,14 @@ import torch
 from optuna.trial import TrialState
 from torch import nn
 
-from planner.commands.tune import (
+from planner.contracts.kfac import kfac_layers
+from planner.contracts.layers import gradient_layers
+from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
+from planner.costmodel.curves import corrected
+from planner.models import Workload, build_workload
+from planner.runtime import GradientExchange
+from planner.sessions.tune import (
     MB,
     TuneConfig,
     TuneSpace,
@@ -26,13 +33,6 @@ from planner.commands.tune import (
     suggest_params,
     untuned_params,
 )
-from planner.contracts.kfac import kfac_layers
-from planner.contracts.layers import gradient_layers
-from planner.contracts.plan import Plan
-from planner.contracts.profile import Profile
-from planner.costmodel.curves import corrected
-from planner.models import Workload, build_workload
-from planner.runtime import GradientExchange
 from planner.solvers import DenseDP
 from planner.strategies.gradients import make_plan
 from planner.strategies.kfac import make_kfac_plan

@@ -325,8 +325,8 @@ def test_plan_files_validate_intervals_and_verdicts_and_older_plans_still_load()
 
 
 def test_the_bench_marks_measurements_inside_their_predicted_interval() -> None:
-    from planner.commands.bench import BenchResult, bench_variants
     from planner.models import build_workload
+    from planner.sessions.bench import BenchResult, bench_variants
 
     row = BenchResult.from_samples("x", "dense", [0.10, 0.11, 0.12], steps=3, predicted_s=0.1, reference="ddp")
     assert row.inside is None
@@ -357,8 +357,8 @@ def test_statistic_intervals_are_deterministic_and_a_single_sample_is_its_own() 
 
 # -- quick profiles and progress in logs -------------------------------------------------------------------------
 def test_quick_sets_fewer_repeats_and_flags_override_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import planner.commands.profile as profile_module
-    from planner.commands.profile import QUICK_EFFORT
+    import planner.sessions.profile as profile_module
+    from planner.sessions.profile import QUICK_EFFORT
 
     seen = []
 
@@ -429,8 +429,8 @@ def test_a_kfac_plan_gets_intervals_and_is_weighed_against_the_reference_layouts
 
 
 def test_the_bench_predicts_a_hook_no_plan_prints_from_the_verdict_that_weighed_it() -> None:
-    from planner.commands.bench import bench_variants
     from planner.models import build_workload
+    from planner.sessions.bench import bench_variants
     from planner.strategies.auto import solve_auto
 
     prof = with_samples(measured_profile("mlp"))
@@ -444,8 +444,8 @@ def test_the_bench_predicts_a_hook_no_plan_prints_from_the_verdict_that_weighed_
 
 
 def test_the_bench_runs_the_ddp_hook_a_verdict_weighed_with_its_selector() -> None:
-    from planner.commands.bench import bench_variants
     from planner.models import build_workload
+    from planner.sessions.bench import bench_variants
     from planner.strategies.auto import solve_auto
 
     prof = with_samples(measured_profile("mlp"))
@@ -462,8 +462,8 @@ def test_the_bench_runs_the_ddp_hook_a_verdict_weighed_with_its_selector() -> No
 def test_a_mixed_table_predicts_the_ddp_topk_hook_as_its_verdict_weighs_it_and_the_bench_runs_it() -> None:
     """The DDP top-k hook is one row: in a mixed plan's table, in its verdict and in the bench, with the selector the
     profile predicts faster for it (here sampled, made 10x cheaper), whatever the plan's own groups select with."""
-    from planner.commands.bench import bench_variants
     from planner.models import build_workload
+    from planner.sessions.bench import bench_variants
     from planner.strategies.intervals import with_intervals
     from planner.strategies.mixed import make_mixed_plan
 

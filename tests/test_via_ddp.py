@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from planner.commands.bench import bench_variants, via_ddp_notes
 from planner.commands.cli import main
 from planner.contracts.plan import VIA_DDP_ROW, Plan
 from planner.contracts.profile import Calibration, InSitu, Profile
 from planner.models import build_workload
+from planner.sessions.bench import bench_variants, via_ddp_notes
 from planner.strategies.abs import make_abs_plan
 from planner.strategies.gradients import make_plan
 from planner.strategies.intervals import with_intervals
@@ -173,8 +173,8 @@ def test_bench_variants_run_inside_ddp_only_what_planhook_runs() -> None:
 
 def test_demo_line_says_which_way_and_measures_the_plan_run_that_way() -> None:
     """The demo's last line: the plan kept, the way to run it, and the bench's row of the plan run that way."""
-    from planner.commands.bench import BenchResult
     from planner.commands.demo import verdict_against_bench
+    from planner.sessions.bench import BenchResult
 
     profile = _packing(1.0)
     plan = with_intervals(make_plan(profile, Strategy.DENSE), profile)

@@ -1,5 +1,5 @@
 """`planner bench`: its arguments, checked and handed to the bench of each `--strategy`
-(`planner.commands.bench`, bench_kfac, bench_abs, bench_target, bench_crossover)."""
+(`planner.sessions.bench`, bench_kfac, bench_abs, bench_target, bench_crossover)."""
 
 from __future__ import annotations
 
@@ -106,9 +106,9 @@ class BenchCommand(Command):
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.commands.bench import BenchConfig, file_labels, run_bench, via_ddp_notes
         from planner.contracts.plan import Plan
         from planner.platform.launch import under_torchrun
+        from planner.sessions.bench import BenchConfig, file_labels, run_bench, via_ddp_notes
 
         crossover_only = [flag for flag, value in (("--pairing", args.pairing), ("--gate-dir", args.gate_dir),
                                                    ("--probe-window", args.probe_window))
@@ -175,8 +175,8 @@ class BenchCommand(Command):
 
     @staticmethod
     def _run_to_target(args: argparse.Namespace, plans: tuple) -> int:
-        from planner.commands.bench import file_labels
-        from planner.commands.bench_target import (
+        from planner.sessions.bench import file_labels
+        from planner.sessions.bench_target import (
             TASK_SAMPLES,
             TargetBenchConfig,
             print_target_bench,
@@ -218,14 +218,14 @@ class BenchCommand(Command):
 
     @staticmethod
     def _run_crossover(args: argparse.Namespace) -> int:
-        from planner.commands.bench_crossover import (
+        from planner.contracts.pairing import PairingPlan, check_job_plan
+        from planner.platform.launch import under_torchrun
+        from planner.sessions.bench_crossover import (
             CrossoverBenchConfig,
             CrossoverJob,
             print_crossover_bench,
             run_crossover_bench,
         )
-        from planner.contracts.pairing import PairingPlan, check_job_plan
-        from planner.platform.launch import under_torchrun
 
         if args.pairing is None:
             raise PlannerError("--strategy crossover needs --pairing P: the pairing plan of two jobs, from `planner "
@@ -276,7 +276,7 @@ class BenchCommand(Command):
 
     @staticmethod
     def _run_abs(args: argparse.Namespace, plans: tuple) -> int:
-        from planner.commands.bench_abs import ABSBenchConfig, print_abs_bench, run_abs_bench
+        from planner.sessions.bench_abs import ABSBenchConfig, print_abs_bench, run_abs_bench
 
         plan = BenchCommand._one_plan(args, plans, ABS, "ABS", "abs --global-batch B")
         given = {k: v for k, v in (("samples", args.samples), ("repeats", args.repeats),
@@ -299,7 +299,7 @@ class BenchCommand(Command):
 
     @staticmethod
     def _run_kfac(args: argparse.Namespace, plans: tuple) -> int:
-        from planner.commands.bench_kfac import KFACBenchConfig, run_kfac_bench
+        from planner.sessions.bench_kfac import KFACBenchConfig, run_kfac_bench
 
         plan = BenchCommand._one_plan(args, plans, KFAC, "K-FAC", KFAC)
         peers = (args.peers or "kfac-pytorch").strip()
@@ -334,7 +334,7 @@ def _density_warmup(text: str) -> tuple[float, int]:
 
 def _peers(text: str | None) -> tuple:
     """`--peers`: the DDP hooks to run (fp16, powersgd:R), the default ones when not given, none for none."""
-    from planner.commands.bench import DEFAULT_PEERS
+    from planner.sessions.bench import DEFAULT_PEERS
     from planner.types import Compressor, CompressorKind
 
     if text is None:

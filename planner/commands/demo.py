@@ -54,9 +54,9 @@ class DemoCommand(Command):
         _add_slowdown(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.commands.bench import BenchConfig, auto_tag, plan_labels, run_bench, via_ddp_notes
-        from planner.commands.profile import DEFAULT_EFFORT, QUICK_EFFORT, ProfileConfig, run_profile
         from planner.models import build_workload
+        from planner.sessions.bench import BenchConfig, auto_tag, plan_labels, run_bench, via_ddp_notes
+        from planner.sessions.profile import DEFAULT_EFFORT, QUICK_EFFORT, ProfileConfig, run_profile
         from planner.strategies.auto import ddp_predictions, solve_auto
         from planner.strategies.mixed import parse_compressors
 
@@ -141,8 +141,8 @@ def verdict_against_bench(plan: Any, results: list[Any], label: str | None = Non
     (`way`: `planner.strategies.via_ddp.DDP_WAY` inside DDP, else in GradientExchange; None: not said) and what
     the bench then measured for it, run that way, and for the alternative, with the predictions beside them.
     `label`: the plan's row in the bench (default the bench's name of it alone, `plan_labels`)."""
-    from planner.commands.bench import plan_labels, via_ddp_label
     from planner.contracts.plan import VIA_DDP_ROW
+    from planner.sessions.bench import plan_labels, via_ddp_label
     from planner.strategies.intervals import ddp_label
     from planner.strategies.via_ddp import DDP_WAY
 

@@ -1,4 +1,4 @@
-"""`planner pair`: its arguments, handed to `planner.commands.pair`, which pairs the jobs."""
+"""`planner pair`: its arguments, handed to `planner.sessions.pair`, which pairs the jobs."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class PairCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="the pairing plan to write")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.commands.pair import run_pair
+        from planner.sessions.pair import run_pair
 
         run_pair(args.plans, args.batch, args.output)
         return 0

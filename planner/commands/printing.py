@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from planner.console import console, err_console
+from planner.platform.memory import gib
 from planner.types import Strategy
 
 if TYPE_CHECKING:
@@ -21,11 +22,6 @@ if TYPE_CHECKING:
     from planner.contracts.plan import Plan, PlanError
     from planner.contracts.profile import Collective, Profile
     from planner.strategies.auto import AutoChoice
-
-
-def gib(n_bytes: float) -> str:
-    """Bytes as GiB with two decimals ("1.25 GiB")."""
-    return f"{n_bytes / 2**30:.2f} GiB"
 
 
 def _ms(seconds: float) -> str:
@@ -396,8 +392,8 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
         counted = [r.inside for r in results if getattr(r, "inside", None) is not None]
         console.print(f"{sum(counted)} of {len(counted)} measured medians fall inside their predictions' intervals "
                       "(the profile's noise, resampled; the machine's drift since the profile is not in them)")
-    from planner.commands.bench import LOCAL, machine_drift
-    from planner.commands.bench_kfac import FACTOR_HOOKS_STRATEGY
+    from planner.sessions.bench import LOCAL, machine_drift
+    from planner.sessions.bench_kfac import FACTOR_HOOKS_STRATEGY
     from planner.strategies.kfac import LOCAL_KFAC
 
     for r in results:

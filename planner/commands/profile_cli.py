@@ -1,4 +1,4 @@
-"""`planner profile`: its arguments, checked and handed to `planner.commands.profile`, which measures."""
+"""`planner profile`: its arguments, checked and handed to `planner.sessions.profile`, which measures."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ class ProfileCommand(Command):
     help = "measure per-layer compute, collectives and top-k costs on N workers; write a profile"
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
-        from planner.commands.profile import DEFAULT_EFFORT, DEFAULT_LAYER_SECONDS, QUICK_EFFORT
         from planner.models import DEFAULT_MODEL
         from planner.profilers.layers import MAX_LAYER_REPEATS
+        from planner.sessions.profile import DEFAULT_EFFORT, DEFAULT_LAYER_SECONDS, QUICK_EFFORT
 
         parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name or package.module:factory")
         parser.add_argument("--batch-size", type=_positive, default=None, help="per-worker batch (model default)")
@@ -76,14 +76,14 @@ class ProfileCommand(Command):
                                  "throughput), not only the summary; later: planner show PROFILE --details")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.commands.profile import (
+        from planner.contracts.profile import Profile
+        from planner.sessions.profile import (
             DEFAULT_EFFORT,
             QUICK_EFFORT,
             ProfileConfig,
             run_profile,
             skipped_topk_densities,
         )
-        from planner.contracts.profile import Profile
 
         if args.kfac_skip is not None:
             if not args.kfac:

@@ -1,4 +1,4 @@
-"""`planner report`: its arguments, checked and handed to `planner.commands.report`, which draws the pictures."""
+"""`planner report`: its arguments, checked and handed to `planner.sessions.report`, which draws the pictures."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ class ReportCommand(Command):
                             help="`planner bench --json` output for the predicted-vs-measured picture")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.commands.report import read_bench_json, write_report
         from planner.contracts.plan import Plan
+        from planner.sessions.report import read_bench_json, write_report
         from planner.strategies.cluster import parse_cluster, parse_world_sizes, scaling_table
         from planner.strategies.retune import load_source_profile
 

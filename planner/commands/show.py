@@ -58,7 +58,7 @@ class ShowCommand(Command):
         elif kind == PROFILE_KIND:
             print_profile(Profile.load(args.file), details=args.details)
         elif kind == TRIALS_KIND:
-            from planner.commands.trial import print_trials
+            from planner.sessions.trial import print_trials
 
             print_trials(Trials.load(args.file))
         else:

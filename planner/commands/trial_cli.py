@@ -1,4 +1,4 @@
-"""`planner trial`: its arguments, checked and handed to `planner.commands.trial`."""
+"""`planner trial`: its arguments, checked and handed to `planner.sessions.trial`."""
 
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ class TrialCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="trials file to write")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.commands.bench_target import TASK_SAMPLES
-        from planner.commands.trial import TrialConfig, print_trials, run_trials, trial_compressors
         from planner.contracts.jsonio import check_output_path
         from planner.contracts.profile import Profile
         from planner.contracts.trials import DEFAULT_TOLERANCE
+        from planner.sessions.bench_target import TASK_SAMPLES
+        from planner.sessions.trial import TrialConfig, print_trials, run_trials, trial_compressors
         from planner.strategies.mixed import parse_compressors
         from planner.tasks import default_task
         from planner.types import PlannerError

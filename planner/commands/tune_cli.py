@@ -1,4 +1,4 @@
-"""`planner tune`: its arguments, checked and handed to `planner.commands.tune`, which runs the study."""
+"""`planner tune`: its arguments, checked and handed to `planner.sessions.tune`, which runs the study."""
 
 from __future__ import annotations
 
@@ -88,9 +88,9 @@ class TuneCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="tuned plan file to write")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.commands.tune import TuneConfig, TuneSpace, check_study_file, run_tune, same_decisions
         from planner.contracts.profile import Profile
         from planner.platform.launch import under_torchrun
+        from planner.sessions.tune import TuneConfig, TuneSpace, check_study_file, run_tune, same_decisions
 
         if args.density is not None and args.strategy != Strategy.TOPK.value:
             raise PlannerError("--density applies to --strategy topk only")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import gc
 
-__all__ = ["PhaseMemory", "available_bytes", "peak_rss_bytes", "reset_peak", "rss_bytes", "steady_allocator"]
+__all__ = ["PhaseMemory", "available_bytes", "gib", "peak_rss_bytes", "reset_peak", "rss_bytes", "steady_allocator"]
 
 #: glibc's mallopt parameters (malloc.h) and the values its dynamic thresholds grow to on 64-bit Linux.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -94,3 +94,8 @@ class PhaseMemory:
             self.peaks[self._current] = max(peak, self.peaks.get(self._current, 0))
         self._current = None
         gc.collect()
+
+
+def gib(n_bytes: float) -> str:
+    """Bytes as GiB with two decimals ("1.25 GiB")."""
+    return f"{n_bytes / 2**30:.2f} GiB"

@@ -3,7 +3,7 @@
 solvers on small instances (`brute_force`).
 
 The layer above the solvers: it imports the solvers, the cost model and below; in the package only the commands
-import it (the solver benchmark's engine, `planner.commands.solver_bench`).
+import it (the solver benchmark's engine, `planner.sessions.solver_bench`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Random but realistic instances of the solvers' problems, reproducible from a seed: what the tests check the
-solvers on, and what `planner bench-solvers` times them on (`planner.commands.solver_bench`).
+solvers on, and what `planner bench-solvers` times them on (`planner.sessions.solver_bench`).
 
 - `random_problem`: gradient grouping (`GradientProblem`, either strategy), made up but shaped like real ones:
   layer sizes spread over four decades, backward time roughly proportional to size, collectives with a start-up

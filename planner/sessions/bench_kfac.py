@@ -55,13 +55,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.commands.bench import LOCAL, BenchResult, bench_backend, local_prediction, slowest_rank, timed_step
 from planner.console import err_console, progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.kfac import KFACSection
 from planner.contracts.plan import Plan
 from planner.models import build_workload
 from planner.platform.hosts import count_hosts
+from planner.sessions.bench import LOCAL, BenchResult, bench_backend, local_prediction, slowest_rank, timed_step
 from planner.strategies.kfac import LOCAL_KFAC, PLAN_EVERYONE, reference_sections
 from planner.types import InverseMethod, PlanMismatchError
 

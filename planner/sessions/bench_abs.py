@@ -319,8 +319,8 @@ def run_abs_bench(config: ABSBenchConfig) -> list[ABSRun] | None:
         if unslowed:
             raise PlannerError(f"--speed-change names rank(s) {unslowed} that --slowdown does not slow; a worker "
                                "changes speed from a --slowdown (e.g. --slowdown 1=1.5 --speed-change 1=3)")
-    from planner.commands.bench import refuse_gpu_plans
     from planner.platform.launch import run_job, under_torchrun
+    from planner.sessions.bench import refuse_gpu_plans
 
     refuse_gpu_plans([plan], "--strategy abs")
     plan.check_compatible(model_info(build_workload(config.model).module, config.model), config.nproc,

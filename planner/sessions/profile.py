@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from rich.progress import Progress, TaskID
 
-from planner.commands.printing import gib
 from planner.console import progress
 from planner.contracts.errors import CompressionErrors
 from planner.contracts.fingerprint import model_info
@@ -35,7 +34,7 @@ from planner.models import Workload, build_workload
 from planner.platform.hosts import host_names, ranks_by_host
 from planner.platform.launch import device_for, resolve_backend
 from planner.platform.link import LinkRate
-from planner.platform.memory import PhaseMemory, available_bytes
+from planner.platform.memory import PhaseMemory, available_bytes, gib
 from planner.platform.slowdown import Slowdown
 from planner.platform.timing import slowest
 from planner.profilers.comm import (

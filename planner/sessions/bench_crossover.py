@@ -269,8 +269,8 @@ def crossover_job_worker(rank: int, world_size: int, config: CrossoverBenchConfi
 
 def run_crossover_bench(config: CrossoverBenchConfig) -> list[JobRun]:
     """Every mode, round-robin, `config.repeats` times; rank 0's record of each job in each run."""
-    from planner.commands.bench import refuse_gpu_plans
     from planner.platform.launch import run_jobs
+    from planner.sessions.bench import refuse_gpu_plans
 
     refuse_gpu_plans([job.plan for job in config.jobs], "--strategy crossover")
     runs: list[JobRun] = []

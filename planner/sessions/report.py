@@ -112,7 +112,7 @@ _KNOWN_SERIES = ["ddp", "horovod", "fixed-64mb", "wfbp", "single", "mg-wfbp", "m
 #: The placement panel shows at most this many worker lanes (the busiest ones).
 MAX_WORKER_LANES = 16
 
-#: The keys of a `planner bench --json` row that `measured_figure` reads (`planner.commands.bench.BenchResult.to_dict`).
+#: The keys of a `planner bench --json` row that `measured_figure` reads (`planner.sessions.bench.BenchResult.to_dict`).
 BENCH_KEYS = ("name", "median_s", "p25_s", "p75_s", "predicted_s")
 
 _DPI = 120

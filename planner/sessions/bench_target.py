@@ -35,7 +35,12 @@ import torch
 import torch.distributed as dist
 from rich.table import Table
 
-from planner.commands.bench import (
+from planner.console import console, progress
+from planner.contracts.fingerprint import model_info
+from planner.contracts.plan import Plan
+from planner.platform.hosts import count_hosts
+from planner.platform.memory import available_bytes
+from planner.sessions.bench import (
     DEFAULT_PEERS,
     LOCAL,
     Variant,
@@ -46,11 +51,6 @@ from planner.commands.bench import (
     refuse_gpu_plans,
     sgd_as_advised,
 )
-from planner.console import console, progress
-from planner.contracts.fingerprint import model_info
-from planner.contracts.plan import Plan
-from planner.platform.hosts import count_hosts
-from planner.platform.memory import available_bytes
 from planner.tasks import Task, build_task
 from planner.types import Compressor, PlanMismatchError, PlannerError
 
@@ -94,7 +94,7 @@ class TargetBenchConfig:
     link: LinkRate | None = None
     slowdown: Slowdown | None = None
     hosts: int | None = None  # emulated hosts the local workers are spread over (`--hosts`)
-    #: The row name of each plan ("plan dense", `planner.commands.bench.plan_labels`); empty: by the plans alone.
+    #: The row name of each plan ("plan dense", `planner.sessions.bench.plan_labels`); empty: by the plans alone.
     labels: tuple[str, ...] = ()
     #: (start_density, steps) of a density warm-up for the top-k plans (`GradientExchange(density_warmup=)`);
     #: the other variants run without one. None: no warm-up.

@@ -72,8 +72,8 @@ if TYPE_CHECKING:
     import optuna
     import torch
 
-    from planner.commands.bench import BenchResult
     from planner.platform.link import LinkRate
+    from planner.sessions.bench import BenchResult
 
 __all__ = [
     "STRATEGIES",
@@ -622,7 +622,7 @@ class _Runner:
         self.batch = batch
 
     def step(self) -> float:
-        from planner.commands.bench import timed_step
+        from planner.sessions.bench import timed_step
 
         return timed_step(self.workload.module, self.workload.loss_fn, self.batch, self.opt, self.finish)
 
@@ -663,7 +663,7 @@ def _run_trial(
 ) -> tuple[bool, list[float]]:
     """Warm up and measure one plan rung by rung; rank 0 reports to `trial` (other ranks pass None) and
     broadcasts whether to prune after each rung. Returns (pruned, samples)."""
-    from planner.commands.bench import slowest_rank
+    from planner.sessions.bench import slowest_rank
 
     runner = _Runner(config, plan, batch)
     try:
@@ -694,7 +694,7 @@ def _compare(
     advance: Callable[[], None],
 ) -> list[BenchResult] | None:
     """The plans measured in interleaved round-robin blocks in the same processes; rank 0 returns the results."""
-    from planner.commands.bench import BenchResult, slowest_rank
+    from planner.sessions.bench import BenchResult, slowest_rank
 
     runners = [_Runner(config, plan, batch) for _, plan in plans]
     try:
@@ -909,11 +909,11 @@ def run_tune(config: TuneConfig) -> TuneResult | None:
         PlanMismatchError: the profile was made for another world size or model, or the study for another job.
         SolverError, SchemaError: the starting plan cannot be made from the profile.
     """
-    from planner.commands.bench import refuse_gpu_plans
     from planner.contracts.fingerprint import model_info
     from planner.contracts.kfac import kfac_layers
     from planner.models import build_workload
     from planner.platform.launch import run_job, under_torchrun
+    from planner.sessions.bench import refuse_gpu_plans
 
     profile = config.profile
     torchrun = under_torchrun()  # then the hosts are real ones: the plans' runtime reads them from host names

@@ -5,7 +5,7 @@ half-way loss.
 Each trial plan is the profile's exact mixed plan over one compressor (`make_mixed_plan(profile, [c])`: that
 compressor on every group, the groups the solver's), run in the planner's runtime as a plan is run: top-k with
 momentum in the exchange, PowerSGD and fp16 with it in the optimizer. The runs are those of `planner bench
---target-loss` (`planner.commands.bench_target`): the same initial weights and batches for every variant in a
+--target-loss` (`planner.sessions.bench_target`): the same initial weights and batches for every variant in a
 repeat, each repeat its own batches, round-robin so that a shared machine's noise falls on all alike. Each run's
 evaluation curve (the loss at each snapshot, against the samples applied) is kept. No link is emulated: what a
 trial measures, the loss after so many samples, does not depend on the network.
@@ -65,7 +65,7 @@ def run_trials(profile: Profile, config: TrialConfig) -> Trials | None:
     Raises:
         PlannerError: a bad task, samples or repeats; a compressor the profile did not measure.
     """
-    from planner.commands.bench_target import TargetBenchConfig, run_target_bench
+    from planner.sessions.bench_target import TargetBenchConfig, run_target_bench
     from planner.strategies.mixed import make_mixed_plan
     from planner.tasks import build_task
 
