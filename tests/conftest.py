@@ -7,12 +7,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from planner.platform import launch
 from tests import pool
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # `make test` runs two test processes on this machine's two cores: one thread each, as the workers have
+    # (`planner.platform.launch`). Two threads per process oversubscribe the cores: the single-process training
+    # tests of tests/test_kfac_training.py took 170 s so, 36 s with one.
+    torch.set_num_threads(1)
     config.addinivalue_line("markers", "spawns: starts its own worker processes (a link, hosts, the launcher's own "
                                        "behaviour): not on the warm workers of tests.pool")
 
