@@ -1,0 +1,124 @@
+"""The race's rule: which of a few finalists to keep, decided by measurement as the rounds come in.
+
+The finalists are timed in rounds: in each round every arm still in the race runs one block of steps (in an order
+drawn anew each round, the same on every rank), and its block time is the mean of its steps' slowest-rank times.
+Within a round the arms ran back to back on the same machine, so a round pairs them: for each ordered pair (a, b)
+the race watches the event "b's block took longer than (1 + margin) times a's" with a `HalfBet`
+(`planner.sequential`: anytime-valid, so the race may stop the round it is settled).
+
+- b is *beaten* by a once the event is settled to happen more than half the time: b's median block is slower than
+  a's by more than the margin. A beaten arm leaves the race.
+- a and b are *within the margin* of each other once each of the two events (b slower than a beyond the margin, a
+  slower than b beyond it) is settled to happen less than half the time.
+
+The race ends, after a round, on the first of:
+
+1. one arm has beaten every other arm still in the race (or is the only one left): keep it ("won");
+2. the arms still in the race are all within the margin of each other: keep the simplest of them ("tied");
+3. the budget of rounds or time is spent: keep the simplest arm not beaten ("budget").
+
+"Simplest" follows the order the arms were given in (the caller lists them simplest first: DDP, DDP with its hook,
+the plan inside DDP, the plan in GradientExchange), so that within the noise the race keeps what a user would run
+without the planner. Every test runs at alpha divided by their number (two per ordered pair), so the chance that
+any settled statement is false is at most alpha, whenever the race stops.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet
+
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "Race", "RaceDecision"]
+
+#: The practical margin: a gain below it is not worth a less simple arm (`--margin`).
+DEFAULT_MARGIN = 0.02
+#: The chance that any statement the race settles is false.
+DEFAULT_ALPHA = 0.05
+
+
+@dataclass(frozen=True)
+class RaceDecision:
+    """The arm kept, the rule that kept it ("won", "tied" or "budget"), and after how many rounds."""
+
+    kept: str
+    rule: str
+    rounds: int
+    #: The arms beaten, each with the arm that beat it first.
+    beaten: Mapping[str, str]
+
+    def describe(self) -> str:
+        why = {"won": "it beat every other arm beyond the margin",
+               "tied": "the arms left were within the margin of each other, and it is the simplest",
+               "budget": "the budget ran out, and it is the simplest arm not beaten"}[self.rule]
+        return f"kept {self.kept} after {self.rounds} round(s): {why}"
+
+
+class Race:
+    """The evidence of one race, round by round. `arms` are listed simplest first."""
+
+    def __init__(self, arms: Sequence[str], *, margin: float = DEFAULT_MARGIN, alpha: float = DEFAULT_ALPHA) -> None:
+        if len(arms) < 2 or len(set(arms)) != len(arms):
+            raise ValueError(f"a race needs two or more distinct arms, got {list(arms)}")
+        if not 0 <= margin < 1:
+            raise ValueError(f"the margin must be in [0, 1), got {margin}")
+        if not 0 < alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+        self.arms = tuple(arms)
+        self.margin = margin
+        self.alpha = alpha
+        pairs = list(itertools.permutations(self.arms, 2))
+        tests = 2 * len(pairs)
+        #: (a, b) -> the bets on "b's block is slower than (1 + margin) times a's".
+        self.slower = {pair: HalfBet(alpha / tests) for pair in pairs}
+        self.beaten: dict[str, str] = {}
+        self.rounds = 0
+        #: Each arm's block times, one per round it ran in.
+        self.blocks: dict[str, list[float]] = {arm: [] for arm in self.arms}
+
+    @property
+    def alive(self) -> tuple[str, ...]:
+        """The arms not beaten, simplest first."""
+        return tuple(arm for arm in self.arms if arm not in self.beaten)
+
+    def observe(self, blocks: Mapping[str, float]) -> None:
+        """One round: each arm still in the race and its block time (seconds)."""
+        if set(blocks) != set(self.alive):
+            raise ValueError(f"a round times every arm still in the race, {list(self.alive)}, got {list(blocks)}")
+        bad = [arm for arm, s in blocks.items() if not (math.isfinite(s) and s > 0)]
+        if bad:
+            raise ValueError(f"block times must be positive and finite, got {bad[0]}: {blocks[bad[0]]}")
+        self.rounds += 1
+        for arm, seconds in blocks.items():
+            self.blocks[arm].append(seconds)
+        for a, b in itertools.permutations(self.alive, 2):
+            self.slower[a, b].observe(blocks[b] > (1 + self.margin) * blocks[a])
+        for a, b in itertools.permutations(self.alive, 2):
+            if b not in self.beaten and a not in self.beaten and self.slower[a, b].settled(MORE_OFTEN):
+                self.beaten[b] = a
+
+    def within(self, a: str, b: str) -> bool:
+        """Whether a and b are settled to be within the margin of each other."""
+        return self.slower[a, b].settled(LESS_OFTEN) and self.slower[b, a].settled(LESS_OFTEN)
+
+    def decision(self, *, out_of_budget: bool = False) -> RaceDecision | None:
+        """The arm to keep once one of the three rules says so (None: race on)."""
+        alive = self.alive
+        winner = next((a for a in alive if all(self.slower[a, b].settled(MORE_OFTEN) for b in alive if b != a)),
+                      None)
+        if winner is not None:
+            return RaceDecision(kept=winner, rule="won", rounds=self.rounds, beaten=dict(self.beaten))
+        if all(self.within(a, b) for a, b in itertools.combinations(alive, 2)):
+            return RaceDecision(kept=alive[0], rule="tied", rounds=self.rounds, beaten=dict(self.beaten))
+        if out_of_budget:
+            return RaceDecision(kept=alive[0], rule="budget", rounds=self.rounds, beaten=dict(self.beaten))
+        return None
+
+    def ratio(self, arm: str, reference: str) -> float | None:
+        """The median over the rounds both ran in of arm's block time over reference's (None: no such round)."""
+        paired = [a / r for a, r in zip(self.blocks[arm], self.blocks[reference], strict=False)]
+        return statistics.median(paired) if paired else None

@@ -1,0 +1,97 @@
+"""The race's rule on simulated block times: anytime-valid evidence (its error rate under the null, checked after
+every round), and the three ways a race ends."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet
+from planner.strategies.race import Race
+
+
+def _ever_settles(p: float, alpha: float, rounds: int, rng: np.random.Generator) -> bool:
+    bet = HalfBet(alpha)
+    for y in rng.random(rounds) < p:
+        bet.observe(bool(y))
+        if bet.settled(MORE_OFTEN):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("p", [0.5, 0.4])
+def test_a_bet_looked_at_every_round_is_wrong_at_most_alpha_of_the_time(p: float) -> None:
+    """Under the null (the event happens at most half the time), checking after each of 300 rounds and stopping at
+    the first "settled" still says so in at most alpha of the runs (here 0.1; a fixed-sample test at 0.1 checked
+    so would say it in most runs)."""
+    rng = np.random.default_rng(0)
+    runs = 2000
+    wrong = sum(_ever_settles(p, 0.1, 300, rng) for _ in range(runs))
+    assert wrong / runs <= 0.1 + 3 * (0.1 * 0.9 / runs) ** 0.5, wrong
+
+
+def test_a_bet_settles_fast_when_the_event_always_or_never_happens() -> None:
+    always, never = HalfBet(0.001), HalfBet(0.001)
+    while not always.settled(MORE_OFTEN) and always.rounds < 40:
+        always.observe(True)
+        never.observe(False)
+    assert always.settled(MORE_OFTEN) and not always.settled(LESS_OFTEN) and always.rounds <= 20, always.rounds
+    assert never.settled(LESS_OFTEN) and not never.settled(MORE_OFTEN)
+    assert always.share == 1.0 and never.share == 0.0
+    with pytest.raises(ValueError, match="alpha"):
+        HalfBet(0.0)
+
+
+def _race(means: list[float], *, noise: float, margin: float = 0.02, alpha: float = 0.05, rounds: int = 300,
+          seed: int = 0, drift: float = 0.0) -> tuple[Race, object]:
+    """A race of arms whose block times are lognormal around `means`, sharing each round's machine drift."""
+    rng = np.random.default_rng(seed)
+    race = Race([f"arm{i}" for i in range(len(means))], margin=margin, alpha=alpha)
+    for r in range(rounds):
+        machine = np.exp(drift * np.sin(r / 7))  # slow drift, common to a round's arms
+        race.observe({arm: means[int(arm[3:])] * machine * float(np.exp(rng.normal(0, noise)))
+                      for arm in race.alive})
+        if (decision := race.decision()) is not None:
+            return race, decision
+    return race, race.decision(out_of_budget=True)
+
+
+def test_a_clearly_faster_arm_wins_and_the_slower_ones_leave() -> None:
+    race, decision = _race([1.0, 0.97, 0.85], noise=0.02, drift=0.3)
+    assert decision.kept == "arm2" and decision.rule == "won", decision
+    assert set(decision.beaten) == {"arm0", "arm1"} and decision.rounds < 60
+    assert race.ratio("arm2", "arm0") == pytest.approx(0.85, rel=0.03)
+
+
+def test_arms_within_the_margin_keep_the_simplest() -> None:
+    """A 1% gain under a 2% margin is not worth the less simple arm, though it is real."""
+    _, decision = _race([1.0, 0.99], noise=0.005, margin=0.02)
+    assert decision.kept == "arm0" and decision.rule == "tied", decision
+
+
+def test_arms_that_never_settle_keep_the_simplest_when_the_budget_is_spent() -> None:
+    """Arm 1 is faster by exactly the margin: neither beaten nor within it, until the budget runs out."""
+    _, decision = _race([1.0, 1.0 / 1.02], noise=0.03, rounds=40)
+    assert decision.rule == "budget" and decision.kept == "arm0" and decision.rounds == 40, decision
+
+
+def test_equal_arms_are_rarely_called_beaten() -> None:
+    """Three equal arms, 100 races: any arm beaten in at most alpha of the races (the union of all its tests)."""
+    wrong = 0
+    for seed in range(100):
+        race, decision = _race([1.0, 1.0, 1.0], noise=0.05, margin=0.0, rounds=60, seed=seed)
+        wrong += bool(race.beaten)
+        assert decision.kept == "arm0" or race.beaten
+    assert wrong <= 5 + 2 * (100 * 0.05) ** 0.5, wrong
+
+
+def test_bad_races_are_refused() -> None:
+    with pytest.raises(ValueError, match="two or more distinct arms"):
+        Race(["ddp"])
+    with pytest.raises(ValueError, match="margin"):
+        Race(["a", "b"], margin=1.5)
+    race = Race(["a", "b"])
+    with pytest.raises(ValueError, match="every arm still in the race"):
+        race.observe({"a": 1.0})
+    with pytest.raises(ValueError, match="positive and finite"):
+        race.observe({"a": 1.0, "b": float("nan")})
