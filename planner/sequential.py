@@ -26,9 +26,10 @@ The price: what is settled is about the median ratio of paired blocks, not their
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["LESS_OFTEN", "MORE_OFTEN", "HalfBet"]
+__all__ = ["LESS_OFTEN", "MORE_OFTEN", "HalfBet", "median_interval"]
 
 #: The directions a bet can take: that the event happens more than half the time, or less.
 MORE_OFTEN = 1
@@ -82,3 +83,24 @@ class HalfBet:
     def share(self) -> float | None:
         """How often the event happened so far (None before the first round)."""
         return self.happened / self.rounds if self.rounds else None
+
+
+def median_interval(values: Sequence[float], grid: Sequence[float], alpha: float) -> tuple[float, float]:
+    """An anytime-valid interval for the median of the distribution `values` (in the order they came) were drawn
+    from: the grid points q whose bet on "a value exceeds q" settled in neither direction lie inside. From the
+    largest q settled to be exceeded more than half the time to the smallest settled to be exceeded less; a grid's
+    end where no point is settled on that side. Every point's bet runs at alpha / len(grid), so the interval holds
+    the median with probability at least 1 - alpha, whenever one stops."""
+    points = sorted(grid)
+    if not points:
+        raise ValueError("the grid of candidate medians is empty")
+    low, high = points[0], points[-1]
+    for q in points:
+        bet = HalfBet(alpha / len(points))
+        for v in values:
+            bet.observe(v > q)
+        if bet.settled(MORE_OFTEN):
+            low = max(low, q)
+        elif bet.settled(LESS_OFTEN):
+            high = min(high, q)
+    return low, high

@@ -3,11 +3,17 @@ every round), and the three ways a race ends."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet
+from planner.commands.cli import main
+from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet, median_interval
+from planner.strategies.mixed import make_mixed_plan, parse_compressors
 from planner.strategies.race import Race
+from tests.factories import synthetic_kfac_plan, synthetic_profile
 
 
 def _ever_settles(p: float, alpha: float, rounds: int, rng: np.random.Generator) -> bool:
@@ -40,6 +46,22 @@ def test_a_bet_settles_fast_when_the_event_always_or_never_happens() -> None:
     assert always.share == 1.0 and never.share == 0.0
     with pytest.raises(ValueError, match="alpha"):
         HalfBet(0.0)
+
+
+def test_the_median_interval_holds_the_median_and_narrows() -> None:
+    """Block ratios around a median of 0.95: the interval holds it in at least 1 - alpha of 200 runs, and 80 rounds
+    narrow it to a few percent."""
+    rng = np.random.default_rng(3)
+    grid = [1 + i / 200 for i in range(-60, 61)]  # -30% .. +30% in steps of 0.5%
+    held, widths = 0, []
+    for _ in range(200):
+        ratios = 0.95 * np.exp(rng.standard_t(3, 80) * 0.02)  # heavy tails, as a shared machine's spells
+        low, high = median_interval(list(ratios), grid, alpha=0.1)
+        held += low <= 0.95 <= high
+        widths.append(high - low)
+    assert held >= 180 and float(np.median(widths)) < 0.05, (held, float(np.median(widths)))
+    with pytest.raises(ValueError, match="grid"):
+        median_interval([1.0], [], 0.1)
 
 
 def _race(means: list[float], *, noise: float, margin: float = 0.02, alpha: float = 0.05, rounds: int = 300,
@@ -95,3 +117,38 @@ def test_bad_races_are_refused() -> None:
         race.observe({"a": 1.0})
     with pytest.raises(ValueError, match="positive and finite"):
         race.observe({"a": 1.0, "b": float("nan")})
+
+
+# -- planner race: the finalists in real steps on two workers -------------------------------------------------------
+def test_planner_race_runs_the_finalists_simplest_first_and_keeps_one(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """DDP, DDP with its fp16 hook, and an fp16 plan inside DDP and in the runtime race on the same two workers until
+    the rule or the budget decides; every rank settles the same rule on the same numbers (else the workers' next
+    collective would not match)."""
+    make_mixed_plan(synthetic_profile("mlp"), parse_compressors("fp16")).save(tmp_path / "fp16.json")
+    assert main(["race", str(tmp_path / "fp16.json"), "--race-time", "2", "--block", "2", "--warmup", "1",
+                 "--peers", "fp16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    names = [a["name"] for a in result["arms"]]
+    assert names == ["ddp", "ddp+fp16", "plan mixed (fp16) via DDP", "plan mixed (fp16)"]
+    assert result["kept"] in names and result["rule"] in ("won", "tied", "budget")
+    if result["rule"] == "budget":  # the simplest arm not beaten
+        assert result["kept"] == next(a["name"] for a in result["arms"] if a["beaten_by"] is None)
+    arms = {a["name"]: a for a in result["arms"]}
+    assert arms["ddp"]["ratio_to_ddp"] == 1.0 and arms["ddp"]["rounds"] == result["rounds"] >= 1
+    for arm in result["arms"]:
+        assert arm["steps"] == 2 * arm["rounds"] and arm["median_block_s"] > 0
+        if arm["name"] != "ddp":
+            low, high = arm["interval"]
+            assert low <= high
+    assert all(arm["predicted_ratio"] > 0 for arm in result["arms"])
+    assert result["summary"].startswith("race: keep ")
+
+
+def test_planner_race_refuses_what_it_does_not_race(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    synthetic_kfac_plan("mlp").save(tmp_path / "kfac.json")
+    assert main(["race", str(tmp_path / "kfac.json")]) == 2
+    assert "is not a gradient plan" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # argparse's own refusal: one line, exit 2
+        main(["race", str(tmp_path / "kfac.json"), "--margin", "1.5"])
+    assert stop.value.code == 2 and "--margin: expected a fraction in [0, 1)" in capsys.readouterr().err

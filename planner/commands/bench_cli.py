@@ -15,8 +15,11 @@ from planner.commands.common import (
     _add_hosts,
     _add_link,
     _add_slowdown,
+    _batch_size,
     _nonnegative_float,
     _nonnegative_int,
+    _note_link_mismatch,
+    _peers,
     _positive,
     _positive_float,
     _slowdown,
@@ -330,47 +333,3 @@ def _density_warmup(text: str) -> tuple[float, int]:
     if not (0 < start <= 1 and steps >= 1):
         raise argparse.ArgumentTypeError(f"`0 < START <= 1` and `STEPS >= 1` must hold, but got {text!r}")
     return start, steps
-
-
-def _peers(text: str | None) -> tuple:
-    """`--peers`: the DDP hooks to run (fp16, powersgd:R), the default ones when not given, none for none."""
-    from planner.sessions.bench import DEFAULT_PEERS
-    from planner.types import Compressor, CompressorKind
-
-    if text is None:
-        return DEFAULT_PEERS
-    if text.strip().lower() == "none":
-        return ()
-    peers = tuple(dict.fromkeys(Compressor.parse(part) for part in text.split(",") if part.strip()))
-    wrong = [str(c) for c in peers if c.kind not in (CompressorKind.FP16, CompressorKind.POWERSGD)]
-    if wrong or not peers:
-        raise PlannerError(f"--peers lists PyTorch's DDP hooks: fp16 and powersgd:R (e.g. fp16,powersgd:4) or none, "
-                           f"but got {text!r}; the top-k hook runs for every top-k density a plan uses")
-    return peers
-
-
-def _batch_size(given: int | None, plans: tuple) -> int | None:
-    """The per-worker batch a step bench runs: `--batch-size`, else the one the plans were profiled at (what their
-    predictions are for; None: the model's default, for plans that do not record it)."""
-    recorded = sorted({p.batch_size for p in plans if p.batch_size is not None})
-    if given is not None:
-        if recorded and recorded != [given]:
-            err_console.print(f"note: --batch-size {given}, but the plans were profiled at batch "
-                              f"{', '.join(map(str, recorded))}: their predictions are for that batch")
-        return given
-    if len(recorded) > 1:
-        raise PlannerError(f"the plans were profiled at different batch sizes ({', '.join(map(str, recorded))}): "
-                           f"bench them apart, or choose one with --batch-size")
-    return recorded[0] if recorded else None
-
-
-def _note_link_mismatch(plans: tuple, link: object) -> None:
-    """Say so when a plan was made for another network than the bench runs on (its predictions assume that one)."""
-    here = getattr(link, "label", None)
-    for plan in plans:
-        if plan.cluster.link != here:
-            made = f"a {plan.cluster.link} link" if plan.cluster.link else "loopback (no --link)"
-            runs = f"a {here} link" if here else "loopback"
-            err_console.print(f"note: {plan.model.name} {plan.strategy.value} plan was made for {made}, the bench "
-                              f"runs on {runs}: its predictions are for the network it was made for")
-

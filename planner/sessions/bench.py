@@ -24,7 +24,7 @@ from planner.contracts.fingerprint import model_info
 from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import DDP_ROW, VIA_DDP_ROW, Group, Plan, Prediction
 from planner.costmodel.problem import topk_count
-from planner.models import build_workload
+from planner.models import Workload, build_workload
 from planner.platform.hosts import count_hosts
 from planner.strategies.gradients import ALL_HIERARCHICAL
 from planner.strategies.via_ddp import via_ddp_refusal
@@ -41,6 +41,7 @@ __all__ = [
     "LOCAL",
     "BenchConfig",
     "BenchResult",
+    "Runner",
     "Variant",
     "auto_tag",
     "bench_backend",
@@ -514,6 +515,57 @@ def sgd_as_advised(model: torch.nn.Module, plan: Plan | None, *, lr: float, mome
 POWERSGD_HOOK_WARMUP = 2
 
 
+@dataclass
+class Runner:
+    """One variant built to run in this worker: its own copy of the model (the same weights on every rank), the
+    model as the variant wraps it (plain, in DDP with a hook, in DDP with the plan's `PlanHook`), the plan's
+    exchange where the runtime runs it, and the optimizer."""
+
+    workload: Workload
+    model: torch.nn.Module
+    exchange: Any
+    opt: torch.optim.Optimizer
+
+    @classmethod
+    def build(cls, v: Variant, model_name: str, *, batch_size: int | None, lr: float, device: torch.device,
+              find_unused: bool) -> Runner:
+        wl = build_workload(model_name, batch_size=batch_size)  # same seed: same weights on every rank
+        wl.module.to(device)
+        if v.via_ddp:
+            assert v.plan is not None
+            # The algorithm of the plan's own row: SGD's momentum where `sgd_as_advised` puts it for the plan, in
+            # momentum correction (here the hook's) for a plan that sends top-k, else in the optimizer.
+            in_hook = v.plan.sends_topk
+            opt = torch.optim.SGD(wl.module.parameters(), lr=lr, momentum=0.0 if in_hook else BENCH_MOMENTUM)
+            model = plan_in_ddp(wl.module, v.plan, find_unused=find_unused,
+                                momentum=BENCH_MOMENTUM if in_hook else 0.0, optimizer=opt if in_hook else None)
+            return cls(wl, model, None, opt)
+        if v.local or v.plan is not None:
+            model = wl.module
+        else:
+            model = ddp_with_hook(wl.module, v.hook, find_unused=find_unused, selector=v.selector)
+        opt, exchange = sgd_as_advised(model, v.plan, lr=lr, momentum=BENCH_MOMENTUM, find_unused=find_unused)
+        return cls(wl, model, exchange, opt)
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """One timed training step (`timed_step`)."""
+        return timed_step(self.model, self.workload.loss_fn, batch, self.opt,
+                          *([self.exchange.synchronize] if self.exchange else []))
+
+    def warm_up(self, v: Variant, steps: int, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        """Untimed steps before the measured ones: `steps`, and for DDP's PowerSGD hook at least the plain
+        iterations it starts with. Returns how many ran."""
+        powersgd = v.hook is not None and v.hook.kind is CompressorKind.POWERSGD
+        ran = max(steps, POWERSGD_HOOK_WARMUP) if powersgd else steps
+        for _ in range(ran):
+            self.step(batch)
+        return ran
+
+    def close(self) -> None:
+        if self.exchange is not None:
+            self.exchange.close()
+
+
 def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchResult] | None:
     """Run every variant on this rank; rank 0 returns the results."""
     from planner.platform.launch import device_for
@@ -534,51 +586,27 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
     # A model with parameters the loss does not use: DDP and the exchange must be told (as a user would).
     unused = has_unused_parameters(base.module, lambda m: base.loss_fn(m(batch[0]), batch[1])) or any(
         p.unused_params is not None and p.unused_params.any for p in config.plans)  # unused in other batches
-    runners = []
-    for v in variants:
-        wl = build_workload(config.model, batch_size=config.batch_size)  # same seed: same weights on every rank
-        wl.module.to(device)
-        if v.via_ddp:
-            assert v.plan is not None
-            # The algorithm of the plan's own row: SGD's momentum where `sgd_as_advised` puts it for the plan, in
-            # momentum correction (here the hook's) for a plan that sends top-k, else in the optimizer.
-            in_hook = v.plan.sends_topk
-            opt = torch.optim.SGD(wl.module.parameters(), lr=config.lr, momentum=0.0 if in_hook else BENCH_MOMENTUM)
-            model = plan_in_ddp(wl.module, v.plan, find_unused=unused, momentum=BENCH_MOMENTUM if in_hook else 0.0,
-                                optimizer=opt if in_hook else None)
-            runners.append((wl, model, None, opt))
-            continue
-        if v.local or v.plan is not None:
-            model = wl.module
-        else:
-            model = ddp_with_hook(wl.module, v.hook, find_unused=unused, selector=v.selector)
-        opt, exchange = sgd_as_advised(model, v.plan, lr=config.lr, momentum=BENCH_MOMENTUM, find_unused=unused)
-        runners.append((wl, model, exchange, opt))
+    runners = [Runner.build(v, config.model, batch_size=config.batch_size, lr=config.lr, device=device,
+                            find_unused=unused) for v in variants]
 
     def step(i: int) -> float:
-        wl, model, exchange, opt = runners[i]
-        return timed_step(model, wl.loss_fn, batch, opt, *([exchange.synchronize] if exchange else []))
+        return runners[i].step(batch)
 
     n = len(variants)
     times: list[list[float]] = [[] for _ in range(n)]
     show = config.show_progress and rank == 0
     with progress(enabled=show) as bar:
         task = bar.add_task("bench steps", total=n * (config.warmup + config.steps))
-        for i in range(n):
-            hook = variants[i].hook
-            powersgd = hook is not None and hook.kind is CompressorKind.POWERSGD
-            for _ in range(max(config.warmup, POWERSGD_HOOK_WARMUP) if powersgd else config.warmup):
-                step(i)
-                bar.advance(task)
+        for runner, v in zip(runners, variants, strict=True):
+            bar.advance(task, runner.warm_up(v, config.warmup, batch))
         while any(len(t) < config.steps for t in times):
             for i in range(n):
                 for _ in range(min(config.block, config.steps - len(times[i]))):
                     times[i].append(step(i))
                     bar.advance(task)
-    unions = [None if exchange is None else measured_union(exchange, config.steps) for _, _, exchange, _ in runners]
-    for _, _, exchange, _ in runners:
-        if exchange is not None:
-            exchange.close()
+    unions = [None if r.exchange is None else measured_union(r.exchange, config.steps) for r in runners]
+    for r in runners:
+        r.close()
     slowest = slowest_rank(times, device)
     if rank != 0:
         return None

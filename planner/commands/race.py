@@ -1,0 +1,111 @@
+"""`planner race`: its arguments, checked and handed to `planner.sessions.race`, and the race's table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from rich.table import Table
+
+from planner.commands.common import (
+    Command,
+    _add_hosts,
+    _add_link,
+    _add_slowdown,
+    _batch_size,
+    _nonnegative_int,
+    _note_link_mismatch,
+    _peers,
+    _positive,
+    _positive_float,
+    check_hosts,
+)
+from planner.console import console
+from planner.types import PlannerError
+
+
+def _fraction(text: str) -> float:
+    """`--margin`: a fraction in [0, 1) (0.02 is 2%)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction such as 0.02 (2%), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1) such as 0.02 (2%), got {text!r}")
+    return value
+
+
+class RaceCommand(Command):
+    name = "race"
+    help = "decide by measurement: race the plan's finalists (DDP, its hooks, the plan both ways) in real steps"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("plans", type=Path, nargs="+", metavar="PLAN", help="gradient plans from `planner solve`")
+        parser.add_argument("--margin", type=_fraction, default=0.02,
+                            help="the practical margin: a less simple arm is kept only when it is faster than every "
+                                 "other by more than this (default 0.02, 2%%)")
+        parser.add_argument("--race-time", type=_positive_float, default=60.0, metavar="S",
+                            help="seconds of racing after the warm-up; then the simplest arm not beaten is kept "
+                                 "(default 60)")
+        parser.add_argument("--block", type=_positive, default=4,
+                            help="steps each arm runs per round (default 4)")
+        parser.add_argument("--warmup", type=_nonnegative_int, default=5, help="unmeasured steps per arm (default 5)")
+        parser.add_argument("--model", default=None, help="model (default: the plan's built-in model)")
+        parser.add_argument("--batch-size", type=_positive, default=None)
+        parser.add_argument("--nproc", type=_positive, default=None, help="workers (default: the plan's world size)")
+        parser.add_argument("--peers", default=None, metavar="LIST",
+                            help="PyTorch's DDP hooks that race beside DDP: fp16, powersgd:R (default "
+                                 "fp16,powersgd:1,powersgd:4), or none")
+        _add_link(parser)
+        _add_hosts(parser)
+        _add_slowdown(parser)
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from planner.contracts.plan import Plan  # deferred (start-up)
+        from planner.platform.launch import under_torchrun  # deferred (start-up)
+        from planner.sessions.bench import file_labels  # deferred (start-up)
+        from planner.sessions.race import RaceConfig, run_race  # deferred (start-up)
+        from planner.types import Strategy  # deferred (start-up)
+
+        plans = tuple(Plan.load(p) for p in args.plans)
+        wrong = [str(path) for path, plan in zip(args.plans, plans, strict=True)
+                 if plan.kfac is not None or plan.abs is not None
+                 or plan.strategy not in (Strategy.DENSE, Strategy.TOPK, Strategy.MIXED)]
+        if wrong:
+            raise PlannerError(f"{wrong[0]} is not a gradient plan: the race runs dense, top-k and mixed plans; bench "
+                               "a K-FAC or ABS-SGD plan with `planner bench --strategy kfac|abs`")
+        if under_torchrun():
+            args.nproc = int(os.environ["WORLD_SIZE"])
+        nproc = args.nproc or plans[0].cluster.world_size
+        check_hosts(args.hosts, nproc)
+        config = RaceConfig(
+            plans=plans, model=args.model or plans[0].model.name, batch_size=_batch_size(args.batch_size, plans),
+            nproc=nproc, block=args.block, warmup=args.warmup, margin=args.margin, race_time_s=args.race_time,
+            peers=_peers(args.peers), show_progress=not args.json, link=args.link, slowdown=args.slowdown,
+            hosts=args.hosts, labels=file_labels(plans, args.plans))
+        _note_link_mismatch(plans, args.link)
+        result = run_race(config)
+        if result is None:  # a torchrun rank other than 0: rank 0 prints
+            return 0
+        if args.json:
+            print(json.dumps(result.to_dict(), indent=2))
+            return 0
+        table = Table(title=f"race: {result.decision.rounds} rounds of {args.block} steps per arm, margin "
+                            f"{result.margin:.0%}, alpha {result.alpha:g} (block time = mean of the slowest rank's "
+                            "steps)")
+        for column in ("arm", "rounds", "median block", "measured / ddp", "interval", "predicted / ddp",
+                       "beaten by"):
+            table.add_column(column, justify="left" if column in ("arm", "beaten by") else "right")
+        for arm in result.arms:
+            table.add_row(
+                arm.name + (" (kept)" if arm.name == result.decision.kept else ""), str(arm.rounds),
+                f"{arm.median_block_s * 1e3:.2f} ms",
+                "-" if arm.ratio_to_ddp is None else f"{arm.ratio_to_ddp:.3f}",
+                "-" if arm.interval is None else f"[{arm.interval[0]:.3f}, {arm.interval[1]:.3f}]",
+                "-" if arm.predicted_ratio is None else f"{arm.predicted_ratio:.3f}", arm.beaten_by or "")
+        console.print(table)
+        console.print(result.summary(), markup=False, soft_wrap=True)
+        return 0

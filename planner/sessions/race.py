@@ -1,0 +1,215 @@
+"""`planner race`: the plan's finalists raced in real steps, in the same worker processes, until the race's rule
+(`planner.strategies.race`) settles which to keep.
+
+The finalists are what the bench would run minus what no user would keep: DDP, DDP with each of PyTorch's hooks
+(and the project's top-k hook at a top-k plan's density), each plan inside DDP (`PlanHook`) where it runs there, and
+each plan in the runtime (`GradientExchange`), listed simplest first. Each is built once, warmed up, and then timed
+in rounds: every arm still in the race runs one block of steps per round, in an order drawn anew each round from a
+seed every rank shares; each step's time is the slowest rank's, and an arm's block time the mean of its steps.
+Every rank receives the same slowest times, so every rank settles the same rule on the same numbers, the same round.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from planner.console import progress
+from planner.contracts.fingerprint import model_info
+from planner.contracts.plan import DDP_ROW, Plan
+from planner.models import build_workload
+from planner.platform.hosts import count_hosts
+from planner.platform.launch import device_for, run_job
+from planner.runtime.ddp_hooks import has_unused_parameters
+from planner.sequential import median_interval
+from planner.sessions.bench import (
+    DEFAULT_PEERS,
+    LOCAL,
+    Runner,
+    Variant,
+    bench_backend,
+    bench_variants,
+)
+from planner.strategies.race import DEFAULT_ALPHA, DEFAULT_MARGIN, Race, RaceDecision
+from planner.types import Compressor, PlanMismatchError
+
+if TYPE_CHECKING:
+    from planner.platform.link import LinkRate
+    from planner.platform.slowdown import Slowdown
+
+__all__ = ["ArmResult", "RaceConfig", "RaceResult", "finalists", "race_worker", "run_race"]
+
+#: Candidate medians of an arm's block time over DDP's: -50% .. +100% in steps of half a percent.
+RATIO_GRID = tuple(math.exp(math.log(0.5) + i * 0.005) for i in range(int(math.log(4) / 0.005) + 1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RaceConfig:
+    """The plans whose finalists race, on which model and workers, and the race's rule and budget."""
+
+    plans: tuple[Plan, ...]
+    model: str
+    peers: tuple[Compressor, ...] = DEFAULT_PEERS
+    batch_size: int | None = None
+    nproc: int = 2
+    block: int = 4  # steps per arm per round
+    warmup: int = 5
+    margin: float = DEFAULT_MARGIN
+    alpha: float = DEFAULT_ALPHA
+    #: Wall-clock seconds of racing (after the warm-up) before the budget rule keeps the simplest arm not beaten.
+    race_time_s: float = 60.0
+    max_rounds: int = 500
+    lr: float = 0.01
+    seed: int = 0
+    show_progress: bool = True
+    link: LinkRate | None = None
+    slowdown: Slowdown | None = None
+    hosts: int | None = None
+    labels: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    """One finalist as the race measured it: its block times' median ratio to DDP's over the rounds both ran, with
+    the race's anytime interval, beside the model's predicted ratio; and which arm beat it, if one did."""
+
+    name: str
+    rounds: int
+    steps: int
+    median_block_s: float
+    ratio_to_ddp: float | None
+    interval: tuple[float, float] | None
+    predicted_ratio: float | None
+    beaten_by: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "rounds": self.rounds, "steps": self.steps, "median_block_s": self.median_block_s,
+                "ratio_to_ddp": self.ratio_to_ddp, "interval": None if self.interval is None else list(self.interval),
+                "predicted_ratio": self.predicted_ratio, "beaten_by": self.beaten_by}
+
+
+@dataclass(frozen=True)
+class RaceResult:
+    """The finalists, the decision and what the race cost."""
+
+    arms: tuple[ArmResult, ...]
+    decision: RaceDecision
+    margin: float
+    alpha: float
+    seconds: float
+    notes: tuple[str, ...] = field(default=())
+
+    def kept(self) -> ArmResult:
+        return next(a for a in self.arms if a.name == self.decision.kept)
+
+    def summary(self) -> str:
+        """The one line that says what was kept, and by how much, measured."""
+        arm = self.kept()
+        if arm.name == DDP_ROW or arm.ratio_to_ddp is None:
+            how = "DDP"
+        else:
+            gain = 1 - arm.ratio_to_ddp
+            low, high = arm.interval or (math.nan, math.nan)
+            how = (f"{arm.name}: {abs(gain):.1%} {'faster' if gain >= 0 else 'slower'} than DDP measured "
+                   f"(step ratio {arm.ratio_to_ddp:.3f} [{low:.3f}, {high:.3f}])")
+        return f"race: keep {how}; {self.decision.describe()}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kept": self.decision.kept, "rule": self.decision.rule, "rounds": self.decision.rounds,
+                "margin": self.margin, "alpha": self.alpha, "seconds": self.seconds,
+                "arms": [a.to_dict() for a in self.arms], "summary": self.summary()}
+
+
+def finalists(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Compressor, ...] = DEFAULT_PEERS,
+              labels: tuple[str, ...] = ()) -> list[Variant]:
+    """The arms of the race, simplest first: DDP, DDP with each hook, each plan inside DDP, each plan in the runtime.
+    The bench's other rows (local steps, one group per layer, a twin the profile did not model) are measurements
+    beside the plan, not choices a user would keep, and do not race."""
+    variants = [v for v in bench_variants(plans, module, peers, list(labels))
+                if not (v.local or v.name == LOCAL or v.name.startswith("per-layer ")
+                        or v.name.endswith("(not modelled)"))]
+
+    def simplicity(v: Variant) -> int:
+        return 0 if v.name == DDP_ROW else 1 if v.hook is not None else 2 if v.via_ddp else 3
+
+    return sorted(variants, key=simplicity)  # stable: the bench's order within each kind
+
+
+def race_worker(rank: int, world_size: int, config: RaceConfig) -> RaceResult | None:
+    """Build every finalist on this rank, warm each up, and race them; rank 0 returns the result."""
+    torch.manual_seed(0)
+    backend = dist.get_backend()
+    device = device_for(backend)
+    base = build_workload(config.model, batch_size=config.batch_size)
+    hosts = count_hosts()
+    for plan in config.plans:
+        plan.check_compatible(model_info(base.module, config.model), world_size, hosts=hosts, backend=backend)
+    arms = finalists(config.plans, base.module, config.peers, config.labels)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    inputs, targets = base.make_batch(base.batch_size, gen)
+    batch = (inputs.to(device), targets.to(device))
+    base.module.to(device)
+    unused = has_unused_parameters(base.module, lambda m: base.loss_fn(m(batch[0]), batch[1])) or any(
+        p.unused_params is not None and p.unused_params.any for p in config.plans)
+    runners = {v.name: Runner.build(v, config.model, batch_size=config.batch_size, lr=config.lr, device=device,
+                                    find_unused=unused) for v in arms}
+    race = Race([v.name for v in arms], margin=config.margin, alpha=config.alpha)
+    order = random.Random(config.seed)  # the same draws on every rank: every rank runs the arms in the same order
+    show = config.show_progress and rank == 0
+    with progress(enabled=show) as bar:
+        task = bar.add_task("race warm-up", total=len(arms))
+        for v in arms:
+            runners[v.name].warm_up(v, config.warmup, batch)
+            bar.advance(task)
+        bar.remove_task(task)
+        task = bar.add_task(f"race rounds: {len(arms)} arms", total=None)
+        start = time.perf_counter()
+        decision = None
+        while decision is None:
+            alive = race.alive
+            times = {name: [runners[name].step(batch) for _ in range(config.block)]
+                     for name in order.sample(alive, len(alive))}
+            flat = [t for name in alive for t in times[name]] + [time.perf_counter() - start]
+            slowest = torch.tensor(flat, dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # each step's slowest rank, and the longest clock
+            maxed = slowest.tolist()
+            race.observe({name: statistics.fmean(maxed[i * config.block:(i + 1) * config.block])
+                          for i, name in enumerate(alive)})
+            elapsed = maxed[-1]
+            decision = race.decision(out_of_budget=elapsed >= config.race_time_s or race.rounds >= config.max_rounds)
+            bar.update(task, advance=1, description=f"race rounds: {len(race.alive)} of {len(arms)} arms left")
+    for runner in runners.values():
+        runner.close()
+    if rank != 0:
+        return None
+    ddp = next(v for v in arms if v.name == DDP_ROW)
+    results = []
+    for v in arms:
+        blocks = race.blocks[v.name]
+        ratios = [a / d for a, d in zip(blocks, race.blocks[DDP_ROW], strict=False)]
+        interval = median_interval(ratios, RATIO_GRID, config.alpha) if v.name != DDP_ROW else None
+        predicted = (v.predicted_s / ddp.predicted_s if v.predicted_s is not None and ddp.predicted_s else None)
+        results.append(ArmResult(
+            name=v.name, rounds=len(blocks), steps=len(blocks) * config.block,
+            median_block_s=statistics.median(blocks), ratio_to_ddp=statistics.median(ratios) if ratios else None,
+            interval=interval, predicted_ratio=predicted, beaten_by=decision.beaten.get(v.name)))
+    return RaceResult(arms=tuple(results), decision=decision, margin=config.margin, alpha=config.alpha,
+                      seconds=elapsed)
+
+
+def run_race(config: RaceConfig) -> RaceResult | None:
+    """Race the finalists of `config.plans` on `config.nproc` local workers (or torchrun's group); the result on
+    rank 0, None on the other torchrun ranks."""
+    for plan in config.plans:
+        if plan.cluster.world_size != config.nproc:
+            raise PlanMismatchError(f"the plan was made for world size {plan.cluster.world_size}, but --nproc is "
+                                    f"{config.nproc}; re-plan: {plan.replan_command()}")
+    return run_job(race_worker, config.nproc, config, backend=bench_backend(config.plans), link=config.link,
+                   slowdown=config.slowdown, hosts=config.hosts)
