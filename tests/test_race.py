@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 from planner.commands.cli import main
+from planner.contracts.plan import Plan
+from planner.contracts.race import RaceRecord
 from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet, median_interval
 from planner.strategies.mixed import make_mixed_plan, parse_compressors
-from planner.strategies.race import Race
+from planner.strategies.race import Race, race_summary
+from planner.types import SchemaError
 from tests.factories import synthetic_kfac_plan, synthetic_profile
 
 
@@ -129,6 +132,10 @@ def test_planner_race_runs_the_finalists_simplest_first_and_keeps_one(tmp_path: 
     assert main(["race", str(tmp_path / "fp16.json"), "--race-time", "2", "--block", "2", "--warmup", "1",
                  "--peers", "fp16", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
+    recorded = Plan.load(tmp_path / "fp16.json").race  # the plan file records the race, as printed
+    assert recorded is not None and {**recorded.to_dict(), "summary": race_summary(recorded)} == result
+    assert main(["show", str(tmp_path / "fp16.json")]) == 0
+    assert race_summary(recorded) in capsys.readouterr().out.replace("\n", " ")
     names = [a["name"] for a in result["arms"]]
     assert names == ["ddp", "ddp+fp16", "plan mixed (fp16) via DDP", "plan mixed (fp16)"]
     assert result["kept"] in names and result["rule"] in ("won", "tied", "budget")
@@ -152,3 +159,30 @@ def test_planner_race_refuses_what_it_does_not_race(tmp_path: Path, capsys: pyte
     with pytest.raises(SystemExit) as stop:  # argparse's own refusal: one line, exit 2
         main(["race", str(tmp_path / "kfac.json"), "--margin", "1.5"])
     assert stop.value.code == 2 and "--margin: expected a fraction in [0, 1)" in capsys.readouterr().err
+
+
+def _record(**changes: object) -> dict:
+    data = {"raced": "2026-12-02T10:50:00+00:00", "kept": "ddp", "rule": "tied", "rounds": 3, "block": 4,
+            "margin": 0.02, "alpha": 0.05, "seconds": 1.5, "arms": [
+                {"name": "ddp", "rounds": 3, "steps": 12, "median_block_s": 0.06, "ratio_to_ddp": 1.0,
+                 "interval": None, "predicted_ratio": 1.0, "beaten_by": None},
+                {"name": "ddp+fp16", "rounds": 3, "steps": 12, "median_block_s": 0.061, "ratio_to_ddp": 1.01,
+                 "interval": [0.98, 1.04], "predicted_ratio": 0.9, "beaten_by": None}]}
+    return {**data, **changes}
+
+
+def test_a_race_record_reads_back_and_refuses_what_cannot_be() -> None:
+    assert RaceRecord.from_dict(_record()).to_dict() == _record()
+    arms = _record()["arms"]
+    for changes, message in [
+        ({"kept": "plan"}, "kept must be one of the arms"),
+        ({"rule": "luck"}, "rule must be one of"),
+        ({"margin": 1.0}, "margin must be in"),
+        ({"arms": arms[:1]}, "two or more distinct arms"),
+        ({"arms": [arms[0], {**arms[1], "interval": [1.04, 0.98]}]}, "low <= high"),
+        ({"arms": [arms[0], {**arms[1], "beaten_by": "nobody"}]}, "not an arm"),
+        ({"kept": "ddp+fp16", "arms": [arms[0], {**arms[1], "beaten_by": "ddp"}]}, "was beaten"),
+        ({"arms": [arms[0], {**arms[1], "ratio_to_ddp": -1}]}, "positive ratio"),
+    ]:
+        with pytest.raises(SchemaError, match=message):
+            RaceRecord.from_dict(_record(**changes))

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from planner.contracts.errors import CompressionErrors
     from planner.contracts.plan import Plan, PlanError
     from planner.contracts.profile import Collective, Profile
+    from planner.contracts.race import RaceRecord
     from planner.strategies.auto import AutoChoice
 
 
@@ -805,3 +806,23 @@ def print_mixed_groups(plan: Plan, profile: Profile) -> None:
         else:
             table.add_row(str(r.index), layers, f"{r.numel:,}", r.label, "-", "", "")
     console.print(table)
+
+
+def print_race(record: RaceRecord) -> None:
+    """A race's arms (simplest first) with their measured and predicted ratios to DDP, then the line that says what
+    was kept."""
+    from planner.strategies.race import race_summary  # deferred (start-up)
+
+    table = Table(title=f"race of {record.raced}: {record.rounds} rounds of {record.block} steps per arm, margin "
+                        f"{record.margin:.0%}, alpha {record.alpha:g} (block time = mean of the slowest rank's "
+                        "steps; ratios are medians over the rounds both ran)")
+    for column in ("arm", "rounds", "median block", "measured / ddp", "interval", "predicted / ddp", "beaten by"):
+        table.add_column(column, justify="left" if column in ("arm", "beaten by") else "right")
+    for arm in record.arms:
+        table.add_row(
+            arm.name + (" (kept)" if arm.name == record.kept else ""), str(arm.rounds),
+            _ms(arm.median_block_s), "-" if arm.ratio_to_ddp is None else f"{arm.ratio_to_ddp:.3f}",
+            "-" if arm.interval is None else f"[{arm.interval[0]:.3f}, {arm.interval[1]:.3f}]",
+            "-" if arm.predicted_ratio is None else f"{arm.predicted_ratio:.3f}", arm.beaten_by or "")
+    console.print(table)
+    console.print(race_summary(record), markup=False, soft_wrap=True)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
-
-from rich.table import Table
 
 from planner.commands.common import (
     Command,
@@ -22,6 +21,7 @@ from planner.commands.common import (
     _positive_float,
     check_hosts,
 )
+from planner.commands.printing import print_race
 from planner.console import console
 from planner.types import PlannerError
 
@@ -42,7 +42,9 @@ class RaceCommand(Command):
     help = "decide by measurement: race the plan's finalists (DDP, its hooks, the plan both ways) in real steps"
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("plans", type=Path, nargs="+", metavar="PLAN", help="gradient plans from `planner solve`")
+        parser.add_argument("plan", type=Path, metavar="PLAN",
+                            help="a gradient plan from `planner solve`: its finalists race, and the race is recorded "
+                                 "in it")
         parser.add_argument("--margin", type=_fraction, default=0.02,
                             help="the practical margin: a less simple arm is kept only when it is faster than every "
                                  "other by more than this (default 0.02, 2%%)")
@@ -64,18 +66,17 @@ class RaceCommand(Command):
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(self, args: argparse.Namespace) -> int:
+        from planner.contracts.jsonio import check_output_path  # deferred (start-up)
         from planner.contracts.plan import Plan  # deferred (start-up)
         from planner.platform.launch import under_torchrun  # deferred (start-up)
         from planner.sessions.bench import file_labels  # deferred (start-up)
         from planner.sessions.race import RaceConfig, run_race  # deferred (start-up)
-        from planner.types import Strategy  # deferred (start-up)
+        from planner.strategies.race import race_summary  # deferred (start-up)
 
-        plans = tuple(Plan.load(p) for p in args.plans)
-        wrong = [str(path) for path, plan in zip(args.plans, plans, strict=True)
-                 if plan.kfac is not None or plan.abs is not None
-                 or plan.strategy not in (Strategy.DENSE, Strategy.TOPK, Strategy.MIXED)]
-        if wrong:
-            raise PlannerError(f"{wrong[0]} is not a gradient plan: the race runs dense, top-k and mixed plans; bench "
+        check_output_path(args.plan, "plan")  # the race is recorded in it: refused now, not after the race
+        plans = (Plan.load(args.plan),)
+        if plans[0].kfac is not None or plans[0].abs is not None:
+            raise PlannerError(f"{args.plan} is not a gradient plan: the race runs dense, top-k and mixed plans; bench "
                                "a K-FAC or ABS-SGD plan with `planner bench --strategy kfac|abs`")
         if under_torchrun():
             args.nproc = int(os.environ["WORLD_SIZE"])
@@ -85,27 +86,16 @@ class RaceCommand(Command):
             plans=plans, model=args.model or plans[0].model.name, batch_size=_batch_size(args.batch_size, plans),
             nproc=nproc, block=args.block, warmup=args.warmup, margin=args.margin, race_time_s=args.race_time,
             peers=_peers(args.peers), show_progress=not args.json, link=args.link, slowdown=args.slowdown,
-            hosts=args.hosts, labels=file_labels(plans, args.plans))
+            hosts=args.hosts, labels=file_labels(plans, [args.plan]))
         _note_link_mismatch(plans, args.link)
-        result = run_race(config)
-        if result is None:  # a torchrun rank other than 0: rank 0 prints
+        record = run_race(config)
+        if record is None:  # a torchrun rank other than 0: rank 0 prints and records
             return 0
+        plan = dataclasses.replace(plans[0], race=record)
+        plan.save(args.plan)
         if args.json:
-            print(json.dumps(result.to_dict(), indent=2))
+            print(json.dumps({**record.to_dict(), "summary": race_summary(record)}, indent=2))
             return 0
-        table = Table(title=f"race: {result.decision.rounds} rounds of {args.block} steps per arm, margin "
-                            f"{result.margin:.0%}, alpha {result.alpha:g} (block time = mean of the slowest rank's "
-                            "steps)")
-        for column in ("arm", "rounds", "median block", "measured / ddp", "interval", "predicted / ddp",
-                       "beaten by"):
-            table.add_column(column, justify="left" if column in ("arm", "beaten by") else "right")
-        for arm in result.arms:
-            table.add_row(
-                arm.name + (" (kept)" if arm.name == result.decision.kept else ""), str(arm.rounds),
-                f"{arm.median_block_s * 1e3:.2f} ms",
-                "-" if arm.ratio_to_ddp is None else f"{arm.ratio_to_ddp:.3f}",
-                "-" if arm.interval is None else f"[{arm.interval[0]:.3f}, {arm.interval[1]:.3f}]",
-                "-" if arm.predicted_ratio is None else f"{arm.predicted_ratio:.3f}", arm.beaten_by or "")
-        console.print(table)
-        console.print(result.summary(), markup=False, soft_wrap=True)
+        print_race(record)
+        console.print(f"recorded the race in {args.plan}", markup=False, soft_wrap=True)
         return 0

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.table import Table
 
 from planner.commands.common import Command
-from planner.commands.printing import error_line, print_plan, print_profile
+from planner.commands.printing import error_line, print_plan, print_profile, print_race
 from planner.console import console
 from planner.types import PlannerError
 
@@ -45,6 +45,8 @@ class ShowCommand(Command):
             print_plan(plan)
             if plan.error is not None:
                 console.print(error_line(plan.error), markup=False, soft_wrap=True)
+            if plan.race is not None:
+                print_race(plan.race)
             if args.groups:
                 table = Table(title="groups in ready order")
                 for col in ("#", "layers", "elements", "k"):

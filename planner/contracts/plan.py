@@ -99,6 +99,7 @@ from planner.contracts.jsonio import (
     write_json_atomic,
 )
 from planner.contracts.kfac import KFACSection
+from planner.contracts.race import RaceRecord
 from planner.contracts.unused import UnusedParams
 from planner.types import (
     DENSE_COMPRESSOR,
@@ -465,6 +466,8 @@ class Plan:
     #: The plan's compression error and the budget it was solved under (None: not predicted, as for plans from
     #: profiles without an `errors` record).
     error: PlanError | None = None
+    #: The plan's finalists raced in real steps, and the one kept (`planner race`; None: not raced).
+    race: RaceRecord | None = None
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -635,6 +638,8 @@ class Plan:
             out["unused_params"] = self.unused_params.to_dict()
         if self.error is not None:
             out["error"] = self.error.to_dict()
+        if self.race is not None:
+            out["race"] = self.race.to_dict()
         return out
 
     @classmethod
@@ -649,9 +654,9 @@ class Plan:
             raise SchemaError(f"not a plan: kind is {data.get('kind')!r}, expected {PLAN_KIND!r}")
         fields = ["schema_version", "kind", "created", "strategy", "density", "model", "cluster", "source", "solver"]
         data = {"kfac": None, "abs": None, "selector": None, "compressors": None, "unused_params": None,
-                "error": None, **data}
+                "error": None, "race": None, **data}
         check_fields(data, "plan", [*fields, "groups", "predicted", "kfac", "abs", "selector", "compressors",
-                                    "unused_params", "error"])
+                                    "unused_params", "error", "race"])
         try:
             strategy = Strategy(data["strategy"])
         except ValueError:
@@ -724,6 +729,7 @@ class Plan:
             unused_params=(None if data["unused_params"] is None
                            else UnusedParams.from_dict(data["unused_params"], "plan.unused_params")),
             error=None if data["error"] is None else PlanError.from_dict(data["error"]),
+            race=None if data["race"] is None else RaceRecord.from_dict(data["race"]),
         )
 
     @property

@@ -11,12 +11,13 @@ Every rank receives the same slowest times, so every rank settles the same rule 
 
 from __future__ import annotations
 
+import datetime
 import math
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.plan import DDP_ROW, Plan
+from planner.contracts.race import RacedArm, RaceRecord
 from planner.models import build_workload
 from planner.platform.hosts import count_hosts
 from planner.platform.launch import device_for, run_job
@@ -37,14 +39,14 @@ from planner.sessions.bench import (
     bench_backend,
     bench_variants,
 )
-from planner.strategies.race import DEFAULT_ALPHA, DEFAULT_MARGIN, Race, RaceDecision
+from planner.strategies.race import DEFAULT_ALPHA, DEFAULT_MARGIN, Race
 from planner.types import Compressor, PlanMismatchError
 
 if TYPE_CHECKING:
     from planner.platform.link import LinkRate
     from planner.platform.slowdown import Slowdown
 
-__all__ = ["ArmResult", "RaceConfig", "RaceResult", "finalists", "race_worker", "run_race"]
+__all__ = ["RaceConfig", "finalists", "race_worker", "run_race"]
 
 #: Candidate medians of an arm's block time over DDP's: -50% .. +100% in steps of half a percent.
 RATIO_GRID = tuple(math.exp(math.log(0.5) + i * 0.005) for i in range(int(math.log(4) / 0.005) + 1))
@@ -75,58 +77,6 @@ class RaceConfig:
     labels: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class ArmResult:
-    """One finalist as the race measured it: its block times' median ratio to DDP's over the rounds both ran, with
-    the race's anytime interval, beside the model's predicted ratio; and which arm beat it, if one did."""
-
-    name: str
-    rounds: int
-    steps: int
-    median_block_s: float
-    ratio_to_ddp: float | None
-    interval: tuple[float, float] | None
-    predicted_ratio: float | None
-    beaten_by: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "rounds": self.rounds, "steps": self.steps, "median_block_s": self.median_block_s,
-                "ratio_to_ddp": self.ratio_to_ddp, "interval": None if self.interval is None else list(self.interval),
-                "predicted_ratio": self.predicted_ratio, "beaten_by": self.beaten_by}
-
-
-@dataclass(frozen=True)
-class RaceResult:
-    """The finalists, the decision and what the race cost."""
-
-    arms: tuple[ArmResult, ...]
-    decision: RaceDecision
-    margin: float
-    alpha: float
-    seconds: float
-    notes: tuple[str, ...] = field(default=())
-
-    def kept(self) -> ArmResult:
-        return next(a for a in self.arms if a.name == self.decision.kept)
-
-    def summary(self) -> str:
-        """The one line that says what was kept, and by how much, measured."""
-        arm = self.kept()
-        if arm.name == DDP_ROW or arm.ratio_to_ddp is None:
-            how = "DDP"
-        else:
-            gain = 1 - arm.ratio_to_ddp
-            low, high = arm.interval or (math.nan, math.nan)
-            how = (f"{arm.name}: {abs(gain):.1%} {'faster' if gain >= 0 else 'slower'} than DDP measured "
-                   f"(step ratio {arm.ratio_to_ddp:.3f} [{low:.3f}, {high:.3f}])")
-        return f"race: keep {how}; {self.decision.describe()}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kept": self.decision.kept, "rule": self.decision.rule, "rounds": self.decision.rounds,
-                "margin": self.margin, "alpha": self.alpha, "seconds": self.seconds,
-                "arms": [a.to_dict() for a in self.arms], "summary": self.summary()}
-
-
 def finalists(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Compressor, ...] = DEFAULT_PEERS,
               labels: tuple[str, ...] = ()) -> list[Variant]:
     """The arms of the race, simplest first: DDP, DDP with each hook, each plan inside DDP, each plan in the runtime.
@@ -142,7 +92,7 @@ def finalists(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Com
     return sorted(variants, key=simplicity)  # stable: the bench's order within each kind
 
 
-def race_worker(rank: int, world_size: int, config: RaceConfig) -> RaceResult | None:
+def race_worker(rank: int, world_size: int, config: RaceConfig) -> RaceRecord | None:
     """Build every finalist on this rank, warm each up, and race them; rank 0 returns the result."""
     torch.manual_seed(0)
     backend = dist.get_backend()
@@ -196,15 +146,16 @@ def race_worker(rank: int, world_size: int, config: RaceConfig) -> RaceResult | 
         ratios = [a / d for a, d in zip(blocks, race.blocks[DDP_ROW], strict=False)]
         interval = median_interval(ratios, RATIO_GRID, config.alpha) if v.name != DDP_ROW else None
         predicted = (v.predicted_s / ddp.predicted_s if v.predicted_s is not None and ddp.predicted_s else None)
-        results.append(ArmResult(
+        results.append(RacedArm(
             name=v.name, rounds=len(blocks), steps=len(blocks) * config.block,
             median_block_s=statistics.median(blocks), ratio_to_ddp=statistics.median(ratios) if ratios else None,
             interval=interval, predicted_ratio=predicted, beaten_by=decision.beaten.get(v.name)))
-    return RaceResult(arms=tuple(results), decision=decision, margin=config.margin, alpha=config.alpha,
-                      seconds=elapsed)
+    return RaceRecord(raced=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), kept=decision.kept,
+                      rule=decision.rule, rounds=decision.rounds, block=config.block, margin=config.margin,
+                      alpha=config.alpha, seconds=elapsed, arms=tuple(results))
 
 
-def run_race(config: RaceConfig) -> RaceResult | None:
+def run_race(config: RaceConfig) -> RaceRecord | None:
     """Race the finalists of `config.plans` on `config.nproc` local workers (or torchrun's group); the result on
     rank 0, None on the other torchrun ranks."""
     for plan in config.plans:

@@ -31,9 +31,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from planner.contracts.plan import DDP_ROW
+from planner.contracts.race import RaceRecord
 from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet
 
-__all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "Race", "RaceDecision"]
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "WHY", "Race", "RaceDecision", "race_summary"]
 
 #: The practical margin: a gain below it is not worth a less simple arm (`--margin`).
 DEFAULT_MARGIN = 0.02
@@ -52,10 +54,26 @@ class RaceDecision:
     beaten: Mapping[str, str]
 
     def describe(self) -> str:
-        why = {"won": "it beat every other arm beyond the margin",
-               "tied": "the arms left were within the margin of each other, and it is the simplest",
-               "budget": "the budget ran out, and it is the simplest arm not beaten"}[self.rule]
-        return f"kept {self.kept} after {self.rounds} round(s): {why}"
+        return f"kept {self.kept} after {self.rounds} round(s): {WHY[self.rule]}"
+
+
+#: What each rule means, as the race's last line says it.
+WHY = {"won": "it beat every other arm beyond the margin",
+       "tied": "the arms left were within the margin of each other, and it is the simplest",
+       "budget": "the budget ran out, and it is the simplest arm not beaten"}
+
+
+def race_summary(record: RaceRecord) -> str:
+    """The one line that says what the race kept, by how much against DDP, measured, and by which rule."""
+    arm = record.arm(record.kept)
+    if arm.ratio_to_ddp is None or arm.name == DDP_ROW:
+        how = "DDP"
+    else:
+        gain = 1 - arm.ratio_to_ddp
+        span = "" if arm.interval is None else f" [{arm.interval[0]:.3f}, {arm.interval[1]:.3f}]"
+        how = (f"{arm.name}, {abs(gain):.1%} {'faster' if gain >= 0 else 'slower'} than DDP measured (median step "
+               f"ratio {arm.ratio_to_ddp:.3f}{span})")
+    return f"race: keep {how}; after {record.rounds} round(s) {WHY[record.rule]}"
 
 
 class Race:
