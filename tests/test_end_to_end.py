@@ -163,11 +163,13 @@ def test_the_quick_demo_writes_outside_the_shipped_folders_and_the_shipped_file_
     # Dense and fp16 only: the same files (a profile, a dense and a mixed plan) as with every compressor, in about half
     # the time (the in-situ calibration of PowerSGD at ranks 1 and 2 above all).
     demo = subprocess.run([str(planner), "demo", "--quick", "--model", "mlp", "--link", "none", "--steps", "2",
-                           "--compressors", "light"], cwd=copy, capture_output=True, text=True, timeout=600)
+                           "--compressors", "light", "--race-time", "1"],
+                          cwd=copy, capture_output=True, text=True, timeout=600)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     written = sorted(p.relative_to(copy).as_posix() for p in (copy / "runs").rglob("*.json"))
     assert "runs/profiles/mlp-2w.json" in written and "runs/plans/mlp-2w-dense.json" in written, written
     assert "wrote plan runs/plans/mlp-2w-dense.json" in demo.stdout  # each write says where, in its line
+    assert demo.stdout.rstrip().splitlines()[-1].startswith("race: keep ")  # the last line: decided by the race
     assert git("status", "--porcelain", cwd=copy) == ""  # nothing new outside the ignored runs/
     assert [p.relative_to(copy) for p in shipped_plans(copy)] == [p.relative_to(ROOT) for p in shipped_plans()]
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",

@@ -1,8 +1,10 @@
-"""`planner demo`: the main job, end to end: profile, solve (`--strategy auto`), write the plans, bench."""
+"""`planner demo`: the main job, end to end: profile, solve (`--strategy auto`), write the plans, bench, and race
+the kept plan's finalists to settle by measurement what to keep."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +16,18 @@ from planner.commands.common import (
     _add_slowdown,
     _link_rate,
     _positive,
+    _positive_float,
     check_hosts,
     intra_linked,
 )
-from planner.commands.printing import print_auto, print_bench, print_mixed_groups, print_plan, print_profile
+from planner.commands.printing import (
+    print_auto,
+    print_bench,
+    print_mixed_groups,
+    print_plan,
+    print_profile,
+    print_race,
+)
 from planner.console import console
 from planner.contracts.jsonio import RUNS, ensure_folder
 from planner.types import PlannerError, Strategy
@@ -40,6 +50,9 @@ class DemoCommand(Command):
                                  "default all")
         parser.add_argument("--steps", type=_positive, default=None, help="bench steps per variant (default 20, "
                                                                              "--quick 10)")
+        parser.add_argument("--race-time", type=_positive_float, default=None, metavar="S",
+                            help="seconds the last step races the plan's finalists (default 45, --quick 15); then "
+                                 "the simplest arm not beaten is kept")
         parser.add_argument("--plans-dir", type=Path, default=RUNS / "plans",
                             help="where the plans are written")
         parser.add_argument("--profiles-dir", type=Path, default=RUNS / "profiles",
@@ -57,8 +70,10 @@ class DemoCommand(Command):
         from planner.models import build_workload
         from planner.sessions.bench import BenchConfig, auto_tag, plan_labels, run_bench, via_ddp_notes
         from planner.sessions.profile import DEFAULT_EFFORT, QUICK_EFFORT, ProfileConfig, run_profile
+        from planner.sessions.race import RaceConfig, run_race
         from planner.strategies.auto import ddp_predictions, solve_auto
         from planner.strategies.mixed import parse_compressors
+        from planner.strategies.race import race_summary
 
         compressors = parse_compressors(args.compressors)
         build_workload(args.model)  # an unknown or broken model is one line, before a link or a worker starts
@@ -76,7 +91,7 @@ class DemoCommand(Command):
         on = f"behind an emulated {link.label} link" if link is not None else "over loopback"
         if args.hosts:
             on = f"on {args.hosts} emulated hosts, {'between them ' if link is not None else ''}{on}"
-        console.rule(f"1/3 profile {args.model} on {args.nproc} workers {on}")
+        console.rule(f"1/4 profile {args.model} on {args.nproc} workers {on}")
         effort = QUICK_EFFORT if args.quick else DEFAULT_EFFORT
         # Whatever the effort sweeps, the profile measures every PowerSGD rank and top-k density the compressors name
         # (--quick alone measures rank 4 and 1%: the default "all" names ranks 1 and 2 too).
@@ -88,19 +103,21 @@ class DemoCommand(Command):
         profile.save(prof_path)
         print_profile(profile)
         console.print(f"wrote profile {prof_path}")
-        console.rule(f"2/3 solve: --strategy auto over {', '.join(map(str, compressors))}")
+        console.rule(f"2/4 solve: --strategy auto over {', '.join(map(str, compressors))}")
         choice = solve_auto(profile, compressors, source=str(prof_path))
+        kept_path = None
         for name, plan in choice.candidates.items():
             kind = plan.strategy.value + (f"{plan.density:g}" if plan.strategy is Strategy.TOPK else "")
             path = args.plans_dir / f"{stem}-{args.nproc}w{where}-{kind}.json"
             plan.save(path)
             console.print(f"wrote plan {path} ({name})")
+            kept_path = path if plan is choice.plan else kept_path
         print_auto(choice)
         unweighed = choice.plan.verdict is None
         print_plan(choice.plan, ddp=ddp_predictions(choice.candidates, choice.beyond_budget) if unweighed else None)
         if choice.plan.strategy is Strategy.MIXED:
             print_mixed_groups(choice.plan, profile)
-        console.rule("3/3 bench: DDP, PyTorch's DDP hooks and the plans")
+        console.rule("3/4 bench: DDP, PyTorch's DDP hooks and the plans")
         dense = choice.candidates.get("dense")
         plans = (choice.plan,) if dense is None or dense is choice.plan else (dense, choice.plan)
         # The plan auto kept is named by what it sends ("plan auto (fp16)"), the dense plan beside it by its strategy.
@@ -113,7 +130,17 @@ class DemoCommand(Command):
         assert results is not None
         print_bench(results, as_json=False, title=f"bench {on}: median step time (slowest rank per step)")
         way = choice.way.way if choice.way is not None else None
-        console.print(verdict_against_bench(choice.plan, results, labels[-1], way=way), style="bold", soft_wrap=True)
+        console.print(verdict_against_bench(choice.plan, results, labels[-1], way=way), soft_wrap=True)
+        console.rule("4/4 race: the kept plan's finalists in real steps, until one is settled")
+        record = run_race(RaceConfig(plans=(choice.plan,), model=args.model, nproc=args.nproc, link=link,
+                                     slowdown=args.slowdown, hosts=args.hosts, labels=labels[-1:],
+                                     race_time_s=args.race_time or (15.0 if args.quick else 45.0)))
+        assert record is not None
+        print_race(record, summary=False)
+        if kept_path is not None:
+            dataclasses.replace(choice.plan, race=record).save(kept_path)
+            console.print(f"recorded the race in {kept_path}", soft_wrap=True)
+        console.print(race_summary(record), style="bold", markup=False, soft_wrap=True)
         return 0
 
     @staticmethod

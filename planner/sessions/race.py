@@ -12,7 +12,6 @@ Every rank receives the same slowest times, so every rank settles the same rule 
 from __future__ import annotations
 
 import datetime
-import math
 import random
 import statistics
 import time
@@ -39,7 +38,7 @@ from planner.sessions.bench import (
     bench_backend,
     bench_variants,
 )
-from planner.strategies.race import DEFAULT_ALPHA, DEFAULT_MARGIN, Race
+from planner.strategies.race import DEFAULT_ALPHA, DEFAULT_MARGIN, RATIO_GRID, Race
 from planner.types import Compressor, PlanMismatchError
 
 if TYPE_CHECKING:
@@ -47,10 +46,6 @@ if TYPE_CHECKING:
     from planner.platform.slowdown import Slowdown
 
 __all__ = ["RaceConfig", "finalists", "race_worker", "run_race"]
-
-#: Candidate medians of an arm's block time over DDP's: -50% .. +100% in steps of half a percent.
-RATIO_GRID = tuple(math.exp(math.log(0.5) + i * 0.005) for i in range(int(math.log(4) / 0.005) + 1))
-
 
 @dataclass(frozen=True, kw_only=True)
 class RaceConfig:

@@ -35,12 +35,15 @@ from planner.contracts.plan import DDP_ROW
 from planner.contracts.race import RaceRecord
 from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet
 
-__all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "WHY", "Race", "RaceDecision", "race_summary"]
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "RATIO_GRID", "WHY", "Race", "RaceDecision", "race_summary"]
 
 #: The practical margin: a gain below it is not worth a less simple arm (`--margin`).
 DEFAULT_MARGIN = 0.02
 #: The chance that any statement the race settles is false.
 DEFAULT_ALPHA = 0.05
+#: Candidate medians of an arm's block time over DDP's, for its interval: 0.5x to 2x in steps of about half a
+#: percent (an end of the interval at an end of the grid is not settled on that side).
+RATIO_GRID = tuple(math.exp(math.log(0.5) + i * 0.005) for i in range(round(math.log(4) / 0.005) + 1))
 
 
 @dataclass(frozen=True)
