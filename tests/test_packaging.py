@@ -133,3 +133,30 @@ def test_the_runtime_loads_no_pandas_and_no_solvers() -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_command_line_starts_without_torch_or_the_layers_it_runs() -> None:
+    """`planner --help` imports every command module: each imports at its top only the standard library, rich and
+    light modules of the base and the contracts, and what a command's work needs inside its `run` (`# deferred
+    (start-up)`), so listing the commands loads no torch, numpy, table, solver or tuning library, and none of the
+    layers a command runs."""
+    code = ("import json, sys; import planner.commands.cli; print(json.dumps(sorted(m for m in sys.modules if "
+            "m.split('.')[0] in ('torch', 'numpy', 'pandas', 'matplotlib', 'optuna', 'pulp', 'ortools', 'sklearn') "
+            "or m.startswith(('planner.sessions', 'planner.runtime', 'planner.profilers', 'planner.strategies', "
+            "'planner.solvers', 'planner.costmodel')))))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_reading_a_plan_or_a_profile_loads_no_torch() -> None:
+    """The contracts are data: a tool that reads a plan or a profile (the examples under plans/, the stored
+    profiles) loads no torch; what needs it (a model's K-FAC layers, the built-in models) imports it inside."""
+    code = ("import glob, json, sys; from planner.contracts.plan import Plan; "
+            "from planner.contracts.profile import Profile; "
+            "[Plan.load(f) for f in sorted(glob.glob('plans/*.json'))]; "
+            "[Profile.load(f) for f in sorted(glob.glob('tests/profiles/*.json'))]; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []

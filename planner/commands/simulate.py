@@ -11,7 +11,6 @@ from rich.table import Table
 from planner.commands.common import CLUSTER_HELP, KFAC, KFAC_SCALING_COLUMNS, Command, _density, _kfac_options
 from planner.commands.printing import _ms
 from planner.console import console, progress
-from planner.costmodel.from_profile import gradient_problem
 from planner.types import GROUPING_STRATEGIES, InverseMethod, PlannerError, Strategy
 
 
@@ -33,6 +32,7 @@ class SimulateCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.contracts.profile import Profile
+        from planner.costmodel.from_profile import gradient_problem  # deferred (start-up)
         from planner.strategies.cluster import parse_cluster, parse_world_sizes, scaling_table
 
         if args.density is not None and args.strategy != Strategy.TOPK.value:
