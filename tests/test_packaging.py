@@ -113,10 +113,15 @@ def test_a_built_wheel_installs_the_planner_package_alone(tmp_path: Path) -> Non
 
 
 def test_a_training_job_and_a_commands_workers_import_no_table_solver_or_tuning_library() -> None:
-    """The runtime a training job imports, and the modules a command's workers import, load none of pandas,
-    matplotlib, optuna, pulp or ortools: each costs every worker start and every training job its import time."""
+    """The runtime a training job imports, and the modules a command's workers import (each session's module that
+    holds a worker function, and the probe's), load none of pandas, matplotlib, optuna, pulp or ortools: each costs
+    every worker start and every training job its import time. So the solvers import ortools and pulp inside the
+    search that uses them (the K-FAC bench's and the tuner's workers import the K-FAC strategy, which imports the
+    placement solvers), and the tuner imports optuna where rank 0 runs the study."""
     code = ("import json, sys; import planner.runtime, planner.commands.cli, planner.sessions.profile, "
-            "planner.sessions.bench; print(json.dumps(sorted(m for m in ('pandas', 'matplotlib', 'optuna', 'pulp', "
+            "planner.sessions.bench, planner.sessions.bench_abs, planner.sessions.bench_crossover, "
+            "planner.sessions.bench_kfac, planner.sessions.bench_target, planner.sessions.tune, "
+            "planner.profilers.probe; print(json.dumps(sorted(m for m in ('pandas', 'matplotlib', 'optuna', 'pulp', "
             "'ortools') if m in sys.modules)))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
