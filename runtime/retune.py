@@ -22,6 +22,7 @@ from torch import nn
 from planner.contracts.fingerprint import model_info
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
+from planner.platform.hosts import count_hosts
 from planner.platform.launch import broadcast_json
 from planner.types import PlanMismatchError, PlannerError
 
@@ -67,8 +68,7 @@ def resolve_plan(
             another cluster and `auto_retune` is False, or rank 0 could not re-plan.
     """
     # Every job resolves its plan; the profilers and strategies load only where it must be re-tuned or checked.
-    from planner.platform.hosts import count_hosts
-    from planner.profilers.probe import current_cluster
+    from planner.profilers.probe import current_cluster  # deferred: importing the runtime loads no profilers
 
     info = model_info(model, model_name or type(model).__name__)
     inner = getattr(model, "module", None)
@@ -94,8 +94,12 @@ def resolve_plan(
     if not distributed:
         return _retune(plan, profile, cluster, None, time_limit_s)
 
-    from planner.profilers.probe import TopkOverlaps, probe_hosts, probe_network  # re-tuning only (see above)
-    from planner.strategies.retune import load_source_profile
+    from planner.profilers.probe import (  # deferred: importing the runtime loads no profilers
+        TopkOverlaps,
+        probe_hosts,
+        probe_network,
+    )
+    from planner.strategies.retune import load_source_profile  # deferred: importing the runtime loads no strategies
 
     curves = probe_network(device, process_group=process_group) if probe else None
     # Each host level too, so groups may cross hosts hierarchically (measured on the default group only); the
@@ -118,7 +122,10 @@ def resolve_plan(
 
 
 def _retune(plan: Plan, profile: Any, cluster: Any, curves: Any, time_limit_s: float, levels: Any = None) -> Plan:
-    from planner.strategies.retune import load_source_profile, retune_plan  # re-tuning only (see resolve_plan)
+    from planner.strategies.retune import (  # deferred: importing the runtime loads no strategies
+        load_source_profile,
+        retune_plan,
+    )
 
     stored = load_source_profile(plan, profile)
     return retune_plan(plan, stored, cluster=cluster, collectives=curves, hosts=levels, time_limit_s=time_limit_s)

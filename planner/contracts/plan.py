@@ -766,7 +766,7 @@ class Plan:
         """Refuse to run on another model, world size, backend, kind of device (cpu or gpu) or number of hosts,
         naming the difference and how to re-plan. `backend`, `device_kind` and `hosts` are checked when given."""
         if model.fingerprint != self.model.fingerprint:
-            from planner.models import BUILTIN_MODELS  # here: it imports torch, which reading a plan does not need
+            from planner.models import BUILTIN_MODELS  # deferred: reading a plan or a profile loads no torch
 
             # The given model's own --model value when it is one (a built-in name or a factory spec).
             spec = model.name if model.name in BUILTIN_MODELS or ":" in model.name else "<package.module:factory>"
