@@ -5,6 +5,9 @@ each layer imports only the layers below it. The folders profilers/ and runtime/
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 import tomllib
 from pathlib import Path
 
@@ -160,3 +163,36 @@ def test_each_layer_imports_only_the_layers_below() -> None:
     assert wrong == []
     graph = import_graph()
     assert not any(layer(t) == "runtime" for m in graph if layer(m) == "profilers" for t in graph[m])
+
+
+#: Why an import stays inside a function, said on its line: it defers a heavy import off a start-up path
+#: ("# deferred: ..." naming what stays unloaded, or "# deferred (start-up)" in the commands, see planner/commands/
+#: __init__.py), it is an optional extra ("# optional extra: ..."), or it breaks a circle ("# cycle: ...").
+INNER_IMPORT_REASON = re.compile(r"#\s*(deferred\b|optional extra\b|cycle\b)")
+
+
+def inner_imports_without_reason(source: str) -> list[int]:
+    """The lines of `source`'s imports inside a function (the first line of a parenthesised one) that carry no
+    comment saying why."""
+    comments = {tok.start[0]: tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT}
+    lines = {node.lineno
+             for fn in ast.walk(ast.parse(source)) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))}
+    return sorted(line for line in lines if not INNER_IMPORT_REASON.match(comments.get(line, "")))
+
+
+def test_inner_imports_are_found() -> None:
+    source = ("import os\n\ndef f():\n    import json\n    from a import (  # deferred: a\n        b,\n    )\n"
+              "    if os:\n        import c  # optional extra: c\n\n    def g():\n        import d  # a comment\n")
+    assert inner_imports_without_reason(source) == [4, 12]
+
+
+def test_an_import_inside_a_function_says_why() -> None:
+    """Imports go at the top of a module unless they break a circle or defer a heavy import on a start-up path
+    (`planner --help`, importing the runtime, reading a plan, a command's workers) or are an optional extra: each
+    that stays inside a function says which on its line."""
+    missing = [f"{path.relative_to(ROOT)}:{line}"
+               for folder in PACKAGES.values() for path in sorted((ROOT / folder).rglob("*.py"))
+               for line in inner_imports_without_reason(path.read_text(encoding="utf-8"))]
+    assert missing == []
