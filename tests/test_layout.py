@@ -193,6 +193,6 @@ def test_an_import_inside_a_function_says_why() -> None:
     (`planner --help`, importing the runtime, reading a plan, a command's workers) or are an optional extra: each
     that stays inside a function says which on its line."""
     missing = [f"{path.relative_to(ROOT)}:{line}"
-               for folder in PACKAGES.values() for path in sorted((ROOT / folder).rglob("*.py"))
+               for folder in PACKAGES for path in sorted((ROOT / folder).rglob("*.py"))
                for line in inner_imports_without_reason(path.read_text(encoding="utf-8"))]
     assert missing == []
