@@ -216,8 +216,8 @@ def decide_replan(plan: Plan, profile: Profile, errors: CompressionErrors, *, al
         plan_error,
         resolve_budget,
     )
-    from planner.strategies.mixed import make_mixed_plan  # deferred: importing the runtime loads no strategies
-    from planner.strategies.retune import current_profile  # deferred: importing the runtime loads no strategies
+    from planner.strategies.mixed_plan import make_mixed_plan  # deferred: importing the runtime loads no strategies
+    from planner.strategies.retune_plan import current_profile  # deferred: importing the runtime loads no strategies
 
     assert plan.error is not None and plan.error.budget is not None
     now = replace(current_profile(profile, cluster=plan.cluster), errors=errors)
@@ -280,7 +280,9 @@ def replan_on_every_rank(plan: Plan, profile: Profile | None, watch: ErrorWatch,
 def load_on_rank0(plan: Plan, profile: Profile | str | os.PathLike[str] | None, process_group: Any,
                   device: torch.device) -> Profile | None:
     """The profile a re-plan solves from, loaded on rank 0 (None elsewhere); every rank raises rank 0's error."""
-    from planner.strategies.retune import load_source_profile  # deferred: importing the runtime loads no strategies
+    from planner.strategies.retune_plan import (  # deferred: importing the runtime loads no strategies
+        load_source_profile,
+    )
 
     rank = dist.get_rank(process_group) if dist.is_available() and dist.is_initialized() else 0
     loaded, reason = None, ""

@@ -70,7 +70,7 @@ class DemoCommand(Command):
             run_profile,
         )
         from planner.strategies.auto import ddp_predictions, solve_auto  # deferred (start-up)
-        from planner.strategies.mixed import parse_compressors  # deferred (start-up)
+        from planner.strategies.mixed_plan import parse_compressors  # deferred (start-up)
 
         compressors = parse_compressors(args.compressors)
         build_workload(args.model)  # an unknown or broken model is one line, before a link or a worker starts

@@ -225,7 +225,7 @@ def print_abs(plan: Plan) -> None:
                       f"{p.samples_per_s / ref:.2f}x", " / ".join(f"{s:.0%}" for s in p.shares),
                       " / ".join(f"{f:.0%}" for f in p.idle_fraction), style="bold" if name == "abs-sgd" else None)
     console.print(table)
-    from planner.strategies.abs import ON_TARGET  # deferred (start-up)
+    from planner.strategies.abs_plan import ON_TARGET  # deferred (start-up)
 
     rounds = sum(a.predicted["abs-sgd"].samples)
     if rounds > ON_TARGET * a.global_batch:
@@ -240,7 +240,7 @@ def print_abs_verdict(plan: Plan) -> None:
     counting at most the global batch of each round (what the plan maximises, `progress_per_s`), as predicted (an
     ABS-SGD plan has no intervals). Synchronous SGD with the batch split equally is DDP; the other split is kept
     only where it is faster."""
-    from planner.strategies.abs import progress_per_s  # deferred (start-up)
+    from planner.strategies.abs_plan import progress_per_s  # deferred (start-up)
 
     assert plan.abs is not None
     a = plan.abs
@@ -260,7 +260,7 @@ def print_abs_verdict(plan: Plan) -> None:
 
 def print_kfac(plan: Plan) -> None:
     """The K-FAC comparison: average step time of the plan, each baseline and the lower bound."""
-    from planner.strategies.kfac import LOCAL_KFAC  # deferred (start-up)
+    from planner.strategies.kfac_plan import LOCAL_KFAC  # deferred (start-up)
 
     assert plan.kfac is not None
     k = plan.kfac
@@ -390,7 +390,7 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
                       "(the profile's noise, resampled; the machine's drift since the profile is not in them)")
     from planner.sessions.bench import LOCAL, machine_drift  # deferred (start-up)
     from planner.sessions.bench_kfac import FACTOR_HOOKS_STRATEGY  # deferred (start-up)
-    from planner.strategies.kfac import LOCAL_KFAC  # deferred (start-up)
+    from planner.strategies.kfac_plan import LOCAL_KFAC  # deferred (start-up)
 
     for r in results:
         if getattr(r, "host_union", None) is not None:
@@ -781,7 +781,7 @@ def ddp_how(variant: str) -> str:
 
 def print_mixed_groups(plan: Plan, profile: Profile) -> None:
     """Which compressor each group of a mixed plan got, and what switching it alone would cost."""
-    from planner.strategies.mixed import explain  # deferred (start-up)
+    from planner.strategies.mixed_plan import explain  # deferred (start-up)
 
     reasons = explain(plan, profile)
     table = Table(title="the compressor of each group (ready order), and the best other one: the predicted iteration "

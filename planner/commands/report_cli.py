@@ -34,7 +34,7 @@ class ReportCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from planner.sessions.report import read_bench_json, write_report  # deferred (start-up)
         from planner.strategies.cluster import parse_cluster, parse_world_sizes, scaling_table  # deferred (start-up)
-        from planner.strategies.retune import load_source_profile  # deferred (start-up)
+        from planner.strategies.retune_plan import load_source_profile  # deferred (start-up)
 
         args.output = ensure_folder(args.output, "report folder", create=False)
         plan = Plan.load(args.plan)

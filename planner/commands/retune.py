@@ -38,7 +38,7 @@ class RetuneCommand(Command):
                             help=f"plan file to write (default: {RUNS}/NAME-retuned.json for a plan NAME.json)")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.strategies.retune import (  # deferred (start-up)
+        from planner.strategies.retune_plan import (  # deferred (start-up)
             compare_plans,
             current_profile,
             load_source_profile,
@@ -118,7 +118,7 @@ def _link(curve: object) -> str:
 
 def print_changes(changes: object) -> None:
     """What re-tuning changed and its predicted gain."""
-    from planner.strategies.retune import PlanChanges  # deferred (start-up)
+    from planner.strategies.retune_plan import PlanChanges  # deferred (start-up)
 
     assert isinstance(changes, PlanChanges)
     table = Table(title="what changed")

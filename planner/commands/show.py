@@ -12,7 +12,7 @@ from planner.commands.common import Command
 from planner.commands.printing import error_line, print_plan, print_profile
 from planner.console import console
 from planner.contracts.jsonio import read_json
-from planner.contracts.kfac import factor_name
+from planner.contracts.kfac_section import factor_name
 from planner.contracts.plan import PLAN_KIND, Plan
 from planner.types import FactorKind, PlannerError
 

@@ -44,7 +44,7 @@ class SimulateCommand(Command):
             spec.with_world_size(w)
         # ... and a strategy the profile has no measurements for
         if args.strategy == KFAC:
-            from planner.strategies.kfac import kfac_problem  # deferred (start-up)
+            from planner.strategies.kfac_plan import kfac_problem  # deferred (start-up)
 
             if args.inv_update_steps % args.factor_update_steps:  # refused before the progress bar draws
                 raise PlannerError(f"--inv-update-steps must be a multiple of --factor-update-steps, but got "

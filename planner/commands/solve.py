@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from planner.commands.common import ABS, CLUSTER_HELP, COMPRESSORS_HELP, KFAC, Command, _density, _positive
 from planner.commands.printing import error_line, print_auto, print_mixed_groups, print_plan
 from planner.console import console
-from planner.contracts.abs import TRIGGERS
+from planner.contracts.abs_section import TRIGGERS
 from planner.contracts.jsonio import check_output_path
 from planner.contracts.plan import SELECTORS
 from planner.types import Compressor, InverseMethod, PlannerError, Strategy
@@ -114,7 +114,7 @@ def _request(args: argparse.Namespace) -> SolveRequest:
     """The solve the arguments ask for, each flag checked against the strategy it applies to (one line each)."""
     from planner.contracts.trials import Trials  # deferred (start-up)
     from planner.strategies.budget import BY_DEFAULT, parse_error_budget  # deferred (start-up)
-    from planner.strategies.mixed import parse_compressors  # deferred (start-up)
+    from planner.strategies.mixed_plan import parse_compressors  # deferred (start-up)
     from planner.strategies.solve import SolveRequest  # deferred (start-up)
 
     is_kfac, is_abs, is_auto = args.strategy == KFAC, args.strategy == ABS, args.strategy == AUTO

@@ -45,7 +45,7 @@ class TrialCommand(Command):
             run_trials,
             trial_compressors,
         )
-        from planner.strategies.mixed import parse_compressors  # deferred (start-up)
+        from planner.strategies.mixed_plan import parse_compressors  # deferred (start-up)
         from planner.tasks import default_task  # deferred (start-up)
 
         check_output_path(args.output, "trials file")

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from rich.table import Table
 
 from planner.console import console, progress
-from planner.contracts.abs import ABS_VARIANTS
+from planner.contracts.abs_section import ABS_VARIANTS
 from planner.contracts.fingerprint import model_info
 from planner.contracts.plan import Plan
 from planner.models import build_workload

@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from planner.console import err_console, progress
 from planner.contracts.fingerprint import model_info
-from planner.contracts.kfac import KFACSection, kfac_layers
+from planner.contracts.kfac_section import KFACSection, kfac_layers
 from planner.contracts.plan import Plan
 from planner.models import build_workload
 from planner.platform import launch  # its launchers called through it: tests replace them there
@@ -67,7 +67,7 @@ from planner.platform.launch import device_for
 from planner.runtime import GradientExchange, KFACPreconditioner
 from planner.runtime.calibrate import group_of_this_rank
 from planner.sessions.bench import LOCAL, BenchResult, bench_backend, local_prediction, slowest_rank, timed_step
-from planner.strategies.kfac import LOCAL_KFAC, PLAN_EVERYONE, reference_sections
+from planner.strategies.kfac_plan import LOCAL_KFAC, PLAN_EVERYONE, reference_sections
 from planner.types import InverseMethod, PlanMismatchError
 
 if TYPE_CHECKING:

@@ -53,7 +53,7 @@ from planner.profilers.comm import (
 from planner.profilers.compress import DEFAULT_POWERSGD_RANKS, compress_points, measure_compress
 from planner.profilers.errors import ERROR_STEPS, ERROR_WARMUP, combine_error_runs, measure_errors
 from planner.profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_interference
-from planner.profilers.kfac import DEFAULT_MAX_DIM, check_kfac_layers, kfac_points, measure_kfac
+from planner.profilers.kfac_costs import DEFAULT_MAX_DIM, check_kfac_layers, kfac_points, measure_kfac
 from planner.profilers.layers import (
     UNUSED_CHECK_BATCHES,
     LayerSummary,

@@ -24,7 +24,7 @@ from planner.contracts.plan import DDP_ROW
 from planner.contracts.profile import Profile
 from planner.contracts.trials import DDP_KEY, DEFAULT_TOLERANCE, Curve, Trials
 from planner.sessions.bench_target import TargetBenchConfig, run_target_bench
-from planner.strategies.mixed import make_mixed_plan
+from planner.strategies.mixed_plan import make_mixed_plan
 from planner.tasks import build_task
 from planner.types import Compressor, CompressorKind, PlannerError
 

@@ -56,7 +56,7 @@ import torch
 from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.jsonio import check_output_path
-from planner.contracts.kfac import kfac_layers
+from planner.contracts.kfac_section import kfac_layers
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.costmodel.curves import corrected
@@ -67,7 +67,7 @@ from planner.runtime import GradientExchange, KFACPreconditioner
 from planner.sessions.bench import BenchResult, refuse_gpu_plans, slowest_rank, timed_step
 from planner.solvers import DenseDP, GroupingSolver, TopkParetoDP
 from planner.strategies.gradients import make_plan
-from planner.strategies.kfac import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
+from planner.strategies.kfac_plan import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
 from planner.types import (
     InverseMethod,
     PlanMismatchError,

@@ -2,7 +2,7 @@
 
 Every factor f is either inverted by ALL workers (no communication, every worker pays c_f) or by ONE owner
 rank, which then broadcasts the result on the single shared channel (b_f; broadcasts are serialised). The
-step runs as the runtime (`planner.runtime.kfac`) runs it, factors in their order f = 0, 1, ...:
+step runs as the runtime (`planner.runtime.preconditioner`) runs it, factors in their order f = 0, 1, ...:
 
 - each worker first inverts the factors it owns, in order, and posts each one's broadcast as soon as it is
   inverted; then it inverts the "all" factors (Y = the sum of their c);

@@ -14,16 +14,16 @@ import os
 from dataclasses import dataclass, replace
 
 from planner.contracts.fingerprint import ClusterInfo
-from planner.contracts.kfac import KFACSection
+from planner.contracts.kfac_section import KFACSection
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import FittedCurve, HostTiming, Profile
 from planner.costmodel.from_profile import gradient_problem, mixed_problem
-from planner.costmodel.mixed import simulate_mixed
+from planner.costmodel.mixed_simulator import simulate_mixed
 from planner.costmodel.simulator import simulate
 from planner.strategies.gradients import make_plan
-from planner.strategies.kfac import kfac_problem, make_kfac_plan, predict_kfac, section_layout
-from planner.strategies.mixed import make_mixed_plan
+from planner.strategies.kfac_plan import kfac_problem, make_kfac_plan, predict_kfac, section_layout
+from planner.strategies.mixed_plan import make_mixed_plan
 from planner.types import Collective, InvalidProfileError, PlanMismatchError, PlannerError, SolverError, Strategy
 
 __all__ = ["PlanChanges", "compare_plans", "current_profile", "load_source_profile", "retune_plan"]

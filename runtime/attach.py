@@ -3,7 +3,7 @@
 A plan is made for one model, world size, backend and kind of device. Under elastic `torchrun` the world
 size changes between restarts; a plan from another cluster may be handed to this one. With
 `auto_retune=True` every rank probes the network of its process group (`planner.profilers.probe`), rank 0
-re-solves from the plan's stored per-layer profile (`planner.strategies.retune.retune_plan`) and broadcasts the
+re-solves from the plan's stored per-layer profile (`planner.strategies.retune_plan.retune_plan`) and broadcasts the
 new plan as JSON (`planner.platform.launch.broadcast_json`: data, never a pickle), so every rank runs the same
 plan. If rank 0 cannot re-plan (no profile, say), it broadcasts the reason and every rank raises the
 same error instead of hanging.
@@ -99,7 +99,9 @@ def resolve_plan(
         probe_hosts,
         probe_network,
     )
-    from planner.strategies.retune import load_source_profile  # deferred: importing the runtime loads no strategies
+    from planner.strategies.retune_plan import (  # deferred: importing the runtime loads no strategies
+        load_source_profile,
+    )
 
     curves = probe_network(device, process_group=process_group) if probe else None
     # Each host level too, so groups may cross hosts hierarchically (measured on the default group only); the
@@ -122,7 +124,7 @@ def resolve_plan(
 
 
 def _retune(plan: Plan, profile: Any, cluster: Any, curves: Any, time_limit_s: float, levels: Any = None) -> Plan:
-    from planner.strategies.retune import (  # deferred: importing the runtime loads no strategies
+    from planner.strategies.retune_plan import (  # deferred: importing the runtime loads no strategies
         load_source_profile,
         retune_plan,
     )
