@@ -197,3 +197,32 @@ def test_an_import_inside_a_function_says_why() -> None:
                for line in inner_imports_without_reason(path.read_text(encoding="utf-8"))]
     assert missing == []
 
+
+#: The file names two modules still share, each pair told apart by its folder: the kernels and the profilers that time
+#: them (compress, topk); the crossed-over jobs' timeline and the runtime's gates (crossover); a contract's data and
+#: the profiler that measures it (errors, layers) or the solver that makes it (pairing); the profile and the profiling
+#: session (profile); the built-in models and the command that lists them (models); the strategies' entry point and
+#: the command that calls it (solve).
+SHARED_NAMES = {
+    "compress.py": {"planner/kernels/compress.py", "profilers/compress.py"},
+    "topk.py": {"planner/kernels/topk.py", "profilers/topk.py"},
+    "crossover.py": {"planner/costmodel/crossover.py", "runtime/crossover.py"},
+    "errors.py": {"planner/contracts/errors.py", "profilers/errors.py"},
+    "layers.py": {"planner/contracts/layers.py", "profilers/layers.py"},
+    "pairing.py": {"planner/contracts/pairing.py", "planner/solvers/pairing.py"},
+    "profile.py": {"planner/contracts/profile.py", "planner/sessions/profile.py"},
+    "models.py": {"planner/models.py", "planner/commands/models.py"},
+    "solve.py": {"planner/strategies/solve.py", "planner/commands/solve.py"},
+}
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    """A module's file name says what it does in its folder, so that a traceback or an import names one module, not
+    one of five `kfac.py`: no two modules of planner/, runtime/ and profilers/ share a file name (`__init__.py`
+    aside), but the pairs of SHARED_NAMES, which the list names exactly (a pair renamed leaves it)."""
+    paths: dict[str, set[str]] = {}
+    for folder in PACKAGES:
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name != "__init__.py":
+                paths.setdefault(path.name, set()).add(path.relative_to(ROOT).as_posix())
+    assert {name: found for name, found in paths.items() if len(found) > 1} == SHARED_NAMES
