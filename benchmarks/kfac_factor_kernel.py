@@ -1,5 +1,5 @@
 """Time K-FAC's A factor the two ways: from the rows (unfolded patches, transposed, a ones column appended,
-divided) and from sums of patch products (`planner.kernels.kfac.input_covariance`, what the runtime runs).
+divided) and from sums of patch products (`planner.kernels.kfac_factors.input_covariance`, what the runtime runs).
 
     python benchmarks/kfac_factor_kernel.py                 # the built-in CNN's convolutions, batch 32
     python benchmarks/kfac_factor_kernel.py --threads 2 --repeats 9
@@ -22,7 +22,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from planner.kernels.kfac import covariance, input_covariance, input_rows
+from planner.kernels.kfac_factors import covariance, input_covariance, input_rows
 
 #: (in channels, out channels, input size, bias): the built-in CNN's convolutions and one with a bias.
 SHAPES = [(3, 32, 32, False), (32, 32, 32, False), (32, 64, 16, False), (64, 128, 16, False), (32, 32, 32, True)]

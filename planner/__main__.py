@@ -29,7 +29,7 @@ def console() -> int:
     """Import the commands and run the one on the command line; a Ctrl-C while they are imported is the same one
     line and exit 130 as one while the command runs (`planner.commands.cli.main`), not a traceback."""
     signal.signal(signal.SIGINT, _interrupted)
-    from planner.commands.cli import main
+    from planner.commands.cli import main  # deferred: the Ctrl-C handler is set before the commands (and torch) import
 
     return main()  # from its parsing on, main answers a Ctrl-C itself
 

@@ -363,7 +363,7 @@ def _mlp(name: str, batch_size: int) -> Workload:
 def _digits_data() -> Batch:
     """scikit-learn's handwritten digits (1797 real 8x8 images, 10 classes): pixels scaled to [0, 1], flat."""
     try:
-        from sklearn.datasets import load_digits
+        from sklearn.datasets import load_digits  # deferred: only the digits model loads scikit-learn
     except ImportError:  # pragma: no cover - scikit-learn is a dependency
         raise PlannerError("the digits model needs scikit-learn: pip install scikit-learn") from None
     data = load_digits()

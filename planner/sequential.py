@@ -1,6 +1,6 @@
 """Anytime-valid evidence that one thing happens more (or less) than half the time, for a race decided as it runs.
 
-A race (`planner.strategies.race`) times its arms in rounds and asks, after every round, questions such as "is arm
+A race (`planner.strategies.race_rule`) times its arms in rounds and asks, after every round, questions such as "is arm
 B's block slower than arm A's by more than the margin in more than half the rounds?" It may stop as soon as an
 answer is settled, so a fixed-sample test would not hold its level: checked after every round, it would sooner or
 later say yes by chance. This module answers with a betting e-process (Waudby-Smith & Ramdas, "Estimating means of

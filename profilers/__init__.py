@@ -1,6 +1,6 @@
 """The measurements behind `planner profile` (planner/sessions/profile.py runs them on N workers):
 per-layer compute (`layers.py`), collectives (`comm.py`), top-k selection and decoding (`topk.py`),
-K-FAC factors and decompositions (`kfac.py`), interference of communication with compute
+the costs of K-FAC factors and decompositions (`kfac_costs.py`), interference of communication with compute
 (`interference.py`), and the quick probe of the cluster that re-tuning uses (`probe.py`). They
 import no runtime class: what the runtime's own work costs it measures itself (`planner.runtime.calibrate`)."""
 

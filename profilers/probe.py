@@ -20,7 +20,9 @@ import torch.distributed as dist
 from planner.contracts.fingerprint import ClusterInfo
 from planner.contracts.profile import FittedCurve, HostTiming, Profile
 from planner.kernels.hierarchical import HostGroups
+from planner.platform import launch  # its launchers called through it: tests replace them there
 from planner.platform.hosts import count_hosts, host_names, ranks_by_host
+from planner.platform.launch import device_for, resolve_backend
 from planner.platform.link import HOSTS_ENV, LinkRate, current_link
 from planner.platform.slowdown import current_slowdowns
 from planner.profilers.comm import (
@@ -131,8 +133,6 @@ class Probed:
 def probe_worker(rank: int, world_size: int, largest_bytes: int,
                  overlaps: TopkOverlaps | None = None) -> Probed | None:
     """Body run on every rank of an initialised default group; rank 0 returns what was measured."""
-    from planner.platform.launch import device_for
-
     device = device_for(str(dist.get_backend()))
     curves = probe_network(device, largest_bytes=largest_bytes)
     levels = probe_hosts(device, largest_bytes=largest_bytes, overlaps=overlaps)
@@ -147,7 +147,5 @@ def run_probe(
     """Probe the network under torchrun (this process is one rank; only rank 0 gets the result, the others
     None) or on `nproc` local workers started here (spread over `hosts` emulated hosts, behind an emulated
     `link` when given); with `overlaps`, the hierarchical top-k exchange too (`probe_hosts`)."""
-    from planner.platform.launch import resolve_backend, run_job
-
-    return run_job(probe_worker, nproc, largest_bytes, overlaps, backend=resolve_backend(backend), timeout=600,
-                   link=link, hosts=hosts)
+    return launch.run_job(probe_worker, nproc, largest_bytes, overlaps, backend=resolve_backend(backend), timeout=600,
+                          link=link, hosts=hosts)

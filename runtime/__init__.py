@@ -10,12 +10,12 @@ if __name__ != "planner.runtime":  # this folder found as a top-level package (r
 
 import planner.platform.collective_defaults  # noqa: F401  (before the user's process group: see there)
 from planner.kernels.topk import decode, pack, select_topk, unpack
-from planner.runtime.abs import ABSSGD
+from planner.runtime.abs_sgd import ABSSGD
 from planner.runtime.adaptive import Replanning
 from planner.runtime.ddp_hooks import TopkHookState, topk_hook
 from planner.runtime.ddp_plan import PlanHook
 from planner.runtime.exchange import GradientExchange
-from planner.runtime.kfac import KFACPreconditioner
+from planner.runtime.preconditioner import KFACPreconditioner
 
 __all__ = [
     "ABSSGD",

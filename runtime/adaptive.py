@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from planner.contracts.errors import CompressionErrors
-from planner.contracts.layers import gradient_layers
+from planner.contracts.layers import gradient_layers, plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.kernels.error import ErrorMeter, squared_norm
@@ -179,7 +179,7 @@ class ErrorWatch:
         return at == self.schedule.warmup + self.schedule.steps - 1
 
     def _start(self) -> None:
-        from planner.profilers.errors import layer_k  # once re-planning measures: kept off a training job's start
+        from planner.profilers.errors import layer_k  # deferred: importing the runtime loads no profilers
 
         shapes = [[tuple(p.shape) for p in params] for params in self._params]
         self._meters = [[ErrorMeter(s, c, self.device, k=layer_k(c, s), seed=i) for c in self.compressors]
@@ -212,10 +212,12 @@ def decide_replan(plan: Plan, profile: Profile, errors: CompressionErrors, *, al
         PlannerError: the profile cannot be solved from, or no plan of `allowed` fits the budget.
     """
     # Rank 0 only, at a re-plan: a training job that never re-plans does not load the solvers.
-    from planner.contracts.layers import plan_grouping
-    from planner.strategies.budget import plan_error, resolve_budget
-    from planner.strategies.mixed import make_mixed_plan
-    from planner.strategies.retune import current_profile
+    from planner.strategies.budget import (  # deferred: importing the runtime loads no strategies
+        plan_error,
+        resolve_budget,
+    )
+    from planner.strategies.mixed_plan import make_mixed_plan  # deferred: importing the runtime loads no strategies
+    from planner.strategies.retune_plan import current_profile  # deferred: importing the runtime loads no strategies
 
     assert plan.error is not None and plan.error.budget is not None
     now = replace(current_profile(profile, cluster=plan.cluster), errors=errors)
@@ -278,7 +280,9 @@ def replan_on_every_rank(plan: Plan, profile: Profile | None, watch: ErrorWatch,
 def load_on_rank0(plan: Plan, profile: Profile | str | os.PathLike[str] | None, process_group: Any,
                   device: torch.device) -> Profile | None:
     """The profile a re-plan solves from, loaded on rank 0 (None elsewhere); every rank raises rank 0's error."""
-    from planner.strategies.retune import load_source_profile  # with adaptive= only: kept off a job's start
+    from planner.strategies.retune_plan import (  # deferred: importing the runtime loads no strategies
+        load_source_profile,
+    )
 
     rank = dist.get_rank(process_group) if dist.is_available() and dist.is_initialized() else 0
     loaded, reason = None, ""

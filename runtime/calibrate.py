@@ -28,7 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.contracts.fingerprint import ClusterInfo, model_info
-from planner.contracts.kfac import KFACSection, kfac_layers
+from planner.contracts.kfac_section import KFACSection, kfac_layers
 from planner.contracts.layers import LayerSpec
 from planner.contracts.plan import Group, Plan, Prediction
 from planner.contracts.profile import (
@@ -43,7 +43,7 @@ from planner.contracts.profile import (
 )
 from planner.costmodel.costs import AffineCost, CostModel
 from planner.costmodel.curves import curve_model, fit_curve, select_model
-from planner.costmodel.mixed import FP32_BYTES
+from planner.costmodel.mixed_simulator import FP32_BYTES
 from planner.costmodel.problem import GradientProblem, groups_for, groups_of, topk_count
 from planner.kernels.compress import PowerSGDLayout
 from planner.models import Workload
@@ -53,7 +53,7 @@ from planner.platform.timing import gathered, median, slowest, stream_seconds, t
 from planner.runtime.codecs import Link, write_scaled
 from planner.runtime.ddp_hooks import has_unused_parameters, silent_hook
 from planner.runtime.exchange import GradientExchange
-from planner.runtime.kfac import KFACPreconditioner
+from planner.runtime.preconditioner import KFACPreconditioner
 from planner.solvers import BASELINES, DDP_BASELINE
 from planner.types import Compressor, CompressorKind, InverseMethod, Strategy
 

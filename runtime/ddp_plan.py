@@ -87,6 +87,7 @@ from planner.kernels.compress import PowerSGDLayout
 from planner.kernels.hierarchical import HostGroups
 from planner.platform.hosts import host_names, ranks_by_host
 from planner.runtime.adaptive import Replanning
+from planner.runtime.attach import resolve_plan
 from planner.runtime.codecs import Codec, DenseCodec, Link, make_codec
 from planner.runtime.engine import (
     Engine,
@@ -99,7 +100,6 @@ from planner.runtime.engine import (
     planned_params,
     world_size_of,
 )
-from planner.runtime.retune import resolve_plan
 from planner.types import Compressor, CompressorKind, PlanMismatchError
 
 __all__ = ["STATE_KIND", "SUPPORTED_KINDS", "PlanHook", "bucket_caps", "plan_hook", "trainable_ids"]

@@ -66,6 +66,7 @@ from planner.kernels.compress import PowerSGDLayout
 from planner.kernels.hierarchical import HostGroups
 from planner.platform.hosts import host_names, ranks_by_host
 from planner.runtime.adaptive import Replanning
+from planner.runtime.attach import resolve_plan
 from planner.runtime.codecs import Codec, DensityWarmup, Link, PowerSGDCodec, TopkCodec, make_codec, write_scaled
 from planner.runtime.crossover import DEFAULT_GATE_TIMEOUT_S, DeviceGate, ProbeSchedule, crossover_gate, device_idle
 from planner.runtime.engine import (
@@ -79,7 +80,6 @@ from planner.runtime.engine import (
     planned_params,
     world_size_of,
 )
-from planner.runtime.retune import resolve_plan
 from planner.types import Compressor, CompressorKind, DistributedError, PlanMismatchError
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ class GradientExchange(EngineDriver):
         model_name: name used for the model in error messages; default: the plan's model name.
         auto_retune: when the plan was made for another world size, backend or kind of device, re-plan
             from its stored profile and a quick probe of the group's network (rank 0 solves and
-            broadcasts; see `planner.runtime.retune`) instead of refusing. The plan in use is `self.plan`.
+            broadcasts; see `planner.runtime.attach`) instead of refusing. The plan in use is `self.plan`.
         profile: the per-layer profile to re-plan from (a Profile or a path); default the plan's source.
         momentum: DGC momentum correction, `0 <= momentum < 1`. Each rank keeps a velocity u per group
             and sends the selection from v += u (u = m u + g) instead of v += g; momentum factor masking

@@ -132,7 +132,7 @@ def _strategy_arguments() -> frozenset[str]:
         return {p.name for p in inspect.signature(fn).parameters.values()
                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
 
-    from lightning.pytorch.strategies import DDPStrategy  # an optional extra: imported once asked for
+    from lightning.pytorch.strategies import DDPStrategy  # optional extra: lightning, imported once asked for
 
     _strategy_class()  # Lightning is installed, or one line says how
     return frozenset(named(DDPStrategy) | named(DistributedDataParallel)) - {"module"}
@@ -141,7 +141,7 @@ def _strategy_arguments() -> frozenset[str]:
 @cache
 def _strategy_class() -> type:
     try:
-        from lightning.pytorch.strategies import DDPStrategy
+        from lightning.pytorch.strategies import DDPStrategy  # optional extra: lightning, imported once asked for
     except ImportError as exc:
         raise ImportError(f"lightning_strategy needs PyTorch Lightning ({exc}); install it with "
                           "pip install 'planner[lightning]'") from None

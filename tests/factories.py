@@ -6,9 +6,9 @@ from dataclasses import replace
 
 from torch import nn
 
-from planner.contracts.abs import ABSSection, VariantPrediction
+from planner.contracts.abs_section import ABSSection, VariantPrediction
 from planner.contracts.fingerprint import ClusterInfo, model_info
-from planner.contracts.kfac import KFACSection, kfac_layers
+from planner.contracts.kfac_section import KFACSection, kfac_layers
 from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Group, Plan, Prediction
 from planner.contracts.profile import (
@@ -108,7 +108,7 @@ def synthetic_kfac_timing(module: object) -> KFACTiming:
 
 
 def synthetic_kfac_plan(model: str = "mlp", world_size: int = 2, **kwargs: object) -> Plan:
-    from planner.strategies.kfac import make_kfac_plan
+    from planner.strategies.kfac_plan import make_kfac_plan
 
     return make_kfac_plan(synthetic_profile(model, world_size), source="synthetic", **kwargs)  # type: ignore[arg-type]
 

@@ -12,13 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.commands.cli import main
-from planner.contracts.abs import ABSSection, VariantPrediction
+from planner.contracts.abs_section import ABSSection, VariantPrediction
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Collective, Profile, WorkerThroughput
 from planner.costmodel.curves import curve_model, fit_curve
 from planner.costmodel.from_profile import gradient_problem
-from planner.strategies.abs import (
+from planner.strategies.abs_plan import (
     ON_TARGET,
     _micro_batch_sizes,
     accumulate_s,

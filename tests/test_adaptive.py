@@ -22,7 +22,7 @@ from planner.contracts.profile import Profile
 from planner.costmodel.curves import fit_curve
 from planner.runtime import GradientExchange, Replanning
 from planner.runtime.adaptive import allowed_compressors
-from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 from planner.types import Collective, Compressor, PlanMismatchError
 from tests.factories import synthetic_plan, synthetic_profile
 from tests.pool import run_warm

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from planner.contracts.plan import Plan
 from planner.runtime import PlanHook
-from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 from planner.types import PlanMismatchError
 from tests.pool import run_warm
 from tests.test_adaptive import (

@@ -306,7 +306,7 @@ def shared_layer() -> Workload:
 def test_a_layer_called_twice_per_step_is_refused_at_profile_time_naming_kfac_skip() -> None:
     """It passed `profile --kfac` (the profiler kept the first call) and `solve`, and the runtime refused it."""
     from planner.models import build_workload
-    from planner.profilers.kfac import measure_kfac_layers
+    from planner.profilers.kfac_costs import measure_kfac_layers
     from planner.types import InvalidProfileError
 
     workload = build_workload("tests.test_bad_inputs:shared_layer")
@@ -515,7 +515,7 @@ def test_a_tiny_error_budget_gives_the_plan_that_fits_without_warnings(
     import numpy as np
 
     from planner.contracts.plan import Plan
-    from planner.solvers.mixed import ErrorBudget
+    from planner.solvers.compressor_choice import ErrorBudget
     from tests.test_budget_plan import profile_with_errors
 
     prof, out = tmp_path / "prof.json", tmp_path / "plan.json"

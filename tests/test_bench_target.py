@@ -13,7 +13,7 @@ import torch
 
 from planner.commands.cli import main
 from planner.sessions.bench import plan_tag
-from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 from planner.tasks import NORM_SAMPLES, TOKEN_LABELS, build_task
 from planner.types import PlannerError
 from tests.factories import synthetic_plan, synthetic_profile

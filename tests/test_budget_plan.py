@@ -19,7 +19,7 @@ from planner.costmodel.curves import fit_curve
 from planner.strategies.auto import solve_auto
 from planner.strategies.budget import parse_error_budget
 from planner.strategies.intervals import with_intervals
-from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 from planner.types import Collective, Compressor, PlannerError, SchemaError, SolverError
 from tests.factories import synthetic_profile, with_samples
 
@@ -211,7 +211,7 @@ def test_parse_error_budget_and_plan_error_record() -> None:
 
 
 def test_retune_keeps_the_error_budget() -> None:
-    from planner.strategies.retune import retune_plan
+    from planner.strategies.retune_plan import retune_plan
 
     profile = profile_with_errors()
     allowed = parse_compressors("dense,fp16,powersgd:1,powersgd:4,topk:0.01")

@@ -36,7 +36,7 @@ from planner.strategies.cluster import (
     spec_from_profile,
 )
 from planner.strategies.gradients import make_plan
-from planner.strategies.kfac import make_kfac_plan
+from planner.strategies.kfac_plan import make_kfac_plan
 from planner.types import Collective, PlannerError, PlannerFileError, SchemaError, Strategy
 from tests.factories import examples, synthetic_profile
 

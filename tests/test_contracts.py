@@ -472,8 +472,8 @@ def test_solve_refuses_a_profile_that_does_not_match_its_model_before_solving(
     starts (each is replaced by one that fails the test)."""
     import planner.strategies.auto as auto
     import planner.strategies.gradients as gradients
-    import planner.strategies.kfac as kfac
-    import planner.strategies.mixed as mixed
+    import planner.strategies.kfac_plan as kfac
+    import planner.strategies.mixed_plan as mixed
 
     def never(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("a solver ran on a profile that does not describe its model")

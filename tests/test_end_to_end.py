@@ -15,7 +15,7 @@ from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.models import Workload
 from planner.sessions.bench_kfac import FACTOR_HOOKS, FACTOR_HOOKS_STRATEGY
-from planner.strategies.kfac import LOCAL_KFAC
+from planner.strategies.kfac_plan import LOCAL_KFAC
 from planner.types import Collective, Strategy
 
 pytestmark = pytest.mark.spawns  # its tests start their own workers (tests/pool.py says which must)

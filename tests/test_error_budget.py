@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.costmodel.mixed import MixedProblem, simulate_mixed
-from planner.solvers.mixed import ErrorBudget, MixedParetoDP
+from planner.costmodel.mixed_simulator import MixedProblem, simulate_mixed
+from planner.solvers.compressor_choice import ErrorBudget, MixedParetoDP
 from planner.types import CompressorKind, SolverError
 from tests.factories import examples
 from tests.test_mixed import all_groupings, random_mixed

@@ -17,13 +17,13 @@ from planner.commands.cli import main
 from planner.commands.printing import optimality_line
 from planner.contracts.plan import VIA_DDP_ROW, Plan
 from planner.costmodel.from_profile import gradient_problem
-from planner.costmodel.mixed import MixedProblem, simulate_mixed
+from planner.costmodel.mixed_simulator import MixedProblem, simulate_mixed
 from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DenseDP, PerLayer, TopkParetoDP, lower_bound
+from planner.solvers.compressor_choice import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
 from planner.solvers.deadline import Deadline
-from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
 from planner.strategies.gradients import make_plan
-from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 from planner.testing import random_problem
 from planner.types import Collective, SchemaError, SolverError, Strategy
 from tests.factories import examples, synthetic_profile

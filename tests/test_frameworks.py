@@ -126,7 +126,7 @@ def lightning_runs(plan_path: Path, tmp_path_factory: pytest.TempPathFactory
     """One torchrun for both Lightning cases below (Lightning's import is most of a launch): tests/lightning_momentum.py
     on the small LM's plan, then, in the same processes, tests/lightning_adaptive.py's fit on the adaptive task
     (tests/test_adaptive.py). The run, its directory, and the adaptive plan it started from."""
-    from planner.strategies.mixed import make_mixed_plan, parse_compressors
+    from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
     from tests.test_adaptive import ALLOWED, BUDGET, slow_profile_with_errors
     from tests.test_adaptive_ddp import ITERATIONS
 

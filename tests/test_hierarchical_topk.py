@@ -22,7 +22,7 @@ from planner.contracts.profile import FittedCurve, HostTiming, HostTopk, Profile
 from planner.costmodel.costs import AffineCost
 from planner.costmodel.curves import curve_model, fit_curve
 from planner.costmodel.from_profile import mixed_problem
-from planner.costmodel.mixed import CompressorCosts, MixedProblem, simulate_mixed
+from planner.costmodel.mixed_simulator import CompressorCosts, MixedProblem, simulate_mixed
 from planner.costmodel.problem import topk_count
 from planner.kernels.hierarchical import HostGroups
 from planner.kernels.topk import all_gather_flat
@@ -30,9 +30,9 @@ from planner.models import Workload
 from planner.profilers.comm import host_union_ratio, measure_host_topk, measure_union_ratios, overlapping_picks
 from planner.sessions.bench import plan_tag
 from planner.sessions.report import gantt_lanes
-from planner.solvers.mixed import MixedParetoDP
+from planner.solvers.compressor_choice import MixedParetoDP
 from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, make_plan
-from planner.strategies.mixed import explain, make_mixed_plan, parse_compressors, plan_choice
+from planner.strategies.mixed_plan import explain, make_mixed_plan, parse_compressors, plan_choice
 from planner.types import Collective, Compressor, CompressorKind, InvalidProfileError, Strategy
 from tests.factories import examples, synthetic_profile
 from tests.pool import run_warm

@@ -85,7 +85,7 @@ def test_hosts_without_the_privilege_says_so_and_exits_2(monkeypatch: pytest.Mon
 
 
 def test_an_abs_plan_for_one_host_is_refused_on_two_before_any_worker_starts(tmp_path: Path) -> None:
-    from planner.strategies.abs import make_abs_plan
+    from planner.strategies.abs_plan import make_abs_plan
     from tests.test_abs_plan import slowed_profile
 
     plan = tmp_path / "abs.json"

@@ -366,9 +366,9 @@ def test_the_powersgd_hooks_allreduces_take_what_sending_took_in_real_steps() ->
     """The "send" calibration of PyTorch's PowerSGD hook scales its two allreduces (the Ps with the tensors sent
     whole, then the Qs) in DDP's row and nowhere else: on one bucket nothing overlaps them, so the row grows by
     exactly (factor - 1) times the curve's prediction for both."""
-    from planner.costmodel.mixed import FP32_BYTES
+    from planner.costmodel.mixed_simulator import FP32_BYTES
     from planner.kernels.compress import PowerSGDLayout
-    from planner.strategies.mixed import make_mixed_plan, parse_compressors
+    from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 
     profile = synthetic_profile("cnn")
     assert profile.compress is not None
@@ -400,9 +400,9 @@ def test_the_runtimes_powersgd_allreduces_take_what_sending_took_in_real_steps()
     run inside DDP, not the hook's: on one group of every layer nothing overlaps them, so the step grows by
     exactly (factor - 1) times the curve's prediction for both."""
     from planner.costmodel.from_profile import mixed_problem
-    from planner.costmodel.mixed import FP32_BYTES, simulate_mixed
+    from planner.costmodel.mixed_simulator import FP32_BYTES, simulate_mixed
     from planner.kernels.compress import PowerSGDLayout
-    from planner.strategies.mixed import make_mixed_plan, parse_compressors
+    from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 
     profile = synthetic_profile("cnn")
     assert profile.compress is not None

@@ -180,7 +180,7 @@ def _refusal(capsys: pytest.CaptureFixture[str]) -> tuple[str, str]:
 
 
 def _skipped(model: nn.Module, pattern: str) -> list[str]:
-    from planner.contracts.kfac import kfac_layers
+    from planner.contracts.kfac_section import kfac_layers
 
     kept = {s.name for s in kfac_layers(model, pattern)}
     return [s.name for s in kfac_layers(model) if s.name not in kept]
@@ -205,7 +205,7 @@ def test_a_recurrent_cell_is_refused_before_any_worker_starts_and_the_suggestion
 def test_every_unused_expert_is_named_before_any_worker_starts_and_the_suggestion_passes(
         tmp_path: Path, launches: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """The suggestion named three layers of four unused ones: a second full profile learned the fourth."""
-    from planner.profilers.kfac import KFAC_CHECK_BATCHES
+    from planner.profilers.kfac_costs import KFAC_CHECK_BATCHES
 
     workload = _built("moe")
     unused = sorted({e for seed in range(KFAC_CHECK_BATCHES)
@@ -227,7 +227,7 @@ def test_every_unused_expert_is_named_before_any_worker_starts_and_the_suggestio
 def test_an_expert_the_first_batch_uses_but_a_later_one_does_not_is_named() -> None:
     """Routing changes per batch, and a step without a layer has no factors for it: the check looks at several
     batches, and names a layer missing from any of them."""
-    from planner.profilers.kfac import KFAC_CHECK_BATCHES, check_kfac_layers
+    from planner.profilers.kfac_costs import KFAC_CHECK_BATCHES, check_kfac_layers
     from planner.types import InvalidProfileError
 
     workload = _built("moe")
@@ -249,7 +249,7 @@ def test_an_expert_the_first_batch_uses_but_a_later_one_does_not_is_named() -> N
 
 def test_shared_and_unused_layers_together_make_one_pattern_and_one_rerun_passes(
         tmp_path: Path, launches: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    from planner.profilers.kfac import check_kfac_layers
+    from planner.profilers.kfac_costs import check_kfac_layers
 
     assert _profile(tmp_path, "moe_shared") == 2
     assert launches == []
@@ -266,7 +266,7 @@ def test_shared_and_unused_layers_together_make_one_pattern_and_one_rerun_passes
 
 def test_the_suggestion_keeps_the_pattern_already_given(capsys: pytest.CaptureFixture[str]) -> None:
     """Skipping the head already, the suggestion adds the experts to it rather than replacing it."""
-    from planner.profilers.kfac import check_kfac_layers
+    from planner.profilers.kfac_costs import check_kfac_layers
     from planner.types import InvalidProfileError
 
     with pytest.raises(InvalidProfileError) as refused:
@@ -280,7 +280,7 @@ def test_the_suggestion_keeps_the_pattern_already_given(capsys: pytest.CaptureFi
 
 def test_the_workers_own_check_names_every_unused_layer_too() -> None:
     """The profiler's capture (in the workers, on batch 0) refuses with the whole list as well."""
-    from planner.profilers.kfac import measure_kfac_layers
+    from planner.profilers.kfac_costs import measure_kfac_layers
     from planner.types import InvalidProfileError
 
     workload = _built("moe")
@@ -297,7 +297,7 @@ def test_the_workers_own_check_names_every_unused_layer_too() -> None:
 
 def test_a_forward_run_again_in_backward_is_refused() -> None:
     """The runtime sees the recomputed forward as a second input: the check runs a backward too."""
-    from planner.profilers.kfac import check_kfac_layers
+    from planner.profilers.kfac_costs import check_kfac_layers
     from planner.types import InvalidProfileError
 
     workload = Workload(name="checkpointed", module=_Checkpointed(), batch_size=4, make_batch=_vectors,
@@ -317,7 +317,7 @@ def test_a_model_failing_in_the_check_is_refused_in_one_line(
 
 
 def test_the_check_leaves_the_users_module_as_it_was() -> None:
-    from planner.profilers.kfac import check_kfac_layers
+    from planner.profilers.kfac_costs import check_kfac_layers
 
     workload = _built("moe")
     before = {k: v.clone() for k, v in workload.module.state_dict().items()}

@@ -16,7 +16,7 @@ from torch import nn
 from planner.contracts.profile import KFAC_STEP_PARTS, Calibration, InSitu, KFACTiming, Profile
 from planner.costmodel.curves import curve_model
 from planner.models import Workload, build_workload
-from planner.profilers.kfac import measure_kfac
+from planner.profilers.kfac_costs import measure_kfac
 from planner.runtime.calibrate import (
     kfac_steps_points,
     measure_kfac_in_situ,
@@ -24,7 +24,7 @@ from planner.runtime.calibrate import (
     slowest_rank_extra,
     slowest_rank_phases,
 )
-from planner.strategies.kfac import calibrated_kfac, kfac_problem
+from planner.strategies.kfac_plan import calibrated_kfac, kfac_problem
 from planner.types import InverseMethod, SchemaError
 from tests.factories import synthetic_profile
 from tests.pool import run_warm

@@ -24,7 +24,7 @@ def test_one_row_per_distinct_gradient_worker_fraction() -> None:
 def test_the_real_library_runs_beside_the_layouts() -> None:
     pytest.importorskip("kfac.preconditioner", reason="kfac-pytorch is installed in the bench environment only")
     from planner.sessions.bench_kfac import KFACBenchConfig, run_kfac_bench
-    from planner.strategies.kfac import make_kfac_plan
+    from planner.strategies.kfac_plan import make_kfac_plan
     from tests.factories import synthetic_profile
 
     # The CNN's ReLUs work in place, which kfac-pytorch's backward hooks refuse: the bench runs them out of place.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from planner.commands.cli import main
-from planner.contracts.kfac import KFACSection, factor_name, kfac_layers
+from planner.contracts.kfac_section import KFACSection, factor_name, kfac_layers
 from planner.contracts.plan import Plan
 from planner.contracts.profile import DimCurve, Profile
 from planner.costmodel.curves import curve_model, fit_dim_curve, worst_error
@@ -18,7 +18,7 @@ from planner.models import build_workload
 from planner.solvers.fusion import FUSION_BASELINES, CommEvent, FusionTimeline, simulate_fusion
 from planner.solvers.layout import KaisaCommOpt, KaisaMemOpt, layout_timelines
 from planner.solvers.placement import makespan
-from planner.strategies.kfac import (
+from planner.strategies.kfac_plan import (
     LOCAL_KFAC,
     calibrated_kfac,
     kfac_lower_bound,
@@ -234,7 +234,7 @@ def test_slower_collectives_can_only_lengthen_the_factor_step() -> None:
     plan = make_kfac_plan(profile, source="test", time_limit_s=0.5)
     assert plan.kfac is not None and plan.kfac.predicted is not None
     from planner.contracts.layers import plan_grouping
-    from planner.strategies.kfac import factor_step_timeline
+    from planner.strategies.kfac_plan import factor_step_timeline
 
     step = factor_step_timeline(profile, plan.kfac, plan_grouping(plan, profile))
     assert step.comm_stretch == 2.0 and step.channel_end_s >= step.channel.end_s
@@ -416,7 +416,7 @@ def test_formats_chosen_per_buffer_are_predicted_as_the_runtime_reads_them(model
     """The plan keeps the fastest of upper triangles, whole factors and formats chosen per buffer; what it
     predicts is what `kfac_problem` gives for the section's own formats and buffers (as show and retune read
     it), and a per-buffer choice gives every buffer one format."""
-    from planner.strategies.kfac import PLAN_MIXED, per_buffer_formats, section_layout
+    from planner.strategies.kfac_plan import PLAN_MIXED, per_buffer_formats, section_layout
 
     profile = synthetic_profile(model, world_size=2)
     plan = make_kfac_plan(profile, inv_update_steps=5)

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-import planner.runtime.kfac
-from planner.contracts.kfac import KFACSection, factor_name, kfac_layers
+import planner.runtime.preconditioner
+from planner.contracts.kfac_section import KFACSection, factor_name, kfac_layers
 from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Plan
 from planner.costmodel.problem import groups_for
@@ -569,7 +569,7 @@ def test_factor_seconds_count_the_factor_hooks_on_factor_update_steps_only() -> 
 def test_a_large_factor_without_a_plan_is_warned_about(recwarn: pytest.WarningsRecorder) -> None:
     """A factor wide enough that inverting it every step may look like a hang draws one warning that says what
     to do; a model of small layers, or a skipped large layer, draws none."""
-    wide = planner.runtime.kfac.LARGE_FACTOR_DIM
+    wide = planner.runtime.preconditioner.LARGE_FACTOR_DIM
     model = nn.Sequential(nn.Linear(wide, 8), nn.ReLU(), nn.Linear(8, 4))
     with pytest.warns(RuntimeWarning, match=rf"0\.A \({wide + 1}x{wide + 1}\).*skip_layers=REGEX") as caught:
         KFACPreconditioner(model)
@@ -634,7 +634,7 @@ def test_buffers_launch_in_section_order(monkeypatch: pytest.MonkeyPatch) -> Non
     after it wait for step(), which launches them in order with zeros for third.
     """
     launched: list[int] = []
-    monkeypatch.setattr(planner.runtime.kfac.KFACPreconditioner, "_start_allreduce",
+    monkeypatch.setattr(planner.runtime.preconditioner.KFACPreconditioner, "_start_allreduce",
                         lambda self, st: launched.append(st.index))
     torch.manual_seed(0)
     model = Swapped()
@@ -854,7 +854,7 @@ def test_from_file_and_close(tmp_path: Path) -> None:
 )
 def test_input_covariance_equals_the_covariance_of_the_rows(module: nn.Module, shape: tuple[int, ...]) -> None:
     """The fast A (sums of patch products, bias from sums) is A from the rows, in float64 to rounding."""
-    from planner.kernels.kfac import covariance, input_covariance, input_rows
+    from planner.kernels.kfac_factors import covariance, input_covariance, input_rows
 
     torch.manual_seed(0)
     module = module.double()
@@ -888,7 +888,7 @@ def test_the_plans_skip_is_followed_and_what_is_left_out_is_listed_with_the_reas
 
 
 def test_kfac_left_out_names_attention_grouped_convolutions_tied_and_frozen_weights() -> None:
-    from planner.contracts.kfac import kfac_left_out
+    from planner.contracts.kfac_section import kfac_left_out
 
     class Net(nn.Module):
         def __init__(self) -> None:

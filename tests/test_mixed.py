@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.costmodel.costs import AffineCost, PiecewiseLinearCost
-from planner.costmodel.mixed import CompressorCosts, MixedProblem, simulate_mixed, timeline_mixed
+from planner.costmodel.mixed_simulator import CompressorCosts, MixedProblem, simulate_mixed, timeline_mixed
 from planner.costmodel.problem import groups_of
 from planner.costmodel.simulator import simulate
 from planner.solvers import DenseDP, TopkParetoDP
-from planner.solvers.mixed import MixedParetoDP, ddp_buckets, mixed_lower_bound
+from planner.solvers.compressor_choice import MixedParetoDP, ddp_buckets, mixed_lower_bound
 from planner.testing import random_problem
 from planner.types import Collective, Compressor, CompressorKind, SolverError, Strategy
 from tests.factories import examples

@@ -13,10 +13,10 @@ from planner.commands.cli import main
 from planner.contracts.plan import Plan
 from planner.costmodel.curves import fit_curve
 from planner.costmodel.from_profile import mixed_problem
-from planner.costmodel.mixed import simulate_mixed
+from planner.costmodel.mixed_simulator import simulate_mixed
 from planner.models import build_workload
 from planner.strategies.auto import solve_auto
-from planner.strategies.mixed import PRESETS, explain, make_mixed_plan, parse_compressors, preset_compressors
+from planner.strategies.mixed_plan import PRESETS, explain, make_mixed_plan, parse_compressors, preset_compressors
 from planner.types import Collective, Compressor, CompressorError, Strategy
 from tests.factories import synthetic_compress_timing, synthetic_profile
 

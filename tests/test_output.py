@@ -17,7 +17,7 @@ from planner.costmodel.curves import fit_curve
 from planner.models import build_workload
 from planner.sessions.bench import auto_tag, bench_variants, file_labels, plan_labels, plan_tag
 from planner.strategies.gradients import make_plan
-from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 from planner.types import Strategy
 from tests.factories import synthetic_profile, with_samples
 from tests.test_interference import measured_profile
@@ -168,7 +168,7 @@ def test_auto_that_keeps_ddp_says_one_thing_what_it_kept_and_how_to_run_that(
 
 
 def test_an_abs_plan_ends_with_the_verdict_against_synchronous_sgd(capsys: pytest.CaptureFixture[str]) -> None:
-    from planner.strategies.abs import make_abs_plan
+    from planner.strategies.abs_plan import make_abs_plan
     from tests.test_abs_plan import slowed_profile
 
     for factor in (3.0, 1.0):  # a slow worker: ABS-SGD wins; equal workers: nothing to balance

@@ -113,10 +113,15 @@ def test_a_built_wheel_installs_the_planner_package_alone(tmp_path: Path) -> Non
 
 
 def test_a_training_job_and_a_commands_workers_import_no_table_solver_or_tuning_library() -> None:
-    """The runtime a training job imports, and the modules a command's workers import, load none of pandas,
-    matplotlib, optuna, pulp or ortools: each costs every worker start and every training job its import time."""
+    """The runtime a training job imports, and the modules a command's workers import (each session's module that
+    holds a worker function, and the probe's), load none of pandas, matplotlib, optuna, pulp or ortools: each costs
+    every worker start and every training job its import time. So the solvers import ortools and pulp inside the
+    search that uses them (the K-FAC bench's and the tuner's workers import the K-FAC strategy, which imports the
+    placement solvers), and the tuner imports optuna where rank 0 runs the study."""
     code = ("import json, sys; import planner.runtime, planner.commands.cli, planner.sessions.profile, "
-            "planner.sessions.bench; print(json.dumps(sorted(m for m in ('pandas', 'matplotlib', 'optuna', 'pulp', "
+            "planner.sessions.bench, planner.sessions.bench_abs, planner.sessions.bench_crossover, "
+            "planner.sessions.bench_kfac, planner.sessions.bench_target, planner.sessions.tune, "
+            "planner.profilers.probe; print(json.dumps(sorted(m for m in ('pandas', 'matplotlib', 'optuna', 'pulp', "
             "'ortools') if m in sys.modules)))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -130,6 +135,33 @@ def test_the_runtime_loads_no_pandas_and_no_solvers() -> None:
     code = ("import json, sys; import planner.runtime, planner.runtime.exchange, planner.runtime.ddp_plan; "
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('pandas', 'pulp', 'ortools', "
             "'optuna') or m.startswith(('planner.strategies', 'planner.solvers', 'planner.profilers')))))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_command_line_starts_without_torch_or_the_layers_it_runs() -> None:
+    """`planner --help` imports every command module: each imports at its top only the standard library, rich and
+    light modules of the base and the contracts, and what a command's work needs inside its `run` (`# deferred
+    (start-up)`), so listing the commands loads no torch, numpy, table, solver or tuning library, and none of the
+    layers a command runs."""
+    code = ("import json, sys; import planner.commands.cli; print(json.dumps(sorted(m for m in sys.modules if "
+            "m.split('.')[0] in ('torch', 'numpy', 'pandas', 'matplotlib', 'optuna', 'pulp', 'ortools', 'sklearn') "
+            "or m.startswith(('planner.sessions', 'planner.runtime', 'planner.profilers', 'planner.strategies', "
+            "'planner.solvers', 'planner.costmodel')))))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_reading_a_plan_or_a_profile_loads_no_torch() -> None:
+    """The contracts are data: a tool that reads a plan or a profile (the examples under plans/, the stored
+    profiles) loads no torch; what needs it (a model's K-FAC layers, the built-in models) imports it inside."""
+    code = ("import glob, json, sys; from planner.contracts.plan import Plan; "
+            "from planner.contracts.profile import Profile; "
+            "[Plan.load(f) for f in sorted(glob.glob('plans/*.json'))]; "
+            "[Profile.load(f) for f in sorted(glob.glob('tests/profiles/*.json'))]; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from planner.contracts.kfac import KFACLayerSpec, KFACSection
+from planner.contracts.kfac_section import KFACLayerSpec, KFACSection
 from planner.solvers.fusion import FusionDP, simulate_fusion
 from planner.solvers.packing import PackingDP, PackingProblem, simulate_packing
 from planner.testing import brute_force_packing, random_packing_problem

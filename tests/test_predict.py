@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.contracts.kfac import KFACSection
+from planner.contracts.kfac_section import KFACSection
 from planner.contracts.layers import plan_grouping
 from planner.contracts.pairing import PairingJob
 from planner.contracts.plan import Plan
@@ -23,15 +23,15 @@ from planner.costmodel.from_profile import gradient_problem, mixed_problem
 from planner.costmodel.problem import groups_of
 from planner.sessions.pair import make_pairing
 from planner.solvers import DenseDP, TopkParetoDP
+from planner.solvers.compressor_choice import MixedParetoDP
 from planner.solvers.fusion import FusionDP
-from planner.solvers.mixed import MixedParetoDP
 from planner.solvers.packing import PackingDP
 from planner.solvers.placement import LargestFirst, makespan
-from planner.strategies.abs import make_abs_plan
+from planner.strategies.abs_plan import make_abs_plan
 from planner.strategies.gradients import make_plan
 from planner.strategies.intervals import Draws, kfac_problems, with_intervals, with_kfac_intervals
-from planner.strategies.kfac import make_kfac_plan, packing_problem
-from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.strategies.kfac_plan import make_kfac_plan, packing_problem
+from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 from planner.strategies.predict import PlanKind, predict
 from planner.types import Collective, SchemaError, Strategy
 from tests.factories import examples, synthetic_profile, with_samples

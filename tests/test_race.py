@@ -11,10 +11,10 @@ import pytest
 
 from planner.commands.cli import main
 from planner.contracts.plan import Plan
-from planner.contracts.race import RaceRecord
+from planner.contracts.race_record import RaceRecord
 from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet, median_interval
-from planner.strategies.mixed import make_mixed_plan, parse_compressors
-from planner.strategies.race import Race, race_summary
+from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
+from planner.strategies.race_rule import Race, race_summary
 from planner.types import SchemaError
 from tests.factories import synthetic_kfac_plan, synthetic_profile
 

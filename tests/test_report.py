@@ -27,7 +27,7 @@ from planner.sessions.report import (
     write_report,
 )
 from planner.solvers.layout import layout_timelines
-from planner.strategies.kfac import factor_step_timeline, kfac_problem, section_layout
+from planner.strategies.kfac_plan import factor_step_timeline, kfac_problem, section_layout
 from planner.types import PlanMismatchError, PlannerError, SchemaError, Strategy
 from tests.factories import synthetic_kfac_plan, synthetic_plan, synthetic_profile
 

@@ -18,10 +18,10 @@ from planner.models import build_workload
 from planner.platform.launch import run_distributed
 from planner.platform.link import privilege_problem
 from planner.runtime.exchange import GradientExchange
-from planner.runtime.kfac import KFACPreconditioner
+from planner.runtime.preconditioner import KFACPreconditioner
 from planner.strategies.gradients import ALL_HIERARCHICAL, make_plan
-from planner.strategies.kfac import make_kfac_plan
-from planner.strategies.retune import compare_plans, current_profile, load_source_profile, retune_plan
+from planner.strategies.kfac_plan import make_kfac_plan
+from planner.strategies.retune_plan import compare_plans, current_profile, load_source_profile, retune_plan
 from planner.types import Collective, InvalidProfileError, PlanMismatchError, Strategy
 from tests.factories import synthetic_profile
 from tests.pool import run_warm

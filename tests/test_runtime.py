@@ -657,7 +657,7 @@ def test_bench_runs_a_model_with_an_unused_head(tmp_path: Path) -> None:
 
 
 def test_kfac_profiling_skips_an_unused_head_when_told() -> None:
-    from planner.profilers.kfac import measure_kfac_layers
+    from planner.profilers.kfac_costs import measure_kfac_layers
     from planner.types import InvalidProfileError
     from tests.test_contracts import _main, _one_clear_line
 

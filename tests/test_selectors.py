@@ -31,7 +31,7 @@ from planner.profilers.topk import measure_topk
 from planner.runtime.ddp_hooks import TopkHookState
 from planner.sessions.bench import per_layer_plan
 from planner.strategies.gradients import make_plan
-from planner.strategies.retune import retune_plan
+from planner.strategies.retune_plan import retune_plan
 from planner.types import InvalidProfileError, SchemaError, Strategy
 from tests.factories import examples, synthetic_profile
 from tests.pool import run_warm

@@ -145,8 +145,8 @@ def _for_two_hosts(made: PlanOrProfile) -> PlanOrProfile:
 def test_the_kfac_and_abs_benches_and_tune_run_under_torchrun_on_two_nodes(tmp_path: Path) -> None:
     """The other worker-starting commands on torchrun's group across two emulated hosts: K-FAC's bench, ABS-SGD's
     bench and tune. Rank 0 writes; the second host prints nothing and writes nothing."""
-    from planner.strategies.abs import make_abs_plan
-    from planner.strategies.kfac import make_kfac_plan
+    from planner.strategies.abs_plan import make_abs_plan
+    from planner.strategies.kfac_plan import make_kfac_plan
     from tests.test_abs_plan import slowed_profile
 
     kfac = _for_two_hosts(make_kfac_plan(synthetic_profile(KFAC_MODEL, 4), inv_update_steps=2, source="synthetic"))

@@ -15,7 +15,7 @@ import torch
 from optuna.trial import TrialState
 from torch import nn
 
-from planner.contracts.kfac import kfac_layers
+from planner.contracts.kfac_section import kfac_layers
 from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
@@ -35,7 +35,7 @@ from planner.sessions.tune import (
 )
 from planner.solvers import DenseDP
 from planner.strategies.gradients import make_plan
-from planner.strategies.kfac import make_kfac_plan
+from planner.strategies.kfac_plan import make_kfac_plan
 from planner.types import Collective, InverseMethod, PlanMismatchError, SchemaError, SolverError, Strategy
 from tests.factories import synthetic_profile
 

@@ -25,7 +25,7 @@ from planner.runtime.calibrate import _until_usable
 from planner.spread import PairedGain, calibration_use, statistic_interval
 from planner.strategies.gradients import make_plan
 from planner.strategies.intervals import Draws, simplest_unbeaten, weigh, with_intervals
-from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 from planner.types import Collective, InvalidProfileError, SchemaError, Strategy
 from tests.factories import examples, synthetic_profile, with_samples
 from tests.shipped import shipped_plans
@@ -408,7 +408,7 @@ def test_progress_prints_lines_where_the_output_is_not_a_terminal(monkeypatch: p
 
 def test_a_kfac_plan_gets_intervals_and_is_weighed_against_the_reference_layouts() -> None:
     from planner.strategies.intervals import KFAC_REFERENCES, with_kfac_intervals
-    from planner.strategies.kfac import make_kfac_plan
+    from planner.strategies.kfac_plan import make_kfac_plan
 
     prof = with_samples(synthetic_profile("cnn"))
     plan = make_kfac_plan(prof, inv_update_steps=5, time_limit_s=0.5)
@@ -465,7 +465,7 @@ def test_a_mixed_table_predicts_the_ddp_topk_hook_as_its_verdict_weighs_it_and_t
     from planner.models import build_workload
     from planner.sessions.bench import bench_variants
     from planner.strategies.intervals import with_intervals
-    from planner.strategies.mixed import make_mixed_plan
+    from planner.strategies.mixed_plan import make_mixed_plan
 
     prof = with_samples(measured_profile("mlp"))
     assert prof.topk is not None

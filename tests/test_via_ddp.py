@@ -16,10 +16,10 @@ from planner.contracts.plan import VIA_DDP_ROW, Plan
 from planner.contracts.profile import Calibration, InSitu, Profile
 from planner.models import build_workload
 from planner.sessions.bench import bench_variants, via_ddp_notes
-from planner.strategies.abs import make_abs_plan
+from planner.strategies.abs_plan import make_abs_plan
 from planner.strategies.gradients import make_plan
 from planner.strategies.intervals import with_intervals
-from planner.strategies.mixed import make_mixed_plan, parse_compressors
+from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 from planner.strategies.via_ddp import DDP_WAY, EXCHANGE_WAY, choose_way, with_via_ddp
 from planner.types import Strategy
 from tests.factories import synthetic_kfac_plan, synthetic_profile, with_samples

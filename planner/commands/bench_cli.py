@@ -27,6 +27,7 @@ from planner.commands.common import (
 )
 from planner.commands.printing import print_bench
 from planner.console import err_console
+from planner.contracts.plan import Plan
 from planner.types import PlannerError, Strategy
 
 #: `--strategy crossover`: two jobs on the same devices, crossed over as a pairing plan says.
@@ -109,9 +110,8 @@ class BenchCommand(Command):
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.contracts.plan import Plan
-        from planner.platform.launch import under_torchrun
-        from planner.sessions.bench import BenchConfig, file_labels, run_bench, via_ddp_notes
+        from planner.platform.launch import under_torchrun  # deferred (start-up)
+        from planner.sessions.bench import BenchConfig, file_labels, run_bench, via_ddp_notes  # deferred (start-up)
 
         crossover_only = [flag for flag, value in (("--pairing", args.pairing), ("--gate-dir", args.gate_dir),
                                                    ("--probe-window", args.probe_window))
@@ -136,7 +136,7 @@ class BenchCommand(Command):
         if args.adaptive is not None and not to_target:
             raise PlannerError("--adaptive applies to the time-to-target bench of gradient plans (--target-loss L)")
         if args.adaptive is not None:
-            from planner.runtime.adaptive import Replanning
+            from planner.runtime.adaptive import Replanning  # deferred (start-up)
 
             least = Replanning.steps + Replanning.warmup
             if args.adaptive < least:
@@ -178,14 +178,14 @@ class BenchCommand(Command):
 
     @staticmethod
     def _run_to_target(args: argparse.Namespace, plans: tuple) -> int:
-        from planner.sessions.bench import file_labels
-        from planner.sessions.bench_target import (
+        from planner.sessions.bench import file_labels  # deferred (start-up)
+        from planner.sessions.bench_target import (  # deferred (start-up)
             TASK_SAMPLES,
             TargetBenchConfig,
             print_target_bench,
             run_target_bench,
         )
-        from planner.tasks import default_task
+        from planner.tasks import default_task  # deferred (start-up)
 
         if args.density_warmup is not None:
             start = args.density_warmup[0]
@@ -221,9 +221,9 @@ class BenchCommand(Command):
 
     @staticmethod
     def _run_crossover(args: argparse.Namespace) -> int:
-        from planner.contracts.pairing import PairingPlan, check_job_plan
-        from planner.platform.launch import under_torchrun
-        from planner.sessions.bench_crossover import (
+        from planner.contracts.pairing import PairingPlan, check_job_plan  # deferred (start-up)
+        from planner.platform.launch import under_torchrun  # deferred (start-up)
+        from planner.sessions.bench_crossover import (  # deferred (start-up)
             CrossoverBenchConfig,
             CrossoverJob,
             print_crossover_bench,
@@ -279,7 +279,7 @@ class BenchCommand(Command):
 
     @staticmethod
     def _run_abs(args: argparse.Namespace, plans: tuple) -> int:
-        from planner.sessions.bench_abs import ABSBenchConfig, print_abs_bench, run_abs_bench
+        from planner.sessions.bench_abs import ABSBenchConfig, print_abs_bench, run_abs_bench  # deferred (start-up)
 
         plan = BenchCommand._one_plan(args, plans, ABS, "ABS", "abs --global-batch B")
         given = {k: v for k, v in (("samples", args.samples), ("repeats", args.repeats),
@@ -302,7 +302,7 @@ class BenchCommand(Command):
 
     @staticmethod
     def _run_kfac(args: argparse.Namespace, plans: tuple) -> int:
-        from planner.sessions.bench_kfac import KFACBenchConfig, run_kfac_bench
+        from planner.sessions.bench_kfac import KFACBenchConfig, run_kfac_bench  # deferred (start-up)
 
         plan = BenchCommand._one_plan(args, plans, KFAC, "K-FAC", KFAC)
         peers = (args.peers or "kfac-pytorch").strip()

@@ -23,7 +23,7 @@ from planner.types import PlannerError, RemoteTraceback
 # Importing a command's module registers its command, and `planner --help` lists the commands in the order they
 # register: this one. (So a command module imports no other command module, only common and printing.)
 from planner.commands import models, profile_cli, trial_cli, solve, simulate, retune, report_cli, tune_cli, show  # noqa: F401
-from planner.commands import pair_cli, bench_cli, race, solver_bench_cli, demo  # noqa: F401
+from planner.commands import pair_cli, bench_cli, race_cli, solver_bench_cli, demo  # noqa: F401
 # isort: on
 
 __all__ = ["Command", "main"]

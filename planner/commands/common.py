@@ -7,10 +7,11 @@ import abc
 import argparse
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from planner.console import err_console
-from planner.types import InverseMethod, PlannerError
+from planner.types import Compressor, CompressorKind, InverseMethod, PlannerError
 
 #: `--strategy kfac`: dense gradient groups plus a K-FAC section.
 KFAC = "kfac"
@@ -98,7 +99,7 @@ def _positive_float(text: str) -> float:
 
 def _link_rate(text: str) -> Any:
     """`--link RATE`: a `planner.platform.link.LinkRate` (argparse turns a bad rate into one line and exit 2)."""
-    from planner.platform.link import LinkError, parse_rate
+    from planner.platform.link import LinkError, parse_rate  # deferred (start-up)
 
     try:
         return parse_rate(text)
@@ -141,7 +142,6 @@ def intra_linked(link: Any, intra: Any, hosts: int | None) -> Any:
         raise PlannerError("--intra-link shapes the loopback inside each emulated host: it needs --hosts H")
     if link is None:
         raise PlannerError("--intra-link needs --link RATE too: the rate between hosts, slower than inside one")
-    from dataclasses import replace
 
     return replace(link, intra=intra)
 
@@ -158,7 +158,7 @@ def check_hosts(hosts: int | None, nproc: int, workers: str = "--nproc {n}") -> 
 
 def _slowdown(text: str) -> Any:
     """`--slowdown RANK=FACTOR[,...]`: a `planner.platform.slowdown.Slowdown` (a bad one: one line, exit 2)."""
-    from planner.platform.slowdown import SlowdownError, parse_slowdown
+    from planner.platform.slowdown import SlowdownError, parse_slowdown  # deferred (start-up)
 
     try:
         return parse_slowdown(text)
@@ -185,8 +185,7 @@ def _kfac_options(parser: argparse.ArgumentParser) -> None:
 
 def _peers(text: str | None) -> tuple:
     """`--peers`: the DDP hooks to run (fp16, powersgd:R), the default ones when not given, none for none."""
-    from planner.sessions.bench import DEFAULT_PEERS
-    from planner.types import Compressor, CompressorKind
+    from planner.sessions.bench import DEFAULT_PEERS  # deferred (start-up)
 
     if text is None:
         return DEFAULT_PEERS

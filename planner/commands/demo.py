@@ -30,6 +30,7 @@ from planner.commands.printing import (
 )
 from planner.console import console
 from planner.contracts.jsonio import RUNS, ensure_folder
+from planner.contracts.plan import VIA_DDP_ROW
 from planner.types import PlannerError, Strategy
 
 #: The network `planner demo` emulates by default: 1 Gbit/s Ethernet, the setting of the published work.
@@ -41,7 +42,7 @@ class DemoCommand(Command):
     help = "the main job: profile, solve (--strategy auto: dense, top-k and mixed), write plans, bench, compare"
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
-        from planner.models import DEFAULT_MODEL
+        from planner.models import DEFAULT_MODEL  # deferred (start-up)
 
         parser.add_argument("--model", default=DEFAULT_MODEL)
         parser.add_argument("--nproc", type=_positive, default=2)
@@ -67,13 +68,24 @@ class DemoCommand(Command):
         _add_slowdown(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.models import build_workload
-        from planner.sessions.bench import BenchConfig, auto_tag, plan_labels, run_bench, via_ddp_notes
-        from planner.sessions.profile import DEFAULT_EFFORT, QUICK_EFFORT, ProfileConfig, run_profile
-        from planner.sessions.race import RaceConfig, run_race
-        from planner.strategies.auto import ddp_predictions, solve_auto
-        from planner.strategies.mixed import parse_compressors
-        from planner.strategies.race import race_summary
+        from planner.models import build_workload  # deferred (start-up)
+        from planner.sessions.bench import (  # deferred (start-up)
+            BenchConfig,
+            auto_tag,
+            plan_labels,
+            run_bench,
+            via_ddp_notes,
+        )
+        from planner.sessions.profile import (  # deferred (start-up)
+            DEFAULT_EFFORT,
+            QUICK_EFFORT,
+            ProfileConfig,
+            run_profile,
+        )
+        from planner.sessions.race import RaceConfig, run_race  # deferred (start-up)
+        from planner.strategies.auto import ddp_predictions, solve_auto  # deferred (start-up)
+        from planner.strategies.mixed_plan import parse_compressors  # deferred (start-up)
+        from planner.strategies.race_rule import race_summary  # deferred (start-up)
 
         compressors = parse_compressors(args.compressors)
         build_workload(args.model)  # an unknown or broken model is one line, before a link or a worker starts
@@ -146,7 +158,7 @@ class DemoCommand(Command):
     @staticmethod
     def _demo_link(text: str) -> Any:
         """The demo's link: the one asked for; by default DEMO_LINK where the privilege is there, else loopback."""
-        from planner.platform.link import parse_rate, privilege_problem
+        from planner.platform.link import parse_rate, privilege_problem  # deferred (start-up)
 
         if text.lower() == "none":
             return None
@@ -168,10 +180,9 @@ def verdict_against_bench(plan: Any, results: list[Any], label: str | None = Non
     (`way`: `planner.strategies.via_ddp.DDP_WAY` inside DDP, else in GradientExchange; None: not said) and what
     the bench then measured for it, run that way, and for the alternative, with the predictions beside them.
     `label`: the plan's row in the bench (default the bench's name of it alone, `plan_labels`)."""
-    from planner.contracts.plan import VIA_DDP_ROW
-    from planner.sessions.bench import plan_labels, via_ddp_label
-    from planner.strategies.intervals import ddp_label
-    from planner.strategies.via_ddp import DDP_WAY
+    from planner.sessions.bench import plan_labels, via_ddp_label  # deferred (start-up)
+    from planner.strategies.intervals import ddp_label  # deferred (start-up)
+    from planner.strategies.via_ddp import DDP_WAY  # deferred (start-up)
 
     measured = {r.name: r for r in results}
     label = label or plan_labels([plan])[0]

@@ -18,7 +18,7 @@ class ModelsCommand(Command):
         pass
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.models import BUILTIN_MODELS, DEFAULT_MODEL
+        from planner.models import BUILTIN_MODELS, DEFAULT_MODEL  # deferred (start-up)
 
         table = Table(title="built-in models (or --model package.module:factory returning a planner.models.Workload)")
         table.add_column("name")

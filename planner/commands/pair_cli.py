@@ -20,7 +20,7 @@ class PairCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="the pairing plan to write")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.sessions.pair import run_pair
+        from planner.sessions.pair import run_pair  # deferred (start-up)
 
         run_pair(args.plans, args.batch, args.output)
         return 0

@@ -1,8 +1,9 @@
 """Tables several commands print: a plan (with its K-FAC and ABS-SGD sections), a profile, bench results,
 `--strategy auto`'s choice and a mixed plan's groups; and a profile's measurements as pandas tables.
 
-Every command imports this module as it starts, so each function imports the contracts, cost model and strategies
-it reads (and pandas) inside itself: none of them is needed to parse a command line or to start a worker."""
+Every command imports this module as it starts, so each function imports the cost model, strategies and sessions it
+reads (and pandas, numpy and the contracts that load numpy) inside itself, marked `# deferred (start-up)` (see
+`planner.commands`): none of them is needed to parse a command line or to start a worker."""
 
 from __future__ import annotations
 
@@ -12,16 +13,16 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from planner.console import console, err_console
+from planner.contracts.plan import DDP_ROW, VIA_DDP_ROW, Plan, PlanError
 from planner.platform.memory import gib
-from planner.types import Strategy
+from planner.types import Collective, Compressor, CompressorKind, Strategy
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from planner.contracts.errors import CompressionErrors
-    from planner.contracts.plan import Plan, PlanError
-    from planner.contracts.profile import Collective, Profile
-    from planner.contracts.race import RaceRecord
+    from planner.contracts.profile import Profile
+    from planner.contracts.race_record import RaceRecord
     from planner.strategies.auto import AutoChoice
 
 
@@ -40,8 +41,6 @@ def print_plan(plan: Plan, title: str | None = None, ddp: dict[str, float] | Non
     baseline and the lower bound, under the same model; then its verdict (`print_spread`: `ddp`, the DDP variants'
     predicted steps, for a plan not weighed against the noise, and `factors`, the samples each needs; `samples`,
     what trials measured of the samples its lossy compressors need)."""
-    from planner.contracts.plan import VIA_DDP_ROW
-
     reference = plan.ddp_row if plan.ddp_row in plan.baselines else "plan"
     ref = plan.baselines.get(reference, plan.predicted).iteration_s
     lb = plan.lower_bound_s
@@ -132,8 +131,6 @@ def verdict_line(keep: str, mine: str, other: str, gain: tuple[float, float, flo
 def plan_ddp_rows(plan: Plan) -> dict[str, float]:
     """The DDP variants among a plan's own rows ("ddp", "ddp+C"), predicted steps by name: what a plan without a
     verdict is compared with where no profile is at hand (`planner show`)."""
-    from planner.contracts.plan import DDP_ROW
-
     return {name: p.iteration_s for name, p in plan.baselines.items() if name == DDP_ROW or name.startswith("ddp+")}
 
 
@@ -144,8 +141,7 @@ def print_spread(plan: Plan, ddp: dict[str, float] | None = None, samples: str =
     plan's own DDP rows), each step times its samples factor where `factors` has one ("plan" and the variants':
     the samples each needs to reach the loss over DDP's, `planner.strategies.auto.samples_factors`). `samples`:
     what trials measured of the samples the plan's lossy compressors need, said in place of "not measured"."""
-    from planner.contracts.plan import DDP_ROW
-    from planner.strategies.intervals import ddp_label
+    from planner.strategies.intervals import ddp_label  # deferred (start-up)
 
     if plan.kfac is not None or plan.abs is not None:
         return
@@ -230,7 +226,7 @@ def print_abs(plan: Plan) -> None:
                       f"{p.samples_per_s / ref:.2f}x", " / ".join(f"{s:.0%}" for s in p.shares),
                       " / ".join(f"{f:.0%}" for f in p.idle_fraction), style="bold" if name == "abs-sgd" else None)
     console.print(table)
-    from planner.strategies.abs import ON_TARGET
+    from planner.strategies.abs_plan import ON_TARGET  # deferred (start-up)
 
     rounds = sum(a.predicted["abs-sgd"].samples)
     if rounds > ON_TARGET * a.global_batch:
@@ -245,7 +241,7 @@ def print_abs_verdict(plan: Plan) -> None:
     counting at most the global batch of each round (what the plan maximises, `progress_per_s`), as predicted (an
     ABS-SGD plan has no intervals). Synchronous SGD with the batch split equally is DDP; the other split is kept
     only where it is faster."""
-    from planner.strategies.abs import progress_per_s
+    from planner.strategies.abs_plan import progress_per_s  # deferred (start-up)
 
     assert plan.abs is not None
     a = plan.abs
@@ -265,7 +261,7 @@ def print_abs_verdict(plan: Plan) -> None:
 
 def print_kfac(plan: Plan) -> None:
     """The K-FAC comparison: average step time of the plan, each baseline and the lower bound."""
-    from planner.strategies.kfac import LOCAL_KFAC
+    from planner.strategies.kfac_plan import LOCAL_KFAC  # deferred (start-up)
 
     assert plan.kfac is not None
     k = plan.kfac
@@ -315,7 +311,7 @@ def print_kfac_verdict(plan: Plan) -> None:
     """A K-FAC plan's verdict against the reference layouts (`planner.strategies.intervals.KFAC_REFERENCES`), in the
     one line every plan's table ends with: weighed against the noise where the section has intervals, else as
     predicted (the reference kept is the fastest, the simplest on a tie)."""
-    from planner.strategies.intervals import KFAC_REFERENCES
+    from planner.strategies.intervals import KFAC_REFERENCES  # deferred (start-up)
 
     assert plan.kfac is not None and plan.kfac.predicted is not None
     k = plan.kfac
@@ -393,9 +389,9 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
         counted = [r.inside for r in results if getattr(r, "inside", None) is not None]
         console.print(f"{sum(counted)} of {len(counted)} measured medians fall inside their predictions' intervals "
                       "(the profile's noise, resampled; the machine's drift since the profile is not in them)")
-    from planner.sessions.bench import LOCAL, machine_drift
-    from planner.sessions.bench_kfac import FACTOR_HOOKS_STRATEGY
-    from planner.strategies.kfac import LOCAL_KFAC
+    from planner.sessions.bench import LOCAL, machine_drift  # deferred (start-up)
+    from planner.sessions.bench_kfac import FACTOR_HOOKS_STRATEGY  # deferred (start-up)
+    from planner.strategies.kfac_plan import LOCAL_KFAC  # deferred (start-up)
 
     for r in results:
         if getattr(r, "host_union", None) is not None:
@@ -453,8 +449,7 @@ def profile_summary(profile: Profile) -> list[str]:
     """The lines `planner profile` prints: where it measured, the step with its interval, compute against
     communication (one allreduce of every gradient), sigma and kappa, the in-situ calibrations not used, and the
     parameters that went without a gradient in some batches."""
-    from planner.costmodel.curves import curve_model
-    from planner.types import Collective
+    from planner.costmodel.curves import curve_model  # deferred (start-up)
 
     link = "" if profile.cluster.link else ", no emulated link"
     lines = [f"measured on {profile.cluster.describe()}{link}, batch {profile.batch_size}/worker, torch "
@@ -462,7 +457,7 @@ def profile_summary(profile: Profile) -> list[str]:
     step = profile.step_s or profile.parts_s
     spread = ""
     if profile.steps is not None:
-        from planner.spread import LEVEL, statistic_interval
+        from planner.spread import LEVEL, statistic_interval  # deferred (start-up)
 
         low, high = statistic_interval(profile.steps.whole_s)
         spread = f" [{LEVEL:.0%} interval {_ms(low)}-{_ms(high)} over {profile.steps.count} steps]"
@@ -513,7 +508,7 @@ def error_line(error: PlanError) -> str:
 
 def errors_line(errors: CompressionErrors) -> str:
     """Each compressor's error over the whole gradient (every layer sent by it), with its interval over the steps."""
-    from planner.spread import LEVEL
+    from planner.spread import LEVEL  # deferred (start-up)
 
     parts = []
     for c in errors.compressors:
@@ -526,7 +521,7 @@ def errors_line(errors: CompressionErrors) -> str:
 def layers_frame(profile: Profile) -> pd.DataFrame:
     """The profile's layers as a table in ready order: a row per layer, its parameters counted, and when its
     gradient is ready (`ready_s`, the backward times summed)."""
-    import pandas as pd
+    import pandas as pd  # deferred (start-up)
 
     rows = [{**lt.to_dict(), "params": len(lt.params)} for lt in profile.layers]
     df = pd.DataFrame(rows)
@@ -536,9 +531,9 @@ def layers_frame(profile: Profile) -> pd.DataFrame:
 
 def comm_frame(profile: Profile) -> pd.DataFrame:
     """The profile's collectives as a table: every measured point next to the fit's prediction at its size."""
-    import pandas as pd
+    import pandas as pd  # deferred (start-up)
 
-    from planner.costmodel.curves import affine
+    from planner.costmodel.curves import affine  # deferred (start-up)
 
     rows = []
     for coll, curve in profile.collectives.items():
@@ -575,8 +570,8 @@ def _parts_line(profile: Profile) -> tuple[str, bool] | None:
 
 def _print_profile_details(profile: Profile) -> None:
     """Everything a profile measured beyond its summary (`planner profile --verbose`, `planner show --details`)."""
-    from planner.costmodel.curves import worst_error
-    from planner.costmodel.measured import MAX_FIT_ERROR
+    from planner.costmodel.curves import worst_error  # deferred (start-up)
+    from planner.costmodel.measured import MAX_FIT_ERROR  # deferred (start-up)
 
     if profile.peak_memory:
         phases = ", ".join(f"{name} {gib(b)}" for name, b in profile.peak_memory.items())
@@ -688,9 +683,9 @@ def _print_profile_details(profile: Profile) -> None:
 
 def _slowdown_interval(profile: Profile, collective: Collective, which: str) -> str:
     """" [0.81, 1.12]": the interval of sigma or kappa over its pairs resampled, where the profile kept them."""
-    import numpy as np
+    import numpy as np  # deferred (start-up)
 
-    from planner.spread import percentile_interval
+    from planner.spread import percentile_interval  # deferred (start-up)
 
     samples = (profile.slowdown_samples or {}).get(collective)
     if samples is None:
@@ -705,7 +700,7 @@ def _slowdown_interval(profile: Profile, collective: Collective, which: str) -> 
 def print_auto(choice: AutoChoice) -> None:
     """The strategies `--strategy auto` solved, their predicted iterations (with intervals where the noise was
     weighed) beside DDP and its hooks, and which it kept."""
-    from planner.strategies.auto import ddp_predictions
+    from planner.strategies.auto import ddp_predictions  # deferred (start-up)
 
     verdict = choice.plan.verdict
     ddp = ({name: v[0] for name, v in verdict.variants.items()} if verdict is not None
@@ -744,7 +739,7 @@ def print_auto(choice: AutoChoice) -> None:
     if instead is None:
         console.print(choice.reason, soft_wrap=True)
     else:  # one thing said: what is kept and how to run it; the best plan only as what it was weighed against
-        from planner.strategies.intervals import ddp_label
+        from planner.strategies.intervals import ddp_label  # deferred (start-up)
 
         why = "no plan is faster beyond the noise" if verdict is not None else "no plan is predicted faster"
         console.print(f"kept {ddp_label(instead)}: {why}; run it: {ddp_how(instead)}", style="bold", markup=False,
@@ -769,8 +764,6 @@ def kept_ddp(choice: AutoChoice) -> str | None:
 
 def ddp_how(variant: str) -> str:
     """How to run a DDP variant of the verdict ("ddp", "ddp+fp16", "ddp+powersgd:4", "ddp+topk:0.01"), in code."""
-    from planner.types import Compressor, CompressorKind
-
     if variant == "ddp":
         return "DDP as it is, with no communication hook"
     compressor = Compressor.parse(variant.removeprefix("ddp+"))
@@ -789,7 +782,7 @@ def ddp_how(variant: str) -> str:
 
 def print_mixed_groups(plan: Plan, profile: Profile) -> None:
     """Which compressor each group of a mixed plan got, and what switching it alone would cost."""
-    from planner.strategies.mixed import explain
+    from planner.strategies.mixed_plan import explain  # deferred (start-up)
 
     reasons = explain(plan, profile)
     table = Table(title="the compressor of each group (ready order), and the best other one: the predicted iteration "
@@ -812,7 +805,7 @@ def print_race(record: RaceRecord, *, summary: bool = True) -> None:
     """A race's arms (simplest first) with their measured and predicted ratios to DDP, then (`summary`) the line
     that says what was kept. An interval's end at the end of the candidates (`RATIO_GRID`) is not settled on that
     side: "<0.500", ">1.997"."""
-    from planner.strategies.race import RATIO_GRID, race_summary  # deferred (start-up)
+    from planner.strategies.race_rule import RATIO_GRID, race_summary  # deferred (start-up)
 
     def span(interval: tuple[float, float] | None) -> str:
         if interval is None:

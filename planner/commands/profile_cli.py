@@ -21,7 +21,7 @@ from planner.commands.common import (
 from planner.commands.printing import print_profile
 from planner.console import console, err_console
 from planner.contracts.jsonio import check_output_path
-from planner.types import PlannerError
+from planner.types import MAX_POWERSGD_RANK, Compressor, CompressorError, PlannerError
 
 
 class ProfileCommand(Command):
@@ -29,9 +29,9 @@ class ProfileCommand(Command):
     help = "measure per-layer compute, collectives and top-k costs on N workers; write a profile"
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
-        from planner.models import DEFAULT_MODEL
-        from planner.profilers.layers import MAX_LAYER_REPEATS
-        from planner.sessions.profile import DEFAULT_EFFORT, DEFAULT_LAYER_SECONDS, QUICK_EFFORT
+        from planner.models import DEFAULT_MODEL  # deferred (start-up)
+        from planner.profilers.layers import MAX_LAYER_REPEATS  # deferred (start-up)
+        from planner.sessions.profile import DEFAULT_EFFORT, DEFAULT_LAYER_SECONDS, QUICK_EFFORT  # deferred (start-up)
 
         parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name or package.module:factory")
         parser.add_argument("--batch-size", type=_positive, default=None, help="per-worker batch (model default)")
@@ -76,8 +76,8 @@ class ProfileCommand(Command):
                                  "throughput), not only the summary; later: planner show PROFILE --details")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.contracts.profile import Profile
-        from planner.sessions.profile import (
+        from planner.contracts.profile import Profile  # deferred (start-up)
+        from planner.sessions.profile import (  # deferred (start-up)
             DEFAULT_EFFORT,
             QUICK_EFFORT,
             ProfileConfig,
@@ -138,8 +138,6 @@ class ProfileCommand(Command):
 def _powersgd_ranks(text: str) -> tuple[int, ...]:
     """`--powersgd-ranks`: "1,2,4" as (1, 2, 4), "none" as (). Each rank is read as the compressor powersgd:R is
     (`Compressor.parse`: ASCII digits; `str.isdigit` also takes "²", which `int` refuses)."""
-    from planner.types import MAX_POWERSGD_RANK, Compressor, CompressorError
-
     if text.strip().lower() == "none":
         return ()
     ranks = []

@@ -8,6 +8,7 @@ from pathlib import Path
 from planner.commands.common import CLUSTER_HELP, KFAC, KFAC_SCALING_COLUMNS, Command
 from planner.console import console, err_console, progress
 from planner.contracts.jsonio import ensure_folder
+from planner.contracts.plan import Plan
 from planner.types import Strategy
 
 
@@ -31,10 +32,9 @@ class ReportCommand(Command):
                             help="`planner bench --json` output for the predicted-vs-measured picture")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.contracts.plan import Plan
-        from planner.sessions.report import read_bench_json, write_report
-        from planner.strategies.cluster import parse_cluster, parse_world_sizes, scaling_table
-        from planner.strategies.retune import load_source_profile
+        from planner.sessions.report import read_bench_json, write_report  # deferred (start-up)
+        from planner.strategies.cluster import parse_cluster, parse_world_sizes, scaling_table  # deferred (start-up)
+        from planner.strategies.retune_plan import load_source_profile  # deferred (start-up)
 
         args.output = ensure_folder(args.output, "report folder", create=False)
         plan = Plan.load(args.plan)

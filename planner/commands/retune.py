@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from rich.table import Table
@@ -11,6 +12,7 @@ from planner.commands.common import CLUSTER_HELP, Command, _add_hosts, _add_link
 from planner.commands.printing import _ms, print_plan
 from planner.console import console, err_console
 from planner.contracts.jsonio import RUNS, check_output_path
+from planner.contracts.plan import Plan
 from planner.types import PlannerError, Strategy
 
 
@@ -36,10 +38,12 @@ class RetuneCommand(Command):
                             help=f"plan file to write (default: {RUNS}/NAME-retuned.json for a plan NAME.json)")
 
     def run(self, args: argparse.Namespace) -> int:
-        from dataclasses import replace
-
-        from planner.contracts.plan import Plan
-        from planner.strategies.retune import compare_plans, current_profile, load_source_profile, retune_plan
+        from planner.strategies.retune_plan import (  # deferred (start-up)
+            compare_plans,
+            current_profile,
+            load_source_profile,
+            retune_plan,
+        )
 
         if args.cluster is not None and args.no_probe:
             raise PlannerError("--cluster already describes the network: drop --no-probe")
@@ -56,7 +60,7 @@ class RetuneCommand(Command):
         profile = load_source_profile(plan, args.profile)
         output = check_output_path(args.output or RUNS / f"{args.plan.stem}-retuned.json", "plan")
         if args.cluster is not None:
-            from planner.strategies.cluster import parse_cluster, profile_for_cluster
+            from planner.strategies.cluster import parse_cluster, profile_for_cluster  # deferred (start-up)
 
             spec = parse_cluster(args.cluster)
             current = profile_for_cluster(profile, spec)
@@ -64,7 +68,7 @@ class RetuneCommand(Command):
         elif args.no_probe:
             current = profile
         else:
-            from planner.profilers.probe import TopkOverlaps, run_probe
+            from planner.profilers.probe import TopkOverlaps, run_probe  # deferred (start-up)
 
             nproc = args.nproc or plan.cluster.world_size
             where = f" on {args.hosts} emulated hosts" if args.hosts else ""
@@ -105,7 +109,7 @@ class RetuneCommand(Command):
 
 def _link(curve: object) -> str:
     """A fitted collective curve as latency and bandwidth."""
-    from planner.contracts.profile import FittedCurve
+    from planner.contracts.profile import FittedCurve  # deferred (start-up)
 
     assert isinstance(curve, FittedCurve)
     bandwidth = f"{1 / curve.beta_s_per_byte / 1e9:.2f} GB/s" if curve.beta_s_per_byte > 0 else "no per-byte cost"
@@ -114,7 +118,7 @@ def _link(curve: object) -> str:
 
 def print_changes(changes: object) -> None:
     """What re-tuning changed and its predicted gain."""
-    from planner.strategies.retune import PlanChanges
+    from planner.strategies.retune_plan import PlanChanges  # deferred (start-up)
 
     assert isinstance(changes, PlanChanges)
     table = Table(title="what changed")

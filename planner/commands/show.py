@@ -11,7 +11,10 @@ from rich.table import Table
 from planner.commands.common import Command
 from planner.commands.printing import error_line, print_plan, print_profile, print_race
 from planner.console import console
-from planner.types import PlannerError
+from planner.contracts.jsonio import read_json
+from planner.contracts.kfac_section import factor_name
+from planner.contracts.plan import PLAN_KIND, Plan
+from planner.types import FactorKind, PlannerError
 
 
 class ShowCommand(Command):
@@ -26,10 +29,8 @@ class ShowCommand(Command):
                                  "throughput, hosts, K-FAC), not only its summary")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.contracts.jsonio import read_json
-        from planner.contracts.plan import PLAN_KIND, Plan
-        from planner.contracts.profile import PROFILE_KIND, Profile
-        from planner.contracts.trials import TRIALS_KIND, Trials
+        from planner.contracts.profile import PROFILE_KIND, Profile  # deferred (start-up)
+        from planner.contracts.trials import TRIALS_KIND, Trials  # deferred (start-up)
 
         kind = read_json(args.file, "plan, profile or trials").get("kind")
         if kind == TRIALS_KIND and (args.groups or args.details):
@@ -60,7 +61,7 @@ class ShowCommand(Command):
         elif kind == PROFILE_KIND:
             print_profile(Profile.load(args.file), details=args.details)
         elif kind == TRIALS_KIND:
-            from planner.sessions.trial import print_trials
+            from planner.sessions.trial import print_trials  # deferred (start-up)
 
             print_trials(Trials.load(args.file))
         else:
@@ -70,10 +71,6 @@ class ShowCommand(Command):
 
 def print_kfac_layout(plan: object) -> None:
     """Factor buffers, inversion owners and preconditioners of a K-FAC plan."""
-    from planner.contracts.kfac import factor_name
-    from planner.contracts.plan import Plan
-    from planner.types import FactorKind
-
     assert isinstance(plan, Plan) and plan.kfac is not None
     k = plan.kfac
     for kind, buffers in ((FactorKind.A, k.a_buffers), (FactorKind.G, k.g_buffers)):

@@ -11,7 +11,6 @@ from rich.table import Table
 from planner.commands.common import CLUSTER_HELP, KFAC, KFAC_SCALING_COLUMNS, Command, _density, _kfac_options
 from planner.commands.printing import _ms
 from planner.console import console, progress
-from planner.costmodel.from_profile import gradient_problem
 from planner.types import GROUPING_STRATEGIES, InverseMethod, PlannerError, Strategy
 
 
@@ -32,8 +31,9 @@ class SimulateCommand(Command):
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.contracts.profile import Profile
-        from planner.strategies.cluster import parse_cluster, parse_world_sizes, scaling_table
+        from planner.contracts.profile import Profile  # deferred (start-up)
+        from planner.costmodel.from_profile import gradient_problem  # deferred (start-up)
+        from planner.strategies.cluster import parse_cluster, parse_world_sizes, scaling_table  # deferred (start-up)
 
         if args.density is not None and args.strategy != Strategy.TOPK.value:
             raise PlannerError("--density applies to --strategy topk only")
@@ -44,7 +44,7 @@ class SimulateCommand(Command):
             spec.with_world_size(w)
         # ... and a strategy the profile has no measurements for
         if args.strategy == KFAC:
-            from planner.strategies.kfac import kfac_problem
+            from planner.strategies.kfac_plan import kfac_problem  # deferred (start-up)
 
             if args.inv_update_steps % args.factor_update_steps:  # refused before the progress bar draws
                 raise PlannerError(f"--inv-update-steps must be a multiple of --factor-update-steps, but got "

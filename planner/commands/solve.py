@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 from planner.commands.common import ABS, CLUSTER_HELP, COMPRESSORS_HELP, KFAC, Command, _density, _positive
 from planner.commands.printing import error_line, print_auto, print_mixed_groups, print_plan
 from planner.console import console
-from planner.contracts.abs import TRIGGERS
+from planner.contracts.abs_section import TRIGGERS
 from planner.contracts.jsonio import check_output_path
+from planner.contracts.plan import SELECTORS
 from planner.types import Compressor, InverseMethod, PlannerError, Strategy
 
 if TYPE_CHECKING:
@@ -84,8 +85,8 @@ class SolveCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         # Deferred: every command's module is imported at start-up, and only this one needs the strategies.
-        from planner.contracts.profile import Profile
-        from planner.strategies.solve import solve
+        from planner.contracts.profile import Profile  # deferred (start-up)
+        from planner.strategies.solve import solve  # deferred (start-up)
 
         request = _request(args)
         check_output_path(args.output, "plan")
@@ -111,11 +112,10 @@ class SolveCommand(Command):
 
 def _request(args: argparse.Namespace) -> SolveRequest:
     """The solve the arguments ask for, each flag checked against the strategy it applies to (one line each)."""
-    from planner.contracts.plan import SELECTORS
-    from planner.contracts.trials import Trials
-    from planner.strategies.budget import BY_DEFAULT, parse_error_budget
-    from planner.strategies.mixed import parse_compressors
-    from planner.strategies.solve import SolveRequest
+    from planner.contracts.trials import Trials  # deferred (start-up)
+    from planner.strategies.budget import BY_DEFAULT, parse_error_budget  # deferred (start-up)
+    from planner.strategies.mixed_plan import parse_compressors  # deferred (start-up)
+    from planner.strategies.solve import SolveRequest  # deferred (start-up)
 
     is_kfac, is_abs, is_auto = args.strategy == KFAC, args.strategy == ABS, args.strategy == AUTO
     is_mixed = args.strategy == Strategy.MIXED.value

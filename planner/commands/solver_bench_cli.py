@@ -28,7 +28,7 @@ class BenchSolversCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         # Deferred: every command's module is imported at start-up, and only this one needs the solvers.
-        from planner.sessions.solver_bench import time_placement, time_solvers
+        from planner.sessions.solver_bench import time_placement, time_solvers  # deferred (start-up)
 
         if args.factors is not None:
             if not args.time_limit > 0:

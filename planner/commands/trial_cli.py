@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 
 from planner.commands.common import Command, _nonnegative_float, _positive, _positive_float
+from planner.contracts.jsonio import check_output_path
+from planner.types import PlannerError
 
 
 class TrialCommand(Command):
@@ -34,14 +36,17 @@ class TrialCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="trials file to write")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.contracts.jsonio import check_output_path
-        from planner.contracts.profile import Profile
-        from planner.contracts.trials import DEFAULT_TOLERANCE
-        from planner.sessions.bench_target import TASK_SAMPLES
-        from planner.sessions.trial import TrialConfig, print_trials, run_trials, trial_compressors
-        from planner.strategies.mixed import parse_compressors
-        from planner.tasks import default_task
-        from planner.types import PlannerError
+        from planner.contracts.profile import Profile  # deferred (start-up)
+        from planner.contracts.trials import DEFAULT_TOLERANCE  # deferred (start-up)
+        from planner.sessions.bench_target import TASK_SAMPLES  # deferred (start-up)
+        from planner.sessions.trial import (  # deferred (start-up)
+            TrialConfig,
+            print_trials,
+            run_trials,
+            trial_compressors,
+        )
+        from planner.strategies.mixed_plan import parse_compressors  # deferred (start-up)
+        from planner.tasks import default_task  # deferred (start-up)
 
         check_output_path(args.output, "trials file")
         if args.momentum >= 1:

@@ -88,9 +88,15 @@ class TuneCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="tuned plan file to write")
 
     def run(self, args: argparse.Namespace) -> int:
-        from planner.contracts.profile import Profile
-        from planner.platform.launch import under_torchrun
-        from planner.sessions.tune import TuneConfig, TuneSpace, check_study_file, run_tune, same_decisions
+        from planner.contracts.profile import Profile  # deferred (start-up)
+        from planner.platform.launch import under_torchrun  # deferred (start-up)
+        from planner.sessions.tune import (  # deferred (start-up)
+            TuneConfig,
+            TuneSpace,
+            check_study_file,
+            run_tune,
+            same_decisions,
+        )
 
         if args.density is not None and args.strategy != Strategy.TOPK.value:
             raise PlannerError("--density applies to --strategy topk only")

@@ -35,11 +35,11 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
         "baselines": {"wfbp": {...}, "single": {...}, "ddp": {...}, "plan via ddp": {...}, ...},
         "lower_bound_s": 0.091
       },
-      "kfac": null | {...},                          # K-FAC plans only: see planner/contracts/kfac.py
+      "kfac": null | {...},                          # K-FAC plans only: see planner/contracts/kfac_section.py
       "unused_params": {...},                        # optional: the profile's parameters without a gradient
                                                      # in some batches (planner/contracts/unused.py); absent:
                                                      # not checked
-      "abs": null | {...},                           # ABS-SGD plans only: see planner/contracts/abs.py
+      "abs": null | {...},                           # ABS-SGD plans only: see planner/contracts/abs_section.py
       "error": {"predicted": 0.12,                   # optional (mixed plans from a profile that measured it):
                 "interval": [0.10, 0.14],            # the plan's compression error (planner/contracts/errors.py)
                 "budget": 0.3 | null,                # with its 90% interval; the error budget it was solved
@@ -85,7 +85,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from planner.contracts.abs import ABSSection
+from planner.contracts.abs_section import ABSSection
 from planner.contracts.fingerprint import ClusterInfo, ModelInfo
 from planner.contracts.jsonio import (
     MAX_NUMEL,
@@ -98,8 +98,8 @@ from planner.contracts.jsonio import (
     read_json,
     write_json_atomic,
 )
-from planner.contracts.kfac import KFACSection
-from planner.contracts.race import RaceRecord
+from planner.contracts.kfac_section import KFACSection
+from planner.contracts.race_record import RaceRecord
 from planner.contracts.unused import UnusedParams
 from planner.types import (
     DENSE_COMPRESSOR,
@@ -772,7 +772,7 @@ class Plan:
         """Refuse to run on another model, world size, backend, kind of device (cpu or gpu) or number of hosts,
         naming the difference and how to re-plan. `backend`, `device_kind` and `hosts` are checked when given."""
         if model.fingerprint != self.model.fingerprint:
-            from planner.models import BUILTIN_MODELS  # here: it imports torch, which reading a plan does not need
+            from planner.models import BUILTIN_MODELS  # deferred: reading a plan or a profile loads no torch
 
             # The given model's own --model value when it is one (a built-in name or a factory spec).
             spec = model.name if model.name in BUILTIN_MODELS or ":" in model.name else "<package.module:factory>"

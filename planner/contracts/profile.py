@@ -163,7 +163,7 @@ from planner.contracts.jsonio import (
     read_json,
     write_json_atomic,
 )
-from planner.contracts.kfac import left_out_from_json
+from planner.contracts.kfac_section import left_out_from_json
 from planner.contracts.plan import SELECTORS, check_selector, parse_compressor
 from planner.contracts.unused import UnusedParams
 from planner.spread import CalibrationUse, calibration_use
@@ -645,7 +645,7 @@ class KFACTiming:
     inverse: DimCurve
     eigen: DimCurve
     #: (name, reason) of the modules with trainable parameters K-FAC leaves to plain SGD
-    #: (`planner.contracts.kfac.kfac_left_out`); None in profiles made before they were listed (not recorded).
+    #: (`planner.contracts.kfac_section.kfac_left_out`); None in profiles made before they were listed (not recorded).
     left_out: tuple[tuple[str, str], ...] | None = ()
     #: The --kfac-skip pattern the layers were measured with (None: none).
     skip: str | None = None

@@ -13,7 +13,7 @@ from dataclasses import replace
 from planner.contracts.profile import CompressTiming, HostTiming, Profile
 from planner.costmodel.costs import CheaperOf, CostModel, ScaledCost
 from planner.costmodel.curves import curve_model, decode_model, select_model
-from planner.costmodel.mixed import CompressorCosts, MixedProblem, Sum, costs_of
+from planner.costmodel.mixed_simulator import CompressorCosts, MixedProblem, Sum, costs_of
 from planner.costmodel.problem import GradientProblem
 from planner.kernels.compress import PowerSGDLayout
 from planner.types import Collective, Compressor, CompressorKind, InvalidProfileError, SchemaError, Strategy

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import pickle
 import signal
@@ -618,8 +619,6 @@ def broadcast_json(value: Any, *, group: Any = None, device: torch.device | None
     Plans travel between ranks as data: nothing is unpickled, so receiving one never runs code. Every rank
     must call it; the others' `value` is ignored. `device`: where the tensors live (a GPU for nccl).
     """
-    import json
-
     device = device or torch.device("cpu")
     src = dist.get_global_rank(group, 0) if group is not None else 0
     payload = json.dumps(value).encode() if dist.get_rank(group) == 0 else b""

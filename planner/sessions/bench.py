@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
 
 from planner.console import progress
 from planner.contracts.fingerprint import model_info
@@ -25,7 +27,12 @@ from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import DDP_ROW, VIA_DDP_ROW, Group, Plan, Prediction
 from planner.costmodel.problem import topk_count
 from planner.models import Workload, build_workload
+from planner.platform import launch  # its launchers called through it: tests replace them there
 from planner.platform.hosts import count_hosts
+from planner.platform.launch import check_gpus, device_for
+from planner.runtime import GradientExchange, TopkHookState, topk_hook
+from planner.runtime.ddp_hooks import has_unused_parameters
+from planner.runtime.ddp_plan import PlanHook
 from planner.strategies.gradients import ALL_HIERARCHICAL
 from planner.strategies.via_ddp import via_ddp_refusal
 from planner.types import Compressor, CompressorKind, PlanMismatchError, PlannerError, Strategy
@@ -185,8 +192,6 @@ def refuse_gpu_plans(plans: Sequence[Plan], what: str,
 def bench_backend(plans: tuple[Plan, ...]) -> str:
     """The backend the bench runs on: the one the plans were profiled on. nccl puts each worker on its own GPU,
     gloo on the CPU; a plan made on GPUs is not benched on CPUs (its predictions are for the GPUs)."""
-    from planner.platform.launch import check_gpus
-
     backends = sorted({p.cluster.backend for p in plans})
     if len(backends) > 1:
         raise PlanMismatchError(f"the plans were made on different backends ({', '.join(backends)}): bench plans "
@@ -439,11 +444,6 @@ def ddp_with_hook(module: torch.nn.Module, hook: Compressor | None, *, find_unus
     `find_unused` its second round races DDP's allreduce of the used-parameter map (a collective mismatch or a
     hang), so there it runs with `static_graph=True`: DDP finds the unused parameters in the first iteration,
     while the hook still allreduces plainly, and sends no map after it."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-    from torch.nn.parallel import DistributedDataParallel
-
-    from planner.runtime import TopkHookState, topk_hook
-
     one_bucket = hook is not None and hook.kind is CompressorKind.POWERSGD and dist.get_backend() == "gloo"
     size_mb = sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
     static = one_bucket and find_unused
@@ -477,10 +477,6 @@ def plan_hook_in_ddp(module: torch.nn.Module, plan: Plan, *, find_unused: bool, 
                      optimizer: torch.optim.Optimizer | None = None, adaptive: Any = None
                      ) -> tuple[torch.nn.Module, Any]:
     """`plan_in_ddp`'s DDP module and its `PlanHook`; `adaptive`: a `Replanning` for the hook (None: none)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from planner.runtime.ddp_plan import PlanHook
-
     hook = PlanHook(module, plan, find_unused_parameters=True if find_unused else None, momentum=momentum,
                     optimizer=optimizer, adaptive=adaptive or False)
     wrapped = DistributedDataParallel(module, **hook.ddp_kwargs())
@@ -497,8 +493,6 @@ def sgd_as_advised(model: torch.nn.Module, plan: Plan | None, *, lr: float, mome
     (`GradientExchange(density_warmup=)`); the other variants run without it. `adaptive`: a `Replanning` for the
     exchange (its re-plans then keep top-k out where the optimizer holds the momentum). Returns the optimizer and the
     plan's exchange (None without one)."""
-    from planner.runtime import GradientExchange
-
     in_exchange = plan is not None and plan.sends_topk
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if in_exchange else momentum)
     if plan is None:
@@ -568,9 +562,6 @@ class Runner:
 
 def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchResult] | None:
     """Run every variant on this rank; rank 0 returns the results."""
-    from planner.platform.launch import device_for
-    from planner.runtime.ddp_hooks import has_unused_parameters
-
     torch.manual_seed(0)
     backend = dist.get_backend()
     device = device_for(backend)
@@ -642,7 +633,6 @@ def run_bench(config: BenchConfig) -> list[BenchResult] | None:
                 f"the plan was made for world size {plan.cluster.world_size}, but --nproc is {config.nproc}; "
                 f"re-plan: {plan.replan_command()}"
             )
-    from planner.platform.launch import run_job
 
-    return run_job(bench_worker, config.nproc, config, backend=bench_backend(config.plans), link=config.link,
-                   slowdown=config.slowdown, hosts=config.hosts)
+    return launch.run_job(bench_worker, config.nproc, config, backend=bench_backend(config.plans), link=config.link,
+                          slowdown=config.slowdown, hosts=config.hosts)

@@ -38,11 +38,15 @@ import torch.distributed as dist
 from rich.table import Table
 
 from planner.console import console, progress
-from planner.contracts.abs import ABS_VARIANTS
+from planner.contracts.abs_section import ABS_VARIANTS
 from planner.contracts.fingerprint import model_info
 from planner.contracts.plan import Plan
 from planner.models import build_workload
+from planner.platform import launch  # its launchers called through it: tests replace them there
+from planner.platform.launch import under_torchrun
 from planner.platform.slowdown import current_slowdown, set_own_factor
+from planner.runtime import ABSSGD, GradientExchange
+from planner.sessions.bench import refuse_gpu_plans
 from planner.types import PlanMismatchError, PlannerError
 
 if TYPE_CHECKING:
@@ -141,8 +145,6 @@ def _variant_batches(plan: Plan, variant: str) -> tuple[int, ...]:
 
 def _run(rank: int, world: int, config: ABSBenchConfig, variant: str, repeat: int, initial: float) -> ABSRun:
     """One run of `variant` on this rank (`initial`: its --slowdown factor, which a speed change leaves)."""
-    from planner.runtime import ABSSGD, GradientExchange
-
     plan = config.plan
     assert plan.abs is not None
     wl = build_workload(config.model)  # the same initial weights every run, on every rank
@@ -319,14 +321,12 @@ def run_abs_bench(config: ABSBenchConfig) -> list[ABSRun] | None:
         if unslowed:
             raise PlannerError(f"--speed-change names rank(s) {unslowed} that --slowdown does not slow; a worker "
                                "changes speed from a --slowdown (e.g. --slowdown 1=1.5 --speed-change 1=3)")
-    from planner.platform.launch import run_job, under_torchrun
-    from planner.sessions.bench import refuse_gpu_plans
 
     refuse_gpu_plans([plan], "--strategy abs")
     plan.check_compatible(model_info(build_workload(config.model).module, config.model), config.nproc,
                           hosts=None if under_torchrun() else config.hosts or 1)
-    return run_job(abs_bench_worker, config.nproc, config, backend="gloo", link=config.link,
-                   slowdown=config.slowdown, hosts=config.hosts)
+    return launch.run_job(abs_bench_worker, config.nproc, config, backend="gloo", link=config.link,
+                          slowdown=config.slowdown, hosts=config.hosts)
 
 
 def print_abs_bench(config: ABSBenchConfig, runs: list[ABSRun], as_json: bool) -> None:

@@ -45,7 +45,10 @@ from rich.table import Table
 from planner.console import console, progress
 from planner.contracts.plan import Plan
 from planner.models import build_workload
+from planner.platform import launch  # its launchers called through it: tests replace them there
+from planner.runtime import GradientExchange
 from planner.runtime.crossover import ProbeSchedule
+from planner.sessions.bench import refuse_gpu_plans
 from planner.types import DistributedError
 
 if TYPE_CHECKING:
@@ -179,8 +182,6 @@ def _rank0_says(go_on: bool) -> bool:
 def crossover_job_worker(rank: int, world_size: int, config: CrossoverBenchConfig, job: int, mode: str,
                          repeat: int, ready_dir: str, together: list[str]) -> JobRun | None:
     """One job's rank in one run: warm up, start with the jobs in `together`, time `config.steps` steps."""
-    from planner.runtime import GradientExchange
-
     torch.set_num_threads(1)
     _pin(rank)
     spec = config.jobs[job]
@@ -269,9 +270,6 @@ def crossover_job_worker(rank: int, world_size: int, config: CrossoverBenchConfi
 
 def run_crossover_bench(config: CrossoverBenchConfig) -> list[JobRun]:
     """Every mode, round-robin, `config.repeats` times; rank 0's record of each job in each run."""
-    from planner.platform.launch import run_jobs
-    from planner.sessions.bench import refuse_gpu_plans
-
     refuse_gpu_plans([job.plan for job in config.jobs], "--strategy crossover")
     runs: list[JobRun] = []
     names = [j.name for j in config.jobs]
@@ -282,15 +280,15 @@ def run_crossover_bench(config: CrossoverBenchConfig) -> list[JobRun]:
                 with tempfile.TemporaryDirectory(prefix="planner-crossover-") as ready:
                     if mode == "sequential":
                         for index, spec in enumerate(config.jobs):
-                            (result,) = run_jobs([(crossover_job_worker, spec.world_size,
-                                                   (config, index, mode, repeat, ready, [spec.name]))],
-                                                 link=config.link, hosts=config.hosts, timeout=_timeout(config))
+                            (result,) = launch.run_jobs([(crossover_job_worker, spec.world_size,
+                                                          (config, index, mode, repeat, ready, [spec.name]))],
+                                                        link=config.link, hosts=config.hosts, timeout=_timeout(config))
                             runs.append(result[0])
                     else:
-                        results = run_jobs([(crossover_job_worker, spec.world_size,
-                                             (config, index, mode, repeat, ready, names))
-                                            for index, spec in enumerate(config.jobs)],
-                                           link=config.link, hosts=config.hosts, timeout=_timeout(config))
+                        results = launch.run_jobs([(crossover_job_worker, spec.world_size,
+                                                    (config, index, mode, repeat, ready, names))
+                                                   for index, spec in enumerate(config.jobs)],
+                                                  link=config.link, hosts=config.hosts, timeout=_timeout(config))
                         runs += [r[0] for r in results]
                 bar.advance(task)
     return runs

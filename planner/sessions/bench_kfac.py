@@ -54,15 +54,20 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from planner.console import err_console, progress
 from planner.contracts.fingerprint import model_info
-from planner.contracts.kfac import KFACSection
+from planner.contracts.kfac_section import KFACSection, kfac_layers
 from planner.contracts.plan import Plan
 from planner.models import build_workload
+from planner.platform import launch  # its launchers called through it: tests replace them there
 from planner.platform.hosts import count_hosts
+from planner.platform.launch import device_for
+from planner.runtime import GradientExchange, KFACPreconditioner
+from planner.runtime.calibrate import group_of_this_rank
 from planner.sessions.bench import LOCAL, BenchResult, bench_backend, local_prediction, slowest_rank, timed_step
-from planner.strategies.kfac import LOCAL_KFAC, PLAN_EVERYONE, reference_sections
+from planner.strategies.kfac_plan import LOCAL_KFAC, PLAN_EVERYONE, reference_sections
 from planner.types import InverseMethod, PlanMismatchError
 
 if TYPE_CHECKING:
@@ -163,9 +168,8 @@ def peer_variants(world_size: int) -> list[tuple[str, str]]:
 def _peer_runner(config: KFACBenchConfig, strategy: str, device: torch.device) -> tuple:
     """The real kfac-pytorch preconditioning a fresh copy of the model under DDP, with the plan's intervals,
     method and skip pattern: (workload, DDP model, its step, SGD)."""
-    from kfac.enums import ComputeMethod, DistributedStrategy
-    from kfac.preconditioner import KFACPreconditioner as PeerPreconditioner
-    from torch.nn.parallel import DistributedDataParallel
+    from kfac.enums import ComputeMethod, DistributedStrategy  # optional extra: kfac-pytorch
+    from kfac.preconditioner import KFACPreconditioner as PeerPreconditioner  # optional extra: kfac-pytorch
 
     k = config.plan.kfac
     assert k is not None
@@ -191,10 +195,6 @@ def _peer_runner(config: KFACBenchConfig, strategy: str, device: torch.device) -
 
 def kfac_bench_worker(rank: int, world_size: int, config: KFACBenchConfig) -> list[BenchResult] | None:
     """Run every variant on this rank; rank 0 returns the results."""
-    from planner.platform.launch import device_for
-    from planner.runtime import GradientExchange, KFACPreconditioner
-    from planner.runtime.calibrate import group_of_this_rank
-
     torch.manual_seed(0)
     plan = config.plan
     backend = dist.get_backend()
@@ -302,8 +302,6 @@ def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult] | None:
             f"the plan was made for world size {plan.cluster.world_size}, but --nproc is {config.nproc}; "
             f"re-plan: {plan.replan_command()}"
         )
-    from planner.contracts.kfac import kfac_layers
-    from planner.platform.launch import run_job
 
     module = build_workload(config.model, batch_size=config.batch_size).module
     plan.check_compatible(model_info(module, config.model), config.nproc)
@@ -312,5 +310,5 @@ def run_kfac_bench(config: KFACBenchConfig) -> list[BenchResult] | None:
         err_console.print("kfac-pytorch is not importable here: the bench runs its layouts in this runtime only; "
                           "for rows of the real library, install it into a bench environment (make bench-env) and "
                           "run .venv-bench/bin/planner bench ...")
-    return run_job(kfac_bench_worker, config.nproc, config, backend=bench_backend((plan,)), link=config.link,
-                   slowdown=config.slowdown, hosts=config.hosts)
+    return launch.run_job(kfac_bench_worker, config.nproc, config, backend=bench_backend((plan,)), link=config.link,
+                          slowdown=config.slowdown, hosts=config.hosts)

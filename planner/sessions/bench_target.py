@@ -38,8 +38,11 @@ from rich.table import Table
 from planner.console import console, progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.plan import Plan
+from planner.platform import launch  # its launchers called through it: tests replace them there
 from planner.platform.hosts import count_hosts
 from planner.platform.memory import available_bytes
+from planner.runtime.adaptive import Replanning, replannable
+from planner.runtime.ddp_hooks import has_unused_parameters
 from planner.sessions.bench import (
     DEFAULT_PEERS,
     LOCAL,
@@ -148,8 +151,6 @@ def _variants(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Com
     """DDP, the plans and the hooks of the step-time bench, without the local steps, the per-layer rows and (unless
     `via_ddp`) the plans run inside DDP; with `adaptive`, after each plan kept within an error budget the same plan
     re-planned as training goes (inside DDP too)."""
-    from planner.runtime.adaptive import replannable
-
     out = []
     for v in bench_variants(plans, module, peers, labels):
         if v.name == LOCAL or v.name.startswith("per-layer") or (v.via_ddp and not via_ddp):
@@ -166,8 +167,6 @@ def _probe_loss(workload: Workload, x: torch.Tensor, y: torch.Tensor, module: to
 
 def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, repeat: int, task: Task) -> TargetRun:
     """One run of `variant` on this rank, from the task's initial weights."""
-    from planner.runtime.ddp_hooks import has_unused_parameters
-
     wl = task.workload
     initial = wl.module
     student = copy.deepcopy(initial)
@@ -180,8 +179,6 @@ def _run(rank: int, world: int, config: TargetBenchConfig, variant: Variant, rep
     plan = variant.plan
     schedule = None
     if variant.adaptive:
-        from planner.runtime.adaptive import Replanning
-
         assert config.adaptive is not None
         schedule = Replanning(every=config.adaptive)
     replanner: Any = None  # what re-plans, for its plan changes
@@ -340,8 +337,6 @@ def _predicted_ms(summary: TargetSummary) -> str:
 
 def run_target_bench(config: TargetBenchConfig) -> list[TargetRun] | None:
     """Run every variant to the target on `config.nproc` local gloo workers (or torchrun's group): rank 0's runs."""
-    from planner.platform.launch import run_job
-
     if not config.target_loss > 0 or config.samples < 1 or config.repeats < 1 or not (config.lr or 1) > 0:
         raise PlannerError(f"need --target-loss > 0, --samples >= 1, --repeats >= 1 and --lr > 0, got "
                            f"{config.target_loss}, {config.samples}, {config.repeats}, {config.lr}")
@@ -356,8 +351,8 @@ def run_target_bench(config: TargetBenchConfig) -> list[TargetRun] | None:
                                "ABS-SGD plans have their own benches (--strategy kfac, --strategy abs)")
     refuse_gpu_plans(config.plans, "--target-loss")
     build_task(config.model, config.task, batch_size=config.batch_size)  # a bad task is one line, before starting
-    return run_job(target_bench_worker, config.nproc, config, backend="gloo", link=config.link,
-                   slowdown=config.slowdown, hosts=config.hosts)
+    return launch.run_job(target_bench_worker, config.nproc, config, backend="gloo", link=config.link,
+                          slowdown=config.slowdown, hosts=config.hosts)
 
 
 def print_target_bench(config: TargetBenchConfig, runs: list[TargetRun], as_json: bool) -> None:

@@ -31,8 +31,9 @@ from planner.contracts.unused import UnusedParams
 from planner.costmodel.curves import curve_model
 from planner.kernels.hierarchical import HostGroups
 from planner.models import Workload, build_workload
+from planner.platform import launch  # its launchers called through it: tests replace them there
 from planner.platform.hosts import host_names, ranks_by_host
-from planner.platform.launch import device_for, resolve_backend
+from planner.platform.launch import device_for, resolve_backend, under_torchrun
 from planner.platform.link import LinkRate
 from planner.platform.memory import PhaseMemory, available_bytes, gib
 from planner.platform.slowdown import Slowdown
@@ -52,7 +53,7 @@ from planner.profilers.comm import (
 from planner.profilers.compress import DEFAULT_POWERSGD_RANKS, compress_points, measure_compress
 from planner.profilers.errors import ERROR_STEPS, ERROR_WARMUP, combine_error_runs, measure_errors
 from planner.profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_interference
-from planner.profilers.kfac import DEFAULT_MAX_DIM, kfac_points, measure_kfac
+from planner.profilers.kfac_costs import DEFAULT_MAX_DIM, check_kfac_layers, kfac_points, measure_kfac
 from planner.profilers.layers import (
     UNUSED_CHECK_BATCHES,
     LayerSummary,
@@ -502,9 +503,6 @@ def check_memory(model: str, batch_size: int | None, local_workers: int, *, worl
 
 def run_profile(config: ProfileConfig) -> Profile:
     """Profile under torchrun (this process is one rank) or by starting `config.nproc` local workers."""
-    from planner.platform.launch import run_job, under_torchrun
-    from planner.profilers.kfac import check_kfac_layers
-
     if config.only_comm and config.base is None:
         raise PlannerError(f"--only comm updates an existing profile, but {config.output} does not exist")
     if config.nproc < 1:
@@ -515,8 +513,8 @@ def run_profile(config: ProfileConfig) -> Profile:
                      int(os.environ.get("LOCAL_WORLD_SIZE", "1")), world_size=config.nproc)
     if config.kfac and not config.only_comm:  # a layer K-FAC cannot take is refused now, not after minutes of workers
         check_kfac_layers(build_workload(config.model, batch_size=config.batch_size), config.kfac_skip)
-    profile = run_job(profile_worker, config.nproc, config, backend=backend, link=config.link,
-                      slowdown=config.slowdown, hosts=config.hosts, collective_timeout=config.collective_timeout)
+    profile = launch.run_job(profile_worker, config.nproc, config, backend=backend, link=config.link,
+                             slowdown=config.slowdown, hosts=config.hosts, collective_timeout=config.collective_timeout)
     if profile is None and under_torchrun():  # not rank 0: nothing to write
         raise SystemExit(0)
     if not isinstance(profile, Profile):

@@ -1,5 +1,5 @@
 """`planner race`: the plan's finalists raced in real steps, in the same worker processes, until the race's rule
-(`planner.strategies.race`) settles which to keep.
+(`planner.strategies.race_rule`) settles which to keep.
 
 The finalists are what the bench would run minus what no user would keep: DDP, DDP with each of PyTorch's hooks
 (and the project's top-k hook at a top-k plan's density), each plan inside DDP (`PlanHook`) where it runs there, and
@@ -24,10 +24,11 @@ import torch.distributed as dist
 from planner.console import progress
 from planner.contracts.fingerprint import model_info
 from planner.contracts.plan import DDP_ROW, Plan
-from planner.contracts.race import RacedArm, RaceRecord
+from planner.contracts.race_record import RacedArm, RaceRecord
 from planner.models import build_workload
+from planner.platform import launch  # its launchers called through it: tests replace them there
 from planner.platform.hosts import count_hosts
-from planner.platform.launch import device_for, run_job
+from planner.platform.launch import device_for
 from planner.runtime.ddp_hooks import has_unused_parameters
 from planner.sequential import median_interval
 from planner.sessions.bench import (
@@ -38,7 +39,7 @@ from planner.sessions.bench import (
     bench_backend,
     bench_variants,
 )
-from planner.strategies.race import DEFAULT_ALPHA, DEFAULT_MARGIN, RATIO_GRID, Race
+from planner.strategies.race_rule import DEFAULT_ALPHA, DEFAULT_MARGIN, RATIO_GRID, Race
 from planner.types import Compressor, PlanMismatchError
 
 if TYPE_CHECKING:
@@ -157,5 +158,5 @@ def run_race(config: RaceConfig) -> RaceRecord | None:
         if plan.cluster.world_size != config.nproc:
             raise PlanMismatchError(f"the plan was made for world size {plan.cluster.world_size}, but --nproc is "
                                     f"{config.nproc}; re-plan: {plan.replan_command()}")
-    return run_job(race_worker, config.nproc, config, backend=bench_backend(config.plans), link=config.link,
+    return launch.run_job(race_worker, config.nproc, config, backend=bench_backend(config.plans), link=config.link,
                    slowdown=config.slowdown, hosts=config.hosts)

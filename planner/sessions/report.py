@@ -1,7 +1,7 @@
 """`planner report`: pictures of a plan and one HTML page that shows them.
 
 Everything drawn comes from the plan and the profile it was solved from, through the cost model the solvers
-use (a gradient plan's events as `planner.strategies.predict.predict` walks them; `planner.strategies.kfac`), or
+use (a gradient plan's events as `planner.strategies.predict.predict` walks them; `planner.strategies.kfac_plan`), or
 from plain data the caller passes (scaling series, `planner bench --json` rows). Pictures are drawn on
 `matplotlib.figure.Figure` objects (no pyplot, no global state) and every file is written atomically (a temporary
 file in the same folder, then a rename).
@@ -39,12 +39,12 @@ from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan, Prediction
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import gradient_problem
-from planner.costmodel.mixed import MixedEvent
+from planner.costmodel.mixed_simulator import MixedEvent
 from planner.costmodel.problem import Grouping, groups_of
 from planner.costmodel.simulator import GroupEvent, simulate
 from planner.solvers.layout import layout_timelines
 from planner.solvers.placement import InversionTimeline, PlacementProblem, inversion_timeline
-from planner.strategies.kfac import factor_step_timeline, kfac_problem, section_layout
+from planner.strategies.kfac_plan import factor_step_timeline, kfac_problem, section_layout
 from planner.strategies.predict import predict
 from planner.types import PlanMismatchError, SchemaError, Strategy
 
@@ -204,7 +204,7 @@ def gantt_lanes(plan: Plan, profile: Profile) -> GanttData:
 def _mixed_lanes(plan: Plan, profile: Profile, predicted: Prediction, events: Sequence[MixedEvent]) -> GanttData:
     """The bars of a mixed plan (or a top-k plan routed per group): each group's backward and compression,
     PowerSGD's middle rounds, its collectives (two for PowerSGD) and its decoding, as `predict` walked them
-    (`planner.costmodel.mixed.timeline_mixed`)."""
+    (`planner.costmodel.mixed_simulator.timeline_mixed`)."""
     labels = [f"{e.compressor} hierarchical" if plan.groups[e.index].hierarchical else str(e.compressor)
               for e in events]
     f = profile.forward_s

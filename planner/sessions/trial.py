@@ -23,6 +23,9 @@ from planner.console import console
 from planner.contracts.plan import DDP_ROW
 from planner.contracts.profile import Profile
 from planner.contracts.trials import DDP_KEY, DEFAULT_TOLERANCE, Curve, Trials
+from planner.sessions.bench_target import TargetBenchConfig, run_target_bench
+from planner.strategies.mixed_plan import make_mixed_plan
+from planner.tasks import build_task
 from planner.types import Compressor, CompressorKind, PlannerError
 
 __all__ = ["TrialConfig", "print_trials", "run_trials", "trial_compressors"]
@@ -65,10 +68,6 @@ def run_trials(profile: Profile, config: TrialConfig) -> Trials | None:
     Raises:
         PlannerError: a bad task, samples or repeats; a compressor the profile did not measure.
     """
-    from planner.sessions.bench_target import TargetBenchConfig, run_target_bench
-    from planner.strategies.mixed import make_mixed_plan
-    from planner.tasks import build_task
-
     task = build_task(profile.model.name, config.task, batch_size=config.batch_size)
     plans = [make_mixed_plan(profile, [c], source="trial", rows=False) for c in config.compressors]  # fast, alone
     labels = tuple(f"all {c}" for c in config.compressors)

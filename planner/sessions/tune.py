@@ -51,13 +51,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from planner.console import progress
+from planner.contracts.fingerprint import model_info
 from planner.contracts.jsonio import check_output_path
+from planner.contracts.kfac_section import kfac_layers
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.costmodel.curves import corrected
+from planner.models import build_workload
+from planner.platform import launch  # its launchers called through it: tests replace them there
+from planner.platform.launch import broadcast_json, under_torchrun
+from planner.runtime import GradientExchange, KFACPreconditioner
+from planner.sessions.bench import BenchResult, refuse_gpu_plans, slowest_rank, timed_step
 from planner.solvers import DenseDP, GroupingSolver, TopkParetoDP
 from planner.strategies.gradients import make_plan
-from planner.strategies.kfac import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
+from planner.strategies.kfac_plan import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
 from planner.types import (
     InverseMethod,
     PlanMismatchError,
@@ -70,10 +80,8 @@ from planner.types import (
 
 if TYPE_CHECKING:
     import optuna
-    import torch
 
     from planner.platform.link import LinkRate
-    from planner.sessions.bench import BenchResult
 
 __all__ = [
     "STRATEGIES",
@@ -535,7 +543,7 @@ def _storage_url(path: Path) -> str:
 
 
 def _finished(study: optuna.Study) -> int:
-    from optuna.trial import TrialState
+    from optuna.trial import TrialState  # deferred: only rank 0 runs the study; workers load no optuna
 
     return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
 
@@ -553,8 +561,8 @@ def open_study(config: TuneConfig) -> tuple[optuna.Study, int]:
     Raises:
         PlanMismatchError: the study was made for another strategy, model or world size.
     """
-    import optuna
-    from optuna.trial import TrialState
+    import optuna  # deferred: only rank 0 runs the study; workers load no optuna
+    from optuna.trial import TrialState  # deferred: only rank 0 runs the study; workers load no optuna
 
     config.storage.parent.mkdir(parents=True, exist_ok=True)
     storage = optuna.storages.RDBStorage(_storage_url(config.storage))
@@ -593,8 +601,6 @@ def open_study(config: TuneConfig) -> tuple[optuna.Study, int]:
 
 def _broadcast(value: Any, rank: int) -> Any:
     """Rank 0's JSON-compatible `value` on every rank (as JSON: plans travel as data, never as pickles)."""
-    from planner.platform.launch import broadcast_json
-
     return broadcast_json(value if rank == 0 else None)
 
 
@@ -602,11 +608,6 @@ class _Runner:
     """A fresh copy of the model with the runtime a plan needs, and its optimizer; `step()` times one step."""
 
     def __init__(self, config: TuneConfig, plan: Plan, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        import torch
-
-        from planner.models import build_workload
-        from planner.runtime import GradientExchange, KFACPreconditioner
-
         self.workload = build_workload(config.model_name, batch_size=config.batch_size)  # same weights everywhere
         self.part: GradientExchange | KFACPreconditioner
         self.finish: Callable[[], None]
@@ -622,8 +623,6 @@ class _Runner:
         self.batch = batch
 
     def step(self) -> float:
-        from planner.sessions.bench import timed_step
-
         return timed_step(self.workload.module, self.workload.loss_fn, self.batch, self.opt, self.finish)
 
     def samples(self, slowest: list[float]) -> list[float]:
@@ -663,8 +662,6 @@ def _run_trial(
 ) -> tuple[bool, list[float]]:
     """Warm up and measure one plan rung by rung; rank 0 reports to `trial` (other ranks pass None) and
     broadcasts whether to prune after each rung. Returns (pruned, samples)."""
-    from planner.sessions.bench import slowest_rank
-
     runner = _Runner(config, plan, batch)
     try:
         for _ in range(config.warmup):
@@ -694,8 +691,6 @@ def _compare(
     advance: Callable[[], None],
 ) -> list[BenchResult] | None:
     """The plans measured in interleaved round-robin blocks in the same processes; rank 0 returns the results."""
-    from planner.sessions.bench import BenchResult, slowest_rank
-
     runners = [_Runner(config, plan, batch) for _, plan in plans]
     try:
         for runner in runners:
@@ -747,11 +742,6 @@ def _trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
 
 def tune_worker(rank: int, world_size: int, config: TuneConfig) -> TuneResult | None:
     """One rank of the tuning job (see the module docstring); rank 0 returns the result."""
-    import torch
-
-    from planner.console import progress
-    from planner.models import build_workload
-
     torch.manual_seed(0)
     base = build_workload(config.model_name, batch_size=config.batch_size)
     batch = base.make_batch(base.batch_size, torch.Generator().manual_seed(1000 + rank))
@@ -775,8 +765,8 @@ def tune_worker(rank: int, world_size: int, config: TuneConfig) -> TuneResult | 
 
 def _lead(config: TuneConfig, batch: tuple[torch.Tensor, torch.Tensor], bar: Any) -> TuneResult:
     """Rank 0: run the study, broadcasting each trial's plan, then the comparison."""
-    import optuna
-    from optuna.trial import TrialState
+    import optuna  # deferred: only rank 0 runs the study; workers load no optuna
+    from optuna.trial import TrialState  # deferred: only rank 0 runs the study; workers load no optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     profile = config.profile
@@ -909,12 +899,6 @@ def run_tune(config: TuneConfig) -> TuneResult | None:
         PlanMismatchError: the profile was made for another world size or model, or the study for another job.
         SolverError, SchemaError: the starting plan cannot be made from the profile.
     """
-    from planner.contracts.fingerprint import model_info
-    from planner.contracts.kfac import kfac_layers
-    from planner.models import build_workload
-    from planner.platform.launch import run_job, under_torchrun
-    from planner.sessions.bench import refuse_gpu_plans
-
     profile = config.profile
     torchrun = under_torchrun()  # then the hosts are real ones: the plans' runtime reads them from host names
     if profile.cluster.world_size != config.nproc:
@@ -935,8 +919,8 @@ def run_tune(config: TuneConfig) -> TuneResult | None:
                              hosts=None if torchrun else config.hosts or 1)
     if untuned.kfac is not None:
         untuned.kfac.check_layers(kfac_layers(module, untuned.kfac.skip))
-    result = run_job(tune_worker, config.nproc, config, backend="gloo", timeout=config.timeout_s,
-                     link=config.link, hosts=config.hosts)
+    result = launch.run_job(tune_worker, config.nproc, config, backend="gloo", timeout=config.timeout_s,
+                            link=config.link, hosts=config.hosts)
     if result is None:  # a rank of torchrun's group other than 0
         return None
     assert isinstance(result, TuneResult)

@@ -386,7 +386,7 @@ class CpSatLayout(LayoutSolver):
         return 2 * (2 * pl.num_factors + 2 * problem.num_layers) * largest / self.max_units
 
     def solve(self, problem: LayoutProblem) -> LayoutResult:
-        from ortools.sat.python import cp_model
+        from ortools.sat.python import cp_model  # deferred: a command's workers load no ortools
 
         started = time.perf_counter()
         baselines = [cls().solve(problem) for cls in LAYOUT_BASELINES]
@@ -418,7 +418,7 @@ class _LayoutModel:
     """The integer program of the module docstring for one problem, times in integer units."""
 
     def __init__(self, problem: LayoutProblem, max_units: int) -> None:
-        from ortools.sat.python import cp_model
+        from ortools.sat.python import cp_model  # deferred: a command's workers load no ortools
 
         pl = problem.placement
         nf, nl, ius = pl.num_factors, problem.num_layers, problem.inv_update_steps
@@ -455,7 +455,7 @@ class _LayoutModel:
                kept: list[list[Any]], workers: int) -> Any:
         """The makespan variable of one phase: item k on worker w when on[k][w], everywhere when
         everywhere[k]; broadcast when owned, unless kept[k][w] (its layer preconditioned by its owner)."""
-        from ortools.sat.python import cp_model
+        from ortools.sat.python import cp_model  # deferred: a command's workers load no ortools
 
         horizon = sum(work) + sum(send)
         end = model.new_int_var(0, horizon, f"t_{tag}")

@@ -28,6 +28,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ortools.sat.python import cp_model
+
 from planner.types import SolverError
 
 __all__ = ["MAX_UNITS", "Pairing", "best_pairing", "pairing_period", "pairing_weights"]
@@ -133,8 +135,6 @@ def best_pairing(alone_s: Sequence[float], pair_s: Mapping[tuple[int, int], floa
     chosen: list[tuple[int, int]] = []
     optimal = True
     if weights:
-        from ortools.sat.python import cp_model
-
         model = cp_model.CpModel()
         take = {pair: model.new_bool_var(f"x{pair[0]}_{pair[1]}") for pair in weights}
         for k in range(n):

@@ -2,7 +2,7 @@
 
 Every factor f is either inverted by ALL workers (no communication, every worker pays c_f) or by ONE owner
 rank, which then broadcasts the result on the single shared channel (b_f; broadcasts are serialised). The
-step runs as the runtime (`planner.runtime.kfac`) runs it, factors in their order f = 0, 1, ...:
+step runs as the runtime (`planner.runtime.preconditioner`) runs it, factors in their order f = 0, 1, ...:
 
 - each worker first inverts the factors it owns, in order, and posts each one's broadcast as soon as it is
   inverted; then it inverts the "all" factors (Y = the sum of their c);
@@ -726,7 +726,7 @@ class IlpPlacement(_ModelPlacement):
         super().__init__(time_limit_s=time_limit_s, max_binaries=max_binaries, shortcuts=shortcuts)
 
     def _solve_model(self, problem: PlacementProblem, columns: _Columns, start: Placement, deadline: float) -> _Outcome:
-        import pulp
+        import pulp  # deferred: a command's workers load no pulp
 
         # CBC's tolerances are absolute (a row may be violated by 1e-7): in seconds, against makespans of hundredths
         # of a second, an incumbent whose end undercut its last broadcast by 7e-9 s passed as feasible, and its
@@ -903,7 +903,7 @@ class CpSatPlacement(_ModelPlacement):
         return round(seconds / largest * self.max_units) if largest > 0 else 0
 
     def _solve_model(self, problem: PlacementProblem, columns: _Columns, start: Placement, deadline: float) -> _Outcome:
-        from ortools.sat.python import cp_model
+        from ortools.sat.python import cp_model  # deferred: a command's workers load no ortools
 
         unit, largest = self.time_unit_s(problem), _largest_time(problem)
         c = [self._units(problem.inv_s[int(f)], largest) for f in columns.order]

@@ -39,7 +39,7 @@ from planner.strategies.intervals import (
     simplest_unbeaten,
     topk_hook_selector,
 )
-from planner.strategies.mixed import make_mixed_plan
+from planner.strategies.mixed_plan import make_mixed_plan
 from planner.strategies.via_ddp import Way, choose_way
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, PlanMismatchError, PlannerError, Strategy
 

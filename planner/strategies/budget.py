@@ -16,8 +16,8 @@ import numpy as np
 from planner.contracts.errors import CompressionErrors
 from planner.contracts.plan import Group, PlanError
 from planner.contracts.profile import Profile
-from planner.costmodel.mixed import MixedProblem
-from planner.solvers.mixed import ErrorBudget
+from planner.costmodel.mixed_simulator import MixedProblem
+from planner.solvers.compressor_choice import ErrorBudget
 from planner.types import Compressor, CompressorError, InvalidProfileError, PlannerError
 
 __all__ = ["BY_DEFAULT", "DEFAULT_BUDGETS", "BudgetSpec", "default_budget", "parse_error_budget", "plan_error",

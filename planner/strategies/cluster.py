@@ -59,7 +59,7 @@ from planner.contracts.profile import FittedCurve, KFACTiming, LayerTiming, Prof
 from planner.costmodel.costs import AffineCost
 from planner.costmodel.curves import fit_curve
 from planner.strategies.gradients import make_plan
-from planner.strategies.kfac import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
+from planner.strategies.kfac_plan import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
 from planner.types import Collective, InverseMethod, SchemaError, Strategy
 
 __all__ = [

@@ -11,12 +11,12 @@ from planner.contracts.layers import LayerSpec
 from planner.contracts.plan import Plan, check_selector, ddp_row
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import gradient_problem, hierarchical_groups, mixed_problem
-from planner.costmodel.mixed import MixedProblem, simulate_mixed
+from planner.costmodel.mixed_simulator import MixedProblem, simulate_mixed
 from planner.costmodel.problem import GradientProblem, Grouping, groups_for
 from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DDP_BASELINE, DenseDP, GroupingSolver, Solved, TopkParetoDP, lower_bound
+from planner.solvers.compressor_choice import MixedParetoDP, MixedSolution, mixed_lower_bound
 from planner.solvers.deadline import Deadline
-from planner.solvers.mixed import MixedParetoDP, MixedSolution, mixed_lower_bound
 from planner.strategies.via_ddp import with_via_ddp
 from planner.types import Compressor, CompressorKind, InvalidProfileError, SchemaError, Strategy
 

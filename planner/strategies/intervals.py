@@ -27,22 +27,22 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from planner.contracts.kfac import KFACSection, LayoutVerdict
+from planner.contracts.kfac_section import KFACSection, LayoutVerdict
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import DDP_ROW, VIA_DDP_ROW, Intervals, Plan, Verdict
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import gradient_problem, mixed_problem
-from planner.costmodel.mixed import MixedProblem, simulate_mixed
+from planner.costmodel.mixed_simulator import MixedProblem, simulate_mixed
 from planner.costmodel.problem import GradientProblem, Grouping
 from planner.costmodel.resample import resampled_many, spread_sources
 from planner.costmodel.simulator import simulate
 from planner.solvers import BASELINES, DDP_BASELINE, solve_exact
+from planner.solvers.compressor_choice import MixedParetoDP
 from planner.solvers.fusion import FactorBuffers
 from planner.solvers.layout import Layout
-from planner.solvers.mixed import MixedParetoDP
 from planner.spread import DRAWS, LEVEL, PairedGain, percentile_interval
 from planner.strategies.gradients import ALL_FLAT, ALL_HIERARCHICAL, route_ways, sub_solve_seconds
-from planner.strategies.kfac import (
+from planner.strategies.kfac_plan import (
     LOCAL_KFAC,
     PLAN_EVERYONE,
     _reference_layouts,
@@ -52,7 +52,7 @@ from planner.strategies.kfac import (
     predict_kfac,
     section_layout,
 )
-from planner.strategies.mixed import ddp_hook_grouping, plan_choice
+from planner.strategies.mixed_plan import ddp_hook_grouping, plan_choice
 from planner.strategies.via_ddp import via_ddp_step
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
@@ -387,7 +387,7 @@ def _baseline_rows(plan: Plan, profile: Profile, time_limit_s: float | None) -> 
 
 
 #: The reference K-FAC layouts a plan is weighed against, the simplest first (every factor inverted and every
-#: layer preconditioned everywhere; kfac-pytorch's default; KAISA's memory-optimal one): `planner.strategies.kfac`.
+#: layer preconditioned everywhere; kfac-pytorch's default; KAISA's memory-optimal one): `planner.strategies.kfac_plan`.
 KFAC_REFERENCES = ("everywhere", "kfac-pytorch", "kaisa-mem-opt")
 
 

@@ -3,19 +3,19 @@ profile, with its interval where the planner computes one, by the same evaluator
 
 It sits in the strategies layer, not in the cost model: pricing a plan reads the plan contract and the profile
 (`planner.costmodel.from_profile`), and calls evaluators the cost model may not import: the K-FAC step of
-`planner.strategies.kfac` (on the solvers' fusion, layout and placement timelines), ABS-SGD's rounds of
-`planner.strategies.abs`, and the intervals of `planner.strategies.intervals` (tests/test_layout.py: strategies
+`planner.strategies.kfac_plan` (on the solvers' fusion, layout and placement timelines), ABS-SGD's rounds of
+`planner.strategies.abs_plan`, and the intervals of `planner.strategies.intervals` (tests/test_layout.py: strategies
 stand on contracts, readers and solvers; the cost model on the base alone).
 
 Each kind and its evaluator:
 
 - dense and top-k: `planner.costmodel.simulator` (`timeline`, `simulate`) on the plan's gradient problem;
-- mixed, and top-k whose groups chose their way across hosts: `planner.costmodel.mixed` (`timeline_mixed`,
+- mixed, and top-k whose groups chose their way across hosts: `planner.costmodel.mixed_simulator` (`timeline_mixed`,
   `simulate_mixed`) on the mixed problem of its compressors;
-- K-FAC: `planner.strategies.kfac.predict_kfac` (factor buffers by `simulate_fusion`, owners and preconditioners by
-  `layout_timelines`), beside its dense gradient groups' iteration;
-- ABS-SGD: `planner.strategies.abs.predict_abs` (`simulate_abs` under the section's micro-batch and trigger), beside
-  its dense gradient groups' iteration;
+- K-FAC: `planner.strategies.kfac_plan.predict_kfac` (factor buffers by `simulate_fusion`, owners and preconditioners
+  by `layout_timelines`), beside its dense gradient groups' iteration;
+- ABS-SGD: `planner.strategies.abs_plan.predict_abs` (`simulate_abs` under the section's micro-batch and trigger),
+  beside its dense gradient groups' iteration;
 - crossover (a pairing plan, `planner.contracts.pairing`): `planner.costmodel.crossover.simulate_pair` of each pair
   crossed over, from the jobs' phases the pairing holds (no profile needed).
 """
@@ -26,18 +26,18 @@ import enum
 import math
 from dataclasses import dataclass
 
-from planner.contracts.abs import ABSSection, VariantPrediction
-from planner.contracts.kfac import KFACPrediction, KFACSection
+from planner.contracts.abs_section import ABSSection, VariantPrediction
+from planner.contracts.kfac_section import KFACPrediction, KFACSection
 from planner.contracts.layers import plan_grouping
 from planner.contracts.pairing import PairingPlan
 from planner.contracts.plan import Plan, Prediction
 from planner.contracts.profile import Profile
 from planner.costmodel.crossover import DEFAULT_ITERATIONS, simulate_pair
 from planner.costmodel.from_profile import gradient_problem
-from planner.costmodel.mixed import MixedEvent, simulate_mixed, timeline_mixed
+from planner.costmodel.mixed_simulator import MixedEvent, simulate_mixed, timeline_mixed
 from planner.costmodel.simulator import GroupEvent, simulate, timeline
 from planner.spread import percentile_interval
-from planner.strategies.abs import predict_abs
+from planner.strategies.abs_plan import predict_abs
 from planner.strategies.intervals import (
     Draws,
     evaluate,
@@ -48,8 +48,8 @@ from planner.strategies.intervals import (
     plan_row,
     routed_topk,
 )
-from planner.strategies.kfac import predict_kfac
-from planner.strategies.mixed import plan_choice
+from planner.strategies.kfac_plan import predict_kfac
+from planner.strategies.mixed_plan import plan_choice
 from planner.types import SchemaError, Strategy
 
 __all__ = ["PlanKind", "PlanPrediction", "plan_kind", "predict"]

@@ -18,14 +18,14 @@ from typing import Any
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.contracts.trials import Trials
-from planner.strategies.abs import make_abs_plan
+from planner.strategies.abs_plan import make_abs_plan
 from planner.strategies.auto import AutoChoice, ddp_predictions, solve_auto
 from planner.strategies.budget import BudgetSpec
 from planner.strategies.cluster import parse_cluster, profile_for_cluster
 from planner.strategies.gradients import make_plan
 from planner.strategies.intervals import nominal_ddp, with_intervals, with_kfac_intervals
-from planner.strategies.kfac import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
-from planner.strategies.mixed import PRESETS, make_mixed_plan, measured_compressors, preset_compressors
+from planner.strategies.kfac_plan import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
+from planner.strategies.mixed_plan import PRESETS, make_mixed_plan, measured_compressors, preset_compressors
 from planner.types import Compressor, InverseMethod, PlannerError, Strategy
 
 __all__ = ["GRADIENT_KINDS", "SolveRequest", "Solved", "solve"]

@@ -25,7 +25,7 @@ from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import VIA_DDP_ROW, Plan, Prediction
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import gradient_problem, mixed_problem
-from planner.costmodel.mixed import MixedProblem, simulate_mixed
+from planner.costmodel.mixed_simulator import MixedProblem, simulate_mixed
 from planner.costmodel.problem import GradientProblem
 from planner.costmodel.simulator import simulate
 from planner.spread import PairedGain

@@ -1,6 +1,7 @@
 """The Pareto-front search over prefixes of the ready order that `TopkParetoDP` runs, and `DenseDP` where the
 dense problem has two clocks (packing or interference): its state, transitions and exact reductions are in
-`TopkParetoDP`'s docstring (`planner.solvers.grouping.exact`). `planner.solvers.mixed` extends its fronts."""
+`TopkParetoDP`'s docstring (`planner.solvers.grouping.exact`). `planner.solvers.compressor_choice` extends its
+fronts."""
 
 from __future__ import annotations
 

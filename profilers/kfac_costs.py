@@ -1,6 +1,6 @@
 """K-FAC costs on this device: per-layer factor and preconditioning work, inversion time against dimension.
 
-Times the kernels the runtime runs (planner.kernels.kfac), on the layer inputs and output gradients of one real
+Times the kernels the runtime runs (planner.kernels.kfac_factors), on the layer inputs and output gradients of one real
 training step, so the profile measures what the preconditioner does.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from planner.contracts.kfac import KFACLayerSpec, kfac_layers, kfac_left_out
+from planner.contracts.kfac_section import KFACLayerSpec, kfac_layers, kfac_left_out
 from planner.contracts.profile import DimCurve, KFACLayerTiming, KFACTiming
 from planner.costmodel.curves import fit_dim_curve
-from planner.kernels.kfac import (
+from planner.kernels.kfac_factors import (
     covariance,
     decompose,
     fold_factor,

@@ -1,4 +1,4 @@
-"""The exact solver of groupings x a compressor per group (`planner.costmodel.mixed.MixedProblem`).
+"""The exact solver of groupings x a compressor per group (`planner.costmodel.mixed_simulator.MixedProblem`).
 
 `MixedParetoDP` extends the Pareto-front search of `TopkParetoDP` (planner/solvers/grouping/pareto.py) from one way
 of sending to several: the state of a prefix is the same four clocks (compute C, channel E, the decode chain
@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from planner.costmodel.costs import CostModel, ScaledCost
-from planner.costmodel.mixed import Choice, GroupCosts, MixedProblem, simulate_mixed, validate_choice
+from planner.costmodel.mixed_simulator import Choice, GroupCosts, MixedProblem, simulate_mixed, validate_choice
 from planner.costmodel.problem import Grouping, advance_many, groups_of, unstretched_many
 from planner.solvers.deadline import Deadline
 from planner.solvers.grouping import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES

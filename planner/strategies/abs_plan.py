@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from planner.contracts.abs import TRIGGERS, ABSSection, VariantPrediction
+from planner.contracts.abs_section import TRIGGERS, ABSSection, VariantPrediction
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile

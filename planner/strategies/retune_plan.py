@@ -14,12 +14,16 @@ import os
 from dataclasses import dataclass, replace
 
 from planner.contracts.fingerprint import ClusterInfo
-from planner.contracts.kfac import KFACSection
+from planner.contracts.kfac_section import KFACSection
 from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
 from planner.contracts.profile import FittedCurve, HostTiming, Profile
 from planner.costmodel.from_profile import gradient_problem, mixed_problem
+from planner.costmodel.mixed_simulator import simulate_mixed
 from planner.costmodel.simulator import simulate
+from planner.strategies.gradients import make_plan
+from planner.strategies.kfac_plan import kfac_problem, make_kfac_plan, predict_kfac, section_layout
+from planner.strategies.mixed_plan import make_mixed_plan
 from planner.types import Collective, InvalidProfileError, PlanMismatchError, PlannerError, SolverError, Strategy
 
 __all__ = ["PlanChanges", "compare_plans", "current_profile", "load_source_profile", "retune_plan"]
@@ -72,13 +76,8 @@ def retune_plan(
             groups may cross hosts hierarchically; see `current_profile`.
         time_limit_s: limit of the K-FAC placement solver.
     """
-    from planner.strategies.gradients import make_plan
-    from planner.strategies.kfac import make_kfac_plan
-
     current = current_profile(profile, cluster=cluster, collectives=collectives, hosts=hosts)
     if plan.strategy is Strategy.MIXED:
-        from planner.strategies.mixed import make_mixed_plan
-
         allowed = plan.compressors or tuple(dict.fromkeys(plan.compressor_of(g) for g in plan.groups))
         budget = None  # the plan's error budget, as it was given (a compressor's error is measured again)
         if plan.error is not None and plan.error.budget is not None:
@@ -156,8 +155,6 @@ class PlanChanges:
 
 def _kfac_prediction(section: KFACSection, profile: Profile) -> tuple[float | None, str]:
     """The average step of `section`'s buffers and owners on `profile`'s cluster, or None and why not."""
-    from planner.strategies.kfac import kfac_problem, predict_kfac, section_layout
-
     problem = kfac_problem(profile, section.method, whole_factors=section.factor_formats())
     world = profile.cluster.world_size
     ranks = [*section.owners.values(), *section.preconditioners.values()]
@@ -187,8 +184,6 @@ def _gradient_prediction(old: Plan, new: Plan, current: Profile) -> float:
     """The old gradient plan's groups (and compressors) predicted under the new plan's model on `current`."""
     grouping = plan_grouping(old, current)
     if new.strategy is Strategy.MIXED or any(g.hierarchical for g in (*old.groups, *new.groups)):
-        from planner.costmodel.mixed import simulate_mixed
-
         allowed = new.compressors or tuple(dict.fromkeys(new.compressor_of(g) for g in new.groups))
         compressors = tuple(dict.fromkeys((*allowed, *(old.compressor_of(g) for g in old.groups))))
         mixed = mixed_problem(current, compressors, selector=new.selector or "exact")

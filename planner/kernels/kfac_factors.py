@@ -1,5 +1,5 @@
 """The K-FAC kernels that the profiler times and the runtime runs: factor rows and covariances, running
-averages, decompositions and preconditioning (`planner.profilers.kfac` measures exactly what
+averages, decompositions and preconditioning (`planner.profilers.kfac_costs` measures exactly what
 `planner.runtime.KFACPreconditioner` computes, and neither imports the other for it).
 
 The factors follow kfac-pytorch's convention (and the K-FAC paper's expectations over the batch), so a

@@ -5,7 +5,7 @@ Schema (inside the plan, version 1 like the plan):
     "race": {
       "raced": "2026-12-02T10:50:00+00:00",
       "kept": "ddp",                      # an arm's name
-      "rule": "won" | "tied" | "budget",  # what kept it (planner.strategies.race)
+      "rule": "won" | "tied" | "budget",  # what kept it (planner.strategies.race_rule)
       "rounds": 24, "block": 4,           # rounds run, steps per arm per round
       "margin": 0.02, "alpha": 0.05, "seconds": 31.5,
       "arms": [                           # simplest first

@@ -23,6 +23,7 @@ from planner.commands.common import (
 )
 from planner.commands.printing import print_race
 from planner.console import console
+from planner.contracts.plan import Plan
 from planner.types import PlannerError
 
 
@@ -67,11 +68,10 @@ class RaceCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.contracts.jsonio import check_output_path  # deferred (start-up)
-        from planner.contracts.plan import Plan  # deferred (start-up)
         from planner.platform.launch import under_torchrun  # deferred (start-up)
         from planner.sessions.bench import file_labels  # deferred (start-up)
         from planner.sessions.race import RaceConfig, run_race  # deferred (start-up)
-        from planner.strategies.race import race_summary  # deferred (start-up)
+        from planner.strategies.race_rule import race_summary  # deferred (start-up)
 
         check_output_path(args.plan, "plan")  # the race is recorded in it: refused now, not after the race
         plans = (Plan.load(args.plan),)

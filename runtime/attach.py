@@ -3,7 +3,7 @@
 A plan is made for one model, world size, backend and kind of device. Under elastic `torchrun` the world
 size changes between restarts; a plan from another cluster may be handed to this one. With
 `auto_retune=True` every rank probes the network of its process group (`planner.profilers.probe`), rank 0
-re-solves from the plan's stored per-layer profile (`planner.strategies.retune.retune_plan`) and broadcasts the
+re-solves from the plan's stored per-layer profile (`planner.strategies.retune_plan.retune_plan`) and broadcasts the
 new plan as JSON (`planner.platform.launch.broadcast_json`: data, never a pickle), so every rank runs the same
 plan. If rank 0 cannot re-plan (no profile, say), it broadcasts the reason and every rank raises the
 same error instead of hanging.
@@ -22,6 +22,7 @@ from torch import nn
 from planner.contracts.fingerprint import model_info
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
+from planner.platform.hosts import count_hosts
 from planner.platform.launch import broadcast_json
 from planner.types import PlanMismatchError, PlannerError
 
@@ -67,8 +68,7 @@ def resolve_plan(
             another cluster and `auto_retune` is False, or rank 0 could not re-plan.
     """
     # Every job resolves its plan; the profilers and strategies load only where it must be re-tuned or checked.
-    from planner.platform.hosts import count_hosts
-    from planner.profilers.probe import current_cluster
+    from planner.profilers.probe import current_cluster  # deferred: importing the runtime loads no profilers
 
     info = model_info(model, model_name or type(model).__name__)
     inner = getattr(model, "module", None)
@@ -94,8 +94,14 @@ def resolve_plan(
     if not distributed:
         return _retune(plan, profile, cluster, None, time_limit_s)
 
-    from planner.profilers.probe import TopkOverlaps, probe_hosts, probe_network  # re-tuning only (see above)
-    from planner.strategies.retune import load_source_profile
+    from planner.profilers.probe import (  # deferred: importing the runtime loads no profilers
+        TopkOverlaps,
+        probe_hosts,
+        probe_network,
+    )
+    from planner.strategies.retune_plan import (  # deferred: importing the runtime loads no strategies
+        load_source_profile,
+    )
 
     curves = probe_network(device, process_group=process_group) if probe else None
     # Each host level too, so groups may cross hosts hierarchically (measured on the default group only); the
@@ -118,7 +124,10 @@ def resolve_plan(
 
 
 def _retune(plan: Plan, profile: Any, cluster: Any, curves: Any, time_limit_s: float, levels: Any = None) -> Plan:
-    from planner.strategies.retune import load_source_profile, retune_plan  # re-tuning only (see resolve_plan)
+    from planner.strategies.retune_plan import (  # deferred: importing the runtime loads no strategies
+        load_source_profile,
+        retune_plan,
+    )
 
     stored = load_source_profile(plan, profile)
     return retune_plan(plan, stored, cluster=cluster, collectives=curves, hosts=levels, time_limit_s=time_limit_s)

@@ -12,7 +12,7 @@ Design (as `GradientExchange`, see runtime/exchange.py):
 - Factors. On a factor step (every `factor_update_steps` calls of `step()`, in training mode with grad
   enabled) a forward hook computes each layer's A = aᵀa / rows from its input, and a tensor hook on the
   layer's output computes G = gᵀg / rows from the output's gradient as autograd gives it (kfac-pytorch's
-  convention, see planner/kernels/kfac.py: with a mean loss, G carries 1/B² for a local batch of B, so
+  convention, see planner/kernels/kfac_factors.py: with a mean loss, G carries 1/B² for a local batch of B, so
   it depends on the per-worker batch as kfac-pytorch's does). A tensor hook on the output, unlike a full
   backward hook, still sees the gradient of the layer's output when an in-place op (ReLU(inplace=True))
   follows. Each factor is packed as its
@@ -53,9 +53,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from planner.contracts.kfac import KFACLayerSpec, KFACSection, factor_name, kfac_layers, kfac_left_out
+from planner.contracts.kfac_section import KFACLayerSpec, KFACSection, factor_name, kfac_layers, kfac_left_out
 from planner.contracts.plan import Plan
-from planner.kernels.kfac import (
+from planner.kernels.kfac_factors import (
     covariance,
     decompose,
     factor_dtype,
@@ -66,8 +66,8 @@ from planner.kernels.kfac import (
     precondition_inverse,
     symmetric_from_triangle,
 )
+from planner.runtime.attach import resolve_plan
 from planner.runtime.exchange import GradientExchange
-from planner.runtime.retune import resolve_plan
 from planner.types import ROOT_NAME, DistributedError, FactorKind, InverseMethod, PlanMismatchError
 
 if TYPE_CHECKING:
@@ -254,7 +254,7 @@ class KFACPreconditioner:
         kfac: an explicit K-FAC section (e.g. a baseline layout), used instead of the plan's.
         auto_retune: when the plan was made for another world size, backend or kind of device, re-plan
             from its stored profile and a quick network probe (rank 0 solves and broadcasts; see
-            `planner.runtime.retune`), keeping its method and intervals. The plan in use is `self.plan`.
+            `planner.runtime.attach`), keeping its method and intervals. The plan in use is `self.plan`.
         profile: the per-layer profile to re-plan from (a Profile or a path); default the plan's source.
 
     Raises:

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from planner.contracts.plan import DDP_ROW
-from planner.contracts.race import RaceRecord
+from planner.contracts.race_record import RaceRecord
 from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet
 
 __all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "RATIO_GRID", "WHY", "Race", "RaceDecision", "race_summary"]

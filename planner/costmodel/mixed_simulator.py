@@ -184,8 +184,8 @@ class MixedProblem:
         names: the layers' names (optional).
         forbidden: (compressors, layers) bools, or None: layer l may not be sent by compressor c (a group holding
             it costs `FORBIDDEN_S` more preparation). A solver under an error budget forbids what alone exceeds
-            the budget (`planner.solvers.mixed.ErrorBudget.forbidden`): no plan within it changes, and the bounds
-            no longer count on sending layers in ways the budget rules out.
+            the budget (`planner.solvers.compressor_choice.ErrorBudget.forbidden`): no plan within it changes, and
+            the bounds no longer count on sending layers in ways the budget rules out.
     """
 
     forward_s: float

@@ -21,7 +21,7 @@ Schema (inside the plan, version 1 like the plan):
       "min_micro_batches": 2,
       "max_micro_batches": 32 | null,
       "round_samples": 256 | null,         # the batch trigger (below); null or absent: the exchange trigger
-      "predicted": {                       # one entry per variant, the same model for all (planner.strategies.abs)
+      "predicted": {                       # one entry per variant, the same model for all (planner.strategies.abs_plan)
         "abs-sgd":           {"round_s", "samples_per_s", "samples": [per rank, per round], "idle_s": [per rank]},
         "sync-equal":        {...},        # synchronous SGD, global_batch split equally
         "sync-proportional": {...}         # synchronous SGD, global_batch split by measured speed

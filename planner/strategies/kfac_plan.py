@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.contracts.kfac import KFACLayerSpec, KFACPrediction, KFACSection, factor_name
+from planner.contracts.kfac_section import KFACLayerSpec, KFACPrediction, KFACSection, factor_name
 from planner.contracts.plan import Plan
 from planner.contracts.profile import KFACLayerTiming, KFACTiming, Profile
 from planner.costmodel.costs import AffineCost

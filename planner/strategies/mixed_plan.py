@@ -25,10 +25,10 @@ from planner.contracts.layers import LayerSpec, plan_grouping
 from planner.contracts.plan import DDP_ROW, Group, Plan, Prediction
 from planner.contracts.profile import Profile
 from planner.costmodel.from_profile import mixed_problem
-from planner.costmodel.mixed import MixedProblem, simulate_mixed
+from planner.costmodel.mixed_simulator import MixedProblem, simulate_mixed
 from planner.costmodel.problem import Grouping, groups_of, topk_count
+from planner.solvers.compressor_choice import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
 from planner.solvers.deadline import Deadline
-from planner.solvers.mixed import MixedParetoDP, MixedSolution, ddp_buckets, mixed_lower_bound
 from planner.strategies.budget import BudgetSpec, plan_error, resolve_budget, solver_budget
 from planner.strategies.gradients import (
     check_route,

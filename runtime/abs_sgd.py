@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from planner.contracts.plan import Plan
+from planner.runtime.attach import resolve_plan
 from planner.runtime.engine import broadcast_from_rank0, planned_params
-from planner.runtime.retune import resolve_plan
 from planner.types import PlanMismatchError
 
 __all__ = ["ABSSGD", "RoundRecord"]

@@ -99,7 +99,7 @@ def kfac_left_out(module: nn.Module, skip: str | None = None) -> list[tuple[str,
 
 def _kfac_classes(module: nn.Module, skip: str | None) -> list[tuple[str, KFACLayerSpec | None, str]]:
     """Every module owning a trainable parameter, in registration order: its K-FAC layer, or None and why not."""
-    from torch import nn
+    from torch import nn  # deferred: reading a plan or a profile loads no torch
 
     pattern = re.compile(skip) if skip else None
     holders: dict[int, int] = {}
