@@ -5,7 +5,7 @@ It sits in the strategies layer, not in the cost model: pricing a plan reads the
 (`planner.costmodel.from_profile`), and calls evaluators the cost model may not import: the K-FAC step of
 `planner.strategies.kfac_plan` (on the solvers' fusion, layout and placement timelines), ABS-SGD's rounds of
 `planner.strategies.abs_plan`, and the intervals of `planner.strategies.intervals` (tests/test_layout.py: strategies
-stand on contracts, readers and solvers; the cost model on the base alone).
+stand on the contracts, the cost model and the solvers; the cost model on the contracts alone).
 
 Each kind and its evaluator:
 
