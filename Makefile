@@ -23,13 +23,14 @@ venv: $(BIN)/planner
 demo: venv
 	$(BIN)/planner demo
 
-# Two test processes (pytest-xdist): faster than one on 2 cores (docs/results/setup-times.md).
+# Two test processes (pytest-xdist): faster than one on 2 cores (docs/results/setup-times.md). worksteal: a process
+# that runs out of tests takes pending ones from the other's queue, so that the suite does not end on one process.
 test: venv
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 # The same, every property test on ten times its examples (tests/factories.py `examples`).
 test-thorough: venv
-	PLANNER_TESTS=thorough $(BIN)/python -m pytest -q -n 2
+	PLANNER_TESTS=thorough $(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 # Line and branch coverage of planner/, runtime/ and profilers/ over the whole suite, every process included (the
 # workers the tests spawn and the commands they run start coverage from a .pth hook, active only with
