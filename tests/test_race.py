@@ -3,6 +3,7 @@ every round), and the three ways a race ends."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,9 +11,11 @@ import numpy as np
 import pytest
 
 from planner.commands.cli import main
-from planner.contracts.plan import Plan
+from planner.contracts.plan import Plan, Verdict
 from planner.contracts.race_record import RaceRecord
+from planner.models import build_workload
 from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet, median_interval
+from planner.sessions.race import finalists
 from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 from planner.strategies.race_rule import Race, race_summary
 from planner.types import SchemaError
@@ -150,6 +153,21 @@ def test_planner_race_runs_the_finalists_simplest_first_and_keeps_one(tmp_path: 
             assert low <= high
     assert all(arm["predicted_ratio"] > 0 for arm in result["arms"])
     assert result["summary"].startswith("race: keep ")
+
+
+def test_hooks_beyond_the_plans_error_budget_do_not_race() -> None:
+    """The verdict of a plan kept within an error budget left DDP's PowerSGD hook unweighed: its error is beyond the
+    budget, so it is not a finalist either, though asked for as a peer; the fp16 hook, within it, races."""
+    plan = make_mixed_plan(synthetic_profile("mlp"), parse_compressors("fp16"))
+    verdict = Verdict(keep="plan", against="ddp+fp16", gain=(0.1, 0.05, 0.15),
+                      variants={"ddp": (1.0, 0.9, 1.1), "ddp+fp16": (1.0, 0.9, 1.1), "ddp+powersgd:1": (0.5, 0.4, 0.6)},
+                      beyond_budget=("ddp+powersgd:1",))
+    plan = dataclasses.replace(plan, verdict=verdict)
+    module = build_workload("mlp").module
+    names = [v.name for v in finalists((plan,), module, peers=parse_compressors("fp16,powersgd:1"))]
+    assert names == ["ddp", "ddp+fp16", "plan mixed (fp16) via DDP", "plan mixed (fp16)"]
+    without = dataclasses.replace(plan, verdict=None)
+    assert "ddp+powersgd:1" in [v.name for v in finalists((without,), module, peers=parse_compressors("powersgd:1"))]
 
 
 def test_planner_race_refuses_what_it_does_not_race(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -82,7 +82,7 @@ class DemoCommand(Command):
             ProfileConfig,
             run_profile,
         )
-        from planner.sessions.race import RaceConfig, run_race  # deferred (start-up)
+        from planner.sessions.race import RaceConfig, beyond_budget, run_race  # deferred (start-up)
         from planner.strategies.auto import ddp_predictions, solve_auto  # deferred (start-up)
         from planner.strategies.mixed_plan import parse_compressors  # deferred (start-up)
         from planner.strategies.race_rule import race_summary  # deferred (start-up)
@@ -144,6 +144,9 @@ class DemoCommand(Command):
         way = choice.way.way if choice.way is not None else None
         console.print(verdict_against_bench(choice.plan, results, labels[-1], way=way), soft_wrap=True)
         console.rule("4/4 race: the kept plan's finalists in real steps, until one is settled")
+        if beyond := sorted(beyond_budget((choice.plan,))):
+            console.print(f"note: {', '.join(beyond)} do not race: their error is beyond the plan's budget",
+                          markup=False, soft_wrap=True)
         record = run_race(RaceConfig(plans=(choice.plan,), model=args.model, nproc=args.nproc, link=link,
                                      slowdown=args.slowdown, hosts=args.hosts, labels=labels[-1:],
                                      race_time_s=args.race_time or (15.0 if args.quick else 45.0)))

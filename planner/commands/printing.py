@@ -803,16 +803,8 @@ def print_mixed_groups(plan: Plan, profile: Profile) -> None:
 
 def print_race(record: RaceRecord, *, summary: bool = True) -> None:
     """A race's arms (simplest first) with their measured and predicted ratios to DDP, then (`summary`) the line
-    that says what was kept. An interval's end at the end of the candidates (`RATIO_GRID`) is not settled on that
-    side: "<0.500", ">1.997"."""
-    from planner.strategies.race_rule import RATIO_GRID, race_summary  # deferred (start-up)
-
-    def span(interval: tuple[float, float] | None) -> str:
-        if interval is None:
-            return "-"
-        low, high = interval
-        return (f"[{'<' if low <= RATIO_GRID[0] else ''}{low:.3f}, "
-                f"{'>' if high >= RATIO_GRID[-1] else ''}{high:.3f}]")
+    that says what was kept."""
+    from planner.strategies.race_rule import race_summary, ratio_interval  # deferred (start-up)
 
     table = Table(title=f"race of {record.raced}: {record.rounds} rounds of {record.block} steps per arm, margin "
                         f"{record.margin:.0%}, alpha {record.alpha:g} (block time = mean of the slowest rank's "
@@ -823,7 +815,7 @@ def print_race(record: RaceRecord, *, summary: bool = True) -> None:
         table.add_row(
             arm.name + (" (kept)" if arm.name == record.kept else ""), str(arm.rounds),
             _ms(arm.median_block_s), "-" if arm.ratio_to_ddp is None else f"{arm.ratio_to_ddp:.3f}",
-            span(arm.interval), "-" if arm.predicted_ratio is None else f"{arm.predicted_ratio:.3f}",
+            ratio_interval(arm.interval), "-" if arm.predicted_ratio is None else f"{arm.predicted_ratio:.3f}",
             arm.beaten_by or "")
     console.print(table)
     if summary:

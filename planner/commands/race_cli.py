@@ -70,7 +70,7 @@ class RaceCommand(Command):
         from planner.contracts.jsonio import check_output_path  # deferred (start-up)
         from planner.platform.launch import under_torchrun  # deferred (start-up)
         from planner.sessions.bench import file_labels  # deferred (start-up)
-        from planner.sessions.race import RaceConfig, run_race  # deferred (start-up)
+        from planner.sessions.race import RaceConfig, beyond_budget, run_race  # deferred (start-up)
         from planner.strategies.race_rule import race_summary  # deferred (start-up)
 
         check_output_path(args.plan, "plan")  # the race is recorded in it: refused now, not after the race
@@ -88,6 +88,9 @@ class RaceCommand(Command):
             peers=_peers(args.peers), show_progress=not args.json, link=args.link, slowdown=args.slowdown,
             hosts=args.hosts, labels=file_labels(plans, [args.plan]))
         _note_link_mismatch(plans, args.link)
+        if beyond := sorted(beyond_budget(plans)):
+            console.print(f"note: {', '.join(beyond)} do not race: their error is beyond the plan's budget",
+                          markup=False, soft_wrap=True)
         record = run_race(config)
         if record is None:  # a torchrun rank other than 0: rank 0 prints and records
             return 0

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from planner.platform.link import LinkRate
     from planner.platform.slowdown import Slowdown
 
-__all__ = ["RaceConfig", "finalists", "race_worker", "run_race"]
+__all__ = ["RaceConfig", "beyond_budget", "finalists", "race_worker", "run_race"]
 
 @dataclass(frozen=True, kw_only=True)
 class RaceConfig:
@@ -77,15 +77,22 @@ def finalists(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Com
               labels: tuple[str, ...] = ()) -> list[Variant]:
     """The arms of the race, simplest first: DDP, DDP with each hook, each plan inside DDP, each plan in the runtime.
     The bench's other rows (local steps, one group per layer, a twin the profile did not model) are measurements
-    beside the plan, not choices a user would keep, and do not race."""
+    beside the plan, not choices a user would keep, and do not race; nor do the hooks beyond a plan's error budget
+    (`beyond_budget`): their error is not what the plan was asked to hold to."""
+    beyond = beyond_budget(plans)
     variants = [v for v in bench_variants(plans, module, peers, list(labels))
                 if not (v.local or v.name == LOCAL or v.name.startswith("per-layer ")
-                        or v.name.endswith("(not modelled)"))]
+                        or v.name.endswith("(not modelled)") or v.name in beyond)]
 
     def simplicity(v: Variant) -> int:
         return 0 if v.name == DDP_ROW else 1 if v.hook is not None else 2 if v.via_ddp else 3
 
     return sorted(variants, key=simplicity)  # stable: the bench's order within each kind
+
+
+def beyond_budget(plans: tuple[Plan, ...]) -> set[str]:
+    """The DDP hooks ("ddp+C") some plan's verdict left unweighed because C's error is beyond its budget."""
+    return {name for p in plans if p.verdict is not None for name in p.verdict.beyond_budget}
 
 
 def race_worker(rank: int, world_size: int, config: RaceConfig) -> RaceRecord | None:

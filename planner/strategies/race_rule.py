@@ -35,15 +35,25 @@ from planner.contracts.plan import DDP_ROW
 from planner.contracts.race_record import RaceRecord
 from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet
 
-__all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "RATIO_GRID", "WHY", "Race", "RaceDecision", "race_summary"]
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "RATIO_GRID", "WHY", "Race", "RaceDecision", "race_summary",
+           "ratio_interval"]
 
 #: The practical margin: a gain below it is not worth a less simple arm (`--margin`).
 DEFAULT_MARGIN = 0.02
 #: The chance that any statement the race settles is false.
 DEFAULT_ALPHA = 0.05
-#: Candidate medians of an arm's block time over DDP's, for its interval: 0.5x to 2x in steps of about half a
-#: percent (an end of the interval at an end of the grid is not settled on that side).
-RATIO_GRID = tuple(math.exp(math.log(0.5) + i * 0.005) for i in range(round(math.log(4) / 0.005) + 1))
+#: Candidate medians of an arm's block time over DDP's, for its interval: 0.2x to 5x in steps of about one percent
+#: (an end of the interval at an end of the grid is not settled on that side).
+RATIO_GRID = tuple(math.exp(math.log(0.2) + i * 0.01) for i in range(round(math.log(25) / 0.01) + 1))
+
+
+def ratio_interval(interval: tuple[float, float] | None) -> str:
+    """An arm's interval as printed: "[0.951, 0.987]"; an end at the grid's end is not settled on that side and
+    prints as such ("<0.200", ">4.995"); "-" without one."""
+    if interval is None:
+        return "-"
+    low, high = interval
+    return f"[{'<' if low <= RATIO_GRID[0] else ''}{low:.3f}, {'>' if high >= RATIO_GRID[-1] else ''}{high:.3f}]"
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,7 @@ def race_summary(record: RaceRecord) -> str:
         how = "DDP"
     else:
         gain = 1 - arm.ratio_to_ddp
-        span = "" if arm.interval is None else f" [{arm.interval[0]:.3f}, {arm.interval[1]:.3f}]"
+        span = "" if arm.interval is None else f" {ratio_interval(arm.interval)}"
         how = (f"{arm.name}, {abs(gain):.1%} {'faster' if gain >= 0 else 'slower'} than DDP measured (median step "
                f"ratio {arm.ratio_to_ddp:.3f}{span})")
     return f"race: keep {how}; after {record.rounds} round(s) {WHY[record.rule]}"
