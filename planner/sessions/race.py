@@ -7,6 +7,7 @@ each plan in the runtime (`GradientExchange`), listed simplest first. Each is bu
 in rounds: every arm still in the race runs one block of steps per round, in an order drawn anew each round from a
 seed every rank shares; each step's time is the slowest rank's, and an arm's block time the mean of its steps.
 Every rank receives the same slowest times, so every rank settles the same rule on the same numbers, the same round.
+DDP runs in every round, beaten or not, as the reference each arm's ratio is measured against.
 """
 
 from __future__ import annotations
@@ -125,16 +126,21 @@ def race_worker(rank: int, world_size: int, config: RaceConfig) -> RaceRecord | 
         task = bar.add_task(f"race rounds: {len(arms)} arms", total=None)
         start = time.perf_counter()
         decision = None
+        reference: list[float] = []  # DDP's block in every round
         while decision is None:
             alive = race.alive
+            # DDP runs every round, beaten or not: each arm's ratio to it is paired over every round the arm ran.
+            timed = alive if DDP_ROW in alive else (*alive, DDP_ROW)
             times = {name: [runners[name].step(batch) for _ in range(config.block)]
-                     for name in order.sample(alive, len(alive))}
-            flat = [t for name in alive for t in times[name]] + [time.perf_counter() - start]
+                     for name in order.sample(timed, len(timed))}
+            flat = [t for name in timed for t in times[name]] + [time.perf_counter() - start]
             slowest = torch.tensor(flat, dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # each step's slowest rank, and the longest clock
             maxed = slowest.tolist()
-            race.observe({name: statistics.fmean(maxed[i * config.block:(i + 1) * config.block])
-                          for i, name in enumerate(alive)})
+            blocks = {name: statistics.fmean(maxed[i * config.block:(i + 1) * config.block])
+                      for i, name in enumerate(timed)}
+            reference.append(blocks[DDP_ROW])
+            race.observe({name: blocks[name] for name in alive})
             elapsed = maxed[-1]
             decision = race.decision(out_of_budget=elapsed >= config.race_time_s or race.rounds >= config.max_rounds)
             bar.update(task, advance=1, description=f"race rounds: {len(race.alive)} of {len(arms)} arms left")
@@ -145,8 +151,8 @@ def race_worker(rank: int, world_size: int, config: RaceConfig) -> RaceRecord | 
     ddp = next(v for v in arms if v.name == DDP_ROW)
     results = []
     for v in arms:
-        blocks = race.blocks[v.name]
-        ratios = [a / d for a, d in zip(blocks, race.blocks[DDP_ROW], strict=False)]
+        blocks = reference if v.name == DDP_ROW else race.blocks[v.name]
+        ratios = [a / d for a, d in zip(blocks, reference, strict=False)]  # the rounds the arm ran: the first ones
         interval = median_interval(ratios, RATIO_GRID, config.alpha) if v.name != DDP_ROW else None
         predicted = (v.predicted_s / ddp.predicted_s if v.predicted_s is not None and ddp.predicted_s else None)
         results.append(RacedArm(
