@@ -50,6 +50,7 @@ __all__ = [
     "BenchResult",
     "Runner",
     "Variant",
+    "WorkerSetup",
     "auto_tag",
     "bench_backend",
     "bench_variants",
@@ -560,23 +561,42 @@ class Runner:
             self.exchange.close()
 
 
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a step-timing worker (the bench's, the race's) prepares before building its variants: the device, the
+    model as built once (its module for the variants' names and checks), this rank's one batch, and whether DDP and
+    the exchange must be told that some parameters go unused."""
+
+    device: torch.device
+    base: Workload
+    batch: tuple[torch.Tensor, torch.Tensor]
+    find_unused: bool
+
+    @classmethod
+    def on_this_rank(cls, rank: int, world_size: int, model: str, batch_size: int | None,
+                     plans: Sequence[Plan]) -> WorkerSetup:
+        torch.manual_seed(0)
+        backend = dist.get_backend()
+        device = device_for(backend)
+        base = build_workload(model, batch_size=batch_size)
+        hosts = count_hosts()
+        for plan in plans:
+            plan.check_compatible(model_info(base.module, model), world_size, hosts=hosts, backend=backend)
+        gen = torch.Generator().manual_seed(1000 + rank)
+        inputs, targets = base.make_batch(base.batch_size, gen)
+        batch = (inputs.to(device), targets.to(device))
+        base.module.to(device)
+        # A model with parameters the loss does not use: DDP and the exchange must be told (as a user would).
+        unused = has_unused_parameters(base.module, lambda m: base.loss_fn(m(batch[0]), batch[1])) or any(
+            p.unused_params is not None and p.unused_params.any for p in plans)  # unused in other batches
+        return cls(device, base, batch, unused)
+
+
 def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchResult] | None:
     """Run every variant on this rank; rank 0 returns the results."""
-    torch.manual_seed(0)
-    backend = dist.get_backend()
-    device = device_for(backend)
-    base = build_workload(config.model, batch_size=config.batch_size)
-    hosts = count_hosts()
-    for given in config.plans:
-        given.check_compatible(model_info(base.module, config.model), world_size, hosts=hosts, backend=backend)
-    variants = bench_variants(config.plans, base.module, config.peers, config.labels)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    inputs, targets = base.make_batch(base.batch_size, gen)
-    batch = (inputs.to(device), targets.to(device))
-    base.module.to(device)
-    # A model with parameters the loss does not use: DDP and the exchange must be told (as a user would).
-    unused = has_unused_parameters(base.module, lambda m: base.loss_fn(m(batch[0]), batch[1])) or any(
-        p.unused_params is not None and p.unused_params.any for p in config.plans)  # unused in other batches
+    setup = WorkerSetup.on_this_rank(rank, world_size, config.model, config.batch_size, config.plans)
+    device, batch, unused = setup.device, setup.batch, setup.find_unused
+    variants = bench_variants(config.plans, setup.base.module, config.peers, config.labels)
     runners = [Runner.build(v, config.model, batch_size=config.batch_size, lr=config.lr, device=device,
                             find_unused=unused) for v in variants]
 

@@ -23,20 +23,16 @@ import torch
 import torch.distributed as dist
 
 from planner.console import progress
-from planner.contracts.fingerprint import model_info
 from planner.contracts.plan import DDP_ROW, Plan
 from planner.contracts.race_record import RacedArm, RaceRecord
-from planner.models import build_workload
 from planner.platform import launch  # its launchers called through it: tests replace them there
-from planner.platform.hosts import count_hosts
-from planner.platform.launch import device_for
-from planner.runtime.ddp_hooks import has_unused_parameters
 from planner.sequential import median_interval
 from planner.sessions.bench import (
     DEFAULT_PEERS,
     LOCAL,
     Runner,
     Variant,
+    WorkerSetup,
     bench_backend,
     bench_variants,
 )
@@ -98,20 +94,9 @@ def beyond_budget(plans: tuple[Plan, ...]) -> set[str]:
 
 def race_worker(rank: int, world_size: int, config: RaceConfig) -> RaceRecord | None:
     """Build every finalist on this rank, warm each up, and race them; rank 0 returns the result."""
-    torch.manual_seed(0)
-    backend = dist.get_backend()
-    device = device_for(backend)
-    base = build_workload(config.model, batch_size=config.batch_size)
-    hosts = count_hosts()
-    for plan in config.plans:
-        plan.check_compatible(model_info(base.module, config.model), world_size, hosts=hosts, backend=backend)
-    arms = finalists(config.plans, base.module, config.peers, config.labels)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    inputs, targets = base.make_batch(base.batch_size, gen)
-    batch = (inputs.to(device), targets.to(device))
-    base.module.to(device)
-    unused = has_unused_parameters(base.module, lambda m: base.loss_fn(m(batch[0]), batch[1])) or any(
-        p.unused_params is not None and p.unused_params.any for p in config.plans)
+    setup = WorkerSetup.on_this_rank(rank, world_size, config.model, config.batch_size, config.plans)
+    device, batch, unused = setup.device, setup.batch, setup.find_unused
+    arms = finalists(config.plans, setup.base.module, config.peers, config.labels)
     runners = {v.name: Runner.build(v, config.model, batch_size=config.batch_size, lr=config.lr, device=device,
                                     find_unused=unused) for v in arms}
     race = Race([v.name for v in arms], margin=config.margin, alpha=config.alpha)
@@ -137,10 +122,10 @@ def race_worker(rank: int, world_size: int, config: RaceConfig) -> RaceRecord | 
             slowest = torch.tensor(flat, dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # each step's slowest rank, and the longest clock
             maxed = slowest.tolist()
-            blocks = {name: statistics.fmean(maxed[i * config.block:(i + 1) * config.block])
-                      for i, name in enumerate(timed)}
-            reference.append(blocks[DDP_ROW])
-            race.observe({name: blocks[name] for name in alive})
+            this_round = {name: statistics.fmean(maxed[i * config.block:(i + 1) * config.block])
+                          for i, name in enumerate(timed)}
+            reference.append(this_round[DDP_ROW])
+            race.observe({name: this_round[name] for name in alive})
             elapsed = maxed[-1]
             decision = race.decision(out_of_budget=elapsed >= config.race_time_s or race.rounds >= config.max_rounds)
             bar.update(task, advance=1, description=f"race rounds: {len(race.alive)} of {len(arms)} arms left")
