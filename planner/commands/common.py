@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import abc
 import argparse
+import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar
 
-from planner.console import err_console
+from planner.commands.printing import print_race
+from planner.console import console, err_console
+from planner.contracts.plan import Plan
 from planner.types import Compressor, CompressorKind, InverseMethod, PlannerError
 
 #: `--strategy kfac`: dense gradient groups plus a K-FAC section.
@@ -223,3 +227,86 @@ def _note_link_mismatch(plans: tuple, link: object) -> None:
             runs = f"a {here} link" if here else "loopback"
             err_console.print(f"note: {plan.model.name} {plan.strategy.value} plan was made for {made}, the bench "
                               f"runs on {runs}: its predictions are for the network it was made for")
+
+
+def _fraction(text: str) -> float:
+    """`--margin`: a fraction in [0, 1) (0.02 is 2%)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction such as 0.02 (2%), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1) such as 0.02 (2%), got {text!r}")
+    return value
+
+
+def add_race_flags(parser: argparse.ArgumentParser | Any, *, race_time: float = 60.0) -> None:
+    """The race's rule and budget (`planner race`, `planner solve --race`)."""
+    parser.add_argument("--margin", type=_fraction, default=0.02,
+                        help="the practical margin: a less simple arm is kept only when it is faster than every "
+                             "other by more than this (default 0.02, 2%%)")
+    parser.add_argument("--race-time", type=_positive_float, default=race_time, metavar="S",
+                        help=f"seconds of racing after the warm-up; then the simplest arm not beaten is kept "
+                             f"(default {race_time:g})")
+    parser.add_argument("--block", type=_positive, default=4, help="steps each arm runs per round (default 4)")
+    parser.add_argument("--warmup", type=_nonnegative_int, default=5, help="unmeasured steps per arm (default 5)")
+
+
+def allowed_hooks(plan: Plan) -> tuple:
+    """PyTorch's DDP hooks (fp16, PowerSGD) of what the plan's solve was allowed to send: those its verdict weighed
+    it against (within its error budget), else a mixed plan's allowed compressors; `DEFAULT_PEERS` for a dense or
+    top-k plan without a verdict (its solve was allowed no hook's compressor). These race beside it unless `--peers`
+    says otherwise."""
+    if plan.verdict is not None:
+        hooks = [Compressor.parse(name.removeprefix("ddp+")) for name in plan.verdict.variants
+                 if name.startswith("ddp+") and name not in plan.verdict.beyond_budget]
+    elif plan.compressors is not None:
+        hooks = list(plan.compressors)
+    else:
+        return _peers(None)
+    return tuple(c for c in hooks if c.kind in (CompressorKind.FP16, CompressorKind.POWERSGD))
+
+
+def race_plan_file(path: Any, args: argparse.Namespace, *, link: Any, hosts: int | None, slowdown: Any = None,
+                   model: str | None = None, batch_size: int | None = None, nproc: int | None = None,
+                   peers: str | None = None, as_json: bool = False) -> int:
+    """Race the finalists of the gradient plan in the file `path` (`planner.sessions.race`) with `args`' rule and
+    budget (`add_race_flags`), write the race into the file (`with_race`: a runner-up the race kept becomes the
+    file's plan), and print it, or its JSON with `as_json`. The DDP hooks that race: `peers` (`--peers`), by
+    default those of what the plan's solve was allowed (`allowed_hooks`)."""
+    from planner.contracts.jsonio import check_output_path  # deferred (start-up)
+    from planner.platform.launch import under_torchrun  # deferred (start-up)
+    from planner.sessions.bench import file_labels  # deferred (start-up)
+    from planner.sessions.race import RaceConfig, beyond_budget, run_race, with_race  # deferred (start-up)
+    from planner.strategies.race_rule import race_summary  # deferred (start-up)
+
+    check_output_path(path, "plan")  # the race is recorded in it: refused now, not after the race
+    plans = (Plan.load(path),)
+    if plans[0].kfac is not None or plans[0].abs is not None:
+        raise PlannerError(f"{path} is not a gradient plan: the race runs dense, top-k and mixed plans; bench a "
+                           "K-FAC or ABS-SGD plan with `planner bench --strategy kfac|abs`")
+    if under_torchrun():
+        nproc = int(os.environ["WORLD_SIZE"])
+    nproc = nproc or plans[0].cluster.world_size
+    check_hosts(hosts, nproc)
+    config = RaceConfig(
+        plans=plans, model=model or plans[0].model.name, batch_size=_batch_size(batch_size, plans), nproc=nproc,
+        block=args.block, warmup=args.warmup, margin=args.margin, race_time_s=args.race_time,
+        peers=_peers(peers) if peers is not None else allowed_hooks(plans[0]),
+        show_progress=not as_json, link=link, slowdown=slowdown, hosts=hosts, labels=file_labels(plans, [path]))
+    _note_link_mismatch(plans, link)
+    if beyond := sorted(beyond_budget(plans)):
+        console.print(f"note: {', '.join(beyond)} do not race: their error is beyond the plan's budget",
+                      markup=False, soft_wrap=True)
+    record = run_race(config)
+    if record is None:  # a torchrun rank other than 0: rank 0 prints and records
+        return 0
+    plan = with_race(plans[0], record)
+    plan.save(path)
+    if as_json:
+        print(json.dumps({**record.to_dict(), "summary": race_summary(record)}, indent=2))
+        return 0
+    print_race(record)
+    promoted = f"; its plan is now {record.kept}, the one the race kept" if plan.groups != plans[0].groups else ""
+    console.print(f"recorded the race in {path}{promoted}", markup=False, soft_wrap=True)
+    return 0

@@ -4,7 +4,6 @@ the kept plan's finalists to settle by measurement what to keep."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +81,7 @@ class DemoCommand(Command):
             ProfileConfig,
             run_profile,
         )
-        from planner.sessions.race import RaceConfig, beyond_budget, run_race  # deferred (start-up)
+        from planner.sessions.race import RaceConfig, beyond_budget, run_race, with_race  # deferred (start-up)
         from planner.strategies.auto import ddp_predictions, solve_auto  # deferred (start-up)
         from planner.strategies.mixed_plan import parse_compressors  # deferred (start-up)
         from planner.strategies.race_rule import race_summary  # deferred (start-up)
@@ -153,8 +152,11 @@ class DemoCommand(Command):
         assert record is not None
         print_race(record, summary=False)
         if kept_path is not None:
-            dataclasses.replace(choice.plan, race=record).save(kept_path)
-            console.print(f"recorded the race in {kept_path}", soft_wrap=True)
+            raced = with_race(choice.plan, record)
+            raced.save(kept_path)
+            promoted = (f"; its plan is now {record.kept}, the one the race kept"
+                        if raced.groups != choice.plan.groups else "")
+            console.print(f"recorded the race in {kept_path}{promoted}", markup=False, soft_wrap=True)
         console.print(race_summary(record), style="bold", markup=False, soft_wrap=True)
         return 0
 

@@ -722,6 +722,8 @@ def print_auto(choice: AutoChoice) -> None:
         interval = () if spread is None else (interval_ms(plan.intervals.rows.get("plan") if plan.intervals
                                                           else None),)
         note = "" if not best else "best plan, not kept" if instead is not None else "kept"
+        if name in choice.plan.runners_up:
+            note = "runner-up: races beside the plan (`planner race`)"
         table.add_row(name, _ms(plan.predicted.iteration_s), *interval, ratio(plan.predicted.iteration_s),
                       note, style="bold" if best and instead is None else None)
     for name, seconds in ddp.items():

@@ -7,7 +7,17 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from planner.commands.common import ABS, CLUSTER_HELP, COMPRESSORS_HELP, KFAC, Command, _density, _positive
+from planner.commands.common import (
+    ABS,
+    CLUSTER_HELP,
+    COMPRESSORS_HELP,
+    KFAC,
+    Command,
+    _density,
+    _positive,
+    add_race_flags,
+    race_plan_file,
+)
 from planner.commands.printing import error_line, print_auto, print_mixed_groups, print_plan
 from planner.console import console
 from planner.contracts.abs_section import TRIGGERS
@@ -82,10 +92,17 @@ class SolveCommand(Command):
                                  "group one way")
         parser.add_argument("--cluster", default=None, metavar="SPEC", help=CLUSTER_HELP)
         parser.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
+        race = parser.add_argument_group("the race (--race)")
+        race.add_argument("--race", action="store_true",
+                          help="dense, topk, mixed and auto: then race the plan's finalists (DDP, its hooks, the plan "
+                               "both ways, its runners-up) in real steps on the workers and network the profile "
+                               "measured, and record which to keep in the plan file (`planner race`)")
+        add_race_flags(race)
 
     def run(self, args: argparse.Namespace) -> int:
         # Deferred: every command's module is imported at start-up, and only this one needs the strategies.
         from planner.contracts.profile import Profile  # deferred (start-up)
+        from planner.platform.link import recorded_link  # deferred (start-up)
         from planner.strategies.solve import solve  # deferred (start-up)
 
         request = _request(args)
@@ -104,9 +121,14 @@ class SolveCommand(Command):
         if plan.strategy is Strategy.MIXED:
             print_mixed_groups(plan, solved.profile)
         kept = plan.verdict.keep if plan.verdict is not None else "plan"
+        if args.race:
+            console.print(f"wrote plan {args.output}; now the race decides what to keep, by measurement",
+                          markup=False, soft_wrap=True)
+            hosts = plan.cluster.host_count if plan.cluster.host_count > 1 else None
+            return race_plan_file(args.output, args, link=recorded_link(plan.cluster.link), hosts=hosts)
         console.print(f"wrote plan {args.output}" + ("" if kept == "plan" else
-                      f" (the verdict keeps {kept}: the file holds the best plan, for reference)"), markup=False,
-                      soft_wrap=True)
+                      f" (the verdict keeps {kept}: the file holds the best plan, for reference; `planner race` "
+                      "settles it by measurement)"), markup=False, soft_wrap=True)
         return 0
 
 
@@ -142,6 +164,12 @@ def _request(args: argparse.Namespace) -> SolveRequest:
         raise PlannerError("--compressors applies to --strategy mixed and auto only")
     if args.error_budget is not None and not (is_mixed or is_auto):
         raise PlannerError("--error-budget applies to --strategy mixed and auto only")
+    if args.race and (is_kfac or is_abs):
+        raise PlannerError("--race races gradient plans (dense, topk, mixed, auto); bench a K-FAC or ABS-SGD plan "
+                           "with `planner bench --strategy kfac|abs`")
+    if args.race and args.cluster is not None:
+        raise PlannerError("--race runs the plan on the workers the profile measured; a --cluster what-if plan is "
+                           "for another cluster: race it there")
     if args.trials is not None and not is_auto:
         raise PlannerError("--trials applies to --strategy auto only")
     if args.trials is not None and args.error_budget is not None:

@@ -43,8 +43,12 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
       "error": {"predicted": 0.12,                   # optional (mixed plans from a profile that measured it):
                 "interval": [0.10, 0.14],            # the plan's compression error (planner/contracts/errors.py)
                 "budget": 0.3 | null,                # with its 90% interval; the error budget it was solved
-                "budget_of": "powersgd:4" | null}    # under (null: none) and the compressor whose error over the
-    }                                                # whole gradient set it (null: given as a number)
+                "budget_of": "powersgd:4" | null},   # under (null: none) and the compressor whose error over the
+                                                     # whole gradient set it (null: given as a number)
+      "race": {...},                                 # optional: its finalists raced (planner/contracts/race_record.py)
+      "runners_up": {"dense": {<a plan>}, ...}       # optional: the best structurally different plans the solve
+    }                                                # also found (each a whole plan, without runners-up or race),
+                                                     # finalists of the race beside the plan
 
 A top-k plan names the selector whose measured cost its predictions use: "exact" (`torch.topk`) or
 "sampled" (threshold from a random sample, exact top-k of the candidates above it); both send the same
@@ -274,6 +278,8 @@ def _prediction_from_dict(data: Any, where: str) -> Prediction:
 
 #: Most rows a plan's intervals may name.
 MAX_ROWS = 1024
+#: Most runners-up a plan may hold.
+MAX_RUNNERS_UP = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -415,6 +421,18 @@ def _ddp_variant(value: Any, where: str, *, plan_too: bool = False) -> str:
                       f"ddp+fp16), got {text!r}")
 
 
+def _runner_up(data: Any, name: str) -> Plan:
+    """One of `plan.runners_up`, read as a whole plan; its errors name where it sits."""
+    where = f"plan.runners_up.{name}"
+    expect(data, dict, where)
+    if "runners_up" in data or "race" in data:
+        raise SchemaError(f"{where} has runners-up or a race of its own; only the plan holding it may")
+    try:
+        return Plan.from_dict(data)
+    except SchemaError as exc:
+        raise SchemaError(f"{where}: {exc}") from None
+
+
 def _hosts_text(hosts: int, world_size: int) -> str:
     """"2 hosts of 2 workers", "1 host of 4 workers"."""
     per = world_size // hosts if hosts and world_size % hosts == 0 else None
@@ -468,6 +486,10 @@ class Plan:
     error: PlanError | None = None
     #: The plan's finalists raced in real steps, and the one kept (`planner race`; None: not raced).
     race: RaceRecord | None = None
+    #: The best plans of other structures the solve found (`--strategy auto`: the best per way of sending), by
+    #: name, each predicted by the same model: finalists of the race beside this plan (`planner.sessions.race`).
+    #: Each is a whole plan for the same model and cluster, without runners-up of its own or a race.
+    runners_up: dict[str, Plan] = field(default_factory=dict)
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -518,6 +540,7 @@ class Plan:
             seen_layers.update(g.layers)
         if self.unused_params is not None:
             self.unused_params.check_names(seen, "plan")
+        self._check_runners_up()
         numel = sum(g.numel for g in self.groups)
         if len(seen) != self.model.num_params or numel != self.model.numel:
             raise SchemaError(
@@ -547,6 +570,21 @@ class Plan:
                 raise SchemaError(f"an optimal plan is at its bound: plan.solver.gap must be 0, got {gap!r}")
             case False, None:
                 raise SchemaError("a plan not proven optimal needs plan.solver.gap, its distance to the bound")
+
+    def _check_runners_up(self) -> None:
+        """Runners-up: few, each a gradient plan for the same model and cluster, with none of its own and no race."""
+        if len(self.runners_up) > MAX_RUNNERS_UP:
+            raise SchemaError(f"plan.runners_up names {len(self.runners_up)} plans; at most {MAX_RUNNERS_UP} are read")
+        for name, other in self.runners_up.items():
+            where = f"plan.runners_up.{name}"
+            if not isinstance(other, Plan):
+                raise SchemaError(f"{where} must be a plan, got {type(other).__name__}")
+            if other.runners_up or other.race is not None:
+                raise SchemaError(f"{where} has runners-up or a race of its own; only the plan holding it may")
+            if other.kfac is not None or other.abs is not None or self.kfac is not None or self.abs is not None:
+                raise SchemaError(f"{where}: only gradient plans (dense, top-k, mixed) have runners-up")
+            if other.model.fingerprint != self.model.fingerprint or other.cluster != self.cluster:
+                raise SchemaError(f"{where} is for another model or cluster than the plan holding it")
 
     def _check_compressors(self) -> None:
         """A mixed plan names every group's compressor, with k exactly for its top-k groups; the others none."""
@@ -640,6 +678,8 @@ class Plan:
             out["error"] = self.error.to_dict()
         if self.race is not None:
             out["race"] = self.race.to_dict()
+        if self.runners_up:
+            out["runners_up"] = {name: other.to_dict() for name, other in self.runners_up.items()}
         return out
 
     @classmethod
@@ -654,9 +694,12 @@ class Plan:
             raise SchemaError(f"not a plan: kind is {data.get('kind')!r}, expected {PLAN_KIND!r}")
         fields = ["schema_version", "kind", "created", "strategy", "density", "model", "cluster", "source", "solver"]
         data = {"kfac": None, "abs": None, "selector": None, "compressors": None, "unused_params": None,
-                "error": None, "race": None, **data}
+                "error": None, "race": None, "runners_up": {}, **data}
         check_fields(data, "plan", [*fields, "groups", "predicted", "kfac", "abs", "selector", "compressors",
-                                    "unused_params", "error", "race"])
+                                    "unused_params", "error", "race", "runners_up"])
+        runners_up = expect(data["runners_up"], dict, "plan.runners_up")
+        if len(runners_up) > MAX_RUNNERS_UP:
+            raise SchemaError(f"plan.runners_up names {len(runners_up)} plans; at most {MAX_RUNNERS_UP} are read")
         try:
             strategy = Strategy(data["strategy"])
         except ValueError:
@@ -730,6 +773,8 @@ class Plan:
                            else UnusedParams.from_dict(data["unused_params"], "plan.unused_params")),
             error=None if data["error"] is None else PlanError.from_dict(data["error"]),
             race=None if data["race"] is None else RaceRecord.from_dict(data["race"]),
+            runners_up={expect(name, str, "plan.runners_up name"): _runner_up(other, name)
+                        for name, other in runners_up.items()},
         )
 
     @property

@@ -46,7 +46,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from planner.platform.cleanup import ExitOnSignals, pid_alive
@@ -63,6 +63,7 @@ __all__ = [
     "current_link",
     "enter_namespace",
     "parse_rate",
+    "recorded_link",
     "remove_stale_namespaces",
 ]
 
@@ -119,6 +120,16 @@ class LinkRate:
     def label(self) -> str:
         """How profiles and plans record it: "1gbit", or "1gbit (10gbit inside hosts)"."""
         return self.text + (f" ({self.intra.text} inside hosts)" if self.intra is not None else "")
+
+
+def recorded_link(label: str | None) -> LinkRate | None:
+    """The link a profile or plan recorded (`LinkRate.label`: "1gbit", "1gbit (10gbit inside hosts)"), to run on it
+    again; None for loopback (no label)."""
+    if not label:
+        return None
+    outer, _, inner = label.partition(" (")
+    rate = parse_rate(outer)
+    return rate if not inner else replace(rate, intra=parse_rate(inner.removesuffix(" inside hosts)")))
 
 
 def parse_rate(text: str) -> LinkRate:

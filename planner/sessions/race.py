@@ -3,7 +3,8 @@
 
 The finalists are what the bench would run minus what no user would keep: DDP, DDP with each of PyTorch's hooks
 (and the project's top-k hook at a top-k plan's density), each plan inside DDP (`PlanHook`) where it runs there, and
-each plan in the runtime (`GradientExchange`), listed simplest first. Each is built once, warmed up, and then timed
+each plan in the runtime (`GradientExchange`), with the plan's runners-up (the best plans of other structures its
+solve found), listed simplest first. Each is built once, warmed up, and then timed
 in rounds: every arm still in the race runs one block of steps per round, in an order drawn anew each round from a
 seed every rank shares; each step's time is the slowest rank's, and an arm's block time the mean of its steps.
 Every rank receives the same slowest times, so every rank settles the same rule on the same numbers, the same round.
@@ -16,7 +17,7 @@ import datetime
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +36,9 @@ from planner.sessions.bench import (
     WorkerSetup,
     bench_backend,
     bench_variants,
+    plan_tag,
 )
+from planner.strategies.auto import plan_simplicity
 from planner.strategies.race_rule import DEFAULT_ALPHA, DEFAULT_MARGIN, RATIO_GRID, Race
 from planner.types import Compressor, PlanMismatchError
 
@@ -43,7 +46,14 @@ if TYPE_CHECKING:
     from planner.platform.link import LinkRate
     from planner.platform.slowdown import Slowdown
 
-__all__ = ["RaceConfig", "beyond_budget", "finalists", "race_worker", "run_race"]
+__all__ = ["DEFAULT_ARMS", "RUNNER_UP", "RaceConfig", "beyond_budget", "finalists", "race_worker", "run_race",
+           "with_race"]
+
+#: How many arms a race has at most by default: DDP, its hooks within the budget and the plan both ways always
+#: race; the plan's runners-up fill the rest.
+DEFAULT_ARMS = 6
+#: How a runner-up's arm is named: "runner-up " and its name in `Plan.runners_up`.
+RUNNER_UP = "runner-up "
 
 @dataclass(frozen=True, kw_only=True)
 class RaceConfig:
@@ -61,6 +71,8 @@ class RaceConfig:
     #: Wall-clock seconds of racing (after the warm-up) before the budget rule keeps the simplest arm not beaten.
     race_time_s: float = 60.0
     max_rounds: int = 500
+    #: The most arms: the plans' runners-up fill what DDP, its hooks and the plans both ways leave (`finalists`).
+    max_arms: int = DEFAULT_ARMS
     lr: float = 0.01
     seed: int = 0
     show_progress: bool = True
@@ -71,8 +83,12 @@ class RaceConfig:
 
 
 def finalists(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Compressor, ...] = DEFAULT_PEERS,
-              labels: tuple[str, ...] = ()) -> list[Variant]:
-    """The arms of the race, simplest first: DDP, DDP with each hook, each plan inside DDP, each plan in the runtime.
+              labels: tuple[str, ...] = (), most: int = DEFAULT_ARMS) -> list[Variant]:
+    """The arms of the race, simplest first: DDP, DDP with each hook, each plan inside DDP, then the plans in the
+    runtime (each plan, and its runners-up: `Plan.runners_up`, the best plans of other structures its solve
+    found), the less they compress the simpler. The runners-up fill what is left of `most` arms, in the order
+    their solve predicted them; the other arms always race.
+
     The bench's other rows (local steps, one group per layer, a twin the profile did not model) are measurements
     beside the plan, not choices a user would keep, and do not race; nor do the hooks beyond a plan's error budget
     (`beyond_budget`): their error is not what the plan was asked to hold to."""
@@ -80,11 +96,39 @@ def finalists(plans: tuple[Plan, ...], module: torch.nn.Module, peers: tuple[Com
     variants = [v for v in bench_variants(plans, module, peers, list(labels))
                 if not (v.local or v.name == LOCAL or v.name.startswith("per-layer ")
                         or v.name.endswith("(not modelled)") or v.name in beyond)]
+    taken = {v.name for v in variants}
+    for plan in plans:
+        for name, other in plan.runners_up.items():
+            label = f"{RUNNER_UP}{name}"
+            if len(variants) < most and label not in taken:
+                taken.add(label)
+                interval = other.intervals.rows.get("plan") if other.intervals is not None else None
+                variants.append(Variant(label, other, other.predicted.iteration_s, interval=interval))
 
     def simplicity(v: Variant) -> int:
-        return 0 if v.name == DDP_ROW else 1 if v.hook is not None else 2 if v.via_ddp else 3
+        if v.name == DDP_ROW:
+            return 0
+        if v.hook is not None:
+            return 1
+        if v.via_ddp or v.plan is None:
+            return 2
+        return 3 + plan_simplicity(v.plan)  # in the runtime: dense, then lossless, then lossy
 
     return sorted(variants, key=simplicity)  # stable: the bench's order within each kind
+
+
+def with_race(plan: Plan, record: RaceRecord) -> Plan:
+    """`plan` with `record` of its race, to write back to its file. Where the race kept one of its runners-up, that
+    runner-up becomes the file's plan (the runtime runs the file's plan), and the plan it replaced one of its
+    runners-up, named by what it sends (`plan_tag`)."""
+    if not record.kept.startswith(RUNNER_UP) or record.kept.removeprefix(RUNNER_UP) not in plan.runners_up:
+        return replace(plan, race=record)
+    name = record.kept.removeprefix(RUNNER_UP)
+    others = {key: other for key, other in plan.runners_up.items() if key != name}
+    tag = plan_tag(plan)
+    while tag in others or tag == name:
+        tag += " (solved)"
+    return replace(plan.runners_up[name], race=record, runners_up={tag: replace(plan, runners_up={}), **others})
 
 
 def beyond_budget(plans: tuple[Plan, ...]) -> set[str]:
@@ -96,7 +140,7 @@ def race_worker(rank: int, world_size: int, config: RaceConfig) -> RaceRecord | 
     """Build every finalist on this rank, warm each up, and race them; rank 0 returns the result."""
     setup = WorkerSetup.on_this_rank(rank, world_size, config.model, config.batch_size, config.plans)
     device, batch, unused = setup.device, setup.batch, setup.find_unused
-    arms = finalists(config.plans, setup.base.module, config.peers, config.labels)
+    arms = finalists(config.plans, setup.base.module, config.peers, config.labels, config.max_arms)
     runners = {v.name: Runner.build(v, config.model, batch_size=config.batch_size, lr=config.lr, device=device,
                                     find_unused=unused) for v in arms}
     race = Race([v.name for v in arms], margin=config.margin, alpha=config.alpha)

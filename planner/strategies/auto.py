@@ -46,7 +46,7 @@ from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, PlanMism
 if TYPE_CHECKING:
     from planner.contracts.trials import Trials
 
-__all__ = ["AutoChoice", "ddp_predictions", "solve_auto", "trial_budget"]
+__all__ = ["RUNNERS_UP", "AutoChoice", "ddp_predictions", "plan_simplicity", "runners_up", "solve_auto", "trial_budget"]
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,32 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     if factors is not None:
         name = next(name for name, plan in choice.candidates.items() if plan is choice.plan)
         kept = {"plan": factors[name], **{row: f for row, f in factors.items() if row not in choice.candidates}}
-    return replace(choice, rule=rule, beyond_budget=left_out, samples=samples, factors=kept)
+    plan = replace(choice.plan, runners_up=runners_up(choice.plan, choice.candidates, factors))
+    return replace(choice, plan=plan, rule=rule, beyond_budget=left_out, samples=samples, factors=kept)
+
+
+#: How many of auto's other candidates the kept plan names as runners-up (finalists of the race beside it).
+RUNNERS_UP = 2
+
+
+def runners_up(kept: Plan, candidates: dict[str, Plan], factors: dict[str, float] | None = None,
+               most: int = RUNNERS_UP) -> dict[str, Plan]:
+    """The `most` candidates other than `kept` predicted fastest (times their samples factor, where the trials
+    measured one), by name: the best plan of each other way of sending, for the race to settle what the model
+    cannot. A candidate that makes the same decisions as the kept plan (the same groups, sent the same way) is
+    the kept plan, not a runner-up."""
+    factor = factors or {}
+
+    def decisions(plan: Plan) -> tuple:
+        return tuple((g.params, str(plan.compressor_of(g)), g.hierarchical) for g in plan.groups)
+
+    seen = {decisions(kept)}
+    out: dict[str, Plan] = {}
+    for name, plan in sorted(candidates.items(), key=lambda kv: kv[1].predicted.iteration_s * factor.get(kv[0], 1)):
+        if len(out) < most and plan is not kept and decisions(plan) not in seen:
+            seen.add(decisions(plan))
+            out[name] = plan
+    return out
 
 
 def samples_factors(candidates: dict[str, Plan], trials: Trials) -> dict[str, float] | None:
@@ -324,7 +349,7 @@ def _error(plan: Plan) -> float:
     return plan.error.predicted if plan.error is not None else 0.0
 
 
-def _simplicity(plan: Plan) -> int:
+def plan_simplicity(plan: Plan) -> int:
     """0: a dense plan; 1: a plan that sends every group losslessly (dense, fp16); 2: a plan with lossy groups."""
     if plan.strategy is Strategy.DENSE:
         return 0
@@ -356,9 +381,9 @@ def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: t
                for name, plan in candidates.items()}
     factor = factors or dict.fromkeys(candidates, 1.0)
     step = {name: values[name, "plan"] * factor[name] for name in candidates}  # to the loss, where trials say
-    order = sorted(candidates, key=lambda name: _simplicity(candidates[name]))  # stable: dense, top-k, mixed
+    order = sorted(candidates, key=lambda name: plan_simplicity(candidates[name]))  # stable: dense, top-k, mixed
     if factors is not None:  # among lossy plans, the one that moves the gradient least is the simpler
-        order.sort(key=lambda name: (_simplicity(candidates[name]), _error(candidates[name])))
+        order.sort(key=lambda name: (plan_simplicity(candidates[name]), _error(candidates[name])))
     fastest = min(candidates, key=lambda name: candidates[name].predicted.iteration_s * factor[name])
     kept = simplest_unbeaten(order, step, fastest)
     plan = weighed[kept]

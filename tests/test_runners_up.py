@@ -1,0 +1,130 @@
+"""A plan's runners-up: the best plans of other structures its solve found, recorded in the plan file, raced beside
+it, and promoted to the file's plan when the race keeps one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.commands.cli import main
+from planner.contracts.plan import Plan
+from planner.contracts.race_record import RacedArm, RaceRecord
+from planner.models import build_workload
+from planner.sessions.race import RUNNER_UP, finalists, with_race
+from planner.strategies.auto import runners_up, solve_auto
+from planner.strategies.mixed_plan import parse_compressors
+from planner.types import SchemaError
+from tests.factories import synthetic_kfac_plan, synthetic_profile
+
+
+@pytest.fixture(scope="module")
+def auto_plan() -> Plan:
+    """Auto over dense, fp16 and top-k at 1% on a synthetic MLP profile: three candidates, the mixed plan kept."""
+    choice = solve_auto(synthetic_profile("mlp"), parse_compressors("dense,fp16,topk:0.01"), error_budget=None)
+    return choice.plan
+
+
+def test_auto_names_the_next_best_plans_of_other_structures_as_runners_up(auto_plan: Plan) -> None:
+    choice = solve_auto(synthetic_profile("mlp"), parse_compressors("dense,fp16,topk:0.01"), error_budget=None)
+    kept = next(name for name, plan in choice.candidates.items() if plan.groups == choice.plan.groups)
+    assert list(auto_plan.runners_up) == ["topk at 0.01", "dense"] and kept not in auto_plan.runners_up
+    # in the order predicted, fastest first, and each as its candidate was weighed
+    steps = [p.predicted.iteration_s for p in auto_plan.runners_up.values()]
+    assert steps == sorted(steps) and all(p.runners_up == {} and p.race is None for p in auto_plan.runners_up.values())
+    assert runners_up(choice.plan, choice.candidates, most=1).keys() == {"topk at 0.01"}
+    # a candidate that makes the kept plan's decisions is not a runner-up of it
+    twin = dataclasses.replace(choice.plan, solver="another")
+    assert "twin" not in runners_up(choice.plan, {**choice.candidates, "twin": twin}, most=5)
+
+
+def test_runners_up_read_back_and_old_plans_without_them_still_load(auto_plan: Plan, tmp_path: Path) -> None:
+    auto_plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == auto_plan
+    data = json.loads((tmp_path / "plan.json").read_text())
+    del data["runners_up"]  # a plan written before runners-up
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert Plan.load(tmp_path / "old.json").runners_up == {}
+
+
+def test_bad_runners_up_are_refused_naming_where(auto_plan: Plan, tmp_path: Path) -> None:
+    data = auto_plan.to_dict()
+    dense = data["runners_up"]["dense"]
+    for changed, message in [
+        ({**dense, "runners_up": {"x": dense}}, "plan.runners_up.dense has runners-up or a race of its own"),
+        ({**dense, "groups": []}, "plan.runners_up.dense: .*at least one group"),
+        ({**dense, "model": {**dense["model"], "fingerprint": "0" * 16}}, "another model or cluster"),
+        ("not a plan", "plan.runners_up.dense must be"),
+    ]:
+        (tmp_path / "bad.json").write_text(json.dumps({**data, "runners_up": {"dense": changed}}))
+        with pytest.raises(SchemaError, match=message):
+            Plan.load(tmp_path / "bad.json")
+    with pytest.raises(SchemaError, match="only gradient plans"):
+        dataclasses.replace(synthetic_kfac_plan("mlp"), runners_up={"dense": auto_plan.runners_up["dense"]})
+
+
+def test_runners_up_race_after_the_plan_less_compressed_first_up_to_the_most_arms(auto_plan: Plan) -> None:
+    module = build_workload("mlp").module
+    names = [v.name for v in finalists((auto_plan,), module, parse_compressors("fp16"), most=8)]
+    plan = "plan mixed (dense, fp16, topk:0.01)"
+    assert names == ["ddp", "ddp+fp16", "ddp+topk:0.01", f"{plan} via DDP", "runner-up dense", plan,
+                     "runner-up topk at 0.01"], names
+    # DDP, its hooks and the plan both ways always race; the runners-up fill what is left, fastest predicted first
+    fewer = [v.name for v in finalists((auto_plan,), module, parse_compressors("fp16"), most=6)]
+    assert fewer == [n for n in names if n != "runner-up dense"]
+    assert [v.name for v in finalists((auto_plan,), module, parse_compressors("fp16"), most=2)] == [
+        n for n in names if not n.startswith(RUNNER_UP)]
+
+
+def _record(arms: list[str], kept: str) -> RaceRecord:
+    return RaceRecord(raced="2026-12-02T12:00:00+00:00", kept=kept, rule="won", rounds=3, block=4, margin=0.02,
+                      alpha=0.05, seconds=1.0, arms=tuple(
+                          RacedArm(name=a, rounds=3, steps=12, median_block_s=0.01, ratio_to_ddp=1.0,
+                                   interval=None, predicted_ratio=None, beaten_by=None if a == kept else kept)
+                          for a in arms))
+
+
+def test_a_runner_up_the_race_keeps_becomes_the_files_plan(auto_plan: Plan, tmp_path: Path) -> None:
+    record = _record(["ddp", "plan mixed (dense, fp16, topk:0.01)", "runner-up dense"], "runner-up dense")
+    promoted = with_race(auto_plan, record)
+    assert promoted.groups == auto_plan.runners_up["dense"].groups and promoted.race == record
+    assert list(promoted.runners_up) == ["mixed (dense, fp16, topk:0.01)", "topk at 0.01"]
+    assert promoted.runners_up["mixed (dense, fp16, topk:0.01)"].groups == auto_plan.groups
+    promoted.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == promoted
+    kept_ddp = with_race(auto_plan, _record(["ddp", "runner-up dense"], "ddp"))
+    assert kept_ddp.groups == auto_plan.groups and kept_ddp.runners_up == auto_plan.runners_up
+
+
+def test_solve_race_refuses_what_it_cannot_race(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    synthetic_profile("mlp").save(tmp_path / "profile.json")
+    out = str(tmp_path / "plan.json")
+    assert main(["solve", str(tmp_path / "profile.json"), "--strategy", "kfac", "--race", "-o", out]) == 2
+    assert "--race races gradient plans" in capsys.readouterr().err
+    assert main(["solve", str(tmp_path / "profile.json"), "--race", "--cluster", "4x1", "-o", out]) == 2
+    assert "a --cluster what-if plan is for another cluster" in capsys.readouterr().err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_solve_race_races_the_plan_and_its_runners_up_and_records_the_race(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`solve --strategy auto --race` on two real workers (loopback, as the profile measured): the runner-up races
+    beside the plan, and the file holds the race (and, where the race kept the runner-up, the runner-up as its
+    plan)."""
+    synthetic_profile("mlp").save(tmp_path / "profile.json")
+    out = tmp_path / "plan.json"
+    assert main(["solve", str(tmp_path / "profile.json"), "--strategy", "auto", "--compressors", "dense,fp16",
+                 "--error-budget", "none", "--race", "--race-time", "2", "--block", "2", "--warmup", "1",
+                 "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = Plan.load(out)
+    assert plan.race is not None and plan.race.rounds >= 1
+    names = [a.name for a in plan.race.arms]
+    assert names[0] == "ddp" and "runner-up dense" in names and any(n.startswith("plan mixed") for n in names)
+    assert "race: keep" in printed and f"recorded the race in {out}" in printed
+    if plan.race.kept == "runner-up dense":
+        assert plan.strategy.value == "dense" and "its plan is now runner-up dense" in printed
+    else:
+        assert plan.strategy.value == "mixed" and list(plan.runners_up) == ["dense"]
