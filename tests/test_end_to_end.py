@@ -162,7 +162,7 @@ def test_the_quick_demo_writes_outside_the_shipped_folders_and_the_shipped_file_
     planner = Path(sys.executable).parent / "planner"  # the installed command: it imports nothing from the copy
     # Dense and fp16 only: the same files (a profile, a dense and a mixed plan) as with every compressor, in about half
     # the time (the in-situ calibration of PowerSGD at ranks 1 and 2 above all).
-    demo = subprocess.run([str(planner), "demo", "--quick", "--model", "mlp", "--link", "none", "--steps", "2",
+    demo = subprocess.run([str(planner), "demo", "--quick", "--model", "mlp", "--link", "none",
                            "--compressors", "light", "--race-time", "1"],
                           cwd=copy, capture_output=True, text=True, timeout=600)
     assert demo.returncode == 0, demo.stdout + demo.stderr

@@ -248,7 +248,7 @@ def add_race_flags(parser: argparse.ArgumentParser | Any, *, race_time: float = 
     parser.add_argument("--race-time", type=_positive_float, default=race_time, metavar="S",
                         help=f"seconds of racing after the warm-up; then the simplest arm not beaten is kept "
                              f"(default {race_time:g})")
-    parser.add_argument("--block", type=_positive, default=4, help="steps each arm runs per round (default 4)")
+    parser.add_argument("--block", type=_positive, default=2, help="steps each arm runs per round (default 2)")
     parser.add_argument("--warmup", type=_nonnegative_int, default=5, help="unmeasured steps per arm (default 5)")
 
 

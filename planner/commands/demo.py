@@ -1,5 +1,5 @@
-"""`planner demo`: the main job, end to end: profile, solve (`--strategy auto`), write the plans, bench, and race
-the kept plan's finalists to settle by measurement what to keep."""
+"""`planner demo`: the main job, end to end: profile, solve (`--strategy auto`), write the plans, and race the kept
+plan's finalists to settle by measurement what to keep (with `--bench`, a bench of every variant before the race)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ DEMO_LINK = "1gbit"
 
 class DemoCommand(Command):
     name = "demo"
-    help = "the main job: profile, solve (--strategy auto: dense, top-k and mixed), write plans, bench, compare"
+    help = ("the main job: profile, solve (--strategy auto: dense, top-k and mixed), write plans, race the finalists "
+            "to decide")
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
         from planner.models import DEFAULT_MODEL  # deferred (start-up)
@@ -48,7 +49,10 @@ class DemoCommand(Command):
         parser.add_argument("--compressors", default="all", metavar="LIST|PRESET",
                             help=f"what the plans may send: {COMPRESSORS_HELP.removesuffix('; default light')}; "
                                  "default all")
-        parser.add_argument("--steps", type=_positive, default=None, help="bench steps per variant (default 20, "
+        parser.add_argument("--bench", action="store_true",
+                            help="bench DDP, its hooks and the plans (median step times beside their predictions) "
+                                 "before the race")
+        parser.add_argument("--steps", type=_positive, default=None, help="--bench: steps per variant (default 20, "
                                                                              "--quick 10)")
         parser.add_argument("--race-time", type=_positive_float, default=None, metavar="S",
                             help="seconds the last step races the plan's finalists (default 45, --quick 15); then "
@@ -60,6 +64,10 @@ class DemoCommand(Command):
         parser.add_argument("--link", default=DEMO_LINK, metavar="RATE|none",
                             help=f"{LINK_HELP}; default {DEMO_LINK} where this process may make network namespaces, "
                                  "else loopback; none: loopback")
+        parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=False,
+                            help="the profile also calibrates the runtime's work in real steps (`planner profile "
+                                 "--calibrate`: closer absolute predictions, a longer profile); by default not: the "
+                                 "predictions choose the finalists, and the race decides among them")
         parser.add_argument("--quick", action="store_true",
                             help="profile with `planner profile --quick` (about a minute for a model like the MLP; "
                                  "wider intervals) and bench fewer steps")
@@ -86,6 +94,9 @@ class DemoCommand(Command):
         from planner.strategies.mixed_plan import parse_compressors  # deferred (start-up)
         from planner.strategies.race_rule import race_summary  # deferred (start-up)
 
+        if args.steps is not None and not args.bench:
+            raise PlannerError("--steps applies with --bench only (the race runs until its rule or --race-time "
+                               "decides)")
         compressors = parse_compressors(args.compressors)
         build_workload(args.model)  # an unknown or broken model is one line, before a link or a worker starts
         if args.slowdown is not None:
@@ -102,7 +113,8 @@ class DemoCommand(Command):
         on = f"behind an emulated {link.label} link" if link is not None else "over loopback"
         if args.hosts:
             on = f"on {args.hosts} emulated hosts, {'between them ' if link is not None else ''}{on}"
-        console.rule(f"1/4 profile {args.model} on {args.nproc} workers {on}")
+        parts = 4 if args.bench else 3
+        console.rule(f"1/{parts} profile {args.model} on {args.nproc} workers {on}")
         effort = QUICK_EFFORT if args.quick else DEFAULT_EFFORT
         # Whatever the effort sweeps, the profile measures every PowerSGD rank and top-k density the compressors name
         # (--quick alone measures rank 4 and 1%: the default "all" names ranks 1 and 2 too).
@@ -110,11 +122,12 @@ class DemoCommand(Command):
         densities = sorted({*effort.densities, *(c.density for c in compressors if c.density is not None)})
         profile = run_profile(ProfileConfig.at(effort, quick=args.quick, model=args.model, output=prof_path,
                                                nproc=args.nproc, link=link, slowdown=args.slowdown, hosts=args.hosts,
-                                               powersgd_ranks=tuple(ranks), densities=tuple(densities)))
+                                               powersgd_ranks=tuple(ranks), densities=tuple(densities),
+                                               in_situ=args.calibrate))
         profile.save(prof_path)
         print_profile(profile)
         console.print(f"wrote profile {prof_path}")
-        console.rule(f"2/4 solve: --strategy auto over {', '.join(map(str, compressors))}")
+        console.rule(f"2/{parts} solve: --strategy auto over {', '.join(map(str, compressors))}")
         choice = solve_auto(profile, compressors, source=str(prof_path))
         kept_path = None
         for name, plan in choice.candidates.items():
@@ -128,21 +141,22 @@ class DemoCommand(Command):
         print_plan(choice.plan, ddp=ddp_predictions(choice.candidates, choice.beyond_budget) if unweighed else None)
         if choice.plan.strategy is Strategy.MIXED:
             print_mixed_groups(choice.plan, profile)
-        console.rule("3/4 bench: DDP, PyTorch's DDP hooks and the plans")
         dense = choice.candidates.get("dense")
         plans = (choice.plan,) if dense is None or dense is choice.plan else (dense, choice.plan)
         # The plan auto kept is named by what it sends ("plan auto (fp16)"), the dense plan beside it by its strategy.
         labels = tuple(plan_labels(plans, tags=[None if p is not choice.plan else auto_tag(p) for p in plans]))
-        steps = args.steps or (10 if args.quick else 20)
-        for note in via_ddp_notes(plans, labels):
-            console.print(f"note: {note}", markup=False, soft_wrap=True)
-        results = run_bench(BenchConfig(plans=plans, model=args.model, nproc=args.nproc, steps=steps,
-                                        link=link, slowdown=args.slowdown, hosts=args.hosts, labels=labels))
-        assert results is not None
-        print_bench(results, as_json=False, title=f"bench {on}: median step time (slowest rank per step)")
-        way = choice.way.way if choice.way is not None else None
-        console.print(verdict_against_bench(choice.plan, results, labels[-1], way=way), soft_wrap=True)
-        console.rule("4/4 race: the kept plan's finalists in real steps, until one is settled")
+        if args.bench:
+            console.rule("3/4 bench: DDP, PyTorch's DDP hooks and the plans")
+            steps = args.steps or (10 if args.quick else 20)
+            for note in via_ddp_notes(plans, labels):
+                console.print(f"note: {note}", markup=False, soft_wrap=True)
+            results = run_bench(BenchConfig(plans=plans, model=args.model, nproc=args.nproc, steps=steps,
+                                            link=link, slowdown=args.slowdown, hosts=args.hosts, labels=labels))
+            assert results is not None
+            print_bench(results, as_json=False, title=f"bench {on}: median step time (slowest rank per step)")
+            way = choice.way.way if choice.way is not None else None
+            console.print(verdict_against_bench(choice.plan, results, labels[-1], way=way), soft_wrap=True)
+        console.rule(f"{parts}/{parts} race: the kept plan's finalists in real steps, until one is settled")
         if beyond := sorted(beyond_budget((choice.plan,))):
             console.print(f"note: {', '.join(beyond)} do not race: their error is beyond the plan's budget",
                           markup=False, soft_wrap=True)

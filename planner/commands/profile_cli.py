@@ -56,6 +56,10 @@ class ProfileCommand(Command):
         parser.add_argument("--powersgd-ranks", default=None, metavar="LIST",
                             help="PowerSGD ranks to measure (with fp16), e.g. 1,2,4; none: measure neither (default "
                                  "1,2,4, --quick 4)")
+        parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                            help="time the runtime's own work (packing, compressing, sending) in real steps and "
+                                 "calibrate the micro-benchmarks' predictions by it (default); --no-calibrate: the "
+                                 "micro-benchmarks alone, a shorter profile whose plans a race settles")
         parser.add_argument("--only", choices=["comm"], default=None, help="re-measure only the network of -o")
         parser.add_argument("--kfac", action="store_true",
                             help="also measure K-FAC costs (factors, preconditioning, inversion against dimension)")
@@ -112,7 +116,7 @@ class ProfileCommand(Command):
             effort, quick=args.quick, model=args.model, output=args.output, batch_size=args.batch_size,
             nproc=args.nproc, backend=args.backend, densities=densities, only_comm=args.only == "comm", base=base,
             kfac=args.kfac, max_dim=args.max_dim, link=args.link, kfac_skip=args.kfac_skip, slowdown=args.slowdown,
-            powersgd_ranks=ranks, hosts=args.hosts, **given,
+            powersgd_ranks=ranks, hosts=args.hosts, in_situ=args.calibrate, **given,
         )
         profile = run_profile(config)
         profile.save(args.output)

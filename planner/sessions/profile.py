@@ -158,6 +158,9 @@ class ProfileConfig:
     #: `--quick`: measured with `QUICK_EFFORT` (recorded in the profile, whose intervals are wider).
     quick: bool = False
     in_situ_repeats: int = IN_SITU_REPEATS
+    #: Calibrate the runtime's own work in real steps (`planner.runtime.calibrate.measure_in_situ`; `--calibrate`);
+    #: without it the micro-benchmarks stand in for it, and a race settles what the predictions cannot.
+    in_situ: bool = True
     interference_repeats: int = INTERFERENCE_REPEATS
     micro_repeats: int = 5
     error_steps: int = ERROR_STEPS
@@ -344,17 +347,18 @@ class _Session:
             costs.compress = measure_compress(topk_sizes, shaped, config.powersgd_ranks, world_size, device,
                                               repeats=config.micro_repeats, warmup=1,
                                               on_point=lambda: bar.advance(task))
-        self.memory.begin("the runtime in real steps")
-        task = bar.add_task("the runtime in real steps",
-                            total=config.in_situ_repeats * in_situ_runs(
-                                world_size, costs.topk, costs.compress, sending=Collective.ALLREDUCE in curves))
-        costs.in_situ = measure_in_situ(
-            workload, device, layers.layers, world_size, pack=curve_model(costs.pack), topk=costs.topk,
-            density=min(config.densities, key=lambda d: abs(math.log(d / IN_SITU_DENSITY))),
-            repeats=config.in_situ_repeats, compress=costs.compress, on_point=lambda: bar.advance(task),
-            on_more=functools.partial(_more, bar, task),
-            comm=curve_model(curves[Collective.ALLREDUCE]) if Collective.ALLREDUCE in curves else None,
-        )
+        if config.in_situ:
+            self.memory.begin("the runtime in real steps")
+            task = bar.add_task("the runtime in real steps",
+                                total=config.in_situ_repeats * in_situ_runs(
+                                    world_size, costs.topk, costs.compress, sending=Collective.ALLREDUCE in curves))
+            costs.in_situ = measure_in_situ(
+                workload, device, layers.layers, world_size, pack=curve_model(costs.pack), topk=costs.topk,
+                density=min(config.densities, key=lambda d: abs(math.log(d / IN_SITU_DENSITY))),
+                repeats=config.in_situ_repeats, compress=costs.compress, on_point=lambda: bar.advance(task),
+                on_more=functools.partial(_more, bar, task),
+                comm=curve_model(curves[Collective.ALLREDUCE]) if Collective.ALLREDUCE in curves else None,
+            )
         if world_size > 1:
             self.memory.begin("compute while communicating")
             interfering = [Collective.ALLREDUCE, Collective.ALLGATHER]

@@ -64,7 +64,7 @@ class RaceConfig:
     peers: tuple[Compressor, ...] = DEFAULT_PEERS
     batch_size: int | None = None
     nproc: int = 2
-    block: int = 4  # steps per arm per round
+    block: int = 2  # steps per arm per round: short blocks, more rounds (a round settles more than a longer block)
     warmup: int = 5
     margin: float = DEFAULT_MARGIN
     alpha: float = DEFAULT_ALPHA
