@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["LESS_OFTEN", "MORE_OFTEN", "HalfBet", "median_interval"]
+__all__ = ["LESS_OFTEN", "MORE_OFTEN", "HalfBet", "median_interval", "weights_near"]
 
 #: The directions a bet can take: that the event happens more than half the time, or less.
 MORE_OFTEN = 1
@@ -85,18 +85,27 @@ class HalfBet:
         return self.happened / self.rounds if self.rounds else None
 
 
-def median_interval(values: Sequence[float], grid: Sequence[float], alpha: float) -> tuple[float, float]:
+def median_interval(values: Sequence[float], grid: Sequence[float], alpha: float,
+                    weights: Sequence[float] | None = None) -> tuple[float, float]:
     """An anytime-valid interval for the median of the distribution `values` (in the order they came) were drawn
     from: the grid points q whose bet on "a value exceeds q" settled in neither direction lie inside. From the
     largest q settled to be exceeded more than half the time to the smallest settled to be exceeded less; a grid's
-    end where no point is settled on that side. Every point's bet runs at alpha / len(grid), so the interval holds
-    the median with probability at least 1 - alpha, whenever one stops."""
-    points = sorted(grid)
-    if not points:
+    end where no point is settled on that side.
+
+    The point q's bet runs at alpha * weight(q) (`weights`, one per grid point, fixed before the values came; by
+    default equal), and the weights sum to 1, so the interval holds the median with probability at least 1 - alpha,
+    whenever one stops. Weights spend the error where the median is expected (a prediction made before the race):
+    an interval's ends settle in fewer rounds there, and in more far from it."""
+    if not grid:
         raise ValueError("the grid of candidate medians is empty")
-    low, high = points[0], points[-1]
-    for q in points:
-        bet = HalfBet(alpha / len(points))
+    share = [1.0] * len(grid) if weights is None else list(weights)
+    if len(share) != len(grid) or not all(w > 0 and math.isfinite(w) for w in share):
+        raise ValueError("the weights must be positive and finite, one per grid point")
+    total = sum(share)
+    points = sorted(zip(grid, share, strict=True))
+    low, high = points[0][0], points[-1][0]
+    for q, weight in points:
+        bet = HalfBet(alpha * weight / total)
         for v in values:
             bet.observe(v > q)
         if bet.settled(MORE_OFTEN):
@@ -104,3 +113,12 @@ def median_interval(values: Sequence[float], grid: Sequence[float], alpha: float
         elif bet.settled(LESS_OFTEN):
             high = min(high, q)
     return low, high
+
+
+def weights_near(grid: Sequence[float], expected: float, scale: float = 0.1) -> list[float]:
+    """Weights for `median_interval` that spend the error near `expected` (a ratio predicted before the values
+    came): exp(-|log(q / expected)| / scale), so a point 10% away (at the default scale) weighs 1/e as much as one
+    at the prediction."""
+    if not (expected > 0 and math.isfinite(expected)):
+        raise ValueError(f"the expected value must be positive and finite, got {expected}")
+    return [math.exp(-abs(math.log(q / expected)) / scale) for q in grid]

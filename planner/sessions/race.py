@@ -27,7 +27,7 @@ from planner.console import progress
 from planner.contracts.plan import DDP_ROW, Plan
 from planner.contracts.race_record import RacedArm, RaceRecord
 from planner.platform import launch  # its launchers called through it: tests replace them there
-from planner.sequential import median_interval
+from planner.sequential import median_interval, weights_near
 from planner.sessions.bench import (
     DEFAULT_PEERS,
     LOCAL,
@@ -182,8 +182,10 @@ def race_worker(rank: int, world_size: int, config: RaceConfig) -> RaceRecord | 
     for v in arms:
         blocks = reference if v.name == DDP_ROW else race.blocks[v.name]
         ratios = [a / d for a, d in zip(blocks, reference, strict=False)]  # the rounds the arm ran: the first ones
-        interval = median_interval(ratios, RATIO_GRID, config.alpha) if v.name != DDP_ROW else None
         predicted = (v.predicted_s / ddp.predicted_s if v.predicted_s is not None and ddp.predicted_s else None)
+        # The interval spends its error near the predicted ratio, known before the race (uniformly without one).
+        weights = weights_near(RATIO_GRID, predicted) if predicted is not None else None
+        interval = median_interval(ratios, RATIO_GRID, config.alpha, weights) if v.name != DDP_ROW else None
         results.append(RacedArm(
             name=v.name, rounds=len(blocks), steps=len(blocks) * config.block,
             median_block_s=statistics.median(blocks), ratio_to_ddp=statistics.median(ratios) if ratios else None,
