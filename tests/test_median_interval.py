@@ -9,7 +9,6 @@ import pytest
 from planner.sequential import median_interval, weights_near
 from planner.strategies.race_rule import RATIO_GRID
 
-
 #: The candidate ratios 0.45x-1.5x (a grid of its own: the weights are normalised over whichever grid is given).
 GRID = [q for q in RATIO_GRID if 0.45 <= q <= 1.5]
 
