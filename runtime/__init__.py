@@ -15,12 +15,14 @@ from planner.runtime.adaptive import Replanning
 from planner.runtime.ddp_hooks import TopkHookState, topk_hook
 from planner.runtime.ddp_plan import PlanHook
 from planner.runtime.exchange import GradientExchange
+from planner.runtime.online_race import OnlineRace
 from planner.runtime.preconditioner import KFACPreconditioner
 
 __all__ = [
     "ABSSGD",
     "GradientExchange",
     "KFACPreconditioner",
+    "OnlineRace",
     "PlanHook",
     "Replanning",
     "TopkHookState",

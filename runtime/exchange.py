@@ -49,9 +49,12 @@ import contextlib
 import datetime
 import functools
 import hashlib
+import logging
 import math
 import os
 import threading
+import time
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -80,6 +83,8 @@ from planner.runtime.engine import (
     planned_params,
     world_size_of,
 )
+from planner.runtime.online_race import OnlineRace, OnlineRaceResult, RaceSchedule, check_race
+from planner.strategies.auto import plan_simplicity
 from planner.types import Compressor, CompressorKind, DistributedError, PlanMismatchError
 
 if TYPE_CHECKING:
@@ -93,6 +98,8 @@ STATE_KIND = "runtime.gradient_exchange"
 EXIT_DRAIN_S = 10.0
 
 #: Exchanges alive now (weakly held): their collectives in flight are waited for at interpreter exit.
+#: Where the race in the first steps says what it kept (rank 0, INFO).
+_LOG = logging.getLogger("planner.runtime")
 _LIVE: weakref.WeakSet[GradientExchange] = weakref.WeakSet()
 
 
@@ -289,12 +296,21 @@ class GradientExchange(EngineDriver):
             left out of the re-plans where the optimizer applies momentum itself (pass `momentum` here instead).
             `self.plan` is the plan in use, `self.replans` what each re-plan decided; `state_dict()` holds the plan
             in use, so that a resumed run continues with it. Not with `density_warmup` or `crossover`.
+        race: race the plan file's plan and its runners-up (`Plan.runners_up`, written by `planner solve --strategy
+            auto`) in the first steps of training (`planner.runtime.online_race`): True, or an `OnlineRace` to say
+            how. Every step trains; the ranks take turns on the same schedule, decide by the same rule as `planner
+            race`, commit to the arm kept and say so in one log line (logger "planner.runtime", on rank 0);
+            `self.race` then holds the result, and `self.plan` the plan kept. A runner-up the options cannot run
+            (top-k under an optimizer's momentum) is left out with a RuntimeWarning. `state_dict()` holds the arm in
+            use and the race's result, so that a resumed run continues with the arm kept (mid-race: the race starts
+            again from the arm in use). Not with `adaptive`, `density_warmup` or `crossover`.
 
     Raises:
         PlanMismatchError: the plan was made for another model, or for another world size, backend or
             kind of device without `auto_retune`, or its parameters do not match the model's trainable
             parameters.
-        ValueError: find_unused_parameters=False with a plan that records unused parameters; `adaptive` with a plan
+        ValueError: find_unused_parameters=False with a plan that records unused parameters; `race` with a plan
+            without runners-up, or with `adaptive`, a density warm-up or crossover; `adaptive` with a plan
             that is not mixed under an error budget, or with a density warm-up or crossover;
             momentum, clipping or warm-up settings out of range, momentum without an optimizer,
             an optimizer that applies momentum itself (with `momentum`, or on top-k groups), or a density
@@ -327,6 +343,7 @@ class GradientExchange(EngineDriver):
         crossover_probe: ProbeSchedule | bool = True,
         hosts: Sequence[Sequence[int]] | None = None,
         adaptive: bool | Replanning = False,
+        race: bool | OnlineRace = False,
     ) -> None:
         layout = None if hosts is None else [list(h) for h in hosts]
         plan = resolve_plan(plan, model, process_group=process_group, model_name=model_name,
@@ -340,6 +357,7 @@ class GradientExchange(EngineDriver):
         self.clip_norm = clip_norm
         self.find_unused_parameters = find_unused(plan, find_unused_parameters)
         self._warmup = self._check_options(plan, momentum, nesterov, optimizer, clip_norm, density_warmup)
+        race_config = check_race(plan, race, adaptive, density_warmup, crossover)
         schedule = check_adaptive(plan, adaptive, density_warmup, crossover)
         params = planned_params(model, plan)
         self._params = params
@@ -370,7 +388,69 @@ class GradientExchange(EngineDriver):
                                                       timeout_s=crossover_timeout_s, probe=crossover_probe)
         if self.gate is not None:
             self._hooks.append(model.register_forward_pre_hook(_GateHook(self)))
+        #: The race in the first steps: its result once decided (`race=`; None before, or without a race).
+        self.race: OnlineRaceResult | None = None
+        self._race_config = race_config
+        self._arms: dict[str, Plan] = {}
+        self._arm = "plan"
+        self._racing: RaceSchedule | None = None
+        if self._race_config is not None:
+            self._arms = self._race_arms(plan, optimizer)
+            self._start_race("plan")
         _LIVE.add(self)
+
+    # -- the race in the first steps ------------------------------------------------------------
+    def _race_arms(self, plan: Plan, optimizer: torch.optim.Optimizer | None) -> dict[str, Plan]:
+        """The plan and the runners-up this exchange can run, by arm name, simplest first (dense, then lossless,
+        then lossy: the order the race keeps the simplest by)."""
+        arms = {"plan": plan}
+        for name, other in plan.runners_up.items():
+            try:
+                self._engine.check_adoptable(other, same_groups=False)
+            except (PlanMismatchError, ValueError) as exc:
+                warnings.warn(f"the race leaves out runner-up {name}: {exc}", RuntimeWarning, stacklevel=3)
+                continue
+            arms[f"runner-up {name}"] = other
+        if len(arms) < 2:
+            raise ValueError("race=True needs a runner-up this exchange can run beside the plan; none is left")
+        return dict(sorted(arms.items(), key=lambda kv: plan_simplicity(kv[1])))
+
+    def _start_race(self, arm: str) -> None:
+        assert self._race_config is not None
+        self._racing = RaceSchedule(list(self._arms), self._race_config, start=arm)
+        self._race_clock = time.perf_counter()
+        self._race_mark: float | None = None
+
+    def _switch_to(self, arm: str) -> None:
+        """Run `arm` from the next step (its selector, groups and codecs; the error fed back flushed)."""
+        if arm == self._arm:
+            return
+        plan = self._arms[arm]
+        self._selector = plan.selector or "exact"
+        self._adopt(plan, flush=True)
+        self._arm = arm
+
+    def _race_step(self) -> None:
+        """After a step while racing: time it, and at a round's end take the ranks' slowest times, let the rule
+        decide, and run the arm the schedule says next (the one kept once decided)."""
+        racing = self._racing
+        assert racing is not None
+        now = time.perf_counter()
+        if racing.after_step(None if self._race_mark is None else now - self._race_mark):
+            times = torch.tensor([*racing.block_times(), now - self._race_clock], dtype=torch.float64,
+                                 device=self._device)
+            if self.world_size > 1:
+                dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.process_group)
+            slowest = times.tolist()
+            if racing.observe(slowest[:-1], slowest[-1]) is not None:
+                self.race = racing.result()
+                self._racing = None
+                self._switch_to(self.race.kept)
+                if self.world_size == 1 or dist.get_rank(self.process_group) == 0:
+                    _LOG.info(self.race.describe())
+                return
+        self._switch_to(racing.current)
+        self._race_mark = time.perf_counter()
 
     def _build_groups(self, plan: Plan) -> None:
         """The groups' buffers and codecs for `plan`, their hosts' subgroups where it crosses hosts hierarchically,
@@ -600,6 +680,8 @@ class GradientExchange(EngineDriver):
                 self._next_launch = 0
                 self._active = False
                 self._set_step(self._step + 1)
+            if self._racing is not None:
+                self._race_step()
             watch = self._engine.watch
             if watch is not None and watch.observe(self._step - 1):
                 self._replan(self._step - 1)
@@ -708,6 +790,10 @@ class GradientExchange(EngineDriver):
         }
         if self._engine.schedule is not None:  # the plan in use: a resumed adaptive run continues with it
             state["plan"] = self.plan.to_dict()
+        if self._race_config is not None:  # the arm in use, and what the race decided: a resumed run keeps them
+            state["race_arm"] = self._arm
+            if self.race is not None:
+                state["race"] = self.race.to_dict()
         powersgd = {st.index: st.codec.state() for st in self._groups if isinstance(st.codec, PowerSGDCodec)}
         if powersgd:
             state["powersgd"] = powersgd
@@ -731,6 +817,9 @@ class GradientExchange(EngineDriver):
         plan = self.plan
         if self._engine.schedule is not None and "plan" in state:
             plan = check.plan(state["plan"], self.plan, self.world_size, same_groups=False)
+        arm, raced = self._saved_race(state, check)
+        if arm is not None:
+            plan = self._arms[arm]
         if state.get("layout") != self._layout_digest(plan):
             raise check.refuse(f"this exchange state was saved for other plan groups (layout {state.get('layout')}, "
                                f"this plan {self._layout_digest(plan)})")
@@ -747,7 +836,11 @@ class GradientExchange(EngineDriver):
         step = state.get("step", 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise check.refuse(f"the state's step count must be an integer >= 0, but got step={step!r}")
-        if plan is not self.plan and plan.to_dict() != self.plan.to_dict():
+        if arm is not None and arm != self._arm:
+            self._selector = plan.selector or "exact"
+            self._adopt(plan, flush=False)
+            self._arm = arm
+        elif plan is not self.plan and plan.to_dict() != self.plan.to_dict():
             self._adopt(plan, flush=False)  # its own check (the optimizer's momentum) comes before any change
         for st in self._groups:  # everything checked: now copy
             if isinstance(st.codec, TopkCodec):
@@ -760,6 +853,31 @@ class GradientExchange(EngineDriver):
             if isinstance(st.codec, PowerSGDCodec):
                 st.codec.load(powersgd[st.index])
         self._set_step(step)
+        if arm is not None:  # decided: no race; mid-race: the race starts again from the arm in use
+            self.race = raced
+            if raced is None:
+                self._start_race(arm)
+            else:
+                self._racing = None
+
+    def _saved_race(self, state: dict[str, Any], check: StateCheck) -> tuple[str | None, OnlineRaceResult | None]:
+        """The arm a racing exchange saved and its race's result (None, None: no race here, or none saved)."""
+        if self._race_config is None or "race_arm" not in state:
+            return None, None
+        arm = state["race_arm"]
+        if arm not in self._arms:
+            raise check.refuse(f"the state's race arm {arm!r} is not among this exchange's arms "
+                               f"({', '.join(self._arms)})")
+        saved = state.get("race")
+        if saved is None:
+            return arm, None
+        try:
+            raced = OnlineRaceResult(**check.entry(saved, "the state's race"))
+        except TypeError as exc:
+            raise check.refuse(f"the state's race is not a race's result ({exc})") from None
+        if raced.kept != arm:
+            raise check.refuse(f"the state's race kept {raced.kept!r}, but its arm in use is {arm!r}")
+        return arm, raced
 
     # -- teardown --------------------------------------------------------------------------------
     def remove_hooks(self) -> None:
