@@ -25,6 +25,7 @@ from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 from planner.strategies.race_rule import Race, RaceDecision, race_summary
 from planner.types import SchemaError
 from tests.factories import synthetic_kfac_plan, synthetic_profile
+from tests.shipped import shipped_plans
 
 
 def _ever_settles(p: float, alpha: float, rounds: int, rng: np.random.Generator) -> bool:
@@ -342,3 +343,17 @@ def test_a_race_record_reads_back_and_refuses_what_cannot_be() -> None:
         with pytest.raises(SchemaError, match=message):
             RaceRecord.from_dict(_record(**changes))
 
+
+def test_plans_written_before_the_race_still_load_and_show_without_one(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The example plans in plans/ were solved before plans recorded a race: each loads with no race, `planner show`
+    prints it with no race in it, and saved again it holds no "race" key, as it was written."""
+    for old in shipped_plans():
+        assert "race" not in json.loads(old.read_text())  # written before the record
+        plan = Plan.load(old)
+        assert plan.race is None and "race" not in plan.to_dict()
+        plan.save(tmp_path / old.name)
+        assert "race" not in json.loads((tmp_path / old.name).read_text())
+        assert main(["show", str(old)]) == 0
+        out = capsys.readouterr().out
+        assert "race: keep" not in out and "race of " not in out, out
