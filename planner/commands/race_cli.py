@@ -14,11 +14,11 @@ from planner.commands.common import (
     _add_link,
     _add_slowdown,
     _batch_size,
+    _nonnegative_float,
     _nonnegative_int,
     _note_link_mismatch,
     _peers,
     _positive,
-    _positive_float,
     check_hosts,
 )
 from planner.commands.printing import print_race
@@ -49,9 +49,9 @@ class RaceCommand(Command):
         parser.add_argument("--margin", type=_fraction, default=0.02,
                             help="the practical margin: a less simple arm is kept only when it is faster than every "
                                  "other by more than this (default 0.02, 2%%)")
-        parser.add_argument("--race-time", type=_positive_float, default=60.0, metavar="S",
+        parser.add_argument("--race-time", type=_nonnegative_float, default=60.0, metavar="S",
                             help="seconds of racing after the warm-up; then the simplest arm not beaten is kept "
-                                 "(default 60)")
+                                 "(default 60; 0: after one round)")
         parser.add_argument("--block", type=_positive, default=4,
                             help="steps each arm runs per round (default 4)")
         parser.add_argument("--warmup", type=_nonnegative_int, default=5, help="unmeasured steps per arm (default 5)")
