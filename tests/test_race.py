@@ -3,12 +3,17 @@ every round), and the three ways a race ends."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import json
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
+import scipy.stats
 
 from planner.commands.cli import main
 from planner.contracts.plan import Plan, Verdict
@@ -17,9 +22,10 @@ from planner.models import build_workload
 from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet, median_interval
 from planner.sessions.race import finalists
 from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
-from planner.strategies.race_rule import Race, race_summary
+from planner.strategies.race_rule import Race, RaceDecision, race_summary
 from planner.types import SchemaError
 from tests.factories import synthetic_kfac_plan, synthetic_profile
+from tests.shipped import shipped_plans
 
 
 def _ever_settles(p: float, alpha: float, rounds: int, rng: np.random.Generator) -> bool:
@@ -125,6 +131,138 @@ def test_bad_races_are_refused() -> None:
         race.observe({"a": 1.0, "b": float("nan")})
 
 
+# -- the rule on a drifting machine: a trend, bursts and heavy tails -------------------------------------------------
+def drifting_blocks(means: Sequence[float], rounds: int, rng: np.random.Generator, *,
+                    noise: float = 0.02) -> np.ndarray:
+    """Block times (rounds x arms) of arms whose medians are `means`, on a machine that drifts as a shared one does:
+
+    - a trend: the machine slows by 30% over the rounds and wanders by 15% either way (a slow wave), alike for the
+      blocks of one round;
+    - within a round the arms run in a random order (as the race draws it) and the machine slows 0.4% per block, so
+      an arm's place in its round matters;
+    - bursts: spells (one starts in 5% of the rounds and lasts about 3) in which each block is hit with chance 1/2
+      and runs 20-80% slower;
+    - heavy tails: Student's t noise with 3 degrees of freedom, of scale `noise`, on each block's log time.
+
+    Every arm meets the same machine (its order, its bursts and its noise are drawn alike), so the median of two arms'
+    block ratio in a round is exactly the ratio of their `means`."""
+    arms = len(means)
+    r = np.arange(rounds)
+    machine = 0.3 * r / rounds + 0.15 * np.sin(2 * np.pi * r / 37 + rng.uniform(0, 2 * np.pi))
+    place = np.argsort(rng.random((rounds, arms)), axis=1)  # each arm's place in its round's random order
+    spell = np.zeros(rounds, dtype=bool)
+    draws = rng.random(rounds)
+    for t in range(1, rounds):
+        spell[t] = draws[t] < (0.7 if spell[t - 1] else 0.05)
+    hit = spell[:, None] & (rng.random((rounds, arms)) < 0.5)
+    burst = np.where(hit, np.log1p(rng.uniform(0.2, 0.8, (rounds, arms))), 0.0)
+    log = (np.log(means)[None, :] + machine[:, None] + 0.004 * place + burst
+           + noise * rng.standard_t(3, (rounds, arms)))
+    return np.exp(log)
+
+
+def _race_on(blocks: np.ndarray, *, margin: float = 0.02, alpha: float = 0.05) -> tuple[Race, RaceDecision]:
+    """The race of `blocks`' arms ("arm0", "arm1", ..., simplest first), round by round until it decides; the budget
+    rule after the last round."""
+    race = Race([f"arm{i}" for i in range(blocks.shape[1])], margin=margin, alpha=alpha)
+    for row in blocks:
+        race.observe({arm: float(row[int(arm[3:])]) for arm in race.alive})
+        if (decision := race.decision()) is not None:
+            return race, decision
+    decision = race.decision(out_of_budget=True)
+    assert decision is not None
+    return race, decision
+
+
+#: The races of the simulations: 200 of 4 arms, at most 300 rounds each, the race's default margin and alpha.
+RACES, ARMS, ROUNDS, MARGIN, ALPHA = 200, 4, 300, 0.02, 0.05
+
+
+@functools.cache
+def _one_arm_faster() -> tuple[np.ndarray, tuple[RaceDecision, ...]]:
+    """200 drifting streams of 4 arms, the last (the least simple) 5% faster than the other three, and the race's
+    decision on each (shared by the tests that read them)."""
+    rng = np.random.default_rng(68)
+    streams = np.stack([drifting_blocks([1.0, 1.0, 1.0, 0.95], ROUNDS, rng) for _ in range(RACES)])
+    return streams, tuple(_race_on(s)[1] for s in streams)
+
+
+def _fixed_length(streams: np.ndarray, fast: int, level: float, *, power: float = 0.95) -> int | None:
+    """The fewest rounds after which a one-shot sign test, on the race's paired outcome ("arm b's block is slower
+    than (1 + margin) times the fast arm's"), at `level` for each other arm b, finds the fast arm faster than every
+    other beyond the margin in `power` of `streams` (None: not within their rounds). Every arm runs every round."""
+    others = [b for b in range(streams.shape[2]) if b != fast]
+    slower = streams[:, :, others] > (1 + MARGIN) * streams[:, :, [fast]]  # streams x rounds x others
+    counts = np.cumsum(slower, axis=1)
+    n = np.arange(1, streams.shape[1] + 1)
+    needed = scipy.stats.binom.isf(level, n, 0.5) + 1  # the fewest rounds out of n for P(X >= needed) <= level
+    found = (counts >= needed[None, :, None]).all(axis=2).mean(axis=0)
+    enough = np.flatnonzero(found >= power)
+    return int(n[enough[0]]) if enough.size else None
+
+
+@pytest.mark.parametrize("margin", [MARGIN, 0.0])
+def test_equal_arms_on_a_drifting_machine_keep_the_simplest(margin: float) -> None:
+    """Four equal arms on a drifting machine, 200 races of at most 300 rounds: the simplest arm (the first) is kept
+    in at least 95% of them, whether the arms settle within the margin ("tied") or the budget runs out. At the
+    default margin the arms are far from beating each other; at a margin of 0 they sit on the edge of it (each
+    block is slower than another's half the time), where only the rule's alpha keeps the simplest arm in."""
+    rng = np.random.default_rng(1)
+    decisions = [_race_on(drifting_blocks([1.0] * ARMS, ROUNDS, rng), margin=margin)[1] for _ in range(RACES)]
+    kept = sum(d.kept == "arm0" for d in decisions)
+    assert kept >= 0.95 * RACES, (kept, collections.Counter((d.kept, d.rule) for d in decisions))
+    assert all(d.rule in ("tied", "budget") for d in decisions if d.kept == "arm0")
+
+
+def test_an_arm_5pc_faster_is_picked_sooner_than_a_fixed_length_test_of_the_same_statements() -> None:
+    """An arm 5% faster than three others (margin 2%) on a drifting machine: the race keeps it, as the winner, in
+    at least 95% of 200 races, and its median stopping round is below the rounds a one-shot sign test on the same
+    streams and the same paired outcome needs for the same 95% power, at the level each of the race's statements
+    is settled at (alpha over its 24 tests: the same statements at the same family-wise error). The numbers:
+    `test_the_race_is_not_shorter_than_a_sign_test_at_the_full_alpha` says what it costs against fewer
+    statements."""
+    streams, decisions = _one_arm_faster()
+    picked = sum(d.kept == "arm3" and d.rule == "won" for d in decisions)
+    assert picked >= 0.95 * RACES, (picked, collections.Counter((d.kept, d.rule) for d in decisions))
+    stop = statistics.median(d.rounds for d in decisions)
+    tests = 2 * ARMS * (ARMS - 1)  # the race's: two per ordered pair
+    fixed = _fixed_length(streams, 3, ALPHA / tests)
+    assert fixed is not None and stop < fixed, (stop, fixed)
+
+
+@pytest.mark.xfail(strict=True, reason="measured: the race stops at a median of 68 rounds, a one-shot sign test at "
+                                       "alpha = 0.05 on each of the 3 comparisons needs 40 for 95% power (55 at "
+                                       "alpha / 3): the race pays for settling 24 statements anytime (issue 68)")
+def test_the_race_is_not_shorter_than_a_sign_test_at_the_full_alpha() -> None:
+    """What issue 68 asks, read strictly: the race's median stopping round below the rounds a one-shot sign test of
+    the fast arm against each other arm, each at the race's alpha (0.05), needs for 95% power on the same streams.
+    It is not: this records the gap (strict: the day the race is shorter, this fails and the mark goes)."""
+    streams, decisions = _one_arm_faster()
+    fixed = _fixed_length(streams, 3, ALPHA)
+    assert fixed is not None and statistics.median(d.rounds for d in decisions) < fixed, fixed
+
+
+def test_the_median_interval_holds_under_optional_stopping_on_a_drifting_machine() -> None:
+    """An arm's block ratio to DDP's on a drifting machine (median 0.95), its interval recomputed after every round
+    as the race computes it when it stops, on grid points 0.2% either side of the median (the hardest to keep out of
+    the interval wrongly). Stopping at the first round the interval misses the median, the worst stopping time there
+    is, it misses in at most alpha of 200 runs of 80 rounds: so it holds at any stopping time, the race's own
+    included."""
+    rng = np.random.default_rng(5)
+    alpha, truth = 0.1, 0.95
+    grid = [truth * 0.998, truth * 1.002]
+    missed = 0
+    for _ in range(RACES):
+        blocks = drifting_blocks([1.0, truth], 80, rng)
+        ratios = list(blocks[:, 1] / blocks[:, 0])
+        for t in range(1, len(ratios) + 1):
+            low, high = median_interval(ratios[:t], grid, alpha)
+            if not low <= truth <= high:
+                missed += 1
+                break
+    assert missed <= alpha * RACES, missed
+
+
 # -- planner race: the finalists in real steps on two workers -------------------------------------------------------
 def test_planner_race_runs_the_finalists_simplest_first_and_keeps_one(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
@@ -204,3 +342,18 @@ def test_a_race_record_reads_back_and_refuses_what_cannot_be() -> None:
     ]:
         with pytest.raises(SchemaError, match=message):
             RaceRecord.from_dict(_record(**changes))
+
+
+def test_plans_written_before_the_race_still_load_and_show_without_one(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The example plans in plans/ were solved before plans recorded a race: each loads with no race, `planner show`
+    prints it with no race in it, and saved again it holds no "race" key, as it was written."""
+    for old in shipped_plans():
+        assert "race" not in json.loads(old.read_text())  # written before the record
+        plan = Plan.load(old)
+        assert plan.race is None and "race" not in plan.to_dict()
+        plan.save(tmp_path / old.name)
+        assert "race" not in json.loads((tmp_path / old.name).read_text())
+        assert main(["show", str(old)]) == 0
+        out = capsys.readouterr().out
+        assert "race: keep" not in out and "race of " not in out, out

@@ -245,9 +245,9 @@ def add_race_flags(parser: argparse.ArgumentParser | Any, *, race_time: float = 
     parser.add_argument("--margin", type=_fraction, default=0.02,
                         help="the practical margin: a less simple arm is kept only when it is faster than every "
                              "other by more than this (default 0.02, 2%%)")
-    parser.add_argument("--race-time", type=_positive_float, default=race_time, metavar="S",
+    parser.add_argument("--race-time", type=_nonnegative_float, default=race_time, metavar="S",
                         help=f"seconds of racing after the warm-up; then the simplest arm not beaten is kept "
-                             f"(default {race_time:g})")
+                             f"(default {race_time:g}; 0: after one round)")
     parser.add_argument("--block", type=_positive, default=2, help="steps each arm runs per round (default 2)")
     parser.add_argument("--warmup", type=_nonnegative_int, default=5, help="unmeasured steps per arm (default 5)")
 

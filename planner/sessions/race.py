@@ -136,8 +136,9 @@ def beyond_budget(plans: tuple[Plan, ...]) -> set[str]:
     return {name for p in plans if p.verdict is not None for name in p.verdict.beyond_budget}
 
 
-def race_worker(rank: int, world_size: int, config: RaceConfig) -> RaceRecord | None:
-    """Build every finalist on this rank, warm each up, and race them; rank 0 returns the result."""
+def race_worker(rank: int, world_size: int, config: RaceConfig, every_rank: bool = False) -> RaceRecord | None:
+    """Build every finalist on this rank, warm each up, and race them; rank 0 returns the result (`every_rank`: every
+    rank returns its own, which is rank 0's: each settles the rule on the same numbers)."""
     setup = WorkerSetup.on_this_rank(rank, world_size, config.model, config.batch_size, config.plans)
     device, batch, unused = setup.device, setup.batch, setup.find_unused
     arms = finalists(config.plans, setup.base.module, config.peers, config.labels, config.max_arms)
@@ -175,7 +176,7 @@ def race_worker(rank: int, world_size: int, config: RaceConfig) -> RaceRecord | 
             bar.update(task, advance=1, description=f"race rounds: {len(race.alive)} of {len(arms)} arms left")
     for runner in runners.values():
         runner.close()
-    if rank != 0:
+    if rank != 0 and not every_rank:
         return None
     ddp = next(v for v in arms if v.name == DDP_ROW)
     results = []
