@@ -3,12 +3,14 @@ and by the commands a test runs in its own process, stopped when the session end
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from planner.commands import common
 from planner.platform import launch
 from tests import pool
 
@@ -45,6 +47,14 @@ def _warm_when_plain(spawn: Any) -> Any:
                      hosts=hosts, collective_timeout=collective_timeout)
 
     return run_distributed
+
+
+@pytest.fixture(autouse=True)
+def _race_log_of_the_test(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command a test runs logs its races in a file of the test's own, not in the repository's runs/."""
+    name = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+    monkeypatch.setattr(common, "DEFAULT_RACE_LOG", tmp_path_factory.getbasetemp() / "race-logs" / f"{name}.json")
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, ClassVar
 
 from planner.commands.printing import print_race
@@ -240,8 +241,23 @@ def _fraction(text: str) -> float:
     return value
 
 
+#: Where races are logged by default (`--race-log`): the pairs the model's error is calibrated from.
+DEFAULT_RACE_LOG = Path("runs") / "races.json"
+
+
+def add_race_log(parser: argparse.ArgumentParser | Any, what: str) -> None:
+    """`--race-log FILE`: the races run here (`planner.contracts.race_log`)."""
+    parser.add_argument("--race-log", type=Path, default=None, metavar="FILE",
+                        help=f"the log of the races run here, {what} (default runs/races.json)")
+
+
+def race_log_path(given: Path | None) -> Path:
+    """`--race-log`, or the default (read when called: tests move it)."""
+    return given if given is not None else DEFAULT_RACE_LOG
+
+
 def add_race_flags(parser: argparse.ArgumentParser | Any, *, race_time: float = 60.0) -> None:
-    """The race's rule and budget (`planner race`, `planner solve --race`)."""
+    """The race's rule and budget (`planner race`, `planner solve --race`), and its log."""
     parser.add_argument("--margin", type=_fraction, default=0.02,
                         help="the practical margin: a less simple arm is kept only when it is faster than every "
                              "other by more than this (default 0.02, 2%%)")
@@ -250,6 +266,7 @@ def add_race_flags(parser: argparse.ArgumentParser | Any, *, race_time: float = 
                              f"(default {race_time:g}; 0: after one round)")
     parser.add_argument("--block", type=_positive, default=2, help="steps each arm runs per round (default 2)")
     parser.add_argument("--warmup", type=_nonnegative_int, default=5, help="unmeasured steps per arm (default 5)")
+    add_race_log(parser, "where the race is added and the model's error calibrated from the races before it")
 
 
 def allowed_hooks(plan: Plan) -> tuple:
@@ -277,7 +294,8 @@ def race_plan_file(path: Any, args: argparse.Namespace, *, link: Any, hosts: int
     from planner.contracts.jsonio import check_output_path  # deferred (start-up)
     from planner.platform.launch import under_torchrun  # deferred (start-up)
     from planner.sessions.bench import file_labels  # deferred (start-up)
-    from planner.sessions.race import RaceConfig, beyond_budget, run_race, with_race  # deferred (start-up)
+    from planner.sessions.race import RaceConfig, beyond_budget, log_race, run_race, with_race  # deferred (start-up)
+    from planner.strategies.model_error import ModelError  # deferred (start-up)
     from planner.strategies.race_rule import race_summary  # deferred (start-up)
 
     check_output_path(path, "plan")  # the race is recorded in it: refused now, not after the race
@@ -303,10 +321,13 @@ def race_plan_file(path: Any, args: argparse.Namespace, *, link: Any, hosts: int
         return 0
     plan = with_race(plans[0], record)
     plan.save(path)
+    log = race_log_path(args.race_log)
+    error = ModelError.of(log_race(log, plans[0], record, link).races)  # from the races before this one
     if as_json:
         print(json.dumps({**record.to_dict(), "summary": race_summary(record)}, indent=2))
         return 0
-    print_race(record)
+    print_race(record, model_error=error)
     promoted = f"; its plan is now {record.kept}, the one the race kept" if plan.groups != plans[0].groups else ""
-    console.print(f"recorded the race in {path}{promoted}", markup=False, soft_wrap=True)
+    console.print(f"recorded the race in {path}{promoted}, and in the race log {log}", markup=False,
+                  soft_wrap=True)
     return 0

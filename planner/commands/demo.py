@@ -16,8 +16,10 @@ from planner.commands.common import (
     _link_rate,
     _positive,
     _positive_float,
+    add_race_log,
     check_hosts,
     intra_linked,
+    race_log_path,
 )
 from planner.commands.printing import (
     print_auto,
@@ -71,6 +73,8 @@ class DemoCommand(Command):
         parser.add_argument("--quick", action="store_true",
                             help="profile with `planner profile --quick` (about a minute for a model like the MLP; "
                                  "wider intervals) and bench fewer steps")
+        add_race_log(parser, "where the demo's race is added and the model's error calibrated from the races before "
+                             "it")
         _add_hosts(parser)
         _add_slowdown(parser)
 
@@ -89,9 +93,16 @@ class DemoCommand(Command):
             ProfileConfig,
             run_profile,
         )
-        from planner.sessions.race import RaceConfig, beyond_budget, run_race, with_race  # deferred (start-up)
+        from planner.sessions.race import (  # deferred (start-up)
+            RaceConfig,
+            beyond_budget,
+            log_race,
+            run_race,
+            with_race,
+        )
         from planner.strategies.auto import ddp_predictions, solve_auto  # deferred (start-up)
         from planner.strategies.mixed_plan import parse_compressors  # deferred (start-up)
+        from planner.strategies.model_error import ModelError  # deferred (start-up)
         from planner.strategies.race_rule import race_summary  # deferred (start-up)
 
         if args.steps is not None and not args.bench:
@@ -164,13 +175,15 @@ class DemoCommand(Command):
                                      slowdown=args.slowdown, hosts=args.hosts, labels=labels[-1:],
                                      race_time_s=args.race_time or (15.0 if args.quick else 45.0)))
         assert record is not None
-        print_race(record, summary=False)
+        log = race_log_path(args.race_log)
+        print_race(record, summary=False, model_error=ModelError.of(log_race(log, choice.plan, record, link).races))
         if kept_path is not None:
             raced = with_race(choice.plan, record)
             raced.save(kept_path)
             promoted = (f"; its plan is now {record.kept}, the one the race kept"
                         if raced.groups != choice.plan.groups else "")
-            console.print(f"recorded the race in {kept_path}{promoted}", markup=False, soft_wrap=True)
+            console.print(f"recorded the race in {kept_path}{promoted}, and in the race log {log}", markup=False,
+                          soft_wrap=True)
         console.print(race_summary(record), style="bold", markup=False, soft_wrap=True)
         return 0
 

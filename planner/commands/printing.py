@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from planner.contracts.profile import Profile
     from planner.contracts.race_record import RaceRecord
     from planner.strategies.auto import AutoChoice
+    from planner.strategies.model_error import ModelError
 
 
 def _ms(seconds: float) -> str:
@@ -803,22 +804,61 @@ def print_mixed_groups(plan: Plan, profile: Profile) -> None:
     console.print(table)
 
 
-def print_race(record: RaceRecord, *, summary: bool = True) -> None:
+def print_model_error(plan: Plan, error: ModelError | None) -> None:
+    """The plan's and DDP's variants' predicted ratios to DDP, each with the model's error (`error`: conformal, from
+    the races logged), or a line saying it is not yet known."""
+    ddp = plan.baselines.get(DDP_ROW)
+    if ddp is None:
+        return
+    if error is None:
+        console.print("the model's error on ratios to DDP: not yet known (too few races logged; `planner race` "
+                      "logs each)", markup=False, soft_wrap=True)
+        return
+    rows = {"plan": plan.predicted.iteration_s, VIA_DDP_ROW: getattr(plan.baselines.get(VIA_DDP_ROW), "iteration_s",
+                                                                     None)}
+    if plan.verdict is not None:
+        rows.update({name: v[0] for name, v in plan.verdict.variants.items()
+                     if name != DDP_ROW and name not in plan.verdict.beyond_budget})
+    parts = []
+    for name, seconds in rows.items():
+        if seconds is not None:
+            ratio = seconds / ddp.iteration_s
+            low, high = error.interval(ratio)
+            parts.append(f"{name} {ratio:.3f} [{low:.3f}, {high:.3f}]")
+    console.print(f"predicted ratio to DDP, with {error.describe()}: {'; '.join(parts)}", markup=False,
+                  soft_wrap=True)
+
+
+def print_race(record: RaceRecord, *, summary: bool = True, model_error: ModelError | None = None) -> None:
     """A race's arms (simplest first) with their measured and predicted ratios to DDP, then (`summary`) the line
-    that says what was kept."""
+    that says what was kept. With `model_error` (calibrated on the races before this one), each predicted ratio
+    carries its conformal interval, and a line says how many of this race's measured ratios fell inside."""
     from planner.strategies.race_rule import race_summary, ratio_interval  # deferred (start-up)
 
     table = Table(title=f"race of {record.raced}: {record.rounds} rounds of {record.block} steps per arm, margin "
                         f"{record.margin:.0%}, alpha {record.alpha:g} (block time = mean of the slowest rank's "
                         "steps; ratios are medians over the rounds both ran)")
-    for column in ("arm", "rounds", "median block", "measured / ddp", "interval", "predicted / ddp", "beaten by"):
+    predicted = "predicted / ddp" + ("" if model_error is None else f" [{model_error.level:.0%}, model error]")
+    for column in ("arm", "rounds", "median block", "measured / ddp", "interval", predicted, "beaten by"):
         table.add_column(column, justify="left" if column in ("arm", "beaten by") else "right")
+    inside = []
     for arm in record.arms:
+        guess = "-" if arm.predicted_ratio is None else f"{arm.predicted_ratio:.3f}"
+        if model_error is not None and arm.predicted_ratio is not None and arm.name != DDP_ROW:
+            low, high = model_error.interval(arm.predicted_ratio)
+            guess += f" [{low:.3f}, {high:.3f}]"
+            if arm.ratio_to_ddp is not None:
+                inside.append(low <= arm.ratio_to_ddp <= high)
         table.add_row(
             arm.name + (" (kept)" if arm.name == record.kept else ""), str(arm.rounds),
             _ms(arm.median_block_s), "-" if arm.ratio_to_ddp is None else f"{arm.ratio_to_ddp:.3f}",
-            ratio_interval(arm.interval), "-" if arm.predicted_ratio is None else f"{arm.predicted_ratio:.3f}",
-            arm.beaten_by or "")
+            ratio_interval(arm.interval), guess, arm.beaten_by or "")
     console.print(table)
+    if model_error is not None:
+        console.print(f"{model_error.describe()}; {sum(inside)} of {len(inside)} measured ratios here fall inside",
+                      markup=False, soft_wrap=True)
+    else:
+        console.print("the model's error on ratios: not yet known (too few races logged for a conformal bound)",
+                      markup=False, soft_wrap=True)
     if summary:
         console.print(race_summary(record), markup=False, soft_wrap=True)

@@ -16,9 +16,10 @@ from planner.commands.common import (
     _density,
     _positive,
     add_race_flags,
+    race_log_path,
     race_plan_file,
 )
-from planner.commands.printing import error_line, print_auto, print_mixed_groups, print_plan
+from planner.commands.printing import error_line, print_auto, print_mixed_groups, print_model_error, print_plan
 from planner.console import console
 from planner.contracts.abs_section import TRIGGERS
 from planner.contracts.jsonio import check_output_path
@@ -102,7 +103,9 @@ class SolveCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         # Deferred: every command's module is imported at start-up, and only this one needs the strategies.
         from planner.contracts.profile import Profile  # deferred (start-up)
+        from planner.contracts.race_log import RaceLog  # deferred (start-up)
         from planner.platform.link import recorded_link  # deferred (start-up)
+        from planner.strategies.model_error import ModelError  # deferred (start-up)
         from planner.strategies.solve import solve  # deferred (start-up)
 
         request = _request(args)
@@ -120,6 +123,8 @@ class SolveCommand(Command):
             console.print(error_line(plan.error), markup=False, soft_wrap=True)
         if plan.strategy is Strategy.MIXED:
             print_mixed_groups(plan, solved.profile)
+        if plan.kfac is None and plan.abs is None:
+            print_model_error(plan, ModelError.of(RaceLog.load(race_log_path(args.race_log)).races))
         kept = plan.verdict.keep if plan.verdict is not None else "plan"
         if args.race:
             console.print(f"wrote plan {args.output}; now the race decides what to keep, by measurement",

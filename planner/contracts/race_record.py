@@ -133,6 +133,13 @@ class RaceRecord:
         if not 0 < alpha < 1:
             raise SchemaError(f"{where}.alpha must be in (0, 1), got {data['alpha']!r}")
         arms = expect(data["arms"], list, f"{where}.arms")
+        try:
+            return cls._of(data, where, arms, margin, alpha)
+        except SchemaError as exc:  # the record's own checks name it where a plan holds it: say where it is
+            raise SchemaError(str(exc).replace("plan.race", where, 1)) from None
+
+    @classmethod
+    def _of(cls, data: dict[str, Any], where: str, arms: list[Any], margin: float, alpha: float) -> RaceRecord:
         return cls(raced=expect(data["raced"], str, f"{where}.raced"),
                    kept=expect(data["kept"], str, f"{where}.kept"),
                    rule=expect(data["rule"], str, f"{where}.rule"),

@@ -18,13 +18,16 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from planner.console import progress
+from planner.contracts.jsonio import ensure_folder
 from planner.contracts.plan import DDP_ROW, Plan
+from planner.contracts.race_log import LoggedRace, RaceLog
 from planner.contracts.race_record import RacedArm, RaceRecord
 from planner.platform import launch  # its launchers called through it: tests replace them there
 from planner.sequential import median_interval, weights_near
@@ -46,8 +49,17 @@ if TYPE_CHECKING:
     from planner.platform.link import LinkRate
     from planner.platform.slowdown import Slowdown
 
-__all__ = ["DEFAULT_ARMS", "RUNNER_UP", "RaceConfig", "beyond_budget", "finalists", "race_worker", "run_race",
-           "with_race"]
+__all__ = [
+    "DEFAULT_ARMS",
+    "RUNNER_UP",
+    "RaceConfig",
+    "beyond_budget",
+    "finalists",
+    "log_race",
+    "race_worker",
+    "run_race",
+    "with_race",
+]
 
 #: How many arms a race has at most by default: DDP, its hooks within the budget and the plan both ways always
 #: race; the plan's runners-up fill the rest.
@@ -129,6 +141,16 @@ def with_race(plan: Plan, record: RaceRecord) -> Plan:
     while tag in others or tag == name:
         tag += " (solved)"
     return replace(plan.runners_up[name], race=record, runners_up={tag: replace(plan, runners_up={}), **others})
+
+
+def log_race(path: Path, plan: Plan, record: RaceRecord, link: LinkRate | None) -> RaceLog:
+    """Add the race of `plan` to the race log at `path` (`planner.contracts.race_log`: the pairs the model's error is
+    calibrated from); the log as it was before, to weigh the race's predictions by the races before it."""
+    before = RaceLog.load(path)
+    ensure_folder(path.parent, "race log folder")
+    before.with_race(LoggedRace(model=plan.model.name, world_size=plan.cluster.world_size,
+                                link=None if link is None else link.label, race=record)).save(path)
+    return before
 
 
 def beyond_budget(plans: tuple[Plan, ...]) -> set[str]:
