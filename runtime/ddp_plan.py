@@ -67,9 +67,11 @@ by bucket, so nothing held back is lost; momentum velocities stay with their buc
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import os
 import statistics
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,11 +102,15 @@ from planner.runtime.engine import (
     planned_params,
     world_size_of,
 )
+from planner.runtime.online_race import OnlineRace, OnlineRaceResult, RaceSchedule, bucket_arms, check_race, saved_race
 from planner.types import Compressor, CompressorKind, PlanMismatchError
 
 __all__ = ["STATE_KIND", "SUPPORTED_KINDS", "PlanHook", "bucket_caps", "plan_hook", "trainable_ids"]
 
 STATE_KIND = "runtime.plan_hook"
+
+#: Where the race in the first iterations says what it kept (rank 0, INFO).
+_LOG = logging.getLogger("planner.runtime")
 
 #: The group kinds the hook sends.
 SUPPORTED_KINDS = (CompressorKind.DENSE, CompressorKind.FP16, CompressorKind.POWERSGD, CompressorKind.TOPK)
@@ -179,6 +185,12 @@ class PlanHook(EngineDriver):
             again among the plan's allowed ones (top-k left out where `optimizer` applies momentum itself). Rank 0
             needs `profile` (default the plan's source profile). `self.plan` is the plan in use, `self.replans` what
             each re-plan decided; `state_dict()` holds the plan in use and `load_state_dict` takes it back.
+        race: race the plan against the same buckets each sent dense and each sent fp16 (what DDP and its fp16 hook
+            send) in the first iterations of training (`planner.runtime.online_race`; DDP's buckets are fixed, so
+            the arms differ in what each bucket sends): True, or an `OnlineRace` to say how. As
+            `GradientExchange(race=...)`: every iteration trains, every rank commits to the arm kept and says so in
+            one log line, `self.race` holds the result and `self.plan` the plan kept, and `state_dict()` holds the
+            arm. Each step is timed from one iteration's last bucket to the next. Not with `adaptive`.
 
     Raises:
         PlanMismatchError: the plan was made for another model or cluster, its parameters are not the model's
@@ -186,13 +198,14 @@ class PlanHook(EngineDriver):
         ValueError: find_unused_parameters=False with a plan that records unused parameters; momentum out of range,
             nesterov without momentum, momentum without an optimizer, or an optimizer that applies momentum
             itself (with `momentum`, or on top-k groups); `adaptive` with a plan that is not mixed or has no error
-            budget.
+            budget; `race` with `adaptive`.
         PlannerError: `adaptive` and rank 0 cannot load the profile to re-plan from.
     """
 
-    __slots__ = ("_carry", "_checked", "_codecs", "_engine", "_final_iteration", "_iteration", "_link", "_names_of",
-                 "_pending", "_replan_due", "_routes", "_seeds", "_selector", "_shapes", "_static", "_velocities",
-                 "find_unused_parameters", "model", "momentum", "nesterov", "process_group")
+    __slots__ = ("_arm", "_arms", "_carry", "_checked", "_codecs", "_engine", "_final_iteration", "_iteration", "_link",
+                 "_names_of", "_pending", "_race_clock", "_race_config", "_race_due", "_race_mark", "_racing",
+                 "_replan_due", "_routes", "_seeds", "_selector", "_shapes", "_static", "_velocities",
+                 "find_unused_parameters", "model", "momentum", "nesterov", "process_group", "race")
 
     def __init__(
         self,
@@ -208,9 +221,11 @@ class PlanHook(EngineDriver):
         nesterov: bool = False,
         optimizer: torch.optim.Optimizer | None = None,
         adaptive: bool | Replanning = False,
+        race: bool | OnlineRace = False,
     ) -> None:
         _check_supported(plan)
         check_momentum_options(momentum, nesterov, optimizer, "PlanHook")
+        race_config = check_race(plan, race, adaptive, None, None, needs_runners_up=False)
         schedule = check_adaptive(plan, adaptive, None, None)
         layout = None if hosts is None else [list(h) for h in hosts]
         plan = resolve_plan(plan, model, process_group=process_group, auto_retune=auto_retune, profile=profile,
@@ -259,6 +274,17 @@ class PlanHook(EngineDriver):
         device = next((p.device for n, p in params.items() if n in planned), torch.device("cpu"))
         self._engine = Engine(plan, params, self._link, owner="PlanHook", momentum=self.momentum, nesterov=nesterov,
                               optimizer=optimizer, schedule=schedule, profile=profile, model=model, device=device)
+        #: The race in the first iterations: its result once decided (`race=`; None before, or without a race).
+        self.race: OnlineRaceResult | None = None
+        self._race_config = race_config
+        self._arms: dict[str, Plan] = bucket_arms(plan) if race_config is not None else {}
+        self._arm = "plan"
+        self._racing: RaceSchedule | None = None
+        self._race_due: str | None = None  # "round" or "switch": at the next iteration's first bucket
+        self._race_mark: float | None = None
+        self._race_clock = 0.0
+        if race_config is not None:
+            self._racing = RaceSchedule(list(self._arms), race_config, start="plan")
 
     @classmethod
     def from_file(cls, model: nn.Module, path: str | os.PathLike[str], **kwargs: Any) -> PlanHook:
@@ -448,6 +474,8 @@ class PlanHook(EngineDriver):
         final = step >= self._final_iteration
         if self._replan_due is not None:  # the first bucket of the iteration after a measured period: decide
             self._replan(self._replan_due)
+        if self._race_due is not None:  # the first bucket of the iteration after a race's step: its next arm
+            self._race_turn(bucket.buffer().device)
         if final and index not in self._routes:
             self._routes[index] = self._route(index, bucket.parameters())
         watch = self._engine.watch if final and self._engine.watch is not None and \
@@ -458,6 +486,8 @@ class PlanHook(EngineDriver):
         if bucket.is_last():  # DDP calls the hook bucket by bucket in order; the last one ends the iteration
             if final and not self._checked:
                 self._report()
+            if final and self._racing is not None:
+                self._race_step()
             self._iteration += 1
             if watch is not None and watch.observe(step):
                 self._replan_due = step
@@ -527,6 +557,50 @@ class PlanHook(EngineDriver):
             codec.load(entry)
         return codec
 
+    # -- the race in the first iterations ------------------------------------------------------
+    def _race_step(self) -> None:
+        """At an iteration's last bucket while racing: time the iteration (from the last one's last bucket), and say
+        what the next iteration's first bucket does: the round's all-reduce, or a switch to the next arm."""
+        racing = self._racing
+        assert racing is not None
+        now = time.perf_counter()
+        if self._race_mark is None:
+            self._race_clock = now
+        if racing.after_step(None if self._race_mark is None else now - self._race_mark):
+            self._race_due = "round"
+        elif racing.current != self._arm:
+            self._race_due = "switch"
+        self._race_mark = now
+
+    def _race_turn(self, device: torch.device) -> None:
+        """Before the first collective of an iteration: at a round's end, the ranks' slowest times and the rule's
+        decision (the arm kept, committed and said in one log line); then the arm the schedule says next."""
+        due, self._race_due = self._race_due, None
+        racing = self._racing
+        assert racing is not None
+        if due == "round":
+            times = torch.tensor([*racing.block_times(), time.perf_counter() - self._race_clock], dtype=torch.float64,
+                                 device=device)
+            if self._link.world_size > 1:
+                dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.process_group)
+            slowest = times.tolist()
+            if racing.observe(slowest[:-1], slowest[-1]) is not None:
+                self.race = racing.result()
+                self._racing = None
+                self._race_switch(self.race.kept)
+                if self._link.world_size == 1 or dist.get_rank(self.process_group) == 0:
+                    _LOG.info(self.race.describe())
+                return
+        self._race_switch(racing.current)
+        self._race_mark = time.perf_counter()  # the switch is not the next iteration's (its first: untimed anyway)
+
+    def _race_switch(self, arm: str) -> None:
+        if arm != self._arm:
+            plan = self._arms[arm]
+            self._selector = plan.selector or "exact"
+            self._adopt(plan, flush=True)
+            self._arm = arm
+
     # -- adaptive re-planning --------------------------------------------------------------------
     def _replan(self, step: int) -> None:
         """Gather the errors of the period that ended at iteration `step`, let rank 0 decide, take its decision on
@@ -591,6 +665,10 @@ class PlanHook(EngineDriver):
                                  "buckets": buckets}
         if self._engine.schedule is not None:  # the plan in use: a resumed adaptive run continues with it
             state["plan"] = self.plan.to_dict()
+        if self._race_config is not None:  # the arm in use, and what the race decided: a resumed run keeps them
+            state["race_arm"] = self._arm
+            if self.race is not None:
+                state["race"] = self.race.to_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -616,9 +694,21 @@ class PlanHook(EngineDriver):
         if self._engine.schedule is not None and "plan" in state:
             plan = check.plan(state["plan"], self.plan, world_size_of(self.process_group), same_groups=True)
             _check_supported(plan)
+        config = self._race_config
+        arm, raced = saved_race(state, check, self._arms) if config is not None else (None, None)
+        if arm is not None:
+            plan = self._arms[arm]
         seeds = _powersgd_seeds(plan)
         pending = {i: self._checked_entry(check, i, entry, plan, seeds) for i, entry in buckets.items()}
-        if plan is not self.plan and plan.to_dict() != self.plan.to_dict():  # everything checked: now take it
+        if arm is not None and config is not None:  # decided: no race; mid-race: it starts again from the arm in use
+            if arm != self._arm:
+                self._selector = plan.selector or "exact"
+                self._adopt(plan, flush=False)
+                self._arm = arm
+            self.race = raced
+            self._racing = None if raced is not None else RaceSchedule(list(self._arms), config, start=arm)
+            self._race_mark = None
+        elif plan is not self.plan and plan.to_dict() != self.plan.to_dict():  # everything checked: now take it
             self._adopt(plan, flush=False)
         self._pending = pending
         self._codecs.clear()

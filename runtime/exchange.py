@@ -83,7 +83,7 @@ from planner.runtime.engine import (
     planned_params,
     world_size_of,
 )
-from planner.runtime.online_race import OnlineRace, OnlineRaceResult, RaceSchedule, check_race
+from planner.runtime.online_race import OnlineRace, OnlineRaceResult, RaceSchedule, check_race, saved_race
 from planner.strategies.auto import plan_simplicity
 from planner.types import Compressor, CompressorKind, DistributedError, PlanMismatchError
 
@@ -817,7 +817,7 @@ class GradientExchange(EngineDriver):
         plan = self.plan
         if self._engine.schedule is not None and "plan" in state:
             plan = check.plan(state["plan"], self.plan, self.world_size, same_groups=False)
-        arm, raced = self._saved_race(state, check)
+        arm, raced = saved_race(state, check, self._arms) if self._race_config is not None else (None, None)
         if arm is not None:
             plan = self._arms[arm]
         if state.get("layout") != self._layout_digest(plan):
@@ -859,25 +859,6 @@ class GradientExchange(EngineDriver):
                 self._start_race(arm)
             else:
                 self._racing = None
-
-    def _saved_race(self, state: dict[str, Any], check: StateCheck) -> tuple[str | None, OnlineRaceResult | None]:
-        """The arm a racing exchange saved and its race's result (None, None: no race here, or none saved)."""
-        if self._race_config is None or "race_arm" not in state:
-            return None, None
-        arm = state["race_arm"]
-        if arm not in self._arms:
-            raise check.refuse(f"the state's race arm {arm!r} is not among this exchange's arms "
-                               f"({', '.join(self._arms)})")
-        saved = state.get("race")
-        if saved is None:
-            return arm, None
-        try:
-            raced = OnlineRaceResult(**check.entry(saved, "the state's race"))
-        except TypeError as exc:
-            raise check.refuse(f"the state's race is not a race's result ({exc})") from None
-        if raced.kept != arm:
-            raise check.refuse(f"the state's race kept {raced.kept!r}, but its arm in use is {arm!r}")
-        return arm, raced
 
     # -- teardown --------------------------------------------------------------------------------
     def remove_hooks(self) -> None:

@@ -26,12 +26,19 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from planner.contracts.plan import Plan
+from planner.strategies.auto import plan_simplicity
 from planner.strategies.race_rule import DEFAULT_ALPHA, DEFAULT_MARGIN, WHY, Race, RaceDecision
+from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
-__all__ = ["OnlineRace", "OnlineRaceResult", "RaceSchedule", "check_race"]
+if TYPE_CHECKING:
+    from planner.runtime.engine import StateCheck
+
+__all__ = ["BUCKET_ARMS", "OnlineRace", "OnlineRaceResult", "RaceSchedule", "bucket_arms", "check_race",
+           "saved_race"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,16 +180,16 @@ class RaceSchedule:
                                 beaten=dict(self.decision.beaten))
 
 
-def check_race(plan: Plan, race: bool | OnlineRace, adaptive: object, density_warmup: object, crossover: object
-               ) -> OnlineRace | None:
+def check_race(plan: Plan, race: bool | OnlineRace, adaptive: object, density_warmup: object, crossover: object,
+               *, needs_runners_up: bool = True) -> OnlineRace | None:
     """`race` as a configuration (None: no race), refused where it cannot run: a plan without runners-up (nothing to
-    race it against), or beside adaptive re-planning, a density warm-up or crossover."""
+    race it against, where `needs_runners_up`), or beside adaptive re-planning, a density warm-up or crossover."""
     if race is False:
         return None
     config = race if isinstance(race, OnlineRace) else OnlineRace() if race is True else None
     if config is None:
         raise ValueError(f"race must be True, False or an OnlineRace, but got {race!r}")
-    if not plan.runners_up:
+    if needs_runners_up and not plan.runners_up:
         raise ValueError("race=True races the plan against its runners-up, but this plan has none: solve with "
                          "`planner solve --strategy auto` (it records them), or race DDP's variants before training "
                          "with `planner race PLAN`")
@@ -190,3 +197,46 @@ def check_race(plan: Plan, race: bool | OnlineRace, adaptive: object, density_wa
         raise ValueError("race=True runs without adaptive re-planning, a density warm-up or crossover; leave them out "
                          "(the race decides in the first steps; re-plan after it)")
     return config
+
+
+#: The arms a race inside DDP adds to the plan: every bucket sent by one compressor (DDP's allreduce, its fp16 hook).
+BUCKET_ARMS = {"every bucket dense": DENSE_COMPRESSOR, "every bucket fp16": Compressor(CompressorKind.FP16)}
+
+
+def bucket_arms(plan: Plan) -> dict[str, Plan]:
+    """The arms of a race inside DDP, whose buckets are the plan's groups, fixed: the plan, and the same groups each
+    sent dense and each sent fp16 (what DDP and its fp16 hook send), where they differ from the plan; simplest
+    first (the plan last among equals)."""
+    arms: dict[str, Plan] = {}
+    sent = [plan.compressor_of(g) for g in plan.groups]
+    for name, compressor in BUCKET_ARMS.items():
+        if all(c == compressor for c in sent):
+            continue
+        dense = compressor == DENSE_COMPRESSOR
+        groups = tuple(replace(g, compressor=None if dense else compressor, k=None) for g in plan.groups)
+        arms[name] = replace(plan, strategy=Strategy.DENSE if dense else Strategy.MIXED, density=None, selector=None,
+                             compressors=None if dense else (compressor,), groups=groups, error=None, verdict=None,
+                             intervals=None, race=None, runners_up={})
+    arms["plan"] = plan
+    return dict(sorted(arms.items(), key=lambda kv: plan_simplicity(kv[1])))
+
+
+def saved_race(state: dict[str, Any], check: StateCheck, arms: dict[str, Plan]
+               ) -> tuple[str | None, OnlineRaceResult | None]:
+    """The arm a racing exchange or hook saved (`state["race_arm"]`) and its race's result (None, None: none saved),
+    checked against the `arms` the one loading it has (PlanMismatchError, one line, else)."""
+    if "race_arm" not in state:
+        return None, None
+    arm = state["race_arm"]
+    if arm not in arms:
+        raise check.refuse(f"the state's race arm {arm!r} is not among the arms here ({', '.join(arms)})")
+    saved = state.get("race")
+    if saved is None:
+        return arm, None
+    try:
+        raced = OnlineRaceResult(**check.entry(saved, "the state's race"))
+    except TypeError as exc:
+        raise check.refuse(f"the state's race is not a race's result ({exc})") from None
+    if raced.kept != arm:
+        raise check.refuse(f"the state's race kept {raced.kept!r}, but its arm in use is {arm!r}")
+    return arm, raced

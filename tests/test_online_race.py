@@ -170,6 +170,63 @@ def test_a_state_of_an_arm_this_exchange_does_not_have_is_refused(single_plan: P
     exchange = GradientExchange(TwoMatrices(), single_plan, race=True)
     state = exchange.state_dict()
     assert state["race_arm"] == "plan" and "race" not in state
-    with pytest.raises(PlanMismatchError, match="race arm 'runner-up topk' is not among this exchange's arms"):
+    with pytest.raises(PlanMismatchError, match="race arm 'runner-up topk' is not among the arms here"):
         exchange.load_state_dict({**state, "race_arm": "runner-up topk"})
     exchange.close()
+
+
+# -- inside DDP: the buckets are fixed, the arms are what each bucket sends ------------------------------------------
+def _ddp_racing_worker(rank: int, world_size: int, plan_json: str) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from planner.runtime import PlanHook
+
+    plan = Plan.from_dict(json.loads(plan_json))
+    model = TwoMatrices()
+    initial = [p.detach().clone() for p in model.parameters()]
+    hook = PlanHook(model, plan, race=OnlineRace(block=2, max_rounds=2))
+    ddp = DistributedDataParallel(model, **hook.ddp_kwargs())
+    hook.register(ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    step, sent = 0, []
+    while hook.race is None and step < 60:
+        sent.append(sorted({str(hook.plan.compressor_of(g)) for g in hook.plan.groups}))
+        opt.zero_grad()
+        ddp(*gradients(rank, step)).backward()
+        opt.step()
+        step += 1
+    for extra in range(step, step + 3):  # after the commit
+        opt.zero_grad()
+        ddp(*gradients(rank, extra)).backward()
+        opt.step()
+    state = hook.state_dict()
+    resumed = PlanHook(TwoMatrices(), plan, race=OnlineRace(block=2, max_rounds=2))
+    resumed.load_state_dict(state)
+    out = {"race": None if hook.race is None else hook.race.to_dict(), "steps": step + 3, "sent": sent,
+           "plan": json.dumps(hook.plan.to_dict(), sort_keys=True),
+           "moved": [(p0 - p.detach()).numpy() for p0, p in zip(initial, model.parameters(), strict=True)],
+           "names": [n for n, _ in model.named_parameters()],
+           "resumed": (resumed.race.to_dict() if resumed.race else None,
+                       json.dumps(resumed.plan.to_dict(), sort_keys=True))}
+    del ddp
+    return out
+
+
+def test_the_race_inside_ddp_races_what_the_buckets_send_and_commits_every_rank_alike(raced_plan: Plan) -> None:
+    """The PowerSGD plan inside DDP against its buckets each sent dense and each sent fp16: two rounds (after DDP's
+    first iteration, its own layout, and the warm-up round) of blocks of two iterations; the budget keeps the simplest
+    arm not beaten, every bucket dense. Every rank holds it, and every iteration trained (no gradient lost: the
+    PowerSGD error fed back is flushed into the next average when the arm changes; fp16 rounds what it sends)."""
+    plan = dataclasses.replace(raced_plan, runners_up={})
+    first, second = run_warm(_ddp_racing_worker, 2, json.dumps(plan.to_dict()))
+    race = first["race"]
+    assert race is not None and race == {**second["race"], "seconds": race["seconds"]}
+    assert race["kept"] == "every bucket dense" and race["rule"] == "budget" and race["rounds"] == 2
+    assert first["plan"] == second["plan"] and first["sent"] == second["sent"]
+    assert Plan.from_dict(json.loads(first["plan"])).strategy.value == "dense"
+    assert {tuple(s) for s in first["sent"]} == {("powersgd:1",), ("dense",), ("fp16",)}
+    for i, name in enumerate(first["names"]):
+        total = sum(gradients(r, s)["ab".index(name[0])] for r in range(2) for s in range(first["steps"])) / 2
+        np.testing.assert_allclose(first["moved"][i], total.numpy(), rtol=0, atol=2e-3 * float(total.abs().max()))
+    raced, plan_json = first["resumed"]
+    assert raced == race and plan_json == first["plan"]
