@@ -326,7 +326,7 @@ def race_plan_file(path: Any, args: argparse.Namespace, *, link: Any, hosts: int
     if as_json:
         print(json.dumps({**record.to_dict(), "summary": race_summary(record)}, indent=2))
         return 0
-    print_race(record, model_error=error)
+    print_race(record, model_error=error, calibrated=True)
     promoted = f"; its plan is now {record.kept}, the one the race kept" if plan.groups != plans[0].groups else ""
     console.print(f"recorded the race in {path}{promoted}, and in the race log {log}", markup=False,
                   soft_wrap=True)

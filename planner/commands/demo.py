@@ -176,7 +176,8 @@ class DemoCommand(Command):
                                      race_time_s=args.race_time or (15.0 if args.quick else 45.0)))
         assert record is not None
         log = race_log_path(args.race_log)
-        print_race(record, summary=False, model_error=ModelError.of(log_race(log, choice.plan, record, link).races))
+        print_race(record, summary=False, model_error=ModelError.of(log_race(log, choice.plan, record, link).races),
+                   calibrated=True)
         if kept_path is not None:
             raced = with_race(choice.plan, record)
             raced.save(kept_path)

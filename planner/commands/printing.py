@@ -804,6 +804,14 @@ def print_mixed_groups(plan: Plan, profile: Profile) -> None:
     console.print(table)
 
 
+def print_runners_up(plan: Plan) -> None:
+    """The plan's runners-up, each with its predicted step: the finalists that race beside it."""
+    if plan.runners_up:
+        listed = ", ".join(f"{name} {_ms(other.predicted.iteration_s)} ms" for name, other in plan.runners_up.items())
+        console.print(f"runners-up (they race beside the plan, `planner race`): {listed} predicted", markup=False,
+                      soft_wrap=True)
+
+
 def print_model_error(plan: Plan, error: ModelError | None) -> None:
     """The plan's and DDP's variants' predicted ratios to DDP, each with the model's error (`error`: conformal, from
     the races logged), or a line saying it is not yet known."""
@@ -829,10 +837,12 @@ def print_model_error(plan: Plan, error: ModelError | None) -> None:
                   soft_wrap=True)
 
 
-def print_race(record: RaceRecord, *, summary: bool = True, model_error: ModelError | None = None) -> None:
+def print_race(record: RaceRecord, *, summary: bool = True, model_error: ModelError | None = None,
+               calibrated: bool = False) -> None:
     """A race's arms (simplest first) with their measured and predicted ratios to DDP, then (`summary`) the line
     that says what was kept. With `model_error` (calibrated on the races before this one), each predicted ratio
-    carries its conformal interval, and a line says how many of this race's measured ratios fell inside."""
+    carries its conformal interval, and a line says how many of this race's measured ratios fell inside; without
+    one, `calibrated` says that the model's error is not yet known (a race just run against the log)."""
     from planner.strategies.race_rule import race_summary, ratio_interval  # deferred (start-up)
 
     table = Table(title=f"race of {record.raced}: {record.rounds} rounds of {record.block} steps per arm, margin "
@@ -857,7 +867,7 @@ def print_race(record: RaceRecord, *, summary: bool = True, model_error: ModelEr
     if model_error is not None:
         console.print(f"{model_error.describe()}; {sum(inside)} of {len(inside)} measured ratios here fall inside",
                       markup=False, soft_wrap=True)
-    else:
+    elif calibrated:
         console.print("the model's error on ratios: not yet known (too few races logged for a conformal bound)",
                       markup=False, soft_wrap=True)
     if summary:

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.table import Table
 
 from planner.commands.common import Command
-from planner.commands.printing import error_line, print_plan, print_profile, print_race
+from planner.commands.printing import error_line, print_plan, print_profile, print_race, print_runners_up
 from planner.console import console
 from planner.contracts.jsonio import read_json
 from planner.contracts.kfac_section import factor_name
@@ -44,6 +44,7 @@ class ShowCommand(Command):
         if kind == PLAN_KIND:
             plan = Plan.load(args.file)
             print_plan(plan)
+            print_runners_up(plan)
             if plan.error is not None:
                 console.print(error_line(plan.error), markup=False, soft_wrap=True)
             if plan.race is not None:

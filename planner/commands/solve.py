@@ -19,7 +19,14 @@ from planner.commands.common import (
     race_log_path,
     race_plan_file,
 )
-from planner.commands.printing import error_line, print_auto, print_mixed_groups, print_model_error, print_plan
+from planner.commands.printing import (
+    error_line,
+    print_auto,
+    print_mixed_groups,
+    print_model_error,
+    print_plan,
+    print_runners_up,
+)
 from planner.console import console
 from planner.contracts.abs_section import TRIGGERS
 from planner.contracts.jsonio import check_output_path
@@ -123,6 +130,7 @@ class SolveCommand(Command):
             console.print(error_line(plan.error), markup=False, soft_wrap=True)
         if plan.strategy is Strategy.MIXED:
             print_mixed_groups(plan, solved.profile)
+        print_runners_up(plan)
         if plan.kfac is None and plan.abs is None:
             print_model_error(plan, ModelError.of(RaceLog.load(race_log_path(args.race_log)).races))
         kept = plan.verdict.keep if plan.verdict is not None else "plan"
