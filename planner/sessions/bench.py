@@ -2,14 +2,16 @@
 each plan run both ways: in the project's runtime (`GradientExchange`, the row "plan X") and inside DDP
 (`PlanHook`, the row "plan X via DDP"; a plan PlanHook does not run gets a note instead, `via_ddp_notes`).
 
-Variants run interleaved in short blocks (round-robin) in the same processes, so that the noise of a
-shared machine falls on all of them alike; each step is timed from a barrier to the end of
-`optimizer.step()`, and a step's time is the slowest rank's.
+Variants run interleaved in short blocks in the same processes, in an order drawn anew each round from a seed every
+rank shares, so that the noise of a shared machine falls on all of them alike and no variant always follows the
+same one (a fixed order makes what one variant leaves behind, caches or buffers, always another's cost); each step is
+timed from a barrier to the end of `optimizer.step()`, and a step's time is the slowest rank's.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -87,6 +89,8 @@ class BenchConfig:
     steps: int = 20
     warmup: int = 5
     block: int = 5
+    #: The seed of the rounds' orders (the same on every rank: every rank must run the variants alike).
+    seed: int = 0
     lr: float = 0.01
     show_progress: bool = True
     link: LinkRate | None = None
@@ -610,8 +614,9 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
         task = bar.add_task("bench steps", total=n * (config.warmup + config.steps))
         for runner, v in zip(runners, variants, strict=True):
             bar.advance(task, runner.warm_up(v, config.warmup, batch))
+        order = random.Random(config.seed)
         while any(len(t) < config.steps for t in times):
-            for i in range(n):
+            for i in order.sample(range(n), n):
                 for _ in range(min(config.block, config.steps - len(times[i]))):
                     times[i].append(step(i))
                     bar.advance(task)
