@@ -128,3 +128,23 @@ def test_solve_race_races_the_plan_and_its_runners_up_and_records_the_race(tmp_p
         assert plan.strategy.value == "dense" and "its plan is now runner-up dense" in printed
     else:
         assert plan.strategy.value == "mixed" and list(plan.runners_up) == ["dense"]
+
+
+def test_retune_race_races_the_retuned_plan_and_refuses_what_it_cannot(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`planner retune --race`: the re-tuned plan's finalists race on this machine's workers (a budget of 0: one
+    round) and the plan written holds the race; a what-if cluster or a K-FAC plan is refused in one line."""
+    profile = synthetic_profile("mlp")
+    profile.save(tmp_path / "profile.json")
+    plan = solve_auto(profile, parse_compressors("dense,fp16"), source=str(tmp_path / "profile.json"),
+                      error_budget=None).plan
+    plan.save(tmp_path / "plan.json")
+    out = tmp_path / "retuned.json"
+    assert main(["retune", str(tmp_path / "plan.json"), "--no-probe", "--race", "--race-time", "0", "--warmup", "1",
+                 "-o", str(out)]) == 0
+    assert Plan.load(out).race is not None and "race: keep" in capsys.readouterr().out
+    assert main(["retune", str(tmp_path / "plan.json"), "--cluster", "4x1", "--race", "-o", str(out)]) == 2
+    assert "a --cluster what-if plan is for another cluster" in capsys.readouterr().err
+    synthetic_kfac_plan("mlp").save(tmp_path / "kfac.json")
+    assert main(["retune", str(tmp_path / "kfac.json"), "--no-probe", "--race", "-o", str(out)]) == 2
+    assert "--race races gradient plans" in capsys.readouterr().err

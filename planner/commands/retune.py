@@ -8,7 +8,16 @@ from pathlib import Path
 
 from rich.table import Table
 
-from planner.commands.common import CLUSTER_HELP, Command, _add_hosts, _add_link, _positive, check_hosts
+from planner.commands.common import (
+    CLUSTER_HELP,
+    Command,
+    _add_hosts,
+    _add_link,
+    _positive,
+    add_race_flags,
+    check_hosts,
+    race_plan_file,
+)
 from planner.commands.printing import _ms, print_plan
 from planner.console import console, err_console
 from planner.contracts.jsonio import RUNS, check_output_path
@@ -36,6 +45,12 @@ class RetuneCommand(Command):
         _add_hosts(parser)
         parser.add_argument("-o", "--output", type=Path, default=None,
                             help=f"plan file to write (default: {RUNS}/NAME-retuned.json for a plan NAME.json)")
+        race = parser.add_argument_group("the race (--race)")
+        race.add_argument("--race", action="store_true",
+                          help="a gradient plan: then race the re-tuned plan's finalists (DDP, its hooks, the plan "
+                               "both ways) in real steps on the workers and --link probed, and record which to keep "
+                               "in the plan written (`planner race`)")
+        add_race_flags(race)
 
     def run(self, args: argparse.Namespace) -> int:
         from planner.strategies.retune_plan import (  # deferred (start-up)
@@ -55,7 +70,13 @@ class RetuneCommand(Command):
                                "--cluster and --no-probe)")
         if not args.time_limit > 0:
             raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
+        if args.race and args.cluster is not None:
+            raise PlannerError("--race runs the re-tuned plan on this machine's workers; a --cluster what-if plan is "
+                               "for another cluster: race it there")
         plan = Plan.load(args.plan)
+        if args.race and (plan.kfac is not None or plan.abs is not None):
+            raise PlannerError("--race races gradient plans (dense, topk, mixed); bench a K-FAC or ABS-SGD plan with "
+                               "`planner bench --strategy kfac|abs`")
         check_hosts(args.hosts, args.nproc or plan.cluster.world_size)
         profile = load_source_profile(plan, args.profile)
         output = check_output_path(args.output or RUNS / f"{args.plan.stem}-retuned.json", "plan")
@@ -104,6 +125,8 @@ class RetuneCommand(Command):
         print_plan(new, title=f"re-tuned plan: {new.cluster.describe()}")
         print_changes(changes)
         console.print(f"wrote plan {output}")
+        if args.race:
+            return race_plan_file(output, args, link=args.link, hosts=args.hosts, nproc=args.nproc)
         return 0
 
 
