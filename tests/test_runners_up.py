@@ -96,6 +96,9 @@ def test_a_runner_up_the_race_keeps_becomes_the_files_plan(auto_plan: Plan, tmp_
     assert Plan.load(tmp_path / "plan.json") == promoted
     kept_ddp = with_race(auto_plan, _record(["ddp", "runner-up dense"], "ddp"))
     assert kept_ddp.groups == auto_plan.groups and kept_ddp.runners_up == auto_plan.runners_up
+    # raced again: the plan's earlier race goes with it into the runners-up no more than its runners-up do
+    again = with_race(kept_ddp, record)
+    assert again.race == record and again.runners_up["mixed (dense, fp16, topk:0.01)"].race is None
 
 
 def test_solve_race_refuses_what_it_cannot_race(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -67,6 +67,7 @@ DEFAULT_ARMS = 6
 #: How a runner-up's arm is named: "runner-up " and its name in `Plan.runners_up`.
 RUNNER_UP = "runner-up "
 
+
 @dataclass(frozen=True, kw_only=True)
 class RaceConfig:
     """The plans whose finalists race, on which model and workers, and the race's rule and budget."""
@@ -140,7 +141,8 @@ def with_race(plan: Plan, record: RaceRecord) -> Plan:
     tag = plan_tag(plan)
     while tag in others or tag == name:
         tag += " (solved)"
-    return replace(plan.runners_up[name], race=record, runners_up={tag: replace(plan, runners_up={}), **others})
+    return replace(plan.runners_up[name], race=record,
+                   runners_up={tag: replace(plan, runners_up={}, race=None), **others})
 
 
 def log_race(path: Path, plan: Plan, record: RaceRecord, link: LinkRate | None) -> RaceLog:
