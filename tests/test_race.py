@@ -22,7 +22,7 @@ from planner.models import build_workload
 from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet, median_interval
 from planner.sessions.race import finalists
 from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
-from planner.strategies.race_rule import Race, RaceDecision, race_summary
+from planner.strategies.race_rule import MIN_ESTIMATE_ROUNDS, Race, RaceDecision, race_summary
 from planner.types import SchemaError
 from tests.factories import synthetic_kfac_plan, synthetic_profile
 from tests.shipped import shipped_plans
@@ -103,19 +103,25 @@ def test_arms_within_the_margin_keep_the_simplest() -> None:
     assert decision.kept == "arm0" and decision.rule == "tied", decision
 
 
-def test_arms_that_never_settle_keep_the_simplest_when_the_budget_is_spent() -> None:
-    """Arm 1 is faster by exactly the margin: neither beaten nor within it, until the budget runs out."""
-    _, decision = _race([1.0, 1.0 / 1.02], noise=0.03, rounds=40)
-    assert decision.rule == "budget" and decision.kept == "arm0" and decision.rounds == 40, decision
+def test_when_the_budget_is_spent_the_estimates_keep_the_simplest_within_the_margin_of_the_fastest() -> None:
+    """Noisy blocks (5%), 30 rounds: too few to settle a gain of 1% or of 5% beyond a 2% margin. The budget rule keeps
+    the simplest arm measured within the margin of the fastest: the simplest beside a 1% gain, the faster arm beside
+    a 5% one (fails with the simplest not beaten kept whatever the estimates, the rule before); with fewer than
+    MIN_ESTIMATE_ROUNDS rounds the simplest not beaten."""
+    race, decision = _race([1.0, 0.99], noise=0.05, rounds=30)
+    assert decision.rule == "budget" and decision.kept == "arm0" and decision.rounds == 30, decision
+    race, decision = _race([1.0, 0.95], noise=0.05, rounds=30)
+    assert decision.rule == "budget" and decision.kept == "arm1" and not race.beaten, decision
+    _, decision = _race([1.0, 0.95], noise=0.05, rounds=MIN_ESTIMATE_ROUNDS - 1)
+    assert decision.rule == "budget" and decision.kept == "arm0", decision
 
 
 def test_equal_arms_are_rarely_called_beaten() -> None:
     """Three equal arms, 100 races: any arm beaten in at most alpha of the races (the union of all its tests)."""
     wrong = 0
     for seed in range(100):
-        race, decision = _race([1.0, 1.0, 1.0], noise=0.05, margin=0.0, rounds=60, seed=seed)
+        race, _ = _race([1.0, 1.0, 1.0], noise=0.05, margin=0.0, rounds=60, seed=seed)
         wrong += bool(race.beaten)
-        assert decision.kept == "arm0" or race.beaten
     assert wrong <= 5 + 2 * (100 * 0.05) ** 0.5, wrong
 
 
@@ -201,17 +207,24 @@ def _fixed_length(streams: np.ndarray, fast: int, level: float, *, power: float 
     return int(n[enough[0]]) if enough.size else None
 
 
-@pytest.mark.parametrize("margin", [MARGIN, 0.0])
-def test_equal_arms_on_a_drifting_machine_keep_the_simplest(margin: float) -> None:
+def test_equal_arms_on_a_drifting_machine_keep_the_simplest() -> None:
     """Four equal arms on a drifting machine, 200 races of at most 300 rounds: the simplest arm (the first) is kept
-    in at least 95% of them, whether the arms settle within the margin ("tied") or the budget runs out. At the
-    default margin the arms are far from beating each other; at a margin of 0 they sit on the edge of it (each
-    block is slower than another's half the time), where only the rule's alpha keeps the simplest arm in."""
+    in at least 95% of them, whether the arms settle within the margin ("tied") or the budget runs out."""
     rng = np.random.default_rng(1)
-    decisions = [_race_on(drifting_blocks([1.0] * ARMS, ROUNDS, rng), margin=margin)[1] for _ in range(RACES)]
+    decisions = [_race_on(drifting_blocks([1.0] * ARMS, ROUNDS, rng))[1] for _ in range(RACES)]
     kept = sum(d.kept == "arm0" for d in decisions)
     assert kept >= 0.95 * RACES, (kept, collections.Counter((d.kept, d.rule) for d in decisions))
     assert all(d.rule in ("tied", "budget") for d in decisions if d.kept == "arm0")
+
+
+def test_equal_arms_at_a_margin_of_0_are_rarely_called_beaten_on_a_drifting_machine() -> None:
+    """At a margin of 0 equal arms sit on the edge of beating each other (each block is slower than another's half
+    the time), where only the rule's alpha keeps them from being called beaten: in at most 5% of 200 races of at
+    most 300 rounds is any arm beaten (fails with alpha not divided among the tests)."""
+    rng = np.random.default_rng(1)
+    races = [_race_on(drifting_blocks([1.0] * ARMS, ROUNDS, rng), margin=0.0)[0] for _ in range(RACES)]
+    wrong = sum(bool(race.beaten) for race in races)
+    assert wrong <= 0.05 * RACES, wrong
 
 
 def test_an_arm_5pc_faster_is_picked_sooner_than_a_fixed_length_test_of_the_same_statements() -> None:
