@@ -117,7 +117,8 @@ def audit_round(spec: str, out: Path, index: int, race_time: float) -> dict[str,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--round", dest="rounds", action="append", required=True, metavar="MODEL:LINK[:busy]")
+    parser.add_argument("--round", dest="rounds", action="append", default=[], metavar="MODEL:LINK[:busy]",
+                        help="a round to run (none: summarise the rounds OUT holds)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--race-time", type=float, default=60.0)
     args = parser.parse_args()
@@ -150,7 +151,35 @@ def main() -> int:
     passed = sum(r["passed"] for r in results)
     console.print(f"{passed} of {len(results)} rounds: the kept arm never measured slower than another beyond the "
                   "margin")
+    print_coverage(results)
     return 0
+
+
+def print_coverage(results: list[dict[str, Any]], level: float = 0.9) -> None:
+    """How often the bench's measured ratio to DDP fell inside each interval printed for it: the race's anytime
+    interval of the median ratio, and the model's predicted ratio widened by its error (split conformal at `level`,
+    calibrated on the other rounds' race residuals: leave one round out, as a new round would see the log)."""
+    race_in = race_n = conf_in = conf_n = 0
+    for i, r in enumerate(results):
+        others = [abs(math.log(o["race_ratio"][a] / o["predicted_ratio"][a])) for j, o in enumerate(results)
+                  if j != i for a in o["race_ratio"] if a != "ddp" and o["race_ratio"][a] and o["predicted_ratio"][a]]
+        others.sort()
+        rank = math.ceil((len(others) + 1) * level)
+        bound = others[rank - 1] if rank <= len(others) else None
+        for arm, measured in r["bench_ratio"].items():
+            if arm == "ddp":
+                continue
+            interval = r["interval"].get(arm)
+            if interval is not None:
+                race_n += 1
+                race_in += interval[0] <= measured <= interval[1]
+            predicted = r["predicted_ratio"].get(arm)
+            if predicted and bound is not None:
+                conf_n += 1
+                conf_in += predicted * math.exp(-bound) <= measured <= predicted * math.exp(bound)
+    console.print(f"the bench's ratios to DDP inside the race's anytime intervals: {race_in} of {race_n}; inside the "
+                  f"predicted ratio widened by the model's error ({level:.0%}, split conformal on the other rounds' "
+                  f"races): {conf_in} of {conf_n}")
 
 
 def _fmt(x: float | None) -> str:
