@@ -22,7 +22,7 @@ from planner.models import build_workload
 from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet, median_interval
 from planner.sessions.race import finalists
 from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
-from planner.strategies.race_rule import MIN_ESTIMATE_ROUNDS, Race, RaceDecision, race_summary
+from planner.strategies.race_rule import MIN_ESTIMATE_ROUNDS, Race, RaceDecision, race_summary, too_short
 from planner.types import SchemaError
 from tests.factories import synthetic_kfac_plan, synthetic_profile
 from tests.shipped import shipped_plans
@@ -370,3 +370,11 @@ def test_plans_written_before_the_race_still_load_and_show_without_one(tmp_path:
         assert main(["show", str(old)]) == 0
         out = capsys.readouterr().out
         assert "race: keep" not in out and "race of " not in out, out
+
+
+def test_a_race_the_budget_ended_too_soon_says_how_long_would_do() -> None:
+    record = RaceRecord.from_dict(_record(rule="budget", rounds=2, seconds=30.0))
+    assert too_short(record) == ("note: 2 round(s) in 30 s, too few to go by estimates: the simplest arm not beaten "
+                                 "was kept; --race-time 150 gives about 10 rounds of these arms")
+    assert too_short(RaceRecord.from_dict(_record(rule="budget", rounds=MIN_ESTIMATE_ROUNDS))) is None
+    assert too_short(RaceRecord.from_dict(_record(rule="tied"))) is None

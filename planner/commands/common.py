@@ -296,7 +296,7 @@ def race_plan_file(path: Any, args: argparse.Namespace, *, link: Any, hosts: int
     from planner.sessions.bench import file_labels  # deferred (start-up)
     from planner.sessions.race import RaceConfig, beyond_budget, log_race, run_race, with_race  # deferred (start-up)
     from planner.strategies.model_error import ModelError  # deferred (start-up)
-    from planner.strategies.race_rule import race_summary  # deferred (start-up)
+    from planner.strategies.race_rule import race_summary, too_short  # deferred (start-up)
 
     check_output_path(path, "plan")  # the race is recorded in it: refused now, not after the race
     plans = (Plan.load(path),)
@@ -327,6 +327,8 @@ def race_plan_file(path: Any, args: argparse.Namespace, *, link: Any, hosts: int
         print(json.dumps({**record.to_dict(), "summary": race_summary(record)}, indent=2))
         return 0
     print_race(record, model_error=error, calibrated=True)
+    if (note := too_short(record)) is not None:
+        console.print(note, markup=False, soft_wrap=True)
     promoted = f"; its plan is now {record.kept}, the one the race kept" if plan.groups != plans[0].groups else ""
     console.print(f"recorded the race in {path}{promoted}, and in the race log {log}", markup=False,
                   soft_wrap=True)

@@ -103,7 +103,7 @@ class DemoCommand(Command):
         from planner.strategies.auto import ddp_predictions, solve_auto  # deferred (start-up)
         from planner.strategies.mixed_plan import parse_compressors  # deferred (start-up)
         from planner.strategies.model_error import ModelError  # deferred (start-up)
-        from planner.strategies.race_rule import race_summary  # deferred (start-up)
+        from planner.strategies.race_rule import race_summary, too_short  # deferred (start-up)
 
         if args.steps is not None and not args.bench:
             raise PlannerError("--steps applies with --bench only (the race runs until its rule or --race-time "
@@ -178,6 +178,8 @@ class DemoCommand(Command):
         log = race_log_path(args.race_log)
         print_race(record, summary=False, model_error=ModelError.of(log_race(log, choice.plan, record, link).races),
                    calibrated=True)
+        if (short := too_short(record)) is not None:
+            console.print(short, markup=False, soft_wrap=True)
         if kept_path is not None:
             raced = with_race(choice.plan, record)
             raced.save(kept_path)

@@ -45,14 +45,14 @@ from planner.contracts.race_record import RaceRecord
 from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet
 
 __all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "MIN_ESTIMATE_ROUNDS", "RATIO_GRID", "WHY", "Race", "RaceDecision",
-           "race_summary", "ratio_interval"]
+           "race_summary", "ratio_interval", "too_short"]
 
 #: The practical margin: a gain below it is not worth a less simple arm (`--margin`).
 DEFAULT_MARGIN = 0.02
 #: The chance that any statement the race settles is false.
 DEFAULT_ALPHA = 0.05
 #: The fewest rounds the budget rule goes by estimates after; before, it keeps the simplest arm not beaten.
-MIN_ESTIMATE_ROUNDS = 10
+MIN_ESTIMATE_ROUNDS = 5
 #: Candidate medians of an arm's block time over DDP's, for its interval: 0.2x to 5x in steps of about one percent
 #: (an end of the interval at an end of the grid is not settled on that side).
 RATIO_GRID = tuple(math.exp(math.log(0.2) + i * 0.01) for i in range(round(math.log(25) / 0.01) + 1))
@@ -99,6 +99,17 @@ def race_summary(record: RaceRecord) -> str:
         how = (f"{arm.name}, {abs(gain):.1%} {'faster' if gain >= 0 else 'slower'} than DDP measured (median step "
                f"ratio {arm.ratio_to_ddp:.3f}{span})")
     return f"race: keep {how}; after {record.rounds} round(s) {WHY[record.rule]}"
+
+
+def too_short(record: RaceRecord) -> str | None:
+    """A note where the budget ended the race before it could go by estimates (fewer than `MIN_ESTIMATE_ROUNDS`
+    rounds): how long a race of twice as many rounds of these arms would take. None otherwise."""
+    if record.rule != "budget" or record.rounds >= MIN_ESTIMATE_ROUNDS or record.seconds <= 0:
+        return None
+    wanted = 2 * MIN_ESTIMATE_ROUNDS
+    return (f"note: {record.rounds} round(s) in {record.seconds:.0f} s, too few to go by estimates: the simplest arm "
+            f"not beaten was kept; --race-time {math.ceil(record.seconds / record.rounds * wanted)} gives about "
+            f"{wanted} rounds of these arms")
 
 
 class Race:
