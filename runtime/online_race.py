@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.contracts.plan import Plan
 from planner.strategies.auto import plan_simplicity
-from planner.strategies.race_rule import DEFAULT_ALPHA, DEFAULT_MARGIN, WHY, Race, RaceDecision
+from planner.strategies.race_rule import DEFAULT_ALPHA, DEFAULT_MARGIN, Race, RaceDecision, why
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class OnlineRaceResult:
         beyond the margin; median step over the plan's: plan 1.000, runner-up dense 0.912"."""
         ratios = ", ".join(f"{arm} {'-' if r is None else f'{r:.3f}'}" for arm, r in self.ratios.items())
         return (f"race: kept {self.kept} after {self.rounds} round(s) ({self.steps} steps, {self.seconds:.1f} s): "
-                f"{WHY[self.rule]}; median step over the plan's: {ratios}")
+                f"{why(self.rule, self.rounds)}; median step over the plan's: {ratios}")
 
     def to_dict(self) -> dict:
         return {"kept": self.kept, "rule": self.rule, "rounds": self.rounds, "steps": self.steps,

@@ -45,7 +45,7 @@ from planner.contracts.race_record import RaceRecord
 from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet
 
 __all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "MIN_ESTIMATE_ROUNDS", "RATIO_GRID", "WHY", "Race", "RaceDecision",
-           "race_summary", "ratio_interval", "too_short"]
+           "race_summary", "ratio_interval", "too_short", "why"]
 
 #: The practical margin: a gain below it is not worth a less simple arm (`--margin`).
 DEFAULT_MARGIN = 0.02
@@ -78,14 +78,21 @@ class RaceDecision:
     beaten: Mapping[str, str]
 
     def describe(self) -> str:
-        return f"kept {self.kept} after {self.rounds} round(s): {WHY[self.rule]}"
+        return f"kept {self.kept} after {self.rounds} round(s): {why(self.rule, self.rounds)}"
 
 
 #: What each rule means, as the race's last line says it.
 WHY = {"won": "it beat every other arm beyond the margin",
        "tied": "the arms left were within the margin of each other, and it is the simplest",
        "budget": "the budget ran out, and it is the simplest arm not beaten that measured within the margin of the "
-                 f"fastest (the simplest not beaten, before {MIN_ESTIMATE_ROUNDS} rounds)"}
+                 "fastest"}
+#: The budget rule's words before `MIN_ESTIMATE_ROUNDS` rounds, too few to go by estimates.
+TOO_FEW = f"the budget ran out after fewer than {MIN_ESTIMATE_ROUNDS} rounds, and it is the simplest arm not beaten"
+
+
+def why(rule: str, rounds: int) -> str:
+    """What the rule that kept an arm after `rounds` rounds means, in words."""
+    return TOO_FEW if rule == "budget" and rounds < MIN_ESTIMATE_ROUNDS else WHY[rule]
 
 
 def race_summary(record: RaceRecord) -> str:
@@ -98,7 +105,7 @@ def race_summary(record: RaceRecord) -> str:
         span = "" if arm.interval is None else f" {ratio_interval(arm.interval)}"
         how = (f"{arm.name}, {abs(gain):.1%} {'faster' if gain >= 0 else 'slower'} than DDP measured (median step "
                f"ratio {arm.ratio_to_ddp:.3f}{span})")
-    return f"race: keep {how}; after {record.rounds} round(s) {WHY[record.rule]}"
+    return f"race: keep {how}; after {record.rounds} round(s) {why(record.rule, record.rounds)}"
 
 
 def too_short(record: RaceRecord) -> str | None:
