@@ -29,7 +29,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["LESS_OFTEN", "MORE_OFTEN", "HalfBet", "median_interval", "weights_near"]
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "LESS_OFTEN", "MORE_OFTEN", "HalfBet", "median_interval",
+           "weights_near"]
+
+#: A race's practical margin: a gain below it is not worth a less simple arm (`planner race --margin`).
+DEFAULT_MARGIN = 0.02
+#: The chance that any statement a race settles is false.
+DEFAULT_ALPHA = 0.05
 
 #: The directions a bet can take: that the event happens more than half the time, or less.
 MORE_OFTEN = 1

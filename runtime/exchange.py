@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from planner.contracts.plan import Group, Plan
+from planner.contracts.plan import Group, Plan, plan_simplicity
 from planner.kernels.compress import PowerSGDLayout
 from planner.kernels.hierarchical import HostGroups
 from planner.platform.hosts import host_names, ranks_by_host
@@ -84,7 +84,6 @@ from planner.runtime.engine import (
     world_size_of,
 )
 from planner.runtime.online_race import OnlineRace, OnlineRaceResult, RaceSchedule, check_race, saved_race
-from planner.strategies.auto import plan_simplicity
 from planner.types import Compressor, CompressorKind, DistributedError, PlanMismatchError
 
 if TYPE_CHECKING:

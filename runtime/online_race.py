@@ -29,13 +29,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from planner.contracts.plan import Plan
-from planner.strategies.auto import plan_simplicity
-from planner.strategies.race_rule import DEFAULT_ALPHA, DEFAULT_MARGIN, Race, RaceDecision, why
+from planner.contracts.plan import Plan, plan_simplicity
+from planner.sequential import DEFAULT_ALPHA, DEFAULT_MARGIN
 from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, Strategy
 
 if TYPE_CHECKING:
     from planner.runtime.engine import StateCheck
+    from planner.strategies.race_rule import RaceDecision
 
 __all__ = ["BUCKET_ARMS", "OnlineRace", "OnlineRaceResult", "RaceSchedule", "bucket_arms", "check_race",
            "saved_race"]
@@ -92,6 +92,8 @@ class OnlineRaceResult:
     def describe(self) -> str:
         """The log line: "race: kept runner-up dense after 12 rounds (38 steps, 4.1 s): it beat every other arm
         beyond the margin; median step over the plan's: plan 1.000, runner-up dense 0.912"."""
+        from planner.strategies.race_rule import why  # deferred: a job without race= loads no strategies
+
         ratios = ", ".join(f"{arm} {'-' if r is None else f'{r:.3f}'}" for arm, r in self.ratios.items())
         return (f"race: kept {self.kept} after {self.rounds} round(s) ({self.steps} steps, {self.seconds:.1f} s): "
                 f"{why(self.rule, self.rounds)}; median step over the plan's: {ratios}")
@@ -107,6 +109,8 @@ class RaceSchedule:
     the reference of the ratios."""
 
     def __init__(self, arms: Sequence[str], config: OnlineRace, *, start: str) -> None:
+        from planner.strategies.race_rule import Race  # deferred: a job without race= loads no strategies
+
         self.config = config
         self.rule = Race(arms, margin=config.margin, alpha=config.alpha)
         self._order = random.Random(config.seed)

@@ -116,7 +116,7 @@ from planner.types import (
 )
 
 __all__ = ["DDP_ROW", "PLAN_KIND", "PLAN_SCHEMA_VERSION", "SELECTORS", "VIA_DDP_ROW", "Group", "Intervals", "Plan",
-           "PlanError", "Prediction", "Verdict", "check_selector", "ddp_row", "parse_compressor"]
+           "PlanError", "Prediction", "Verdict", "check_selector", "ddp_row", "parse_compressor", "plan_simplicity"]
 
 PLAN_SCHEMA_VERSION = 1
 PLAN_KIND = "planner.plan"
@@ -419,6 +419,14 @@ def _ddp_variant(value: Any, where: str, *, plan_too: bool = False) -> str:
         return f"ddp+{parse_compressor(text.removeprefix('ddp+'), where)}"
     raise SchemaError(f"{where} must be {'plan, ' if plan_too else ''}ddp or ddp+C (DDP with C's hook, e.g. "
                       f"ddp+fp16), got {text!r}")
+
+
+def plan_simplicity(plan: Plan) -> int:
+    """How simple a plan is to run, for choosing among plans within the noise or a race's margin: 0 a dense plan,
+    1 a plan that sends every group losslessly (dense, fp16), 2 a plan with lossy groups."""
+    if plan.strategy is Strategy.DENSE:
+        return 0
+    return 2 if any(plan.compressor_of(g).lossy for g in plan.groups) else 1
 
 
 def _runner_up(data: Any, name: str) -> Plan:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from planner.console import progress
 from planner.contracts.jsonio import ensure_folder
-from planner.contracts.plan import DDP_ROW, Plan
+from planner.contracts.plan import DDP_ROW, Plan, plan_simplicity
 from planner.contracts.race_log import LoggedRace, RaceLog
 from planner.contracts.race_record import RacedArm, RaceRecord
 from planner.platform import launch  # its launchers called through it: tests replace them there
@@ -41,7 +41,6 @@ from planner.sessions.bench import (
     bench_variants,
     plan_tag,
 )
-from planner.strategies.auto import plan_simplicity
 from planner.strategies.race_rule import DEFAULT_ALPHA, DEFAULT_MARGIN, RATIO_GRID, Race
 from planner.types import Compressor, PlanMismatchError
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from planner.contracts.plan import DDP_ROW, Plan
+from planner.contracts.plan import DDP_ROW, Plan, plan_simplicity
 from planner.contracts.profile import Profile
 from planner.spread import PairedGain
 from planner.strategies.budget import (
@@ -347,13 +347,6 @@ def _auto_by_prediction(candidates: dict[str, Plan], left_out: Sequence[str] = (
 def _error(plan: Plan) -> float:
     """The plan's compression error as predicted (0 where not recorded)."""
     return plan.error.predicted if plan.error is not None else 0.0
-
-
-def plan_simplicity(plan: Plan) -> int:
-    """0: a dense plan; 1: a plan that sends every group losslessly (dense, fp16); 2: a plan with lossy groups."""
-    if plan.strategy is Strategy.DENSE:
-        return 0
-    return 2 if any(plan.compressor_of(g).lossy for g in plan.groups) else 1
 
 
 def _auto_beyond_noise(profile: Profile, candidates: dict[str, Plan], allowed: tuple[Compressor, ...],

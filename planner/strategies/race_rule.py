@@ -21,8 +21,8 @@ The race ends, after a round, on the first of:
 
 The budget rule decides on estimates, not on settled evidence: when the budget is spent something must be kept. A
 rule that kept the simplest arm not beaten whatever the estimates said kept DDP's fp16 hook in every audit round of
-the MLP behind a 1 Gbit/s link, where the plan measured 2.5% faster in the race and 4-6% faster in a bench three
-times as long (docs/results/race.md): a gap a little beyond the margin takes hundreds of rounds to settle at the
+the MLP behind a 1 Gbit/s link, where the plan measured 2.5% faster in the race and 4.6-6.3% faster in a bench
+three times as long (docs/results/race.md): a gap a little beyond the margin takes hundreds of rounds to settle at the
 race's alpha, so "not settled" said little about which to keep. Within the margin the estimates still keep the
 simplest.
 
@@ -42,15 +42,11 @@ from dataclasses import dataclass
 
 from planner.contracts.plan import DDP_ROW
 from planner.contracts.race_record import RaceRecord
-from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet
+from planner.sequential import DEFAULT_ALPHA, DEFAULT_MARGIN, LESS_OFTEN, MORE_OFTEN, HalfBet
 
 __all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "MIN_ESTIMATE_ROUNDS", "RATIO_GRID", "WHY", "Race", "RaceDecision",
            "race_summary", "ratio_interval", "too_short", "why"]
 
-#: The practical margin: a gain below it is not worth a less simple arm (`--margin`).
-DEFAULT_MARGIN = 0.02
-#: The chance that any statement the race settles is false.
-DEFAULT_ALPHA = 0.05
 #: The fewest rounds the budget rule goes by estimates after; before, it keeps the simplest arm not beaten.
 MIN_ESTIMATE_ROUNDS = 5
 #: Candidate medians of an arm's block time over DDP's, for its interval: 0.2x to 5x in steps of about one percent
