@@ -25,7 +25,8 @@ LEFT_OUT = {"quick", "unused_params", "errors"}
 def stored_profiles() -> list[Path]:
     """Every JSON file git tracks that is a profile."""
     found = [path for path in shipped("*.json")
-             if json.loads(path.read_text(encoding="utf-8")).get("kind") == PROFILE_KIND]
+             if isinstance(doc := json.loads(path.read_text(encoding="utf-8")), dict)
+             and doc.get("kind") == PROFILE_KIND]
     assert {p.name for p in found} >= {"mlp-two-hosts.json", "mlp-kfac-compress-quick.json",
                                        *WITHOUT_OPTIONAL_FIELDS}
     return found
