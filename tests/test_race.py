@@ -24,7 +24,7 @@ from planner.sessions.race import finalists
 from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 from planner.strategies.race_rule import MIN_ESTIMATE_ROUNDS, Race, RaceDecision, race_summary, too_short
 from planner.types import SchemaError
-from tests.factories import synthetic_kfac_plan, synthetic_profile
+from tests.factories import synthetic_profile
 from tests.shipped import shipped_plans
 
 
@@ -325,17 +325,20 @@ def test_hooks_beyond_the_plans_error_budget_do_not_race() -> None:
 
 
 def test_planner_race_refuses_what_it_does_not_race(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    synthetic_kfac_plan("mlp").save(tmp_path / "kfac.json")
-    assert main(["race", str(tmp_path / "kfac.json")]) == 2
-    assert "is not a gradient plan" in capsys.readouterr().err
+    from planner.strategies.abs_plan import make_abs_plan
+    from tests.test_abs_plan import slowed_profile
+
+    make_abs_plan(slowed_profile(world_size=2), 128, source="p.json").save(tmp_path / "abs.json")
+    assert main(["race", str(tmp_path / "abs.json")]) == 2
+    assert "is an ABS-SGD plan" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:  # argparse's own refusal: one line, exit 2
-        main(["race", str(tmp_path / "kfac.json"), "--margin", "1.5"])
+        main(["race", str(tmp_path / "abs.json"), "--margin", "1.5"])
     assert stop.value.code == 2 and "--margin: expected a fraction in [0, 1)" in capsys.readouterr().err
 
 
 def _record(**changes: object) -> dict:
     data = {"raced": "2026-12-02T10:50:00+00:00", "kept": "ddp", "rule": "tied", "rounds": 3, "block": 4,
-            "margin": 0.02, "alpha": 0.05, "seconds": 1.5, "arms": [
+            "margin": 0.02, "alpha": 0.05, "seconds": 1.5, "reference": "ddp", "arms": [
                 {"name": "ddp", "rounds": 3, "steps": 12, "median_block_s": 0.06, "ratio_to_ddp": 1.0,
                  "interval": None, "predicted_ratio": 1.0, "beaten_by": None},
                 {"name": "ddp+fp16", "rounds": 3, "steps": 12, "median_block_s": 0.061, "ratio_to_ddp": 1.01,
@@ -345,6 +348,8 @@ def _record(**changes: object) -> dict:
 
 def test_a_race_record_reads_back_and_refuses_what_cannot_be() -> None:
     assert RaceRecord.from_dict(_record()).to_dict() == _record()
+    old = {k: v for k, v in _record().items() if k != "reference"}  # written before races had other references
+    assert RaceRecord.from_dict(old).reference == "ddp"
     arms = _record()["arms"]
     for changes, message in [
         ({"kept": "plan"}, "kept must be one of the arms"),
@@ -355,6 +360,7 @@ def test_a_race_record_reads_back_and_refuses_what_cannot_be() -> None:
         ({"arms": [arms[0], {**arms[1], "beaten_by": "nobody"}]}, "not an arm"),
         ({"kept": "ddp+fp16", "arms": [arms[0], {**arms[1], "beaten_by": "ddp"}]}, "was beaten"),
         ({"arms": [arms[0], {**arms[1], "ratio_to_ddp": -1}]}, "positive ratio"),
+        ({"reference": "COMM_OPT layout"}, "reference must be one of the arms"),
     ]:
         with pytest.raises(SchemaError, match=message):
             RaceRecord.from_dict(_record(**changes))

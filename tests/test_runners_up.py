@@ -61,7 +61,7 @@ def test_bad_runners_up_are_refused_naming_where(auto_plan: Plan, tmp_path: Path
         (tmp_path / "bad.json").write_text(json.dumps({**data, "runners_up": {"dense": changed}}))
         with pytest.raises(SchemaError, match=message):
             Plan.load(tmp_path / "bad.json")
-    with pytest.raises(SchemaError, match="only gradient plans"):
+    with pytest.raises(SchemaError, match="runners-up are gradient plans, a K-FAC plan"):
         dataclasses.replace(synthetic_kfac_plan("mlp"), runners_up={"dense": auto_plan.runners_up["dense"]})
 
 
@@ -104,8 +104,9 @@ def test_a_runner_up_the_race_keeps_becomes_the_files_plan(auto_plan: Plan, tmp_
 def test_solve_race_refuses_what_it_cannot_race(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     synthetic_profile("mlp").save(tmp_path / "profile.json")
     out = str(tmp_path / "plan.json")
-    assert main(["solve", str(tmp_path / "profile.json"), "--strategy", "kfac", "--race", "-o", out]) == 2
-    assert "--race races gradient plans" in capsys.readouterr().err
+    assert main(["solve", str(tmp_path / "profile.json"), "--strategy", "abs", "--global-batch", "128", "--race",
+                 "-o", out]) == 2
+    assert "--race races gradient and K-FAC plans" in capsys.readouterr().err
     assert main(["solve", str(tmp_path / "profile.json"), "--race", "--cluster", "4x1", "-o", out]) == 2
     assert "a --cluster what-if plan is for another cluster" in capsys.readouterr().err
     assert not (tmp_path / "plan.json").exists()
@@ -148,6 +149,9 @@ def test_retune_race_races_the_retuned_plan_and_refuses_what_it_cannot(tmp_path:
     assert Plan.load(out).race is not None and "race: keep" in capsys.readouterr().out
     assert main(["retune", str(tmp_path / "plan.json"), "--cluster", "4x1", "--race", "-o", str(out)]) == 2
     assert "a --cluster what-if plan is for another cluster" in capsys.readouterr().err
-    synthetic_kfac_plan("mlp").save(tmp_path / "kfac.json")
-    assert main(["retune", str(tmp_path / "kfac.json"), "--no-probe", "--race", "-o", str(out)]) == 2
-    assert "--race races gradient plans" in capsys.readouterr().err
+    from planner.strategies.abs_plan import make_abs_plan
+    from tests.test_abs_plan import slowed_profile
+
+    make_abs_plan(slowed_profile(world_size=2), 128, source="p.json").save(tmp_path / "abs.json")
+    assert main(["retune", str(tmp_path / "abs.json"), "--no-probe", "--race", "-o", str(out)]) == 2
+    assert "--race races gradient and K-FAC plans" in capsys.readouterr().err

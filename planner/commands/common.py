@@ -284,25 +284,44 @@ def allowed_hooks(plan: Plan) -> tuple:
     return tuple(c for c in hooks if c.kind in (CompressorKind.FP16, CompressorKind.POWERSGD))
 
 
+def check_race_request(args: argparse.Namespace, *, abs_plan: bool, where: str) -> None:
+    """Refuse `--race` where it cannot run, in one line: an ABS-SGD plan (its variants run to a target loss in
+    `planner bench --strategy abs`, not step by step), and a `--cluster` what-if plan (`where`: whose workers the race
+    would run on)."""
+    if not getattr(args, "race", False):
+        return
+    if abs_plan:
+        raise PlannerError("--race races gradient and K-FAC plans; an ABS-SGD plan's variants differ in how many "
+                           "samples a round takes, not in its steps' time: bench it with `planner bench --strategy "
+                           "abs`")
+    if args.cluster is not None:
+        raise PlannerError(f"--race runs the plan on {where}; a --cluster what-if plan is for another cluster: race "
+                           "it there")
+
+
 def race_plan_file(path: Any, args: argparse.Namespace, *, link: Any, hosts: int | None, slowdown: Any = None,
                    model: str | None = None, batch_size: int | None = None, nproc: int | None = None,
                    peers: str | None = None, as_json: bool = False) -> int:
-    """Race the finalists of the gradient plan in the file `path` (`planner.sessions.race`) with `args`' rule and
-    budget (`add_race_flags`), write the race into the file (`with_race`: a runner-up the race kept becomes the
-    file's plan), and print it, or its JSON with `as_json`. The DDP hooks that race: `peers` (`--peers`), by
-    default those of what the plan's solve was allowed (`allowed_hooks`)."""
+    """Race the finalists of the plan in the file `path` with `args`' rule and budget (`add_race_flags`): a gradient
+    plan's (`planner.sessions.race`: DDP, its hooks, the plan both ways, its runners-up) or a K-FAC plan's
+    (`planner.sessions.race_kfac`: the plan's layout and kfac-pytorch's). Write the race into the file (`with_race`:
+    a runner-up or layout the race kept becomes the file's plan), and print it, or its JSON with `as_json`. The DDP
+    hooks that race: `peers` (`--peers`), by default those of what the plan's solve was allowed
+    (`allowed_hooks`)."""
     from planner.contracts.jsonio import check_output_path  # deferred (start-up)
     from planner.platform.launch import under_torchrun  # deferred (start-up)
     from planner.sessions.bench import file_labels  # deferred (start-up)
     from planner.sessions.race import RaceConfig, beyond_budget, log_race, run_race, with_race  # deferred (start-up)
+    from planner.sessions.race_kfac import run_kfac_race, with_kfac_race  # deferred (start-up)
     from planner.strategies.model_error import ModelError  # deferred (start-up)
     from planner.strategies.race_rule import race_summary, too_short  # deferred (start-up)
 
     check_output_path(path, "plan")  # the race is recorded in it: refused now, not after the race
     plans = (Plan.load(path),)
-    if plans[0].kfac is not None or plans[0].abs is not None:
-        raise PlannerError(f"{path} is not a gradient plan: the race runs dense, top-k and mixed plans; bench a "
-                           "K-FAC or ABS-SGD plan with `planner bench --strategy kfac|abs`")
+    if plans[0].abs is not None:
+        raise PlannerError(f"{path} is an ABS-SGD plan: the race runs gradient and K-FAC plans; bench an ABS-SGD "
+                           "plan with `planner bench --strategy abs`")
+    kfac = plans[0].kfac is not None
     if under_torchrun():
         nproc = int(os.environ["WORLD_SIZE"])
     nproc = nproc or plans[0].cluster.world_size
@@ -316,20 +335,22 @@ def race_plan_file(path: Any, args: argparse.Namespace, *, link: Any, hosts: int
     if beyond := sorted(beyond_budget(plans)):
         console.print(f"note: {', '.join(beyond)} do not race: their error is beyond the plan's budget",
                       markup=False, soft_wrap=True)
-    record = run_race(config)
+    record = run_kfac_race(config) if kfac else run_race(config)
     if record is None:  # a torchrun rank other than 0: rank 0 prints and records
         return 0
-    plan = with_race(plans[0], record)
+    plan = with_kfac_race(plans[0], record) if kfac else with_race(plans[0], record)
     plan.save(path)
     log = race_log_path(args.race_log)
-    error = ModelError.of(log_race(log, plans[0], record, link).races)  # from the races before this one
+    # From the races before this one, against the same reference.
+    error = ModelError.of(log_race(log, plans[0], record, link).races, reference=record.reference)
     if as_json:
         print(json.dumps({**record.to_dict(), "summary": race_summary(record)}, indent=2))
         return 0
     print_race(record, model_error=error, calibrated=True)
     if (note := too_short(record)) is not None:
         console.print(note, markup=False, soft_wrap=True)
-    promoted = f"; its plan is now {record.kept}, the one the race kept" if plan.groups != plans[0].groups else ""
+    changed = plan.groups != plans[0].groups or plan.kfac != plans[0].kfac
+    promoted = f"; its plan is now {record.kept}, the one the race kept" if changed else ""
     console.print(f"recorded the race in {path}{promoted}, and in the race log {log}", markup=False,
                   soft_wrap=True)
     return 0

@@ -848,13 +848,14 @@ def print_race(record: RaceRecord, *, summary: bool = True, model_error: ModelEr
     table = Table(title=f"race of {record.raced}: {record.rounds} rounds of {record.block} steps per arm, margin "
                         f"{record.margin:.0%}, alpha {record.alpha:g} (block time = mean of the slowest rank's "
                         "steps; ratios are medians over the rounds both ran)")
-    predicted = "predicted / ddp" + ("" if model_error is None else f" [{model_error.level:.0%}, model error]")
-    for column in ("arm", "rounds", "median block", "measured / ddp", "interval", predicted, "beaten by"):
+    to = record.reference
+    predicted = f"predicted / {to}" + ("" if model_error is None else f" [{model_error.level:.0%}, model error]")
+    for column in ("arm", "rounds", "median block", f"measured / {to}", "interval", predicted, "beaten by"):
         table.add_column(column, justify="left" if column in ("arm", "beaten by") else "right")
     inside = []
     for arm in record.arms:
         guess = "-" if arm.predicted_ratio is None else f"{arm.predicted_ratio:.3f}"
-        if model_error is not None and arm.predicted_ratio is not None and arm.name != DDP_ROW:
+        if model_error is not None and arm.predicted_ratio is not None and arm.name != record.reference:
             low, high = model_error.interval(arm.predicted_ratio)
             guess += f" [{low:.3f}, {high:.3f}]"
             if arm.ratio_to_ddp is not None:

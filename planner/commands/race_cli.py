@@ -18,13 +18,13 @@ from planner.commands.common import (
 
 class RaceCommand(Command):
     name = "race"
-    help = ("decide by measurement: race the plan's finalists (DDP, its hooks, the plan both ways, its runners-up) in "
-            "real steps")
+    help = ("decide by measurement: race the plan's finalists (DDP, its hooks, the plan both ways, its runners-up; "
+            "K-FAC: its layout and kfac-pytorch's) in real steps")
 
     def configure(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("plan", type=Path, metavar="PLAN",
-                            help="a gradient plan from `planner solve`: its finalists race, and the race is recorded "
-                                 "in it (a runner-up the race keeps becomes its plan)")
+                            help="a gradient or K-FAC plan from `planner solve`: its finalists race, and the race is "
+                                 "recorded in it (a runner-up or layout the race keeps becomes its plan)")
         add_race_flags(parser)
         parser.add_argument("--model", default=None, help="model (default: the plan's built-in model)")
         parser.add_argument("--batch-size", type=_positive, default=None)
@@ -32,7 +32,8 @@ class RaceCommand(Command):
         parser.add_argument("--peers", default=None, metavar="LIST",
                             help="PyTorch's DDP hooks that race beside DDP: fp16, powersgd:R, or none (default: "
                                  "the hooks of what the plan's solve was allowed to send, within its error budget; "
-                                 "fp16,powersgd:1,powersgd:4 for a dense or top-k plan solved alone)")
+                                 "fp16,powersgd:1,powersgd:4 for a dense or top-k plan solved alone; a K-FAC race "
+                                 "has none)")
         _add_link(parser)
         _add_hosts(parser)
         _add_slowdown(parser)

@@ -16,6 +16,7 @@ from planner.commands.common import (
     _positive,
     add_race_flags,
     check_hosts,
+    check_race_request,
     race_plan_file,
 )
 from planner.commands.printing import _ms, print_plan
@@ -47,9 +48,9 @@ class RetuneCommand(Command):
                             help=f"plan file to write (default: {RUNS}/NAME-retuned.json for a plan NAME.json)")
         race = parser.add_argument_group("the race (--race)")
         race.add_argument("--race", action="store_true",
-                          help="a gradient plan: then race the re-tuned plan's finalists (DDP, its hooks, the plan "
-                               "both ways) in real steps on the workers and --link probed, and record which to keep "
-                               "in the plan written (`planner race`)")
+                          help="then race the re-tuned plan's finalists (gradient plans: DDP, its hooks, the plan "
+                               "both ways; K-FAC: its layout and kfac-pytorch's) in real steps on the workers and "
+                               "--link probed, and record which to keep in the plan written (`planner race`)")
         add_race_flags(race)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -70,13 +71,8 @@ class RetuneCommand(Command):
                                "--cluster and --no-probe)")
         if not args.time_limit > 0:
             raise PlannerError(f"`--time-limit > 0` must hold, but got {args.time_limit}")
-        if args.race and args.cluster is not None:
-            raise PlannerError("--race runs the re-tuned plan on this machine's workers; a --cluster what-if plan is "
-                               "for another cluster: race it there")
         plan = Plan.load(args.plan)
-        if args.race and (plan.kfac is not None or plan.abs is not None):
-            raise PlannerError("--race races gradient plans (dense, topk, mixed); bench a K-FAC or ABS-SGD plan with "
-                               "`planner bench --strategy kfac|abs`")
+        check_race_request(args, abs_plan=plan.abs is not None, where="this machine's workers")
         check_hosts(args.hosts, args.nproc or plan.cluster.world_size)
         profile = load_source_profile(plan, args.profile)
         output = check_output_path(args.output or RUNS / f"{args.plan.stem}-retuned.json", "plan")

@@ -16,6 +16,7 @@ from planner.commands.common import (
     _density,
     _positive,
     add_race_flags,
+    check_race_request,
     race_log_path,
     race_plan_file,
 )
@@ -102,9 +103,10 @@ class SolveCommand(Command):
         parser.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
         race = parser.add_argument_group("the race (--race)")
         race.add_argument("--race", action="store_true",
-                          help="dense, topk, mixed and auto: then race the plan's finalists (DDP, its hooks, the plan "
-                               "both ways, its runners-up) in real steps on the workers and network the profile "
-                               "measured, and record which to keep in the plan file (`planner race`)")
+                          help="then race the plan's finalists in real steps on the workers and network the profile "
+                               "measured (gradient plans: DDP, its hooks, the plan both ways, its runners-up; K-FAC: "
+                               "the plan's layout and kfac-pytorch's), and record which to keep in the plan file "
+                               "(`planner race`)")
         add_race_flags(race)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -177,12 +179,7 @@ def _request(args: argparse.Namespace) -> SolveRequest:
         raise PlannerError("--compressors applies to --strategy mixed and auto only")
     if args.error_budget is not None and not (is_mixed or is_auto):
         raise PlannerError("--error-budget applies to --strategy mixed and auto only")
-    if args.race and (is_kfac or is_abs):
-        raise PlannerError("--race races gradient plans (dense, topk, mixed, auto); bench a K-FAC or ABS-SGD plan "
-                           "with `planner bench --strategy kfac|abs`")
-    if args.race and args.cluster is not None:
-        raise PlannerError("--race runs the plan on the workers the profile measured; a --cluster what-if plan is "
-                           "for another cluster: race it there")
+    check_race_request(args, abs_plan=is_abs, where="the workers the profile measured")
     if args.trials is not None and not is_auto:
         raise PlannerError("--trials applies to --strategy auto only")
     if args.trials is not None and args.error_budget is not None:

@@ -48,7 +48,8 @@ Schema (version 1), all times in seconds, sizes in elements unless the name says
       "race": {...},                                 # optional: its finalists raced (planner/contracts/race_record.py)
       "runners_up": {"dense": {<a plan>}, ...}       # optional: the best structurally different plans the solve
     }                                                # also found (each a whole plan, without runners-up or race),
-                                                     # finalists of the race beside the plan
+                                                     # finalists of the race beside the plan; in a K-FAC plan, the
+                                                     # layout solved, where a race kept another (race_kfac.py)
 
 A top-k plan names the selector whose measured cost its predictions use: "exact" (`torch.topk`) or
 "sampled" (threshold from a random sample, exact top-k of the candidates above it); both send the same
@@ -580,7 +581,8 @@ class Plan:
                 raise SchemaError("a plan not proven optimal needs plan.solver.gap, its distance to the bound")
 
     def _check_runners_up(self) -> None:
-        """Runners-up: few, each a gradient plan for the same model and cluster, with none of its own and no race."""
+        """Runners-up: few, each a plan of the same kind (gradients, K-FAC) for the same model and cluster, with none of
+        its own and no race."""
         if len(self.runners_up) > MAX_RUNNERS_UP:
             raise SchemaError(f"plan.runners_up names {len(self.runners_up)} plans; at most {MAX_RUNNERS_UP} are read")
         for name, other in self.runners_up.items():
@@ -589,8 +591,9 @@ class Plan:
                 raise SchemaError(f"{where} must be a plan, got {type(other).__name__}")
             if other.runners_up or other.race is not None:
                 raise SchemaError(f"{where} has runners-up or a race of its own; only the plan holding it may")
-            if other.kfac is not None or other.abs is not None or self.kfac is not None or self.abs is not None:
-                raise SchemaError(f"{where}: only gradient plans (dense, top-k, mixed) have runners-up")
+            if other.abs is not None or self.abs is not None or (other.kfac is None) != (self.kfac is None):
+                raise SchemaError(f"{where}: a gradient plan's runners-up are gradient plans, a K-FAC plan's K-FAC "
+                                  "plans (an ABS-SGD plan has none)")
             if other.model.fingerprint != self.model.fingerprint or other.cluster != self.cluster:
                 raise SchemaError(f"{where} is for another model or cluster than the plan holding it")
 

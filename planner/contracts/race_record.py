@@ -8,6 +8,7 @@ Schema (inside the plan, version 1 like the plan):
       "rule": "won" | "tied" | "budget",  # what kept it (planner.strategies.race_rule)
       "rounds": 24, "block": 4,           # rounds run, steps per arm per round
       "margin": 0.02, "alpha": 0.05, "seconds": 31.5,
+      "reference": "ddp",                 # optional (old records: "ddp"): the arm every ratio is measured against
       "arms": [                           # simplest first
         {"name": "ddp", "rounds": 24, "steps": 96, "median_block_s": 0.061,
          "ratio_to_ddp": 1.0, "interval": null, "predicted_ratio": 1.0, "beaten_by": null},
@@ -15,8 +16,10 @@ Schema (inside the plan, version 1 like the plan):
       ]
     }
 
-`ratio_to_ddp` is the median over the rounds both ran of the arm's block time over DDP's, `interval` its anytime
-interval, `predicted_ratio` the model's (null where the plan predicts no DDP row or no row of the arm).
+`ratio_to_ddp` is the median over the rounds both ran of the arm's block time over the reference's (DDP's in a race
+of gradient plans; in a race of K-FAC layouts kfac-pytorch's default layout, COMM_OPT: the key keeps its first name),
+`interval` its anytime interval, `predicted_ratio` the model's (null where the plan predicts no row of the reference
+or of the arm).
 """
 
 from __future__ import annotations
@@ -99,9 +102,13 @@ class RaceRecord:
     alpha: float
     seconds: float
     arms: tuple[RacedArm, ...]
+    #: The arm every ratio is measured against, which runs every round.
+    reference: str = "ddp"
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.arms]
+        if self.reference not in names:
+            raise SchemaError(f"plan.race.reference must be one of the arms {names}, got {self.reference!r}")
         if len(names) < 2 or len(set(names)) != len(names):
             raise SchemaError(f"plan.race.arms must name two or more distinct arms, got {names}")
         if self.kept not in names:
@@ -119,13 +126,14 @@ class RaceRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return {"raced": self.raced, "kept": self.kept, "rule": self.rule, "rounds": self.rounds, "block": self.block,
-                "margin": self.margin, "alpha": self.alpha, "seconds": self.seconds,
+                "margin": self.margin, "alpha": self.alpha, "seconds": self.seconds, "reference": self.reference,
                 "arms": [a.to_dict() for a in self.arms]}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "plan.race") -> RaceRecord:
         data = expect(data, dict, where)
-        check_fields(data, where, ["raced", "kept", "rule", "rounds", "block", "margin", "alpha", "seconds", "arms"])
+        check_fields(data, where, ["raced", "kept", "rule", "rounds", "block", "margin", "alpha", "seconds", "arms"],
+                     optional=["reference"])
         margin = float(expect(data["margin"], (int, float), f"{where}.margin"))
         alpha = float(expect(data["alpha"], (int, float), f"{where}.alpha"))
         if not 0 <= margin < 1:
@@ -146,4 +154,5 @@ class RaceRecord:
                    rounds=expect_int(data["rounds"], f"{where}.rounds", 1, _MOST_ROUNDS),
                    block=expect_int(data["block"], f"{where}.block", 1, 10**6),
                    margin=margin, alpha=alpha, seconds=expect_time(data["seconds"], f"{where}.seconds"),
+                   reference=expect(data.get("reference", "ddp"), str, f"{where}.reference"),
                    arms=tuple(RacedArm.from_dict(a, f"{where}.arms[{i}]") for i, a in enumerate(arms)))

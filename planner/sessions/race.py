@@ -41,10 +41,14 @@ from planner.sessions.bench import (
     bench_variants,
     plan_tag,
 )
-from planner.strategies.race_rule import DEFAULT_ALPHA, DEFAULT_MARGIN, RATIO_GRID, Race
+from planner.strategies.race_rule import DEFAULT_ALPHA, DEFAULT_MARGIN, RATIO_GRID, Race, RaceDecision
 from planner.types import Compressor, PlanMismatchError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from rich.progress import Progress
+
     from planner.platform.link import LinkRate
     from planner.platform.slowdown import Slowdown
 
@@ -52,9 +56,11 @@ __all__ = [
     "DEFAULT_ARMS",
     "RUNNER_UP",
     "RaceConfig",
+    "Rounds",
     "beyond_budget",
     "finalists",
     "log_race",
+    "race_rounds",
     "race_worker",
     "run_race",
     "with_race",
@@ -167,8 +173,6 @@ def race_worker(rank: int, world_size: int, config: RaceConfig, every_rank: bool
     arms = finalists(config.plans, setup.base.module, config.peers, config.labels, config.max_arms)
     runners = {v.name: Runner.build(v, config.model, batch_size=config.batch_size, lr=config.lr, device=device,
                                     find_unused=unused) for v in arms}
-    race = Race([v.name for v in arms], margin=config.margin, alpha=config.alpha)
-    order = random.Random(config.seed)  # the same draws on every rank: every rank runs the arms in the same order
     show = config.show_progress and rank == 0
     with progress(enabled=show) as bar:
         task = bar.add_task("race warm-up", total=len(arms))
@@ -176,47 +180,80 @@ def race_worker(rank: int, world_size: int, config: RaceConfig, every_rank: bool
             runners[v.name].warm_up(v, config.warmup, batch)
             bar.advance(task)
         bar.remove_task(task)
-        task = bar.add_task(f"race rounds: {len(arms)} arms", total=None)
-        start = time.perf_counter()
-        decision = None
-        reference: list[float] = []  # DDP's block in every round
-        while decision is None:
-            alive = race.alive
-            # DDP runs every round, beaten or not: each arm's ratio to it is paired over every round the arm ran.
-            timed = alive if DDP_ROW in alive else (*alive, DDP_ROW)
-            times = {name: [runners[name].step(batch) for _ in range(config.block)]
-                     for name in order.sample(timed, len(timed))}
-            flat = [t for name in timed for t in times[name]] + [time.perf_counter() - start]
-            slowest = torch.tensor(flat, dtype=torch.float64, device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # each step's slowest rank, and the longest clock
-            maxed = slowest.tolist()
-            this_round = {name: statistics.fmean(maxed[i * config.block:(i + 1) * config.block])
-                          for i, name in enumerate(timed)}
-            reference.append(this_round[DDP_ROW])
-            race.observe({name: this_round[name] for name in alive})
-            elapsed = maxed[-1]
-            decision = race.decision(out_of_budget=elapsed >= config.race_time_s or race.rounds >= config.max_rounds)
-            bar.update(task, advance=1, description=f"race rounds: {len(race.alive)} of {len(arms)} arms left")
+        rounds = race_rounds([v.name for v in arms], DDP_ROW, lambda name: runners[name].step(batch), config.block,
+                             config, device, bar)
     for runner in runners.values():
         runner.close()
     if rank != 0 and not every_rank:
         return None
-    ddp = next(v for v in arms if v.name == DDP_ROW)
-    results = []
-    for v in arms:
-        blocks = reference if v.name == DDP_ROW else race.blocks[v.name]
-        ratios = [a / d for a, d in zip(blocks, reference, strict=False)]  # the rounds the arm ran: the first ones
-        predicted = (v.predicted_s / ddp.predicted_s if v.predicted_s is not None and ddp.predicted_s else None)
-        # The interval spends its error near the predicted ratio, known before the race (uniformly without one).
-        weights = weights_near(RATIO_GRID, predicted) if predicted is not None else None
-        interval = median_interval(ratios, RATIO_GRID, config.alpha, weights) if v.name != DDP_ROW else None
-        results.append(RacedArm(
-            name=v.name, rounds=len(blocks), steps=len(blocks) * config.block,
-            median_block_s=statistics.median(blocks), ratio_to_ddp=statistics.median(ratios) if ratios else None,
-            interval=interval, predicted_ratio=predicted, beaten_by=decision.beaten.get(v.name)))
-    return RaceRecord(raced=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), kept=decision.kept,
-                      rule=decision.rule, rounds=decision.rounds, block=config.block, margin=config.margin,
-                      alpha=config.alpha, seconds=elapsed, arms=tuple(results))
+    return rounds.record([(v.name, v.predicted_s) for v in arms], config)
+
+
+@dataclass
+class Rounds:
+    """What `race_rounds` measured: the rule's evidence, the reference's block in every round, the decision."""
+
+    race: Race
+    reference: str
+    reference_blocks: list[float]
+    decision: RaceDecision
+    block: int
+    seconds: float
+
+    def record(self, arms: list[tuple[str, float | None]], config: RaceConfig) -> RaceRecord:
+        """The race's record: each arm (name, predicted seconds per step), simplest first, with its measured ratio
+        to the reference, the ratio's anytime interval and the predicted ratio."""
+        race, decision = self.race, self.decision
+        predicted_reference = dict(arms)[self.reference]
+        results = []
+        for name, predicted_s in arms:
+            blocks = self.reference_blocks if name == self.reference else race.blocks[name]
+            ratios = [a / d for a, d in zip(blocks, self.reference_blocks, strict=False)]  # the rounds the arm ran
+            predicted = (predicted_s / predicted_reference if predicted_s is not None and predicted_reference
+                         else None)
+            # The interval spends its error near the predicted ratio, known before the race (uniformly without one).
+            weights = weights_near(RATIO_GRID, predicted) if predicted is not None else None
+            interval = median_interval(ratios, RATIO_GRID, config.alpha, weights) if name != self.reference else None
+            results.append(RacedArm(
+                name=name, rounds=len(blocks), steps=len(blocks) * self.block,
+                median_block_s=statistics.median(blocks), ratio_to_ddp=statistics.median(ratios) if ratios else None,
+                interval=interval, predicted_ratio=predicted, beaten_by=decision.beaten.get(name)))
+        return RaceRecord(raced=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                          kept=decision.kept, rule=decision.rule, rounds=decision.rounds, block=self.block,
+                          margin=config.margin, alpha=config.alpha, seconds=self.seconds, arms=tuple(results),
+                          reference=self.reference)
+
+
+def race_rounds(names: list[str], reference: str, step: Callable[[str], float], block: int, config: RaceConfig,
+                device: torch.device, bar: Progress) -> Rounds:
+    """Race the arms `names` (simplest first) round by round until the rule decides: every arm still in the race
+    runs `block` steps (`step(name)`: one step's seconds on this rank) per round, in an order drawn anew each round
+    from a seed every rank shares; `reference` runs every round, beaten or not, as the arm every ratio is paired
+    with. Each step's time is the slowest rank's and an arm's block the mean of its steps: every rank settles the
+    rule on the same numbers, the same round."""
+    race = Race(names, margin=config.margin, alpha=config.alpha)
+    order = random.Random(config.seed)  # the same draws on every rank: every rank runs the arms in the same order
+    task = bar.add_task(f"race rounds: {len(names)} arms", total=None)
+    start = time.perf_counter()
+    decision = None
+    reference_blocks: list[float] = []
+    elapsed = 0.0
+    while decision is None:
+        alive = race.alive
+        timed = alive if reference in alive else (*alive, reference)
+        times = {name: [step(name) for _ in range(block)] for name in order.sample(timed, len(timed))}
+        flat = [t for name in timed for t in times[name]] + [time.perf_counter() - start]
+        slowest = torch.tensor(flat, dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # each step's slowest rank, and the longest clock
+        maxed = slowest.tolist()
+        this_round = {name: statistics.fmean(maxed[i * block:(i + 1) * block]) for i, name in enumerate(timed)}
+        reference_blocks.append(this_round[reference])
+        race.observe({name: this_round[name] for name in alive})
+        elapsed = maxed[-1]
+        decision = race.decision(out_of_budget=elapsed >= config.race_time_s or race.rounds >= config.max_rounds)
+        bar.update(task, advance=1, description=f"race rounds: {len(race.alive)} of {len(names)} arms left")
+    return Rounds(race=race, reference=reference, reference_blocks=reference_blocks, decision=decision, block=block,
+                  seconds=elapsed)
 
 
 def run_race(config: RaceConfig) -> RaceRecord | None:

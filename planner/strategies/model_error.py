@@ -30,9 +30,9 @@ DEFAULT_LEVEL = 0.9
 
 
 def residuals(races: Iterable[LoggedRace]) -> list[float]:
-    """|log(measured / predicted)| of every raced arm but DDP (the reference) with both ratios."""
+    """|log(measured / predicted)| of every raced arm but the reference with both ratios."""
     return [abs(math.log(arm.ratio_to_ddp / arm.predicted_ratio)) for logged in races for arm in logged.race.arms
-            if arm.name != DDP_ROW and arm.ratio_to_ddp is not None and arm.predicted_ratio is not None]
+            if arm.name != logged.race.reference and arm.ratio_to_ddp is not None and arm.predicted_ratio is not None]
 
 
 @dataclass(frozen=True)
@@ -43,18 +43,21 @@ class ModelError:
     arms: int
     races: int
     bound: float
+    reference: str = DDP_ROW
 
     @classmethod
-    def of(cls, races: Iterable[LoggedRace], level: float = DEFAULT_LEVEL) -> ModelError | None:
-        """The bound from the races logged; None with too few arms for a finite bound at `level`."""
+    def of(cls, races: Iterable[LoggedRace], level: float = DEFAULT_LEVEL,
+           reference: str = DDP_ROW) -> ModelError | None:
+        """The bound from the races logged against `reference` (DDP: races of gradient plans; a K-FAC race's
+        ratios are to another arm, a prediction of another model); None with too few arms for a finite bound."""
         if not 0 < level < 1:
             raise ValueError(f"the level must be in (0, 1), got {level}")
-        races = list(races)
+        races = [logged for logged in races if logged.race.reference == reference]
         values = sorted(residuals(races))
         rank = math.ceil((len(values) + 1) * level)
         if rank > len(values):
             return None
-        return cls(level=level, arms=len(values), races=len(races), bound=values[rank - 1])
+        return cls(level=level, arms=len(values), races=len(races), bound=values[rank - 1], reference=reference)
 
     def interval(self, predicted: float) -> tuple[float, float]:
         """Where a ratio predicted at `predicted` lies, with probability at least `level`."""
@@ -62,5 +65,6 @@ class ModelError:
 
     def describe(self) -> str:
         """"the model's error on ratios to DDP: within x1.046 in 90% (conformal, 23 arms of 6 races)"."""
-        return (f"the model's error on ratios to DDP: within x{math.exp(self.bound):.3f} either way in "
+        to = "DDP" if self.reference == DDP_ROW else self.reference
+        return (f"the model's error on ratios to {to}: within x{math.exp(self.bound):.3f} either way in "
                 f"{self.level:.0%} (split conformal on {self.arms} arms of {self.races} earlier races)")

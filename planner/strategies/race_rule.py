@@ -92,15 +92,17 @@ def why(rule: str, rounds: int) -> str:
 
 
 def race_summary(record: RaceRecord) -> str:
-    """The one line that says what the race kept, by how much against DDP, measured, and by which rule."""
+    """The one line that says what the race kept, by how much against the reference (DDP), measured, and by which
+    rule."""
     arm = record.arm(record.kept)
-    if arm.ratio_to_ddp is None or arm.name == DDP_ROW:
-        how = "DDP"
+    reference = "DDP" if record.reference == DDP_ROW else record.reference
+    if arm.ratio_to_ddp is None or arm.name == record.reference:
+        how = reference
     else:
         gain = 1 - arm.ratio_to_ddp
         span = "" if arm.interval is None else f" {ratio_interval(arm.interval)}"
-        how = (f"{arm.name}, {abs(gain):.1%} {'faster' if gain >= 0 else 'slower'} than DDP measured (median step "
-               f"ratio {arm.ratio_to_ddp:.3f}{span})")
+        how = (f"{arm.name}, {abs(gain):.1%} {'faster' if gain >= 0 else 'slower'} than {reference} measured "
+               f"(median step ratio {arm.ratio_to_ddp:.3f}{span})")
     return f"race: keep {how}; after {record.rounds} round(s) {why(record.rule, record.rounds)}"
 
 
