@@ -67,7 +67,6 @@ by bucket, so nothing held back is lost; momentum velocities stay with their buc
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 import os
 import statistics
@@ -108,9 +107,6 @@ from planner.types import Compressor, CompressorKind, PlanMismatchError
 __all__ = ["STATE_KIND", "SUPPORTED_KINDS", "PlanHook", "bucket_caps", "plan_hook", "trainable_ids"]
 
 STATE_KIND = "runtime.plan_hook"
-
-#: Where the race in the first iterations says what it kept (rank 0, INFO).
-_LOG = logging.getLogger("planner.runtime")
 
 #: The group kinds the hook sends.
 SUPPORTED_KINDS = (CompressorKind.DENSE, CompressorKind.FP16, CompressorKind.POWERSGD, CompressorKind.TOPK)
@@ -579,17 +575,11 @@ class PlanHook(EngineDriver):
         racing = self._racing
         assert racing is not None
         if due == "round":
-            times = torch.tensor([*racing.block_times(), time.perf_counter() - self._race_clock], dtype=torch.float64,
-                                 device=device)
-            if self._link.world_size > 1:
-                dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.process_group)
-            slowest = times.tolist()
-            if racing.observe(slowest[:-1], slowest[-1]) is not None:
-                self.race = racing.result()
-                self._racing = None
-                self._race_switch(self.race.kept)
-                if self._link.world_size == 1 or dist.get_rank(self.process_group) == 0:
-                    _LOG.info(self.race.describe())
+            decided = racing.end_round(time.perf_counter() - self._race_clock, device, self.process_group,
+                                       self._link.world_size)
+            if decided is not None:
+                self.race, self._racing = decided, None
+                self._race_switch(decided.kept)
                 return
         self._race_switch(racing.current)
         self._race_mark = time.perf_counter()  # the switch is not the next iteration's (its first: untimed anyway)

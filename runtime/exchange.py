@@ -49,7 +49,6 @@ import contextlib
 import datetime
 import functools
 import hashlib
-import logging
 import math
 import os
 import threading
@@ -97,8 +96,6 @@ STATE_KIND = "runtime.gradient_exchange"
 EXIT_DRAIN_S = 10.0
 
 #: Exchanges alive now (weakly held): their collectives in flight are waited for at interpreter exit.
-#: Where the race in the first steps says what it kept (rank 0, INFO).
-_LOG = logging.getLogger("planner.runtime")
 _LIVE: weakref.WeakSet[GradientExchange] = weakref.WeakSet()
 
 
@@ -436,17 +433,10 @@ class GradientExchange(EngineDriver):
         assert racing is not None
         now = time.perf_counter()
         if racing.after_step(None if self._race_mark is None else now - self._race_mark):
-            times = torch.tensor([*racing.block_times(), now - self._race_clock], dtype=torch.float64,
-                                 device=self._device)
-            if self.world_size > 1:
-                dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.process_group)
-            slowest = times.tolist()
-            if racing.observe(slowest[:-1], slowest[-1]) is not None:
-                self.race = racing.result()
-                self._racing = None
-                self._switch_to(self.race.kept)
-                if self.world_size == 1 or dist.get_rank(self.process_group) == 0:
-                    _LOG.info(self.race.describe())
+            decided = racing.end_round(now - self._race_clock, self._device, self.process_group, self.world_size)
+            if decided is not None:
+                self.race, self._racing = decided, None
+                self._switch_to(decided.kept)
                 return
         self._switch_to(racing.current)
         self._race_mark = time.perf_counter()

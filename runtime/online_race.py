@@ -23,11 +23,15 @@ This is Horovod's autotuning of its fusion buffer on the first steps, with exact
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
 
 from planner.contracts.plan import Plan, plan_simplicity
 from planner.sequential import DEFAULT_ALPHA, DEFAULT_MARGIN
@@ -39,6 +43,9 @@ if TYPE_CHECKING:
 
 __all__ = ["BUCKET_ARMS", "OnlineRace", "OnlineRaceResult", "RaceSchedule", "bucket_arms", "check_race",
            "saved_race"]
+
+#: Where the race in the first steps says what it kept (rank 0, INFO): the runtime's logger.
+_LOG = logging.getLogger("planner.runtime")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +180,22 @@ class RaceSchedule:
         if self.decision is None:
             self._begin_round()
         return self.decision
+
+    def end_round(self, seconds: float, device: torch.device, group: dist.ProcessGroup | None,
+                  world_size: int) -> OnlineRaceResult | None:
+        """At a round's end (`after_step` said so), `seconds` of racing on this rank's clock: the ranks' slowest
+        block times and clock (one all-reduce over `group` of `world_size` ranks), the rule's decision, and once
+        there is one the result, said in one log line on the group's rank 0 (None: the race goes on)."""
+        times = torch.tensor([*self.block_times(), seconds], dtype=torch.float64, device=device)
+        if world_size > 1:
+            dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        slowest = times.tolist()
+        if self.observe(slowest[:-1], slowest[-1]) is None:
+            return None
+        result = self.result()
+        if world_size == 1 or dist.get_rank(group) == 0:
+            _LOG.info(result.describe())
+        return result
 
     def result(self) -> OnlineRaceResult:
         """The decision as `exchange.race` holds it."""
