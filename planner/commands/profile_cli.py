@@ -41,6 +41,11 @@ class ProfileCommand(Command):
         parser.add_argument("--quick", action="store_true",
                             help="measure what a plan needs, fewer times: under a minute for a model like the "
                                  "built-in MLP (top-k at 1%% and PowerSGD at rank 4 only); wider intervals")
+        parser.add_argument("--time", type=_positive_float, default=None, metavar="S",
+                            help="measure in rounds for about S seconds: a first round of everything at the --quick "
+                                 "effort, then rounds of what the solve's finalists' open comparisons depend on most "
+                                 "(the steps, the collectives, or compute beside communication), pooled, until none "
+                                 "is open or the next round would not fit (gradient plans; not with --kfac or --only)")
         parser.add_argument("--repeats", type=_positive, default=None,
                             help=f"measured iterations per layer (default {DEFAULT_EFFORT.repeats}, --quick "
                                  f"{QUICK_EFFORT.repeats})")
@@ -98,7 +103,11 @@ class ProfileCommand(Command):
                 raise PlannerError(
                     f"--kfac-skip is not a valid regular expression ({exc}): {args.kfac_skip!r}"
                 ) from None
-        effort = QUICK_EFFORT if args.quick else DEFAULT_EFFORT
+        if args.time is not None and (args.kfac or args.only is not None):
+            raise PlannerError("--time measures the gradient finalists in rounds; a K-FAC profile (--kfac) and "
+                               "--only comm measure once: drop --time")
+        quick = args.quick or args.time is not None  # --time: coarse first
+        effort = QUICK_EFFORT if quick else DEFAULT_EFFORT
         densities = effort.densities
         if args.densities is not None:
             try:
@@ -113,10 +122,10 @@ class ProfileCommand(Command):
         check_output_path(args.output, "profile")  # before minutes of measuring, not after
         base = Profile.load(args.output) if args.only == "comm" and args.output.exists() else None
         config = ProfileConfig.at(
-            effort, quick=args.quick, model=args.model, output=args.output, batch_size=args.batch_size,
+            effort, quick=quick, model=args.model, output=args.output, batch_size=args.batch_size,
             nproc=args.nproc, backend=args.backend, densities=densities, only_comm=args.only == "comm", base=base,
             kfac=args.kfac, max_dim=args.max_dim, link=args.link, kfac_skip=args.kfac_skip, slowdown=args.slowdown,
-            powersgd_ranks=ranks, hosts=args.hosts, in_situ=args.calibrate, **given,
+            powersgd_ranks=ranks, hosts=args.hosts, in_situ=args.calibrate, time_s=args.time, **given,
         )
         profile = run_profile(config)
         profile.save(args.output)

@@ -18,6 +18,7 @@ same compute, the same network) cancels out.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import replace
 
 import numpy as np
@@ -45,23 +46,33 @@ def spread_sources(profile: Profile) -> tuple[str, ...]:
     return tuple(found)
 
 
-def resampled_many(profile: Profile, draws: int, seed: int = 0) -> list[Profile]:
+def resampled_many(profile: Profile, draws: int, seed: int = 0, only: Collection[str] | None = None) -> list[Profile]:
     """`draws` resampled profiles (`resampled`), the same for the same profile and seed."""
     rng = np.random.default_rng(seed)
-    return [resampled(profile, rng) for _ in range(draws)]
+    return [resampled(profile, rng, only) for _ in range(draws)]
 
 
-def resampled(profile: Profile, rng: np.random.Generator) -> Profile:
-    """One draw of `profile` (see the module docstring); numbers without samples stay as they are."""
+def resampled(profile: Profile, rng: np.random.Generator, only: Collection[str] | None = None) -> Profile:
+    """One draw of `profile` (see the module docstring); numbers without samples stay as they are, and so do those
+    of the `SOURCES` not in `only` (default: every source drawn), to tell how much of a prediction's spread each
+    source makes."""
+    unknown = set(only or ()) - set(SOURCES)
+    if unknown:
+        raise ValueError(f"no such source of samples: {sorted(unknown)}; the sources are {list(SOURCES)}")
+
+    def drawn(source: str) -> bool:
+        return only is None or source in only
+
     changes: dict[str, object] = {}
-    if profile.steps is not None:
+    if profile.steps is not None and drawn(SOURCES[0]):
         changes.update(_steps(profile, rng))
-    changes["collectives"] = {c: _curve(curve, rng) for c, curve in profile.collectives.items()}
-    if profile.hosts is not None:
-        changes["hosts"] = _hosts(profile.hosts, rng)
-    if profile.in_situ is not None:
+    if drawn(SOURCES[1]):
+        changes["collectives"] = {c: _curve(curve, rng) for c, curve in profile.collectives.items()}
+        if profile.hosts is not None:
+            changes["hosts"] = _hosts(profile.hosts, rng)
+    if profile.in_situ is not None and drawn(SOURCES[2]):
         changes["in_situ"] = profile.in_situ.mapped(lambda c: _calibration(c, rng))
-    if profile.slowdown_samples:
+    if profile.slowdown_samples and drawn(SOURCES[3]):
         sigma, kappa = dict(profile.interference or {}), dict(profile.comm_stretch or {})
         for coll, samples in profile.slowdown_samples.items():
             picks = _picks(len(samples.alone_s), rng)

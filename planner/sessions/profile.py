@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import itertools
 import math
 import os
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from planner.contracts.profile import (
 )
 from planner.contracts.unused import UnusedParams
 from planner.costmodel.curves import curve_model
+from planner.costmodel.resample import SOURCES
 from planner.kernels.hierarchical import HostGroups
 from planner.models import Workload, build_workload
 from planner.platform import launch  # its launchers called through it: tests replace them there
@@ -56,6 +59,7 @@ from planner.profilers.interference import INTERFERENCE_MESSAGE_BYTES, measure_i
 from planner.profilers.kfac_costs import DEFAULT_MAX_DIM, check_kfac_layers, kfac_points, measure_kfac
 from planner.profilers.layers import (
     UNUSED_CHECK_BATCHES,
+    LayerRun,
     LayerSummary,
     combine_ranks,
     gradient_counts,
@@ -64,6 +68,7 @@ from planner.profilers.layers import (
     throughput_batch_sizes,
     unused_params,
 )
+from planner.profilers.pooled import pooled_curve, pooled_runs, pooled_slowdown
 from planner.profilers.probe import current_cluster
 from planner.profilers.topk import measure_topk
 from planner.runtime.calibrate import (
@@ -167,6 +172,10 @@ class ProfileConfig:
     error_warmup: int = ERROR_WARMUP
     #: how long one collective may wait for the other workers (`--timeout`): a hung worker fails the profile then
     collective_timeout: float = PROFILE_COLLECTIVE_TIMEOUT_S
+    #: `--time`: measure in rounds for at most this many seconds: after the first round (every phase, at this
+    #: configuration's effort), each round measures again what the finalists' open comparisons depend on most
+    #: (`planner.strategies.focus`), until none is open or the next round would not fit. None: one round.
+    time_s: float | None = None
 
     @classmethod
     def at(cls, effort: Effort, *, quick: bool = False, **kwargs: object) -> ProfileConfig:
@@ -225,7 +234,9 @@ class _Session:
     collectives in the same order."""
 
     def __init__(self, rank: int, world_size: int, config: ProfileConfig) -> None:
+        self.started = time.perf_counter()
         self.rank, self.world_size, self.config = rank, world_size, config
+        self.layer_runs: list[LayerRun] = []  # every rank's, from the layer phase: later rounds pool with them
         self.device = device_for(dist.get_backend())
         self.memory = PhaseMemory()
         self.workload: Workload | None = None
@@ -255,6 +266,8 @@ class _Session:
                 costs = self._costs(bar, self.workload, model.layers, network.curves)
                 if config.kfac:
                     kfac = self._kfac(bar, self.workload, costs)
+                if config.time_s is not None:
+                    self._rounds(bar, self.workload, model, network, costs)
             self.memory.end()
         peaks: list[object] = [None] * self.world_size
         dist.all_gather_object(peaks, self.memory.peaks)
@@ -279,7 +292,8 @@ class _Session:
             barrier=dist.barrier, on_step=lambda: bar.advance(task), min_seconds=config.layer_seconds,
             agree=slowest, on_total=lambda total: bar.update(task, total=total),
         )
-        layers = combine_ranks(self._gathered(run))  # type: ignore[arg-type]
+        self.layer_runs = self._gathered(run)  # type: ignore[assignment]
+        layers = combine_ranks(self.layer_runs)
         # Parameters without a gradient, over batches of their own on every rank (a router's choice varies).
         first = 1_000_000 + self.rank * UNUSED_CHECK_BATCHES
         counts = self._gathered(gradient_counts(workload, device, range(first, first + UNUSED_CHECK_BATCHES)))
@@ -372,6 +386,66 @@ class _Session:
             costs.slowdown_samples = both_ways.samples
         return costs
 
+    def _rounds(self, bar: Progress, workload: Workload, model: _Model, network: _Network, costs: _Costs) -> None:
+        """`--time`: after the first round, measure again, round by round, the source of samples the finalists' open
+        comparisons depend on most (`planner.strategies.focus`, decided on rank 0 and sent to every rank), pooled
+        with the earlier rounds' samples; stop when none is open, or when the next round, as long as that source's
+        last one, would end past the budget. Rank 0 says what each round measures and why."""
+        from planner.strategies.focus import Finalists, focus  # deferred: a profile without --time solves nothing
+
+        assert self.config.time_s is not None
+        deadline = self.started + self.config.time_s
+        took: dict[str, float] = {}  # each source's last round, seconds
+        finalists = None
+        for number in itertools.count(2):
+            choice: list[object] = [None]
+            if self.rank == 0:
+                profile = self._profile(model, network, costs, None, {})
+                finalists = finalists or Finalists.of(profile, source=str(self.config.output))
+                source, why = focus(profile, finalists).next_round(took, deadline - time.perf_counter())
+                _say(bar, f"profile round {number}: {why}" if source is not None
+                     else f"profile rounds: {why}; done after {number - 1} round(s)")
+                choice = [source]
+            dist.broadcast_object_list(choice, src=0)
+            if choice[0] is None:
+                return
+            chosen = str(choice[0])
+            began = time.perf_counter()
+            self._again(bar, chosen, workload, model, network, costs)
+            took[chosen] = time.perf_counter() - began
+
+    def _again(self, bar: Progress, source: str, workload: Workload, model: _Model, network: _Network,
+               costs: _Costs) -> None:
+        """Measure `source` again as its phase did (`planner.costmodel.resample.SOURCES`), and pool the samples."""
+        config, device = self.config, self.device
+        if source == SOURCES[0]:  # the layer phase's steps
+            task = bar.add_task(f"layers of {config.model}, again", total=config.warmup + config.repeats)
+            run = measure_layers(
+                workload, device, repeats=config.repeats, warmup=config.warmup, barrier=dist.barrier,
+                on_step=lambda: bar.advance(task), min_seconds=config.layer_seconds, agree=slowest,
+                on_total=lambda total: bar.update(task, total=total))
+            self.layer_runs = pooled_runs(self.layer_runs, self._gathered(run))  # type: ignore[arg-type]
+            model.layers = combine_ranks(self.layer_runs)
+        elif source == SOURCES[1]:  # the collectives
+            colls = list(network.curves)
+            task = bar.add_task("collectives, again", total=collective_runs(len(colls), self.sizes,
+                                                                            repeats=config.comm_repeats, warmup=2))
+            again = measure_collectives(colls, self.sizes, device, repeats=config.comm_repeats, warmup=2,
+                                        on_run=lambda: bar.advance(task))
+            network.curves = {c: pooled_curve(network.curves[c], again[c]) for c in colls}
+        elif source == SOURCES[3] and costs.slowdown_samples:  # the pairs sigma and kappa are taken from
+            colls = list(costs.slowdown_samples)
+            task = bar.add_task("compute while communicating, again", total=len(colls) * config.interference_repeats)
+            both_ways = measure_interference(workload, device, colls, repeats=config.interference_repeats,
+                                             message_bytes=min(INTERFERENCE_MESSAGE_BYTES, self.numel_total * 4),
+                                             on_point=lambda: bar.advance(task))
+            pooled = {c: pooled_slowdown(costs.slowdown_samples[c], both_ways.samples[c]) for c in colls}
+            costs.slowdown_samples = pooled
+            costs.interference = {c: samples.sigma() for c, samples in pooled.items()}
+            costs.comm_stretch = {c: samples.kappa() for c, samples in pooled.items()}
+        else:
+            raise ValueError(f"a round cannot measure {source!r} again")
+
     def _kfac(self, bar: Progress, workload: Workload, costs: _Costs) -> KFACTiming:
         """K-FAC's factors and inversions, and its hooks and steps in real steps (into `costs.in_situ`)."""
         config, device = self.config, self.device
@@ -421,6 +495,11 @@ class _Session:
             steps=summary.steps, slowdown_samples=costs.slowdown_samples, quick=config.quick,
             unused_params=model.unused, errors=model.errors,
         )
+
+
+def _say(bar: Progress, line: str) -> None:
+    """A line above the progress display (rank 0's)."""
+    bar.console.print(line, markup=False, soft_wrap=True, highlight=False)
 
 
 def error_compressors(config: ProfileConfig) -> list[Compressor]:

@@ -20,12 +20,18 @@ from planner.contracts.profile import Profile
 from planner.contracts.trials import Trials
 from planner.strategies.abs_plan import make_abs_plan
 from planner.strategies.auto import AutoChoice, ddp_predictions, solve_auto
-from planner.strategies.budget import BudgetSpec
+from planner.strategies.budget import BY_DEFAULT, BudgetSpec
 from planner.strategies.cluster import parse_cluster, profile_for_cluster
 from planner.strategies.gradients import make_plan
 from planner.strategies.intervals import nominal_ddp, with_intervals, with_kfac_intervals
 from planner.strategies.kfac_plan import DEFAULT_FACTOR_UPDATE_STEPS, DEFAULT_INV_UPDATE_STEPS, make_kfac_plan
-from planner.strategies.mixed_plan import PRESETS, make_mixed_plan, measured_compressors, preset_compressors
+from planner.strategies.mixed_plan import (
+    PRESETS,
+    make_mixed_plan,
+    measured_compressors,
+    parse_compressors,
+    preset_compressors,
+)
 from planner.types import Compressor, InverseMethod, PlannerError, Strategy
 
 __all__ = ["GRADIENT_KINDS", "SolveRequest", "Solved", "solve"]
@@ -69,6 +75,15 @@ class SolveRequest:
     placement_solver: str = "cp-sat"
     global_batch: int | None = None
     trigger: str | None = None
+
+    @classmethod
+    def auto(cls) -> SolveRequest:
+        """`planner solve --strategy auto` with its defaults: the light compressors and the default error budget's
+        own compressor, within that budget."""
+        compressors = parse_compressors("light")
+        if isinstance(BY_DEFAULT, Compressor):
+            compressors = tuple(dict.fromkeys((*compressors, BY_DEFAULT)))
+        return cls(strategy="auto", compressors=compressors, preset="light", error_budget=BY_DEFAULT)
 
 
 @dataclass(frozen=True)
