@@ -230,3 +230,74 @@ def test_the_race_inside_ddp_races_what_the_buckets_send_and_commits_every_rank_
         np.testing.assert_allclose(first["moved"][i], total.numpy(), rtol=0, atol=2e-3 * float(total.abs().max()))
     raced, plan_json = first["resumed"]
     assert raced == race and plan_json == first["plan"]
+
+
+def _shaped_racing_worker(rank: int, world_size: int, plan_json: str) -> dict[str, Any]:
+    """The race in the first steps of `ShapedConv` (tied weights, a frozen layer, BatchNorm, an unused parameter,
+    modules registered out of order) with momentum SGD; then 3 steps, and the same 3 steps on an exchange started on
+    the arm kept from the state at the commit."""
+    from torch import nn
+
+    from tests.test_mixed_runtime import ShapedConv
+
+    def train(exchange: GradientExchange, model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            g = torch.Generator().manual_seed(10 * rank + step)
+            x, y = torch.randn(6, 3, 5, 5, generator=g), torch.randint(0, 4, (6,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            exchange.synchronize()
+            opt.step()
+
+    def trainable(model: nn.Module) -> list[torch.nn.Parameter]:
+        return [p for p in model.parameters() if p.requires_grad]
+
+    plan = Plan.from_dict(json.loads(plan_json))
+    torch.manual_seed(0)
+    model = ShapedConv()
+    frozen = model.frozen.weight.detach().clone()
+    opt = torch.optim.SGD(trainable(model), lr=0.1, momentum=0.9)
+    exchange = GradientExchange(model, plan, optimizer=opt, find_unused_parameters=True,
+                                race=OnlineRace(block=2, max_rounds=2))
+    step = 0
+    while exchange.race is None:
+        train(exchange, model, opt, range(step, step + 1))
+        step += 1
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "exchange": exchange.state_dict()}, buf)
+    train(exchange, model, opt, range(step, step + 3))
+    buf.seek(0)
+    saved = torch.load(buf)
+    twin = ShapedConv()
+    twin.load_state_dict(saved["model"])
+    twin_opt = torch.optim.SGD(trainable(twin), lr=0.1, momentum=0.9)
+    twin_opt.load_state_dict(saved["opt"])
+    kept = GradientExchange(twin, exchange.plan, optimizer=twin_opt, find_unused_parameters=True)
+    kept.load_state_dict(saved["exchange"])
+    train(kept, twin, twin_opt, range(step, step + 3))
+    out = {"race": exchange.race.to_dict(), "plan": json.dumps(exchange.plan.to_dict(), sort_keys=True),
+           "after": [p.detach().numpy() for p in model.parameters()],
+           "twin": [p.detach().numpy() for p in twin.parameters()],
+           "frozen_kept": torch.equal(model.frozen.weight, frozen), "unused_grad": model.unused.weight.grad is None,
+           "tied": model.tail.weight is model.body.weight}
+    for x in (exchange, kept):
+        x.close()
+    return out
+
+
+def test_the_race_in_the_first_steps_on_a_model_shaped_like_real_ones() -> None:
+    """On tied weights, a frozen layer, BatchNorm, an unused parameter and modules registered out of order, with
+    momentum: every rank commits to the same arm and ends with the same weights, the frozen layer is untouched and the
+    unused parameter gets no gradient, and the 3 steps after the commit equal an exchange started on the arm kept
+    from the state at the commit (1e-6)."""
+    from tests.test_mixed_runtime import ShapedConv
+
+    plan = solve_auto(slow_profile_with_errors(module=ShapedConv(), per_byte=1e-5),
+                      parse_compressors("dense,fp16,powersgd:1"), error_budget=None).plan
+    assert plan.runners_up, "the premise: the plan has a runner-up to race"
+    first, second = run_warm(_shaped_racing_worker, 2, json.dumps(plan.to_dict()))
+    assert first["race"] == {**second["race"], "seconds": first["race"]["seconds"]} and first["plan"] == second["plan"]
+    for a, b, twin in zip(first["after"], second["after"], first["twin"], strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, twin, rtol=0, atol=1e-6)
+    assert first["frozen_kept"] and first["unused_grad"] and first["tied"]
