@@ -31,7 +31,7 @@ from tests.test_lifecycle import _alive, _children, _cmdline, _end, _stat, _surv
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The arm planted slower, and by how much of its own step it sleeps.
-SLEEPER, SLEEP_SHARE = "plan mixed (fp16) via DDP", 0.3
+SLEEPER, SLEEP_SHARE = "plan mixed (fp16) via DDP", 0.5
 
 
 def _sleeping(build: Callable[..., Runner], sleeper: str, share: float) -> Callable[..., Runner]:
@@ -67,7 +67,7 @@ def race_with_a_sleeper(rank: int, world_size: int, config: RaceConfig) -> RaceR
 
 @pytest.fixture(scope="module")
 def sleeper_race() -> list[RaceRecord]:
-    """One race on two warm workers, shared by the tests that read it: DDP, an fp16 plan inside DDP (planted 30%
+    """One race on two warm workers, shared by the tests that read it: DDP, an fp16 plan inside DDP (planted 50%
     slower) and the same plan in the runtime, at most 24 rounds of 2 steps per arm (a bet settles in 10 at the
     earliest); each rank's record."""
     plan = make_mixed_plan(synthetic_profile("mlp"), parse_compressors("fp16"))
@@ -77,7 +77,8 @@ def sleeper_race() -> list[RaceRecord]:
 
 
 def test_a_planted_slower_arm_is_beaten_and_leaves_the_race(sleeper_race: list[RaceRecord]) -> None:
-    """The arm that sleeps 30% of its step is beaten by another arm within the 24 rounds, and is not kept."""
+    """The arm that sleeps 50% of its step (30% missed the 24 rounds once on a doubly loaded machine) is beaten by
+    another arm within the 24 rounds, and is not kept."""
     record = sleeper_race[0]
     assert [a.name for a in record.arms] == ["ddp", SLEEPER, "plan mixed (fp16)"]
     slow = record.arm(SLEEPER)
