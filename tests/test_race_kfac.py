@@ -13,6 +13,7 @@ from unittest import mock
 import pytest
 
 from planner.commands.cli import main
+from planner.commands.printing import print_runners_up
 from planner.contracts.plan import Plan
 from planner.contracts.race_record import RacedArm, RaceRecord
 from planner.runtime import KFACPreconditioner
@@ -55,8 +56,8 @@ def test_the_finalists_are_kfac_pytorchs_layouts_then_the_plan_each_once(kfac_pl
     assert "plan" not in [a.name for a in kfac_finalists(same)]  # the plan is the COMM_OPT layout: raced once
 
 
-def test_a_layout_the_race_keeps_becomes_the_files_and_the_solved_one_races_next(kfac_plan: Plan,
-                                                                               tmp_path: Path) -> None:
+def test_a_layout_the_race_keeps_becomes_the_files_and_the_solved_one_races_next(
+        kfac_plan: Plan, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert with_kfac_race(kfac_plan, _record(kfac_plan, "plan")).kfac == kfac_plan.kfac
     kept = with_kfac_race(kfac_plan, _record(kfac_plan, "MEM_OPT layout"))
     kept.save(tmp_path / "kept.json")
@@ -67,6 +68,8 @@ def test_a_layout_the_race_keeps_becomes_the_files_and_the_solved_one_races_next
         mem_opt.owners, mem_opt.preconditioners, mem_opt.a_buffers)
     assert loaded.kfac.baselines == kfac_plan.kfac.baselines  # the solve's predictions of every layout stay
     assert loaded.runners_up[SOLVED].kfac == kfac_plan.kfac and loaded.race is not None
+    print_runners_up(loaded)  # the solved layout's average K-FAC step, not its gradient exchange's
+    assert f"solved layout {kfac_plan.kfac.predicted.step_s * 1e3:,.2f} ms" in capsys.readouterr().out
     names = [a.name for a in kfac_finalists(loaded)]
     assert f"runner-up {SOLVED}" in names and names.count("MEM_OPT layout") == 1, names
     # The race keeps the solved layout back: it is the file's again.

@@ -805,9 +805,16 @@ def print_mixed_groups(plan: Plan, profile: Profile) -> None:
 
 
 def print_runners_up(plan: Plan) -> None:
-    """The plan's runners-up, each with its predicted step: the finalists that race beside it."""
+    """The plan's runners-up, each with its predicted step (a K-FAC plan's: its average K-FAC step): the finalists
+    that race beside it."""
+
+    def step_s(other: Plan) -> float:
+        if other.kfac is not None and other.kfac.predicted is not None:
+            return other.kfac.predicted.step_s
+        return other.predicted.iteration_s
+
     if plan.runners_up:
-        listed = ", ".join(f"{name} {_ms(other.predicted.iteration_s)} ms" for name, other in plan.runners_up.items())
+        listed = ", ".join(f"{name} {_ms(step_s(other))} ms" for name, other in plan.runners_up.items())
         console.print(f"runners-up (they race beside the plan, `planner race`): {listed} predicted", markup=False,
                       soft_wrap=True)
 
