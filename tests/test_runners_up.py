@@ -155,3 +155,19 @@ def test_retune_race_races_the_retuned_plan_and_refuses_what_it_cannot(tmp_path:
     make_abs_plan(slowed_profile(world_size=2), 128, source="p.json").save(tmp_path / "abs.json")
     assert main(["retune", str(tmp_path / "abs.json"), "--no-probe", "--race", "-o", str(out)]) == 2
     assert "--race races gradient and K-FAC plans" in capsys.readouterr().err
+
+
+def test_on_several_hosts_the_kept_way_of_sending_runs_up_once_per_route(tmp_path: Path) -> None:
+    """On two hosts, auto's runners-up include the kept plan's way of sending with every group crossing hosts flat,
+    and with every group crossing them hierarchically: the best plan per route, each whole (it loads back)."""
+    from tests.test_hierarchical import _two_host_profile
+
+    choice = solve_auto(_two_host_profile(), parse_compressors("dense"), error_budget=None)
+    runners = choice.plan.runners_up
+    assert set(runners) == {"dense, all flat", "dense, all hierarchical"}, list(runners)
+    assert {g.hierarchical for g in runners["dense, all flat"].groups} == {False}
+    assert {g.hierarchical for g in runners["dense, all hierarchical"].groups} == {True}
+    choice.plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").runners_up.keys() == runners.keys()
+    one_host = solve_auto(synthetic_profile("mlp"), parse_compressors("dense"), error_budget=None)
+    assert not any("all flat" in name for name in one_host.plan.runners_up)

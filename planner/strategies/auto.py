@@ -179,8 +179,33 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     if factors is not None:
         name = next(name for name, plan in choice.candidates.items() if plan is choice.plan)
         kept = {"plan": factors[name], **{row: f for row, f in factors.items() if row not in choice.candidates}}
-    plan = replace(choice.plan, runners_up=runners_up(choice.plan, choice.candidates, factors))
+    pool = dict(choice.candidates)
+    if profile.hosts is not None:  # on several hosts: the kept plan's way of sending, every group one way across them
+        name = next(name for name, plan in choice.candidates.items() if plan is choice.plan)
+        routed = route_variants(profile, name, choice.plan, source=source, selector=selector,
+                                time_limit_s=time_limit_s, error_budget=error_budget)
+        pool.update({label: with_error(plan, profile, budget) for label, plan in routed.items()})
+        if factors is not None:
+            factors = {**factors, **dict.fromkeys(routed, factors[name])}  # the same compressors: the same samples
+    plan = replace(choice.plan, runners_up=runners_up(choice.plan, pool, factors))
     return replace(choice, plan=plan, rule=rule, beyond_budget=left_out, samples=samples, factors=kept)
+
+
+def route_variants(profile: Profile, name: str, kept: Plan, *, source: str = "", selector: str | None = None,
+                   time_limit_s: float | None = 1.0, error_budget: BudgetSpec | None = None) -> dict[str, Plan]:
+    """The plan of the kept candidate `name`'s way of sending (its strategy, density or compressors) with every group
+    crossing hosts flat, and with every group crossing them hierarchically where its compressor can ("NAME, all
+    flat", "NAME, all hierarchical"): the best plan per route, which the race may settle where the model cannot."""
+    out = {}
+    for route in ("flat", "hierarchical"):
+        if kept.strategy is Strategy.MIXED:
+            plan = make_mixed_plan(profile, kept.compressors or (), source=source, selector=selector,
+                                   time_limit_s=time_limit_s, route=route, error_budget=error_budget)
+        else:
+            plan = make_plan(profile, kept.strategy, kept.density, source=source, selector=selector, route=route,
+                             time_limit_s=time_limit_s)
+        out[f"{name}, all {route}"] = plan
+    return out
 
 
 #: How many of auto's other candidates the kept plan names as runners-up (finalists of the race beside it).
