@@ -38,8 +38,10 @@ from planner.types import DistributedError, RemoteTraceback
 
 #: The collective timeout of the warm workers' group: the longest `timeout` a converted call passed.
 COLLECTIVE_TIMEOUT_S = 300.0
-#: After one rank of a case fails, how long the others get to report before the workers are replaced.
-FAILURE_GRACE_S = 5.0
+#: After one rank of a case fails, how long the others get to report before the workers are replaced. The first
+#: failure is what the case raises whatever they report (`_Workers.run`), so this only delays the replacement (a
+#: peer left waiting in a collective for the failed rank reports nothing before its collective timeout).
+FAILURE_GRACE_S = 0.5
 
 
 def _serve(rank: int, world_size: int, port: int, conn: Connection, parent: int) -> None:
