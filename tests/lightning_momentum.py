@@ -1,15 +1,19 @@
-"""Run by tests/test_frameworks.py under torchrun (2 gloo ranks): the small LM's plan (PowerSGD, top-k, dense) in
-Lightning with SGD's momentum in the hook (`lightning_strategy(momentum=0.9)`, the optimizer at momentum 0), its
-parameters saved to `momentum.pt`; then the same plan with the momentum in the optimizer instead, which the strategy
-refuses on the plan's top-k groups (printed as "rank R refused: ..."). Given an adaptive plan, its profile and a
-number of steps too, it then runs tests/lightning_adaptive.py's fit in the same processes (one launch, Lightning
-imported once, for both of the test's Lightning cases).
+"""Run by tests/test_frameworks.py under torchrun (2 gloo ranks): first docs/snippets/train_lightning.py itself, as
+its own launch would run it (its lines and `model.pt`; then "rank R: train_lightning.py done" on stderr); then the
+small LM's plan (PowerSGD, top-k, dense) in Lightning with SGD's momentum in the hook
+(`lightning_strategy(momentum=0.9)`, the optimizer at momentum 0), its parameters saved to `momentum.pt`; then the
+same plan with the momentum in the optimizer instead, which the strategy refuses on the plan's top-k groups (printed
+as "rank R refused: ..."). Given an adaptive plan, its profile and a number of steps too, it then runs
+tests/lightning_adaptive.py's fit in the same processes (one launch, Lightning imported once, for all three of the
+test's Lightning cases).
 
     torchrun --nproc_per_node 2 tests/lightning_momentum.py PLAN [ADAPTIVE_PLAN PROFILE STEPS]
 """
 
 import os
+import runpy
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -19,6 +23,7 @@ from torch.utils.data import DataLoader
 from planner.runtime.frameworks import lightning_strategy
 
 MOMENTUM = 0.9
+SNIPPET = Path(__file__).resolve().parents[1] / "docs" / "snippets" / "train_lightning.py"
 
 
 class LitModel(L.LightningModule):
@@ -46,6 +51,12 @@ def fit(optimizer_momentum: float, **strategy_kwargs) -> tuple[L.Trainer, torch.
     trainer.fit(LitModel(net, workload.loss_fn, optimizer_momentum), loader)
     return trainer, net
 
+
+argv = sys.argv
+sys.argv = [str(SNIPPET), argv[1]]  # the snippet's command line: `train_lightning.py PLAN`
+runpy.run_path(str(SNIPPET), run_name="__main__")
+sys.argv = argv
+print(f"rank {os.environ['RANK']}: {SNIPPET.name} done", file=sys.stderr, flush=True)
 
 trainer, net = fit(0.0, momentum=MOMENTUM)
 rank = trainer.global_rank

@@ -25,6 +25,8 @@ import pickle
 import sys
 import time
 import traceback
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -38,8 +40,10 @@ from planner.types import DistributedError, RemoteTraceback
 
 #: The collective timeout of the warm workers' group: the longest `timeout` a converted call passed.
 COLLECTIVE_TIMEOUT_S = 300.0
-#: After one rank of a case fails, how long the others get to report before the workers are replaced.
-FAILURE_GRACE_S = 5.0
+#: After one rank of a case fails, how long the others get to report before the workers are replaced. The first
+#: failure is what the case raises whatever they report (`_Workers.run`), so this only delays the replacement (a
+#: peer left waiting in a collective for the failed rank reports nothing before its collective timeout).
+FAILURE_GRACE_S = 0.5
 
 
 def _serve(rank: int, world_size: int, port: int, conn: Connection, parent: int) -> None:
@@ -54,6 +58,7 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection, parent: int)
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     seed = torch.initial_seed()  # a new process's; every case starts from it, as a fresh worker would
     environment = dict(os.environ)
+    cores = os.sched_getaffinity(0)
     while True:
         try:
             request = conn.recv_bytes()
@@ -68,7 +73,7 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection, parent: int)
             message: tuple[Any, ...] = ("ok", fn(rank, world_size, *args))
         except BaseException as exc:
             message = ("error", exc, traceback.format_exc())
-        _reset(environment)
+        _reset(environment, cores)
         changed = _restore(settings)
         if changed and message[0] == "ok":
             message = ("error", None, f"left module settings changed (put back now): {', '.join(changed)}; "
@@ -81,10 +86,11 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection, parent: int)
     dist.destroy_process_group()
 
 
-def _reset(environment: dict[str, str]) -> None:
+def _reset(environment: dict[str, str], cores: set[int]) -> None:
     """Undo what a case may have left that a fresh worker would not have: its subgroups, its threads setting,
-    its environment changes, its garbage (modules in reference cycles holding hooks). What survives the collection
-    is frozen (`gc.freeze`), so that later collections scan only what later cases make, not all of torch again."""
+    its environment changes, the cores it pinned itself to (`planner.sessions.bench_crossover` pins each rank),
+    its garbage (modules in reference cycles holding hooks). What survives the collection is frozen (`gc.freeze`),
+    so that later collections scan only what later cases make, not all of torch again."""
     gc.collect()
     gc.freeze()
     world = dist.group.WORLD
@@ -92,6 +98,8 @@ def _reset(environment: dict[str, str]) -> None:
         if group is not world:
             dist.destroy_process_group(group)
     torch.set_num_threads(1)
+    if os.sched_getaffinity(0) != cores:
+        os.sched_setaffinity(0, cores)
     if dict(os.environ) != environment:
         os.environ.clear()
         os.environ.update(environment)
@@ -215,10 +223,41 @@ def run_warm(fn: Any, world_size: int, *args: Any, timeout: float = 120) -> list
         raise
 
 
+#: Warm workers for jobs run side by side (`run_jobs_warm`): (the job's index in its call, world size) -> workers.
+_job_pools: dict[tuple[int, int], _Workers] = {}
+
+
+def run_jobs_warm(jobs: list[tuple[Any, int, tuple[Any, ...]]], timeout: float = 120) -> list[list[Any]]:
+    """`launch.run_jobs(jobs, timeout=timeout)` (plain jobs: gloo, no link or hosts) on the session's warm workers:
+    the k-th job of every call on the k-th group of workers of its world size, each group its own gloo group in its
+    own processes (started at the first call that needs it), the jobs of a call run at once, as the launcher runs
+    them. Each job's results by rank; a failing job's exception. After a failure or a timeout every group of the
+    call is replaced: the other jobs' workers would wait for the failed one until their deadline."""
+    if not 0 < timeout <= COLLECTIVE_TIMEOUT_S:
+        raise ValueError(f"`0 < timeout <= {COLLECTIVE_TIMEOUT_S:g}` must hold for warm workers, but got {timeout}")
+    keys = [(k, size) for k, (_, size, _) in enumerate(jobs)]
+    for key in keys:
+        if key not in _job_pools:
+            _job_pools[key] = _Workers(key[1])
+    workers = [_job_pools[key] for key in keys]
+    with ThreadPoolExecutor(len(jobs)) as threads:
+        runs = [threads.submit(w.run, fn, args, timeout) for w, (fn, _, args) in zip(workers, jobs, strict=True)]
+        done, _ = wait_futures(runs, return_when=FIRST_EXCEPTION)
+        failed = [run.exception() for run in done if run.exception() is not None]
+        if failed:
+            for key in keys:
+                _job_pools.pop(key).close(kill=True)
+            raise failed[0]  # type: ignore[misc]
+        return [run.result() for run in runs]
+
+
 def close_all() -> None:
     """Stop every warm worker (the session's end)."""
     while _pools:
         _, workers = _pools.popitem()
+        workers.close()
+    while _job_pools:
+        _, workers = _job_pools.popitem()
         workers.close()
 
 

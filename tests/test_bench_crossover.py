@@ -4,8 +4,6 @@ its bad input (one line, exit 2)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,40 +37,21 @@ def _pairing(tmp_path: Path, batch: str = "16") -> Path:
 
 
 @pytest.fixture
-def jobs_on_warm_workers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """`launch.run_jobs` as the bench calls it for plain jobs (gloo, no link or hosts), on warm workers (tests/pool.py):
-    the k-th job of every call on the k-th group of workers, started once for the test and stopped after it, instead
-    of new workers for each of the bench's five launches (and each importing torch and the digits again). The jobs of
-    a call run at once, each in its own process group, as the launcher runs them; the launcher's own way of starting
-    several jobs is tested in tests/test_crossover_runtime.py and tests/test_hosts.py."""
-    groups: dict[tuple[int, int], Any] = {}  # (job's index in the call, world size) -> its warm workers
+def jobs_on_warm_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`launch.run_jobs` as the bench calls it for plain jobs (gloo, no link or hosts), on warm workers
+    (`tests.pool.run_jobs_warm`): the k-th job of every call on the k-th group of workers, started once for the
+    session, instead of new workers for each of the bench's five launches (and each importing torch and the digits
+    again). The jobs of a call run at once, each in its own process group, as the launcher runs them; the
+    launcher's own way of starting several jobs is tested in tests/test_crossover_runtime.py and tests/test_hosts.py."""
     real = launch.run_jobs
 
     def run_jobs(jobs: Any, *, timeout: float = 120, backend: str = "gloo", link: Any = None,
                  hosts: int | None = None) -> list[list[Any]]:
         if backend != "gloo" or link is not None or hosts is not None:
             return real(jobs, timeout=timeout, backend=backend, link=link, hosts=hosts)
-        deadline = min(timeout, pool.COLLECTIVE_TIMEOUT_S)
-        for k, (_, size, _) in enumerate(jobs):
-            if (k, size) not in groups:
-                groups[k, size] = pool._Workers(size)
-        workers = [groups[k, size] for k, (_, size, _) in enumerate(jobs)]
-        with ThreadPoolExecutor(len(jobs)) as threads:
-            runs = [threads.submit(w.run, fn, args, deadline) for w, (fn, _, args) in zip(workers, jobs, strict=True)]
-            done, _ = wait(runs, return_when=FIRST_EXCEPTION)
-            failed = [run.exception() for run in done if run.exception() is not None]
-            if failed:  # the other jobs' workers would wait for this one until their deadline
-                for w in workers:
-                    w.close(kill=True)
-                raise failed[0]
-            return [run.result() for run in runs]
+        return pool.run_jobs_warm(jobs, timeout=min(timeout, pool.COLLECTIVE_TIMEOUT_S))
 
     monkeypatch.setattr(launch, "run_jobs", run_jobs)
-    try:
-        yield
-    finally:
-        for w in groups.values():
-            w.close(kill=True)
 
 
 @pytest.mark.usefixtures("jobs_on_warm_workers")

@@ -29,7 +29,7 @@ from planner.runtime.crossover import ProbeSchedule
 from planner.sessions.pair import make_pairing
 from planner.types import DistributedError, PlanMismatchError, PlannerFileError, Strategy
 from tests.factories import plan_with_groups
-from tests.pool import run_warm
+from tests.pool import run_jobs_warm, run_warm
 
 STEPS = 6
 
@@ -123,18 +123,22 @@ def _job_worker(rank: int, world_size: int, kind: str, plan_path: str, pairing: 
 FLICKER = ProbeSchedule(warmup_s=0.0, window_s=0.004, every_s=0.01)
 
 
-@pytest.mark.parametrize(("strategies", "probe"), [([Strategy.DENSE, Strategy.DENSE], False),
-                                                   ([Strategy.TOPK, Strategy.DENSE], False),
-                                                   ([Strategy.TOPK, Strategy.DENSE], FLICKER)],
+@pytest.mark.parametrize(("strategies", "probe", "launched"), [([Strategy.DENSE, Strategy.DENSE], False, True),
+                                                               ([Strategy.TOPK, Strategy.DENSE], False, False),
+                                                               ([Strategy.TOPK, Strategy.DENSE], FLICKER, False)],
                          ids=["dense+dense", "topk+dense", "topk+shaped probing"])
 def test_crossing_over_changes_timing_only(tmp_path: Path, strategies: list[Strategy],
-                                           probe: ProbeSchedule | bool) -> None:
+                                           probe: ProbeSchedule | bool, launched: bool) -> None:
+    """`launched`: the two jobs started by the launcher (`run_jobs`), each its own workers; else on warm workers
+    (`tests.pool.run_jobs_warm`: each job its own process group in its own processes, run at once, as launched,
+    without starting four interpreters again for each case)."""
     second = "deep" if probe is False else "shaped"
     pairing, (wide, deep) = write_pairing(tmp_path, ["wide", second], strategies)
     assert PairingPlan.load(pairing).pairs == ((0, 1),)
     gates = str(tmp_path / "gates")
-    crossed = run_jobs([(_job_worker, 2, ("wide", wide, pairing, gates, None, probe)),
-                        (_job_worker, 2, (second, deep, pairing, gates, None, probe))])
+    jobs = [(_job_worker, 2, ("wide", wide, pairing, gates, None, probe)),
+            (_job_worker, 2, (second, deep, pairing, gates, None, probe))]
+    crossed = run_jobs(jobs) if launched else run_jobs_warm(jobs)
     for kind, path, together in (("wide", wide, crossed[0]), (second, deep, crossed[1])):
         alone = run_warm(_job_worker, 2, kind, path, None, gates, None)
         for rank in range(2):

@@ -1,4 +1,6 @@
-"""The whole path through the `planner` command on 2 real gloo processes: profile, solve, show, bench."""
+"""The whole path through the `planner` command on 2 real gloo processes: profile, solve, show, bench. The commands
+that start workers run as the `planner` command does, each in its own interpreter; `planner solve`, which reads only
+the profile and starts no worker, runs its command line in this process (as tests/test_docs.py runs it)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from planner.commands.cli import main
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.models import Workload
@@ -27,7 +30,16 @@ def _planner(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[st
     return proc
 
 
-def test_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
+def _solve(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """`planner solve ARGS` run in this process: its stdout."""
+    capsys.readouterr()
+    code = main(["solve", *args])
+    out, err = capsys.readouterr()
+    assert code == 0, f"planner solve {' '.join(args)} failed:\n{out}\n{err}"
+    return out
+
+
+def test_profile_solve_bench_on_two_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     prof = tmp_path / "mlp.json"
     # One PowerSGD rank, a short layer phase and --quick's fewer in-situ pairs and micro-benchmark runs: every kind
     # of measurement, each as few times as the checks need.
@@ -66,9 +78,9 @@ def test_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     assert again.collectives != before  # re-measured
 
     dense, topk = tmp_path / "dense.json", tmp_path / "topk.json"
-    out = _planner("solve", str(prof), "--strategy", "dense", "-o", str(dense)).stdout
+    out = _solve(capsys, str(prof), "--strategy", "dense", "-o", str(dense))
     assert "lower bound" in out and "vs ddp " in out and "ddp-25mb" not in out  # DDP's row: plain DDP, "ddp"
-    _planner("solve", str(prof), "--strategy", "topk", "--density", "0.01", "-o", str(topk))
+    _solve(capsys, str(prof), "--strategy", "topk", "--density", "0.01", "-o", str(topk))
     assert Plan.load(topk).strategy is Strategy.TOPK
 
     res = _planner("bench", "--plan", str(dense), "--plan", str(topk), "--steps", "3", "--warmup", "1", "--json",
@@ -98,7 +110,7 @@ def tiny_kfac_workload() -> Workload:
                     loss_fn=nn.functional.cross_entropy)
 
 
-def test_kfac_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
+def test_kfac_profile_solve_bench_on_two_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = "tests.test_end_to_end:tiny_kfac_workload"
     prof = tmp_path / "tiny.json"
     _planner("profile", "--model", model, "--nproc", "2", "--repeats", "3", "--warmup", "1", "--densities", "0.01",
@@ -110,8 +122,8 @@ def test_kfac_profile_solve_bench_on_two_processes(tmp_path: Path) -> None:
     assert len(kf.eigen.points) >= 2 and len(kf.inverse.points) >= 2
 
     plan_path = tmp_path / "kfac.json"
-    out = _planner("solve", str(prof), "--strategy", "kfac", "--factor-update-steps", "1", "--inv-update-steps",
-                   "2", "--placement-solver", "cp-sat", "-o", str(plan_path)).stdout
+    out = _solve(capsys, str(prof), "--strategy", "kfac", "--factor-update-steps", "1", "--inv-update-steps", "2",
+                 "--placement-solver", "cp-sat", "-o", str(plan_path))
     assert "kfac-pytorch" in out and "lower bound" in out
     plan = Plan.load(plan_path)
     assert plan.kfac is not None and plan.kfac.placement_solver == "cp-sat"  # the layout solver

@@ -101,13 +101,28 @@ def plan_and_reference(plan_path: Path) -> tuple[Path, dict[str, Any]]:
 
 
 def _torchrun(script: str, plan: Path, tmp_path: Path) -> tuple[dict[str, torch.Tensor], str]:
-    done = _torchrun_script(SNIPPETS / script, plan, tmp_path)
+    return _snippet_ran(_torchrun_script(SNIPPETS / script, plan, tmp_path), tmp_path)
+
+
+def _snippet_ran(done: subprocess.CompletedProcess[str], folder: Path,
+                 stderr: str | None = None) -> tuple[dict[str, torch.Tensor], str]:
+    """The parameters a snippet's run saved in `folder`, and its stderr (`stderr`: its part of a launch's stderr
+    where the snippet ran beside other cases)."""
     assert done.returncode == 0, done.stderr[-3000:]
     # the ranks' lines (torchrun may pass two ranks' writes on without a line break between them)
     ranks = sorted(re.findall(r"rank (\d) loss [-\d.]+ checksum (-?\d+\.\d{6})", done.stdout))
     assert [rank for rank, _ in ranks] == ["0", "1"], done.stdout[-2000:]
     assert len({checksum for _, checksum in ranks}) == 1, ranks  # both ranks stepped alike
-    return torch.load(tmp_path / "model.pt"), done.stderr
+    return torch.load(folder / "model.pt"), done.stderr if stderr is None else stderr
+
+
+def _marked(stderr: str, marker: str) -> tuple[str, str]:
+    """`stderr` split at each rank's "rank R: MARKER": what came before the last rank's, and what came after the first
+    rank's (each rank writes in order, so what a rank wrote before its own marker is all in the first part, and
+    what it wrote after it all in the second)."""
+    at = list(re.finditer(rf"rank \d: {re.escape(marker)}", stderr))
+    assert len(at) == 2, stderr[-3000:]
+    return stderr[:at[-1].start()], stderr[at[0].end():]
 
 
 def _torchrun_script(script: Path, plan: Path, tmp_path: Path, *more: str) -> subprocess.CompletedProcess[str]:
@@ -123,8 +138,9 @@ def _torchrun_script(script: Path, plan: Path, tmp_path: Path, *more: str) -> su
 @pytest.fixture(scope="module")
 def lightning_runs(plan_path: Path, tmp_path_factory: pytest.TempPathFactory
                    ) -> tuple[subprocess.CompletedProcess[str], Path, Any]:
-    """One torchrun for both Lightning cases below (Lightning's import is most of a launch): tests/lightning_momentum.py
-    on the small LM's plan, then, in the same processes, tests/lightning_adaptive.py's fit on the adaptive task
+    """One torchrun for the three Lightning cases below (Lightning's import is most of a launch):
+    tests/lightning_momentum.py, which runs docs/snippets/train_lightning.py on the small LM's plan first, then its
+    own cases on that plan, then, in the same processes, tests/lightning_adaptive.py's fit on the adaptive task
     (tests/test_adaptive.py). The run, its directory, and the adaptive plan it started from."""
     from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
     from tests.test_adaptive import ALLOWED, BUDGET, slow_profile_with_errors
@@ -140,6 +156,15 @@ def lightning_runs(plan_path: Path, tmp_path_factory: pytest.TempPathFactory
     done = _torchrun_script(ROOT / "tests" / "lightning_momentum.py", plan_path, out,
                             str(adaptive_path), str(profile_path), str(ITERATIONS))
     return done, out, adaptive
+
+
+@pytest.fixture(scope="module")
+def accelerate_run(plan_path: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One torchrun for both Accelerate cases below: tests/accelerate_momentum.py on the small LM's plan, then, in the
+    same processes, docs/snippets/train_accelerate.py on it. The run and its directory."""
+    out = tmp_path_factory.mktemp("accelerate")
+    return _torchrun_script(ROOT / "tests" / "accelerate_momentum.py", plan_path, out), out
 
 
 def _refused(stdout: str) -> list[tuple[str, str]]:
@@ -190,13 +215,14 @@ def test_lightning_strategy_replans_as_training_goes(
 
 
 def test_accelerate_takes_the_hooks_momentum_and_the_hook_checks_the_prepared_optimizer(
-        plan_and_reference: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+        plan_and_reference: tuple[Path, dict[str, Any]],
+        accelerate_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     """`PlanHook(momentum=0.9, optimizer=...)` run through `accelerate_prepare` trains as by hand, and momentum put in
     the optimizer Accelerate prepared is refused at its next step, in one line."""
-    plan, reference = plan_and_reference
-    done = _torchrun_script(ROOT / "tests" / "accelerate_momentum.py", plan, tmp_path)
+    _plan, reference = plan_and_reference
+    done, out = accelerate_run
     assert done.returncode == 0, done.stderr[-3000:]
-    got = torch.load(tmp_path / "momentum.pt")
+    got = torch.load(out / "momentum.pt")
     for name, p in got.items():
         torch.testing.assert_close(p, reference["plan+momentum"][name], rtol=RTOL, atol=ATOL, msg=name)
     refused = _refused(done.stdout)
@@ -215,9 +241,19 @@ def _check_runs_the_plan(got: dict[str, torch.Tensor], reference: dict[str, Any]
 
 @pytest.mark.parametrize("script", ["train_ddp.py", "train_lightning.py", "train_accelerate.py"])
 def test_each_script_runs_the_plan_as_by_hand(script: str, plan_and_reference: tuple[Path, dict[str, Any]],
-                                              tmp_path: Path) -> None:
+                                              tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """train_ddp.py in a launch of its own; the Lightning and Accelerate scripts in the launches of their momentum
+    cases (`lightning_runs`, `accelerate_run`), which run them as their own launches would: Lightning's first,
+    Accelerate's last."""
     plan, reference = plan_and_reference
-    got, stderr = _torchrun(script, plan, tmp_path)
+    if script == "train_lightning.py":
+        done, out, _adaptive = request.getfixturevalue("lightning_runs")
+        got, stderr = _snippet_ran(done, out, _marked(done.stderr, f"{script} done")[0])
+    elif script == "train_accelerate.py":
+        done, out = request.getfixturevalue("accelerate_run")
+        got, stderr = _snippet_ran(done, out, _marked(done.stderr, f"{script} starts")[1])
+    else:
+        got, stderr = _torchrun(script, plan, tmp_path)
     _check_runs_the_plan(got, reference, stderr)
 
 

@@ -46,9 +46,16 @@ def _curve(alpha: float, beta: float) -> FittedCurve:
     return fit_curve([(s, alpha + beta * s) for s in SIZES])
 
 
-def _two_hosts(topk: tuple[HostTopk, ...] = ()) -> Profile:
-    """The synthetic MLP on 2 hosts of 2: hierarchical allreduce dearer to start, cheaper per byte than flat."""
-    base = synthetic_profile("mlp", world_size=4)
+#: A model whose messages and top-k picks are small (a few hundred parameters): `planner profile --only comm` times
+#: the network of 4 workers on 2 emulated hosts at the sizes of the profile's model, and measures the overlap of the
+#: picks on the model; what the test checks of both does not depend on those sizes.
+SMALL_MODEL = "tests.test_tune:tiny_workload"
+
+
+def _two_hosts(topk: tuple[HostTopk, ...] = (), model: str = "mlp") -> Profile:
+    """The synthetic MLP (or `model`) on 2 hosts of 2: hierarchical allreduce dearer to start, cheaper per byte than
+    flat."""
+    base = synthetic_profile(model, world_size=4)
     hosts = HostTiming(ranks=((0, 1), (2, 3)), intra=_curve(5e-5, 2e-10), inter=_curve(2e-4, 1.3e-9),
                        hierarchical=_curve(2e-3, 2.7e-9), topk=topk)
     return dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, host_count=2), hosts=hosts,
@@ -281,10 +288,11 @@ def test_a_profile_gives_the_overlaps_it_measured_to_hosts_of_the_same_size_only
 @needs_root
 def test_only_comm_on_two_hosts_times_the_top_k_exchange_again_at_the_overlaps_it_has(tmp_path: Path) -> None:
     # Measured on hosts of 2 at 0.01: reused as it is. Not measured at 0.1: measured on the model given.
-    # --quick: the collectives, the host levels and the exchange timed 3 times each, not 7 and 5.
+    # --quick: the collectives, the host levels and the exchange timed 3 times each, not 7 and 5; a small model's
+    # profile: its messages, and the picks whose overlap is measured, are small.
     out = tmp_path / "p.json"
-    _with_densities(_two_hosts((_topk_at(0.01, 1e-4, 1e-9, ratio=1.37),)), (0.01, 0.1)).save(out)
-    proc = _cli("profile", "--quick", "--model", "mlp", "--nproc", "4", "--hosts", "2", "--only", "comm", "-o",
+    _with_densities(_two_hosts((_topk_at(0.01, 1e-4, 1e-9, ratio=1.37),), SMALL_MODEL), (0.01, 0.1)).save(out)
+    proc = _cli("profile", "--quick", "--model", SMALL_MODEL, "--nproc", "4", "--hosts", "2", "--only", "comm", "-o",
                 str(out))
     assert proc.returncode == 0, proc.stderr
     new = Profile.load(out)
@@ -295,7 +303,7 @@ def test_only_comm_on_two_hosts_times_the_top_k_exchange_again_at_the_overlaps_i
         assert t.exchange.points != _curve(1e-4, 1e-9).points and all(s > 0 for _, s in t.exchange.points)
     assert "did not time the top-k exchange" not in proc.stderr
     # A profile measured on one host, re-measured on 2 with --model of another model: no overlap to time at.
-    one_host = _with_densities(synthetic_profile("mlp", world_size=4), (0.01,))
+    one_host = _with_densities(synthetic_profile(SMALL_MODEL, world_size=4), (0.01,))
     one_host.save(out)
     proc = _cli("profile", "--quick", "--model", "cnn", "--nproc", "4", "--hosts", "2", "--only", "comm", "-o",
                 str(out))

@@ -357,8 +357,16 @@ def kills_itself(rank: int, world_size: int) -> None:
     time.sleep(30)
 
 
+def _short_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher waits only 0.5 s, not `FAILURE_GRACE_S`, for the other workers once one died: rank 0 of
+    `kills_itself` sleeps on and never reports, so the grace is seconds the outcome does not depend on (as
+    `PLANNER_WITH_SHORT_GRACE` below)."""
+    monkeypatch.setattr(launch, "FAILURE_GRACE_S", 0.5)
+
+
 def _death_message(monkeypatch: pytest.MonkeyPatch, counts: list[int | None]) -> str:
     """The error of a run whose rank 1 is killed by SIGKILL while the OOM-kill counter reads `counts` in turn."""
+    _short_grace(monkeypatch)
     readings = iter(counts)
     monkeypatch.setattr(launch, "OomWatch", lambda: OomWatch(count=lambda: next(readings),
                                                              kernel_log=lambda pid, since: None))
@@ -384,8 +392,9 @@ def test_without_a_counter_or_kernel_log_a_sigkill_is_not_called_out_of_memory(
     assert message.startswith("worker rank 1 was killed by SIGKILL") and "out of memory" not in message
 
 
-def test_a_real_sigkill_by_hand_is_not_out_of_memory() -> None:
+def test_a_real_sigkill_by_hand_is_not_out_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unpatched: whatever this machine lets the launcher read, a SIGKILL sent by a process is no OOM kill."""
+    _short_grace(monkeypatch)
     with pytest.raises(DistributedError, match=r"^worker rank 1 was killed by SIGKILL") as caught:
         run_distributed(kills_itself, 2, timeout=120)
     assert "out of memory" not in str(caught.value)

@@ -67,7 +67,7 @@ def config(tmp_path: Path, strategy: str = "dense", **kwargs: Any) -> TuneConfig
                                           else TuneSpace(max_group_mb=SMALL_GROUPS))
     base: dict[str, Any] = dict(
         profile=profile(), profile_path="synthetic.json", strategy=strategy, storage=tmp_path / "study.db",
-        trials=2, steps=2, rungs=2, warmup=1, compare_steps=2, space=space, show_progress=False, timeout_s=240,
+        trials=2, steps=2, rungs=2, warmup=1, compare_steps=2, space=space, show_progress=False, timeout_s=300,
         output=tmp_path / "tuned.json",
     )
     return TuneConfig(**{**base, **kwargs})
