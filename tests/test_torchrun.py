@@ -142,12 +142,11 @@ def _for_two_hosts(made: PlanOrProfile) -> PlanOrProfile:
 
 
 @needs_root
-def test_the_kfac_and_abs_benches_and_tune_run_under_torchrun_on_two_nodes(tmp_path: Path) -> None:
-    """The other worker-starting commands on torchrun's group across two emulated hosts: K-FAC's bench, ABS-SGD's
-    bench and tune. Rank 0 writes; the second host prints nothing and writes nothing."""
-    from planner.strategies.abs_plan import make_abs_plan
+def test_the_kfac_bench_runs_under_torchrun_on_two_nodes(tmp_path: Path) -> None:
+    """K-FAC's bench on torchrun's group across two emulated hosts, with layers preconditioned on each host and sent
+    to the other. Rank 0 writes; the second host prints nothing. (ABS-SGD's bench and tune start their workers as
+    bench does: one host's torchrun shows it for them, at half the ranks.)"""
     from planner.strategies.kfac_plan import make_kfac_plan
-    from tests.test_abs_plan import slowed_profile
 
     kfac = _for_two_hosts(make_kfac_plan(synthetic_profile(KFAC_MODEL, 4), inv_update_steps=2, source="synthetic"))
     assert kfac.kfac is not None
@@ -161,16 +160,15 @@ def test_the_kfac_and_abs_benches_and_tune_run_under_torchrun_on_two_nodes(tmp_p
     assert {"sgd", "plan"} <= {r["name"] for r in rows} and all(r["median_s"] > 0 for r in rows)
     assert second == ""
 
-    _for_two_hosts(make_abs_plan(slowed_profile(world_size=4), 128, source="p.json")).save(tmp_path / "abs.json")
-    first, second = _on_two_emulated_hosts(tmp_path, "bench", "--strategy", "abs", "--plan",
-                                           str(tmp_path / "abs.json"), "--samples", "512", "--repeats", "1", "--json")
-    variants = json.loads(first)["variants"]
-    assert {v["variant"] for v in variants} == {"abs-sgd", "sync-equal", "sync-proportional"}
-    assert second == ""
 
-    _for_two_hosts(synthetic_profile(MODEL, world_size=4)).save(tmp_path / "p.json")
-    first, second = _on_two_emulated_hosts(
-        tmp_path, "tune", str(tmp_path / "p.json"), "--model", MODEL, "--trials", "2", "--steps", "2", "--rungs",
-        "2", "--warmup", "1", "--compare-steps", "2", "-o", str(tmp_path / "tuned.json"))
-    assert first.count("wrote plan") == 1 and second == ""
-    assert Plan.load(tmp_path / "tuned.json").cluster.host_count == 2
+def test_the_abs_bench_runs_on_the_group_torchrun_made(tmp_path: Path) -> None:
+    """ABS-SGD's bench on a standalone torchrun's 2 ranks: rank 0 prints the one JSON document."""
+    from planner.strategies.abs_plan import make_abs_plan
+    from tests.test_abs_plan import slowed_profile
+
+    make_abs_plan(slowed_profile(world_size=2), 128, source="p.json").save(tmp_path / "abs.json")
+    proc = _torchrun("bench", "--strategy", "abs", "--plan", str(tmp_path / "abs.json"), "--samples", "512",
+                     "--repeats", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    variants = json.loads(proc.stdout)["variants"]  # one document: rank 0's
+    assert {v["variant"] for v in variants} == {"abs-sgd", "sync-equal", "sync-proportional"}
