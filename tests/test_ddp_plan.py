@@ -22,8 +22,6 @@ from planner.contracts.layers import gradient_layers
 from planner.contracts.plan import Group, Plan
 from planner.contracts.unused import UnusedParams
 from planner.costmodel.problem import groups_for, topk_count
-from planner.platform.launch import run_distributed
-from planner.platform.link import privilege_problem
 from planner.runtime import GradientExchange, PlanHook
 from planner.runtime.ddp_plan import bucket_caps
 from planner.types import Compressor, PlanMismatchError, Strategy
@@ -396,10 +394,7 @@ def test_hierarchical_groups_with_momentum_equal_gradient_exchange_bit_for_bit()
     assert len(run_warm(_hierarchical_worker, 4, True, MOMENTUM, timeout=180)) == 4
 
 
-@pytest.mark.spawns
-@pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated hosts here: {privilege_problem()}")
-def test_hierarchical_groups_on_two_emulated_hosts_found_by_name() -> None:
-    assert len(run_distributed(_hierarchical_worker, 4, False, hosts=2, timeout=180)) == 4
+# (On emulated hosts found by name: tests/test_hierarchical.py, in one launch with the collectives and the runtime.)
 
 
 # -- models shaped like real ones (2 processes) ------------------------------------------------------------------

@@ -69,13 +69,7 @@ def test_profile_solve_bench_on_two_processes(tmp_path: Path, capsys: pytest.Cap
             assert c.modelled_s > 0 and c.samples_s is not None and len(c.samples_s) % 2 == 0
         assert own["send"].modelled_s == hook["send"].modelled_s  # the same two allreduces, on the same curve
     assert "fp16" in profile.in_situ.compress and "send" not in profile.in_situ.compress["fp16"]
-    before = profile.collectives
-
-    _planner("profile", "--only", "comm", "--nproc", "2", "-o", str(prof))
-    again = Profile.load(prof)
-    assert again.layers == profile.layers and again.topk == profile.topk
-    assert again.throughput == profile.throughput  # compute measurements are kept
-    assert again.collectives != before  # re-measured
+    # `profile --only comm` re-measuring this network, the rest kept: tests/test_hierarchical_topk.py
 
     dense, topk = tmp_path / "dense.json", tmp_path / "topk.json"
     out = _solve(capsys, str(prof), "--strategy", "dense", "-o", str(dense))
@@ -151,9 +145,11 @@ def test_kfac_profile_solve_bench_on_two_processes(tmp_path: Path, capsys: pytes
         plan.kfac.baselines[LOCAL_KFAC].step_s, rel=1e-12)
 
 
-def test_the_quick_demo_writes_outside_the_shipped_folders_and_the_shipped_file_tests_then_pass(tmp_path: Path) -> None:
+def test_the_quick_demo_writes_outside_the_shipped_folders_and_leaves_the_shipped_files_as_they_were(
+        tmp_path: Path) -> None:
     """The README's order, in a copy of the repository: `planner demo` (quick, shortened) leaves nothing git sees
-    outside ignored folders, and the tests that read the shipped example plans still pass there afterwards."""
+    outside ignored folders, so the tests that read the shipped example plans (from git: tests/shipped.py) read
+    the same files there afterwards."""
     from tests.shipped import ROOT, shipped_plans
 
     def git(*args: str, cwd: Path = ROOT) -> str:
@@ -184,8 +180,4 @@ def test_the_quick_demo_writes_outside_the_shipped_folders_and_the_shipped_file_
     assert demo.stdout.rstrip().splitlines()[-1].startswith("race: keep ")  # the last line: decided by the race
     assert git("status", "--porcelain", cwd=copy) == ""  # nothing new outside the ignored runs/
     assert [p.relative_to(copy) for p in shipped_plans(copy)] == [p.relative_to(ROOT) for p in shipped_plans()]
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                            "tests/test_exactness.py", "tests/test_uncertainty.py",
-                            "-k", "written_before_the_record or plan_files_validate"],
-                           cwd=copy, capture_output=True, text=True, timeout=600)
-    assert tests.returncode == 0 and f"{len(shipped_plans()) + 1} passed" in tests.stdout, tests.stdout + tests.stderr
+    assert all((copy / p.relative_to(ROOT)).read_bytes() == p.read_bytes() for p in shipped_plans())

@@ -77,12 +77,26 @@ def test_hierarchical_equals_flat_on_hosts_given_explicitly() -> None:
     assert len(results[0]) == len(LAYOUTS) * (len(SIZES) + 1)
 
 
+def _found_by_name(rank: int, world_size: int) -> tuple[list[tuple[str, float]], list[float], list[tuple[str, bool]]]:
+    """On emulated hosts, no hosts given: the collectives (`_compare`), the runtime's groups (`_runtime_worker`) and
+    DDP's hook (tests/test_ddp_plan.py's `_hierarchical_worker`) each read the hosts from the ranks' host names.
+    One launch for the three: emulated hosts cost seconds to make."""
+    from tests.test_ddp_plan import _hierarchical_worker
+
+    return _compare(rank, world_size, None), _runtime_worker(rank, world_size, False), _hierarchical_worker(
+        rank, world_size, False)
+
+
 @pytest.mark.spawns
 @pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated hosts here: {privilege_problem()}")
-def test_hierarchical_equals_flat_on_two_emulated_hosts_found_by_name() -> None:
-    results = run_distributed(_compare, 4, None, hosts=2, link=parse_rate("1gbit"), timeout=120)
-    assert results[0][0][0].startswith("[[0, 1], [2, 3]]")  # the hosts were read from the names
-    assert all(error <= 1e-6 for rank_results in results for _, error in rank_results)
+def test_the_collectives_the_runtime_and_ddps_hook_find_two_emulated_hosts_by_name() -> None:
+    results = run_distributed(_found_by_name, 4, hosts=2, link=parse_rate("1gbit"), timeout=240)
+    collectives = [r[0] for r in results]
+    assert collectives[0][0][0].startswith("[[0, 1], [2, 3]]")  # the hosts were read from the names
+    assert all(error <= 1e-6 for rank_results in collectives for _, error in rank_results)
+    assert max(max(r[1]) for r in results) <= 1e-3  # as with the hosts given (below)
+    sent = results[0][2]  # DDP's hook equal to GradientExchange bit for bit (asserted in the worker)
+    assert any(hierarchical for _, hierarchical in sent) and not all(hierarchical for _, hierarchical in sent)
 
 
 def _bad_layouts(rank: int, world_size: int) -> list[str]:
@@ -216,12 +230,6 @@ def test_hierarchical_groups_in_the_runtime_equal_ddp_and_their_flat_twins() -> 
     errors = run_warm(_runtime_worker, 4, True, timeout=120)
     assert max(max(e) for e in errors) <= 1e-3  # fp16's rounding differs with the order of its additions
 
-
-@pytest.mark.spawns
-@pytest.mark.skipif(privilege_problem() is not None, reason=f"no emulated hosts here: {privilege_problem()}")
-def test_hierarchical_groups_on_two_emulated_hosts_found_by_name() -> None:
-    errors = run_distributed(_runtime_worker, 4, False, hosts=2, timeout=120)
-    assert max(max(e) for e in errors) <= 1e-3
 
 
 def test_hierarchical_groups_need_a_multi_host_plan() -> None:

@@ -291,11 +291,15 @@ def test_only_comm_on_two_hosts_times_the_top_k_exchange_again_at_the_overlaps_i
     # --quick: the collectives, the host levels and the exchange timed 3 times each, not 7 and 5; a small model's
     # profile: its messages, and the picks whose overlap is measured, are small.
     out = tmp_path / "p.json"
-    _with_densities(_two_hosts((_topk_at(0.01, 1e-4, 1e-9, ratio=1.37),), SMALL_MODEL), (0.01, 0.1)).save(out)
+    old = _with_densities(_two_hosts((_topk_at(0.01, 1e-4, 1e-9, ratio=1.37),), SMALL_MODEL), (0.01, 0.1))
+    old.save(out)
     proc = _cli("profile", "--quick", "--model", SMALL_MODEL, "--nproc", "4", "--hosts", "2", "--only", "comm", "-o",
                 str(out))
     assert proc.returncode == 0, proc.stderr
     new = Profile.load(out)
+    # the network measured again, the compute kept as it was
+    assert new.collectives != old.collectives and all(len(c.points) >= 5 for c in new.collectives.values())
+    assert (new.layers, new.topk, new.throughput, new.step_s) == (old.layers, old.topk, old.throughput, old.step_s)
     assert new.hosts is not None and [t.density for t in new.hosts.topk] == [0.01, 0.1]
     reused, measured = new.hosts.topk
     assert reused.union_ratio == 1.37 and 1.0 <= measured.union_ratio <= 2.0

@@ -5,7 +5,8 @@ averages started at the first factor) the same runs diverged: the MLP to losses 
 steps and 14–170 on random data, the CNN spiking to 3.4–7.2 from 2.3.
 
 Models: the built-in MLP and CNN shapes at reduced width (full size: benchmarks/kfac_convergence.py), 100
-steps of batches drawn with the seed, on 3 seeds. Two tasks:
+steps of batches drawn with the seed: 3 seeds where K-FAC is compared with SGD, 2 where the test asks only that
+it does not diverge (the old convention diverged on every seed). Two tasks:
 
 - digits (scikit-learn, upsampled to 28x28 for the MLP, 32x32x3 for the CNN): learnable;
 - random data as the built-in workloads make it (normal inputs, uniform labels, a pool of 100 batches):
@@ -69,11 +70,12 @@ def task(kind: str, data: str) -> tuple[Tensor, Tensor, int]:
     return torch.randn(100 * batch, *shape, generator=g), torch.randint(0, 10, (100 * batch,), generator=g), batch
 
 
-CASES = [("cnn", "digits", False), ("mlp", "random", True), ("mlp", "digits", False)]
+#: (model, data, K-FAC ends below SGD, seeds)
+CASES = [("cnn", "digits", False, (0, 1)), ("mlp", "random", True, (0, 1, 2)), ("mlp", "digits", False, (0, 1))]
 
 
-@pytest.mark.parametrize(("kind", "data", "ends_below_sgd"), CASES)
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(("kind", "data", "ends_below_sgd", "seed"),
+                         [(kind, data, below, seed) for kind, data, below, seeds in CASES for seed in seeds])
 def test_kfac_with_kfac_pytorch_hyperparameters(kind: str, data: str, ends_below_sgd: bool, seed: int) -> None:
     x, y, batch = task(kind, data)
     make = narrow_mlp if kind == "mlp" else narrow_cnn

@@ -72,7 +72,8 @@ def _torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[s
     return _finish(_start_torchrun(*args), timeout)
 
 
-def test_tune_and_bench_run_on_the_group_torchrun_made(tmp_path: Path) -> None:
+def test_tune_runs_on_the_group_torchrun_made(tmp_path: Path) -> None:
+    """(`planner bench` on torchrun's group: two nodes of it below, and ABS-SGD's on one host's.)"""
     synthetic_profile(MODEL, world_size=2).save(tmp_path / "p.json")
     tuned = tmp_path / "tuned.json"
     # --hosts emulates hosts for workers a command starts itself; torchrun's are its own: one line. Its own torchrun
@@ -87,14 +88,7 @@ def test_tune_and_bench_run_on_the_group_torchrun_made(tmp_path: Path) -> None:
         refusal = _finish(refused, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("wrote plan") == 1  # rank 0 only
-    plan = Plan.load(tuned)
-    assert plan.cluster.world_size == 2
-    proc = _torchrun("bench", "--plan", str(tuned), "--model", MODEL, "--steps", "2", "--warmup", "1", "--peers",
-                     "none", "--json")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(proc.stdout)  # one document: rank 0's
-    assert {"ddp", f"plan {plan.strategy.value}"} <= {r["name"] for r in rows}
-    assert all(r["median_s"] > 0 for r in rows)
+    assert Plan.load(tuned).cluster.world_size == 2
     assert refusal.returncode != 0 and "drop --hosts" in refusal.stderr and not (tmp_path / "x.json").exists()
 
 
