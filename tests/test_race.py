@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import json
 import statistics
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,8 @@ from planner.models import build_workload
 from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet, median_interval
 from planner.sessions.race import finalists
 from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
-from planner.strategies.race_rule import MIN_ESTIMATE_ROUNDS, Race, RaceDecision, race_summary, too_short
+from planner.strategies.race_rule import MIN_ESTIMATE_ROUNDS, Race, RaceDecision, race_summary, replay, too_short
+from planner.strategies.race_streams import drifting_blocks
 from planner.types import SchemaError
 from tests.factories import synthetic_profile
 from tests.shipped import shipped_plans
@@ -138,35 +138,6 @@ def test_bad_races_are_refused() -> None:
 
 
 # -- the rule on a drifting machine: a trend, bursts and heavy tails -------------------------------------------------
-def drifting_blocks(means: Sequence[float], rounds: int, rng: np.random.Generator, *,
-                    noise: float = 0.02) -> np.ndarray:
-    """Block times (rounds x arms) of arms whose medians are `means`, on a machine that drifts as a shared one does:
-
-    - a trend: the machine slows by 30% over the rounds and wanders by 15% either way (a slow wave), alike for the
-      blocks of one round;
-    - within a round the arms run in a random order (as the race draws it) and the machine slows 0.4% per block, so
-      an arm's place in its round matters;
-    - bursts: spells (one starts in 5% of the rounds and lasts about 3) in which each block is hit with chance 1/2
-      and runs 20-80% slower;
-    - heavy tails: Student's t noise with 3 degrees of freedom, of scale `noise`, on each block's log time.
-
-    Every arm meets the same machine (its order, its bursts and its noise are drawn alike), so the median of two arms'
-    block ratio in a round is exactly the ratio of their `means`."""
-    arms = len(means)
-    r = np.arange(rounds)
-    machine = 0.3 * r / rounds + 0.15 * np.sin(2 * np.pi * r / 37 + rng.uniform(0, 2 * np.pi))
-    place = np.argsort(rng.random((rounds, arms)), axis=1)  # each arm's place in its round's random order
-    spell = np.zeros(rounds, dtype=bool)
-    draws = rng.random(rounds)
-    for t in range(1, rounds):
-        spell[t] = draws[t] < (0.7 if spell[t - 1] else 0.05)
-    hit = spell[:, None] & (rng.random((rounds, arms)) < 0.5)
-    burst = np.where(hit, np.log1p(rng.uniform(0.2, 0.8, (rounds, arms))), 0.0)
-    log = (np.log(means)[None, :] + machine[:, None] + 0.004 * place + burst
-           + noise * rng.standard_t(3, (rounds, arms)))
-    return np.exp(log)
-
-
 def _race_on(blocks: np.ndarray, *, margin: float = 0.02, alpha: float = 0.05) -> tuple[Race, RaceDecision]:
     """The race of `blocks`' arms ("arm0", "arm1", ..., simplest first), round by round until it decides; the budget
     rule after the last round."""
@@ -307,6 +278,11 @@ def test_planner_race_runs_the_finalists_simplest_first_and_keeps_one(tmp_path: 
             assert low <= high
     assert all(arm["predicted_ratio"] > 0 for arm in result["arms"])
     assert result["summary"].startswith("race: keep ")
+    # The record keeps the rule's evidence: fed again, its blocks reach the same decision after the same rounds.
+    assert all(len(arm.blocks_s) == arm.rounds for arm in recorded.arms)
+    again = replay(recorded).decision(out_of_budget=recorded.rule == "budget")
+    assert again is not None and (again.kept, again.rule, again.rounds) == (recorded.kept, recorded.rule,
+                                                                           recorded.rounds), again
 
 
 def test_hooks_beyond_the_plans_error_budget_do_not_race() -> None:
@@ -351,6 +327,10 @@ def test_a_race_record_reads_back_and_refuses_what_cannot_be() -> None:
     old = {k: v for k, v in _record().items() if k != "reference"}  # written before races had other references
     assert RaceRecord.from_dict(old).reference == "ddp"
     arms = _record()["arms"]
+    with_blocks = [{**arm, "blocks_s": [0.06, 0.059, 0.062]} for arm in arms]
+    assert RaceRecord.from_dict(_record(arms=with_blocks)).to_dict() == _record(arms=with_blocks)
+    with pytest.raises(ValueError, match=r"holds no block times for ddp, ddp\+fp16: it cannot be replayed"):
+        replay(RaceRecord.from_dict(_record()))  # written before the blocks were kept
     for changes, message in [
         ({"kept": "plan"}, "kept must be one of the arms"),
         ({"rule": "luck"}, "rule must be one of"),
@@ -361,6 +341,8 @@ def test_a_race_record_reads_back_and_refuses_what_cannot_be() -> None:
         ({"kept": "ddp+fp16", "arms": [arms[0], {**arms[1], "beaten_by": "ddp"}]}, "was beaten"),
         ({"arms": [arms[0], {**arms[1], "ratio_to_ddp": -1}]}, "positive ratio"),
         ({"reference": "COMM_OPT layout"}, "reference must be one of the arms"),
+        ({"arms": [arms[0], {**arms[1], "blocks_s": [0.06]}]}, "holds 1 blocks, but the arm ran 3 rounds"),
+        ({"arms": [arms[0], {**arms[1], "blocks_s": [0.06, -1, 0.06]}]}, r"blocks_s\[1\] must be a time"),
     ]:
         with pytest.raises(SchemaError, match=message):
             RaceRecord.from_dict(_record(**changes))

@@ -11,7 +11,8 @@ Schema (inside the plan, version 1 like the plan):
       "reference": "ddp",                 # optional (old records: "ddp"): the arm every ratio is measured against
       "arms": [                           # simplest first
         {"name": "ddp", "rounds": 24, "steps": 96, "median_block_s": 0.061,
-         "ratio_to_ddp": 1.0, "interval": null, "predicted_ratio": 1.0, "beaten_by": null},
+         "ratio_to_ddp": 1.0, "interval": null, "predicted_ratio": 1.0, "beaten_by": null,
+         "blocks_s": [0.062, 0.060, ...]},  # optional (old records: none): its block in each round it ran
         ...
       ]
     }
@@ -19,7 +20,8 @@ Schema (inside the plan, version 1 like the plan):
 `ratio_to_ddp` is the median over the rounds both ran of the arm's block time over the reference's (DDP's in a race
 of gradient plans; in a race of K-FAC layouts kfac-pytorch's default layout, COMM_OPT: the key keeps its first name),
 `interval` its anytime interval, `predicted_ratio` the model's (null where the plan predicts no row of the reference
-or of the arm).
+or of the arm). `blocks_s` are the rule's evidence, round by round (the mean of the block's slowest-rank steps), so
+that a race can be replayed under another rule.
 """
 
 from __future__ import annotations
@@ -60,17 +62,22 @@ class RacedArm:
     interval: tuple[float, float] | None
     predicted_ratio: float | None
     beaten_by: str | None = None
+    #: Its block time (seconds) in each round it ran, in order; empty in records from before they were kept.
+    blocks_s: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "rounds": self.rounds, "steps": self.steps, "median_block_s": self.median_block_s,
+        data = {"name": self.name, "rounds": self.rounds, "steps": self.steps, "median_block_s": self.median_block_s,
                 "ratio_to_ddp": self.ratio_to_ddp, "interval": None if self.interval is None else list(self.interval),
                 "predicted_ratio": self.predicted_ratio, "beaten_by": self.beaten_by}
+        if self.blocks_s:
+            data["blocks_s"] = list(self.blocks_s)
+        return data
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> RacedArm:
         data = expect(data, dict, where)
         check_fields(data, where, ["name", "rounds", "steps", "median_block_s", "ratio_to_ddp", "interval",
-                                   "predicted_ratio", "beaten_by"])
+                                   "predicted_ratio", "beaten_by"], optional=["blocks_s"])
         interval = data["interval"]
         if interval is not None:
             if not isinstance(interval, list) or len(interval) != 2:
@@ -79,6 +86,10 @@ class RacedArm:
             if interval[0] > interval[1]:
                 raise SchemaError(f"{where}.interval: `low <= high` must hold, got {list(interval)}")
         beaten_by = data["beaten_by"]
+        blocks = expect(data.get("blocks_s", []), list, f"{where}.blocks_s")
+        if blocks and len(blocks) != data["rounds"]:
+            raise SchemaError(f"{where}.blocks_s holds {len(blocks)} blocks, but the arm ran {data['rounds']!r} "
+                              "rounds: one block per round")
         return cls(name=expect(data["name"], str, f"{where}.name"),
                    rounds=expect_int(data["rounds"], f"{where}.rounds", 1, _MOST_ROUNDS),
                    steps=expect_int(data["steps"], f"{where}.steps", 1, _MOST_ROUNDS * 1000),
@@ -86,7 +97,8 @@ class RacedArm:
                    ratio_to_ddp=_optional_ratio(data["ratio_to_ddp"], f"{where}.ratio_to_ddp"),
                    interval=interval,
                    predicted_ratio=_optional_ratio(data["predicted_ratio"], f"{where}.predicted_ratio"),
-                   beaten_by=None if beaten_by is None else expect(beaten_by, str, f"{where}.beaten_by"))
+                   beaten_by=None if beaten_by is None else expect(beaten_by, str, f"{where}.beaten_by"),
+                   blocks_s=tuple(expect_time(b, f"{where}.blocks_s[{i}]") for i, b in enumerate(blocks)))
 
 
 @dataclass(frozen=True)

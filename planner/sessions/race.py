@@ -217,7 +217,8 @@ class Rounds:
             results.append(RacedArm(
                 name=name, rounds=len(blocks), steps=len(blocks) * self.block,
                 median_block_s=statistics.median(blocks), ratio_to_ddp=statistics.median(ratios) if ratios else None,
-                interval=interval, predicted_ratio=predicted, beaten_by=decision.beaten.get(name)))
+                interval=interval, predicted_ratio=predicted, beaten_by=decision.beaten.get(name),
+                blocks_s=tuple(blocks)))
         return RaceRecord(raced=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                           kept=decision.kept, rule=decision.rule, rounds=decision.rounds, block=self.block,
                           margin=config.margin, alpha=config.alpha, seconds=self.seconds, arms=tuple(results),

@@ -45,7 +45,7 @@ from planner.contracts.race_record import RaceRecord
 from planner.sequential import DEFAULT_ALPHA, DEFAULT_MARGIN, LESS_OFTEN, MORE_OFTEN, HalfBet
 
 __all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "MIN_ESTIMATE_ROUNDS", "RATIO_GRID", "WHY", "Race", "RaceDecision",
-           "race_summary", "ratio_interval", "too_short", "why"]
+           "race_summary", "ratio_interval", "replay", "too_short", "why"]
 
 #: The fewest rounds the budget rule goes by estimates after; before, it keeps the simplest arm not beaten.
 MIN_ESTIMATE_ROUNDS = 5
@@ -195,3 +195,22 @@ class Race:
         """The median over the rounds both ran in of arm's block time over reference's (None: no such round)."""
         paired = [a / r for a, r in zip(self.blocks[arm], self.blocks[reference], strict=False)]
         return statistics.median(paired) if paired else None
+
+
+def replay(record: RaceRecord) -> Race:
+    """The race of `record` fed again, round by round, from its arms' recorded blocks (`RacedArm.blocks_s`), at its
+    margin and alpha: the evidence its rule decided on, to read or to decide on under another rule. Refused where
+    the record holds no blocks (records from before they were kept)."""
+    missing = [arm.name for arm in record.arms if len(arm.blocks_s) != arm.rounds]
+    if missing:
+        raise ValueError(f"the race of {record.raced} holds no block times for {', '.join(missing)}: it cannot be "
+                         "replayed (races record them since 2026-12-03)")
+    race = Race([arm.name for arm in record.arms], margin=record.margin, alpha=record.alpha)
+    blocks = {arm.name: arm.blocks_s for arm in record.arms}
+    for t in range(record.rounds):
+        if any(t >= len(blocks[name]) for name in race.alive):
+            break  # the recorded race beat an arm this one has not: it ran no further
+        race.observe({name: blocks[name][t] for name in race.alive})
+        if race.decision() is not None:
+            break
+    return race
