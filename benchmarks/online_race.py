@@ -67,6 +67,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--max-rounds", type=int, default=15, help="the race's budget of rounds (OnlineRace)")
     parser.add_argument("--out", type=Path, default=None, help="JSON of every run")
+    parser.add_argument("--timeout", type=float, default=1800,
+                        help="seconds one training of --steps steps may take before its workers are killed "
+                             "(default 1800: an LSTM behind 200 Mbit/s takes seconds a step)")
     args = parser.parse_args()
     plan = Plan.load(args.plan)
     offline = plan.race.kept if plan.race is not None else None
@@ -74,12 +77,14 @@ def main() -> int:
     link = parse_rate(args.link) if args.link else None
     rows = []
     for run in range(args.runs):
-        raced = run_distributed(_train, 2, plan_json, "race", args.steps, args.max_rounds, link=link)[0]
+        raced = run_distributed(_train, 2, plan_json, "race", args.steps, args.max_rounds, link=link,
+                                timeout=args.timeout)[0]
         assert raced["race"] is not None, f"the race did not decide in {args.steps} steps"
         kept = raced["race"]["kept"]
         plain = {}
         for which in (kept, "plan") if run % 2 == 0 else ("plan", kept):
-            done = run_distributed(_train, 2, plan_json, which, args.steps, args.max_rounds, link=link)
+            done = run_distributed(_train, 2, plan_json, which, args.steps, args.max_rounds, link=link,
+                                   timeout=args.timeout)
             plain[which] = done[0]["seconds"]
         rows.append({"run": run + 1, "kept": kept, "rule": raced["race"]["rule"],
                      "rounds": raced["race"]["rounds"], "decided_at": raced["decided_at"],

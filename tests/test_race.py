@@ -21,7 +21,15 @@ from planner.models import build_workload
 from planner.sequential import LESS_OFTEN, MORE_OFTEN, HalfBet, median_interval
 from planner.sessions.race import finalists
 from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
-from planner.strategies.race_rule import MIN_ESTIMATE_ROUNDS, Race, RaceDecision, race_summary, replay, too_short
+from planner.strategies.race_rule import (
+    MIN_ESTIMATE_ROUNDS,
+    WANTED_ROUNDS,
+    Race,
+    RaceDecision,
+    race_summary,
+    replay,
+    too_short,
+)
 from planner.strategies.race_streams import drifting_blocks
 from planner.types import SchemaError
 from tests.factories import synthetic_profile
@@ -366,6 +374,10 @@ def test_plans_written_before_the_race_still_load_and_show_without_one(tmp_path:
 def test_a_race_the_budget_ended_too_soon_says_how_long_would_do() -> None:
     record = RaceRecord.from_dict(_record(rule="budget", rounds=2, seconds=30.0))
     assert too_short(record) == ("note: 2 round(s) in 30 s, too few to go by estimates: the simplest arm not beaten "
-                                 "was kept; --race-time 150 gives about 10 rounds of these arms")
-    assert too_short(RaceRecord.from_dict(_record(rule="budget", rounds=MIN_ESTIMATE_ROUNDS))) is None
+                                 "was kept; --race-time 300 gives about 20 rounds of these arms")
+    thin = too_short(RaceRecord.from_dict(_record(rule="budget", rounds=8, seconds=90.0)))
+    assert thin is not None and thin.startswith("note: 8 rounds in 90 s: the estimates the budget rule went by are "
+                                                "thin") and thin.endswith("--race-time 225 gives about 20 rounds of "
+                                                                          "these arms"), thin
+    assert too_short(RaceRecord.from_dict(_record(rule="budget", rounds=WANTED_ROUNDS, seconds=90.0))) is None
     assert too_short(RaceRecord.from_dict(_record(rule="tied"))) is None

@@ -44,11 +44,15 @@ from planner.contracts.plan import DDP_ROW
 from planner.contracts.race_record import RaceRecord
 from planner.sequential import DEFAULT_ALPHA, DEFAULT_MARGIN, LESS_OFTEN, MORE_OFTEN, HalfBet
 
-__all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "MIN_ESTIMATE_ROUNDS", "RATIO_GRID", "WHY", "Race", "RaceDecision",
-           "race_summary", "ratio_interval", "replay", "too_short", "why"]
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_MARGIN", "MIN_ESTIMATE_ROUNDS", "RATIO_GRID", "WANTED_ROUNDS", "WHY", "Race",
+           "RaceDecision", "race_summary", "ratio_interval", "replay", "too_short", "why"]
 
 #: The fewest rounds the budget rule goes by estimates after; before, it keeps the simplest arm not beaten.
 MIN_ESTIMATE_ROUNDS = 5
+#: The rounds the budget rule's estimates want: on a drifting machine they keep an arm within the margin of the
+#: fastest in 0.83-0.90 of simulated races at 6 rounds and 0.95-1.00 at 15-40 (with a noise of 2% a block;
+#: benchmarks/budget_rule_study.py, docs/results/race.md). A race the budget ends sooner says so (`too_short`).
+WANTED_ROUNDS = 20
 #: Candidate medians of an arm's block time over DDP's, for its interval: 0.2x to 5x in steps of about one percent
 #: (an end of the interval at an end of the grid is not settled on that side).
 RATIO_GRID = tuple(math.exp(math.log(0.2) + i * 0.01) for i in range(round(math.log(25) / 0.01) + 1))
@@ -107,14 +111,18 @@ def race_summary(record: RaceRecord) -> str:
 
 
 def too_short(record: RaceRecord) -> str | None:
-    """A note where the budget ended the race before it could go by estimates (fewer than `MIN_ESTIMATE_ROUNDS`
-    rounds): how long a race of twice as many rounds of these arms would take. None otherwise."""
-    if record.rule != "budget" or record.rounds >= MIN_ESTIMATE_ROUNDS or record.seconds <= 0:
+    """A note where the budget ended the race with fewer than `WANTED_ROUNDS` rounds: before `MIN_ESTIMATE_ROUNDS`,
+    too few to go by estimates; after, estimates too thin to trust beside a gain near the margin. Says how long a race
+    of `WANTED_ROUNDS` rounds of these arms would take. None otherwise."""
+    if record.rule != "budget" or record.rounds >= WANTED_ROUNDS or record.seconds <= 0:
         return None
-    wanted = 2 * MIN_ESTIMATE_ROUNDS
-    return (f"note: {record.rounds} round(s) in {record.seconds:.0f} s, too few to go by estimates: the simplest arm "
-            f"not beaten was kept; --race-time {math.ceil(record.seconds / record.rounds * wanted)} gives about "
-            f"{wanted} rounds of these arms")
+    longer = (f"--race-time {math.ceil(record.seconds / record.rounds * WANTED_ROUNDS)} gives about "
+              f"{WANTED_ROUNDS} rounds of these arms")
+    if record.rounds < MIN_ESTIMATE_ROUNDS:
+        return (f"note: {record.rounds} round(s) in {record.seconds:.0f} s, too few to go by estimates: the simplest "
+                f"arm not beaten was kept; {longer}")
+    return (f"note: {record.rounds} rounds in {record.seconds:.0f} s: the estimates the budget rule went by are thin "
+            f"(beside a gain near the margin they pick wrongly often under {WANTED_ROUNDS} rounds); {longer}")
 
 
 class Race:
