@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -105,6 +106,16 @@ RULES: dict[str, Rule] = {
 }
 
 
+def block_noise(blocks: np.ndarray) -> float:
+    """The spread of a race's blocks (rounds x arms, every arm in every round) once the round's machine and the arm's
+    own speed are taken out: the median absolute deviation of the two-way residuals of their log times, times 1.4826
+    (a normal's standard deviation). The simulator's streams are measured alike, so the two can be set side by side."""
+    logs = np.log(blocks)
+    residual = logs - logs.mean(axis=1, keepdims=True)
+    residual = residual - np.median(residual, axis=0, keepdims=True)
+    return float(1.4826 * np.median(np.abs(residual - np.median(residual))))
+
+
 def _replay(paths: list[str]) -> int:
     """What every rule keeps in the recorded races of `paths` (race logs or plan files) that the budget ended."""
     records: list[tuple[str, RaceRecord]] = []
@@ -117,14 +128,20 @@ def _replay(paths: list[str]) -> int:
             records += [(f"{path} #{i + 1} {logged.model} {logged.link or 'loopback'}", logged.race)
                         for i, logged in enumerate(RaceLog.load(path).races)]
     table = Table(title="recorded races the budget ended: the arm each rule keeps")
-    for column in ("race", "rounds", *RULES):
+    for column in ("race", "rounds", "block noise", *RULES):
         table.add_column(column)
     for name, record in records:
         if record.rule != "budget" or any(len(a.blocks_s) != a.rounds for a in record.arms):
             continue
         race = replay(record)
-        table.add_row(name, str(race.rounds), *(rule(race, race.alive) for rule in RULES.values()))
+        full = [arm.blocks_s for arm in record.arms if arm.rounds == record.rounds]
+        noise = f"{block_noise(np.array(full).T):.3f}" if len(full) > 1 and record.rounds > 2 else "-"
+        table.add_row(name, str(race.rounds), noise, *(rule(race, race.alive) for rule in RULES.values()))
     console.print(table)
+    rng = np.random.default_rng(0)
+    for scale in (0.02, 0.05):
+        simulated = statistics.median(block_noise(drifting_blocks([1.0] * 5, 40, rng, noise=scale)) for _ in range(50))
+        console.print(f"block noise of the simulator's streams at noise {scale:g}: {simulated:.3f} (median of 50)")
     return 0
 
 
