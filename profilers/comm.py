@@ -20,9 +20,10 @@ from planner.platform.memory import available_bytes
 from planner.platform.timing import time_call
 from planner.types import Collective
 
-__all__ = ["TOPK_MEMORY_SHARE", "UNION_ROUNDS", "UNION_WARMUP", "collective_runs", "host_runs", "host_topk_sizes",
-           "host_union_ratio", "interleaved_visits", "log_sizes", "measure_collectives", "measure_host_topk",
-           "measure_hosts", "measure_union_ratios", "overlapping_picks", "topk_budget"]
+__all__ = ["TOPK_MEMORY_SHARE", "UNION_ROUNDS", "UNION_WARMUP", "collective_runs", "fp16_sum_runs", "host_runs",
+           "host_topk_sizes", "host_union_ratio", "interleaved_visits", "log_sizes", "measure_collectives",
+           "measure_fp16_sum", "measure_host_topk", "measure_hosts", "measure_union_ratios", "overlapping_picks",
+           "topk_budget"]
 
 
 def log_sizes(smallest: int, largest: int, factor: int = 4) -> list[int]:
@@ -146,6 +147,36 @@ def measure_collectives(
                                  None if gathered is None else gathered[:max(1, nbytes // 4) * world], process_group))
               for coll in collectives for nbytes in sizes]
     return _fitted_curves(points, device, repeats=repeats, warmup=warmup, process_group=process_group, on_run=on_run)
+
+
+def fp16_sum_runs(sizes: Sequence[int], *, repeats: int, warmup: int) -> int:
+    """How many runs `measure_fp16_sum` makes (for a progress bar: it calls `on_run` after each)."""
+    return 2 * sum(warmup + _repetitions(b, repeats) for b in sizes)
+
+
+def measure_fp16_sum(sizes: Sequence[int], device: torch.device, *, repeats: int, warmup: int,
+                     on_run: Callable[[], object] = lambda: None) -> FittedCurve:
+    """What an allreduce of fp16 elements costs beyond one of fp32 elements of the same bytes, at each size in
+    `sizes` (message bytes): the work of summing half-precision values, which the collectives' fp32 curves leave
+    out. Over gloo on a CPU it is software conversion and costs more than the transfer it halves (an allreduce of n
+    fp16 elements took 0.8-1.75 times one of n fp32 elements over loopback on 2 workers, not a half); over NCCL
+    it is about none. Both are timed interleaved, as `measure_collectives` times its curves; each point is the
+    difference of their means, and a difference below zero (noise about none: fp16 sums no slower) counts as
+    none. Every rank calls it."""
+    largest = max(1, max(sizes) // 2)
+    half = torch.zeros(largest, dtype=torch.float16, device=device)
+    full = torch.zeros(max(1, largest // 2), device=device)
+    ops, counts = [], []
+    for nbytes in sizes:
+        ops += [_op(Collective.ALLREDUCE, half[:max(1, nbytes // 2)], None),
+                _op(Collective.ALLREDUCE, full[:max(1, nbytes // 4)], None)]
+        counts += [_repetitions(nbytes, repeats)] * 2
+    means, _ = _interleaved_means(ops, counts, device, warmup=warmup, on_run=on_run)
+    points = [(int(max(2, nbytes // 2 * 2)), max(0.0, means[2 * i] - means[2 * i + 1]))
+              for i, nbytes in enumerate(sizes)]
+    if sum(t > 0 for _, t in points) >= 2:
+        return fit_curve(points)
+    return FittedCurve(points=tuple(points), alpha_s=max(t for _, t in points), beta_s_per_byte=0.0, fit_error=0.0)
 
 
 def _slowest_mean(op: Callable[[], object], nbytes: int, device: torch.device, *, repeats: int,

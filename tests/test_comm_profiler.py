@@ -9,7 +9,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from planner.kernels.hierarchical import HostGroups
-from planner.profilers.comm import collective_runs, host_runs, interleaved_visits, measure_collectives, measure_hosts
+from planner.profilers.comm import (
+    collective_runs,
+    fp16_sum_runs,
+    host_runs,
+    interleaved_visits,
+    measure_collectives,
+    measure_fp16_sum,
+    measure_hosts,
+)
 from planner.types import Collective
 from tests.pool import run_warm
 
@@ -58,6 +66,10 @@ def _measure(rank: int, world_size: int, layout: list[list[int]] | None) -> dict
     curves = measure_collectives(colls, SIZES, torch.device("cpu"), repeats=3, warmup=1,
                                  on_run=lambda: runs.__setitem__(0, runs[0] + 1))
     out: dict[str, Any] = {"runs": runs[0], "curves": {c.value: c_.points for c, c_ in curves.items()}}
+    fp16_runs = [0]
+    out["fp16_sum"] = measure_fp16_sum(SIZES, torch.device("cpu"), repeats=3, warmup=1,
+                                       on_run=lambda: fp16_runs.__setitem__(0, fp16_runs[0] + 1)).points
+    out["fp16_runs"] = fp16_runs[0]
     if layout is not None:
         host_calls = [0]
         timing = measure_hosts(HostGroups.build(layout), SIZES, torch.device("cpu"), repeats=3, warmup=1,
@@ -77,6 +89,9 @@ def test_collectives_are_timed_at_every_size_the_same_on_every_rank() -> None:
     for points in first["curves"].values():
         assert [b for b, _ in points] == SIZES
         assert all(t > 0 for _, t in points)
+    # fp16's summing beyond an fp32 allreduce of the same bytes: every size, the two timed alike, none below 0.
+    assert first["fp16_runs"] == fp16_sum_runs(SIZES, repeats=3, warmup=1) == 2 * 3 * (1 + 3)
+    assert [b for b, _ in first["fp16_sum"]] == SIZES and all(t >= 0 for _, t in first["fp16_sum"])
     # One rank per host: no level inside a host; across hosts and end to end at every size.
     assert first["host_runs"] == host_runs(SIZES, [[0], [1]], repeats=3, warmup=1) == 2 * 3 * 4
     assert first["levels"]["intra"] is None

@@ -7,11 +7,13 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from planner.commands.cli import main
 from planner.contracts.plan import Plan
-from planner.costmodel.curves import fit_curve
+from planner.contracts.profile import CompressTiming, Profile
+from planner.costmodel.curves import curve_model, fit_curve
 from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed_simulator import simulate_mixed
 from planner.models import build_workload
@@ -278,3 +280,26 @@ def test_one_model_for_every_strategy_the_same_dense_grouping_is_predicted_the_s
     topk_grouping = plan_grouping(topk_plan, profile)
     assert simulate(gradient_problem(profile, Strategy.TOPK, 0.01), topk_grouping).iteration_s == pytest.approx(
         topk_plan.predicted.iteration_s, rel=1e-12)
+
+
+def test_an_fp16_groups_allreduce_is_the_fp32_curve_at_its_bytes_plus_the_measured_summing() -> None:
+    """fp16 halves the bytes sent, but summing half-precision values costs work of its own (over gloo on a CPU more
+    than the bytes it saves): an fp16 group's allreduce is priced as an fp32 one of its bytes plus what the profile
+    measured beyond that (`CompressTiming.fp16_sum`), in the planner's runtime and in DDP's hook alike; a profile
+    from before it was measured prices the fp32 curve alone. The profile reads back with and without it."""
+    fp16 = Compressor.parse("fp16")
+    profile = synthetic_profile("mlp")
+    assert profile.compress is not None and profile.compress.fp16_sum is None
+    summing = fit_curve([(1 << 10, 2e-4), (1 << 20, 9e-3), (1 << 24, 0.12)])
+    measured = replace(profile, compress=replace(profile.compress, fp16_sum=summing))
+    sizes = np.array([4096.0, 3e6, 2e7])  # message bytes
+    for runtime in ("planner", "ddp"):
+        before = mixed_problem(profile, [fp16], runtime=runtime).compressors[0].comm.cost_many(sizes)
+        after = mixed_problem(measured, [fp16], runtime=runtime).compressors[0].comm.cost_many(sizes)
+        dense = mixed_problem(profile, [Compressor.parse("dense")], runtime=runtime).compressors[0].comm
+        assert before == pytest.approx(dense.cost_many(sizes), rel=1e-12)
+        assert after == pytest.approx(before + curve_model(summing).cost_many(sizes), rel=1e-12)
+    timing = measured.compress
+    assert timing is not None and CompressTiming.from_dict(timing.to_dict(), "compress") == timing
+    assert "fp16_sum" not in profile.compress.to_dict()
+    assert Profile.from_dict(json.loads(json.dumps(measured.to_dict()))).compress == timing

@@ -492,6 +492,10 @@ class CompressTiming:
     fp16_cast: FittedCurve
     fp16_uncast: FittedCurve
     powersgd: tuple[PowerSGDLayerTiming, ...] = ()
+    #: What an allreduce of fp16 elements costs beyond one of fp32 elements of the same bytes (against the fp16
+    #: message's bytes; `profilers.comm.measure_fp16_sum`); None in profiles from before it was measured, whose
+    #: fp16 allreduce is priced as an fp32 one of its bytes.
+    fp16_sum: FittedCurve | None = None
 
     def __post_init__(self) -> None:
         seen: set[tuple[str, int]] = set()
@@ -510,18 +514,23 @@ class CompressTiming:
         return {row.layer: row for row in self.powersgd if row.rank == rank}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"fp16_cast": self.fp16_cast.to_dict(), "fp16_uncast": self.fp16_uncast.to_dict(),
-                "powersgd": [row.to_dict() for row in self.powersgd]}
+        out = {"fp16_cast": self.fp16_cast.to_dict(), "fp16_uncast": self.fp16_uncast.to_dict(),
+               "powersgd": [row.to_dict() for row in self.powersgd]}
+        if self.fp16_sum is not None:
+            out["fp16_sum"] = self.fp16_sum.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> CompressTiming:
         expect(data, dict, where)
-        check_fields(data, where, ["fp16_cast", "fp16_uncast", "powersgd"])
+        check_fields(data, where, ["fp16_cast", "fp16_uncast", "powersgd"], optional=["fp16_sum"])
         rows = expect(data["powersgd"], list, f"{where}.powersgd")
         return cls(fp16_cast=FittedCurve.from_dict(data["fp16_cast"], f"{where}.fp16_cast"),
                    fp16_uncast=FittedCurve.from_dict(data["fp16_uncast"], f"{where}.fp16_uncast"),
                    powersgd=tuple(PowerSGDLayerTiming.from_dict(r, f"{where}.powersgd[{i}]")
-                                  for i, r in enumerate(rows)))
+                                  for i, r in enumerate(rows)),
+                   fp16_sum=(None if data.get("fp16_sum") is None
+                             else FittedCurve.from_dict(data["fp16_sum"], f"{where}.fp16_sum")))
 
 
 @dataclass(frozen=True, kw_only=True)

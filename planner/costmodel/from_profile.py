@@ -159,12 +159,12 @@ def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, select
             case CompressorKind.FP16:
                 timing = _compress_timing(profile, c)
                 costs.append(CompressorCosts(
-                    compressor=c, collective=Collective.ALLREDUCE, comm=dense.comm,
+                    compressor=c, collective=Collective.ALLREDUCE, comm=fp16_comm(dense.comm, timing),
                     prepare=_plus(pack, _calibrated(curve_model(timing.fp16_cast), _factor(profile, c, "prepare"))),
                     decode=_calibrated(curve_model(timing.fp16_uncast), _factor(profile, c, "decode"))))
             case CompressorKind.POWERSGD:
                 costs.append(_powersgd_costs(profile, c, dense.comm, pack, runtime))
-        if hosts is not None and (routed := _hierarchical_costs(hosts, costs[-1])) is not None:
+        if hosts is not None and (routed := _hierarchical_costs(hosts, costs[-1], profile.compress)) is not None:
             costs.append(routed)
         collective = Collective.ALLGATHER if c.kind is CompressorKind.TOPK else Collective.ALLREDUCE
         sigma = max(sigma, profile.interference_for(collective))
@@ -174,12 +174,16 @@ def mixed_problem(profile: Profile, compressors: Sequence[Compressor], *, select
                         compressors=tuple(costs), interference=sigma, comm_stretch=kappa, names=dense.names)
 
 
-def _hierarchical_costs(hosts: HostTiming, flat: CompressorCosts) -> CompressorCosts | None:
-    """`flat`'s compressor sent hierarchically (None: the profile has no cost for it, or the runtime cannot)."""
+def _hierarchical_costs(hosts: HostTiming, flat: CompressorCosts,
+                        compress: CompressTiming | None) -> CompressorCosts | None:
+    """`flat`'s compressor sent hierarchically (None: the profile has no cost for it, or the runtime cannot);
+    `compress`: the profile's compressor timings (fp16's summing)."""
     c = flat.compressor
     match c.kind:
-        case CompressorKind.DENSE | CompressorKind.FP16:
+        case CompressorKind.DENSE:
             return replace(flat, comm=curve_model(hosts.hierarchical), hierarchical=True)
+        case CompressorKind.FP16:
+            return replace(flat, comm=fp16_comm(curve_model(hosts.hierarchical), compress), hierarchical=True)
         case CompressorKind.TOPK:
             assert c.density is not None
             measured = hosts.topk_at(c.density)
@@ -189,6 +193,15 @@ def _hierarchical_costs(hosts: HostTiming, flat: CompressorCosts) -> CompressorC
         case CompressorKind.POWERSGD:
             return replace(flat, comm=curve_model(hosts.hierarchical), second_comm=curve_model(hosts.hierarchical),
                            hierarchical=True)
+
+
+def fp16_comm(comm: CostModel, timing: CompressTiming | None) -> CostModel:
+    """An fp16 group's allreduce: `comm` (an fp32 curve, read at the fp16 message's bytes) plus the profile's
+    measured cost of summing fp16 values beyond it (`CompressTiming.fp16_sum`; nothing more in profiles from before
+    it was measured)."""
+    if timing is None or timing.fp16_sum is None:
+        return comm
+    return Sum(parts=(comm, curve_model(timing.fp16_sum)))
 
 
 def _factor(profile: Profile, compressor: Compressor, part: str) -> float:

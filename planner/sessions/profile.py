@@ -44,10 +44,12 @@ from planner.platform.timing import slowest
 from planner.profilers.comm import (
     UNION_ROUNDS,
     collective_runs,
+    fp16_sum_runs,
     host_runs,
     host_topk_sizes,
     log_sizes,
     measure_collectives,
+    measure_fp16_sum,
     measure_host_topk,
     measure_hosts,
     measure_union_ratios,
@@ -118,6 +120,10 @@ class Effort:
     error_steps: int = ERROR_STEPS  # real steps each compressor's error is recorded over (after error_warmup)
     error_warmup: int = ERROR_WARMUP
 
+
+#: The largest message (bytes) fp16's summing is timed at: its cost is work per element, which the fit carries on in
+#: proportion beyond (`measure_fp16_sum`); larger messages would take seconds each behind a slow link.
+FP16_SUM_LARGEST = 16 << 20
 
 #: How long a profile's worker waits in one collective for the others by default (`--timeout`). Every phase
 #: synchronises its workers every few steps, and the longest a rank waits there is how far the others lag: seconds,
@@ -361,6 +367,12 @@ class _Session:
             costs.compress = measure_compress(topk_sizes, shaped, config.powersgd_ranks, world_size, device,
                                               repeats=config.micro_repeats, warmup=1,
                                               on_point=lambda: bar.advance(task))
+            if world_size > 1:  # the fp16 allreduce's own summing, beyond the fp32 curve's bytes
+                sizes = [b for b in self.sizes if b <= FP16_SUM_LARGEST] or self.sizes[:2]
+                task = bar.add_task("fp16 allreduce", total=fp16_sum_runs(sizes, repeats=config.comm_repeats,
+                                                                          warmup=1))
+                costs.compress = replace(costs.compress, fp16_sum=measure_fp16_sum(
+                    sizes, device, repeats=config.comm_repeats, warmup=1, on_run=lambda: bar.advance(task)))
         if config.in_situ:
             self.memory.begin("the runtime in real steps")
             task = bar.add_task("the runtime in real steps",
