@@ -17,13 +17,13 @@ from planner.kernels.hierarchical import HostGroups, hierarchical_all_reduce, hi
 from planner.kernels.topk import all_gather_flat, pack
 from planner.models import Workload
 from planner.platform.memory import available_bytes
-from planner.platform.timing import time_call
+from planner.platform.timing import median, time_call
 from planner.types import Collective
 
-__all__ = ["TOPK_MEMORY_SHARE", "UNION_ROUNDS", "UNION_WARMUP", "collective_runs", "fp16_sum_runs", "host_runs",
-           "host_topk_sizes", "host_union_ratio", "interleaved_visits", "log_sizes", "measure_collectives",
-           "measure_fp16_sum", "measure_host_topk", "measure_hosts", "measure_union_ratios", "overlapping_picks",
-           "topk_budget"]
+__all__ = ["FP16_SUM_REPEATS", "TOPK_MEMORY_SHARE", "UNION_ROUNDS", "UNION_WARMUP", "collective_runs",
+           "fp16_sum_runs", "host_runs", "host_topk_sizes", "host_union_ratio", "interleaved_visits", "log_sizes",
+           "measure_collectives", "measure_fp16_sum", "measure_host_topk", "measure_hosts", "measure_union_ratios",
+           "overlapping_picks", "topk_budget"]
 
 
 def log_sizes(smallest: int, largest: int, factor: int = 4) -> list[int]:
@@ -149,9 +149,13 @@ def measure_collectives(
     return _fitted_curves(points, device, repeats=repeats, warmup=warmup, process_group=process_group, on_run=on_run)
 
 
+#: The fewest timed runs of each point of `measure_fp16_sum`: its points are differences of two noisy times.
+FP16_SUM_REPEATS = 7
+
+
 def fp16_sum_runs(sizes: Sequence[int], *, repeats: int, warmup: int) -> int:
     """How many runs `measure_fp16_sum` makes (for a progress bar: it calls `on_run` after each)."""
-    return 2 * sum(warmup + _repetitions(b, repeats) for b in sizes)
+    return 2 * sum(warmup + _repetitions(b, max(repeats, FP16_SUM_REPEATS)) for b in sizes)
 
 
 def measure_fp16_sum(sizes: Sequence[int], device: torch.device, *, repeats: int, warmup: int,
@@ -160,9 +164,12 @@ def measure_fp16_sum(sizes: Sequence[int], device: torch.device, *, repeats: int
     `sizes` (message bytes): the work of summing half-precision values, which the collectives' fp32 curves leave
     out. Over gloo on a CPU it is software conversion and costs more than the transfer it halves (an allreduce of n
     fp16 elements took 0.8-1.75 times one of n fp32 elements over loopback on 2 workers, not a half); over NCCL
-    it is about none. Both are timed interleaved, as `measure_collectives` times its curves; each point is the
-    difference of their means, and a difference below zero (noise about none: fp16 sums no slower) counts as
-    none. Every rank calls it."""
+    it is about none.
+
+    The two are timed in turn, each fp16 run beside an fp32 run of the same bytes (at least `FP16_SUM_REPEATS`
+    pairs a size), and a point is the median of the pairs' differences: a collective over loopback is bimodal
+    (`_interleaved_means`), and a difference of two means of a few runs swings by more than the work measured. A
+    median below zero (fp16 no slower: nothing to add) counts as none. Every rank calls it."""
     largest = max(1, max(sizes) // 2)
     half = torch.zeros(largest, dtype=torch.float16, device=device)
     full = torch.zeros(max(1, largest // 2), device=device)
@@ -170,9 +177,10 @@ def measure_fp16_sum(sizes: Sequence[int], device: torch.device, *, repeats: int
     for nbytes in sizes:
         ops += [_op(Collective.ALLREDUCE, half[:max(1, nbytes // 2)], None),
                 _op(Collective.ALLREDUCE, full[:max(1, nbytes // 4)], None)]
-        counts += [_repetitions(nbytes, repeats)] * 2
-    means, _ = _interleaved_means(ops, counts, device, warmup=warmup, on_run=on_run)
-    points = [(int(max(2, nbytes // 2 * 2)), max(0.0, means[2 * i] - means[2 * i + 1]))
+        counts += [_repetitions(nbytes, max(repeats, FP16_SUM_REPEATS))] * 2
+    _, runs = _interleaved_means(ops, counts, device, warmup=warmup, on_run=on_run)
+    points = [(int(max(2, nbytes // 2 * 2)),
+               max(0.0, float(median([a - b for a, b in zip(runs[2 * i], runs[2 * i + 1], strict=True)]))))
               for i, nbytes in enumerate(sizes)]
     if sum(t > 0 for _, t in points) >= 2:
         return fit_curve(points)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from planner.kernels.hierarchical import HostGroups
 from planner.profilers.comm import (
+    FP16_SUM_REPEATS,
     collective_runs,
     fp16_sum_runs,
     host_runs,
@@ -90,7 +91,7 @@ def test_collectives_are_timed_at_every_size_the_same_on_every_rank() -> None:
         assert [b for b, _ in points] == SIZES
         assert all(t > 0 for _, t in points)
     # fp16's summing beyond an fp32 allreduce of the same bytes: every size, the two timed alike, none below 0.
-    assert first["fp16_runs"] == fp16_sum_runs(SIZES, repeats=3, warmup=1) == 2 * 3 * (1 + 3)
+    assert first["fp16_runs"] == fp16_sum_runs(SIZES, repeats=3, warmup=1) == 2 * 3 * (1 + FP16_SUM_REPEATS)
     assert [b for b, _ in first["fp16_sum"]] == SIZES and all(t >= 0 for _, t in first["fp16_sum"])
     # One rank per host: no level inside a host; across hosts and end to end at every size.
     assert first["host_runs"] == host_runs(SIZES, [[0], [1]], repeats=3, warmup=1) == 2 * 3 * 4
