@@ -18,6 +18,8 @@ from planner.costmodel.from_profile import mixed_problem
 from planner.costmodel.mixed_simulator import simulate_mixed
 from planner.models import build_workload
 from planner.strategies.auto import solve_auto
+from planner.strategies.cluster import PRESETS as PRESETS_CLUSTER
+from planner.strategies.cluster import profile_for_cluster
 from planner.strategies.mixed_plan import PRESETS, explain, make_mixed_plan, parse_compressors, preset_compressors
 from planner.types import Collective, Compressor, CompressorError, Strategy
 from tests.factories import synthetic_compress_timing, synthetic_profile
@@ -303,3 +305,6 @@ def test_an_fp16_groups_allreduce_is_the_fp32_curve_at_its_bytes_plus_the_measur
     assert timing is not None and CompressTiming.from_dict(timing.to_dict(), "compress") == timing
     assert "fp16_sum" not in profile.compress.to_dict()
     assert Profile.from_dict(json.loads(json.dumps(measured.to_dict()))).compress == timing
+    # The profiled backend's summing (gloo's, in software) is not another cluster's: a what-if leaves it out.
+    what_if = profile_for_cluster(measured, PRESETS_CLUSTER["ib100-64"]).compress
+    assert what_if is not None and what_if.fp16_sum is None and what_if.fp16_cast == timing.fp16_cast

@@ -492,7 +492,8 @@ def profile_for_cluster(profile: Profile, spec: ClusterSpec) -> Profile:
     """`profile` as if measured on `spec`: its collectives, its cluster, and every compute time scaled.
 
     The interference measured on the profiled machine does not carry over to another cluster: it is dropped
-    (no slowdown of compute while communicating is modelled there). So are the per-worker speeds
+    (no slowdown of compute while communicating is modelled there), and so is fp16's summing beyond an fp32
+    allreduce (`CompressTiming.fp16_sum`: the profiled backend's). So are the per-worker speeds
     (`Profile.throughput`) at another world size: the profiled workers' speeds say nothing about the others
     (at the same world size they are kept, scaled)."""
     f = spec.compute_factor
@@ -512,6 +513,8 @@ def profile_for_cluster(profile: Profile, spec: ClusterSpec) -> Profile:
         kfac=None if profile.kfac is None else _scaled_kfac(profile.kfac, f),
         pack=None if profile.pack is None else _scaled_curve(profile.pack, f),
         interference=None,  # measured on the profiled devices and network, unknown on `spec`
+        # fp16's summing beyond an fp32 allreduce: the profiled backend's (gloo sums in software), not `spec`'s
+        compress=None if profile.compress is None else replace(profile.compress, fp16_sum=None),
         comm_stretch=None,  # the same
         hosts=None,  # the measured hosts' levels are not `spec`'s: the cluster model prices its collectives
         throughput=throughput,
