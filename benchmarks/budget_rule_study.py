@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from planner.contracts.race_log import RaceLog
 from planner.contracts.race_record import RaceRecord
 from planner.strategies.race_rule import Race, replay
 from planner.strategies.race_streams import drifting_blocks
+from planner.types import SchemaError
 
 #: Scenarios: the arms' true median block times, simplest first (DDP first).
 SCENARIOS = {
@@ -155,7 +157,11 @@ def main() -> int:
                         help="race logs or raced plan files: replay their races under every rule instead")
     args = parser.parse_args()
     if args.replay:
-        return _replay(args.replay)
+        try:
+            return _replay(args.replay)
+        except (OSError, ValueError, SchemaError) as e:  # json's errors are ValueErrors
+            print(f"error: cannot replay {' '.join(args.replay)}: {e}", file=sys.stderr)
+            return 2
     rng = np.random.default_rng(args.seed)
     for noise in (float(x) for x in args.noise.split(",")):
         for rounds in (int(x) for x in args.rounds.split(",")):
