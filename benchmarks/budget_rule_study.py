@@ -66,7 +66,7 @@ def _tested(test: Callable[[np.ndarray], bool]) -> Rule:
     """The medians rule, but an arm simpler than the fastest is passed over only where `test` (on its paired block
     ratios to the fastest) also says so."""
     def rule(race: Race, alive: tuple[str, ...]) -> str:
-        fastest = _fastest(race, alive)
+        fastest = race.fastest(alive)
         for arm in alive:
             if arm == fastest:
                 return arm
@@ -75,13 +75,6 @@ def _tested(test: Callable[[np.ndarray], bool]) -> Rule:
                 return arm
         return fastest
     return rule
-
-
-def _fastest(race: Race, alive: tuple[str, ...]) -> str:
-    """The fastest arm by estimate, as `Race._estimated` finds it: its median block over the round's geometric
-    mean."""
-    logs = np.log(np.array([race.blocks[arm][-race.rounds:] for arm in alive]))
-    return alive[int(np.argmin(np.median(np.exp(logs - logs.mean(axis=0)), axis=1)))]
 
 
 def _sign(level: float) -> Callable[[np.ndarray], bool]:

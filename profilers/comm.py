@@ -18,6 +18,7 @@ from planner.kernels.topk import all_gather_flat, pack
 from planner.models import Workload
 from planner.platform.memory import available_bytes
 from planner.platform.timing import median, time_call
+from planner.profilers.compress import fit_or_constant
 from planner.types import Collective
 
 __all__ = ["FP16_SUM_REPEATS", "TOPK_MEMORY_SHARE", "UNION_ROUNDS", "UNION_WARMUP", "collective_runs",
@@ -182,9 +183,7 @@ def measure_fp16_sum(sizes: Sequence[int], device: torch.device, *, repeats: int
     points = [(int(max(2, nbytes // 2 * 2)),
                max(0.0, float(median([a - b for a, b in zip(runs[2 * i], runs[2 * i + 1], strict=True)]))))
               for i, nbytes in enumerate(sizes)]
-    if sum(t > 0 for _, t in points) >= 2:
-        return fit_curve(points)
-    return FittedCurve(points=tuple(points), alpha_s=max(t for _, t in points), beta_s_per_byte=0.0, fit_error=0.0)
+    return fit_or_constant(points)
 
 
 def _slowest_mean(op: Callable[[], object], nbytes: int, device: torch.device, *, repeats: int,

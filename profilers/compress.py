@@ -18,7 +18,7 @@ from planner.costmodel.curves import fit_curve
 from planner.kernels.compress import PowerSGDGroup, PowerSGDLayout, fp16_compress, fp16_decompress
 from planner.platform.timing import median, time_call
 
-__all__ = ["DEFAULT_POWERSGD_RANKS", "compress_points", "measure_compress"]
+__all__ = ["DEFAULT_POWERSGD_RANKS", "compress_points", "fit_or_constant", "measure_compress"]
 
 #: PowerSGD ranks `planner profile` measures unless told otherwise.
 DEFAULT_POWERSGD_RANKS = (1, 2, 4)
@@ -67,7 +67,7 @@ def measure_compress(
             compress_s, middle_s, decompress_s = measured[key]
             rows.append(PowerSGDLayerTiming(layer=name, rank=rank, shapes=shapes, compress_s=compress_s,
                                             middle_s=middle_s, decompress_s=decompress_s))
-    return CompressTiming(fp16_cast=_fit(cast), fp16_uncast=_fit(uncast), powersgd=tuple(rows))
+    return CompressTiming(fp16_cast=fit_or_constant(cast), fp16_uncast=fit_or_constant(uncast), powersgd=tuple(rows))
 
 
 def _powersgd_steps(shapes: Shapes, rank: int, world_size: int, device: torch.device, gen: torch.Generator, *,
@@ -89,7 +89,7 @@ def _powersgd_steps(shapes: Shapes, rank: int, world_size: int, device: torch.de
     return median(times[0]), median(times[1]), median(times[2])
 
 
-def _fit(points: list[tuple[int, float]]) -> FittedCurve:
+def fit_or_constant(points: list[tuple[int, float]]) -> FittedCurve:
     """The fit of (elements, seconds) points (a constant when fewer than two are above zero)."""
     if sum(t > 0 for _, t in points) >= 2 and len({n for n, _ in points}) >= 2:
         return fit_curve(points)

@@ -190,15 +190,20 @@ class Race:
     def _estimated(self, alive: tuple[str, ...]) -> str:
         """The budget rule's arm: the simplest of `alive` whose median block ratio to the fastest by estimate is
         within the margin (the simplest of them with fewer than `MIN_ESTIMATE_ROUNDS` rounds). The arms not beaten
-        ran in every round, so each round pairs them all; each arm's estimate is its median over the rounds of its
-        block over the round's geometric mean, so the machine's drift cancels."""
+        ran in every round, so each round pairs them all (`fastest`)."""
         if self.rounds < MIN_ESTIMATE_ROUNDS or len(alive) < 2:
             return alive[0]
+        fastest = self.fastest(alive)
         blocks = {arm: self.blocks[arm][-self.rounds:] for arm in alive}
-        means = [math.exp(statistics.fmean(math.log(blocks[arm][t]) for arm in alive)) for t in range(self.rounds)]
-        fastest = min(alive, key=lambda arm: statistics.median(b / m for b, m in zip(blocks[arm], means, strict=True)))
         return next(arm for arm in alive if statistics.median(
             a / f for a, f in zip(blocks[arm], blocks[fastest], strict=True)) <= 1 + self.margin)
+
+    def fastest(self, alive: tuple[str, ...]) -> str:
+        """The fastest of `alive` (arms that ran every round) by estimate: its median over the rounds of its block
+        over the round's geometric mean, so that the machine's drift cancels."""
+        blocks = {arm: self.blocks[arm][-self.rounds:] for arm in alive}
+        means = [math.exp(statistics.fmean(math.log(blocks[arm][t]) for arm in alive)) for t in range(self.rounds)]
+        return min(alive, key=lambda arm: statistics.median(b / m for b, m in zip(blocks[arm], means, strict=True)))
 
     def ratio(self, arm: str, reference: str) -> float | None:
         """The median over the rounds both ran in of arm's block time over reference's (None: no such round)."""
