@@ -3,6 +3,7 @@ bad input (one clear line, exit 2)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +22,7 @@ from planner.strategies.budget import parse_error_budget
 from planner.strategies.intervals import with_intervals
 from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
 from planner.types import Collective, Compressor, PlannerError, SchemaError, SolverError
-from tests.factories import synthetic_profile, with_samples
+from tests.factories import examples, synthetic_profile, with_samples
 
 #: Contractions by compressor, the same on every layer: what the synthetic profile's errors record says.
 CONTRACTION = {"fp16": 4e-8, "powersgd:1": 0.6, "powersgd:2": 0.45, "powersgd:4": 0.3, "topk:0.01": 0.9,
@@ -246,3 +247,99 @@ def test_the_plan_alone_is_the_plan_with_its_rows(budget: float | None) -> None:
     assert kept.predicted.iteration_s >= full.predicted.iteration_s * (1 - 1e-12)
     if budget is not None:
         assert kept.error is not None and kept.error.predicted <= budget + 1e-12
+
+
+def _random_errors(rng: np.random.Generator, layers: int, compressors: list[str]) -> CompressionErrors:
+    """Errors of `compressors` on `layers` layers: random gradient energy per layer, random contractions (a few
+    compressors far beyond the others, as top-k is beyond fp16)."""
+    names = tuple(f"layer{i}" for i in range(layers))
+    grad = np.broadcast_to(rng.uniform(0.1, 10, layers)[None, :, None], (2, layers, 3)).copy()
+    scale = {c: 10.0 ** rng.uniform(-8, 0) for c in compressors}
+    return CompressionErrors(layers=names, warmup=1, grad_sq=grad, input_sq={c: grad.copy() for c in compressors},
+                             error_sq={c: grad * rng.uniform(0.2, 1, layers)[None, :, None] * scale[c]
+                                       for c in compressors})
+
+
+@pytest.mark.parametrize("seed", range(examples(12)))
+def test_within_reach_is_exact_against_brute_force(seed: int) -> None:
+    """A compressor is within reach of the budget exactly when some plan within the budget, in the solver's own
+    units, sends a layer by it: every assignment of compressors to layers (one layer a group) enumerated."""
+    from planner.solvers.compressor_choice import ErrorBudget
+    from planner.strategies.budget import within_reach
+
+    rng = np.random.default_rng(seed)
+    layers = int(rng.integers(1, 5))
+    lossy = ["fp16", "powersgd:1", "powersgd:4", "topk:0.01"][: int(rng.integers(2, 5))]
+    errors = _random_errors(rng, layers, lossy)
+    chosen = [Compressor.parse(c) for c in (["dense"] if rng.random() < 0.5 else []) + lossy]
+    budget = Compressor.parse(str(rng.choice(lossy)))
+    units = ErrorBudget.of(np.array([errors.layer_errors(c) for c in chosen]), errors.uniform(budget),
+                           reference=chosen.index(budget))
+    used: set[Compressor] = set()
+    for choice in itertools.product(range(len(chosen)), repeat=layers):
+        if units.of_solution(tuple(range(1, layers + 1)), choice) <= units.budget:
+            used.update(chosen[c] for c in choice)
+    assert set(within_reach(errors, chosen, budget)) == used
+    assert budget in used  # a budget fits itself
+
+
+@pytest.mark.parametrize("seed", range(examples(4)))
+def test_leaving_out_what_is_beyond_reach_changes_no_plan(seed: int) -> None:
+    """The mixed plan within a budget, solved over every compressor and over those within reach alone: the same."""
+    from planner.strategies.budget import within_reach
+
+    rng = np.random.default_rng(seed)
+    base = profile_with_errors()
+    lossy = list(CONTRACTION)
+    errors = _random_errors(rng, len(base.layers), lossy)
+    profile = replace(base, errors=replace(errors, layers=tuple(lt.name for lt in base.layers)))
+    allowed = parse_compressors("dense," + ",".join(lossy))
+    budget = min(allowed[1:], key=profile.errors.uniform)  # the least: some beyond it
+    reach = within_reach(profile.errors, allowed, budget)
+    assert len(reach) < len(allowed)  # the instances leave some out (seeded)
+    full = make_mixed_plan(profile, allowed, error_budget=budget, time_limit_s=None, rows=False)
+    narrow = make_mixed_plan(profile, reach, error_budget=budget, time_limit_s=None, rows=False)
+    assert [(g.params, full.compressor_of(g)) for g in full.groups] == \
+        [(g.params, narrow.compressor_of(g)) for g in narrow.groups]
+    assert narrow.predicted.iteration_s == pytest.approx(full.predicted.iteration_s, rel=1e-12)
+
+
+def test_a_profile_made_for_plans_without_top_k_leaves_it_out() -> None:
+    """`planner demo`'s scope: top-k is left out where no top-k compressor it solves over can fit the budget (fp16's
+    error is far below top-k's on every layer), or it solves over none; a solve asking for top-k then says why."""
+    from planner.commands.printing import profile_summary
+    from planner.contracts.profile import TopkLeftOut
+    from planner.sessions.profile import PlanScope, topk_left_out
+    from planner.strategies.gradients import make_plan
+    from planner.types import InvalidProfileError, Strategy
+
+    profile = profile_with_errors()
+    every = parse_compressors("dense,fp16,powersgd:4,topk:0.01,topk:0.1")
+    fp16, topk = Compressor.parse("fp16"), parse_compressors("topk:0.01,topk:0.1")
+    assert topk_left_out(PlanScope(every, fp16), profile.errors) == TopkLeftOut(compressors=topk, budget=fp16)
+    assert topk_left_out(PlanScope(parse_compressors("light"), fp16), profile.errors) == \
+        TopkLeftOut(compressors=(), budget=None)
+    # within reach, no budget, or nothing measured to decide from: timed
+    assert topk_left_out(PlanScope(every, Compressor.parse("topk:0.1")), profile.errors) is None
+    assert topk_left_out(PlanScope(every, None), profile.errors) is None
+    assert topk_left_out(PlanScope(every, fp16), None) is None
+    assert topk_left_out(PlanScope((*every, Compressor.parse("topk:0.5")), fp16), profile.errors) is None
+    left = TopkLeftOut(compressors=topk, budget=fp16)
+    without = replace(profile, topk=None, topk_left_out=left)
+    loaded = Profile.from_dict(json.loads(json.dumps(without.to_dict())))
+    assert loaded.topk_left_out == left and "topk_left_out" not in profile.to_dict()
+    assert profile_summary(loaded)[-1] == ("top-k not timed: the profile left top-k out: topk:0.01, topk:0.1 cannot "
+                                           "fit the error budget it was made for (fp16's error on every layer), not "
+                                           "even on one layer")
+    with pytest.raises(InvalidProfileError, match="topk:0.01, topk:0.1 cannot fit the error budget it was made for "
+                                                  r"\(fp16's error on every layer\).*profile again"):
+        make_plan(loaded, Strategy.TOPK, 0.01)
+    with pytest.raises(InvalidProfileError, match="cannot fit the error budget.*cannot plan topk:0.01"):
+        make_mixed_plan(loaded, every, time_limit_s=None)
+    # the plans within the budget need no top-k timings
+    assert make_mixed_plan(loaded, parse_compressors("dense,fp16,powersgd:4"), error_budget=fp16,
+                           time_limit_s=None).error is not None
+    with pytest.raises(InvalidProfileError, match="left out, but profile.topk holds"):
+        replace(profile, topk_left_out=left)
+    with pytest.raises(SchemaError, match="top-k compressors only"):
+        TopkLeftOut(compressors=(fp16,), budget=fp16)

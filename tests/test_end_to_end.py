@@ -176,6 +176,10 @@ def test_the_quick_demo_writes_outside_the_shipped_folders_and_leaves_the_shippe
     assert demo.returncode == 0, demo.stdout + demo.stderr
     written = sorted(p.relative_to(copy).as_posix() for p in (copy / "runs").rglob("*.json"))
     assert "runs/profiles/mlp-2w.json" in written and "runs/plans/mlp-2w-dense.json" in written, written
+    # made for plans of dense and fp16 alone, the profile timed no top-k, and says why
+    profile = json.loads((copy / "runs/profiles/mlp-2w.json").read_text())
+    assert profile["topk"] is None and profile["topk_left_out"] == {"compressors": [], "budget": None}
+    assert set(profile["interference"]) == {"allreduce"}
     assert "wrote plan runs/plans/mlp-2w-dense.json" in demo.stdout  # each write says where, in its line
     assert demo.stdout.rstrip().splitlines()[-1].startswith("race: keep ")  # the last line: decided by the race
     assert git("status", "--porcelain", cwd=copy) == ""  # nothing new outside the ignored runs/

@@ -2,8 +2,9 @@
 
 tests/profiles/ holds profiles as the code wrote them before their optional fields were declared once (`Profile`'s
 field list): one `planner profile` measured on two emulated hosts (hosts, compression errors, unused parameters and
-every kept sample), a synthetic one with K-FAC, fp16 and PowerSGD timed and marked --quick, and one without any
-optional field (a profile written before they existed). Every profile file git tracks is read, wherever it is."""
+every kept sample), a synthetic one with K-FAC, fp16 and PowerSGD timed and marked --quick, the same without its top-k
+timings, left out for plans that send none (`planner demo`'s), and one without any optional field (a profile written
+before they existed). Every profile file git tracks is read, wherever it is."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.shipped import shipped
 #: The stored profiles written before any optional field existed: reading them adds each as its default.
 WITHOUT_OPTIONAL_FIELDS = {"mlp-before-optional-fields.json"}
 #: The optional fields a profile without them leaves out of its file (the others are written as null).
-LEFT_OUT = {"quick", "unused_params", "errors"}
+LEFT_OUT = {"quick", "unused_params", "errors", "topk_left_out"}
 
 
 def stored_profiles() -> list[Path]:
@@ -28,7 +29,7 @@ def stored_profiles() -> list[Path]:
              if isinstance(doc := json.loads(path.read_text(encoding="utf-8")), dict)
              and doc.get("kind") == PROFILE_KIND]
     assert {p.name for p in found} >= {"mlp-two-hosts.json", "mlp-kfac-compress-quick.json",
-                                       *WITHOUT_OPTIONAL_FIELDS}
+                                       "mlp-topk-left-out.json", *WITHOUT_OPTIONAL_FIELDS}
     return found
 
 

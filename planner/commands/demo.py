@@ -90,6 +90,7 @@ class DemoCommand(Command):
         from planner.sessions.profile import (  # deferred (start-up)
             DEFAULT_EFFORT,
             QUICK_EFFORT,
+            PlanScope,
             ProfileConfig,
             run_profile,
         )
@@ -101,6 +102,7 @@ class DemoCommand(Command):
             with_race,
         )
         from planner.strategies.auto import ddp_predictions, solve_auto  # deferred (start-up)
+        from planner.strategies.budget import DEFAULT_BUDGETS  # deferred (start-up)
         from planner.strategies.mixed_plan import parse_compressors  # deferred (start-up)
         from planner.strategies.model_error import ModelError  # deferred (start-up)
         from planner.strategies.race_rule import race_summary, too_short  # deferred (start-up)
@@ -128,16 +130,22 @@ class DemoCommand(Command):
         console.rule(f"1/{parts} profile {args.model} on {args.nproc} workers {on}")
         effort = QUICK_EFFORT if args.quick else DEFAULT_EFFORT
         # Whatever the effort sweeps, the profile measures every PowerSGD rank and top-k density the compressors name
-        # (--quick alone measures rank 4 and 1%: the default "all" names ranks 1 and 2 too).
+        # (--quick alone measures rank 4 and 1%: the default "all" names ranks 1 and 2 too). It times top-k only
+        # where the solve below could keep it: within the default error budget (`scope`).
         ranks = sorted({*effort.powersgd_ranks, *(c.rank for c in compressors if c.rank is not None)})
         densities = sorted({*effort.densities, *(c.density for c in compressors if c.density is not None)})
         profile = run_profile(ProfileConfig.at(effort, quick=args.quick, model=args.model, output=prof_path,
                                                nproc=args.nproc, link=link, slowdown=args.slowdown, hosts=args.hosts,
                                                powersgd_ranks=tuple(ranks), densities=tuple(densities),
-                                               in_situ=args.calibrate))
+                                               in_situ=args.calibrate,
+                                               scope=PlanScope(compressors=compressors, budget=DEFAULT_BUDGETS[0])))
         profile.save(prof_path)
         print_profile(profile)
         console.print(f"wrote profile {prof_path}")
+        if (left_out := profile.topk_left_out) is not None and left_out.compressors:
+            compressors = tuple(c for c in compressors if c not in left_out.compressors)
+            console.print(f"note: {left_out.why()}; the solve leaves {', '.join(map(str, left_out.compressors))} "
+                          "out", markup=False, soft_wrap=True)
         console.rule(f"2/{parts} solve: --strategy auto over {', '.join(map(str, compressors))}")
         choice = solve_auto(profile, compressors, source=str(prof_path))
         kept_path = None

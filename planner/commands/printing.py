@@ -493,6 +493,8 @@ def profile_summary(profile: Profile) -> list[str]:
         lines.append(profile.unused_params.summary())
     if profile.errors is not None:
         lines.append(errors_line(profile.errors))
+    if profile.topk_left_out is not None:
+        lines.append(f"top-k not timed: {profile.topk_left_out.why()}")
     return lines
 
 

@@ -19,6 +19,8 @@ Schema (version 1), times in seconds, sizes in elements unless the name says byt
         "allreduce": {"points": [[bytes, seconds], ...], "alpha_s", "beta_s_per_byte", "fit_error",
                       "samples": [[s, s, ...], ...]}, ...         # optional: each point's runs (it is their mean)
       },
+      "topk_left_out": {"compressors": ["topk:0.01"],             # optional: why "topk" is null: the plans
+                        "budget": "fp16"},                        # the profile was made for send no top-k
       "topk": {                                                   # null when not measured
         "select": [[numel, density, seconds], ...],               # the "exact" selector (torch.topk)
         "select_sampled": [[numel, density, seconds], ...],       # the "sampled" selector; [] or absent:
@@ -170,6 +172,8 @@ from planner.spread import CalibrationUse, calibration_use
 from planner.types import (
     MAX_POWERSGD_RANK,
     Collective,
+    Compressor,
+    CompressorKind,
     InvalidProfileError,
     InverseMethod,
     SchemaError,
@@ -194,6 +198,7 @@ __all__ = [
     "Profile",
     "SlowdownSamples",
     "StepSamples",
+    "TopkLeftOut",
     "TopkTiming",
     "WorkerThroughput",
 ]
@@ -864,6 +869,45 @@ class InSitu:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TopkLeftOut:
+    """Why a profile has no top-k timings although it could have measured them: it was made for plans that cannot
+    send top-k (`planner demo`: the compressors it solves over, within its error budget). `compressors`: the top-k
+    compressors among those, none of which any plan within `budget`'s error on every layer could send a layer by
+    (`planner.strategies.budget.within_reach`; empty: no top-k among them). A solve asking for top-k on this
+    profile is told so, and to profile again."""
+
+    compressors: tuple[Compressor, ...]
+    budget: Compressor | None
+
+    def __post_init__(self) -> None:
+        if any(c.kind is not CompressorKind.TOPK for c in self.compressors):
+            raise SchemaError(f"topk_left_out.compressors lists top-k compressors only, got "
+                              f"{', '.join(map(str, self.compressors))}")
+        if self.compressors and self.budget is None:
+            raise SchemaError("topk_left_out names top-k compressors left out by a budget, but no budget")
+
+    def why(self) -> str:
+        """Why top-k was not timed, in words."""
+        if not self.compressors:
+            return "the profile left top-k out: the plans it was made for send none"
+        return (f"the profile left top-k out: {', '.join(map(str, self.compressors))} cannot fit the error budget it "
+                f"was made for ({self.budget}'s error on every layer), not even on one layer")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"compressors": [str(c) for c in self.compressors],
+                "budget": None if self.budget is None else str(self.budget)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> TopkLeftOut:
+        expect(data, dict, where)
+        check_fields(data, where, ["compressors", "budget"])
+        names = expect(data["compressors"], list, f"{where}.compressors")[:64]
+        compressors = tuple(parse_compressor(c, f"{where}.compressors[{i}]") for i, c in enumerate(names))
+        budget = None if data["budget"] is None else parse_compressor(data["budget"], f"{where}.budget")
+        return cls(compressors=compressors, budget=budget)
+
+
+@dataclass(frozen=True, kw_only=True)
 class HostTopk:
     """The hierarchical top-k exchange at one density (`planner.kernels.hierarchical.hierarchical_topk_sum`):
     how much the picks of one host's ranks overlap on the model's real gradients, and the exchange timed end
@@ -1252,6 +1296,11 @@ def _check_errors(profile: Profile, errors: CompressionErrors, where: str) -> No
                                   "`planner profile`")
 
 
+def _check_topk_left_out(profile: Profile, left_out: TopkLeftOut, where: str) -> None:
+    if profile.topk is not None:
+        raise InvalidProfileError(f"{where} says top-k was left out, but profile.topk holds its timings")
+
+
 def _check_steps(profile: Profile, steps: StepSamples, where: str) -> None:
     """The steps time the profile's layers, and F, U and the layers' backward times are their scaled medians (a
     resample multiplies them by a draw's over these): within MAX_SLOWDOWN of them, or a draw would scale a time
@@ -1331,6 +1380,10 @@ class Profile:
     #: The passes and chains sigma and kappa were taken from, per collective (None: not kept).
     slowdown_samples: dict[Collective, SlowdownSamples] | None = field(
         default=None, metadata=_optional(_slowdown_samples, _samples_per_collective))
+    #: Why `topk` is null where the profile could have timed it: the plans it was made for send no top-k (None: not
+    #: left out; a null `topk` then means not measured, as with `--only comm`).
+    topk_left_out: TopkLeftOut | None = field(default=None, metadata=_optional(
+        TopkLeftOut.from_dict, check=_check_topk_left_out, omitted=True))
     element_bytes: int = 4
     schema_version: int = PROFILE_SCHEMA_VERSION
 

@@ -66,9 +66,7 @@ def gradient_problem(profile: Profile, strategy: Strategy, density: float | None
             return dense
         case Strategy.TOPK:
             if profile.topk is None:
-                raise InvalidProfileError(
-                    "this profile has no top-k measurements; profile again without `--only comm`"
-                )
+                raise InvalidProfileError(_no_topk(profile, "top-k"))
             if density is None:
                 raise SchemaError("top-k needs a density, e.g. --density 0.01")
             return replace(
@@ -86,6 +84,14 @@ def gradient_problem(profile: Profile, strategy: Strategy, density: float | None
             )
         case _:
             raise SchemaError(f"unknown strategy {strategy!r}")
+
+
+def _no_topk(profile: Profile, what: str) -> str:
+    """Why a profile without top-k timings cannot plan `what`, and what to do."""
+    if profile.topk_left_out is not None:
+        return (f"{profile.topk_left_out.why()}, so it cannot plan {what}; profile again with `planner profile` "
+                "(which times top-k)")
+    return f"this profile has no top-k measurements, so it cannot plan {what}; profile again without `--only comm`"
 
 
 def _packer(runtime: str) -> str:
@@ -217,8 +223,7 @@ def _compress_timing(profile: Profile, compressor: Compressor) -> CompressTiming
 
 def _check_topk(profile: Profile, compressor: Compressor, selector: str) -> None:
     if profile.topk is None:
-        raise InvalidProfileError(f"this profile has no top-k measurements, so it cannot plan {compressor}; "
-                                  "profile again without `--only comm`")
+        raise InvalidProfileError(_no_topk(profile, str(compressor)))
     densities = profile.topk.densities(selector)
     assert compressor.density is not None
     if densities and not densities[0] <= compressor.density <= densities[-1]:

@@ -26,6 +26,7 @@ from planner.contracts.profile import (
     KFACTiming,
     Profile,
     SlowdownSamples,
+    TopkLeftOut,
     TopkTiming,
     WorkerThroughput,
 )
@@ -81,10 +82,10 @@ from planner.runtime.calibrate import (
     measure_kfac_steps_in_situ,
     measure_packing,
 )
-from planner.types import Collective, Compressor, DistributedError, PlannerError
+from planner.types import Collective, Compressor, CompressorKind, DistributedError, PlannerError
 
-__all__ = ["DEFAULT_DENSITIES", "DEFAULT_EFFORT", "DEFAULT_LAYER_SECONDS", "QUICK_EFFORT", "Effort", "ProfileConfig",
-           "profile_worker", "run_profile"]
+__all__ = ["DEFAULT_DENSITIES", "DEFAULT_EFFORT", "DEFAULT_LAYER_SECONDS", "QUICK_EFFORT", "Effort", "PlanScope",
+           "ProfileConfig", "profile_worker", "run_profile", "topk_left_out"]
 
 DEFAULT_DENSITIES = (0.001, 0.01, 0.1, 1.0)
 #: Backward passes timed alone and with collectives in flight, per collective (interference).
@@ -141,6 +142,16 @@ QUICK_EFFORT = Effort(repeats=5, warmup=1, layer_seconds=0.5, comm_repeats=3, de
                       in_situ_repeats=4, interference_repeats=3, micro_repeats=3, error_steps=3, error_warmup=1)
 
 
+@dataclass(frozen=True)
+class PlanScope:
+    """What the plans made from a profile will be (`planner demo`'s): solved over `compressors`, within `budget`'s
+    error on every layer (None: no budget). Top-k is timed only where one of its compressors among them could be in
+    such a plan (`topk_left_out`)."""
+
+    compressors: tuple[Compressor, ...]
+    budget: Compressor | None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProfileConfig:
     """What to measure and how hard. `only_comm` re-measures the network of an existing profile."""
@@ -182,6 +193,10 @@ class ProfileConfig:
     #: configuration's effort), each round measures again what the finalists' open comparisons depend on most
     #: (`planner.strategies.focus`), until none is open or the next round would not fit. None: one round.
     time_s: float | None = None
+    #: The plans the profile is made for (None: any plan). Where they send no top-k, top-k is not timed (its
+    #: selection and decoding, its allgather's interference, a host's top-k exchange: a third of a default profile
+    #: of ResNet-18), and the profile says why (`Profile.topk_left_out`).
+    scope: PlanScope | None = None
 
     @classmethod
     def at(cls, effort: Effort, *, quick: bool = False, **kwargs: object) -> ProfileConfig:
@@ -259,6 +274,7 @@ class _Session:
         # Message sizes from 1 KiB to the whole gradient, and top-k sizes up to the whole model (4 Ki at least).
         self.sizes = log_sizes(1 << 10, max(numel_total * 4, 1 << 20))
         self.topk_sizes = log_sizes(1 << 10, max(numel_total, max_layer, 1 << 12), factor=4)  # two sizes at least
+        self.topk_left_out: TopkLeftOut | None = None  # decided after the model phase's errors (`_leave_out_topk`)
 
     def run(self) -> Profile | None:
         config = self.config
@@ -267,6 +283,7 @@ class _Session:
         with progress(enabled=config.show_progress and self.rank == 0) as bar:
             if self.workload is not None:
                 model = self._model(bar, self.workload)
+                self.topk_left_out = self._leave_out_topk(bar, model.errors)
             network = self._network(bar)
             if self.workload is not None and model is not None:
                 costs = self._costs(bar, self.workload, model.layers, network.curves)
@@ -313,6 +330,17 @@ class _Session:
                                       step_s=tuple(tuple(row) for row in self._gathered(mine)))  # type: ignore[arg-type]
         return _Model(layers=layers, unused=unused, errors=errors, throughput=throughput)
 
+    def _leave_out_topk(self, bar: Progress, errors: CompressionErrors | None) -> TopkLeftOut | None:
+        """`topk_left_out` of the scope on the errors just measured, decided on rank 0 and sent to every rank."""
+        left_out = None
+        if self.rank == 0 and self.config.scope is not None:
+            left_out = topk_left_out(self.config.scope, errors)
+            if left_out is not None:
+                _say(bar, f"{left_out.why()}: top-k is not timed")
+        decided: list[object] = [left_out]
+        dist.broadcast_object_list(decided, src=0)
+        return decided[0]  # type: ignore[return-value]
+
     def _network(self, bar: Progress) -> _Network:
         config, device = self.config, self.device
         colls = [Collective.ALLREDUCE, Collective.ALLGATHER, Collective.BROADCAST]
@@ -331,6 +359,8 @@ class _Session:
                             total=host_runs(self.sizes, layout, repeats=config.comm_repeats, warmup=2))
         network.hosts = measure_hosts(groups, self.sizes, device, repeats=config.comm_repeats, warmup=2,
                                       on_run=lambda: bar.advance(task))
+        if self.topk_left_out is not None:
+            return network
         self.memory.begin("hierarchical top-k")  # the top-k exchange merged inside each host, at the picks' overlap
         if self.workload is None:
             ratios = _known_union_ratios(config, groups, device)
@@ -350,12 +380,13 @@ class _Session:
                curves: dict[Collective, FittedCurve]) -> _Costs:
         config, device, world_size, topk_sizes = self.config, self.device, self.world_size, self.topk_sizes
         costs = _Costs()
-        self.memory.begin("top-k")
-        task = bar.add_task("top-k selection and decode", total=len(config.densities) * len(topk_sizes))
-        costs.topk = measure_topk(
-            topk_sizes, config.densities, world_size, device, repeats=config.micro_repeats, warmup=1,
-            max_point_bytes=topk_budget(world_size, device), on_point=lambda: bar.advance(task),
-        )
+        if self.topk_left_out is None:
+            self.memory.begin("top-k")
+            task = bar.add_task("top-k selection and decode", total=len(config.densities) * len(topk_sizes))
+            costs.topk = measure_topk(
+                topk_sizes, config.densities, world_size, device, repeats=config.micro_repeats, warmup=1,
+                max_point_bytes=topk_budget(world_size, device), on_point=lambda: bar.advance(task),
+            )
         task = bar.add_task("packing", total=len(topk_sizes))
         costs.pack = measure_packing(topk_sizes, world_size, device, repeats=config.micro_repeats, warmup=1,
                                      on_point=lambda: bar.advance(task))
@@ -387,7 +418,8 @@ class _Session:
             )
         if world_size > 1:
             self.memory.begin("compute while communicating")
-            interfering = [Collective.ALLREDUCE, Collective.ALLGATHER]
+            # top-k sends by allgather: left out, only the allreduce's interference is priced
+            interfering = [Collective.ALLREDUCE] + ([Collective.ALLGATHER] if self.topk_left_out is None else [])
             task = bar.add_task("compute while communicating", total=len(interfering) * config.interference_repeats)
             both_ways = measure_interference(
                 workload, device, interfering, repeats=config.interference_repeats,
@@ -505,13 +537,29 @@ class _Session:
             interference=costs.interference, comm_stretch=costs.comm_stretch, throughput=model.throughput,
             in_situ=costs.in_situ, compress=costs.compress, peak_memory=peak_memory or None, hosts=network.hosts,
             steps=summary.steps, slowdown_samples=costs.slowdown_samples, quick=config.quick,
-            unused_params=model.unused, errors=model.errors,
+            unused_params=model.unused, errors=model.errors, topk_left_out=self.topk_left_out,
         )
 
 
 def _say(bar: Progress, line: str) -> None:
     """A line above the progress display (rank 0's)."""
     bar.console.print(line, markup=False, soft_wrap=True, highlight=False)
+
+
+def topk_left_out(scope: PlanScope, errors: CompressionErrors | None) -> TopkLeftOut | None:
+    """Whether the plans of `scope` leave top-k out: it names no top-k compressor below density 1, or none of them is
+    within reach of its budget on `errors` (`planner.strategies.budget.within_reach`). None: top-k is timed (also
+    where the budget's error or a compressor's was not measured: nothing to decide from)."""
+    from planner.strategies.budget import within_reach  # deferred: a profile without a scope solves nothing
+
+    topk = tuple(c for c in dict.fromkeys(scope.compressors)
+                 if c.kind is CompressorKind.TOPK and c.density is not None and c.density < 1)
+    if not topk:
+        return TopkLeftOut(compressors=(), budget=None)
+    if scope.budget is None or errors is None or not all(errors.has(c) for c in (scope.budget, *scope.compressors)):
+        return None
+    reach = within_reach(errors, scope.compressors, scope.budget)
+    return None if any(c in reach for c in topk) else TopkLeftOut(compressors=topk, budget=scope.budget)
 
 
 def error_compressors(config: ProfileConfig) -> list[Compressor]:

@@ -21,7 +21,7 @@ from planner.solvers.compressor_choice import ErrorBudget
 from planner.types import Compressor, CompressorError, InvalidProfileError, PlannerError
 
 __all__ = ["BY_DEFAULT", "DEFAULT_BUDGETS", "BudgetSpec", "default_budget", "parse_error_budget", "plan_error",
-           "resolve_budget", "solver_budget", "uniform_error"]
+           "resolve_budget", "solver_budget", "uniform_error", "within_reach"]
 
 #: `--error-budget` as given: the error itself, or the compressor whose error over the whole gradient it is.
 BudgetSpec = float | Compressor
@@ -134,3 +134,27 @@ def uniform_error(profile: Profile, compressor: Compressor) -> float:
         return measured_errors(profile).uniform(compressor)
     except KeyError as exc:
         raise InvalidProfileError(str(exc.args[0])) from None
+
+
+def within_reach(errors: CompressionErrors, compressors: Sequence[Compressor], budget: Compressor
+                 ) -> tuple[Compressor, ...]:
+    """Those of `compressors` that a plan over them, within `budget`'s error on every layer, can send a layer by:
+    sending that layer by it, and every other layer by the compressor of fewest units there, fits the budget, in
+    the units the solver keeps its plans within (`solver_budget`: `ErrorBudget.of`, `budget` the reference where it
+    is one of `compressors`; a compressor's units depend on its own errors and the reference's only). Any plan that
+    sends a layer by a compressor pays at least that, so leaving out the others changes no plan; with the groups
+    free (one layer a group) the rest are each in some plan too.
+
+    Raises:
+        KeyError: `errors` lacks one of them, or the budget's.
+    """
+    chosen = tuple(dict.fromkeys(compressors))
+    if not chosen:
+        return ()
+    reference = next((i for i, c in enumerate(chosen) if c == budget), None)
+    units = ErrorBudget.of(np.array([errors.layer_errors(c) for c in chosen]), errors.uniform(budget),
+                           reference=reference)
+    fewest = units.units.min(axis=0)
+    rest = int(fewest.sum())
+    return tuple(c for c, row in zip(chosen, units.units, strict=True)
+                 if int((row - fewest).min()) + rest <= units.budget)
