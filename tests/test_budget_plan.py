@@ -334,12 +334,12 @@ def test_a_profile_made_for_plans_without_top_k_leaves_it_out() -> None:
     with pytest.raises(InvalidProfileError, match="topk:0.01, topk:0.1 cannot fit the error budget it was made for "
                                                   r"\(fp16's error on every layer\).*profile again"):
         make_plan(loaded, Strategy.TOPK, 0.01)
-    with pytest.raises(InvalidProfileError, match="cannot fit the error budget.*cannot plan topk:0.01"):
+    with pytest.raises(InvalidProfileError, match=r"cannot fit the error budget.*cannot plan topk:0\.01"):
         make_mixed_plan(loaded, every, time_limit_s=None)
     # the plans within the budget need no top-k timings
     assert make_mixed_plan(loaded, parse_compressors("dense,fp16,powersgd:4"), error_budget=fp16,
                            time_limit_s=None).error is not None
-    with pytest.raises(InvalidProfileError, match="left out, but profile.topk holds"):
+    with pytest.raises(InvalidProfileError, match=r"left out, but profile\.topk holds"):
         replace(profile, topk_left_out=left)
     with pytest.raises(SchemaError, match="top-k compressors only"):
         TopkLeftOut(compressors=(fp16,), budget=fp16)
