@@ -144,8 +144,8 @@ class DemoCommand(Command):
         console.print(f"wrote profile {prof_path}")
         if (left_out := profile.topk_left_out) is not None and left_out.compressors:
             compressors = tuple(c for c in compressors if c not in left_out.compressors)
-            console.print(f"note: {left_out.why()}; the solve leaves {', '.join(map(str, left_out.compressors))} "
-                          "out", markup=False, soft_wrap=True)
+            console.print(f"note: the solve leaves {', '.join(map(str, left_out.compressors))} out (not timed, as "
+                          "above)", markup=False, soft_wrap=True)
         console.rule(f"2/{parts} solve: --strategy auto over {', '.join(map(str, compressors))}")
         choice = solve_auto(profile, compressors, source=str(prof_path))
         kept_path = None

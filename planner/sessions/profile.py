@@ -194,7 +194,7 @@ class ProfileConfig:
     #: (`planner.strategies.focus`), until none is open or the next round would not fit. None: one round.
     time_s: float | None = None
     #: The plans the profile is made for (None: any plan). Where they send no top-k, top-k is not timed (its
-    #: selection and decoding, its allgather's interference, a host's top-k exchange: a third of a default profile
+    #: selection and decoding, its allgather's interference, a host's top-k exchange: about 40 s of the demo's profile
     #: of ResNet-18), and the profile says why (`Profile.topk_left_out`).
     scope: PlanScope | None = None
 
@@ -283,7 +283,7 @@ class _Session:
         with progress(enabled=config.show_progress and self.rank == 0) as bar:
             if self.workload is not None:
                 model = self._model(bar, self.workload)
-                self.topk_left_out = self._leave_out_topk(bar, model.errors)
+                self.topk_left_out = self._leave_out_topk(model.errors)
             network = self._network(bar)
             if self.workload is not None and model is not None:
                 costs = self._costs(bar, self.workload, model.layers, network.curves)
@@ -330,13 +330,12 @@ class _Session:
                                       step_s=tuple(tuple(row) for row in self._gathered(mine)))  # type: ignore[arg-type]
         return _Model(layers=layers, unused=unused, errors=errors, throughput=throughput)
 
-    def _leave_out_topk(self, bar: Progress, errors: CompressionErrors | None) -> TopkLeftOut | None:
-        """`topk_left_out` of the scope on the errors just measured, decided on rank 0 and sent to every rank."""
+    def _leave_out_topk(self, errors: CompressionErrors | None) -> TopkLeftOut | None:
+        """`topk_left_out` of the scope on the errors just measured, decided on rank 0 and sent to every rank (the
+        profile's summary says so)."""
         left_out = None
         if self.rank == 0 and self.config.scope is not None:
             left_out = topk_left_out(self.config.scope, errors)
-            if left_out is not None:
-                _say(bar, f"{left_out.why()}: top-k is not timed")
         decided: list[object] = [left_out]
         dist.broadcast_object_list(decided, src=0)
         return decided[0]  # type: ignore[return-value]
