@@ -28,6 +28,7 @@ from planner.console import console
 from planner.contracts.plan import Plan
 from planner.platform.launch import run_distributed
 from planner.platform.link import parse_rate
+from planner.types import PlannerError
 
 
 def _steps(rank: int, world_size: int, plan_json: str, rounds: int, block: int, seed: int) -> dict[str, Any] | None:
@@ -75,7 +76,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.block < 3:
         parser.error("--block must be at least 3: a first step and two later ones")
-    plan = Plan.load(args.plan)
+    try:
+        plan = Plan.load(args.plan)
+    except PlannerError as exc:  # a missing, broken or foreign file: one line, exit 2
+        parser.error(str(exc))
     plan_json = json.dumps({**plan.to_dict(), "race": None})
     link = parse_rate(args.link) if args.link else None
     steps = run_distributed(_steps, plan.cluster.world_size, plan_json, args.rounds, args.block, args.seed, link=link,
