@@ -34,9 +34,11 @@ from rich.table import Table
 
 from planner.console import console
 from planner.contracts.plan import Plan
-from planner.sessions.bench import plan_labels
+from planner.sessions.bench import paired_speedup_interval, plan_labels
 
 PLANNER = [sys.executable, "-m", "planner"]
+#: The race's margin where a round's record predates keeping it (`planner race --margin`'s default).
+DEFAULT_MARGIN = 0.02
 
 
 def _run(args: list[str], log: Path) -> tuple[float, str]:
@@ -55,6 +57,47 @@ def _bench_names(plan: Plan) -> dict[str, str]:
     after it, each as a plan file (the plan's own arms, in the runtime and inside DDP, have the same names in both)."""
     labels = plan_labels([replace(plan, runners_up={}), *plan.runners_up.values()])
     return {f"runner-up {name}": label for name, label in zip(plan.runners_up, labels[1:], strict=True)}
+
+
+def _bench(where: Path, solved: Plan, arms: list[str], linked: list[str], steps: int, log: Path
+           ) -> tuple[float, dict[str, dict[str, Any]]]:
+    """`planner bench` of every finalist the race ran (the plan and each runner-up as plan files, DDP and the same
+    hooks), interleaved, `steps` each: its wall time and its rows by name."""
+    files = []
+    for i, plan in enumerate([replace(solved, runners_up={}), *solved.runners_up.values()]):
+        path = where / f"bench-plan-{i}.json"
+        plan.save(path)
+        files += ["--plan", str(path)]
+    hooks = sorted({a.removeprefix("ddp+") for a in arms if a.startswith("ddp+") and "topk" not in a})
+    bench_s, printed = _run(["bench", *files, *linked, "--steps", str(steps), "--peers", ",".join(hooks) or "none",
+                             "--json"], log)
+    return bench_s, {r["name"]: r for r in json.loads(printed[printed.index("["):])}
+
+
+def judge(kept: str, margin: float, arms: list[str], rows: dict[str, dict[str, Any]], names: dict[str, str]
+          ) -> dict[str, Any]:
+    """The bench's verdict on the race's: each arm's median, its ratio to DDP, and whether it beat the kept arm
+    beyond the margin, by the medians ("faster_than_kept", "passed") and by the medians' paired interval (the
+    speedup of the arm over the kept one, its interleaved rounds resampled: "clearly_faster_than_kept" when the
+    interval's lower end is beyond the margin, "passed_clearly"; `planner.sessions.bench.paired_speedup_interval`)."""
+    found = {arm: rows[names.get(arm, arm)] for arm in arms if names.get(arm, arm) in rows}
+    medians = {arm: row["median_s"] for arm, row in found.items()}
+    beaten = sorted(arm for arm, m in medians.items() if arm != kept and kept in medians
+                    and medians[kept] > (1 + margin) * m)
+    over_kept: dict[str, list[float]] = {}
+    if kept in found and "samples_s" in found[kept]:
+        ours = found[kept]
+        over_kept = {arm: list(paired_speedup_interval(ours["samples_s"], row["samples_s"], row["block"]))
+                     for arm, row in found.items() if arm != kept and "samples_s" in row}
+    clearly = sorted(arm for arm, (low, _) in over_kept.items() if low > 1 + margin)
+    return {"bench_ms": {a: m * 1e3 for a, m in medians.items()},
+            "bench_ratio": {a: m / medians["ddp"] for a, m in medians.items()} if "ddp" in medians else {},
+            "bench_over_kept": {a: medians[kept] / m for a, m in medians.items() if a != kept and kept in medians},
+            "bench_over_kept_interval": over_kept,
+            "missing": sorted(set(arms) - set(medians)), "faster_than_kept": beaten,
+            "passed": not beaten and kept in medians,
+            **({"clearly_faster_than_kept": clearly, "passed_clearly": not clearly and kept in medians}
+               if over_kept else {})}
 
 
 def audit_round(spec: str, out: Path, index: int, race_time: float) -> dict[str, Any]:
@@ -76,43 +119,37 @@ def audit_round(spec: str, out: Path, index: int, race_time: float) -> dict[str,
         race_s, printed = _run(["race", str(raced_path), *linked, "--race-time", str(race_time), "--json"], log)
         race = json.loads(printed[printed.index("{"):])
         arms = {a["name"]: a for a in race["arms"]}
-        names = _bench_names(solved)
-        files = []
-        plans = [replace(solved, runners_up={}), *solved.runners_up.values()]
-        for i, plan in enumerate(plans):
-            path = where / f"bench-plan-{i}.json"
-            plan.save(path)
-            files += ["--plan", str(path)]
-        hooks = sorted({a.removeprefix("ddp+") for a in arms if a.startswith("ddp+") and "topk" not in a})
         steps = max(3 * max(a["steps"] for a in race["arms"]), 20)
-        bench_s, printed = _run(["bench", *files, *linked, "--steps", str(steps),
-                                 "--peers", ",".join(hooks) or "none", "--json"], log)
-        rows = {r["name"]: r for r in json.loads(printed[printed.index("["):])}
+        bench_s, rows = _bench(where, solved, list(arms), linked, steps, log)
     finally:
         if loop is not None:
             loop.kill()
-    medians = {}
-    for arm in arms:
-        row = names.get(arm, arm)
-        if row in rows:
-            medians[arm] = rows[row]["median_s"]
-    kept = race["kept"]
-    margin = race["margin"]
-    beaten = {arm: m for arm, m in medians.items() if arm != kept and kept in medians
-              and medians[kept] > (1 + margin) * m}
-    result = {"round": index, "spec": spec, "kept": kept, "rule": race["rule"], "rounds": race["rounds"],
-              "race_steps": {a: arms[a]["steps"] for a in arms}, "bench_steps": steps,
+    result = {"round": index, "spec": spec, "kept": race["kept"], "rule": race["rule"], "rounds": race["rounds"],
+              "margin": race["margin"], "race_steps": {a: arms[a]["steps"] for a in arms}, "bench_steps": steps,
               "race_ratio": {a: arms[a]["ratio_to_ddp"] for a in arms},
               "interval": {a: arms[a]["interval"] for a in arms},
               "predicted_ratio": {a: arms[a]["predicted_ratio"] for a in arms},
-              "bench_ms": {a: m * 1e3 for a, m in medians.items()},
-              "bench_ratio": {a: m / medians["ddp"] for a, m in medians.items()} if "ddp" in medians else {},
-              "missing": sorted(set(arms) - set(medians)), "faster_than_kept": sorted(beaten),
-              "passed": not beaten and kept in medians,
+              **judge(race["kept"], race["margin"], list(arms), rows, _bench_names(solved)),
               "seconds": {"profile": profile_s, "solve": solve_s, "race": race_s, "bench": bench_s}}
     with (out / "rounds.jsonl").open("a") as f:
         f.write(json.dumps(result) + "\n")
     return result
+
+
+def rebench(where: Path, record: dict[str, Any], link: str | None, steps: int | None = None) -> dict[str, Any]:
+    """A second, independent bench of a finished round's finalists (its directory `where`, its line of
+    rounds.jsonl `record`): the same arms and steps unless `steps`, judged as the round was. Does the bench agree
+    with itself where it disagreed with the race?"""
+    log = where / "rebench-log.txt"
+    solved = Plan.load(where / "plan.json")
+    steps = steps or record["bench_steps"]
+    linked = [] if link in (None, "none") else ["--link", link]
+    bench_s, rows = _bench(where, solved, list(record["race_ratio"]), linked, steps, log)
+    margin = record.get("margin", DEFAULT_MARGIN)
+    return {"round": record["round"], "spec": record["spec"], "kept": record["kept"], "bench_steps": steps,
+            "first_bench_ratio": record["bench_ratio"], "first_passed": record["passed"],
+            **judge(record["kept"], margin, list(record["race_ratio"]), rows, _bench_names(solved)),
+            "seconds": {"bench": bench_s}}
 
 
 def main() -> int:
@@ -121,8 +158,13 @@ def main() -> int:
                         help="a round to run (none: summarise the rounds OUT holds)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--race-time", type=float, default=60.0)
+    parser.add_argument("--rebench", type=int, action="append", default=[], metavar="ROUND",
+                        help="bench a finished round of OUT again (its plans in OUT's round directory), "
+                             "written to OUT/rebench.jsonl")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.rebench:
+        return _rebench_rounds(args.out, args.rebench)
     done = [json.loads(line) for line in (args.out / "rounds.jsonl").read_text().splitlines()] \
         if (args.out / "rounds.jsonl").exists() else []
     results = list(done)
@@ -152,6 +194,38 @@ def main() -> int:
     console.print(f"{passed} of {len(results)} rounds: the kept arm never measured slower than another beyond the "
                   "margin")
     print_coverage(results)
+    return 0
+
+
+def _rebench_rounds(out: Path, rounds: list[int]) -> int:
+    """Bench each of `rounds` again (`rebench`), appending to OUT/rebench.jsonl, and print both benches' verdicts."""
+    records = {r["round"]: r for r in map(json.loads, (out / "rounds.jsonl").read_text().splitlines())}
+    for index in rounds:
+        if index not in records:
+            console.print(f"no round {index} in {out / 'rounds.jsonl'}: give one of {', '.join(map(str, records))}")
+            return 2
+        record = records[index]
+        model, link, *_ = record["spec"].split(":")
+        where = next(out.glob(f"{index:02d}-{model}-{link}*"))
+        console.print(f"round {index} ({record['spec']}) benched again")
+        busy = record["spec"].endswith(":busy")
+        loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+        try:
+            again = rebench(where, record, link)
+        finally:
+            if loop is not None:
+                loop.kill()
+        with (out / "rebench.jsonl").open("a") as f:
+            f.write(json.dumps(again) + "\n")
+        kept = record["kept"]
+        for arm, ratio in again["bench_over_kept"].items():
+            low, high = again["bench_over_kept_interval"].get(arm, [math.nan, math.nan])
+            first = record["bench_ratio"][kept] / record["bench_ratio"][arm]
+            console.print(f"  {arm} over kept {kept}: first bench {first:.3f}, again {ratio:.3f} "
+                          f"[{low:.3f}, {high:.3f}]")
+        console.print(f"  passed: first bench {'yes' if record['passed'] else 'NO'}, again by medians "
+                      f"{'yes' if again['passed'] else 'NO'}, again by the paired interval "
+                      f"{'yes' if again.get('passed_clearly') else 'NO'}")
     return 0
 
 

@@ -17,6 +17,7 @@ from planner.commands.cli import main
 from planner.contracts.plan import Plan
 from planner.contracts.profile import Profile
 from planner.models import Workload
+from planner.sessions.bench import paired_speedup_interval
 from planner.sessions.bench_kfac import FACTOR_HOOKS, FACTOR_HOOKS_STRATEGY
 from planner.strategies.kfac_plan import LOCAL_KFAC
 from planner.types import Collective, Strategy
@@ -86,6 +87,10 @@ def test_profile_solve_bench_on_two_processes(tmp_path: Path, capsys: pytest.Cap
     for r in rows:
         assert r["steps"] == 3 and r["median_s"] > 0 and r["predicted_s"] > 0
     assert rows[0]["speedup"] == 1.0 and rows[0]["reference"] == "ddp"
+    for r in rows:  # each row's steps kept in the order they ran, and its speedup's paired interval from them
+        assert len(r["samples_s"]) == 3 and r["block"] >= 1
+        assert r["speedup_interval"] == list(paired_speedup_interval(rows[0]["samples_s"], r["samples_s"], r["block"]))
+    assert rows[0]["speedup_interval"] == [1.0, 1.0]
     # The local steps are predicted by the profile's forward + backward + update alone.
     assert rows[1]["predicted_s"] == pytest.approx(profile.parts_s, rel=1e-9)
 

@@ -8,7 +8,7 @@ reads (and pandas, numpy and the contracts that load numpy) inside itself, marke
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
@@ -362,6 +362,16 @@ def print_left_out(preconditioned: int, left_out: tuple[tuple[str, str], ...] | 
 DRIFT_TOLERANCE = 0.05
 
 
+def _speedup(r: Any) -> str:
+    """"1.04x [1.01, 1.07]", "1.04x" without an interval, "-" without a speedup."""
+    if r.speedup is None:
+        return "-"
+    interval = getattr(r, "speedup_interval", None)
+    if interval is None or r.name == r.reference:
+        return f"{r.speedup:.2f}x"
+    return f"{r.speedup:.2f}x [{interval[0]:.2f}, {interval[1]:.2f}]"
+
+
 def print_bench(results: list, as_json: bool, title: str | None = None, lower_bound_s: float | None = None) -> None:
     """The bench table; `lower_bound_s`: a last row with the model's lower bound (no variant can predict less)."""
     if as_json:
@@ -378,7 +388,7 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
         inside = getattr(r, "inside", None)
         table.add_row(
             r.name, _ms(r.median_s), f"{_ms(r.p25_s)}-{_ms(r.p75_s)}",
-            f"{r.speedup:.2f}x" if r.speedup is not None else "-",
+            _speedup(r),
             _ms(r.predicted_s) if r.predicted_s is not None else "-",
             *((interval_ms(interval), "-" if inside is None else "yes" if inside else "no") if spread else ()),
             f"{r.rel_error:.1%}" if r.rel_error is not None else "-",
@@ -386,6 +396,9 @@ def print_bench(results: list, as_json: bool, title: str | None = None, lower_bo
     if lower_bound_s is not None:
         table.add_row("lower bound (model)", "", "", "", _ms(lower_bound_s), *(("", "") if spread else ()), "")
     console.print(table)
+    if any(getattr(r, "speedup_interval", None) is not None for r in results[1:]):
+        console.print(f"speedups: the median step of {reference} over the variant's; in brackets their 90% interval "
+                      "(the interleaved rounds resampled, each keeping its steps of both)")
     if spread:
         counted = [r.inside for r in results if getattr(r, "inside", None) is not None]
         console.print(f"{sum(counted)} of {len(counted)} measured medians fall inside their predictions' intervals "

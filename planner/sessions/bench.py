@@ -10,6 +10,7 @@ timed from a barrier to the end of `optimizer.step()`, and a step's time is the 
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import statistics
@@ -18,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -35,6 +37,7 @@ from planner.platform.launch import check_gpus, device_for
 from planner.runtime import GradientExchange, TopkHookState, topk_hook
 from planner.runtime.ddp_hooks import has_unused_parameters
 from planner.runtime.ddp_plan import PlanHook
+from planner.spread import LEVEL, STATISTIC_DRAWS, percentile_interval
 from planner.strategies.gradients import ALL_HIERARCHICAL
 from planner.strategies.via_ddp import via_ddp_refusal
 from planner.types import Compressor, CompressorKind, PlanMismatchError, PlannerError, Strategy
@@ -60,6 +63,7 @@ __all__ = [
     "file_labels",
     "local_prediction",
     "machine_drift",
+    "paired_speedup_interval",
     "per_layer_plan",
     "plan_in_ddp",
     "plan_labels",
@@ -119,6 +123,13 @@ class BenchResult:
     host_union: float | None = None
     #: The prediction's interval (low, high) from the plan (`Plan.intervals`); None where it has none.
     predicted_interval: tuple[float, float] | None = None
+    #: The interval of `speedup` (`paired_speedup_interval`: the interleaved rounds resampled, each with its steps
+    #: of both variants); None where the steps were not run in rounds beside the reference's.
+    speedup_interval: tuple[float, float] | None = None
+    #: The measured step times in the order they ran (each the slowest rank's), `block` to a round: what a paired
+    #: comparison of two variants of the same bench needs (`paired_speedup_interval`). Empty: not kept.
+    samples_s: tuple[float, ...] = ()
+    block: int | None = None
 
     @property
     def inside(self) -> bool | None:
@@ -134,7 +145,7 @@ class BenchResult:
         """Median and quartiles of the samples (step times, or average step times over windows)."""
         q = statistics.quantiles(samples, n=4, method="inclusive") if len(samples) > 1 else [samples[0]] * 3
         return cls(name=name, strategy=strategy, median_s=statistics.median(samples), p25_s=q[0], p75_s=q[2],
-                   steps=steps, predicted_s=predicted_s, reference=reference)
+                   steps=steps, predicted_s=predicted_s, reference=reference, samples_s=tuple(samples))
 
     @property
     def rel_error(self) -> float | None:
@@ -150,7 +161,33 @@ class BenchResult:
             **({"host_union": self.host_union} if self.host_union is not None else {}),
             **({} if self.predicted_interval is None else {"predicted_interval": list(self.predicted_interval),
                                                             "inside": self.inside}),
+            **({} if self.speedup_interval is None else {"speedup_interval": list(self.speedup_interval)}),
+            **({} if self.block is None else {"block": self.block, "samples_s": list(self.samples_s)}),
         }
+
+
+def paired_speedup_interval(reference_s: Sequence[float], samples_s: Sequence[float], block: int, *,
+                            level: float = LEVEL, draws: int = STATISTIC_DRAWS, seed: int = 0
+                            ) -> tuple[float, float]:
+    """The interval of the speedup median(reference) / median(samples) of two variants benched interleaved, `block`
+    steps of each to a round (the last round possibly shorter): the rounds are resampled with replacement, each
+    keeping its steps of both variants, so that what a round's spell of noise did to both stays paired; the central
+    `level` of the resampled speedups (a percentile bootstrap, deterministic by `seed`).
+
+    Raises:
+        ValueError: no steps, or two variants not run in the same rounds (their step counts differ)."""
+    if len(reference_s) == 0 or len(reference_s) != len(samples_s) or block < 1:
+        raise ValueError(f"a paired interval needs two variants' steps in the same rounds (got {len(reference_s)} "
+                         f"and {len(samples_s)} steps, {block} to a round)")
+    rounds = math.ceil(len(reference_s) / block)
+    ref = np.full((rounds, block), np.nan)
+    arm = np.full((rounds, block), np.nan)
+    ref.flat[:len(reference_s)] = reference_s
+    arm.flat[:len(samples_s)] = samples_s
+    picks = np.random.default_rng(seed).integers(0, rounds, size=(draws, rounds))
+    ratios = (np.nanmedian(ref[picks].reshape(draws, -1), axis=1)
+              / np.nanmedian(arm[picks].reshape(draws, -1), axis=1))
+    return percentile_interval(ratios, level)
 
 
 def timed_step(
@@ -632,10 +669,12 @@ def bench_worker(rank: int, world_size: int, config: BenchConfig) -> list[BenchR
                                  predicted_s=v.predicted_s, reference="ddp")
         for v, row in zip(variants, slowest, strict=True)
     ]
-    results = [replace(r, host_union=u, predicted_interval=v.interval)
+    results = [replace(r, host_union=u, predicted_interval=v.interval, block=config.block)
                for r, u, v in zip(results, unions, variants, strict=True)]
-    ddp = results[0].median_s
-    return [replace(r, speedup=ddp / r.median_s) for r in results]
+    ddp = results[0]
+    return [replace(r, speedup=ddp.median_s / r.median_s,
+                    speedup_interval=paired_speedup_interval(ddp.samples_s, r.samples_s, config.block))
+            for r in results]
 
 
 def measured_union(exchange: Any, steps: int) -> float | None:
