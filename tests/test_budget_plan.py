@@ -249,7 +249,7 @@ def test_the_plan_alone_is_the_plan_with_its_rows(budget: float | None) -> None:
         assert kept.error is not None and kept.error.predicted <= budget + 1e-12
 
 
-def _random_errors(rng: np.random.Generator, layers: int, compressors: list[str]) -> CompressionErrors:
+def random_errors(rng: np.random.Generator, layers: int, compressors: list[str]) -> CompressionErrors:
     """Errors of `compressors` on `layers` layers: random gradient energy per layer, random contractions (a few
     compressors far beyond the others, as top-k is beyond fp16)."""
     names = tuple(f"layer{i}" for i in range(layers))
@@ -270,7 +270,7 @@ def test_within_reach_is_exact_against_brute_force(seed: int) -> None:
     rng = np.random.default_rng(seed)
     layers = int(rng.integers(1, 5))
     lossy = ["fp16", "powersgd:1", "powersgd:4", "topk:0.01"][: int(rng.integers(2, 5))]
-    errors = _random_errors(rng, layers, lossy)
+    errors = random_errors(rng, layers, lossy)
     chosen = [Compressor.parse(c) for c in (["dense"] if rng.random() < 0.5 else []) + lossy]
     budget = Compressor.parse(str(rng.choice(lossy)))
     units = ErrorBudget.of(np.array([errors.layer_errors(c) for c in chosen]), errors.uniform(budget),
@@ -291,7 +291,7 @@ def test_leaving_out_what_is_beyond_reach_changes_no_plan(seed: int) -> None:
     rng = np.random.default_rng(seed)
     base = profile_with_errors()
     lossy = list(CONTRACTION)
-    errors = _random_errors(rng, len(base.layers), lossy)
+    errors = random_errors(rng, len(base.layers), lossy)
     profile = replace(base, errors=replace(errors, layers=tuple(lt.name for lt in base.layers)))
     allowed = parse_compressors("dense," + ",".join(lossy))
     budget = min(allowed[1:], key=profile.errors.uniform)  # the least: some beyond it

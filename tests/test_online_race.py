@@ -25,9 +25,11 @@ from tests.test_adaptive import TwoMatrices, gradients, slow_profile_with_errors
 
 @pytest.fixture(scope="module")
 def raced_plan() -> Plan:
-    """Auto on a slow network: PowerSGD rank 1 kept, the dense plan its runner-up."""
+    """Auto on a slow network: PowerSGD rank 1 kept; its runners-up the dense plan and PowerSGD on the next
+    grouping."""
     plan = solve_auto(slow_profile_with_errors(), parse_compressors("dense,fp16,powersgd:1"), error_budget=None).plan
-    assert list(plan.runners_up) == ["dense"] and {str(plan.compressor_of(g)) for g in plan.groups} == {"powersgd:1"}
+    assert list(plan.runners_up) == ["dense", "mixed over dense, fp16, powersgd:1 (next grouping)"]
+    assert {str(plan.compressor_of(g)) for g in plan.groups} == {"powersgd:1"}
     return plan
 
 
@@ -155,7 +157,7 @@ def test_the_race_in_the_first_steps_commits_every_rank_alike_and_loses_no_step(
     race = first["race"]
     assert race["kept"] == "runner-up dense" and race["rule"] == "budget" and race["rounds"] == 2
     assert Plan.from_dict(json.loads(first["plan"])).strategy.value == "dense"
-    assert first["committed"] == race["steps"] == 3 * 2 * 2  # three rounds (the warm-up one too) of two arms' blocks
+    assert first["committed"] == race["steps"] == 3 * 3 * 2  # three rounds (the warm-up one too) of three arms' blocks
     assert set(first["arms"]) == {"mixed", "dense"} and first["arms"][:2] == ["mixed", "mixed"]
     steps = first["committed"] + 4
     for i, name in enumerate(first["names"]):

@@ -4,20 +4,32 @@ it, and promoted to the file's plan when the race keeps one."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
+from torch import nn
 
 from planner.commands.cli import main
+from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import Plan
+from planner.contracts.profile import Profile
 from planner.contracts.race_record import RacedArm, RaceRecord
+from planner.costmodel.curves import fit_curve
+from planner.costmodel.from_profile import mixed_problem
+from planner.costmodel.mixed_simulator import simulate_mixed
 from planner.models import build_workload
 from planner.sessions.race import RUNNER_UP, finalists, with_race
-from planner.strategies.auto import runners_up, solve_auto
-from planner.strategies.mixed_plan import parse_compressors
-from planner.types import SchemaError
-from tests.factories import synthetic_kfac_plan, synthetic_profile
+from planner.strategies.auto import neighbouring_groupings, next_grouping, runners_up, solve_auto
+from planner.strategies.budget import resolve_budget, solver_budget
+from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
+from planner.types import Collective, Compressor, SchemaError
+from tests.factories import examples, synthetic_kfac_plan, synthetic_profile
+from tests.test_budget_plan import random_errors
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +42,13 @@ def auto_plan() -> Plan:
 def test_auto_names_the_next_best_plans_of_other_structures_as_runners_up(auto_plan: Plan) -> None:
     choice = solve_auto(synthetic_profile("mlp"), parse_compressors("dense,fp16,topk:0.01"), error_budget=None)
     kept = next(name for name, plan in choice.candidates.items() if plan.groups == choice.plan.groups)
-    assert list(auto_plan.runners_up) == ["topk at 0.01", "dense"] and kept not in auto_plan.runners_up
-    # in the order predicted, fastest first, and each as its candidate was weighed
-    steps = [p.predicted.iteration_s for p in auto_plan.runners_up.values()]
+    assert list(auto_plan.runners_up) == ["topk at 0.01", "dense", f"{kept} (next grouping)"]
+    # the other ways of sending in the order predicted, fastest first, each as its candidate was weighed
+    steps = [p.predicted.iteration_s for p in list(auto_plan.runners_up.values())[:2]]
     assert steps == sorted(steps) and all(p.runners_up == {} and p.race is None for p in auto_plan.runners_up.values())
+    # the next grouping: the kept plan's compressors on a grouping next to its own
+    nearest = auto_plan.runners_up[f"{kept} (next grouping)"]
+    assert nearest.compressors == choice.plan.compressors and nearest.groups != choice.plan.groups
     assert runners_up(choice.plan, choice.candidates, most=1).keys() == {"topk at 0.01"}
     # a candidate that makes the kept plan's decisions is not a runner-up of it
     twin = dataclasses.replace(choice.plan, solver="another")
@@ -69,11 +84,13 @@ def test_runners_up_race_after_the_plan_less_compressed_first_up_to_the_most_arm
     module = build_workload("mlp").module
     names = [v.name for v in finalists((auto_plan,), module, parse_compressors("fp16"), most=8)]
     plan = "plan mixed (dense, fp16, topk:0.01)"
+    nearest = "runner-up mixed over dense, fp16, topk:0.01 (next grouping)"
     assert names == ["ddp", "ddp+fp16", "ddp+topk:0.01", f"{plan} via DDP", "runner-up dense", plan,
-                     "runner-up topk at 0.01"], names
-    # DDP, its hooks and the plan both ways always race; the runners-up fill what is left, fastest predicted first
+                     "runner-up topk at 0.01", nearest], names
+    # DDP, its hooks and the plan both ways always race; the runners-up fill what is left: the other ways of
+    # sending, fastest predicted first, then the next grouping
     fewer = [v.name for v in finalists((auto_plan,), module, parse_compressors("fp16"), most=6)]
-    assert fewer == [n for n in names if n != "runner-up dense"]
+    assert fewer == [n for n in names if n not in ("runner-up dense", nearest)]
     assert [v.name for v in finalists((auto_plan,), module, parse_compressors("fp16"), most=2)] == [
         n for n in names if not n.startswith(RUNNER_UP)]
 
@@ -90,7 +107,8 @@ def test_a_runner_up_the_race_keeps_becomes_the_files_plan(auto_plan: Plan, tmp_
     record = _record(["ddp", "plan mixed (dense, fp16, topk:0.01)", "runner-up dense"], "runner-up dense")
     promoted = with_race(auto_plan, record)
     assert promoted.groups == auto_plan.runners_up["dense"].groups and promoted.race == record
-    assert list(promoted.runners_up) == ["mixed (dense, fp16, topk:0.01)", "topk at 0.01"]
+    assert list(promoted.runners_up) == ["mixed (dense, fp16, topk:0.01)", "topk at 0.01",
+                                         "mixed over dense, fp16, topk:0.01 (next grouping)"]
     assert promoted.runners_up["mixed (dense, fp16, topk:0.01)"].groups == auto_plan.groups
     promoted.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json") == promoted
@@ -131,7 +149,8 @@ def test_solve_race_races_the_plan_and_its_runners_up_and_records_the_race(tmp_p
     if plan.race.kept == "runner-up dense":
         assert plan.strategy.value == "dense" and "its plan is now runner-up dense" in printed
     else:
-        assert plan.strategy.value == "mixed" and list(plan.runners_up) == ["dense"]
+        assert plan.strategy.value == "mixed"
+        assert list(plan.runners_up) == ["dense", "mixed over dense, fp16 (next grouping)"]
 
 
 def test_retune_race_races_the_retuned_plan_and_refuses_what_it_cannot(tmp_path: Path,
@@ -164,10 +183,70 @@ def test_on_several_hosts_the_kept_way_of_sending_runs_up_once_per_route(tmp_pat
 
     choice = solve_auto(_two_host_profile(), parse_compressors("dense"), error_budget=None)
     runners = choice.plan.runners_up
-    assert set(runners) == {"dense, all flat", "dense, all hierarchical"}, list(runners)
+    assert set(runners) == {"dense, all flat", "dense, all hierarchical", "dense (next grouping)"}, list(runners)
     assert {g.hierarchical for g in runners["dense, all flat"].groups} == {False}
     assert {g.hierarchical for g in runners["dense, all hierarchical"].groups} == {True}
     choice.plan.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json").runners_up.keys() == runners.keys()
     one_host = solve_auto(synthetic_profile("mlp"), parse_compressors("dense"), error_budget=None)
     assert not any("all flat" in name for name in one_host.plan.runners_up)
+
+
+@pytest.mark.parametrize("layers", [1, 2, 5, 7])
+def test_neighbouring_groupings_are_every_grouping_one_cut_away(layers: int) -> None:
+    """Against every grouping of the layers enumerated: those whose cuts differ from the grouping's by one cut (one
+    removed: two groups merged; one added: a group split), each once."""
+    rng = np.random.default_rng(layers)
+    cuts = {c for c in range(1, layers) if rng.random() < 0.5}
+    grouping = (*sorted(cuts), layers)
+    every = [(*(c for c, on in zip(range(1, layers), mask, strict=True) if on), layers)
+             for mask in itertools.product((False, True), repeat=layers - 1)]
+    one_away = {g for g in every if len(set(g[:-1]) ^ cuts) == 1}
+    found = neighbouring_groupings(grouping)
+    assert len(found) == len(set(found)) == layers - 1 and set(found) == one_away
+
+
+def _random_profile(rng: np.random.Generator, lossy: list[str]) -> Profile:
+    """A synthetic profile of a stack of 3 to 5 linear layers of random widths behind a link of random speed, with
+    random compression errors (`tests.test_budget_plan.random_errors`)."""
+    widths = [int(w) for w in rng.integers(8, 600, int(rng.integers(4, 7)))]
+    module = nn.Sequential(*(nn.Linear(a, b, bias=False) for a, b in itertools.pairwise(widths)))
+    base = synthetic_profile("stack", module=module)
+    beta = 10 ** rng.uniform(-9.5, -7)
+    link = fit_curve([(s, 2e-4 + beta * s) for s in (1 << e for e in range(10, 27, 2))])
+    errors = random_errors(rng, len(base.layers), lossy)
+    return replace(base, collectives={c: link for c in Collective},
+                   errors=replace(errors, layers=tuple(lt.name for lt in base.layers)))
+
+
+@pytest.mark.parametrize("seed", range(examples(10)))
+def test_the_next_grouping_is_the_best_plan_one_grouping_away_against_brute_force(seed: int) -> None:
+    """The next grouping's prediction is the least of every plan one grouping from the kept plan's (every grouping
+    one cut away, every compressor of the kept plan's on every group, those within the error budget), simulated one
+    by one; and it keeps to the budget."""
+    rng = np.random.default_rng(seed)
+    lossy = ["fp16", "powersgd:1", "powersgd:4"]
+    profile = _random_profile(rng, lossy)
+    allowed = parse_compressors("dense," + ",".join(lossy[: int(rng.integers(1, 4))]))
+    budget = None if rng.random() < 0.3 else Compressor.parse(str(rng.choice([str(c) for c in allowed[1:]])))
+    kept = make_mixed_plan(profile, allowed, error_budget=budget, time_limit_s=None, rows=False)
+    nearest = next_grouping(profile, kept, time_limit_s=None, error_budget=budget)
+    grouping = plan_grouping(kept, profile)
+    if len(profile.layers) == 1:
+        assert nearest is None
+        return
+    assert nearest is not None
+    problem = mixed_problem(profile, allowed)
+    units = None if budget is None else solver_budget(profile, problem, *resolve_budget(profile, budget))
+    best = math.inf
+    n = len(profile.layers)
+    every = [(*(c for c, on in zip(range(1, n), mask, strict=True) if on), n)
+             for mask in itertools.product((False, True), repeat=n - 1)]
+    for other in (g for g in every if len(set(g[:-1]) ^ set(grouping[:-1])) == 1):
+        for choice in itertools.product(range(len(problem.compressors)), repeat=len(other)):
+            if units is None or units.of_solution(other, choice) <= units.budget:
+                best = min(best, simulate_mixed(problem, other, choice).iteration_s)
+    assert nearest.predicted.iteration_s == pytest.approx(best, rel=1e-9)
+    assert plan_grouping(nearest, profile) in neighbouring_groupings(grouping)
+    if budget is not None:
+        assert nearest.error is not None and nearest.error.predicted <= nearest.error.budget * (1 + 1e-9)

@@ -14,8 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from planner.contracts.layers import plan_grouping
 from planner.contracts.plan import DDP_ROW, Plan, plan_simplicity
 from planner.contracts.profile import Profile
+from planner.costmodel.from_profile import mixed_problem
+from planner.costmodel.problem import Grouping
+from planner.solvers.compressor_choice import MixedParetoDP
+from planner.solvers.deadline import Deadline
 from planner.spread import PairedGain
 from planner.strategies.budget import (
     BY_DEFAULT,
@@ -24,6 +29,7 @@ from planner.strategies.budget import (
     default_budget,
     plan_error,
     resolve_budget,
+    solver_budget,
     uniform_error,
 )
 from planner.strategies.gradients import make_plan
@@ -41,12 +47,21 @@ from planner.strategies.intervals import (
 )
 from planner.strategies.mixed_plan import make_mixed_plan
 from planner.strategies.via_ddp import Way, choose_way
-from planner.types import DENSE_COMPRESSOR, Compressor, CompressorKind, PlanMismatchError, PlannerError, Strategy
+from planner.types import (
+    DENSE_COMPRESSOR,
+    Compressor,
+    CompressorKind,
+    PlanMismatchError,
+    PlannerError,
+    SolverError,
+    Strategy,
+)
 
 if TYPE_CHECKING:
     from planner.contracts.trials import Trials
 
-__all__ = ["RUNNERS_UP", "AutoChoice", "ddp_predictions", "plan_simplicity", "runners_up", "solve_auto", "trial_budget"]
+__all__ = ["RUNNERS_UP", "AutoChoice", "ddp_predictions", "neighbouring_groupings", "next_grouping", "plan_simplicity",
+           "runners_up", "solve_auto", "trial_budget"]
 
 
 @dataclass(frozen=True)
@@ -187,8 +202,62 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
         pool.update({label: with_error(plan, profile, budget) for label, plan in routed.items()})
         if factors is not None:
             factors = {**factors, **dict.fromkeys(routed, factors[name])}  # the same compressors: the same samples
-    plan = replace(choice.plan, runners_up=runners_up(choice.plan, pool, factors))
+    ups = runners_up(choice.plan, pool, factors)
+    nearest = next_grouping(profile, choice.plan, time_limit_s=time_limit_s, error_budget=error_budget)
+    if nearest is not None and _decisions(nearest) not in {_decisions(p) for p in ups.values()}:
+        name = next(name for name, plan in choice.candidates.items() if plan is choice.plan)
+        ups[f"{name} (next grouping)"] = with_error(nearest, profile, budget)
+    plan = replace(choice.plan, runners_up=ups)
     return replace(choice, plan=plan, rule=rule, beyond_budget=left_out, samples=samples, factors=kept)
+
+
+def neighbouring_groupings(grouping: Grouping) -> list[Grouping]:
+    """Every grouping one step from `grouping` (exclusive group ends): two adjacent groups merged into one, or one
+    group split in two; merges first, each grouping once."""
+    ends = tuple(grouping)
+    out = [ends[:i] + ends[i + 1:] for i in range(len(ends) - 1)]
+    start = 0
+    for i, end in enumerate(ends):
+        out += [(*ends[:i], cut, *ends[i:]) for cut in range(start + 1, end)]
+        start = end
+    return out
+
+
+def next_grouping(profile: Profile, kept: Plan, *, time_limit_s: float | None = 1.0,
+                  error_budget: BudgetSpec | None = None) -> Plan | None:
+    """The best plan one grouping away from `kept`: among the groupings one step from its own (two adjacent groups
+    merged, or one group split in two: `neighbouring_groupings`), the one predicted fastest with each group's
+    compressor chosen again, exactly, among the kept plan's compressors and within the same error budget
+    (`MixedParetoDP` with the grouping fixed), as a mixed plan of those compressors. The model chose the kept plan's
+    grouping over this one by its prediction alone; the race measures both.
+
+    None: a plan of one layer (no other grouping), or no neighbour within the budget. Past `time_limit_s`, the best of
+    the neighbours solved by then."""
+    compressors = kept.compressors or tuple(dict.fromkeys(kept.compressor_of(g) for g in kept.groups))
+    selector = kept.selector if any(c.kind is CompressorKind.TOPK for c in compressors) else None
+    problem = mixed_problem(profile, compressors, selector=selector or "exact")
+    budget = None if error_budget is None else resolve_budget(profile, error_budget)
+    error = None if budget is None else solver_budget(profile, problem, *budget)
+    deadline = Deadline(time_limit_s)
+    best: tuple[float, Grouping] | None = None
+    for grouping in neighbouring_groupings(plan_grouping(kept, profile)):
+        if best is not None and deadline.passed():
+            break
+        try:
+            found = MixedParetoDP(grouping=grouping, error=error).solve(problem, deadline=deadline)
+        except SolverError:  # no plan of this grouping within the budget
+            continue
+        if best is None or found.iteration_s < best[0]:
+            best = (found.iteration_s, grouping)
+    if best is None:
+        return None
+    return make_mixed_plan(profile, compressors, source=kept.source_profile or "", selector=selector,
+                           time_limit_s=time_limit_s, error_budget=error_budget, grouping=best[1])
+
+
+def _decisions(plan: Plan) -> tuple:
+    """What a plan decides: its groups, each sent one way (two plans deciding alike are the same finalist)."""
+    return tuple((g.params, str(plan.compressor_of(g)), g.hierarchical) for g in plan.groups)
 
 
 def route_variants(profile: Profile, name: str, kept: Plan, *, source: str = "", selector: str | None = None,
@@ -219,15 +288,11 @@ def runners_up(kept: Plan, candidates: dict[str, Plan], factors: dict[str, float
     cannot. A candidate that makes the same decisions as the kept plan (the same groups, sent the same way) is
     the kept plan, not a runner-up."""
     factor = factors or {}
-
-    def decisions(plan: Plan) -> tuple:
-        return tuple((g.params, str(plan.compressor_of(g)), g.hierarchical) for g in plan.groups)
-
-    seen = {decisions(kept)}
+    seen = {_decisions(kept)}
     out: dict[str, Plan] = {}
     for name, plan in sorted(candidates.items(), key=lambda kv: kv[1].predicted.iteration_s * factor.get(kv[0], 1)):
-        if len(out) < most and plan is not kept and decisions(plan) not in seen:
-            seen.add(decisions(plan))
+        if len(out) < most and plan is not kept and _decisions(plan) not in seen:
+            seen.add(_decisions(plan))
             out[name] = plan
     return out
 
