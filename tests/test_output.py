@@ -18,7 +18,7 @@ from planner.models import build_workload
 from planner.sessions.bench import auto_tag, bench_variants, file_labels, plan_labels, plan_tag
 from planner.strategies.gradients import make_plan
 from planner.strategies.mixed_plan import make_mixed_plan, parse_compressors
-from planner.types import Strategy
+from planner.types import Compressor, Strategy
 from tests.factories import synthetic_profile, with_samples
 from tests.test_interference import measured_profile
 
@@ -239,3 +239,38 @@ def test_profile_prints_its_summary_where_it_wrote_and_what_to_run_next(tmp_path
     assert main(["profile", "--model", "mlp", "--verbose", "-o", str(out_path)]) == 0
     verbose = capsys.readouterr().out
     assert "collectives: alpha + beta" in verbose and "planner show" not in verbose
+
+
+def test_profile_compressors_narrows_what_it_times_to_what_their_plans_can_send(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`planner profile --compressors LIST`: the profile measures their PowerSGD ranks and top-k densities and is
+    given their scope (top-k timed only where a plan over them within the default budget could send it, as the demo's
+    profile); the next command solves over those it timed. Beside --only comm or --kfac it is refused in one line."""
+    import planner.sessions.profile as profile_module
+    from planner.contracts.profile import TopkLeftOut
+    from planner.sessions.profile import PlanScope
+
+    configs = []
+    topk = Compressor.parse("topk:0.05")
+    left_out = TopkLeftOut(compressors=(topk,), budget=Compressor.parse("fp16"))
+    prof = replace(with_samples(measured_profile("mlp")), topk=None, topk_left_out=left_out)
+    monkeypatch.setattr(profile_module, "run_profile", lambda config: configs.append(config) or prof)
+    out_path = tmp_path / "p.json"
+    assert main(["profile", "--model", "mlp", "--quick", "--compressors", "dense,fp16,powersgd:2,topk:0.05",
+                 "-o", str(out_path)]) == 0
+    out = capsys.readouterr().out
+    config = configs[-1]
+    assert config.scope == PlanScope(compressors=parse_compressors("dense,fp16,powersgd:2,topk:0.05"),
+                                     budget=Compressor.parse("fp16"))
+    assert 2 in config.powersgd_ranks and 4 in config.powersgd_ranks and 0.05 in config.densities
+    assert "top-k not timed" in out
+    assert out.rstrip().endswith(f"next: planner solve {out_path} --compressors dense,fp16,powersgd:2 -o plan.json")
+    assert main(["profile", "--model", "mlp", "-o", str(out_path)]) == 0
+    assert configs[-1].scope is None  # without it, everything is timed
+    capsys.readouterr()
+    for extra in (["--only", "comm"], ["--kfac"]):
+        assert main(["profile", "--model", "mlp", "--compressors", "light", *extra, "-o", str(out_path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "drop --compressors" in err
+    assert main(["profile", "--model", "mlp", "--compressors", "dense,zstd", "-o", str(out_path)]) == 2
+    assert "--compressors" in capsys.readouterr().err

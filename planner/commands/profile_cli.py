@@ -61,6 +61,11 @@ class ProfileCommand(Command):
         parser.add_argument("--powersgd-ranks", default=None, metavar="LIST",
                             help="PowerSGD ranks to measure (with fp16), e.g. 1,2,4; none: measure neither (default "
                                  "1,2,4, --quick 4)")
+        parser.add_argument("--compressors", default=None, metavar="LIST",
+                            help="the compressors your plans will be solved over (a preset or a list, as `planner "
+                                 "solve --compressors`): their PowerSGD ranks and top-k densities are measured, and "
+                                 "top-k is timed only where a plan over them within the default error budget "
+                                 "(fp16's) could send it, as `planner demo` does (default: time everything)")
         parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
                             help="time the runtime's own work (packing, compressing, sending) in real steps and "
                                  "calibrate the micro-benchmarks' predictions by it (default); --no-calibrate: the "
@@ -89,6 +94,7 @@ class ProfileCommand(Command):
         from planner.sessions.profile import (  # deferred (start-up)
             DEFAULT_EFFORT,
             QUICK_EFFORT,
+            PlanScope,
             ProfileConfig,
             run_profile,
             skipped_topk_densities,
@@ -115,6 +121,18 @@ class ProfileCommand(Command):
             except argparse.ArgumentTypeError as exc:
                 raise PlannerError(f"--densities: {exc}") from None
         ranks = effort.powersgd_ranks if args.powersgd_ranks is None else _powersgd_ranks(args.powersgd_ranks)
+        scope = None
+        if args.compressors is not None:
+            if args.only is not None or args.kfac:
+                raise PlannerError("--compressors narrows what a gradient profile times; --only comm and --kfac "
+                                   "measure all they measure: drop --compressors")
+            from planner.strategies.budget import DEFAULT_BUDGETS  # deferred (start-up)
+            from planner.strategies.mixed_plan import parse_compressors  # deferred (start-up)
+
+            compressors = parse_compressors(args.compressors)
+            ranks = tuple(sorted({*ranks, *(c.rank for c in compressors if c.rank is not None)}))
+            densities = tuple(sorted({*densities, *(c.density for c in compressors if c.density is not None)}))
+            scope = PlanScope(compressors=compressors, budget=DEFAULT_BUDGETS[0])
         given = {name: value for name, value in (("repeats", args.repeats), ("warmup", args.warmup),
                                                   ("layer_seconds", args.layer_seconds),
                                                   ("collective_timeout", args.timeout)) if value is not None}
@@ -125,7 +143,8 @@ class ProfileCommand(Command):
             effort, quick=quick, model=args.model, output=args.output, batch_size=args.batch_size,
             nproc=args.nproc, backend=args.backend, densities=densities, only_comm=args.only == "comm", base=base,
             kfac=args.kfac, max_dim=args.max_dim, link=args.link, kfac_skip=args.kfac_skip, slowdown=args.slowdown,
-            powersgd_ranks=ranks, hosts=args.hosts, in_situ=args.calibrate, time_s=args.time, **given,
+            powersgd_ranks=ranks, hosts=args.hosts, in_situ=args.calibrate, time_s=args.time, scope=scope,
+            **given,
         )
         profile = run_profile(config)
         profile.save(args.output)
@@ -144,7 +163,11 @@ class ProfileCommand(Command):
         console.print(f"wrote profile {args.output}"
                       + ("" if args.details else f" (all it measured: planner show {args.output} --details)"),
                       markup=False, soft_wrap=True)
-        console.print(f"next: planner solve {args.output} -o plan.json", markup=False, soft_wrap=True)
+        narrowed = ""
+        if scope is not None:
+            left_out = profile.topk_left_out.compressors if profile.topk_left_out is not None else ()
+            narrowed = " --compressors " + ",".join(str(c) for c in scope.compressors if c not in left_out)
+        console.print(f"next: planner solve {args.output}{narrowed} -o plan.json", markup=False, soft_wrap=True)
         return 0
 
 
