@@ -14,8 +14,16 @@ core for the whole round) runs the user's path with the planner's own commands, 
    early, so its counts are small).
 
 A round passes when no finalist's bench median is below the kept arm's by more than the race's margin (the kept arm
-never measures slower than another beyond the margin). Every round is written to `OUT/rounds.jsonl` as it ends, and
-the table of all rounds printed at the end (with each round's wall times: profile, solve, race, bench).
+never measures slower than another beyond the margin). It passes "clearly" when no finalist beats the kept arm beyond
+the margin by the bench's own 90% interval of their speedup (paired over the bench's interleaved rounds,
+`planner.sessions.bench.paired_speedup_interval`): a bench is a measurement too. Every round is written to
+`OUT/rounds.jsonl` as it ends, and the table of all rounds printed at the end (with each round's wall times:
+profile, solve, race, bench).
+
+    python benchmarks/verdict_audit.py --out runs/audit --rebench 3 --rebench 5
+
+benches finished rounds again (the same finalists, links and steps; written to `OUT/rebench.jsonl`): do two
+benches of the same arms agree where a bench and the race disagreed?
 """
 
 from __future__ import annotations
