@@ -188,7 +188,7 @@ def main() -> int:
                       f"margin: {', '.join(r['faster_than_kept']) or 'none'}")
     table = Table(title="verdict audit: the arm each race kept, against an independent interleaved bench")
     for col in ("round", "model:link", "kept (rule, rounds)", "race ratio kept", "bench ratio kept",
-                "faster in the bench", "profile+solve+race s", "passed"):
+                "faster in the bench", "profile+solve+race s", "passed", "passed by the bench's interval"):
         table.add_column(col)
     for r in results:
         kept = r["kept"]
@@ -196,11 +196,16 @@ def main() -> int:
                       _fmt(r["race_ratio"].get(kept)), _fmt(r["bench_ratio"].get(kept)),
                       ", ".join(r["faster_than_kept"]) or "-",
                       f"{r['seconds']['profile'] + r['seconds']['solve'] + r['seconds']['race']:.0f}",
-                      "yes" if r["passed"] else "NO")
+                      "yes" if r["passed"] else "NO",
+                      "-" if "passed_clearly" not in r else "yes" if r["passed_clearly"] else "NO")
     console.print(table)
     passed = sum(r["passed"] for r in results)
     console.print(f"{passed} of {len(results)} rounds: the kept arm never measured slower than another beyond the "
                   "margin")
+    judged = [r for r in results if "passed_clearly" in r]
+    if judged:
+        console.print(f"{sum(r['passed_clearly'] for r in judged)} of {len(judged)} rounds with the bench's steps "
+                      "kept: no arm faster than the kept one beyond the margin by the bench's 90% interval")
     print_coverage(results)
     return 0
 
