@@ -60,8 +60,8 @@ from planner.types import (
 if TYPE_CHECKING:
     from planner.contracts.trials import Trials
 
-__all__ = ["RUNNERS_UP", "AutoChoice", "ddp_predictions", "neighbouring_groupings", "next_grouping", "plan_simplicity",
-           "runners_up", "solve_auto", "trial_budget"]
+__all__ = ["NEXT_GROUPING", "RUNNERS_UP", "AutoChoice", "ddp_predictions", "neighbouring_groupings", "next_grouping",
+           "plan_simplicity", "runners_up", "solve_auto", "trial_budget"]
 
 
 @dataclass(frozen=True)
@@ -205,8 +205,7 @@ def solve_auto(profile: Profile, compressors: Sequence[Compressor], *, source: s
     ups = runners_up(choice.plan, pool, factors)
     nearest = next_grouping(profile, choice.plan, time_limit_s=time_limit_s, error_budget=error_budget)
     if nearest is not None and _decisions(nearest) not in {_decisions(p) for p in ups.values()}:
-        name = next(name for name, plan in choice.candidates.items() if plan is choice.plan)
-        ups[f"{name} (next grouping)"] = with_error(nearest, profile, budget)
+        ups[NEXT_GROUPING] = with_error(nearest, profile, budget)
     plan = replace(choice.plan, runners_up=ups)
     return replace(choice, plan=plan, rule=rule, beyond_budget=left_out, samples=samples, factors=kept)
 
@@ -277,6 +276,8 @@ def route_variants(profile: Profile, name: str, kept: Plan, *, source: str = "",
     return out
 
 
+#: The runner-up that is the plan's next grouping (`next_grouping`): its compressors on a grouping one step from its.
+NEXT_GROUPING = "next grouping"
 #: How many of auto's other candidates the kept plan names as runners-up (finalists of the race beside it).
 RUNNERS_UP = 2
 
