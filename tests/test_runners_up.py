@@ -108,7 +108,7 @@ def test_a_runner_up_the_race_keeps_becomes_the_files_plan(auto_plan: Plan, tmp_
     promoted = with_race(auto_plan, record)
     assert promoted.groups == auto_plan.runners_up["dense"].groups and promoted.race == record
     assert list(promoted.runners_up) == ["mixed (dense, fp16, topk:0.01)", "topk at 0.01",
-                                         "next grouping"]
+                                         "next grouping of mixed (dense, fp16, topk:0.01)"]
     assert promoted.runners_up["mixed (dense, fp16, topk:0.01)"].groups == auto_plan.groups
     promoted.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json") == promoted

@@ -41,6 +41,7 @@ from planner.sessions.bench import (
     bench_variants,
     plan_tag,
 )
+from planner.strategies.auto import NEXT_GROUPING
 from planner.strategies.race_rule import DEFAULT_ALPHA, DEFAULT_MARGIN, RATIO_GRID, Race, RaceDecision
 from planner.types import Compressor, PlanMismatchError
 
@@ -142,8 +143,10 @@ def with_race(plan: Plan, record: RaceRecord) -> Plan:
     if not record.kept.startswith(RUNNER_UP) or record.kept.removeprefix(RUNNER_UP) not in plan.runners_up:
         return replace(plan, race=record)
     name = record.kept.removeprefix(RUNNER_UP)
-    others = {key: other for key, other in plan.runners_up.items() if key != name}
     tag = plan_tag(plan)
+    # The replaced plan's next grouping stays a finalist, named as what it is now: another plan's next grouping.
+    others = {(f"{key} of {tag}" if key == NEXT_GROUPING else key): other
+              for key, other in plan.runners_up.items() if key != name}
     while tag in others or tag == name:
         tag += " (solved)"
     return replace(plan.runners_up[name], race=record,
