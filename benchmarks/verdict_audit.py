@@ -42,7 +42,7 @@ from rich.table import Table
 
 from planner.console import console
 from planner.contracts.plan import Plan
-from planner.sessions.bench import paired_speedup_interval, plan_labels
+from planner.sessions.bench import file_labels, paired_speedup_interval, plan_labels, via_ddp_label
 
 PLANNER = [sys.executable, "-m", "planner"]
 #: The race's margin where a round's record predates keeping it (`planner race --margin`'s default).
@@ -60,11 +60,15 @@ def _run(args: list[str], log: Path) -> tuple[float, str]:
     return time.perf_counter() - start, proc.stdout
 
 
-def _bench_names(plan: Plan) -> dict[str, str]:
-    """The race's arm name of each runner-up -> its bench row, the bench given the plan first and the runners-up
-    after it, each as a plan file (the plan's own arms, in the runtime and inside DDP, have the same names in both)."""
-    labels = plan_labels([replace(plan, runners_up={}), *plan.runners_up.values()])
-    return {f"runner-up {name}": label for name, label in zip(plan.runners_up, labels[1:], strict=True)}
+def _bench_names(plan: Plan, where: Path) -> dict[str, str]:
+    """The race's arm name of the plan (in the runtime and inside DDP) and of each runner-up -> its bench row, the
+    bench given the plan first and the runners-up after it, each as a plan file in `where` (`_bench`): the bench names
+    each by what it sends, and by its file where two send alike (a plan and its next grouping)."""
+    plans = [replace(plan, runners_up={}), *plan.runners_up.values()]
+    bench = file_labels(plans, [where / f"bench-plan-{i}.json" for i in range(len(plans))])
+    raced = plan_labels(plans[:1])[0]
+    names = {raced: bench[0], via_ddp_label(raced): via_ddp_label(bench[0])}
+    return {**names, **{f"runner-up {name}": label for name, label in zip(plan.runners_up, bench[1:], strict=True)}}
 
 
 def _bench(where: Path, solved: Plan, arms: list[str], linked: list[str], steps: int, log: Path
@@ -137,7 +141,7 @@ def audit_round(spec: str, out: Path, index: int, race_time: float) -> dict[str,
               "race_ratio": {a: arms[a]["ratio_to_ddp"] for a in arms},
               "interval": {a: arms[a]["interval"] for a in arms},
               "predicted_ratio": {a: arms[a]["predicted_ratio"] for a in arms},
-              **judge(race["kept"], race["margin"], list(arms), rows, _bench_names(solved)),
+              **judge(race["kept"], race["margin"], list(arms), rows, _bench_names(solved, where)),
               "seconds": {"profile": profile_s, "solve": solve_s, "race": race_s, "bench": bench_s}}
     with (out / "rounds.jsonl").open("a") as f:
         f.write(json.dumps(result) + "\n")
@@ -156,7 +160,7 @@ def rebench(where: Path, record: dict[str, Any], link: str | None, steps: int | 
     margin = record.get("margin", DEFAULT_MARGIN)
     return {"round": record["round"], "spec": record["spec"], "kept": record["kept"], "bench_steps": steps,
             "first_bench_ratio": record["bench_ratio"], "first_passed": record["passed"],
-            **judge(record["kept"], margin, list(record["race_ratio"]), rows, _bench_names(solved)),
+            **judge(record["kept"], margin, list(record["race_ratio"]), rows, _bench_names(solved, where)),
             "seconds": {"bench": bench_s}}
 
 
