@@ -11,7 +11,10 @@ estimate, is within the margin. Each simulated race here runs on the drifting ma
 `planner.strategies.race_streams.drifting_blocks` (a trend, bursts, heavy tails) for at most `rounds` rounds; where
 it ends on the budget, every rule below picks an arm from the same race's blocks:
 
-- `medians`: the rule the race runs;
+- `medians`: the rule the race runs: the simplest arm not beaten that no other beats by estimate (median paired
+  block ratio) beyond the margin;
+- `to the fastest`: the rule before it: the simplest arm within the margin of the fastest by estimate, compared with
+  that arm alone;
 - `simplest`: the simplest arm not beaten, whatever the estimates (the race's rule before estimates counted, and its
   rule still under `MIN_ESTIMATE_ROUNDS` rounds);
 - `sign 5%`, `t 5%`, `t 10%`: as `medians`, but an arm simpler than the fastest is passed over only where a one-shot
@@ -21,7 +24,7 @@ it ends on the budget, every rule below picks an arm from the same race's blocks
 
 A race passes where the arm kept is truly within the margin of the truly fastest (the verdict audit's criterion).
 The scenarios are arms' true medians over DDP's, simplest first: equal arms, one arm 5% faster, and four from the
-verdict audit's benches (docs/results/race.md; rounds 11, 13, 16 and 20).
+verdict audit's benches (docs/results/race.md; rounds 11, 13, 16, 20, 21, 26 and 28).
 
 `--replay` feeds races that were run (a race log, or plan files with a race record holding its blocks) to every
 rule instead, and prints what each would have kept where the budget ended the race.
@@ -57,6 +60,9 @@ SCENARIOS = {
     "audit 13 (lstm, 1gbit, busy)": (1.0, 0.787, 0.768, 1.002, 0.778),
     "audit 16 (resnet18, 1gbit, busy)": (1.0, 0.970, 0.932, 0.965, 0.972),
     "audit 20 (resnet18, none, busy)": (1.0, 1.050, 1.028, 0.997, 1.010),
+    "audit 21 (resnet18, 200mbit)": (1.0, 0.607, 0.591, 0.994, 0.575),
+    "audit 26 (resnet18, none)": (1.0, 1.003, 0.977, 0.987),
+    "audit 28 (lstm, 1gbit)": (1.0, 0.705, 0.696, 0.990, 0.682),
 }
 
 Rule = Callable[[Race, tuple[str, ...]], str]
@@ -91,8 +97,18 @@ def _t(level: float, shift: float = 0.0) -> Callable[[np.ndarray], bool]:
     return test
 
 
+def _to_the_fastest(race: Race, alive: tuple[str, ...]) -> str:
+    """The race's budget rule to 8d10c4d: the simplest arm whose median block ratio to the fastest by estimate alone
+    is within the margin (within the margin chains: a third arm may be faster than it beyond the margin)."""
+    fastest = race.fastest(alive)
+    return next(arm for arm in alive if statistics.median(
+        a / f for a, f in zip(race.blocks[arm][-race.rounds:], race.blocks[fastest][-race.rounds:], strict=True))
+        <= 1 + race.margin)
+
+
 RULES: dict[str, Rule] = {
     "medians": lambda race, alive: race._estimated(alive),
+    "to the fastest": _to_the_fastest,
     "simplest": lambda race, alive: alive[0],
     "sign 5%": _tested(_sign(0.05)),
     "t 5%": _tested(_t(0.05)),

@@ -124,6 +124,22 @@ def test_when_the_budget_is_spent_the_estimates_keep_the_simplest_within_the_mar
     assert decision.rule == "budget" and decision.kept == "arm0", decision
 
 
+def test_the_budget_rule_keeps_no_arm_another_beats_beyond_the_margin_by_estimate() -> None:
+    """Within the margin does not chain. Five rounds in which arm1 is the fastest by estimate and arm0 is within 2% of
+    it (median paired ratio 1.016), but arm2 is faster than arm0 by 2.5% (median paired ratio 1.025): arm0 is passed
+    over and arm1 kept, within the margin of both others (fails with the rule that compared each arm with the fastest
+    alone, which kept arm0)."""
+    blocks = [[0.995, 0.982, 0.971], [0.979, 0.964, 1.026], [1.019, 0.976, 0.974], [1.014, 0.983, 0.987],
+              [0.988, 0.983, 0.973]]
+    race = Race(["arm0", "arm1", "arm2"])
+    for row in blocks:
+        race.observe({f"arm{i}": seconds for i, seconds in enumerate(row)})
+    assert race.decision() is None and race.fastest(race.alive) == "arm1"
+    assert statistics.median(a / b for a, b, _ in blocks) <= 1.02 < statistics.median(a / c for a, _, c in blocks)
+    decision = race.decision(out_of_budget=True)
+    assert decision is not None and decision.rule == "budget" and decision.kept == "arm1", decision
+
+
 def test_equal_arms_are_rarely_called_beaten() -> None:
     """Three equal arms, 100 races: any arm beaten in at most alpha of the races (the union of all its tests)."""
     wrong = 0
