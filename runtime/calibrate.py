@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import gc
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -48,6 +47,7 @@ from planner.costmodel.problem import GradientProblem, groups_for, groups_of, to
 from planner.kernels.compress import PowerSGDLayout
 from planner.models import Workload
 from planner.platform.hosts import count_hosts
+from planner.platform.memory import collect_garbage
 from planner.platform.phase import set_phase
 from planner.platform.timing import gathered, median, slowest, stream_seconds, time_call
 from planner.runtime.codecs import Link, write_scaled
@@ -458,7 +458,7 @@ def measure_kfac_steps_in_situ(
         finally:
             runtime.close()
             del runtime, model, opt
-            gc.collect()
+            collect_garbage()
     every_rank: list[Any] = [phases]
     if world > 1:
         every_rank = [None] * world
@@ -565,7 +565,7 @@ def _runtime_samples(workload: Workload, plain: torch.nn.Module, inputs: torch.T
     finally:
         exchange.close()
         del exchange, hooked
-        gc.collect()  # the copy and its hooks form cycles: free them before the next configuration copies again
+        collect_garbage()  # the copy and its hooks form cycles: free them before the next configuration copies again
     return gathered(extra, process_group), gathered(finish, process_group)
 
 
@@ -584,7 +584,7 @@ def _ddp_extra_samples(workload: Workload, plain: torch.nn.Module, inputs: torch
             extra.append(with_ddp - alone)
             on_point()
     del wrapped
-    gc.collect()
+    collect_garbage()
     return gathered(extra, group)
 
 
@@ -617,7 +617,7 @@ def _ddp_powersgd_extra_samples(workload: Workload, plain: torch.nn.Module, inpu
             extra.append(with_ddp - alone_s)
             on_point()
     del wrapped, state
-    gc.collect()
+    collect_garbage()
     return gathered(extra, group)
 
 

@@ -166,6 +166,7 @@ def _worker(
         die_with(launcher)  # armed already as the package was imported (LAUNCHER_ENV); here where it was not
     torch.set_num_threads(1)
     steady_allocator()
+    gc.freeze()  # what the worker imported lives as long as it: its garbage collections skip it (`collect_garbage`)
     joined = False
     message: tuple[Any, ...]
     master_addr = "127.0.0.1"
@@ -221,7 +222,10 @@ def _leave_interrupts_to_the_launcher() -> None:
 def _leave_group() -> None:
     """Destroy the process group, after collecting the garbage that still holds it: objects in reference
     cycles (a DDP model and its hooks, an exchange's pending work) otherwise live until the interpreter shuts
-    down, and gloo's threads then abort the process ("terminate called without an active exception")."""
+    down, and gloo's threads then abort the process ("terminate called without an active exception"). Everything
+    frozen since the worker started (`planner.platform.memory.collect_garbage`) is unfrozen first, so that a cycle
+    frozen while alive and dropped since is collected too."""
+    gc.unfreeze()
     gc.collect()
     dist.destroy_process_group()
 
