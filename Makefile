@@ -2,7 +2,9 @@
 # Both create .venv and install torch==2.13.0 before the project, so pip never resolves a newer
 # torch with its CUDA packages. A GPU user can pre-install their own torch build into .venv. The project is then
 # installed with the torch there as a constraint (.venv/torch-pin.txt), with the test tools and the extras the tests
-# run (Lightning, Accelerate), so no dependency of theirs can replace it.
+# run (Lightning, Accelerate), so no dependency of theirs can replace it. pip byte-compiles what it installs one file
+# at a time; compileall does it on every core: 60 s for the venv against 83 s (2026-12-03). A file it cannot compile
+# (torch ships some for newer Pythons) is skipped, as pip skips it.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,9 +15,10 @@ TORCH ?= torch==2.13.0
 $(BIN)/planner: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q --no-compile "$(TORCH)"
 	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-pin.txt
-	$(BIN)/python -m pip install -q -c $(VENV)/torch-pin.txt -e ".[test,lightning,accelerate]"
+	$(BIN)/python -m pip install -q --no-compile -c $(VENV)/torch-pin.txt -e ".[test,lightning,accelerate]"
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
 	touch $(BIN)/planner
 
 venv: $(BIN)/planner
