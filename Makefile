@@ -3,7 +3,7 @@
 # torch with its CUDA packages. A GPU user can pre-install their own torch build into .venv. The project is then
 # installed with the torch there as a constraint (.venv/torch-pin.txt), with the test tools and the extras the tests
 # run (Lightning, Accelerate), so no dependency of theirs can replace it. pip byte-compiles what it installs one file
-# at a time; compileall does it on every core: 60 s for the venv against 83 s (2026-12-03). A file it cannot compile
+# at a time; compileall does it on every core: 72 s for the venv against 83 s (2026-12-03). A file it cannot compile
 # (torch ships some for newer Pythons) is skipped, as pip skips it.
 PYTHON ?= python3
 VENV := .venv

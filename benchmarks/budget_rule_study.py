@@ -101,9 +101,7 @@ def _to_the_fastest(race: Race, alive: tuple[str, ...]) -> str:
     """The race's budget rule to 8d10c4d: the simplest arm whose median block ratio to the fastest by estimate alone
     is within the margin (within the margin chains: a third arm may be faster than it beyond the margin)."""
     fastest = race.fastest(alive)
-    return next(arm for arm in alive if statistics.median(
-        a / f for a, f in zip(race.blocks[arm][-race.rounds:], race.blocks[fastest][-race.rounds:], strict=True))
-        <= 1 + race.margin)
+    return next(arm for arm in alive if (race.ratio(arm, fastest) or 0) <= 1 + race.margin)
 
 
 RULES: dict[str, Rule] = {

@@ -200,11 +200,9 @@ class Race:
         the hook."""
         if self.rounds < MIN_ESTIMATE_ROUNDS or len(alive) < 2:
             return alive[0]
-        blocks = {arm: self.blocks[arm][-self.rounds:] for arm in alive}
 
         def unbeaten(arm: str) -> bool:
-            return all(statistics.median(a / b for a, b in zip(blocks[arm], blocks[other], strict=True))
-                       <= 1 + self.margin for other in alive if other != arm)
+            return all((self.ratio(arm, other) or 0) <= 1 + self.margin for other in alive if other != arm)
 
         return next((arm for arm in alive if unbeaten(arm)), None) or self.fastest(alive)
 
