@@ -38,6 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.table import Table
 
 from planner.console import console
@@ -173,6 +174,9 @@ def main() -> int:
     parser.add_argument("--rebench", type=int, action="append", default=[], metavar="ROUND",
                         help="bench a finished round of OUT again (its plans in OUT's round directory), "
                              "written to OUT/rebench.jsonl")
+    parser.add_argument("--build-bias", type=float, default=0.006, metavar="SD",
+                        help="the ceiling's bias of one build of an arm, a standard deviation on log time (default "
+                             "0.006: benchmarks/race_twins.py, docs/results/race.md)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.rebench:
@@ -211,6 +215,7 @@ def main() -> int:
         console.print(f"{sum(r['passed_clearly'] for r in judged)} of {len(judged)} rounds with the bench's steps "
                       "kept: no arm faster than the kept one beyond the margin by the bench's 90% interval")
     print_coverage(results)
+    print_ceiling(results[-20:], args.build_bias)
     return 0
 
 
@@ -271,6 +276,47 @@ def print_coverage(results: list[dict[str, Any]], level: float = 0.9) -> None:
     console.print(f"the bench's ratios to DDP inside the race's anytime intervals: {race_in} of {race_n}; inside the "
                   f"predicted ratio widened by the model's error ({level:.0%}, split conformal on the other rounds' "
                   f"races): {conf_in} of {conf_n}")
+
+
+def print_ceiling(results: list[dict[str, Any]], build_bias: float, draws: int = 20000) -> None:
+    """How many of `results` a race that knew the truth would be expected to pass, the bench judging it as the audit
+    does (its medians, the margin): a ceiling on the audit's pass rate that the bench's own noise sets.
+
+    The truth is each round's bench medians (a plug-in estimate: the bench is all there is). Three races know it:
+    one keeps the simplest arm no other is faster than beyond the margin (the race's own rule), one the simplest
+    arm within half the margin of every other, one the fastest arm. The bench then measures each arm's log time
+    with an error of standard deviation sqrt(s^2 / 2 + build_bias^2), s the standard error of a paired log ratio in
+    that bench (from the round's paired 90% intervals where it kept its steps, else the median over the rounds that
+    did): the same error as its intervals, plus a build's own bias, which they do not see. Rounds are independent."""
+    errors = {r["round"]: [math.log(high / low) / (2 * 1.645) for low, high in r["bench_over_kept_interval"].values()]
+              for r in results if r.get("bench_over_kept_interval")}
+    if not errors:
+        return
+    typical = float(np.median([e for es in errors.values() for e in es]))
+    rng = np.random.default_rng(0)
+    # Each race that knows: the share of the margin within which it keeps the simplest arm (0: the fastest).
+    within = {"the simplest within the margin": 1.0, "the simplest within half the margin": 0.5, "the fastest": 0.0}
+    passes: dict[str, list[float]] = {oracle: [] for oracle in within}
+    for r in results:
+        slack = math.log(1 + r.get("margin", DEFAULT_MARGIN))
+        arms = [a for a in r["race_ratio"] if a in r["bench_ratio"]]
+        truth = np.log([r["bench_ratio"][a] for a in arms])
+        paired = float(np.median(errors[r["round"]])) if r["round"] in errors else typical
+        measured = truth + rng.normal(0.0, math.sqrt(paired ** 2 / 2 + build_bias ** 2), size=(draws, len(arms)))
+        fastest = measured.min(axis=1)
+        for oracle, share in within.items():
+            kept = next(i for i, t in enumerate(truth) if t <= truth.min() + share * slack)
+            passes[oracle].append(float(np.mean(measured[:, kept] <= fastest + slack)))
+    goal = math.ceil(0.95 * len(results))
+    for oracle, chances in passes.items():
+        at_least = np.array([1.0])  # the chance of k passes, k = 0, 1, ...
+        for p in chances:
+            at_least = np.convolve(at_least, [1 - p, p])
+        console.print(f"a race that knew each round's bench medians and kept {oracle} would pass {sum(chances):.1f} "
+                      f"of the last {len(chances)} rounds in expectation, at least {goal} with chance "
+                      f"{at_least[goal:].sum():.2f}")
+    console.print(f"  (judged by benches as noisy as these: paired standard error {typical:.4f} where a round kept "
+                  f"none, a build's own bias {build_bias:g})")
 
 
 def _fmt(x: float | None) -> str:
