@@ -177,6 +177,9 @@ def main() -> int:
     parser.add_argument("--build-bias", type=float, default=0.006, metavar="SD",
                         help="the ceiling's bias of one build of an arm, a standard deviation on log time (default "
                              "0.006: benchmarks/race_twins.py, docs/results/race.md)")
+    parser.add_argument("--error-scale", type=float, default=1.0, metavar="X",
+                        help="the ceiling on benches X times as noisy as these, a build's bias too (default 1): how "
+                             "quiet a machine the goal needs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.rebench:
@@ -215,7 +218,7 @@ def main() -> int:
         console.print(f"{sum(r['passed_clearly'] for r in judged)} of {len(judged)} rounds with the bench's steps "
                       "kept: no arm faster than the kept one beyond the margin by the bench's 90% interval")
     print_coverage(results)
-    print_ceiling(results[-20:], args.build_bias)
+    print_ceiling(results[-20:], args.build_bias, args.error_scale)
     return 0
 
 
@@ -278,7 +281,7 @@ def print_coverage(results: list[dict[str, Any]], level: float = 0.9) -> None:
                   f"races): {conf_in} of {conf_n}")
 
 
-def print_ceiling(results: list[dict[str, Any]], build_bias: float, draws: int = 20000) -> None:
+def print_ceiling(results: list[dict[str, Any]], build_bias: float, scale: float = 1.0, draws: int = 20000) -> None:
     """How many of `results` a race that knew the truth would be expected to pass, the bench judging it as the audit
     does (its medians, the margin): a ceiling on the audit's pass rate that the bench's own noise sets.
 
@@ -287,7 +290,8 @@ def print_ceiling(results: list[dict[str, Any]], build_bias: float, draws: int =
     arm within half the margin of every other, one the fastest arm. The bench then measures each arm's log time
     with an error of standard deviation sqrt(s^2 / 2 + build_bias^2), s the standard error of a paired log ratio in
     that bench (from the round's paired 90% intervals where it kept its steps, else the median over the rounds that
-    did): the same error as its intervals, plus a build's own bias, which they do not see. Rounds are independent."""
+    did): the same error as its intervals, plus a build's own bias, which they do not see; both times `scale`.
+    Rounds are independent."""
     errors = {r["round"]: [math.log(high / low) / (2 * 1.645) for low, high in r["bench_over_kept_interval"].values()]
               for r in results if r.get("bench_over_kept_interval")}
     if not errors:
@@ -302,7 +306,8 @@ def print_ceiling(results: list[dict[str, Any]], build_bias: float, draws: int =
         arms = [a for a in r["race_ratio"] if a in r["bench_ratio"]]
         truth = np.log([r["bench_ratio"][a] for a in arms])
         paired = float(np.median(errors[r["round"]])) if r["round"] in errors else typical
-        measured = truth + rng.normal(0.0, math.sqrt(paired ** 2 / 2 + build_bias ** 2), size=(draws, len(arms)))
+        sd = scale * math.sqrt(paired ** 2 / 2 + build_bias ** 2)
+        measured = truth + rng.normal(0.0, sd, size=(draws, len(arms)))
         fastest = measured.min(axis=1)
         for oracle, share in within.items():
             kept = next(i for i, t in enumerate(truth) if t <= truth.min() + share * slack)
@@ -315,8 +320,8 @@ def print_ceiling(results: list[dict[str, Any]], build_bias: float, draws: int =
         console.print(f"a race that knew each round's bench medians and kept {oracle} would pass {sum(chances):.1f} "
                       f"of the last {len(chances)} rounds in expectation, at least {goal} with chance "
                       f"{at_least[goal:].sum():.2f}")
-    console.print(f"  (judged by benches as noisy as these: paired standard error {typical:.4f} where a round kept "
-                  f"none, a build's own bias {build_bias:g})")
+    console.print(f"  (judged by benches {'as noisy as these' if scale == 1 else f'{scale:g} times as noisy as these'}"
+                  f": paired standard error {typical:.4f} where a round kept none, a build's own bias {build_bias:g})")
 
 
 def _fmt(x: float | None) -> str:
