@@ -187,6 +187,7 @@ def test_the_quick_demo_writes_outside_the_shipped_folders_and_leaves_the_shippe
     assert set(profile["interference"]) == {"allreduce"}
     assert "wrote plan runs/plans/mlp-2w-dense.json" in demo.stdout  # each write says where, in its line
     assert demo.stdout.rstrip().splitlines()[-1].startswith("race: keep ")  # the last line: decided by the race
+    assert "│ ddp+fp16 " in demo.stdout and "ddp+powersgd" not in demo.stdout  # the hooks of what the plan may send
     assert git("status", "--porcelain", cwd=copy) == ""  # nothing new outside the ignored runs/
     assert [p.relative_to(copy) for p in shipped_plans(copy)] == [p.relative_to(ROOT) for p in shipped_plans()]
     assert all((copy / p.relative_to(ROOT)).read_bytes() == p.read_bytes() for p in shipped_plans())

@@ -17,6 +17,7 @@ from planner.commands.common import (
     _positive,
     _positive_float,
     add_race_log,
+    allowed_hooks,
     check_hosts,
     intra_linked,
     race_log_path,
@@ -179,8 +180,11 @@ class DemoCommand(Command):
         if beyond := sorted(beyond_budget((choice.plan,))):
             console.print(f"note: {', '.join(beyond)} do not race: their error is beyond the plan's budget",
                           markup=False, soft_wrap=True)
+        # DDP's hooks of what the plan was allowed to send, as `planner race` races them: with --compressors light,
+        # fp16's alone.
         record = run_race(RaceConfig(plans=(choice.plan,), model=args.model, nproc=args.nproc, link=link,
-                                     slowdown=args.slowdown, hosts=args.hosts, labels=labels[-1:],
+                                     peers=allowed_hooks(choice.plan), slowdown=args.slowdown, hosts=args.hosts,
+                                     labels=labels[-1:],
                                      race_time_s=args.race_time or (15.0 if args.quick else 45.0)))
         assert record is not None
         log = race_log_path(args.race_log)
