@@ -42,6 +42,7 @@ from planner.contracts.plan import DDP_ROW, Plan
 from planner.platform.launch import run_job
 from planner.sessions.bench import Runner, WorkerSetup
 from planner.sessions.race import finalists
+from planner.types import PlannerError
 
 TWIN = " twin"
 
@@ -131,7 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy", action="store_true", help="a busy loop at normal priority beside the runs")
     parser.add_argument("--out", type=Path, help="write every run's blocks here (JSON)")
     args = parser.parse_args(argv)
-    plan = Plan.load(args.plan)
+    if min(args.rounds, args.block, args.runs) < 1 or args.warmup < 0 or args.rebuild_every < 0:
+        parser.error("--rounds, --block and --runs take 1 or more; --warmup and --rebuild-every 0 or more")
+    try:
+        plan = Plan.load(args.plan)
+    except (OSError, ValueError, PlannerError) as e:  # json's errors are ValueErrors
+        print(f"error: cannot race the twins of {args.plan}: {e}", file=sys.stderr)
+        return 2
+    if plan.kfac is not None or plan.abs is not None:
+        print(f"error: {args.plan} is a K-FAC or ABS-SGD plan; the twins race a gradient plan's finalists",
+              file=sys.stderr)
+        return 2
     loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
     runs: list[dict[str, Any]] = []
     try:

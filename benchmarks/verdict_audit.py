@@ -181,6 +181,8 @@ def main() -> int:
                         help="the ceiling on benches X times as noisy as these, a build's bias too (default 1): how "
                              "quiet a machine the goal needs")
     args = parser.parse_args()
+    if not (args.build_bias >= 0 and args.error_scale >= 0):  # NaN refused too
+        parser.error("--build-bias and --error-scale take 0 or more")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.rebench:
         return _rebench_rounds(args.out, args.rebench)
